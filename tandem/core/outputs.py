@@ -1,0 +1,88 @@
+"""Messages between the scheduler, the model runner and the engine's callers.
+
+Plain dataclasses, no torch: the scheduler builds a `SchedulerOutput`, the model runner
+answers with a `ModelRunnerOutput`, and `Scheduler.update_from_output` turns that into one
+`EngineCoreOutput` per request that produced something (or finished) this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: first scheduled, or resumed after preemption.
+
+    `block_ids` is the request's whole block table so far; `num_computed_tokens` counts the
+    tokens whose KV is already in those blocks (prefix-cache hits).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only the blocks appended since last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. Tokens scheduled for a request start at its `num_computed_tokens`."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests the runner must forget: finished, aborted or preempted since last step.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class Logprobs:
+    """Logprobs of one sampled token: the sampled token first, then the top-k, with ranks."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request, the tokens sampled this step (empty for a partial prefill)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[Logprobs | None] = field(default_factory=list)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one request produced in one step. `finish_reason` is "stop", "length" or "abort"."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

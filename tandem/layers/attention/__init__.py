@@ -1,0 +1,13 @@
+from tandem.layers.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    get_attention_backend,
+    register_attention_backend,
+)
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "get_attention_backend",
+    "register_attention_backend",
+]

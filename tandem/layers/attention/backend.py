@@ -1,0 +1,75 @@
+"""The attention backend interface and the per-batch metadata it reads.
+
+A step's tokens are flattened into one sequence (no padding). Request r owns query rows
+`query_start_loc[r]:query_start_loc[r+1]`; its context is `seq_lens[r]` tokens long, the
+last `query_len` of which are the new tokens, so query row j of r sits at position
+`seq_lens[r] - query_len + j` and attends causally to positions 0..that position.
+
+KV cache per layer: `[num_blocks, 2, block_size, num_kv_heads, head_size]` (a view into
+one tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]`, so a block's
+KV over all layers is one contiguous span). Token with slot s lives at block s // block_size,
+offset s % block_size.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on device
+    seq_lens: torch.Tensor  # [num_reqs] int32, on device
+    block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32, on device
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64, on device
+    # Host copies for backends that loop on the CPU.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # True when every request has exactly one query token (pure decode step).
+    is_decode_only: bool = False
+
+
+class AttentionBackend(ABC):
+    """Writes a step's new K/V into the paged cache, then attends over each request's context."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        ...
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+
+def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Instantiate a registered backend by name ("torch", "triton")."""
+    # Importing the modules registers their classes.
+    from tandem.layers.attention import torch_backend  # noqa: F401
+
+    if name == "triton":
+        from tandem.layers.attention import triton_backend  # noqa: F401
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]()
