@@ -1,0 +1,190 @@
+"""EngineCore: the step loop of one worker, with no transport.
+
+    step():  scheduler.schedule() -> model_runner.execute() -> scheduler.update_from_output()
+
+Callers (the offline `LLM`, a worker service's engine thread) own the loop; EngineCore is
+not thread-safe and never blocks on anything but the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.core.outputs import EngineCoreOutput, SchedulerOutput
+from tandem.core.scheduler import Scheduler
+from tandem.loader import get_eos_token_ids, load_hf_config, resolve_model_path
+from tandem.request import EngineCoreRequest, Request, RequestStatus
+from tandem.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot run; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_held: int
+    num_reserved: int
+
+
+class EngineCore:
+    """Scheduler + model runner of one worker.
+
+    Disaggregation hooks: a prefill worker adds requests with `hold_kv=True`; when such a
+    request finishes, its blocks stay allocated (`get_held_block_ids`) until
+    `release_held`. A decode worker `reserve`s blocks for a request whose prompt KV arrives
+    from elsewhere, then `add_prefilled_request` starts decoding it.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.device.num_threads > 0:
+            torch.set_num_threads(config.device.num_threads)
+        self.model_path: Path = resolve_model_path(
+            config.model.model, config.model.cache_dir or None
+        )
+        hf_config = load_hf_config(self.model_path)
+        eos_ids = get_eos_token_ids(self.model_path)
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        max_len = config.model.max_model_len or model_max
+        if model_max and max_len > model_max:
+            raise InvalidRequestError(
+                f"max_model_len {max_len} exceeds the model's context ({model_max})"
+            )
+        self.max_model_len = max_len
+
+        t0 = time.perf_counter()
+        self.model_runner = ModelRunner(config, self.model_path, self.eos_token_id)
+        self.vocab_size = self.model_runner.vocab_size
+        num_blocks = self.model_runner.determine_num_blocks()
+        self.model_runner.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        self.block_size = config.cache.block_size
+        scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_len)
+        self.scheduler = Scheduler(scheduler_config, config.cache, num_blocks, max_len)
+        logger.info(
+            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d (%.1fs)",
+            self.model_path.name,
+            self.model_runner.device,
+            num_blocks,
+            self.block_size,
+            max_len,
+            time.perf_counter() - t0,
+        )
+        # Disaggregation state.
+        self._held: dict[str, Request] = {}
+        self._hold_kv: set[str] = set()
+        self._reserved: dict[str, Request] = {}
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        assert self.model_runner.kv_cache is not None
+        return self.model_runner.kv_cache
+
+    # ----------------------------------------------------------------- requests
+
+    def _validate(self, req: EngineCoreRequest) -> None:
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens, "
+                "and at least one must remain for output"
+            )
+        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size}), "
+                f"got {min(req.prompt_token_ids)}..{max(req.prompt_token_ids)}"
+            )
+        blocks_needed = -(-(n + 1) // self.block_size)
+        if blocks_needed > self.num_blocks:
+            raise InvalidRequestError(
+                f"prompt needs {blocks_needed} KV blocks; the cache holds {self.num_blocks}"
+            )
+        if req.request_id in self._held or req.request_id in self._reserved:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+
+    def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None:
+        """Queue a request. Raises InvalidRequestError naming the problem."""
+        self._validate(req)
+        request = Request.from_engine_core_request(req)
+        if hold_kv:
+            self._hold_kv.add(req.request_id)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for req_id in ids:
+            self._hold_kv.discard(req_id)
+            self.release_held(req_id)
+            reserved = self._reserved.pop(req_id, None)
+            if reserved is not None:
+                self.scheduler.kv_cache_manager.free(reserved)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ----------------------------------------------------------------- step
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduling step and one forward pass; return what each request produced."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output: SchedulerOutput = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.model_runner.execute(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._hold_kv:
+            for out in outputs:
+                if out.finished and out.request_id in self._hold_kv:
+                    self._hold_kv.discard(out.request_id)
+        return outputs
+
+    # ----------------------------------------------------------------- stats
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_free_blocks=s.num_free_blocks,
+            num_blocks=s.num_blocks,
+            kv_usage=s.kv_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            num_held=len(self._held),
+            num_reserved=len(self._reserved),
+        )
+
+    # ----------------------------------------------------------------- disaggregation
+
+    def get_held_block_ids(self, request_id: str) -> list[int]:
+        return self.scheduler.kv_cache_manager.get_block_ids(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        request = self._held.pop(request_id, None)
+        if request is not None:
+            self.scheduler.kv_cache_manager.free(request)

@@ -1,0 +1,156 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tandem.config import EngineArgs
+from tandem.engine.core import EngineCore, InvalidRequestError
+from tandem.engine.output_processor import OutputProcessor, RequestOutput
+from tandem.loader import load_tokenizer
+from tandem.request import EngineCoreRequest
+from tandem.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Runs a model in this process with continuous batching over all submitted prompts.
+
+    `LLM(model="default")` runs the embedded SmolLM2-135M-Instruct. Keyword arguments are
+    `EngineArgs` fields (`max_num_batched_tokens=`, `num_gpu_blocks=`, `dtype=`, ...).
+    """
+
+    def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.engine = EngineCore(self.engine_args.create_engine_config())
+        self.tokenizer = load_tokenizer(self.engine.model_path)
+        self._output_processor = OutputProcessor(self.tokenizer)
+        self._counter = itertools.count()
+
+    # ----------------------------------------------------------------- inputs
+
+    def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._to_token_ids(prompt["prompt"])
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}")
+
+    # ----------------------------------------------------------------- API
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of `prompts`.
+
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
+        """
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError(
+                f"got {len(params_list)} sampling params for {len(prompts)} prompts"
+            )
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+
+        request_ids: list[str] = []
+        added: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                text, token_ids = self._to_token_ids(prompt)
+                rid = str(next(self._counter))
+                children = self._output_processor.add_request(rid, text, token_ids, params)
+                request_ids.append(rid)
+                for cid, cparams in children:
+                    self.engine.add_request(
+                        EngineCoreRequest(
+                            request_id=cid,
+                            prompt_token_ids=token_ids,
+                            sampling_params=cparams,
+                            eos_token_id=self.engine.eos_token_id,
+                            priority=0 if priority is None else priority[i],
+                        )
+                    )
+                    added.append(cid)
+        except Exception:
+            # Leave the engine as it was: nothing of this call stays queued.
+            self.engine.abort_requests(added)
+            for rid in request_ids:
+                self._output_processor.abort(rid)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate."""
+        conversations = (
+            [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        )
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            ids = self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            if isinstance(ids, dict):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ----------------------------------------------------------------- loop
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm, unit="req")
+        try:
+            while self._output_processor.num_unfinished:
+                outputs = self.engine.step()
+                if not outputs and not self.engine.has_unfinished_requests():
+                    break
+                finished, to_abort = self._output_processor.process_outputs(outputs)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for ro in finished:
+                    results[ro.request_id] = ro
+                bar.update(len(finished))
+        except BaseException:
+            for rid in request_ids:
+                if rid not in results:
+                    self.engine.abort_requests(self._output_processor.abort(rid))
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in request_ids]
