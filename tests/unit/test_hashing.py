@@ -56,8 +56,7 @@ def test_golden_values_pin_the_format() -> None:
     assert ROOT_PARENT_HASH.hex() == "c46b977ff9a095ee04becc6ca9b25331"
     assert hash_block_tokens(None, [1, 2, 3, 4]).hex() == "c04a844e1ae11b44032461e97f999a07"
     assert (
-        hash_block_tokens(None, [1, 2, 3, 4], ("salt",)).hex()
-        == "fe23042e148dff1abcaf847f02d5f701"
+        hash_block_tokens(None, [1, 2, 3, 4], ("salt",)).hex() == "fe23042e148dff1abcaf847f02d5f701"
     )
 
 
