@@ -255,18 +255,12 @@ class Sampler(nn.Module):
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        if metadata.min_tokens_rows is not None:
-            logits = logits.index_put(
-                (metadata.min_tokens_rows, metadata.min_tokens_token_ids),
-                torch.tensor(float("-inf"), device=logits.device),
-            )
-        if not metadata.no_penalties:
-            logits = apply_penalties(logits, metadata)
-
+        logits = self.process_logits(logits, metadata)
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = self._sample(logits, metadata)
+            probs = self._filtered_probs(logits, metadata)
+            sampled = exponential_race(probs, metadata.generators, self.generator)
             if metadata.is_greedy is not None:
                 sampled = torch.where(metadata.is_greedy, logits.argmax(dim=-1), sampled)
 
@@ -274,14 +268,41 @@ class Sampler(nn.Module):
             return SamplerOutput(sampled_token_ids=sampled)
         return _gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
 
-    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """min_tokens masking, then penalties; greedy rows take the argmax of the result."""
+        if metadata.min_tokens_rows is not None:
+            logits = logits.index_put(
+                (metadata.min_tokens_rows, metadata.min_tokens_token_ids),
+                torch.tensor(float("-inf"), device=logits.device),
+            )
+        if not metadata.no_penalties:
+            logits = apply_penalties(logits, metadata)
+        return logits
+
+    def sampling_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """[B, V] the distribution each row samples from (one-hot at the argmax on greedy rows).
+
+        For tests and diagnostics; `forward` never normalises after min-p.
+        """
+        logits = self.process_logits(logits.float(), metadata)
+        greedy = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        if metadata.all_greedy:
+            return greedy
+        probs = self._filtered_probs(logits, metadata)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        if metadata.is_greedy is not None:
+            probs = torch.where(metadata.is_greedy.unsqueeze(1), greedy, probs)
+        return probs
+
+    def _filtered_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k, top-p, softmax, min-p. Rows are not renormalised after min-p."""
         assert metadata.temperature is not None
         logits = logits / metadata.temperature.unsqueeze(1)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.max_top_k, metadata.top_p)
         probs = torch.softmax(logits, dim=-1)
         if metadata.min_p is not None:
             probs = apply_min_p(probs, metadata.min_p)
-        return exponential_race(probs, metadata.generators, self.generator)
+        return probs
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -349,8 +370,9 @@ def exponential_race(
 ) -> torch.Tensor:
     """Sample one index per row with probability proportional to `probs` (need not sum to 1).
 
-    Each row of `generators` draws its V exponentials from its own generator; all other rows
-    draw from `default_generator`.
+    Each row in `generators` draws its V float32 exponentials from its own generator, exactly
+    what `torch.empty(V).exponential_(generator=g)` draws (a runner resuming a seeded request
+    replays that many draws per output token); all other rows draw from `default_generator`.
     """
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
