@@ -1,0 +1,172 @@
+"""A real redis-server for tests: loopback only, a free port, no persistence.
+
+    with RedisServer() as server:      # starts redis-server on 127.0.0.1:<free port>
+        server.url                     # "redis://127.0.0.1:<port>/0"
+        server.stop()                  # the server goes away (clients see connection errors)
+        server.start()                 # a fresh, empty server on the same port
+
+The binary comes from PATH (or /usr/bin, /usr/sbin); `scripts/install_redis.sh` installs
+Debian's package when it is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+SEARCH_DIRS = ("/usr/bin", "/usr/sbin", "/usr/local/bin")
+
+
+class RedisServerError(RuntimeError):
+    """redis-server is missing or did not come up."""
+
+
+def find_redis_server() -> str | None:
+    """Path of the redis-server binary, or None."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    for d in SEARCH_DIRS:
+        candidate = Path(d) / "redis-server"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ping(port: int, password: str | None, timeout_s: float = 0.2) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+            if password is not None:
+                s.sendall(f"AUTH {password}\r\n".encode())
+                if not s.recv(64).startswith(b"+OK"):
+                    return False
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One redis-server process on 127.0.0.1; start/stop/start again keeps the port."""
+
+    def __init__(
+        self,
+        port: int | None = None,
+        password: str | None = None,
+        executable: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        exe = executable or find_redis_server()
+        if exe is None:
+            raise RedisServerError(
+                "redis-server not found; run scripts/install_redis.sh (Debian: apt-get install "
+                "redis-server)"
+            )
+        self.executable = exe
+        self.password = password
+        self.extra_args = extra_args
+        self._fixed_port = port is not None
+        self.port = port if port is not None else free_loopback_port()
+        self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """`redis://` URL of database 0 (without the password)."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        """Start (or start again, on the same port) an empty server; wait until it answers."""
+        if self.running:
+            return self
+        attempts = 1 if self._fixed_port else 3
+        for attempt in range(attempts):
+            if attempt:
+                self.port = free_loopback_port()
+            if self._spawn(timeout_s):
+                return self
+        raise RedisServerError(f"redis-server did not start on port {self.port}: {self._log()}")
+
+    def stop(self) -> None:
+        """Kill the server at once (no persistence, nothing to save)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _spawn(self, timeout_s: float) -> bool:
+        args = [
+            self.executable,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self._dir,
+            "--daemonize", "no",
+            "--logfile", "redis.log",
+            "--loglevel", "warning",
+            *self.extra_args,
+        ]  # fmt: skip
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self._dir, "redis.log"))
+        self._proc = subprocess.Popen(
+            args,
+            cwd=self._dir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                self._proc = None
+                return False
+            if _ping(self.port, self.password):
+                return True
+            time.sleep(0.01)
+        self.stop()
+        return False
+
+    def _log(self) -> str:
+        try:
+            return Path(self._dir, "redis.log").read_text()[-2000:]
+        except OSError:
+            return "(no log)"
