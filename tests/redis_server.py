@@ -5,6 +5,7 @@
         server.stop()                  # the server goes away (clients see connection errors)
         server.start()                 # a fresh, empty server on the same port
 
+`tls_cert=(certfile, keyfile)` serves TLS only (the certificate is its own CA).
 The binary comes from PATH (or /usr/bin, /usr/sbin); `scripts/install_redis.sh` installs
 Debian's package when it is missing.
 """
@@ -16,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -48,9 +50,15 @@ def free_loopback_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ping(port: int, password: str | None, timeout_s: float = 0.2) -> bool:
+def _ping(port: int, password: str | None, tls: bool, timeout_s: float = 0.2) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        with contextlib.ExitStack() as stack:
+            s = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout_s))
+            if tls:
+                ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+                s = stack.enter_context(ctx.wrap_socket(s))
             if password is not None:
                 s.sendall(f"AUTH {password}\r\n".encode())
                 if not s.recv(64).startswith(b"+OK"):
@@ -70,6 +78,7 @@ class RedisServer:
         password: str | None = None,
         executable: str | None = None,
         extra_args: tuple[str, ...] = (),
+        tls_cert: tuple[str, str] | None = None,
     ) -> None:
         exe = executable or find_redis_server()
         if exe is None:
@@ -80,6 +89,7 @@ class RedisServer:
         self.executable = exe
         self.password = password
         self.extra_args = extra_args
+        self.tls_cert = tls_cert
         self._fixed_port = port is not None
         self.port = port if port is not None else free_loopback_port()
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
@@ -87,8 +97,9 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """`redis://` URL of database 0 (without the password)."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        """URL of database 0 (without the password); `rediss://` when serving TLS."""
+        scheme = "rediss" if self.tls_cert else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -133,7 +144,7 @@ class RedisServer:
     def _spawn(self, timeout_s: float) -> bool:
         args = [
             self.executable,
-            "--port", str(self.port),
+            "--port", "0" if self.tls_cert else str(self.port),  # TLS: no plain port
             "--bind", "127.0.0.1",
             "--save", "",
             "--appendonly", "no",
@@ -145,6 +156,11 @@ class RedisServer:
         ]  # fmt: skip
         if self.password is not None:
             args += ["--requirepass", self.password]
+        if self.tls_cert is not None:
+            certfile, keyfile = self.tls_cert
+            args += ["--tls-port", str(self.port), "--tls-cert-file", certfile]
+            args += ["--tls-key-file", keyfile, "--tls-ca-cert-file", certfile]
+            args += ["--tls-auth-clients", "no"]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self._dir, "redis.log"))
         self._proc = subprocess.Popen(
@@ -159,7 +175,7 @@ class RedisServer:
             if self._proc.poll() is not None:
                 self._proc = None
                 return False
-            if _ping(self.port, self.password):
+            if _ping(self.port, self.password, self.tls_cert is not None):
                 return True
             time.sleep(0.01)
         self.stop()
