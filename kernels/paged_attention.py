@@ -1,0 +1,560 @@
+"""Paged attention over the block-table KV cache: prefill/mixed batches and decode.
+
+Batch layout (flattened, no padding): request r owns query rows
+`query_start_loc[r]:query_start_loc[r+1]` (q_len_r of them); its context is `seq_lens[r]`
+tokens, the last q_len_r of which are its new tokens, already written to the cache:
+
+    positions  0 ............. seq_len - q_len - 1 | seq_len - q_len ...... seq_len - 1
+               cached context (prefix hits, chunks)  | this step's query rows j = 0..q_len-1
+
+Query row j attends causally to positions `0 .. seq_len - q_len + j`. Every K/V, the new ones
+included, is read from the cache `[num_blocks, 2, block_size, num_kv_heads, head_size]`
+through `block_table[r]` (position p lives in block `block_table[r, p // block_size]`, offset
+`p % block_size`). The cache may be a strided view: only its last dim must be contiguous.
+
+Entries:
+- `paged_prefill_attention`: any batch (prefill, chunked prefill, mixed prefill + decode).
+  One program per (block of BLOCK_Q query rows of one request, KV head); the rows of all
+  query heads of that KV head are packed into one BLOCK_M = BLOCK_Q * heads-per-group tile,
+  so each K/V tile is loaded once per group. Online softmax, fp32 accumulation.
+- `paged_decode_attention`: every request has exactly one query row (row r is request r).
+  Split-K (flash-decoding): each request's context is cut into `num_splits` partitions, one
+  program per (request, KV head, partition); a second kernel merges the partial results.
+  `num_splits` is a function of Python ints only (`decode_num_splits`), and partition sizes
+  are derived inside the kernel from the device-side `seq_lens`, so a captured CUDA graph is
+  correct for any sequence lengths.
+- `paged_attention`: dispatches on `max_query_len == 1`.
+
+Head size: any (padded to a power of two inside). num_heads must be a multiple of num_kv_heads.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# Below this many context tokens per partition a split costs more than it brings.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_NUM_SPLITS = 64
+# Fully masked rows start from this instead of -inf so no inf - inf appears.
+_NEG_INIT = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
+    """Largest r with query_start_loc[r] // BLOCK_Q + r <= pid (the request of q-block pid)."""
+    lo = pid * 0
+    hi = pid * 0 + num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    scale_log2,
+    num_reqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_block,
+    stride_c_kv,
+    stride_c_off,
+    stride_c_head,
+    stride_bt,
+    head_size,
+    QPK: tl.constexpr,
+    QPK_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + req)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    # Row m of the tile: query row q_idx of this request, query head `head`.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + offs_m // QPK_PAD
+    head_in_group = offs_m % QPK_PAD
+    row_valid = (q_idx < q_len) & (head_in_group < QPK)
+    q_pos = context_len + q_idx
+    head = kv_head * QPK + head_in_group
+    tok = (q_start + q_idx).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_size
+    q_mask = row_valid[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Keys needed by this tile: up to the last row's position (causal), within the context.
+    num_keys = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    cache_head = cache_ptr + kv_head.to(tl.int64) * stride_c_head
+    for start_n in range(0, num_keys, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < num_keys
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_row = cache_head + blk * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_off
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+        k = tl.load(kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_row[:, None] + stride_c_kv + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
+        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    cache_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    scale_log2,
+    num_splits,
+    num_heads,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_block,
+    stride_c_kv,
+    stride_c_off,
+    stride_c_head,
+    stride_bt,
+    head_size,
+    QPK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    # Partitions are whole BLOCK_N tiles; trailing partitions may be empty.
+    part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * part_len
+    end = tl.minimum(start + part_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    h_valid = offs_h < QPK
+    head = kv_head * QPK + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_size
+    hd_mask = h_valid[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + req.to(tl.int64) * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=hd_mask,
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], _NEG_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    cache_head = cache_ptr + kv_head.to(tl.int64) * stride_c_head
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_row = cache_head + blk * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_off
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+        k = tl.load(kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_row[:, None] + stride_c_kv + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
+        qk = tl.where(n_valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        # Unnormalised partial results, [num_reqs, num_heads, num_splits(, head_size)].
+        part = (req * num_heads + head).to(tl.int64) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=h_valid)
+        tl.store(part_l_ptr + part, l_i, mask=h_valid)
+        tl.store(part_out_ptr + part[:, None] * head_size + offs_d[None, :], acc, mask=hd_mask)
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        tl.store(
+            out_ptr
+            + req.to(tl.int64) * stride_o_tok
+            + head[:, None] * stride_o_head
+            + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=hd_mask,
+        )
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    num_splits,
+    num_heads,
+    stride_o_tok,
+    stride_o_head,
+    head_size,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_size
+    part = (req * num_heads + head).to(tl.int64) * num_splits + offs_s
+    m = tl.load(part_m_ptr + part, mask=s_mask, other=_NEG_INIT)
+    l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)  # noqa: E741
+    acc = tl.load(
+        part_out_ptr + part[:, None] * head_size + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - m_max)
+    l_tot = tl.sum(w * l, axis=0)
+    l_tot = tl.where(l_tot > 0.0, l_tot, 1.0)
+    out = tl.sum(acc * w[:, None], axis=0) / l_tot
+    tl.store(
+        out_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+def _check_common(
+    query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor
+) -> tuple[int, int, int, int]:
+    assert query.dim() == 3 and query.stride(-1) == 1, (query.shape, query.stride())
+    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.stride(-1) == 1
+    _, num_heads, head_size = query.shape
+    _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
+    assert cache_head_size == head_size, (kv_cache.shape, query.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
+    assert query.dtype in (torch.bfloat16, torch.float16, torch.float32), query.dtype
+    assert block_size & (block_size - 1) == 0, block_size
+    assert seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, seq_lens.dtype
+    assert block_table.dim() == 2 and block_table.dtype == torch.int32, block_table.dtype
+    assert block_table.stride(-1) == 1 and block_table.shape[0] >= seq_lens.shape[0]
+    return num_heads, num_kv_heads, head_size, block_size
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    # fp32 IO: exact products (tf32 would lose ~3 digits); ignored for 16-bit inputs.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    block_q: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention for a flattened batch of any query lengths (see the module docstring).
+
+    query `[T, H, D]`; kv_cache `[num_blocks, 2, block_size, Hkv, D]` (strided view allowed);
+    query_start_loc `[R + 1]` int32; seq_lens `[R]` int32; block_table `[>= R, max_blocks]`
+    int32. Rows of `query` past `query_start_loc[R]` are not written in `out`. Launches one
+    kernel; reads no device values on the host.
+    """
+    num_heads, num_kv_heads, head_size, block_size = _check_common(
+        query, kv_cache, seq_lens, block_table
+    )
+    num_reqs = seq_lens.shape[0]
+    assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.stride(-1) == 1 and out.dtype == query.dtype
+    num_tokens = query.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+
+    qpk = num_heads // num_kv_heads
+    qpk_pad = triton.next_power_of_2(qpk)
+    block_d = triton.next_power_of_2(head_size)
+    if block_q is None:
+        block_m = 64 if block_d <= 128 else 32
+        block_q = max(block_m // qpk_pad, 1)
+    block_m = max(block_q * qpk_pad, 16)
+    block_q = block_m // qpk_pad
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        kv_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        scale * _LOG2E,
+        num_reqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        head_size,
+        QPK=qpk,
+        QPK_PAD=qpk_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        INPUT_PRECISION=_input_precision(query.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Partitions per request so that (requests x KV heads x splits) fills the GPU.
+
+    Aims at two programs per SM; never cuts a context into pieces shorter than
+    MIN_TOKENS_PER_SPLIT. A function of Python ints only, so it is fixed at graph capture.
+    """
+    programs = max(num_reqs * num_kv_heads, 1)
+    wanted = math.ceil(2 * num_sms / programs)
+    by_len = max(math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT), 1)
+    return max(1, min(wanted, by_len, MAX_NUM_SPLITS))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query row per request over its whole cached context (split-K).
+
+    query `[>= R, H, D]` (row r is request r's only query, at position seq_lens[r] - 1);
+    seq_lens `[R]` int32; block_table `[>= R, max_blocks]` int32. `max_seq_len` (a host int,
+    an upper bound is fine) only picks `num_splits` when it is not given; results do not
+    depend on it. Requests with seq_len 0 produce zeros. Allocations depend only on R, H, D
+    and num_splits, so the call can be captured in a CUDA graph.
+    """
+    num_heads, num_kv_heads, head_size, block_size = _check_common(
+        query, kv_cache, seq_lens, block_table
+    )
+    num_reqs = seq_lens.shape[0]
+    assert query.shape[0] >= num_reqs, (query.shape, num_reqs)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.stride(-1) == 1 and out.dtype == query.dtype
+    if num_reqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = decode_num_splits(num_reqs, num_kv_heads, max_seq_len, _num_sms(query.device))
+    assert num_splits >= 1
+
+    qpk = num_heads // num_kv_heads
+    block_h = max(triton.next_power_of_2(qpk), 16)
+    block_d = triton.next_power_of_2(head_size)
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(
+            (num_reqs, num_heads, num_splits, head_size), dtype=torch.float32, device=query.device
+        )
+        part_m = torch.empty(
+            (num_reqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        part_l = torch.empty_like(part_m)
+    else:
+        part_out = part_m = part_l = out  # unused
+    _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
+        query,
+        kv_cache,
+        seq_lens,
+        block_table,
+        out,
+        part_out,
+        part_m,
+        part_l,
+        scale * _LOG2E,
+        num_splits,
+        num_heads,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        head_size,
+        QPK=qpk,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        SPLIT=split,
+        INPUT_PRECISION=_input_precision(query.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if split:
+        _decode_reduce_kernel[(num_reqs, num_heads)](
+            part_out,
+            part_m,
+            part_l,
+            out,
+            num_splits,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            head_size,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One entry for both paths: decode when `max_query_len == 1` (then every request must
+    have exactly one query row), else prefill/mixed."""
+    if max_query_len == 1:
+        return paged_decode_attention(
+            query, kv_cache, seq_lens, block_table, scale, max_seq_len=max_seq_len, out=out
+        )
+    return paged_prefill_attention(
+        query, kv_cache, query_start_loc, seq_lens, block_table, scale, out=out
+    )
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Pure-torch reference (fp32 math, one request at a time; reads device values)."""
+    out = torch.zeros_like(query)
+    num_heads = query.shape[1]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for r, seq_len in enumerate(lens):
+        q_lo, q_hi = starts[r], starts[r + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0 or seq_len == 0:
+            continue
+        pos = torch.arange(seq_len, device=query.device)
+        blocks = block_table[r, pos // block_size].long()
+        offs = pos % block_size
+        k = kv_cache[blocks, 0, offs].float().repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = kv_cache[blocks, 1, offs].float().repeat_interleave(num_heads // num_kv_heads, dim=1)
+        q = query[q_lo:q_hi].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        allowed = pos[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out

@@ -1,0 +1,120 @@
+"""RMSNorm and fused residual-add + RMSNorm.
+
+Math in fp32; IO in the input dtype (bf16, fp16 or fp32). Rounding follows the Hugging Face
+Llama RMSNorm: the normalised row is rounded to the input dtype before the weight multiply,
+and the residual sum is rounded to the input dtype before it is normalised, so the results
+match the usual eager torch code bit for bit up to the order of the fp32 sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden_size,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden_size
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    io_dtype = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(io_dtype)
+        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / hidden_size
+    rstd = 1.0 / tl.sqrt(var + eps)
+    normed = (xf * rstd).to(io_dtype).to(tl.float32)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(io_dtype), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    assert x.dim() == 2 and x.stride(-1) == 1, (x.shape, x.stride())
+    assert weight.shape == (x.shape[1],) and weight.is_contiguous(), weight.shape
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    assert x.device == weight.device
+
+
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    residual_out: torch.Tensor | None,
+    eps: float,
+) -> None:
+    num_tokens, hidden_size = x.shape
+    if num_tokens == 0:
+        return
+    block = triton.next_power_of_2(hidden_size)
+    r = residual if residual is not None else x
+    ro = residual_out if residual_out is not None else out
+    _rms_norm_kernel[(num_tokens,)](
+        x,
+        r,
+        weight,
+        out,
+        ro,
+        x.stride(0),
+        r.stride(0),
+        out.stride(0),
+        ro.stride(0),
+        hidden_size,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(max(block // 256, 1), 16),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim of `x` `[T, hidden]`."""
+    _check(x, weight)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, None, weight, out, None, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return `(rms_norm(x + residual), x + residual)`; inputs are left untouched."""
+    _check(x, weight)
+    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, residual, weight, out, residual_out, eps)
+    return out, residual_out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Pure-torch reference of `rms_norm` (the Hugging Face Llama formulation)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed.to(x.dtype).float()).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of `fused_add_rms_norm`."""
+    summed = x + residual
+    return rms_norm_ref(summed, weight, eps), summed

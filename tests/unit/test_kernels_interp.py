@@ -1,0 +1,518 @@
+"""Every Triton kernel against its pure-torch reference, on the CPU through Triton's interpreter.
+
+The interpreter is chosen when triton is imported (its own `tl.*` helpers are jit functions),
+so the cases run in one child process started with TRITON_INTERPRET=1; the rest of the suite,
+GPU tests included, keeps compiled kernels. Each case is reported as its own test here. Run
+one case by hand: `PYTHONPATH=. python tests/unit/test_kernels_interp.py 'rms_norm[float16]'`.
+Small shapes only; fp32 and fp16 (the interpreter's bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+if TYPE_CHECKING:
+    from tandem.layers.attention.backend import AttentionMetadata
+
+_ROOT = Path(__file__).resolve().parents[2]
+_RESULTS_MARK = "@@interp-results@@"
+_CASES: dict[str, Callable[[], None]] = {}
+
+
+def _case(*variants: dict[str, object]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register `case_<name>` once per keyword set, as `<name>[value,...]`."""
+
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        base = fn.__name__.removeprefix("case_")
+        if not variants:
+            _CASES[base] = fn
+        for kwargs in variants:
+            label = ",".join(str(v).removeprefix("torch.") for v in kwargs.values())
+            _CASES[f"{base}[{label}]"] = functools.partial(fn, **kwargs)
+        return fn
+
+    return register
+
+
+def _kernels() -> SimpleNamespace:
+    """The kernel modules (imported in the child, where TRITON_INTERPRET=1 is set)."""
+    import kernels.activation
+    import kernels.paged_attention
+    import kernels.reshape_and_cache
+    import kernels.rms_norm
+    import kernels.rotary
+    import tandem.layers.attention.triton_backend
+
+    return SimpleNamespace(
+        activation=kernels.activation,
+        paged_attention=kernels.paged_attention,
+        reshape_and_cache=kernels.reshape_and_cache,
+        rms_norm=kernels.rms_norm,
+        rotary=kernels.rotary,
+        triton_backend=tandem.layers.attention.triton_backend,
+    )
+
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-3, "rtol": 3e-3}
+
+
+def _layer_view(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Layer 1 of a 3-layer cache `[num_blocks, 3, 2, bs, Hkv, D]`: a non-contiguous view."""
+    full = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, head_size, dtype=dtype)
+    view = full[:, 1]
+    assert not view.is_contiguous()
+    return view
+
+
+def _block_table(
+    seq_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Each request gets distinct, shuffled block ids; unused entries hold a valid block (0)."""
+    per_req = [math.ceil(n / block_size) for n in seq_lens]
+    perm = torch.randperm(num_blocks, generator=gen)
+    assert sum(per_req) <= num_blocks
+    table = torch.zeros(len(seq_lens), max(per_req) + 2, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(per_req):
+        table[r, :n] = perm[used : used + n]
+        used += n
+    return table
+
+
+def _batch(query_lens: list[int]) -> torch.Tensor:
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return torch.tensor(starts, dtype=torch.int32)
+
+
+# --- reshape_and_cache ---------------------------------------------------------------------
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_reshape_and_cache(dtype: torch.dtype) -> None:
+    k = _kernels()
+    gen = torch.Generator().manual_seed(0)
+    block_size, num_kv_heads, head_size, num_blocks = 16, 2, 32, 8
+    cache = _layer_view(num_blocks, block_size, num_kv_heads, head_size, dtype)
+    expected = cache.clone()
+    num_tokens = 21
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].long()
+    slots[[3, 11]] = -1  # padded rows
+    # key/value as views into a fused qkv tensor (row stride != Hkv * D).
+    qkv = torch.randn(num_tokens + 2, 4 * num_kv_heads, head_size, dtype=dtype, generator=gen)
+    key = qkv[:, 2 * num_kv_heads : 3 * num_kv_heads]
+    value = qkv[:, 3 * num_kv_heads :]
+    k.reshape_and_cache.reshape_and_cache(key, value, cache, slots)
+    k.reshape_and_cache.reshape_and_cache_ref(key, value, expected, slots)
+    assert torch.equal(cache, expected)
+    # Something was written, and the padded rows were not.
+    written = slots[slots >= 0]
+    assert torch.equal(
+        cache[written // block_size, 0, written % block_size], key[:num_tokens][slots >= 0]
+    )
+
+
+# --- prefill / mixed attention ---------------------------------------------------------------
+
+
+def _run_prefill(
+    dtype: torch.dtype,
+    seq_lens: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    seed: int,
+) -> None:
+    k = _kernels()
+    gen = torch.Generator().manual_seed(seed)
+    block_size, num_blocks = 16, 24
+    cache = _layer_view(num_blocks, block_size, num_kv_heads, head_size, dtype)
+    block_table = _block_table(seq_lens, block_size, num_blocks, gen)
+    qsl = _batch(query_lens)
+    num_tokens = int(qsl[-1])
+    # query as a view into a wider tensor, plus two padded rows at the end.
+    wide = torch.randn(num_tokens + 2, num_heads + 3, head_size, dtype=dtype, generator=gen)
+    query = wide[:, 1 : 1 + num_heads]
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_size**-0.5
+    out = k.paged_attention.paged_prefill_attention(query, cache, qsl, lens, block_table, scale)
+    ref = k.paged_attention.paged_attention_ref(query, cache, qsl, lens, block_table, scale)
+    torch.testing.assert_close(out[:num_tokens], ref[:num_tokens], **_tol(dtype))
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_prefill_with_prefix_shuffled_blocks(dtype: torch.dtype) -> None:
+    # Request 0: 21 cached tokens + 19 new; request 1: fresh prompt; request 2: 48 cached + 3.
+    _run_prefill(dtype, [40, 17, 51], [19, 17, 3], 4, 2, 64, seed=1)
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_mixed_prefill_and_decode(dtype: torch.dtype) -> None:
+    # Decodes (query length 1) next to a chunked prefill and a fresh prompt; GQA 8:2, head 32.
+    _run_prefill(dtype, [33, 70, 1, 26], [1, 30, 1, 26], 8, 2, 32, seed=2)
+
+
+@_case()
+def case_prefill_mha_and_odd_group() -> None:
+    # num_heads == num_kv_heads, then 3 query heads per KV head (padded group).
+    _run_prefill(torch.float32, [20, 35], [20, 12], 2, 2, 32, seed=3)
+    _run_prefill(torch.float32, [20, 35], [20, 12], 6, 2, 32, seed=4)
+
+
+# --- decode attention ---------------------------------------------------------------------
+
+
+@_case(*({"dtype": d, "num_splits": n} for d in DTYPES for n in (1, 3, 8)))
+def case_decode_splits(dtype: torch.dtype, num_splits: int) -> None:
+    k = _kernels()
+    gen = torch.Generator().manual_seed(5)
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 32, 16
+    seq_lens = [90, 1, 47]
+    cache = _layer_view(24, block_size, num_kv_heads, head_size, dtype)
+    block_table = _block_table(seq_lens, block_size, 24, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    query = torch.randn(3, num_heads, head_size, dtype=dtype, generator=gen)
+    scale = 0.3
+    out = k.paged_attention.paged_decode_attention(
+        query, cache, lens, block_table, scale, max_seq_len=90, num_splits=num_splits, block_n=16
+    )
+    qsl = torch.arange(4, dtype=torch.int32)
+    ref = k.paged_attention.paged_attention_ref(query, cache, qsl, lens, block_table, scale)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    # The single entry takes the decode path for max_query_len == 1 and agrees.
+    again = k.paged_attention.paged_attention(
+        query, cache, qsl, lens, block_table, scale, max_query_len=1, max_seq_len=90
+    )
+    torch.testing.assert_close(again, ref, **_tol(dtype))
+
+
+@_case()
+def case_decode_padded_requests_give_zeros() -> None:
+    k = _kernels()
+    gen = torch.Generator().manual_seed(6)
+    cache = _layer_view(8, 16, 1, 32, torch.float32)
+    block_table = _block_table([20, 5], 16, 8, gen)
+    lens = torch.tensor([20, 0], dtype=torch.int32)  # request 1 is CUDA-graph padding
+    query = torch.randn(2, 2, 32, generator=gen)
+    for splits in (1, 2):
+        out = k.paged_attention.paged_decode_attention(
+            query, cache, lens, block_table, 0.2, max_seq_len=20, num_splits=splits, block_n=16
+        )
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        ref = k.paged_attention.paged_attention_ref(
+            query[:1], cache, torch.tensor([0, 1], dtype=torch.int32), lens[:1], block_table, 0.2
+        )
+        torch.testing.assert_close(out[:1], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_num_splits() -> None:
+    from kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_num_splits
+
+    # Enough (request, KV head) programs already: no split.
+    assert decode_num_splits(64, 8, 1024, 132) == 1
+    # One long request: as many splits as the length allows.
+    assert decode_num_splits(1, 8, 4096, 132) == 4096 // MIN_TOKENS_PER_SPLIT
+    # Short contexts never split.
+    assert decode_num_splits(2, 8, 100, 132) == 1
+    # Bounded, and never below 1.
+    assert decode_num_splits(1, 1, 10**6, 132) == 64
+    assert decode_num_splits(0, 8, 0, 132) == 1
+
+
+# --- rms_norm ---------------------------------------------------------------------------
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_rms_norm(dtype: torch.dtype) -> None:
+    k = _kernels()
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(5, 120, dtype=dtype, generator=gen)
+    x = wide[:, :96]  # hidden 96 (not a power of two), row stride 120
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    out = k.rms_norm.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(out, k.rms_norm.rms_norm_ref(x, weight, 1e-6), **_tol(dtype))
+    residual = torch.randn(5, 96, dtype=dtype, generator=gen)
+    before = (x.clone(), residual.clone())
+    out, new_residual = k.rms_norm.fused_add_rms_norm(x, residual, weight, 1e-6)
+    ref_out, ref_residual = k.rms_norm.fused_add_rms_norm_ref(x, residual, weight, 1e-6)
+    assert torch.equal(new_residual, ref_residual)
+    torch.testing.assert_close(out, ref_out, **_tol(dtype))
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+
+
+# --- rotary -------------------------------------------------------------------------------
+
+
+def _cos_sin(max_pos: int, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_rotary(dtype: torch.dtype) -> None:
+    k = _kernels()
+    gen = torch.Generator().manual_seed(8)
+    num_tokens, num_heads, num_kv_heads, head_size = 7, 4, 2, 32
+    cos, sin = _cos_sin(64, head_size)
+    positions = torch.randint(0, 64, (num_tokens,), generator=gen)
+    # q and k as views into one fused qkv tensor.
+    qkv = torch.randn(
+        num_tokens, num_heads + 2 * num_kv_heads, head_size, dtype=dtype, generator=gen
+    )
+    q, kk = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+    q_before = q.clone()
+    ref_q, ref_k = k.rotary.rotary_embedding_ref(positions, q, kk, cos, sin)
+    out_q, out_k = k.rotary.rotary_embedding(positions, q, kk, cos, sin, inplace=False)
+    assert torch.equal(q, q_before)
+    torch.testing.assert_close(out_q, ref_q, **_tol(dtype))
+    torch.testing.assert_close(out_k, ref_k, **_tol(dtype))
+    v_before = qkv[:, num_heads + num_kv_heads :].clone()
+    k.rotary.rotary_embedding(positions, q, kk, cos, sin, inplace=True)
+    torch.testing.assert_close(q, ref_q, **_tol(dtype))
+    torch.testing.assert_close(kk, ref_k, **_tol(dtype))
+    assert torch.equal(qkv[:, num_heads + num_kv_heads :], v_before)  # V untouched
+    # Rotation happened (position 0 is the identity).
+    moved = positions > 0
+    assert not torch.allclose(ref_q[moved], q_before[moved], atol=1e-2)
+    torch.testing.assert_close(ref_q[~moved], q_before[~moved])
+
+
+@_case()
+def case_rotary_partial() -> None:
+    k = _kernels()
+    gen = torch.Generator().manual_seed(9)
+    cos, sin = _cos_sin(32, 16)  # rotary_dim 16 of head 32
+    positions = torch.tensor([0, 5, 31])
+    q = torch.randn(3, 2, 32, generator=gen)
+    kk = torch.randn(3, 1, 32, generator=gen)
+    ref_q, ref_k = k.rotary.rotary_embedding_ref(positions, q, kk, cos, sin)
+    out_q, out_k = k.rotary.rotary_embedding(positions, q, kk, cos, sin, inplace=False)
+    torch.testing.assert_close(out_q, ref_q)
+    torch.testing.assert_close(out_k, ref_k)
+    assert torch.equal(out_q[..., 16:], q[..., 16:])
+
+
+# --- activation -----------------------------------------------------------------------------
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_silu_and_mul(dtype: torch.dtype) -> None:
+    k = _kernels()
+    gen = torch.Generator().manual_seed(10)
+    x = (3 * torch.randn(6, 2 * 1100, generator=gen)).to(dtype)  # two column blocks of 1024
+    out = k.activation.silu_and_mul(x)
+    assert out.shape == (6, 1100)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+    torch.testing.assert_close(out, k.activation.silu_and_mul_ref(x), **tol)
+
+
+# --- the Triton attention backend -------------------------------------------------------------
+
+
+def _metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> AttentionMetadata:
+    from tandem.layers.attention.backend import AttentionMetadata
+
+    qsl = _batch(query_lens)
+    return AttentionMetadata(
+        num_actual_tokens=int(qsl[-1]),
+        num_reqs=len(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        query_start_loc_cpu=qsl.tolist(),
+        seq_lens_cpu=list(seq_lens),
+        is_decode_only=all(n == 1 for n in query_lens),
+    )
+
+
+def _slots(block_table: torch.Tensor, positions: list[list[int]], block_size: int) -> torch.Tensor:
+    slots = [
+        int(block_table[r, p // block_size]) * block_size + p % block_size
+        for r, ps in enumerate(positions)
+        for p in ps
+    ]
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_triton_backend_chunked_prefill_then_decode(dtype: torch.dtype) -> None:
+    """Three steps through the backend: chunk 1 of A + all of B; chunk 2 of A + decode of B
+    (mixed); decode of both. Each step's output matches full causal attention over the
+    sequence so far, and the cache holds every K/V written."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(11)
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 64, 16
+    backend = k.triton_backend.TritonAttentionBackend()
+    assert backend.name == "triton"
+    cache = _layer_view(16, block_size, num_kv_heads, head_size, dtype)
+    final_lens = [38, 11]
+    block_table = _block_table(final_lens, block_size, 16, gen)
+    total = [
+        torch.randn(n, 3, num_heads, head_size, dtype=dtype, generator=gen) for n in final_lens
+    ]
+    # (positions computed so far, positions in this step) per request, per step.
+    steps = [([0, 0], [20, 9]), ([20, 9], [17, 1]), ([37, 10], [1, 1])]
+    scale = head_size**-0.5
+    for done, new in steps:
+        seq_lens = [d + n for d, n in zip(done, new, strict=True)]
+        rows = [t[d : d + n] for t, d, n in zip(total, done, new, strict=True)]
+        step = torch.cat(rows)
+        # Two padded rows past num_actual_tokens, as a CUDA-graph batch would have.
+        pad = torch.randn(2, 3, num_heads, head_size, dtype=dtype, generator=gen)
+        step = torch.cat([step, pad])
+        query = step[:, 0]
+        key, value = step[:, 1, :num_kv_heads], step[:, 2, :num_kv_heads]
+        positions = [list(range(d, d + n)) for d, n in zip(done, new, strict=True)]
+        meta = _metadata(new, seq_lens, block_table, _slots(block_table, positions, block_size))
+        out = backend.forward(query, key, value, cache, meta, scale)
+
+        n_tok = meta.num_actual_tokens
+        assert torch.equal(out[n_tok:], torch.zeros_like(out[n_tok:]))
+        # Reference: dense causal attention over each request's whole sequence so far.
+        for r, t in enumerate(total):
+            lo = sum(new[:r])
+            full = t[: seq_lens[r]]
+            q = full[:, 0].float()
+            kk = full[:, 1, :num_kv_heads].float().repeat_interleave(num_heads // num_kv_heads, 1)
+            vv = full[:, 2, :num_kv_heads].float().repeat_interleave(num_heads // num_kv_heads, 1)
+            s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+            mask = torch.ones(seq_lens[r], seq_lens[r], dtype=torch.bool).tril()
+            p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+            ref = torch.einsum("hqk,khd->qhd", p, vv)[done[r] :].to(dtype)
+            torch.testing.assert_close(out[lo : lo + new[r]], ref, **_tol(dtype))
+
+
+@_case()
+def case_triton_backend_decode_uses_splits() -> None:
+    """A long-context decode step through the backend: the heuristic picks several splits."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(12)
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 32, 16
+    seq_lens = [600, 300]
+    splits = k.paged_attention.decode_num_splits(2, num_kv_heads, max(seq_lens), 132)
+    assert splits == 3
+    cache = _layer_view(64, block_size, num_kv_heads, head_size, torch.float32)
+    block_table = _block_table(seq_lens, block_size, 64, gen)
+    query = torch.randn(2, num_heads, head_size, generator=gen)
+    key = torch.randn(2, num_kv_heads, head_size, generator=gen)
+    value = torch.randn(2, num_kv_heads, head_size, generator=gen)
+    positions = [[n - 1] for n in seq_lens]
+    meta = _metadata([1, 1], seq_lens, block_table, _slots(block_table, positions, block_size))
+    backend = k.triton_backend.TritonAttentionBackend()
+    out = backend.forward(query, key, value, cache, meta, 0.25)
+    ref = k.paged_attention.paged_attention_ref(
+        query, cache, meta.query_start_loc, meta.seq_lens, block_table, 0.25
+    )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # The new K/V went into the cache at the last position.
+    blk = block_table[0, 599 // block_size]
+    assert torch.equal(cache[blk, 0, 599 % block_size], key[0])
+    assert torch.equal(cache[blk, 1, 599 % block_size], value[0])
+
+
+# --- runner -------------------------------------------------------------------------------
+
+
+def _selected_cases(request: pytest.FixtureRequest) -> list[str]:
+    module = sys.modules[__name__]
+    names = {
+        item.callspec.params["case"]
+        for item in request.session.items
+        if getattr(item, "module", None) is module and hasattr(item, "callspec")
+    }
+    return sorted(names & _CASES.keys())
+
+
+@pytest.fixture(scope="module")
+def interp_results(request: pytest.FixtureRequest) -> dict[str, str]:
+    """Run the selected cases in one interpreter child; case name -> "ok" or the traceback."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__, *_selected_cases(request)],
+        env=env,
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(_RESULTS_MARK):
+            return json.loads(line.removeprefix(_RESULTS_MARK))
+    pytest.fail(f"interpreter child failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_kernel_interp(case: str, interp_results: dict[str, str]) -> None:
+    result = interp_results.get(case, "not run")
+    if result != "ok":
+        pytest.fail(f"{case}:\n{result}", pytrace=False)
+
+
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """triton 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses
+    (triton-lang/triton#9171); `range(0, tensor_bound)` in a kernel needs it."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor: object, scope: object) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _run_cases(names: list[str]) -> dict[str, str]:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    assert "triton" not in sys.modules
+    _patch_interpreter_for_numpy_2_4()
+    assert type(_kernels().paged_attention._prefill_kernel).__name__ == "InterpretedFunction"
+    results = {}
+    for name in names or sorted(_CASES):
+        try:
+            _CASES[name]()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.path.insert(0, str(_ROOT))
+    outcome = _run_cases(sys.argv[1:])
+    for case_name, text in outcome.items():
+        print(f"{case_name}: {'ok' if text == 'ok' else 'FAILED'}", file=sys.stderr)
+    print(_RESULTS_MARK + json.dumps(outcome))
