@@ -1,0 +1,428 @@
+"""Step-level scheduling on a token budget.
+
+Every request has `num_computed_tokens` catching up to `num_tokens`; each step hands out at
+most `max_num_batched_tokens` tokens. One rule covers decode (1 token left), chunked prefill
+(many left, a budget-sized chunk), prefix hits (computed tokens start at the hit) and
+resumption after preemption (computed tokens dropped to 0)::
+
+    step:  running requests, in order          waiting requests, in policy order
+           [decode 1][decode 1][chunk k] ...   [prefill / chunk] ... until budget or seqs run out
+           (preempt by recompute when blocks   (skipped in a step that preempted)
+            run out)
+
+`schedule()` returns a `SchedulerOutput` and advances each scheduled request's
+`num_computed_tokens` as if the step had run; `update_from_output()` appends the sampled
+tokens, applies the stop rules and frees finished requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from tandem.config import CacheConfig, SchedulerConfig
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tandem.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's load, for logs and metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # tokens found there
+    num_preemptions: int  # total since start
+
+
+class _FcfsQueue:
+    """Waiting requests in arrival order; preempted ones go back to the front."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request, seq: int) -> None:
+        self._queue.append(request)
+
+    def prepend(self, request: Request, seq: int) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class _PriorityQueue:
+    """Waiting requests by (priority, arrival_time, admission seq): lower priority value first."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+
+    def add(self, request: Request, seq: int) -> None:
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, seq, request))
+
+    prepend = add  # a preempted request takes its place by its own key
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [e for e in self._heap if e[3] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = max_model_len
+        self._kv_cache_manager = KVCacheManager(
+            num_blocks,
+            cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            max_model_len=max_model_len,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: _FcfsQueue | _PriorityQueue = (
+            _PriorityQueue() if scheduler_config.policy == "priority" else _FcfsQueue()
+        )
+        # In admission order (the last one is the fcfs preemption victim).
+        self.running: list[Request] = []
+        # Finished or aborted since the last `schedule()`; handed to the runner there.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        # Block-table length the runner has seen, per request it holds state for.
+        self._num_sent_blocks: dict[str, int] = {}
+        self._seq: dict[str, int] = {}
+        self._seq_counter = itertools.count()
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self._kv_cache_manager
+
+    # ---- requests in and out ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING). Raises ValueError for a duplicate id, an
+        empty prompt or a prompt longer than max_model_len."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} already exists")
+        if request.num_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if self.max_model_len and request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens "
+                f"> max_model_len {self.max_model_len}"
+            )
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r} is {request.status.name}")
+        seq = next(self._seq_counter)
+        self._seq[request.request_id] = seq
+        self.requests[request.request_id] = request
+        self.waiting.add(request, seq)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string): remove them from the queues
+        and free their blocks. Unknown or already finished ids are ignored."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"{status.name} is not a finished status")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for req_id in ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._kv_cache_manager.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        kv = self._kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_stats.num_query_tokens,
+            prefix_cache_hits=kv.prefix_cache_stats.num_hit_tokens,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step under the token budget (see the module docstring)."""
+        kv = self._kv_cache_manager
+        budget = self.scheduler_config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_scheduled: dict[str, int] = {}
+        preempted: list[Request] = []
+
+        # 1. Running requests: decodes and continuing chunked prefills.
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            if num_new == 0:
+                continue
+            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+                victim = self._select_victim()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim.request_id in num_scheduled:  # scheduled earlier in this step
+                    budget += num_scheduled.pop(victim.request_id)
+                    scheduled.remove(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                continue
+            scheduled.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        # 2. Waiting requests, only in a step that preempted nothing.
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        while not preempted and len(self.waiting) and budget > 0:
+            if len(self.running) >= max_num_seqs:
+                break
+            request = self.waiting.peek()
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            num_new = self._num_tokens_to_schedule(request, num_computed, budget)
+            if num_new == 0:
+                break  # does not fit this step's budget unchunked: wait, keeping the order
+            if kv.allocate_slots(request, num_new, num_computed, computed_blocks) is None:
+                break
+            self.waiting.pop()
+            self._admit(request, num_computed)
+            scheduled.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        output = self._build_output(scheduled, num_scheduled, preempted)
+        for request in scheduled:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+        return output
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens to compute this step from `num_computed` on; 0 when it must wait."""
+        remaining = request.num_tokens - num_computed
+        if self.max_model_len:
+            remaining = min(remaining, self.max_model_len - num_computed)
+        if remaining <= 0:
+            return 0
+        if remaining > budget and not self.scheduler_config.enable_chunked_prefill:
+            return 0
+        return min(remaining, budget)
+
+    def _admit(self, request: Request, num_computed_tokens: int) -> None:
+        """Move a request whose slots are allocated into the running set.
+
+        `num_computed_tokens` counts tokens whose KV is already in its blocks (prefix hits;
+        later also KV pushed from another worker)."""
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed_tokens
+        self.running.append(request)
+
+    def _select_victim(self) -> Request:
+        """The running request to preempt: last admitted (fcfs) or worst (priority, arrival)."""
+        if self.scheduler_config.policy == "priority":
+            return max(
+                self.running,
+                key=lambda r: (r.priority, r.arrival_time, self._seq[r.request_id]),
+            )
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: free the blocks, forget progress, back to the waiting front."""
+        self.running.remove(request)
+        self._kv_cache_manager.free(request)  # reads num_computed_tokens: free before reset
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._num_sent_blocks.pop(request.request_id, None)
+        self.waiting.prepend(request, self._seq[request.request_id])
+
+    def _build_output(
+        self,
+        scheduled: list[Request],
+        num_scheduled: dict[str, int],
+        preempted: list[Request],
+    ) -> SchedulerOutput:
+        kv = self._kv_cache_manager
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        for request in scheduled:
+            req_id = request.request_id
+            block_ids = kv.get_block_ids(req_id)
+            num_sent = self._num_sent_blocks.get(req_id)
+            if num_sent is None:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=req_id,
+                        prompt_token_ids=list(request.prompt_token_ids),
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=block_ids,
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            else:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=req_id,
+                        new_block_ids=block_ids[num_sent:],
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            self._num_sent_blocks[req_id] = len(block_ids)
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self.finished_req_ids = set()
+        return output
+
+    # ---- after the step ran -------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, free finished requests.
+
+        Returns one `EngineCoreOutput` per request that got new tokens or finished. Requests
+        finished or aborted since the step was planned are skipped.
+        """
+        index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        logprobs = model_runner_output.logprobs
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            i = index.get(req_id)
+            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+            if request.num_computed_tokens < request.num_tokens:
+                sampled = []  # a partial prefill chunk samples nothing
+            new_token_ids: list[int] = []
+            for token_id in sampled:
+                request.append_output_token_ids([token_id])
+                new_token_ids.append(token_id)
+                if self._check_stop(request, token_id):
+                    break
+            if not new_token_ids and not request.is_finished:
+                continue
+            new_logprobs = None
+            if new_token_ids and i is not None and i < len(logprobs) and logprobs[i] is not None:
+                new_logprobs = [logprobs[i]]
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=new_logprobs,
+                    finish_reason=request.status.finish_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if request.is_finished:
+                any_finished = True
+                self._release(request)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Apply the stop rules after `token_id` was appended; True if the request finished."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if (
+                not params.ignore_eos
+                and request.eos_token_id is not None
+                and token_id == request.eos_token_id
+            ):
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = None
+                return True
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if self.max_model_len and request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _release(self, request: Request) -> None:
+        """Free a finished request's blocks and forget it (it stays out of the queues)."""
+        self._kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        self._num_sent_blocks.pop(request.request_id, None)
+        self._seq.pop(request.request_id, None)
+        del self.requests[request.request_id]
