@@ -196,18 +196,23 @@ class DirectoryPublisher:
             self._pending = {}
             self._republishing = True
         self._clear_events()
+        ok = False
         try:
             hashes = list(self._held_block_hashes())
             await self.directory.replace_worker(self.worker_id, hashes)
+            ok = True
         except DirectoryUnavailable as exc:
+            self._note_unavailable(exc)
+        finally:
             with self._lock:
                 self._republishing = False
-                self._pending = {}
-            self._note_unavailable(exc)
+                if ok:
+                    self._dirty = False
+                else:  # the next attempt takes a new snapshot: no backlog
+                    self.num_dropped_hashes += len(self._pending)
+                    self._pending = {}
+        if not ok:
             return False
-        with self._lock:
-            self._republishing = False
-            self._dirty = False
         self.num_republishes += 1
         if self._was_unavailable:
             self._was_unavailable = False
