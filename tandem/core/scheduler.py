@@ -106,7 +106,11 @@ class _PriorityQueue:
 
 
 class Scheduler:
-    """Decides, each step, which requests run and how many tokens each computes."""
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    `max_model_len` (0: unbounded) caps every request's tokens; the pool must hold at least
+    one request of that length (ValueError otherwise).
+    """
 
     def __init__(
         self,
@@ -115,6 +119,12 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
     ) -> None:
+        if max_model_len and num_blocks * cache_config.block_size < max_model_len:
+            # One request of max_model_len tokens could never fit: it would preempt itself forever.
+            raise ValueError(
+                f"{num_blocks} KV blocks of {cache_config.block_size} tokens cannot hold one "
+                f"request of max_model_len {max_model_len}"
+            )
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len

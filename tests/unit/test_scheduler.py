@@ -47,8 +47,10 @@ def make_sched(
     policy: str = "fcfs",
     chunked: bool = True,
     caching: bool = True,
-    max_model_len: int = 256,
+    max_model_len: int | None = None,
 ) -> Scheduler:
+    if max_model_len is None:
+        max_model_len = min(256, num_blocks * block_size)
     sched = Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=budget,
@@ -449,6 +451,12 @@ def test_abort_between_schedule_and_update_drops_the_sampled_token() -> None:
     assert [(o.request_id, o.new_token_ids) for o in outs] == [("b", [6])]
     assert sched.schedule().finished_req_ids == {"a"}
     sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+
+
+def test_pool_must_hold_one_request_of_max_model_len() -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_sched(num_blocks=4, block_size=4, max_model_len=17)
+    make_sched(num_blocks=4, block_size=4, max_model_len=0)  # unbounded: no check
 
 
 def test_add_request_validation_and_stats() -> None:
