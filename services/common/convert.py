@@ -1,0 +1,127 @@
+"""Proto <-> dataclass conversion at the edge of each service.
+
+Inside a service everything is a tandem dataclass (SamplingParams, EngineCoreRequest,
+EngineCoreOutput); protos exist only on the wire.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.core.outputs import EngineCoreOutput, Logprobs
+from tandem.request import EngineCoreRequest
+from tandem.sampling_params import SamplingParams
+from tandem_protos.v1 import common_pb2, worker_pb2
+
+_OPTIONAL_PARAMS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "skip_special_tokens",
+)
+
+FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+    )
+    for name in _OPTIONAL_PARAMS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def sampling_params_kwargs(msg: common_pb2.SamplingParams) -> dict[str, Any]:
+    """The fields set in `msg`, as SamplingParams keyword arguments (unset: the default)."""
+    kwargs: dict[str, Any] = {
+        "stop": list(msg.stop),
+        "stop_token_ids": list(msg.stop_token_ids),
+        "ignore_eos": msg.ignore_eos,
+        "include_stop_str_in_output": msg.include_stop_str_in_output,
+    }
+    for name in _OPTIONAL_PARAMS:
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    return kwargs
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises SamplingParamsError (a ValueError) naming an invalid field."""
+    return SamplingParams(**sampling_params_kwargs(msg))
+
+
+def engine_request_to_proto(req: EngineCoreRequest) -> common_pb2.EngineRequest:
+    msg = common_pb2.EngineRequest(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        sampling_params=sampling_params_to_proto(req.sampling_params),
+        priority=req.priority,
+    )
+    if req.eos_token_id is not None:
+        msg.eos_token_id = req.eos_token_id
+    if req.cache_salt is not None:
+        msg.cache_salt = req.cache_salt
+    return msg
+
+
+def engine_request_from_proto(msg: common_pb2.EngineRequest) -> EngineCoreRequest:
+    """Raises ValueError naming the problem."""
+    return EngineCoreRequest(
+        request_id=msg.request_id,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        sampling_params=sampling_params_from_proto(msg.sampling_params),
+        eos_token_id=msg.eos_token_id if msg.HasField("eos_token_id") else None,
+        priority=msg.priority,
+        cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
+    )
+
+
+def logprobs_to_proto(lp: Logprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        token_ids=lp.token_ids, logprobs=lp.logprobs, sampled_rank=lp.sampled_rank
+    )
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> Logprobs:
+    return Logprobs(
+        token_ids=list(msg.token_ids), logprobs=list(msg.logprobs), sampled_rank=msg.sampled_rank
+    )
+
+
+def output_to_proto(
+    out: EngineCoreOutput, output_index: int, error: str = ""
+) -> worker_pb2.RequestOutput:
+    msg = worker_pb2.RequestOutput(
+        request_id=out.request_id,
+        output_index=output_index,
+        new_token_ids=out.new_token_ids,
+        finish_reason=FINISH_TO_PROTO.get(out.finish_reason, common_pb2.FINISH_REASON_ABORT),
+        num_cached_tokens=max(out.num_cached_tokens, 0),
+        error=error,
+    )
+    if out.new_logprobs:
+        msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
+    if isinstance(out.stop_reason, int):
+        msg.stop_token_id = out.stop_reason
+    return msg

@@ -1,0 +1,115 @@
+"""gRPC server set-up shared by every service: health, reflection, message limits, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# KV block runs are a few MB; leave room above them.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class GrpcServer:
+    """A grpc.aio server with the health service and reflection for `service_names`."""
+
+    def __init__(self, service_names: Iterable[str]) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self.port = 0
+
+    def add(self, register: Callable[[grpc.aio.Server], None]) -> None:
+        register(self.server)
+
+    async def start(self, host: str, port: int) -> int:
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC server to {host}:{port}")
+        await self.server.start()
+        await self.set_serving(True)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+
+def shutdown_event() -> asyncio.Event:
+    """An event set by the first SIGTERM or SIGINT (a second one exits at once)."""
+    loop = asyncio.get_running_loop()
+    event = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if event.is_set():
+            logging.getLogger(__name__).warning("second signal %d: exiting now", signum)
+            os._exit(1)
+        logging.getLogger(__name__).info("signal %d: shutting down", signum)
+        event.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return event
+
+
+def write_ready_file(path: str, lines: Iterable[str]) -> None:
+    """Atomically write `path` (one `key=value` per line) so a launcher can wait on it."""
+    if not path:
+        return
+    target = Path(path)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in lines))
+    tmp.replace(target)
+
+
+def env_default(name: str, default: str) -> str:
+    """A flag's default from the environment (`TANDEM_<NAME>`); read in `__main__` only."""
+    return os.environ.get(name, default)

@@ -1,0 +1,56 @@
+"""Runs the scheduler service until SIGTERM, then drains within the grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from services.common.server import GrpcServer, shutdown_event, write_ready_file
+from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.core import BeginShutdown, CountDispatching, SchedulerCore, Tick
+from services.scheduler.routing import LoadBasedRouting
+from services.scheduler.servicer import SchedulerServicer
+from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+async def _ticker(core: SchedulerCore, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        core.tell(Tick())
+
+
+async def serve(config: SchedulerServiceConfig) -> int:
+    stop = shutdown_event()
+    policy = LoadBasedRouting(
+        max_inflight_per_worker=config.max_inflight_per_worker,
+        max_inflight_prefills=config.max_inflight_prefills,
+    )
+    core = SchedulerCore(config, policy)
+    core.start()
+    server = GrpcServer([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
+    server.add(
+        lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), s)
+    )
+    port = await server.start(config.host, config.port)
+    ticker = asyncio.create_task(_ticker(core, min(config.report_interval_s, 0.5)))
+    address = f"{config.host}:{port}"
+    logger.info("scheduler serving on %s", address)
+    write_ready_file(config.ready_file, [f"grpc={address}"])
+
+    await stop.wait()
+    # Stop taking work; queued requests fail with UNAVAILABLE; let dispatches finish.
+    await core.ask(BeginShutdown())
+    deadline = time.monotonic() + config.grace_period_s
+    while time.monotonic() < deadline and await core.ask(CountDispatching()):
+        await asyncio.sleep(0.05)
+    await server.stop(grace_s=max(0.0, min(1.0, deadline - time.monotonic())))
+    ticker.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await ticker
+    await core.close()
+    logger.info("scheduler stopped")
+    return 0

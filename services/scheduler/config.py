@@ -1,0 +1,97 @@
+"""The scheduler's configuration: flags and environment, read once in `__main__`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.common.server import env_default
+
+
+class SchedulerConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SchedulerServiceConfig:
+    host: str = "127.0.0.1"
+    port: int = 50050
+    # Requests waiting for a worker; one more is refused with RESOURCE_EXHAUSTED.
+    max_queue_len: int = 1024
+    # A queued request that no worker takes within this long fails with UNAVAILABLE.
+    queue_timeout_s: float = 60.0
+    # Workers send a load report this often ...
+    report_interval_s: float = 0.25
+    # ... and are dropped (their requests fail with UNAVAILABLE) after this long without one.
+    dead_after_s: float = 5.0
+    max_inflight_per_worker: int = 256
+    max_inflight_prefills: int = 64
+    # A frontend whose event stream stays closed this long has its requests aborted.
+    orphan_timeout_s: float = 10.0
+    rpc_timeout_s: float = 10.0
+    grace_period_s: float = 5.0
+    ready_file: str = ""
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.port < 65536):
+            raise SchedulerConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queue_len < 1:
+            raise SchedulerConfigError(f"max_queue_len must be >= 1, got {self.max_queue_len}")
+        if self.report_interval_s <= 0 or self.dead_after_s <= self.report_interval_s:
+            raise SchedulerConfigError(
+                "dead_after_s must exceed report_interval_s, both > 0; got "
+                f"{self.dead_after_s} and {self.report_interval_s}"
+            )
+        for name in ("queue_timeout_s", "rpc_timeout_s", "orphan_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise SchedulerConfigError(f"{name} must be > 0")
+        if self.grace_period_s < 0:
+            raise SchedulerConfigError("grace_period_s must be >= 0")
+        if self.max_inflight_per_worker < 1 or self.max_inflight_prefills < 1:
+            raise SchedulerConfigError("max_inflight_per_worker and _prefills must be >= 1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = SchedulerServiceConfig()
+    p = argparse.ArgumentParser(
+        prog="tandem scheduler",
+        description="Global scheduler. Every flag also reads TANDEM_SCHEDULER_<FLAG>.",
+    )
+
+    def env(name: str, default: object) -> str:
+        return env_default(f"TANDEM_SCHEDULER_{name.upper()}", str(default))
+
+    p.add_argument("--host", default=env("host", d.host))
+    p.add_argument("--port", type=int, default=env("port", d.port))
+    p.add_argument("--max-queue-len", type=int, default=env("max_queue_len", d.max_queue_len))
+    p.add_argument(
+        "--queue-timeout-s", type=float, default=env("queue_timeout_s", d.queue_timeout_s)
+    )
+    p.add_argument(
+        "--report-interval-s", type=float, default=env("report_interval_s", d.report_interval_s)
+    )
+    p.add_argument("--dead-after-s", type=float, default=env("dead_after_s", d.dead_after_s))
+    p.add_argument(
+        "--max-inflight-per-worker",
+        type=int,
+        default=env("max_inflight_per_worker", d.max_inflight_per_worker),
+    )
+    p.add_argument(
+        "--max-inflight-prefills",
+        type=int,
+        default=env("max_inflight_prefills", d.max_inflight_prefills),
+    )
+    p.add_argument(
+        "--orphan-timeout-s", type=float, default=env("orphan_timeout_s", d.orphan_timeout_s)
+    )
+    p.add_argument("--rpc-timeout-s", type=float, default=env("rpc_timeout_s", d.rpc_timeout_s))
+    p.add_argument("--grace-period-s", type=float, default=env("grace_period_s", d.grace_period_s))
+    p.add_argument("--ready-file", default=env("ready_file", ""))
+    p.add_argument("--log-level", default=env("log_level", d.log_level))
+    return p
+
+
+def config_from_args(argv: list[str]) -> SchedulerServiceConfig:
+    ns = build_parser().parse_args(argv)
+    return SchedulerServiceConfig(**{k: v for k, v in vars(ns).items()})

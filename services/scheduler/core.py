@@ -1,0 +1,672 @@
+"""The scheduler's state and its one owner, `SchedulerCore`.
+
+    Submit ─▶ admission queue (bounded, by priority then arrival)
+                 │  pump: routing policy picks workers among those with room
+                 ▼
+              dispatching ── Reserve (decode) ─▶ Prefill (prefill / unified) ──▶ running
+                 │ pool short: back to the queue head      worker reports it finished: forgotten
+
+Everything here runs inside `handle`, one message at a time; RPCs to workers run in tasks
+that report back with a `DispatchOutcome`. A worker that misses load reports for
+`dead_after_s` (or whose report stream ends) is dropped: its requests still dispatching fail
+their `Submit` with UNAVAILABLE, running ones are announced to their frontend as failed, and
+the other worker of each is told to abort it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.actor import Actor, Ask
+from services.common.server import insecure_channel
+from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.routing import RoutingPolicy, RoutingRequest, WorkerView
+from tandem_protos.v1 import (
+    common_pb2,
+    scheduler_pb2,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+logger = logging.getLogger(__name__)
+
+_MAX_DISPATCH_ATTEMPTS = 3
+
+
+class SubmitError(Exception):
+    """A request the scheduler refuses or could not start; maps onto a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+@dataclass
+class Submit(Ask[scheduler_pb2.SubmitResponse]):
+    request: common_pb2.EngineRequest
+    destination: str
+
+
+@dataclass
+class Withdraw:
+    """The Submit call went away (client cancelled) before it was answered."""
+
+    request_id: str
+
+
+@dataclass
+class Abort(Ask[int]):
+    request_ids: list[str]
+
+
+@dataclass
+class Register(Ask[float]):
+    info: scheduler_pb2.RegisterWorkerRequest
+
+
+@dataclass
+class Report(Ask["int | None"]):
+    """A load report; `generation` is None on a stream's first report. Answer: the worker's
+    registration generation, or None when the worker is unknown (it must register again)."""
+
+    report: scheduler_pb2.LoadReport
+    generation: int | None
+
+
+@dataclass
+class ReportStreamClosed:
+    worker_id: str
+    generation: int
+
+
+@dataclass
+class Deregister(Ask[None]):
+    worker_id: str
+
+
+@dataclass
+class Watch(Ask["asyncio.Queue[scheduler_pb2.SchedulerEvent | None]"]):
+    destination: str
+
+
+@dataclass
+class Unwatch:
+    destination: str
+    queue: asyncio.Queue[scheduler_pb2.SchedulerEvent | None]
+
+
+@dataclass
+class ListWorkers(Ask[scheduler_pb2.ListWorkersResponse]):
+    pass
+
+
+@dataclass
+class Tick:
+    pass
+
+
+@dataclass
+class DispatchOutcome:
+    request_id: str
+    # "ok", "pool_short" (decode Reserve found no room) or "error".
+    kind: str
+    worker_id: str = ""
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    message: str = ""
+
+
+@dataclass
+class BeginShutdown(Ask[None]):
+    pass
+
+
+@dataclass
+class CountDispatching(Ask[int]):
+    pass
+
+
+SchedulerMessage = (
+    Submit
+    | Withdraw
+    | Abort
+    | Register
+    | Report
+    | ReportStreamClosed
+    | Deregister
+    | Watch
+    | Unwatch
+    | ListWorkers
+    | Tick
+    | DispatchOutcome
+    | BeginShutdown
+    | CountDispatching
+)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@dataclass
+class WorkerEntry:
+    info: scheduler_pb2.RegisterWorkerRequest
+    generation: int
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    stats: common_pb2.WorkerStats
+    last_report: float
+    draining: bool = False
+    # Decode Reserve said the pool is short: no more reservations until the next report.
+    full: bool = False
+    reserved_since_report: int = 0
+    inflight: set[str] = field(default_factory=set)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    def to_info(self) -> scheduler_pb2.WorkerInfo:
+        return scheduler_pb2.WorkerInfo(
+            worker_id=self.info.worker_id,
+            address=self.info.address,
+            role=self.info.role,
+            model=self.info.model,
+            max_model_len=self.info.max_model_len,
+            stats=self.stats,
+            draining=self.draining,
+        )
+
+
+@dataclass
+class Queued:
+    submit: Submit
+    seq: int
+    enqueued_at: float
+    attempts: int = 0
+
+
+@dataclass
+class Inflight:
+    request_id: str
+    destination: str
+    workers: set[str]
+    prefill_worker_id: str
+    decode_worker_id: str | None
+    submit: Submit | None  # set while dispatching
+    queued: Queued | None  # set while dispatching (to requeue)
+    aborted: bool = False
+
+
+class SchedulerCore(Actor[SchedulerMessage]):
+    """Owns the worker registry, the admission queue and the in-flight requests."""
+
+    def __init__(self, config: SchedulerServiceConfig, policy: RoutingPolicy) -> None:
+        super().__init__("scheduler-core")
+        self.config = config
+        self.policy = policy
+        self.workers: dict[str, WorkerEntry] = {}
+        self._heap: list[tuple[int, int, str]] = []
+        self.queued: dict[str, Queued] = {}
+        self.inflight: dict[str, Inflight] = {}
+        self.watchers: dict[str, list[asyncio.Queue[scheduler_pb2.SchedulerEvent | None]]] = (
+            defaultdict(list)
+        )
+        self._orphaned_since: dict[str, float] = {}
+        self._seq = itertools.count()
+        self._generation = itertools.count(1)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.shutting_down = False
+
+    # ------------------------------------------------------------------ dispatch table
+
+    def handle(self, msg: SchedulerMessage) -> None:
+        match msg:
+            case Submit():
+                self._on_submit(msg)
+            case Withdraw():
+                self._abort_ids([msg.request_id], reason="withdrawn")
+            case Abort():
+                msg.answer(self._abort_ids(msg.request_ids, reason="aborted"))
+            case Register():
+                msg.answer(self._on_register(msg.info))
+            case Report():
+                msg.answer(self._on_report(msg.report, msg.generation))
+            case ReportStreamClosed():
+                entry = self.workers.get(msg.worker_id)
+                if entry is not None and entry.generation == msg.generation:
+                    self._drop_worker(entry, "its load report stream ended")
+            case Deregister():
+                entry = self.workers.get(msg.worker_id)
+                if entry is not None:
+                    entry.draining = True
+                    logger.info("worker %s is draining", msg.worker_id)
+                    self._broadcast_workers()
+                msg.answer(None)
+            case Watch():
+                msg.answer(self._on_watch(msg.destination))
+            case Unwatch():
+                queues = self.watchers.get(msg.destination, [])
+                if msg.queue in queues:
+                    queues.remove(msg.queue)
+                if not queues:
+                    self.watchers.pop(msg.destination, None)
+                    self._orphaned_since[msg.destination] = time.monotonic()
+            case ListWorkers():
+                msg.answer(
+                    scheduler_pb2.ListWorkersResponse(
+                        workers=[w.to_info() for w in self.workers.values()],
+                        num_queued=len(self.queued),
+                        num_inflight=len(self.inflight),
+                    )
+                )
+            case Tick():
+                self._on_tick()
+            case DispatchOutcome():
+                self._on_outcome(msg)
+            case BeginShutdown():
+                self._begin_shutdown()
+                msg.answer(None)
+            case CountDispatching():
+                msg.answer(sum(1 for r in self.inflight.values() if r.submit is not None))
+
+    # ------------------------------------------------------------------ admission
+
+    def _on_submit(self, msg: Submit) -> None:
+        req = msg.request
+        rid = req.request_id
+        try:
+            if self.shutting_down:
+                raise SubmitError(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+            if not rid:
+                raise SubmitError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+            if not msg.destination:
+                raise SubmitError(grpc.StatusCode.INVALID_ARGUMENT, "destination is empty")
+            if rid in self.queued or rid in self.inflight:
+                raise SubmitError(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight"
+                )
+            if not req.prompt_token_ids:
+                raise SubmitError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+            limits = [w.info.max_model_len for w in self.workers.values() if not w.draining]
+            if limits and len(req.prompt_token_ids) >= max(limits):
+                raise SubmitError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"prompt has {len(req.prompt_token_ids)} tokens; the model's context is "
+                    f"{max(limits)} tokens, and at least one must remain for output",
+                )
+            if len(self.queued) >= self.config.max_queue_len:
+                raise SubmitError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the admission queue is full ({len(self.queued)} requests waiting); "
+                    "retry later",
+                )
+        except SubmitError as exc:
+            msg.fail(exc)
+            return
+        queued = Queued(msg, next(self._seq), time.monotonic())
+        self.queued[rid] = queued
+        heapq.heappush(self._heap, (req.priority, queued.seq, rid))
+        self._pump()
+
+    def _pump(self) -> None:
+        """Dispatch queued requests, head first, while the policy finds room."""
+        while self._heap:
+            priority, seq, rid = self._heap[0]
+            queued = self.queued.get(rid)
+            if queued is None or queued.seq != seq:
+                heapq.heappop(self._heap)
+                continue
+            req = queued.submit.request
+            routing_req = RoutingRequest(rid, req.prompt_token_ids, priority)
+            route = self.policy.route(routing_req, self._views())
+            if route is None:
+                return
+            heapq.heappop(self._heap)
+            del self.queued[rid]
+            prefill = self.workers[route.prefill_worker_id]
+            decode = self.workers[route.decode_worker_id] if route.decode_worker_id else None
+            workers = {prefill.worker_id}
+            prefill.inflight.add(rid)
+            if decode is not None:
+                workers.add(decode.worker_id)
+                decode.inflight.add(rid)
+                decode.reserved_since_report += routing_req.blocks_needed(
+                    decode.info.block_size or 16
+                )
+            self.inflight[rid] = Inflight(
+                request_id=rid,
+                destination=queued.submit.destination,
+                workers=workers,
+                prefill_worker_id=prefill.worker_id,
+                decode_worker_id=decode.worker_id if decode else None,
+                submit=queued.submit,
+                queued=queued,
+            )
+            self._spawn(self._dispatch(queued.submit, prefill, decode))
+
+    def _views(self) -> list[WorkerView]:
+        views = []
+        for w in self.workers.values():
+            if w.draining:
+                continue
+            s = w.stats
+            free = 0 if w.full else max(s.num_free_blocks - w.reserved_since_report, 0)
+            views.append(
+                WorkerView(
+                    worker_id=w.worker_id,
+                    role=w.info.role,
+                    num_running=s.num_running,
+                    num_waiting=s.num_waiting,
+                    num_free_blocks=free,
+                    num_blocks=s.num_blocks,
+                    num_inflight=len(w.inflight),
+                    block_size=w.info.block_size or 16,
+                    max_model_len=w.info.max_model_len,
+                )
+            )
+        return views
+
+    async def _dispatch(
+        self, submit: Submit, prefill: WorkerEntry, decode: WorkerEntry | None
+    ) -> None:
+        rid = submit.request.request_id
+        timeout = self.config.rpc_timeout_s
+        target = decode if decode is not None else prefill
+        try:
+            handoff = None
+            if decode is not None:
+                reply = await decode.stub.Reserve(
+                    worker_pb2.ReserveRequest(
+                        request=submit.request, destination=submit.destination
+                    ),
+                    timeout=timeout,
+                )
+                if not reply.block_ids:
+                    self.tell(DispatchOutcome(rid, "pool_short", decode.worker_id))
+                    return
+                handoff = worker_pb2.KVHandoff(
+                    decode_worker_id=decode.worker_id,
+                    decode_address=decode.info.address,
+                    block_ids=reply.block_ids,
+                    transport="tcp",
+                )
+            target = prefill
+            await prefill.stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request=submit.request, destination=submit.destination, handoff=handoff
+                ),
+                timeout=timeout,
+            )
+            self.tell(DispatchOutcome(rid, "ok"))
+        except grpc.aio.AioRpcError as exc:
+            self.tell(
+                DispatchOutcome(rid, "error", target.worker_id, exc.code(), exc.details() or "")
+            )
+
+    def _on_outcome(self, msg: DispatchOutcome) -> None:
+        r = self.inflight.get(msg.request_id)
+        if r is None or r.submit is None:
+            return  # failed meanwhile (worker dropped) and already answered
+        submit, queued = r.submit, r.queued
+        assert queued is not None
+        if msg.kind == "ok":
+            r.submit = r.queued = None
+            if r.aborted:
+                self._send_abort(r.workers, [r.request_id])
+            submit.answer(
+                scheduler_pb2.SubmitResponse(
+                    prefill_worker_id=r.prefill_worker_id,
+                    decode_worker_id=r.decode_worker_id or "",
+                    queue_time_s=time.monotonic() - queued.enqueued_at,
+                )
+            )
+            if not r.workers:
+                del self.inflight[r.request_id]
+            return
+        # Not started: undo the placement, then retry or fail.
+        self._forget(r)
+        self._send_abort(r.workers, [r.request_id])
+        if msg.kind == "pool_short":
+            entry = self.workers.get(msg.worker_id)
+            if entry is not None:
+                entry.full = True
+            if not r.aborted:
+                self._requeue(queued)
+            else:
+                submit.fail(SubmitError(grpc.StatusCode.CANCELLED, "request aborted"))
+            return
+        retriable = msg.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        queued.attempts += 1
+        if retriable and not r.aborted and queued.attempts < _MAX_DISPATCH_ATTEMPTS:
+            logger.warning(
+                "dispatch of %s to %s failed (%s); retrying",
+                r.request_id,
+                msg.worker_id,
+                msg.code.name,
+            )
+            self._requeue(queued)
+            return
+        code = msg.code if msg.code != grpc.StatusCode.OK else grpc.StatusCode.INTERNAL
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            code = grpc.StatusCode.UNAVAILABLE
+        submit.fail(SubmitError(code, msg.message or f"worker {msg.worker_id} failed"))
+
+    def _requeue(self, queued: Queued) -> None:
+        rid = queued.submit.request.request_id
+        self.queued[rid] = queued
+        heapq.heappush(self._heap, (queued.submit.request.priority, queued.seq, rid))
+        self._pump()
+
+    def _forget(self, r: Inflight) -> None:
+        self.inflight.pop(r.request_id, None)
+        for wid in r.workers:
+            entry = self.workers.get(wid)
+            if entry is not None:
+                entry.inflight.discard(r.request_id)
+
+    # ------------------------------------------------------------------ aborts
+
+    def _abort_ids(self, request_ids: list[str], reason: str) -> int:
+        count = 0
+        by_worker: dict[str, list[str]] = defaultdict(list)
+        for rid in request_ids:
+            queued = self.queued.pop(rid, None)
+            if queued is not None:
+                queued.submit.fail(SubmitError(grpc.StatusCode.CANCELLED, f"request {reason}"))
+                count += 1
+                continue
+            r = self.inflight.get(rid)
+            if r is None or r.aborted:
+                continue
+            r.aborted = True
+            count += 1
+            if r.submit is None:  # running: the workers report it finished once aborted
+                for wid in r.workers:
+                    by_worker[wid].append(rid)
+        for wid, ids in by_worker.items():
+            self._send_abort({wid}, ids)
+        return count
+
+    def _send_abort(self, worker_ids: set[str], request_ids: list[str]) -> None:
+        for wid in worker_ids:
+            entry = self.workers.get(wid)
+            if entry is not None:
+                self._spawn(self._abort_on(entry, request_ids))
+
+    async def _abort_on(self, entry: WorkerEntry, request_ids: list[str]) -> None:
+        try:
+            await entry.stub.Abort(
+                common_pb2.AbortRequest(request_ids=request_ids),
+                timeout=self.config.rpc_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("abort on %s failed: %s", entry.worker_id, exc.code().name)
+
+    # ------------------------------------------------------------------ workers
+
+    def _on_register(self, info: scheduler_pb2.RegisterWorkerRequest) -> float:
+        old = self.workers.get(info.worker_id)
+        if old is not None:
+            self._drop_worker(old, "it registered again", broadcast=False)
+        channel = insecure_channel(info.address)
+        entry = WorkerEntry(
+            info=info,
+            generation=next(self._generation),
+            channel=channel,
+            stub=worker_pb2_grpc.WorkerStub(channel),
+            stats=common_pb2.WorkerStats(
+                worker_id=info.worker_id,
+                role=info.role,
+                num_free_blocks=info.num_blocks,
+                num_blocks=info.num_blocks,
+                block_size=info.block_size,
+                max_model_len=info.max_model_len,
+            ),
+            last_report=time.monotonic(),
+        )
+        self.workers[info.worker_id] = entry
+        logger.info(
+            "worker %s registered: %s at %s, %d blocks",
+            info.worker_id,
+            common_pb2.WorkerRole.Name(info.role),
+            info.address,
+            info.num_blocks,
+        )
+        self._broadcast_workers()
+        self._pump()
+        return self.config.report_interval_s
+
+    def _on_report(self, report: scheduler_pb2.LoadReport, generation: int | None) -> int | None:
+        entry = self.workers.get(report.worker_id)
+        if entry is None or (generation is not None and generation != entry.generation):
+            return None
+        entry.stats = report.stats
+        entry.last_report = time.monotonic()
+        entry.full = False
+        entry.reserved_since_report = 0
+        for rid in report.finished_request_ids:
+            entry.inflight.discard(rid)
+            r = self.inflight.get(rid)
+            if r is not None:
+                r.workers.discard(entry.worker_id)
+                if not r.workers and r.submit is None:
+                    del self.inflight[rid]
+        self._pump()
+        return entry.generation
+
+    def _drop_worker(self, entry: WorkerEntry, why: str, broadcast: bool = True) -> None:
+        if self.workers.get(entry.worker_id) is not entry:
+            return
+        del self.workers[entry.worker_id]
+        message = f"worker {entry.worker_id} was lost ({why})"
+        if entry.inflight:
+            logger.warning("%s; failing %d requests", message, len(entry.inflight))
+        failed: dict[str, list[str]] = defaultdict(list)
+        for rid in entry.inflight:
+            r = self.inflight.get(rid)
+            if r is None:
+                continue
+            r.workers.discard(entry.worker_id)
+            self._forget(r)
+            self._send_abort(r.workers, [rid])
+            if r.submit is not None:
+                r.submit.fail(SubmitError(grpc.StatusCode.UNAVAILABLE, message))
+            else:
+                failed[r.destination].append(rid)
+        for destination, ids in failed.items():
+            event = scheduler_pb2.SchedulerEvent(
+                failed=scheduler_pb2.RequestsFailed(
+                    request_ids=ids, code=grpc.StatusCode.UNAVAILABLE.value[0], message=message
+                )
+            )
+            for queue in self.watchers.get(destination, []):
+                queue.put_nowait(event)
+        self._spawn(entry.channel.close())
+        if broadcast:
+            self._broadcast_workers()
+        self._pump()
+
+    # ------------------------------------------------------------------ frontends
+
+    def _on_watch(self, destination: str) -> asyncio.Queue[scheduler_pb2.SchedulerEvent | None]:
+        queue: asyncio.Queue[scheduler_pb2.SchedulerEvent | None] = asyncio.Queue()
+        queue.put_nowait(self._worker_set_event())
+        if self.shutting_down:
+            queue.put_nowait(None)
+        self.watchers[destination].append(queue)
+        self._orphaned_since.pop(destination, None)
+        return queue
+
+    def _worker_set_event(self) -> scheduler_pb2.SchedulerEvent:
+        return scheduler_pb2.SchedulerEvent(
+            workers=scheduler_pb2.WorkerSet(workers=[w.to_info() for w in self.workers.values()])
+        )
+
+    def _broadcast_workers(self) -> None:
+        event = self._worker_set_event()
+        for queues in self.watchers.values():
+            for queue in queues:
+                queue.put_nowait(event)
+
+    # ------------------------------------------------------------------ time
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        for entry in list(self.workers.values()):
+            if now - entry.last_report > self.config.dead_after_s:
+                self._drop_worker(entry, f"no load report for {now - entry.last_report:.1f}s")
+        for rid, queued in list(self.queued.items()):
+            if now - queued.enqueued_at > self.config.queue_timeout_s:
+                del self.queued[rid]
+                queued.submit.fail(
+                    SubmitError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"no worker could take the request within "
+                        f"{self.config.queue_timeout_s:g}s ({len(self.workers)} workers)",
+                    )
+                )
+        for destination, since in list(self._orphaned_since.items()):
+            if now - since > self.config.orphan_timeout_s:
+                del self._orphaned_since[destination]
+                ids = [r.request_id for r in self.inflight.values() if r.destination == destination]
+                if ids:
+                    logger.warning(
+                        "frontend %s is gone; aborting %d requests", destination, len(ids)
+                    )
+                    self._abort_ids(ids, reason="orphaned")
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _begin_shutdown(self) -> None:
+        self.shutting_down = True
+        for rid, queued in list(self.queued.items()):
+            del self.queued[rid]
+            queued.submit.fail(
+                SubmitError(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+            )
+        for queues in self.watchers.values():
+            for queue in queues:
+                queue.put_nowait(None)
+
+    async def close(self) -> None:
+        await self.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        for entry in self.workers.values():
+            await entry.channel.close()
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
