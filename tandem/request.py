@@ -87,6 +87,8 @@ class Request:
         self.num_preemptions = 0
         # Hashes of the request's full blocks, in order; extended by the KV cache manager.
         self.block_hashes: list[bytes] = []
+        # Disaggregated prefill: keep the blocks allocated after finishing, until released.
+        self.hold_kv = False
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -106,8 +106,12 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        delay_caching: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens of `request`; return the fresh blocks.
+
+        `delay_caching` leaves the new full blocks out of the prefix index: a reservation for
+        KV that arrives from another worker registers them with `cache_blocks` once it landed.
 
         `new_computed_blocks` (cache hits from `get_computed_blocks`) and
         `num_new_computed_tokens` (their tokens, plus any whose KV arrives from elsewhere and
@@ -154,9 +158,15 @@ class KVCacheManager:
                 stats.num_query_tokens += request.num_tokens
                 stats.num_hit_tokens += len(new_computed_blocks) * self.block_size
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_caching:
             self._cache_full_blocks(request, min(num_tokens_needed, request.num_tokens))
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks within its first `num_tokens` tokens (their KV
+        must be written)."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that are full within its first `num_tokens` tokens."""

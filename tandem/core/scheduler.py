@@ -147,6 +147,10 @@ class Scheduler:
         self._num_sent_blocks: dict[str, int] = {}
         self._seq: dict[str, int] = {}
         self._seq_counter = itertools.count()
+        # Disaggregation: finished prefills whose blocks wait to be sent, and reservations
+        # for prompts whose KV arrives from another worker.
+        self.held: dict[str, Request] = {}
+        self.reserved: dict[str, Request] = {}
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -189,6 +193,69 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._release(request)
+
+    # ---- disaggregation ----------------------------------------------------------------
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks of a finished `hold_kv` request. False if it holds none."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self._kv_cache_manager.free(request)
+        return True
+
+    def reserve(self, request: Request) -> tuple[list[int], int] | None:
+        """Allocate blocks for a prompt whose KV another worker computes.
+
+        Returns (block ids, number of leading prompt tokens already cached here, which need
+        not be sent), or None when the pool is short. The new blocks enter the prefix index
+        only in `add_prefilled`, once their KV landed.
+        """
+        req_id = request.request_id
+        if req_id in self.requests or req_id in self.reserved:
+            raise ValueError(f"request {req_id!r} already exists")
+        kv = self._kv_cache_manager
+        hits, num_hit_tokens = kv.get_computed_blocks(request)
+        if (
+            kv.allocate_slots(request, 0, request.num_prompt_tokens, hits, delay_caching=True)
+            is None
+        ):
+            return None
+        request.num_cached_tokens = num_hit_tokens
+        self.reserved[req_id] = request
+        return kv.get_block_ids(req_id), num_hit_tokens
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        request = self.reserved.pop(request_id, None)
+        if request is None:
+            return False
+        self._kv_cache_manager.free(request)
+        return True
+
+    def add_prefilled(self, request_id: str, first_token_id: int) -> EngineCoreOutput | None:
+        """Start decoding a reserved request whose prompt KV has landed in its blocks.
+
+        The first token was sampled by the prefill worker. Returns an output only when that
+        token already finishes the request (eos, max_tokens=1).
+        """
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.append_output_token_ids([first_token_id])
+        self._kv_cache_manager.cache_blocks(request, request.num_prompt_tokens)
+        seq = next(self._seq_counter)
+        self._seq[request_id] = seq
+        self.requests[request_id] = request
+        self._admit(request, request.num_prompt_tokens)
+        if self._check_stop(request, first_token_id):
+            self.running.remove(request)
+            self._release(request)
+            return EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=[],
+                finish_reason=request.status.finish_reason(),
+                stop_reason=request.stop_reason,
+            )
+        return None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -430,8 +497,13 @@ class Scheduler:
         return False
 
     def _release(self, request: Request) -> None:
-        """Free a finished request's blocks and forget it (it stays out of the queues)."""
-        self._kv_cache_manager.free(request)
+        """Free a finished request's blocks and forget it (it stays out of the queues).
+
+        A request with `hold_kv` keeps its blocks in `held` until `release_held`."""
+        if request.hold_kv and request.status != RequestStatus.FINISHED_ABORTED:
+            self.held[request.request_id] = request
+        else:
+            self._kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         self._num_sent_blocks.pop(request.request_id, None)
         self._seq.pop(request.request_id, None)

@@ -90,10 +90,6 @@ class EngineCore:
             max_len,
             time.perf_counter() - t0,
         )
-        # Disaggregation state.
-        self._held: dict[str, Request] = {}
-        self._hold_kv: set[str] = set()
-        self._reserved: dict[str, Request] = {}
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -121,26 +117,27 @@ class EngineCore:
             raise InvalidRequestError(
                 f"prompt needs {blocks_needed} KV blocks; the cache holds {self.num_blocks}"
             )
-        if req.request_id in self._held or req.request_id in self._reserved:
+        sched = self.scheduler
+        if (
+            req.request_id in sched.requests
+            or req.request_id in sched.held
+            or (req.request_id in sched.reserved)
+        ):
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
 
     def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None:
         """Queue a request. Raises InvalidRequestError naming the problem."""
         self._validate(req)
         request = Request.from_engine_core_request(req)
-        if hold_kv:
-            self._hold_kv.add(req.request_id)
+        request.hold_kv = hold_kv
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for req_id in ids:
-            self._hold_kv.discard(req_id)
-            self.release_held(req_id)
-            reserved = self._reserved.pop(req_id, None)
-            if reserved is not None:
-                self.scheduler.kv_cache_manager.free(reserved)
+            self.scheduler.release_held(req_id)
+            self.scheduler.cancel_reservation(req_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -155,12 +152,7 @@ class EngineCore:
         if scheduler_output.is_empty:
             return []
         runner_output = self.model_runner.execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self._hold_kv:
-            for out in outputs:
-                if out.finished and out.request_id in self._hold_kv:
-                    self._hold_kv.discard(out.request_id)
-        return outputs
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     # ----------------------------------------------------------------- stats
 
@@ -171,20 +163,36 @@ class EngineCore:
             num_waiting=s.num_waiting,
             num_free_blocks=s.num_free_blocks,
             num_blocks=s.num_blocks,
-            kv_usage=s.kv_usage,
+            kv_usage=s.kv_cache_usage,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
-            num_held=len(self._held),
-            num_reserved=len(self._reserved),
+            num_held=len(self.scheduler.held),
+            num_reserved=len(self.scheduler.reserved),
         )
 
     # ----------------------------------------------------------------- disaggregation
 
     def get_held_block_ids(self, request_id: str) -> list[int]:
+        """Block table of a finished `hold_kv` request (prompt KV in order)."""
+        if request_id not in self.scheduler.held:
+            raise KeyError(f"request {request_id!r} holds no KV")
         return self.scheduler.kv_cache_manager.get_block_ids(request_id)
 
     def release_held(self, request_id: str) -> None:
-        request = self._held.pop(request_id, None)
-        if request is not None:
-            self.scheduler.kv_cache_manager.free(request)
+        self.scheduler.release_held(request_id)
+
+    def reserve(self, req: EngineCoreRequest) -> tuple[list[int], int] | None:
+        """Reserve blocks for a request whose prompt KV another worker computes.
+
+        Returns (block ids, leading prompt tokens already cached here) or None when the pool
+        is short. Then write the KV into those blocks and call `add_prefilled_request`.
+        """
+        self._validate(req)
+        return self.scheduler.reserve(Request.from_engine_core_request(req))
+
+    def add_prefilled_request(
+        self, request_id: str, first_token_id: int
+    ) -> EngineCoreOutput | None:
+        """Start decoding a reserved request; its prompt KV is in the reserved blocks."""
+        return self.scheduler.add_prefilled(request_id, first_token_id)

@@ -117,17 +117,14 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate."""
-        conversations = (
-            [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        )
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = []
         for conv in conversations:
-            ids = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True
+            text = self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=False
             )
-            if isinstance(ids, dict):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ----------------------------------------------------------------- loop

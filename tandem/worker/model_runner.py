@@ -147,7 +147,7 @@ class ModelRunner:
                 generator=generator,
                 output_token_ids=list(new.output_token_ids),
             )
-            if generator is not None and new.output_token_ids:
+            if generator is not None and not params.is_greedy and new.output_token_ids:
                 # Resumed after preemption: advance the stream past the draws already made.
                 for _ in range(len(new.output_token_ids)):
                     torch.empty(self.vocab_size, device=self.device).exponential_(
@@ -192,7 +192,9 @@ class ModelRunner:
         req_index = np.repeat(np.arange(num_reqs), query_lens)
         offsets = np.arange(total) - np.repeat(query_start_loc[:-1], query_lens)
         positions = starts[req_index] + offsets
-        slot_mapping = block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
+        slot_mapping = (
+            block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
+        )
 
         input_ids = np.fromiter(
             (t for chunk in token_chunks for t in chunk), dtype=np.int64, count=total
