@@ -1,0 +1,29 @@
+"""Model loading: resolve a model name to a local folder (converting GGUF once), read its
+config/tokenizer/weights, and build the model."""
+
+from tandem.loader.gguf_convert import GGUFConversionError, convert_gguf
+from tandem.loader.hf_folder import (
+    get_eos_token_ids,
+    iterate_weights,
+    load_hf_config,
+    load_tokenizer,
+)
+from tandem.loader.model_loader import (
+    ModelNotFoundError,
+    build_model,
+    embedded_default_gguf,
+    resolve_model_path,
+)
+
+__all__ = [
+    "GGUFConversionError",
+    "ModelNotFoundError",
+    "build_model",
+    "convert_gguf",
+    "embedded_default_gguf",
+    "get_eos_token_ids",
+    "iterate_weights",
+    "load_hf_config",
+    "load_tokenizer",
+    "resolve_model_path",
+]

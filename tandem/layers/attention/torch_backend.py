@@ -1,0 +1,176 @@
+"""Pure-torch paged attention: the reference backend, and the CPU one.
+
+Each call first writes the step's new K/V into the paged cache at `slot_mapping` (for every
+request), then attends:
+
+- requests with one query token (decode) in one padded, batched SDPA: their contexts are
+  gathered through their block-table rows to a common length, and a length mask hides the
+  padding;
+- the other requests (prefill chunks) one at a time: the query rows against the first
+  `seq_lens[r]` cached positions, causal with the offset `seq_lens[r] - query_len`
+  (a fresh prefill, where the context is exactly the new tokens, reads them directly).
+
+GQA: SDPA repeats each KV head for its `num_heads // num_kv_heads` query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.layers.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    register_attention_backend,
+)
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [N, num_kv_heads, head_size]
+    value: torch.Tensor,  # [N, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # [N] int64
+) -> None:
+    """Store token i's K/V at slot `slot_mapping[i]` (block s // block_size, offset s % bs)."""
+    block_size = kv_cache.shape[2]
+    block_ids = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    kv_cache[block_ids, 0, offsets] = key.to(kv_cache.dtype)
+    kv_cache[block_ids, 1, offsets] = value.to(kv_cache.dtype)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's first `seq_len` cached K and V: `[seq_len, num_kv_heads, head_size]` each."""
+    blocks = kv_cache[block_ids.long()]  # [n, 2, block_size, kv_heads, head_size]
+    n, _, block_size, kv_heads, head_size = blocks.shape
+    key = blocks[:, 0].reshape(n * block_size, kv_heads, head_size)[:seq_len]
+    value = blocks[:, 1].reshape(n * block_size, kv_heads, head_size)[:seq_len]
+    return key, value
+
+
+def _sdpa(
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, KVH, S, D]
+    value: torch.Tensor,  # [B, KVH, S, D]
+    scale: float,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+    )
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@register_attention_backend
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention in plain torch (CPU or any device); exact in float32."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens = metadata.num_actual_tokens
+        output = torch.zeros_like(query)
+        if num_tokens == 0:
+            return output
+        has_cache = kv_cache.numel() > 0
+        if has_cache:
+            write_kv_cache(
+                key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens]
+            )
+
+        query_start_loc = metadata.query_start_loc_cpu
+        seq_lens = metadata.seq_lens_cpu
+        num_reqs = metadata.num_reqs
+        if metadata.is_decode_only:
+            decode_reqs = list(range(num_reqs))
+        else:
+            decode_reqs = [
+                r for r in range(num_reqs) if query_start_loc[r + 1] - query_start_loc[r] == 1
+            ]
+        if has_cache and decode_reqs:
+            self._decode(query, kv_cache, metadata, scale, decode_reqs, output)
+        else:
+            decode_reqs = []
+        decode_set = set(decode_reqs)
+        for r in range(num_reqs):
+            if r in decode_set:
+                continue
+            start, end = query_start_loc[r], query_start_loc[r + 1]
+            query_len, seq_len = end - start, seq_lens[r]
+            if query_len == 0:
+                continue
+            if not has_cache or (seq_len == query_len and kv_cache.dtype == key.dtype):
+                # The context is exactly this step's tokens (or there is no cache yet).
+                k, v = key[start:end], value[start:end]
+                seq_len = query_len
+            else:
+                num_blocks = _cdiv(seq_len, kv_cache.shape[2])
+                k, v = gather_kv(kv_cache, metadata.block_table[r, :num_blocks], seq_len)
+            q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            k = k.to(query.dtype).transpose(0, 1).unsqueeze(0)
+            v = v.to(query.dtype).transpose(0, 1).unsqueeze(0)
+            if query_len == seq_len:
+                out = _sdpa(q, k, v, scale, is_causal=True)
+            else:
+                # Query row j sits at position seq_len - query_len + j.
+                q_pos = torch.arange(query_len, device=query.device) + (seq_len - query_len)
+                k_pos = torch.arange(seq_len, device=query.device)
+                mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+                out = _sdpa(q, k, v, scale, attn_mask=mask)
+            output[start:end] = out[0].transpose(0, 1)
+        return output
+
+    @staticmethod
+    def _decode(
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        reqs: list[int],
+        output: torch.Tensor,
+    ) -> None:
+        """One query token per request in `reqs`: one batched SDPA over padded contexts."""
+        device = query.device
+        block_size = kv_cache.shape[2]
+        max_seq_len = max(metadata.seq_lens_cpu[r] for r in reqs)
+        num_blocks = _cdiv(max_seq_len, block_size)
+        if len(reqs) == metadata.num_reqs:
+            rows = metadata.query_start_loc[:-1].long()
+            block_table = metadata.block_table[:, :num_blocks]
+            seq_lens = metadata.seq_lens
+        else:
+            req_idx = torch.tensor(reqs, device=device, dtype=torch.long)
+            rows = metadata.query_start_loc.index_select(0, req_idx).long()
+            block_table = metadata.block_table.index_select(0, req_idx)[:, :num_blocks]
+            seq_lens = metadata.seq_lens.index_select(0, req_idx)
+        batch = rows.shape[0]
+        # Unused block-table entries may hold anything; they are masked out, but must index.
+        block_ids = block_table.long().clamp(0, kv_cache.shape[0] - 1)
+        blocks = kv_cache[block_ids]  # [B, n, 2, block_size, KVH, D]
+        kv_heads, head_size = blocks.shape[-2], blocks.shape[-1]
+        length = num_blocks * block_size
+        k = blocks[:, :, 0].reshape(batch, length, kv_heads, head_size).transpose(1, 2)
+        v = blocks[:, :, 1].reshape(batch, length, kv_heads, head_size).transpose(1, 2)
+        k, v = k.to(query.dtype), v.to(query.dtype)
+        mask = torch.arange(length, device=device).unsqueeze(0) < seq_lens.unsqueeze(1)
+        q = query.index_select(0, rows).unsqueeze(2)  # [B, H, 1, D]
+        out = _sdpa(q, k, v, scale, attn_mask=mask[:, None, None, :])
+        output[rows] = out.squeeze(2)

@@ -1,0 +1,47 @@
+"""RMSNorm, with the residual add folded in (the fused kernel's shape).
+
+`rms_norm` and `fused_add_rms_norm` are plain functions so a device kernel can stand in for
+them; both compute in float32 and round once to the input dtype, as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim."""
+    input_dtype = x.dtype
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    x32 = x32 * torch.rsqrt(variance + eps)
+    return weight * x32.to(input_dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual <- x + residual`, then `(rms_norm(residual), residual)`."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim. Called with a residual, it adds it first and returns both."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

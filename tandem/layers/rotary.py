@@ -1,0 +1,119 @@
+"""Rotary position embedding (the "rotate half" / NeoX layout Hugging Face Llama uses).
+
+A head's `head_size` dims are split in halves (x1, x2); position p with inverse frequency
+f_i turns (x1_i, x2_i) by angle p * f_i. `cos_sin_cache[p] = [cos(p f) | sin(p f)]` is
+precomputed in float32 for every position; `apply_rotary_emb` is a plain function so a device
+kernel can replace it.
+
+Supported `rope_type`s: "default", "linear" (inverse frequencies / factor) and "llama3"
+(Llama 3.1's band-wise scaling of long wavelengths).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
+    """`{"rope_type", "rope_theta", ...scaling keys}` from a transformers config (v4 or v5)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        params = dict(params)
+    else:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params["rope_theta"] = float(getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def compute_inv_freq(rotary_dim: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies `[rotary_dim // 2]` float32 for the given rope parameters."""
+    rope_type = rope_parameters.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+        )
+    base = float(rope_parameters["rope_theta"])
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(rope_parameters["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope_parameters)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    """Long wavelengths slowed by `factor`, short ones kept, a smooth blend in between."""
+    factor = float(p["factor"])
+    low_freq_factor = float(p["low_freq_factor"])
+    high_freq_factor = float(p["high_freq_factor"])
+    old_context_len = float(p["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_cos_sin_cache(max_position: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """`[max_position, rotary_dim]` float32: `[cos(p f) | sin(p f)]` per position p."""
+    t = torch.arange(max_position, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq.float())
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+def apply_rotary_emb(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate `query [T, H, D]` and `key [T, KVH, D]` by `positions [T]`; new tensors.
+
+    cos/sin are cast to the inputs' dtype before use (as Hugging Face does).
+    """
+    cos_sin = cos_sin_cache.index_select(0, positions)
+    half = cos_sin.shape[-1] // 2
+    cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+    cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(query.dtype)
+    sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(query.dtype)
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin cache on the device; `forward(positions, q, k) -> (q, k)`."""
+
+    def __init__(
+        self,
+        head_size: int,
+        max_position: int,
+        rope_parameters: dict[str, Any],
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        inv_freq = compute_inv_freq(head_size, rope_parameters)
+        cache = compute_cos_sin_cache(max_position, inv_freq).to(device)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary_emb(positions, query, key, self.cos_sin_cache)

@@ -1,0 +1,309 @@
+"""GGUF file -> Hugging Face model folder, converted once and cached.
+
+The folder holds what `transformers` and tandem both read:
+
+    config.json              LlamaConfig / Qwen2Config fields from the GGUF metadata
+    generation_config.json   bos / eos ids
+    model.safetensors        every tensor dequantized to float32, under Hugging Face names
+    tokenizer.json, tokenizer_config.json, chat_template.jinja
+
+Weights equal what `transformers` itself loads from the same file
+(`from_pretrained(dir, gguf_file=...)`): the same dequantization, and llama-arch Q/K rows
+put back in Hugging Face's rotary order (GGUF conversion interleaves them for llama.cpp).
+
+Cache layout: `<cache_dir>/gguf/<stem>-<size>-<hash of the first 8 MiB>-v<FORMAT>/`. The folder
+is built under a temporary name in the same directory and renamed into place, so a reader
+never sees a half-written folder and two processes converting at once don't clash (the
+loser of the rename throws its copy away).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.loader.gguf_file import GGUFFile
+
+logger = logging.getLogger(__name__)
+
+# Bump when the converted folder's contents change meaning; old folders are then ignored.
+CONVERTED_FORMAT_VERSION = 1
+_HEADER_HASH_BYTES = 8 << 20
+
+_VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+
+# GGUF architecture -> (Hugging Face architecture, model_type).
+_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+
+# Per-layer GGUF tensor name -> Hugging Face name (after "model.layers.{i}.").
+_LAYER_TENSOR_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Tensors llama.cpp writes that have no Hugging Face counterpart (`rope_freqs` carries
+# llama3-style rope scaling; transformers' own GGUF loading ignores it too).
+_SKIPPED_TENSORS = ("rope_freqs.weight",)
+
+
+class GGUFConversionError(ValueError):
+    """The GGUF file can't be turned into a model folder; the message says why."""
+
+
+def gguf_cache_key(gguf_path: Path) -> str:
+    """Name of the converted folder: file name, size and a hash of the file's first 8 MiB.
+
+    Cheap (no full read), and the header (metadata, vocabulary, tensor table) lives there.
+    """
+    import xxhash
+
+    size = gguf_path.stat().st_size
+    with open(gguf_path, "rb") as f:
+        head = f.read(_HEADER_HASH_BYTES)
+    digest = xxhash.xxh3_64_hexdigest(head)
+    stem = gguf_path.name.removesuffix(".gguf")
+    return f"{stem}-{size}-{digest}-v{CONVERTED_FORMAT_VERSION}"
+
+
+def converted_folder(gguf_path: str | Path, cache_dir: str | Path) -> Path:
+    """Where `convert_gguf` puts (or has put) this file's folder; nothing is written."""
+    gguf_path = Path(gguf_path)
+    return Path(cache_dir) / "gguf" / gguf_cache_key(gguf_path)
+
+
+def convert_gguf(gguf_path: str | Path, cache_dir: str | Path) -> Path:
+    """The cached Hugging Face folder for `gguf_path`, converting it on first use."""
+    gguf_path = Path(gguf_path).resolve()
+    final = converted_folder(gguf_path, cache_dir)
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{uuid.uuid4().hex[:8]}-", dir=final.parent))
+    try:
+        start = time.perf_counter()
+        write_hf_folder(gguf_path, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process won the race; its folder is complete (renames are atomic).
+            if not (final / "config.json").is_file():
+                raise
+        logger.info("converted %s in %.1f s -> %s", gguf_path, time.perf_counter() - start, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def write_hf_folder(gguf_path: str | Path, out_dir: str | Path) -> None:
+    """Convert `gguf_path` into a Hugging Face folder at `out_dir` (which must exist)."""
+    from safetensors.torch import save_file
+
+    gguf = GGUFFile(gguf_path, string_arrays=_VOCAB_KEYS)
+    out_dir = Path(out_dir)
+    arch = gguf.architecture
+    if arch not in _GGUF_ARCHITECTURES:
+        raise GGUFConversionError(
+            f"{gguf_path}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {sorted(_GGUF_ARCHITECTURES)})"
+        )
+    config = _hf_config(gguf)
+    config.save_pretrained(out_dir)
+    _generation_config(gguf).save_pretrained(out_dir)
+    _save_tokenizer(gguf, out_dir)
+    weights = _hf_weights(gguf, config.num_attention_heads, config.num_key_value_heads)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _meta(gguf: GGUFFile, key: str, default: Any = None) -> Any:
+    return gguf.metadata.get(f"{gguf.architecture}.{key}", default)
+
+
+def _hf_config(gguf: GGUFFile) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    arch = gguf.architecture
+    hf_arch, model_type = _GGUF_ARCHITECTURES[arch]
+    md = gguf.metadata
+    required = {
+        "num_hidden_layers": "block_count",
+        "hidden_size": "embedding_length",
+        "intermediate_size": "feed_forward_length",
+        "num_attention_heads": "attention.head_count",
+    }
+    fields: dict[str, Any] = {}
+    for hf_key, gguf_key in required.items():
+        value = _meta(gguf, gguf_key)
+        if value is None:
+            raise GGUFConversionError(f"{gguf.path}: metadata key {arch}.{gguf_key} is missing")
+        fields[hf_key] = int(value)
+    heads = fields["num_attention_heads"]
+    fields["num_key_value_heads"] = int(_meta(gguf, "attention.head_count_kv", heads))
+    fields["rms_norm_eps"] = float(_meta(gguf, "attention.layer_norm_rms_epsilon", 1e-6))
+    fields["max_position_embeddings"] = int(_meta(gguf, "context_length", 2048))
+    vocab_size = _meta(gguf, "vocab_size")
+    if vocab_size is None:
+        tokens = md.get("tokenizer.ggml.tokens")
+        vocab_size = (
+            len(tokens) if isinstance(tokens, list) else gguf.tensors["token_embd.weight"].shape[0]
+        )
+    fields["vocab_size"] = int(vocab_size)
+    head_dim = _meta(gguf, "attention.key_length") or fields["hidden_size"] // heads
+    fields["head_dim"] = int(head_dim)
+
+    rope: dict[str, Any] = {"rope_type": "default"}
+    scaling_type = _meta(gguf, "rope.scaling.type")
+    if scaling_type == "linear":
+        rope = {"rope_type": "linear", "factor": float(_meta(gguf, "rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise GGUFConversionError(
+            f"{gguf.path}: rope scaling {scaling_type!r} is not supported (none, linear)"
+        )
+    rope["rope_theta"] = float(_meta(gguf, "rope.freq_base", 10000.0))
+    fields["rope_parameters"] = rope
+
+    fields["tie_word_embeddings"] = "output.weight" not in gguf.tensors
+    for key in ("bos_token_id", "eos_token_id"):
+        value = md.get(f"tokenizer.ggml.{key}")
+        fields[key] = int(value) if value is not None else None
+    if model_type == "llama":
+        fields["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+        config_cls = LlamaConfig
+    else:
+        config_cls = Qwen2Config
+    config = config_cls(architectures=[hf_arch], dtype="float32", **fields)
+    return config
+
+
+def _generation_config(gguf: GGUFFile) -> Any:
+    from transformers import GenerationConfig
+
+    md = gguf.metadata
+    return GenerationConfig(
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
+    )
+
+
+def _save_tokenizer(gguf: GGUFFile, out_dir: Path) -> None:
+    """Build the fast tokenizer from the GGUF vocabulary, as transformers' GGUF support does.
+
+    transformers' GGUF path names the BOS token as EOS for llama files; the special tokens
+    are set here from the file's own ids instead.
+    """
+    md = gguf.metadata
+    tokens = md.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise GGUFConversionError(f"{gguf.path}: the file holds no tokenizer vocabulary")
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:  # pragma: no cover - only on a transformers without these helpers
+        _save_tokenizer_through_transformers(gguf, out_dir)
+        return
+
+    tokenizer_dict = {
+        name: md[f"tokenizer.{key}"]
+        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in md
+    }
+    _, model_type = _GGUF_ARCHITECTURES[gguf.architecture]
+    backend, extra = convert_gguf_tokenizer(model_type, tokenizer_dict)
+    kwargs: dict[str, Any] = {
+        k: v for k, v in extra.items() if k not in ("bos_token", "eos_token", "unk_token")
+    }
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
+        token_id = md.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and 0 <= int(token_id) < len(tokens):
+            kwargs[name] = tokens[int(token_id)]
+    if "tokenizer.chat_template" in md:
+        kwargs["chat_template"] = md["tokenizer.chat_template"]
+    kwargs["model_max_length"] = int(_meta(gguf, "context_length", 2048))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _save_tokenizer_through_transformers(gguf: GGUFFile, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    md = gguf.metadata
+    tokens = md["tokenizer.ggml.tokens"]
+    tokenizer = AutoTokenizer.from_pretrained(
+        gguf.path.parent, gguf_file=gguf.path.name, local_files_only=True
+    )
+    eos_id = md.get("tokenizer.ggml.eos_token_id")
+    if eos_id is not None:
+        tokenizer.eos_token = tokens[int(eos_id)]
+    tokenizer.save_pretrained(out_dir)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name for a GGUF tensor name; None for tensors that are skipped."""
+    if gguf_name in _GLOBAL_TENSOR_NAMES:
+        return _GLOBAL_TENSOR_NAMES[gguf_name]
+    if gguf_name in _SKIPPED_TENSORS:
+        return None
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSOR_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_TENSOR_NAMES[parts[2]]}.{parts[3]}"
+    raise GGUFConversionError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
+
+
+def unpermute_qk_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation for one projection (weight or bias).
+
+    llama.cpp stores each head's rows as interleaved (real, imaginary) pairs; Hugging Face
+    keeps the first half of the head's rotary dims, then the second half.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+        .contiguous()
+    )
+
+
+def _hf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    permute = gguf.architecture == "llama"
+    for gguf_name in gguf.tensors:
+        hf_name = hf_tensor_name(gguf_name)
+        if hf_name is None:
+            continue
+        tensor = gguf.dequantize(gguf_name)
+        if permute and ".attn_q." in gguf_name:
+            tensor = unpermute_qk_rows(tensor, num_heads)
+        elif permute and ".attn_k." in gguf_name:
+            tensor = unpermute_qk_rows(tensor, num_kv_heads)
+        weights[hf_name] = tensor
+    return weights

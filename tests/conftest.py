@@ -1,0 +1,127 @@
+"""Shared fixtures: the converted SmolLM2 folder and tiny random Hugging Face model folders."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TINY_VOCAB_SIZE = 512
+
+# arch -> (config class name, config fields beyond the shared tiny shape)
+TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"tie_word_embeddings": False}),
+    # llama3 rope scaling, tied embeddings, head_dim != hidden_size // num_attention_heads.
+    "llama3": (
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": True,
+            "head_dim": 32,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        },
+    ),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1000000.0}),
+    "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
+}
+
+
+def tandem_cache_dir() -> Path:
+    """TANDEM_CACHE_DIR when set, else ~/.cache/tandem (where converted models are kept)."""
+    env = os.environ.get("TANDEM_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "tandem"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted to a Hugging Face folder (cached)."""
+    from tandem.loader import resolve_model_path
+
+    return resolve_model_path("default", tandem_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path: Path) -> Any:
+    from tandem.loader import load_tokenizer
+
+    return load_tokenizer(smollm2_path)
+
+
+def write_tiny_model(path: Path, arch: str, seed: int = 0) -> Path:
+    """A randomly initialised tiny model of `arch` (see TINY_ARCHS) saved with save_pretrained.
+
+    Every parameter (norm weights and biases too) is drawn from a seeded generator, so the
+    same (arch, seed) gives the same folder. A byte-level tokenizer covering the whole
+    vocabulary is saved beside it.
+    """
+    import torch
+    import transformers
+
+    config_cls_name, extra = TINY_ARCHS[arch]
+    config = getattr(transformers, config_cls_name)(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            mean = 1.0 if "norm" in name else 0.0
+            param.copy_(mean + 0.1 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(path)
+    write_tiny_tokenizer(path, TINY_VOCAB_SIZE)
+    return path
+
+
+def write_tiny_tokenizer(path: Path, vocab_size: int) -> None:
+    """Byte-level BPE without merges: ids 0-2 special, 3-258 the bytes, then fillers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
+    byte_chars.sort()
+    vocab_list = specials + byte_chars
+    vocab_list += [f"<extra_{i}>" for i in range(vocab_size - len(vocab_list))]
+    vocab = {tok: i for i, tok in enumerate(vocab_list)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`tiny_model_path(arch)` -> folder of a tiny random model ("llama", "llama3", "qwen2",
+    "mistral"); built once per session and arch."""
+    built: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in built:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[arch] = write_tiny_model(folder, arch, seed=list(TINY_ARCHS).index(arch))
+        return built[arch]
+
+    return make
