@@ -44,7 +44,7 @@ class PrefixDirectory(abc.ABC):
     - `longest_prefix` lists only workers that hold at least the chain's first block, with
       the number of leading blocks they hold; an empty chain gives `{}`.
     - A worker whose time to live ran out is absent everywhere, as if removed.
-    - Block hashes are opaque bytes (at most `MAX_BLOCK_HASH_BYTES`); worker ids are
+    - Block hashes are opaque bytes (1 to `MAX_BLOCK_HASH_BYTES`); worker ids are
       non-empty strings.
     """
 
@@ -123,7 +123,7 @@ def check_worker_id(worker_id: str) -> None:
 
 
 def check_block_hashes(block_hashes: Iterable[bytes]) -> None:
-    """Reject hashes that are not bytes or are longer than `MAX_BLOCK_HASH_BYTES`."""
+    """Reject hashes that are not bytes of 1 to `MAX_BLOCK_HASH_BYTES` bytes."""
     for h in block_hashes:
-        if not isinstance(h, bytes) or len(h) > MAX_BLOCK_HASH_BYTES:
-            raise ValueError(f"a block hash must be bytes of <= {MAX_BLOCK_HASH_BYTES}, got {h!r}")
+        if not isinstance(h, bytes) or not 0 < len(h) <= MAX_BLOCK_HASH_BYTES:
+            raise ValueError(f"a block hash must be 1 to {MAX_BLOCK_HASH_BYTES} bytes, got {h!r}")

@@ -6,18 +6,21 @@ Keys (all under `key_prefix`, default "tandem:"):
     {prefix}w:{worker_id}  SET of the block hashes that worker holds; PEXPIRE = its deadline
 
 Invariant: `{prefix}w:{id}` exists => `id` is in `{prefix}workers`. Every write that creates
-a worker's set adds the id to the registry in the same MULTI/EXEC. The lookup script drops
+a worker's set adds the id to the registry in the same script. The lookup script drops
 registry ids whose set has gone (expired, removed, emptied), so expiry needs no sweeper:
 when a worker stops reporting, Redis deletes its set at the deadline and the next lookup
 forgets the id.
 
-Round trips: `publish`, `replace_worker`, `heartbeat`, `remove_worker`: one pipelined
-transaction each. `longest_prefix`: one EVALSHA of a Lua script that walks the chain per
-worker with SMISMEMBER in growing chunks and stops at the first miss (falls back to EVAL
-once when the server has not cached the script, e.g. after a restart).
+One round trip per call. `publish`, `replace_worker` and `longest_prefix` are Lua scripts
+(EVALSHA, falling back to EVAL once when the server has not cached the script, e.g. after
+a restart); a script runs atomically. Hashes travel packed into one argument (see
+`pack_hashes`): building a command of a thousand separate arguments costs the client
+more than the server's whole lookup. The lookup walks the chain per worker with SMISMEMBER
+in growing chunks (16, 64, 256, 1024 hashes) and stops at the first miss, unpacking only
+the hashes it reaches.
 
-Needs Redis >= 6.2 (SMISMEMBER) on a single server or primary; the script touches keys it
-does not declare, so Redis Cluster is not supported.
+Needs Redis >= 6.2 (SMISMEMBER) on a single server or primary; the scripts touch keys they
+do not declare, so Redis Cluster is not supported.
 
 Every failure to talk to the server becomes `DirectoryUnavailable`, fast: short socket and
 connect timeouts and at most `retries` immediate retries (one retry lets a pooled
@@ -30,6 +33,7 @@ import contextlib
 import hashlib
 import math
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -45,28 +49,98 @@ from tandem.directory.base import (
     check_worker_id,
 )
 
-# ARGV[1]: key prefix; ARGV[2..]: the chain's block hashes in order.
+# Shared by the scripts. A packed list is (width, blob): width > 0 means fixed-width
+# hashes back to back; width 0 means each hash is preceded by one length byte.
+_LUA_COMMON = """
+local function unpacker(width, blob)
+  local parsed, n, pos, size = {}, 0, 1, #blob
+  -- Parse up to `want` hashes (cumulative); returns the table and how many it holds.
+  return function(want)
+    while n < want and pos <= size do
+      local len = width
+      if width == 0 then
+        len = string.byte(blob, pos)
+        pos = pos + 1
+      end
+      n = n + 1
+      parsed[n] = string.sub(blob, pos, pos + len - 1)
+      pos = pos + len
+    end
+    return parsed, n
+  end
+end
+
+local function apply(cmd, key, width, blob)
+  local parsed, n = unpacker(width, blob)(math.huge)
+  for first = 1, n, 1024 do
+    redis.call(cmd, key, unpack(parsed, first, math.min(first + 1023, n)))
+  end
+  return n
+end
+
+local function set_expiry(key, ttl_ms)
+  if ttl_ms > 0 then
+    redis.call('PEXPIRE', key, ttl_ms)
+  else
+    redis.call('PERSIST', key)
+  end
+end
+"""
+
+# ARGV: prefix, worker id, ttl ms (0: none), evicted width, evicted blob, added width, added
+# blob. Returns 1 when the worker's set existed before the call, else 0.
+PUBLISH_LUA = (
+    _LUA_COMMON
+    + """
+local key = ARGV[1] .. 'w:' .. ARGV[2]
+local existed = redis.call('EXISTS', key)
+apply('SREM', key, tonumber(ARGV[4]), ARGV[5])
+if apply('SADD', key, tonumber(ARGV[6]), ARGV[7]) > 0 then
+  redis.call('SADD', ARGV[1] .. 'workers', ARGV[2])
+end
+set_expiry(key, tonumber(ARGV[3]))
+return existed
+"""
+)
+
+# ARGV: prefix, worker id, ttl ms (0: none), width, blob. The worker's set becomes exactly
+# the given hashes.
+REPLACE_LUA = (
+    _LUA_COMMON
+    + """
+local key = ARGV[1] .. 'w:' .. ARGV[2]
+redis.call('DEL', key)
+if apply('SADD', key, tonumber(ARGV[4]), ARGV[5]) > 0 then
+  redis.call('SADD', ARGV[1] .. 'workers', ARGV[2])
+  set_expiry(key, tonumber(ARGV[3]))
+else
+  redis.call('SREM', ARGV[1] .. 'workers', ARGV[2])
+end
+return 1
+"""
+)
+
+# ARGV: prefix, width, blob of the chain's hashes in order.
 # Returns a flat array {worker id, leading block count, ...} of workers with a count > 0.
-LONGEST_PREFIX_LUA = """
+LONGEST_PREFIX_LUA = (
+    _LUA_COMMON
+    + """
 local prefix = ARGV[1]
 local registry = prefix .. 'workers'
-local last_arg = #ARGV
+local hashes = unpacker(tonumber(ARGV[2]), ARGV[3])
 local out = {}
-if last_arg < 2 then
-  return out
-end
 for _, w in ipairs(redis.call('SMEMBERS', registry)) do
   local key = prefix .. 'w:' .. w
   if redis.call('EXISTS', key) == 0 then
     redis.call('SREM', registry, w)
   else
-    local count = 0
-    local first = 2
-    local chunk = 16
-    local missed = false
-    while not missed and first <= last_arg do
-      local last = math.min(first + chunk - 1, last_arg)
-      local held = redis.call('SMISMEMBER', key, unpack(ARGV, first, last))
+    local count, chunk, missed = 0, 16, false
+    while not missed do
+      local parsed, n = hashes(count + chunk)
+      if n <= count then
+        break
+      end
+      local held = redis.call('SMISMEMBER', key, unpack(parsed, count + 1, n))
       for j = 1, #held do
         if held[j] == 1 then
           count = count + 1
@@ -75,7 +149,6 @@ for _, w in ipairs(redis.call('SMEMBERS', registry)) do
           break
         end
       end
-      first = last + 1
       chunk = math.min(chunk * 4, 1024)
     end
     if count > 0 then
@@ -86,10 +159,33 @@ for _, w in ipairs(redis.call('SMEMBERS', registry)) do
 end
 return out
 """
-LONGEST_PREFIX_SHA = hashlib.sha1(LONGEST_PREFIX_LUA.encode()).hexdigest()
+)
 
-# Hashes per SADD in a full republish (keeps each command's argument list bounded).
-_SADD_CHUNK = 8192
+
+@dataclass(frozen=True)
+class _Script:
+    source: str
+    sha: str
+
+    @classmethod
+    def of(cls, source: str) -> _Script:
+        return cls(source, hashlib.sha1(source.encode()).hexdigest())
+
+
+_PUBLISH = _Script.of(PUBLISH_LUA)
+_REPLACE = _Script.of(REPLACE_LUA)
+_LONGEST_PREFIX = _Script.of(LONGEST_PREFIX_LUA)
+
+
+def pack_hashes(hashes: Sequence[bytes]) -> tuple[int, bytes]:
+    """`(width, blob)` for the scripts: fixed width when all hashes share a length (the
+    usual case), else width 0 and a length byte before each hash."""
+    if not hashes:
+        return 0, b""
+    width = len(hashes[0])
+    if all(len(h) == width for h in hashes):
+        return width, b"".join(hashes)
+    return 0, b"".join(bytes((len(h),)) + h for h in hashes)
 
 
 def redact_url(url: str) -> str:
@@ -179,45 +275,25 @@ class RedisDirectory(PrefixDirectory):
         check_worker_id(worker_id)
         check_block_hashes(added)
         check_block_hashes(evicted)
-        key = self.worker_key(worker_id)
-        with self._unavailable_on_error():
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.exists(key)
-                if evicted:
-                    pipe.srem(key, *evicted)
-                if added:
-                    pipe.sadd(key, *added)
-                    pipe.sadd(self._registry_key, worker_id)
-                self._queue_expiry(pipe, key, self.ttl_for(worker_id))
-                results = await pipe.execute()
-        return bool(results[0])
+        ev_width, ev_blob = pack_hashes(evicted)
+        add_width, add_blob = pack_hashes(added)
+        ttl = _ttl_ms(self.ttl_for(worker_id))
+        args = (self.key_prefix, worker_id, ttl, ev_width, ev_blob, add_width, add_blob)
+        return bool(await self._run_script(_PUBLISH, args))
 
     async def replace_worker(self, worker_id: str, block_hashes: Iterable[bytes]) -> None:
         check_worker_id(worker_id)
-        hashes = list(dict.fromkeys(block_hashes))
+        hashes = list(block_hashes)
         check_block_hashes(hashes)
-        key = self.worker_key(worker_id)
-        with self._unavailable_on_error():
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.delete(key)
-                for start in range(0, len(hashes), _SADD_CHUNK):
-                    pipe.sadd(key, *hashes[start : start + _SADD_CHUNK])
-                if hashes:
-                    pipe.sadd(self._registry_key, worker_id)
-                    self._queue_expiry(pipe, key, self.ttl_for(worker_id))
-                else:
-                    pipe.srem(self._registry_key, worker_id)
-                await pipe.execute()
+        width, blob = pack_hashes(hashes)
+        ttl = _ttl_ms(self.ttl_for(worker_id))
+        await self._run_script(_REPLACE, (self.key_prefix, worker_id, ttl, width, blob))
 
     async def longest_prefix(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         if not block_hashes:
             return {}
-        args = (self.key_prefix, *block_hashes)
-        with self._unavailable_on_error():
-            try:
-                flat = await self._client.evalsha(LONGEST_PREFIX_SHA, 0, *args)
-            except NoScriptError:
-                flat = await self._client.eval(LONGEST_PREFIX_LUA, 0, *args)
+        width, blob = pack_hashes(block_hashes)
+        flat = await self._run_script(_LONGEST_PREFIX, (self.key_prefix, width, blob))
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def heartbeat(self, worker_id: str, ttl_s: float | None = None) -> bool:
@@ -265,12 +341,12 @@ class RedisDirectory(PrefixDirectory):
         with contextlib.suppress(RedisError, OSError):
             await self._client.aclose()
 
-    @staticmethod
-    def _queue_expiry(pipe: aioredis.client.Pipeline, key: str, ttl_s: float | None) -> None:
-        if ttl_s is None:
-            pipe.persist(key)
-        else:
-            pipe.pexpire(key, _ttl_ms(ttl_s))
+    async def _run_script(self, script: _Script, args: tuple[object, ...]) -> object:
+        with self._unavailable_on_error():
+            try:
+                return await self._client.evalsha(script.sha, 0, *args)
+            except NoScriptError:
+                return await self._client.eval(script.source, 0, *args)
 
     @contextlib.contextmanager
     def _unavailable_on_error(self, count: bool = True) -> Iterator[None]:
@@ -284,5 +360,6 @@ class RedisDirectory(PrefixDirectory):
             ) from exc
 
 
-def _ttl_ms(ttl_s: float) -> int:
-    return max(1, math.ceil(ttl_s * 1000))
+def _ttl_ms(ttl_s: float | None) -> int:
+    """Milliseconds for PEXPIRE; 0 means no expiry."""
+    return 0 if ttl_s is None else max(1, math.ceil(ttl_s * 1000))

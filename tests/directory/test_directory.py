@@ -178,6 +178,25 @@ def test_no_ttl_never_expires(make_directory: DirectoryFactory) -> None:
     run_with(make_directory, body, worker_ttl_s=None)
 
 
+def test_hashes_of_mixed_lengths(make_directory: DirectoryFactory) -> None:
+    # Opaque bytes: any length from 1 to 64, any byte values (the Redis backend packs them
+    # with a length byte each when they differ in length).
+    h = [bytes([i % 256]) * (1 + (i * 7) % 64) for i in range(40)] + [b"\x01\x02", b"\xff" * 64]
+    h[3] = b"\x00\r\n*1\r\n"
+
+    async def body(d: PrefixDirectory) -> None:
+        await d.publish(A, h)
+        await d.publish(B, h[:30], [])
+        assert await d.longest_prefix(h) == {A: 42, B: 30}
+        await d.publish(A, [h[0]], [h[41], h[20], h[0]])
+        assert await d.longest_prefix(h) == {A: 20, B: 30}
+        await d.replace_worker(B, h[:3] + h[4:])
+        assert await d.longest_prefix(h) == {A: 20, B: 3}
+        assert await d.num_blocks(B) == 41
+
+    run_with(make_directory, body)
+
+
 def test_rejects_bad_input(make_directory: DirectoryFactory) -> None:
     async def body(d: PrefixDirectory) -> None:
         with pytest.raises(ValueError, match="worker_id"):
@@ -186,6 +205,8 @@ def test_rejects_bad_input(make_directory: DirectoryFactory) -> None:
             await d.publish(A, ["not-bytes"])  # type: ignore[list-item]
         with pytest.raises(ValueError, match="block hash"):
             await d.publish(A, [b"x" * 65])
+        with pytest.raises(ValueError, match="block hash"):
+            await d.publish(A, [b""])
         with pytest.raises(ValueError, match="ttl_s"):
             await d.heartbeat(A, ttl_s=0)
 

@@ -21,7 +21,7 @@ from tests.redis_server import RedisServer
 A, B = "prefill-a", "prefill-b"
 
 
-def test_longest_prefix_is_one_round_trip(redis_server: RedisServer, redis_key_prefix: str) -> None:
+def test_one_round_trip_per_call(redis_server: RedisServer, redis_key_prefix: str) -> None:
     h = chain("rt", 300)
 
     async def main() -> None:
@@ -42,6 +42,12 @@ def test_longest_prefix_is_one_round_trip(redis_server: RedisServer, redis_key_p
             assert sent == ["EVALSHA", "EVAL"]  # script cache miss: one EVAL fallback
             sent.clear()
             assert await d.longest_prefix(h) == {A: 200, B: 7}
+            await d.publish(B, h[7:9], [h[0]])
+            await d.replace_worker(B, h[:9])
+            assert await d.longest_prefix(h) == {A: 200, B: 9}
+            assert sent == ["EVALSHA", "EVALSHA", "EVAL", "EVALSHA", "EVAL", "EVALSHA"]
+            sent.clear()
+            await d.publish(B, [h[9]])
             assert sent == ["EVALSHA"]
         finally:
             await d.close()

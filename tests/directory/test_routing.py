@@ -160,3 +160,15 @@ def test_router_falls_back_to_load_while_redis_is_down(
             await d.close()
 
     asyncio.run(main())
+
+
+def test_package_imports_neither_torch_nor_redis() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tandem.directory, tandem.directory.routing; "
+        "bad = [m for m in ('torch', 'redis') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
