@@ -1,0 +1,208 @@
+"""The KV connector interface and the block-run arithmetic every transport shares.
+
+The KV cache is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]`, so one
+block's KV over all layers is one contiguous span and a run of consecutive block ids is one
+contiguous span too. A transfer copies the prompt's blocks of the prefill engine, in block
+table order, into the blocks the decode engine reserved::
+
+    prefill block table   [ 7  3  4 12 ]      (held after the prefill finished)
+    decode reservation    [20 21 22 30 ]      -> runs (20, 3 blocks) and (30, 1 block)
+
+A run is defined by its destination blocks; its source blocks are gathered.
+
+Threading: the engine thread owns block allocation; `reserve` and `release` go through it.
+The bytes of held blocks (prefill side) and reserved blocks (decode side) belong to no running
+request, so they are read and written from the event loop while the engine keeps stepping.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from tandem.request import EngineCoreRequest
+
+T = TypeVar("T")
+
+# Bytes per transfer message; a run longer than this is split (one block at least).
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed or was refused; the message says why."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and dtype of one KV cache block; sender and receiver must agree."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor) -> KVLayout:
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+            raise ValueError(
+                "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
+                f"head_size], got {tuple(kv_cache.shape)}"
+            )
+        _, num_layers, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        return cls(
+            num_layers, block_size, num_kv_heads, head_size, str(kv_cache.dtype).split(".")[-1]
+        )
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_size)
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return int(np.prod(self.block_shape)) * itemsize
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """The decode engine's reserved blocks for one request, and how to reach them."""
+
+    worker_id: str
+    address: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """`num_blocks` consecutive destination blocks from `first_block_id`, as raw bytes."""
+
+    request_id: str
+    first_block_id: int
+    num_blocks: int
+    data: bytes
+
+
+def block_runs(dst_block_ids: Sequence[int], max_blocks: int) -> list[tuple[int, int, int]]:
+    """Split a destination block list into runs of consecutive ids, at most `max_blocks` long.
+
+    Returns (position in `dst_block_ids`, first block id, number of blocks) per run.
+    """
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(dst_block_ids) + 1):
+        if (
+            i == len(dst_block_ids)
+            or dst_block_ids[i] != dst_block_ids[i - 1] + 1
+            or i - start == max_blocks
+        ):
+            runs.append((start, dst_block_ids[start], i - start))
+            start = i
+    return runs
+
+
+def num_prompt_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Blocks holding a prompt's KV (the last one may be partly filled)."""
+    return -(-num_prompt_tokens // block_size)
+
+
+class EngineHandle(Protocol):
+    """What a connector needs from the engine's owner: run a function on the engine thread."""
+
+    def call(self, fn: Callable[[Any], T]) -> Awaitable[T]: ...
+
+
+class KVCacheView:
+    """Byte-level reads and writes of whole blocks of one KV cache tensor (on the host)."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self.layout = KVLayout.of(kv_cache)
+        self.num_blocks = kv_cache.shape[0]
+        if kv_cache.device.type == "cpu":
+            self._bytes: np.ndarray | None = (
+                kv_cache.view(torch.uint8).numpy().reshape(self.num_blocks, -1)
+            )
+        else:
+            self._bytes = None
+
+    def _check(self, block_ids: Sequence[int]) -> None:
+        if any(b < 0 or b >= self.num_blocks for b in block_ids):
+            raise KVTransferError(f"block ids out of range [0, {self.num_blocks}): {block_ids}")
+
+    def read(self, block_ids: Sequence[int]) -> bytes:
+        """The bytes of `block_ids`, concatenated in that order."""
+        self._check(block_ids)
+        if self._bytes is not None:
+            first = block_ids[0]
+            if list(block_ids) == list(range(first, first + len(block_ids))):
+                return self._bytes[first : first + len(block_ids)].tobytes()
+            return self._bytes[np.asarray(block_ids)].tobytes()
+        idx = torch.as_tensor(list(block_ids), device=self.kv_cache.device)
+        blocks = self.kv_cache.index_select(0, idx).contiguous().cpu()
+        return blocks.view(torch.uint8).numpy().tobytes()
+
+    def write(self, first_block_id: int, num_blocks: int, data: bytes) -> None:
+        """Overwrite blocks `first_block_id ..+num_blocks` with `data`."""
+        self._check([first_block_id, first_block_id + num_blocks - 1])
+        expected = num_blocks * self.layout.bytes_per_block
+        if len(data) != expected:
+            raise KVTransferError(
+                f"a run of {num_blocks} blocks needs {expected} bytes, got {len(data)}"
+            )
+        src = np.frombuffer(data, dtype=np.uint8).reshape(num_blocks, -1)
+        if self._bytes is not None:
+            self._bytes[first_block_id : first_block_id + num_blocks] = src
+            return
+        host = torch.from_numpy(src.copy()).view(self.kv_cache.dtype)
+        self.kv_cache[first_block_id : first_block_id + num_blocks].copy_(
+            host.view(num_blocks, *self.layout.block_shape)
+        )
+
+
+class KVConnector(abc.ABC):
+    """Moves one request's prompt KV from a prefill engine's held blocks into the blocks a
+    decode engine reserved for it.
+
+    Decode side: `reserve` (blocks for the prompt, or None when the pool is short), then
+    `receive` for every incoming run, then the worker adds the request to its running batch;
+    `release` drops a reservation that will not be used. Prefill side: `send_blocks` after the
+    prefill finished with its KV held, then `release` frees the held blocks.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, engine: EngineHandle) -> None:
+        self.cache = KVCacheView(kv_cache)
+        self.layout = self.cache.layout
+        self.engine = engine
+
+    async def reserve(self, request: EngineCoreRequest) -> list[int] | None:
+        return await self.engine.call(lambda e: e.reserve(request))
+
+    def receive(self, run: BlockRun, reserved_block_ids: Sequence[int]) -> None:
+        """Write one run into blocks that must belong to the request's reservation."""
+        allowed = set(reserved_block_ids)
+        last = run.first_block_id + run.num_blocks
+        if run.num_blocks < 1 or any(b not in allowed for b in range(run.first_block_id, last)):
+            raise KVTransferError(
+                f"blocks {run.first_block_id}..{last - 1} are not reserved for request "
+                f"{run.request_id!r}"
+            )
+        self.cache.write(run.first_block_id, run.num_blocks, run.data)
+
+    async def release(self, request_id: str) -> None:
+        """Free the request's held (prefill) or reserved (decode) blocks here."""
+        await self.engine.call(lambda e: e.abort_requests([request_id]))
+
+    @abc.abstractmethod
+    async def send_blocks(
+        self, request_id: str, src_block_ids: Sequence[int], dst: KVDestination
+    ) -> int:
+        """Copy `src_block_ids` (this engine's) into `dst.block_ids` in order; returns the
+        bytes moved. Raises KVTransferError."""
