@@ -22,7 +22,7 @@ once per step; it loops over requests, never over tokens.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -144,19 +144,30 @@ class SamplingMetadata:
                     row_generators[i] = gen
 
         presence = frequency = repetition = None
-        counts = seen = None
+        counts: torch.Tensor | None = None
+        seen: torch.Tensor | None = None
         if any(p.presence_penalty != 0.0 for p in params):
             presence = to_dev([p.presence_penalty for p in params], torch.float32)
         if any(p.frequency_penalty != 0.0 for p in params):
             frequency = to_dev([p.frequency_penalty for p in params], torch.float32)
         if any(p.repetition_penalty != 1.0 for p in params):
             repetition = to_dev([p.repetition_penalty for p in params], torch.float32)
-        if presence is not None or frequency is not None or repetition is not None:
-            counts = _token_counts(output_token_ids, vocab_size, device)
+        if presence is not None or frequency is not None:
+            counts = torch.zeros(num_reqs * vocab_size, dtype=torch.int32, device=device)
+            index = _flat_token_index(output_token_ids, vocab_size, device)
+            counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.int32))
+            counts = counts.view(num_reqs, vocab_size)
         if repetition is not None:
-            seen = (counts > 0) | (_token_counts(prompt_token_ids, vocab_size, device) > 0)
-        if presence is None and frequency is None:
-            counts = None
+            histories = [
+                itertools.chain(p, o)
+                for p, o in zip(prompt_token_ids, output_token_ids, strict=True)
+            ]
+            lens = [
+                len(p) + len(o) for p, o in zip(prompt_token_ids, output_token_ids, strict=True)
+            ]
+            seen = torch.zeros(num_reqs * vocab_size, dtype=torch.bool, device=device)
+            seen.index_fill_(0, _flat_token_index(histories, vocab_size, device, lens), True)
+            seen = seen.view(num_reqs, vocab_size)
 
         mt_rows: list[int] = []
         mt_tokens: list[int] = []
@@ -200,18 +211,20 @@ class SamplingMetadata:
         )
 
 
-def _token_counts(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+def _flat_token_index(
+    token_ids: Sequence[Iterable[int]],
+    vocab_size: int,
+    device: torch.device,
+    lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """[B, V] int32 occurrence counts, by one scatter_add over the flattened histories."""
-    num_reqs = len(token_ids)
-    lens = torch.tensor([len(t) for t in token_ids], dtype=torch.int64)
+    """`row * vocab_size + token` for every token of every row, flattened (one int64 tensor)."""
+    if lens is None:
+        lens = [len(t) for t in token_ids]  # type: ignore[arg-type]
     flat = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(num_reqs, dtype=torch.int64), lens)
-    index = (rows * vocab_size + flat).to(device, non_blocking=True)
-    counts = torch.zeros(num_reqs * vocab_size, dtype=torch.int32, device=device)
-    counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.int32))
-    return counts.view(num_reqs, vocab_size)
+    rows = torch.repeat_interleave(
+        torch.arange(len(lens), dtype=torch.int64), torch.tensor(lens, dtype=torch.int64)
+    )
+    return (rows * vocab_size + flat).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -271,10 +284,8 @@ class Sampler(nn.Module):
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """min_tokens masking, then penalties; greedy rows take the argmax of the result."""
         if metadata.min_tokens_rows is not None:
-            logits = logits.index_put(
-                (metadata.min_tokens_rows, metadata.min_tokens_token_ids),
-                torch.tensor(float("-inf"), device=logits.device),
-            )
+            logits = logits.clone()
+            logits[metadata.min_tokens_rows, metadata.min_tokens_token_ids] = float("-inf")
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
         return logits
