@@ -18,14 +18,14 @@ def _silu_and_mul_kernel(
     out_ptr,
     stride_x,
     stride_o,
-    intermediate_size,
+    INTERMEDIATE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < intermediate_size
+    mask = offs < INTERMEDIATE_SIZE
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + intermediate_size + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + INTERMEDIATE_SIZE + offs, mask=mask, other=0.0)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     out = act.to(tl.float32) * up.to(tl.float32)
@@ -43,7 +43,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(intermediate_size), 1024)
     grid = (num_tokens, triton.cdiv(intermediate_size, block))
     _silu_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0), intermediate_size, BLOCK=block, num_warps=4
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        INTERMEDIATE_SIZE=intermediate_size,
+        BLOCK=block,
+        num_warps=4,
     )
     return out
 

@@ -79,7 +79,6 @@ def _prefill_kernel(
     stride_c_off,
     stride_c_head,
     stride_bt,
-    head_size,
     QPK: tl.constexpr,
     QPK_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -87,6 +86,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -109,7 +109,7 @@ def _prefill_kernel(
     head = kv_head * QPK + head_in_group
     tok = (q_start + q_idx).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_size
+    d_mask = offs_d < HEAD_SIZE
     q_mask = row_valid[:, None] & d_mask[None, :]
     q = tl.load(
         q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
@@ -175,12 +175,12 @@ def _decode_kernel(
     stride_c_off,
     stride_c_head,
     stride_bt,
-    head_size,
     QPK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -197,7 +197,7 @@ def _decode_kernel(
     h_valid = offs_h < QPK
     head = kv_head * QPK + offs_h
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_size
+    d_mask = offs_d < HEAD_SIZE
     hd_mask = h_valid[:, None] & d_mask[None, :]
     q = tl.load(
         q_ptr + req.to(tl.int64) * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
@@ -233,7 +233,7 @@ def _decode_kernel(
         part = (req * num_heads + head).to(tl.int64) * num_splits + split
         tl.store(part_m_ptr + part, m_i, mask=h_valid)
         tl.store(part_l_ptr + part, l_i, mask=h_valid)
-        tl.store(part_out_ptr + part[:, None] * head_size + offs_d[None, :], acc, mask=hd_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :], acc, mask=hd_mask)
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
@@ -257,7 +257,7 @@ def _decode_reduce_kernel(
     num_heads,
     stride_o_tok,
     stride_o_head,
-    head_size,
+    HEAD_SIZE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -266,12 +266,12 @@ def _decode_reduce_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_size
+    d_mask = offs_d < HEAD_SIZE
     part = (req * num_heads + head).to(tl.int64) * num_splits + offs_s
     m = tl.load(part_m_ptr + part, mask=s_mask, other=_NEG_INIT)
     l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)  # noqa: E741
     acc = tl.load(
-        part_out_ptr + part[:, None] * head_size + offs_d[None, :],
+        part_out_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :],
         mask=s_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
@@ -321,13 +321,16 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch of any query lengths (see the module docstring).
 
     query `[T, H, D]`; kv_cache `[num_blocks, 2, block_size, Hkv, D]` (strided view allowed);
     query_start_loc `[R + 1]` int32; seq_lens `[R]` int32; block_table `[>= R, max_blocks]`
     int32. Rows of `query` past `query_start_loc[R]` are not written in `out`. Launches one
-    kernel; reads no device values on the host.
+    kernel; reads no device values on the host. `block_q`, `block_n`, `num_warps` and
+    `num_stages` are tuning knobs (defaults suit head size 128 on Hopper).
     """
     num_heads, num_kv_heads, head_size, block_size = _check_common(
         query, kv_cache, seq_lens, block_table
@@ -370,7 +373,6 @@ def paged_prefill_attention(
         kv_cache.stride(2),
         kv_cache.stride(3),
         block_table.stride(0),
-        head_size,
         QPK=qpk,
         QPK_PAD=qpk_pad,
         BLOCK_Q=block_q,
@@ -378,9 +380,10 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
+        HEAD_SIZE=head_size,
         INPUT_PRECISION=_input_precision(query.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -415,6 +418,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Attention of one query row per request over its whole cached context (split-K).
 
@@ -422,7 +427,8 @@ def paged_decode_attention(
     seq_lens `[R]` int32; block_table `[>= R, max_blocks]` int32. `max_seq_len` (a host int,
     an upper bound is fine) only picks `num_splits` when it is not given; results do not
     depend on it. Requests with seq_len 0 produce zeros. Allocations depend only on R, H, D
-    and num_splits, so the call can be captured in a CUDA graph.
+    and num_splits, so the call can be captured in a CUDA graph. `block_n`, `num_warps` and
+    `num_stages` are tuning knobs.
     """
     num_heads, num_kv_heads, head_size, block_size = _check_common(
         query, kv_cache, seq_lens, block_table
@@ -475,16 +481,16 @@ def paged_decode_attention(
         kv_cache.stride(2),
         kv_cache.stride(3),
         block_table.stride(0),
-        head_size,
         QPK=qpk,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
+        HEAD_SIZE=head_size,
         SPLIT=split,
         INPUT_PRECISION=_input_precision(query.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split:
         _decode_reduce_kernel[(num_reqs, num_heads)](
@@ -496,7 +502,7 @@ def paged_decode_attention(
             num_heads,
             out.stride(0),
             out.stride(1),
-            head_size,
+            HEAD_SIZE=head_size,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
             num_warps=4,

@@ -31,8 +31,8 @@ def _reshape_and_cache_kernel(
     stride_c_off,
     stride_c_head,
     num_kv_heads,
-    head_size,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -45,7 +45,7 @@ def _reshape_and_cache_kernel(
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_size)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_SIZE)
     src_k = key_ptr + tok.to(tl.int64) * stride_k_tok + offs_h[:, None] * stride_k_head
     src_v = value_ptr + tok.to(tl.int64) * stride_v_tok + offs_h[:, None] * stride_v_head
     k = tl.load(src_k + offs_d[None, :], mask=mask)
@@ -97,8 +97,8 @@ def reshape_and_cache(
         kv_cache.stride(2),
         kv_cache.stride(3),
         num_kv_heads,
-        head_size,
         BLOCK_SIZE=block_size,
+        HEAD_SIZE=head_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_size),
         num_warps=4,

@@ -24,14 +24,14 @@ def _rms_norm_kernel(
     stride_r,
     stride_o,
     stride_ro,
-    hidden_size,
     eps,
+    HIDDEN_SIZE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    mask = offs < hidden_size
+    mask = offs < HIDDEN_SIZE
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     io_dtype = x.dtype
     if HAS_RESIDUAL:
@@ -39,7 +39,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(io_dtype)
         tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / hidden_size
+    var = tl.sum(xf * xf, axis=0) / HIDDEN_SIZE
     rstd = 1.0 / tl.sqrt(var + eps)
     normed = (xf * rstd).to(io_dtype).to(tl.float32)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -77,8 +77,8 @@ def _launch(
         r.stride(0),
         out.stride(0),
         ro.stride(0),
-        hidden_size,
         eps,
+        HIDDEN_SIZE=hidden_size,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),

@@ -24,25 +24,25 @@ def _rotate_heads(
     stride_dst_tok,
     stride_dst_head,
     num_heads,
-    half,
     c,
     s,
+    HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
-    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < half)
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
     src = src_ptr + tok * stride_src_tok + offs_h[:, None] * stride_src_head + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + half, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     o1 = x1f * c[None, :] - x2f * s[None, :]
     o2 = x2f * c[None, :] + x1f * s[None, :]
     dst = dst_ptr + tok * stride_dst_tok + offs_h[:, None] * stride_dst_head + offs_d[None, :]
     tl.store(dst, o1.to(x1.dtype), mask=mask)
-    tl.store(dst + half, o2.to(x1.dtype), mask=mask)
+    tl.store(dst + HALF, o2.to(x1.dtype), mask=mask)
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def _rotary_kernel(
     stride_sin,
     num_heads,
     num_kv_heads,
-    half,
+    HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -74,7 +74,7 @@ def _rotary_kernel(
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
-    dmask = offs_d < half
+    dmask = offs_d < HALF
     c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=dmask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=dmask, other=0.0).to(tl.float32)
     _rotate_heads(
@@ -86,9 +86,9 @@ def _rotary_kernel(
         stride_qo_tok,
         stride_qo_head,
         num_heads,
-        half,
         c,
         s,
+        HALF,
         BLOCK_H,
         BLOCK_HALF,
     )
@@ -101,9 +101,9 @@ def _rotary_kernel(
         stride_ko_tok,
         stride_ko_head,
         num_kv_heads,
-        half,
         c,
         s,
+        HALF,
         BLOCK_HKV,
         BLOCK_HALF,
     )
@@ -166,7 +166,7 @@ def rotary_embedding(
         sin_cache.stride(0),
         num_heads,
         num_kv_heads,
-        half,
+        HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),

@@ -178,6 +178,8 @@ def case_prefill_mha_and_odd_group() -> None:
     # num_heads == num_kv_heads, then 3 query heads per KV head (padded group).
     _run_prefill(torch.float32, [20, 35], [20, 12], 2, 2, 32, seed=3)
     _run_prefill(torch.float32, [20, 35], [20, 12], 6, 2, 32, seed=4)
+    # Head size 48: padded to 64 inside the kernel.
+    _run_prefill(torch.float32, [20, 35], [20, 12], 4, 2, 48, seed=5)
 
 
 # --- decode attention ---------------------------------------------------------------------

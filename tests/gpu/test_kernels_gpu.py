@@ -1,0 +1,343 @@
+"""The Triton kernels against their torch references on a CUDA device, at Llama-3.1-8B sizes
+(32 query heads, 8 KV heads, head 128, block 16, contexts up to 4k, batches up to 256), in
+bf16 and fp16. Also: the decode path captured in a CUDA graph and replayed with new lengths,
+and a timing of decode and prefill against torch (printed; run with -s to see it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import triton.testing  # noqa: E402
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from kernels.paged_attention import (  # noqa: E402
+    decode_num_splits,
+    paged_attention_ref,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
+from kernels.rms_norm import (  # noqa: E402
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+from kernels.rotary import rotary_embedding, rotary_embedding_ref  # noqa: E402
+from tandem.layers.attention.backend import AttentionMetadata  # noqa: E402
+from tandem.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+DEV = torch.device("cuda")
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_LAYERS = 32, 8, 128, 16, 2
+DTYPES = [torch.bfloat16, torch.float16]
+SCALE = HEAD_SIZE**-0.5
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return (
+        {"atol": 1.5e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 3e-3, "rtol": 5e-3}
+    )
+
+
+def _cache(num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+    """Layer 1 of a `[num_blocks, NUM_LAYERS, 2, bs, Hkv, D]` cache (a strided view)."""
+    full = torch.randn(
+        num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype, device=DEV
+    )
+    return full[:, 1]
+
+
+def _block_table(seq_lens: list[int], num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    per_req = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
+    assert sum(per_req) <= num_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max(per_req), dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(per_req):
+        table[r, :n] = perm[used : used + n]
+        used += n
+    return table.to(DEV)
+
+
+def _qsl(query_lens: list[int]) -> torch.Tensor:
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return torch.tensor(starts, dtype=torch.int32, device=DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    cache = _cache(1024, dtype)
+    expected = cache.clone()
+    num_tokens = 4096
+    slots = torch.randperm(1024 * BLOCK_SIZE, generator=gen)[:num_tokens]
+    slots[::97] = -1
+    slots = slots.to(DEV)
+    kv = torch.randn(num_tokens, 2, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    reshape_and_cache(kv[:, 0], kv[:, 1], cache, slots)
+    reshape_and_cache_ref(kv[:, 0], kv[:, 1], expected, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_mixed_batch(dtype: torch.dtype) -> None:
+    """A fresh 4k prompt, a chunk after a 2k prefix, a short chunk, and 8 decodes."""
+    gen = torch.Generator().manual_seed(1)
+    decode_lens = torch.randint(1, 4096, (8,), generator=gen).tolist()
+    seq_lens = [4096, 3000, 1500, *decode_lens]
+    query_lens = [4096, 1000, 512, *([1] * 8)]
+    cache = _cache(2048, dtype)
+    block_table = _block_table(seq_lens, 2048, gen)
+    qsl = _qsl(query_lens)
+    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    out = paged_prefill_attention(query, cache, qsl, lens, block_table, SCALE)
+    ref = paged_attention_ref(query, cache, qsl, lens, block_table, SCALE)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 7, 64, 256])
+def test_decode(dtype: torch.dtype, batch: int) -> None:
+    gen = torch.Generator().manual_seed(2 + batch)
+    seq_lens = [4096] if batch == 1 else torch.randint(1, 4097, (batch,), generator=gen).tolist()
+    num_blocks = sum(math.ceil(n / BLOCK_SIZE) for n in seq_lens) + 8
+    cache = _cache(num_blocks, dtype)
+    block_table = _block_table(seq_lens, num_blocks, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    ref = paged_attention_ref(query, cache, qsl, lens, block_table, SCALE)
+    auto = paged_decode_attention(query, cache, lens, block_table, SCALE, max_seq_len=4096)
+    torch.testing.assert_close(auto, ref, **_tol(dtype))
+    for splits in (1, 5):
+        out = paged_decode_attention(
+            query, cache, lens, block_table, SCALE, max_seq_len=4096, num_splits=splits
+        )
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+def test_decode_cuda_graph_replay() -> None:
+    """Capture the backend's decode step once (splits fixed by max_seq_len=4096), then replay
+    with other lengths, block tables and slots written into the same buffers."""
+    dtype, batch, max_blocks = torch.bfloat16, 32, 4096 // BLOCK_SIZE
+    gen = torch.Generator().manual_seed(3)
+    num_blocks = batch * max_blocks
+    cache = _cache(num_blocks, dtype)
+    query = torch.zeros(batch, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    key = torch.zeros(batch, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    value = torch.zeros_like(key)
+    seq_lens = torch.ones(batch, dtype=torch.int32, device=DEV)
+    block_table = torch.zeros(batch, max_blocks, dtype=torch.int32, device=DEV)
+    slot_mapping = torch.full((batch,), -1, dtype=torch.int64, device=DEV)
+    meta = AttentionMetadata(
+        num_actual_tokens=batch,
+        num_reqs=batch,
+        max_query_len=1,
+        max_seq_len=4096,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
+        seq_lens=seq_lens,
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        query_start_loc_cpu=list(range(batch + 1)),
+        seq_lens_cpu=[1] * batch,
+        is_decode_only=True,
+    )
+    assert decode_num_splits(batch, NUM_KV_HEADS, 4096, 132) > 1
+    backend = TritonAttentionBackend()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(query, key, value, cache, meta, SCALE)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(query, key, value, cache, meta, SCALE)
+
+    for trial in range(2):
+        lens = torch.randint(1, 4097, (batch,), generator=gen).tolist()
+        table = _block_table(lens, num_blocks, gen)
+        block_table.zero_()
+        block_table[:, : table.shape[1]] = table
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        last = torch.tensor(lens) - 1
+        slots = table.cpu()[torch.arange(batch), last // BLOCK_SIZE].long() * BLOCK_SIZE
+        slot_mapping.copy_(slots + last % BLOCK_SIZE)
+        query.normal_()
+        key.normal_()
+        value.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_attention_ref(query, cache, meta.query_start_loc, seq_lens, block_table, SCALE)
+        torch.testing.assert_close(out, ref, **_tol(dtype), msg=f"replay {trial}")
+        got = cache[block_table[0, (lens[0] - 1) // BLOCK_SIZE], 0, (lens[0] - 1) % BLOCK_SIZE]
+        assert torch.equal(got, key[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype: torch.dtype) -> None:
+    x = torch.randn(2048, 4096, dtype=dtype, device=DEV)
+    residual = torch.randn_like(x)
+    weight = (1 + 0.1 * torch.randn(4096, device=DEV)).to(dtype)
+    tol = {"atol": 2e-2, "rtol": 1e-2}  # one rounding step of the 16-bit output
+    torch.testing.assert_close(rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), **tol)
+    out, new_res = fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_res = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(new_res, ref_res)
+    torch.testing.assert_close(out, ref_out, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary(dtype: torch.dtype) -> None:
+    num_tokens = 2048
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_SIZE, 2, device=DEV).float() / HEAD_SIZE))
+    freqs = torch.outer(torch.arange(8192, device=DEV).float(), inv_freq)
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, 8192, (num_tokens,), device=DEV)
+    qkv = torch.randn(num_tokens, NUM_HEADS + 2 * NUM_KV_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    q, k = qkv[:, :NUM_HEADS], qkv[:, NUM_HEADS : NUM_HEADS + NUM_KV_HEADS]
+    ref_q, ref_k = rotary_embedding_ref(positions, q, k, cos, sin)
+    rotary_embedding(positions, q, k, cos, sin, inplace=True)
+    tol = {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(q, ref_q, **tol)
+    torch.testing.assert_close(k, ref_k, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = torch.randn(1024, 2 * 14336, dtype=dtype, device=DEV)
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), atol=1e-2, rtol=1e-2)
+
+
+# --- timings ----------------------------------------------------------------------------------
+
+
+def _dense_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """`[B, 2, Hkv, seq_len, D]` gathered from the paged cache (all requests seq_len long)."""
+    blocks = cache[block_table.long()]  # [B, nb, 2, bs, Hkv, D]
+    b, nb = blocks.shape[:2]
+    kv = blocks.permute(0, 2, 4, 1, 3, 5).reshape(b, 2, NUM_KV_HEADS, nb * BLOCK_SIZE, HEAD_SIZE)
+    return kv[:, :, :, :seq_len]
+
+
+def test_decode_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    """Batch 64 x context 1024, bf16: Triton decode vs torch (gather + SDPA, and SDPA on KV
+    that is already dense). Prints microseconds and the K/V read rate."""
+    dtype, batch, ctx = torch.bfloat16, 64, 1024
+    gen = torch.Generator().manual_seed(4)
+    num_blocks = batch * ctx // BLOCK_SIZE
+    cache = _cache(num_blocks, dtype)
+    block_table = _block_table([ctx] * batch, num_blocks, gen)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+
+    def torch_decode() -> torch.Tensor:
+        kv = _dense_kv(cache, block_table, ctx)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, None], kv[:, 0], kv[:, 1], scale=SCALE, enable_gqa=True
+        )
+
+    dense = _dense_kv(cache, block_table, ctx).contiguous()
+
+    def sdpa_dense() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, None], dense[:, 0], dense[:, 1], scale=SCALE, enable_gqa=True
+        )
+
+    ref = torch_decode()[:, :, 0]
+    out = paged_decode_attention(query, cache, lens, block_table, SCALE, max_seq_len=ctx)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * 2
+    num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    auto = decode_num_splits(batch, NUM_KV_HEADS, ctx, num_sms)
+    configs = [(None, 64, 4, 3)]
+    configs += [(s, b, 4, 3) for s in (1, 2, 4) for b in (32, 64, 128)]
+    configs += [(1, 64, 4, 2), (1, 64, 8, 3), (2, 64, 8, 3), (1, 32, 2, 3), (1, 64, 4, 4)]
+    rows = []
+    for splits, block_n, warps, stages in configs:
+        ms = triton.testing.do_bench(
+            lambda s=splits, b=block_n, w=warps, st=stages: paged_decode_attention(
+                query,
+                cache,
+                lens,
+                block_table,
+                SCALE,
+                max_seq_len=ctx,
+                num_splits=s,
+                block_n=b,
+                num_warps=w,
+                num_stages=st,
+            )
+        )
+        label = f"splits={splits or f'auto({auto})'} block_n={block_n} warps={warps} st={stages}"
+        rows.append(("triton " + label, ms))
+    rows.append(("torch gather + SDPA", triton.testing.do_bench(torch_decode)))
+    rows.append(("torch SDPA on dense KV", triton.testing.do_bench(sdpa_dense)))
+    with capsys.disabled():
+        print("\ndecode bf16 batch 64 x ctx 1024 (32/8 heads, d 128):")
+        for name, ms in rows:
+            print(f"  {name:52s} {ms * 1e3:8.1f} us  {kv_bytes / ms / 1e6:7.0f} GB/s")
+
+
+def test_prefill_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    """8 fresh prompts of 1024 tokens, bf16: Triton paged prefill vs SDPA on dense K/V."""
+    dtype, batch, n = torch.bfloat16, 8, 1024
+    gen = torch.Generator().manual_seed(5)
+    num_blocks = batch * n // BLOCK_SIZE
+    cache = _cache(num_blocks, dtype)
+    block_table = _block_table([n] * batch, num_blocks, gen)
+    lens = torch.full((batch,), n, dtype=torch.int32, device=DEV)
+    qsl = _qsl([n] * batch)
+    query = torch.randn(batch * n, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    dense = _dense_kv(cache, block_table, n).contiguous()
+    q_dense = query.view(batch, n, NUM_HEADS, HEAD_SIZE).transpose(1, 2)
+
+    def sdpa() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q_dense, dense[:, 0], dense[:, 1], scale=SCALE, is_causal=True, enable_gqa=True
+        )
+
+    out = paged_prefill_attention(query, cache, qsl, lens, block_table, SCALE)
+    ref = sdpa().transpose(1, 2).reshape(batch * n, NUM_HEADS, HEAD_SIZE)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    flops = 4 * batch * n * n / 2 * NUM_HEADS * HEAD_SIZE
+    rows = []
+    for block_q, block_n, warps, stages in [
+        (None, None, 4, 3),
+        (32, 64, 8, 3),
+        (16, 128, 4, 3),
+        (32, 128, 8, 3),
+        (16, 64, 4, 2),
+        (16, 32, 4, 3),
+    ]:
+        ms = triton.testing.do_bench(
+            lambda q=block_q, b=block_n, w=warps, st=stages: paged_prefill_attention(
+                query,
+                cache,
+                qsl,
+                lens,
+                block_table,
+                SCALE,
+                block_q=q,
+                block_n=b,
+                num_warps=w,
+                num_stages=st,
+            )
+        )
+        rows.append((f"triton block_q={block_q} block_n={block_n} warps={warps} st={stages}", ms))
+    rows.append(("torch SDPA on dense KV", triton.testing.do_bench(sdpa)))
+    with capsys.disabled():
+        print("\nprefill bf16 8 x 1024 causal (32/8 heads, d 128):")
+        for name, ms in rows:
+            print(f"  {name:52s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:7.1f} TFLOP/s")
