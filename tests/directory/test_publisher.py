@@ -179,6 +179,25 @@ def test_publish_into_emptied_directory_republishes(make_directory: DirectoryFac
     run_with(make_directory, body)
 
 
+def test_heartbeats_keep_an_idle_worker_alive(make_directory: DirectoryFactory) -> None:
+    h = chain("idle", 3)
+
+    async def body(d: PrefixDirectory) -> None:
+        pool = FakePool(h)
+        pub = DirectoryPublisher(d, W, pool.snapshot, ttl_s=0.3)  # heartbeat every 0.1 s
+        await pub.start()
+        await wait_until(lambda: _not_dirty(pub))
+        await asyncio.sleep(0.7)  # more than twice the ttl, nothing recorded
+        assert await d.longest_prefix(h) == {W: 3}
+        pool.add(pub, chain("idle-more", 1))
+        await pub.stop(remove=False)  # flushes what is pending, keeps the entries
+        assert await d.num_blocks(W) == 4
+        await asyncio.sleep(0.4)  # no more heartbeats: like a crashed worker
+        assert await d.num_blocks(W) == 0
+
+    run_with(make_directory, body)
+
+
 def test_redis_outage_and_recovery(redis_server_factory: Callable[..., RedisServer]) -> None:
     server = redis_server_factory()
     h = chain("outage", 12)
