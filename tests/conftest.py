@@ -125,3 +125,38 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
         return built[arch]
 
     return make
+
+
+def build_attn_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+) -> Any:
+    """AttentionMetadata for one flattened step (CPU): request r computes the last
+    `query_lens[r]` of its `seq_lens[r]` tokens, whose blocks are `block_tables[r]`."""
+    import torch
+
+    from tandem.layers.attention import AttentionMetadata
+
+    starts = [0]
+    slots: list[int] = []
+    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        starts.append(starts[-1] + q_len)
+        for pos in range(s_len - q_len, s_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    width = max(len(t) for t in block_tables)
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    return AttentionMetadata(
+        num_actual_tokens=starts[-1],
+        num_reqs=len(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=torch.tensor(padded, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=list(seq_lens),
+        is_decode_only=all(q == 1 for q in query_lens),
+    )
