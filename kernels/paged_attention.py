@@ -61,6 +61,61 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    start_n,
+    key_end,
+    q_pos,
+    bt_row,
+    cache_head,
+    scale_log2,
+    stride_c_block,
+    stride_c_kv,
+    stride_c_off,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    MASK_KEYS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys start_n .. start_n + BLOCK_N of the paged context.
+
+    MASK_KEYS: keys >= key_end are dropped (else the whole tile is valid). CAUSAL: key n is
+    dropped for row m when n > q_pos[m].
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_SIZE
+    n_valid = offs_n < key_end
+    if MASK_KEYS:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+    else:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    kv_row = cache_head + blk * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_off
+    k = tl.load(kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(kv_row[:, None] + stride_c_kv + offs_d[None, :], mask=kv_mask, other=0.0)
+
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
+    if CAUSAL:
+        qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :], qk, float("-inf"))
+    elif MASK_KEYS:
+        qk = tl.where(n_valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
@@ -121,28 +176,24 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Keys needed by this tile: up to the last row's position (causal), within the context.
+    # Keys below the tile's first row are visible to every row: no masks. The rest, up to the
+    # last row's position (causal) and within the context, is the masked diagonal.
     num_keys = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    full_end = (context_len + q_block * BLOCK_Q) // BLOCK_N * BLOCK_N
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     cache_head = cache_ptr + kv_head.to(tl.int64) * stride_c_head
-    for start_n in range(0, num_keys, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < num_keys
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        kv_row = cache_head + blk * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_off
-        kv_mask = n_valid[:, None] & d_mask[None, :]
-        k = tl.load(kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(kv_row[:, None] + stride_c_kv + offs_d[None, :], mask=kv_mask, other=0.0)
-
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
-        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+    for start_n in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, num_keys, q_pos, bt_row, cache_head, scale_log2,
+            stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE, HEAD_SIZE,
+            False, False, INPUT_PRECISION,
+        )  # fmt: skip
+    for start_n in range(full_end, num_keys, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, num_keys, q_pos, bt_row, cache_head, scale_log2,
+            stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE, HEAD_SIZE,
+            True, True, INPUT_PRECISION,
+        )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -191,7 +242,7 @@ def _decode_kernel(
     # Partitions are whole BLOCK_N tiles; trailing partitions may be empty.
     part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * part_len
-    end = tl.minimum(start + part_len, seq_len)
+    end = tl.maximum(tl.minimum(start + part_len, seq_len), start)
 
     offs_h = tl.arange(0, BLOCK_H)
     h_valid = offs_h < QPK
@@ -210,23 +261,20 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     cache_head = cache_ptr + kv_head.to(tl.int64) * stride_c_head
-    for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < end
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        kv_row = cache_head + blk * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_off
-        kv_mask = n_valid[:, None] & d_mask[None, :]
-        k = tl.load(kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(kv_row[:, None] + stride_c_kv + offs_d[None, :], mask=kv_mask, other=0.0)
-
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
-        qk = tl.where(n_valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+    # Whole tiles unmasked, then the tail; q_pos (here `start`) is unused: not causal.
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for start_n in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, end, start, bt_row, cache_head, scale_log2,
+            stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE, HEAD_SIZE,
+            False, False, INPUT_PRECISION,
+        )  # fmt: skip
+    for start_n in range(full_end, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, end, start, bt_row, cache_head, scale_log2,
+            stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE, HEAD_SIZE,
+            True, False, INPUT_PRECISION,
+        )  # fmt: skip
 
     if SPLIT:
         # Unnormalised partial results, [num_reqs, num_heads, num_splits(, head_size)].

@@ -7,6 +7,7 @@ and a timing of decode and prefill against torch (printed; run with -s to see it
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -231,16 +232,55 @@ def _dense_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     return kv[:, :, :, :seq_len]
 
 
-def test_decode_timing(capsys: pytest.CaptureFixture[str]) -> None:
-    """Batch 64 x context 1024, bf16: Triton decode vs torch (gather + SDPA, and SDPA on KV
-    that is already dense). Prints microseconds and the K/V read rate."""
-    dtype, batch, ctx = torch.bfloat16, 64, 1024
-    gen = torch.Generator().manual_seed(4)
+def _bench(fn: Callable[[], object], graph: bool) -> float:
+    """Milliseconds per call: replayed from a CUDA graph (as the engine runs decode), or
+    launched eagerly (then host launch cost can dominate small kernels). NaN on failure."""
+    try:
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn)
+        return triton.testing.do_bench(fn)
+    except Exception as exc:  # a timing that cannot be taken is reported, not fatal
+        print(f"    (bench failed: {exc!r:.200})")
+        return float("nan")
+
+
+def _decode_setup(
+    batch: int, ctx: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     num_blocks = batch * ctx // BLOCK_SIZE
-    cache = _cache(num_blocks, dtype)
+    cache = _cache(num_blocks, torch.bfloat16)
     block_table = _block_table([ctx] * batch, num_blocks, gen)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=DEV)
+    return query, cache, lens, block_table
+
+
+def test_decode_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    """bf16 decode, Triton vs torch (gather from the paged cache + SDPA, and SDPA on K/V that
+    is already dense). Batch 64 x context 1024 with a sweep of tile settings, then a few
+    long-context shapes where the split count matters. Prints microseconds and K/V GB/s."""
+    gen = torch.Generator().manual_seed(4)
+    num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    lines = []
+
+    def triton_fn(
+        query: torch.Tensor,
+        cache: torch.Tensor,
+        lens: torch.Tensor,
+        block_table: torch.Tensor,
+        ctx: int,
+        **kw: int,
+    ) -> Callable[[], torch.Tensor]:
+        return lambda: paged_decode_attention(
+            query, cache, lens, block_table, SCALE, max_seq_len=ctx, **kw
+        )
+
+    def report(name: str, ms: float, kv_bytes: int) -> None:
+        lines.append(f"  {name:56s} {ms * 1e3:8.1f} us  {kv_bytes / ms / 1e6:7.0f} GB/s")
+
+    batch, ctx = 64, 1024
+    query, cache, lens, block_table = _decode_setup(batch, ctx, gen)
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * 2
 
     def torch_decode() -> torch.Tensor:
         kv = _dense_kv(cache, block_table, ctx)
@@ -257,37 +297,43 @@ def test_decode_timing(capsys: pytest.CaptureFixture[str]) -> None:
 
     ref = torch_decode()[:, :, 0]
     out = paged_decode_attention(query, cache, lens, block_table, SCALE, max_seq_len=ctx)
-    torch.testing.assert_close(out, ref, **_tol(dtype))
-    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * 2
-    num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    torch.testing.assert_close(out, ref, **_tol(torch.bfloat16))
     auto = decode_num_splits(batch, NUM_KV_HEADS, ctx, num_sms)
-    configs = [(None, 64, 4, 3)]
-    configs += [(s, b, 4, 3) for s in (1, 2, 4) for b in (32, 64, 128)]
-    configs += [(1, 64, 4, 2), (1, 64, 8, 3), (2, 64, 8, 3), (1, 32, 2, 3), (1, 64, 4, 4)]
-    rows = []
-    for splits, block_n, warps, stages in configs:
-        ms = triton.testing.do_bench(
-            lambda s=splits, b=block_n, w=warps, st=stages: paged_decode_attention(
-                query,
-                cache,
-                lens,
-                block_table,
-                SCALE,
-                max_seq_len=ctx,
-                num_splits=s,
-                block_n=b,
-                num_warps=w,
-                num_stages=st,
-            )
-        )
-        label = f"splits={splits or f'auto({auto})'} block_n={block_n} warps={warps} st={stages}"
-        rows.append(("triton " + label, ms))
-    rows.append(("torch gather + SDPA", triton.testing.do_bench(torch_decode)))
-    rows.append(("torch SDPA on dense KV", triton.testing.do_bench(sdpa_dense)))
+    lines.append(f"decode bf16 batch {batch} x ctx {ctx} (32/8 heads, d 128), auto splits={auto}")
+    report(
+        "triton default, eager launch",
+        _bench(triton_fn(query, cache, lens, block_table, ctx), False),
+        kv_bytes,
+    )
+    report("torch gather + SDPA, eager", _bench(torch_decode, False), kv_bytes)
+    report("torch SDPA on dense KV, eager", _bench(sdpa_dense, False), kv_bytes)
+    report(
+        "triton default, CUDA graph",
+        _bench(triton_fn(query, cache, lens, block_table, ctx), True),
+        kv_bytes,
+    )
+    report("torch gather + SDPA, CUDA graph", _bench(torch_decode, True), kv_bytes)
+    report("torch SDPA on dense KV, CUDA graph", _bench(sdpa_dense, True), kv_bytes)
+    for splits, block_n, warps, stages in [
+        (1, 32, 4, 3), (1, 128, 4, 3), (1, 64, 4, 2), (1, 64, 8, 3), (2, 64, 4, 3), (4, 64, 4, 3),
+    ]:  # fmt: skip
+        fn = triton_fn(
+            query, cache, lens, block_table, ctx, num_splits=splits, block_n=block_n,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        name = f"triton splits={splits} block_n={block_n} warps={warps} st={stages}, graph"
+        report(name, _bench(fn, True), kv_bytes)
+
+    for batch, ctx in [(1, 4096), (8, 4096), (32, 2048)]:
+        query, cache, lens, block_table = _decode_setup(batch, ctx, gen)
+        kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * 2
+        auto = decode_num_splits(batch, NUM_KV_HEADS, ctx, num_sms)
+        lines.append(f"decode bf16 batch {batch} x ctx {ctx}, auto splits={auto} (CUDA graph)")
+        for splits in sorted({1, 2, 4, auto, 2 * auto}):
+            fn = triton_fn(query, cache, lens, block_table, ctx, num_splits=splits)
+            report(f"triton splits={splits}", _bench(fn, True), kv_bytes)
     with capsys.disabled():
-        print("\ndecode bf16 batch 64 x ctx 1024 (32/8 heads, d 128):")
-        for name, ms in rows:
-            print(f"  {name:52s} {ms * 1e3:8.1f} us  {kv_bytes / ms / 1e6:7.0f} GB/s")
+        print("\n" + "\n".join(lines))
 
 
 def test_prefill_timing(capsys: pytest.CaptureFixture[str]) -> None:
@@ -312,32 +358,20 @@ def test_prefill_timing(capsys: pytest.CaptureFixture[str]) -> None:
     ref = sdpa().transpose(1, 2).reshape(batch * n, NUM_HEADS, HEAD_SIZE)
     torch.testing.assert_close(out, ref, **_tol(dtype))
     flops = 4 * batch * n * n / 2 * NUM_HEADS * HEAD_SIZE
-    rows = []
+    lines = ["prefill bf16 8 x 1024 causal (32/8 heads, d 128), eager launch:"]
     for block_q, block_n, warps, stages in [
-        (None, None, 4, 3),
-        (32, 64, 8, 3),
-        (16, 128, 4, 3),
-        (32, 128, 8, 3),
-        (16, 64, 4, 2),
-        (16, 32, 4, 3),
-    ]:
-        ms = triton.testing.do_bench(
-            lambda q=block_q, b=block_n, w=warps, st=stages: paged_prefill_attention(
-                query,
-                cache,
-                qsl,
-                lens,
-                block_table,
-                SCALE,
-                block_q=q,
-                block_n=b,
-                num_warps=w,
-                num_stages=st,
-            )
-        )
-        rows.append((f"triton block_q={block_q} block_n={block_n} warps={warps} st={stages}", ms))
-    rows.append(("torch SDPA on dense KV", triton.testing.do_bench(sdpa)))
+        (None, None, 4, 3), (16, 32, 4, 3), (32, 64, 8, 3), (32, 128, 8, 3), (16, 64, 4, 4),
+    ]:  # fmt: skip
+        fn = lambda q=block_q, b=block_n, w=warps, st=stages: paged_prefill_attention(  # noqa: E731
+            query, cache, qsl, lens, block_table, SCALE, block_q=q, block_n=b,
+            num_warps=w, num_stages=st,
+        )  # fmt: skip
+        ms = _bench(fn, False)
+        name = f"triton block_q={block_q} block_n={block_n} warps={warps} st={stages}"
+        lines.append(f"  {name:56s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:7.1f} TFLOP/s")
+    ms = _bench(sdpa, False)
+    lines.append(
+        f"  {'torch SDPA on dense KV':56s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:7.1f} TFLOP/s"
+    )
     with capsys.disabled():
-        print("\nprefill bf16 8 x 1024 causal (32/8 heads, d 128):")
-        for name, ms in rows:
-            print(f"  {name:52s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:7.1f} TFLOP/s")
+        print("\n" + "\n".join(lines))

@@ -156,9 +156,14 @@ def _run_prefill(
     query = wide[:, 1 : 1 + num_heads]
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_size**-0.5
-    out = k.paged_attention.paged_prefill_attention(query, cache, qsl, lens, block_table, scale)
     ref = k.paged_attention.paged_attention_ref(query, cache, qsl, lens, block_table, scale)
-    torch.testing.assert_close(out[:num_tokens], ref[:num_tokens], **_tol(dtype))
+    # Default tiles (mostly the masked diagonal loop at these lengths), then small tiles so
+    # that the unmasked loop over keys before each query tile runs too.
+    for block_q, block_n in ((None, None), (1, 16)):
+        out = k.paged_attention.paged_prefill_attention(
+            query, cache, qsl, lens, block_table, scale, block_q=block_q, block_n=block_n
+        )
+        torch.testing.assert_close(out[:num_tokens], ref[:num_tokens], **_tol(dtype))
 
 
 @_case(*({"dtype": d} for d in DTYPES))
