@@ -75,6 +75,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self.model_runner = ModelRunner(config, self.model_path, self.eos_token_id)
         self.vocab_size = self.model_runner.vocab_size
+        self.model_runner.max_model_len = max_len
         num_blocks = self.model_runner.determine_num_blocks()
         self.model_runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks

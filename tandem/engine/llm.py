@@ -12,6 +12,7 @@ from tandem.config import EngineArgs
 from tandem.engine.core import EngineCore, InvalidRequestError
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.loader import load_tokenizer
+from tandem.models.presets import has_random_weights
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
 
@@ -31,7 +32,12 @@ class LLM:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.engine = EngineCore(self.engine_args.create_engine_config())
-        self.tokenizer = load_tokenizer(self.engine.model_path)
+        # Random-weight presets carry no tokenizer: they take token ids and return no text.
+        self.tokenizer = (
+            None
+            if has_random_weights(self.engine.model_path)
+            else load_tokenizer(self.engine.model_path)
+        )
         self._output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
@@ -39,6 +45,8 @@ class LLM:
 
     def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids")
             return prompt, list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

@@ -47,11 +47,23 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+class _NoText:
+    """Stands in for the detokenizer of a model without a tokenizer: token ids only."""
+
+    output_text = ""
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        return None
+
+    def finish(self) -> str | None:
+        return None
+
+
 @dataclass
 class _ChildState:
     index: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | _NoText
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
@@ -102,15 +114,21 @@ class OutputProcessor:
         """Register a request; returns the (child id, params) pairs to add to the engine."""
         children = []
         engine_requests = []
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this model has none")
         for i in range(params.n):
             cp = child_params(params, i)
             cid = child_request_id(request_id, i, params.n)
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_token_ids,
-                skip_special_tokens=cp.skip_special_tokens,
-                stop=cp.stop,
-                include_stop_str_in_output=cp.include_stop_str_in_output,
+            detok = (
+                _NoText()
+                if self.tokenizer is None
+                else IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    skip_special_tokens=cp.skip_special_tokens,
+                    stop=cp.stop,
+                    include_stop_str_in_output=cp.include_stop_str_in_output,
+                )
             )
             children.append(
                 _ChildState(

@@ -112,8 +112,18 @@ class RotaryEmbedding(nn.Module):
         inv_freq = compute_inv_freq(head_size, rope_parameters)
         cache = compute_cos_sin_cache(max_position, inv_freq).to(device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        half = cache.shape[-1] // 2
+        # Contiguous halves for the Triton kernel (CUDA).
+        self.register_buffer("cos_cache", cache[:, :half].contiguous(), persistent=False)
+        self.register_buffer("sin_cache", cache[:, half:].contiguous(), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if query.is_cuda:
+            from kernels.rotary import rotary_embedding
+
+            return rotary_embedding(
+                positions, query, key, self.cos_cache, self.sin_cache, inplace=False
+            )
         return apply_rotary_emb(positions, query, key, self.cos_sin_cache)

@@ -10,6 +10,12 @@ import torch
 
 from tandem.loader.gguf_convert import convert_gguf
 from tandem.loader.hf_folder import iterate_weights, load_hf_config
+from tandem.models.presets import (
+    has_random_weights,
+    is_random_model,
+    random_weights,
+    write_random_model_folder,
+)
 
 if TYPE_CHECKING:
     from tandem.layers.attention.backend import AttentionBackend
@@ -54,6 +60,8 @@ def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> Path:
         cache_dir = default_cache_dir()
     if model == "default":
         return convert_gguf(embedded_default_gguf(), cache_dir)
+    if is_random_model(model):
+        return write_random_model_folder(model, Path(cache_dir))
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path, cache_dir)
@@ -70,12 +78,20 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     attn_backend: AttentionBackend,
+    seed: int = 0,
 ) -> LlamaForCausalLM:
-    """Instantiate the registry's class for the folder's architecture and load its weights."""
+    """Instantiate the registry's class for the folder's architecture and load its weights.
+
+    A `random:<shape>` folder has no weight files: its weights are made on `device` from
+    `seed` (tandem.models.presets.random_weights).
+    """
     from tandem.models.registry import get_model_class
 
     hf_config = load_hf_config(model_path)
     model_cls = get_model_class(hf_config)
     model = model_cls(hf_config, attn_backend, dtype, torch.device(device))
-    model.load_weights(iterate_weights(model_path))
+    if has_random_weights(Path(model_path)):
+        model.load_weights(random_weights(hf_config, dtype, torch.device(device), seed))
+    else:
+        model.load_weights(iterate_weights(model_path))
     return model.eval()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tandem.config import EngineConfig
-from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.core.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
 from tandem.layers.sampler import Sampler, SamplingMetadata, to_logprobs_lists
 from tandem.loader import build_model, load_hf_config
@@ -59,6 +59,20 @@ class CachedRequestState:
         return self.token_ids[: self.num_prompt_tokens]
 
 
+@dataclass
+class _StepInputs:
+    num_reqs: int
+    total: int
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+    max_query_len: int
+    sampled_rows: list[int]
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensor and the sampler of one engine."""
 
@@ -79,12 +93,18 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(backend_name)
         self.hf_config = load_hf_config(model_path)
         torch.manual_seed(config.model.seed)
-        self.model = build_model(model_path, self.dtype, self.device, self.attn_backend)
+        self.model = build_model(
+            model_path, self.dtype, self.device, self.attn_backend, seed=config.model.seed
+        )
         self.vocab_size: int = self.model.vocab_size
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.max_model_len = 0  # set by the engine before the KV cache is made
+        self.use_cuda_graphs = self.device.type == "cuda" and not config.device.enforce_eager
+        self._graphs = {}
+        self._graph_sizes: list[int] = []
 
     # ----------------------------------------------------------------- KV cache
 
@@ -98,18 +118,76 @@ class ModelRunner:
         if cache.num_gpu_blocks:
             return cache.num_gpu_blocks
         if self.device.type == "cuda":
+            # This engine's share: `gpu_memory_utilization` of the device, less what it already
+            # holds (weights) and what a step needs (profiled); never more than is free.
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
-            budget = total * cache.gpu_memory_utilization - used_by_others
-            # Leave room for activations of the largest step (measured by a profiling pass).
-            budget -= self.profile_activation_bytes()
+            activation = self.profile_activation_bytes()
+            held = torch.cuda.memory_allocated(self.device)
+            budget = min(
+                total * cache.gpu_memory_utilization - held - activation,
+                free - activation - (1 << 30),
+            )
             return max(int(budget // self.kv_bytes_per_block()), 1)
         return max(int(cache.kv_cache_memory_gb * (1 << 30) // self.kv_bytes_per_block()), 1)
 
     def profile_activation_bytes(self) -> int:
-        """Peak memory of one forward of `max_num_batched_tokens` tokens (CUDA only)."""
-        return 0
+        """Memory to keep free for activations, logits, sampler temporaries and CUDA graphs.
+
+        Measured: one eager forward of `max_num_batched_tokens` tokens (in requests of at most
+        1024 tokens) through a scratch KV cache, plus the logits and sampler buffers of
+        `max_num_seqs` rows, plus a fixed margin for the graph pool.
+        """
+        sched = self.config.scheduler
+        m = self.model
+        tokens = sched.max_num_batched_tokens
+        per_req = min(tokens, 1024)
+        num_reqs = -(-tokens // per_req)
+        blocks = num_reqs * -(-per_req // self.block_size)
+        scratch = torch.zeros(
+            (blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_size),
+            dtype=self.kv_dtype,
+            device=self.device,
+        )
+        caches = [scratch[:, i] for i in range(m.num_layers)]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        qsl = [min(i * per_req, tokens) for i in range(num_reqs + 1)]
+        lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
+        bpr = -(-per_req // self.block_size)
+        table = torch.arange(blocks, dtype=torch.int32, device=self.device).view(num_reqs, bpr)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        slots = torch.cat(
+            [
+                (table[i].long() * self.block_size).repeat_interleave(self.block_size)[: lens[i]]
+                + torch.arange(lens[i], device=self.device) % self.block_size
+                for i in range(num_reqs)
+            ]
+        )
+        meta = AttentionMetadata(
+            num_actual_tokens=tokens,
+            num_reqs=num_reqs,
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_table=table,
+            slot_mapping=slots,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=lens,
+        )
+        with torch.inference_mode():
+            ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, positions, caches, meta)
+            logits = self.model.compute_logits(hidden[: min(sched.max_num_seqs, tokens)])
+            del hidden, logits
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch, caches
+        torch.cuda.empty_cache()
+        sampler_bytes = 4 * sched.max_num_seqs * self.vocab_size * 4
+        return int(peak + sampler_bytes + (1 << 30))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]`.
@@ -124,6 +202,75 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = [self.kv_cache[:, i] for i in range(m.num_layers)]
+        if self.use_cuda_graphs:
+            self.capture_cuda_graphs()
+
+    # ----------------------------------------------------------------- CUDA graphs
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode steps (one token per request) for each bucketed batch size.
+
+        Static buffers hold the step inputs; a step of n requests replays the smallest graph
+        of size >= n with rows n.. padded (slot -1: no KV write; seq_len 1). The graphs share
+        one memory pool and are captured largest first. Logits are computed in the graph.
+        """
+        sizes = sorted(
+            {
+                s
+                for s in self.config.device.cuda_graph_sizes
+                if s <= self.config.scheduler.max_num_seqs
+            }
+        )
+        if not sizes:
+            return
+        max_bs = sizes[-1]
+        dev = self.device
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self._g_input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self._g_positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self._g_slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=dev)
+        self._g_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self._g_block_table = torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=dev)
+        self._g_query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bs in reversed(sizes):
+                meta = self._graph_metadata(bs)
+                args = (self._g_input_ids[:bs], self._g_positions[:bs], self.kv_caches, meta)
+                for _ in range(2):  # warm-up: Triton compiles, allocator settles
+                    self.model.compute_logits(self.model(*args))
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model.compute_logits(self.model(*args))
+                self._graphs[bs] = (graph, logits)
+        torch.cuda.synchronize(dev)
+        self._graph_sizes = sizes
+        logger.info("captured decode CUDA graphs for batch sizes %s", sizes)
+
+    def _graph_metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_actual_tokens=bs,
+            num_reqs=bs,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc=self._g_query_start_loc[: bs + 1],
+            seq_lens=self._g_seq_lens[:bs],
+            block_table=self._g_block_table[:bs],
+            slot_mapping=self._g_slot_mapping[:bs],
+            query_start_loc_cpu=[],
+            seq_lens_cpu=[],
+            is_decode_only=True,
+        )
+
+    def _graph_size_for(self, num_reqs: int) -> int | None:
+        if not self._graphs:
+            return None
+        for size in self._graph_sizes:
+            if size >= num_reqs:
+                return size
+        return None
 
     # ----------------------------------------------------------------- state
 
@@ -161,72 +308,114 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- step
 
-    def _prepare_inputs(
-        self, so: SchedulerOutput, req_ids: list[str]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+    def _prepare_inputs(self, so: SchedulerOutput, req_ids: list[str]) -> _StepInputs:
+        """Host-side arrays of one step, built with numpy ops (no loop over tokens)."""
         bs = self.block_size
         num_reqs = len(req_ids)
-        query_lens = np.empty(num_reqs, dtype=np.int64)
-        starts = np.empty(num_reqs, dtype=np.int64)
-        token_chunks: list[list[int]] = []
-        max_blocks = 1
-        for i, req_id in enumerate(req_ids):
-            state = self.requests[req_id]
-            n = so.num_scheduled_tokens[req_id]
-            c = state.num_computed_tokens
-            query_lens[i] = n
-            starts[i] = c
-            token_chunks.append(state.token_ids[c : c + n])
-            max_blocks = max(max_blocks, len(state.block_ids))
+        states = [self.requests[r] for r in req_ids]
+        query_lens = np.fromiter(
+            (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=num_reqs
+        )
+        starts = np.fromiter(
+            (s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs
+        )
         seq_lens = starts + query_lens
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         total = int(query_start_loc[-1])
 
+        max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        for i, req_id in enumerate(req_ids):
-            ids = self.requests[req_id].block_ids
-            block_table[i, : len(ids)] = ids
+        for i, state in enumerate(states):
+            block_table[i, : len(state.block_ids)] = state.block_ids
 
-        # positions = start of the request + offset inside its chunk, without a token loop.
-        req_index = np.repeat(np.arange(num_reqs), query_lens)
-        offsets = np.arange(total) - np.repeat(query_start_loc[:-1], query_lens)
-        positions = starts[req_index] + offsets
-        slot_mapping = (
-            block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
-        )
-
-        input_ids = np.fromiter(
-            (t for chunk in token_chunks for t in chunk), dtype=np.int64, count=total
-        )
-        sampled_rows = [
-            i
-            for i, req_id in enumerate(req_ids)
-            if seq_lens[i] >= len(self.requests[req_id].token_ids)
-        ]
-        logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sampled_rows]
-
-        dev = self.device
-        metadata = AttentionMetadata(
-            num_actual_tokens=total,
+        if total == num_reqs:  # decode only: one token per request, at its end
+            positions = starts
+            input_ids = np.fromiter(
+                (s.token_ids[-1] for s in states), dtype=np.int64, count=num_reqs
+            )
+            slot_mapping = block_table[np.arange(num_reqs), positions // bs].astype(np.int64)
+        else:
+            req_index = np.repeat(np.arange(num_reqs), query_lens)
+            offsets = np.arange(total) - np.repeat(query_start_loc[:-1], query_lens)
+            positions = starts[req_index] + offsets
+            slot_mapping = block_table[req_index, positions // bs].astype(np.int64)
+            input_ids = np.fromiter(
+                (
+                    t
+                    for state, c, n in zip(
+                        states, starts.tolist(), query_lens.tolist(), strict=True
+                    )
+                    for t in state.token_ids[c : c + n]
+                ),
+                dtype=np.int64,
+                count=total,
+            )
+        slot_mapping = slot_mapping * bs + positions % bs
+        sampled_rows = [i for i, state in enumerate(states) if seq_lens[i] >= len(state.token_ids)]
+        return _StepInputs(
             num_reqs=num_reqs,
+            total=total,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table,
             max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            is_decode_only=bool(total == num_reqs),
+            sampled_rows=sampled_rows,
         )
-        return (
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.from_numpy(array).to(dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _run_eager(self, inp: _StepInputs) -> torch.Tensor:
+        metadata = AttentionMetadata(
+            num_actual_tokens=inp.total,
+            num_reqs=inp.num_reqs,
+            max_query_len=inp.max_query_len,
+            # Decode steps cut their work as the captured graphs do (same results either way).
+            max_seq_len=self.max_model_len
+            if inp.total == inp.num_reqs and self.device.type == "cuda"
+            else int(inp.seq_lens.max()),
+            query_start_loc=self._to_device(inp.query_start_loc, torch.int32),
+            seq_lens=self._to_device(inp.seq_lens, torch.int32),
+            block_table=self._to_device(inp.block_table, torch.int32),
+            slot_mapping=self._to_device(inp.slot_mapping, torch.int64),
+            query_start_loc_cpu=inp.query_start_loc.tolist(),
+            seq_lens_cpu=inp.seq_lens.tolist(),
+            is_decode_only=inp.total == inp.num_reqs,
+        )
+        hidden = self.model(
+            self._to_device(inp.input_ids, torch.int64),
+            self._to_device(inp.positions, torch.int64),
+            self.kv_caches,
             metadata,
-            sampled_rows,
-            logits_indices,
         )
+        if not inp.sampled_rows:
+            return hidden[:0]
+        logits_indices = inp.query_start_loc[1:][inp.sampled_rows] - 1
+        idx = self._to_device(logits_indices, torch.int64)
+        return self.model.compute_logits(hidden.index_select(0, idx))
+
+    def _run_graph(self, inp: _StepInputs, size: int) -> torch.Tensor:
+        """Replay the decode graph of `size` rows; returns the logits of the first n rows."""
+        n = inp.num_reqs
+        width = inp.block_table.shape[1]
+        self._g_input_ids[:n].copy_(self._to_device(inp.input_ids, torch.int64))
+        self._g_positions[:n].copy_(self._to_device(inp.positions, torch.int64))
+        self._g_slot_mapping[:n].copy_(self._to_device(inp.slot_mapping, torch.int64))
+        self._g_seq_lens[:n].copy_(self._to_device(inp.seq_lens, torch.int32))
+        self._g_block_table[:n, :width].copy_(self._to_device(inp.block_table, torch.int32))
+        if size > n:
+            self._g_slot_mapping[n:size].fill_(-1)
+            self._g_seq_lens[n:size].fill_(1)
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits[:n]
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -236,17 +425,17 @@ class ModelRunner:
         ]
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
-        input_ids, positions, metadata, sampled_rows, logits_indices = self._prepare_inputs(
-            so, req_ids
-        )
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        inp = self._prepare_inputs(so, req_ids)
+        graph_size = self._graph_size_for(inp.num_reqs) if inp.total == inp.num_reqs else None
+        if graph_size is not None:
+            logits = self._run_graph(inp, graph_size)
+        else:
+            logits = self._run_eager(inp)
 
         sampled: list[list[int]] = [[] for _ in req_ids]
-        logprobs: list = [None] * len(req_ids)
-        if sampled_rows:
-            idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden[idx])
-            states = [self.requests[req_ids[i]] for i in sampled_rows]
+        logprobs: list[Logprobs | None] = [None] * len(req_ids)
+        if inp.sampled_rows:
+            states = [self.requests[req_ids[i]] for i in inp.sampled_rows]
             meta = SamplingMetadata.build(
                 params=[s.sampling_params for s in states],
                 prompt_token_ids=[s.prompt_token_ids for s in states],
@@ -257,9 +446,11 @@ class ModelRunner:
                 device=self.device,
             )
             out = self.sampler(logits, meta)
-            tokens = out.sampled_token_ids.tolist()
+            tokens = out.sampled_token_ids.tolist()  # the step's one host-device sync
             lp_lists = to_logprobs_lists(out, [s.sampling_params.logprobs for s in states])
-            for row, state, token, lp in zip(sampled_rows, states, tokens, lp_lists, strict=True):
+            for row, state, token, lp in zip(
+                inp.sampled_rows, states, tokens, lp_lists, strict=True
+            ):
                 sampled[row] = [token]
                 logprobs[row] = lp
                 state.token_ids.append(token)

@@ -1,0 +1,226 @@
+"""GPU figures for `offline_throughput.py --device cuda` (one run, one device).
+
+1. the device's ceilings: bf16 matmul TFLOP/s (8192^3) and device copy bandwidth;
+2. tandem on a random-weight llama-3.1-8b shape at input/output 128/128, 512/256, 1000/1000;
+3. transformers' batched `generate` on a subset of one workload, and the ratio;
+4. the roofline bound of each workload from its FLOPs and bytes at the measured ceilings;
+5. batch-1 decode latency against the time to read the weights once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import math
+import time
+from typing import Any
+
+import torch
+
+WORKLOADS = [(128, 128, 2048), (512, 256, 2048), (1000, 1000, 1024)]
+
+
+def measure_ceilings() -> dict[str, float]:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    tflops = 2 * n**3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
+    del a, b
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    # Bytes read plus bytes written.
+    copy_bw = 2 * x.numel() * 10 / (start.elapsed_time(end) / 1e3)
+    del x, y
+    torch.cuda.empty_cache()
+    return {"bf16_matmul_tflops": tflops, "copy_bandwidth_gbs": copy_bw / 1e9}
+
+
+def model_numbers(hf: Any, dtype_bytes: int = 2) -> dict[str, float]:
+    h, inter, layers = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers
+    heads, kvh = hf.num_attention_heads, hf.num_key_value_heads
+    hd = getattr(hf, "head_dim", None) or h // heads
+    per_layer = h * (heads * hd) + 2 * h * (kvh * hd) + (heads * hd) * h + 3 * h * inter
+    matmul_params = layers * per_layer + hf.vocab_size * h  # + lm_head
+    weight_bytes = (
+        layers * per_layer + hf.vocab_size * h * (1 if hf.tie_word_embeddings else 2)
+    ) * dtype_bytes
+    return {
+        "matmul_params": float(matmul_params),
+        "weight_bytes": float(weight_bytes),
+        "kv_bytes_per_token": float(layers * 2 * kvh * hd * dtype_bytes),
+        "attn_flops_per_token_ctx": float(layers * 4 * heads * hd),  # QK^T and PV per ctx pos
+    }
+
+
+def roofline_seconds(
+    nums: dict[str, float],
+    n_req: int,
+    inp: int,
+    out: int,
+    batch: int,
+    budget: int,
+    peak_flops: float,
+    bw: float,
+) -> dict[str, float]:
+    """Lower bound on time: prefill and decode phases, each max(compute, memory)."""
+    # Prefill: every prompt token through the matmuls, causal attention over ~inp/2.
+    f_pre = n_req * inp * (2 * nums["matmul_params"] + nums["attn_flops_per_token_ctx"] * inp / 2)
+    pre_steps = math.ceil(n_req * inp / budget)
+    b_pre = pre_steps * nums["weight_bytes"] + n_req * inp * nums["kv_bytes_per_token"]
+    # Decode: out - 1 steps per wave of `batch` requests; each reads the weights once and
+    # every running request's whole context.
+    waves = math.ceil(n_req / batch)
+    dec_steps = waves * (out - 1)
+    ctx_sum = n_req * sum(inp + t for t in range(1, out))
+    f_dec = (
+        n_req * (out - 1) * 2 * nums["matmul_params"] + ctx_sum * nums["attn_flops_per_token_ctx"]
+    )
+    b_dec = dec_steps * nums["weight_bytes"] + ctx_sum * nums["kv_bytes_per_token"]
+    t_pre = max(f_pre / peak_flops, b_pre / bw)
+    t_dec = max(f_dec / peak_flops, b_dec / bw)
+    return {"prefill_s": t_pre, "decode_s": t_dec, "total_s": t_pre + t_dec}
+
+
+def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.offline_throughput import make_prompts, run_transformers
+    from tandem import LLM, SamplingParams
+
+    assert torch.cuda.is_available(), "--device cuda needs a CUDA device"
+    model = ns.model if ns.model != "default" else "random:llama-3.1-8b"
+    result: dict[str, Any] = {
+        "benchmark": "offline_throughput",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": model,
+        "dtype": "bfloat16",
+    }
+    ceilings = measure_ceilings()
+    result["ceilings"] = ceilings
+    print(f"ceilings: {ceilings}", flush=True)
+    peak, bw = ceilings["bf16_matmul_tflops"] * 1e12, ceilings["copy_bandwidth_gbs"] * 1e9
+
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        device="cuda",
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+    )
+    hf = llm.engine.model_runner.hf_config
+    nums = model_numbers(hf)
+    result["model_numbers"] = nums
+    kv_capacity = llm.engine.num_blocks * llm.engine.block_size
+    result["kv_capacity_tokens"] = kv_capacity
+    print(
+        f"KV capacity: {kv_capacity} tokens; weights {nums['weight_bytes'] / 1e9:.1f} GB",
+        flush=True,
+    )
+    vocab = hf.vocab_size
+
+    # 5. batch-1 decode latency.
+    params = SamplingParams(temperature=0.0, max_tokens=257, ignore_eos=True)
+    prompt = make_prompts(1, 128, vocab, 1)[0]
+    llm.generate([{"prompt_token_ids": prompt}], params.clone(max_tokens=8), use_tqdm=False)
+    eng = llm.engine
+    from tandem.request import EngineCoreRequest
+
+    eng.add_request(EngineCoreRequest("b1", prompt, params, eos_token_id=None))
+    eng.step()  # prefill
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    torch.cuda.synchronize()
+    tpot = (time.perf_counter() - t0) / max(steps, 1)
+    weight_read = nums["weight_bytes"] / (bw / 2)  # copy bw counts read + write
+    result["batch1"] = {
+        "tpot_ms": tpot * 1e3,
+        "weight_read_ms": weight_read * 1e3,
+        "ratio": tpot / weight_read,
+    }
+    print(
+        f"batch-1 TPOT {tpot * 1e3:.2f} ms; weight read {weight_read * 1e3:.2f} ms "
+        f"({tpot / weight_read:.2f}x)",
+        flush=True,
+    )
+
+    runs = []
+    for inp, out, n_req in WORKLOADS:
+        n_req = min(n_req, ns.max_requests)
+        prompts = make_prompts(n_req, inp, vocab, inp)
+        p = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+        eng.scheduler.kv_cache_manager.reset_prefix_cache()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": q} for q in prompts], p, use_tqdm=False)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        batch = min(ns.max_num_seqs, kv_capacity // (inp + out), n_req)
+        bound = roofline_seconds(nums, n_req, inp, out, batch, ns.max_num_batched_tokens, peak, bw)
+        r = {
+            "input_len": inp,
+            "output_len": out,
+            "num_requests": n_req,
+            "elapsed_s": elapsed,
+            "output_tokens_per_s": n_out / elapsed,
+            "total_tokens_per_s": (n_out + n_req * inp) / elapsed,
+            "max_batch": batch,
+            "roofline": bound,
+            "fraction_of_roofline": bound["total_s"] / elapsed,
+        }
+        runs.append(r)
+        print(
+            f"tandem {inp}/{out} x{n_req}: {r['output_tokens_per_s']:.0f} out tok/s, "
+            f"{r['total_tokens_per_s']:.0f} total tok/s, "
+            f"{100 * r['fraction_of_roofline']:.0f}% of roofline",
+            flush=True,
+        )
+    result["tandem"] = runs
+
+    if not ns.skip_peer:
+        model_path = llm.engine.model_path
+        seed = llm.engine.config.model.seed
+        del llm, eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        inp, out, n_req = 512, 256, ns.peer_requests
+        prompts = make_prompts(n_req, inp, vocab, inp)
+        peer = run_transformers(model_path, prompts, out, torch.bfloat16, "cuda", seed=seed)
+        same = next(r for r in runs if r["input_len"] == 512)
+        peer["ratio_tandem_over_transformers"] = (
+            same["output_tokens_per_s"] / peer["output_tokens_per_s"]
+        )
+        result["transformers"] = {
+            "input_len": inp,
+            "output_len": out,
+            "num_requests": n_req,
+            **peer,
+        }
+        print(
+            f"transformers 512/256 x{n_req}: {peer['output_tokens_per_s']:.0f} out tok/s; "
+            f"tandem/transformers {peer['ratio_tandem_over_transformers']:.1f}x",
+            flush=True,
+        )
+    return result
