@@ -400,6 +400,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                     decode_address=decode.info.address,
                     block_ids=reply.block_ids,
                     transport="tcp",
+                    num_cached_tokens=reply.num_cached_tokens,
                 )
             target = prefill
             await prefill.stub.Prefill(

@@ -7,7 +7,7 @@ the receiver checks against its own before writing anything.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -112,9 +112,9 @@ class TcpKVConnector(KVConnector):
     async def receive_stream(
         self,
         messages: AsyncIterator[worker_pb2.KVBlockRun],
-        reserved_for: Callable[[str], Sequence[int] | None],
+        reserved_for: Callable[[str], Awaitable[Sequence[int] | None]],
     ) -> worker_pb2.ReceiveKVResponse:
-        """Write every run of one request's stream; `reserved_for(request_id)` gives its
+        """Write every run of one request's stream; `await reserved_for(request_id)` gives its
         reservation (None: unknown request). Raises KVTransferError."""
         request_id: str | None = None
         reserved: Sequence[int] = ()
@@ -127,7 +127,7 @@ class TcpKVConnector(KVConnector):
                 if theirs != self.layout:
                     raise KVTransferError(f"KV layouts differ: sender {theirs}, here {self.layout}")
                 request_id = msg.request_id
-                found = reserved_for(request_id)
+                found = await reserved_for(request_id)
                 if found is None:
                     raise KVTransferError(f"no blocks are reserved for request {request_id!r}")
                 reserved = found

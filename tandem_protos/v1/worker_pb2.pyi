@@ -10,16 +10,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHandoff(_message.Message):
-    __slots__ = ("decode_worker_id", "decode_address", "block_ids", "transport")
+    __slots__ = ("decode_worker_id", "decode_address", "block_ids", "transport", "num_cached_tokens")
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     decode_worker_id: str
     decode_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     transport: str
-    def __init__(self, decode_worker_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, decode_worker_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "destination", "handoff")
@@ -44,10 +46,12 @@ class ReserveRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[_common_pb2.EngineRequest, _Mapping]] = ..., destination: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids",)
+    __slots__ = ("block_ids", "num_cached_tokens")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_size", "dtype")

@@ -75,9 +75,12 @@ class _Receiver(worker_pb2_grpc.WorkerServicer):
         self.connector = connector
         self.reservations = reservations
 
+    async def _reserved(self, request_id: str) -> list[int] | None:
+        return self.reservations.get(request_id)
+
     async def ReceiveKV(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await self.connector.receive_stream(request_iterator, self.reservations.get)
+            return await self.connector.receive_stream(request_iterator, self._reserved)
         except KVTransferError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 

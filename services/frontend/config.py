@@ -1,0 +1,111 @@
+"""The frontend's configuration: flags and environment, read once in `__main__`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+
+from services.common.server import env_default
+
+
+class FrontendConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    scheduler_address: str = "127.0.0.1:50050"
+    # The model the workers serve (for the tokenizer and chat template).
+    model: str = "default"
+    # Names clients may use for it (first: the one reported); default: the model argument.
+    served_model_names: tuple[str, ...] = ()
+    cache_dir: str = ""
+    api_key: str = ""
+    max_body_bytes: int = 1024 * 1024
+    grace_period_s: float = 10.0
+    # Before announcing itself ready (ready file), wait up to this long for a worker.
+    wait_for_workers_s: float = 0.0
+    frontend_id: str = ""
+    ready_file: str = ""
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if not (0 <= port < 65536):
+                raise FrontendConfigError(f"{name} must be in [0, 65535], got {port}")
+        if self.max_body_bytes < 1024:
+            raise FrontendConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.grace_period_s < 0:
+            raise FrontendConfigError("grace_period_s must be >= 0")
+        if not self.frontend_id:
+            raise FrontendConfigError("frontend_id must not be empty")
+
+    @property
+    def model_ids(self) -> list[str]:
+        return list(self.served_model_names) or [self.model]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = FrontendConfig.__dataclass_fields__
+    p = argparse.ArgumentParser(
+        prog="tandem frontend",
+        description="gRPC and OpenAI-compatible HTTP frontend. Flags also read "
+        "TANDEM_FRONTEND_<FLAG>; the API key also TANDEM_API_KEY.",
+    )
+
+    def env(name: str, default: object) -> str:
+        return env_default(f"TANDEM_FRONTEND_{name.upper()}", str(default))
+
+    p.add_argument("--host", default=env("host", d["host"].default))
+    p.add_argument("--grpc-port", type=int, default=env("grpc_port", d["grpc_port"].default))
+    p.add_argument("--http-port", type=int, default=env("http_port", d["http_port"].default))
+    p.add_argument(
+        "--scheduler",
+        default=env("scheduler", os.environ.get("TANDEM_SCHEDULER_ADDRESS", "127.0.0.1:50050")),
+    )
+    p.add_argument("--model", default=env("model", "default"))
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        help="a name clients may use for the model (repeatable)",
+    )
+    p.add_argument("--cache-dir", default=os.environ.get("TANDEM_CACHE_DIR", ""))
+    p.add_argument("--api-key", default=env("api_key", os.environ.get("TANDEM_API_KEY", "")))
+    p.add_argument(
+        "--max-body-bytes", type=int, default=env("max_body_bytes", d["max_body_bytes"].default)
+    )
+    p.add_argument(
+        "--grace-period-s", type=float, default=env("grace_period_s", d["grace_period_s"].default)
+    )
+    p.add_argument("--wait-for-workers-s", type=float, default=env("wait_for_workers_s", 0.0))
+    p.add_argument("--frontend-id", default=env("frontend_id", ""))
+    p.add_argument("--ready-file", default=env("ready_file", ""))
+    p.add_argument("--log-level", default=env("log_level", "info"))
+    return p
+
+
+def config_from_args(argv: list[str]) -> FrontendConfig:
+    ns = build_parser().parse_args(argv)
+    return FrontendConfig(
+        host=ns.host,
+        grpc_port=ns.grpc_port,
+        http_port=ns.http_port,
+        scheduler_address=ns.scheduler,
+        model=ns.model,
+        served_model_names=tuple(ns.served_model_name),
+        cache_dir=ns.cache_dir,
+        api_key=ns.api_key,
+        max_body_bytes=ns.max_body_bytes,
+        grace_period_s=ns.grace_period_s,
+        wait_for_workers_s=ns.wait_for_workers_s,
+        frontend_id=ns.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}",
+        ready_file=ns.ready_file,
+        log_level=ns.log_level,
+    )

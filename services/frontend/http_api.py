@@ -1,0 +1,437 @@
+"""The OpenAI-compatible HTTP API (Starlette): /v1/completions, /v1/chat/completions,
+/v1/models, /health. Streaming responses are server-sent events ending in `data: [DONE]`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.frontend.engine import FrontendEngine
+from services.frontend.openai_protocol import (
+    ChoiceAccumulator,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    parse_chat,
+    parse_completion,
+    usage_body,
+)
+from services.frontend.types import FrontendError, GenerateInput, StepEvent, Usage, invalid
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {_dumps(obj)}\n\n"
+
+
+def _error_response(exc: FrontendError) -> JSONResponse:
+    return JSONResponse(
+        error_body(exc.message, exc.http_status, exc.param), status_code=exc.http_status
+    )
+
+
+async def _merge(
+    engine: FrontendEngine, inputs: list[GenerateInput]
+) -> AsyncIterator[tuple[int, StepEvent]]:
+    """Events of several requests as they come, tagged with the request's position."""
+    if len(inputs) == 1:
+        async for event in engine.generate(inputs[0]):
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, StepEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, inp: GenerateInput) -> None:
+        try:
+            async for event in engine.generate(inp):
+                queue.put_nowait((i, event))
+            queue.put_nowait((i, None))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, inp)) for i, inp in enumerate(inputs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro: Any) -> Any:
+    """Run `coro`; cancel it (aborting its requests) if the client disconnects first."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        raise FrontendError(grpc.StatusCode.CANCELLED, "client disconnected")
+    return work.result()
+
+
+class HttpApi:
+    def __init__(
+        self, engine: FrontendEngine, api_key: str, max_body_bytes: int, model_ids: list[str]
+    ) -> None:
+        self.engine = engine
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.model_ids = model_ids
+        self.token_text = TokenText(engine.tokenizer)
+        self.created = int(time.time())
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self._guard(self.models), methods=["GET"]),
+            Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+        ]
+        return Starlette(routes=routes)
+
+    def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def run(request: Request) -> Response:
+            try:
+                if self.api_key:
+                    auth = request.headers.get("authorization", "")
+                    if auth != f"Bearer {self.api_key}":
+                        raise FrontendError(
+                            grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or wrong API key (Authorization: Bearer <key>)",
+                        )
+                return await handler(request)
+            except FrontendError as exc:
+                return _error_response(exc)
+
+        return run
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.max_body_bytes
+        body = bytearray()
+        too_big = False
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                too_big = True  # keep reading (and dropping) so the client sees our answer
+            else:
+                body += chunk
+        if too_big:
+            raise invalid(f"request body is {size} bytes; the limit is {limit} bytes")
+        try:
+            data = json.loads(body)
+        except ValueError as exc:
+            raise invalid(f"malformed JSON body: {exc}") from None
+        if not isinstance(data, dict):
+            raise invalid("the JSON body must be an object")
+        return data
+
+    def _check_model(self, model: str | None) -> str:
+        if model is None or model == "":
+            return self.model_ids[0]
+        if model not in self.model_ids:
+            raise invalid(
+                f"model {model!r} is not served here; available: {', '.join(self.model_ids)}",
+                "model",
+            )
+        return model
+
+    # ------------------------------------------------------------------ routes
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok", "workers": len(self.engine.cluster.workers)})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_id,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "tandem",
+                        "max_model_len": self.engine.cluster.max_model_len or None,
+                    }
+                    for model_id in self.model_ids
+                ],
+            }
+        )
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_completion(await self._read_json(request))
+        model = self._check_model(body.model)
+        inputs = []
+        for prompt in body.prompts:
+            if isinstance(prompt, str):
+                ids = await self.engine.encode(prompt)
+                text: str | None = prompt
+            else:
+                ids, text = prompt, None
+            max_tokens = self.engine.check_prompt(ids, body.params.max_tokens)
+            inputs.append(
+                GenerateInput(
+                    self.engine.new_request_id("cmpl"),
+                    ids,
+                    body.params.clone(max_tokens=max_tokens),
+                    text,
+                    body.priority,
+                )
+            )
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        n = body.params.n
+        want_logprobs = body.params.logprobs is not None
+
+        def chunk(choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+            out: dict[str, Any] = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
+            if usage is not None:
+                out["usage"] = usage_body(usage)
+            return out
+
+        if not body.stream:
+            acc: dict[int, ChoiceAccumulator] = {}
+            usage = await _unless_disconnected(request, self._collect(inputs, n, acc))
+            choices = []
+            for index in sorted(acc):
+                a = acc[index]
+                choices.append(
+                    {
+                        "index": index,
+                        "text": a.text,
+                        "logprobs": completion_logprobs(a.logprobs or [], self.token_text, 0)
+                        if want_logprobs
+                        else None,
+                        "finish_reason": a.finish_reason,
+                        "stop_reason": a.stop_reason,
+                    }
+                )
+            return JSONResponse(chunk(choices, usage))
+
+        offsets: dict[int, int] = {}
+
+        def render(i: int, event: StepEvent) -> list[str]:
+            choices = []
+            for d in event.deltas:
+                if not d.text and d.finish_reason is None:
+                    continue
+                index = i * n + d.index
+                lp = None
+                if want_logprobs:
+                    lp = completion_logprobs(
+                        d.logprobs or [], self.token_text, offsets.get(index, 0)
+                    )
+                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
+                choices.append(
+                    {
+                        "index": index,
+                        "text": d.text,
+                        "logprobs": lp,
+                        "finish_reason": d.finish_reason,
+                        "stop_reason": d.stop_reason,
+                    }
+                )
+            return [_sse(chunk(choices))] if choices else []
+
+        def final(usage: Usage) -> list[str]:
+            return [_sse(chunk([], usage))] if body.include_usage else []
+
+        return await self._stream(inputs, render, final)
+
+    async def chat(self, request: Request) -> Response:
+        body = parse_chat(await self._read_json(request))
+        model = self._check_model(body.model)
+        text, ids = await self.engine.encode_chat(body.messages)
+        max_tokens = self.engine.check_prompt(
+            ids, body.params.max_tokens if body.max_tokens_given else None
+        )
+        inputs = [
+            GenerateInput(
+                self.engine.new_request_id("chat"),
+                ids,
+                body.params.clone(max_tokens=max_tokens),
+                text,
+                body.priority,
+            )
+        ]
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        want_logprobs = body.params.logprobs is not None
+
+        def chunk(
+            choices: list[dict[str, Any]], usage: Usage | None = None, obj: str = "chunk"
+        ) -> dict[str, Any]:
+            out: dict[str, Any] = {
+                "id": rid,
+                "object": "chat.completion" if obj == "full" else "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
+            if usage is not None:
+                out["usage"] = usage_body(usage)
+            return out
+
+        if not body.stream:
+            acc: dict[int, ChoiceAccumulator] = {}
+            usage = await _unless_disconnected(request, self._collect(inputs, 1, acc))
+            choices = [
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": a.text},
+                    "logprobs": chat_logprobs(a.logprobs or [], self.token_text)
+                    if want_logprobs
+                    else None,
+                    "finish_reason": a.finish_reason,
+                    "stop_reason": a.stop_reason,
+                }
+                for index, a in sorted(acc.items())
+            ]
+            return JSONResponse(chunk(choices, usage, obj="full"))
+
+        started: set[int] = set()
+
+        def render(i: int, event: StepEvent) -> list[str]:
+            lines = []
+            choices = []
+            for d in event.deltas:
+                if d.index not in started:
+                    started.add(d.index)
+                    lines.append(
+                        _sse(
+                            chunk(
+                                [
+                                    {
+                                        "index": d.index,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ]
+                            )
+                        )
+                    )
+                if not d.text and d.finish_reason is None:
+                    continue
+                choices.append(
+                    {
+                        "index": d.index,
+                        "delta": {"content": d.text} if d.text else {},
+                        "logprobs": chat_logprobs(d.logprobs or [], self.token_text)
+                        if want_logprobs
+                        else None,
+                        "finish_reason": d.finish_reason,
+                        "stop_reason": d.stop_reason,
+                    }
+                )
+            if choices:
+                lines.append(_sse(chunk(choices)))
+            return lines
+
+        def final(usage: Usage) -> list[str]:
+            return [_sse(chunk([], usage))] if body.include_usage else []
+
+        return await self._stream(inputs, render, final)
+
+    # ------------------------------------------------------------------ shared
+
+    async def _collect(
+        self, inputs: list[GenerateInput], n: int, acc: dict[int, ChoiceAccumulator]
+    ) -> Usage:
+        usage = Usage(0, 0)
+        async for i, event in _merge(self.engine, inputs):
+            for d in event.deltas:
+                acc.setdefault(i * n + d.index, ChoiceAccumulator()).add(d)
+            if event.usage is not None:
+                usage.prompt_tokens += event.usage.prompt_tokens
+                usage.completion_tokens += event.usage.completion_tokens
+                usage.cached_tokens += event.usage.cached_tokens
+        return usage
+
+    async def _stream(
+        self,
+        inputs: list[GenerateInput],
+        render: Callable[[int, StepEvent], list[str]],
+        final: Callable[[Usage], list[str]],
+    ) -> Response:
+        """An SSE response; errors before the first event become a plain HTTP error."""
+        events = _merge(self.engine, inputs)
+        try:
+            first = await anext(events)
+        except FrontendError as exc:
+            return _error_response(exc)
+        except StopAsyncIteration:
+            first = None
+
+        async def body() -> AsyncIterator[str]:
+            usage = Usage(0, 0)
+            try:
+                item = first
+                while item is not None:
+                    i, event = item
+                    if event.usage is not None:
+                        usage.prompt_tokens += event.usage.prompt_tokens
+                        usage.completion_tokens += event.usage.completion_tokens
+                        usage.cached_tokens += event.usage.cached_tokens
+                    for line in render(i, event):
+                        yield line
+                    item = await anext(events, None)
+                for line in final(usage):
+                    yield line
+            except FrontendError as exc:
+                yield _sse(error_body(exc.message, exc.http_status, exc.param))
+            finally:
+                await events.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )

@@ -1,0 +1,87 @@
+"""The frontend's internal messages: what a client asked for and what it gets back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem.core.outputs import Logprobs
+from tandem.sampling_params import SamplingParams
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+class FrontendError(Exception):
+    """A request that cannot be served; carries the gRPC code (and so the HTTP status)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_STATUS.get(self.code, 500)
+
+
+def invalid(message: str, param: str | None = None) -> FrontendError:
+    return FrontendError(grpc.StatusCode.INVALID_ARGUMENT, message, param)
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One prompt, tokenized, with validated sampling parameters (n choices)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None
+    priority: int = 0
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice produced since the previous event."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class StepEvent:
+    """One batch of deltas for one request; the last one has `usage` set."""
+
+    deltas: list[ChoiceDelta] = field(default_factory=list)
+    usage: Usage | None = None
+    error: FrontendError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.usage is not None or self.error is not None

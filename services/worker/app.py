@@ -1,0 +1,227 @@
+"""Runs one worker: engine thread, gRPC server, scheduler link; drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from services.common.server import GrpcServer, insecure_channel, shutdown_event, write_ready_file
+from services.worker import core as m
+from services.worker.config import WorkerServiceConfig
+from services.worker.servicer import ROLE_TO_PROTO, WorkerServicer, stats_to_proto
+from tandem.core.outputs import EngineCoreOutput
+from tandem.engine.core import EngineCore
+from tandem.engine.engine_thread import EngineThread
+from tandem.kv_transfer.tcp import TcpKVConnector
+from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def collect_held(engine: EngineCore, outputs: list[EngineCoreOutput]) -> dict[str, list[int]]:
+    """Prefill role, on the engine thread after a step: the KV blocks each finished prefill
+    holds, read before anything else can change them."""
+    held = {}
+    for out in outputs:
+        if out.finish_reason in ("stop", "length"):
+            with contextlib.suppress(KeyError):
+                held[out.request_id] = engine.get_held_block_ids(out.request_id)
+    return held
+
+
+class SchedulerLink:
+    """Registers with the scheduler and streams load reports; registers again when the
+    stream ends. A NOT_FOUND answer means the scheduler dropped this worker and failed its
+    requests, so the worker aborts them too. A lost connection (scheduler restarting) leaves
+    requests running: their outputs go straight to the frontends."""
+
+    def __init__(
+        self,
+        config: WorkerServiceConfig,
+        register: scheduler_pb2.RegisterWorkerRequest,
+        core: m.WorkerCore,
+        engine: EngineThread[Any],
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.register_request = register
+        self.core = core
+        self.engine = engine
+        self.max_model_len = max_model_len
+        self.registered = asyncio.Event()
+        self._channel = insecure_channel(config.scheduler_address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+
+    async def run(self) -> None:
+        backoff = 0.1
+        had_stream = False
+        while True:
+            try:
+                reply = await self._stub.RegisterWorker(self.register_request, timeout=5.0)
+                self.registered.set()
+                backoff = 0.1
+                had_stream = True
+                await self._stub.ReportLoad(self._reports(reply.report_interval_s or 0.25))
+            except grpc.aio.AioRpcError as exc:
+                if had_stream:
+                    logger.warning("scheduler link lost (%s); registering again", exc.code().name)
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    # The scheduler dropped this worker (it missed reports) and failed its
+                    # requests: stop working on them.
+                    ids = await self.core.ask(m.Inflight())
+                    if ids:
+                        await self.core.ask(
+                            m.Abort(ids, notify_error="the scheduler dropped this worker")
+                        )
+            had_stream = False
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _reports(self, interval_s: float) -> AsyncIterator[scheduler_pb2.LoadReport]:
+        while True:
+            finished, num_inflight = await self.core.ask(m.TakeFinished())
+            stats = await self.engine.call(lambda e: e.stats())
+            yield scheduler_pb2.LoadReport(
+                worker_id=self.config.worker_id,
+                stats=stats_to_proto(
+                    stats,
+                    self.config.worker_id,
+                    self.config.role,
+                    num_inflight,
+                    self.config.engine.cache.block_size,
+                    self.max_model_len,
+                ),
+                finished_request_ids=finished,
+            )
+            await asyncio.sleep(interval_s)
+
+    async def deregister(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub.DeregisterWorker(
+                scheduler_pb2.DeregisterWorkerRequest(worker_id=self.config.worker_id),
+                timeout=2.0,
+            )
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+async def _ticker(core: m.WorkerCore) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        core.tell(m.Tick())
+
+
+async def serve(config: WorkerServiceConfig) -> int:
+    stop = shutdown_event()
+    loop = asyncio.get_running_loop()
+    holder: list[m.WorkerCore] = []
+
+    def on_step(outputs: list[EngineCoreOutput], held: Any) -> None:
+        holder[0].tell(m.Step(outputs, held))
+
+    engine_thread: EngineThread[EngineCore] = EngineThread(
+        lambda: EngineCore(config.engine),
+        loop,
+        on_step,
+        post_step=collect_held if config.role == "prefill" else None,
+        name=f"engine-{config.role}",
+    )
+    engine = await engine_thread.start()
+    core = m.WorkerCore(
+        config.worker_id,
+        engine_thread,
+        engine.block_size,
+        engine.max_model_len,
+        config.destination_timeout_s,
+        config.rpc_timeout_s,
+    )
+    holder.append(core)
+    core.start()
+    connector = None
+    if config.role != "unified":
+        connector = TcpKVConnector(
+            engine.kv_cache, engine_thread, config.kv_max_message_bytes, config.rpc_timeout_s
+        )
+        core.connector = connector
+
+    server = GrpcServer([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
+    servicer = WorkerServicer(
+        config.role, config.worker_id, core, engine_thread, engine.eos_token_id, connector
+    )
+    server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
+    port = await server.start(config.host, config.port)
+    address = config.advertise_address or f"{config.host}:{port}"
+    tasks = [asyncio.create_task(_ticker(core))]
+
+    link = None
+    if config.scheduler_address:
+        link = SchedulerLink(
+            config,
+            scheduler_pb2.RegisterWorkerRequest(
+                worker_id=config.worker_id,
+                address=address,
+                role=ROLE_TO_PROTO[config.role],
+                model=config.engine.model.model,
+                max_model_len=engine.max_model_len,
+                block_size=engine.block_size,
+                num_blocks=engine.num_blocks,
+                kv_transports=["tcp"] if connector is not None else [],
+            ),
+            core,
+            engine_thread,
+            engine.max_model_len,
+        )
+        tasks.append(asyncio.create_task(link.run()))
+        registered = asyncio.create_task(link.registered.wait())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait([registered, stopping], return_when=asyncio.FIRST_COMPLETED)
+        registered.cancel()
+        stopping.cancel()
+    logger.info("%s worker %s serving on %s", config.role, config.worker_id, address)
+    write_ready_file(config.ready_file, [f"grpc={address}", f"worker_id={config.worker_id}"])
+
+    # Run until SIGTERM or until the engine thread dies.
+    while not stop.is_set() and engine_thread.alive:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+    exit_code = 0 if engine_thread.alive else 1
+
+    # Drain: no new work, let in-flight requests finish within the grace period.
+    await core.ask(m.SetDraining())
+    await server.set_serving(False)
+    if link is not None:
+        await link.deregister()
+    deadline = time.monotonic() + config.grace_period_s
+    while engine_thread.alive and time.monotonic() < deadline and await core.ask(m.Inflight()):
+        await asyncio.sleep(0.05)
+    remaining = await core.ask(m.Inflight())
+    if remaining:
+        logger.warning("grace period over: handing back %d requests", len(remaining))
+        reason = "the worker is shutting down" if engine_thread.alive else "the engine failed"
+        await core.ask(m.Abort(remaining, notify_error=reason))
+    # Let the streams carry the last outputs, then end them.
+    flush_deadline = time.monotonic() + 1.0
+    while time.monotonic() < flush_deadline and await core.ask(m.HasPendingOutputs()):
+        await asyncio.sleep(0.02)
+    await core.ask(m.CloseStreams())
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await server.stop(grace_s=1.0)
+    await engine_thread.stop()
+    await core.close()
+    if connector is not None:
+        await connector.close()
+    if link is not None:
+        await link.close()
+    logger.info("worker %s stopped", config.worker_id)
+    return exit_code

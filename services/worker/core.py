@@ -1,0 +1,524 @@
+"""A worker's request state and its one owner, `WorkerCore`.
+
+The engine belongs to the engine thread; everything else a worker knows of its requests
+(where outputs go, what phase a hand-off is in, which blocks are reserved) belongs to
+`WorkerCore`, which handles one message at a time on the event loop.
+
+Request phases by role::
+
+    unified:  running ──────────────────────────────────────────────▶ (finished)
+    prefill:  running ─ step: first token ─▶ handing_off ─ sent + AddPrefilled ─▶ (done)
+                        (or finished at the first token: eos, max_tokens=1)
+    decode:   reserving ─▶ reserved ─▶ receiving ─▶ reserved ─ AddPrefilled ─▶ decoding ─▶ ...
+
+Blocks whose bytes are being moved are never freed under the transfer: an abort during
+`handing_off` (prefill) or `receiving` (decode) is deferred until the transfer ends.
+
+Outputs: one `StepOutputs` per destination per engine step, put on that destination's queue;
+its `StreamOutputs` call drains the queue. A request's output indices start at 0 on the
+worker that samples its first token, at 1 on the decode worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from services.common.actor import Actor, Ask
+from services.common.convert import output_to_proto
+from services.common.server import insecure_channel
+from tandem.core.outputs import EngineCoreOutput
+from tandem.engine.engine_thread import EngineThread
+from tandem.kv_transfer.base import KVConnector, KVDestination, num_prompt_blocks
+from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_ABORT = common_pb2.FINISH_REASON_ABORT
+
+
+@dataclass
+class WorkerRequest:
+    request_id: str
+    destination: str
+    kind: str  # "unified", "prefill" or "decode"
+    phase: str
+    num_prompt_tokens: int
+    max_tokens: int | None = None
+    # Next output index to send.
+    num_emitted: int = 0
+    # Prefill side.
+    handoff: worker_pb2.KVHandoff | None = None
+    first_token_id: int = -1
+    # Decode side.
+    reserved_block_ids: list[int] = field(default_factory=list)
+    aborted: bool = False
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+@dataclass
+class Track(Ask[bool]):
+    """A request enters this worker (before it is added to the engine). False: id in use."""
+
+    request: WorkerRequest
+
+
+@dataclass
+class Untrack:
+    """Adding the request to the engine failed: forget it."""
+
+    request_id: str
+
+
+@dataclass
+class Reserved:
+    request_id: str
+    block_ids: list[int] | None
+
+
+@dataclass
+class Step:
+    outputs: list[EngineCoreOutput]
+    # Prefill: request id -> held block ids of requests that finished their prefill.
+    held: dict[str, list[int]] | None = None
+
+
+@dataclass
+class BeginReceive(Ask["list[int] | None"]):
+    request_id: str
+
+
+@dataclass
+class EndReceive:
+    request_id: str
+
+
+@dataclass
+class BeginAddPrefilled(Ask[bool]):
+    request_id: str
+
+
+@dataclass
+class HandoffDone:
+    request_id: str
+    error: str = ""
+
+
+@dataclass
+class Abort(Ask[int]):
+    request_ids: list[str]
+    # Tell destinations (the frontend) the request ended, with this error.
+    notify_error: str = ""
+
+
+@dataclass
+class Connect(Ask["asyncio.Queue[worker_pb2.StepOutputs | None]"]):
+    destination: str
+
+
+@dataclass
+class Disconnect:
+    destination: str
+    queue: asyncio.Queue[worker_pb2.StepOutputs | None]
+
+
+@dataclass
+class TakeFinished(Ask["tuple[list[str], int]"]):
+    """Request ids that left since the last call, and how many are in flight."""
+
+
+@dataclass
+class Inflight(Ask["list[str]"]):
+    """The ids of every request this worker is responsible for."""
+
+
+@dataclass
+class HasPendingOutputs(Ask[bool]):
+    """Whether a connected destination still has outputs to send."""
+
+
+@dataclass
+class Tick:
+    pass
+
+
+@dataclass
+class SetDraining(Ask[None]):
+    pass
+
+
+@dataclass
+class CloseStreams(Ask[None]):
+    pass
+
+
+WorkerMessage = (
+    Track
+    | Untrack
+    | Reserved
+    | Step
+    | BeginReceive
+    | EndReceive
+    | BeginAddPrefilled
+    | HandoffDone
+    | Abort
+    | Connect
+    | Disconnect
+    | TakeFinished
+    | Inflight
+    | HasPendingOutputs
+    | Tick
+    | SetDraining
+    | CloseStreams
+)
+
+
+@dataclass
+class _Destination:
+    queue: asyncio.Queue[worker_pb2.StepOutputs | None] = field(default_factory=asyncio.Queue)
+    connected: bool = False
+    disconnected_since: float = field(default_factory=time.monotonic)
+
+
+class WorkerCore(Actor[WorkerMessage]):
+    """Owns the worker's requests, output destinations and hand-offs."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        engine: EngineThread[Any],
+        block_size: int,
+        max_model_len: int,
+        destination_timeout_s: float,
+        rpc_timeout_s: float,
+    ) -> None:
+        super().__init__(f"worker-core-{worker_id}")
+        self.worker_id = worker_id
+        self.engine = engine
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.destination_timeout_s = destination_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.connector: KVConnector | None = None
+        self.requests: dict[str, WorkerRequest] = {}
+        self.destinations: dict[str, _Destination] = {}
+        self.finished: list[str] = []
+        self.draining = False
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ dispatch
+
+    def handle(self, msg: WorkerMessage) -> None:
+        match msg:
+            case Track():
+                if msg.request.request_id in self.requests:
+                    msg.answer(False)
+                else:
+                    self.requests[msg.request.request_id] = msg.request
+                    self._destination(msg.request.destination)
+                    msg.answer(True)
+            case Untrack():
+                self.requests.pop(msg.request_id, None)
+            case Reserved():
+                self._on_reserved(msg)
+            case Step():
+                self._on_step(msg)
+            case BeginReceive():
+                r = self.requests.get(msg.request_id)
+                if r is None or r.kind != "decode" or r.phase != "reserved" or r.aborted:
+                    msg.answer(None)
+                else:
+                    r.phase = "receiving"
+                    msg.answer(r.reserved_block_ids)
+            case EndReceive():
+                r = self.requests.get(msg.request_id)
+                if r is not None and r.phase == "receiving":
+                    r.phase = "reserved"
+                    if r.aborted:
+                        self._finish(r)
+                        self.engine.call_nowait(_abort_in_engine([r.request_id]))
+            case BeginAddPrefilled():
+                r = self.requests.get(msg.request_id)
+                ok = r is not None and r.phase == "reserved" and not r.aborted
+                if ok:
+                    assert r is not None
+                    r.phase = "decoding"
+                msg.answer(ok)
+            case HandoffDone():
+                self._on_handoff_done(msg)
+            case Abort():
+                msg.answer(self._abort(msg.request_ids, msg.notify_error))
+            case Connect():
+                msg.answer(self._connect(msg.destination))
+            case Disconnect():
+                dest = self.destinations.get(msg.destination)
+                if dest is not None and dest.queue is msg.queue:
+                    dest.connected = False
+                    dest.disconnected_since = time.monotonic()
+            case TakeFinished():
+                finished, self.finished = self.finished, []
+                msg.answer((finished, len(self.requests)))
+            case Inflight():
+                msg.answer(list(self.requests))
+            case HasPendingOutputs():
+                msg.answer(
+                    any(d.connected and not d.queue.empty() for d in self.destinations.values())
+                )
+            case Tick():
+                self._on_tick()
+            case SetDraining():
+                self.draining = True
+                msg.answer(None)
+            case CloseStreams():
+                for dest in self.destinations.values():
+                    dest.queue.put_nowait(None)
+                msg.answer(None)
+
+    # ------------------------------------------------------------------ outputs
+
+    def _destination(self, name: str) -> _Destination:
+        dest = self.destinations.get(name)
+        if dest is None:
+            dest = self.destinations[name] = _Destination()
+        return dest
+
+    def _connect(self, name: str) -> asyncio.Queue[worker_pb2.StepOutputs | None]:
+        dest = self._destination(name)
+        if dest.connected:
+            # A newer stream replaces the old one: end the old, move pending outputs over.
+            old = dest.queue
+            dest.queue = asyncio.Queue()
+            while not old.empty():
+                item = old.get_nowait()
+                if item is not None:
+                    dest.queue.put_nowait(item)
+            old.put_nowait(None)
+        dest.connected = True
+        return dest.queue
+
+    def _emit(self, batches: dict[str, list[worker_pb2.RequestOutput]]) -> None:
+        for name, outs in batches.items():
+            self._destination(name).queue.put_nowait(worker_pb2.StepOutputs(outputs=outs))
+
+    def _on_step(self, msg: Step) -> None:
+        batches: dict[str, list[worker_pb2.RequestOutput]] = defaultdict(list)
+        for out in msg.outputs:
+            r = self.requests.get(out.request_id)
+            if r is None or r.aborted:
+                continue
+            if r.kind == "prefill":
+                self._on_prefill_output(r, out, msg.held or {}, batches)
+                continue
+            batches[r.destination].append(output_to_proto(out, r.num_emitted))
+            r.num_emitted += len(out.new_token_ids)
+            if out.finished:
+                self._finish(r)
+        self._emit(batches)
+
+    def _on_prefill_output(
+        self,
+        r: WorkerRequest,
+        out: EngineCoreOutput,
+        held: dict[str, list[int]],
+        batches: dict[str, list[worker_pb2.RequestOutput]],
+    ) -> None:
+        if out.finish_reason == "abort" or not out.new_token_ids:
+            if out.finished:
+                batches[r.destination].append(
+                    output_to_proto(out, r.num_emitted, "aborted by the prefill engine")
+                )
+                self._finish(r)
+                self._abort_remote_reservation(r)
+            return
+        # The prefill ran with max_tokens=1, so it always finishes here. It ends the request
+        # for real on a stop (eos, stop token), at the caller's max_tokens, or at the context.
+        really_done = (
+            out.finish_reason == "stop"
+            or r.max_tokens == 1
+            or r.num_prompt_tokens + 1 >= self.max_model_len
+        )
+        if really_done:
+            batches[r.destination].append(output_to_proto(out, 0))
+            self._finish(r)
+            self.engine.call_nowait(_release_held(r.request_id))
+            self._abort_remote_reservation(r)
+            return
+        first = EngineCoreOutput(
+            out.request_id,
+            out.new_token_ids,
+            out.new_logprobs,
+            num_cached_tokens=out.num_cached_tokens,
+        )
+        batches[r.destination].append(output_to_proto(first, 0))
+        r.num_emitted = 1
+        r.first_token_id = out.new_token_ids[0]
+        r.phase = "handing_off"
+        src = held.get(r.request_id)
+        if src is None:
+            self._on_handoff_done(HandoffDone(r.request_id, "the prefill engine kept no KV"))
+            return
+        self._spawn(self._handoff(r, src))
+
+    # ------------------------------------------------------------------ hand-off (prefill)
+
+    async def _handoff(self, r: WorkerRequest, src_block_ids: list[int]) -> None:
+        handoff = r.handoff
+        assert handoff is not None and self.connector is not None
+        try:
+            n = num_prompt_blocks(r.num_prompt_tokens, self.block_size)
+            skip = min(handoff.num_cached_tokens // self.block_size, n)
+            dst = KVDestination(
+                handoff.decode_worker_id,
+                handoff.decode_address,
+                tuple(handoff.block_ids[skip:n]),
+            )
+            await self.connector.send_blocks(r.request_id, src_block_ids[skip:n], dst)
+            if r.aborted:
+                self.tell(HandoffDone(r.request_id, "aborted"))
+                return
+            stub = worker_pb2_grpc.WorkerStub(self._channel(handoff.decode_address))
+            await stub.AddPrefilled(
+                worker_pb2.AddPrefilledRequest(
+                    request_id=r.request_id, first_token_id=r.first_token_id
+                ),
+                timeout=self.rpc_timeout_s,
+            )
+            self.tell(HandoffDone(r.request_id))
+        except Exception as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            self.tell(
+                HandoffDone(
+                    r.request_id,
+                    f"KV hand-off to {handoff.decode_worker_id} failed: {detail}",
+                )
+            )
+
+    def _on_handoff_done(self, msg: HandoffDone) -> None:
+        r = self.requests.get(msg.request_id)
+        if r is None or r.phase != "handing_off":
+            return
+        self._finish(r)
+        self.engine.call_nowait(_release_held(r.request_id))
+        if msg.error or r.aborted:
+            self._abort_remote_reservation(r)
+        if msg.error and not r.aborted:
+            logger.warning("%s: %s", r.request_id, msg.error)
+            self._emit({r.destination: [_abort_output(r, msg.error)]})
+
+    def _abort_remote_reservation(self, r: WorkerRequest) -> None:
+        if r.handoff is not None:
+            self._spawn(self._remote_abort(r.handoff.decode_address, r.request_id))
+
+    async def _remote_abort(self, address: str, request_id: str) -> None:
+        stub = worker_pb2_grpc.WorkerStub(self._channel(address))
+        try:
+            await stub.Abort(
+                common_pb2.AbortRequest(request_ids=[request_id]), timeout=self.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("abort of %s on %s failed: %s", request_id, address, exc.code().name)
+
+    # ------------------------------------------------------------------ decode side
+
+    def _on_reserved(self, msg: Reserved) -> None:
+        r = self.requests.get(msg.request_id)
+        if r is None:
+            return
+        if msg.block_ids is None:
+            del self.requests[msg.request_id]
+            return
+        r.reserved_block_ids = msg.block_ids
+        r.phase = "reserved"
+        if r.aborted:  # aborted while reserving; the engine abort is already queued
+            self._finish(r)
+
+    # ------------------------------------------------------------------ aborts
+
+    def _abort(self, request_ids: list[str], notify_error: str) -> int:
+        to_engine: list[str] = []
+        notify: dict[str, list[worker_pb2.RequestOutput]] = defaultdict(list)
+        count = 0
+        for rid in request_ids:
+            r = self.requests.get(rid)
+            if r is None or r.aborted:
+                continue
+            count += 1
+            r.aborted = True
+            if notify_error:
+                notify[r.destination].append(_abort_output(r, notify_error))
+            if r.phase in ("handing_off", "receiving"):
+                continue  # freed when the transfer ends
+            if r.phase == "reserving":
+                to_engine.append(rid)  # runs after the reserve command
+                continue
+            to_engine.append(rid)
+            self._finish(r)
+            if r.kind == "prefill":
+                self._abort_remote_reservation(r)
+        if to_engine:
+            self.engine.call_nowait(_abort_in_engine(to_engine))
+        self._emit(notify)
+        return count
+
+    def _finish(self, r: WorkerRequest) -> None:
+        if self.requests.pop(r.request_id, None) is not None:
+            self.finished.append(r.request_id)
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        for name, dest in list(self.destinations.items()):
+            if dest.connected or now - dest.disconnected_since < self.destination_timeout_s:
+                continue
+            ids = [rid for rid, r in self.requests.items() if r.destination == name]
+            if ids:
+                logger.warning("destination %s is gone; aborting %d requests", name, len(ids))
+                self._abort(ids, "")
+            elif dest.queue.empty():
+                del self.destinations[name]
+            else:
+                # Nobody will read these outputs.
+                dest.queue = asyncio.Queue()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = insecure_channel(address)
+        return channel
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        await self.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+
+
+def _abort_output(r: WorkerRequest, error: str) -> worker_pb2.RequestOutput:
+    return worker_pb2.RequestOutput(
+        request_id=r.request_id, output_index=r.num_emitted, finish_reason=_ABORT, error=error
+    )
+
+
+def _abort_in_engine(request_ids: list[str]) -> Callable[[Any], None]:
+    return lambda engine: engine.abort_requests(request_ids)
+
+
+def _release_held(request_id: str) -> Callable[[Any], None]:
+    return lambda engine: engine.release_held(request_id)

@@ -1,0 +1,247 @@
+"""gRPC edge of a worker: converts protos, then passes messages to the engine thread (engine
+state) and to `WorkerCore` (everything else)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from services.common.convert import engine_request_from_proto
+from services.worker import core as m
+from services.worker.config import Role
+from tandem.engine.engine_thread import EngineThread
+from tandem.kv_transfer.base import KVTransferError
+from tandem.kv_transfer.tcp import TcpKVConnector
+from tandem.request import EngineCoreRequest
+from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+ROLE_TO_PROTO = {
+    "prefill": common_pb2.WORKER_ROLE_PREFILL,
+    "decode": common_pb2.WORKER_ROLE_DECODE,
+    "unified": common_pb2.WORKER_ROLE_UNIFIED,
+}
+
+
+def stats_to_proto(
+    stats: Any, worker_id: str, role: Role, num_inflight: int, block_size: int, max_model_len: int
+) -> common_pb2.WorkerStats:
+    return common_pb2.WorkerStats(
+        worker_id=worker_id,
+        role=ROLE_TO_PROTO[role],
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_free_blocks=stats.num_free_blocks,
+        num_blocks=stats.num_blocks,
+        kv_usage=stats.kv_usage,
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
+        num_preemptions=stats.num_preemptions,
+        num_held=stats.num_held,
+        num_reserved=stats.num_reserved,
+        num_inflight=num_inflight,
+        block_size=block_size,
+        max_model_len=max_model_len,
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(
+        self,
+        role: Role,
+        worker_id: str,
+        core: m.WorkerCore,
+        engine: EngineThread[Any],
+        eos_token_id: int | None,
+        connector: TcpKVConnector | None,
+    ) -> None:
+        self.role = role
+        self.worker_id = worker_id
+        self.core = core
+        self.engine = engine
+        self.eos_token_id = eos_token_id
+        self.connector = connector
+
+    async def _request(
+        self, msg: common_pb2.EngineRequest, context: grpc.aio.ServicerContext
+    ) -> EngineCoreRequest:
+        if self.core.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        try:
+            req = engine_request_from_proto(msg)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not req.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if req.sampling_params.n != 1:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "n must be 1 at a worker (the frontend fans a request out)",
+            )
+        if req.eos_token_id is None:
+            req.eos_token_id = self.eos_token_id
+        return req
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        if self.role == "decode":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this is a decode worker")
+        has_handoff = request.HasField("handoff")
+        if has_handoff != (self.role == "prefill"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a prefill worker needs a KV hand-off target; a unified worker takes none",
+            )
+        req = await self._request(request.request, context)
+        params = req.sampling_params
+        kind = self.role
+        if kind == "prefill":
+            req.sampling_params = params.clone(max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        tracked = await self.core.ask(
+            m.Track(
+                m.WorkerRequest(
+                    request_id=req.request_id,
+                    destination=request.destination,
+                    kind=kind,
+                    phase="running",
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    max_tokens=params.max_tokens,
+                    handoff=request.handoff if has_handoff else None,
+                )
+            )
+        )
+        if not tracked:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request id {req.request_id!r} is in use"
+            )
+        hold_kv = kind == "prefill"
+        try:
+            await self.engine.call(lambda e: e.add_request(req, hold_kv=hold_kv))
+        except ValueError as exc:
+            self.core.tell(m.Untrack(req.request_id))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return worker_pb2.PrefillResponse()
+
+    async def Reserve(
+        self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReserveResponse:
+        if self.role != "decode":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+        req = await self._request(request.request, context)
+        tracked = await self.core.ask(
+            m.Track(
+                m.WorkerRequest(
+                    request_id=req.request_id,
+                    destination=request.destination,
+                    kind="decode",
+                    phase="reserving",
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    max_tokens=req.sampling_params.max_tokens,
+                    num_emitted=1,
+                )
+            )
+        )
+        if not tracked:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request id {req.request_id!r} is in use"
+            )
+        try:
+            result = await self.engine.call(lambda e: e.reserve(req))
+        except ValueError as exc:
+            self.core.tell(m.Untrack(req.request_id))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if result is None:
+            self.core.tell(m.Reserved(req.request_id, None))
+            return worker_pb2.ReserveResponse()
+        block_ids, num_cached_tokens = result
+        self.core.tell(m.Reserved(req.request_id, list(block_ids)))
+        return worker_pb2.ReserveResponse(block_ids=block_ids, num_cached_tokens=num_cached_tokens)
+
+    async def ReceiveKV(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.KVBlockRun],
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.ReceiveKVResponse:
+        if self.connector is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+        assert self.connector is not None
+        started: list[str] = []
+
+        async def reserved_for(request_id: str) -> list[int] | None:
+            started.append(request_id)
+            return await self.core.ask(m.BeginReceive(request_id))
+
+        try:
+            return await self.connector.receive_stream(request_iterator, reserved_for)
+        except KVTransferError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise  # not reached
+        finally:
+            if started:
+                self.core.tell(m.EndReceive(started[0]))
+
+    async def AddPrefilled(
+        self, request: worker_pb2.AddPrefilledRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AddPrefilledResponse:
+        rid, token = request.request_id, request.first_token_id
+        if not await self.core.ask(m.BeginAddPrefilled(rid)):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request {rid!r} has no reservation with its KV here (aborted?)",
+            )
+        try:
+            out = await self.engine.call(lambda e: e.add_prefilled_request(rid, token))
+        except Exception as exc:
+            logger.exception("add_prefilled_request(%s) failed", rid)
+            self.core.tell(m.Abort([rid], notify_error=f"decode worker failed: {exc}"))
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        if out is not None:
+            self.core.tell(m.Step([out]))
+        return worker_pb2.AddPrefilledResponse()
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        n = await self.core.ask(m.Abort(list(request.request_ids)))
+        return common_pb2.AbortResponse(num_aborted=n)
+
+    async def Stats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.WorkerStats:
+        stats = await self.engine.call(lambda e: e.stats())
+        inflight = await self.core.ask(m.Inflight())
+        return stats_to_proto(
+            stats,
+            self.worker_id,
+            self.role,
+            len(inflight),
+            self.core.block_size,
+            self.core.max_model_len,
+        )
+
+    async def StreamOutputs(
+        self, request: worker_pb2.StreamOutputsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.StepOutputs]:
+        if not request.destination:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "destination is empty")
+        queue = await self.core.ask(m.Connect(request.destination))
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                # Steps that piled up while the stream was busy leave as one message.
+                while not queue.empty():
+                    more = queue.get_nowait()
+                    if more is None:
+                        yield item
+                        return
+                    item.outputs.extend(more.outputs)
+                yield item
+        finally:
+            self.core.tell(m.Disconnect(request.destination, queue))

@@ -1,0 +1,370 @@
+"""`tandem serve`: the whole system as child processes on one machine.
+
+    scheduler ──▶ prefill worker + decode worker (or one unified worker) ──▶ frontend
+
+Each service runs as `python -m services.<name>` in its own session (so a Ctrl-C reaches only
+this launcher), reports its bound addresses through a ready file, and is stopped in order on
+Ctrl-C / SIGTERM: the frontend first (it finishes what clients are waiting for), then the
+workers, then the scheduler. tandem never imports the services; it only starts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+_STOP_ORDER = ("frontend", "prefill", "decode", "unified", "scheduler")
+
+
+class LaunchError(RuntimeError):
+    """A service failed to start; the message carries the end of its log when there is one."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "default"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    # 0: any free port.
+    scheduler_port: int = 0
+    unified: bool = False
+    api_key: str = ""
+    # Flags for the workers (engine arguments), passed through verbatim.
+    worker_args: tuple[str, ...] = ()
+    scheduler_args: tuple[str, ...] = ()
+    frontend_args: tuple[str, ...] = ()
+    grace_period_s: float = 10.0
+    # Service logs go to files here ("" : this process's stderr).
+    log_dir: str = ""
+    startup_timeout_s: float = 600.0
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if self.grace_period_s < 0 or self.startup_timeout_s <= 0:
+            raise ValueError("grace_period_s must be >= 0 and startup_timeout_s > 0")
+
+
+@dataclass
+class Service:
+    name: str
+    process: subprocess.Popen[bytes]
+    ready_file: Path
+    log_path: Path | None
+    info: dict[str, str] = field(default_factory=dict)
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+@dataclass
+class Deployment:
+    """Running services by name: "scheduler", "frontend", and "prefill" + "decode" or
+    "unified"."""
+
+    config: ServeConfig
+    services: dict[str, Service]
+    workdir: Path
+
+    @property
+    def http_address(self) -> str:
+        return self.services["frontend"].info["http"]
+
+    @property
+    def grpc_address(self) -> str:
+        return self.services["frontend"].info["grpc"]
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.services["scheduler"].info["grpc"]
+
+    def address(self, name: str) -> str:
+        return self.services[name].info["grpc"]
+
+    def pid(self, name: str) -> int:
+        return self.services[name].process.pid
+
+    def failed(self) -> list[str]:
+        return [name for name, s in self.services.items() if s.process.poll() is not None]
+
+    def stop(self, timeout_s: float | None = None) -> dict[str, int]:
+        """SIGTERM each service in order and wait for it; returns exit codes (killed: -9)."""
+        timeout = self.config.grace_period_s + 10.0 if timeout_s is None else timeout_s
+        codes: dict[str, int] = {}
+        for name in _STOP_ORDER:
+            service = self.services.get(name)
+            if service is None:
+                continue
+            codes[name] = stop_process(service.process, timeout)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return codes
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> int:
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    assert process.returncode is not None
+    return process.returncode
+
+
+def _read_ready(path: Path) -> dict[str, str] | None:
+    if not path.exists():
+        return None
+    info = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition("=")
+        info[key] = value
+    return info
+
+
+def _spawn(config: ServeConfig, name: str, module: str, args: list[str], workdir: Path) -> Service:
+    ready = workdir / f"{name}.ready"
+    log_path = Path(config.log_dir) / f"{name}.log" if config.log_dir else None
+    out: IO[bytes] | None = None
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log_path, "ab")  # noqa: SIM115 (the child keeps it)
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    process = subprocess.Popen(
+        [config.python, "-m", module, *args, "--ready-file", str(ready)],
+        stdout=out,
+        stderr=subprocess.STDOUT if out is not None else None,
+        env=env,
+        start_new_session=True,
+    )
+    if out is not None:
+        out.close()
+    return Service(name, process, ready, log_path)
+
+
+def _wait_ready(services: list[Service], deadline: float) -> None:
+    pending = list(services)
+    while pending:
+        for s in list(pending):
+            info = _read_ready(s.ready_file)
+            if info is not None:
+                s.info = info
+                pending.remove(s)
+            elif s.process.poll() is not None:
+                raise LaunchError(
+                    f"{s.name} exited with code {s.process.returncode} during start-up"
+                    + (f":\n{s.log_tail()}" if s.log_path else "")
+                )
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(s.name for s in pending)
+            raise LaunchError(f"{names} not ready in time")
+        time.sleep(0.05)
+
+
+def _cpu_threads_per_worker(num_workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // num_workers)
+
+
+def start_deployment(config: ServeConfig) -> Deployment:
+    """Start every service and wait until each is ready (workers registered)."""
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-serve-"))
+    services: dict[str, Service] = {}
+    deployment = Deployment(config, services, workdir)
+    deadline = time.monotonic() + config.startup_timeout_s
+    grace = ["--grace-period-s", str(config.grace_period_s)]
+    try:
+        services["scheduler"] = _spawn(
+            config,
+            "scheduler",
+            "services.scheduler",
+            [
+                "--host",
+                config.host,
+                "--port",
+                str(config.scheduler_port),
+                *grace,
+                *config.scheduler_args,
+            ],
+            workdir,
+        )
+        _wait_ready([services["scheduler"]], deadline)
+        scheduler = services["scheduler"].info["grpc"]
+        roles = ["unified"] if config.unified else ["prefill", "decode"]
+        worker_args = list(config.worker_args)
+        if "--num-threads" not in worker_args and "--device" not in worker_args:
+            worker_args += ["--num-threads", str(_cpu_threads_per_worker(len(roles)))]
+        for role in roles:
+            module = "services.prefill_worker" if role == "prefill" else "services.decode_worker"
+            extra = ["--unified"] if role == "unified" else []
+            services[role] = _spawn(
+                config,
+                role,
+                module,
+                [
+                    "--host",
+                    config.host,
+                    "--port",
+                    "0",
+                    "--scheduler",
+                    scheduler,
+                    "--worker-id",
+                    f"{role}-0",
+                    "--model",
+                    config.model,
+                    *grace,
+                    *extra,
+                    *worker_args,
+                ],
+                workdir,
+            )
+        frontend_args = [
+            "--host",
+            config.host,
+            "--http-port",
+            str(config.http_port),
+            "--grpc-port",
+            str(config.grpc_port),
+            "--scheduler",
+            scheduler,
+            "--model",
+            config.model,
+            "--wait-for-workers-s",
+            str(config.startup_timeout_s),
+            *grace,
+            *config.frontend_args,
+        ]
+        if config.api_key:
+            frontend_args += ["--api-key", config.api_key]
+        services["frontend"] = _spawn(
+            config, "frontend", "services.frontend", frontend_args, workdir
+        )
+        _wait_ready([services[r] for r in roles] + [services["frontend"]], deadline)
+    except BaseException:
+        deployment.stop(timeout_s=10.0)
+        raise
+    return deployment
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tandem.cli import add_engine_args
+
+    p = argparse.ArgumentParser(
+        prog="tandem serve",
+        description="Run the scheduler, a prefill and a decode worker (or one unified worker) "
+        "and the frontend on this machine.",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--scheduler-port", type=int, default=0)
+    p.add_argument("--unified", action="store_true", help="one unified worker (no hand-off)")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""))
+    p.add_argument("--grace-period-s", type=float, default=10.0)
+    p.add_argument("--log-dir", default="", help="write each service's log to DIR/<name>.log")
+    add_engine_args(p)
+    return p
+
+
+def _worker_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:
+    """Engine flags that differ from their defaults, as worker command-line arguments."""
+    engine_group = next(g for g in parser._action_groups if g.title == "engine")
+    argv: list[str] = []
+    for action in engine_group._group_actions:
+        if action.dest == "model":
+            continue
+        value = getattr(ns, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    config = ServeConfig(
+        model=ns.model,
+        host=ns.host,
+        http_port=ns.http_port,
+        grpc_port=ns.grpc_port,
+        scheduler_port=ns.scheduler_port,
+        unified=ns.unified,
+        api_key=ns.api_key,
+        worker_args=tuple(_worker_argv(parser, ns)),
+        grace_period_s=ns.grace_period_s,
+        log_dir=ns.log_dir,
+    )
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    mode = "unified worker" if config.unified else "prefill + decode workers"
+    print(f"tandem serve: starting scheduler, {mode}, frontend ({config.model}) ...", flush=True)
+    try:
+        deployment = start_deployment(config)
+    except LaunchError as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 1
+    http = deployment.http_address
+    workers = ", ".join(
+        f"{name} {deployment.address(name)}"
+        for name in ("prefill", "decode", "unified")
+        if name in deployment.services
+    )
+    print(
+        f"tandem serve: ready\n"
+        f"  HTTP (OpenAI API)  http://{http}/v1\n"
+        f"  gRPC               {deployment.grpc_address}  (tandem.v1.Frontend)\n"
+        f"  scheduler          {deployment.scheduler_address}\n"
+        f"  workers            {workers}\n"
+        f"Try:\n"
+        f"  curl http://{http}/v1/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{config.model}", "prompt": "The capital of France is", '
+        f'"max_tokens": 16}}\'\n'
+        f"Ctrl-C stops everything.",
+        flush=True,
+    )
+    code = 0
+    while not stop["signal"]:
+        dead = deployment.failed()
+        if dead:
+            print(f"tandem serve: {', '.join(dead)} exited; stopping", file=sys.stderr)
+            code = 1
+            break
+        time.sleep(0.2)
+    print("tandem serve: stopping ...", flush=True)
+    codes = deployment.stop()
+    bad = {n: c for n, c in codes.items() if c != 0}
+    if bad:
+        print(f"tandem serve: unclean exits: {bad}", file=sys.stderr)
+        code = 1
+    else:
+        print("tandem serve: stopped", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
