@@ -10,7 +10,8 @@ request), then attends:
   `seq_lens[r]` cached positions, causal with the offset `seq_lens[r] - query_len`
   (a fresh prefill, where the context is exactly the new tokens, reads them directly).
 
-GQA: SDPA repeats each KV head for its `num_heads // num_kv_heads` query heads.
+GQA: SDPA's `enable_gqa` shares each KV head among its `num_heads // num_kv_heads` query heads
+(no repeated copy of K/V).
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ def gather_kv(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's first `seq_len` cached K and V: `[seq_len, num_kv_heads, head_size]` each."""
-    blocks = kv_cache[block_ids.long()]  # [n, 2, block_size, kv_heads, head_size]
-    n, _, block_size, kv_heads, head_size = blocks.shape
-    key = blocks[:, 0].reshape(n * block_size, kv_heads, head_size)[:seq_len]
-    value = blocks[:, 1].reshape(n * block_size, kv_heads, head_size)[:seq_len]
-    return key, value
+    block_ids = block_ids.long()
+    _, _, block_size, kv_heads, head_size = kv_cache.shape
+    length = block_ids.shape[0] * block_size
+    key = kv_cache[:, 0].index_select(0, block_ids).reshape(length, kv_heads, head_size)
+    value = kv_cache[:, 1].index_select(0, block_ids).reshape(length, kv_heads, head_size)
+    return key[:seq_len], value[:seq_len]
 
 
 def _sdpa(
@@ -58,12 +60,14 @@ def _sdpa(
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
 ) -> torch.Tensor:
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
     )
 
 
@@ -164,12 +168,15 @@ class TorchAttentionBackend(AttentionBackend):
         batch = rows.shape[0]
         # Unused block-table entries may hold anything; they are masked out, but must index.
         block_ids = block_table.long().clamp(0, kv_cache.shape[0] - 1)
-        blocks = kv_cache[block_ids]  # [B, n, 2, block_size, KVH, D]
-        kv_heads, head_size = blocks.shape[-2], blocks.shape[-1]
+        _, _, _, kv_heads, head_size = kv_cache.shape
         length = num_blocks * block_size
-        k = blocks[:, :, 0].reshape(batch, length, kv_heads, head_size).transpose(1, 2)
-        v = blocks[:, :, 1].reshape(batch, length, kv_heads, head_size).transpose(1, 2)
-        k, v = k.to(query.dtype), v.to(query.dtype)
+        # Gather K and V separately (index_select copies whole blocks, far faster than
+        # advanced indexing here): each is contiguous [B * n, block_size, KVH, D].
+        flat_ids = block_ids.reshape(-1)
+        k = kv_cache[:, 0].index_select(0, flat_ids).view(batch, length, kv_heads, head_size)
+        v = kv_cache[:, 1].index_select(0, flat_ids).view(batch, length, kv_heads, head_size)
+        k = k.to(query.dtype).transpose(1, 2)
+        v = v.to(query.dtype).transpose(1, 2)
         mask = torch.arange(length, device=device).unsqueeze(0) < seq_lens.unsqueeze(1)
         q = query.index_select(0, rows).unsqueeze(2)  # [B, H, 1, D]
         out = _sdpa(q, k, v, scale, attn_mask=mask[:, None, None, :])
