@@ -59,6 +59,11 @@ class CachedRequestState:
         return self.token_ids[: self.num_prompt_tokens]
 
 
+# Pinned staging buffers in rotation (a step makes at most 8 host->device copies); each
+# slot's event says when the copy that last read it has finished.
+_NUM_STAGING = 16
+
+
 @dataclass
 class _StepInputs:
     num_reqs: int
@@ -105,6 +110,9 @@ class ModelRunner:
         self.use_cuda_graphs = self.device.type == "cuda" and not config.device.enforce_eager
         self._graphs = {}
         self._graph_sizes: list[int] = []
+        self._staging: list[torch.Tensor | None] = [None] * _NUM_STAGING
+        self._staging_slot = 0
+        self._staging_events: list[torch.cuda.Event | None] = [None] * _NUM_STAGING
 
     # ----------------------------------------------------------------- KV cache
 
@@ -367,10 +375,30 @@ class ModelRunner:
         )
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """Host array -> device tensor. On CUDA through reused pinned staging buffers, so the
+        copy is asynchronous and no pinned memory is allocated per step."""
         t = torch.from_numpy(array).to(dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        if self.device.type != "cuda":
+            return t
+        n = t.numel()
+        slot = self._staging_slot % _NUM_STAGING
+        self._staging_slot += 1
+        buf = self._staging[slot]
+        if buf is None or buf.numel() < n * t.element_size():
+            buf = torch.empty(
+                max(2 * n * t.element_size(), 1 << 16), dtype=torch.uint8, pin_memory=True
+            )
+            self._staging[slot] = buf
+        event = self._staging_events[slot]
+        if event is not None:
+            event.synchronize()  # the copy that last read this buffer has finished
+        staged = buf[: n * t.element_size()].view(dtype).view(t.shape)
+        staged.copy_(t)
+        out = staged.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._staging_events[slot] = event
+        return out
 
     def _run_eager(self, inp: _StepInputs) -> torch.Tensor:
         metadata = AttentionMetadata(
