@@ -1,9 +1,10 @@
 """Rotary position embedding (the "rotate half" / NeoX layout Hugging Face Llama uses).
 
 A head's `head_size` dims are split in halves (x1, x2); position p with inverse frequency
-f_i turns (x1_i, x2_i) by angle p * f_i. `cos_sin_cache[p] = [cos(p f) | sin(p f)]` is
-precomputed in float32 for every position; `apply_rotary_emb` is a plain function so a device
-kernel can replace it.
+f_i turns (x1_i, x2_i) by angle p * f_i. `cos_cache[p] = cos(p f)` and `sin_cache[p] = sin(p f)`
+(`[max_position, rotary_dim // 2]`, float32) are precomputed for every position;
+`apply_rotary_emb` is a plain function with the same arguments as the Triton kernel
+(`kernels.rotary.rotary_embedding`), so one can stand in for the other.
 
 Supported `rope_type`s: "default", "linear" (inverse frequencies / factor) and "llama3"
 (Llama 3.1's band-wise scaling of long wavelengths).
@@ -65,11 +66,13 @@ def _llama3_scale(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def compute_cos_sin_cache(max_position: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """`[max_position, rotary_dim]` float32: `[cos(p f) | sin(p f)]` per position p."""
+def compute_cos_sin_cache(
+    max_position: int, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(cos, sin)`, each `[max_position, rotary_dim // 2]` float32, at angles `p * f`."""
     t = torch.arange(max_position, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq.float())
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return freqs.cos(), freqs.sin()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -83,22 +86,22 @@ def apply_rotary_emb(
     positions: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate `query [T, H, D]` and `key [T, KVH, D]` by `positions [T]`; new tensors.
 
     cos/sin are cast to the inputs' dtype before use (as Hugging Face does).
     """
-    cos_sin = cos_sin_cache.index_select(0, positions)
-    half = cos_sin.shape[-1] // 2
-    cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+    cos = cos_cache.index_select(0, positions)
+    sin = sin_cache.index_select(0, positions)
     cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(query.dtype)
     sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(query.dtype)
     return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the cos/sin cache on the device; `forward(positions, q, k) -> (q, k)`."""
+    """Holds the cos/sin caches on the device; `forward(positions, q, k) -> (q, k)`."""
 
     def __init__(
         self,
@@ -110,20 +113,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_size = head_size
         inv_freq = compute_inv_freq(head_size, rope_parameters)
-        cache = compute_cos_sin_cache(max_position, inv_freq).to(device)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
-        half = cache.shape[-1] // 2
-        # Contiguous halves for the Triton kernel (CUDA).
-        self.register_buffer("cos_cache", cache[:, :half].contiguous(), persistent=False)
-        self.register_buffer("sin_cache", cache[:, half:].contiguous(), persistent=False)
+        cos, sin = compute_cos_sin_cache(max_position, inv_freq)
+        self.register_buffer("cos_cache", cos.to(device), persistent=False)
+        self.register_buffer("sin_cache", sin.to(device), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if query.is_cuda:
-            from kernels.rotary import rotary_embedding
-
-            return rotary_embedding(
-                positions, query, key, self.cos_cache, self.sin_cache, inplace=False
-            )
-        return apply_rotary_emb(positions, query, key, self.cos_sin_cache)
+        return apply_rotary_emb(positions, query, key, self.cos_cache, self.sin_cache)
