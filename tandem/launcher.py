@@ -136,7 +136,10 @@ def _read_ready(path: Path) -> dict[str, str] | None:
     return info
 
 
-def _spawn(config: ServeConfig, name: str, module: str, args: list[str], workdir: Path) -> Service:
+def spawn_service(
+    config: ServeConfig, name: str, module: str, args: list[str], workdir: Path
+) -> Service:
+    """Start `python -m <module> <args> --ready-file <workdir>/<name>.ready`."""
     ready = workdir / f"{name}.ready"
     log_path = Path(config.log_dir) / f"{name}.log" if config.log_dir else None
     out: IO[bytes] | None = None
@@ -158,7 +161,8 @@ def _spawn(config: ServeConfig, name: str, module: str, args: list[str], workdir
     return Service(name, process, ready, log_path)
 
 
-def _wait_ready(services: list[Service], deadline: float) -> None:
+def wait_ready(services: list[Service], deadline: float) -> None:
+    """Wait for each service's ready file (monotonic `deadline`); raise LaunchError."""
     pending = list(services)
     while pending:
         for s in list(pending):
@@ -189,7 +193,7 @@ def start_deployment(config: ServeConfig) -> Deployment:
     deadline = time.monotonic() + config.startup_timeout_s
     grace = ["--grace-period-s", str(config.grace_period_s)]
     try:
-        services["scheduler"] = _spawn(
+        services["scheduler"] = spawn_service(
             config,
             "scheduler",
             "services.scheduler",
@@ -203,7 +207,7 @@ def start_deployment(config: ServeConfig) -> Deployment:
             ],
             workdir,
         )
-        _wait_ready([services["scheduler"]], deadline)
+        wait_ready([services["scheduler"]], deadline)
         scheduler = services["scheduler"].info["grpc"]
         roles = ["unified"] if config.unified else ["prefill", "decode"]
         worker_args = list(config.worker_args)
@@ -212,7 +216,7 @@ def start_deployment(config: ServeConfig) -> Deployment:
         for role in roles:
             module = "services.prefill_worker" if role == "prefill" else "services.decode_worker"
             extra = ["--unified"] if role == "unified" else []
-            services[role] = _spawn(
+            services[role] = spawn_service(
                 config,
                 role,
                 module,
@@ -251,10 +255,10 @@ def start_deployment(config: ServeConfig) -> Deployment:
         ]
         if config.api_key:
             frontend_args += ["--api-key", config.api_key]
-        services["frontend"] = _spawn(
+        services["frontend"] = spawn_service(
             config, "frontend", "services.frontend", frontend_args, workdir
         )
-        _wait_ready([services[r] for r in roles] + [services["frontend"]], deadline)
+        wait_ready([services[r] for r in roles] + [services["frontend"]], deadline)
     except BaseException:
         deployment.stop(timeout_s=10.0)
         raise

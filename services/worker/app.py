@@ -86,7 +86,8 @@ class SchedulerLink:
     async def _reports(self, interval_s: float) -> AsyncIterator[scheduler_pb2.LoadReport]:
         while True:
             finished, num_inflight = await self.core.ask(m.TakeFinished())
-            stats = await self.engine.call(lambda e: e.stats())
+            # The latest snapshot, not a fresh read: a report must not wait for a long step.
+            stats = self.engine.latest_snapshot
             yield scheduler_pb2.LoadReport(
                 worker_id=self.config.worker_id,
                 stats=stats_to_proto(
@@ -132,6 +133,7 @@ async def serve(config: WorkerServiceConfig) -> int:
         on_step,
         post_step=collect_held if config.role == "prefill" else None,
         name=f"engine-{config.role}",
+        snapshot=lambda e: e.stats(),
     )
     engine = await engine_thread.start()
     core = m.WorkerCore(

@@ -10,7 +10,9 @@
 Commands run in arrival order, all of them before the next step, so a command sees the
 effects of every earlier one. The thread blocks on the inbox while the engine has no work.
 `post_step` runs on the engine thread right after each step (for state that must be read
-before the next step changes it); its result travels with the outputs.
+before the next step changes it); its result travels with the outputs. `snapshot`, when given,
+is run after every step and every batch of commands; its latest result is `latest_snapshot`
+(an immutable value the loop may read at any time without waiting for a step to end).
 """
 
 from __future__ import annotations
@@ -55,11 +57,14 @@ class EngineThread(Generic[E]):
         on_step: OnStep,
         post_step: PostStep[E] | None = None,
         name: str = "engine",
+        snapshot: Callable[[E], Any] | None = None,
     ) -> None:
         self._make_engine = make_engine
         self._loop = loop
         self._on_step = on_step
         self._post_step = post_step
+        self._snapshot = snapshot
+        self.latest_snapshot: Any = None
         self._inbox: queue.SimpleQueue[
             tuple[Callable[[E], Any], concurrent.futures.Future[Any] | None] | _Stop
         ] = queue.SimpleQueue()
@@ -116,6 +121,8 @@ class EngineThread(Generic[E]):
             self._stopped.set()
             self._ready.set_exception(exc)
             return
+        if self._snapshot is not None:
+            self.latest_snapshot = self._snapshot(engine)
         self._ready.set_result(engine)
         try:
             self._loop_forever(engine)
@@ -134,6 +141,7 @@ class EngineThread(Generic[E]):
                 item = inbox.get(block=not busy)
             except queue.Empty:
                 item = None
+            ran_commands = item is not None
             while item is not None:
                 if isinstance(item, _Stop):
                     return
@@ -142,12 +150,16 @@ class EngineThread(Generic[E]):
                     item = inbox.get_nowait()
                 except queue.Empty:
                     item = None
+            if ran_commands and self._snapshot is not None:
+                self.latest_snapshot = self._snapshot(engine)
             if not engine.has_unfinished_requests():
                 continue
             t0 = time.perf_counter()
             outputs = engine.step()
             self.num_steps += 1
             extra = self._post_step(engine, outputs) if self._post_step is not None else None
+            if self._snapshot is not None:
+                self.latest_snapshot = self._snapshot(engine)
             if outputs or extra:
                 self._loop.call_soon_threadsafe(self._on_step, outputs, extra)
             elif time.perf_counter() - t0 < _IDLE_STEP_PAUSE_S:

@@ -52,9 +52,14 @@ async def _run() -> None:
             got_all.set()
 
     thread: EngineThread[_CountingEngine] = EngineThread(
-        _CountingEngine, loop, on_step, post_step=lambda e, outs: len(outs)
+        _CountingEngine,
+        loop,
+        on_step,
+        post_step=lambda e, outs: len(outs),
+        snapshot=lambda e: dict(e.remaining),
     )
     engine = await thread.start()
+    assert thread.latest_snapshot == {}
     await thread.call(lambda e: e.add("a", 3))
     thread.call_nowait(lambda e: e.add("b", 1))
     await asyncio.wait_for(got_all.wait(), 5)
@@ -65,6 +70,7 @@ async def _run() -> None:
         for o in outs:
             tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.new_token_ids)
     assert tokens == {"a": 3, "b": 1}
+    assert thread.latest_snapshot == {}
     # Both adds ran before the step that followed them.
     assert engine.log.index("add b") < engine.log.index("step", engine.log.index("add b"))
     with pytest.raises(ZeroDivisionError):

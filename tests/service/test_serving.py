@@ -1,0 +1,410 @@
+"""The whole system as real processes, disaggregated and unified (one deployment each).
+
+Tests run in file order per deployment; the last ones stop workers and services on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from tandem.launcher import Deployment
+from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+from tests.service.conftest import (
+    CHAT,
+    GRACE_S,
+    MAX_MODEL_LEN,
+    MAX_TOKENS,
+    PROMPTS,
+    Reference,
+    assert_pools_whole,
+    list_workers,
+    wait_until,
+    worker_names,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _client(dep: Deployment) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{dep.http_address}/v1", api_key="unused", max_retries=0)
+
+
+def _greedy(max_tokens: int = MAX_TOKENS) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+async def _grpc_generate(
+    address: str, request: frontend_pb2.GenerateRequest
+) -> tuple[str, list[int], list[frontend_pb2.GenerateResponse]]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = frontend_pb2_grpc.FrontendStub(channel)
+        responses = [r async for r in stub.Generate(request)]
+    text = "".join(c.text for r in responses for c in r.choices)
+    ids = [t for r in responses for c in r.choices for t in c.token_ids]
+    return text, ids, responses
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def test_grpc_greedy_matches_offline(deployment: Deployment, reference: Reference) -> None:
+    async def run() -> list[tuple[str, list[int], list[frontend_pb2.GenerateResponse]]]:
+        return await asyncio.gather(
+            *(
+                _grpc_generate(
+                    deployment.grpc_address,
+                    frontend_pb2.GenerateRequest(text=p, sampling_params=_greedy()),
+                )
+                for p in PROMPTS
+            )
+        )
+
+    for i, (text, ids, responses) in enumerate(asyncio.run(run())):
+        assert ids == reference.token_ids[i], PROMPTS[i]
+        assert text == reference.texts[i]
+        last = responses[-1]
+        assert last.usage.completion_tokens == len(ids)
+        assert last.choices[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        # Streamed: more than one response per request.
+        assert len(responses) > 1
+
+
+def test_grpc_chat_and_final_only(deployment: Deployment, reference: Reference) -> None:
+    request = frontend_pb2.GenerateRequest(
+        chat=frontend_pb2.Chat(
+            messages=[frontend_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in CHAT]
+        ),
+        sampling_params=_greedy(),
+        output_kind=frontend_pb2.OUTPUT_KIND_FINAL_ONLY,
+    )
+    text, ids, responses = asyncio.run(_grpc_generate(deployment.grpc_address, request))
+    assert len(responses) == 1
+    assert ids == reference.chat_token_ids
+    assert text == reference.chat_text
+
+
+def test_openai_completions_match_offline(deployment: Deployment, reference: Reference) -> None:
+    client = _client(deployment)
+    batch = client.completions.create(
+        model="default", prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == reference.texts
+    assert batch.usage is not None
+    assert batch.usage.completion_tokens == sum(len(t) for t in reference.token_ids)
+    # Streamed deltas concatenate to the full text.
+    stream = client.completions.create(
+        model="default",
+        prompt=PROMPTS[1],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == reference.texts[1]
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length"
+
+
+def test_openai_chat_matches_offline(deployment: Deployment, reference: Reference) -> None:
+    client = _client(deployment)
+    full = client.chat.completions.create(
+        model="default", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert full.choices[0].message.content == reference.chat_text
+    stream = client.chat.completions.create(
+        model="default", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == reference.chat_text
+
+
+def test_stop_logprobs_n_seed(deployment: Deployment, reference: Reference) -> None:
+    client = _client(deployment)
+    # A stop string cuts the text before it; the request ends with finish_reason "stop".
+    target = reference.texts[0]
+    stop = target[len(target) // 2 : len(target) // 2 + 3]
+    out = client.completions.create(
+        model="default", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stop=[stop]
+    )
+    assert out.choices[0].text == target[: target.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    # Logprobs: one entry per token, the top ones sorted, the greedy token first among them.
+    out = client.completions.create(
+        model="default", prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == 4 and len(lp.top_logprobs) == 4
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(chosen, abs=1e-5)
+    # n with a seed: n choices, reproducible.
+    kwargs = dict(model="default", prompt=PROMPTS[2], max_tokens=6, temperature=1.0, n=2, seed=7)
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert out.usage is not None and out.usage.completion_tokens == 4
+
+
+def test_models_and_tokenize(deployment: Deployment) -> None:
+    models = _client(deployment).models.list()
+    assert [m.id for m in models.data] == ["default"]
+
+    async def run() -> tuple[frontend_pb2.ListModelsResponse, frontend_pb2.TokenizeResponse]:
+        async with grpc.aio.insecure_channel(deployment.grpc_address) as channel:
+            stub = frontend_pb2_grpc.FrontendStub(channel)
+            listed = await stub.ListModels(frontend_pb2.ListModelsRequest())
+            tok = await stub.Tokenize(frontend_pb2.TokenizeRequest(text=PROMPTS[0]))
+            return listed, tok
+
+    listed, tok = asyncio.run(run())
+    assert listed.models[0].id == "default" and listed.models[0].max_model_len == MAX_MODEL_LEN
+    assert tok.count == len(tok.token_ids) > 0
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def test_64_concurrent_streams_complete(deployment: Deployment, reference: Reference) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, str | None]:
+        stream = await client.completions.create(
+            model="default",
+            prompt=PROMPTS[i % len(PROMPTS)],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+        )
+        text, finish = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+        return i, text, finish
+
+    async def run() -> list[tuple[int, str, str | None]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"http://{deployment.http_address}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=300,
+            http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=100)),
+        ) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    for i, text, finish in results:
+        assert finish in ("length", "stop")
+        # Batched differently than the offline run: allow a late greedy flip, not garbage.
+        ref = reference.texts[i % len(PROMPTS)]
+        assert text and (text == ref or ref.startswith(text[: len(ref) // 2]))
+    exact = sum(text == reference.texts[i % len(PROMPTS)] for i, text, _ in results)
+    assert exact >= 60
+    assert_pools_whole(deployment)
+
+
+# ----------------------------------------------------------------------------- aborts
+
+
+def test_http_disconnect_mid_stream_frees_blocks(deployment: Deployment) -> None:
+    body = {
+        "model": "default",
+        "prompt": PROMPTS[3] * 20,
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=120) as http,
+        http.stream("POST", f"http://{deployment.http_address}/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+            if seen >= 3:
+                break
+    # The connection is closed: the request must end on every worker.
+    assert_pools_whole(deployment, timeout_s=30)
+
+
+def test_grpc_cancel_mid_stream_frees_blocks(deployment: Deployment) -> None:
+    async def run() -> int:
+        async with grpc.aio.insecure_channel(deployment.grpc_address) as channel:
+            stub = frontend_pb2_grpc.FrontendStub(channel)
+            params = common_pb2.SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+            call = stub.Generate(
+                frontend_pb2.GenerateRequest(text=PROMPTS[0], sampling_params=params)
+            )
+            n = 0
+            async for _ in call:
+                n += 1
+                if n == 3:
+                    call.cancel()
+                    break
+            return n
+
+    assert asyncio.run(run()) == 3
+    assert_pools_whole(deployment, timeout_s=30)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_http_input_gets_400_and_service_keeps_serving(deployment: Deployment) -> None:
+    url = f"http://{deployment.http_address}/v1"
+    good = {"model": "default", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
+    cases: list[tuple[str, object, str]] = [
+        ("completions", {**good, "temperature": -1}, "temperature"),
+        ("completions", {**good, "top_p": 0}, "top_p"),
+        ("completions", {**good, "n": 0}, "n must"),
+        ("completions", {**good, "max_tokens": 0}, "max_tokens"),
+        ("completions", {**good, "max_tokens": "ten"}, "max_tokens"),
+        ("completions", {**good, "logprobs": 99}, "logprobs"),
+        ("completions", {**good, "prompt": ""}, "empty"),
+        ("completions", {**good, "prompt": [1] * (MAX_MODEL_LEN + 10)}, "context"),
+        ("completions", {**good, "max_tokens": MAX_MODEL_LEN}, "context"),
+        ("completions", {**good, "model": "gpt-9"}, "not served"),
+        ("completions", b'{"prompt": "unterminated', "malformed JSON"),
+        ("completions", b"[1, 2]", "object"),
+        ("completions", {**good, "prompt": "x" * (3 * 1024 * 1024)}, "limit"),
+        ("chat/completions", {"model": "default", "messages": []}, "messages"),
+        ("chat/completions", {"model": "default", "messages": [{"content": "hi"}]}, "role"),
+    ]
+    with httpx.Client(timeout=120) as http:
+        for path, body, needle in cases:
+            if isinstance(body, bytes):
+                r = http.post(
+                    f"{url}/{path}", content=body, headers={"Content-Type": "application/json"}
+                )
+            else:
+                r = http.post(f"{url}/{path}", json=body)
+            assert r.status_code == 400, (path, needle, r.text)
+            err = r.json()["error"]
+            assert needle in err["message"], (needle, err)
+            ok = http.post(f"{url}/completions", json=good)
+            assert ok.status_code == 200, ok.text
+            assert ok.json()["choices"][0]["text"]
+    assert_pools_whole(deployment)
+
+
+def test_bad_grpc_input_gets_invalid_argument(deployment: Deployment) -> None:
+    bad = [
+        frontend_pb2.GenerateRequest(
+            text="hi", sampling_params=common_pb2.SamplingParams(temperature=-1)
+        ),
+        frontend_pb2.GenerateRequest(text="", sampling_params=_greedy()),
+        frontend_pb2.GenerateRequest(
+            token_ids=frontend_pb2.TokenIds(ids=[1] * (MAX_MODEL_LEN + 1)),
+            sampling_params=_greedy(),
+        ),
+        frontend_pb2.GenerateRequest(model="gpt-9", text="hi", sampling_params=_greedy()),
+        frontend_pb2.GenerateRequest(sampling_params=_greedy()),
+    ]
+
+    async def run() -> None:
+        for request in bad:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _grpc_generate(deployment.grpc_address, request)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
+            assert info.value.details()
+            text, _, _ = await _grpc_generate(
+                deployment.grpc_address,
+                frontend_pb2.GenerateRequest(text=PROMPTS[1], sampling_params=_greedy(4)),
+            )
+            assert text
+
+    asyncio.run(run())
+    assert_pools_whole(deployment)
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def test_worker_that_stops_reporting_fails_its_requests(deployment: Deployment) -> None:
+    """SIGSTOP the worker that decodes: the stream ends with UNAVAILABLE, no hang; after
+    SIGCONT the worker registers again and serves."""
+    victim = "unified" if "unified" in deployment.services else "decode"
+    pid = deployment.pid(victim)
+
+    async def run() -> tuple[grpc.StatusCode, float]:
+        async with grpc.aio.insecure_channel(deployment.grpc_address) as channel:
+            stub = frontend_pb2_grpc.FrontendStub(channel)
+            params = common_pb2.SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+            call = stub.Generate(
+                frontend_pb2.GenerateRequest(text=PROMPTS[2], sampling_params=params)
+            )
+            n = 0
+            t0 = 0.0
+            try:
+                async for _ in call:
+                    n += 1
+                    if n == 2:
+                        os.kill(pid, signal.SIGSTOP)
+                        t0 = time.monotonic()
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), time.monotonic() - t0
+            raise AssertionError("the stream ended without an error")
+
+    try:
+        code, waited = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert waited < 20
+    worker_id = f"{victim}-0"
+    wait_until(
+        lambda: any(w.worker_id == worker_id for w in list_workers(deployment).workers),
+        30,
+        f"{worker_id} to register again",
+    )
+    out = _client(deployment).completions.create(
+        model="default", prompt=PROMPTS[1], max_tokens=4, temperature=0
+    )
+    assert out.choices[0].text
+    assert_pools_whole(deployment, timeout_s=30)
+
+
+def test_sigterm_drains_then_each_service_exits_cleanly(deployment: Deployment) -> None:
+    """SIGTERM the frontend during a request: the request still completes; then each
+    service exits 0 within its grace period."""
+
+    async def in_flight() -> str:
+        text, _, _ = await _grpc_generate(
+            deployment.grpc_address,
+            frontend_pb2.GenerateRequest(text=PROMPTS[0], sampling_params=_greedy(24)),
+        )
+        return text
+
+    async def run() -> str:
+        task = asyncio.create_task(in_flight())
+        await asyncio.sleep(0.5)
+        os.kill(deployment.pid("frontend"), signal.SIGTERM)
+        return await task
+
+    text = asyncio.run(run())
+    assert text  # finished despite the SIGTERM
+    order = ["frontend", *worker_names(deployment), "scheduler"]
+    for name in order:
+        process = deployment.services[name].process
+        t0 = time.monotonic()
+        if name != "frontend":  # the frontend has its SIGTERM already
+            process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=GRACE_S + 5)
+        assert code == 0, (name, deployment.services[name].log_tail())
+        assert time.monotonic() - t0 < GRACE_S + 5
+    # Nothing left to stop.
+    assert not any(s.process.poll() is None for s in deployment.services.values())
