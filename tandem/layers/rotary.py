@@ -101,7 +101,10 @@ def apply_rotary_emb(
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the cos/sin caches on the device; `forward(positions, q, k) -> (q, k)`."""
+    """Holds the cos/sin caches on the device; `forward(positions, q, k) -> (q, k)`.
+
+    On CUDA the Triton kernel (kernels/rotary.py), else `apply_rotary_emb`.
+    """
 
     def __init__(
         self,
@@ -120,4 +123,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if query.is_cuda:
+            from kernels.rotary import rotary_embedding
+
+            return rotary_embedding(
+                positions, query, key, self.cos_cache, self.sin_cache, inplace=False
+            )
         return apply_rotary_emb(positions, query, key, self.cos_cache, self.sin_cache)
