@@ -177,7 +177,8 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        batch = min(ns.max_num_seqs, kv_capacity // (inp + out), n_req)
+        # The roofline's batch is what the KV pool allows, not tandem's max_num_seqs.
+        batch = min(kv_capacity // (inp + out), n_req)
         bound = roofline_seconds(nums, n_req, inp, out, batch, ns.max_num_batched_tokens, peak, bw)
         r = {
             "input_len": inp,
@@ -186,7 +187,8 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
             "elapsed_s": elapsed,
             "output_tokens_per_s": n_out / elapsed,
             "total_tokens_per_s": (n_out + n_req * inp) / elapsed,
-            "max_batch": batch,
+            "roofline_batch": batch,
+            "max_num_seqs": ns.max_num_seqs,
             "roofline": bound,
             "fraction_of_roofline": bound["total_s"] / elapsed,
         }

@@ -113,7 +113,27 @@ class DeviceConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = False
-    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    cuda_graph_sizes: tuple[int, ...] = (
+        1,
+        2,
+        4,
+        8,
+        16,
+        24,
+        32,
+        48,
+        64,
+        96,
+        128,
+        160,
+        192,
+        224,
+        256,
+        320,
+        384,
+        448,
+        512,
+    )
     num_threads: int = 0
 
     def __post_init__(self) -> None:

@@ -98,10 +98,14 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(backend_name)
         self.hf_config = load_hf_config(model_path)
         torch.manual_seed(config.model.seed)
+        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = build_model(
             model_path, self.dtype, self.device, self.attn_backend, seed=config.model.seed
         )
         self.vocab_size: int = self.model.vocab_size
+        self.weight_bytes = (
+            torch.cuda.memory_allocated(self.device) - before if self.device.type == "cuda" else 0
+        )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache: torch.Tensor | None = None
@@ -126,14 +130,13 @@ class ModelRunner:
         if cache.num_gpu_blocks:
             return cache.num_gpu_blocks
         if self.device.type == "cuda":
-            # This engine's share: `gpu_memory_utilization` of the device, less what it already
-            # holds (weights) and what a step needs (profiled); never more than is free.
+            # This engine's share: `gpu_memory_utilization` of the device, less its weights and
+            # what a step needs (profiled); never more than is free.
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             activation = self.profile_activation_bytes()
-            held = torch.cuda.memory_allocated(self.device)
             budget = min(
-                total * cache.gpu_memory_utilization - held - activation,
+                total * cache.gpu_memory_utilization - self.weight_bytes - activation,
                 free - activation - (1 << 30),
             )
             return max(int(budget // self.kv_bytes_per_block()), 1)
