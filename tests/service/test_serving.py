@@ -379,32 +379,36 @@ def test_worker_that_stops_reporting_fails_its_requests(deployment: Deployment) 
 
 
 def test_sigterm_drains_then_each_service_exits_cleanly(deployment: Deployment) -> None:
-    """SIGTERM the frontend during a request: the request still completes; then each
-    service exits 0 within its grace period."""
+    """SIGTERM the frontend and the decoding worker mid-request: the request still completes
+    (both drain), both exit 0; then every other service exits 0 on SIGTERM, each within its
+    grace period."""
+    decoder = "unified" if "unified" in deployment.services else "decode"
+    first_wave = ["frontend", decoder]
 
-    async def in_flight() -> str:
-        text, _, _ = await _grpc_generate(
-            deployment.grpc_address,
-            frontend_pb2.GenerateRequest(text=PROMPTS[0], sampling_params=_greedy(24)),
-        )
-        return text
+    async def run() -> list[int]:
+        async with grpc.aio.insecure_channel(deployment.grpc_address) as channel:
+            stub = frontend_pb2_grpc.FrontendStub(channel)
+            request = frontend_pb2.GenerateRequest(text=PROMPTS[0], sampling_params=_greedy(24))
+            ids: list[int] = []
+            async for resp in stub.Generate(request):
+                if not ids:
+                    for name in first_wave:
+                        os.kill(deployment.pid(name), signal.SIGTERM)
+                ids += [t for c in resp.choices for t in c.token_ids]
+            return ids
 
-    async def run() -> str:
-        task = asyncio.create_task(in_flight())
-        await asyncio.sleep(0.5)
-        os.kill(deployment.pid("frontend"), signal.SIGTERM)
-        return await task
-
-    text = asyncio.run(run())
-    assert text  # finished despite the SIGTERM
-    order = ["frontend", *worker_names(deployment), "scheduler"]
-    for name in order:
+    t0 = time.monotonic()
+    assert len(asyncio.run(run())) == 24  # finished despite the SIGTERMs
+    for name in first_wave:
+        process = deployment.services[name].process
+        code = process.wait(timeout=GRACE_S + 5)
+        assert code == 0, (name, deployment.services[name].log_tail())
+    assert time.monotonic() - t0 < GRACE_S + 5
+    rest = [n for n in (*worker_names(deployment), "scheduler") if n not in first_wave]
+    for name in rest:
         process = deployment.services[name].process
         t0 = time.monotonic()
-        if name != "frontend":  # the frontend has its SIGTERM already
-            process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)
         code = process.wait(timeout=GRACE_S + 5)
         assert code == 0, (name, deployment.services[name].log_tail())
         assert time.monotonic() - t0 < GRACE_S + 5
-    # Nothing left to stop.
-    assert not any(s.process.poll() is None for s in deployment.services.values())
