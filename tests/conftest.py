@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 
+# A real redis-server on a free loopback port for the directory and service tests.
+pytest_plugins = ["tests.conftest_redis"]
+
 TINY_VOCAB_SIZE = 512
 
 # arch -> (config class name, config fields beyond the shared tiny shape)

@@ -40,6 +40,9 @@ def hf_greedy(
         model_path, torch_dtype=torch.float32, local_files_only=True
     )
     model.eval()
+    # tandem's ignore_eos lets eos be chosen and continues; transformers' min_new_tokens would
+    # mask eos instead, so the reference simply has no eos.
+    model.generation_config.eos_token_id = None
     results = []
     with torch.inference_mode():
         for ids in prompts:
@@ -47,7 +50,6 @@ def hf_greedy(
                 torch.tensor([ids]),
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=n,
-                min_new_tokens=n,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,
