@@ -53,10 +53,7 @@ class CachedRequestState:
     eos_token_id: int | None
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 # Pinned staging buffers in rotation (a step makes at most 8 host->device copies); each
@@ -304,6 +301,7 @@ class ModelRunner:
                 eos_token_id=self.eos_token_id,
                 generator=generator,
                 output_token_ids=list(new.output_token_ids),
+                prompt_token_ids=list(new.prompt_token_ids),
             )
             if generator is not None and not params.is_greedy and new.output_token_ids:
                 # Resumed after preemption: advance the stream past the draws already made.
