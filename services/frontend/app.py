@@ -10,11 +10,12 @@ import time
 
 import uvicorn
 
+from services.common.metrics import start_metrics_server
 from services.common.server import GrpcServer, shutdown_event, write_ready_file
 from services.frontend.config import FrontendConfig
-from services.frontend.engine import FrontendEngine
 from services.frontend.grpc_api import FrontendServicer
 from services.frontend.http_api import HttpApi
+from services.frontend.metrics import FrontendMetrics, MeteredFrontendEngine
 from tandem.loader import load_tokenizer, resolve_model_path
 from tandem_protos.v1 import frontend_pb2, frontend_pb2_grpc
 
@@ -33,10 +34,16 @@ async def serve(config: FrontendConfig) -> int:
     stop = shutdown_event()
     model_path = resolve_model_path(config.model, config.cache_dir or None)
     tokenizer = load_tokenizer(model_path)
-    engine = FrontendEngine(
-        config.frontend_id, config.scheduler_address, tokenizer, config.model_ids[0]
+    metrics = FrontendMetrics()
+    engine = MeteredFrontendEngine(
+        config.frontend_id,
+        config.scheduler_address,
+        tokenizer,
+        config.model_ids[0],
+        metrics=metrics,
     )
     await engine.start()
+    metrics_server = await start_metrics_server(metrics.registry, config.host, config.metrics_port)
 
     grpc_server = GrpcServer([frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name])
     servicer = FrontendServicer(engine, config.api_key, config.model_ids)
@@ -73,10 +80,10 @@ async def serve(config: FrontendConfig) -> int:
     if config.wait_for_workers_s > 0:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(engine.have_workers.wait(), config.wait_for_workers_s)
-    write_ready_file(
-        config.ready_file,
-        [f"http={config.host}:{http_port}", f"grpc={config.host}:{grpc_port}"],
-    )
+    ready = [f"http={config.host}:{http_port}", f"grpc={config.host}:{grpc_port}"]
+    if metrics_server is not None:
+        ready.append(f"metrics={config.host}:{metrics_server.port}")
+    write_ready_file(config.ready_file, ready)
 
     await stop.wait()
     # Refuse new requests; let the ones in flight finish within the grace period.
@@ -93,5 +100,7 @@ async def serve(config: FrontendConfig) -> int:
     with contextlib.suppress(asyncio.CancelledError):
         await asyncio.wait_for(http_task, timeout=5.0)
     await engine.close()
+    if metrics_server is not None:
+        await metrics_server.close()
     logger.info("frontend stopped")
     return 0

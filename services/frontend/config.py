@@ -31,6 +31,8 @@ class FrontendConfig:
     # Before announcing itself ready (ready file), wait up to this long for a worker.
     wait_for_workers_s: float = 0.0
     frontend_id: str = ""
+    # Prometheus /metrics port (0: any free port, -1: off).
+    metrics_port: int = -1
     ready_file: str = ""
     log_level: str = "info"
 
@@ -39,6 +41,10 @@ class FrontendConfig:
             port = getattr(self, name)
             if not (0 <= port < 65536):
                 raise FrontendConfigError(f"{name} must be in [0, 65535], got {port}")
+        if not (-1 <= self.metrics_port < 65536):
+            raise FrontendConfigError(
+                f"metrics_port must be in [-1, 65535], got {self.metrics_port}"
+            )
         if self.max_body_bytes < 1024:
             raise FrontendConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.grace_period_s < 0:
@@ -86,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--wait-for-workers-s", type=float, default=env("wait_for_workers_s", 0.0))
     p.add_argument("--frontend-id", default=env("frontend_id", ""))
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env("metrics_port", d["metrics_port"].default),
+        help="serve Prometheus /metrics here (0: any free port, -1: off)",
+    )
     p.add_argument("--ready-file", default=env("ready_file", ""))
     p.add_argument("--log-level", default=env("log_level", "info"))
     return p
@@ -106,6 +118,7 @@ def config_from_args(argv: list[str]) -> FrontendConfig:
         grace_period_s=ns.grace_period_s,
         wait_for_workers_s=ns.wait_for_workers_s,
         frontend_id=ns.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}",
+        metrics_port=ns.metrics_port,
         ready_file=ns.ready_file,
         log_level=ns.log_level,
     )

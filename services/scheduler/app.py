@@ -7,11 +7,12 @@ import contextlib
 import logging
 import time
 
+from services.common.metrics import start_metrics_server
 from services.common.server import GrpcServer, shutdown_event, write_ready_file
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.core import BeginShutdown, CountDispatching, SchedulerCore, Tick
+from services.scheduler.metrics import MeteredSchedulerServicer, SchedulerMetrics
 from services.scheduler.routing import LoadBasedRouting
-from services.scheduler.servicer import SchedulerServicer
 from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -32,14 +33,18 @@ async def serve(config: SchedulerServiceConfig) -> int:
     core = SchedulerCore(config, policy)
     core.start()
     server = GrpcServer([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
-    server.add(
-        lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), s)
-    )
+    metrics = SchedulerMetrics(core)
+    servicer = MeteredSchedulerServicer(core, metrics)
+    server.add(lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s))
     port = await server.start(config.host, config.port)
+    metrics_server = await start_metrics_server(metrics.registry, config.host, config.metrics_port)
     ticker = asyncio.create_task(_ticker(core, min(config.report_interval_s, 0.5)))
     address = f"{config.host}:{port}"
     logger.info("scheduler serving on %s", address)
-    write_ready_file(config.ready_file, [f"grpc={address}"])
+    ready = [f"grpc={address}"]
+    if metrics_server is not None:
+        ready.append(f"metrics={config.host}:{metrics_server.port}")
+    write_ready_file(config.ready_file, ready)
 
     await stop.wait()
     # Stop taking work; queued requests fail with UNAVAILABLE; let dispatches finish.
@@ -52,5 +57,7 @@ async def serve(config: SchedulerServiceConfig) -> int:
     with contextlib.suppress(asyncio.CancelledError):
         await ticker
     await core.close()
+    if metrics_server is not None:
+        await metrics_server.close()
     logger.info("scheduler stopped")
     return 0

@@ -30,12 +30,18 @@ class SchedulerServiceConfig:
     orphan_timeout_s: float = 10.0
     rpc_timeout_s: float = 10.0
     grace_period_s: float = 5.0
+    # Prometheus /metrics port (0: any free port, -1: off).
+    metrics_port: int = -1
     ready_file: str = ""
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         if not (0 <= self.port < 65536):
             raise SchedulerConfigError(f"port must be in [0, 65535], got {self.port}")
+        if not (-1 <= self.metrics_port < 65536):
+            raise SchedulerConfigError(
+                f"metrics_port must be in [-1, 65535], got {self.metrics_port}"
+            )
         if self.max_queue_len < 1:
             raise SchedulerConfigError(f"max_queue_len must be >= 1, got {self.max_queue_len}")
         if self.report_interval_s <= 0 or self.dead_after_s <= self.report_interval_s:
@@ -87,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rpc-timeout-s", type=float, default=env("rpc_timeout_s", d.rpc_timeout_s))
     p.add_argument("--grace-period-s", type=float, default=env("grace_period_s", d.grace_period_s))
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env("metrics_port", d.metrics_port),
+        help="serve Prometheus /metrics here (0: any free port, -1: off)",
+    )
     p.add_argument("--ready-file", default=env("ready_file", ""))
     p.add_argument("--log-level", default=env("log_level", d.log_level))
     return p

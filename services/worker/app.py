@@ -11,14 +11,16 @@ from typing import Any
 
 import grpc
 
+from services.common.entrypoint import reachable_address
+from services.common.metrics import start_metrics_server
 from services.common.server import GrpcServer, insecure_channel, shutdown_event, write_ready_file
 from services.worker import core as m
 from services.worker.config import WorkerServiceConfig
+from services.worker.metrics import MeteredTcpKVConnector, WorkerMetrics
 from services.worker.servicer import ROLE_TO_PROTO, WorkerServicer, stats_to_proto
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core import EngineCore
 from tandem.engine.engine_thread import EngineThread
-from tandem.kv_transfer.tcp import TcpKVConnector
 from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -123,9 +125,11 @@ async def serve(config: WorkerServiceConfig) -> int:
     stop = shutdown_event()
     loop = asyncio.get_running_loop()
     holder: list[m.WorkerCore] = []
+    metrics = WorkerMetrics(config.role)
 
     def on_step(outputs: list[EngineCoreOutput], held: Any) -> None:
         holder[0].tell(m.Step(outputs, held))
+        metrics.on_step(outputs)
 
     engine_thread: EngineThread[EngineCore] = EngineThread(
         lambda: EngineCore(config.engine),
@@ -148,8 +152,12 @@ async def serve(config: WorkerServiceConfig) -> int:
     core.start()
     connector = None
     if config.role != "unified":
-        connector = TcpKVConnector(
-            engine.kv_cache, engine_thread, config.kv_max_message_bytes, config.rpc_timeout_s
+        connector = MeteredTcpKVConnector(
+            engine.kv_cache,
+            engine_thread,
+            config.kv_max_message_bytes,
+            config.rpc_timeout_s,
+            metrics=metrics,
         )
         core.connector = connector
 
@@ -159,7 +167,9 @@ async def serve(config: WorkerServiceConfig) -> int:
     )
     server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     port = await server.start(config.host, config.port)
-    address = config.advertise_address or f"{config.host}:{port}"
+    metrics.bind(core, engine_thread)
+    metrics_server = await start_metrics_server(metrics.registry, config.host, config.metrics_port)
+    address = config.advertise_address or reachable_address(config.host, port)
     tasks = [asyncio.create_task(_ticker(core))]
 
     link = None
@@ -187,7 +197,10 @@ async def serve(config: WorkerServiceConfig) -> int:
         registered.cancel()
         stopping.cancel()
     logger.info("%s worker %s serving on %s", config.role, config.worker_id, address)
-    write_ready_file(config.ready_file, [f"grpc={address}", f"worker_id={config.worker_id}"])
+    ready = [f"grpc={address}", f"worker_id={config.worker_id}"]
+    if metrics_server is not None:
+        ready.append(f"metrics={config.host}:{metrics_server.port}")
+    write_ready_file(config.ready_file, ready)
 
     # Run until SIGTERM or until the engine thread dies.
     while not stop.is_set() and engine_thread.alive:
@@ -225,5 +238,7 @@ async def serve(config: WorkerServiceConfig) -> int:
         await connector.close()
     if link is not None:
         await link.close()
+    if metrics_server is not None:
+        await metrics_server.close()
     logger.info("worker %s stopped", config.worker_id)
     return exit_code

@@ -35,6 +35,8 @@ class WorkerServiceConfig:
     destination_timeout_s: float = 10.0
     kv_max_message_bytes: int = 4 * 1024 * 1024
     rpc_timeout_s: float = 30.0
+    # Prometheus /metrics port (0: any free port, -1: off).
+    metrics_port: int = -1
     ready_file: str = ""
     log_level: str = "info"
 
@@ -43,6 +45,8 @@ class WorkerServiceConfig:
             raise WorkerConfigError(f"role must be prefill, decode or unified, got {self.role}")
         if not (0 <= self.port < 65536):
             raise WorkerConfigError(f"port must be in [0, 65535], got {self.port}")
+        if not (-1 <= self.metrics_port < 65536):
+            raise WorkerConfigError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
         if self.grace_period_s < 0 or self.destination_timeout_s <= 0:
             raise WorkerConfigError("grace_period_s must be >= 0, destination_timeout_s > 0")
         if self.kv_max_message_bytes < 1024:
@@ -91,6 +95,12 @@ def build_parser(service: str, default_role: Role) -> argparse.ArgumentParser:
     p.add_argument(
         "--rpc-timeout-s", type=float, default=env("rpc_timeout_s", d["rpc_timeout_s"].default)
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env("metrics_port", d["metrics_port"].default),
+        help="serve Prometheus /metrics here (0: any free port, -1: off)",
+    )
     p.add_argument("--ready-file", default=env("ready_file", ""))
     p.add_argument("--log-level", default=env("log_level", "info"))
     add_engine_args(p)
@@ -115,6 +125,7 @@ def config_from_args(service: str, default_role: Role, argv: list[str]) -> Worke
         destination_timeout_s=ns.destination_timeout_s,
         kv_max_message_bytes=ns.kv_max_message_bytes,
         rpc_timeout_s=ns.rpc_timeout_s,
+        metrics_port=ns.metrics_port,
         ready_file=ns.ready_file,
         log_level=ns.log_level,
     )
