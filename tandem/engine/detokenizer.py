@@ -55,6 +55,10 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # A fast tokenizer's Rust backend decodes the same text without the Python wrapper's
+        # per-call conversions (this runs for every request every step).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend_decode = getattr(backend, "decode", None)
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -118,6 +122,10 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, token_ids: Sequence[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(
+                list(token_ids), skip_special_tokens=self.skip_special_tokens
+            )
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_window(self, final: bool) -> str:
