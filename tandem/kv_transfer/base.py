@@ -76,6 +76,8 @@ class KVDestination:
     worker_id: str
     address: str
     block_ids: tuple[int, ...]
+    # The transport the scheduler chose for the pair ("tcp", "cuda_ipc", "nccl", "inproc").
+    transport: str = "tcp"
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class SchedulerEvent(_message.Message):
     def __init__(self, workers: _Optional[_Union[WorkerSet, _Mapping]] = ..., failed: _Optional[_Union[RequestsFailed, _Mapping]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "model", "max_model_len", "block_size", "num_blocks", "kv_transports")
+    __slots__ = ("worker_id", "address", "role", "model", "max_model_len", "block_size", "num_blocks", "kv_transports", "host_id", "process_id", "kv_device")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,9 @@ class RegisterWorkerRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: _common_pb2.WorkerRole
@@ -93,7 +96,10 @@ class RegisterWorkerRequest(_message.Message):
     block_size: int
     num_blocks: int
     kv_transports: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ...) -> None: ...
+    host_id: str
+    process_id: int
+    kv_device: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[int] = ..., kv_device: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("report_interval_s",)

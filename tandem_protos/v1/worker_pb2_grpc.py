@@ -52,6 +52,16 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.KVBlockRun.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.ReceiveKVResponse.FromString,
                 _registered_method=True)
+        self.ConnectKV = channel.unary_unary(
+                '/tandem.v1.Worker/ConnectKV',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.ConnectKVRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.ConnectKVResponse.FromString,
+                _registered_method=True)
+        self.WriteKV = channel.stream_stream(
+                '/tandem.v1.Worker/WriteKV',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.KVWriteMessage.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.KVWriteMessage.FromString,
+                _registered_method=True)
         self.AddPrefilled = channel.unary_unary(
                 '/tandem.v1.Worker/AddPrefilled',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.AddPrefilledRequest.SerializeToString,
@@ -95,6 +105,25 @@ class WorkerServicer:
 
     def ReceiveKV(self, request_iterator, context):
         """Decode side (TCP connector): KV bytes into reserved blocks, one block run per message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConnectKV(self, request, context):
+        """Decode side (CUDA IPC and NCCL connectors), asked once per prefill-decode pair: how to
+        reach this worker's KV cache over `transport` (CUDA IPC: the cache's IPC handle; NCCL: a
+        rendezvous for the pair's process group).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteKV(self, request_iterator, context):
+        """Decode side (CUDA IPC and NCCL connectors): one request's KV write session.
+        prefill: BEGIN (destination runs)  decode: READY (the blocks are not freed until the
+        session ends); prefill writes (CUDA IPC) or sends (NCCL) the runs and waits for the
+        device, then DONE; decode: DONE once the bytes are in place.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,6 +174,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReceiveKV,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.KVBlockRun.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.ReceiveKVResponse.SerializeToString,
+            ),
+            'ConnectKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConnectKV,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.ConnectKVRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.ConnectKVResponse.SerializeToString,
+            ),
+            'WriteKV': grpc.stream_stream_rpc_method_handler(
+                    servicer.WriteKV,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.KVWriteMessage.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.KVWriteMessage.SerializeToString,
             ),
             'AddPrefilled': grpc.unary_unary_rpc_method_handler(
                     servicer.AddPrefilled,
@@ -248,6 +287,60 @@ class Worker:
             '/tandem.v1.Worker/ReceiveKV',
             tandem_dot_v1_dot_worker__pb2.KVBlockRun.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.ReceiveKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConnectKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/ConnectKV',
+            tandem_dot_v1_dot_worker__pb2.ConnectKVRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.ConnectKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Worker/WriteKV',
+            tandem_dot_v1_dot_worker__pb2.KVWriteMessage.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.KVWriteMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,364 @@
+"""Connectors whose bytes bypass gRPC (CUDA IPC, NCCL): a connection once per prefill-decode
+pair, then one write session per request, both through the decode worker's Worker service.
+
+    prefill worker (sender)                          decode worker (receiver)
+    ConnectKV(transport, layout) ──────────────────▶ connect(): IPC handle / group rendezvous
+      once per decode worker: open the handle, or join the pair's process group
+    WriteKV stream, one per request:
+      BEGIN(request_id, destination runs) ─────────▶ the runs must lie in the request's
+                                                     reservation, now marked as being written
+                                          ◀───────── READY
+      write (CUDA IPC) or send (NCCL) every run,
+      then wait for the device, once
+      DONE ────────────────────────────────────────▶ (NCCL: wait for the receives)
+                                          ◀───────── DONE(num_bytes)
+
+Invariants. Receiver: `serve_write` finishes, normally or not, only once no byte of the session
+can still land in the reserved blocks; its caller clears the "being written" mark after that,
+so an abort never frees blocks under a write. Sender: the session's stream ends (DONE, an error,
+a cancellation) only after the sender's device work for it has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+import torch
+
+from tandem.kv_transfer.base import (
+    EngineHandle,
+    KVConnector,
+    KVDestination,
+    KVTransferError,
+    block_runs,
+)
+from tandem.kv_transfer.tcp import layout_from_proto, layout_to_proto
+from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+BEGIN = worker_pb2.KV_WRITE_PHASE_BEGIN
+READY = worker_pb2.KV_WRITE_PHASE_READY
+DONE = worker_pb2.KV_WRITE_PHASE_DONE
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+]
+
+# (position in the request's block lists, first destination block id, number of blocks)
+Run = tuple[int, int, int]
+# (first destination block id, number of blocks), as a receiver sees a run
+DstRun = tuple[int, int]
+
+P = TypeVar("P")  # what a sender keeps per decode worker (an opened cache, a process group)
+R = TypeVar("R")
+
+Begin = Callable[[str], Awaitable["Sequence[int] | None"]]
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished send: bytes moved; seconds in the data path (writes or sends and the one
+    device wait) and in all (with the session's messages)."""
+
+    request_id: str
+    num_bytes: int
+    data_s: float
+    total_s: float
+
+
+def consecutive(ids: Sequence[int]) -> bool:
+    return all(ids[i] == ids[0] + i for i in range(1, len(ids)))
+
+
+def check_runs(runs: Sequence[DstRun], reserved: Sequence[int], request_id: str) -> int:
+    """Raise KVTransferError unless every run is non-empty and inside the reservation; returns
+    the number of blocks."""
+    allowed = set(reserved)
+    total = 0
+    seen: set[int] = set()
+    for first, n in runs:
+        blocks = range(first, first + n)
+        if n < 1 or any(b not in allowed or b in seen for b in blocks):
+            raise KVTransferError(
+                f"blocks {first}..{first + n - 1} are not reserved for request {request_id!r}"
+            )
+        seen.update(blocks)
+        total += n
+    return total
+
+
+async def run_to_end(executor: concurrent.futures.Executor, fn: Callable[..., R], *args: Any) -> R:
+    """`fn(*args)` on `executor`. If the awaiting task is cancelled meanwhile, wait for `fn` to
+    finish anyway (its device work must end before anyone can learn that the session ended),
+    then let the cancellation through."""
+    future = executor.submit(fn, *args)
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            future.result()
+        raise
+
+
+async def _next(it: AsyncIterator[worker_pb2.KVWriteMessage]) -> worker_pb2.KVWriteMessage | None:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+class RemoteKVConnector(KVConnector, Generic[P]):
+    """The session protocol above; subclasses move the bytes.
+
+    Sender hooks: `_open` (once per decode worker, from its ConnectKV answer), `_write` (one
+    request's runs; returns once the device finished), `_group_name`, `_close_peer`.
+    Receiver hooks: `_connect_info`, `_begin_receive`, `_end_receive`, `_abandon_receive`.
+    `serialize_sessions`: one session at a time per decode worker (NCCL: both ranks must post
+    their operations in the same order).
+    """
+
+    transport = ""
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        engine: EngineHandle,
+        worker_id: str = "",
+        rpc_timeout_s: float = 30.0,
+        serialize_sessions: bool = False,
+    ) -> None:
+        super().__init__(kv_cache, engine)
+        self.worker_id = worker_id
+        self.rpc_timeout_s = rpc_timeout_s
+        self._serialize = serialize_sessions
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._peers: dict[str, P] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self._session_locks: dict[str, asyncio.Lock] = {}
+        self.history: deque[TransferRecord] = deque(maxlen=4096)
+
+    # ------------------------------------------------------------------ sender
+
+    async def send_blocks(
+        self, request_id: str, src_block_ids: Sequence[int], dst: KVDestination
+    ) -> int:
+        if len(src_block_ids) > len(dst.block_ids):
+            raise KVTransferError(
+                f"{len(src_block_ids)} blocks to send, {len(dst.block_ids)} reserved"
+            )
+        if not src_block_ids:
+            return 0
+        t0 = time.perf_counter()
+        src = list(src_block_ids)
+        dst_ids = list(dst.block_ids[: len(src)])
+        runs = block_runs(dst_ids, max_blocks=len(dst_ids))
+        peer = await self.peer(dst)
+        lock: Any = contextlib.nullcontext()
+        if self._serialize:
+            lock = self._session_locks.setdefault(dst.address, asyncio.Lock())
+        async with lock:
+            try:
+                num_bytes, data_s = await self._session(peer, dst, request_id, src, runs)
+            except BaseException:
+                # A session that broke may leave the pair out of step: connect again next time.
+                self._forget_peer(dst.address, peer)
+                raise
+        self.history.append(TransferRecord(request_id, num_bytes, data_s, time.perf_counter() - t0))
+        return num_bytes
+
+    async def _session(
+        self, peer: P, dst: KVDestination, request_id: str, src: list[int], runs: list[Run]
+    ) -> tuple[int, float]:
+        stub = worker_pb2_grpc.WorkerStub(self._channel(dst.address))
+        call = stub.WriteKV()
+        try:
+            await call.write(
+                worker_pb2.KVWriteMessage(
+                    phase=BEGIN,
+                    request_id=request_id,
+                    transport=self.transport,
+                    group_name=self._group_name(peer),
+                    first_block_ids=[first for _, first, _ in runs],
+                    num_blocks=[n for _, _, n in runs],
+                )
+            )
+            await self._expect(call, READY, dst)
+            t = time.perf_counter()
+            await self._write(peer, src, runs)
+            data_s = time.perf_counter() - t
+            await call.write(worker_pb2.KVWriteMessage(phase=DONE, request_id=request_id))
+            await call.done_writing()
+            reply = await self._expect(call, DONE, dst)
+            return int(reply.num_bytes), data_s
+        except grpc.aio.AioRpcError as exc:
+            raise KVTransferError(
+                f"KV write of {request_id!r} to {dst.worker_id} over {self.transport} failed: "
+                f"{exc.code().name}: {exc.details()}"
+            ) from exc
+        finally:
+            call.cancel()  # no-op once the call finished
+
+    async def _expect(self, call: Any, phase: int, dst: KVDestination) -> worker_pb2.KVWriteMessage:
+        try:
+            reply = await asyncio.wait_for(call.read(), self.rpc_timeout_s)
+        except TimeoutError:
+            raise KVTransferError(
+                f"{dst.worker_id} did not answer a KV write within {self.rpc_timeout_s:g}s"
+            ) from None
+        if reply is grpc.aio.EOF or reply.phase != phase:
+            raise KVTransferError(
+                f"{dst.worker_id} ended a KV write session out of turn "
+                f"(expected {worker_pb2.KVWritePhase.Name(phase)})"
+            )
+        return reply
+
+    async def peer(self, dst: KVDestination) -> P:
+        """This sender's state for `dst`'s decode worker; connects on first use."""
+        peer = self._peers.get(dst.address)
+        if peer is not None:
+            return peer
+        lock = self._connecting.setdefault(dst.address, asyncio.Lock())
+        async with lock:
+            peer = self._peers.get(dst.address)
+            if peer is not None:
+                return peer
+            stub = worker_pb2_grpc.WorkerStub(self._channel(dst.address))
+            try:
+                info = await stub.ConnectKV(
+                    worker_pb2.ConnectKVRequest(
+                        transport=self.transport,
+                        prefill_worker_id=self.worker_id,
+                        layout=layout_to_proto(self.layout),
+                    ),
+                    timeout=self.rpc_timeout_s,
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise KVTransferError(
+                    f"connecting to {dst.worker_id} for KV over {self.transport} failed: "
+                    f"{exc.code().name}: {exc.details()}"
+                ) from exc
+            theirs = layout_from_proto(info.layout)
+            if theirs != self.layout:
+                raise KVTransferError(
+                    f"KV layouts differ: {dst.worker_id} {theirs}, here {self.layout}"
+                )
+            peer = await self._open(dst, info)
+            self._peers[dst.address] = peer
+            logger.info("KV to %s (%s) over %s", dst.worker_id, dst.address, self.transport)
+            return peer
+
+    def _forget_peer(self, address: str, peer: P) -> None:
+        if self._peers.get(address) is peer:
+            del self._peers[address]
+            self._close_peer(peer)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        for peer in self._peers.values():
+            self._close_peer(peer)
+        self._peers.clear()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def _open(self, dst: KVDestination, info: worker_pb2.ConnectKVResponse) -> P:
+        raise NotImplementedError
+
+    async def _write(self, peer: P, src: list[int], runs: list[Run]) -> None:
+        raise NotImplementedError
+
+    def _group_name(self, peer: P) -> str:
+        return ""
+
+    def _close_peer(self, peer: P) -> None:
+        pass
+
+    # ------------------------------------------------------------------ receiver
+
+    async def connect(self, request: worker_pb2.ConnectKVRequest) -> worker_pb2.ConnectKVResponse:
+        """Answer a sender's ConnectKV. Raises KVTransferError."""
+        if request.transport != self.transport:
+            raise KVTransferError(
+                f"this is the {self.transport} connector, not {request.transport}"
+            )
+        theirs = layout_from_proto(request.layout)
+        if theirs != self.layout:
+            raise KVTransferError(f"KV layouts differ: sender {theirs}, here {self.layout}")
+        reply = await self._connect_info(request)
+        reply.layout.CopyFrom(layout_to_proto(self.layout))
+        return reply
+
+    async def serve_write(
+        self, messages: AsyncIterator[worker_pb2.KVWriteMessage], begin: Begin
+    ) -> AsyncIterator[worker_pb2.KVWriteMessage]:
+        """One WriteKV session, receiver side: yields READY, then DONE.
+
+        `await begin(request_id)` marks the request's reservation as being written and returns
+        its block ids (None: no reservation). The caller clears the mark after this generator
+        finished (close it with `contextlib.aclosing`): by then nothing more can land.
+        Raises KVTransferError.
+        """
+        it = messages.__aiter__()
+        first = await _next(it)
+        if first is None or first.phase != BEGIN:
+            raise KVTransferError("a KV write session starts with BEGIN")
+        if first.transport != self.transport:
+            raise KVTransferError(f"this is the {self.transport} connector, not {first.transport}")
+        if len(first.first_block_ids) != len(first.num_blocks) or not first.num_blocks:
+            raise KVTransferError("BEGIN needs one num_blocks per first_block_id, at least one")
+        runs: list[DstRun] = list(zip(first.first_block_ids, first.num_blocks, strict=True))
+        reserved = await begin(first.request_id)
+        if reserved is None:
+            raise KVTransferError(f"no blocks are reserved for request {first.request_id!r}")
+        num_blocks = check_runs(runs, reserved, first.request_id)
+        receipt = await self._begin_receive(first, runs)
+        finished = False
+        try:
+            yield worker_pb2.KVWriteMessage(phase=READY, request_id=first.request_id)
+            msg = await _next(it)
+            if msg is None or msg.phase != DONE:
+                raise KVTransferError(
+                    f"the sender of {first.request_id!r} left the session before DONE"
+                )
+            await self._end_receive(receipt)
+            finished = True
+        finally:
+            if not finished:
+                await self._abandon_receive(receipt)
+        yield worker_pb2.KVWriteMessage(
+            phase=DONE,
+            request_id=first.request_id,
+            num_bytes=num_blocks * self.layout.bytes_per_block,
+        )
+
+    async def _connect_info(
+        self, request: worker_pb2.ConnectKVRequest
+    ) -> worker_pb2.ConnectKVResponse:
+        raise NotImplementedError
+
+    async def _begin_receive(self, first: worker_pb2.KVWriteMessage, runs: list[DstRun]) -> Any:
+        """Get ready for the runs (NCCL: post the receives); returns a receipt."""
+        return None
+
+    async def _end_receive(self, receipt: Any) -> None:
+        """The sender said DONE: return once the bytes are in place."""
+
+    async def _abandon_receive(self, receipt: Any) -> None:
+        """The session broke: return once nothing more can land in the runs."""

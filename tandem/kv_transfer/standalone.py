@@ -1,0 +1,130 @@
+"""A KV receiver without an engine, for benchmarks and tests: a gRPC Worker service that
+answers ConnectKV, WriteKV and ReceiveKV for one cache and a table of reservations, and keeps
+the same "being written" marks a decode worker keeps (an entry per session, cleared only after
+the connector said nothing more can land).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from tandem.kv_transfer.base import KVTransferError
+from tandem.kv_transfer.transports import KVTransports
+from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
+
+T = TypeVar("T")
+
+
+class DirectEngine:
+    """An `EngineHandle` with no engine thread: runs the function at once (with None)."""
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        return fn(None)
+
+
+class StandaloneReceiver(worker_pb2_grpc.WorkerServicer):
+    """`reservations`: request id -> reserved block ids (None: every block of the cache)."""
+
+    def __init__(
+        self, transports: KVTransports, reservations: dict[str, Sequence[int]] | None
+    ) -> None:
+        self.transports = transports
+        self.reservations = reservations
+        self.being_written: dict[str, int] = {}
+        self.sessions = 0
+
+    async def _begin(self, request_id: str) -> Sequence[int] | None:
+        if self.reservations is None:
+            reserved: Sequence[int] | None = range(self.transports.cache.num_blocks)
+        else:
+            reserved = self.reservations.get(request_id)
+        if reserved is not None:
+            self.being_written[request_id] = self.being_written.get(request_id, 0) + 1
+        return reserved
+
+    def _end(self, request_id: str) -> None:
+        left = self.being_written.get(request_id, 0) - 1
+        if left > 0:
+            self.being_written[request_id] = left
+        else:
+            self.being_written.pop(request_id, None)
+
+    async def ConnectKV(
+        self, request: worker_pb2.ConnectKVRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ConnectKVResponse:
+        try:
+            return await self.transports.connect(request)
+        except KVTransferError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise  # not reached
+
+    async def WriteKV(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.KVWriteMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.KVWriteMessage]:
+        started: list[str] = []
+
+        async def begin(request_id: str) -> Sequence[int] | None:
+            reserved = await self._begin(request_id)
+            if reserved is not None:
+                started.append(request_id)
+            return reserved
+
+        self.sessions += 1
+        try:
+            async with contextlib.aclosing(
+                self.transports.serve_write(request_iterator, begin)
+            ) as replies:
+                async for reply in replies:
+                    yield reply
+        except KVTransferError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        finally:
+            for request_id in started:
+                self._end(request_id)
+
+    async def ReceiveKV(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.KVBlockRun],
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.ReceiveKVResponse:
+        started: list[str] = []
+
+        async def reserved_for(request_id: str) -> Sequence[int] | None:
+            reserved = await self._begin(request_id)
+            if reserved is not None:
+                started.append(request_id)
+            return reserved
+
+        try:
+            return await self.transports.receive_stream(request_iterator, reserved_for)
+        except KVTransferError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise  # not reached
+        finally:
+            for request_id in started:
+                self._end(request_id)
+
+
+async def start_receiver(
+    transports: KVTransports,
+    reservations: dict[str, Sequence[int]] | None,
+    host: str = "127.0.0.1",
+) -> tuple[grpc.aio.Server, str, StandaloneReceiver]:
+    """Serve a `StandaloneReceiver` on a free port; returns (server, address, receiver)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ]
+    )
+    receiver = StandaloneReceiver(transports, reservations)
+    worker_pb2_grpc.add_WorkerServicer_to_server(receiver, server)
+    port = server.add_insecure_port(f"{host}:0")
+    await server.start()
+    return server, f"{host}:{port}", receiver
