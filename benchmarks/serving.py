@@ -2,7 +2,8 @@
 
 CPU default: the embedded SmolLM2-135M, 64 random prompts of 64 tokens, 32 output tokens
 each (ignore_eos), Poisson arrivals at 2 and 4 req/s and all at once; gRPC client. Writes
-JSON and PNG plots under benchmarks/results/. Any `tandem bench serve` flag overrides.
+JSON and PNG plots under benchmarks/results/. Any `tandem bench serve` flag overrides; add
+`--paired` for per-request latency differences measured one request at a time.
 
     python -m benchmarks.serving                 # disaggregated (prefill + decode workers)
     python -m benchmarks.serving --unified       # one unified worker

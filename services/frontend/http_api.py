@@ -259,7 +259,7 @@ class HttpApi:
         def render(i: int, event: StepEvent) -> list[str]:
             choices = []
             for d in event.deltas:
-                if not d.text and d.finish_reason is None:
+                if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
                     continue
                 index = i * n + d.index
                 lp = None
@@ -357,7 +357,7 @@ class HttpApi:
                             )
                         )
                     )
-                if not d.text and d.finish_reason is None:
+                if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
                     continue
                 choices.append(
                     {

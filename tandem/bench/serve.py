@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import random
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -198,32 +199,68 @@ async def run_grpc(
 ) -> tuple[list[RequestResult], float]:
     import grpc
 
-    from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+    from tandem_protos.v1 import frontend_pb2_grpc
 
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     async with grpc.aio.insecure_channel(address) as channel:
         stub = frontend_pb2_grpc.FrontendStub(channel)
 
         async def send(i: int, result: RequestResult) -> None:
-            request = frontend_pb2.GenerateRequest(
-                token_ids=frontend_pb2.TokenIds(ids=workload.prompts[i]),
-                sampling_params=common_pb2.SamplingParams(
-                    temperature=0.0, max_tokens=workload.output_lens[i], ignore_eos=True
-                ),
-            )
-            times: list[float] = []
-            t_send = time.perf_counter()
-            async for resp in stub.Generate(request, metadata=metadata):
-                t = time.perf_counter()
-                for choice in resp.choices:
-                    times.extend([t] * len(choice.token_ids))
-            _record_tokens(result, t_send, times)
-            result.output_len = len(times)
-            result.ok = result.output_len == workload.output_lens[i]
-            if not result.ok:
-                result.error = f"got {result.output_len} tokens"
+            await grpc_send(stub, workload, i, result, api_key)
 
         return await _paced(workload, rate, max_concurrency, seed, send)
+
+
+async def grpc_send(
+    stub: Any, workload: Workload, i: int, result: RequestResult, api_key: str = ""
+) -> None:
+    """One streamed `Generate` of request `i`; token arrival times into `result`."""
+    from tandem_protos.v1 import common_pb2, frontend_pb2
+
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    request = frontend_pb2.GenerateRequest(
+        token_ids=frontend_pb2.TokenIds(ids=workload.prompts[i]),
+        sampling_params=common_pb2.SamplingParams(
+            temperature=0.0, max_tokens=workload.output_lens[i], ignore_eos=True
+        ),
+    )
+    times: list[float] = []
+    t_send = time.perf_counter()
+    async for resp in stub.Generate(request, metadata=metadata):
+        t = time.perf_counter()
+        for choice in resp.choices:
+            times.extend([t] * len(choice.token_ids))
+    _record_tokens(result, t_send, times)
+    result.output_len = len(times)
+    result.ok = result.output_len == workload.output_lens[i]
+    if not result.ok:
+        result.error = f"got {result.output_len} tokens"
+
+
+async def run_paired(
+    engine: Any, address: str, workload: Workload, seed: int, api_key: str = ""
+) -> tuple[list[RequestResult], list[RequestResult]]:
+    """Each request alone, once through the offline engine and once through the services,
+    alternating which goes first: the per-request cost of the services under the same
+    machine load (the two engines never run at the same time)."""
+    import grpc
+
+    from tandem_protos.v1 import frontend_pb2_grpc
+
+    offline: list[RequestResult] = []
+    served: list[RequestResult] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = frontend_pb2_grpc.FrontendStub(channel)
+        for i in range(workload.num_requests):
+            one = Workload([workload.prompts[i]], [workload.output_lens[i]])
+            result = RequestResult(len(workload.prompts[i]))
+            if i % 2:
+                await grpc_send(stub, one, 0, result, api_key)
+                offline.append(run_offline(engine, one, math.inf, 1, seed)[0][0])
+            else:
+                offline.append(run_offline(engine, one, math.inf, 1, seed)[0][0])
+                await grpc_send(stub, one, 0, result, api_key)
+            served.append(result)
+    return offline, served
 
 
 async def run_http(
@@ -326,6 +363,20 @@ def run_offline(
     return results, duration
 
 
+def paired_summary(offline: list[RequestResult], served: list[RequestResult]) -> dict[str, Any]:
+    pairs = [(o, s) for o, s in zip(offline, served, strict=True) if o.ok and s.ok]
+    multi = [(o, s) for o, s in pairs if o.output_len > 1]
+    return {
+        "num_pairs": len(pairs),
+        "offline_ttft_ms": _stats_ms([o.ttft_s for o, _ in pairs]),
+        "serve_ttft_ms": _stats_ms([s.ttft_s for _, s in pairs]),
+        "ttft_delta_ms": _stats_ms([s.ttft_s - o.ttft_s for o, s in pairs]),
+        "offline_tpot_ms": _stats_ms([o.tpot_s for o, _ in multi]),
+        "serve_tpot_ms": _stats_ms([s.tpot_s for _, s in multi]),
+        "tpot_delta_ms": _stats_ms([s.tpot_s - o.tpot_s for o, s in multi]),
+    }
+
+
 # ----------------------------------------------------------------------------- plots
 
 
@@ -407,6 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-offline",
         action="store_true",
         help="first run the same workload through an in-process EngineCore",
+    )
+    target.add_argument(
+        "--paired",
+        action="store_true",
+        help="with --compare-offline: also send each prompt alone through both, "
+        "alternating, and report the paired latency differences",
     )
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=64)
@@ -510,6 +567,7 @@ def main(argv: list[str]) -> int:
         [4] * ns.warmup,
     )
     print(_table([]), flush=True)
+    engine = None
     if ns.compare_offline:
         from tandem.engine.core import EngineCore
 
@@ -522,9 +580,11 @@ def main(argv: list[str]) -> int:
                 rate,
                 run_offline(engine, workload, rate, ns.max_concurrency, ns.seed),
             )
-        del engine
+        if not ns.paired:
+            engine = None
 
     deployment = None
+    paired: dict[str, Any] = {}
     system = "serve"
     url = ns.url
     if ns.launch:
@@ -535,8 +595,9 @@ def main(argv: list[str]) -> int:
             unified=ns.unified,
             api_key=ns.api_key,
             worker_args=tuple(_worker_argv(parser, ns)),
-            log_dir=str(out_dir / f"{stem}-logs"),
+            log_dir=tempfile.mkdtemp(prefix=f"tandem-bench-{stem}-logs-"),
         )
+        print(f"service logs: {config.log_dir}", flush=True)
         deployment = start_deployment(config)
         url = deployment.grpc_address if ns.backend == "grpc" else deployment.http_address
         system = "serve-unified" if ns.unified else "serve-disaggregated"
@@ -555,11 +616,30 @@ def main(argv: list[str]) -> int:
         run(warm, math.inf)
         for rate in rates:
             record(system, rate, run(workload, rate))
+        if engine is not None:
+            address = deployment.grpc_address if deployment is not None else ns.url
+            if ns.backend != "grpc" and deployment is None:
+                parser.error("--paired needs the gRPC address (--backend grpc or --launch)")
+            engine.scheduler.reset_prefix_cache()
+            offline, served = asyncio.run(
+                run_paired(engine, address, workload, ns.seed, ns.api_key)
+            )
+            paired = paired_summary(offline, served)
+            print(
+                f"\npaired, one request at a time ({paired['num_pairs']} pairs): "
+                f"TTFT p50 {paired['offline_ttft_ms']['p50']:.1f} -> "
+                f"{paired['serve_ttft_ms']['p50']:.1f} ms (median difference "
+                f"{paired['ttft_delta_ms']['p50']:+.1f} ms), TPOT p50 "
+                f"{paired['offline_tpot_ms']['p50']:.1f} -> {paired['serve_tpot_ms']['p50']:.1f}"
+                f" ms (median difference {paired['tpot_delta_ms']['p50']:+.1f} ms)"
+            )
     finally:
         if deployment is not None:
             deployment.stop()
 
-    comparison = {}
+    comparison: dict[str, Any] = {}
+    if paired:
+        comparison["paired"] = paired
     if ns.compare_offline:
         for rate in rates:
             off = next(r for r in runs if r["system"] == "offline-engine" and r["rate"] == rate)
@@ -574,6 +654,8 @@ def main(argv: list[str]) -> int:
             }
         print("\nservices against the offline engine (same prompts, same arrival times):")
         for rate, c in comparison.items():
+            if rate == "paired":
+                continue
             print(
                 f"  rate {rate:>5}: throughput x{c['throughput_ratio']:.3f}, "
                 f"TTFT p50 {c['ttft_p50_delta_ms']:+.1f} ms, "

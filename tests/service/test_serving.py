@@ -173,6 +173,28 @@ def test_models_and_tokenize(deployment: Deployment) -> None:
     assert tok.count == len(tok.token_ids) > 0
 
 
+def test_every_service_serves_health_and_reflection(deployment: Deployment) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    expected = {
+        "frontend": "tandem.v1.Frontend",
+        "scheduler": "tandem.v1.Scheduler",
+        **{name: "tandem.v1.Worker" for name in worker_names(deployment)},
+    }
+    for name, service in expected.items():
+        address = deployment.grpc_address if name == "frontend" else deployment.address(name)
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            answer = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
+            listed = {s.name for s in answer.list_services_response.service}
+            assert {service, "grpc.health.v1.Health"} <= listed, (name, listed)
+
+
 # ----------------------------------------------------------------------------- load
 
 
