@@ -65,6 +65,43 @@ def _rows(cache: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+def copy_runs(
+    local: torch.Tensor,
+    remote: torch.Tensor,
+    src: list[int],
+    runs: list[Run],
+    same_device: bool | None = None,
+) -> list[torch.Tensor]:
+    """Enqueue the copies of blocks `src` (rows of `local`) into `runs` (rows of `remote`) on
+    the current stream; returns the temporaries to keep alive until the stream is synchronized.
+
+    Few stretches (see `stretches`): one copy each. Many on one device: one gather and one
+    scatter. Many across devices: a gather here and one copy per destination run.
+    """
+    if same_device is None:
+        same_device = remote.device == local.device
+    parts = stretches(src, runs)
+    keep: list[torch.Tensor] = []
+    if len(parts) <= MAX_COPIES or sum(n for _, _, n in parts) >= 4 * len(parts):
+        for s, d, n in parts:
+            remote[d : d + n].copy_(local[s : s + n], non_blocking=True)
+    elif same_device:
+        src_idx = torch.tensor(src, device=local.device)
+        dst_idx = torch.tensor(
+            [first + i for _, first, n in runs for i in range(n)], device=remote.device
+        )
+        gathered = local.index_select(0, src_idx)
+        remote.index_copy_(0, dst_idx, gathered)
+        keep += [src_idx, dst_idx, gathered]
+    else:
+        for pos, first, n in runs:
+            idx = torch.tensor(src[pos : pos + n], device=local.device)
+            gathered = local.index_select(0, idx)
+            remote[first : first + n].copy_(gathered, non_blocking=True)
+            keep += [idx, gathered]
+    return keep
+
+
 @dataclass
 class OpenedCache:
     """The decode worker's KV cache, mapped into this process."""
@@ -182,28 +219,8 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
         Runs on the connector's thread."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
-        local, remote = self._rows, peer.rows
-        parts = stretches(src, runs)
-        n_blocks = sum(n for _, _, n in parts)
-        keep: list[torch.Tensor] = []
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            if len(parts) <= MAX_COPIES or n_blocks >= 4 * len(parts):
-                for s, d, n in parts:
-                    remote[d : d + n].copy_(local[s : s + n], non_blocking=True)
-            elif remote.device == local.device:
-                src_idx = torch.tensor(src, device=self.device)
-                dst_idx = torch.tensor(
-                    [first + i for _, first, n in runs for i in range(n)], device=self.device
-                )
-                gathered = local.index_select(0, src_idx)
-                remote.index_copy_(0, dst_idx, gathered)
-                keep += [src_idx, dst_idx, gathered]
-            else:  # another GPU: gather here, one copy per destination run
-                for pos, first, n in runs:
-                    idx = torch.tensor(src[pos : pos + n], device=self.device)
-                    gathered = local.index_select(0, idx)
-                    remote[first : first + n].copy_(gathered, non_blocking=True)
-                    keep += [idx, gathered]
+            keep = copy_runs(self._rows, peer.rows, src, runs)
             self._stream.synchronize()
         del keep
 

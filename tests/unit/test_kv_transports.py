@@ -1,0 +1,145 @@
+"""KV transport choice per pair, a worker's bundle of connectors, and the CUDA IPC copy plan
+(run here on CPU tensors: the same ops the GPU path enqueues)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from tandem.kv_transfer.base import KVDestination, KVTransferError, block_runs
+from tandem.kv_transfer.cuda_ipc import MAX_COPIES, _rows, copy_runs, stretches
+from tandem.kv_transfer.inproc import InProcessKVConnector, InProcessKVHub
+from tandem.kv_transfer.session import check_runs
+from tandem.kv_transfer.transports import (
+    KVTransports,
+    NoKVTransportError,
+    WorkerPlacement,
+    choose_transport,
+    local_transports,
+    normalize_transport,
+)
+
+SHAPE = (48, 2, 2, 4, 2, 8)
+ALL = ("tcp", "cuda_ipc", "nccl")
+
+
+def _w(host: str, pid: int, device: str, transports: tuple[str, ...] = ALL) -> WorkerPlacement:
+    return WorkerPlacement(host, pid, device, transports)
+
+
+def test_auto_choice_follows_where_the_workers_are() -> None:
+    gpu_a, gpu_a2, gpu_b = _w("a", 1, "cuda"), _w("a", 2, "cuda"), _w("b", 3, "cuda")
+    cpu_a, cpu_b = _w("a", 4, "cpu", ("tcp", "nccl")), _w("b", 5, "cpu", ("tcp", "nccl"))
+    assert choose_transport(gpu_a, gpu_a2) == "cuda_ipc"
+    assert choose_transport(gpu_a, gpu_b) == "nccl"
+    assert choose_transport(cpu_a, cpu_b) == "tcp"  # gloo only when asked for
+    assert choose_transport(cpu_a, _w("a", 6, "cpu", ("tcp", "nccl"))) == "tcp"
+    assert choose_transport(gpu_a, cpu_a) == "tcp"
+    # One process, both speak inproc.
+    both = ("inproc", *ALL)
+    assert choose_transport(_w("a", 7, "cuda", both), _w("a", 7, "cuda", both)) == "inproc"
+    assert choose_transport(_w("a", 7, "cuda", both), _w("a", 8, "cuda", both)) == "cuda_ipc"
+    # A worker without NCCL on another host: TCP.
+    assert choose_transport(gpu_a, _w("b", 9, "cuda", ("tcp", "cuda_ipc"))) == "tcp"
+    # Unknown host ids never count as one host.
+    assert choose_transport(_w("", 1, "cuda"), _w("", 2, "cuda")) == "nccl"
+    with pytest.raises(NoKVTransportError, match="share no"):
+        choose_transport(_w("a", 1, "cpu", ("nccl",)), _w("a", 2, "cpu", ("tcp",)))
+
+
+def test_forced_choice_is_strict() -> None:
+    gpu_a, gpu_a2, gpu_b = _w("a", 1, "cuda"), _w("a", 2, "cuda"), _w("b", 3, "cuda")
+    cpu = _w("a", 4, "cpu", ("tcp", "nccl"))
+    assert choose_transport(gpu_a, gpu_a2, "tcp") == "tcp"
+    assert choose_transport(gpu_a, gpu_a2, "nccl") == "nccl"
+    assert choose_transport(gpu_a, gpu_a2, "cuda-ipc") == "cuda_ipc"
+    assert choose_transport(cpu, _w("b", 5, "cpu", ("tcp", "nccl")), "nccl") == "nccl"
+    with pytest.raises(NoKVTransportError, match="one host"):
+        choose_transport(gpu_a, gpu_b, "cuda-ipc")
+    with pytest.raises(NoKVTransportError, match="asked for"):
+        choose_transport(gpu_a, cpu, "cuda-ipc")
+    with pytest.raises(ValueError, match="unknown KV transport"):
+        choose_transport(gpu_a, gpu_b, "rdma")
+
+
+def test_normalize_transport() -> None:
+    assert normalize_transport("cuda-ipc") == "cuda_ipc"
+    assert normalize_transport("AUTO") == "auto"
+    assert normalize_transport("nccl") == "nccl"
+
+
+def test_local_transports_on_cpu() -> None:
+    names = local_transports(torch.zeros(SHAPE))
+    assert names[0] == "tcp" and "cuda_ipc" not in names
+    assert ("nccl" in names) == torch.distributed.is_gloo_available()
+
+
+def test_check_runs() -> None:
+    assert check_runs([(4, 2), (9, 1)], [4, 5, 9, 10], "r") == 3
+    with pytest.raises(KVTransferError, match="not reserved"):
+        check_runs([(4, 3)], [4, 5, 9], "r")
+    with pytest.raises(KVTransferError, match="not reserved"):
+        check_runs([(4, 1), (4, 1)], [4, 5], "r")  # the same block twice
+    with pytest.raises(KVTransferError, match="not reserved"):
+        check_runs([(4, 0)], [4], "r")
+
+
+def test_stretches() -> None:
+    src = [7, 8, 9, 3, 5, 6]
+    runs = block_runs([20, 21, 22, 30, 31, 32], max_blocks=16)
+    assert stretches(src, runs) == [(7, 20, 3), (3, 30, 1), (5, 31, 2)]
+
+
+@pytest.mark.parametrize("case", ["copies", "gather_scatter", "per_run"])
+def test_copy_runs_on_cpu(case: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    local = torch.randn(SHAPE, generator=gen).to(torch.bfloat16)
+    remote = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    rng = random.Random(case)
+    if case == "copies":
+        src, dst = [10, 11, 12, 13, 2, 3], [30, 31, 32, 33, 5, 6]
+    else:  # scattered both ways: more stretches than MAX_COPIES
+        src = rng.sample(range(SHAPE[0]), 20)
+        dst = rng.sample(range(SHAPE[0]), 20)
+    runs = block_runs(dst, max_blocks=len(dst))
+    parts = stretches(src, runs)
+    assert (len(parts) <= MAX_COPIES) == (case == "copies")
+    copy_runs(_rows(local), _rows(remote), src, runs, same_device=case != "per_run")
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(remote[d].view(torch.int16), local[s].view(torch.int16)), (s, d)
+    others = [b for b in range(SHAPE[0]) if b not in dst]
+    assert not remote[others].view(torch.int16).any()
+
+
+def test_rows_use_wide_words() -> None:
+    assert _rows(torch.zeros(SHAPE, dtype=torch.bfloat16)).dtype == torch.int64
+    assert _rows(torch.zeros((4, 3), dtype=torch.bfloat16)).dtype == torch.uint8
+
+
+class _NoEngine:
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        raise AssertionError("not used here")
+
+
+def test_transports_send_by_the_hand_offs_transport() -> None:
+    async def run() -> None:
+        src = torch.randn(SHAPE)
+        dst = torch.zeros(SHAPE)
+        hub = InProcessKVHub()
+        sender = KVTransports({"inproc": InProcessKVConnector(src, _NoEngine(), hub, "p")})
+        InProcessKVConnector(dst, _NoEngine(), hub, "d")
+        n = await sender.send_blocks("r", [3, 4], KVDestination("d", "d", (7, 9), "inproc"))
+        assert n == 2 * sender.layout.bytes_per_block
+        assert torch.equal(dst[7], src[3]) and torch.equal(dst[9], src[4])
+        with pytest.raises(KVTransferError, match="does not speak KV transport 'nccl'"):
+            await sender.send_blocks("r", [3], KVDestination("d", "d", (1,), "nccl"))
+        with pytest.raises(KVTransferError, match="no connect/write sessions"):
+            sender._remote("inproc")
+        assert sender.names == ["inproc"]
+
+    asyncio.run(run())
