@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.common.server import env_default
+from tandem.kv_transfer.placement import CONNECTOR_CHOICES
 
 
 class SchedulerConfigError(ValueError):
@@ -32,6 +33,9 @@ class SchedulerServiceConfig:
     grace_period_s: float = 5.0
     # Prometheus /metrics port (0: any free port, -1: off).
     metrics_port: int = -1
+    # KV transport per prefill-decode pair: "auto" (from where the two workers are), or one
+    # forced: "tcp", "cuda-ipc", "nccl" (tandem.kv_transfer.placement).
+    kv_connector: str = "auto"
     ready_file: str = ""
     log_level: str = "info"
 
@@ -41,6 +45,11 @@ class SchedulerServiceConfig:
         if not (-1 <= self.metrics_port < 65536):
             raise SchedulerConfigError(
                 f"metrics_port must be in [-1, 65535], got {self.metrics_port}"
+            )
+        if self.kv_connector not in CONNECTOR_CHOICES:
+            raise SchedulerConfigError(
+                f"kv_connector must be one of {', '.join(CONNECTOR_CHOICES)}, "
+                f"got {self.kv_connector!r}"
             )
         if self.max_queue_len < 1:
             raise SchedulerConfigError(f"max_queue_len must be >= 1, got {self.max_queue_len}")
@@ -98,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=env("metrics_port", d.metrics_port),
         help="serve Prometheus /metrics here (0: any free port, -1: off)",
+    )
+    p.add_argument(
+        "--kv-connector",
+        choices=CONNECTOR_CHOICES,
+        default=env("kv_connector", d.kv_connector),
+        help="KV transport between prefill and decode workers (auto: CUDA IPC on one host, "
+        "NCCL between GPU hosts, TCP otherwise)",
     )
     p.add_argument("--ready-file", default=env("ready_file", ""))
     p.add_argument("--log-level", default=env("log_level", d.log_level))

@@ -29,6 +29,11 @@ from services.common.actor import Actor, Ask
 from services.common.server import insecure_channel
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.routing import RoutingPolicy, RoutingRequest, WorkerView
+from tandem.kv_transfer.placement import (
+    NoKVTransportError,
+    WorkerPlacement,
+    choose_transport,
+)
 from tandem_protos.v1 import (
     common_pb2,
     scheduler_pb2,
@@ -227,6 +232,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
         self._generation = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self.shutting_down = False
+        self._kv_pairs_logged: set[tuple[str, int, str, int]] = set()
 
     # ------------------------------------------------------------------ dispatch table
 
@@ -386,6 +392,19 @@ class SchedulerCore(Actor[SchedulerMessage]):
         try:
             handoff = None
             if decode is not None:
+                try:
+                    transport = self._kv_transport(prefill, decode)
+                except NoKVTransportError as exc:
+                    self.tell(
+                        DispatchOutcome(
+                            rid,
+                            "error",
+                            decode.worker_id,
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            str(exc),
+                        )
+                    )
+                    return
                 reply = await decode.stub.Reserve(
                     worker_pb2.ReserveRequest(
                         request=submit.request, destination=submit.destination
@@ -399,7 +418,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                     decode_worker_id=decode.worker_id,
                     decode_address=decode.info.address,
                     block_ids=reply.block_ids,
-                    transport="tcp",
+                    transport=transport,
                     num_cached_tokens=reply.num_cached_tokens,
                 )
             target = prefill
@@ -414,6 +433,18 @@ class SchedulerCore(Actor[SchedulerMessage]):
             self.tell(
                 DispatchOutcome(rid, "error", target.worker_id, exc.code(), exc.details() or "")
             )
+
+    def _kv_transport(self, prefill: WorkerEntry, decode: WorkerEntry) -> str:
+        """The pair's KV transport, from where the two workers are (or the --kv-connector
+        flag). Raises NoKVTransportError."""
+        transport = choose_transport(
+            _placement(prefill.info), _placement(decode.info), self.config.kv_connector
+        )
+        key = (prefill.worker_id, prefill.generation, decode.worker_id, decode.generation)
+        if key not in self._kv_pairs_logged:
+            self._kv_pairs_logged.add(key)
+            logger.info("KV from %s to %s over %s", prefill.worker_id, decode.worker_id, transport)
+        return transport
 
     def _on_outcome(self, msg: DispatchOutcome) -> None:
         r = self.inflight.get(msg.request_id)
@@ -671,3 +702,9 @@ class SchedulerCore(Actor[SchedulerMessage]):
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _placement(info: scheduler_pb2.RegisterWorkerRequest) -> WorkerPlacement:
+    return WorkerPlacement(
+        info.host_id, info.process_id, info.kv_device or "cpu", tuple(info.kv_transports)
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +22,8 @@ from services.worker.servicer import ROLE_TO_PROTO, WorkerServicer, stats_to_pro
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core import EngineCore
 from tandem.engine.engine_thread import EngineThread
+from tandem.kv_transfer.placement import host_id
+from tandem.kv_transfer.transports import worker_transports
 from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -152,12 +155,17 @@ async def serve(config: WorkerServiceConfig) -> int:
     core.start()
     connector = None
     if config.role != "unified":
-        connector = MeteredTcpKVConnector(
+        tcp = MeteredTcpKVConnector(
             engine.kv_cache,
             engine_thread,
             config.kv_max_message_bytes,
             config.rpc_timeout_s,
             metrics=metrics,
+        )
+        # TCP, and CUDA IPC / NCCL (gloo on CPU) where this process can; the scheduler picks
+        # one per pair and names it in each hand-off.
+        connector = worker_transports(
+            engine.kv_cache, engine_thread, tcp, config.worker_id, config.rpc_timeout_s
         )
         core.connector = connector
 
@@ -184,7 +192,10 @@ async def serve(config: WorkerServiceConfig) -> int:
                 max_model_len=engine.max_model_len,
                 block_size=engine.block_size,
                 num_blocks=engine.num_blocks,
-                kv_transports=["tcp"] if connector is not None else [],
+                kv_transports=connector.names if connector is not None else [],
+                host_id=host_id(),
+                process_id=os.getpid(),
+                kv_device=engine.kv_cache.device.type,
             ),
             core,
             engine_thread,

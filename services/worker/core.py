@@ -381,6 +381,7 @@ class WorkerCore(Actor[WorkerMessage]):
                 handoff.decode_worker_id,
                 handoff.decode_address,
                 tuple(handoff.block_ids[skip:n]),
+                handoff.transport or "tcp",
             )
             await self.connector.send_blocks(r.request_id, src_block_ids[skip:n], dst)
             if r.aborted:

@@ -3,6 +3,7 @@ state) and to `WorkerCore` (everything else)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +15,7 @@ from services.worker import core as m
 from services.worker.config import Role
 from tandem.engine.engine_thread import EngineThread
 from tandem.kv_transfer.base import KVTransferError
-from tandem.kv_transfer.tcp import TcpKVConnector
+from tandem.kv_transfer.transports import KVTransports
 from tandem.request import EngineCoreRequest
 from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -57,7 +58,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         core: m.WorkerCore,
         engine: EngineThread[Any],
         eos_token_id: int | None,
-        connector: TcpKVConnector | None,
+        connector: KVTransports | None,
     ) -> None:
         self.role = role
         self.worker_id = worker_id
@@ -184,6 +185,55 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             if started:
                 self.core.tell(m.EndReceive(started[0]))
+
+    # ------------------------------------------------------------------ CUDA IPC / NCCL KV
+
+    async def ConnectKV(
+        self, request: worker_pb2.ConnectKVRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ConnectKVResponse:
+        if self.role != "decode" or self.connector is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+        assert self.connector is not None
+        try:
+            return await self.connector.connect(request)
+        except KVTransferError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise  # not reached
+
+    async def WriteKV(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.KVWriteMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.KVWriteMessage]:
+        if self.role != "decode" or self.connector is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+        assert self.connector is not None
+        # Requests whose BeginReceive may have marked them; each gets one EndReceive.
+        started: list[str] = []
+
+        async def begin(request_id: str) -> list[int] | None:
+            started.append(request_id)
+            reserved = await self.core.ask(m.BeginReceive(request_id))
+            if reserved is None:
+                started.remove(request_id)
+            return reserved
+
+        def end(request_id: str) -> None:
+            if request_id in started:
+                started.remove(request_id)
+                self.core.tell(m.EndReceive(request_id))
+
+        try:
+            async with contextlib.aclosing(
+                self.connector.serve_write(request_iterator, begin, end)
+            ) as replies:
+                async for reply in replies:
+                    yield reply
+        except KVTransferError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        finally:
+            for request_id in list(started):
+                end(request_id)
 
     async def AddPrefilled(
         self, request: worker_pb2.AddPrefilledRequest, context: grpc.aio.ServicerContext

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from tandem.kv_transfer.base import EngineHandle, KVDestination, KVTransferError
+from tandem.kv_transfer.placement import CUDA_IPC, host_id
 from tandem.kv_transfer.session import RemoteKVConnector, Run, run_to_end
-from tandem.kv_transfer.transports import CUDA_IPC, host_id
 from tandem_protos.v1 import worker_pb2
 
 # A request moved as at most this many copies (or in stretches of 4+ blocks on average) is

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.kv_transfer.base import EngineHandle, KVDestination, KVTransferError
+from tandem.kv_transfer.placement import NCCL
 from tandem.kv_transfer.session import (
     DstRun,
     RemoteKVConnector,
@@ -44,7 +45,6 @@ from tandem.kv_transfer.session import (
     consecutive,
     run_to_end,
 )
-from tandem.kv_transfer.transports import NCCL
 from tandem_protos.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)

@@ -13,10 +13,11 @@ pair, then one write session per request, both through the decode worker's Worke
       DONE ────────────────────────────────────────▶ (NCCL: wait for the receives)
                                           ◀───────── DONE(num_bytes)
 
-Invariants. Receiver: `serve_write` finishes, normally or not, only once no byte of the session
-can still land in the reserved blocks; its caller clears the "being written" mark after that,
-so an abort never frees blocks under a write. Sender: the session's stream ends (DONE, an error,
-a cancellation) only after the sender's device work for it has finished.
+Invariants. Receiver: the "being written" mark of the reservation is cleared (`end`) only
+once no byte of the session can still land in the reserved blocks, so an abort never frees
+blocks under a write; and before DONE leaves, so the AddPrefilled that follows finds it
+cleared. Sender: the session's stream ends (DONE, an error, a cancellation) only after the
+sender's device work for it has finished.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ P = TypeVar("P")  # what a sender keeps per decode worker (an opened cache, a pr
 R = TypeVar("R")
 
 Begin = Callable[[str], Awaitable["Sequence[int] | None"]]
+End = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -306,14 +308,15 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         return reply
 
     async def serve_write(
-        self, messages: AsyncIterator[worker_pb2.KVWriteMessage], begin: Begin
+        self, messages: AsyncIterator[worker_pb2.KVWriteMessage], begin: Begin, end: End
     ) -> AsyncIterator[worker_pb2.KVWriteMessage]:
         """One WriteKV session, receiver side: yields READY, then DONE.
 
         `await begin(request_id)` marks the request's reservation as being written and returns
-        its block ids (None: no reservation). The caller clears the mark after this generator
-        finished (close it with `contextlib.aclosing`): by then nothing more can land.
-        Raises KVTransferError.
+        its block ids (None: no reservation, nothing to end). `end(request_id)` clears the mark:
+        called once, when nothing more can land, and before DONE is yielded (so the sender's
+        next message, AddPrefilled, finds the mark cleared). Close the generator with
+        `contextlib.aclosing`. Raises KVTransferError.
         """
         it = messages.__aiter__()
         first = await _next(it)
@@ -323,30 +326,35 @@ class RemoteKVConnector(KVConnector, Generic[P]):
             raise KVTransferError(f"this is the {self.transport} connector, not {first.transport}")
         if len(first.first_block_ids) != len(first.num_blocks) or not first.num_blocks:
             raise KVTransferError("BEGIN needs one num_blocks per first_block_id, at least one")
+        request_id = first.request_id
         runs: list[DstRun] = list(zip(first.first_block_ids, first.num_blocks, strict=True))
-        reserved = await begin(first.request_id)
+        reserved = await begin(request_id)
         if reserved is None:
-            raise KVTransferError(f"no blocks are reserved for request {first.request_id!r}")
-        num_blocks = check_runs(runs, reserved, first.request_id)
-        receipt = await self._begin_receive(first, runs)
-        finished = False
+            raise KVTransferError(f"no blocks are reserved for request {request_id!r}")
+        receipt: Any = None
+        posted = landed = ended = False
         try:
-            yield worker_pb2.KVWriteMessage(phase=READY, request_id=first.request_id)
+            num_blocks = check_runs(runs, reserved, request_id)
+            receipt = await self._begin_receive(first, runs)
+            posted = True
+            yield worker_pb2.KVWriteMessage(phase=READY, request_id=request_id)
             msg = await _next(it)
             if msg is None or msg.phase != DONE:
-                raise KVTransferError(
-                    f"the sender of {first.request_id!r} left the session before DONE"
-                )
+                raise KVTransferError(f"the sender of {request_id!r} left the session before DONE")
             await self._end_receive(receipt)
-            finished = True
+            landed = True
+            ended = True
+            end(request_id)
+            yield worker_pb2.KVWriteMessage(
+                phase=DONE,
+                request_id=request_id,
+                num_bytes=num_blocks * self.layout.bytes_per_block,
+            )
         finally:
-            if not finished:
+            if posted and not landed:
                 await self._abandon_receive(receipt)
-        yield worker_pb2.KVWriteMessage(
-            phase=DONE,
-            request_id=first.request_id,
-            num_bytes=num_blocks * self.layout.bytes_per_block,
-        )
+            if not ended:
+                end(request_id)
 
     async def _connect_info(
         self, request: worker_pb2.ConnectKVRequest

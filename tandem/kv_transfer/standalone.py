@@ -75,18 +75,23 @@ class StandaloneReceiver(worker_pb2_grpc.WorkerServicer):
                 started.append(request_id)
             return reserved
 
+        def end(request_id: str) -> None:
+            if request_id in started:
+                started.remove(request_id)
+                self._end(request_id)
+
         self.sessions += 1
         try:
             async with contextlib.aclosing(
-                self.transports.serve_write(request_iterator, begin)
+                self.transports.serve_write(request_iterator, begin, end)
             ) as replies:
                 async for reply in replies:
                     yield reply
         except KVTransferError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         finally:
-            for request_id in started:
-                self._end(request_id)
+            for request_id in list(started):
+                end(request_id)
 
     async def ReceiveKV(
         self,

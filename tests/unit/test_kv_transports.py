@@ -14,15 +14,14 @@ import torch
 from tandem.kv_transfer.base import KVDestination, KVTransferError, block_runs
 from tandem.kv_transfer.cuda_ipc import MAX_COPIES, _rows, copy_runs, stretches
 from tandem.kv_transfer.inproc import InProcessKVConnector, InProcessKVHub
-from tandem.kv_transfer.session import check_runs
-from tandem.kv_transfer.transports import (
-    KVTransports,
+from tandem.kv_transfer.placement import (
     NoKVTransportError,
     WorkerPlacement,
     choose_transport,
-    local_transports,
     normalize_transport,
 )
+from tandem.kv_transfer.session import check_runs
+from tandem.kv_transfer.transports import KVTransports, local_transports
 
 SHAPE = (48, 2, 2, 4, 2, 8)
 ALL = ("tcp", "cuda_ipc", "nccl")

@@ -62,8 +62,9 @@ def decode_main(conn: Connection, reservations: dict[str, list[int]], out: str) 
 
 async def _decode(conn: Connection, reservations: dict[str, list[int]], out: str) -> None:
     from tandem.kv_transfer.nccl import NcclKVConnector
+    from tandem.kv_transfer.placement import NCCL
     from tandem.kv_transfer.standalone import DirectEngine, start_receiver
-    from tandem.kv_transfer.transports import NCCL, KVTransports
+    from tandem.kv_transfer.transports import KVTransports
 
     torch.set_num_threads(1)
     cache = torch.zeros(SHAPE, dtype=DTYPE)
