@@ -142,3 +142,34 @@ def test_transports_send_by_the_hand_offs_transport() -> None:
         assert sender.names == ["inproc"]
 
     asyncio.run(run())
+
+
+def test_receiver_clears_the_mark_before_done_reaches_the_sender() -> None:
+    """One process, both ends of a gloo pair: when send_blocks returns, the receiver's
+    "being written" mark is already gone (AddPrefilled, sent next, must find it cleared)."""
+    from tandem.kv_transfer.nccl import NcclKVConnector
+    from tandem.kv_transfer.standalone import DirectEngine, start_receiver
+
+    async def run() -> None:
+        src = torch.randn(SHAPE)
+        dst = torch.zeros(SHAPE)
+        recv = NcclKVConnector(dst, DirectEngine(), "d", 10.0, "gloo", group_timeout_s=10.0)
+        server, address, receiver = await start_receiver(
+            KVTransports({"nccl": recv}), {"r0": [5, 6, 9], "r1": [1, 2]}
+        )
+        send = NcclKVConnector(src, DirectEngine(), "p", 10.0, "gloo", group_timeout_s=10.0)
+        try:
+            for rid, s, d in (("r0", [3, 4, 8], (5, 6, 9)), ("r1", [0], (1, 2))):
+                n = await send.send_blocks(rid, s, KVDestination("d", address, d, "nccl"))
+                assert n == len(s) * send.layout.bytes_per_block
+                assert receiver.being_written == {}, rid
+                for a, b in zip(s, d, strict=False):
+                    assert torch.equal(dst[b], src[a])
+            assert not dst[[0, 2, 3, 4, 7, 8]].any()
+            assert [r.request_id for r in send.history] == ["r0", "r1"]
+        finally:
+            await send.close()
+            await server.stop(0)
+            await recv.close()
+
+    asyncio.run(run())
