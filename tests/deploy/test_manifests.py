@@ -23,9 +23,22 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 OVERLAYS = ("overlays/cpu", "overlays/gpu")
 RENDERED = (*OVERLAYS, "monitoring")
-# kubernetes-validate ships strict schemas for these; the oldest and the newest bound what we
-# claim to support.
-K8S_VERSIONS = ("1.34.0", "1.37.0")
+
+
+def shipped_versions() -> tuple[str, ...]:
+    """The oldest and the newest Kubernetes versions kubernetes-validate ships strict
+    schemas for (1.34 .. 1.37 with kubernetes-validate 1.37)."""
+    schemas = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    found = sorted(
+        (tuple(int(x) for x in m.group(1).split(".")), m.group(1))
+        for d in schemas.iterdir()
+        if (m := re.fullmatch(r"v(\d+\.\d+\.\d+)-local-strict", d.name))
+    )
+    assert found, "kubernetes-validate ships no strict schemas"
+    return tuple(dict.fromkeys((found[0][1], found[-1][1])))
+
+
+K8S_VERSIONS = shipped_versions()
 WORKERS = ("tandem-prefill", "tandem-decode")
 Obj = dict[str, Any]
 
