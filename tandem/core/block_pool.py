@@ -13,13 +13,22 @@ The free queue is in eviction order (head evicted first)::
 
 A request's blocks are freed tail first, so its last (least shareable) blocks are evicted
 before its first ones.
+
+Cache events: when `on_cache_event` is set, every operation that changes the hash index
+calls it once, after the change and on the thread that made it, with the hashes it
+registered and the hashes it evicted (a worker feeds them to the prefix-cache directory).
+Events come in the order the changes happened; within one call there is no hash in both
+lists. No call is made for an operation that changed nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tandem.core.kv_cache_utils import BlockHash
+
+# on_cache_event(added, evicted): hashes registered / evicted by one pool operation.
+CacheEventListener = Callable[[list[BlockHash], list[BlockHash]], None]
 
 
 class KVCacheBlock:
@@ -123,6 +132,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Told of every change to the hash index (see the module docstring); None: nobody.
+        self.on_cache_event: CacheEventListener | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,10 +157,17 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         blocks = self.free_block_queue.popleft_n(num_blocks)
+        listener = self.on_cache_event
+        evicted: list[BlockHash] = []
         for block in blocks:
             assert block.ref_cnt == 0
-            self._evict_hash(block)
+            if block.block_hash is not None:
+                evicted_hash = self._evict_hash(block)
+                if evicted_hash is not None and listener is not None:
+                    evicted.append(evicted_hash)
             block.ref_cnt = 1
+        if evicted and listener is not None:
+            listener([], evicted)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -184,6 +202,7 @@ class BlockPool:
             return
         if len(blocks) != len(block_hashes):
             raise ValueError(f"{len(blocks)} blocks but {len(block_hashes)} hashes")
+        added: list[BlockHash] = []
         for block, block_hash in zip(blocks, block_hashes, strict=True):
             if block.block_hash is not None:
                 if block.block_hash != block_hash:
@@ -193,27 +212,46 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            added.append(block_hash)
+        listener = self.on_cache_event
+        if added and listener is not None:
+            listener(added, [])
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         """Drop `block` from the prefix cache (its KV will not be written after all)."""
-        self._evict_hash(block)
+        evicted_hash = self._evict_hash(block)
+        listener = self.on_cache_event
+        if evicted_hash is not None and listener is not None:
+            listener([], [evicted_hash])
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash the prefix cache holds now (a snapshot, e.g. for a full republish)."""
+        return list(self.cached_block_hash_to_block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (e.g. after a weight update). Refused (False) while any
         block is in use, since running requests still read KV from the old weights."""
         if self.num_free_blocks != self.num_blocks:
             return False
+        evicted = list(self.cached_block_hash_to_block)
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        listener = self.on_cache_event
+        if evicted and listener is not None:
+            listener([], evicted)
         return True
 
-    def _evict_hash(self, block: KVCacheBlock) -> None:
-        if block.block_hash is None:
-            return
-        if self.cached_block_hash_to_block.get(block.block_hash) is block:
-            del self.cached_block_hash_to_block[block.block_hash]
+    def _evict_hash(self, block: KVCacheBlock) -> BlockHash | None:
+        """Clear `block`'s hash; returns it when it left the index (else None)."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return None
         block.block_hash = None
+        if self.cached_block_hash_to_block.get(block_hash) is block:
+            del self.cached_block_hash_to_block[block_hash]
+            return block_hash
+        return None
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent."""

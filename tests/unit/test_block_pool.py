@@ -166,3 +166,76 @@ def test_free_queue_operations() -> None:
         q.popleft()
     q.append_n(blocks[:2])
     assert [b.block_id for b in q.get_all_free_blocks()] == [0, 1]
+
+
+class _Events:
+    """Records `on_cache_event` calls in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[bytes], list[bytes]]] = []
+
+    def __call__(self, added: list[bytes], evicted: list[bytes]) -> None:
+        self.calls.append((list(added), list(evicted)))
+
+    def take(self) -> list[tuple[list[bytes], list[bytes]]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def test_cache_events_report_every_index_change_once_and_in_order() -> None:
+    pool = BlockPool(3)
+    events = _Events()
+    pool.on_cache_event = events
+    a, b, c = pool.get_new_blocks(3)
+    assert events.take() == []  # nothing was cached: no eviction, no call
+    pool.cache_full_blocks([a, b], [h(0), h(1)])
+    assert events.take() == [([h(0), h(1)], [])]
+    pool.cache_full_blocks([c], [h(0)])  # duplicate content: nothing registered
+    pool.cache_full_blocks([a], [h(0)])  # hit block re-registered: no change
+    assert events.take() == []
+    pool.cache_full_blocks([c], [h(2)])
+    assert events.take() == [([h(2)], [])]
+    pool.uncache_block(c)
+    assert events.take() == [([], [h(2)])]
+    pool.uncache_block(c)  # already gone
+    assert events.take() == []
+    pool.free_blocks([c, b, a])  # queue: c b a; freeing evicts nothing
+    assert events.take() == []
+    pool.get_new_blocks(2)  # reuses c (no hash) and b (h1): one eviction
+    assert events.take() == [([], [h(1)])]
+    assert pool.cached_block_hashes() == [h(0)]
+    pool.check_invariants()
+
+
+def test_cache_events_on_reset_and_replay_to_the_same_set() -> None:
+    pool = BlockPool(4)
+    events = _Events()
+    pool.on_cache_event = events
+    blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(blocks, [h(i) for i in range(4)])
+    pool.free_blocks(reversed(blocks))
+    new = pool.get_new_blocks(2)  # evicts h3, h2 (freed tail first)
+    pool.cache_full_blocks(new, [h(8), h(9)])
+    pool.free_blocks(reversed(new))
+    # Replaying the events gives exactly the pool's index.
+    held: set[bytes] = set()
+    for added, evicted in events.calls:
+        assert not set(added) & set(evicted)
+        held -= set(evicted)
+        held |= set(added)
+    assert held == set(pool.cached_block_hashes()) == {h(0), h(1), h(8), h(9)}
+    events.take()
+    assert pool.reset_prefix_cache()
+    ((added, evicted),) = events.take()
+    assert added == [] and set(evicted) == held
+    assert pool.cached_block_hashes() == []
+    pool.check_invariants()
+
+
+def test_no_listener_no_change_in_behaviour() -> None:
+    pool = BlockPool(2)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, [h(0), h(1)])
+    pool.free_blocks(reversed(blocks))
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [1]
+    assert pool.cached_block_hashes() == [h(0)]
