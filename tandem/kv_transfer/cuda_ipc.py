@@ -3,15 +3,16 @@
 The decode worker shares its cache tensor's CUDA IPC handle once per prefill worker
 (`ConnectKV`, on the engine thread: sharing re-wraps the storage's data pointer); the prefill
 worker opens it (same host, the GPU found by UUID) and keeps it open. Per request, on the
-connector's own stream and thread:
+connector's own CUDA stream:
 
     dst runs:      [20 21 22] [30]          src (held):  7 8 9 | 3
     stretches where source and destination are both consecutive: (7->20, 3) (3->30, 1)
     one copy per stretch   (a stretch of blocks is one contiguous span of the cache)
     many short stretches:  one gather + one scatter instead (same GPU)
 
-then one stream synchronization, then the session's DONE: no host round trip per block.
-The decode side does nothing per request but check and mark the reservation.
+then one wait for an event recorded after them (on the connector's thread, so the event loop
+never waits on the device), then the session's DONE: no host round trip per block. The decode
+side does nothing per request but check and mark the reservation.
 """
 
 from __future__ import annotations
@@ -212,16 +213,15 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
                 raise KVTransferError(f"blocks {first}..{first + n - 1} are outside the cache")
         if any(b < 0 or b >= self.cache.num_blocks for b in src):
             raise KVTransferError("source block ids out of range")
-        await run_to_end(self._executor, self.copy_blocks, peer, src, runs)
-
-    def copy_blocks(self, peer: OpenedCache, src: list[int], runs: list[Run]) -> None:
-        """Copy `src` blocks into `runs` of the opened cache; returns when the copies are done.
-        Runs on the connector's thread."""
+        # Enqueue here (a few launches), wait on the connector's thread: the thread wakes up
+        # while the copies run.
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             keep = copy_runs(self._rows, peer.rows, src, runs)
-            self._stream.synchronize()
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        await run_to_end(self._executor, done.synchronize)
         del keep
 
     def _close_peer(self, peer: OpenedCache) -> None:

@@ -1,0 +1,304 @@
+"""KV transfer rate between two processes, through tandem's connectors, in one run.
+
+One prompt's KV of the llama-3.1-8b shape by default: 2,048 tokens, 32 layers, 8 KV heads,
+head size 128, bf16, blocks of 16 tokens -> 128 blocks of 2 MiB, 256 MiB per prompt. A
+receiver process (the decode side: a zeroed cache behind a Worker service with every block
+reserved) and this process (the prefill side) move whole prompts:
+
+    contiguous   128 consecutive source blocks into 128 consecutive destination blocks
+    scattered    shuffled source and destination blocks (a pool after churn)
+    pipelined    `--concurrency` contiguous prompts in flight at once (sessions overlap)
+
+    cuda mode (one GPU, two processes): the CUDA IPC connector. Beside it, measured in the
+        same run: the device-to-device copy bandwidth (a local `copy_` of one prompt's bytes)
+        and a raw copy into the IPC-mapped cache; rates are also given as a fraction of the
+        local copy bandwidth.
+    cpu mode: the NCCL connector over gloo and the TCP connector, beside a local memcpy.
+
+Rates are bytes of KV moved per second (GB/s = 1e9 B/s; a copy's bytes are counted once).
+`data`: the connector's data path (copies or sends, then one device wait); `session`: the
+whole `send_blocks` (with the WriteKV messages, or the TCP stream).
+
+    python -m benchmarks.kv_transfer --mode cuda --out kv_transfer_cuda.json
+    python -m benchmarks.kv_transfer --mode cpu --tokens 512 --out kv_transfer_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import statistics
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cache_shape(ns: argparse.Namespace) -> tuple[int, ...]:
+    return (ns.num_blocks, ns.layers, 2, ns.block_size, ns.kv_heads, ns.head_size)
+
+
+def _connectors(mode: str, cache: torch.Tensor, worker_id: str) -> dict[str, Any]:
+    from tandem.kv_transfer.standalone import DirectEngine
+
+    engine = DirectEngine()
+    if mode == "cuda":
+        from tandem.kv_transfer.cuda_ipc import CudaIpcKVConnector
+
+        return {"cuda_ipc": CudaIpcKVConnector(cache, engine, worker_id)}
+    from tandem.kv_transfer.nccl import NcclKVConnector
+    from tandem.kv_transfer.tcp import TcpKVConnector
+
+    return {
+        "nccl": NcclKVConnector(cache, engine, worker_id, backend="gloo", group_timeout_s=60.0),
+        "tcp": TcpKVConnector(cache, engine),
+    }
+
+
+# ----------------------------------------------------------------------------- receiver
+
+
+def receiver_main(conn: Connection, mode: str, shape: tuple[int, ...], dtype: str) -> None:
+    asyncio.run(_receiver(conn, mode, shape, dtype))
+
+
+async def _receiver(conn: Connection, mode: str, shape: tuple[int, ...], dtype: str) -> None:
+    from tandem.kv_transfer.standalone import start_receiver
+    from tandem.kv_transfer.transports import KVTransports
+
+    torch.set_num_threads(1)
+    device = "cuda" if mode == "cuda" else "cpu"
+    cache = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+    transports = KVTransports(_connectors(mode, cache, "bench-decode"))
+    server, address, _ = await start_receiver(transports, None)
+    conn.send(address)
+    await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    await server.stop(0)
+    await transports.close()
+
+
+# ----------------------------------------------------------------------------- sender
+
+
+def _ids(rng: random.Random, num_blocks: int, n: int, pattern: str) -> list[int]:
+    if pattern == "scattered":
+        return rng.sample(range(num_blocks), n)
+    start = rng.randrange(0, num_blocks - n + 1)
+    return list(range(start, start + n))
+
+
+def _summary(prompt_bytes: int, seconds: list[float]) -> dict[str, float]:
+    med = statistics.median(seconds)
+    return {
+        "median_ms": med * 1e3,
+        "min_ms": min(seconds) * 1e3,
+        "GBps_median": prompt_bytes / med / 1e9,
+        "GBps_best": prompt_bytes / min(seconds) / 1e9,
+    }
+
+
+def _cuda_copy_s(dst: torch.Tensor, src: torch.Tensor, iters: int) -> list[float]:
+    """Seconds per `dst.copy_(src)`, by CUDA events, after a warm-up."""
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def _cpu_copy_s(dst: torch.Tensor, src: torch.Tensor, iters: int) -> list[float]:
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
+    from tandem.kv_transfer.base import KVDestination
+
+    torch.set_num_threads(1 if ns.mode == "cpu" else torch.get_num_threads())
+    device = "cuda" if ns.mode == "cuda" else "cpu"
+    shape = cache_shape(ns)
+    gen = torch.Generator(device=device).manual_seed(0)
+    cache = torch.randn(shape, generator=gen, device=device, dtype=getattr(torch, ns.dtype))
+    n = -(-ns.tokens // ns.block_size)
+    block_bytes = cache[0].numel() * cache.element_size()
+    prompt_bytes = n * block_bytes
+    rng = random.Random(1)
+    out: dict[str, Any] = {"prompt_blocks": n, "prompt_bytes": prompt_bytes}
+
+    # Local copy bandwidth, same bytes.
+    rows = cache.view(shape[0], -1)
+    if ns.mode == "cuda":
+        local = _cuda_copy_s(rows[n : 2 * n], rows[:n], ns.iters)
+        out["d2d_copy"] = _summary(prompt_bytes, local)
+    else:
+        local = _cpu_copy_s(rows[n : 2 * n], rows[:n], ns.iters)
+        out["memcpy"] = _summary(prompt_bytes, local)
+    reference = prompt_bytes / statistics.median(local) / 1e9
+
+    for name, connector in _connectors(ns.mode, cache, "bench-prefill").items():
+
+        def dest(dst: list[int], name: str = name) -> KVDestination:
+            return KVDestination("bench-decode", address, tuple(dst), name)
+
+        history = getattr(connector, "history", None)
+        if ns.mode == "cuda":
+            # A raw copy into the IPC-mapped cache (no session): the mapping's own rate.
+            peer = await connector.peer(dest([0]))
+            raw = _cuda_copy_s(peer.rows[:n], connector._rows[:n], ns.iters)
+            out[f"{name}_raw_copy"] = _summary(prompt_bytes, raw)
+            out[f"{name}_raw_copy"]["fraction_of_d2d"] = (
+                out[f"{name}_raw_copy"]["GBps_median"] / reference
+            )
+        for pattern in ("contiguous", "scattered"):
+            totals, datas = [], []
+            for i in range(ns.warmup + ns.iters):
+                src = _ids(rng, shape[0], n, pattern)
+                dst = _ids(rng, shape[0], n, pattern)
+                t0 = time.perf_counter()
+                moved = await connector.send_blocks(f"{name}-{pattern}-{i}", src, dest(dst))
+                total = time.perf_counter() - t0
+                assert moved == prompt_bytes, (moved, prompt_bytes)
+                if i >= ns.warmup:
+                    totals.append(total)
+                    datas.append(history[-1].data_s if history else total)
+            key = f"{name}_{pattern}"
+            out[key] = {"session": _summary(prompt_bytes, totals)}
+            if history is not None:
+                out[key]["data"] = _summary(prompt_bytes, datas)
+            ref_name = "fraction_of_d2d" if ns.mode == "cuda" else "fraction_of_memcpy"
+            for part in out[key].values():
+                part[ref_name] = part["GBps_median"] / reference
+        # Pipelined: `concurrency` prompts in flight.
+        rounds = []
+        for r in range(max(2, ns.iters // 2)):
+            jobs = [
+                (_ids(rng, shape[0], n, "contiguous"), _ids(rng, shape[0], n, "contiguous"))
+                for _ in range(ns.concurrency)
+            ]
+            t0 = time.perf_counter()
+            await asyncio.gather(
+                *(
+                    connector.send_blocks(f"{name}-pipe-{r}-{j}", s, dest(d))
+                    for j, (s, d) in enumerate(jobs)
+                )
+            )
+            rounds.append((time.perf_counter() - t0) / ns.concurrency)
+        out[f"{name}_pipelined"] = _summary(prompt_bytes, rounds)
+        await connector.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tokens", type=int, default=2048, help="prompt length")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-blocks", type=int, default=0, help="cache blocks per process")
+    p.add_argument("--iters", type=int, default=0, help="timed prompts per pattern")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--out", default="", help="write the JSON here")
+    ns = p.parse_args(argv)
+    n = -(-ns.tokens // ns.block_size)
+    ns.num_blocks = ns.num_blocks or 4 * n
+    ns.iters = ns.iters or (20 if ns.mode == "cuda" else 5)
+    if ns.num_blocks < 2 * n:
+        p.error("--num-blocks must hold two prompts")
+    if ns.mode == "cuda" and not torch.cuda.is_available():
+        p.error("--mode cuda needs a CUDA device")
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    receiver = ctx.Process(
+        target=receiver_main, args=(child, ns.mode, cache_shape(ns), ns.dtype), daemon=True
+    )
+    receiver.start()
+    try:
+        if not conn.poll(120):
+            raise SystemExit("the receiver process did not start")
+        address = conn.recv()
+        t0 = time.perf_counter()
+        results = asyncio.run(_sender(address, ns))
+        elapsed = time.perf_counter() - t0
+    finally:
+        conn.send("stop")
+        receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
+
+    report = {
+        "benchmark": "kv_transfer",
+        "mode": ns.mode,
+        "device": (
+            torch.cuda.get_device_name()
+            if ns.mode == "cuda"
+            else f"{platform.machine()} CPU, {os.cpu_count()} cores"
+        ),
+        "torch": torch.__version__,
+        "shape": {
+            "tokens": ns.tokens,
+            "layers": ns.layers,
+            "kv_heads": ns.kv_heads,
+            "head_size": ns.head_size,
+            "block_size": ns.block_size,
+            "dtype": ns.dtype,
+            "num_blocks": ns.num_blocks,
+        },
+        "iters": ns.iters,
+        "concurrency": ns.concurrency,
+        "elapsed_s": elapsed,
+        "results": results,
+    }
+    _print(report)
+    if ns.out:
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {ns.out}")
+    return 0
+
+
+def _print(report: dict[str, Any]) -> None:
+    r = report["results"]
+    mib = r["prompt_bytes"] / (1 << 20)
+    print(
+        f"KV transfer, {report['mode']} ({report['device']}): {report['shape']['tokens']} tokens "
+        f"= {r['prompt_blocks']} blocks = {mib:.0f} MiB per prompt"
+    )
+    for key, value in r.items():
+        if not isinstance(value, dict):
+            continue
+        parts = value.items() if "session" in value else [("", value)]
+        for part, s in parts:
+            frac = s.get("fraction_of_d2d", s.get("fraction_of_memcpy"))
+            extra = f"  ({frac:.0%} of the local copy)" if frac is not None else ""
+            label = f"{key} {part}".strip()
+            print(
+                f"  {label:<32} {s['GBps_median']:8.2f} GB/s median  "
+                f"{s['median_ms']:8.3f} ms{extra}"
+            )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
