@@ -17,12 +17,14 @@ from services.common.metrics import start_metrics_server
 from services.common.server import GrpcServer, insecure_channel, shutdown_event, write_ready_file
 from services.worker import core as m
 from services.worker.config import WorkerServiceConfig
-from services.worker.metrics import MeteredTcpKVConnector, WorkerMetrics
+from services.worker.metrics import MeteredKVTransports, WorkerMetrics
+from services.worker.prefix_publishing import start_prefix_publishing, stop_prefix_publishing
 from services.worker.servicer import ROLE_TO_PROTO, WorkerServicer, stats_to_proto
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core import EngineCore
 from tandem.engine.engine_thread import EngineThread
 from tandem.kv_transfer.placement import host_id
+from tandem.kv_transfer.tcp import TcpKVConnector
 from tandem.kv_transfer.transports import worker_transports
 from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -155,17 +157,16 @@ async def serve(config: WorkerServiceConfig) -> int:
     core.start()
     connector = None
     if config.role != "unified":
-        tcp = MeteredTcpKVConnector(
-            engine.kv_cache,
-            engine_thread,
-            config.kv_max_message_bytes,
-            config.rpc_timeout_s,
-            metrics=metrics,
+        tcp = TcpKVConnector(
+            engine.kv_cache, engine_thread, config.kv_max_message_bytes, config.rpc_timeout_s
         )
         # TCP, and CUDA IPC / NCCL (gloo on CPU) where this process can; the scheduler picks
         # one per pair and names it in each hand-off.
-        connector = worker_transports(
-            engine.kv_cache, engine_thread, tcp, config.worker_id, config.rpc_timeout_s
+        connector = MeteredKVTransports(
+            worker_transports(
+                engine.kv_cache, engine_thread, tcp, config.worker_id, config.rpc_timeout_s
+            ),
+            metrics,
         )
         core.connector = connector
 
@@ -177,6 +178,8 @@ async def serve(config: WorkerServiceConfig) -> int:
     port = await server.start(config.host, config.port)
     metrics.bind(core, engine_thread)
     metrics_server = await start_metrics_server(metrics.registry, config.host, config.metrics_port)
+    # Prefix-cache directory feed (prefill / unified workers, when a server is configured).
+    publisher = await start_prefix_publishing(config, engine_thread, metrics.registry)
     address = config.advertise_address or reachable_address(config.host, port)
     tasks = [asyncio.create_task(_ticker(core))]
 
@@ -224,6 +227,7 @@ async def serve(config: WorkerServiceConfig) -> int:
     await server.set_serving(False)
     if link is not None:
         await link.deregister()
+    await stop_prefix_publishing(publisher)
     deadline = time.monotonic() + config.grace_period_s
     while engine_thread.alive and time.monotonic() < deadline and await core.ask(m.Inflight()):
         await asyncio.sleep(0.05)

@@ -9,8 +9,11 @@
     tandem_worker_prefix_cache_hit_ratio       hit tokens / queried tokens since start
     tandem_worker_preemptions_total
     tandem_worker_engine_steps_total, tandem_worker_generated_tokens_total
-    tandem_kv_transfer_bytes_total{direction}              sent | received
-    tandem_kv_transfer_duration_seconds{direction}         one request's prompt KV
+    tandem_kv_transfer_bytes_total{direction,transport}    sent | received; tcp, cuda_ipc, nccl
+    tandem_kv_transfer_duration_seconds{direction,transport}   one request's prompt KV
+
+Sends are measured on every transport; receives on TCP (the CUDA IPC and NCCL writers are
+the senders, so their side carries the figures).
 
 Every family carries a `role` label (prefill, decode, unified). Engine figures come from the
 engine thread's latest snapshot and the worker's request table, read at scrape time on the
@@ -32,8 +35,8 @@ from services.worker import core as m
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.engine_thread import EngineThread
 from tandem.kv_transfer.base import KVDestination
-from tandem.kv_transfer.tcp import TcpKVConnector
-from tandem_protos.v1 import worker_pb2
+from tandem.kv_transfer.placement import TCP
+from tandem.kv_transfer.transports import KVTransports
 
 
 class WorkerMetrics:
@@ -47,23 +50,19 @@ class WorkerMetrics:
         self.generated_tokens = Counter(
             "tandem_worker_generated_tokens", "Tokens sampled by this engine.", ["role"], registry=r
         ).labels(role)
-        transfer_bytes = Counter(
+        self.transfer_bytes = Counter(
             "tandem_kv_transfer_bytes",
             "KV cache bytes moved between workers.",
-            ["role", "direction"],
+            ["role", "direction", "transport"],
             registry=r,
         )
-        transfer_time = Histogram(
+        self.transfer_time = Histogram(
             "tandem_kv_transfer_duration_seconds",
             "Time to move one request's prompt KV (send: until the receiver acknowledged).",
-            ["role", "direction"],
+            ["role", "direction", "transport"],
             buckets=TRANSFER_BUCKETS_S,
             registry=r,
         )
-        self.sent_bytes = transfer_bytes.labels(role, "sent")
-        self.received_bytes = transfer_bytes.labels(role, "received")
-        self.send_time = transfer_time.labels(role, "sent")
-        self.receive_time = transfer_time.labels(role, "received")
         self._core: m.WorkerCore | None = None
         self._engine: EngineThread[Any] | None = None
 
@@ -71,6 +70,11 @@ class WorkerMetrics:
         """Start reporting the state of `core` and `engine` at scrape time."""
         self._core, self._engine = core, engine
         self.registry.register(ScrapeCollector(self._collect))
+
+    def on_transfer(self, direction: str, transport: str, num_bytes: int, seconds: float) -> None:
+        """One request's prompt KV moved (`direction`: sent or received)."""
+        self.transfer_bytes.labels(self.role, direction, transport).inc(num_bytes)
+        self.transfer_time.labels(self.role, direction, transport).observe(seconds)
 
     def on_step(self, outputs: list[EngineCoreOutput]) -> None:
         """Called on the event loop with each engine step's outputs."""
@@ -126,11 +130,11 @@ class WorkerMetrics:
             yield counter(f"tandem_worker_{name}", doc, value, labels)
 
 
-class MeteredTcpKVConnector(TcpKVConnector):
-    """`TcpKVConnector` that records the bytes and time of every transfer."""
+class MeteredKVTransports(KVTransports):
+    """A worker's `KVTransports` that records the bytes and time of every transfer."""
 
-    def __init__(self, *args: Any, metrics: WorkerMetrics, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, transports: KVTransports, metrics: WorkerMetrics) -> None:
+        super().__init__(transports.connectors)
         self.metrics = metrics
 
     async def send_blocks(
@@ -139,17 +143,16 @@ class MeteredTcpKVConnector(TcpKVConnector):
         start = time.perf_counter()
         num_bytes = await super().send_blocks(request_id, src_block_ids, dst)
         if num_bytes:
-            self.metrics.send_time.observe(time.perf_counter() - start)
-            self.metrics.sent_bytes.inc(num_bytes)
+            elapsed = time.perf_counter() - start
+            self.metrics.on_transfer("sent", dst.transport or TCP, num_bytes, elapsed)
         return num_bytes
 
     async def receive_stream(
         self,
-        messages: AsyncIterator[worker_pb2.KVBlockRun],
+        messages: AsyncIterator[Any],
         reserved_for: Callable[[str], Awaitable[Sequence[int] | None]],
-    ) -> worker_pb2.ReceiveKVResponse:
+    ) -> Any:
         start = time.perf_counter()
         reply = await super().receive_stream(messages, reserved_for)
-        self.metrics.receive_time.observe(time.perf_counter() - start)
-        self.metrics.received_bytes.inc(reply.num_bytes)
+        self.metrics.on_transfer("received", TCP, reply.num_bytes, time.perf_counter() - start)
         return reply

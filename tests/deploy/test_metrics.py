@@ -134,16 +134,15 @@ def test_worker_step_and_transfer_counters() -> None:
     metrics = fake_worker_metrics("prefill")
     out = SimpleNamespace(new_token_ids=[1, 2])
     metrics.on_step([out, SimpleNamespace(new_token_ids=[3])])  # type: ignore[list-item]
-    metrics.sent_bytes.inc(4096)
-    metrics.send_time.observe(0.01)
+    metrics.on_transfer("sent", "tcp", 4096, 0.01)
+    metrics.on_transfer("sent", "tcp", 1024, 0.02)
     r = metrics.registry
     assert sample(r, "tandem_worker_generated_tokens_total", role="prefill") == 3
     assert sample(r, "tandem_worker_engine_steps_total", role="prefill") == 1
-    assert sample(r, "tandem_kv_transfer_bytes_total", role="prefill", direction="sent") == 4096
-    assert (
-        sample(r, "tandem_kv_transfer_duration_seconds_count", role="prefill", direction="sent")
-        == 1
-    )
+    sent = {"role": "prefill", "direction": "sent", "transport": "tcp"}
+    assert sample(r, "tandem_kv_transfer_bytes_total", **sent) == 5120
+    assert sample(r, "tandem_kv_transfer_duration_seconds_count", **sent) == 2
+    assert sample(r, "tandem_kv_transfer_duration_seconds_sum", **sent) == pytest.approx(0.03)
 
 
 def test_scheduler_collector_reads_queue_and_workers() -> None:

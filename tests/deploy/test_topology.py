@@ -415,19 +415,20 @@ def test_load_through_the_frontend_no_failures_and_every_metrics_endpoint_moves(
     hits = 0.0
     for p in topo.alive("prefill"):
         role = {"role": "prefill"}
-        assert delta(p, "tandem_worker_engine_steps_total", **role) > 0, (
-            "every prefill worker works"
-        )
-        assert delta(p, "tandem_kv_transfer_bytes_total", direction="sent", **role) > 0
-        assert delta(p, "tandem_kv_transfer_duration_seconds_count", direction="sent", **role) > 0
+        sent = {**role, "direction": "sent", "transport": "tcp"}
+        assert delta(p, "tandem_worker_engine_steps_total", **role) > 0, "every prefill worker"
+        assert delta(p, "tandem_kv_transfer_bytes_total", **sent) > 0
+        assert delta(p, "tandem_kv_transfer_duration_seconds_count", **sent) > 0
         hits += delta(p, "tandem_worker_prefix_cache_hit_tokens_total", **role)
         # The prefill autoscaling signal is exported.
         assert ("tandem_worker_pending_prefill_tokens", (("role", "prefill"),)) in after[id(p)]
     assert hits >= 16, "a repeated prompt found its blocks in the prefix cache"
     for p in topo.alive("decode"):
         role = {"role": "decode"}
+        received = {**role, "direction": "received", "transport": "tcp"}
         assert delta(p, "tandem_worker_generated_tokens_total", **role) > 0, "every decode worker"
-        assert delta(p, "tandem_kv_transfer_bytes_total", direction="received", **role) > 0
+        assert delta(p, "tandem_kv_transfer_bytes_total", **received) > 0
+        assert delta(p, "tandem_kv_transfer_duration_seconds_count", **received) > 0
         for signal_name in ("tandem_worker_kv_cache_usage_ratio", "tandem_worker_running_requests"):
             assert (signal_name, (("role", "decode"),)) in after[id(p)]
     # After the load every block is free again (no leaks across the hand-off).
