@@ -33,14 +33,19 @@ MAX_COPIES = 8
 
 
 def gpu_uuid(device: torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device).uuid)
+    """The GPU's UUID ("" where torch does not report one)."""
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
 
 
 def local_device_index(uuid: str) -> int | None:
-    """This process's index of the GPU with `uuid` (None: not visible here)."""
-    for i in range(torch.cuda.device_count()):
-        if gpu_uuid(torch.device("cuda", i)) == uuid:
+    """This process's index of the GPU with `uuid` (None: not visible here). Without a UUID
+    on either side, the only visible GPU is taken to be it."""
+    count = torch.cuda.device_count()
+    for i in range(count):
+        if uuid and gpu_uuid(torch.device("cuda", i)) == uuid:
             return i
+    if not uuid and count == 1:
+        return 0
     return None
 
 
