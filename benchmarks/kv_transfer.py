@@ -13,6 +13,8 @@ reserved) and this process (the prefill side) move whole prompts:
         same run: the device-to-device copy bandwidth (a local `copy_` of one prompt's bytes)
         and a raw copy into the IPC-mapped cache; rates are also given as a fraction of the
         local copy bandwidth.
+    nccl mode (two GPUs, two processes: this one on cuda:0, the receiver on cuda:1): the NCCL
+        connector, beside a GPU-to-GPU `copy_` of the same bytes.
     cpu mode: the NCCL connector over gloo and the TCP connector, beside a local memcpy.
 
 Rates are bytes of KV moved per second (GB/s = 1e9 B/s; a copy's bytes are counted once).
@@ -20,6 +22,7 @@ Rates are bytes of KV moved per second (GB/s = 1e9 B/s; a copy's bytes are count
 whole `send_blocks` (with the WriteKV messages, or the TCP stream).
 
     python -m benchmarks.kv_transfer --mode cuda --out kv_transfer_cuda.json
+    python -m benchmarks.kv_transfer --mode nccl --out kv_transfer_nccl.json     # 2 GPUs
     python -m benchmarks.kv_transfer --mode cpu --tokens 512 --out kv_transfer_cpu.json
 """
 
@@ -56,6 +59,9 @@ def _connectors(mode: str, cache: torch.Tensor, worker_id: str) -> dict[str, Any
     from tandem.kv_transfer.nccl import NcclKVConnector
     from tandem.kv_transfer.tcp import TcpKVConnector
 
+    if mode == "nccl":
+        return {"nccl": NcclKVConnector(cache, engine, worker_id, group_timeout_s=60.0)}
+
     return {
         "nccl": NcclKVConnector(cache, engine, worker_id, backend="gloo", group_timeout_s=60.0),
         "tcp": TcpKVConnector(cache, engine),
@@ -74,7 +80,9 @@ async def _receiver(conn: Connection, mode: str, shape: tuple[int, ...], dtype: 
     from tandem.kv_transfer.transports import KVTransports
 
     torch.set_num_threads(1)
-    device = "cuda" if mode == "cuda" else "cpu"
+    device = _device(mode, receiver=True)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     cache = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
     transports = KVTransports(_connectors(mode, cache, "bench-decode"))
     server, address, _ = await start_receiver(transports, None)
@@ -85,6 +93,12 @@ async def _receiver(conn: Connection, mode: str, shape: tuple[int, ...], dtype: 
 
 
 # ----------------------------------------------------------------------------- sender
+
+
+def _device(mode: str, receiver: bool = False) -> torch.device:
+    if mode == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", 1 if mode == "nccl" and receiver else 0)
 
 
 def _ids(rng: random.Random, num_blocks: int, n: int, pattern: str) -> list[int]:
@@ -119,6 +133,25 @@ def _cuda_copy_s(dst: torch.Tensor, src: torch.Tensor, iters: int) -> list[float
     return times
 
 
+def _cross_copy_s(dst: torch.Tensor, src: torch.Tensor, iters: int) -> list[float]:
+    """Seconds per GPU-to-GPU `dst.copy_(src)` (wall clock, both devices synchronized)."""
+
+    def sync() -> None:
+        torch.cuda.synchronize(src.device)
+        torch.cuda.synchronize(dst.device)
+
+    for _ in range(3):
+        dst.copy_(src)
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def _cpu_copy_s(dst: torch.Tensor, src: torch.Tensor, iters: int) -> list[float]:
     dst.copy_(src)
     times = []
@@ -133,7 +166,7 @@ async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
     from tandem.kv_transfer.base import KVDestination
 
     torch.set_num_threads(1 if ns.mode == "cpu" else torch.get_num_threads())
-    device = "cuda" if ns.mode == "cuda" else "cpu"
+    device = _device(ns.mode)
     shape = cache_shape(ns)
     gen = torch.Generator(device=device).manual_seed(0)
     cache = torch.randn(shape, generator=gen, device=device, dtype=getattr(torch, ns.dtype))
@@ -148,6 +181,11 @@ async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
     if ns.mode == "cuda":
         local = _cuda_copy_s(rows[n : 2 * n], rows[:n], ns.iters)
         out["d2d_copy"] = _summary(prompt_bytes, local)
+    elif ns.mode == "nccl":
+        other = torch.empty_like(rows[:n], device=_device("nccl", receiver=True))
+        local = _cross_copy_s(other, rows[:n], ns.iters)
+        out["gpu_to_gpu_copy"] = _summary(prompt_bytes, local)
+        del other
     else:
         local = _cpu_copy_s(rows[n : 2 * n], rows[:n], ns.iters)
         out["memcpy"] = _summary(prompt_bytes, local)
@@ -183,7 +221,11 @@ async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
             out[key] = {"session": _summary(prompt_bytes, totals)}
             if history is not None:
                 out[key]["data"] = _summary(prompt_bytes, datas)
-            ref_name = "fraction_of_d2d" if ns.mode == "cuda" else "fraction_of_memcpy"
+            ref_name = {
+                "cuda": "fraction_of_d2d",
+                "nccl": "fraction_of_gpu_to_gpu",
+                "cpu": "fraction_of_memcpy",
+            }[ns.mode]
             for part in out[key].values():
                 part[ref_name] = part["GBps_median"] / reference
         # Pipelined: `concurrency` prompts in flight.
@@ -208,7 +250,7 @@ async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mode", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--mode", choices=["cuda", "nccl", "cpu"], default="cuda")
     p.add_argument("--tokens", type=int, default=2048, help="prompt length")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -223,11 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     n = -(-ns.tokens // ns.block_size)
     ns.num_blocks = ns.num_blocks or 4 * n
-    ns.iters = ns.iters or (20 if ns.mode == "cuda" else 5)
+    ns.iters = ns.iters or (20 if ns.mode != "cpu" else 5)
     if ns.num_blocks < 2 * n:
         p.error("--num-blocks must hold two prompts")
     if ns.mode == "cuda" and not torch.cuda.is_available():
         p.error("--mode cuda needs a CUDA device")
+    if ns.mode == "nccl" and torch.cuda.device_count() < 2:
+        p.error("--mode nccl needs two CUDA devices")
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -253,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": ns.mode,
         "device": (
             torch.cuda.get_device_name()
-            if ns.mode == "cuda"
+            if ns.mode != "cpu"
             else f"{platform.machine()} CPU, {os.cpu_count()} cores"
         ),
         "torch": torch.__version__,
@@ -291,7 +335,7 @@ def _print(report: dict[str, Any]) -> None:
             continue
         parts = value.items() if "session" in value else [("", value)]
         for part, s in parts:
-            frac = s.get("fraction_of_d2d", s.get("fraction_of_memcpy"))
+            frac = next((v for k, v in s.items() if k.startswith("fraction_of")), None)
             extra = f"  ({frac:.0%} of the local copy)" if frac is not None else ""
             label = f"{key} {part}".strip()
             print(
