@@ -173,3 +173,15 @@ def test_receiver_clears_the_mark_before_done_reaches_the_sender() -> None:
             await recv.close()
 
     asyncio.run(run())
+
+
+def test_the_scheduler_side_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import tandem.kv_transfer.placement, services.scheduler.core\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
