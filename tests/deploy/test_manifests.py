@@ -200,17 +200,33 @@ def test_workers_find_the_scheduler_by_service_name_and_drain_before_stopping(
         assert args[args.index("--worker-id") + 1] == "$(POD_NAME)"
         env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
         assert env == {"POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
-        # $(VAR) references resolve to variables the container has.
-        known = set(env) | set(config)
-        for arg in args:
-            if arg.startswith("$("):
-                assert arg[2:].split(")")[0] in known, arg
         pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
         assert pre_stop[:4] == ["python", "-m", "services.common.entrypoint", "drain"]
         timeout = float(pre_stop[pre_stop.index("--timeout-s") + 1])
         grace = float(config["TANDEM_GRACE_PERIOD_S"])
         assert pod["terminationGracePeriodSeconds"] > timeout + grace
         assert "replicas" not in r["Deployment", name]["spec"], "the HPA owns the count"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_variable_reference_in_args_resolves(
+    overlay: str, rendered: dict[str, dict[tuple[str, str], Obj]]
+) -> None:
+    """$(VAR) in args expands only to variables the container has (else it stays literal)."""
+    config = rendered[overlay]["ConfigMap", "tandem-config"]["data"]
+    refs = 0
+    for obj in rendered[overlay].values():
+        if obj["kind"] != "Deployment":
+            continue
+        for c in obj["spec"]["template"]["spec"]["containers"]:
+            known = {e["name"] for e in c.get("env", [])}
+            if any(e["configMapRef"]["name"] == "tandem-config" for e in c.get("envFrom", [])):
+                known |= set(config)
+            for arg in c.get("args", []):
+                for name in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", arg):
+                    assert name in known, (obj["metadata"]["name"], arg)
+                    refs += 1
+    assert refs >= 15
 
 
 def test_gpu_overlay_requests_one_gpu_per_worker_and_cpu_overlay_none(
@@ -226,6 +242,11 @@ def test_gpu_overlay_requests_one_gpu_per_worker_and_cpu_overlay_none(
         threads = cpu["args"][cpu["args"].index("--num-threads") + 1]
         assert threads == cpu["resources"]["limits"]["cpu"], "one thread per requested core"
         assert cpu["image"] == "tandem:cpu"
+        assert rendered["overlays/gpu"]["Deployment", name]["spec"]["template"]["spec"]["hostIPC"]
+        assert (
+            "hostIPC"
+            not in rendered["overlays/cpu"]["Deployment", name]["spec"]["template"]["spec"]
+        )
         volumes = rendered["overlays/gpu"]["Deployment", name]["spec"]["template"]["spec"]
         cache = next(v for v in volumes["volumes"] if v["name"] == "model-cache")
         assert cache["persistentVolumeClaim"]["claimName"] == "tandem-model-cache"
