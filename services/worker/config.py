@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from services.common.directory import add_directory_args, directory_config_from
 from services.common.server import env_default
 from tandem.cli import add_engine_args, engine_kwargs_from
 from tandem.config import EngineArgs, EngineConfig
+from tandem.directory import DirectoryConfig
 
 Role = Literal["prefill", "decode", "unified"]
 
@@ -37,10 +39,16 @@ class WorkerServiceConfig:
     rpc_timeout_s: float = 30.0
     # Prometheus /metrics port (0: any free port, -1: off).
     metrics_port: int = -1
+    # Prefix-cache directory: prefill and unified workers publish their cached block hashes
+    # there when it names a server (batches at most `directory_publish_delay_s` late).
+    directory: DirectoryConfig = field(default_factory=DirectoryConfig)
+    directory_publish_delay_s: float = 0.05
     ready_file: str = ""
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.directory_publish_delay_s < 0:
+            raise WorkerConfigError("directory_publish_delay_s must be >= 0")
         if self.role not in ("prefill", "decode", "unified"):
             raise WorkerConfigError(f"role must be prefill, decode or unified, got {self.role}")
         if not (0 <= self.port < 65536):
@@ -103,6 +111,13 @@ def build_parser(service: str, default_role: Role) -> argparse.ArgumentParser:
     )
     p.add_argument("--ready-file", default=env("ready_file", ""))
     p.add_argument("--log-level", default=env("log_level", "info"))
+    add_directory_args(p, prefix)
+    p.add_argument(
+        "--directory-publish-delay-s",
+        type=float,
+        default=env("directory_publish_delay_s", d["directory_publish_delay_s"].default),
+        help="publish cache changes to the directory at most this late (batched)",
+    )
     add_engine_args(p)
     p.set_defaults(_default_role=default_role)
     return p
@@ -126,6 +141,8 @@ def config_from_args(service: str, default_role: Role, argv: list[str]) -> Worke
         kv_max_message_bytes=ns.kv_max_message_bytes,
         rpc_timeout_s=ns.rpc_timeout_s,
         metrics_port=ns.metrics_port,
+        directory=directory_config_from(ns),
+        directory_publish_delay_s=ns.directory_publish_delay_s,
         ready_file=ns.ready_file,
         log_level=ns.log_level,
     )
