@@ -7,12 +7,12 @@ import contextlib
 import logging
 import time
 
-from services.common.metrics import start_metrics_server
+from services.common.metrics import ScrapeCollector, start_metrics_server
 from services.common.server import GrpcServer, shutdown_event, write_ready_file
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.core import BeginShutdown, CountDispatching, SchedulerCore, Tick
 from services.scheduler.metrics import MeteredSchedulerServicer, SchedulerMetrics
-from services.scheduler.routing import LoadBasedRouting
+from services.scheduler.prefix_routing import make_routing_policy, routing_metrics
 from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -26,14 +26,25 @@ async def _ticker(core: SchedulerCore, interval_s: float) -> None:
 
 async def serve(config: SchedulerServiceConfig) -> int:
     stop = shutdown_event()
-    policy = LoadBasedRouting(
-        max_inflight_per_worker=config.max_inflight_per_worker,
-        max_inflight_prefills=config.max_inflight_prefills,
+    policy = make_routing_policy(
+        config.routing,
+        config.directory,
+        config.routing_weights,
+        config.prefix_hint_ttl_s,
+        config.max_inflight_per_worker,
+        config.max_inflight_prefills,
     )
+    directory = (
+        f"prefix directory at {config.directory.redis_url}"
+        if config.directory.uses_redis
+        else "no prefix directory (routing on the scheduler's own dispatch record)"
+    )
+    logger.info("routing: %s; %s", config.routing, directory)
     core = SchedulerCore(config, policy)
     core.start()
     server = GrpcServer([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
     metrics = SchedulerMetrics(core)
+    metrics.registry.register(ScrapeCollector(lambda: routing_metrics(policy)))
     servicer = MeteredSchedulerServicer(core, metrics)
     server.add(lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s))
     port = await server.start(config.host, config.port)

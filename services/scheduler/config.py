@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.common.directory import add_directory_args, directory_config_from
 from services.common.server import env_default
+from tandem.directory import DirectoryConfig, RoutingWeights
 from tandem.kv_transfer.placement import CONNECTOR_CHOICES
+
+ROUTING_CHOICES = ("prefix", "round-robin", "load")
 
 
 class SchedulerConfigError(ValueError):
@@ -36,10 +40,22 @@ class SchedulerServiceConfig:
     # KV transport per prefill-decode pair: "auto" (from where the two workers are), or one
     # forced: "tcp", "cuda-ipc", "nccl" (tandem.kv_transfer.placement).
     kv_connector: str = "auto"
+    # Which prefill (or unified) worker takes a prompt: "prefix" (cached prefix weighed
+    # against load; services/scheduler/prefix_routing.py), "round-robin" or "load".
+    routing: str = "prefix"
+    routing_weights: RoutingWeights = field(default_factory=RoutingWeights)
+    # Life of the scheduler's own record of where it sent which prefixes (seconds);
+    # < 0: automatic (2 with a directory server, 300 without), 0: no record.
+    prefix_hint_ttl_s: float = -1.0
+    directory: DirectoryConfig = field(default_factory=DirectoryConfig)
     ready_file: str = ""
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.routing not in ROUTING_CHOICES:
+            raise SchedulerConfigError(
+                f"routing must be one of {', '.join(ROUTING_CHOICES)}, got {self.routing!r}"
+            )
         if not (0 <= self.port < 65536):
             raise SchedulerConfigError(f"port must be in [0, 65535], got {self.port}")
         if not (-1 <= self.metrics_port < 65536):
@@ -117,9 +133,79 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ready-file", default=env("ready_file", ""))
     p.add_argument("--log-level", default=env("log_level", d.log_level))
+    r = p.add_argument_group("routing")
+    r.add_argument(
+        "--routing",
+        choices=ROUTING_CHOICES,
+        default=env("routing", d.routing),
+        help="prefix: where the prompt's prefix is cached, weighed against load (the "
+        "default); round-robin; load: the least loaded",
+    )
+    w = d.routing_weights
+    r.add_argument(
+        "--routing-uncached-token-weight",
+        type=float,
+        default=env("routing_uncached_token_weight", w.uncached_token),
+        help="cost of one prompt token the worker must compute",
+    )
+    r.add_argument(
+        "--routing-queued-token-weight",
+        type=float,
+        default=env("routing_queued_token_weight", w.queued_token),
+        help="cost of one prompt token already queued on the worker",
+    )
+    r.add_argument(
+        "--routing-running-request-weight",
+        type=float,
+        default=env("routing_running_request_weight", w.running_request),
+        help="cost of one request running on the worker",
+    )
+    r.add_argument(
+        "--routing-waiting-request-weight",
+        type=float,
+        default=env("routing_waiting_request_weight", w.waiting_request),
+        help="cost of one request waiting in the worker's engine",
+    )
+    r.add_argument(
+        "--prefix-hint-ttl-s",
+        type=float,
+        default=env("prefix_hint_ttl_s", d.prefix_hint_ttl_s),
+        help="keep the scheduler's record of where it sent which prefixes this long "
+        "(<0: 2 with Redis, 300 without; 0: off, the directory alone)",
+    )
+    add_directory_args(p, "TANDEM_SCHEDULER_")
     return p
+
+
+_WEIGHT_FLAGS = {
+    "routing_uncached_token_weight": "uncached_token",
+    "routing_queued_token_weight": "queued_token",
+    "routing_running_request_weight": "running_request",
+    "routing_waiting_request_weight": "waiting_request",
+}
+_DIRECTORY_FLAGS = (
+    "redis_url",
+    "redis_username",
+    "redis_password",
+    "redis_tls",
+    "redis_tls_ca_certs",
+    "redis_tls_certfile",
+    "redis_tls_keyfile",
+    "redis_tls_no_check_hostname",
+    "directory_key_prefix",
+    "directory_ttl_s",
+    "directory_timeout_s",
+)
 
 
 def config_from_args(argv: list[str]) -> SchedulerServiceConfig:
     ns = build_parser().parse_args(argv)
-    return SchedulerServiceConfig(**{k: v for k, v in vars(ns).items()})
+    values = dict(vars(ns))
+    try:
+        weights = RoutingWeights(**{f: values.pop(k) for k, f in _WEIGHT_FLAGS.items()})
+        directory = directory_config_from(ns)
+    except ValueError as exc:
+        raise SchedulerConfigError(str(exc)) from exc
+    for k in _DIRECTORY_FLAGS:
+        values.pop(k)
+    return SchedulerServiceConfig(**values, routing_weights=weights, directory=directory)

@@ -7,10 +7,13 @@
                  │ pool short: back to the queue head      worker reports it finished: forgotten
 
 Everything here runs inside `handle`, one message at a time; RPCs to workers run in tasks
-that report back with a `DispatchOutcome`. A worker that misses load reports for
-`dead_after_s` (or whose report stream ends) is dropped: its requests still dispatching fail
-their `Submit` with UNAVAILABLE, running ones are announced to their frontend as failed, and
-the other worker of each is told to abort it.
+that report back with a `DispatchOutcome`. A policy with a `lookup` step (prefix-aware
+routing asks the directory where the prompt's prefix is cached) runs it in a task at
+admission that reports back with `PrefixLookedUp`; a request is routed only once its lookup
+is back, in queue order. A worker that misses load reports for `dead_after_s` (or whose
+report stream ends) is dropped: its requests still dispatching fail their `Submit` with
+UNAVAILABLE, running ones are announced to their frontend as failed, and the other worker of
+each is told to abort it.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from services.common.actor import Actor, Ask
 from services.common.server import insecure_channel
 from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.routing import RoutingPolicy, RoutingRequest, WorkerView
+from services.scheduler.routing import PrefixLookup, RoutingPolicy, RoutingRequest, WorkerView
+from tandem.directory import DirectoryUnavailable
 from tandem.kv_transfer.placement import (
     NoKVTransportError,
     WorkerPlacement,
@@ -133,6 +138,15 @@ class DispatchOutcome:
 
 
 @dataclass
+class PrefixLookedUp:
+    """A queued request's prefix lookup is back (None: it failed; route without it)."""
+
+    request_id: str
+    seq: int
+    prefix: PrefixLookup | None
+
+
+@dataclass
 class BeginShutdown(Ask[None]):
     pass
 
@@ -155,6 +169,7 @@ SchedulerMessage = (
     | ListWorkers
     | Tick
     | DispatchOutcome
+    | PrefixLookedUp
     | BeginShutdown
     | CountDispatching
 )
@@ -199,6 +214,9 @@ class Queued:
     seq: int
     enqueued_at: float
     attempts: int = 0
+    # Prefix-aware routing: the directory's answer, and whether it is still awaited.
+    prefix: PrefixLookup | None = None
+    looking_up: bool = False
 
 
 @dataclass
@@ -211,6 +229,9 @@ class Inflight:
     submit: Submit | None  # set while dispatching
     queued: Queued | None  # set while dispatching (to requeue)
     aborted: bool = False
+    # Prompt tokens the prefill (or unified) worker computes: not cached there, as
+    # estimated when routing.
+    num_prefill_tokens: int = 0
 
 
 class SchedulerCore(Actor[SchedulerMessage]):
@@ -280,6 +301,12 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 self._on_tick()
             case DispatchOutcome():
                 self._on_outcome(msg)
+            case PrefixLookedUp():
+                queued = self.queued.get(msg.request_id)
+                if queued is not None and queued.seq == msg.seq:
+                    queued.prefix = msg.prefix
+                    queued.looking_up = False
+                    self._pump()
             case BeginShutdown():
                 self._begin_shutdown()
                 msg.answer(None)
@@ -323,7 +350,30 @@ class SchedulerCore(Actor[SchedulerMessage]):
         queued = Queued(msg, next(self._seq), time.monotonic())
         self.queued[rid] = queued
         heapq.heappush(self._heap, (req.priority, queued.seq, rid))
+        if hasattr(self.policy, "lookup"):
+            queued.looking_up = True
+            self._spawn(self._lookup(queued))
         self._pump()
+
+    async def _lookup(self, queued: Queued) -> None:
+        req = queued.submit.request
+        prefix = None
+        try:
+            prefix = await self.policy.lookup(  # type: ignore[attr-defined]
+                req.prompt_token_ids,
+                req.cache_salt if req.HasField("cache_salt") else None,
+                self._prefix_block_size(),
+            )
+        except Exception:  # routing without cache information never fails a request
+            logger.exception("prefix lookup of %s failed", req.request_id)
+        self.tell(PrefixLookedUp(req.request_id, queued.seq, prefix))
+
+    def _prefix_block_size(self) -> int:
+        """The block size prompts are hashed with: that of the workers prompts go to."""
+        for w in self.workers.values():
+            if w.info.role != common_pb2.WORKER_ROLE_DECODE and w.info.block_size:
+                return w.info.block_size
+        return 16
 
     def _pump(self) -> None:
         """Dispatch queued requests, head first, while the policy finds room."""
@@ -333,8 +383,10 @@ class SchedulerCore(Actor[SchedulerMessage]):
             if queued is None or queued.seq != seq:
                 heapq.heappop(self._heap)
                 continue
+            if queued.looking_up:
+                return  # routed once its lookup is back, in queue order
             req = queued.submit.request
-            routing_req = RoutingRequest(rid, req.prompt_token_ids, priority)
+            routing_req = RoutingRequest(rid, req.prompt_token_ids, priority, queued.prefix)
             route = self.policy.route(routing_req, self._views())
             if route is None:
                 return
@@ -358,11 +410,16 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 decode_worker_id=decode.worker_id if decode else None,
                 submit=queued.submit,
                 queued=queued,
+                num_prefill_tokens=max(len(req.prompt_token_ids) - route.num_cached_tokens, 0),
             )
             self._spawn(self._dispatch(queued.submit, prefill, decode))
 
     def _views(self) -> list[WorkerView]:
         views = []
+        queued_tokens: dict[str, int] = defaultdict(int)
+        for r in self.inflight.values():
+            if r.prefill_worker_id in r.workers:  # not yet reported done there
+                queued_tokens[r.prefill_worker_id] += r.num_prefill_tokens
         for w in self.workers.values():
             if w.draining:
                 continue
@@ -379,6 +436,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                     num_inflight=len(w.inflight),
                     block_size=w.info.block_size or 16,
                     max_model_len=w.info.max_model_len,
+                    queued_prefill_tokens=queued_tokens.get(w.worker_id, 0),
                 )
             )
         return views
@@ -550,7 +608,10 @@ class SchedulerCore(Actor[SchedulerMessage]):
     def _on_register(self, info: scheduler_pb2.RegisterWorkerRequest) -> float:
         old = self.workers.get(info.worker_id)
         if old is not None:
-            self._drop_worker(old, "it registered again", broadcast=False)
+            # Its directory entries stay: a worker registering again is usually the same
+            # process after a lost stream (a new one replaces them when it publishes).
+            self._drop_worker(old, "it registered again", broadcast=False, leave_directory=False)
+        self._forget_cache(info.worker_id, remove_from_directory=False)
         channel = insecure_channel(info.address)
         entry = WorkerEntry(
             info=info,
@@ -597,10 +658,13 @@ class SchedulerCore(Actor[SchedulerMessage]):
         self._pump()
         return entry.generation
 
-    def _drop_worker(self, entry: WorkerEntry, why: str, broadcast: bool = True) -> None:
+    def _drop_worker(
+        self, entry: WorkerEntry, why: str, broadcast: bool = True, leave_directory: bool = True
+    ) -> None:
         if self.workers.get(entry.worker_id) is not entry:
             return
         del self.workers[entry.worker_id]
+        self._forget_cache(entry.worker_id, remove_from_directory=leave_directory)
         message = f"worker {entry.worker_id} was lost ({why})"
         if entry.inflight:
             logger.warning("%s; failing %d requests", message, len(entry.inflight))
@@ -628,6 +692,17 @@ class SchedulerCore(Actor[SchedulerMessage]):
         if broadcast:
             self._broadcast_workers()
         self._pump()
+
+    def _forget_cache(self, worker_id: str, remove_from_directory: bool) -> None:
+        """What routing believed the worker caches is void (it left, or is a new process).
+        A worker dropped for silence also leaves the directory at once rather than at its
+        expiry; if it is alive after all, its publisher notices and republishes."""
+        forget = getattr(self.policy, "forget_worker", None)
+        if forget is not None:
+            forget(worker_id)
+        directory = getattr(self.policy, "directory", None)
+        if remove_from_directory and directory is not None:
+            self._spawn(_remove_from_directory(directory, worker_id))
 
     # ------------------------------------------------------------------ frontends
 
@@ -697,11 +772,21 @@ class SchedulerCore(Actor[SchedulerMessage]):
             task.cancel()
         for entry in self.workers.values():
             await entry.channel.close()
+        close_policy = getattr(self.policy, "close", None)
+        if close_policy is not None:
+            await close_policy()
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+async def _remove_from_directory(directory: Any, worker_id: str) -> None:
+    try:
+        await directory.remove_worker(worker_id)
+    except DirectoryUnavailable as exc:
+        logger.info("could not remove %s from the prefix directory: %s", worker_id, exc)
 
 
 def _placement(info: scheduler_pb2.RegisterWorkerRequest) -> WorkerPlacement:
