@@ -1,11 +1,17 @@
 """`tandem serve`: the whole system as child processes on one machine.
 
-    scheduler ──▶ prefill worker + decode worker (or one unified worker) ──▶ frontend
+    scheduler ──▶ prefill worker(s) + decode worker (or one unified worker) ──▶ frontend
 
 Each service runs as `python -m services.<name>` in its own session (so a Ctrl-C reaches only
 this launcher), reports its bound addresses through a ready file, and is stopped in order on
 Ctrl-C / SIGTERM: the frontend first (it finishes what clients are waiting for), then the
 workers, then the scheduler. tandem never imports the services; it only starts them.
+
+Prefix-cache directory: with `--redis-url` the scheduler reads, and the prefill workers
+publish, which worker caches which prompt prefix in that Redis (a password travels in the
+children's environment, TANDEM_REDIS_PASSWORD, never on their command lines). Without it
+there is no shared directory (each service is its own process): the scheduler's prefix-aware
+routing then goes by its own record of where it sent which prompts.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from tandem.directory.factory import DirectoryConfig
 
 _STOP_ORDER = ("frontend", "prefill", "decode", "unified", "scheduler")
 
@@ -49,10 +57,29 @@ class ServeConfig:
     log_dir: str = ""
     startup_timeout_s: float = 600.0
     python: str = sys.executable
+    # Prefill workers (disaggregated): "prefill" (worker id prefill-0), "prefill-1", ...
+    num_prefill_workers: int = 1
+    # The prefix-cache directory for the scheduler and the workers ("": none).
+    directory: DirectoryConfig = field(default_factory=DirectoryConfig)
+    # The scheduler's --routing ("": its default, prefix-aware).
+    routing: str = ""
 
     def __post_init__(self) -> None:
         if self.grace_period_s < 0 or self.startup_timeout_s <= 0:
             raise ValueError("grace_period_s must be >= 0 and startup_timeout_s > 0")
+        if self.num_prefill_workers < 1:
+            raise ValueError(f"num_prefill_workers must be >= 1, got {self.num_prefill_workers}")
+
+    @property
+    def worker_roles(self) -> list[tuple[str, str]]:
+        """(service name, role) of each worker to start."""
+        if self.unified:
+            return [("unified", "unified")]
+        prefill = [
+            ("prefill" if i == 0 else f"prefill-{i}", "prefill")
+            for i in range(self.num_prefill_workers)
+        ]
+        return [*prefill, ("decode", "decode")]
 
 
 @dataclass
@@ -104,11 +131,9 @@ class Deployment:
         """SIGTERM each service in order and wait for it; returns exit codes (killed: -9)."""
         timeout = self.config.grace_period_s + 10.0 if timeout_s is None else timeout_s
         codes: dict[str, int] = {}
-        for name in _STOP_ORDER:
-            service = self.services.get(name)
-            if service is None:
-                continue
-            codes[name] = stop_process(service.process, timeout)
+        rank = {kind: i for i, kind in enumerate(_STOP_ORDER)}
+        for name in sorted(self.services, key=lambda n: rank.get(n.split("-")[0], 0)):
+            codes[name] = stop_process(self.services[name].process, timeout)
         shutil.rmtree(self.workdir, ignore_errors=True)
         return codes
 
@@ -136,6 +161,34 @@ def _read_ready(path: Path) -> dict[str, str] | None:
     return info
 
 
+def directory_flags(directory: DirectoryConfig) -> list[str]:
+    """Service flags for `directory`, without the password (that goes in the environment)."""
+    d = DirectoryConfig()
+    argv: list[str] = []
+    if directory.redis_url:
+        argv += ["--redis-url", directory.redis_url]
+    if directory.redis_username:
+        argv += ["--redis-username", directory.redis_username]
+    if directory.redis_tls:
+        argv.append("--redis-tls")
+    for flag, value in (
+        ("--redis-tls-ca-certs", directory.redis_tls_ca_certs),
+        ("--redis-tls-certfile", directory.redis_tls_certfile),
+        ("--redis-tls-keyfile", directory.redis_tls_keyfile),
+    ):
+        if value:
+            argv += [flag, value]
+    if not directory.redis_tls_check_hostname:
+        argv.append("--redis-tls-no-check-hostname")
+    if directory.key_prefix != d.key_prefix:
+        argv += ["--directory-key-prefix", directory.key_prefix]
+    if directory.worker_ttl_s != d.worker_ttl_s:
+        argv += ["--directory-ttl-s", str(directory.worker_ttl_s)]
+    if directory.socket_timeout_s != d.socket_timeout_s:
+        argv += ["--directory-timeout-s", str(directory.socket_timeout_s)]
+    return argv
+
+
 def spawn_service(
     config: ServeConfig, name: str, module: str, args: list[str], workdir: Path
 ) -> Service:
@@ -147,6 +200,8 @@ def spawn_service(
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(log_path, "ab")  # noqa: SIM115 (the child keeps it)
     env = dict(os.environ)
+    if config.directory.redis_password:
+        env["TANDEM_REDIS_PASSWORD"] = config.directory.redis_password
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     process = subprocess.Popen(
@@ -195,6 +250,8 @@ def start_deployment(config: ServeConfig) -> Deployment:
     deployment = Deployment(config, services, workdir)
     deadline = time.monotonic() + config.startup_timeout_s
     grace = ["--grace-period-s", str(config.grace_period_s)]
+    directory = directory_flags(config.directory)
+    routing = ["--routing", config.routing] if config.routing else []
     try:
         services["scheduler"] = spawn_service(
             config,
@@ -206,22 +263,25 @@ def start_deployment(config: ServeConfig) -> Deployment:
                 "--port",
                 str(config.scheduler_port),
                 *grace,
+                *directory,
+                *routing,
                 *config.scheduler_args,
             ],
             workdir,
         )
         wait_ready([services["scheduler"]], deadline)
         scheduler = services["scheduler"].info["grpc"]
-        roles = ["unified"] if config.unified else ["prefill", "decode"]
+        roles = config.worker_roles
         worker_args = list(config.worker_args)
         if "--num-threads" not in worker_args and "--device" not in worker_args:
             worker_args += ["--num-threads", str(default_cpu_threads(len(roles)))]
-        for role in roles:
+        for name, role in roles:
             module = "services.prefill_worker" if role == "prefill" else "services.decode_worker"
             extra = ["--unified"] if role == "unified" else []
-            services[role] = spawn_service(
+            worker_id = f"{role}-{name.rpartition('-')[2] if '-' in name else 0}"
+            services[name] = spawn_service(
                 config,
-                role,
+                name,
                 module,
                 [
                     "--host",
@@ -231,11 +291,12 @@ def start_deployment(config: ServeConfig) -> Deployment:
                     "--scheduler",
                     scheduler,
                     "--worker-id",
-                    f"{role}-0",
+                    worker_id,
                     "--model",
                     config.model,
                     *grace,
                     *extra,
+                    *directory,
                     *worker_args,
                 ],
                 workdir,
@@ -261,7 +322,7 @@ def start_deployment(config: ServeConfig) -> Deployment:
         services["frontend"] = spawn_service(
             config, "frontend", "services.frontend", frontend_args, workdir
         )
-        wait_ready([services[r] for r in roles] + [services["frontend"]], deadline)
+        wait_ready([services[name] for name, _ in roles] + [services["frontend"]], deadline)
     except BaseException:
         deployment.stop(timeout_s=10.0)
         raise
@@ -284,6 +345,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""))
     p.add_argument("--grace-period-s", type=float, default=10.0)
     p.add_argument("--log-dir", default="", help="write each service's log to DIR/<name>.log")
+    p.add_argument(
+        "--num-prefill-workers", type=int, default=1, help="prefill workers (disaggregated)"
+    )
+    p.add_argument(
+        "--routing",
+        choices=["prefix", "round-robin", "load"],
+        default="",
+        help="how the scheduler picks a prefill worker (default: prefix)",
+    )
+    d = p.add_argument_group("prefix-cache directory")
+    d.add_argument(
+        "--redis-url",
+        default=os.environ.get("TANDEM_REDIS_URL", ""),
+        help="Redis for the prefix-cache directory (redis://, rediss://, unix://); default: "
+        "none, the scheduler routes on its own dispatch record",
+    )
+    d.add_argument("--redis-username", default=os.environ.get("TANDEM_REDIS_USERNAME", ""))
+    d.add_argument(
+        "--redis-password",
+        default=os.environ.get("TANDEM_REDIS_PASSWORD", ""),
+        help="better: set TANDEM_REDIS_PASSWORD",
+    )
+    d.add_argument("--redis-tls", action="store_true", help="TLS (implied by rediss://)")
+    d.add_argument("--redis-tls-ca-certs", default="")
+    d.add_argument("--redis-tls-certfile", default="")
+    d.add_argument("--redis-tls-keyfile", default="")
+    d.add_argument("--redis-tls-no-check-hostname", action="store_true")
     add_engine_args(p)
     return p
 
@@ -309,6 +397,19 @@ def _worker_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> lis
 def main(argv: list[str]) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    try:
+        directory = DirectoryConfig(
+            redis_url=ns.redis_url,
+            redis_username=ns.redis_username or None,
+            redis_password=ns.redis_password or None,
+            redis_tls=ns.redis_tls,
+            redis_tls_ca_certs=ns.redis_tls_ca_certs or None,
+            redis_tls_certfile=ns.redis_tls_certfile or None,
+            redis_tls_keyfile=ns.redis_tls_keyfile or None,
+            redis_tls_check_hostname=not ns.redis_tls_no_check_hostname,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     config = ServeConfig(
         model=ns.model,
         host=ns.host,
@@ -320,6 +421,9 @@ def main(argv: list[str]) -> int:
         worker_args=tuple(_worker_argv(parser, ns)),
         grace_period_s=ns.grace_period_s,
         log_dir=ns.log_dir,
+        num_prefill_workers=ns.num_prefill_workers,
+        directory=directory,
+        routing=ns.routing,
     )
     stop = {"signal": 0}
 
@@ -328,7 +432,11 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    mode = "unified worker" if config.unified else "prefill + decode workers"
+    mode = (
+        "unified worker"
+        if config.unified
+        else f"{config.num_prefill_workers} prefill + 1 decode workers"
+    )
     print(f"tandem serve: starting scheduler, {mode}, frontend ({config.model}) ...", flush=True)
     try:
         deployment = start_deployment(config)
@@ -336,11 +444,7 @@ def main(argv: list[str]) -> int:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 1
     http = deployment.http_address
-    workers = ", ".join(
-        f"{name} {deployment.address(name)}"
-        for name in ("prefill", "decode", "unified")
-        if name in deployment.services
-    )
+    workers = ", ".join(f"{name} {deployment.address(name)}" for name, _ in config.worker_roles)
     print(
         f"tandem serve: ready\n"
         f"  HTTP (OpenAI API)  http://{http}/v1\n"

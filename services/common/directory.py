@@ -106,35 +106,6 @@ def directory_config_from(ns: argparse.Namespace) -> DirectoryConfig:
     )
 
 
-def directory_flags(config: DirectoryConfig) -> list[str]:
-    """Command-line flags that reproduce `config` (the password is left out: pass it in the
-    environment)."""
-    d = DirectoryConfig()
-    argv: list[str] = []
-    if config.redis_url:
-        argv += ["--redis-url", config.redis_url]
-    if config.redis_username:
-        argv += ["--redis-username", config.redis_username]
-    if config.redis_tls:
-        argv.append("--redis-tls")
-    for flag, value in (
-        ("--redis-tls-ca-certs", config.redis_tls_ca_certs),
-        ("--redis-tls-certfile", config.redis_tls_certfile),
-        ("--redis-tls-keyfile", config.redis_tls_keyfile),
-    ):
-        if value:
-            argv += [flag, value]
-    if not config.redis_tls_check_hostname:
-        argv.append("--redis-tls-no-check-hostname")
-    if config.key_prefix != d.key_prefix:
-        argv += ["--directory-key-prefix", config.key_prefix]
-    if config.worker_ttl_s != d.worker_ttl_s:
-        argv += ["--directory-ttl-s", str(config.worker_ttl_s)]
-    if config.socket_timeout_s != d.socket_timeout_s:
-        argv += ["--directory-timeout-s", str(config.socket_timeout_s)]
-    return argv
-
-
 def publisher_metrics(publisher: DirectoryPublisher) -> Iterator[Metric]:
     """A worker's directory publisher, read at scrape time (on the worker's event loop).
 
