@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -28,7 +29,7 @@ import pytest
 from tandem.core.kv_cache_utils import compute_block_hashes
 from tandem.directory import DirectoryConfig
 from tandem.directory.redis_directory import RedisDirectory
-from tandem.launcher import Deployment, ServeConfig, start_deployment
+from tandem.launcher import Deployment, ServeConfig, start_deployment, stop_process
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tests.redis_server import RedisServer
 from tests.service.conftest import list_workers, wait_until, worker_stats
@@ -94,7 +95,7 @@ def cluster(redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Ite
     finally:
         codes = dep.stop(timeout_s=20)
         for name, code in codes.items():
-            if code != 0:
+            if code not in (0, -signal.SIGKILL):  # the last test kills a worker
                 print(f"---- {name} log (exit {code}) ----\n{dep.services[name].log_tail(60)}")
 
 
@@ -297,3 +298,21 @@ def test_redis_outage_never_fails_a_request_and_routing_recovers(
     after = scheduler_metrics(cluster)
     assert after["tandem_scheduler_prefix_directory_answers_total"] >= answers + 2
     assert after["tandem_scheduler_prefix_directory_up"] == 1.0
+
+
+def test_workers_leaving_take_their_entries_with_them(
+    cluster: Deployment, redis: RedisServer
+) -> None:
+    held = land_apart(cluster, redis)
+    assert set(held) == {"prefill-0", "prefill-1"}
+    # Drained (SIGTERM): the worker removes its entries itself; the other one's stay.
+    assert stop_process(cluster.services["prefill-1"].process, 30) == 0
+    assert worker_hashes(redis, "prefill-1") == set()
+    assert "prefill-0" in holders(redis, held["prefill-0"])
+    # Killed: the scheduler drops it when its report stream ends, and removes its entries
+    # (they would otherwise expire DIRECTORY_TTL_S after its last heartbeat).
+    process = cluster.services["prefill"].process
+    process.send_signal(signal.SIGKILL)
+    process.wait(10)
+    # Within 3 s: sooner than expiry could (at least DIRECTORY_TTL_S - ttl / 3 = 4 s).
+    wait_until(lambda: not worker_hashes(redis, "prefill-0"), 3, "the killed worker's entries")
