@@ -350,7 +350,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
         queued = Queued(msg, next(self._seq), time.monotonic())
         self.queued[rid] = queued
         heapq.heappush(self._heap, (req.priority, queued.seq, rid))
-        if hasattr(self.policy, "lookup"):
+        if hasattr(self.policy, "lookup") and self._num_prefill_capable() > 1:
             queued.looking_up = True
             self._spawn(self._lookup(queued))
         self._pump()
@@ -367,6 +367,14 @@ class SchedulerCore(Actor[SchedulerMessage]):
         except Exception:  # routing without cache information never fails a request
             logger.exception("prefix lookup of %s failed", req.request_id)
         self.tell(PrefixLookedUp(req.request_id, queued.seq, prefix))
+
+    def _num_prefill_capable(self) -> int:
+        """Workers a prompt could go to (a lookup is pointless with one or none)."""
+        return sum(
+            1
+            for w in self.workers.values()
+            if w.info.role != common_pb2.WORKER_ROLE_DECODE and not w.draining
+        )
 
     def _prefix_block_size(self) -> int:
         """The block size prompts are hashed with: that of the workers prompts go to."""
