@@ -68,7 +68,7 @@ def test_reservation_reuses_local_prefix_and_cancels_cleanly() -> None:
     first = Request("a", list(range(12)), SamplingParams(max_tokens=1))
     sched.add_request(first)
     run_step(sched, 1)
-    second = Request("b", list(range(12)) + [50, 51], SamplingParams(max_tokens=2))
+    second = Request("b", [*range(12), 50, 51], SamplingParams(max_tokens=2))
     block_ids, num_cached = sched.reserve(second)
     assert num_cached == 12 and len(block_ids) == 4
     assert sched.cancel_reservation("b")
