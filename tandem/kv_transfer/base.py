@@ -169,6 +169,12 @@ class KVCacheView:
         )
 
 
+def check_fits(src_block_ids: Sequence[int], dst: KVDestination) -> None:
+    """Every connector's first check of a send: the source blocks fit the reservation."""
+    if len(src_block_ids) > len(dst.block_ids):
+        raise KVTransferError(f"{len(src_block_ids)} blocks to send, {len(dst.block_ids)} reserved")
+
+
 class KVConnector(abc.ABC):
     """Moves one request's prompt KV from a prefill engine's held blocks into the blocks a
     decode engine reserved for it.

@@ -13,6 +13,7 @@ from tandem.kv_transfer.base import (
     KVDestination,
     KVTransferError,
     block_runs,
+    check_fits,
 )
 
 
@@ -44,10 +45,7 @@ class InProcessKVConnector(KVConnector):
     async def send_blocks(
         self, request_id: str, src_block_ids: Sequence[int], dst: KVDestination
     ) -> int:
-        if len(src_block_ids) > len(dst.block_ids):
-            raise KVTransferError(
-                f"{len(src_block_ids)} blocks to send, {len(dst.block_ids)} reserved"
-            )
+        check_fits(src_block_ids, dst)
         receiver = self.hub.lookup(dst.address)
         if receiver.layout != self.layout:
             raise KVTransferError(f"KV layouts differ: {self.layout} vs {receiver.layout}")

@@ -41,6 +41,7 @@ from tandem.kv_transfer.base import (
     KVDestination,
     KVTransferError,
     block_runs,
+    check_fits,
 )
 from tandem.kv_transfer.tcp import layout_from_proto, layout_to_proto
 from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
@@ -155,10 +156,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
     async def send_blocks(
         self, request_id: str, src_block_ids: Sequence[int], dst: KVDestination
     ) -> int:
-        if len(src_block_ids) > len(dst.block_ids):
-            raise KVTransferError(
-                f"{len(src_block_ids)} blocks to send, {len(dst.block_ids)} reserved"
-            )
+        check_fits(src_block_ids, dst)
         if not src_block_ids:
             return 0
         t0 = time.perf_counter()

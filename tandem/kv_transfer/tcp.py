@@ -20,6 +20,7 @@ from tandem.kv_transfer.base import (
     KVLayout,
     KVTransferError,
     block_runs,
+    check_fits,
 )
 from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
 
@@ -61,10 +62,7 @@ class TcpKVConnector(KVConnector):
     async def send_blocks(
         self, request_id: str, src_block_ids: Sequence[int], dst: KVDestination
     ) -> int:
-        if len(src_block_ids) > len(dst.block_ids):
-            raise KVTransferError(
-                f"{len(src_block_ids)} blocks to send, {len(dst.block_ids)} reserved"
-            )
+        check_fits(src_block_ids, dst)
         if not src_block_ids:
             return 0
         stub = worker_pb2_grpc.WorkerStub(self._channel(dst.address))

@@ -376,30 +376,36 @@ class ModelRunner:
         )
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """Host array -> device tensor. On CUDA through reused pinned staging buffers, so the
-        copy is asynchronous and no pinned memory is allocated per step."""
-        t = torch.from_numpy(array).to(dtype)
+        """Host array -> a new device tensor (see `_copy_to`)."""
         if self.device.type != "cuda":
-            return t
-        n = t.numel()
+            return torch.from_numpy(array).to(dtype)
+        out = torch.empty(array.shape, dtype=dtype, device=self.device)
+        self._copy_to(out, array)
+        return out
+
+    def _copy_to(self, dst: torch.Tensor, array: np.ndarray) -> None:
+        """Copy a host array into `dst` (same shape). On CUDA through reused pinned staging
+        buffers, so the copy is asynchronous and no pinned memory is allocated per step."""
+        t = torch.from_numpy(array).to(dst.dtype)
+        if self.device.type != "cuda":
+            dst.copy_(t)
+            return
+        nbytes = t.numel() * t.element_size()
         slot = self._staging_slot % _NUM_STAGING
         self._staging_slot += 1
         buf = self._staging[slot]
-        if buf is None or buf.numel() < n * t.element_size():
-            buf = torch.empty(
-                max(2 * n * t.element_size(), 1 << 16), dtype=torch.uint8, pin_memory=True
-            )
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(2 * nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
             self._staging[slot] = buf
         event = self._staging_events[slot]
         if event is not None:
             event.synchronize()  # the copy that last read this buffer has finished
-        staged = buf[: n * t.element_size()].view(dtype).view(t.shape)
+        staged = buf[:nbytes].view(dst.dtype).view(t.shape)
         staged.copy_(t)
-        out = staged.to(self.device, non_blocking=True)
+        dst.copy_(staged, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._staging_events[slot] = event
-        return out
 
     def _run_eager(self, inp: _StepInputs) -> torch.Tensor:
         metadata = AttentionMetadata(
@@ -434,11 +440,12 @@ class ModelRunner:
         """Replay the decode graph of `size` rows; returns the logits of the first n rows."""
         n = inp.num_reqs
         width = inp.block_table.shape[1]
-        self._g_input_ids[:n].copy_(self._to_device(inp.input_ids, torch.int64))
-        self._g_positions[:n].copy_(self._to_device(inp.positions, torch.int64))
-        self._g_slot_mapping[:n].copy_(self._to_device(inp.slot_mapping, torch.int64))
-        self._g_seq_lens[:n].copy_(self._to_device(inp.seq_lens, torch.int32))
-        self._g_block_table[:n, :width].copy_(self._to_device(inp.block_table, torch.int32))
+        # Straight from the pinned staging buffers into the graph's static inputs.
+        self._copy_to(self._g_input_ids[:n], inp.input_ids)
+        self._copy_to(self._g_positions[:n], inp.positions)
+        self._copy_to(self._g_slot_mapping[:n], inp.slot_mapping)
+        self._copy_to(self._g_seq_lens[:n], inp.seq_lens)
+        self._copy_to(self._g_block_table[:n, :width], inp.block_table)
         if size > n:
             self._g_slot_mapping[n:size].fill_(-1)
             self._g_seq_lens[n:size].fill_(1)
