@@ -2,17 +2,18 @@
 
 The decode worker shares its cache tensor's CUDA IPC handle once per prefill worker
 (`ConnectKV`, on the engine thread: sharing re-wraps the storage's data pointer); the prefill
-worker opens it (same host, the GPU found by UUID) and keeps it open. Per request, on the
+worker opens it (same host, the GPU found by UUID) and keeps it open. Per write session (one
+request, or every request bound for that decode worker that was ready at once), on the
 connector's own CUDA stream:
 
     dst runs:      [20 21 22] [30]          src (held):  7 8 9 | 3
-    stretches where source and destination are both consecutive: (7->20, 3) (3->30, 1)
-    one copy per stretch   (a stretch of blocks is one contiguous span of the cache)
-    many short stretches:  one gather + one scatter instead (same GPU)
+    block mapping  [(7,20) (8,21) (9,22) (3,30)]    numpy, pinned, one host-to-device copy
+    both sides one consecutive stretch:   one copy_ of one contiguous span
+    otherwise:                            one `kernels.block_copy.copy_blocks` launch
 
-then one wait for an event recorded after them (on the connector's thread, so the event loop
-never waits on the device), then the session's DONE: no host round trip per block. The decode
-side does nothing per request but check and mark the reservation.
+then one event; if it has not completed yet, one wait for it on the connector's thread (so the
+event loop never waits on the device), then the session's DONE: no host round trip per block
+or per run. The decode side does nothing per request but check and mark the reservation.
 """
 
 from __future__ import annotations
@@ -20,16 +21,13 @@ from __future__ import annotations
 import concurrent.futures
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.kv_transfer.base import EngineHandle, KVDestination, KVTransferError
 from tandem.kv_transfer.placement import CUDA_IPC, host_id
 from tandem.kv_transfer.session import RemoteKVConnector, Run, run_to_end
 from tandem_protos.v1 import worker_pb2
-
-# A request moved as at most this many copies (or in stretches of 4+ blocks on average) is
-# copied stretch by stretch; beyond, by one gather and one scatter.
-MAX_COPIES = 8
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -63,12 +61,26 @@ def stretches(src: list[int], runs: list[Run]) -> list[tuple[int, int, int]]:
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:
-    """The cache as [num_blocks, words]: 8-byte words where a block allows (wider elements
-    make gathers and scatters cheaper)."""
-    flat = cache.view(cache.shape[0], -1)
-    if (flat.shape[1] * flat.element_size()) % 8 == 0:
-        return flat.view(torch.int64)
-    return flat.view(torch.uint8)
+    """The cache as [num_blocks, words] (see `kernels.block_copy.block_words`)."""
+    from kernels.block_copy import block_words
+
+    return block_words(cache)
+
+
+def block_mapping(src: list[int], runs: list[Run]) -> np.ndarray:
+    """`[num_blocks, 2]` int64 (source block, destination block) pairs: `src[i]` goes to the
+    i-th destination block of `runs` (which cover `src` in order)."""
+    pairs = np.empty((len(src), 2), dtype=np.int64)
+    pairs[:, 0] = src
+    col = pairs[:, 1]
+    for pos, first, n in runs:
+        col[pos : pos + n] = np.arange(first, first + n)
+    return pairs
+
+
+def one_stretch(pairs: np.ndarray) -> bool:
+    """Both columns consecutive: the whole transfer is one contiguous span each side."""
+    return len(pairs) < 2 or bool((np.diff(pairs, axis=0) == 1).all())
 
 
 def copy_runs(
@@ -78,33 +90,38 @@ def copy_runs(
     runs: list[Run],
     same_device: bool | None = None,
 ) -> list[torch.Tensor]:
-    """Enqueue the copies of blocks `src` (rows of `local`) into `runs` (rows of `remote`) on
-    the current stream; returns the temporaries to keep alive until the stream is synchronized.
+    """Enqueue the copies of blocks `src` of cache `local` into `runs` of cache `remote` on the
+    current stream; returns the temporaries to keep alive until the stream is synchronized.
 
-    Few stretches (see `stretches`): one copy each. Many on one device: one gather and one
-    scatter. Many across devices: a gather here and one copy per destination run.
+    One stretch (both sides consecutive): one `copy_`. Otherwise, on one device: one
+    `copy_blocks` launch for every block, in any order (its torch reference off CUDA), with the
+    block mapping moved in one host-to-device copy from pinned memory. Across devices: a
+    gather here and one copy per destination run.
     """
+    from kernels.block_copy import copy_blocks, copy_blocks_ref
+
     if same_device is None:
         same_device = remote.device == local.device
-    parts = stretches(src, runs)
+    pairs = block_mapping(src, runs)
+    if one_stretch(pairs):
+        s, d, n = int(pairs[0, 0]), int(pairs[0, 1]), len(pairs)
+        remote[d : d + n].copy_(local[s : s + n], non_blocking=True)
+        return []
     keep: list[torch.Tensor] = []
-    if len(parts) <= MAX_COPIES or sum(n for _, _, n in parts) >= 4 * len(parts):
-        for s, d, n in parts:
-            remote[d : d + n].copy_(local[s : s + n], non_blocking=True)
-    elif same_device:
-        src_idx = torch.tensor(src, device=local.device)
-        dst_idx = torch.tensor(
-            [first + i for _, first, n in runs for i in range(n)], device=remote.device
-        )
-        gathered = local.index_select(0, src_idx)
-        remote.index_copy_(0, dst_idx, gathered)
-        keep += [src_idx, dst_idx, gathered]
-    else:
-        for pos, first, n in runs:
-            idx = torch.tensor(src[pos : pos + n], device=local.device)
-            gathered = local.index_select(0, idx)
-            remote[first : first + n].copy_(gathered, non_blocking=True)
-            keep += [idx, gathered]
+    if same_device:
+        if local.device.type == "cuda":
+            host = torch.from_numpy(pairs).pin_memory()
+            mapping = host.to(local.device, non_blocking=True)
+            copy_blocks(local, remote, mapping)
+            keep += [host, mapping]
+        else:
+            copy_blocks_ref(local, remote, torch.from_numpy(pairs))
+        return keep
+    for pos, first, n in runs:
+        idx = torch.tensor(src[pos : pos + n], device=local.device)
+        gathered = local.index_select(0, idx)
+        remote[first : first + n].copy_(gathered, non_blocking=True)
+        keep += [idx, gathered]
     return keep
 
 
@@ -213,20 +230,21 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
             raise KVTransferError(f"opening the KV cache of {dst.worker_id} failed: {exc}") from exc
 
     async def _write(self, peer: OpenedCache, src: list[int], runs: list[Run]) -> None:
-        for _pos, first, n in runs:
-            if first < 0 or first + n > peer.tensor.shape[0]:
-                raise KVTransferError(f"blocks {first}..{first + n - 1} are outside the cache")
-        if any(b < 0 or b >= self.cache.num_blocks for b in src):
+        num_dst = peer.tensor.shape[0]
+        if any(first < 0 or first + n > num_dst for _, first, n in runs):
+            raise KVTransferError("destination blocks outside the decode worker's cache")
+        if min(src) < 0 or max(src) >= self.cache.num_blocks:
             raise KVTransferError("source block ids out of range")
-        # Enqueue here (a few launches), wait on the connector's thread: the thread wakes up
-        # while the copies run.
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            keep = copy_runs(self._rows, peer.rows, src, runs)
+        # Enqueue here (one or two launches); wait on the connector's thread only if the copy
+        # is still running.
+        with torch.cuda.stream(self._stream):
+            keep = copy_runs(self.cache.kv_cache, peer.tensor, src, runs)
             done = torch.cuda.Event()
             done.record(self._stream)
-        await run_to_end(self._executor, done.synchronize)
+        if not done.query():
+            await run_to_end(self._executor, done.synchronize)
         del keep
 
     def _close_peer(self, peer: OpenedCache) -> None:

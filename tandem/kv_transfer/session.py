@@ -1,17 +1,26 @@
 """Connectors whose bytes bypass gRPC (CUDA IPC, NCCL): a connection once per prefill-decode
-pair, then one write session per request, both through the decode worker's Worker service.
+pair, then write sessions through the decode worker's Worker service, each for every request
+the sender had ready for that decode worker at once (a batch: one step's prefills).
 
     prefill worker (sender)                          decode worker (receiver)
     ConnectKV(transport, layout) ──────────────────▶ connect(): IPC handle / group rendezvous
       once per decode worker: open the handle, or join the pair's process group
-    WriteKV stream, one per request:
-      BEGIN(request_id, destination runs) ─────────▶ the runs must lie in the request's
-                                                     reservation, now marked as being written
-                                          ◀───────── READY
-      write (CUDA IPC) or send (NCCL) every run,
-      then wait for the device, once
+    WriteKV stream, one per batch:
+      BEGIN(items: request_id, destination runs) ──▶ per item: the runs must lie in the
+                                                     request's reservation, now marked as
+                                                     being written; else refused (why)
+                                          ◀───────── READY(items: "" or why refused)
+      write (CUDA IPC) or send (NCCL) the accepted
+      items' runs, then wait for the device, once
       DONE ────────────────────────────────────────▶ (NCCL: wait for the receives)
-                                          ◀───────── DONE(num_bytes)
+                                          ◀───────── DONE(items: num_bytes)
+
+Batching: `send_blocks` queues the request on its decode worker's lane; a lane runs at most
+`max_sessions` sessions at once (NCCL: one, both ranks must post in the same order), each
+taking every request queued when it starts (at most `MAX_BATCH`). One request alone is a batch
+of one; under load, one session's messages and one device wait serve many requests. A BEGIN
+without items (request_id and runs at the top) is a session of one request whose refusal ends
+the stream.
 
 Invariants. Receiver: the "being written" mark of the reservation is cleared (`end`) only
 once no byte of the session can still land in the reserved blocks, so an abort never frees
@@ -68,6 +77,9 @@ R = TypeVar("R")
 Begin = Callable[[str], Awaitable["Sequence[int] | None"]]
 End = Callable[[str], None]
 
+# Requests per write session at most.
+MAX_BATCH = 32
+
 
 @dataclass(frozen=True)
 class TransferRecord:
@@ -78,6 +90,27 @@ class TransferRecord:
     num_bytes: int
     data_s: float
     total_s: float
+    # Requests in the session that carried it (they share its data path).
+    batch_size: int = 1
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A request queued on a lane; `started` once a session took it (it may then be written)."""
+
+    request_id: str
+    src: list[int]
+    runs: list[Run]
+    future: asyncio.Future[tuple[int, float, int]]
+    started: bool = False
+
+
+@dataclass(eq=False)
+class _Lane:
+    """The requests waiting for a decode worker, and how many sessions serve it now."""
+
+    queue: deque[_Pending]
+    sessions: int = 0
 
 
 def consecutive(ids: Sequence[int]) -> bool:
@@ -114,6 +147,14 @@ async def run_to_end(executor: concurrent.futures.Executor, fn: Callable[..., R]
         raise
 
 
+def _fail(items: list[_Pending], exc: BaseException) -> None:
+    error = exc if isinstance(exc, Exception) else KVTransferError("the KV write was cancelled")
+    for it in items:
+        if not it.future.done():
+            it.future.set_exception(error)
+            it.future.exception()  # retrieved: a caller that left must not log it
+
+
 async def _next(it: AsyncIterator[worker_pb2.KVWriteMessage]) -> worker_pb2.KVWriteMessage | None:
     try:
         return await it.__anext__()
@@ -124,8 +165,8 @@ async def _next(it: AsyncIterator[worker_pb2.KVWriteMessage]) -> worker_pb2.KVWr
 class RemoteKVConnector(KVConnector, Generic[P]):
     """The session protocol above; subclasses move the bytes.
 
-    Sender hooks: `_open` (once per decode worker, from its ConnectKV answer), `_write` (one
-    request's runs; returns once the device finished), `_group_name`, `_close_peer`.
+    Sender hooks: `_open` (once per decode worker, from its ConnectKV answer), `_write` (a
+    session's runs, of one or more requests; returns once the device finished), `_group_name`, `_close_peer`.
     Receiver hooks: `_connect_info`, `_begin_receive`, `_end_receive`, `_abandon_receive`.
     `serialize_sessions`: one session at a time per decode worker (NCCL: both ranks must post
     their operations in the same order).
@@ -144,11 +185,14 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         super().__init__(kv_cache, engine)
         self.worker_id = worker_id
         self.rpc_timeout_s = rpc_timeout_s
-        self._serialize = serialize_sessions
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peers: dict[str, P] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
-        self._session_locks: dict[str, asyncio.Lock] = {}
+        self._lanes: dict[str, _Lane] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Sessions in flight per decode worker: while one waits for its messages, the next
+        # can copy. NCCL: one (both ranks post their operations in session order).
+        self.max_sessions = 1 if serialize_sessions else 2
         self.history: deque[TransferRecord] = deque(maxlen=4096)
 
     # ------------------------------------------------------------------ sender
@@ -162,48 +206,115 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         t0 = time.perf_counter()
         src = list(src_block_ids)
         dst_ids = list(dst.block_ids[: len(src)])
-        runs = block_runs(dst_ids, max_blocks=len(dst_ids))
-        peer = await self.peer(dst)
-        lock: Any = contextlib.nullcontext()
-        if self._serialize:
-            lock = self._session_locks.setdefault(dst.address, asyncio.Lock())
-        async with lock:
-            try:
-                num_bytes, data_s = await self._session(peer, dst, request_id, src, runs)
-            except BaseException:
-                # A session that broke may leave the pair out of step: connect again next time.
-                self._forget_peer(dst.address, peer)
-                raise
-        self.history.append(TransferRecord(request_id, num_bytes, data_s, time.perf_counter() - t0))
+        await self.peer(dst)  # connect (or fail) before queueing
+        item = _Pending(
+            request_id,
+            src,
+            block_runs(dst_ids, max_blocks=len(dst_ids)),
+            asyncio.get_running_loop().create_future(),
+        )
+        lane = self._lanes.setdefault(dst.address, _Lane(deque()))
+        lane.queue.append(item)
+        if lane.sessions < self.max_sessions:
+            lane.sessions += 1
+            task = asyncio.get_running_loop().create_task(self._drain(lane, dst))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        try:
+            num_bytes, data_s, batch = await asyncio.shield(item.future)
+        except asyncio.CancelledError:
+            if not item.started:
+                lane.queue.remove(item)
+            else:  # its session may be writing from the held blocks: let that end first
+                with contextlib.suppress(BaseException):
+                    await item.future
+            raise
+        self.history.append(
+            TransferRecord(request_id, num_bytes, data_s, time.perf_counter() - t0, batch)
+        )
         return num_bytes
 
-    async def _session(
-        self, peer: P, dst: KVDestination, request_id: str, src: list[int], runs: list[Run]
-    ) -> tuple[int, float]:
+    async def _drain(self, lane: _Lane, dst: KVDestination) -> None:
+        """Run sessions for `lane` while requests are queued."""
+        try:
+            while lane.queue:
+                items: list[_Pending] = []
+                while lane.queue and len(items) < MAX_BATCH:
+                    item = lane.queue.popleft()
+                    item.started = True
+                    items.append(item)
+                try:
+                    peer = await self.peer(dst)
+                except BaseException as exc:
+                    _fail(items, exc)
+                    raise
+                try:
+                    await self._session(peer, dst, items)
+                except BaseException as exc:
+                    # A session that broke may leave the pair out of step: connect again.
+                    self._forget_peer(dst.address, peer)
+                    _fail(items, exc)
+                    if not isinstance(exc, Exception):
+                        raise
+        finally:
+            lane.sessions -= 1
+
+    async def _session(self, peer: P, dst: KVDestination, items: list[_Pending]) -> None:
+        """One batched write session; resolves every item's future (or raises)."""
         stub = worker_pb2_grpc.WorkerStub(self._channel(dst.address))
         call = stub.WriteKV()
         try:
             await call.write(
                 worker_pb2.KVWriteMessage(
                     phase=BEGIN,
-                    request_id=request_id,
                     transport=self.transport,
                     group_name=self._group_name(peer),
-                    first_block_ids=[first for _, first, _ in runs],
-                    num_blocks=[n for _, _, n in runs],
+                    items=[
+                        worker_pb2.KVWriteItem(
+                            request_id=it.request_id,
+                            first_block_ids=[first for _, first, _ in it.runs],
+                            num_blocks=[n for _, _, n in it.runs],
+                        )
+                        for it in items
+                    ],
                 )
             )
-            await self._expect(call, READY, dst)
-            t = time.perf_counter()
-            await self._write(peer, src, runs)
-            data_s = time.perf_counter() - t
-            await call.write(worker_pb2.KVWriteMessage(phase=DONE, request_id=request_id))
+            ready = await self._expect(call, READY, dst)
+            if [r.request_id for r in ready.items] != [it.request_id for it in items]:
+                raise KVTransferError(f"{dst.worker_id} answered READY for other requests")
+            accepted: list[_Pending] = []
+            for it, answer in zip(items, ready.items, strict=True):
+                if answer.error:
+                    it.future.set_exception(
+                        KVTransferError(
+                            f"KV write of {it.request_id!r} to {dst.worker_id} over "
+                            f"{self.transport} refused: {answer.error}"
+                        )
+                    )
+                else:
+                    accepted.append(it)
+            data_s = 0.0
+            if accepted:
+                src: list[int] = []
+                runs: list[Run] = []
+                for it in accepted:
+                    runs += [(len(src) + pos, first, n) for pos, first, n in it.runs]
+                    src += it.src
+                t = time.perf_counter()
+                await self._write(peer, src, runs)
+                data_s = time.perf_counter() - t
+            await call.write(worker_pb2.KVWriteMessage(phase=DONE))
             await call.done_writing()
             reply = await self._expect(call, DONE, dst)
-            return int(reply.num_bytes), data_s
+            moved = {r.request_id: int(r.num_bytes) for r in reply.items}
+            for it in accepted:
+                if it.request_id not in moved:
+                    raise KVTransferError(f"{dst.worker_id} did not confirm {it.request_id!r}")
+                it.future.set_result((moved[it.request_id], data_s, len(items)))
         except grpc.aio.AioRpcError as exc:
+            names = ", ".join(repr(it.request_id) for it in items)
             raise KVTransferError(
-                f"KV write of {request_id!r} to {dst.worker_id} over {self.transport} failed: "
+                f"KV write of {names} to {dst.worker_id} over {self.transport} failed: "
                 f"{exc.code().name}: {exc.details()}"
             ) from exc
         finally:
@@ -271,6 +382,10 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         return channel
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         for peer in self._peers.values():
             self._close_peer(peer)
         self._peers.clear()
@@ -310,11 +425,12 @@ class RemoteKVConnector(KVConnector, Generic[P]):
     ) -> AsyncIterator[worker_pb2.KVWriteMessage]:
         """One WriteKV session, receiver side: yields READY, then DONE.
 
-        `await begin(request_id)` marks the request's reservation as being written and returns
-        its block ids (None: no reservation, nothing to end). `end(request_id)` clears the mark:
-        called once, when nothing more can land, and before DONE is yielded (so the sender's
-        next message, AddPrefilled, finds the mark cleared). Close the generator with
-        `contextlib.aclosing`. Raises KVTransferError.
+        Per request: `await begin(request_id)` marks its reservation as being written and
+        returns its block ids (None: no reservation, nothing to end); `end(request_id)` clears
+        the mark: called once per marked request, when nothing more can land (at once for a
+        refused one), and before DONE is yielded (so the sender's next message, AddPrefilled,
+        finds the mark cleared). Close the generator with `contextlib.aclosing`. Raises
+        KVTransferError.
         """
         it = messages.__aiter__()
         first = await _next(it)
@@ -322,37 +438,82 @@ class RemoteKVConnector(KVConnector, Generic[P]):
             raise KVTransferError("a KV write session starts with BEGIN")
         if first.transport != self.transport:
             raise KVTransferError(f"this is the {self.transport} connector, not {first.transport}")
-        if len(first.first_block_ids) != len(first.num_blocks) or not first.num_blocks:
-            raise KVTransferError("BEGIN needs one num_blocks per first_block_id, at least one")
-        request_id = first.request_id
-        runs: list[DstRun] = list(zip(first.first_block_ids, first.num_blocks, strict=True))
-        reserved = await begin(request_id)
-        if reserved is None:
-            raise KVTransferError(f"no blocks are reserved for request {request_id!r}")
+        batched = len(first.items) > 0
+        wanted = list(first.items) if batched else [first]
+        accepted: list[str] = []
+        errors: list[str] = []
+        runs: list[DstRun] = []
+        num_bytes: dict[str, int] = {}
+        ended = False
         receipt: Any = None
-        posted = landed = ended = False
+        posted = landed = False
         try:
-            num_blocks = check_runs(runs, reserved, request_id)
-            receipt = await self._begin_receive(first, runs)
-            posted = True
-            yield worker_pb2.KVWriteMessage(phase=READY, request_id=request_id)
+            for item in wanted:
+                error = ""
+                rid = item.request_id
+                if len(item.first_block_ids) != len(item.num_blocks) or not item.num_blocks:
+                    error = "BEGIN needs one num_blocks per first_block_id, at least one"
+                elif rid in num_bytes:
+                    error = f"request {rid!r} appears twice in one session"
+                else:
+                    reserved = await begin(rid)
+                    if reserved is None:
+                        error = f"no blocks are reserved for request {rid!r}"
+                    else:
+                        item_runs = list(zip(item.first_block_ids, item.num_blocks, strict=True))
+                        try:
+                            n = check_runs(item_runs, reserved, rid)
+                        except KVTransferError as exc:
+                            end(rid)
+                            error = str(exc)
+                        else:
+                            accepted.append(rid)
+                            runs += item_runs
+                            num_bytes[rid] = n * self.layout.bytes_per_block
+                if error and not batched:
+                    raise KVTransferError(error)
+                errors.append(error)
+            if runs:
+                receipt = await self._begin_receive(first, runs)
+                posted = True
+            if batched:
+                yield worker_pb2.KVWriteMessage(
+                    phase=READY,
+                    items=[
+                        worker_pb2.KVWriteItem(request_id=item.request_id, error=error)
+                        for item, error in zip(wanted, errors, strict=True)
+                    ],
+                )
+            else:
+                yield worker_pb2.KVWriteMessage(phase=READY, request_id=first.request_id)
             msg = await _next(it)
             if msg is None or msg.phase != DONE:
-                raise KVTransferError(f"the sender of {request_id!r} left the session before DONE")
-            await self._end_receive(receipt)
-            landed = True
+                raise KVTransferError("the sender left a KV write session before DONE")
+            if posted:
+                await self._end_receive(receipt)
+                landed = True
             ended = True
-            end(request_id)
-            yield worker_pb2.KVWriteMessage(
-                phase=DONE,
-                request_id=request_id,
-                num_bytes=num_blocks * self.layout.bytes_per_block,
-            )
+            for rid in accepted:
+                end(rid)
+            if batched:
+                yield worker_pb2.KVWriteMessage(
+                    phase=DONE,
+                    items=[
+                        worker_pb2.KVWriteItem(request_id=rid, num_bytes=num_bytes[rid])
+                        for rid in accepted
+                    ],
+                )
+            else:
+                rid = first.request_id
+                yield worker_pb2.KVWriteMessage(
+                    phase=DONE, request_id=rid, num_bytes=num_bytes[rid]
+                )
         finally:
             if posted and not landed:
                 await self._abandon_receive(receipt)
             if not ended:
-                end(request_id)
+                for rid in accepted:
+                    end(rid)
 
     async def _connect_info(
         self, request: worker_pb2.ConnectKVRequest

@@ -160,7 +160,7 @@ class ConnectKVResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., nccl: _Optional[_Union[NcclRendezvous, _Mapping]] = ...) -> None: ...
 
 class KVWriteMessage(_message.Message):
-    __slots__ = ("phase", "request_id", "transport", "group_name", "first_block_ids", "num_blocks", "num_bytes")
+    __slots__ = ("phase", "request_id", "transport", "group_name", "first_block_ids", "num_blocks", "num_bytes", "items")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class KVWriteMessage(_message.Message):
     FIRST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
     phase: KVWritePhase
     request_id: str
     transport: str
@@ -175,7 +176,22 @@ class KVWriteMessage(_message.Message):
     first_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_blocks: _containers.RepeatedScalarFieldContainer[int]
     num_bytes: int
-    def __init__(self, phase: _Optional[_Union[KVWritePhase, str]] = ..., request_id: _Optional[str] = ..., transport: _Optional[str] = ..., group_name: _Optional[str] = ..., first_block_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+    items: _containers.RepeatedCompositeFieldContainer[KVWriteItem]
+    def __init__(self, phase: _Optional[_Union[KVWritePhase, str]] = ..., request_id: _Optional[str] = ..., transport: _Optional[str] = ..., group_name: _Optional[str] = ..., first_block_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., items: _Optional[_Iterable[_Union[KVWriteItem, _Mapping]]] = ...) -> None: ...
+
+class KVWriteItem(_message.Message):
+    __slots__ = ("request_id", "first_block_ids", "num_blocks", "error", "num_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_blocks: _containers.RepeatedScalarFieldContainer[int]
+    error: str
+    num_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., first_block_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class AddPrefilledRequest(_message.Message):
     __slots__ = ("request_id", "first_token_id")

@@ -120,10 +120,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WriteKV(self, request_iterator, context):
-        """Decode side (CUDA IPC and NCCL connectors): one request's KV write session.
-        prefill: BEGIN (destination runs)  decode: READY (the blocks are not freed until the
-        session ends); prefill writes (CUDA IPC) or sends (NCCL) the runs and waits for the
-        device, then DONE; decode: DONE once the bytes are in place.
+        """Decode side (CUDA IPC and NCCL connectors): one KV write session for one request or a
+        batch of requests (`items`: every request the sender had ready for this worker).
+        prefill: BEGIN (destination runs)  decode: READY (per item: accepted, or why not; the
+        accepted blocks are not freed until the session ends); prefill writes (CUDA IPC) or
+        sends (NCCL) the accepted runs and waits for the device, then DONE; decode: DONE once
+        the bytes are in place.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.kv_transfer.base import KVDestination, KVTransferError, block_runs
-from tandem.kv_transfer.cuda_ipc import MAX_COPIES, _rows, copy_runs, stretches
+from tandem.kv_transfer.cuda_ipc import _rows, block_mapping, copy_runs, one_stretch, stretches
 from tandem.kv_transfer.inproc import InProcessKVConnector, InProcessKVHub
 from tandem.kv_transfer.placement import (
     NoKVTransportError,
@@ -94,21 +94,34 @@ def test_stretches() -> None:
     assert stretches(src, runs) == [(7, 20, 3), (3, 30, 1), (5, 31, 2)]
 
 
-@pytest.mark.parametrize("case", ["copies", "gather_scatter", "per_run"])
+def test_block_mapping() -> None:
+    src = [7, 8, 9, 3]
+    runs = block_runs([20, 21, 22, 30], max_blocks=16)
+    pairs = block_mapping(src, runs)
+    assert pairs.tolist() == [[7, 20], [8, 21], [9, 22], [3, 30]]
+    assert not one_stretch(pairs)
+    assert one_stretch(block_mapping([4, 5, 6], block_runs([10, 11, 12], max_blocks=16)))
+    # Consecutive destinations split into runs still make one stretch.
+    assert one_stretch(block_mapping([4, 5, 6], block_runs([10, 11, 12], max_blocks=2)))
+    assert one_stretch(block_mapping([9], [(0, 2, 1)]))
+
+
+@pytest.mark.parametrize("case", ["one_stretch", "scattered", "per_run"])
 def test_copy_runs_on_cpu(case: str) -> None:
+    """The copy plan on CPU tensors (`scattered` goes through the kernel's torch reference)."""
     gen = torch.Generator().manual_seed(3)
     local = torch.randn(SHAPE, generator=gen).to(torch.bfloat16)
     remote = torch.zeros(SHAPE, dtype=torch.bfloat16)
     rng = random.Random(case)
-    if case == "copies":
-        src, dst = [10, 11, 12, 13, 2, 3], [30, 31, 32, 33, 5, 6]
-    else:  # scattered both ways: more stretches than MAX_COPIES
+    if case == "one_stretch":
+        src, dst = [10, 11, 12, 13, 14], [30, 31, 32, 33, 34]
+    else:  # scattered both ways
         src = rng.sample(range(SHAPE[0]), 20)
         dst = rng.sample(range(SHAPE[0]), 20)
     runs = block_runs(dst, max_blocks=len(dst))
-    parts = stretches(src, runs)
-    assert (len(parts) <= MAX_COPIES) == (case == "copies")
-    copy_runs(_rows(local), _rows(remote), src, runs, same_device=case != "per_run")
+    assert one_stretch(block_mapping(src, runs)) == (case == "one_stretch")
+    keep = copy_runs(local, remote, src, runs, same_device=case != "per_run")
+    assert (len(keep) > 0) == (case == "per_run")
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(remote[d].view(torch.int16), local[s].view(torch.int16)), (s, d)
     others = [b for b in range(SHAPE[0]) if b not in dst]
@@ -117,7 +130,8 @@ def test_copy_runs_on_cpu(case: str) -> None:
 
 def test_rows_use_wide_words() -> None:
     assert _rows(torch.zeros(SHAPE, dtype=torch.bfloat16)).dtype == torch.int64
-    assert _rows(torch.zeros((4, 3), dtype=torch.bfloat16)).dtype == torch.uint8
+    assert _rows(torch.zeros((4, 3), dtype=torch.bfloat16)).dtype == torch.int16
+    assert _rows(torch.zeros((4, 3), dtype=torch.uint8)).dtype == torch.uint8
 
 
 class _NoEngine:
@@ -167,6 +181,48 @@ def test_receiver_clears_the_mark_before_done_reaches_the_sender() -> None:
                     assert torch.equal(dst[b], src[a])
             assert not dst[[0, 2, 3, 4, 7, 8]].any()
             assert [r.request_id for r in send.history] == ["r0", "r1"]
+        finally:
+            await send.close()
+            await server.stop(0)
+            await recv.close()
+
+    asyncio.run(run())
+
+
+def test_one_session_carries_a_batch_with_refused_requests() -> None:
+    """Three hand-offs queued at once go in one session; the receiver refuses two (no
+    reservation; blocks outside it) and writes the third; every mark is cleared."""
+    from tandem.kv_transfer.nccl import NcclKVConnector
+    from tandem.kv_transfer.standalone import DirectEngine, start_receiver
+
+    async def run() -> None:
+        src = torch.randn(SHAPE)
+        dst = torch.zeros(SHAPE)
+        recv = NcclKVConnector(dst, DirectEngine(), "d", 10.0, "gloo", group_timeout_s=10.0)
+        server, address, receiver = await start_receiver(
+            KVTransports({"nccl": recv}), {"ok": [5, 6, 9], "bad": [1, 2]}
+        )
+        send = NcclKVConnector(src, DirectEngine(), "p", 10.0, "gloo", group_timeout_s=10.0)
+
+        async def one(rid: str, s: list[int], d: tuple[int, ...]) -> int | str:
+            try:
+                return await send.send_blocks(rid, s, KVDestination("d", address, d, "nccl"))
+            except KVTransferError as exc:
+                return str(exc)
+
+        try:
+            await send.peer(KVDestination("d", address, (0,), "nccl"))
+            ok, ghost, bad = await asyncio.gather(
+                one("ok", [3, 4, 8], (5, 6, 9)), one("ghost", [1], (7,)), one("bad", [2], (3,))
+            )
+            assert ok == 3 * send.layout.bytes_per_block
+            assert isinstance(ghost, str) and "no blocks are reserved" in ghost
+            assert isinstance(bad, str) and "not reserved" in bad
+            assert receiver.sessions == 1 and receiver.being_written == {}
+            assert [(r.request_id, r.batch_size) for r in send.history] == [("ok", 3)]
+            for a, b in zip([3, 4, 8], [5, 6, 9], strict=True):
+                assert torch.equal(dst[b], src[a])
+            assert not dst[[0, 1, 2, 3, 4, 7, 8]].any()
         finally:
             await send.close()
             await server.stop(0)

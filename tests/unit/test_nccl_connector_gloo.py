@@ -141,6 +141,7 @@ async def _prefill(address: str, jobs: dict[str, Job]) -> dict[str, Any]:
     await send("after", *jobs["after"])
     result["pairs"] = [first_pair, connector._peers[address].name]
     result["data_s"] = [r.data_s for r in connector.history]
+    result["batches"] = {r.request_id: r.batch_size for r in connector.history}
     await connector.close()
     return result
 
@@ -184,9 +185,11 @@ def test_gloo_pair_moves_blocks_byte_exact(tmp_path: Path) -> None:
     assert "no blocks are reserved" in result["errors"]["ghost"]
     assert "not reserved" in result["errors"]["c0"]
     assert result["abandoned_ready"]
-    # The errors retired the first pair; the abandoned session retired the next.
+    # Refused requests leave the pair in step; the abandoned session retired it.
+    assert result["pair_after_errors"] == result["pairs"][0]
     assert result["pairs"][0] != result["pairs"][1]
-    assert result["pair_after_errors"] != result["pairs"][1]
+    # c0, c1, c2 were queued at once: one session carried all three.
+    assert result["batches"]["c0"] == result["batches"]["c1"] == result["batches"]["c2"] == 3
 
     written: set[int] = set()
     for rid in good:
@@ -199,4 +202,5 @@ def test_gloo_pair_moves_blocks_byte_exact(tmp_path: Path) -> None:
     untouched = [b for b in range(SHAPE[0]) if b not in written]
     assert not dst[untouched].view(torch.int16).any(), "blocks outside the runs changed"
     assert decode_report["being_written"] == {}
-    assert decode_report["sessions"] == 9
+    # alone, c0+c1+c2, seq_src, ghost, refused c0, abandoned, after.
+    assert decode_report["sessions"] == 7
