@@ -1,4 +1,5 @@
-"""Serving benchmark: `tandem serve` against the offline engine, same workload, one run.
+"""Serving benchmark: `tandem serve` against the offline engine, same workload, one run; and
+disaggregated against unified serving under the same load.
 
 CPU default: the embedded SmolLM2-135M, 64 random prompts of 64 tokens, 32 output tokens
 each (ignore_eos), Poisson arrivals at 2 and 4 req/s and all at once; gRPC client. Writes
@@ -7,17 +8,155 @@ JSON and PNG plots under benchmarks/results/. Any `tandem bench serve` flag over
 
     python -m benchmarks.serving                 # disaggregated (prefill + decode workers)
     python -m benchmarks.serving --unified       # one unified worker
+
+Disaggregated against unified: run `tandem bench serve --launch` twice with the same workload
+flags and seed (one with `--unified`), then merge the two reports, rate by rate, into one JSON
+(deltas and ratios: disaggregated minus / over unified) and one PNG:
+
+    python -m benchmarks.serving compare DISAGG.json UNIFIED.json --out compare.json
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 import sys
-
-from tandem.bench.serve import main
+from pathlib import Path
+from typing import Any
 
 DEFAULTS = ["--launch", "--compare-offline", "--request-rate", "2,4,inf"]
 
-if __name__ == "__main__":
-    argv = sys.argv[1:]
+
+def _by_rate(report: dict[str, Any]) -> dict[float, dict[str, Any]]:
+    return {float(r["rate"]): r["summary"] for r in report["runs"]}
+
+
+def compare(disagg: dict[str, Any], unified: dict[str, Any]) -> dict[str, Any]:
+    """Per request rate present in both: TTFT / TPOT / E2E p50 and p99 of each system, the
+    differences (disaggregated - unified, ms) and the output-throughput ratio."""
+    d_runs, u_runs = _by_rate(disagg), _by_rate(unified)
+    if disagg.get("workload") != unified.get("workload"):
+        raise ValueError(
+            f"the two runs had different workloads: {disagg.get('workload')} vs "
+            f"{unified.get('workload')}"
+        )
+    rates: dict[str, Any] = {}
+    for rate in sorted(set(d_runs) & set(u_runs)):
+        d, u = d_runs[rate], u_runs[rate]
+        row: dict[str, Any] = {
+            "num_ok": {"disaggregated": d["num_ok"], "unified": u["num_ok"]},
+            "output_token_throughput": {
+                "disaggregated": d["output_token_throughput"],
+                "unified": u["output_token_throughput"],
+                "ratio": d["output_token_throughput"] / u["output_token_throughput"]
+                if u["output_token_throughput"]
+                else 0.0,
+            },
+        }
+        for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            row[key] = {
+                q: {
+                    "disaggregated": d[key][q],
+                    "unified": u[key][q],
+                    "delta": d[key][q] - u[key][q],
+                }
+                for q in ("p50", "p99")
+            }
+        rates["inf" if math.isinf(rate) else f"{rate:g}"] = row
+    return {
+        "benchmark": "serving_disaggregated_vs_unified",
+        "workload": disagg.get("workload"),
+        "args": {
+            k: disagg.get("args", {}).get(k)
+            for k in ("model", "dtype", "device", "input_len", "output_len", "num_prompts")
+        },
+        "by_rate": rates,
+    }
+
+
+def _print(result: dict[str, Any]) -> None:
+    print("disaggregated vs unified (same prompts, same arrival times):")
+    print(
+        f"{'rate':>6} {'ok d/u':>9} {'tok/s d':>9} {'tok/s u':>9} {'TTFT50 d':>9} {'TTFT50 u':>9}"
+        f" {'TTFT99 d':>9} {'TTFT99 u':>9} {'TPOT50 d':>9} {'TPOT50 u':>9}"
+    )
+    for rate, r in result["by_rate"].items():
+        t, ttft, tpot = r["output_token_throughput"], r["ttft_ms"], r["tpot_ms"]
+        print(
+            f"{rate:>6} {r['num_ok']['disaggregated']:>4}/{r['num_ok']['unified']:<4}"
+            f" {t['disaggregated']:>9.1f} {t['unified']:>9.1f}"
+            f" {ttft['p50']['disaggregated']:>9.1f} {ttft['p50']['unified']:>9.1f}"
+            f" {ttft['p99']['disaggregated']:>9.1f} {ttft['p99']['unified']:>9.1f}"
+            f" {tpot['p50']['disaggregated']:>9.2f} {tpot['p50']['unified']:>9.2f}"
+        )
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Throughput, TTFT and TPOT (p50 solid, p99 dashed) against request rate, both systems."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(result["by_rate"])
+    xs = list(range(len(labels)))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for system, color in (("disaggregated", "tab:red"), ("unified", "tab:blue")):
+        rows = list(result["by_rate"].values())
+        axes[0].plot(xs, [r["output_token_throughput"][system] for r in rows], "o-", color=color)
+        for ax, key in ((axes[1], "ttft_ms"), (axes[2], "tpot_ms")):
+            ax.plot(
+                xs, [r[key]["p50"][system] for r in rows], "o-", color=color, label=f"{system} p50"
+            )
+            ax.plot(
+                xs, [r[key]["p99"][system] for r in rows], "x--", color=color, label=f"{system} p99"
+            )
+    for ax, ylabel in zip(axes, ("output tokens/s", "TTFT (ms)", "TPOT (ms)"), strict=True):
+        ax.set_xticks(xs, labels)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[2].legend(fontsize=7)
+    args = result["args"]
+    fig.suptitle(
+        f"disaggregated (red) vs unified (blue): {args.get('model')} {args.get('dtype')}, "
+        f"{args.get('input_len')} in / {args.get('output_len')} out"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def compare_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving compare")
+    p.add_argument("disaggregated", help="JSON of `tandem bench serve --launch`")
+    p.add_argument("unified", help="JSON of `tandem bench serve --launch --unified`")
+    p.add_argument("--out", required=True, help="the comparison JSON (a PNG beside it)")
+    p.add_argument("--no-plot", action="store_true")
+    ns = p.parse_args(argv)
+    result = compare(
+        json.loads(Path(ns.disaggregated).read_text()), json.loads(Path(ns.unified).read_text())
+    )
+    _print(result)
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    if not ns.no_plot:
+        plot(result, out.with_suffix(".png"))
+        print(f"wrote {out.with_suffix('.png')}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["compare"]:
+        return compare_main(argv[1:])
+    from tandem.bench.serve import main as bench_main
+
     name = "serving-unified" if "--unified" in argv else "serving-disaggregated"
-    sys.exit(main([*DEFAULTS, "--name", name, *argv]))
+    return bench_main([*DEFAULTS, "--name", name, *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -485,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--out-dir", default="benchmarks/results")
     o.add_argument("--name", default="", help="file stem (default: serving-<timestamp>)")
     o.add_argument("--no-plots", action="store_true")
+    o.add_argument(
+        "--log-dir", default="", help="with --launch: the services' logs (default: a temp dir)"
+    )
     add_engine_args(p)
     return p
 
@@ -588,6 +591,8 @@ def main(argv: list[str]) -> int:
     system = "serve"
     url = ns.url
     if ns.launch:
+        if ns.log_dir:
+            Path(ns.log_dir).mkdir(parents=True, exist_ok=True)
         config = ServeConfig(
             model=ns.model,
             http_port=0,
@@ -595,7 +600,7 @@ def main(argv: list[str]) -> int:
             unified=ns.unified,
             api_key=ns.api_key,
             worker_args=tuple(_worker_argv(parser, ns)),
-            log_dir=tempfile.mkdtemp(prefix=f"tandem-bench-{stem}-logs-"),
+            log_dir=ns.log_dir or tempfile.mkdtemp(prefix=f"tandem-bench-{stem}-logs-"),
         )
         print(f"service logs: {config.log_dir}", flush=True)
         deployment = start_deployment(config)
