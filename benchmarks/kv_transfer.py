@@ -7,11 +7,15 @@ reserved) and this process (the prefill side) move whole prompts:
 
     contiguous   128 consecutive source blocks into 128 consecutive destination blocks
     scattered    shuffled source and destination blocks (a pool after churn)
-    pipelined    `--concurrency` contiguous prompts in flight at once (sessions overlap)
+    throughput   `--prompts` prompts sent by `--concurrency` senders, each sending its next
+                 prompt as soon as its last one is done (closed loop): aggregate bytes over
+                 wall time. Concurrent hand-offs to one decode worker share write sessions,
+                 so this is the rate under load; each sender has its own destination blocks.
 
     cuda mode (one GPU, two processes): the CUDA IPC connector. Beside it, measured in the
-        same run: the device-to-device copy bandwidth (a local `copy_` of one prompt's bytes)
-        and a raw copy into the IPC-mapped cache; rates are also given as a fraction of the
+        same run: the device-to-device copy bandwidth (a local `copy_` of one prompt's bytes),
+        a raw copy into the IPC-mapped cache, and the `copy_blocks` kernel alone into it
+        (consecutive and shuffled block pairs); rates are also given as a fraction of the
         local copy bandwidth.
     nccl mode (two GPUs, two processes: this one on cuda:0, the receiver on cuda:1): the NCCL
         connector, beside a GPU-to-GPU `copy_` of the same bytes.
@@ -205,6 +209,7 @@ async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
             out[f"{name}_raw_copy"]["fraction_of_d2d"] = (
                 out[f"{name}_raw_copy"]["GBps_median"] / reference
             )
+            out.update(_kernel_figures(cache, peer.tensor, n, ns.iters, reference, rng))
         for pattern in ("contiguous", "scattered"):
             totals, datas = [], []
             for i in range(ns.warmup + ns.iters):
@@ -228,24 +233,96 @@ async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
             }[ns.mode]
             for part in out[key].values():
                 part[ref_name] = part["GBps_median"] / reference
-        # Pipelined: `concurrency` prompts in flight.
-        rounds = []
-        for r in range(max(2, ns.iters // 2)):
-            jobs = [
-                (_ids(rng, shape[0], n, "contiguous"), _ids(rng, shape[0], n, "contiguous"))
-                for _ in range(ns.concurrency)
-            ]
-            t0 = time.perf_counter()
-            await asyncio.gather(
-                *(
-                    connector.send_blocks(f"{name}-pipe-{r}-{j}", s, dest(d))
-                    for j, (s, d) in enumerate(jobs)
-                )
-            )
-            rounds.append((time.perf_counter() - t0) / ns.concurrency)
-        out[f"{name}_pipelined"] = _summary(prompt_bytes, rounds)
+        out[f"{name}_throughput"] = await _throughput(connector, dest, shape[0], n, ns, rng)
+        frac = out[f"{name}_throughput"]["GBps"] / reference
+        out[f"{name}_throughput"][
+            {
+                "cuda": "fraction_of_d2d",
+                "nccl": "fraction_of_gpu_to_gpu",
+                "cpu": "fraction_of_memcpy",
+            }[ns.mode]
+        ] = frac
         await connector.close()
     return out
+
+
+def _kernel_figures(
+    cache: torch.Tensor,
+    remote: torch.Tensor,
+    n: int,
+    iters: int,
+    reference: float,
+    rng: random.Random,
+) -> dict[str, Any]:
+    """`copy_blocks` alone (one launch, CUDA events) into the IPC-mapped cache: n consecutive
+    pairs, and n shuffled pairs."""
+    from kernels.block_copy import copy_blocks
+
+    out: dict[str, Any] = {}
+    prompt_bytes = n * cache[0].numel() * cache.element_size()
+    for pattern in ("contiguous", "scattered"):
+        src = _ids(rng, cache.shape[0], n, pattern)
+        dst = _ids(rng, remote.shape[0], n, pattern)
+        mapping = torch.tensor(list(zip(src, dst, strict=True)), device=cache.device)
+        for _ in range(3):
+            copy_blocks(cache, remote, mapping)
+        times = []
+        for _ in range(iters):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            copy_blocks(cache, remote, mapping)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        key = f"copy_blocks_kernel_{pattern}"
+        out[key] = _summary(prompt_bytes, times)
+        out[key]["fraction_of_d2d"] = out[key]["GBps_median"] / reference
+    return out
+
+
+async def _throughput(
+    connector: Any,
+    dest: Any,
+    num_blocks: int,
+    n: int,
+    ns: argparse.Namespace,
+    rng: random.Random,
+) -> dict[str, Any]:
+    """`ns.prompts` prompts through `ns.concurrency` closed-loop senders (one warm-up round
+    first); sender j writes destination blocks [j*n, (j+1)*n)."""
+    prompt_bytes = n * connector.layout.bytes_per_block
+    history = getattr(connector, "history", None)
+    counter = iter(range(1 << 30))
+
+    async def sender(j: int, count: int) -> None:
+        for _ in range(count):
+            src = _ids(rng, num_blocks, n, "contiguous")
+            dst = list(range(j * n, (j + 1) * n))
+            moved = await connector.send_blocks(f"tp-{j}-{next(counter)}", src, dest(dst))
+            assert moved == prompt_bytes, (moved, prompt_bytes)
+
+    per = [
+        ns.prompts // ns.concurrency + (j < ns.prompts % ns.concurrency)
+        for j in range(ns.concurrency)
+    ]
+    await asyncio.gather(*(sender(j, 1) for j in range(ns.concurrency)))  # warm-up
+    before = len(history) if history is not None else 0
+    t0 = time.perf_counter()
+    await asyncio.gather(*(sender(j, per[j]) for j in range(ns.concurrency)))
+    wall = time.perf_counter() - t0
+    result: dict[str, Any] = {
+        "prompts": ns.prompts,
+        "concurrency": ns.concurrency,
+        "wall_ms": wall * 1e3,
+        "GBps": ns.prompts * prompt_bytes / wall / 1e9,
+        "ms_per_prompt": wall * 1e3 / ns.prompts,
+    }
+    if history is not None:
+        records = list(history)[before:]
+        result["mean_requests_per_session"] = statistics.mean(r.batch_size for r in records)
+        result["median_request_latency_ms"] = statistics.median(r.total_s for r in records) * 1e3
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,14 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=0, help="cache blocks per process")
     p.add_argument("--iters", type=int, default=0, help="timed prompts per pattern")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=8, help="throughput: senders")
+    p.add_argument("--prompts", type=int, default=64, help="throughput: prompts in all")
     p.add_argument("--out", default="", help="write the JSON here")
     ns = p.parse_args(argv)
     n = -(-ns.tokens // ns.block_size)
-    ns.num_blocks = ns.num_blocks or 4 * n
+    ns.num_blocks = ns.num_blocks or max(4, ns.concurrency) * n
     ns.iters = ns.iters or (20 if ns.mode != "cpu" else 5)
-    if ns.num_blocks < 2 * n:
-        p.error("--num-blocks must hold two prompts")
+    if ns.num_blocks < max(2, ns.concurrency) * n:
+        p.error("--num-blocks must hold two prompts, and one per throughput sender")
     if ns.mode == "cuda" and not torch.cuda.is_available():
         p.error("--mode cuda needs a CUDA device")
     if ns.mode == "nccl" and torch.cuda.device_count() < 2:
@@ -312,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "iters": ns.iters,
         "concurrency": ns.concurrency,
+        "prompts": ns.prompts,
         "elapsed_s": elapsed,
         "results": results,
     }
@@ -332,6 +411,15 @@ def _print(report: dict[str, Any]) -> None:
     )
     for key, value in r.items():
         if not isinstance(value, dict):
+            continue
+        if "GBps" in value:  # throughput
+            frac = next((v for k, v in value.items() if k.startswith("fraction_of")), 0.0)
+            print(
+                f"  {key:<32} {value['GBps']:8.2f} GB/s aggregate "
+                f"{value['ms_per_prompt']:8.3f} ms/prompt  ({frac:.0%} of the local copy; "
+                f"{value['prompts']} prompts, {value['concurrency']} in flight, "
+                f"{value.get('mean_requests_per_session', 1):.1f} per session)"
+            )
             continue
         parts = value.items() if "session" in value else [("", value)]
         for part, s in parts:
