@@ -1,27 +1,53 @@
 #!/usr/bin/env bash
-# Issue 6 on one GPU: the CUDA IPC KV connector's tests and the KV transfer benchmark.
+# Issue 6 on one GPU: the block-copy kernel, the CUDA IPC KV connector (tests, transfer rate),
+# and disaggregated (prefill + decode worker, two processes, CUDA IPC) against unified serving
+# under the same load (`tandem bench serve`).
 #
-#   OUT=/some/dir bash scripts/gpu_issue6.sh        (from the repository root)
+#   OUT=/some/dir bash scripts/gpu_issue6.sh               (from the repository root)
+#   MODE=cpu OUT=/tmp/x bash scripts/gpu_issue6.sh         (dry run on a CPU machine: TCP
+#                                                           connector, SmolLM2, tiny loads)
 #
-# Writes under $OUT: env.txt, 1_ipc_blocks.log, 2_kv_transfer_cuda.{log,json},
-# 3_ipc_serving.log, 4_kv_transfer_cpu.{log,json}, summary.txt. Each step has its own time
-# limit; a failing step does not stop the next. About 2-3 minutes on an H200.
+# A bare machine gets grpcio/protobuf/health/reflection from .whl/ into /tmp/site. Serving model:
+# $SERVE_MODEL (GPU default random:llama-3.2-1b in bf16; a stand-in id tokenizer is written into
+# its folder, since bench serve sends token ids). Every step has a time limit, and the whole run
+# a budget ($BUDGET_S, default 450 s): a step gets what is left. A failing step does not stop
+# the next. $OUT gets at most 8 files: summary.txt, kv_transfer_cuda.json, serve_disagg.json,
+# serve_unified.json, serve_compare.json, serve_compare.png, kv_transfer_cpu.json, logs.tar.gz.
 set -u
+MODE=${MODE:-gpu}
 OUT=${OUT:-$PWD/gpu_issue6_out}
+BUDGET_S=${BUDGET_S:-450}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+WORK=$(mktemp -d /tmp/issue6.XXXXXX)
+LOGS=$WORK/logs
+mkdir -p "$LOGS"
 PY=${PYTHON:-python3}
 summary="$OUT/summary.txt"
 : >"$summary"
+START=$SECONDS
 
-step() {  # step NAME LIMIT_S LOG CMD...
+if ! $PY -c "import grpc, google.protobuf, grpc_health, grpc_reflection" 2>/dev/null; then
+  if [ ! -d /tmp/site ] && ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --target /tmp/site .whl/*.whl >"$LOGS/pip.log" 2>&1
+  fi
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+step() {  # step NAME LIMIT_S LOG CMD...   (the limit is cut to what is left of the budget)
   local name=$1 limit=$2 log=$3
   shift 3
+  local left=$((BUDGET_S - (SECONDS - START)))
+  if [ "$left" -lt 20 ]; then
+    echo "$name: skipped (budget spent)" | tee -a "$summary"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS
   timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$log" 2>&1
   local rc=$?
-  echo "$name: rc=$rc ($((SECONDS - t0))s) -> $(basename "$log")" | tee -a "$summary"
-  tail -n 25 "$log"
+  echo "$name: rc=$rc ($((SECONDS - t0))s of $limit) -> $(basename "$log")" | tee -a "$summary"
+  tail -n 15 "$log"
 }
 
 {
@@ -31,30 +57,78 @@ import importlib.util, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())
 if torch.cuda.is_available():
     print(torch.cuda.get_device_name(), "uuid", torch.cuda.get_device_properties(0).uuid)
-need = ["grpc", "google.protobuf", "numpy", "pytest", "xxhash", "transformers",
-        "grpc_health", "grpc_reflection", "prometheus_client", "safetensors", "triton"]
+need = ["grpc", "google.protobuf", "numpy", "pytest", "xxhash", "transformers", "tokenizers",
+        "grpc_health", "grpc_reflection", "prometheus_client", "safetensors", "triton",
+        "matplotlib"]
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 print("missing python packages:", missing or "none")
 EOF
-} 2>&1 | tee "$OUT/env.txt"
+} >"$LOGS/env.txt" 2>&1
+cat "$LOGS/env.txt"
+PLOTS=""
+$PY -c "import matplotlib" 2>/dev/null || PLOTS="--no-plot"
 
-# 1. Two processes, one GPU: blocks through CUDA IPC, byte-exact (no model).
-step "1 ipc blocks byte-exact" 120 "$OUT/1_ipc_blocks.log" \
-  $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_ipc.py -k two_processes
+if [ "$MODE" = gpu ]; then
+  DEVICE=cuda
+  SERVE_MODEL=${SERVE_MODEL:-random:llama-3.2-1b}
+  SERVE_ARGS=(--dtype bfloat16 --num-gpu-blocks 8192 --max-model-len 2048)
+  LOAD=(--num-prompts 64 --input-len 1000 --output-len 128 --request-rate 4,16,inf
+    --range-ratio 0.1 --warmup 4)
+  export TANDEM_SCHEDULER_KV_CONNECTOR=cuda-ipc  # fail loudly rather than fall back to TCP
+  SERVE_LIMIT=170
+else
+  DEVICE=cpu
+  SERVE_MODEL=${SERVE_MODEL:-default}
+  SERVE_ARGS=(--num-gpu-blocks 512 --max-model-len 1024)
+  LOAD=(--num-prompts 6 --input-len 100 --output-len 8 --request-rate 4,inf --warmup 2)
+  export TANDEM_SCHEDULER_KV_CONNECTOR=tcp
+  SERVE_LIMIT=150
+fi
+if [[ $SERVE_MODEL == random:* ]]; then
+  step "0 id tokenizer for $SERVE_MODEL" 60 "$LOGS/0_id_tokenizer.log" \
+    $PY -m tandem.bench.id_tokenizer "$SERVE_MODEL"
+fi
 
-# 2. Transfer rate, llama-3.1-8b shape, 2048-token prompts, beside the D2D copy rate.
-step "2 kv transfer cuda" 120 "$OUT/2_kv_transfer_cuda.log" \
-  $PY -m benchmarks.kv_transfer --mode cuda --out "$OUT/2_kv_transfer_cuda.json"
+if [ "$MODE" = gpu ]; then
+  # 1. The block-copy kernel at real size; two processes, one GPU: blocks through CUDA IPC,
+  #    byte-exact, single and batched sessions (no model).
+  step "1 block copy kernel + ipc blocks" 120 "$LOGS/1_kernel_ipc_blocks.log" \
+    $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_block_copy_gpu.py \
+    tests/gpu/test_cuda_ipc.py -k "copy_blocks or two_processes"
 
-# 3. Disaggregated serving over CUDA IPC vs the unified worker (random:llama-3.2-1b, fp32),
-#    then aborts. The scheduler and worker logs land under $OUT/3_ipc_serving_tmp/.
-step "3 ipc serving parity + aborts" 300 "$OUT/3_ipc_serving.log" \
-  $PY -m pytest -q -s -p no:cacheprovider --basetemp="$OUT/3_ipc_serving_tmp" \
-  tests/gpu/test_cuda_ipc.py -k "disaggregated or aborts"
+  # 2. Transfer rate, llama-3.1-8b shape, 2048-token prompts, beside the D2D copy rate.
+  step "2 kv transfer cuda" 90 "$LOGS/2_kv_transfer_cuda.log" \
+    $PY -m benchmarks.kv_transfer --mode cuda --out "$OUT/kv_transfer_cuda.json"
+fi
 
-# 4. CPU figures (NCCL code path over gloo, and TCP), 512-token prompts.
-step "4 kv transfer cpu" 120 "$OUT/4_kv_transfer_cpu.log" \
-  $PY -m benchmarks.kv_transfer --mode cpu --tokens 512 --out "$OUT/4_kv_transfer_cpu.json"
+# 3-5. Disaggregated (CUDA IPC on the GPU, TCP on the CPU) vs unified, same load and seed.
+step "3 serve disaggregated" $SERVE_LIMIT "$LOGS/3_serve_disagg.log" \
+  $PY -m tandem.cli bench serve --launch --model "$SERVE_MODEL" --device $DEVICE \
+  "${SERVE_ARGS[@]}" "${LOAD[@]}" --no-plots --out-dir "$OUT" --name serve_disagg \
+  --log-dir "$LOGS/3_services"
+step "4 serve unified" $SERVE_LIMIT "$LOGS/4_serve_unified.log" \
+  $PY -m tandem.cli bench serve --launch --unified --model "$SERVE_MODEL" --device $DEVICE \
+  "${SERVE_ARGS[@]}" "${LOAD[@]}" --no-plots --out-dir "$OUT" --name serve_unified \
+  --log-dir "$LOGS/4_services"
+grep -h "KV from .* over" "$LOGS"/3_services/scheduler.log 2>/dev/null | tail -n 2 \
+  | tee -a "$summary"
+step "5 compare" 30 "$LOGS/5_compare.log" \
+  $PY -m benchmarks.serving compare "$OUT/serve_disagg.json" "$OUT/serve_unified.json" \
+  --out "$OUT/serve_compare.json" $PLOTS
 
+if [ "$MODE" = gpu ]; then
+  # 6. Disaggregated serving over CUDA IPC vs the unified worker: greedy parity, then aborts.
+  step "6 ipc serving parity + aborts" 200 "$LOGS/6_ipc_serving.log" \
+    $PY -m pytest -q -s -p no:cacheprovider --basetemp="$LOGS/6_ipc_serving_tmp" \
+    tests/gpu/test_cuda_ipc.py -k "disaggregated or aborts"
+fi
+
+# 7. CPU figures (NCCL code path over gloo, and TCP), 512-token prompts.
+step "7 kv transfer cpu" 60 "$LOGS/7_kv_transfer_cpu.log" \
+  $PY -m benchmarks.kv_transfer --mode cpu --tokens 512 --iters 5 --concurrency 4 --prompts 8 \
+  --out "$OUT/kv_transfer_cpu.json"
+
+echo "total: $((SECONDS - START))s" | tee -a "$summary"
+tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null && rm -rf "$WORK"
 echo "---- summary"
 cat "$summary"
