@@ -166,7 +166,8 @@ class RemoteKVConnector(KVConnector, Generic[P]):
     """The session protocol above; subclasses move the bytes.
 
     Sender hooks: `_open` (once per decode worker, from its ConnectKV answer), `_write` (a
-    session's runs, of one or more requests; returns once the device finished), `_group_name`, `_close_peer`.
+    session's runs, of one or more requests; returns once the device finished),
+    `_group_name`, `_close_peer`.
     Receiver hooks: `_connect_info`, `_begin_receive`, `_end_receive`, `_abandon_receive`.
     `serialize_sessions`: one session at a time per decode worker (NCCL: both ranks must post
     their operations in the same order).
