@@ -134,6 +134,7 @@ async def _prefill(address: str, jobs: dict[str, Job]) -> dict[str, Any]:
     connector._forget_peer(address, peer)
     await send("after", *jobs["after"])
     result["data_s"] = {r.request_id: r.data_s for r in connector.history}
+    result["batches"] = {r.request_id: r.batch_size for r in connector.history}
     await connector.close()
     return result
 
@@ -186,6 +187,8 @@ def test_two_processes_copy_blocks_byte_exact(tmp_path: Path) -> None:
     untouched = [b for b in range(SHAPE[0]) if b not in written]
     assert not dst[untouched].view(torch.int16).any(), "blocks outside the runs changed"
     assert report["being_written"] == {}
+    # c0, c1, c2 were handed off at once: one write session, one copy launch for all three.
+    assert result["batches"]["c0"] == result["batches"]["c1"] == result["batches"]["c2"] == 3
     print("data path seconds per request:", result["data_s"])
 
 
