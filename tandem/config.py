@@ -84,6 +84,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     policy: Literal["fcfs", "priority"] = "fcfs"
     enable_chunked_prefill: bool = True
+    # Plan step N+1 while the device runs step N (the tokens step N samples feed step N+1 on
+    # the device). "auto": on for CUDA, where the host's planning then hides behind the GPU.
+    async_scheduling: Literal["auto", "on", "off"] = "auto"
     # Filled in from the model at engine build time (0 = unknown yet).
     max_model_len: int = 0
 
@@ -96,6 +99,10 @@ class SchedulerConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"policy must be fcfs or priority, got {self.policy}")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"async_scheduling must be auto, on or off, got {self.async_scheduling}"
+            )
         if (
             not self.enable_chunked_prefill
             and self.max_model_len
@@ -180,6 +187,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     policy: Literal["fcfs", "priority"] = "fcfs"
     enable_chunked_prefill: bool = True
+    async_scheduling: Literal["auto", "on", "off"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = False
@@ -207,6 +215,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 policy=self.policy,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                async_scheduling=self.async_scheduling,
             ),
             device=DeviceConfig(
                 device=self.device,

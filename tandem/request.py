@@ -84,6 +84,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled whose ids have not come back yet (async scheduling
+        # plans step N+1 before step N's tokens are known; at most 2 are outstanding).
+        self.num_output_placeholders = 0
         # Tokens found in the prefix cache the first time the request was scheduled (-1: not yet).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -107,6 +110,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -104,6 +104,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def needs_output_history(self) -> bool:
+        """Sampling reads the output so far (penalties, min_tokens): a step of such a request
+        waits for the previous step's tokens instead of overlapping it."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
+
+    @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

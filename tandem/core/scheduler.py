@@ -334,11 +334,26 @@ class Scheduler:
         output = self._build_output(scheduled, num_scheduled, preempted)
         for request in scheduled:
             request.num_computed_tokens += num_scheduled[request.request_id]
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                # This step samples the request's next token: count it before it is known,
+                # so the next step can be planned before this one's tokens come back.
+                request.num_output_placeholders += 1
         return output
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
-        """Tokens to compute this step from `num_computed` on; 0 when it must wait."""
-        remaining = request.num_tokens - num_computed
+        """Tokens to compute this step from `num_computed` on; 0 when it must wait.
+
+        A request with tokens still in flight is not planned past a length it is sure to stop
+        at (max_tokens, max_model_len): those steps would only be thrown away."""
+        num_tokens = request.num_tokens_with_placeholders
+        if request.num_output_placeholders:
+            max_tokens = request.sampling_params.max_tokens
+            if (
+                max_tokens is not None
+                and request.num_output_tokens + request.num_output_placeholders >= max_tokens
+            ) or (self.max_model_len and num_tokens >= self.max_model_len):
+                return 0
+        remaining = num_tokens - num_computed
         if self.max_model_len:
             remaining = min(remaining, self.max_model_len - num_computed)
         if remaining <= 0:
@@ -389,7 +404,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         for request in scheduled:
             req_id = request.request_id
-            block_ids = kv.get_block_ids(req_id)
+            blocks = kv.get_blocks(req_id)
             num_sent = self._num_sent_blocks.get(req_id)
             if num_sent is None:
                 new_reqs.append(
@@ -398,19 +413,22 @@ class Scheduler:
                         prompt_token_ids=list(request.prompt_token_ids),
                         output_token_ids=list(request.output_token_ids),
                         sampling_params=request.sampling_params,
-                        block_ids=block_ids,
+                        block_ids=[b.block_id for b in blocks],
                         num_computed_tokens=request.num_computed_tokens,
                     )
                 )
             else:
+                # Most steps add no block: only the tail is converted.
                 cached_reqs.append(
                     CachedRequestData(
                         req_id=req_id,
-                        new_block_ids=block_ids[num_sent:],
+                        new_block_ids=[b.block_id for b in blocks[num_sent:]]
+                        if len(blocks) > num_sent
+                        else [],
                         num_computed_tokens=request.num_computed_tokens,
                     )
                 )
-            self._num_sent_blocks[req_id] = len(block_ids)
+            self._num_sent_blocks[req_id] = len(blocks)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -430,7 +448,9 @@ class Scheduler:
         """Append sampled tokens, apply stop rules, free finished requests.
 
         Returns one `EngineCoreOutput` per request that got new tokens or finished. Requests
-        finished or aborted since the step was planned are skipped.
+        finished or aborted since the step was planned are skipped. Under async scheduling the
+        next step may already be planned (and the request preempted by it): the tokens still
+        land, in order, since every planned step is updated before the one after it is planned.
         """
         index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         logprobs = model_runner_output.logprobs
@@ -438,20 +458,22 @@ class Scheduler:
         any_finished = False
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.is_finished:
                 continue
             i = index.get(req_id)
             sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
-            if request.num_computed_tokens < request.num_tokens:
+            if not request.num_output_placeholders:
                 sampled = []  # a partial prefill chunk samples nothing
+            if not sampled:
+                continue
+            request.num_output_placeholders -= 1
+            was_running = request.status == RequestStatus.RUNNING
             new_token_ids: list[int] = []
             for token_id in sampled:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
                     break
-            if not new_token_ids and not request.is_finished:
-                continue
             new_logprobs = None
             if new_token_ids and i is not None and i < len(logprobs) and logprobs[i] is not None:
                 new_logprobs = [logprobs[i]]
@@ -466,7 +488,10 @@ class Scheduler:
                 )
             )
             if request.is_finished:
-                any_finished = True
+                if was_running:
+                    any_finished = True
+                else:
+                    self.waiting.remove(request)  # preempted after this step was planned
                 self._release(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]

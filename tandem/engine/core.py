@@ -2,6 +2,16 @@
 
     step():  scheduler.schedule() -> model_runner.execute() -> scheduler.update_from_output()
 
+With async scheduling (on by default on CUDA) a step plans and launches step N+1 and then
+waits for step N's tokens, so the host's scheduling and output handling run while the device
+computes::
+
+    step():  schedule(N+1) -> execute_async(N+1) -> update_from_output(N, result(N))
+
+A request that stops at step N has one more token computed in step N+1, which is dropped.
+A step whose requests sample from their whole output (penalties, min_tokens) waits for the
+previous step first.
+
 Callers (the offline `LLM`, a worker service's engine thread) own the loop; EngineCore is
 not thread-safe and never blocks on anything but the model.
 """
@@ -22,7 +32,7 @@ from tandem.core.outputs import EngineCoreOutput, SchedulerOutput
 from tandem.core.scheduler import Scheduler
 from tandem.loader import get_eos_token_ids, load_hf_config, resolve_model_path
 from tandem.request import EngineCoreRequest, Request, RequestStatus
-from tandem.worker.model_runner import ModelRunner
+from tandem.worker.model_runner import ModelRunner, PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +92,14 @@ class EngineCore:
         self.block_size = config.cache.block_size
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_len)
         self.scheduler = Scheduler(scheduler_config, config.cache, num_blocks, max_len)
+        mode = config.scheduler.async_scheduling
+        self.async_scheduling = mode == "on" or (
+            mode == "auto" and self.model_runner.device.type == "cuda"
+        )
+        # The launched step whose tokens have not been applied yet (async scheduling only).
+        self._pending: tuple[SchedulerOutput, PendingStep] | None = None
+        # Whether the last `step()` launched or finished any work.
+        self.last_step_idle = True
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d (%.1fs)",
             self.model_path.name,
@@ -141,19 +159,40 @@ class EngineCore:
             self.scheduler.cancel_reservation(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._pending is not None or self.scheduler.has_unfinished_requests()
 
     # ----------------------------------------------------------------- step
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one scheduling step and one forward pass; return what each request produced."""
-        if not self.scheduler.has_unfinished_requests():
+        """Run one scheduling step and one forward pass; return what each request produced.
+
+        Under async scheduling the outputs are those of the step launched by the previous
+        call (see the module docstring)."""
+        scheduler_output: SchedulerOutput | None = None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                scheduler_output = None
+        self.last_step_idle = scheduler_output is None and self._pending is None
+        outputs: list[EngineCoreOutput] = []
+        if scheduler_output is None:
+            return self._apply_pending()
+        if self._pending is not None and self.model_runner.needs_prior_tokens(scheduler_output):
+            outputs = self._apply_pending()
+        step = self.model_runner.execute_async(scheduler_output)
+        if not self.async_scheduling:
+            return self.scheduler.update_from_output(scheduler_output, step.result())
+        previous, self._pending = self._pending, (scheduler_output, step)
+        if previous is not None:
+            outputs += self.scheduler.update_from_output(previous[0], previous[1].result())
+        return outputs
+
+    def _apply_pending(self) -> list[EngineCoreOutput]:
+        """Wait for the launched step's tokens and apply them."""
+        if self._pending is None:
             return []
-        scheduler_output: SchedulerOutput = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return []
-        runner_output = self.model_runner.execute(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        (scheduler_output, step), self._pending = self._pending, None
+        return self.scheduler.update_from_output(scheduler_output, step.result())
 
     # ----------------------------------------------------------------- stats
 
@@ -190,6 +229,11 @@ class EngineCore:
         is short. Then write the KV into those blocks and call `add_prefilled_request`.
         """
         self._validate(req)
+        if self._pending is not None:
+            # The step in flight may still write KV into blocks freed since it was planned
+            # (a request that stopped or was aborted); another process writes the reserved
+            # blocks outside this engine's stream order, so let that step finish first.
+            self.model_runner.synchronize()
         return self.scheduler.reserve(Request.from_engine_core_request(req))
 
     def add_prefilled_request(

@@ -162,7 +162,9 @@ class EngineThread(Generic[E]):
                 self.latest_snapshot = self._snapshot(engine)
             if outputs or extra:
                 self._loop.call_soon_threadsafe(self._on_step, outputs, extra)
-            elif time.perf_counter() - t0 < _IDLE_STEP_PAUSE_S:
+            elif getattr(engine, "last_step_idle", True) and (
+                time.perf_counter() - t0 < _IDLE_STEP_PAUSE_S
+            ):
                 # Work remains but nothing could be scheduled: wait for a command briefly
                 # rather than spin.
                 try:

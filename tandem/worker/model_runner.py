@@ -13,6 +13,11 @@ those rows (the last query row of each sampled request).
 
 The runner keeps its own per-request state (token ids, block table) so a running request
 costs only its new block ids in each step's message.
+
+Async scheduling: `execute_async` launches a step and returns a `PendingStep` whose
+`result()` waits for that step's sampled ids only. The engine may plan and launch step N+1
+before it calls step N's `result()`; a token of step N+1 whose id step N samples (at most one
+per request: position `len(token_ids)`) is read on the device from step N's sampled ids.
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
-from tandem.layers.sampler import Sampler, SamplingMetadata, to_logprobs_lists
+from tandem.layers.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    to_logprobs_lists,
+)
 from tandem.loader import build_model, load_hf_config
 from tandem.sampling_params import SamplingParams
 
@@ -54,6 +64,8 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
+    # Row of the runner's persistent block-table array that holds this request's table.
+    row: int = -1
 
 
 # Pinned staging buffers in rotation (a step makes at most 8 host->device copies); each
@@ -73,6 +85,67 @@ class _StepInputs:
     block_table: np.ndarray
     max_query_len: int
     sampled_rows: list[int]
+    # Tokens whose ids the previous step samples on the device: flat input row <- its row.
+    fill_dst: list[int] = field(default_factory=list)
+    fill_src: list[int] = field(default_factory=list)
+
+
+class PendingStep:
+    """A launched step. `result()` waits for its sampled ids (not for later steps), appends
+    them to the runner's request states and returns the `ModelRunnerOutput`; call it once,
+    in launch order."""
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        sampled_rows: list[int],
+        states: list[CachedRequestState],
+        sampled: torch.Tensor | None,
+        host_sampled: torch.Tensor | None,
+        event: torch.cuda.Event | None,
+        sampler_output: SamplerOutput | None,
+        num_logprobs: list[int | None],
+    ) -> None:
+        self.req_ids = req_ids
+        self.sampled_rows = sampled_rows
+        self.states = states
+        # Device ids, one per sampled row; a later step reads its inputs from here.
+        self.sampled = sampled
+        self.row_of = {states[j].req_id: j for j in range(len(states))}
+        self._host_sampled = host_sampled
+        self._event = event
+        self._sampler_output = sampler_output
+        self._num_logprobs = num_logprobs
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
+        n = len(self.req_ids)
+        sampled: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[Logprobs | None] = [None] * n
+        if self.sampled_rows:
+            if self._event is not None:
+                assert self._host_sampled is not None
+                self._event.synchronize()  # this step's ids only; later steps keep running
+                tokens = self._host_sampled.tolist()
+            else:
+                assert self.sampled is not None
+                tokens = self.sampled.tolist()
+            assert self._sampler_output is not None
+            lp_lists = to_logprobs_lists(self._sampler_output, self._num_logprobs)
+            for row, state, token, lp in zip(
+                self.sampled_rows, self.states, tokens, lp_lists, strict=True
+            ):
+                sampled[row] = [token]
+                logprobs[row] = lp
+                state.token_ids.append(token)
+                state.output_token_ids.append(token)
+        self._sampler_output = None
+        self._output = ModelRunnerOutput(
+            req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs
+        )
+        return self._output
 
 
 class ModelRunner:
@@ -114,6 +187,17 @@ class ModelRunner:
         self._staging: list[torch.Tensor | None] = [None] * _NUM_STAGING
         self._staging_slot = 0
         self._staging_events: list[torch.cuda.Event | None] = [None] * _NUM_STAGING
+        # The last launched step (its device ids feed the next step's inputs) and the
+        # requests whose sampling needs their whole output on the host.
+        self._last_step: PendingStep | None = None
+        self._history_reqs: set[str] = set()
+        # Pinned host buffers for sampled ids, in rotation (at most 2 steps are unresolved).
+        self._host_sampled: list[torch.Tensor] = []
+        self._host_slot = 0
+        # Block tables of the requests held, one row each, kept across steps (a step gathers
+        # its rows in one indexing op); grows when more requests are held than rows exist.
+        self._block_table_rows = np.zeros((0, 1), dtype=np.int32)
+        self._free_rows: list[int] = []
 
     # ----------------------------------------------------------------- KV cache
 
@@ -284,7 +368,10 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            gone = self.requests.pop(req_id, None)
+            if gone is not None:
+                self._free_rows.append(gone.row)
+            self._history_reqs.discard(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -309,11 +396,36 @@ class ModelRunner:
                     torch.empty(self.vocab_size, device=self.device).exponential_(
                         generator=generator
                     )
+            state.row = self._take_row(len(state.block_ids))
+            self._block_table_rows[state.row, : len(state.block_ids)] = state.block_ids
             self.requests[new.req_id] = state
+            if params.needs_output_history:
+                self._history_reqs.add(new.req_id)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                n = len(state.block_ids)
+                state.block_ids.extend(cached.new_block_ids)
+                self._ensure_row_width(len(state.block_ids))
+                self._block_table_rows[state.row, n : len(state.block_ids)] = cached.new_block_ids
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _take_row(self, width: int) -> int:
+        self._ensure_row_width(width)
+        if not self._free_rows:
+            old = self._block_table_rows
+            grown = max(2 * old.shape[0], self.config.scheduler.max_num_seqs, 8)
+            self._block_table_rows = np.zeros((grown, old.shape[1]), dtype=np.int32)
+            self._block_table_rows[: old.shape[0]] = old
+            self._free_rows.extend(range(grown - 1, old.shape[0] - 1, -1))
+        return self._free_rows.pop()
+
+    def _ensure_row_width(self, width: int) -> None:
+        old = self._block_table_rows
+        if width > old.shape[1]:
+            wider = np.zeros((old.shape[0], max(width, 2 * old.shape[1])), dtype=np.int32)
+            wider[:, : old.shape[1]] = old
+            self._block_table_rows = wider
 
     # ----------------------------------------------------------------- step
 
@@ -334,32 +446,45 @@ class ModelRunner:
         total = int(query_start_loc[-1])
 
         max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        for i, state in enumerate(states):
-            block_table[i, : len(state.block_ids)] = state.block_ids
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        # Entries past a request's own blocks hold stale ids; nothing reads them (positions
+        # never reach past seq_lens).
+        block_table = self._block_table_rows[rows, :max_blocks]
 
-        if total == num_reqs:  # decode only: one token per request, at its end
+        # A request's token at position len(token_ids) is being sampled by the previous step
+        # (async scheduling): its input row is filled on the device from that step's ids.
+        fill_dst: list[int] = []
+        fill_src: list[int] = []
+        starts_list = starts.tolist()
+        if total == num_reqs:  # decode only: one token per request
             positions = starts
-            input_ids = np.fromiter(
-                (s.token_ids[-1] for s in states), dtype=np.int64, count=num_reqs
-            )
+            ids = [0] * num_reqs
+            for i, (state, c) in enumerate(zip(states, starts_list, strict=True)):
+                tokens = state.token_ids
+                if c < len(tokens):
+                    ids[i] = tokens[c]
+                else:
+                    fill_dst.append(i)
+                    fill_src.append(self._prev_row(state, c))
+            input_ids = np.array(ids, dtype=np.int64)
             slot_mapping = block_table[np.arange(num_reqs), positions // bs].astype(np.int64)
         else:
             req_index = np.repeat(np.arange(num_reqs), query_lens)
             offsets = np.arange(total) - np.repeat(query_start_loc[:-1], query_lens)
             positions = starts[req_index] + offsets
             slot_mapping = block_table[req_index, positions // bs].astype(np.int64)
-            input_ids = np.fromiter(
-                (
-                    t
-                    for state, c, n in zip(
-                        states, starts.tolist(), query_lens.tolist(), strict=True
-                    )
-                    for t in state.token_ids[c : c + n]
-                ),
-                dtype=np.int64,
-                count=total,
-            )
+            input_ids = np.empty(total, dtype=np.int64)
+            loc = query_start_loc.tolist()
+            for i, (state, c) in enumerate(zip(states, starts_list, strict=True)):
+                tokens = state.token_ids
+                lo, hi = loc[i], loc[i + 1]
+                if c + hi - lo <= len(tokens):
+                    input_ids[lo:hi] = tokens[c : c + hi - lo]
+                else:
+                    input_ids[lo : hi - 1] = tokens[c:]
+                    input_ids[hi - 1] = 0
+                    fill_dst.append(hi - 1)
+                    fill_src.append(self._prev_row(state, c + hi - lo - 1))
         slot_mapping = slot_mapping * bs + positions % bs
         sampled_rows = [i for i, state in enumerate(states) if seq_lens[i] >= len(state.token_ids)]
         return _StepInputs(
@@ -373,7 +498,33 @@ class ModelRunner:
             block_table=block_table,
             max_query_len=int(query_lens.max()),
             sampled_rows=sampled_rows,
+            fill_dst=fill_dst,
+            fill_src=fill_src,
         )
+
+    def _prev_row(self, state: CachedRequestState, position: int) -> int:
+        """Row of the previous step's sampled ids that holds `state`'s token at `position`."""
+        prev = self._last_step
+        row = prev.row_of.get(state.req_id) if prev is not None else None
+        if row is None or position != len(state.token_ids):
+            raise RuntimeError(
+                f"request {state.req_id}: token {position} is unknown and not sampled by the "
+                "previous step (a step's result() was skipped?)"
+            )
+        return row
+
+    def _fill_from_previous(self, input_ids: torch.Tensor, inp: _StepInputs) -> None:
+        """Write the previous step's sampled ids into the rows `inp.fill_dst` (device op)."""
+        if not inp.fill_dst:
+            return
+        assert self._last_step is not None and self._last_step.sampled is not None
+        prev = self._last_step.sampled
+        k = len(inp.fill_dst)
+        if inp.fill_dst == list(range(k)) and inp.fill_src == list(range(k)):
+            input_ids[:k].copy_(prev[:k])
+            return
+        index = self._to_device(np.array([inp.fill_dst, inp.fill_src], dtype=np.int64), torch.int64)
+        input_ids.index_copy_(0, index[0], prev.index_select(0, index[1]))
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """Host array -> a new device tensor (see `_copy_to`)."""
@@ -424,8 +575,10 @@ class ModelRunner:
             seq_lens_cpu=inp.seq_lens.tolist(),
             is_decode_only=inp.total == inp.num_reqs,
         )
+        input_ids = self._to_device(inp.input_ids, torch.int64)
+        self._fill_from_previous(input_ids, inp)
         hidden = self.model(
-            self._to_device(inp.input_ids, torch.int64),
+            input_ids,
             self._to_device(inp.positions, torch.int64),
             self.kv_caches,
             metadata,
@@ -442,6 +595,7 @@ class ModelRunner:
         width = inp.block_table.shape[1]
         # Straight from the pinned staging buffers into the graph's static inputs.
         self._copy_to(self._g_input_ids[:n], inp.input_ids)
+        self._fill_from_previous(self._g_input_ids[:n], inp)
         self._copy_to(self._g_positions[:n], inp.positions)
         self._copy_to(self._g_slot_mapping[:n], inp.slot_mapping)
         self._copy_to(self._g_seq_lens[:n], inp.seq_lens)
@@ -453,14 +607,35 @@ class ModelRunner:
         graph.replay()
         return logits[:n]
 
-    @torch.inference_mode()
+    def needs_prior_tokens(self, so: SchedulerOutput) -> bool:
+        """True when a request of this step samples from its whole output (penalties,
+        min_tokens): the previous step's tokens must be on the host before it launches."""
+        if not self._history_reqs and not so.scheduled_new_reqs:
+            return False
+        return any(r.sampling_params.needs_output_history for r in so.scheduled_new_reqs) or any(
+            r.req_id in self._history_reqs for r in so.scheduled_cached_reqs
+        )
+
+    def synchronize(self) -> None:
+        """Wait until every launched step has finished on the device."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled ids."""
+        return self.execute_async(so).result()
+
+    @torch.inference_mode()
+    def execute_async(self, so: SchedulerOutput) -> PendingStep:
+        """Launch one step: inputs, forward, sampling; the host does not wait for the device.
+
+        Every step launched before must have had `result()` called, except the last one."""
         self._update_states(so)
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + [
             r.req_id for r in so.scheduled_cached_reqs
         ]
         if not req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+            return PendingStep([], [], [], None, None, None, None, [])
         inp = self._prepare_inputs(so, req_ids)
         graph_size = self._graph_size_for(inp.num_reqs) if inp.total == inp.num_reqs else None
         if graph_size is not None:
@@ -468,10 +643,10 @@ class ModelRunner:
         else:
             logits = self._run_eager(inp)
 
-        sampled: list[list[int]] = [[] for _ in req_ids]
-        logprobs: list[Logprobs | None] = [None] * len(req_ids)
-        if inp.sampled_rows:
-            states = [self.requests[req_ids[i]] for i in inp.sampled_rows]
+        states = [self.requests[req_ids[i]] for i in inp.sampled_rows]
+        sampled = host = event = out = None
+        num_logprobs = [s.sampling_params.logprobs for s in states]
+        if states:
             meta = SamplingMetadata.build(
                 params=[s.sampling_params for s in states],
                 prompt_token_ids=[s.prompt_token_ids for s in states],
@@ -482,13 +657,28 @@ class ModelRunner:
                 device=self.device,
             )
             out = self.sampler(logits, meta)
-            tokens = out.sampled_token_ids.tolist()  # the step's one host-device sync
-            lp_lists = to_logprobs_lists(out, [s.sampling_params.logprobs for s in states])
-            for row, state, token, lp in zip(
-                inp.sampled_rows, states, tokens, lp_lists, strict=True
-            ):
-                sampled[row] = [token]
-                logprobs[row] = lp
-                state.token_ids.append(token)
-                state.output_token_ids.append(token)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+            sampled = out.sampled_token_ids
+            if self.device.type == "cuda":
+                host = self._next_host_buffer(len(states))
+                host.copy_(sampled, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+        step = PendingStep(
+            req_ids, inp.sampled_rows, states, sampled, host, event, out, num_logprobs
+        )
+        self._last_step = step
+        return step
+
+    def _next_host_buffer(self, n: int) -> torch.Tensor:
+        """A pinned int64 buffer of n ids, from a rotation of 4 (at most 2 steps unresolved)."""
+        if not self._host_sampled:
+            size = max(self.config.scheduler.max_num_seqs, 1)
+            self._host_sampled = [
+                torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(4)
+            ]
+        buf = self._host_sampled[self._host_slot % 4]
+        self._host_slot += 1
+        if buf.numel() < n:
+            buf = torch.empty(n, dtype=torch.int64, pin_memory=True)
+            self._host_sampled[(self._host_slot - 1) % 4] = buf
+        return buf[:n]

@@ -97,3 +97,39 @@ def test_seeded_sampling_on_gpu_reproduces(llm: LLM) -> None:
     a = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
     b = llm.generate([{"prompt_token_ids": p} for p in ps[:1]], params, use_tqdm=False)
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+def test_async_scheduling_equals_sync(llm: LLM) -> None:
+    """Overlapped steps (inputs read from the previous step's ids on the device, through the
+    CUDA graphs and the eager path) give the synchronous engine's tokens. Lengths are capped
+    by max_tokens only, so both modes run the same batches."""
+    assert llm.engine.async_scheduling
+    # Earlier tests ran these prompts: drop their cached KV so that both engines compute
+    # every prompt in the same batches (cached KV from other batches differs in bf16).
+    assert llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    ps = prompts(llm.engine.vocab_size)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(8)
+    ] + [
+        SamplingParams(temperature=0.9, top_k=40, seed=i, max_tokens=20, ignore_eos=True)
+        for i in range(6)
+    ]
+    params.append(SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3))
+    params.append(
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.2)
+    )
+    on = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    sync = LLM(
+        model=MODEL,
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=1024,
+        gpu_memory_utilization=0.3,
+        async_scheduling="off",
+    )
+    off = sync.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    for a, b in zip(on, off, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for engine in (llm.engine, sync.engine):
+        assert not engine.has_unfinished_requests()
+        assert engine.scheduler.kv_cache_manager.block_pool.is_whole

@@ -95,13 +95,21 @@ def test_smollm2_greedy_matches_transformers(smollm2_case) -> None:
     assert_matches(outs, reference)
 
 
-def test_smollm2_chunked_prefill_same_tokens(smollm2_case) -> None:
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_smollm2_chunked_prefill_same_tokens(smollm2_case, async_scheduling: str) -> None:
     path, prompts, reference = smollm2_case
-    _, outs = run_tandem(path, prompts, NUM_NEW_TOKENS, max_num_batched_tokens=96)
+    _, outs = run_tandem(
+        path,
+        prompts,
+        NUM_NEW_TOKENS,
+        max_num_batched_tokens=96,
+        async_scheduling=async_scheduling,
+    )
     assert_matches(outs, reference)
 
 
-def test_smollm2_preemption_same_tokens(smollm2_case) -> None:
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_smollm2_preemption_same_tokens(smollm2_case, async_scheduling: str) -> None:
     path, prompts, reference = smollm2_case
     # 60 blocks of 16 tokens: the 700-token prompt alone takes 47, so requests must be
     # preempted and recomputed to all finish.
@@ -112,6 +120,7 @@ def test_smollm2_preemption_same_tokens(smollm2_case) -> None:
         num_gpu_blocks=60,
         max_num_batched_tokens=512,
         max_model_len=960,
+        async_scheduling=async_scheduling,
     )
     assert llm.engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
     assert_matches(outs, reference)
