@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-requests", type=int, default=1024, help="GPU: cap per workload")
     p.add_argument("--peer-requests", type=int, default=128, help="GPU: transformers subset")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-peer", action="store_true", help="don't run transformers")
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")

@@ -115,7 +115,9 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# Ints that change from step to step are not specialised on (divisibility by 16, == 1):
+# otherwise a new batch shape could compile a new kernel variant in the middle of serving.
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
@@ -204,7 +206,7 @@ def _prefill_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr,
     cache_ptr,
@@ -295,7 +297,7 @@ def _decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,
     part_m_ptr,
