@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import gc
 import math
@@ -165,19 +166,24 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
     )
 
     runs = []
+    base_config = eng.scheduler.scheduler_config
     for inp, out, n_req in WORKLOADS:
         n_req = min(n_req, ns.max_requests)
         prompts = make_prompts(n_req, inp, vocab, inp)
         p = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
         eng.scheduler.kv_cache_manager.reset_prefix_cache()
+        # The roofline's batch is what the KV pool allows at full length. tandem runs at most
+        # that many too (capped by --max-num-seqs): admitting more only preempts later.
+        batch = min(kv_capacity // (inp + out), n_req)
+        max_seqs = min(ns.max_num_seqs, max(batch, 1))
+        eng.scheduler.scheduler_config = dataclasses.replace(base_config, max_num_seqs=max_seqs)
+        preempted_before = eng.stats().num_preemptions
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": q} for q in prompts], p, use_tqdm=False)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        # The roofline's batch is what the KV pool allows, not tandem's max_num_seqs.
-        batch = min(kv_capacity // (inp + out), n_req)
         bound = roofline_seconds(nums, n_req, inp, out, batch, ns.max_num_batched_tokens, peak, bw)
         r = {
             "input_len": inp,
@@ -187,7 +193,8 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
             "output_tokens_per_s": n_out / elapsed,
             "total_tokens_per_s": (n_out + n_req * inp) / elapsed,
             "roofline_batch": batch,
-            "max_num_seqs": ns.max_num_seqs,
+            "max_num_seqs": max_seqs,
+            "num_preemptions": eng.stats().num_preemptions - preempted_before,
             "roofline": bound,
             "fraction_of_roofline": bound["total_s"] / elapsed,
         }
@@ -199,6 +206,10 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
     result["tandem"] = runs
+    eng.scheduler.scheduler_config = base_config
+    from kernels.paged_attention import prefill_tuning_log
+
+    result["prefill_attention_tuning"] = prefill_tuning_log
 
     if not ns.skip_peer:
         model_path = llm.engine.model_path

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: 2048 CPU, 8192 GPU")
-    p.add_argument("--max-num-seqs", type=int, default=0, help="0: 256 CPU, 512 GPU")
+    p.add_argument("--max-num-seqs", type=int, default=0, help="0: 256 CPU, 1024 GPU")
     p.add_argument("--max-requests", type=int, default=1024, help="GPU: cap per workload")
     p.add_argument("--peer-requests", type=int, default=128, help="GPU: transformers subset")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
     ns = p.parse_args(argv)
     if not ns.max_num_seqs:
-        ns.max_num_seqs = 512 if ns.device == "cuda" else 256
+        ns.max_num_seqs = 1024 if ns.device == "cuda" else 256
     if not ns.max_num_batched_tokens:
         ns.max_num_batched_tokens = 8192 if ns.device == "cuda" else 2048
     if ns.device == "cuda":

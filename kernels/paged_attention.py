@@ -371,8 +371,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch of any query lengths (see the module docstring).
 
@@ -380,7 +380,8 @@ def paged_prefill_attention(
     query_start_loc `[R + 1]` int32; seq_lens `[R]` int32; block_table `[>= R, max_blocks]`
     int32. Rows of `query` past `query_start_loc[R]` are not written in `out`. Launches one
     kernel; reads no device values on the host. `block_q`, `block_n`, `num_warps` and
-    `num_stages` are tuning knobs (defaults suit head size 128 on Hopper).
+    `num_stages` are tuning knobs; left unset on CUDA, the first large enough call tunes
+    them (see `_tuned_prefill_config`).
     """
     num_heads, num_kv_heads, head_size, block_size = _check_common(
         query, kv_cache, seq_lens, block_table
@@ -393,6 +394,14 @@ def paged_prefill_attention(
     num_tokens = query.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
+    if block_q is None and block_n is None and num_warps is None and num_stages is None:
+        config = _tuned_prefill_config(
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out
+        )
+        if config is not None:
+            block_q, block_n, num_warps, num_stages = config
+    num_warps = 4 if num_warps is None else num_warps
+    num_stages = 3 if num_stages is None else num_stages
 
     qpk = num_heads // num_kv_heads
     qpk_pad = triton.next_power_of_2(qpk)
@@ -436,6 +445,102 @@ def paged_prefill_attention(
         num_stages=num_stages,
     )
     return out
+
+
+# Prefill configurations tried on CUDA: (query rows per tile BLOCK_M, keys per tile BLOCK_N,
+# warps, pipeline stages); BLOCK_M counts rows of all query heads of a KV head together.
+_PREFILL_CANDIDATES = (
+    (64, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 32, 4, 3),
+    (128, 64, 4, 2),
+    (256, 64, 8, 2),
+    (64, 32, 4, 4),
+)
+# Calls with fewer query rows than this run the default config and tune nothing.
+_MIN_TUNE_TOKENS = 1024
+# (head size, query heads per KV head, dtype, block size) -> (block_q, block_n, warps, stages).
+_prefill_configs: dict[tuple[int, int, torch.dtype, int], tuple[int, int, int, int]] = {}
+prefill_tuning_log: list[dict[str, object]] = []
+
+
+def _tuned_prefill_config(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> tuple[int, int, int, int] | None:
+    """The fastest of `_PREFILL_CANDIDATES` for this model's attention shape on this device.
+
+    Timed once per shape key on the first call with at least `_MIN_TUNE_TOKENS` query rows
+    (an engine makes one at start-up: its memory-profiling forward), on that call's own
+    inputs; each candidate runs twice untimed (compilation) and three times timed. Not on
+    the CPU interpreter, not during CUDA graph capture, not when TANDEM_TUNE_KERNELS=0.
+    """
+    import os
+
+    if (
+        not query.is_cuda
+        or os.environ.get("TRITON_INTERPRET") == "1"
+        or os.environ.get("TANDEM_TUNE_KERNELS", "1") == "0"
+    ):
+        return None
+    num_heads, head_size = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    qpk = num_heads // num_kv_heads
+    key = (head_size, qpk, query.dtype, block_size)
+    if key in _prefill_configs:
+        return _prefill_configs[key]
+    if query.shape[0] < _MIN_TUNE_TOKENS or torch.cuda.is_current_stream_capturing():
+        return None
+    qpk_pad = triton.next_power_of_2(qpk)
+    timings: dict[tuple[int, int, int, int], float] = {}
+    for block_m, block_n, warps, stages in _PREFILL_CANDIDATES:
+        if block_m < qpk_pad:
+            continue
+        config = (block_m // qpk_pad, block_n, warps, stages)
+        run = functools.partial(
+            paged_prefill_attention,
+            query,
+            kv_cache,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            scale,
+            out=out,
+            block_q=config[0],
+            block_n=block_n,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        try:
+            run()
+            run()
+        except Exception:  # a config this device cannot run (shared memory, registers)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            run()
+        end.record()
+        end.synchronize()
+        timings[config] = start.elapsed_time(end) / 3
+    if not timings:
+        return None
+    best = min(timings, key=lambda c: timings[c])
+    _prefill_configs[key] = best
+    prefill_tuning_log.append(
+        {
+            "key": [head_size, qpk, str(query.dtype), block_size],
+            "num_tokens": query.shape[0],
+            "ms": {"x".join(map(str, c)): t for c, t in timings.items()},
+            "best": "x".join(map(str, best)),
+        }
+    )
+    return best
 
 
 @functools.lru_cache(maxsize=16)

@@ -140,6 +140,10 @@ class DeviceConfig:
         384,
         448,
         512,
+        640,
+        768,
+        896,
+        1024,
     )
     num_threads: int = 0
 
