@@ -6,19 +6,25 @@ worker opens it (same host, the GPU found by UUID) and keeps it open. Per write 
 request, or every request bound for that decode worker that was ready at once), on the
 connector's own CUDA stream:
 
-    dst runs:      [20 21 22] [30]          src (held):  7 8 9 | 3
-    block mapping  [(7,20) (8,21) (9,22) (3,30)]    numpy, pinned, one host-to-device copy
-    both sides one consecutive stretch:   one copy_ of one contiguous span
-    otherwise:                            one `kernels.block_copy.copy_blocks` launch
+    src (held):  7 8 9 | 3 | 12 13 14 15 ...     dst runs:  [20 21 22] [30] [40 41 42 43 ...]
+    stretches (both sides consecutive):  (7->20, 3 blocks) (3->30, 1) (12->40, 4) ...
+    at most MAX_COPIES stretches:        one copy_ per stretch (no kernel, no block mapping)
+    more:   stretches of LONG_STRETCH blocks or more by copy_; the short ones (a pool after
+            churn) in one `kernels.block_copy.copy_block_rows` launch, its block mapping moved
+            in one host-to-device copy from pinned memory
 
-then one event; if it has not completed yet, one wait for it on the connector's thread (so the
-event loop never waits on the device), then the session's DONE: no host round trip per block
-or per run. The decode side does nothing per request but check and mark the reservation.
+then one event, polled from the event loop between its other work (no thread hop; a thread
+waits only for a copy still running after `SPIN_S`), then the session's DONE: no host round
+trip per block or per run. The decode side does nothing per request but check and mark the
+reservation. Up to `MAX_SESSIONS` sessions per decode worker are in flight, so one session's
+copies overlap the others' messages.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +34,15 @@ from tandem.kv_transfer.base import EngineHandle, KVDestination, KVTransferError
 from tandem.kv_transfer.placement import CUDA_IPC, host_id
 from tandem.kv_transfer.session import RemoteKVConnector, Run, run_to_end
 from tandem_protos.v1 import worker_pb2
+
+# Stretches moved by copy_ alone, with no kernel launch, when there are this few.
+MAX_COPIES = 8
+# Past MAX_COPIES, stretches this long still go by copy_; shorter ones go through the kernel.
+LONG_STRETCH = 8
+# Write sessions in flight per decode worker.
+MAX_SESSIONS = 4
+# How long the event loop polls a session's event before a thread waits for it.
+SPIN_S = 0.005
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -45,19 +60,6 @@ def local_device_index(uuid: str) -> int | None:
     if not uuid and count == 1:
         return 0
     return None
-
-
-def stretches(src: list[int], runs: list[Run]) -> list[tuple[int, int, int]]:
-    """(first source block, first destination block, number of blocks) for every stretch where
-    both the source and the destination blocks are consecutive, in order."""
-    out: list[tuple[int, int, int]] = []
-    for pos, first, n in runs:
-        start = 0
-        for i in range(1, n + 1):
-            if i == n or src[pos + i] != src[pos + i - 1] + 1:
-                out.append((src[pos + start], first + start, i - start))
-                start = i
-    return out
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:
@@ -78,9 +80,53 @@ def block_mapping(src: list[int], runs: list[Run]) -> np.ndarray:
     return pairs
 
 
-def one_stretch(pairs: np.ndarray) -> bool:
-    """Both columns consecutive: the whole transfer is one contiguous span each side."""
-    return len(pairs) < 2 or bool((np.diff(pairs, axis=0) == 1).all())
+def _stretch_bounds(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start row and length of every stretch of `pairs` (both columns step by one)."""
+    steps = np.diff(pairs, axis=0)
+    cuts = np.flatnonzero((steps != 1).any(axis=1)) + 1
+    starts = np.concatenate(([0], cuts))
+    lengths = np.diff(np.concatenate((starts, [len(pairs)])))
+    return starts, lengths
+
+
+def stretches(src: list[int], runs: list[Run]) -> list[tuple[int, int, int]]:
+    """(first source block, first destination block, number of blocks) for every stretch where
+    both the source and the destination blocks are consecutive, in order."""
+    pairs = block_mapping(src, runs)
+    if len(pairs) == 0:
+        return []
+    starts, lengths = _stretch_bounds(pairs)
+    return [
+        (int(pairs[i, 0]), int(pairs[i, 1]), int(n)) for i, n in zip(starts, lengths, strict=True)
+    ]
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """How a session's blocks move: `copies` one `copy_` each (first source block, first
+    destination block, number of blocks); `pairs` `[k, 2]` (source, destination) in one kernel
+    launch (k may be 0)."""
+
+    copies: tuple[tuple[int, int, int], ...]
+    pairs: np.ndarray
+
+
+def plan_copies(src: list[int], runs: list[Run], use_kernel: bool = True) -> CopyPlan:
+    """Stretches by copy_ when there are at most MAX_COPIES of them (or `use_kernel` is off);
+    otherwise the long ones by copy_ and the blocks of the short ones by the kernel."""
+    pairs = block_mapping(src, runs)
+    if len(pairs) == 0:
+        return CopyPlan((), pairs)
+    starts, lengths = _stretch_bounds(pairs)
+    if len(starts) <= MAX_COPIES or not use_kernel:
+        by_copy = np.ones(len(starts), dtype=bool)
+    else:
+        by_copy = lengths >= LONG_STRETCH
+    copies = tuple(
+        (int(pairs[i, 0]), int(pairs[i, 1]), int(n))
+        for i, n in zip(starts[by_copy], lengths[by_copy], strict=True)
+    )
+    return CopyPlan(copies, pairs[np.repeat(~by_copy, lengths)])
 
 
 def copy_runs(
@@ -89,48 +135,55 @@ def copy_runs(
     src: list[int],
     runs: list[Run],
     same_device: bool | None = None,
-) -> list[torch.Tensor]:
-    """Enqueue the copies of blocks `src` of cache `local` into `runs` of cache `remote` on the
-    current stream; returns the temporaries to keep alive until the stream is synchronized.
-
-    One stretch (both sides consecutive): one `copy_`. Otherwise, on one device: one
-    `copy_blocks` launch for every block, in any order (its torch reference off CUDA), with the
-    block mapping moved in one host-to-device copy from pinned memory. Across devices: a
-    gather here and one copy per destination run.
-    """
-    from kernels.block_copy import copy_blocks, copy_blocks_ref
+) -> CopyPlan:
+    """Enqueue the copies of blocks `src` of `local` into `runs` of `remote` on the current
+    stream; returns the plan it followed. Both caches as `[num_blocks, words]` rows of one
+    integer dtype (`_rows`). On one device the plan may use the kernel (its torch reference
+    off CUDA); across devices, one copy_ per stretch."""
+    from kernels.block_copy import copy_block_rows, copy_block_rows_ref
 
     if same_device is None:
         same_device = remote.device == local.device
-    pairs = block_mapping(src, runs)
-    if one_stretch(pairs):
-        s, d, n = int(pairs[0, 0]), int(pairs[0, 1]), len(pairs)
+    plan = plan_copies(src, runs, use_kernel=same_device)
+    for s, d, n in plan.copies:
         remote[d : d + n].copy_(local[s : s + n], non_blocking=True)
-        return []
-    keep: list[torch.Tensor] = []
-    if same_device:
+    if len(plan.pairs):
+        host = torch.from_numpy(plan.pairs)
         if local.device.type == "cuda":
-            host = torch.from_numpy(pairs).pin_memory()
-            mapping = host.to(local.device, non_blocking=True)
-            copy_blocks(local, remote, mapping)
-            keep += [host, mapping]
+            # The caching host allocator keeps the pinned block until the copy has run.
+            mapping = host.pin_memory().to(local.device, non_blocking=True)
+            copy_block_rows(local, remote, mapping)
         else:
-            copy_blocks_ref(local, remote, torch.from_numpy(pairs))
-        return keep
-    for pos, first, n in runs:
-        idx = torch.tensor(src[pos : pos + n], device=local.device)
-        gathered = local.index_select(0, idx)
-        remote[first : first + n].copy_(gathered, non_blocking=True)
-        keep += [idx, gathered]
-    return keep
+            copy_block_rows_ref(local, remote, host)
+    return plan
+
+
+async def wait_event(
+    event: torch.cuda.Event, executor: concurrent.futures.Executor, spin_s: float = SPIN_S
+) -> None:
+    """Return once `event` has completed: polled between the loop's other callbacks for up to
+    `spin_s`, then waited for on `executor`. A cancelled wait still lets the device work end
+    first (nobody may learn that the session ended while it can still write)."""
+    deadline = time.perf_counter() + spin_s
+    try:
+        while not event.query():
+            if time.perf_counter() > deadline:
+                await run_to_end(executor, event.synchronize)
+                return
+            await asyncio.sleep(0)
+    except asyncio.CancelledError:
+        event.synchronize()
+        raise
 
 
 @dataclass
 class OpenedCache:
-    """The decode worker's KV cache, mapped into this process."""
+    """The decode worker's KV cache, mapped into this process; `rows` and `local_rows` are it
+    and this worker's cache as `[num_blocks, words]` rows of one integer dtype."""
 
     tensor: torch.Tensor
     rows: torch.Tensor
+    local_rows: torch.Tensor
 
 
 class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
@@ -142,10 +195,14 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
         engine: EngineHandle,
         worker_id: str = "",
         rpc_timeout_s: float = 30.0,
+        max_sessions: int = MAX_SESSIONS,
     ) -> None:
         if kv_cache.device.type != "cuda":
             raise ValueError("the CUDA IPC connector needs a KV cache on a CUDA device")
         super().__init__(kv_cache, engine, worker_id, rpc_timeout_s)
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.max_sessions = max_sessions
         self.device = kv_cache.device
         self._rows = _rows(kv_cache)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-ipc")
@@ -222,7 +279,11 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
                 )
             if not tensor.is_contiguous():
                 raise KVTransferError(f"the KV cache of {dst.worker_id} is not contiguous")
-            return OpenedCache(tensor, _rows(tensor))
+            rows, local_rows = _rows(tensor), self._rows
+            if rows.dtype != local_rows.dtype:  # differently aligned: bytes both sides
+                rows = rows.view(torch.uint8)
+                local_rows = local_rows.view(torch.uint8)
+            return OpenedCache(tensor, rows, local_rows)
 
         try:
             return await run_to_end(self._executor, open_handle)
@@ -237,20 +298,17 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
             raise KVTransferError("source block ids out of range")
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
-        # Enqueue here (one or two launches); wait on the connector's thread only if the copy
-        # is still running.
+        # Enqueue here (copies and at most one kernel launch), then one event for all of them.
         with torch.cuda.stream(self._stream):
-            keep = copy_runs(self.cache.kv_cache, peer.tensor, src, runs)
+            copy_runs(peer.local_rows, peer.rows, src, runs)
             done = torch.cuda.Event()
             done.record(self._stream)
-        if not done.query():
-            await run_to_end(self._executor, done.synchronize)
-        del keep
+        await wait_event(done, self._executor)
 
     def _close_peer(self, peer: OpenedCache) -> None:
         # Dropping the last reference closes the mapping (torch syncs and releases the
         # producer's ref count).
-        peer.tensor = peer.rows = torch.empty(0)
+        peer.tensor = peer.rows = peer.local_rows = torch.empty(0)
 
     async def close(self) -> None:
         await super().close()

@@ -1,10 +1,10 @@
 """CUDA IPC KV hand-off on one GPU, between processes.
 
 1. Two processes: a decode process shares its (zeroed) bf16 cache through ConnectKV; a prefill
-   process opens it and writes shuffled, non-contiguous blocks of several requests (the copy
-   path, the gather/scatter path, concurrent sessions, refusals, an abandoned session, a
-   reconnect). Every destination block must equal its source bit for bit; no other block may
-   change.
+   process opens it and writes shuffled, non-contiguous blocks of several requests (copy_ per
+   stretch, the block-copy kernel, both in one session, batched sessions, refusals, an
+   abandoned session, a reconnect). Every destination block must equal its source bit for
+   bit; no other block may change.
 2. Disaggregated serving: scheduler + prefill worker + decode worker (separate processes on the
    GPU, --kv-connector cuda-ipc) against scheduler + unified worker: greedy outputs of 20
    prompts equal (a divergence is tolerated only at a near-tie of the two best logprobs, and
@@ -49,11 +49,17 @@ def make_jobs() -> dict[str, Job]:
     free = list(range(SHAPE[0]))
     rng.shuffle(free)
     jobs: dict[str, Job] = {}
-    # Long consecutive runs both sides: a handful of copies.
+    # Long consecutive runs both sides: one copy_ per stretch.
     jobs["runs"] = (list(range(100, 140)), [*range(200, 230), *range(10, 20), 240])
-    used = set(jobs["runs"][1])
+    used = set(jobs["runs"][1]) | set(range(100, 120))
     free = [b for b in free if b not in used]
-    # Scattered both sides: more stretches than MAX_COPIES -> one gather, one scatter.
+    # A long stretch among scattered blocks: one copy_ and one kernel launch.
+    mixed_dst, free = free[:12], free[12:]
+    jobs["mixed"] = (
+        [*rng.sample(range(SHAPE[0]), 12), *range(150, 170)],
+        [*mixed_dst, *range(100, 120)],
+    )
+    # Scattered both sides: more stretches than MAX_COPIES -> one kernel launch.
     for rid, n in (("scatter", 24), ("c0", 5), ("c1", 9), ("c2", 3), ("after", 7)):
         dst, free = free[: n + 1], free[n + 1 :]
         jobs[rid] = (rng.sample(range(SHAPE[0]), n), dst)
@@ -110,6 +116,7 @@ async def _prefill(address: str, jobs: dict[str, Job]) -> dict[str, Any]:
             result["errors"][rid] = str(exc)
 
     await send("runs", *jobs["runs"])
+    await send("mixed", *jobs["mixed"])
     await send("scatter", *jobs["scatter"])
     await asyncio.gather(*(send(rid, *jobs[rid]) for rid in ("c0", "c1", "c2")))
     await send("ghost", [1, 2], [50, 51, 52])
@@ -169,7 +176,7 @@ def test_two_processes_copy_blocks_byte_exact(tmp_path: Path) -> None:
                     p.kill()
 
     src, dst = source_cache(), torch.load(out)
-    good = ("runs", "scatter", "c0", "c1", "c2", "after")
+    good = ("runs", "mixed", "scatter", "c0", "c1", "c2", "after")
     assert set(result["bytes"]) == set(good), result["errors"]
     assert "no blocks are reserved" in result["errors"]["ghost"]
     assert "not reserved" in result["errors"]["c0"]

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +14,16 @@ import pytest
 import torch
 
 from tandem.kv_transfer.base import KVDestination, KVTransferError, block_runs
-from tandem.kv_transfer.cuda_ipc import _rows, block_mapping, copy_runs, one_stretch, stretches
+from tandem.kv_transfer.cuda_ipc import (
+    LONG_STRETCH,
+    MAX_COPIES,
+    _rows,
+    block_mapping,
+    copy_runs,
+    plan_copies,
+    stretches,
+    wait_event,
+)
 from tandem.kv_transfer.inproc import InProcessKVConnector, InProcessKVHub
 from tandem.kv_transfer.placement import (
     NoKVTransportError,
@@ -92,6 +103,10 @@ def test_stretches() -> None:
     src = [7, 8, 9, 3, 5, 6]
     runs = block_runs([20, 21, 22, 30, 31, 32], max_blocks=16)
     assert stretches(src, runs) == [(7, 20, 3), (3, 30, 1), (5, 31, 2)]
+    # Consecutive destinations split into runs still make one stretch.
+    assert stretches([4, 5, 6], block_runs([10, 11, 12], max_blocks=2)) == [(4, 10, 3)]
+    assert stretches([9], [(0, 2, 1)]) == [(9, 2, 1)]
+    assert stretches([], []) == []
 
 
 def test_block_mapping() -> None:
@@ -99,16 +114,30 @@ def test_block_mapping() -> None:
     runs = block_runs([20, 21, 22, 30], max_blocks=16)
     pairs = block_mapping(src, runs)
     assert pairs.tolist() == [[7, 20], [8, 21], [9, 22], [3, 30]]
-    assert not one_stretch(pairs)
-    assert one_stretch(block_mapping([4, 5, 6], block_runs([10, 11, 12], max_blocks=16)))
-    # Consecutive destinations split into runs still make one stretch.
-    assert one_stretch(block_mapping([4, 5, 6], block_runs([10, 11, 12], max_blocks=2)))
-    assert one_stretch(block_mapping([9], [(0, 2, 1)]))
 
 
-@pytest.mark.parametrize("case", ["one_stretch", "scattered", "per_run"])
+def test_plan_copies() -> None:
+    # Few stretches: every one by copy_, nothing for the kernel.
+    plan = plan_copies([7, 8, 9, 3], block_runs([20, 21, 22, 30], max_blocks=16))
+    assert plan.copies == ((7, 20, 3), (3, 30, 1)) and plan.pairs.shape == (0, 2)
+    # Many: the long stretch by copy_, the scattered blocks (in order) by the kernel.
+    long = list(range(100, 100 + LONG_STRETCH))
+    scattered_src = [2 * i for i in range(MAX_COPIES + 1)]
+    scattered_dst = [60 - 3 * i for i in range(MAX_COPIES + 1)]
+    src = scattered_src[:4] + long + scattered_src[4:]
+    dst = scattered_dst[:4] + [200 + i for i in range(LONG_STRETCH)] + scattered_dst[4:]
+    plan = plan_copies(src, block_runs(dst, max_blocks=len(dst)))
+    assert plan.copies == ((100, 200, LONG_STRETCH),)
+    assert plan.pairs.tolist() == [list(p) for p in zip(scattered_src, scattered_dst, strict=True)]
+    # Across devices (no kernel): one copy_ per stretch, however many.
+    plan = plan_copies(src, block_runs(dst, max_blocks=len(dst)), use_kernel=False)
+    assert len(plan.copies) == MAX_COPIES + 2 and plan.pairs.shape == (0, 2)
+    assert plan_copies([], []).copies == ()
+
+
+@pytest.mark.parametrize("case", ["one_stretch", "scattered", "mixed", "per_run"])
 def test_copy_runs_on_cpu(case: str) -> None:
-    """The copy plan on CPU tensors (`scattered` goes through the kernel's torch reference)."""
+    """The copy plan on CPU tensors (the kernel's blocks go through its torch reference)."""
     gen = torch.Generator().manual_seed(3)
     local = torch.randn(SHAPE, generator=gen).to(torch.bfloat16)
     remote = torch.zeros(SHAPE, dtype=torch.bfloat16)
@@ -118,14 +147,70 @@ def test_copy_runs_on_cpu(case: str) -> None:
     else:  # scattered both ways
         src = rng.sample(range(SHAPE[0]), 20)
         dst = rng.sample(range(SHAPE[0]), 20)
+    if case == "mixed":  # a long stretch among scattered blocks
+        src = [b for b in src if b < 30][:10] + list(range(30, 40))
+        dst = [b for b in dst if b < 30][: len(src) - 10] + list(range(38, 48))
     runs = block_runs(dst, max_blocks=len(dst))
-    assert one_stretch(block_mapping(src, runs)) == (case == "one_stretch")
-    keep = copy_runs(local, remote, src, runs, same_device=case != "per_run")
-    assert (len(keep) > 0) == (case == "per_run")
+    plan = copy_runs(_rows(local), _rows(remote), src, runs, same_device=case != "per_run")
+    expected_copies = {"one_stretch": 1, "scattered": 0, "mixed": 1, "per_run": len(src)}
+    assert len(plan.copies) == expected_copies[case], plan.copies
+    assert len(plan.pairs) + sum(n for _, _, n in plan.copies) == len(src)
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(remote[d].view(torch.int16), local[s].view(torch.int16)), (s, d)
     others = [b for b in range(SHAPE[0]) if b not in dst]
     assert not remote[others].view(torch.int16).any()
+
+
+class _FakeEvent:
+    """Completes after `polls` queries, or when synchronized; counts both."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+        self.queries = 0
+        self.synced: list[str] = []
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > self.polls
+
+    def synchronize(self) -> None:
+        self.synced.append(threading.current_thread().name)
+        self.polls = 0
+
+
+def test_wait_event_polls_on_the_loop_then_falls_back_to_a_thread() -> None:
+    async def run() -> None:
+        executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="waiter")
+        try:
+            # Done after a few polls: no thread involved, other tasks ran meanwhile.
+            ticks = 0
+
+            async def other() -> None:
+                nonlocal ticks
+                for _ in range(3):
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            quick = _FakeEvent(polls=3)
+            await asyncio.gather(wait_event(quick, executor), other())  # type: ignore[arg-type]
+            assert quick.queries == 4 and quick.synced == [] and ticks == 3
+            # Still running after the spin: one wait on the executor's thread.
+            slow = _FakeEvent(polls=10**9)
+            await wait_event(slow, executor, spin_s=0.0)  # type: ignore[arg-type]
+            assert len(slow.synced) == 1 and slow.synced[0].startswith("waiter")
+            # Cancelled while polling: the device work is waited for before the cancellation.
+            stuck = _FakeEvent(polls=10**9)
+            task = asyncio.ensure_future(wait_event(stuck, executor, spin_s=60.0))  # type: ignore[arg-type]
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert stuck.synced == [threading.current_thread().name]
+        finally:
+            executor.shutdown(wait=True)
+
+    asyncio.run(run())
 
 
 def test_rows_use_wide_words() -> None:
