@@ -7,16 +7,21 @@ reserved) and this process (the prefill side) move whole prompts:
 
     contiguous   128 consecutive source blocks into 128 consecutive destination blocks
     scattered    shuffled source and destination blocks (a pool after churn)
-    throughput   `--prompts` prompts sent by `--concurrency` senders, each sending its next
-                 prompt as soon as its last one is done (closed loop): aggregate bytes over
-                 wall time. Concurrent hand-offs to one decode worker share write sessions,
-                 so this is the rate under load; each sender has its own destination blocks.
+    throughput   `--prompts` prompts sent by C senders for each C in `--concurrency`, each
+                 sending its next prompt as soon as its last one is done (closed loop):
+                 aggregate bytes over wall time. Concurrent hand-offs to one decode worker
+                 share write sessions (up to the connector's `max_sessions` in flight, so one
+                 session's copies overlap the others' messages): this is the rate under load;
+                 each sender has its own destination blocks. `<name>_throughput` is the largest
+                 C, `<name>_throughput_c<C>` the others.
 
     cuda mode (one GPU, two processes): the CUDA IPC connector. Beside it, measured in the
         same run: the device-to-device copy bandwidth (a local `copy_` of one prompt's bytes),
         a raw copy into the IPC-mapped cache, and the `copy_blocks` kernel alone into it
-        (consecutive and shuffled block pairs); rates are also given as a fraction of the
-        local copy bandwidth.
+        (consecutive and shuffled block pairs; shuffled also at other per-program chunk
+        sizes). These are device times: each timed op waits behind a short device-side spin,
+        so the host's launch cost (given apart, `host_launch_us`) is not counted in them.
+        Rates are also given as a fraction of the local copy bandwidth.
     nccl mode (two GPUs, two processes: this one on cuda:0, the receiver on cuda:1): the NCCL
         connector, beside a GPU-to-GPU `copy_` of the same bytes.
     cpu mode: the NCCL connector over gloo and the TCP connector, beside a local memcpy.
@@ -41,6 +46,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -122,19 +128,34 @@ def _summary(prompt_bytes: int, seconds: list[float]) -> dict[str, float]:
     }
 
 
-def _cuda_copy_s(dst: torch.Tensor, src: torch.Tensor, iters: int) -> list[float]:
-    """Seconds per `dst.copy_(src)`, by CUDA events, after a warm-up."""
+# Device cycles of spin queued ahead of each timed op (about 0.5 ms): the op is launched while
+# the device spins, so its CUDA events time the device work alone, not the host's launch.
+SPIN_CYCLES = 1_000_000
+
+
+def _cuda_device_s(fn: Callable[[], object], iters: int) -> tuple[list[float], float]:
+    """Device seconds per `fn()` (one op enqueued on the current stream), by CUDA events, after
+    a warm-up; and the median host seconds `fn()` took to enqueue it."""
     for _ in range(3):
-        dst.copy_(src)
-    times = []
+        fn()
+    torch.cuda.synchronize()
+    times, host = [], []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
-        dst.copy_(src)
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return times
+    return times, statistics.median(host)
+
+
+def _cuda_copy_s(dst: torch.Tensor, src: torch.Tensor, iters: int) -> list[float]:
+    """Device seconds per `dst.copy_(src)`."""
+    return _cuda_device_s(lambda: dst.copy_(src), iters)[0]
 
 
 def _cross_copy_s(dst: torch.Tensor, src: torch.Tensor, iters: int) -> list[float]:
@@ -194,6 +215,11 @@ async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
         local = _cpu_copy_s(rows[n : 2 * n], rows[:n], ns.iters)
         out["memcpy"] = _summary(prompt_bytes, local)
     reference = prompt_bytes / statistics.median(local) / 1e9
+    ref_name = {
+        "cuda": "fraction_of_d2d",
+        "nccl": "fraction_of_gpu_to_gpu",
+        "cpu": "fraction_of_memcpy",
+    }[ns.mode]
 
     for name, connector in _connectors(ns.mode, cache, "bench-prefill").items():
 
@@ -226,22 +252,14 @@ async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
             out[key] = {"session": _summary(prompt_bytes, totals)}
             if history is not None:
                 out[key]["data"] = _summary(prompt_bytes, datas)
-            ref_name = {
-                "cuda": "fraction_of_d2d",
-                "nccl": "fraction_of_gpu_to_gpu",
-                "cpu": "fraction_of_memcpy",
-            }[ns.mode]
             for part in out[key].values():
                 part[ref_name] = part["GBps_median"] / reference
-        out[f"{name}_throughput"] = await _throughput(connector, dest, shape[0], n, ns, rng)
-        frac = out[f"{name}_throughput"]["GBps"] / reference
-        out[f"{name}_throughput"][
-            {
-                "cuda": "fraction_of_d2d",
-                "nccl": "fraction_of_gpu_to_gpu",
-                "cpu": "fraction_of_memcpy",
-            }[ns.mode]
-        ] = frac
+        levels = sorted(ns.concurrency)
+        for c in levels:
+            prompts = ns.prompts or max(64, 4 * c)
+            key = f"{name}_throughput" if c == levels[-1] else f"{name}_throughput_c{c}"
+            out[key] = await _throughput(connector, dest, shape[0], n, c, prompts, rng)
+            out[key][ref_name] = out[key]["GBps"] / reference
         await connector.close()
     return out
 
@@ -254,9 +272,9 @@ def _kernel_figures(
     reference: float,
     rng: random.Random,
 ) -> dict[str, Any]:
-    """`copy_blocks` alone (one launch, CUDA events) into the IPC-mapped cache: n consecutive
-    pairs, and n shuffled pairs."""
-    from kernels.block_copy import copy_blocks
+    """`copy_blocks` alone (one launch, device time) into the IPC-mapped cache: n consecutive
+    pairs, and n shuffled pairs (also at other chunk sizes)."""
+    from kernels.block_copy import CHUNK_BYTES, copy_blocks
 
     out: dict[str, Any] = {}
     prompt_bytes = n * cache[0].numel() * cache.element_size()
@@ -264,20 +282,23 @@ def _kernel_figures(
         src = _ids(rng, cache.shape[0], n, pattern)
         dst = _ids(rng, remote.shape[0], n, pattern)
         mapping = torch.tensor(list(zip(src, dst, strict=True)), device=cache.device)
-        for _ in range(3):
-            copy_blocks(cache, remote, mapping)
-        times = []
-        for _ in range(iters):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            copy_blocks(cache, remote, mapping)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+
+        def launch(mapping: torch.Tensor = mapping, chunk_bytes: int = CHUNK_BYTES) -> None:
+            copy_blocks(cache, remote, mapping, chunk_bytes=chunk_bytes)
+
+        times, host_s = _cuda_device_s(launch, iters)
         key = f"copy_blocks_kernel_{pattern}"
         out[key] = _summary(prompt_bytes, times)
         out[key]["fraction_of_d2d"] = out[key]["GBps_median"] / reference
+        out[key]["host_launch_us"] = host_s * 1e6
+        out[key]["chunk_bytes"] = CHUNK_BYTES
+        if pattern != "scattered":
+            continue
+        by_chunk: dict[str, float] = {}
+        for chunk_bytes in (16 * 1024, 64 * 1024, 128 * 1024):
+            times, _ = _cuda_device_s(lambda c=chunk_bytes: launch(chunk_bytes=c), iters)
+            by_chunk[str(chunk_bytes)] = prompt_bytes / statistics.median(times) / 1e9
+        out[key]["GBps_median_by_chunk_bytes"] = by_chunk
     return out
 
 
@@ -286,11 +307,12 @@ async def _throughput(
     dest: Any,
     num_blocks: int,
     n: int,
-    ns: argparse.Namespace,
+    concurrency: int,
+    prompts: int,
     rng: random.Random,
 ) -> dict[str, Any]:
-    """`ns.prompts` prompts through `ns.concurrency` closed-loop senders (one warm-up round
-    first); sender j writes destination blocks [j*n, (j+1)*n)."""
+    """`prompts` prompts through `concurrency` closed-loop senders (one warm-up round first);
+    sender j writes destination blocks [j*n, (j+1)*n)."""
     prompt_bytes = n * connector.layout.bytes_per_block
     history = getattr(connector, "history", None)
     counter = iter(range(1 << 30))
@@ -302,27 +324,33 @@ async def _throughput(
             moved = await connector.send_blocks(f"tp-{j}-{next(counter)}", src, dest(dst))
             assert moved == prompt_bytes, (moved, prompt_bytes)
 
-    per = [
-        ns.prompts // ns.concurrency + (j < ns.prompts % ns.concurrency)
-        for j in range(ns.concurrency)
-    ]
-    await asyncio.gather(*(sender(j, 1) for j in range(ns.concurrency)))  # warm-up
+    per = [prompts // concurrency + (j < prompts % concurrency) for j in range(concurrency)]
+    await asyncio.gather(*(sender(j, 1) for j in range(concurrency)))  # warm-up
     before = len(history) if history is not None else 0
     t0 = time.perf_counter()
-    await asyncio.gather(*(sender(j, per[j]) for j in range(ns.concurrency)))
+    await asyncio.gather(*(sender(j, per[j]) for j in range(concurrency)))
     wall = time.perf_counter() - t0
     result: dict[str, Any] = {
-        "prompts": ns.prompts,
-        "concurrency": ns.concurrency,
+        "prompts": prompts,
+        "concurrency": concurrency,
         "wall_ms": wall * 1e3,
-        "GBps": ns.prompts * prompt_bytes / wall / 1e9,
-        "ms_per_prompt": wall * 1e3 / ns.prompts,
+        "GBps": prompts * prompt_bytes / wall / 1e9,
+        "ms_per_prompt": wall * 1e3 / prompts,
     }
     if history is not None:
         records = list(history)[before:]
+        result["max_sessions"] = connector.max_sessions
         result["mean_requests_per_session"] = statistics.mean(r.batch_size for r in records)
         result["median_request_latency_ms"] = statistics.median(r.total_s for r in records) * 1e3
+        result["median_session_data_ms"] = statistics.median(r.data_s for r in records) * 1e3
     return result
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,14 +365,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=0, help="cache blocks per process")
     p.add_argument("--iters", type=int, default=0, help="timed prompts per pattern")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=8, help="throughput: senders")
-    p.add_argument("--prompts", type=int, default=64, help="throughput: prompts in all")
+    p.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=[8, 32],
+        help="throughput: senders in flight, one run per comma-separated value",
+    )
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=0,
+        help="throughput: prompts per run (default: 4 per sender, at least 64)",
+    )
     p.add_argument("--out", default="", help="write the JSON here")
     ns = p.parse_args(argv)
     n = -(-ns.tokens // ns.block_size)
-    ns.num_blocks = ns.num_blocks or max(4, ns.concurrency) * n
+    most = max(ns.concurrency)
+    ns.num_blocks = ns.num_blocks or max(4, most) * n
     ns.iters = ns.iters or (20 if ns.mode != "cpu" else 5)
-    if ns.num_blocks < max(2, ns.concurrency) * n:
+    if ns.num_blocks < max(2, most) * n:
         p.error("--num-blocks must hold two prompts, and one per throughput sender")
     if ns.mode == "cuda" and not torch.cuda.is_available():
         p.error("--mode cuda needs a CUDA device")
@@ -390,7 +429,6 @@ def main(argv: list[str] | None = None) -> int:
         },
         "iters": ns.iters,
         "concurrency": ns.concurrency,
-        "prompts": ns.prompts,
         "elapsed_s": elapsed,
         "results": results,
     }
@@ -404,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print(report: dict[str, Any]) -> None:
     r = report["results"]
+    local = next(v for k, v in r.items() if k in ("d2d_copy", "gpu_to_gpu_copy", "memcpy"))
+    reference = local["GBps_median"]
     mib = r["prompt_bytes"] / (1 << 20)
     print(
         f"KV transfer, {report['mode']} ({report['device']}): {report['shape']['tokens']} tokens "
@@ -414,22 +454,30 @@ def _print(report: dict[str, Any]) -> None:
             continue
         if "GBps" in value:  # throughput
             frac = next((v for k, v in value.items() if k.startswith("fraction_of")), 0.0)
+            sessions = value.get("max_sessions")
             print(
                 f"  {key:<32} {value['GBps']:8.2f} GB/s aggregate "
                 f"{value['ms_per_prompt']:8.3f} ms/prompt  ({frac:.0%} of the local copy; "
                 f"{value['prompts']} prompts, {value['concurrency']} in flight, "
-                f"{value.get('mean_requests_per_session', 1):.1f} per session)"
+                f"{value.get('mean_requests_per_session', 1):.1f} per session"
+                + (f", at most {sessions} sessions in flight" if sessions else "")
+                + ")"
             )
             continue
         parts = value.items() if "session" in value else [("", value)]
         for part, s in parts:
             frac = next((v for k, v in s.items() if k.startswith("fraction_of")), None)
             extra = f"  ({frac:.0%} of the local copy)" if frac is not None else ""
+            if "host_launch_us" in s:
+                extra += f"  launch {s['host_launch_us']:.0f} us on the host"
             label = f"{key} {part}".strip()
             print(
                 f"  {label:<32} {s['GBps_median']:8.2f} GB/s median  "
                 f"{s['median_ms']:8.3f} ms{extra}"
             )
+            for chunk, rate in s.get("GBps_median_by_chunk_bytes", {}).items():
+                label = f"{key} chunk {int(chunk) // 1024} KiB"
+                print(f"  {label:<32} {rate:8.2f} GB/s median  ({rate / reference:.0%})")
 
 
 if __name__ == "__main__":

@@ -192,7 +192,8 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         self._lanes: dict[str, _Lane] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # Sessions in flight per decode worker: while one waits for its messages, the next
-        # can copy. NCCL: one (both ranks post their operations in session order).
+        # can copy. NCCL: one (both ranks post their operations in session order); a
+        # subclass may allow more (CUDA IPC: 4).
         self.max_sessions = 1 if serialize_sessions else 2
         self.history: deque[TransferRecord] = deque(maxlen=4096)
 
