@@ -7,7 +7,8 @@
 #   MODE=cpu OUT=/tmp/x bash scripts/gpu_issue6.sh         (dry run on a CPU machine: TCP
 #                                                           connector, SmolLM2, tiny loads)
 #
-# A bare machine gets grpcio/protobuf/health/reflection from .whl/ into /tmp/site. Serving model:
+# A bare machine gets grpcio/protobuf/health/reflection/uvicorn/starlette/... from .whl/ into
+# /tmp/site. Serving model:
 # $SERVE_MODEL (GPU default random:llama-3.2-1b in bf16; a stand-in id tokenizer is written into
 # its folder, since bench serve sends token ids). Every step has a time limit, and the whole run
 # a budget ($BUDGET_S, default 450 s): a step gets what is left. A failing step does not stop
@@ -26,11 +27,20 @@ summary="$OUT/summary.txt"
 : >"$summary"
 START=$SECONDS
 
-if ! $PY -c "import grpc, google.protobuf, grpc_health, grpc_reflection" 2>/dev/null; then
-  if [ ! -d /tmp/site ] && ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-deps --target /tmp/site .whl/*.whl >"$LOGS/pip.log" 2>&1
-  fi
+# What the services import beyond torch/numpy (the frontend: uvicorn + starlette, and their
+# anyio/h11/click). A bare machine gets them from .whl/ into /tmp/site: all of .whl/ is
+# installed (--upgrade: a /tmp/site left by an earlier run with fewer wheels is completed).
+NEED_IMPORTS="import grpc, google.protobuf, grpc_health, grpc_reflection, prometheus_client, \
+uvicorn, starlette, anyio, h11, click"
+if ! $PY -c "$NEED_IMPORTS" 2>/dev/null; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  if ! $PY -c "$NEED_IMPORTS" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --upgrade --target /tmp/site .whl/*.whl \
+      >"$LOGS/pip.log" 2>&1 || echo "pip install of .whl/ into /tmp/site failed (pip.log)" \
+      | tee -a "$summary"
+  fi
+  $PY -c "$NEED_IMPORTS" 2>>"$LOGS/pip.log" \
+    || echo "still missing after .whl/: see pip.log; serving steps will fail" | tee -a "$summary"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -59,7 +69,7 @@ if torch.cuda.is_available():
     print(torch.cuda.get_device_name(), "uuid", torch.cuda.get_device_properties(0).uuid)
 need = ["grpc", "google.protobuf", "numpy", "pytest", "xxhash", "transformers", "tokenizers",
         "grpc_health", "grpc_reflection", "prometheus_client", "safetensors", "triton",
-        "matplotlib"]
+        "uvicorn", "starlette", "anyio", "h11", "click", "fastapi", "httpx", "matplotlib"]
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 print("missing python packages:", missing or "none")
 EOF
