@@ -74,9 +74,18 @@ def block_mapping(src: list[int], runs: list[Run]) -> np.ndarray:
     i-th destination block of `runs` (which cover `src` in order)."""
     pairs = np.empty((len(src), 2), dtype=np.int64)
     pairs[:, 0] = src
-    col = pairs[:, 1]
-    for pos, first, n in runs:
-        col[pos : pos + n] = np.arange(first, first + n)
+    if not runs:
+        return pairs
+    # [3, num_runs]: positions, first blocks, lengths (one list each: numpy converts a flat
+    # list of ints far faster than a list of tuples).
+    table = np.array(
+        [r[0] for r in runs] + [r[1] for r in runs] + [r[2] for r in runs], dtype=np.int64
+    ).reshape(3, -1)
+    positions, firsts, lengths = table
+    assert positions[0] == 0 and (positions[1:] == np.cumsum(lengths)[:-1]).all(), runs
+    assert lengths.sum() == len(src), (len(src), runs)
+    # Row i of run r (which starts at row positions[r]) goes to firsts[r] + i - positions[r].
+    pairs[:, 1] = np.repeat(firsts - positions, lengths) + np.arange(len(src))
     return pairs
 
 
@@ -89,16 +98,21 @@ def _stretch_bounds(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return starts, lengths
 
 
-def stretches(src: list[int], runs: list[Run]) -> list[tuple[int, int, int]]:
+def stretches(src: list[int], runs: list[Run]) -> tuple[tuple[int, int, int], ...]:
     """(first source block, first destination block, number of blocks) for every stretch where
     both the source and the destination blocks are consecutive, in order."""
     pairs = block_mapping(src, runs)
     if len(pairs) == 0:
-        return []
+        return ()
     starts, lengths = _stretch_bounds(pairs)
-    return [
-        (int(pairs[i, 0]), int(pairs[i, 1]), int(n)) for i, n in zip(starts, lengths, strict=True)
-    ]
+    return _as_copies(pairs, starts, lengths)
+
+
+def _as_copies(
+    pairs: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+) -> tuple[tuple[int, int, int], ...]:
+    firsts = pairs[starts].tolist()
+    return tuple((s, d, n) for (s, d), n in zip(firsts, lengths.tolist(), strict=True))
 
 
 @dataclass(frozen=True)
@@ -111,9 +125,36 @@ class CopyPlan:
     pairs: np.ndarray
 
 
+_NO_PAIRS = np.empty((0, 2), dtype=np.int64)
+
+
+def _copies_if_runs_are_stretches(
+    src: list[int], runs: list[Run]
+) -> tuple[tuple[int, int, int], ...] | None:
+    """The stretches, when the source blocks of every destination run are consecutive too
+    (the common case, found without numpy); None otherwise."""
+    copies: list[tuple[int, int, int]] = []
+    for pos, first, n in runs:
+        s = src[pos]
+        if src[pos : pos + n] != list(range(s, s + n)):
+            return None
+        if copies:
+            ps, pd, pn = copies[-1]
+            if ps + pn == s and pd + pn == first:
+                copies[-1] = (ps, pd, pn + n)
+                continue
+        copies.append((s, first, n))
+    return tuple(copies)
+
+
 def plan_copies(src: list[int], runs: list[Run], use_kernel: bool = True) -> CopyPlan:
     """Stretches by copy_ when there are at most MAX_COPIES of them (or `use_kernel` is off);
     otherwise the long ones by copy_ and the blocks of the short ones by the kernel."""
+    copies = _copies_if_runs_are_stretches(src, runs)
+    if copies is not None and (
+        len(copies) <= MAX_COPIES or not use_kernel or min(n for _, _, n in copies) >= LONG_STRETCH
+    ):
+        return CopyPlan(copies, _NO_PAIRS)
     pairs = block_mapping(src, runs)
     if len(pairs) == 0:
         return CopyPlan((), pairs)
@@ -122,10 +163,7 @@ def plan_copies(src: list[int], runs: list[Run], use_kernel: bool = True) -> Cop
         by_copy = np.ones(len(starts), dtype=bool)
     else:
         by_copy = lengths >= LONG_STRETCH
-    copies = tuple(
-        (int(pairs[i, 0]), int(pairs[i, 1]), int(n))
-        for i, n in zip(starts[by_copy], lengths[by_copy], strict=True)
-    )
+    copies = _as_copies(pairs, starts[by_copy], lengths[by_copy])
     return CopyPlan(copies, pairs[np.repeat(~by_copy, lengths)])
 
 

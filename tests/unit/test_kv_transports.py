@@ -102,11 +102,11 @@ def test_check_runs() -> None:
 def test_stretches() -> None:
     src = [7, 8, 9, 3, 5, 6]
     runs = block_runs([20, 21, 22, 30, 31, 32], max_blocks=16)
-    assert stretches(src, runs) == [(7, 20, 3), (3, 30, 1), (5, 31, 2)]
+    assert stretches(src, runs) == ((7, 20, 3), (3, 30, 1), (5, 31, 2))
     # Consecutive destinations split into runs still make one stretch.
-    assert stretches([4, 5, 6], block_runs([10, 11, 12], max_blocks=2)) == [(4, 10, 3)]
-    assert stretches([9], [(0, 2, 1)]) == [(9, 2, 1)]
-    assert stretches([], []) == []
+    assert stretches([4, 5, 6], block_runs([10, 11, 12], max_blocks=2)) == ((4, 10, 3),)
+    assert stretches([9], [(0, 2, 1)]) == ((9, 2, 1),)
+    assert stretches([], []) == ()
 
 
 def test_block_mapping() -> None:
@@ -133,6 +133,35 @@ def test_plan_copies() -> None:
     plan = plan_copies(src, block_runs(dst, max_blocks=len(dst)), use_kernel=False)
     assert len(plan.copies) == MAX_COPIES + 2 and plan.pairs.shape == (0, 2)
     assert plan_copies([], []).copies == ()
+
+
+def test_plan_copies_covers_every_pair_once() -> None:
+    """Random sessions (consecutive or not, either side, runs cut short): copies and kernel
+    pairs together are exactly the (source, destination) pairs; the kernel is used only when
+    copy_ alone would take more than MAX_COPIES short stretches."""
+    rng = random.Random(7)
+    for _ in range(300):
+        m = rng.randrange(1, 40)
+        if rng.random() < 0.5:
+            first = rng.randrange(0, 30)
+            src = list(range(first, first + m))
+        else:
+            src = [rng.randrange(0, 60) for _ in range(m)]
+        if rng.random() < 0.4:
+            first = rng.randrange(0, 50)
+            dst = list(range(first, first + m))
+        else:
+            dst = rng.sample(range(100), m)
+        runs = block_runs(dst, max_blocks=rng.randrange(1, m + 1))
+        for use_kernel in (True, False):
+            plan = plan_copies(src, runs, use_kernel=use_kernel)
+            moved = [(s + i, d + i) for s, d, n in plan.copies for i in range(n)]
+            moved += [(s, d) for s, d in plan.pairs.tolist()]
+            assert sorted(moved) == sorted(zip(src, dst, strict=True)), (src, dst, plan)
+            if not use_kernel:
+                assert len(plan.pairs) == 0
+            elif len(plan.pairs):
+                assert len(stretches(src, runs)) > MAX_COPIES
 
 
 @pytest.mark.parametrize("case", ["one_stretch", "scattered", "mixed", "per_run"])
