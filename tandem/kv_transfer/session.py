@@ -16,9 +16,12 @@ the sender had ready for that decode worker at once (a batch: one step's prefill
                                           ◀───────── DONE(items: num_bytes)
 
 Batching: `send_blocks` queues the request on its decode worker's lane; a lane runs at most
-`max_sessions` sessions at once (NCCL: one, both ranks must post in the same order), each
-taking every request queued when it starts (at most `MAX_BATCH`). One request alone is a batch
-of one; under load, one session's messages and one device wait serve many requests. A BEGIN
+`max_sessions` sessions at once (NCCL: one, both ranks must post in the same order). A session
+starting takes its share of the queue: the queue split evenly over the lane's sessions not
+already writing, but at least `MIN_SHARE` requests (so one step's few prefills stay one
+session) and at most `MAX_BATCH`. One request alone is a batch of one; under load, one
+session's messages and one device wait serve many requests, and several sessions in flight
+let one's copies overlap the others' messages. A BEGIN
 without items (request_id and runs at the top) is a session of one request whose refusal ends
 the stream.
 
@@ -79,6 +82,8 @@ End = Callable[[str], None]
 
 # Requests per write session at most.
 MAX_BATCH = 32
+# Requests a starting session takes at least (when queued), however many sessions are idle.
+MIN_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -107,10 +112,17 @@ class _Pending:
 
 @dataclass(eq=False)
 class _Lane:
-    """The requests waiting for a decode worker, and how many sessions serve it now."""
+    """The requests waiting for a decode worker, how many sessions serve it now, and how many of
+    those are in a session (the others are about to take from the queue)."""
 
     queue: deque[_Pending]
     sessions: int = 0
+    busy: int = 0
+
+    def share(self) -> int:
+        """Requests the session starting now takes."""
+        idle = max(1, self.sessions - self.busy)
+        return min(MAX_BATCH, max(MIN_SHARE, -(-len(self.queue) // idle)))
 
 
 def consecutive(ids: Sequence[int]) -> bool:
@@ -241,25 +253,35 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         try:
             while lane.queue:
                 items: list[_Pending] = []
-                while lane.queue and len(items) < MAX_BATCH:
+                share = lane.share()
+                while lane.queue and len(items) < share:
                     item = lane.queue.popleft()
                     item.started = True
                     items.append(item)
+                lane.busy += 1
                 try:
-                    peer = await self.peer(dst)
-                except BaseException as exc:
-                    _fail(items, exc)
-                    raise
-                try:
-                    await self._session(peer, dst, items)
-                except BaseException as exc:
-                    # A session that broke may leave the pair out of step: connect again.
-                    self._forget_peer(dst.address, peer)
-                    _fail(items, exc)
-                    if not isinstance(exc, Exception):
-                        raise
+                    await self._run_session(dst, items)
+                finally:
+                    lane.busy -= 1
         finally:
             lane.sessions -= 1
+
+    async def _run_session(self, dst: KVDestination, items: list[_Pending]) -> None:
+        """Connect if need be, then one session for `items`; fails them on an error (raised
+        again only when not an Exception, or when connecting failed)."""
+        try:
+            peer = await self.peer(dst)
+        except BaseException as exc:
+            _fail(items, exc)
+            raise
+        try:
+            await self._session(peer, dst, items)
+        except BaseException as exc:
+            # A session that broke may leave the pair out of step: connect again.
+            self._forget_peer(dst.address, peer)
+            _fail(items, exc)
+            if not isinstance(exc, Exception):
+                raise
 
     async def _session(self, peer: P, dst: KVDestination, items: list[_Pending]) -> None:
         """One batched write session; resolves every item's future (or raises)."""

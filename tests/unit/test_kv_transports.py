@@ -31,7 +31,7 @@ from tandem.kv_transfer.placement import (
     choose_transport,
     normalize_transport,
 )
-from tandem.kv_transfer.session import check_runs
+from tandem.kv_transfer.session import RemoteKVConnector, check_runs
 from tandem.kv_transfer.transports import KVTransports, local_transports
 
 SHAPE = (48, 2, 2, 4, 2, 8)
@@ -355,3 +355,92 @@ def test_the_scheduler_side_imports_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+class _SharedCacheConnector(RemoteKVConnector[torch.Tensor]):
+    """The CUDA IPC session protocol over CPU tensors in one process: the "opened" cache is
+    the receiver's tensor itself; each write copies by the CUDA IPC plan, then stands for a
+    device wait of `write_s`. Records how many writes overlap."""
+
+    transport = "cuda_ipc"
+
+    def __init__(
+        self, cache: torch.Tensor, caches: dict[str, torch.Tensor], max_sessions: int
+    ) -> None:
+        from tandem.kv_transfer.standalone import DirectEngine
+
+        super().__init__(cache, DirectEngine(), "shared")
+        self.max_sessions = max_sessions
+        self.caches = caches
+        self.writing = 0
+        self.most_writing = 0
+        self.write_s = 0.02
+
+    async def _connect_info(self, request: Any) -> Any:
+        from tandem_protos.v1 import worker_pb2
+
+        return worker_pb2.ConnectKVResponse()
+
+    async def _open(self, dst: KVDestination, info: Any) -> torch.Tensor:
+        return self.caches[dst.worker_id]
+
+    async def _write(self, peer: torch.Tensor, src: list[int], runs: list[Any]) -> None:
+        copy_runs(_rows(self.cache.kv_cache), _rows(peer), src, runs)
+        self.writing += 1
+        self.most_writing = max(self.most_writing, self.writing)
+        try:
+            await asyncio.sleep(self.write_s)
+        finally:
+            self.writing -= 1
+
+
+@pytest.mark.parametrize("max_sessions", [1, 4])
+def test_sessions_share_the_queue_and_overlap(max_sessions: int) -> None:
+    """12 closed-loop senders, 3 hand-offs each, to one decode worker: with 4 sessions allowed,
+    the queue is split (4 per session, 3 sessions writing at once); with one, each session
+    takes every queued hand-off. Three hand-offs queued at once always share one session.
+    Every block lands where it was sent."""
+    from tandem.kv_transfer.standalone import start_receiver
+
+    async def run() -> None:
+        src = torch.randn(SHAPE)
+        dst = torch.zeros(SHAPE)
+        recv = _SharedCacheConnector(dst, {}, max_sessions)
+        server, address, receiver = await start_receiver(KVTransports({"cuda_ipc": recv}), None)
+        send = _SharedCacheConnector(src, {"d": dst}, max_sessions)
+
+        def dest(blocks: list[int]) -> KVDestination:
+            return KVDestination("d", address, tuple(blocks), "cuda_ipc")
+
+        try:
+            await send.peer(dest([0]))
+            # One step's three prefills: one session.
+            await asyncio.gather(
+                *(send.send_blocks(f"s{i}", [i], dest([40 + i])) for i in range(3))
+            )
+            assert [r.batch_size for r in send.history] == [3, 3, 3]
+
+            async def sender(j: int) -> None:
+                for k in range(3):
+                    s = [(j * 3 + k) % SHAPE[0], (j * 7 + k) % SHAPE[0]]
+                    await send.send_blocks(f"r{j}-{k}", s, dest([2 * j, 2 * j + 1]))
+
+            send.history.clear()
+            await asyncio.gather(*(sender(j) for j in range(12)))
+            batches = [r.batch_size for r in send.history]
+            if max_sessions == 1:
+                assert set(batches) == {12} and send.most_writing == 1, batches
+            else:
+                assert set(batches) == {4} and send.most_writing == 3, batches
+            for j in range(12):
+                for i, s in enumerate([(j * 3 + 2) % SHAPE[0], (j * 7 + 2) % SHAPE[0]]):
+                    assert torch.equal(dst[2 * j + i], src[s]), (j, i)
+            for i in range(3):
+                assert torch.equal(dst[40 + i], src[i])
+            assert receiver.being_written == {}
+        finally:
+            await send.close()
+            await server.stop(0)
+            await recv.close()
+
+    asyncio.run(run())
