@@ -34,6 +34,10 @@ from tandem.core.outputs import (
 )
 from tandem.request import Request, RequestStatus
 
+_RUNNING = int(RequestStatus.RUNNING)
+_FIRST_FINISHED = int(RequestStatus.FINISHED_STOPPED)
+_FINISH_REASONS = {int(s): s.finish_reason() for s in RequestStatus if s >= _FIRST_FINISHED}
+
 
 @dataclass(frozen=True)
 class SchedulerStats:
@@ -293,7 +297,7 @@ class Scheduler:
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status != _RUNNING:
                 continue  # preempted earlier in this step
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new == 0:
@@ -345,17 +349,19 @@ class Scheduler:
 
         A request with tokens still in flight is not planned past a length it is sure to stop
         at (max_tokens, max_model_len): those steps would only be thrown away."""
-        num_tokens = request.num_tokens_with_placeholders
-        if request.num_output_placeholders:
+        placeholders = request.num_output_placeholders
+        num_tokens = len(request.all_token_ids) + placeholders
+        max_model_len = self.max_model_len
+        if placeholders:
             max_tokens = request.sampling_params.max_tokens
             if (
                 max_tokens is not None
-                and request.num_output_tokens + request.num_output_placeholders >= max_tokens
-            ) or (self.max_model_len and num_tokens >= self.max_model_len):
+                and len(request.output_token_ids) + placeholders >= max_tokens
+            ) or (max_model_len and num_tokens >= max_model_len):
                 return 0
         remaining = num_tokens - num_computed
-        if self.max_model_len:
-            remaining = min(remaining, self.max_model_len - num_computed)
+        if max_model_len and max_model_len - num_computed < remaining:
+            remaining = max_model_len - num_computed
         if remaining <= 0:
             return 0
         if remaining > budget and not self.scheduler_config.enable_chunked_prefill:
@@ -452,55 +458,59 @@ class Scheduler:
         next step may already be planned (and the request preempted by it): the tokens still
         land, in order, since every planned step is updated before the one after it is planned.
         """
-        index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        requests = self.requests
         logprobs = model_runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
         any_finished = False
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished:
-                continue
-            i = index.get(req_id)
-            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
-            if not request.num_output_placeholders:
-                sampled = []  # a partial prefill chunk samples nothing
+        for i, (req_id, sampled) in enumerate(
+            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
+        ):
             if not sampled:
+                continue  # a partial prefill chunk samples nothing
+            request = requests.get(req_id)
+            if (
+                request is None
+                or request.status >= _FIRST_FINISHED
+                or not request.num_output_placeholders
+                or req_id not in scheduler_output.num_scheduled_tokens
+            ):
                 continue
             request.num_output_placeholders -= 1
-            was_running = request.status == RequestStatus.RUNNING
+            was_running = request.status == _RUNNING
             new_token_ids: list[int] = []
             for token_id in sampled:
-                request.append_output_token_ids([token_id])
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
                     break
-            new_logprobs = None
-            if new_token_ids and i is not None and i < len(logprobs) and logprobs[i] is not None:
-                new_logprobs = [logprobs[i]]
+            lp = logprobs[i] if i < len(logprobs) else None
+            finished = request.status >= _FIRST_FINISHED
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=new_logprobs,
-                    finish_reason=request.status.finish_reason(),
+                    new_logprobs=None if lp is None else [lp],
+                    finish_reason=_FINISH_REASONS.get(request.status) if finished else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
             )
-            if request.is_finished:
+            if finished:
                 if was_running:
                     any_finished = True
                 else:
                     self.waiting.remove(request)  # preempted after this step was planned
                 self._release(request)
         if any_finished:
-            self.running = [r for r in self.running if not r.is_finished]
+            self.running = [r for r in self.running if r.status < _FIRST_FINISHED]
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Apply the stop rules after `token_id` was appended; True if the request finished."""
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if (
                 not params.ignore_eos
                 and request.eos_token_id is not None
@@ -509,14 +519,14 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = None
                 return True
-            if token_id in params.stop_token_ids:
+            if params.stop_token_ids and token_id in params.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
                 return True
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
-        if self.max_model_len and request.num_tokens >= self.max_model_len:
+        if self.max_model_len and len(request.all_token_ids) >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

@@ -19,6 +19,7 @@ not thread-safe and never blocks on anything but the model.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Iterable
@@ -35,6 +36,19 @@ from tandem.request import EngineCoreRequest, Request, RequestStatus
 from tandem.worker.model_runner import ModelRunner, PendingStep
 
 logger = logging.getLogger(__name__)
+
+
+# Young-generation collections every 700 allocations cost more than the steps' own work at
+# a thousand running requests (each step allocates lists and messages per request); engine
+# processes collect after 50,000 instead. Measured on the CPU path: update_from_output
+# 10.7 -> 3.5 ms per step at 1024 requests.
+_GC_GEN0_THRESHOLD = 50_000
+
+
+def _raise_gc_threshold() -> None:
+    gen0, gen1, gen2 = gc.get_threshold()
+    if gen0 and gen0 < _GC_GEN0_THRESHOLD:
+        gc.set_threshold(_GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 class InvalidRequestError(ValueError):
@@ -100,6 +114,7 @@ class EngineCore:
         self._pending: tuple[SchedulerOutput, PendingStep] | None = None
         # Whether the last `step()` launched or finished any work.
         self.last_step_idle = True
+        _raise_gc_threshold()
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d (%.1fs)",
             self.model_path.name,

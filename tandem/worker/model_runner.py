@@ -88,6 +88,8 @@ class _StepInputs:
     # Tokens whose ids the previous step samples on the device: flat input row <- its row.
     fill_dst: list[int] = field(default_factory=list)
     fill_src: list[int] = field(default_factory=list)
+    # Leading one-token requests of a mixed step (see AttentionMetadata.num_decodes).
+    num_decodes: int = 0
 
 
 class PendingStep:
@@ -574,6 +576,7 @@ class ModelRunner:
             query_start_loc_cpu=inp.query_start_loc.tolist(),
             seq_lens_cpu=inp.seq_lens.tolist(),
             is_decode_only=inp.total == inp.num_reqs,
+            num_decodes=inp.num_decodes,
         )
         input_ids = self._to_device(inp.input_ids, torch.int64)
         self._fill_from_previous(input_ids, inp)
@@ -636,7 +639,16 @@ class ModelRunner:
         ]
         if not req_ids:
             return PendingStep([], [], [], None, None, None, None, [])
+        num_decodes = 0
+        if so.total_num_scheduled_tokens != len(req_ids):
+            # Mixed step: one-token requests first, so attention can run them as decodes.
+            counts = so.num_scheduled_tokens
+            decodes = [r for r in req_ids if counts[r] == 1]
+            if decodes:
+                num_decodes = len(decodes)
+                req_ids = decodes + [r for r in req_ids if counts[r] != 1]
         inp = self._prepare_inputs(so, req_ids)
+        inp.num_decodes = num_decodes
         graph_size = self._graph_size_for(inp.num_reqs) if inp.total == inp.num_reqs else None
         if graph_size is not None:
             logits = self._run_graph(inp, graph_size)

@@ -420,6 +420,34 @@ def case_triton_backend_chunked_prefill_then_decode(dtype: torch.dtype) -> None:
             torch.testing.assert_close(out[lo : lo + new[r]], ref, **_tol(dtype))
 
 
+@_case(*({"dtype": d} for d in DTYPES))
+def case_triton_backend_mixed_step_decodes_first(dtype: torch.dtype) -> None:
+    """A mixed step whose first two requests decode (one token each, long contexts) and whose
+    third is a prefill chunk: with `num_decodes=2` the decodes go through the decode kernel,
+    and the output equals the single prefill-kernel path and the reference."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(13)
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 32, 16
+    query_lens, seq_lens = [1, 1, 20], [300, 41, 57]
+    cache = _layer_view(64, block_size, num_kv_heads, head_size, dtype)
+    block_table = _block_table(seq_lens, block_size, 64, gen)
+    n = sum(query_lens)
+    query = torch.randn(n, num_heads, head_size, dtype=dtype, generator=gen)
+    key = torch.randn(n, num_kv_heads, head_size, dtype=dtype, generator=gen)
+    value = torch.randn(n, num_kv_heads, head_size, dtype=dtype, generator=gen)
+    positions = [list(range(s - q, s)) for q, s in zip(query_lens, seq_lens, strict=True)]
+    meta = _metadata(query_lens, seq_lens, block_table, _slots(block_table, positions, block_size))
+    backend = k.triton_backend.TritonAttentionBackend()
+    whole = backend.forward(query, key, value, cache, meta, 0.25)
+    meta.num_decodes = 2
+    split = backend.forward(query, key, value, cache, meta, 0.25)
+    ref = k.paged_attention.paged_attention_ref(
+        query, cache, meta.query_start_loc, meta.seq_lens, block_table, 0.25
+    )
+    torch.testing.assert_close(split, ref, **_tol(dtype))
+    torch.testing.assert_close(split, whole, **_tol(dtype))
+
+
 @_case()
 def case_triton_backend_decode_uses_splits() -> None:
     """A long-context decode step through the backend: the heuristic picks several splits."""

@@ -35,6 +35,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # True when every request has exactly one query token (pure decode step).
     is_decode_only: bool = False
+    # In a mixed step, the first `num_decodes` requests have exactly one query token each
+    # (the runner orders them first): a backend may run them through its decode path.
+    num_decodes: int = 0
 
 
 class AttentionBackend(ABC):

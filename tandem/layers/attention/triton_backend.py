@@ -2,7 +2,8 @@
 
 `forward` writes the step's K/V into the paged cache, then runs the decode kernel (split-K)
 when `metadata.is_decode_only`, else the prefill/mixed kernel, which reads every K/V of a
-request's context (prefix hits and earlier chunks too) from the cache.
+request's context (prefix hits and earlier chunks too) from the cache. In a mixed step the
+leading `metadata.num_decodes` one-token requests go through the decode kernel instead.
 
 No host-device syncs: sizes come from tensor shapes and metadata's Python ints. The decode
 path is CUDA-graph capturable: its number of splits is a function of `num_reqs`,
@@ -56,6 +57,28 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_seq_len=metadata.max_seq_len,
                 out=out,
+            )
+        elif 0 < metadata.num_decodes < num_reqs:
+            # Mixed step: its one-token requests (first) through the split-K decode kernel,
+            # which reads long contexts at full bandwidth; the rest through the prefill kernel.
+            nd = metadata.num_decodes
+            paged_decode_attention(
+                query[:nd],
+                kv_cache,
+                seq_lens[:nd],
+                block_table[:nd],
+                scale,
+                max_seq_len=metadata.max_seq_len,
+                out=out[:nd],
+            )
+            paged_prefill_attention(
+                query[nd:],
+                kv_cache,
+                metadata.query_start_loc[nd : num_reqs + 1] - nd,
+                seq_lens[nd:],
+                block_table[nd:],
+                scale,
+                out=out[nd:],
             )
         else:
             paged_prefill_attention(
