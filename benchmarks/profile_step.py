@@ -43,7 +43,9 @@ def main() -> None:
     if ns.device == "cuda":
         torch.cuda.synchronize()
     print(f"elapsed {time.perf_counter() - t0:.2f}s")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumtime").print_stats(40)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,10 @@ Head size: any (padded to a power of two inside). num_heads must be a multiple o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -117,7 +119,12 @@ def _attend_tile(
 
 # Ints that change from step to step are not specialised on (divisibility by 16, == 1):
 # otherwise a new batch shape could compile a new kernel variant in the middle of serving.
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
+@triton.jit(
+    do_not_specialize=["num_reqs", "stride_bt"],
+    # Mixed steps pass row-offset views (seq_lens[nd:], block_table[nd:]): their alignment
+    # changes with nd, and must not pick a new variant either.
+    do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr"],
+)
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
@@ -206,7 +213,10 @@ def _prefill_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(
+    do_not_specialize=["num_splits", "stride_bt"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "block_table_ptr"],
+)
 def _decode_kernel(
     q_ptr,
     cache_ptr,
@@ -462,6 +472,20 @@ _MIN_TUNE_TOKENS = 1024
 # (head size, query heads per KV head, dtype, block size) -> (block_q, block_n, warps, stages).
 _prefill_configs: dict[tuple[int, int, torch.dtype, int], tuple[int, int, int, int]] = {}
 prefill_tuning_log: list[dict[str, object]] = []
+_tuning_allowed = False
+
+
+@contextlib.contextmanager
+def prefill_tuning() -> Iterator[None]:
+    """Allow `paged_prefill_attention` to tune its config inside this block (an engine's
+    start-up forward); elsewhere it uses a tuned config or the default and never compiles
+    candidates in the middle of serving."""
+    global _tuning_allowed
+    previous, _tuning_allowed = _tuning_allowed, True
+    try:
+        yield
+    finally:
+        _tuning_allowed = previous
 
 
 def _tuned_prefill_config(
@@ -475,10 +499,11 @@ def _tuned_prefill_config(
 ) -> tuple[int, int, int, int] | None:
     """The fastest of `_PREFILL_CANDIDATES` for this model's attention shape on this device.
 
-    Timed once per shape key on the first call with at least `_MIN_TUNE_TOKENS` query rows
-    (an engine makes one at start-up: its memory-profiling forward), on that call's own
-    inputs; each candidate runs twice untimed (compilation) and three times timed. Not on
-    the CPU interpreter, not during CUDA graph capture, not when TANDEM_TUNE_KERNELS=0.
+    Timed once per shape key, inside `prefill_tuning()` only (an engine's memory-profiling
+    forward at start-up), on the first call with at least `_MIN_TUNE_TOKENS` query rows, on
+    that call's own inputs; each candidate runs twice untimed (compilation) and three times
+    timed. Not on the CPU interpreter, not during CUDA graph capture, not when
+    TANDEM_TUNE_KERNELS=0.
     """
     import os
 
@@ -494,7 +519,11 @@ def _tuned_prefill_config(
     key = (head_size, qpk, query.dtype, block_size)
     if key in _prefill_configs:
         return _prefill_configs[key]
-    if query.shape[0] < _MIN_TUNE_TOKENS or torch.cuda.is_current_stream_capturing():
+    if (
+        not _tuning_allowed
+        or query.shape[0] < _MIN_TUNE_TOKENS
+        or torch.cuda.is_current_stream_capturing()
+    ):
         return None
     qpk_pad = triton.next_power_of_2(qpk)
     timings: dict[tuple[int, int, int, int], float] = {}
@@ -658,7 +687,8 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             HEAD_SIZE=head_size,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            # One variant for every split count (no compile when a new count appears).
+            BLOCK_S=triton.next_power_of_2(MAX_NUM_SPLITS),
             BLOCK_D=block_d,
             num_warps=4,
         )

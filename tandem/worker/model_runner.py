@@ -271,7 +271,10 @@ class ModelRunner:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=lens,
         )
-        with torch.inference_mode():
+        from kernels.paged_attention import prefill_tuning
+
+        # The prefill attention kernel picks its tile config here (see prefill_tuning).
+        with torch.inference_mode(), prefill_tuning():
             ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
             hidden = self.model(ids, positions, caches, meta)
             logits = self.model.compute_logits(hidden[: min(sched.max_num_seqs, tokens)])
