@@ -94,9 +94,18 @@ def test_seeded_sampling_on_gpu_reproduces(llm: LLM) -> None:
     params = SamplingParams(
         temperature=0.8, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True
     )
-    a = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-    b = llm.generate([{"prompt_token_ids": p} for p in ps[:1]], params, use_tqdm=False)
-    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+    # The same batch twice (no cached prefixes either time): the same samples. Across batch
+    # shapes bf16 logits differ in their last bits, so a near-tie may flip there; the CPU
+    # tests check batch independence in fp32.
+    runs = []
+    for seed in (1234, 1234, 99):
+        assert llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in ps], params.clone(seed=seed), use_tqdm=False
+        )
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
 
 
 def test_async_scheduling_equals_sync(llm: LLM) -> None:
