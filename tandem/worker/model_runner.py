@@ -616,11 +616,10 @@ class ModelRunner:
     def needs_prior_tokens(self, so: SchedulerOutput) -> bool:
         """True when a request of this step samples from its whole output (penalties,
         min_tokens): the previous step's tokens must be on the host before it launches."""
-        if not self._history_reqs and not so.scheduled_new_reqs:
-            return False
-        return any(r.sampling_params.needs_output_history for r in so.scheduled_new_reqs) or any(
-            r.req_id in self._history_reqs for r in so.scheduled_cached_reqs
-        )
+        if any(r.sampling_params.needs_output_history for r in so.scheduled_new_reqs):
+            return True
+        history = self._history_reqs
+        return bool(history) and any(r.req_id in history for r in so.scheduled_cached_reqs)
 
     def synchronize(self) -> None:
         """Wait until every launched step has finished on the device."""
