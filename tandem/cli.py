@@ -34,6 +34,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument(
+        "--async-scheduling",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="plan step N+1 while the device runs step N (auto: on for CUDA)",
+    )
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true")
@@ -53,6 +59,7 @@ def engine_kwargs_from(ns: argparse.Namespace) -> dict[str, object]:
         "max_num_batched_tokens": ns.max_num_batched_tokens,
         "max_num_seqs": ns.max_num_seqs,
         "policy": ns.policy,
+        "async_scheduling": ns.async_scheduling,
         "device": ns.device,
         "attention_backend": ns.attention_backend,
         "enforce_eager": ns.enforce_eager,

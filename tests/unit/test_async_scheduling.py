@@ -208,3 +208,22 @@ def test_abort_while_a_step_is_in_flight(tiny_llama: Path) -> None:
     assert len(seen.get("r1", [])) <= 1  # at most the token of the step applied before the abort
     assert engine.step() == [] and engine.last_step_idle
     assert_pool_whole(llm)
+
+
+def test_async_scheduling_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from tandem.cli import add_engine_args, engine_kwargs_from
+    from tandem.config import ConfigError, EngineArgs, SchedulerConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for flag, expected in ((None, "auto"), ("off", "off"), ("on", "on")):
+        argv = [] if flag is None else ["--async-scheduling", flag]
+        ns = parser.parse_args(argv)
+        config = EngineArgs(**engine_kwargs_from(ns)).create_engine_config()  # type: ignore[arg-type]
+        assert config.scheduler.async_scheduling == expected
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--async-scheduling", "sometimes"])
+    with pytest.raises(ConfigError, match="async_scheduling"):
+        SchedulerConfig(async_scheduling="sometimes")  # type: ignore[arg-type]
