@@ -20,6 +20,17 @@ _SERVICES = {
 }
 
 
+def device_arg(value: str) -> str:
+    """argparse type of --device: "auto" | "cpu" | "cuda" | "cuda:<index>"."""
+    from tandem.config import ConfigError, parse_device
+
+    try:
+        parse_device(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags that map onto EngineArgs fields (shared by generate, bench and the workers)."""
     g = parser.add_argument_group("engine")
@@ -40,7 +51,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "on", "off"],
         help="plan step N+1 while the device runs step N (auto: on for CUDA)",
     )
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument(
+        "--device",
+        default="auto",
+        type=device_arg,
+        help="auto | cpu | cuda | cuda:<index> (that GPU; every GPU stays visible)",
+    )
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--num-threads", type=int, default=0)

@@ -113,11 +113,24 @@ class SchedulerConfig:
             )
 
 
+def parse_device(device: str) -> tuple[str, int | None]:
+    """A device name -> (kind, GPU index or None); names: auto, cpu, cuda, cuda:<index>.
+    Raises ConfigError for anything else."""
+    kind, sep, index = device.partition(":")
+    if not sep and kind in ("auto", "cpu", "cuda"):
+        return kind, None
+    if kind == "cuda" and index.isascii() and index.isdigit():  # no sign, no spaces
+        return kind, int(index)
+    raise ConfigError(f"device must be auto, cpu, cuda or cuda:<index>, got {device!r}")
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where the model runs. "auto" picks CUDA when present."""
+    """Where the model runs: "auto" (CUDA when present), "cpu", "cuda" (the current device,
+    normally 0) or "cuda:<index>" (that GPU; the engine makes it current on its thread, and
+    every GPU stays visible to the process, so other processes' GPUs can be reached)."""
 
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: str = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] = (
@@ -148,14 +161,18 @@ class DeviceConfig:
     num_threads: int = 0
 
     def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device}")
+        parse_device(self.device)
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend}"
             )
         if any(s < 1 for s in self.cuda_graph_sizes):
             raise ConfigError("cuda_graph_sizes must be positive")
+
+    @property
+    def device_index(self) -> int | None:
+        """The GPU index of "cuda:<index>"; None for any other device."""
+        return parse_device(self.device)[1]
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -192,7 +209,8 @@ class EngineArgs:
     policy: Literal["fcfs", "priority"] = "fcfs"
     enable_chunked_prefill: bool = True
     async_scheduling: Literal["auto", "on", "off"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # "auto" | "cpu" | "cuda" | "cuda:<index>" (see DeviceConfig)
+    device: str = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = False
     num_threads: int = 0

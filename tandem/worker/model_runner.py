@@ -156,6 +156,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, eos_token_id: int | None) -> None:
         self.config = config
         self.device = torch.device(config.device.resolved_device())
+        if config.device.device_index is not None:
+            # Current on this (the engine's) thread before anything is built: Triton launches,
+            # CUDA graphs, streams and the KV cache go to the current device.
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device.type)
         self.kv_dtype = (
             self.dtype
