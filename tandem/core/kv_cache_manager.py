@@ -120,20 +120,22 @@ class KVCacheManager:
         """
         if not new_computed_blocks and not num_new_computed_tokens:
             # Fast path (most decode steps): the tokens fit the blocks held and no block
-            # becomes full, so nothing is allocated or registered.
-            held = self.req_to_blocks.get(request.request_id)
-            needed = request.num_computed_tokens + num_new_tokens
-            if (
-                held
-                and needed <= len(held) * self.block_size
-                and (not self.max_model_len or needed <= self.max_model_len)
-                and (
-                    not self.enable_caching
-                    or min(needed, request.num_tokens) // self.block_size
-                    <= self.num_cached_blocks[request.request_id]
-                )
-            ):
-                return []
+            # becomes full of known tokens, so nothing is allocated or registered.
+            req_id = request.request_id
+            held = self.req_to_blocks.get(req_id)
+            if held:
+                needed = request.num_computed_tokens + num_new_tokens
+                block_size = self.block_size
+                if needed <= len(held) * block_size and (
+                    not self.max_model_len or needed <= self.max_model_len
+                ):
+                    if not self.enable_caching:
+                        return []
+                    known = len(request.all_token_ids)
+                    if (needed if needed < known else known) // block_size <= (
+                        self.num_cached_blocks[req_id]
+                    ):
+                        return []
         new_computed_blocks = new_computed_blocks or []
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")

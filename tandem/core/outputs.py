@@ -28,7 +28,7 @@ class NewRequestData:
     num_computed_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """A request the runner already holds: only the blocks appended since last step."""
 
@@ -72,7 +72,7 @@ class ModelRunnerOutput:
     logprobs: list[Logprobs | None] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What one request produced in one step. `finish_reason` is "stop", "length" or "abort"."""
 

@@ -408,10 +408,12 @@ class Scheduler:
         kv = self._kv_cache_manager
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        req_to_blocks = kv.req_to_blocks
+        num_sent_blocks = self._num_sent_blocks
         for request in scheduled:
             req_id = request.request_id
-            blocks = kv.get_blocks(req_id)
-            num_sent = self._num_sent_blocks.get(req_id)
+            blocks = req_to_blocks.get(req_id, ())
+            num_sent = num_sent_blocks.get(req_id)
             if num_sent is None:
                 new_reqs.append(
                     NewRequestData(
@@ -427,14 +429,12 @@ class Scheduler:
                 # Most steps add no block: only the tail is converted.
                 cached_reqs.append(
                     CachedRequestData(
-                        req_id=req_id,
-                        new_block_ids=[b.block_id for b in blocks[num_sent:]]
-                        if len(blocks) > num_sent
-                        else [],
-                        num_computed_tokens=request.num_computed_tokens,
+                        req_id,
+                        [b.block_id for b in blocks[num_sent:]] if len(blocks) > num_sent else [],
+                        request.num_computed_tokens,
                     )
                 )
-            self._num_sent_blocks[req_id] = len(blocks)
+            num_sent_blocks[req_id] = len(blocks)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,

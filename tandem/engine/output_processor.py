@@ -183,9 +183,9 @@ class OutputProcessor:
                 child.stop_reason = out.stop_reason
             if child.finish_reason is not None:
                 del self._child_to_parent[out.request_id]
-            if parent.finished:
-                finished.append(self._make_output(parent))
-                del self._parents[parent.request_id]
+                if parent.finished:  # only a child finishing can finish its parent
+                    finished.append(self._make_output(parent))
+                    del self._parents[parent.request_id]
         return finished, to_abort
 
     def abort(self, request_id: str) -> list[str]:

@@ -468,13 +468,17 @@ class ModelRunner:
         if total == num_reqs:  # decode only: one token per request
             positions = starts
             ids = [0] * num_reqs
+            row_of = self._last_step.row_of if self._last_step is not None else {}
             for i, (state, c) in enumerate(zip(states, starts_list, strict=True)):
                 tokens = state.token_ids
                 if c < len(tokens):
                     ids[i] = tokens[c]
                 else:
+                    row = row_of.get(state.req_id)
                     fill_dst.append(i)
-                    fill_src.append(self._prev_row(state, c))
+                    fill_src.append(
+                        row if row is not None and c == len(tokens) else self._prev_row(state, c)
+                    )
             input_ids = np.array(ids, dtype=np.int64)
             slot_mapping = block_table[np.arange(num_reqs), positions // bs].astype(np.int64)
         else:
