@@ -32,10 +32,22 @@ def _by_rate(report: dict[str, Any]) -> dict[float, dict[str, Any]]:
     return {float(r["rate"]): r["summary"] for r in report["runs"]}
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
 def compare(disagg: dict[str, Any], unified: dict[str, Any]) -> dict[str, Any]:
     """Per request rate present in both: TTFT / TPOT / E2E p50 and p99 of each system, the
-    differences (disaggregated - unified, ms) and the output-throughput ratio."""
+    differences (disaggregated - unified, ms), the output-throughput ratio and goodput
+    (requests/s within both runs' --goodput-ttft-ms / --goodput-tpot-ms) with its ratio."""
     d_runs, u_runs = _by_rate(disagg), _by_rate(unified)
+    limits = ("goodput_ttft_ms", "goodput_tpot_ms")
+    d_args, u_args = disagg.get("args", {}), unified.get("args", {})
+    if any(d_args.get(k) != u_args.get(k) for k in limits):
+        raise ValueError(
+            f"the two runs had different goodput limits: "
+            f"{[d_args.get(k) for k in limits]} vs {[u_args.get(k) for k in limits]}"
+        )
     if disagg.get("workload") != unified.get("workload"):
         raise ValueError(
             f"the two runs had different workloads: {disagg.get('workload')} vs "
@@ -49,9 +61,12 @@ def compare(disagg: dict[str, Any], unified: dict[str, Any]) -> dict[str, Any]:
             "output_token_throughput": {
                 "disaggregated": d["output_token_throughput"],
                 "unified": u["output_token_throughput"],
-                "ratio": d["output_token_throughput"] / u["output_token_throughput"]
-                if u["output_token_throughput"]
-                else 0.0,
+                "ratio": _ratio(d["output_token_throughput"], u["output_token_throughput"]),
+            },
+            "goodput": {
+                "disaggregated": d.get("goodput", 0.0),
+                "unified": u.get("goodput", 0.0),
+                "ratio": _ratio(d.get("goodput", 0.0), u.get("goodput", 0.0)),
             },
         }
         for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
@@ -68,10 +83,34 @@ def compare(disagg: dict[str, Any], unified: dict[str, Any]) -> dict[str, Any]:
         "benchmark": "serving_disaggregated_vs_unified",
         "workload": disagg.get("workload"),
         "args": {
-            k: disagg.get("args", {}).get(k)
-            for k in ("model", "dtype", "device", "input_len", "output_len", "num_prompts")
+            k: d_args.get(k)
+            for k in (
+                "model",
+                "dtype",
+                "device",
+                "input_len",
+                "output_len",
+                "range_ratio",
+                "num_prompts",
+                "goodput_ttft_ms",
+                "goodput_tpot_ms",
+            )
+        },
+        "systems": {
+            "disaggregated": _placement(d_args),
+            "unified": _placement(u_args),
         },
         "by_rate": rates,
+    }
+
+
+def _placement(args: dict[str, Any]) -> dict[str, Any]:
+    """How a run's workers were placed (older reports lack these: defaults)."""
+    return {
+        "num_prefill_workers": args.get("num_prefill_workers", 1),
+        "num_unified_workers": args.get("num_unified_workers", 1),
+        "gpus": args.get("gpus", []),
+        "device": args.get("device"),
     }
 
 
@@ -80,6 +119,7 @@ def _print(result: dict[str, Any]) -> None:
     print(
         f"{'rate':>6} {'ok d/u':>9} {'tok/s d':>9} {'tok/s u':>9} {'TTFT50 d':>9} {'TTFT50 u':>9}"
         f" {'TTFT99 d':>9} {'TTFT99 u':>9} {'TPOT50 d':>9} {'TPOT50 u':>9}"
+        f" {'TPOT99 d':>9} {'TPOT99 u':>9} {'good d':>7} {'good u':>7}"
     )
     for rate, r in result["by_rate"].items():
         t, ttft, tpot = r["output_token_throughput"], r["ttft_ms"], r["tpot_ms"]
@@ -89,11 +129,14 @@ def _print(result: dict[str, Any]) -> None:
             f" {ttft['p50']['disaggregated']:>9.1f} {ttft['p50']['unified']:>9.1f}"
             f" {ttft['p99']['disaggregated']:>9.1f} {ttft['p99']['unified']:>9.1f}"
             f" {tpot['p50']['disaggregated']:>9.2f} {tpot['p50']['unified']:>9.2f}"
+            f" {tpot['p99']['disaggregated']:>9.2f} {tpot['p99']['unified']:>9.2f}"
+            f" {r['goodput']['disaggregated']:>7.2f} {r['goodput']['unified']:>7.2f}"
         )
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Throughput, TTFT and TPOT (p50 solid, p99 dashed) against request rate, both systems."""
+    """Throughput, goodput, TTFT and TPOT (p50 solid, p99 dashed) against request rate, both
+    systems."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,27 +144,34 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     labels = list(result["by_rate"])
     xs = list(range(len(labels)))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     for system, color in (("disaggregated", "tab:red"), ("unified", "tab:blue")):
         rows = list(result["by_rate"].values())
         axes[0].plot(xs, [r["output_token_throughput"][system] for r in rows], "o-", color=color)
-        for ax, key in ((axes[1], "ttft_ms"), (axes[2], "tpot_ms")):
+        axes[1].plot(xs, [r.get("goodput", {}).get(system, 0.0) for r in rows], "o-", color=color)
+        for ax, key in ((axes[2], "ttft_ms"), (axes[3], "tpot_ms")):
             ax.plot(
                 xs, [r[key]["p50"][system] for r in rows], "o-", color=color, label=f"{system} p50"
             )
             ax.plot(
                 xs, [r[key]["p99"][system] for r in rows], "x--", color=color, label=f"{system} p99"
             )
-    for ax, ylabel in zip(axes, ("output tokens/s", "TTFT (ms)", "TPOT (ms)"), strict=True):
+    args = result["args"]
+    goodput_label = (
+        f"goodput (req/s; TTFT <= {args.get('goodput_ttft_ms')} ms, "
+        f"TPOT <= {args.get('goodput_tpot_ms')} ms)"
+    )
+    ylabels = ("output tokens/s", goodput_label, "TTFT (ms)", "TPOT (ms)")
+    for ax, ylabel in zip(axes, ylabels, strict=True):
         ax.set_xticks(xs, labels)
         ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(alpha=0.3)
-    axes[2].legend(fontsize=7)
-    args = result["args"]
+    axes[3].legend(fontsize=7)
     fig.suptitle(
         f"disaggregated (red) vs unified (blue): {args.get('model')} {args.get('dtype')}, "
-        f"{args.get('input_len')} in / {args.get('output_len')} out"
+        f"{args.get('input_len')} in / {args.get('output_len')} out "
+        f"(range ratio {args.get('range_ratio')})"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,11 +1,16 @@
 """`tandem serve`: the whole system as child processes on one machine.
 
-    scheduler ──▶ prefill worker(s) + decode worker (or one unified worker) ──▶ frontend
+    scheduler ──▶ prefill worker(s) + decode worker (or unified worker(s)) ──▶ frontend
 
 Each service runs as `python -m services.<name>` in its own session (so a Ctrl-C reaches only
 this launcher), reports its bound addresses through a ready file, and is stopped in order on
 Ctrl-C / SIGTERM: the frontend first (it finishes what clients are waiting for), then the
 workers, then the scheduler. tandem never imports the services; it only starts them.
+
+GPUs: `--gpus 0,1` puts the workers on those GPUs round robin in role order (prefill workers,
+then the decode worker; or each unified worker), as `--device cuda:<index>` on each worker's
+command line. Every worker still sees every GPU (no CUDA_VISIBLE_DEVICES): NCCL and CUDA IPC
+between workers on different GPUs need both visible. `worker_commands` is that plan, as data.
 
 Prefix-cache directory: with `--redis-url` the scheduler reads, and the prefill workers
 publish, which worker caches which prompt prefix in that Redis (a password travels in the
@@ -59,6 +64,10 @@ class ServeConfig:
     python: str = sys.executable
     # Prefill workers (disaggregated): "prefill" (worker id prefill-0), "prefill-1", ...
     num_prefill_workers: int = 1
+    # Unified workers (with `unified`): "unified" (worker id unified-0), "unified-1", ...
+    num_unified_workers: int = 1
+    # GPU indices the workers go to, round robin in role order (): `--device` as given).
+    gpus: tuple[int, ...] = ()
     # The prefix-cache directory for the scheduler and the workers ("": none).
     directory: DirectoryConfig = field(default_factory=DirectoryConfig)
     # The scheduler's --routing ("": its default, prefix-aware).
@@ -69,17 +78,83 @@ class ServeConfig:
             raise ValueError("grace_period_s must be >= 0 and startup_timeout_s > 0")
         if self.num_prefill_workers < 1:
             raise ValueError(f"num_prefill_workers must be >= 1, got {self.num_prefill_workers}")
+        if self.num_unified_workers < 1:
+            raise ValueError(f"num_unified_workers must be >= 1, got {self.num_unified_workers}")
+        if self.num_unified_workers > 1 and not self.unified:
+            raise ValueError("num_unified_workers > 1 needs unified workers (--unified)")
+        if any(g < 0 for g in self.gpus):
+            raise ValueError(f"GPU indices must be >= 0, got {list(self.gpus)}")
+        if self.gpus and "--device" in self.worker_args:
+            raise ValueError(
+                "--gpus sets each worker's --device (cuda:<index>); give --gpus or --device"
+            )
 
     @property
     def worker_roles(self) -> list[tuple[str, str]]:
-        """(service name, role) of each worker to start."""
+        """(service name, role) of each worker to start, in role order."""
         if self.unified:
-            return [("unified", "unified")]
+            return [
+                ("unified" if i == 0 else f"unified-{i}", "unified")
+                for i in range(self.num_unified_workers)
+            ]
         prefill = [
             ("prefill" if i == 0 else f"prefill-{i}", "prefill")
             for i in range(self.num_prefill_workers)
         ]
         return [*prefill, ("decode", "decode")]
+
+
+@dataclass(frozen=True)
+class WorkerCommand:
+    """One worker to start: `python -m <module> <args>` under service name `name`."""
+
+    name: str
+    role: str
+    worker_id: str
+    module: str
+    args: tuple[str, ...]
+
+    @property
+    def device(self) -> str:
+        """The worker's --device ("auto" when not given)."""
+        args = list(self.args)
+        return args[args.index("--device") + 1] if "--device" in args else "auto"
+
+
+def worker_commands(config: ServeConfig, scheduler_address: str) -> list[WorkerCommand]:
+    """The command line of every worker (no ready file), in role order. With `config.gpus`,
+    worker i gets `--device cuda:<gpus[i % len(gpus)]>`. CPU workers get `--num-threads`
+    (this machine's cores shared among them) unless the worker args set it or a device."""
+    roles = config.worker_roles
+    shared = list(config.worker_args)
+    if "--num-threads" not in shared and "--device" not in shared and not config.gpus:
+        shared += ["--num-threads", str(default_cpu_threads(len(roles)))]
+    commands = []
+    for i, (name, role) in enumerate(roles):
+        module = "services.prefill_worker" if role == "prefill" else "services.decode_worker"
+        worker_id = f"{role}-{name.rpartition('-')[2] if '-' in name else 0}"
+        args = [
+            "--host",
+            config.host,
+            "--port",
+            "0",
+            "--scheduler",
+            scheduler_address,
+            "--worker-id",
+            worker_id,
+            "--model",
+            config.model,
+            "--grace-period-s",
+            str(config.grace_period_s),
+        ]
+        if role == "unified":
+            args.append("--unified")
+        args += directory_flags(config.directory)
+        if config.gpus:
+            args += ["--device", f"cuda:{config.gpus[i % len(config.gpus)]}"]
+        args += shared
+        commands.append(WorkerCommand(name, role, worker_id, module, tuple(args)))
+    return commands
 
 
 @dataclass
@@ -272,34 +347,9 @@ def start_deployment(config: ServeConfig) -> Deployment:
         wait_ready([services["scheduler"]], deadline)
         scheduler = services["scheduler"].info["grpc"]
         roles = config.worker_roles
-        worker_args = list(config.worker_args)
-        if "--num-threads" not in worker_args and "--device" not in worker_args:
-            worker_args += ["--num-threads", str(default_cpu_threads(len(roles)))]
-        for name, role in roles:
-            module = "services.prefill_worker" if role == "prefill" else "services.decode_worker"
-            extra = ["--unified"] if role == "unified" else []
-            worker_id = f"{role}-{name.rpartition('-')[2] if '-' in name else 0}"
-            services[name] = spawn_service(
-                config,
-                name,
-                module,
-                [
-                    "--host",
-                    config.host,
-                    "--port",
-                    "0",
-                    "--scheduler",
-                    scheduler,
-                    "--worker-id",
-                    worker_id,
-                    "--model",
-                    config.model,
-                    *grace,
-                    *extra,
-                    *directory,
-                    *worker_args,
-                ],
-                workdir,
+        for cmd in worker_commands(config, scheduler):
+            services[cmd.name] = spawn_service(
+                config, cmd.name, cmd.module, list(cmd.args), workdir
             )
         frontend_args = [
             "--host",
@@ -341,13 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--scheduler-port", type=int, default=0)
-    p.add_argument("--unified", action="store_true", help="one unified worker (no hand-off)")
+    p.add_argument("--unified", action="store_true", help="unified workers (no hand-off)")
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""))
     p.add_argument("--grace-period-s", type=float, default=10.0)
     p.add_argument("--log-dir", default="", help="write each service's log to DIR/<name>.log")
-    p.add_argument(
-        "--num-prefill-workers", type=int, default=1, help="prefill workers (disaggregated)"
-    )
+    add_worker_placement_args(p)
     p.add_argument(
         "--routing",
         choices=["prefix", "round-robin", "load"],
@@ -374,6 +422,34 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--redis-tls-no-check-hostname", action="store_true")
     add_engine_args(p)
     return p
+
+
+def gpu_list(value: str) -> tuple[int, ...]:
+    """argparse type of --gpus: "0,1" -> (0, 1)."""
+    try:
+        gpus = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        gpus = ()
+    if not gpus or any(g < 0 for g in gpus):
+        raise argparse.ArgumentTypeError(f"--gpus takes GPU indices like 0,1; got {value!r}")
+    return gpus
+
+
+def add_worker_placement_args(p: argparse.ArgumentParser) -> None:
+    """--num-prefill-workers, --num-unified-workers, --gpus (`tandem serve`, `bench serve`)."""
+    p.add_argument(
+        "--num-prefill-workers", type=int, default=1, help="prefill workers (disaggregated)"
+    )
+    p.add_argument(
+        "--num-unified-workers", type=int, default=1, help="unified workers (with --unified)"
+    )
+    p.add_argument(
+        "--gpus",
+        type=gpu_list,
+        default=(),
+        help="GPU indices, e.g. 0,1: workers go to them round robin in role order (prefill "
+        "workers, then decode; or each unified worker) as --device cuda:<index>",
+    )
 
 
 def _worker_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:
@@ -410,21 +486,26 @@ def main(argv: list[str]) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
-    config = ServeConfig(
-        model=ns.model,
-        host=ns.host,
-        http_port=ns.http_port,
-        grpc_port=ns.grpc_port,
-        scheduler_port=ns.scheduler_port,
-        unified=ns.unified,
-        api_key=ns.api_key,
-        worker_args=tuple(_worker_argv(parser, ns)),
-        grace_period_s=ns.grace_period_s,
-        log_dir=ns.log_dir,
-        num_prefill_workers=ns.num_prefill_workers,
-        directory=directory,
-        routing=ns.routing,
-    )
+    try:
+        config = ServeConfig(
+            model=ns.model,
+            host=ns.host,
+            http_port=ns.http_port,
+            grpc_port=ns.grpc_port,
+            scheduler_port=ns.scheduler_port,
+            unified=ns.unified,
+            api_key=ns.api_key,
+            worker_args=tuple(_worker_argv(parser, ns)),
+            grace_period_s=ns.grace_period_s,
+            log_dir=ns.log_dir,
+            num_prefill_workers=ns.num_prefill_workers,
+            num_unified_workers=ns.num_unified_workers,
+            gpus=ns.gpus,
+            directory=directory,
+            routing=ns.routing,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     stop = {"signal": 0}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -433,10 +514,12 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     mode = (
-        "unified worker"
+        f"{config.num_unified_workers} unified worker(s)"
         if config.unified
         else f"{config.num_prefill_workers} prefill + 1 decode workers"
     )
+    if config.gpus:
+        mode += f" on GPUs {','.join(map(str, config.gpus))}"
     print(f"tandem serve: starting scheduler, {mode}, frontend ({config.model}) ...", flush=True)
     try:
         deployment = start_deployment(config)

@@ -442,6 +442,7 @@ def plot(runs: list[dict[str, Any]], out_dir: Path, stem: str) -> list[Path]:
 
 def build_parser() -> argparse.ArgumentParser:
     from tandem.cli import add_engine_args
+    from tandem.launcher import add_worker_placement_args
 
     p = argparse.ArgumentParser(prog="tandem bench serve", description=__doc__.split("\n\n")[0])
     target = p.add_argument_group("target")
@@ -451,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="frontend address (gRPC host:port, or http://host:port with --backend http)",
     )
     target.add_argument("--launch", action="store_true", help="start `tandem serve` here")
-    target.add_argument("--unified", action="store_true", help="with --launch: unified worker")
+    target.add_argument("--unified", action="store_true", help="with --launch: unified workers")
     target.add_argument("--backend", choices=["grpc", "http"], default="grpc")
     target.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""))
     target.add_argument(
@@ -465,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --compare-offline: also send each prompt alone through both, "
         "alternating, and report the paired latency differences",
     )
+    add_worker_placement_args(target)
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=64)
     w.add_argument("--input-len", type=int, default=64)
@@ -524,9 +526,10 @@ def main(argv: list[str]) -> int:
         parser.error("give --url of a running frontend or --launch")
     from tandem.cli import engine_kwargs_from
 
-    if not ns.num_threads and ns.device != "cuda":
+    num_workers = ns.num_unified_workers if ns.unified else ns.num_prefill_workers + 1
+    if not ns.num_threads and not ns.device.startswith("cuda") and not ns.gpus:
         # The offline engine and the workers get the same threads per engine.
-        ns.num_threads = default_cpu_threads(1 if ns.unified else 2)
+        ns.num_threads = default_cpu_threads(num_workers)
     engine_kwargs = engine_kwargs_from(ns)
     model_path = resolve_model_path(ns.model, ns.cache_dir or None)
     tokenizer = load_tokenizer(model_path)
@@ -593,19 +596,27 @@ def main(argv: list[str]) -> int:
     if ns.launch:
         if ns.log_dir:
             Path(ns.log_dir).mkdir(parents=True, exist_ok=True)
-        config = ServeConfig(
-            model=ns.model,
-            http_port=0,
-            grpc_port=0,
-            unified=ns.unified,
-            api_key=ns.api_key,
-            worker_args=tuple(_worker_argv(parser, ns)),
-            log_dir=ns.log_dir or tempfile.mkdtemp(prefix=f"tandem-bench-{stem}-logs-"),
-        )
+        try:
+            config = ServeConfig(
+                model=ns.model,
+                http_port=0,
+                grpc_port=0,
+                unified=ns.unified,
+                api_key=ns.api_key,
+                worker_args=tuple(_worker_argv(parser, ns)),
+                log_dir=ns.log_dir or tempfile.mkdtemp(prefix=f"tandem-bench-{stem}-logs-"),
+                num_prefill_workers=ns.num_prefill_workers,
+                num_unified_workers=ns.num_unified_workers,
+                gpus=ns.gpus,
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
         print(f"service logs: {config.log_dir}", flush=True)
         deployment = start_deployment(config)
         url = deployment.grpc_address if ns.backend == "grpc" else deployment.http_address
         system = "serve-unified" if ns.unified else "serve-disaggregated"
+        if num_workers > (1 if ns.unified else 2):
+            system += f"-{num_workers}w"
     system += f"/{ns.backend}"
     if ns.backend == "http" and not url.startswith("http"):
         url = f"http://{url}"
@@ -670,7 +681,9 @@ def main(argv: list[str]) -> int:
         "benchmark": "serving",
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "args": {k: v for k, v in vars(ns).items() if isinstance(v, str | int | float | bool)},
+        "args": {
+            k: v for k, v in vars(ns).items() if isinstance(v, str | int | float | bool | tuple)
+        },
         "workload": {
             "num_prompts": workload.num_requests,
             "prompt_tokens": sum(len(p) for p in workload.prompts),
