@@ -36,17 +36,65 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
-def compare(disagg: dict[str, Any], unified: dict[str, Any]) -> dict[str, Any]:
+def _round_up(x: float) -> float:
+    """Up to two significant digits: 437.2 -> 440, 8.13 -> 8.2."""
+    if x <= 0:
+        return 0.0
+    step = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return round(math.ceil(x / step - 1e-9) * step, 6)
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def auto_goodput_limits(unified: dict[str, Any], quantile: float = 99.0) -> dict[str, Any]:
+    """TTFT and TPOT limits the unified system just meets at its lowest request rate: its
+    `quantile` TTFT and TPOT there, rounded up to two significant digits."""
+    runs = [r for r in unified["runs"] if r.get("request_latencies_ms")]
+    if not runs:
+        raise ValueError("the unified report has no per-request latencies (older bench serve)")
+    low = min(runs, key=lambda r: float(r["rate"]))
+    lat = low["request_latencies_ms"]
+    return {
+        "ttft_ms": _round_up(_pct([t for t, _ in lat], quantile)),
+        "tpot_ms": _round_up(_pct([p for _, p in lat], quantile)),
+        "source": f"unified p{quantile:g} at {low['rate']} req/s, rounded up",
+    }
+
+
+def goodput(run: dict[str, Any], ttft_ms: float, tpot_ms: float) -> float:
+    """Requests/s of `run` that finished within both limits."""
+    lat = run["request_latencies_ms"]
+    good = sum(1 for t, p in lat if t <= ttft_ms and p <= tpot_ms)
+    duration = run["summary"]["duration_s"]
+    return good / duration if duration else 0.0
+
+
+def compare(
+    disagg: dict[str, Any], unified: dict[str, Any], limits: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Per request rate present in both: TTFT / TPOT / E2E p50 and p99 of each system, the
-    differences (disaggregated - unified, ms), the output-throughput ratio and goodput
-    (requests/s within both runs' --goodput-ttft-ms / --goodput-tpot-ms) with its ratio."""
+    differences (disaggregated - unified, ms), the output-throughput ratio and goodput with
+    its ratio. Goodput: requests/s within `limits` ({"ttft_ms", "tpot_ms"}, recomputed from
+    both reports' per-request latencies) or, without `limits`, within the runs' own
+    --goodput-ttft-ms / --goodput-tpot-ms."""
     d_runs, u_runs = _by_rate(disagg), _by_rate(unified)
-    limits = ("goodput_ttft_ms", "goodput_tpot_ms")
+    if limits is not None:
+        for report in (disagg, unified):
+            for run in report["runs"]:
+                if "request_latencies_ms" not in run:
+                    raise ValueError("goodput limits need per-request latencies in both reports")
+                run["summary"]["goodput"] = goodput(run, limits["ttft_ms"], limits["tpot_ms"])
+    limit_keys = ("goodput_ttft_ms", "goodput_tpot_ms")
     d_args, u_args = disagg.get("args", {}), unified.get("args", {})
-    if any(d_args.get(k) != u_args.get(k) for k in limits):
+    if limits is None and any(d_args.get(k) != u_args.get(k) for k in limit_keys):
         raise ValueError(
             f"the two runs had different goodput limits: "
-            f"{[d_args.get(k) for k in limits]} vs {[u_args.get(k) for k in limits]}"
+            f"{[d_args.get(k) for k in limit_keys]} vs {[u_args.get(k) for k in limit_keys]}"
         )
     if disagg.get("workload") != unified.get("workload"):
         raise ValueError(
@@ -92,10 +140,10 @@ def compare(disagg: dict[str, Any], unified: dict[str, Any]) -> dict[str, Any]:
                 "output_len",
                 "range_ratio",
                 "num_prompts",
-                "goodput_ttft_ms",
-                "goodput_tpot_ms",
             )
         },
+        "goodput_limits": limits
+        or {"ttft_ms": d_args.get("goodput_ttft_ms"), "tpot_ms": d_args.get("goodput_tpot_ms")},
         "systems": {
             "disaggregated": _placement(d_args),
             "unified": _placement(u_args),
@@ -157,9 +205,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 xs, [r[key]["p99"][system] for r in rows], "x--", color=color, label=f"{system} p99"
             )
     args = result["args"]
+    lim = result.get("goodput_limits") or {}
     goodput_label = (
-        f"goodput (req/s; TTFT <= {args.get('goodput_ttft_ms')} ms, "
-        f"TPOT <= {args.get('goodput_tpot_ms')} ms)"
+        f"goodput (req/s; TTFT <= {lim.get('ttft_ms')} ms, TPOT <= {lim.get('tpot_ms')} ms)"
     )
     ylabels = ("output tokens/s", goodput_label, "TTFT (ms)", "TPOT (ms)")
     for ax, ylabel in zip(axes, ylabels, strict=True):
@@ -184,10 +232,29 @@ def compare_main(argv: list[str]) -> int:
     p.add_argument("unified", help="JSON of `tandem bench serve --launch --unified`")
     p.add_argument("--out", required=True, help="the comparison JSON (a PNG beside it)")
     p.add_argument("--no-plot", action="store_true")
-    ns = p.parse_args(argv)
-    result = compare(
-        json.loads(Path(ns.disaggregated).read_text()), json.loads(Path(ns.unified).read_text())
+    g = p.add_argument_group("goodput limits (default: each run's own)")
+    g.add_argument("--goodput-ttft-ms", type=float, default=None)
+    g.add_argument("--goodput-tpot-ms", type=float, default=None)
+    g.add_argument(
+        "--goodput-auto",
+        action="store_true",
+        help="limits = the unified run's p99 TTFT and TPOT at its lowest rate, rounded up",
     )
+    ns = p.parse_args(argv)
+    disagg = json.loads(Path(ns.disaggregated).read_text())
+    unified = json.loads(Path(ns.unified).read_text())
+    limits: dict[str, Any] | None = None
+    if ns.goodput_auto:
+        limits = auto_goodput_limits(unified)
+    elif ns.goodput_ttft_ms is not None or ns.goodput_tpot_ms is not None:
+        limits = {
+            "ttft_ms": math.inf if ns.goodput_ttft_ms is None else ns.goodput_ttft_ms,
+            "tpot_ms": math.inf if ns.goodput_tpot_ms is None else ns.goodput_tpot_ms,
+            "source": "given",
+        }
+    if limits is not None:
+        print(f"goodput limits: TTFT <= {limits['ttft_ms']} ms, TPOT <= {limits['tpot_ms']} ms")
+    result = compare(disagg, unified, limits)
     _print(result)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -557,6 +557,11 @@ def main(argv: list[str]) -> int:
                 "system": system,
                 "rate": rate,
                 "summary": summary,
+                # Per request that finished: [TTFT, TPOT] in ms (goodput under other limits
+                # can be computed from the report afterwards).
+                "request_latencies_ms": [
+                    [round(r.ttft_s * 1000, 3), round(r.tpot_s * 1000, 4)] for r in ok
+                ],
                 "samples_ms": {
                     "ttft": [r.ttft_s * 1000 for r in ok],
                     "tpot": [r.tpot_s * 1000 for r in ok if r.output_len > 1],

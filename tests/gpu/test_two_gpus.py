@@ -1,0 +1,218 @@
+"""Disaggregated serving across two GPUs of one host (needs two GPUs; skipped otherwise).
+
+Prefill worker on cuda:0, decode worker on cuda:1 (`--device cuda:<index>`, both processes see
+both GPUs), KV handed over by NCCL or by CUDA IPC between the GPUs (`--kv-connector`), against
+one unified worker on cuda:0: greedy outputs of 20 prompts equal (a divergence is tolerated
+only at a near-tie of the two best logprobs, at least 16 exact), the hand-offs went over the
+connector asked for, each worker's weights and KV cache sit on its own GPU, and aborts leave
+both block pools whole. The harness (a stand-in frontend submitting token ids) is the one of
+test_cuda_ipc.py; every deployment starts at once, then they are used one after another.
+
+Dry run of the harness on a CPU (`--noconftest`, since tests/gpu skips gpu tests without CUDA):
+
+    TANDEM_TWO_GPU_DEVICES=cpu,cpu TANDEM_TWO_GPU_CONNECTORS=nccl TANDEM_GPU_IPC_MODEL=default \
+    TANDEM_TWO_GPU_VOCAB=49152 TANDEM_TWO_GPU_MAX_PROMPT=200 \
+        python -m pytest --noconftest -p no:cacheprovider tests/gpu/test_two_gpus.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.gpu.test_cuda_ipc import (
+    MODEL,
+    NEAR_TIE,
+    NEW_TOKENS,
+    NUM_PROMPTS,
+    MiniFrontend,
+    _Deployment,
+    _wait_pools_whole,
+)
+
+# Where the prefill (and unified) worker and the decode worker run, the connectors tried.
+DEVICES = os.environ.get("TANDEM_TWO_GPU_DEVICES", "cuda:0,cuda:1").split(",")
+CONNECTORS = tuple(os.environ.get("TANDEM_TWO_GPU_CONNECTORS", "nccl,cuda-ipc").split(","))
+ON_GPUS = all(d.startswith("cuda") for d in DEVICES)
+PROMPT_VOCAB = int(os.environ.get("TANDEM_TWO_GPU_VOCAB", "128000"))
+MAX_PROMPT = int(os.environ.get("TANDEM_TWO_GPU_MAX_PROMPT", "1500"))
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        ON_GPUS and (not torch.cuda.is_available() or torch.cuda.device_count() < 2),
+        reason="needs two GPUs",
+    ),
+]
+
+WORKER_ARGS = [
+    "--model",
+    MODEL,
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "2048",
+    "--num-gpu-blocks",
+    "2048",
+    "--max-num-seqs",
+    "32",
+]
+# float32 weights of llama-3.2-1b (~5 GiB) plus a 2 GiB KV cache: a GPU holding a worker's
+# model has at least this much more in use than one that holds only CUDA contexts.
+MODEL_BYTES = 4 << 30
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    lengths = [rng.randrange(20, MAX_PROMPT) for _ in range(NUM_PROMPTS)]
+    return [[rng.randrange(100, PROMPT_VOCAB) for _ in range(n)] for n in lengths]
+
+
+async def _run_all(dep: _Deployment, name: str) -> list[Any]:
+    async with MiniFrontend(dep.scheduler, dep.workers(), name) as fe:
+        return await asyncio.gather(
+            *(fe.generate(f"{name}-{i}", p, NEW_TOKENS) for i, p in enumerate(_prompts()))
+        )
+
+
+def _used_bytes(index: int) -> int:
+    free, total = torch.cuda.mem_get_info(index)
+    return total - free
+
+
+@pytest.fixture(scope="module")
+def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Deployment]]:
+    """ "unified": one unified worker on cuda:0; "<connector>": prefill on cuda:0, decode on
+    cuda:1, the scheduler forced onto that connector."""
+    from tandem.launcher import ServeConfig, spawn_service, stop_process, wait_ready
+
+    logs = tmp_path_factory.mktemp("two-gpu-logs")
+    config = ServeConfig(log_dir=str(logs))
+    work = tmp_path_factory.mktemp("two-gpu-ready")
+    deadline = time.monotonic() + 400
+    plans = {"unified": ("auto", [("unified", DEVICES[0])])}
+    for connector in CONNECTORS:
+        plans[connector] = (connector, [("prefill", DEVICES[0]), ("decode", DEVICES[1])])
+    deps: dict[str, _Deployment] = {}
+    started: list[Any] = []
+    try:
+        for kind, (connector, roles) in plans.items():
+            sched = spawn_service(
+                config,
+                f"{kind}-scheduler",
+                "services.scheduler",
+                ["--host", "127.0.0.1", "--port", "0", "--kv-connector", connector],
+                work,
+            )
+            started.append(sched)
+            wait_ready([sched], deadline)
+            services = {"scheduler": sched}
+            for role, device in roles:
+                module = (
+                    "services.prefill_worker" if role == "prefill" else "services.decode_worker"
+                )
+                svc = spawn_service(
+                    config,
+                    f"{kind}-{role}",
+                    module,
+                    [
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        "0",
+                        "--scheduler",
+                        sched.info["grpc"],
+                        "--worker-id",
+                        f"{role}-0",
+                        *(["--unified"] if role == "unified" else []),
+                        "--device",
+                        device,
+                        *WORKER_ARGS,
+                    ],
+                    work,
+                )
+                started.append(svc)
+                services[role] = svc
+            deps[kind] = _Deployment(services)
+        wait_ready(started, deadline)
+        yield deps
+    finally:
+        for svc in reversed(started):
+            code = stop_process(svc.process, 30)
+            if code != 0 and svc.log_path is not None:
+                print(f"---- {svc.name} (exit {code}) ----")
+                print("\n".join(svc.log_tail(60).splitlines()))
+
+
+@pytest.fixture(scope="module")
+def reference(deployments: dict[str, _Deployment]) -> list[Any]:
+    return asyncio.run(_run_all(deployments["unified"], "u"))
+
+
+@pytest.mark.skipif(not ON_GPUS, reason="GPU memory")
+def test_workers_hold_their_model_on_their_own_gpu(deployments: dict[str, _Deployment]) -> None:
+    # cuda:0: the unified worker and two prefill workers; cuda:1: two decode workers. Were
+    # the decode workers on cuda:0 (the device index ignored), cuda:1 would hold no model.
+    used = [_used_bytes(0), _used_bytes(1)]
+    print(f"GPU memory in use: {[f'{u / (1 << 30):.1f} GiB' for u in used]}")
+    assert used[0] >= 3 * MODEL_BYTES, used
+    assert used[1] >= 2 * MODEL_BYTES, used
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_disaggregated_across_gpus_matches_unified(
+    connector: str, deployments: dict[str, _Deployment], reference: list[Any]
+) -> None:
+    dep = deployments[connector]
+    ours = asyncio.run(_run_all(dep, f"d-{connector}"))
+    exact = 0
+    for i, (r, o) in enumerate(zip(reference, ours, strict=True)):
+        assert not r.error and not o.error, (r.error, o.error)
+        r_ids, r_lps = r.tokens()
+        o_ids, _ = o.tokens()
+        assert len(r_ids) == len(o_ids) == NEW_TOKENS, i
+        if r_ids == o_ids:
+            exact += 1
+            continue
+        j = next(k for k, (a, b) in enumerate(zip(r_ids, o_ids, strict=True)) if a != b)
+        lp = r_lps[j]
+        ranked = dict(zip(lp.token_ids, lp.logprobs, strict=True))
+        gap = ranked[r_ids[j]] - ranked.get(o_ids[j], float("-inf"))
+        assert gap < NEAR_TIE, f"prompt {i}: differs at token {j} with a logprob gap of {gap}"
+    print(f"{connector} {DEVICES[0]} -> {DEVICES[1]}: exact matches {exact}/{NUM_PROMPTS}")
+    assert exact >= 16, f"only {exact} of {NUM_PROMPTS} prompts matched exactly"
+    over = "over " + connector.replace("-", "_")
+    assert over in dep.log("scheduler") and over in dep.log("prefill")
+    _wait_pools_whole(dep)
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_aborts_free_blocks_on_both_gpus(
+    connector: str, deployments: dict[str, _Deployment]
+) -> None:
+    dep = deployments[connector]
+    prompts = _prompts()[:6]
+
+    async def run() -> None:
+        async with MiniFrontend(dep.scheduler, dep.workers(), f"abort-{connector}") as fe:
+            for i in range(3):  # aborted while decoding on cuda:1 ...
+                await fe.submit(f"late-{i}", prompts[i], 1000)
+            deadline = time.monotonic() + 120
+            while any(len(fe.streams[f"late-{i}"].tokens()[0]) < 3 for i in range(3)):
+                assert time.monotonic() < deadline, "no tokens"
+                await asyncio.sleep(0.05)
+            for i in range(3, 6):  # ... and at once (prefilling or handing off)
+                await fe.submit(f"early-{i}", prompts[i], 1000)
+            await fe.abort([f"early-{i}" for i in range(3, 6)])
+            await fe.abort([f"late-{i}" for i in range(3)])
+
+    asyncio.run(run())
+    _wait_pools_whole(dep)
