@@ -433,9 +433,9 @@ def _wait_pools_whole(dep: _Deployment, timeout_s: float = 30) -> None:
         time.sleep(0.2)
 
 
-def test_disaggregated_cuda_ipc_matches_unified(deployments: dict[str, _Deployment]) -> None:
-    ref = asyncio.run(_run_all(deployments["unified"], "u"))
-    ours = asyncio.run(_run_all(deployments["disagg"], "d"))
+def count_exact_matches(ref: list[_Stream], ours: list[_Stream]) -> int:
+    """Greedy streams against the reference: the number identical; every other one must first
+    differ at a near-tie of the reference's logprobs (gap < NEAR_TIE)."""
     exact = 0
     for i, (r, o) in enumerate(zip(ref, ours, strict=True)):
         assert not r.error and not o.error, (r.error, o.error)
@@ -450,6 +450,13 @@ def test_disaggregated_cuda_ipc_matches_unified(deployments: dict[str, _Deployme
         ranked = dict(zip(lp.token_ids, lp.logprobs, strict=True))
         gap = ranked[r_ids[j]] - ranked.get(o_ids[j], float("-inf"))
         assert gap < NEAR_TIE, f"prompt {i}: differs at token {j} with a logprob gap of {gap}"
+    return exact
+
+
+def test_disaggregated_cuda_ipc_matches_unified(deployments: dict[str, _Deployment]) -> None:
+    ref = asyncio.run(_run_all(deployments["unified"], "u"))
+    ours = asyncio.run(_run_all(deployments["disagg"], "d"))
+    exact = count_exact_matches(ref, ours)
     assert exact >= 16, f"only {exact} of {NUM_PROMPTS} prompts matched exactly"
     print(f"exact matches: {exact}/{NUM_PROMPTS}")
     disagg = deployments["disagg"]
