@@ -58,6 +58,13 @@ class Reference:
     token_ids: list[list[int]]
     chat_text: str
     chat_token_ids: list[int]
+    # Seeded sampling (SEEDED below) of each of PROMPTS.
+    seeded_token_ids: list[list[int]]
+
+
+# Seeded, non-greedy sampling: the same tokens offline, unified and disaggregated (the prefill
+# worker draws the first token, the decode worker's generator continues after that draw).
+SEEDED = {"temperature": 0.8, "top_k": 50, "seed": 1234}
 
 
 @pytest.fixture(scope="session")
@@ -68,11 +75,13 @@ def reference() -> Reference:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     chat = llm.chat(CHAT, params, use_tqdm=False)[0].outputs[0]
+    seeded = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, **SEEDED), use_tqdm=False)
     ref = Reference(
         [o.outputs[0].text for o in outs],
         [list(o.outputs[0].token_ids) for o in outs],
         chat.text,
         list(chat.token_ids),
+        [list(o.outputs[0].token_ids) for o in seeded],
     )
     del llm
     return ref

@@ -23,6 +23,7 @@ from tests.service.conftest import (
     MAX_MODEL_LEN,
     MAX_TOKENS,
     PROMPTS,
+    SEEDED,
     Reference,
     assert_pools_whole,
     list_workers,
@@ -75,6 +76,24 @@ def test_grpc_greedy_matches_offline(deployment: Deployment, reference: Referenc
         assert last.choices[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         # Streamed: more than one response per request.
         assert len(responses) > 1
+
+
+def test_grpc_seeded_sampling_matches_offline(deployment: Deployment, reference: Reference) -> None:
+    params = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, **SEEDED)
+
+    async def run() -> list[tuple[str, list[int], list[frontend_pb2.GenerateResponse]]]:
+        return await asyncio.gather(
+            *(
+                _grpc_generate(
+                    deployment.grpc_address,
+                    frontend_pb2.GenerateRequest(text=p, sampling_params=params),
+                )
+                for p in PROMPTS
+            )
+        )
+
+    for i, (_, ids, _) in enumerate(asyncio.run(run())):
+        assert ids == reference.seeded_token_ids[i], PROMPTS[i]
 
 
 def test_grpc_chat_and_final_only(deployment: Deployment, reference: Reference) -> None:
