@@ -187,6 +187,11 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
+                # Nothing runs, but the runner must still forget what finished or was
+                # preempted since the last step (or it would hold their state forever).
+                self.model_runner.drop_requests(
+                    scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
+                )
                 scheduler_output = None
         self.last_step_idle = scheduler_output is None and self._pending is None
         outputs: list[EngineCoreOutput] = []

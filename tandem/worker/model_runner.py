@@ -376,11 +376,7 @@ class ModelRunner:
     # ----------------------------------------------------------------- state
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
-            gone = self.requests.pop(req_id, None)
-            if gone is not None:
-                self._free_rows.append(gone.row)
-            self._history_reqs.discard(req_id)
+        self.drop_requests(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -418,6 +414,14 @@ class ModelRunner:
                 self._ensure_row_width(len(state.block_ids))
                 self._block_table_rows[state.row, n : len(state.block_ids)] = cached.new_block_ids
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def drop_requests(self, req_ids: set[str]) -> None:
+        """Forget finished or preempted requests (their states and block-table rows)."""
+        for req_id in req_ids:
+            gone = self.requests.pop(req_id, None)
+            if gone is not None:
+                self._free_rows.append(gone.row)
+            self._history_reqs.discard(req_id)
 
     def _take_row(self, width: int) -> int:
         self._ensure_row_width(width)

@@ -227,3 +227,18 @@ def test_async_scheduling_flag_reaches_the_engine_config() -> None:
         parser.parse_args(["--async-scheduling", "sometimes"])
     with pytest.raises(ConfigError, match="async_scheduling"):
         SchedulerConfig(async_scheduling="sometimes")  # type: ignore[arg-type]
+
+
+def test_runner_forgets_requests_finished_before_an_empty_step(tiny_llama: Path) -> None:
+    """A request that stops while every other one waits on its in-flight token meets a step
+    that schedules nothing: the runner must still drop its state."""
+    llm = make_llm(tiny_llama, "on")
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 6)]
+    llm.generate([[5, 6, 7], [8, 9, 10]], params, use_tqdm=False)
+    llm.generate([[11, 12, 13]], params[0], use_tqdm=False)
+    runner = llm.engine.model_runner
+    # Only the last batch's request may still be held (its finish reaches the runner with
+    # the next step); none of the first batch's.
+    assert set(runner.requests) <= {"2"}
+    assert len(runner._free_rows) + len(runner.requests) == runner._block_table_rows.shape[0]
+    assert_pool_whole(llm)
