@@ -32,11 +32,13 @@ from tandem.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from tandem.request import Request, RequestStatus
-
-_RUNNING = int(RequestStatus.RUNNING)
-_FIRST_FINISHED = int(RequestStatus.FINISHED_STOPPED)
-_FINISH_REASONS = {int(s): s.finish_reason() for s in RequestStatus if s >= _FIRST_FINISHED}
+from tandem.request import (
+    FINISH_REASONS,
+    FIRST_FINISHED,
+    RUNNING,
+    Request,
+    RequestStatus,
+)
 
 
 @dataclass(frozen=True)
@@ -297,7 +299,7 @@ class Scheduler:
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != _RUNNING:
+            if request.status != RUNNING:
                 continue  # preempted earlier in this step
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new == 0:
@@ -470,13 +472,13 @@ class Scheduler:
             request = requests.get(req_id)
             if (
                 request is None
-                or request.status >= _FIRST_FINISHED
+                or request.status >= FIRST_FINISHED
                 or not request.num_output_placeholders
                 or req_id not in scheduler_output.num_scheduled_tokens
             ):
                 continue
             request.num_output_placeholders -= 1
-            was_running = request.status == _RUNNING
+            was_running = request.status == RUNNING
             new_token_ids: list[int] = []
             for token_id in sampled:
                 request.output_token_ids.append(token_id)
@@ -485,13 +487,13 @@ class Scheduler:
                 if self._check_stop(request, token_id):
                     break
             lp = logprobs[i] if i < len(logprobs) else None
-            finished = request.status >= _FIRST_FINISHED
+            finished = request.status >= FIRST_FINISHED
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_token_ids,
                     new_logprobs=None if lp is None else [lp],
-                    finish_reason=_FINISH_REASONS.get(request.status) if finished else None,
+                    finish_reason=FINISH_REASONS.get(request.status) if finished else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
@@ -503,7 +505,7 @@ class Scheduler:
                     self.waiting.remove(request)  # preempted after this step was planned
                 self._release(request)
         if any_finished:
-            self.running = [r for r in self.running if r.status < _FIRST_FINISHED]
+            self.running = [r for r in self.running if r.status < FIRST_FINISHED]
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
