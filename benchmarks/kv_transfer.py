@@ -24,7 +24,12 @@ reserved) and this process (the prefill side) move whole prompts:
         Rates are also given as a fraction of the local copy bandwidth.
     nccl mode (two GPUs, two processes: this one on cuda:0, the receiver on cuda:1): the NCCL
         connector, beside a GPU-to-GPU `copy_` of the same bytes.
-    cpu mode: the NCCL connector over gloo and the TCP connector, beside a local memcpy.
+    cpu mode: the NCCL connector over gloo and the TCP connector, beside a local memcpy; and
+        `shm`: the CUDA IPC session protocol (the same RemoteKVConnector, max_sessions and copy
+        plan) over a decode cache in shared memory (/dev/shm) that the sender maps and writes
+        straight into, with an event that is already complete. With a tiny shape (one block,
+        one layer, small heads) its figures are the session machinery's host cost per prompt,
+        what CUDA IPC pays on top of its device copies.
 
 Rates are bytes of KV moved per second (GB/s = 1e9 B/s; a copy's bytes are counted once).
 `data`: the connector's data path (copies or sends, then one device wait); `session`: the
@@ -33,6 +38,9 @@ whole `send_blocks` (with the WriteKV messages, or the TCP stream).
     python -m benchmarks.kv_transfer --mode cuda --out kv_transfer_cuda.json
     python -m benchmarks.kv_transfer --mode nccl --out kv_transfer_nccl.json     # 2 GPUs
     python -m benchmarks.kv_transfer --mode cpu --tokens 512 --out kv_transfer_cpu.json
+    # host overhead per prompt of the session machinery (tiny shape, shm only):
+    python -m benchmarks.kv_transfer --mode cpu --connectors shm --tokens 16 --layers 1 \
+        --kv-heads 1 --head-size 8 --iters 300 --prompts 1024
 """
 
 from __future__ import annotations
@@ -58,7 +66,12 @@ def cache_shape(ns: argparse.Namespace) -> tuple[int, ...]:
     return (ns.num_blocks, ns.layers, 2, ns.block_size, ns.kv_heads, ns.head_size)
 
 
-def _connectors(mode: str, cache: torch.Tensor, worker_id: str) -> dict[str, Any]:
+CPU_CONNECTORS = ("shm", "nccl", "tcp")
+
+
+def _connectors(
+    mode: str, cache: torch.Tensor, worker_id: str, names: tuple[str, ...], shm_path: str
+) -> dict[str, Any]:
     from tandem.kv_transfer.standalone import DirectEngine
 
     engine = DirectEngine()
@@ -72,20 +85,99 @@ def _connectors(mode: str, cache: torch.Tensor, worker_id: str) -> dict[str, Any
     if mode == "nccl":
         return {"nccl": NcclKVConnector(cache, engine, worker_id, group_timeout_s=60.0)}
 
-    return {
-        "nccl": NcclKVConnector(cache, engine, worker_id, backend="gloo", group_timeout_s=60.0),
-        "tcp": TcpKVConnector(cache, engine),
-    }
+    out: dict[str, Any] = {}
+    for name in names:
+        if name == "shm":
+            out[name] = _shm_connector(cache, engine, worker_id, shm_path)
+        elif name == "nccl":
+            out[name] = NcclKVConnector(
+                cache, engine, worker_id, backend="gloo", group_timeout_s=60.0
+            )
+        else:
+            out[name] = TcpKVConnector(cache, engine)
+    return out
+
+
+def _shm_connector(cache: torch.Tensor, engine: Any, worker_id: str, path: str) -> Any:
+    """The CUDA IPC session protocol over a CPU cache in shared memory (see the docstring):
+    the receiver's cache is the file at `path`, which the sender maps in `_open`."""
+    import concurrent.futures
+
+    from tandem.kv_transfer.base import KVDestination, KVTransferError
+    from tandem.kv_transfer.cuda_ipc import MAX_SESSIONS, _rows, copy_runs, wait_event
+    from tandem.kv_transfer.session import RemoteKVConnector, Run
+    from tandem_protos.v1 import worker_pb2
+
+    class _Done:
+        """A device event that has already completed (CPU copies are synchronous)."""
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    class SharedMemoryKVConnector(RemoteKVConnector[tuple[torch.Tensor, torch.Tensor]]):
+        transport = "shm"
+
+        def __init__(self) -> None:
+            super().__init__(cache, engine, worker_id)
+            self.max_sessions = MAX_SESSIONS
+            self._rows = _rows(cache)
+            self._executor = concurrent.futures.ThreadPoolExecutor(1)
+
+        async def _connect_info(
+            self, request: worker_pb2.ConnectKVRequest
+        ) -> worker_pb2.ConnectKVResponse:
+            return worker_pb2.ConnectKVResponse()
+
+        async def _open(
+            self, dst: KVDestination, info: worker_pb2.ConnectKVResponse
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            remote = torch.from_file(path, shared=True, size=cache.numel(), dtype=cache.dtype)
+            remote = remote.view(cache.shape)
+            return remote, _rows(remote)
+
+        async def _write(
+            self, peer: tuple[torch.Tensor, torch.Tensor], src: list[int], runs: list[Run]
+        ) -> None:
+            num_dst = peer[0].shape[0]
+            if any(first < 0 or first + n > num_dst for _, first, n in runs):
+                raise KVTransferError("destination blocks outside the decode worker's cache")
+            if min(src) < 0 or max(src) >= self.cache.num_blocks:
+                raise KVTransferError("source block ids out of range")
+            copy_runs(self._rows, peer[1], src, runs)
+            await wait_event(_Done(), self._executor)  # type: ignore[arg-type]
+
+        async def close(self) -> None:
+            await super().close()
+            self._executor.shutdown(wait=True)
+
+    return SharedMemoryKVConnector()
 
 
 # ----------------------------------------------------------------------------- receiver
 
 
-def receiver_main(conn: Connection, mode: str, shape: tuple[int, ...], dtype: str) -> None:
-    asyncio.run(_receiver(conn, mode, shape, dtype))
+def receiver_main(
+    conn: Connection,
+    mode: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    names: tuple[str, ...] = CPU_CONNECTORS,
+    shm_path: str = "",
+) -> None:
+    asyncio.run(_receiver(conn, mode, shape, dtype, names, shm_path))
 
 
-async def _receiver(conn: Connection, mode: str, shape: tuple[int, ...], dtype: str) -> None:
+async def _receiver(
+    conn: Connection,
+    mode: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    names: tuple[str, ...],
+    shm_path: str,
+) -> None:
     from tandem.kv_transfer.standalone import start_receiver
     from tandem.kv_transfer.transports import KVTransports
 
@@ -93,8 +185,15 @@ async def _receiver(conn: Connection, mode: str, shape: tuple[int, ...], dtype: 
     device = _device(mode, receiver=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cache = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-    transports = KVTransports(_connectors(mode, cache, "bench-decode"))
+    if mode == "cpu" and "shm" in names:
+        numel = 1
+        for d in shape:
+            numel *= d
+        cache = torch.from_file(shm_path, shared=True, size=numel, dtype=getattr(torch, dtype))
+        cache = cache.view(shape).zero_()
+    else:
+        cache = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+    transports = KVTransports(_connectors(mode, cache, "bench-decode", names, shm_path))
     server, address, _ = await start_receiver(transports, None)
     conn.send(address)
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)
@@ -221,7 +320,8 @@ async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
         "cpu": "fraction_of_memcpy",
     }[ns.mode]
 
-    for name, connector in _connectors(ns.mode, cache, "bench-prefill").items():
+    connectors = _connectors(ns.mode, cache, "bench-prefill", ns.connectors, ns.shm_path)
+    for name, connector in connectors.items():
 
         def dest(dst: list[int], name: str = name) -> KVDestination:
             return KVDestination("bench-decode", address, tuple(dst), name)
@@ -377,8 +477,17 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="throughput: prompts per run (default: 4 per sender, at least 64)",
     )
+    p.add_argument(
+        "--connectors",
+        default=",".join(CPU_CONNECTORS),
+        help=f"cpu mode: the connectors to run, comma-separated, of {','.join(CPU_CONNECTORS)}",
+    )
     p.add_argument("--out", default="", help="write the JSON here")
     ns = p.parse_args(argv)
+    ns.connectors = tuple(c.strip() for c in ns.connectors.split(",") if c.strip())
+    if not ns.connectors or any(c not in CPU_CONNECTORS for c in ns.connectors):
+        p.error(f"--connectors takes names of {CPU_CONNECTORS}, got {ns.connectors}")
+    ns.shm_path = f"/dev/shm/tandem-kv-bench-{os.getpid()}.bin"
     n = -(-ns.tokens // ns.block_size)
     most = max(ns.concurrency)
     ns.num_blocks = ns.num_blocks or max(4, most) * n
@@ -393,7 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     receiver = ctx.Process(
-        target=receiver_main, args=(child, ns.mode, cache_shape(ns), ns.dtype), daemon=True
+        target=receiver_main,
+        args=(child, ns.mode, cache_shape(ns), ns.dtype, ns.connectors, ns.shm_path),
+        daemon=True,
     )
     receiver.start()
     try:
@@ -408,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         receiver.join(timeout=30)
         if receiver.is_alive():
             receiver.kill()
+        if os.path.exists(ns.shm_path):
+            os.unlink(ns.shm_path)
 
     report = {
         "benchmark": "kv_transfer",
@@ -428,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_blocks": ns.num_blocks,
         },
         "iters": ns.iters,
+        "connectors": list(ns.connectors) if ns.mode == "cpu" else [],
         "concurrency": ns.concurrency,
         "elapsed_s": elapsed,
         "results": results,
