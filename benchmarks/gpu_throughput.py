@@ -207,9 +207,19 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
         )
     result["tandem"] = runs
     eng.scheduler.scheduler_config = base_config
-    from kernels.paged_attention import prefill_tuning_log
+    from kernels.paged_attention import decode_tuning_log, prefill_tuning_log
 
     result["prefill_attention_tuning"] = prefill_tuning_log
+    result["decode_attention_tuning"] = decode_tuning_log
+    for entry in decode_tuning_log:
+        rates = entry["kv_read_GBps"]
+        assert isinstance(rates, dict)
+        print(
+            f"decode attention {entry['num_reqs']} x {entry['seq_len']} tokens: "
+            + ", ".join(f"{name} {rate:.0f} GB/s" for name, rate in rates.items())
+            + f"; using {entry['best']}",
+            flush=True,
+        )
 
     if not ns.skip_peer:
         model_path = llm.engine.model_path

@@ -246,9 +246,17 @@ def _decode_kernel(
     HEAD_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # HEADS_FIRST: the KV heads of one request are neighbouring programs, so the programs in
+    # flight together read whole token rows of the cache (all heads) rather than one head's
+    # slice of many requests' rows.
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        req = tl.program_id(1)
+    else:
+        req = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     # Partitions are whole BLOCK_N tiles; trailing partitions may be empty.
@@ -591,6 +599,123 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(wanted, by_len, MAX_NUM_SPLITS))
 
 
+# Decode configurations tried on CUDA: (keys per tile BLOCK_N, warps, pipeline stages, heads
+# first). The first is the untuned default.
+_DECODE_CANDIDATES: tuple[tuple[int, int, int, bool], ...] = (
+    (64, 4, 3, False),
+    (64, 4, 3, True),
+    (32, 4, 4, True),
+    (128, 4, 3, True),
+    (64, 8, 3, True),
+    (128, 8, 2, True),
+    (32, 2, 4, True),
+    (16, 4, 4, True),
+)
+# (head size, query heads per KV head, dtype, block size) -> (block_n, warps, stages, heads first).
+_decode_configs: dict[tuple[int, int, torch.dtype, int], tuple[int, int, int, bool]] = {}
+decode_tuning_log: list[dict[str, object]] = []
+
+
+def _decode_key(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, torch.dtype, int]:
+    return (query.shape[2], query.shape[1] // kv_cache.shape[3], query.dtype, kv_cache.shape[2])
+
+
+def tune_decode_attention(
+    kv_cache: torch.Tensor,
+    num_heads: int,
+    *,
+    num_reqs: int,
+    seq_len: int,
+    candidates: tuple[tuple[int, int, int, bool], ...] = _DECODE_CANDIDATES,
+    iters: int = 5,
+) -> tuple[int, int, int, bool] | None:
+    """Pick the fastest decode config for this attention shape on this device, once.
+
+    Times `candidates` on a synthetic batch: `num_reqs` requests of `seq_len` tokens over
+    distinct blocks of `kv_cache` (one layer's `[num_blocks, 2, block_size, Hkv, D]` view, its
+    contents irrelevant: only time is measured) in shuffled order, as in a pool after churn.
+    The batch shrinks to what the cache holds. Returns the config now used by every
+    `paged_decode_attention` call of this shape that sets no knob (None: nothing tuned).
+    Call it before capturing CUDA graphs (they keep the config they were captured with).
+    Not on the CPU interpreter, not during capture, not when TANDEM_TUNE_KERNELS=0.
+    """
+    import os
+
+    if (
+        not kv_cache.is_cuda
+        or os.environ.get("TRITON_INTERPRET") == "1"
+        or os.environ.get("TANDEM_TUNE_KERNELS", "1") == "0"
+        or torch.cuda.is_current_stream_capturing()
+    ):
+        return None
+    num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    blocks_per_req = -(-seq_len // block_size)
+    num_reqs = min(num_reqs, num_blocks // max(blocks_per_req, 1))
+    if num_reqs < 1 or seq_len < 1:
+        return None
+    dev = kv_cache.device
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randperm(num_blocks, generator=gen)[: num_reqs * blocks_per_req]
+    block_table = ids.view(num_reqs, blocks_per_req).to(device=dev, dtype=torch.int32)
+    seq_lens = torch.full((num_reqs,), seq_len, dtype=torch.int32, device=dev)
+    query = torch.randn((num_reqs, num_heads, head_size), generator=gen, dtype=torch.float32).to(
+        device=dev, dtype=kv_cache.dtype
+    )
+    out = torch.empty_like(query)
+    splits = decode_num_splits(num_reqs, num_kv_heads, seq_len, _num_sms(dev))
+    key = _decode_key(query, kv_cache)
+    timings: dict[tuple[int, int, int, bool], float] = {}
+    for config in candidates:
+        run = functools.partial(
+            paged_decode_attention,
+            query,
+            kv_cache,
+            seq_lens,
+            block_table,
+            1.0 / math.sqrt(head_size),
+            max_seq_len=seq_len,
+            num_splits=splits,
+            out=out,
+            block_n=config[0],
+            num_warps=config[1],
+            num_stages=config[2],
+            heads_first=config[3],
+        )
+        try:
+            run()
+            run()
+        except Exception:  # a config this device cannot run (shared memory, registers)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            run()
+        end.record()
+        end.synchronize()
+        timings[config] = start.elapsed_time(end) / iters
+    if not timings:
+        return None
+    best = min(timings, key=lambda c: timings[c])
+    _decode_configs[key] = best
+    kv_bytes = num_reqs * seq_len * num_kv_heads * head_size * 2 * kv_cache.element_size()
+    decode_tuning_log.append(
+        {
+            "key": [head_size, num_heads // num_kv_heads, str(kv_cache.dtype), block_size],
+            "num_reqs": num_reqs,
+            "seq_len": seq_len,
+            "num_splits": splits,
+            "ms": {_config_name(c): t for c, t in timings.items()},
+            "kv_read_GBps": {_config_name(c): kv_bytes / t / 1e6 for c, t in timings.items()},
+            "best": _config_name(best),
+        }
+    )
+    return best
+
+
+def _config_name(config: tuple[int, int, int, bool]) -> str:
+    return "x".join(map(str, config[:3])) + ("/heads-first" if config[3] else "")
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -602,8 +727,9 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    heads_first: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query row per request over its whole cached context (split-K).
 
@@ -611,8 +737,9 @@ def paged_decode_attention(
     seq_lens `[R]` int32; block_table `[>= R, max_blocks]` int32. `max_seq_len` (a host int,
     an upper bound is fine) only picks `num_splits` when it is not given; results do not
     depend on it. Requests with seq_len 0 produce zeros. Allocations depend only on R, H, D
-    and num_splits, so the call can be captured in a CUDA graph. `block_n`, `num_warps` and
-    `num_stages` are tuning knobs.
+    and num_splits, so the call can be captured in a CUDA graph. `block_n`, `num_warps`,
+    `num_stages` and `heads_first` (program order) are tuning knobs; left unset, the config
+    `tune_decode_attention` picked for this shape is used, else the default.
     """
     num_heads, num_kv_heads, head_size, block_size = _check_common(
         query, kv_cache, seq_lens, block_table
@@ -631,8 +758,17 @@ def paged_decode_attention(
     qpk = num_heads // num_kv_heads
     block_h = max(triton.next_power_of_2(qpk), 16)
     block_d = triton.next_power_of_2(head_size)
+    tuned = _decode_configs.get(_decode_key(query, kv_cache))
+    if tuned is not None:
+        block_n = tuned[0] if block_n is None else block_n
+        num_warps = tuned[1] if num_warps is None else num_warps
+        num_stages = tuned[2] if num_stages is None else num_stages
+        heads_first = tuned[3] if heads_first is None else heads_first
     if block_n is None:
         block_n = 64 if block_d <= 128 else 32
+    num_warps = 4 if num_warps is None else num_warps
+    num_stages = 3 if num_stages is None else num_stages
+    heads_first = False if heads_first is None else heads_first
     split = num_splits > 1
     if split:
         part_out = torch.empty(
@@ -644,7 +780,8 @@ def paged_decode_attention(
         part_l = torch.empty_like(part_m)
     else:
         part_out = part_m = part_l = out  # unused
-    _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_reqs) if heads_first else (num_reqs, num_kv_heads)
+    _decode_kernel[(*grid, num_splits)](
         query,
         kv_cache,
         seq_lens,
@@ -673,6 +810,7 @@ def paged_decode_attention(
         HEAD_SIZE=head_size,
         SPLIT=split,
         INPUT_PRECISION=_input_precision(query.dtype),
+        HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )

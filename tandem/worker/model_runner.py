@@ -303,8 +303,27 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = [self.kv_cache[:, i] for i in range(m.num_layers)]
+        if self.device.type == "cuda" and self.attn_backend.name == "triton":
+            self.tune_decode_attention()
         if self.use_cuda_graphs:
             self.capture_cuda_graphs()
+
+    def tune_decode_attention(self) -> None:
+        """Time the decode attention kernel's configs on this cache and keep the fastest.
+
+        Before graph capture (graphs keep the config they are captured with). The batch is
+        the largest this engine runs, up to 512 requests of min(max_model_len, 1024) tokens:
+        the throughput case, where the kernel is bound by reading the cache.
+        """
+        from kernels.paged_attention import tune_decode_attention
+
+        seq_len = min(max(self.max_model_len, self.block_size), 1024)
+        num_reqs = min(self.config.scheduler.max_num_seqs, 512)
+        with torch.inference_mode():
+            best = tune_decode_attention(
+                self.kv_caches[0], self.model.num_heads, num_reqs=num_reqs, seq_len=seq_len
+            )
+        logger.info("decode attention config: %s", best)
 
     # ----------------------------------------------------------------- CUDA graphs
 

@@ -129,6 +129,40 @@ def test_decode(dtype: torch.dtype, batch: int) -> None:
         torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
+def test_decode_every_tuning_candidate_and_the_tuned_config() -> None:
+    """Each config the start-up tuner may pick gives the reference's result; after tuning,
+    calls without knobs use the winner and still agree."""
+    from kernels import paged_attention as pa
+
+    dtype, batch = torch.bfloat16, 48
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = torch.randint(1, 3000, (batch,), generator=gen).tolist()
+    num_blocks = sum(math.ceil(n / BLOCK_SIZE) for n in seq_lens) + 8
+    cache = _cache(num_blocks, dtype)
+    block_table = _block_table(seq_lens, num_blocks, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    ref = paged_attention_ref(query, cache, qsl, lens, block_table, SCALE)
+    for block_n, warps, stages, heads_first in pa._DECODE_CANDIDATES:
+        for splits in (1, 4):
+            out = paged_decode_attention(
+                query, cache, lens, block_table, SCALE, max_seq_len=3000, num_splits=splits,
+                block_n=block_n, num_warps=warps, num_stages=stages, heads_first=heads_first,
+            )  # fmt: skip
+            torch.testing.assert_close(out, ref, **_tol(dtype))
+    saved = dict(pa._decode_configs)
+    try:
+        best = pa.tune_decode_attention(cache, NUM_HEADS, num_reqs=64, seq_len=512)
+        assert best in pa._DECODE_CANDIDATES
+        assert pa.decode_tuning_log[-1]["best"] == pa._config_name(best)
+        out = paged_decode_attention(query, cache, lens, block_table, SCALE, max_seq_len=3000)
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+    finally:
+        pa._decode_configs.clear()
+        pa._decode_configs.update(saved)
+
+
 def test_decode_cuda_graph_replay() -> None:
     """Capture the backend's decode step once (splits fixed by max_seq_len=4096), then replay
     with other lengths, block tables and slots written into the same buffers."""

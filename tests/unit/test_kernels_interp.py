@@ -190,8 +190,15 @@ def case_prefill_mha_and_odd_group() -> None:
 # --- decode attention ---------------------------------------------------------------------
 
 
-@_case(*({"dtype": d, "num_splits": n} for d in DTYPES for n in (1, 3, 8)))
-def case_decode_splits(dtype: torch.dtype, num_splits: int) -> None:
+@_case(
+    *(
+        {"dtype": d, "num_splits": n, "heads_first": h}
+        for d in DTYPES
+        for n in (1, 3, 8)
+        for h in (False, True)
+    )
+)
+def case_decode_splits(dtype: torch.dtype, num_splits: int, heads_first: bool) -> None:
     k = _kernels()
     gen = torch.Generator().manual_seed(5)
     num_heads, num_kv_heads, head_size, block_size = 4, 2, 32, 16
@@ -202,7 +209,15 @@ def case_decode_splits(dtype: torch.dtype, num_splits: int) -> None:
     query = torch.randn(3, num_heads, head_size, dtype=dtype, generator=gen)
     scale = 0.3
     out = k.paged_attention.paged_decode_attention(
-        query, cache, lens, block_table, scale, max_seq_len=90, num_splits=num_splits, block_n=16
+        query,
+        cache,
+        lens,
+        block_table,
+        scale,
+        max_seq_len=90,
+        num_splits=num_splits,
+        block_n=16,
+        heads_first=heads_first,
     )
     qsl = torch.arange(4, dtype=torch.int32)
     ref = k.paged_attention.paged_attention_ref(query, cache, qsl, lens, block_table, scale)
