@@ -34,6 +34,13 @@ class SchedulerServiceConfig:
     # A frontend whose event stream stays closed this long has its requests aborted.
     orphan_timeout_s: float = 10.0
     rpc_timeout_s: float = 10.0
+    # A dispatch that fails retriably (the worker is unreachable or did not answer within
+    # rpc_timeout_s) is tried again, at most this many attempts in all, after its abort is
+    # answered and a jittered back-off: dispatch_backoff_s doubling per attempt, capped at
+    # dispatch_backoff_max_s, each drawn from [half, all] of that.
+    max_dispatch_attempts: int = 4
+    dispatch_backoff_s: float = 0.05
+    dispatch_backoff_max_s: float = 1.0
     grace_period_s: float = 5.0
     # Prometheus /metrics port (0: any free port, -1: off).
     metrics_port: int = -1
@@ -79,6 +86,15 @@ class SchedulerServiceConfig:
                 raise SchedulerConfigError(f"{name} must be > 0")
         if self.grace_period_s < 0:
             raise SchedulerConfigError("grace_period_s must be >= 0")
+        if self.max_dispatch_attempts < 1:
+            raise SchedulerConfigError(
+                f"max_dispatch_attempts must be >= 1, got {self.max_dispatch_attempts}"
+            )
+        if not (0 <= self.dispatch_backoff_s <= self.dispatch_backoff_max_s):
+            raise SchedulerConfigError(
+                "need 0 <= dispatch_backoff_s <= dispatch_backoff_max_s; got "
+                f"{self.dispatch_backoff_s} and {self.dispatch_backoff_max_s}"
+            )
         if self.max_inflight_per_worker < 1 or self.max_inflight_prefills < 1:
             raise SchedulerConfigError("max_inflight_per_worker and _prefills must be >= 1")
 
@@ -117,6 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--orphan-timeout-s", type=float, default=env("orphan_timeout_s", d.orphan_timeout_s)
     )
     p.add_argument("--rpc-timeout-s", type=float, default=env("rpc_timeout_s", d.rpc_timeout_s))
+    p.add_argument(
+        "--max-dispatch-attempts",
+        type=int,
+        default=env("max_dispatch_attempts", d.max_dispatch_attempts),
+        help="attempts to dispatch a request whose worker is unreachable or too slow to answer",
+    )
+    p.add_argument(
+        "--dispatch-backoff-s",
+        type=float,
+        default=env("dispatch_backoff_s", d.dispatch_backoff_s),
+        help="back-off before the first retry of a dispatch (doubles per attempt, jittered)",
+    )
+    p.add_argument(
+        "--dispatch-backoff-max-s",
+        type=float,
+        default=env("dispatch_backoff_max_s", d.dispatch_backoff_max_s),
+        help="longest back-off between dispatch attempts",
+    )
     p.add_argument("--grace-period-s", type=float, default=env("grace_period_s", d.grace_period_s))
     p.add_argument(
         "--metrics-port",

@@ -14,6 +14,15 @@ is back, in queue order. A worker that misses load reports for `dead_after_s` (o
 report stream ends) is dropped: its requests still dispatching fail their `Submit` with
 UNAVAILABLE, running ones are announced to their frontend as failed, and the other worker of
 each is told to abort it.
+
+A dispatch that fails retriably (UNAVAILABLE, DEADLINE_EXCEEDED) may still have reached its
+workers: a stalled worker acts on it later. Before the request is dispatched again, the failed
+attempt is aborted on each worker it may have reached and those aborts are answered, then a
+jittered back-off passes (the request waits in `backing_off`, where an abort still finds it).
+So the retry never meets its earlier attempt's abort, and a worker has torn that attempt down
+first; should the retry still find the id in use there (ALREADY_EXISTS: the earlier attempt's
+engine admission had not yet ended), it is retried again in the same way, within
+`max_dispatch_attempts`.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -48,7 +58,8 @@ from tandem_protos.v1 import (
 
 logger = logging.getLogger(__name__)
 
-_MAX_DISPATCH_ATTEMPTS = 3
+# The dispatch may or may not have reached the worker: retried after its abort is answered.
+_RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class SubmitError(Exception):
@@ -138,6 +149,14 @@ class DispatchOutcome:
 
 
 @dataclass
+class RetryDue:
+    """A failed dispatch's aborts are answered and its back-off is over: queue it again."""
+
+    request_id: str
+    queued: Queued
+
+
+@dataclass
 class PrefixLookedUp:
     """A queued request's prefix lookup is back (None: it failed; route without it)."""
 
@@ -169,6 +188,7 @@ SchedulerMessage = (
     | ListWorkers
     | Tick
     | DispatchOutcome
+    | RetryDue
     | PrefixLookedUp
     | BeginShutdown
     | CountDispatching
@@ -214,6 +234,9 @@ class Queued:
     seq: int
     enqueued_at: float
     attempts: int = 0
+    # An earlier attempt failed retriably: a worker may still hold it, so ALREADY_EXISTS from
+    # a worker is that attempt not yet torn down, not another request with this id.
+    earlier_attempt_unknown: bool = False
     # Prefix-aware routing: the directory's answer, and whether it is still awaited.
     prefix: PrefixLookup | None = None
     looking_up: bool = False
@@ -244,6 +267,8 @@ class SchedulerCore(Actor[SchedulerMessage]):
         self.workers: dict[str, WorkerEntry] = {}
         self._heap: list[tuple[int, int, str]] = []
         self.queued: dict[str, Queued] = {}
+        # Between dispatch attempts: waiting for the failed attempt's aborts and the back-off.
+        self.backing_off: dict[str, Queued] = {}
         self.inflight: dict[str, Inflight] = {}
         self.watchers: dict[str, list[asyncio.Queue[scheduler_pb2.SchedulerEvent | None]]] = (
             defaultdict(list)
@@ -254,6 +279,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
         self._tasks: set[asyncio.Task[None]] = set()
         self.shutting_down = False
         self._kv_pairs_logged: set[tuple[str, int, str, int]] = set()
+        self._random = random.Random()
 
     # ------------------------------------------------------------------ dispatch table
 
@@ -293,7 +319,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 msg.answer(
                     scheduler_pb2.ListWorkersResponse(
                         workers=[w.to_info() for w in self.workers.values()],
-                        num_queued=len(self.queued),
+                        num_queued=len(self.queued) + len(self.backing_off),
                         num_inflight=len(self.inflight),
                     )
                 )
@@ -301,6 +327,10 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 self._on_tick()
             case DispatchOutcome():
                 self._on_outcome(msg)
+            case RetryDue():
+                if self.backing_off.get(msg.request_id) is msg.queued:
+                    del self.backing_off[msg.request_id]
+                    self._requeue(msg.queued)
             case PrefixLookedUp():
                 queued = self.queued.get(msg.request_id)
                 if queued is not None and queued.seq == msg.seq:
@@ -325,7 +355,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 raise SubmitError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
             if not msg.destination:
                 raise SubmitError(grpc.StatusCode.INVALID_ARGUMENT, "destination is empty")
-            if rid in self.queued or rid in self.inflight:
+            if rid in self.queued or rid in self.inflight or rid in self.backing_off:
                 raise SubmitError(
                     grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight"
                 )
@@ -534,8 +564,8 @@ class SchedulerCore(Actor[SchedulerMessage]):
             return
         # Not started: undo the placement, then retry or fail.
         self._forget(r)
-        self._send_abort(r.workers, [r.request_id])
         if msg.kind == "pool_short":
+            # The decode worker refused and forgot it; the prefill worker never saw it.
             entry = self.workers.get(msg.worker_id)
             if entry is not None:
                 entry.full = True
@@ -544,21 +574,54 @@ class SchedulerCore(Actor[SchedulerMessage]):
             else:
                 submit.fail(SubmitError(grpc.StatusCode.CANCELLED, "request aborted"))
             return
-        retriable = msg.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        retriable = msg.code in _RETRIABLE or (
+            msg.code == grpc.StatusCode.ALREADY_EXISTS and queued.earlier_attempt_unknown
+        )
         queued.attempts += 1
-        if retriable and not r.aborted and queued.attempts < _MAX_DISPATCH_ATTEMPTS:
+        queued.earlier_attempt_unknown |= msg.code in _RETRIABLE
+        if r.aborted:
+            self._send_abort(r.workers, [r.request_id])
+            submit.fail(SubmitError(grpc.StatusCode.CANCELLED, "request aborted"))
+            return
+        if retriable and queued.attempts < self.config.max_dispatch_attempts:
+            delay = self._backoff_s(queued.attempts)
             logger.warning(
-                "dispatch of %s to %s failed (%s); retrying",
+                "dispatch of %s to %s failed (%s, attempt %d); retrying in %.0f ms once "
+                "aborted there",
                 r.request_id,
                 msg.worker_id,
                 msg.code.name,
+                queued.attempts,
+                delay * 1000,
             )
-            self._requeue(queued)
+            self.backing_off[r.request_id] = queued
+            entries = [self.workers[w] for w in sorted(r.workers) if w in self.workers]
+            self._spawn(self._retry_later(queued, entries, delay))
             return
+        self._send_abort(r.workers, [r.request_id])
         code = msg.code if msg.code != grpc.StatusCode.OK else grpc.StatusCode.INTERNAL
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             code = grpc.StatusCode.UNAVAILABLE
         submit.fail(SubmitError(code, msg.message or f"worker {msg.worker_id} failed"))
+
+    def _backoff_s(self, attempts: int) -> float:
+        """Back-off after `attempts` failed attempts: exponential, capped, jittered."""
+        cap = min(
+            self.config.dispatch_backoff_s * 2 ** (attempts - 1), self.config.dispatch_backoff_max_s
+        )
+        return self._random.uniform(cap / 2, cap)
+
+    async def _retry_later(
+        self, queued: Queued, entries: list[WorkerEntry], delay_s: float
+    ) -> None:
+        """Abort the failed attempt on every worker it may have reached, wait for those aborts
+        to be answered (each within rpc_timeout_s), back off, then queue the request again.
+        Answered aborts come before the retry on each worker, so the earlier attempt's abort
+        never lands on the retry."""
+        rid = queued.submit.request.request_id
+        await asyncio.gather(*(self._abort_on(e, [rid]) for e in entries))
+        await asyncio.sleep(delay_s)
+        self.tell(RetryDue(rid, queued))
 
     def _requeue(self, queued: Queued) -> None:
         rid = queued.submit.request.request_id
@@ -579,7 +642,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
         count = 0
         by_worker: dict[str, list[str]] = defaultdict(list)
         for rid in request_ids:
-            queued = self.queued.pop(rid, None)
+            queued = self.queued.pop(rid, None) or self.backing_off.pop(rid, None)
             if queued is not None:
                 queued.submit.fail(SubmitError(grpc.StatusCode.CANCELLED, f"request {reason}"))
                 count += 1
@@ -602,7 +665,8 @@ class SchedulerCore(Actor[SchedulerMessage]):
             if entry is not None:
                 self._spawn(self._abort_on(entry, request_ids))
 
-    async def _abort_on(self, entry: WorkerEntry, request_ids: list[str]) -> None:
+    async def _abort_on(self, entry: WorkerEntry, request_ids: list[str]) -> bool:
+        """Abort on one worker; False when the worker did not answer."""
         try:
             await entry.stub.Abort(
                 common_pb2.AbortRequest(request_ids=request_ids),
@@ -610,6 +674,8 @@ class SchedulerCore(Actor[SchedulerMessage]):
             )
         except grpc.aio.AioRpcError as exc:
             logger.warning("abort on %s failed: %s", entry.worker_id, exc.code().name)
+            return False
+        return True
 
     # ------------------------------------------------------------------ workers
 
@@ -765,8 +831,10 @@ class SchedulerCore(Actor[SchedulerMessage]):
 
     def _begin_shutdown(self) -> None:
         self.shutting_down = True
-        for rid, queued in list(self.queued.items()):
-            del self.queued[rid]
+        waiting = list(self.queued.values()) + list(self.backing_off.values())
+        self.queued.clear()
+        self.backing_off.clear()
+        for queued in waiting:
             queued.submit.fail(
                 SubmitError(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
             )
