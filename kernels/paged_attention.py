@@ -629,7 +629,8 @@ def tune_decode_attention(
     candidates: tuple[tuple[int, int, int, bool], ...] = _DECODE_CANDIDATES,
     iters: int = 5,
 ) -> tuple[int, int, int, bool] | None:
-    """Pick the fastest decode config for this attention shape on this device, once.
+    """Pick the fastest decode config for this attention shape on this device, once per
+    process (a later call returns the config already picked).
 
     Times `candidates` on a synthetic batch: `num_reqs` requests of `seq_len` tokens over
     distinct blocks of `kv_cache` (one layer's `[num_blocks, 2, block_size, Hkv, D]` view, its
@@ -649,6 +650,9 @@ def tune_decode_attention(
     ):
         return None
     num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    key = (head_size, num_heads // num_kv_heads, kv_cache.dtype, block_size)
+    if key in _decode_configs:  # once per process: every engine in it runs the same kernels
+        return _decode_configs[key]
     blocks_per_req = -(-seq_len // block_size)
     num_reqs = min(num_reqs, num_blocks // max(blocks_per_req, 1))
     if num_reqs < 1 or seq_len < 1:
@@ -663,7 +667,6 @@ def tune_decode_attention(
     )
     out = torch.empty_like(query)
     splits = decode_num_splits(num_reqs, num_kv_heads, seq_len, _num_sms(dev))
-    key = _decode_key(query, kv_cache)
     timings: dict[tuple[int, int, int, bool], float] = {}
     for config in candidates:
         run = functools.partial(

@@ -153,9 +153,14 @@ def test_decode_every_tuning_candidate_and_the_tuned_config() -> None:
             torch.testing.assert_close(out, ref, **_tol(dtype))
     saved = dict(pa._decode_configs)
     try:
+        pa._decode_configs.clear()
         best = pa.tune_decode_attention(cache, NUM_HEADS, num_reqs=64, seq_len=512)
         assert best in pa._DECODE_CANDIDATES
         assert pa.decode_tuning_log[-1]["best"] == pa._config_name(best)
+        # Once per process: a second call keeps the first pick and times nothing.
+        entries = len(pa.decode_tuning_log)
+        assert pa.tune_decode_attention(cache, NUM_HEADS, num_reqs=8, seq_len=64) == best
+        assert len(pa.decode_tuning_log) == entries
         out = paged_decode_attention(query, cache, lens, block_table, SCALE, max_seq_len=3000)
         torch.testing.assert_close(out, ref, **_tol(dtype))
     finally:
