@@ -93,13 +93,19 @@ class Step:
 
 
 @dataclass
-class BeginReceive(Ask["list[int] | None"]):
-    request_id: str
+class BeginReceive(Ask["list[list[int] | None]"]):
+    """Mark the reservations of `request_ids` (one write session's, or one TCP stream's
+    request) as being written; answers their block ids in order (None: not reserved here, or
+    aborted, or already being written: not marked)."""
+
+    request_ids: list[str]
 
 
 @dataclass
 class EndReceive:
-    request_id: str
+    """Clear the marks of `request_ids`: nothing more can land in their blocks."""
+
+    request_ids: list[str]
 
 
 @dataclass
@@ -234,19 +240,9 @@ class WorkerCore(Actor[WorkerMessage]):
             case Step():
                 self._on_step(msg)
             case BeginReceive():
-                r = self.requests.get(msg.request_id)
-                if r is None or r.kind != "decode" or r.phase != "reserved" or r.aborted:
-                    msg.answer(None)
-                else:
-                    r.phase = "receiving"
-                    msg.answer(r.reserved_block_ids)
+                msg.answer([self._begin_receive(rid) for rid in msg.request_ids])
             case EndReceive():
-                r = self.requests.get(msg.request_id)
-                if r is not None and r.phase == "receiving":
-                    r.phase = "reserved"
-                    if r.aborted:
-                        self._finish(r)
-                        self.engine.call_nowait(_abort_in_engine([r.request_id]))
+                self._end_receive(msg.request_ids)
             case BeginAddPrefilled():
                 r = self.requests.get(msg.request_id)
                 ok = r is not None and r.phase == "reserved" and not r.aborted
@@ -430,6 +426,25 @@ class WorkerCore(Actor[WorkerMessage]):
             logger.warning("abort of %s on %s failed: %s", request_id, address, exc.code().name)
 
     # ------------------------------------------------------------------ decode side
+
+    def _begin_receive(self, request_id: str) -> list[int] | None:
+        r = self.requests.get(request_id)
+        if r is None or r.kind != "decode" or r.phase != "reserved" or r.aborted:
+            return None
+        r.phase = "receiving"
+        return r.reserved_block_ids
+
+    def _end_receive(self, request_ids: list[str]) -> None:
+        aborted: list[str] = []
+        for rid in request_ids:
+            r = self.requests.get(rid)
+            if r is not None and r.phase == "receiving":
+                r.phase = "reserved"
+                if r.aborted:
+                    self._finish(r)
+                    aborted.append(rid)
+        if aborted:
+            self.engine.call_nowait(_abort_in_engine(aborted))
 
     def _on_reserved(self, msg: Reserved) -> None:
         r = self.requests.get(msg.request_id)

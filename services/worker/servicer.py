@@ -175,7 +175,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         async def reserved_for(request_id: str) -> list[int] | None:
             started.append(request_id)
-            return await self.core.ask(m.BeginReceive(request_id))
+            (reserved,) = await self.core.ask(m.BeginReceive([request_id]))
+            if reserved is None:
+                started.remove(request_id)
+            return reserved
 
         try:
             return await self.connector.receive_stream(request_iterator, reserved_for)
@@ -184,7 +187,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise  # not reached
         finally:
             if started:
-                self.core.tell(m.EndReceive(started[0]))
+                self.core.tell(m.EndReceive(started))
 
     # ------------------------------------------------------------------ CUDA IPC / NCCL KV
 
@@ -208,20 +211,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.role != "decode" or self.connector is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
         assert self.connector is not None
-        # Requests whose BeginReceive may have marked them; each gets one EndReceive.
-        started: list[str] = []
+        # Requests whose BeginReceive may have marked them; each gets one EndReceive. One ask
+        # of the core per session (not per request): a burst of sessions does not queue one
+        # round trip through the core's inbox per request behind the others.
+        started: set[str] = set()
 
-        async def begin(request_id: str) -> list[int] | None:
-            started.append(request_id)
-            reserved = await self.core.ask(m.BeginReceive(request_id))
-            if reserved is None:
-                started.remove(request_id)
-            return reserved
+        async def begin(request_ids: list[str]) -> list[list[int] | None]:
+            started.update(request_ids)
+            found = await self.core.ask(m.BeginReceive(request_ids))
+            started.difference_update(
+                rid for rid, r in zip(request_ids, found, strict=True) if r is None
+            )
+            return found
 
-        def end(request_id: str) -> None:
-            if request_id in started:
-                started.remove(request_id)
-                self.core.tell(m.EndReceive(request_id))
+        def end(request_ids: list[str]) -> None:
+            ended = [rid for rid in request_ids if rid in started]
+            if ended:
+                started.difference_update(ended)
+                self.core.tell(m.EndReceive(ended))
 
         try:
             async with contextlib.aclosing(
@@ -232,8 +239,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except KVTransferError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         finally:
-            for request_id in list(started):
-                end(request_id)
+            end(list(started))
 
     async def AddPrefilled(
         self, request: worker_pb2.AddPrefilledRequest, context: grpc.aio.ServicerContext

@@ -18,6 +18,7 @@ request, so they are read and written from the event loop while the engine keeps
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -63,8 +64,10 @@ class KVLayout:
     def block_shape(self) -> tuple[int, ...]:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_size)
 
-    @property
+    @functools.cached_property
     def bytes_per_block(self) -> int:
+        # Cached: a session asks once per request (cached_property writes the instance's
+        # __dict__, so the frozen dataclass's fields, equality and hash are untouched).
         itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
         return int(np.prod(self.block_shape)) * itemsize
 
@@ -97,16 +100,23 @@ def block_runs(dst_block_ids: Sequence[int], max_blocks: int) -> list[tuple[int,
     """
     if max_blocks < 1:
         raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+    n = len(dst_block_ids)
+    if n == 0:
+        return []
+    first = dst_block_ids[0]
+    if dst_block_ids[-1] - first == n - 1 and list(dst_block_ids) == list(range(first, first + n)):
+        # One stretch (a fresh pool's reservation): compared in C, cut by max_blocks.
+        return [(i, first + i, min(max_blocks, n - i)) for i in range(0, n, max_blocks)]
     runs: list[tuple[int, int, int]] = []
     start = 0
-    for i in range(1, len(dst_block_ids) + 1):
-        if (
-            i == len(dst_block_ids)
-            or dst_block_ids[i] != dst_block_ids[i - 1] + 1
-            or i - start == max_blocks
-        ):
+    prev = first
+    for i in range(1, n):
+        b = dst_block_ids[i]
+        if b != prev + 1 or i - start == max_blocks:
             runs.append((start, dst_block_ids[start], i - start))
             start = i
+        prev = b
+    runs.append((start, dst_block_ids[start], n - start))
     return runs
 
 
@@ -195,9 +205,10 @@ class KVConnector(abc.ABC):
 
     def receive(self, run: BlockRun, reserved_block_ids: Sequence[int]) -> None:
         """Write one run into blocks that must belong to the request's reservation."""
-        allowed = set(reserved_block_ids)
         last = run.first_block_id + run.num_blocks
-        if run.num_blocks < 1 or any(b not in allowed for b in range(run.first_block_id, last)):
+        if run.num_blocks < 1 or not set(reserved_block_ids).issuperset(
+            range(run.first_block_id, last)
+        ):
             raise KVTransferError(
                 f"blocks {run.first_block_id}..{last - 1} are not reserved for request "
                 f"{run.request_id!r}"

@@ -5,15 +5,22 @@ the sender had ready for that decode worker at once (a batch: one step's prefill
     prefill worker (sender)                          decode worker (receiver)
     ConnectKV(transport, layout) ──────────────────▶ connect(): IPC handle / group rendezvous
       once per decode worker: open the handle, or join the pair's process group
-    WriteKV stream, one per batch:
-      BEGIN(items: request_id, destination runs) ──▶ per item: the runs must lie in the
-                                                     request's reservation, now marked as
-                                                     being written; else refused (why)
+    WriteKV stream, one session per batch (a stream carries its sessions one after another):
+      BEGIN(items: request_id, destination runs) ──▶ the batch's reservations, in one ask of
+                                                     the worker's owner: the runs must lie in
+                                                     them, now marked as being written; else
+                                                     refused (why)
                                           ◀───────── READY(items: "" or why refused)
       write (CUDA IPC) or send (NCCL) the accepted
       items' runs, then wait for the device, once
       DONE ────────────────────────────────────────▶ (NCCL: wait for the receives)
                                           ◀───────── DONE(items: num_bytes)
+      BEGIN (the next session on this stream) ...
+
+Streams: a session slot keeps its WriteKV stream open and runs its next session on it; a
+stream left unused is parked per decode worker and taken by the next session starting
+(closed after `IDLE_STREAM_S` unused, or when a session on it broke). Opening a gRPC call per
+session cost more than the session's two round trips themselves.
 
 Batching: `send_blocks` queues the request on its decode worker's lane; a lane runs at most
 `max_sessions` sessions at once (NCCL: one, both ranks must post in the same order). A session
@@ -28,8 +35,9 @@ the stream.
 Invariants. Receiver: the "being written" mark of the reservation is cleared (`end`) only
 once no byte of the session can still land in the reserved blocks, so an abort never frees
 blocks under a write; and before DONE leaves, so the AddPrefilled that follows finds it
-cleared. Sender: the session's stream ends (DONE, an error, a cancellation) only after the
-sender's device work for it has finished.
+cleared. Sender: a session ends (its DONE, or its stream's end on an error or a
+cancellation) only after the sender's device work for it has finished; nothing is written
+before its READY. A session that broke takes its stream with it.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -77,13 +85,17 @@ DstRun = tuple[int, int]
 P = TypeVar("P")  # what a sender keeps per decode worker (an opened cache, a process group)
 R = TypeVar("R")
 
-Begin = Callable[[str], Awaitable["Sequence[int] | None"]]
-End = Callable[[str], None]
+# The receiver's owner, per session: mark the requests' reservations as being written and
+# return their block ids (None: no reservation, not marked), in order; clear the marks.
+Begin = Callable[[list[str]], Awaitable["list[Sequence[int] | None]"]]
+End = Callable[[list[str]], None]
 
 # Requests per write session at most.
 MAX_BATCH = 32
 # Requests a starting session takes at least (when queued), however many sessions are idle.
 MIN_SHARE = 4
+# A parked WriteKV stream unused this long is closed.
+IDLE_STREAM_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -113,11 +125,14 @@ class _Pending:
 @dataclass(eq=False)
 class _Lane:
     """The requests waiting for a decode worker, how many sessions serve it now, and how many of
-    those are in a session (the others are about to take from the queue)."""
+    those are in a session (the others are about to take from the queue); its open WriteKV
+    streams no session is using, with when each was parked (newest last)."""
 
     queue: deque[_Pending]
     sessions: int = 0
     busy: int = 0
+    idle: list[tuple[Any, float]] = field(default_factory=list)
+    expiry: asyncio.TimerHandle | None = None
 
     def share(self) -> int:
         """Requests the session starting now takes."""
@@ -132,16 +147,22 @@ def consecutive(ids: Sequence[int]) -> bool:
 def check_runs(runs: Sequence[DstRun], reserved: Sequence[int], request_id: str) -> int:
     """Raise KVTransferError unless every run is non-empty and inside the reservation; returns
     the number of blocks."""
-    allowed = set(reserved)
+    whole = isinstance(reserved, range) and reserved.step == 1
+    allowed: set[int] | None = None if whole else set(reserved)
     total = 0
     seen: set[int] = set()
     for first, n in runs:
         blocks = range(first, first + n)
-        if n < 1 or any(b not in allowed or b in seen for b in blocks):
+        if allowed is None:
+            inside = reserved[0] <= first and first + n <= reserved[-1] + 1 if reserved else False
+        else:
+            inside = allowed.issuperset(blocks)
+        if n < 1 or not inside or (total and not seen.isdisjoint(blocks)):
             raise KVTransferError(
                 f"blocks {first}..{first + n - 1} are not reserved for request {request_id!r}"
             )
-        seen.update(blocks)
+        if len(runs) > 1:
+            seen.update(blocks)
         total += n
     return total
 
@@ -157,6 +178,9 @@ async def run_to_end(executor: concurrent.futures.Executor, fn: Callable[..., R]
         with contextlib.suppress(BaseException):
             future.result()
         raise
+
+
+_DONE = worker_pb2.KVWriteMessage(phase=DONE)
 
 
 def _fail(items: list[_Pending], exc: BaseException) -> None:
@@ -199,6 +223,8 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         self.worker_id = worker_id
         self.rpc_timeout_s = rpc_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._closed = False
         self._peers: dict[str, P] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._lanes: dict[str, _Lane] = {}
@@ -219,19 +245,20 @@ class RemoteKVConnector(KVConnector, Generic[P]):
             return 0
         t0 = time.perf_counter()
         src = list(src_block_ids)
-        dst_ids = list(dst.block_ids[: len(src)])
-        await self.peer(dst)  # connect (or fail) before queueing
+        dst_ids = dst.block_ids[: len(src)]
+        if dst.address not in self._peers:
+            await self.peer(dst)  # connect (or fail) before queueing
+        loop = asyncio.get_running_loop()
         item = _Pending(
-            request_id,
-            src,
-            block_runs(dst_ids, max_blocks=len(dst_ids)),
-            asyncio.get_running_loop().create_future(),
+            request_id, src, block_runs(dst_ids, max_blocks=len(dst_ids)), loop.create_future()
         )
-        lane = self._lanes.setdefault(dst.address, _Lane(deque()))
+        lane = self._lanes.get(dst.address)
+        if lane is None:
+            lane = self._lanes[dst.address] = _Lane(deque())
         lane.queue.append(item)
         if lane.sessions < self.max_sessions:
             lane.sessions += 1
-            task = asyncio.get_running_loop().create_task(self._drain(lane, dst))
+            task = loop.create_task(self._drain(lane, dst))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         try:
@@ -249,7 +276,9 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         return num_bytes
 
     async def _drain(self, lane: _Lane, dst: KVDestination) -> None:
-        """Run sessions for `lane` while requests are queued."""
+        """Run sessions for `lane` while requests are queued, one after another on one stream;
+        park the stream when the queue is empty."""
+        call: Any = None
         try:
             while lane.queue:
                 items: list[_Pending] = []
@@ -259,52 +288,70 @@ class RemoteKVConnector(KVConnector, Generic[P]):
                     item.started = True
                     items.append(item)
                 lane.busy += 1
+                stream, call = call, None
                 try:
-                    await self._run_session(dst, items)
+                    call = await self._run_session(lane, dst, items, stream)
                 finally:
                     lane.busy -= 1
         finally:
             lane.sessions -= 1
+            if call is not None:
+                self._park(lane, call)
 
-    async def _run_session(self, dst: KVDestination, items: list[_Pending]) -> None:
-        """Connect if need be, then one session for `items`; fails them on an error (raised
-        again only when not an Exception, or when connecting failed)."""
+    async def _run_session(
+        self, lane: _Lane, dst: KVDestination, items: list[_Pending], call: Any
+    ) -> Any:
+        """Connect if need be, then one session for `items` on `call` (or on a parked or new
+        stream); returns the stream for the next session, None when it broke. Fails the items
+        on an error (raised again only when not an Exception)."""
         try:
-            peer = await self.peer(dst)
+            peer = self._peers.get(dst.address)
+            if peer is None:
+                peer = await self.peer(dst)
         except BaseException as exc:
-            _fail(items, exc)
-            raise
-        try:
-            await self._session(peer, dst, items)
-        except BaseException as exc:
-            # A session that broke may leave the pair out of step: connect again.
-            self._forget_peer(dst.address, peer)
+            if call is not None:
+                call.cancel()
             _fail(items, exc)
             if not isinstance(exc, Exception):
                 raise
-
-    async def _session(self, peer: P, dst: KVDestination, items: list[_Pending]) -> None:
-        """One batched write session; resolves every item's future (or raises)."""
-        stub = worker_pb2_grpc.WorkerStub(self._channel(dst.address))
-        call = stub.WriteKV()
+            return None
+        if call is None:
+            call = self._take_stream(lane, dst.address)
         try:
-            await call.write(
-                worker_pb2.KVWriteMessage(
-                    phase=BEGIN,
-                    transport=self.transport,
-                    group_name=self._group_name(peer),
-                    items=[
-                        worker_pb2.KVWriteItem(
-                            request_id=it.request_id,
-                            first_block_ids=[first for _, first, _ in it.runs],
-                            num_blocks=[n for _, _, n in it.runs],
-                        )
-                        for it in items
-                    ],
-                )
+            await self._session(call, peer, dst, items)
+        except BaseException as exc:
+            call.cancel()
+            # A session that broke may leave the pair out of step: connect again.
+            self._forget_peer(dst.address, peer)
+            self._drop_parked(lane)
+            _fail(items, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return None
+        return call
+
+    async def _session(self, call: Any, peer: P, dst: KVDestination, items: list[_Pending]) -> None:
+        """One batched write session on the open stream `call`; resolves every item's future
+        (or raises)."""
+        try:
+            begin = worker_pb2.KVWriteMessage(
+                phase=BEGIN,
+                transport=self.transport,
+                group_name=self._group_name(peer),
+                items=[
+                    worker_pb2.KVWriteItem(
+                        request_id=it.request_id,
+                        first_block_ids=[first for _, first, _ in it.runs],
+                        num_blocks=[n for _, _, n in it.runs],
+                    )
+                    for it in items
+                ],
             )
+            await call.write(begin)
             ready = await self._expect(call, READY, dst)
-            if [r.request_id for r in ready.items] != [it.request_id for it in items]:
+            if len(ready.items) != len(items) or any(
+                r.request_id != it.request_id for r, it in zip(ready.items, items, strict=True)
+            ):
                 raise KVTransferError(f"{dst.worker_id} answered READY for other requests")
             accepted: list[_Pending] = []
             for it, answer in zip(items, ready.items, strict=True):
@@ -319,34 +366,36 @@ class RemoteKVConnector(KVConnector, Generic[P]):
                     accepted.append(it)
             data_s = 0.0
             if accepted:
-                src: list[int] = []
-                runs: list[Run] = []
-                for it in accepted:
-                    runs += [(len(src) + pos, first, n) for pos, first, n in it.runs]
-                    src += it.src
+                if len(accepted) == 1:
+                    src, runs = accepted[0].src, accepted[0].runs
+                else:
+                    src, runs = [], []
+                    for it in accepted:
+                        base = len(src)
+                        runs += [(base + pos, first, n) for pos, first, n in it.runs]
+                        src += it.src
                 t = time.perf_counter()
                 await self._write(peer, src, runs)
                 data_s = time.perf_counter() - t
-            await call.write(worker_pb2.KVWriteMessage(phase=DONE))
-            await call.done_writing()
+            await call.write(_DONE)
             reply = await self._expect(call, DONE, dst)
-            moved = {r.request_id: int(r.num_bytes) for r in reply.items}
+            moved = {r.request_id: r.num_bytes for r in reply.items}
             for it in accepted:
-                if it.request_id not in moved:
+                num_bytes = moved.get(it.request_id)
+                if num_bytes is None:
                     raise KVTransferError(f"{dst.worker_id} did not confirm {it.request_id!r}")
-                it.future.set_result((moved[it.request_id], data_s, len(items)))
+                it.future.set_result((num_bytes, data_s, len(items)))
         except grpc.aio.AioRpcError as exc:
             names = ", ".join(repr(it.request_id) for it in items)
             raise KVTransferError(
                 f"KV write of {names} to {dst.worker_id} over {self.transport} failed: "
                 f"{exc.code().name}: {exc.details()}"
             ) from exc
-        finally:
-            call.cancel()  # no-op once the call finished
 
     async def _expect(self, call: Any, phase: int, dst: KVDestination) -> worker_pb2.KVWriteMessage:
         try:
-            reply = await asyncio.wait_for(call.read(), self.rpc_timeout_s)
+            async with asyncio.timeout(self.rpc_timeout_s):
+                reply = await call.read()
         except TimeoutError:
             raise KVTransferError(
                 f"{dst.worker_id} did not answer a KV write within {self.rpc_timeout_s:g}s"
@@ -358,6 +407,46 @@ class RemoteKVConnector(KVConnector, Generic[P]):
             )
         return reply
 
+    # ------------------------------------------------------------------ streams
+
+    def _take_stream(self, lane: _Lane, address: str) -> Any:
+        """A parked stream of `lane` still open (the newest), or a new one."""
+        now = time.monotonic()
+        while lane.idle:
+            call, parked_at = lane.idle.pop()
+            if not call.done() and now - parked_at < IDLE_STREAM_S:
+                return call
+            call.cancel()
+        return self._stub(address).WriteKV()
+
+    def _park(self, lane: _Lane, call: Any) -> None:
+        if call.done() or self._closed:
+            call.cancel()
+            return
+        lane.idle.append((call, time.monotonic()))
+        if lane.expiry is None:
+            lane.expiry = asyncio.get_running_loop().call_later(IDLE_STREAM_S, self._expire, lane)
+
+    def _expire(self, lane: _Lane) -> None:
+        """Close the streams of `lane` parked for `IDLE_STREAM_S` or longer."""
+        lane.expiry = None
+        now = time.monotonic()
+        keep = []
+        for call, parked_at in lane.idle:
+            if now - parked_at >= IDLE_STREAM_S or call.done():
+                call.cancel()
+            else:
+                keep.append((call, parked_at))
+        lane.idle = keep
+        if keep:
+            wait = max(0.0, keep[0][1] + IDLE_STREAM_S - now)
+            lane.expiry = asyncio.get_running_loop().call_later(wait, self._expire, lane)
+
+    def _drop_parked(self, lane: _Lane) -> None:
+        for call, _ in lane.idle:
+            call.cancel()
+        lane.idle.clear()
+
     async def peer(self, dst: KVDestination) -> P:
         """This sender's state for `dst`'s decode worker; connects on first use."""
         peer = self._peers.get(dst.address)
@@ -368,9 +457,8 @@ class RemoteKVConnector(KVConnector, Generic[P]):
             peer = self._peers.get(dst.address)
             if peer is not None:
                 return peer
-            stub = worker_pb2_grpc.WorkerStub(self._channel(dst.address))
             try:
-                info = await stub.ConnectKV(
+                info = await self._stub(dst.address).ConnectKV(
                     worker_pb2.ConnectKVRequest(
                         transport=self.transport,
                         prefill_worker_id=self.worker_id,
@@ -405,11 +493,24 @@ class RemoteKVConnector(KVConnector, Generic[P]):
             self._channels[address] = channel
         return channel
 
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(self._channel(address))
+        return stub
+
     async def close(self) -> None:
+        self._closed = True
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        for lane in self._lanes.values():
+            if lane.expiry is not None:
+                lane.expiry.cancel()
+                lane.expiry = None
+            self._drop_parked(lane)
+        self._stubs.clear()
         for peer in self._peers.values():
             self._close_peer(peer)
         self._peers.clear()
@@ -445,99 +546,118 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         return reply
 
     async def serve_write(
-        self, messages: AsyncIterator[worker_pb2.KVWriteMessage], begin: Begin, end: End
+        self,
+        messages: AsyncIterator[worker_pb2.KVWriteMessage],
+        begin: Begin,
+        end: End,
+        first: worker_pb2.KVWriteMessage | None = None,
     ) -> AsyncIterator[worker_pb2.KVWriteMessage]:
-        """One WriteKV session, receiver side: yields READY, then DONE.
+        """One WriteKV stream, receiver side: per session, yields READY, then DONE; returns when
+        the sender closes the stream between sessions. `first`: the stream's first message,
+        when the caller already read it.
 
-        Per request: `await begin(request_id)` marks its reservation as being written and
-        returns its block ids (None: no reservation, nothing to end); `end(request_id)` clears
-        the mark: called once per marked request, when nothing more can land (at once for a
-        refused one), and before DONE is yielded (so the sender's next message, AddPrefilled,
-        finds the mark cleared). Close the generator with `contextlib.aclosing`. Raises
-        KVTransferError.
+        Per session: `await begin(request_ids)` marks the reservations of the requests (in one
+        call for the session) as being written and returns their block ids (None: no
+        reservation, nothing to end); `end(request_ids)` clears the marks: called once per
+        marked request, when nothing more can land (at once for a refused one), and before
+        DONE is yielded (so the sender's next message, AddPrefilled, finds the mark cleared).
+        Close the generator with `contextlib.aclosing`. Raises KVTransferError.
         """
         it = messages.__aiter__()
-        first = await _next(it)
-        if first is None or first.phase != BEGIN:
+        msg = first if first is not None else await _next(it)
+        if msg is None:
             raise KVTransferError("a KV write session starts with BEGIN")
-        if first.transport != self.transport:
-            raise KVTransferError(f"this is the {self.transport} connector, not {first.transport}")
-        batched = len(first.items) > 0
-        wanted = list(first.items) if batched else [first]
-        accepted: list[str] = []
-        errors: list[str] = []
-        runs: list[DstRun] = []
-        num_bytes: dict[str, int] = {}
-        ended = False
-        receipt: Any = None
-        posted = landed = False
-        try:
-            for item in wanted:
-                error = ""
+        bytes_per_block = self.layout.bytes_per_block
+        while msg is not None:
+            if msg.phase != BEGIN:
+                raise KVTransferError("a KV write session starts with BEGIN")
+            if msg.transport != self.transport:
+                raise KVTransferError(
+                    f"this is the {self.transport} connector, not {msg.transport}"
+                )
+            batched = len(msg.items) > 0
+            wanted = msg.items if batched else [msg]
+            errors = [""] * len(wanted)
+            # Items to look up: (position in `wanted`, request id), each id once.
+            lookup: list[tuple[int, str]] = []
+            seen: set[str] = set()
+            for i, item in enumerate(wanted):
                 rid = item.request_id
                 if len(item.first_block_ids) != len(item.num_blocks) or not item.num_blocks:
-                    error = "BEGIN needs one num_blocks per first_block_id, at least one"
-                elif rid in num_bytes:
-                    error = f"request {rid!r} appears twice in one session"
+                    errors[i] = "BEGIN needs one num_blocks per first_block_id, at least one"
+                elif rid in seen:
+                    errors[i] = f"request {rid!r} appears twice in one session"
                 else:
-                    reserved = await begin(rid)
+                    seen.add(rid)
+                    lookup.append((i, rid))
+            accepted: list[str] = []
+            runs: list[DstRun] = []
+            num_bytes: list[int] = []
+            ended = False
+            receipt: Any = None
+            posted = landed = False
+            try:
+                reservations = await begin([rid for _, rid in lookup]) if lookup else []
+                refused: list[str] = []
+                for (i, rid), reserved in zip(lookup, reservations, strict=True):
                     if reserved is None:
-                        error = f"no blocks are reserved for request {rid!r}"
+                        errors[i] = f"no blocks are reserved for request {rid!r}"
+                        continue
+                    item = wanted[i]
+                    item_runs = list(zip(item.first_block_ids, item.num_blocks, strict=True))
+                    try:
+                        n = check_runs(item_runs, reserved, rid)
+                    except KVTransferError as exc:
+                        refused.append(rid)
+                        errors[i] = str(exc)
                     else:
-                        item_runs = list(zip(item.first_block_ids, item.num_blocks, strict=True))
-                        try:
-                            n = check_runs(item_runs, reserved, rid)
-                        except KVTransferError as exc:
-                            end(rid)
-                            error = str(exc)
-                        else:
-                            accepted.append(rid)
-                            runs += item_runs
-                            num_bytes[rid] = n * self.layout.bytes_per_block
-                if error and not batched:
-                    raise KVTransferError(error)
-                errors.append(error)
-            if runs:
-                receipt = await self._begin_receive(first, runs)
-                posted = True
-            if batched:
-                yield worker_pb2.KVWriteMessage(
-                    phase=READY,
-                    items=[
-                        worker_pb2.KVWriteItem(request_id=item.request_id, error=error)
-                        for item, error in zip(wanted, errors, strict=True)
-                    ],
-                )
-            else:
-                yield worker_pb2.KVWriteMessage(phase=READY, request_id=first.request_id)
+                        accepted.append(rid)
+                        runs += item_runs
+                        num_bytes.append(n * bytes_per_block)
+                if refused:
+                    end(refused)
+                if not batched and errors[0]:
+                    raise KVTransferError(errors[0])
+                if runs:
+                    receipt = await self._begin_receive(msg, runs)
+                    posted = True
+                if batched:
+                    yield worker_pb2.KVWriteMessage(
+                        phase=READY,
+                        items=[
+                            worker_pb2.KVWriteItem(request_id=item.request_id, error=error)
+                            for item, error in zip(wanted, errors, strict=True)
+                        ],
+                    )
+                else:
+                    yield worker_pb2.KVWriteMessage(phase=READY, request_id=msg.request_id)
+                done = await _next(it)
+                if done is None or done.phase != DONE:
+                    raise KVTransferError("the sender left a KV write session before DONE")
+                if posted:
+                    await self._end_receive(receipt)
+                    landed = True
+                ended = True
+                if accepted:
+                    end(accepted)
+                if batched:
+                    yield worker_pb2.KVWriteMessage(
+                        phase=DONE,
+                        items=[
+                            worker_pb2.KVWriteItem(request_id=rid, num_bytes=n)
+                            for rid, n in zip(accepted, num_bytes, strict=True)
+                        ],
+                    )
+                else:
+                    yield worker_pb2.KVWriteMessage(
+                        phase=DONE, request_id=msg.request_id, num_bytes=num_bytes[0]
+                    )
+            finally:
+                if posted and not landed:
+                    await self._abandon_receive(receipt)
+                if not ended and accepted:
+                    end(accepted)
             msg = await _next(it)
-            if msg is None or msg.phase != DONE:
-                raise KVTransferError("the sender left a KV write session before DONE")
-            if posted:
-                await self._end_receive(receipt)
-                landed = True
-            ended = True
-            for rid in accepted:
-                end(rid)
-            if batched:
-                yield worker_pb2.KVWriteMessage(
-                    phase=DONE,
-                    items=[
-                        worker_pb2.KVWriteItem(request_id=rid, num_bytes=num_bytes[rid])
-                        for rid in accepted
-                    ],
-                )
-            else:
-                rid = first.request_id
-                yield worker_pb2.KVWriteMessage(
-                    phase=DONE, request_id=rid, num_bytes=num_bytes[rid]
-                )
-        finally:
-            if posted and not landed:
-                await self._abandon_receive(receipt)
-            if not ended:
-                for rid in accepted:
-                    end(rid)
 
     async def _connect_info(
         self, request: worker_pb2.ConnectKVRequest

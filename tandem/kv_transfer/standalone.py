@@ -35,6 +35,8 @@ class StandaloneReceiver(worker_pb2_grpc.WorkerServicer):
         self.transports = transports
         self.reservations = reservations
         self.being_written: dict[str, int] = {}
+        # WriteKV streams opened, and write sessions they carried (READY answers).
+        self.streams = 0
         self.sessions = 0
 
     async def _begin(self, request_id: str) -> Sequence[int] | None:
@@ -67,31 +69,33 @@ class StandaloneReceiver(worker_pb2_grpc.WorkerServicer):
         request_iterator: AsyncIterator[worker_pb2.KVWriteMessage],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.KVWriteMessage]:
-        started: list[str] = []
+        # Requests this stream marked; each mark is cleared once.
+        started: set[str] = set()
 
-        async def begin(request_id: str) -> Sequence[int] | None:
-            reserved = await self._begin(request_id)
-            if reserved is not None:
-                started.append(request_id)
-            return reserved
+        async def begin(request_ids: list[str]) -> list[Sequence[int] | None]:
+            found = [await self._begin(rid) for rid in request_ids]
+            started.update(rid for rid, r in zip(request_ids, found, strict=True) if r is not None)
+            return found
 
-        def end(request_id: str) -> None:
-            if request_id in started:
-                started.remove(request_id)
-                self._end(request_id)
+        def end(request_ids: list[str]) -> None:
+            for request_id in request_ids:
+                if request_id in started:
+                    started.discard(request_id)
+                    self._end(request_id)
 
-        self.sessions += 1
+        self.streams += 1
         try:
             async with contextlib.aclosing(
                 self.transports.serve_write(request_iterator, begin, end)
             ) as replies:
                 async for reply in replies:
+                    if reply.phase == worker_pb2.KV_WRITE_PHASE_READY:
+                        self.sessions += 1
                     yield reply
         except KVTransferError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         finally:
-            for request_id in list(started):
-                end(request_id)
+            end(list(started))
 
     async def ReceiveKV(
         self,

@@ -89,8 +89,8 @@ class KVTransports(KVConnector):
     async def serve_write(
         self,
         messages: AsyncIterator[Any],
-        begin: Callable[[str], Awaitable[Sequence[int] | None]],
-        end: Callable[[str], None],
+        begin: Callable[[list[str]], Awaitable[list[Sequence[int] | None]]],
+        end: Callable[[list[str]], None],
     ) -> AsyncIterator[Any]:
         """WriteKV, by the transport its first message names (see `RemoteKVConnector`)."""
         it = messages.__aiter__()
@@ -99,13 +99,7 @@ class KVTransports(KVConnector):
         except StopAsyncIteration:
             raise KVTransferError("a KV write session starts with BEGIN") from None
         connector = self._remote(first.transport)
-
-        async def replay() -> AsyncIterator[Any]:
-            yield first
-            async for msg in it:
-                yield msg
-
-        async with contextlib.aclosing(connector.serve_write(replay(), begin, end)) as replies:
+        async with contextlib.aclosing(connector.serve_write(it, begin, end, first)) as replies:
             async for reply in replies:
                 yield reply
 
