@@ -196,7 +196,10 @@ async def _receiver(
     transports = KVTransports(_connectors(mode, cache, "bench-decode", names, shm_path))
     server, address, _ = await start_receiver(transports, None)
     conn.send(address)
-    await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    loop = asyncio.get_running_loop()
+    # "cpu": answer this process's CPU seconds so far; anything else: stop.
+    while await loop.run_in_executor(None, conn.recv) == "cpu":
+        conn.send(time.process_time())
     await server.stop(0)
     await transports.close()
 
@@ -286,7 +289,9 @@ def _cpu_copy_s(dst: torch.Tensor, src: torch.Tensor, iters: int) -> list[float]
     return times
 
 
-async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
+async def _sender(
+    address: str, ns: argparse.Namespace, conn: Connection | None = None
+) -> dict[str, Any]:
     from tandem.kv_transfer.base import KVDestination
 
     torch.set_num_threads(1 if ns.mode == "cpu" else torch.get_num_threads())
@@ -358,7 +363,7 @@ async def _sender(address: str, ns: argparse.Namespace) -> dict[str, Any]:
         for c in levels:
             prompts = ns.prompts or max(64, 4 * c)
             key = f"{name}_throughput" if c == levels[-1] else f"{name}_throughput_c{c}"
-            out[key] = await _throughput(connector, dest, shape[0], n, c, prompts, rng)
+            out[key] = await _throughput(connector, dest, shape[0], n, c, prompts, rng, conn)
             out[key][ref_name] = out[key]["GBps"] / reference
         await connector.close()
     return out
@@ -410,9 +415,19 @@ async def _throughput(
     concurrency: int,
     prompts: int,
     rng: random.Random,
+    conn: Connection | None = None,
 ) -> dict[str, Any]:
     """`prompts` prompts through `concurrency` closed-loop senders (one warm-up round first);
-    sender j writes destination blocks [j*n, (j+1)*n)."""
+    sender j writes destination blocks [j*n, (j+1)*n). With `conn` (to the receiver process),
+    also the CPU time per prompt of each process (every thread: the host cost, which a busy
+    machine does not inflate as it does wall time)."""
+
+    async def receiver_cpu_s() -> float:
+        if conn is None:
+            return 0.0
+        conn.send("cpu")
+        return float(await asyncio.get_running_loop().run_in_executor(None, conn.recv))
+
     prompt_bytes = n * connector.layout.bytes_per_block
     history = getattr(connector, "history", None)
     counter = iter(range(1 << 30))
@@ -427,16 +442,23 @@ async def _throughput(
     per = [prompts // concurrency + (j < prompts % concurrency) for j in range(concurrency)]
     await asyncio.gather(*(sender(j, 1) for j in range(concurrency)))  # warm-up
     before = len(history) if history is not None else 0
+    recv0 = await receiver_cpu_s()
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     await asyncio.gather(*(sender(j, per[j]) for j in range(concurrency)))
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
+    recv_cpu = await receiver_cpu_s() - recv0
     result: dict[str, Any] = {
         "prompts": prompts,
         "concurrency": concurrency,
         "wall_ms": wall * 1e3,
         "GBps": prompts * prompt_bytes / wall / 1e9,
         "ms_per_prompt": wall * 1e3 / prompts,
+        "sender_cpu_us_per_prompt": cpu * 1e6 / prompts,
     }
+    if conn is not None:
+        result["receiver_cpu_us_per_prompt"] = recv_cpu * 1e6 / prompts
     if history is not None:
         records = list(history)[before:]
         result["max_sessions"] = connector.max_sessions
@@ -512,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("the receiver process did not start")
         address = conn.recv()
         t0 = time.perf_counter()
-        results = asyncio.run(_sender(address, ns))
+        results = asyncio.run(_sender(address, ns, conn))
         elapsed = time.perf_counter() - t0
     finally:
         conn.send("stop")
@@ -577,6 +599,12 @@ def _print(report: dict[str, Any]) -> None:
                 + (f", at most {sessions} sessions in flight" if sessions else "")
                 + ")"
             )
+            if "receiver_cpu_us_per_prompt" in value:
+                print(
+                    f"  {'':<32} CPU per prompt: sender "
+                    f"{value['sender_cpu_us_per_prompt']:.0f} us, receiver "
+                    f"{value['receiver_cpu_us_per_prompt']:.0f} us"
+                )
             continue
         parts = value.items() if "session" in value else [("", value)]
         for part, s in parts:
