@@ -167,7 +167,10 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
 
     runs = []
     base_config = eng.scheduler.scheduler_config
+    wanted = {w.strip() for w in getattr(ns, "workloads", "").split(",") if w.strip()}
     for inp, out, n_req in WORKLOADS:
+        if wanted and f"{inp}/{out}" not in wanted:
+            continue
         n_req = min(n_req, ns.max_requests)
         prompts = make_prompts(n_req, inp, vocab, inp)
         p = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)

@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-peer", action="store_true", help="don't run transformers")
+    p.add_argument(
+        "--workloads", default="", help="GPU: only these, e.g. 512/256,1000/1000 (default: all)"
+    )
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
     ns = p.parse_args(argv)
     if not ns.max_num_seqs:
