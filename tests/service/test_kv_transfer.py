@@ -149,3 +149,46 @@ def test_receive_checks_the_reservation() -> None:
         conn.receive(BlockRun("r", 3, 1, data), reserved_block_ids=[4])
     conn.receive(BlockRun("r", 4, 1, data), reserved_block_ids=[4])
     assert torch.equal(dst[4], src[0])
+
+
+def test_tcp_large_copies_run_off_the_loop_side_by_side() -> None:
+    asyncio.run(_test_tcp_large_copies_run_off_the_loop_side_by_side())
+
+
+async def _test_tcp_large_copies_run_off_the_loop_side_by_side() -> None:
+    """Blocks of 64 KiB: runs of 4 or more blocks are copied on the connectors' threads (read
+    on the sender, written on the receiver). Four hand-offs at once land exactly; a run outside
+    the reservation is still refused, with nothing written."""
+    from tandem.kv_transfer.tcp import COPY_OFF_LOOP_BYTES
+
+    shape = (40, 4, 2, 16, 8, 16)  # float32: 64 KiB per block
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randn(shape, generator=gen)
+    dst = torch.zeros(shape)
+    per_block = KVCacheView(src).layout.bytes_per_block
+    assert 4 * per_block >= COPY_OFF_LOOP_BYTES > per_block
+    reservations = {f"r{i}": list(range(8 * i, 8 * i + 8)) for i in range(4)}
+    reservations["bad"] = [39]
+    server, address, sender = await _tcp_pair(dst, reservations, src, 4 * per_block)
+    sources = {f"r{i}": [(7 * i + 3 * k) % 40 for k in range(8)] for i in range(4)}
+    try:
+        moved = await asyncio.gather(
+            *(
+                sender.send_blocks(rid, sources[rid], KVDestination("d", address, tuple(dst_ids)))
+                for rid, dst_ids in reservations.items()
+                if rid != "bad"
+            )
+        )
+        assert moved == [8 * per_block] * 4
+        for rid, s_ids in sources.items():
+            for s, d in zip(s_ids, reservations[rid], strict=True):
+                assert torch.equal(dst[d], src[s]), (rid, s, d)
+        assert sender._executor is not None  # the large reads went through its threads
+        with pytest.raises(KVTransferError, match="not reserved"):
+            await sender.send_blocks(
+                "bad", [0, 1, 2, 3], KVDestination("d", address, (35, 36, 37, 38))
+            )
+        assert not dst[32:40].any()
+    finally:
+        await sender.close()
+        await server.stop(0)

@@ -444,3 +444,62 @@ def test_sessions_share_the_queue_and_overlap(max_sessions: int) -> None:
             await recv.close()
 
     asyncio.run(run())
+
+
+def test_sessions_reuse_their_write_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One hand-off after another: every session runs on the first WriteKV stream (refused
+    requests included); a stream parked past IDLE_STREAM_S is closed and the next session opens
+    a new one; a session that broke takes its stream with it."""
+    import tandem.kv_transfer.session as session_mod
+    from tandem.kv_transfer.standalone import start_receiver
+
+    monkeypatch.setattr(session_mod, "IDLE_STREAM_S", 0.2)
+
+    async def run() -> None:
+        src = torch.randn(SHAPE)
+        dst = torch.zeros(SHAPE)
+        recv = _SharedCacheConnector(dst, {}, 4)
+        reservations: dict[str, Any] = {f"r{i}": [i] for i in range(12)}
+        server, address, receiver = await start_receiver(
+            KVTransports({"cuda_ipc": recv}), reservations
+        )
+        send = _SharedCacheConnector(src, {"d": dst}, 4)
+        send.write_s = 0.0
+
+        def dest(blocks: list[int]) -> KVDestination:
+            return KVDestination("d", address, tuple(blocks), "cuda_ipc")
+
+        try:
+            for i in range(6):
+                await send.send_blocks(f"r{i}", [20 + i], dest([i]))
+            with pytest.raises(KVTransferError, match="no blocks are reserved"):
+                await send.send_blocks("ghost", [1], dest([30]))
+            assert (receiver.streams, receiver.sessions) == (1, 7)
+            for i in range(6):
+                assert torch.equal(dst[i], src[20 + i])
+            await asyncio.sleep(0.5)  # parked past IDLE_STREAM_S: closed
+            await send.send_blocks("r6", [26], dest([6]))
+            assert (receiver.streams, receiver.sessions) == (2, 8)
+            assert sum(len(lane.idle) for lane in send._lanes.values()) == 1
+
+            async def broken(peer: Any, src_ids: list[int], runs: list[Any]) -> None:
+                raise RuntimeError("device lost")
+
+            send._write = broken  # type: ignore[method-assign]
+            with pytest.raises(RuntimeError, match="device lost"):
+                await send.send_blocks("r7", [27], dest([7]))
+            assert sum(len(lane.idle) for lane in send._lanes.values()) == 0
+            for _ in range(50):  # the receiver ends the broken stream's marks
+                if not receiver.being_written:
+                    break
+                await asyncio.sleep(0.01)
+            assert receiver.being_written == {}
+            del send._write
+            await send.send_blocks("r8", [28], dest([8]))
+            assert receiver.streams == 3 and torch.equal(dst[8], src[28])
+        finally:
+            await send.close()
+            await server.stop(0)
+            await recv.close()
+
+    asyncio.run(run())
