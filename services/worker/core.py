@@ -60,6 +60,9 @@ class WorkerRequest:
     # Decode side.
     reserved_block_ids: list[int] = field(default_factory=list)
     aborted: bool = False
+    # False from Track until the engine has the request (`Admitted`): an abort in between
+    # waits for it, so that the engine's abort is queued after the add, never before.
+    admitted: bool = True
 
 
 # ----------------------------------------------------------------------------- messages
@@ -75,6 +78,13 @@ class Track(Ask[bool]):
 @dataclass
 class Untrack:
     """Adding the request to the engine failed: forget it."""
+
+    request_id: str
+
+
+@dataclass
+class Admitted:
+    """The engine has run the add of a request tracked with `admitted=False`."""
 
     request_id: str
 
@@ -170,6 +180,7 @@ class CloseStreams(Ask[None]):
 WorkerMessage = (
     Track
     | Untrack
+    | Admitted
     | Reserved
     | Step
     | BeginReceive
@@ -235,6 +246,8 @@ class WorkerCore(Actor[WorkerMessage]):
                     msg.answer(True)
             case Untrack():
                 self.requests.pop(msg.request_id, None)
+            case Admitted():
+                self._on_admitted(msg)
             case Reserved():
                 self._on_reserved(msg)
             case Step():
@@ -455,8 +468,22 @@ class WorkerCore(Actor[WorkerMessage]):
             return
         r.reserved_block_ids = msg.block_ids
         r.phase = "reserved"
-        if r.aborted:  # aborted while reserving; the engine abort is already queued
+        if r.aborted:
+            # Aborted while reserving. The abort queued then may have run before the reserve
+            # (it can overtake the servicer between Track and the engine call): again, now.
+            self.engine.call_nowait(_abort_in_engine([r.request_id]))
             self._finish(r)
+
+    def _on_admitted(self, msg: Admitted) -> None:
+        r = self.requests.get(msg.request_id)
+        if r is None:  # finished already
+            return
+        r.admitted = True
+        if r.aborted:  # the abort that arrived before the add, carried out now
+            self.engine.call_nowait(_abort_in_engine([r.request_id]))
+            self._finish(r)
+            if r.kind == "prefill":
+                self._abort_remote_reservation(r)
 
     # ------------------------------------------------------------------ aborts
 
@@ -474,6 +501,8 @@ class WorkerCore(Actor[WorkerMessage]):
                 notify[r.destination].append(_abort_output(r, notify_error))
             if r.phase in ("handing_off", "receiving"):
                 continue  # freed when the transfer ends
+            if not r.admitted:
+                continue  # carried out on `Admitted`, after the engine's add
             if r.phase == "reserving":
                 to_engine.append(rid)  # runs after the reserve command
                 continue

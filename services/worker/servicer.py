@@ -3,10 +3,11 @@ state) and to `WorkerCore` (everything else)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
@@ -26,6 +27,29 @@ ROLE_TO_PROTO = {
     "decode": common_pb2.WORKER_ROLE_DECODE,
     "unified": common_pb2.WORKER_ROLE_UNIFIED,
 }
+
+
+T = TypeVar("T")
+# Tasks whose caller was cancelled, kept alive until they end.
+_orphans: set[asyncio.Task[Any]] = set()
+
+
+async def _to_the_end(coro: Coroutine[Any, Any, T]) -> T:
+    """Await `coro` in its own task, which a cancelled caller (an RPC past its deadline) does
+    not cancel: an engine command and the worker core's record of its result stay paired."""
+    task = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        _orphans.add(task)
+        task.add_done_callback(_orphan_done)
+        raise
+
+
+def _orphan_done(task: asyncio.Task[Any]) -> None:
+    _orphans.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("engine command of a cancelled call failed: %s", task.exception())
 
 
 def stats_to_proto(
@@ -113,6 +137,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     num_prompt_tokens=len(req.prompt_token_ids),
                     max_tokens=params.max_tokens,
                     handoff=request.handoff if has_handoff else None,
+                    admitted=False,
                 )
             )
         )
@@ -121,10 +146,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.ALREADY_EXISTS, f"request id {req.request_id!r} is in use"
             )
         hold_kv = kind == "prefill"
+
+        async def admit() -> None:
+            try:
+                await self.engine.call(lambda e: e.add_request(req, hold_kv=hold_kv))
+            except ValueError:
+                self.core.tell(m.Untrack(req.request_id))
+                raise
+            self.core.tell(m.Admitted(req.request_id))
+
         try:
-            await self.engine.call(lambda e: e.add_request(req, hold_kv=hold_kv))
+            await _to_the_end(admit())
         except ValueError as exc:
-            self.core.tell(m.Untrack(req.request_id))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.PrefillResponse()
 
@@ -151,16 +184,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request id {req.request_id!r} is in use"
             )
+
+        async def reserve() -> tuple[list[int], int] | None:
+            try:
+                result = await self.engine.call(lambda e: e.reserve(req))
+            except ValueError:
+                self.core.tell(m.Untrack(req.request_id))
+                raise
+            self.core.tell(m.Reserved(req.request_id, None if result is None else list(result[0])))
+            return result
+
         try:
-            result = await self.engine.call(lambda e: e.reserve(req))
+            result = await _to_the_end(reserve())
         except ValueError as exc:
-            self.core.tell(m.Untrack(req.request_id))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if result is None:
-            self.core.tell(m.Reserved(req.request_id, None))
             return worker_pb2.ReserveResponse()
         block_ids, num_cached_tokens = result
-        self.core.tell(m.Reserved(req.request_id, list(block_ids)))
         return worker_pb2.ReserveResponse(block_ids=block_ids, num_cached_tokens=num_cached_tokens)
 
     async def ReceiveKV(

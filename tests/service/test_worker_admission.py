@@ -1,0 +1,130 @@
+"""A worker's bookkeeping stays paired with its engine when an abort overtakes an admission.
+
+The servicer tracks a request in `WorkerCore`, then asks the engine thread to add (prefill) or
+reserve (decode) it. An abort handled between the two used to reach the engine first (a no-op
+there), after which the add or reserve ran and its blocks were never freed. These tests play
+that order on a real engine thread with the SmolLM2 model and a real `WorkerCore`, and check
+that the engine ends with no request and a whole block pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from services.worker import core as m
+from services.worker.app import collect_held
+from tandem.config import EngineArgs
+from tandem.core.outputs import EngineCoreOutput
+from tandem.engine.core import EngineCore
+from tandem.engine.engine_thread import EngineThread
+from tandem.request import EngineCoreRequest
+from tandem.sampling_params import SamplingParams
+
+
+async def _worker(model: Path, role: str) -> tuple[EngineThread[EngineCore], m.WorkerCore]:
+    loop = asyncio.get_running_loop()
+    holder: list[m.WorkerCore] = []
+
+    def on_step(outputs: list[EngineCoreOutput], held: Any) -> None:
+        holder[0].tell(m.Step(outputs, held))
+
+    args = EngineArgs(
+        model=str(model), dtype="float32", device="cpu", kv_cache_memory_gb=0.05,
+        max_model_len=512, num_threads=1,
+    )  # fmt: skip
+    thread: EngineThread[EngineCore] = EngineThread(
+        lambda: EngineCore(args.create_engine_config()),
+        loop,
+        on_step,
+        post_step=collect_held if role == "prefill" else None,
+        name=f"engine-{role}",
+    )
+    engine = await thread.start()
+    core = m.WorkerCore(f"w-{role}", thread, engine.block_size, engine.max_model_len, 30.0, 5.0)
+    holder.append(core)
+    core.start()
+    return thread, core
+
+
+async def _engine_is_empty(thread: EngineThread[EngineCore]) -> bool:
+    def check(e: EngineCore) -> bool:
+        return (
+            not e.has_unfinished_requests()
+            and not e.scheduler.held
+            and e.scheduler.kv_cache_manager.block_pool.is_whole
+        )
+
+    for _ in range(200):
+        if await thread.call(check):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def _request(rid: str, max_tokens: int) -> EngineCoreRequest:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return EngineCoreRequest(rid, list(range(10, 90)), params, eos_token_id=None)
+
+
+async def _abort_before_add(model: Path, role: str) -> None:
+    thread, core = await _worker(model, role)
+    try:
+        rid = f"{role}-1"
+        tracked = await core.ask(
+            m.Track(
+                m.WorkerRequest(
+                    rid, "frontend", role, "running", num_prompt_tokens=80, max_tokens=4,
+                    admitted=False,
+                )
+            )
+        )  # fmt: skip
+        assert tracked
+        # The abort overtakes the servicer's engine call.
+        assert await core.ask(m.Abort([rid])) == 1
+        req = _request(rid, 1 if role == "prefill" else 4)
+        await thread.call(lambda e: e.add_request(req, hold_kv=role == "prefill"))
+        core.tell(m.Admitted(rid))
+        assert await _engine_is_empty(thread), "the aborted request kept engine state or blocks"
+        assert await core.ask(m.Inflight()) == []
+    finally:
+        await core.close()
+        await thread.stop()
+
+
+def test_abort_before_prefill_admission_frees_everything(smollm2_path: Path) -> None:
+    asyncio.run(_abort_before_add(smollm2_path, "prefill"))
+
+
+def test_abort_before_unified_admission_frees_everything(smollm2_path: Path) -> None:
+    asyncio.run(_abort_before_add(smollm2_path, "unified"))
+
+
+async def _abort_before_reserve(model: Path) -> None:
+    thread, core = await _worker(model, "decode")
+    try:
+        rid = "decode-1"
+        tracked = await core.ask(
+            m.Track(
+                m.WorkerRequest(
+                    rid, "frontend", "decode", "reserving", num_prompt_tokens=80, max_tokens=4,
+                    num_emitted=1,
+                )
+            )
+        )  # fmt: skip
+        assert tracked
+        assert await core.ask(m.Abort([rid])) == 1
+        req = _request(rid, 4)
+        result = await thread.call(lambda e: e.reserve(req))
+        assert result is not None
+        core.tell(m.Reserved(rid, list(result[0])))
+        assert await _engine_is_empty(thread), "the aborted reservation kept its blocks"
+        assert await core.ask(m.Inflight()) == []
+    finally:
+        await core.close()
+        await thread.stop()
+
+
+def test_abort_before_reserve_frees_the_reservation(smollm2_path: Path) -> None:
+    asyncio.run(_abort_before_reserve(smollm2_path))
