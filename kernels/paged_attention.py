@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
@@ -553,18 +553,9 @@ def _tuned_prefill_config(
             num_warps=warps,
             num_stages=stages,
         )
-        try:
-            run()
-            run()
-        except Exception:  # a config this device cannot run (shared memory, registers)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            run()
-        end.record()
-        end.synchronize()
-        timings[config] = start.elapsed_time(end) / 3
+        ms = _time_config(run, iters=3)
+        if ms is not None:
+            timings[config] = ms
     if not timings:
         return None
     best = min(timings, key=lambda c: timings[c])
@@ -578,6 +569,23 @@ def _tuned_prefill_config(
         }
     )
     return best
+
+
+def _time_config(run: Callable[[], object], iters: int) -> float | None:
+    """Milliseconds per call of `run` on the current stream after two untimed calls (which
+    compile it); None when this device cannot run the config (shared memory, registers)."""
+    try:
+        run()
+        run()
+    except Exception:
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 @functools.lru_cache(maxsize=16)
@@ -684,18 +692,9 @@ def tune_decode_attention(
             num_stages=config[2],
             heads_first=config[3],
         )
-        try:
-            run()
-            run()
-        except Exception:  # a config this device cannot run (shared memory, registers)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            run()
-        end.record()
-        end.synchronize()
-        timings[config] = start.elapsed_time(end) / iters
+        ms = _time_config(run, iters)
+        if ms is not None:
+            timings[config] = ms
     if not timings:
         return None
     best = min(timings, key=lambda c: timings[c])
