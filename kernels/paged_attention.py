@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -465,6 +466,28 @@ def paged_prefill_attention(
     return out
 
 
+# (head size, query heads per KV head, dtype, block size): what a tuned config is kept for.
+_ShapeKey = tuple[int, int, torch.dtype, int]
+
+
+def _shape_key(num_heads: int, kv_cache: torch.Tensor) -> _ShapeKey:
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    return (head_size, num_heads // num_kv_heads, kv_cache.dtype, block_size)
+
+
+def _key_json(key: _ShapeKey) -> list[object]:
+    return [key[0], key[1], str(key[2]), key[3]]
+
+
+def _may_tune(tensor: torch.Tensor) -> bool:
+    """Tuning runs on CUDA only: not on the CPU interpreter, not when TANDEM_TUNE_KERNELS=0."""
+    return (
+        tensor.is_cuda
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and os.environ.get("TANDEM_TUNE_KERNELS", "1") != "0"
+    )
+
+
 # Prefill configurations tried on CUDA: (query rows per tile BLOCK_M, keys per tile BLOCK_N,
 # warps, pipeline stages); BLOCK_M counts rows of all query heads of a KV head together.
 _PREFILL_CANDIDATES = (
@@ -477,8 +500,8 @@ _PREFILL_CANDIDATES = (
 )
 # Calls with fewer query rows than this run the default config and tune nothing.
 _MIN_TUNE_TOKENS = 1024
-# (head size, query heads per KV head, dtype, block size) -> (block_q, block_n, warps, stages).
-_prefill_configs: dict[tuple[int, int, torch.dtype, int], tuple[int, int, int, int]] = {}
+# Shape key (`_shape_key`) -> (block_q, block_n, warps, stages).
+_prefill_configs: dict[_ShapeKey, tuple[int, int, int, int]] = {}
 prefill_tuning_log: list[dict[str, object]] = []
 _tuning_allowed = False
 
@@ -513,18 +536,9 @@ def _tuned_prefill_config(
     timed. Not on the CPU interpreter, not during CUDA graph capture, not when
     TANDEM_TUNE_KERNELS=0.
     """
-    import os
-
-    if (
-        not query.is_cuda
-        or os.environ.get("TRITON_INTERPRET") == "1"
-        or os.environ.get("TANDEM_TUNE_KERNELS", "1") == "0"
-    ):
+    if not _may_tune(query):
         return None
-    num_heads, head_size = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    qpk = num_heads // num_kv_heads
-    key = (head_size, qpk, query.dtype, block_size)
+    key = _shape_key(query.shape[1], kv_cache)
     if key in _prefill_configs:
         return _prefill_configs[key]
     if (
@@ -533,7 +547,7 @@ def _tuned_prefill_config(
         or torch.cuda.is_current_stream_capturing()
     ):
         return None
-    qpk_pad = triton.next_power_of_2(qpk)
+    qpk_pad = triton.next_power_of_2(key[1])
     timings: dict[tuple[int, int, int, int], float] = {}
     for block_m, block_n, warps, stages in _PREFILL_CANDIDATES:
         if block_m < qpk_pad:
@@ -562,7 +576,7 @@ def _tuned_prefill_config(
     _prefill_configs[key] = best
     prefill_tuning_log.append(
         {
-            "key": [head_size, qpk, str(query.dtype), block_size],
+            "key": _key_json(key),
             "num_tokens": query.shape[0],
             "ms": {"x".join(map(str, c)): t for c, t in timings.items()},
             "best": "x".join(map(str, best)),
@@ -619,13 +633,9 @@ _DECODE_CANDIDATES: tuple[tuple[int, int, int, bool], ...] = (
     (32, 2, 4, True),
     (16, 4, 4, True),
 )
-# (head size, query heads per KV head, dtype, block size) -> (block_n, warps, stages, heads first).
-_decode_configs: dict[tuple[int, int, torch.dtype, int], tuple[int, int, int, bool]] = {}
+# Shape key (`_shape_key`) -> (block_n, warps, stages, heads first).
+_decode_configs: dict[_ShapeKey, tuple[int, int, int, bool]] = {}
 decode_tuning_log: list[dict[str, object]] = []
-
-
-def _decode_key(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, torch.dtype, int]:
-    return (query.shape[2], query.shape[1] // kv_cache.shape[3], query.dtype, kv_cache.shape[2])
 
 
 def tune_decode_attention(
@@ -648,17 +658,10 @@ def tune_decode_attention(
     Call it before capturing CUDA graphs (they keep the config they were captured with).
     Not on the CPU interpreter, not during capture, not when TANDEM_TUNE_KERNELS=0.
     """
-    import os
-
-    if (
-        not kv_cache.is_cuda
-        or os.environ.get("TRITON_INTERPRET") == "1"
-        or os.environ.get("TANDEM_TUNE_KERNELS", "1") == "0"
-        or torch.cuda.is_current_stream_capturing()
-    ):
+    if not _may_tune(kv_cache) or torch.cuda.is_current_stream_capturing():
         return None
     num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    key = (head_size, num_heads // num_kv_heads, kv_cache.dtype, block_size)
+    key = _shape_key(num_heads, kv_cache)
     if key in _decode_configs:  # once per process: every engine in it runs the same kernels
         return _decode_configs[key]
     blocks_per_req = -(-seq_len // block_size)
@@ -702,7 +705,7 @@ def tune_decode_attention(
     kv_bytes = num_reqs * seq_len * num_kv_heads * head_size * 2 * kv_cache.element_size()
     decode_tuning_log.append(
         {
-            "key": [head_size, num_heads // num_kv_heads, str(kv_cache.dtype), block_size],
+            "key": _key_json(key),
             "num_reqs": num_reqs,
             "seq_len": seq_len,
             "num_splits": splits,
@@ -760,7 +763,7 @@ def paged_decode_attention(
     qpk = num_heads // num_kv_heads
     block_h = max(triton.next_power_of_2(qpk), 16)
     block_d = triton.next_power_of_2(head_size)
-    tuned = _decode_configs.get(_decode_key(query, kv_cache))
+    tuned = _decode_configs.get(_shape_key(num_heads, kv_cache))
     if tuned is not None:
         block_n = tuned[0] if block_n is None else block_n
         num_warps = tuned[1] if num_warps is None else num_warps
