@@ -49,6 +49,7 @@ from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
+NAN = float("nan")  # a percentile of no requests
 
 
 @dataclass(frozen=True)
@@ -57,16 +58,23 @@ class Workload:
     prefix_ids: list[int]  # which system prompt each request asks about
     prefix_len: int
 
+    def first_of_prefix(self) -> list[bool]:
+        """Per request, whether it is the first to ask about its system prompt."""
+        seen: set[int] = set()
+        first = []
+        for pid in self.prefix_ids:
+            first.append(pid not in seen)
+            seen.add(pid)
+        return first
+
     def ideal_hit_tokens(self) -> int:
         """Cached prompt tokens if every request but each prefix's first found it cached."""
-        first: set[int] = set()
-        hits = 0
         full = self.prefix_len // BLOCK_SIZE * BLOCK_SIZE
-        for prompt, pid in zip(self.prompts, self.prefix_ids, strict=True):
-            if pid in first:
-                hits += min(full, len(prompt) - 1)
-            first.add(pid)
-        return hits
+        return sum(
+            min(full, len(prompt) - 1)
+            for prompt, first in zip(self.prompts, self.first_of_prefix(), strict=True)
+            if not first
+        )
 
 
 def make_workload(
@@ -142,15 +150,6 @@ async def run_workload(
         return results, time.perf_counter() - t0
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def prefill_counters(dep: Any, names: list[str]) -> dict[str, tuple[int, int]]:
     import grpc
 
@@ -177,6 +176,7 @@ def scheduler_counters(dep: Any) -> dict[str, float]:
 
 
 def run_mode(mode: str, ns: argparse.Namespace, workload: Workload, redis_url: str) -> dict:
+    from tandem.bench.serve import percentile
     from tandem.directory import DirectoryConfig
     from tandem.launcher import ServeConfig, start_deployment
 
@@ -222,11 +222,7 @@ def run_mode(mode: str, ns: argparse.Namespace, workload: Workload, redis_url: s
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s * 1000 for r in ok]
     # Each system prompt's first request can hit nowhere, whatever the routing.
-    seen: set[int] = set()
-    first = []
-    for pid in workload.prefix_ids:
-        first.append(pid not in seen)
-        seen.add(pid)
+    first = workload.first_of_prefix()
     cold = [r.ttft_s * 1000 for r, f in zip(results, first, strict=True) if r.ok and f]
     warm = [r.ttft_s * 1000 for r, f in zip(results, first, strict=True) if r.ok and not f]
     return {
@@ -244,18 +240,24 @@ def run_mode(mode: str, ns: argparse.Namespace, workload: Workload, redis_url: s
         "hit_rate_vs_ideal": hits / ideal if ideal else 0.0,
         "prompt_tokens_per_worker": {n: after[n][0] - before[n][0] for n in prefill},
         "ttft_ms": {
-            "mean": statistics.fmean(ttft) if ttft else float("nan"),
-            "p50": _pct(ttft, 0.50),
-            "p90": _pct(ttft, 0.90),
-            "p99": _pct(ttft, 0.99),
+            "mean": statistics.fmean(ttft) if ttft else NAN,
+            "p50": percentile(ttft, 50, NAN),
+            "p90": percentile(ttft, 90, NAN),
+            "p99": percentile(ttft, 99, NAN),
         },
-        "ttft_ms_first_of_each_prefix": {"p50": _pct(cold, 0.5), "max": max(cold, default=0)},
-        "ttft_ms_later_requests": {"p50": _pct(warm, 0.5), "p99": _pct(warm, 0.99)},
+        "ttft_ms_first_of_each_prefix": {
+            "p50": percentile(cold, 50, NAN),
+            "max": max(cold, default=0),
+        },
+        "ttft_ms_later_requests": {
+            "p50": percentile(warm, 50, NAN),
+            "p99": percentile(warm, 99, NAN),
+        },
         "requests": [
             {"prefix": pid, "prompt_len": len(p), "ttft_ms": r.ttft_s * 1000, "ok": r.ok}
             for pid, p, r in zip(workload.prefix_ids, workload.prompts, results, strict=True)
         ],
-        "e2e_ms_p50": _pct([r.e2e_s * 1000 for r in ok], 0.50),
+        "e2e_ms_p50": percentile([r.e2e_s * 1000 for r in ok], 50, NAN),
         "scheduler": {
             k: sched_after.get(k, 0.0) - sched_before.get(k, 0.0)
             for k in sched_after

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.serve import percentile
+
 DEFAULTS = ["--launch", "--compare-offline", "--request-rate", "2,4,inf"]
 
 
@@ -44,13 +46,6 @@ def _round_up(x: float) -> float:
     return round(math.ceil(x / step - 1e-9) * step, 6)
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def auto_goodput_limits(unified: dict[str, Any], quantile: float = 99.0) -> dict[str, Any]:
     """TTFT and TPOT limits the unified system just meets at its lowest request rate: its
     `quantile` TTFT and TPOT there, rounded up to two significant digits."""
@@ -60,8 +55,8 @@ def auto_goodput_limits(unified: dict[str, Any], quantile: float = 99.0) -> dict
     low = min(runs, key=lambda r: float(r["rate"]))
     lat = low["request_latencies_ms"]
     return {
-        "ttft_ms": _round_up(_pct([t for t, _ in lat], quantile)),
-        "tpot_ms": _round_up(_pct([p for _, p in lat], quantile)),
+        "ttft_ms": _round_up(percentile([t for t, _ in lat], quantile)),
+        "tpot_ms": _round_up(percentile([p for _, p in lat], quantile)),
         "source": f"unified p{quantile:g} at {low['rate']} req/s, rounded up",
     }
 

@@ -102,9 +102,11 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
 # ----------------------------------------------------------------------------- metrics
 
 
-def _pct(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float, empty: float = 0.0) -> float:
+    """The `q`-th percentile (0..100) of `values`, interpolated linearly between the two
+    nearest ranks; `empty` when there are none."""
     if not values:
-        return 0.0
+        return empty
     s = sorted(values)
     k = (len(s) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
@@ -115,8 +117,8 @@ def _stats_ms(values: Sequence[float]) -> dict[str, float]:
     ms = [v * 1000 for v in values]
     return {
         "mean": sum(ms) / len(ms) if ms else 0.0,
-        "p50": _pct(ms, 50),
-        "p99": _pct(ms, 99),
+        "p50": percentile(ms, 50),
+        "p99": percentile(ms, 99),
     }
 
 
