@@ -579,11 +579,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
         )
         queued.attempts += 1
         queued.earlier_attempt_unknown |= msg.code in _RETRIABLE
-        if r.aborted:
-            self._send_abort(r.workers, [r.request_id])
-            submit.fail(SubmitError(grpc.StatusCode.CANCELLED, "request aborted"))
-            return
-        if retriable and queued.attempts < self.config.max_dispatch_attempts:
+        if not r.aborted and retriable and queued.attempts < self.config.max_dispatch_attempts:
             delay = self._backoff_s(queued.attempts)
             logger.warning(
                 "dispatch of %s to %s failed (%s, attempt %d); retrying in %.0f ms once "
@@ -599,6 +595,9 @@ class SchedulerCore(Actor[SchedulerMessage]):
             self._spawn(self._retry_later(queued, entries, delay))
             return
         self._send_abort(r.workers, [r.request_id])
+        if r.aborted:
+            submit.fail(SubmitError(grpc.StatusCode.CANCELLED, "request aborted"))
+            return
         code = msg.code if msg.code != grpc.StatusCode.OK else grpc.StatusCode.INTERNAL
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             code = grpc.StatusCode.UNAVAILABLE
@@ -665,8 +664,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             if entry is not None:
                 self._spawn(self._abort_on(entry, request_ids))
 
-    async def _abort_on(self, entry: WorkerEntry, request_ids: list[str]) -> bool:
-        """Abort on one worker; False when the worker did not answer."""
+    async def _abort_on(self, entry: WorkerEntry, request_ids: list[str]) -> None:
         try:
             await entry.stub.Abort(
                 common_pb2.AbortRequest(request_ids=request_ids),
@@ -674,8 +672,6 @@ class SchedulerCore(Actor[SchedulerMessage]):
             )
         except grpc.aio.AioRpcError as exc:
             logger.warning("abort on %s failed: %s", entry.worker_id, exc.code().name)
-            return False
-        return True
 
     # ------------------------------------------------------------------ workers
 
