@@ -120,6 +120,29 @@ def block_runs(dst_block_ids: Sequence[int], max_blocks: int) -> list[tuple[int,
     return runs
 
 
+def check_runs(runs: Sequence[tuple[int, int]], reserved: Sequence[int], request_id: str) -> int:
+    """Raise KVTransferError unless every (first block id, number of blocks) run is non-empty,
+    inside the reservation and apart from the others; returns the number of blocks."""
+    whole = isinstance(reserved, range) and reserved.step == 1
+    allowed: set[int] | None = None if whole else set(reserved)
+    total = 0
+    seen: set[int] = set()
+    for first, n in runs:
+        blocks = range(first, first + n)
+        if allowed is None:
+            inside = reserved[0] <= first and first + n <= reserved[-1] + 1 if reserved else False
+        else:
+            inside = allowed.issuperset(blocks)
+        if n < 1 or not inside or (total and not seen.isdisjoint(blocks)):
+            raise KVTransferError(
+                f"blocks {first}..{first + n - 1} are not reserved for request {request_id!r}"
+            )
+        if len(runs) > 1:
+            seen.update(blocks)
+        total += n
+    return total
+
+
 def num_prompt_blocks(num_prompt_tokens: int, block_size: int) -> int:
     """Blocks holding a prompt's KV (the last one may be partly filled)."""
     return -(-num_prompt_tokens // block_size)
@@ -205,14 +228,7 @@ class KVConnector(abc.ABC):
 
     def receive(self, run: BlockRun, reserved_block_ids: Sequence[int]) -> None:
         """Write one run into blocks that must belong to the request's reservation."""
-        last = run.first_block_id + run.num_blocks
-        if run.num_blocks < 1 or not set(reserved_block_ids).issuperset(
-            range(run.first_block_id, last)
-        ):
-            raise KVTransferError(
-                f"blocks {run.first_block_id}..{last - 1} are not reserved for request "
-                f"{run.request_id!r}"
-            )
+        check_runs([(run.first_block_id, run.num_blocks)], reserved_block_ids, run.request_id)
         self.cache.write(run.first_block_id, run.num_blocks, run.data)
 
     async def release(self, request_id: str) -> None:

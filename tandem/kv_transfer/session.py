@@ -62,6 +62,7 @@ from tandem.kv_transfer.base import (
     KVTransferError,
     block_runs,
     check_fits,
+    check_runs,
 )
 from tandem.kv_transfer.tcp import layout_from_proto, layout_to_proto
 from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
@@ -142,29 +143,6 @@ class _Lane:
 
 def consecutive(ids: Sequence[int]) -> bool:
     return all(ids[i] == ids[0] + i for i in range(1, len(ids)))
-
-
-def check_runs(runs: Sequence[DstRun], reserved: Sequence[int], request_id: str) -> int:
-    """Raise KVTransferError unless every run is non-empty and inside the reservation; returns
-    the number of blocks."""
-    whole = isinstance(reserved, range) and reserved.step == 1
-    allowed: set[int] | None = None if whole else set(reserved)
-    total = 0
-    seen: set[int] = set()
-    for first, n in runs:
-        blocks = range(first, first + n)
-        if allowed is None:
-            inside = reserved[0] <= first and first + n <= reserved[-1] + 1 if reserved else False
-        else:
-            inside = allowed.issuperset(blocks)
-        if n < 1 or not inside or (total and not seen.isdisjoint(blocks)):
-            raise KVTransferError(
-                f"blocks {first}..{first + n - 1} are not reserved for request {request_id!r}"
-            )
-        if len(runs) > 1:
-            seen.update(blocks)
-        total += n
-    return total
 
 
 async def run_to_end(executor: concurrent.futures.Executor, fn: Callable[..., R], *args: Any) -> R:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.kv_transfer.base import KVDestination, KVTransferError, block_runs
+from tandem.kv_transfer.base import KVDestination, KVTransferError, block_runs, check_runs
 from tandem.kv_transfer.cuda_ipc import (
     LONG_STRETCH,
     MAX_COPIES,
@@ -31,7 +31,7 @@ from tandem.kv_transfer.placement import (
     choose_transport,
     normalize_transport,
 )
-from tandem.kv_transfer.session import RemoteKVConnector, check_runs
+from tandem.kv_transfer.session import RemoteKVConnector
 from tandem.kv_transfer.transports import KVTransports, local_transports
 
 SHAPE = (48, 2, 2, 4, 2, 8)
