@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -20,27 +22,25 @@ pytestmark = pytest.mark.timeout(400)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _listening(address: str) -> bool:
-    host, port = address.rsplit(":", 1)
-    with socket.socket() as s:
-        s.settimeout(1)
-        return s.connect_ex((host, int(port))) == 0
-
-
-def test_tandem_serve_unified_ctrl_c(tmp_path: Path) -> None:
+@contextmanager
+def tandem_serve(
+    args: list[str], log_dir: Path, timeout_s: float
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`tandem serve --http-port 0 --grpc-port 0 --log-dir LOG_DIR ARGS` as a child process:
+    yields it with its output up to "Ctrl-C stops everything." (within `timeout_s`); kills it
+    on the way out if it is still running."""
     cmd = [
         sys.executable,
         "-m",
         "tandem.cli",
         "serve",
-        "--unified",
         "--http-port",
         "0",
         "--grpc-port",
         "0",
         "--log-dir",
-        str(tmp_path),
-        *WORKER_ARGS,
+        str(log_dir),
+        *args,
     ]
     proc = subprocess.Popen(
         cmd,
@@ -53,13 +53,28 @@ def test_tandem_serve_unified_ctrl_c(tmp_path: Path) -> None:
     lines: list[str] = []
     try:
         assert proc.stdout is not None
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + timeout_s
         while "Ctrl-C stops everything." not in "".join(lines):
             line = proc.stdout.readline()
             assert line, "tandem serve exited early:\n" + "".join(lines)
             lines.append(line)
             assert time.monotonic() < deadline
-        out = "".join(lines)
+        yield proc, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _listening(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def test_tandem_serve_unified_ctrl_c(tmp_path: Path) -> None:
+    with tandem_serve(["--unified", *WORKER_ARGS], tmp_path, 300) as (proc, out):
         http = re.search(r"HTTP \(OpenAI API\)\s+http://(\S+)/v1", out)
         grpc_addr = re.search(r"gRPC\s+(\S+)", out)
         scheduler = re.search(r"scheduler\s+(\S+)", out)
@@ -77,7 +92,3 @@ def test_tandem_serve_unified_ctrl_c(tmp_path: Path) -> None:
         assert "tandem serve: stopped" in rest
         for address in (http.group(1), grpc_addr.group(1), scheduler.group(1), worker.group(1)):
             assert not _listening(address), address
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -4,12 +4,8 @@ Ctrl-C stops everything. A tiny random Llama keeps the start-up light."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,9 +21,9 @@ from tandem_protos.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from tests.service.test_launcher import tandem_serve
 
 pytestmark = pytest.mark.timeout(300)
-ROOT = Path(__file__).resolve().parents[2]
 NUM_REQUESTS = 8
 
 
@@ -40,47 +36,9 @@ def test_two_unified_workers_share_the_load(
     tmp_path: Path, tiny_model_path: Callable[[str], Path]
 ) -> None:
     model = str(tiny_model_path("llama"))
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem.cli",
-        "serve",
-        "--unified",
-        "--num-unified-workers",
-        "2",
-        "--http-port",
-        "0",
-        "--grpc-port",
-        "0",
-        "--log-dir",
-        str(tmp_path),
-        "--model",
-        model,
-        "--max-model-len",
-        "512",
-        "--num-gpu-blocks",
-        "64",
-        "--num-threads",
-        "1",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 240
-        while "Ctrl-C stops everything." not in "".join(lines):
-            line = proc.stdout.readline()
-            assert line, "tandem serve exited early:\n" + "".join(lines)
-            lines.append(line)
-            assert time.monotonic() < deadline
-        out = "".join(lines)
+    args = ["--unified", "--num-unified-workers", "2", "--model", model]
+    args += ["--max-model-len", "512", "--num-gpu-blocks", "64", "--num-threads", "1"]
+    with tandem_serve(args, tmp_path, 240) as (proc, out):
         assert "2 unified worker(s)" in out
         http = re.search(r"HTTP \(OpenAI API\)\s+http://(\S+)/v1", out)
         scheduler = re.search(r"scheduler\s+(\S+)", out)
@@ -119,7 +77,3 @@ def test_two_unified_workers_share_the_load(
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out + rest
         assert "tandem serve: stopped" in rest
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
