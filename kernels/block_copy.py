@@ -64,6 +64,16 @@ def block_words(cache: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+def common_words(
+    src_words: torch.Tensor, dst_words: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two `block_words` views in one word: as they are when their words agree, else bytes on
+    both sides (differently aligned data pointers)."""
+    if src_words.dtype != dst_words.dtype:
+        return src_words.view(torch.uint8), dst_words.view(torch.uint8)
+    return src_words, dst_words
+
+
 def _check(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     assert src_cache.dim() == 6 and src_cache.shape[2] == 2, src_cache.shape
     assert dst_cache.shape[1:] == src_cache.shape[1:], (src_cache.shape, dst_cache.shape)
@@ -94,11 +104,7 @@ def copy_blocks(
     head_size]`, contiguous, same dtype and device; `block_mapping` `[num_pairs, 2]` int32 or
     int64 on that device, ids in range, destination ids distinct."""
     _check(src_cache, dst_cache, block_mapping)
-    src_words = block_words(src_cache)
-    dst_words = block_words(dst_cache)
-    if src_words.dtype != dst_words.dtype:  # differently aligned pointers: bytes both sides
-        src_words = src_cache.view(src_cache.shape[0], -1).view(torch.uint8)
-        dst_words = dst_cache.view(dst_cache.shape[0], -1).view(torch.uint8)
+    src_words, dst_words = common_words(block_words(src_cache), block_words(dst_cache))
     copy_block_rows(src_words, dst_words, block_mapping, chunk_bytes)
 
 

@@ -98,16 +98,6 @@ def _stretch_bounds(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return starts, lengths
 
 
-def stretches(src: list[int], runs: list[Run]) -> tuple[tuple[int, int, int], ...]:
-    """(first source block, first destination block, number of blocks) for every stretch where
-    both the source and the destination blocks are consecutive, in order."""
-    pairs = block_mapping(src, runs)
-    if len(pairs) == 0:
-        return ()
-    starts, lengths = _stretch_bounds(pairs)
-    return _as_copies(pairs, starts, lengths)
-
-
 def _as_copies(
     pairs: np.ndarray, starts: np.ndarray, lengths: np.ndarray
 ) -> tuple[tuple[int, int, int], ...]:
@@ -194,6 +184,17 @@ def copy_runs(
         else:
             copy_block_rows_ref(local, remote, host)
     return plan
+
+
+def check_block_ids(
+    src: list[int], runs: list[Run], num_src_blocks: int, num_dst_blocks: int
+) -> None:
+    """Raise KVTransferError unless a session's source blocks and destination runs lie in
+    their caches (a slice past a cache's end would copy short; the kernel checks no ids)."""
+    if any(first < 0 or first + n > num_dst_blocks for _, first, n in runs):
+        raise KVTransferError("destination blocks outside the decode worker's cache")
+    if min(src) < 0 or max(src) >= num_src_blocks:
+        raise KVTransferError("source block ids out of range")
 
 
 async def wait_event(
@@ -298,6 +299,8 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
             raise KVTransferError(
                 f"the GPU of {dst.worker_id} ({handle.gpu_uuid}) is not visible here"
             )
+        from kernels.block_copy import common_words
+
         dtype = self.cache.kv_cache.dtype
 
         def open_handle() -> OpenedCache:
@@ -317,10 +320,7 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
                 )
             if not tensor.is_contiguous():
                 raise KVTransferError(f"the KV cache of {dst.worker_id} is not contiguous")
-            rows, local_rows = _rows(tensor), self._rows
-            if rows.dtype != local_rows.dtype:  # differently aligned: bytes both sides
-                rows = rows.view(torch.uint8)
-                local_rows = local_rows.view(torch.uint8)
+            rows, local_rows = common_words(_rows(tensor), self._rows)
             return OpenedCache(tensor, rows, local_rows)
 
         try:
@@ -329,11 +329,7 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
             raise KVTransferError(f"opening the KV cache of {dst.worker_id} failed: {exc}") from exc
 
     async def _write(self, peer: OpenedCache, src: list[int], runs: list[Run]) -> None:
-        num_dst = peer.tensor.shape[0]
-        if any(first < 0 or first + n > num_dst for _, first, n in runs):
-            raise KVTransferError("destination blocks outside the decode worker's cache")
-        if min(src) < 0 or max(src) >= self.cache.num_blocks:
-            raise KVTransferError("source block ids out of range")
+        check_block_ids(src, runs, self.cache.num_blocks, peer.tensor.shape[0])
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
         # Enqueue here (copies and at most one kernel launch), then one event for all of them.

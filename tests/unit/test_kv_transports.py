@@ -21,7 +21,6 @@ from tandem.kv_transfer.cuda_ipc import (
     block_mapping,
     copy_runs,
     plan_copies,
-    stretches,
     wait_event,
 )
 from tandem.kv_transfer.inproc import InProcessKVConnector, InProcessKVHub
@@ -99,14 +98,19 @@ def test_check_runs() -> None:
         check_runs([(4, 0)], [4], "r")
 
 
+def _stretches(src: list[int], runs: list[Any]) -> tuple[tuple[int, int, int], ...]:
+    """Every stretch (both sides consecutive) as one copy: the plan without the kernel."""
+    return plan_copies(src, runs, use_kernel=False).copies
+
+
 def test_stretches() -> None:
     src = [7, 8, 9, 3, 5, 6]
     runs = block_runs([20, 21, 22, 30, 31, 32], max_blocks=16)
-    assert stretches(src, runs) == ((7, 20, 3), (3, 30, 1), (5, 31, 2))
+    assert _stretches(src, runs) == ((7, 20, 3), (3, 30, 1), (5, 31, 2))
     # Consecutive destinations split into runs still make one stretch.
-    assert stretches([4, 5, 6], block_runs([10, 11, 12], max_blocks=2)) == ((4, 10, 3),)
-    assert stretches([9], [(0, 2, 1)]) == ((9, 2, 1),)
-    assert stretches([], []) == ()
+    assert _stretches([4, 5, 6], block_runs([10, 11, 12], max_blocks=2)) == ((4, 10, 3),)
+    assert _stretches([9], [(0, 2, 1)]) == ((9, 2, 1),)
+    assert _stretches([], []) == ()
 
 
 def test_block_mapping() -> None:
@@ -161,7 +165,7 @@ def test_plan_copies_covers_every_pair_once() -> None:
             if not use_kernel:
                 assert len(plan.pairs) == 0
             elif len(plan.pairs):
-                assert len(stretches(src, runs)) > MAX_COPIES
+                assert len(_stretches(src, runs)) > MAX_COPIES
 
 
 @pytest.mark.parametrize("case", ["one_stretch", "scattered", "mixed", "per_run"])
