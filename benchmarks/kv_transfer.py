@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -103,8 +104,15 @@ def _shm_connector(cache: torch.Tensor, engine: Any, worker_id: str, path: str) 
     the receiver's cache is the file at `path`, which the sender maps in `_open`."""
     import concurrent.futures
 
-    from tandem.kv_transfer.base import KVDestination, KVTransferError
-    from tandem.kv_transfer.cuda_ipc import MAX_SESSIONS, _rows, copy_runs, wait_event
+    from kernels.block_copy import block_words, common_words
+    from tandem.kv_transfer.base import KVDestination
+    from tandem.kv_transfer.cuda_ipc import (
+        MAX_SESSIONS,
+        OpenedCache,
+        check_block_ids,
+        copy_runs,
+        wait_event,
+    )
     from tandem.kv_transfer.session import RemoteKVConnector, Run
     from tandem_protos.v1 import worker_pb2
 
@@ -117,13 +125,13 @@ def _shm_connector(cache: torch.Tensor, engine: Any, worker_id: str, path: str) 
         def synchronize(self) -> None:
             pass
 
-    class SharedMemoryKVConnector(RemoteKVConnector[tuple[torch.Tensor, torch.Tensor]]):
+    class SharedMemoryKVConnector(RemoteKVConnector[OpenedCache]):
         transport = "shm"
 
         def __init__(self) -> None:
             super().__init__(cache, engine, worker_id)
             self.max_sessions = MAX_SESSIONS
-            self._rows = _rows(cache)
+            self._rows = block_words(cache)
             self._executor = concurrent.futures.ThreadPoolExecutor(1)
 
         async def _connect_info(
@@ -133,20 +141,14 @@ def _shm_connector(cache: torch.Tensor, engine: Any, worker_id: str, path: str) 
 
         async def _open(
             self, dst: KVDestination, info: worker_pb2.ConnectKVResponse
-        ) -> tuple[torch.Tensor, torch.Tensor]:
+        ) -> OpenedCache:
             remote = torch.from_file(path, shared=True, size=cache.numel(), dtype=cache.dtype)
             remote = remote.view(cache.shape)
-            return remote, _rows(remote)
+            return OpenedCache(remote, *common_words(block_words(remote), self._rows))
 
-        async def _write(
-            self, peer: tuple[torch.Tensor, torch.Tensor], src: list[int], runs: list[Run]
-        ) -> None:
-            num_dst = peer[0].shape[0]
-            if any(first < 0 or first + n > num_dst for _, first, n in runs):
-                raise KVTransferError("destination blocks outside the decode worker's cache")
-            if min(src) < 0 or max(src) >= self.cache.num_blocks:
-                raise KVTransferError("source block ids out of range")
-            copy_runs(self._rows, peer[1], src, runs)
+        async def _write(self, peer: OpenedCache, src: list[int], runs: list[Run]) -> None:
+            check_block_ids(src, runs, self.cache.num_blocks, peer.tensor.shape[0])
+            copy_runs(peer.local_rows, peer.rows, src, runs)
             await wait_event(_Done(), self._executor)  # type: ignore[arg-type]
 
         async def close(self) -> None:
@@ -186,9 +188,7 @@ async def _receiver(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if mode == "cpu" and "shm" in names:
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         cache = torch.from_file(shm_path, shared=True, size=numel, dtype=getattr(torch, dtype))
         cache = cache.view(shape).zero_()
     else:
@@ -335,7 +335,7 @@ async def _sender(
         if ns.mode == "cuda":
             # A raw copy into the IPC-mapped cache (no session): the mapping's own rate.
             peer = await connector.peer(dest([0]))
-            raw = _cuda_copy_s(peer.rows[:n], connector._rows[:n], ns.iters)
+            raw = _cuda_copy_s(peer.rows[:n], peer.local_rows[:n], ns.iters)
             out[f"{name}_raw_copy"] = _summary(prompt_bytes, raw)
             out[f"{name}_raw_copy"]["fraction_of_d2d"] = (
                 out[f"{name}_raw_copy"]["GBps_median"] / reference
