@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -48,7 +49,6 @@ WORKER_ARGS = (
 SCHEDULER_ARGS = (
     "--dead-after-s", "5",
     "--report-interval-s", "0.2",
-    "--prefix-hint-ttl-s", "0",
     "--metrics-port", "0",
 )  # fmt: skip
 
@@ -72,18 +72,30 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
         server.close()
 
 
-@pytest.fixture(scope="module")
-def cluster(redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    logs = tmp_path_factory.mktemp("logs-prefix-routing")
-    config = ServeConfig(
+def two_prefill_config(
+    log_dir: Path, scheduler_args: tuple[str, ...] = SCHEDULER_ARGS, **kwargs: Any
+) -> ServeConfig:
+    """Two prefill workers and a decode worker with WORKER_ARGS, every port free; `kwargs`:
+    more ServeConfig fields."""
+    return ServeConfig(
         http_port=0,
         grpc_port=0,
         num_prefill_workers=2,
         worker_args=WORKER_ARGS,
-        scheduler_args=SCHEDULER_ARGS,
+        scheduler_args=scheduler_args,
         grace_period_s=5.0,
-        log_dir=str(logs),
+        log_dir=str(log_dir),
         startup_timeout_s=300.0,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    config = two_prefill_config(
+        tmp_path_factory.mktemp("logs-prefix-routing"),
+        # The directory alone: the scheduler's own dispatch record is off.
+        scheduler_args=(*SCHEDULER_ARGS, "--prefix-hint-ttl-s", "0"),
         directory=DirectoryConfig(
             redis_url=redis.url, key_prefix=KEY_PREFIX, worker_ttl_s=DIRECTORY_TTL_S
         ),

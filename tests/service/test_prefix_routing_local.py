@@ -9,18 +9,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tandem.launcher import Deployment, ServeConfig, start_deployment
+from tandem.launcher import Deployment, start_deployment
 from tests.service.conftest import wait_until
 from tests.service.test_prefix_routing import (
     BLOCK_SIZE,
     PREFILL,
-    SCHEDULER_ARGS,
-    WORKER_ARGS,
     counters,
     generate,
     idle,
     make_prefix,
     served_by,
+    two_prefill_config,
     with_question,
     worker_id,
 )
@@ -28,22 +27,8 @@ from tests.service.test_prefix_routing import (
 
 @pytest.fixture(scope="module")
 def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    logs = tmp_path_factory.mktemp("logs-prefix-routing-local")
-    # The Redis module's scheduler flags, less the one that turns the dispatch record off.
-    scheduler_args = tuple(
-        a for i, a in enumerate(SCHEDULER_ARGS)
-        if a != "--prefix-hint-ttl-s" and SCHEDULER_ARGS[i - 1] != "--prefix-hint-ttl-s"
-    )  # fmt: skip
-    config = ServeConfig(
-        http_port=0,
-        grpc_port=0,
-        num_prefill_workers=2,
-        worker_args=WORKER_ARGS,
-        scheduler_args=scheduler_args,
-        grace_period_s=5.0,
-        log_dir=str(logs),
-        startup_timeout_s=300.0,
-    )
+    # The Redis module's deployment, less the directory: the dispatch record stays on.
+    config = two_prefill_config(tmp_path_factory.mktemp("logs-prefix-routing-local"))
     dep = start_deployment(config)
     try:
         yield dep
