@@ -22,6 +22,7 @@ import os
 import random
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -333,18 +334,26 @@ class _Deployment:
         return Path(path).read_text(errors="replace") if path else ""
 
 
-@pytest.fixture(scope="module")
-def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Deployment]]:
+# Per deployment kind: the scheduler's --kv-connector, and (role, arguments) of each worker.
+Plans = dict[str, tuple[str, list[tuple[str, list[str]]]]]
+
+
+@contextmanager
+def start_deployments(
+    tmp_path_factory: pytest.TempPathFactory, name: str, plans: Plans
+) -> Iterator[dict[str, _Deployment]]:
+    """Every deployment of `plans` at once: its scheduler, then its workers (worker id
+    <role>-0, service <kind>-<role>), all ready within 400 s. Stopped in reverse order; the
+    log tail of any service that exits uncleanly is printed."""
     from tandem.launcher import ServeConfig, spawn_service, stop_process, wait_ready
 
-    logs = tmp_path_factory.mktemp("ipc-serving-logs")
-    config = ServeConfig(log_dir=str(logs))
-    work = tmp_path_factory.mktemp("ipc-serving-ready")
+    config = ServeConfig(log_dir=str(tmp_path_factory.mktemp(f"{name}-logs")))
+    work = tmp_path_factory.mktemp(f"{name}-ready")
     deadline = time.monotonic() + 400
     deps: dict[str, _Deployment] = {}
     started: list[Any] = []
     try:
-        for kind, connector in (("unified", "auto"), ("disagg", DISAGG_CONNECTOR)):
+        for kind, (connector, workers) in plans.items():
             sched = spawn_service(
                 config,
                 f"{kind}-scheduler",
@@ -355,8 +364,7 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
             started.append(sched)
             wait_ready([sched], deadline)
             services = {"scheduler": sched}
-            roles = ["unified"] if kind == "unified" else ["prefill", "decode"]
-            for role in roles:
+            for role, args in workers:
                 module = (
                     "services.prefill_worker" if role == "prefill" else "services.decode_worker"
                 )
@@ -375,7 +383,7 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
                         "--worker-id",
                         f"{role}-0",
                         *extra,
-                        *WORKER_ARGS,
+                        *args,
                     ],
                     work,
                 )
@@ -383,28 +391,45 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
                 services[role] = svc
             deps[kind] = _Deployment(services)
         wait_ready(started, deadline)
-        for dep in deps.values():  # the ready files carry the addresses
-            for svc in dep.services.values():
-                assert svc.info
         yield deps
     finally:
         for svc in reversed(started):
             code = stop_process(svc.process, 30)
             if code != 0 and svc.log_path is not None:
                 print(f"---- {svc.name} (exit {code}) ----")
-                print("\n".join(Path(svc.log_path).read_text(errors="replace").splitlines()[-60:]))
+                print(svc.log_tail(60))
 
 
-def _prompts() -> list[list[int]]:
+@pytest.fixture(scope="module")
+def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Deployment]]:
+    plans: Plans = {
+        "unified": ("auto", [("unified", WORKER_ARGS)]),
+        "disagg": (DISAGG_CONNECTOR, [("prefill", WORKER_ARGS), ("decode", WORKER_ARGS)]),
+    }
+    with start_deployments(tmp_path_factory, "ipc-serving", plans) as deps:
+        for dep in deps.values():  # the ready files carry the addresses
+            for svc in dep.services.values():
+                assert svc.info
+        yield deps
+
+
+def serving_prompts(max_len: int = 1500, vocab: int = PROMPT_VOCAB) -> list[list[int]]:
     rng = random.Random(7)
-    lengths = [rng.randrange(20, 1500) for _ in range(NUM_PROMPTS)]
-    return [[rng.randrange(100, PROMPT_VOCAB) for _ in range(n)] for n in lengths]
+    lengths = [rng.randrange(20, max_len) for _ in range(NUM_PROMPTS)]
+    return [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
 
 
-async def _run_all(dep: _Deployment, name: str) -> list[_Stream]:
+async def run_all(
+    dep: _Deployment, name: str, prompts: list[list[int]] | None = None
+) -> list[_Stream]:
+    """Every prompt (default: `serving_prompts()`) through `dep` at once, greedy, NEW_TOKENS
+    each."""
     async with MiniFrontend(dep.scheduler, dep.workers(), name) as fe:
         return await asyncio.gather(
-            *(fe.generate(f"{name}-{i}", p, NEW_TOKENS) for i, p in enumerate(_prompts()))
+            *(
+                fe.generate(f"{name}-{i}", p, NEW_TOKENS)
+                for i, p in enumerate(serving_prompts() if prompts is None else prompts)
+            )
         )
 
 
@@ -454,8 +479,8 @@ def count_exact_matches(ref: list[_Stream], ours: list[_Stream]) -> int:
 
 
 def test_disaggregated_cuda_ipc_matches_unified(deployments: dict[str, _Deployment]) -> None:
-    ref = asyncio.run(_run_all(deployments["unified"], "u"))
-    ours = asyncio.run(_run_all(deployments["disagg"], "d"))
+    ref = asyncio.run(run_all(deployments["unified"], "u"))
+    ours = asyncio.run(run_all(deployments["disagg"], "d"))
     exact = count_exact_matches(ref, ours)
     assert exact >= 16, f"only {exact} of {NUM_PROMPTS} prompts matched exactly"
     print(f"exact matches: {exact}/{NUM_PROMPTS}")
@@ -468,7 +493,7 @@ def test_disaggregated_cuda_ipc_matches_unified(deployments: dict[str, _Deployme
 
 def test_aborts_free_blocks_on_both_sides(deployments: dict[str, _Deployment]) -> None:
     dep = deployments["disagg"]
-    prompts = _prompts()[:6]
+    prompts = serving_prompts()[:6]
 
     async def run() -> None:
         async with MiniFrontend(dep.scheduler, dep.workers(), "abort") as fe:

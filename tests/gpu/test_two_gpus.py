@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,12 +28,15 @@ import torch
 
 from tests.gpu.test_cuda_ipc import (
     MODEL,
-    NEW_TOKENS,
     NUM_PROMPTS,
     MiniFrontend,
+    Plans,
     _Deployment,
     _wait_pools_whole,
     count_exact_matches,
+    run_all,
+    serving_prompts,
+    start_deployments,
 )
 
 # Where the prefill (and unified) worker and the decode worker run, the connectors tried.
@@ -71,16 +73,11 @@ MODEL_BYTES = 4 << 30
 
 
 def _prompts() -> list[list[int]]:
-    rng = random.Random(7)
-    lengths = [rng.randrange(20, MAX_PROMPT) for _ in range(NUM_PROMPTS)]
-    return [[rng.randrange(100, PROMPT_VOCAB) for _ in range(n)] for n in lengths]
+    return serving_prompts(MAX_PROMPT, PROMPT_VOCAB)
 
 
 async def _run_all(dep: _Deployment, name: str) -> list[Any]:
-    async with MiniFrontend(dep.scheduler, dep.workers(), name) as fe:
-        return await asyncio.gather(
-            *(fe.generate(f"{name}-{i}", p, NEW_TOKENS) for i, p in enumerate(_prompts()))
-        )
+    return await run_all(dep, name, _prompts())
 
 
 def _used_bytes(index: int) -> int:
@@ -92,64 +89,17 @@ def _used_bytes(index: int) -> int:
 def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Deployment]]:
     """ "unified": one unified worker on cuda:0; "<connector>": prefill on cuda:0, decode on
     cuda:1, the scheduler forced onto that connector."""
-    from tandem.launcher import ServeConfig, spawn_service, stop_process, wait_ready
-
-    logs = tmp_path_factory.mktemp("two-gpu-logs")
-    config = ServeConfig(log_dir=str(logs))
-    work = tmp_path_factory.mktemp("two-gpu-ready")
-    deadline = time.monotonic() + 400
-    plans = {"unified": ("auto", [("unified", DEVICES[0])])}
+    plans: Plans = {"unified": ("auto", [("unified", ["--device", DEVICES[0], *WORKER_ARGS])])}
     for connector in CONNECTORS:
-        plans[connector] = (connector, [("prefill", DEVICES[0]), ("decode", DEVICES[1])])
-    deps: dict[str, _Deployment] = {}
-    started: list[Any] = []
-    try:
-        for kind, (connector, roles) in plans.items():
-            sched = spawn_service(
-                config,
-                f"{kind}-scheduler",
-                "services.scheduler",
-                ["--host", "127.0.0.1", "--port", "0", "--kv-connector", connector],
-                work,
-            )
-            started.append(sched)
-            wait_ready([sched], deadline)
-            services = {"scheduler": sched}
-            for role, device in roles:
-                module = (
-                    "services.prefill_worker" if role == "prefill" else "services.decode_worker"
-                )
-                svc = spawn_service(
-                    config,
-                    f"{kind}-{role}",
-                    module,
-                    [
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        "0",
-                        "--scheduler",
-                        sched.info["grpc"],
-                        "--worker-id",
-                        f"{role}-0",
-                        *(["--unified"] if role == "unified" else []),
-                        "--device",
-                        device,
-                        *WORKER_ARGS,
-                    ],
-                    work,
-                )
-                started.append(svc)
-                services[role] = svc
-            deps[kind] = _Deployment(services)
-        wait_ready(started, deadline)
+        plans[connector] = (
+            connector,
+            [
+                ("prefill", ["--device", DEVICES[0], *WORKER_ARGS]),
+                ("decode", ["--device", DEVICES[1], *WORKER_ARGS]),
+            ],
+        )
+    with start_deployments(tmp_path_factory, "two-gpu", plans) as deps:
         yield deps
-    finally:
-        for svc in reversed(started):
-            code = stop_process(svc.process, 30)
-            if code != 0 and svc.log_path is not None:
-                print(f"---- {svc.name} (exit {code}) ----")
-                print("\n".join(svc.log_tail(60).splitlines()))
 
 
 @pytest.fixture(scope="module")
