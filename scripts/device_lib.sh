@@ -1,6 +1,20 @@
-# Shared by the device scripts (scripts/gpu_issue*.sh): source it after setting PY, OUT, LOGS,
-# BUDGET_S, START and summary. It puts the services' Python packages on the path (a bare
-# machine gets them from .whl/ into /tmp/site) and defines `step`.
+# Shared by the device scripts (scripts/gpu_issue*.sh): source it after setting ISSUE (e.g.
+# issue8: names the default $OUT and the temp dir) and, where the default differs, BUDGET_S.
+# It sets MODE (gpu | cpu), OUT, WORK, LOGS, PY, summary, START and PLOTS, puts the services'
+# Python packages on the path (a bare machine gets them from .whl/ into /tmp/site) and defines
+# `step`, `env_report`, `id_tokenizer_step` and `finish`.
+set -u
+MODE=${MODE:-gpu}
+OUT=${OUT:-$PWD/gpu_${ISSUE}_out}
+BUDGET_S=${BUDGET_S:-450}
+mkdir -p "$OUT"
+WORK=$(mktemp -d "/tmp/$ISSUE.XXXXXX")
+LOGS=$WORK/logs
+mkdir -p "$LOGS"
+PY=${PYTHON:-python3}
+summary="$OUT/summary.txt"
+: >"$summary"
+START=$SECONDS
 
 # What the services import beyond torch/numpy (the frontend: uvicorn + starlette, and their
 # anyio/h11/click). All of .whl/ is installed (--upgrade: a /tmp/site left by an earlier run
@@ -18,6 +32,8 @@ if ! $PY -c "$NEED_IMPORTS" 2>/dev/null; then
     || echo "still missing after .whl/: see pip.log; serving steps will fail" | tee -a "$summary"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PLOTS=""
+$PY -c "import matplotlib" 2>/dev/null || PLOTS="--no-plot"
 
 step() {  # step NAME LIMIT_S LOG CMD...   (the limit is cut to what is left of the budget)
   local name=$1 limit=$2 log=$3
@@ -33,4 +49,40 @@ step() {  # step NAME LIMIT_S LOG CMD...   (the limit is cut to what is left of 
   local rc=$?
   echo "$name: rc=$rc ($((SECONDS - t0))s of $limit) -> $(basename "$log")" | tee -a "$summary"
   tail -n 15 "$log"
+}
+
+env_report() {  # GPUs, their topology, torch and missing Python packages: $LOGS/env.txt, shown
+  {
+    nvidia-smi -L 2>&1 || true
+    nvidia-smi topo -m 2>&1 || true
+    $PY - <<'PYEOF'
+import importlib.util, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())
+n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+for i in range(n):
+    print(i, torch.cuda.get_device_name(i), "uuid", torch.cuda.get_device_properties(i).uuid)
+if n >= 2:
+    print("peer access 0->1", torch.cuda.can_device_access_peer(0, 1))
+need = ["grpc", "google.protobuf", "numpy", "pytest", "xxhash", "transformers", "tokenizers",
+        "grpc_health", "grpc_reflection", "prometheus_client", "safetensors", "triton",
+        "uvicorn", "starlette", "anyio", "h11", "click", "fastapi", "httpx", "matplotlib"]
+missing = [m for m in need if importlib.util.find_spec(m) is None]
+print("missing python packages:", missing or "none")
+PYEOF
+  } >"$LOGS/env.txt" 2>&1
+  cat "$LOGS/env.txt"
+}
+
+id_tokenizer_step() {  # id_tokenizer_step MODEL: a stand-in id tokenizer for random:<shape>
+  if [[ $1 == random:* ]]; then
+    step "0 id tokenizer for $1" 60 "$LOGS/0_id_tokenizer.log" \
+      $PY -m tandem.bench.id_tokenizer "$1"
+  fi
+}
+
+finish() {  # the total time, the logs into $OUT/logs.tar.gz, the summary shown
+  echo "total: $((SECONDS - START))s" | tee -a "$summary"
+  tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null && rm -rf "$WORK"
+  echo "---- summary"
+  cat "$summary"
 }

@@ -14,39 +14,10 @@
 # a budget ($BUDGET_S, default 450 s): a step gets what is left. A failing step does not stop
 # the next. $OUT gets at most 8 files: summary.txt, kv_transfer_cuda.json, serve_disagg.json,
 # serve_unified.json, serve_compare.json, serve_compare.png, kv_transfer_cpu.json, logs.tar.gz.
-set -u
-MODE=${MODE:-gpu}
-OUT=${OUT:-$PWD/gpu_issue6_out}
-BUDGET_S=${BUDGET_S:-450}
-mkdir -p "$OUT"
-WORK=$(mktemp -d /tmp/issue6.XXXXXX)
-LOGS=$WORK/logs
-mkdir -p "$LOGS"
-PY=${PYTHON:-python3}
-summary="$OUT/summary.txt"
-: >"$summary"
-START=$SECONDS
-
-# Services' packages on the path (from .whl/ on a bare machine) and `step`.
+ISSUE=issue6
+# Shared set-up ($OUT, $LOGS, ...; the services' packages on the path), `step`, ...
 . scripts/device_lib.sh
-
-{
-  nvidia-smi -L 2>&1 || true
-  $PY - <<'EOF'
-import importlib.util, torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())
-if torch.cuda.is_available():
-    print(torch.cuda.get_device_name(), "uuid", torch.cuda.get_device_properties(0).uuid)
-need = ["grpc", "google.protobuf", "numpy", "pytest", "xxhash", "transformers", "tokenizers",
-        "grpc_health", "grpc_reflection", "prometheus_client", "safetensors", "triton",
-        "uvicorn", "starlette", "anyio", "h11", "click", "fastapi", "httpx", "matplotlib"]
-missing = [m for m in need if importlib.util.find_spec(m) is None]
-print("missing python packages:", missing or "none")
-EOF
-} >"$LOGS/env.txt" 2>&1
-cat "$LOGS/env.txt"
-PLOTS=""
-$PY -c "import matplotlib" 2>/dev/null || PLOTS="--no-plot"
+env_report
 
 if [ "$MODE" = gpu ]; then
   DEVICE=cuda
@@ -64,10 +35,7 @@ else
   export TANDEM_SCHEDULER_KV_CONNECTOR=tcp
   SERVE_LIMIT=150
 fi
-if [[ $SERVE_MODEL == random:* ]]; then
-  step "0 id tokenizer for $SERVE_MODEL" 60 "$LOGS/0_id_tokenizer.log" \
-    $PY -m tandem.bench.id_tokenizer "$SERVE_MODEL"
-fi
+id_tokenizer_step "$SERVE_MODEL"
 
 if [ "$MODE" = gpu ]; then
   # 1. The block-copy kernel at real size; two processes, one GPU: blocks through CUDA IPC,
@@ -108,7 +76,4 @@ step "7 kv transfer cpu" 60 "$LOGS/7_kv_transfer_cpu.log" \
   $PY -m benchmarks.kv_transfer --mode cpu --tokens 512 --iters 5 --concurrency 4 --prompts 8 \
   --out "$OUT/kv_transfer_cpu.json"
 
-echo "total: $((SECONDS - START))s" | tee -a "$summary"
-tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null && rm -rf "$WORK"
-echo "---- summary"
-cat "$summary"
+finish

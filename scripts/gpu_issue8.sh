@@ -24,44 +24,12 @@
 # for one 600 s device call): a step gets what is left. A failing step does not stop the next.
 # $OUT gets at most 8 files: summary.txt, kv_transfer_nccl.json, serve_disagg.json,
 # serve_unified2.json, serve_compare.json, serve_compare.png, logs.tar.gz.
-set -u
-MODE=${MODE:-gpu}
-OUT=${OUT:-$PWD/gpu_issue8_out}
+ISSUE=issue8
 BUDGET_S=${BUDGET_S:-530}
-mkdir -p "$OUT"
-WORK=$(mktemp -d /tmp/issue8.XXXXXX)
-LOGS=$WORK/logs
-mkdir -p "$LOGS"
-PY=${PYTHON:-python3}
-summary="$OUT/summary.txt"
-: >"$summary"
-START=$SECONDS
 export NCCL_NVLS_ENABLE=0
-
-# Services' packages on the path (from .whl/ on a bare machine) and `step`.
+# Shared set-up ($OUT, $LOGS, ...; the services' packages on the path), `step`, ...
 . scripts/device_lib.sh
-
-{
-  nvidia-smi -L 2>&1 || true
-  nvidia-smi topo -m 2>&1 || true
-  $PY - <<'EOF'
-import importlib.util, torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())
-n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-for i in range(n):
-    print(i, torch.cuda.get_device_name(i), "uuid", torch.cuda.get_device_properties(i).uuid)
-if n >= 2:
-    print("peer access 0->1", torch.cuda.can_device_access_peer(0, 1))
-need = ["grpc", "google.protobuf", "numpy", "pytest", "xxhash", "transformers", "tokenizers",
-        "grpc_health", "grpc_reflection", "prometheus_client", "safetensors", "triton",
-        "uvicorn", "starlette", "anyio", "h11", "click", "fastapi", "httpx", "matplotlib"]
-missing = [m for m in need if importlib.util.find_spec(m) is None]
-print("missing python packages:", missing or "none")
-EOF
-} >"$LOGS/env.txt" 2>&1
-cat "$LOGS/env.txt"
-PLOTS=""
-$PY -c "import matplotlib" 2>/dev/null || PLOTS="--no-plot"
+env_report
 
 if [ "$MODE" = gpu ]; then
   SERVE_MODEL=${SERVE_MODEL:-random:llama-3.1-8b}
@@ -85,10 +53,7 @@ fi
 # Forced, so a pair that cannot speak NCCL fails loudly instead of falling back (on the CPU the
 # same connector runs over gloo). The parity test sets its schedulers' --kv-connector itself.
 export TANDEM_SCHEDULER_KV_CONNECTOR=nccl
-if [[ $SERVE_MODEL == random:* ]]; then
-  step "0 id tokenizer for $SERVE_MODEL" 60 "$LOGS/0_id_tokenizer.log" \
-    $PY -m tandem.bench.id_tokenizer "$SERVE_MODEL"
-fi
+id_tokenizer_step "$SERVE_MODEL"
 
 if [ "$MODE" = gpu ]; then
   # 1. NCCL transfer rate cuda:0 -> cuda:1, llama-3.1-8b shape, 2,048-token prompts, beside
@@ -121,7 +86,4 @@ step "5 compare" 30 "$LOGS/5_compare.log" \
   --goodput-auto --out "$OUT/serve_compare.json" $PLOTS
 cat "$LOGS/5_compare.log" >>"$summary" 2>/dev/null
 
-echo "total: $((SECONDS - START))s" | tee -a "$summary"
-tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null && rm -rf "$WORK"
-echo "---- summary"
-cat "$summary"
+finish
