@@ -85,6 +85,8 @@ class _StepInputs:
     block_table: np.ndarray
     max_query_len: int
     sampled_rows: list[int]
+    # The step's request states, in row order.
+    states: list[CachedRequestState]
     # Tokens whose ids the previous step samples on the device: flat input row <- its row.
     fill_dst: list[int] = field(default_factory=list)
     fill_src: list[int] = field(default_factory=list)
@@ -534,6 +536,7 @@ class ModelRunner:
             block_table=block_table,
             max_query_len=int(query_lens.max()),
             sampled_rows=sampled_rows,
+            states=states,
             fill_dst=fill_dst,
             fill_src=fill_src,
         )
@@ -688,7 +691,7 @@ class ModelRunner:
         else:
             logits = self._run_eager(inp)
 
-        states = [self.requests[req_ids[i]] for i in inp.sampled_rows]
+        states = [inp.states[i] for i in inp.sampled_rows]
         sampled = host = event = out = None
         num_logprobs = [s.sampling_params.logprobs for s in states]
         if states:
