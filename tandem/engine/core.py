@@ -249,12 +249,14 @@ class EngineCore:
         is short. Then write the KV into those blocks and call `add_prefilled_request`.
         """
         self._validate(req)
-        if self._pending is not None:
-            # The step in flight may still write KV into blocks freed since it was planned
-            # (a request that stopped or was aborted); another process writes the reserved
-            # blocks outside this engine's stream order, so let that step finish first.
+        reserved = self.scheduler.reserve(Request.from_engine_core_request(req))
+        if reserved is not None and self.model_runner.may_write_blocks(reserved[0]):
+            # A step still running writes KV into some of these blocks (freed since it was
+            # planned: a request that stopped or was aborted); another process writes the
+            # reserved blocks outside this engine's stream order, so let it finish before
+            # their ids leave. Otherwise the reservation does not wait for the device.
             self.model_runner.synchronize()
-        return self.scheduler.reserve(Request.from_engine_core_request(req))
+        return reserved
 
     def add_prefilled_request(
         self, request_id: str, first_token_id: int

@@ -23,6 +23,7 @@ per request: position `len(token_ids)`) is read on the device from step N's samp
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,7 +98,8 @@ class _StepInputs:
 class PendingStep:
     """A launched step. `result()` waits for its sampled ids (not for later steps), appends
     them to the runner's request states and returns the `ModelRunnerOutput`; call it once,
-    in launch order."""
+    in launch order. Once it has waited, `on_done` (if any) is called: the device has
+    finished this step and every step launched before it."""
 
     def __init__(
         self,
@@ -109,6 +111,7 @@ class PendingStep:
         event: torch.cuda.Event | None,
         sampler_output: SamplerOutput | None,
         num_logprobs: list[int | None],
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         self.req_ids = req_ids
         self.sampled_rows = sampled_rows
@@ -120,6 +123,7 @@ class PendingStep:
         self._event = event
         self._sampler_output = sampler_output
         self._num_logprobs = num_logprobs
+        self._on_done = on_done
         self._output: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
@@ -136,6 +140,8 @@ class PendingStep:
             else:
                 assert self.sampled is not None
                 tokens = self.sampled.tolist()
+            if self._on_done is not None:
+                self._on_done()
             assert self._sampler_output is not None
             lp_lists = to_logprobs_lists(self._sampler_output, self._num_logprobs)
             for row, state, token, lp in zip(
@@ -198,6 +204,11 @@ class ModelRunner:
         # The last launched step (its device ids feed the next step's inputs) and the
         # requests whose sampling needs their whole output on the host.
         self._last_step: PendingStep | None = None
+        # Cache slots written by launched steps the device may not have finished (a step's
+        # sampled ids arriving on the host proves it and every earlier step done), by launch
+        # number: `may_write_blocks` reads them.
+        self._unfinished_writes: list[tuple[int, np.ndarray]] = []
+        self._num_launched = 0
         self._history_reqs: set[str] = set()
         # Pinned host buffers for sampled ids, in rotation (at most 2 steps are unresolved).
         self._host_sampled: list[torch.Tensor] = []
@@ -659,6 +670,24 @@ class ModelRunner:
         """Wait until every launched step has finished on the device."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._unfinished_writes.clear()
+
+    def may_write_blocks(self, block_ids: list[int]) -> bool:
+        """Whether a launched step not known to have finished writes K/V into any of
+        `block_ids`. Such a block was freed after that step was planned (its request stopped
+        or was aborted meanwhile); whoever hands it to another writer (a remote KV transfer,
+        outside this runner's stream order) must `synchronize` first."""
+        if not self._unfinished_writes or not block_ids:
+            return False
+        ids = np.asarray(block_ids, dtype=np.int64)
+        for _, slots in self._unfinished_writes:
+            if np.isin(ids, slots[slots >= 0] // self.block_size).any():
+                return True
+        return False
+
+    def _writes_done(self, launch: int) -> None:
+        """The device finished launch number `launch` and everything before it."""
+        self._unfinished_writes = [w for w in self._unfinished_writes if w[0] > launch]
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled ids."""
@@ -711,8 +740,19 @@ class ModelRunner:
                 host.copy_(sampled, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
+        self._num_launched += 1
+        launch = self._num_launched
+        self._unfinished_writes.append((launch, inp.slot_mapping))
         step = PendingStep(
-            req_ids, inp.sampled_rows, states, sampled, host, event, out, num_logprobs
+            req_ids,
+            inp.sampled_rows,
+            states,
+            sampled,
+            host,
+            event,
+            out,
+            num_logprobs,
+            on_done=lambda: self._writes_done(launch),
         )
         self._last_step = step
         return step

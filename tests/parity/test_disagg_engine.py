@@ -83,3 +83,56 @@ def test_disaggregated_engines_match_unified(engines, params: SamplingParams) ->
         pool = engine.scheduler.kv_cache_manager.block_pool
         pool.check_invariants()
         assert pool.is_whole
+
+
+def test_reserve_waits_for_the_device_only_for_blocks_a_running_step_writes(
+    smollm2_path,
+) -> None:
+    """A reservation hands its block ids to another process, which writes them outside this
+    engine's stream order: it must wait for a launched step that still writes into one of
+    them (a block freed after the step was planned), and for nothing else."""
+    llm = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        num_gpu_blocks=8,
+        max_model_len=128,
+        async_scheduling="on",
+    )
+    engine = llm.engine
+    assert engine.async_scheduling
+    runner = engine.model_runner
+    syncs: list[int] = []
+    synchronize = runner.synchronize
+
+    def counted() -> None:
+        syncs.append(1)
+        synchronize()
+
+    runner.synchronize = counted  # an instrumented real runner: counts the waits
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    # 40 prompt tokens: blocks 0-2 (16 tokens each); its first decode writes position 40.
+    engine.add_request(EngineCoreRequest("a", list(range(100, 140)), params, eos_token_id=None))
+    engine.step()  # launches the prefill
+    engine.step()  # applies it, launches the first decode (in flight from here on)
+    a_blocks = engine.scheduler.kv_cache_manager.get_block_ids("a")
+    assert len(a_blocks) == 3
+    engine.abort_requests(["a"])  # its blocks go back to the pool; the decode still runs
+
+    # Five blocks come from the free queue's head, before "a"'s: no wait.
+    short = EngineCoreRequest("b", list(range(300, 370)), params, eos_token_id=None)
+    reserved = engine.reserve(short)
+    assert reserved is not None and not set(reserved[0]) & set(a_blocks)
+    assert syncs == []
+    engine.abort_requests(["b"])
+    # All eight blocks: "a"'s last block, which the decode in flight writes, among them.
+    whole = EngineCoreRequest("c", list(range(400, 520)), params, eos_token_id=None)
+    reserved = engine.reserve(whole)
+    assert reserved is not None and a_blocks[2] in reserved[0]
+    assert syncs == [1]
+    # Once the device is known done (the wait above), a second look needs no wait.
+    assert not runner.may_write_blocks(reserved[0])
+    engine.abort_requests(["c"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.kv_cache_manager.block_pool.is_whole
