@@ -23,7 +23,8 @@ import torch
 WORKLOADS = [(128, 128, 2048), (512, 256, 2048), (1000, 1000, 1024)]
 
 
-def _timed_ms(fn: Any, iters: int) -> float:
+def device_ms(fn: Any, iters: int) -> float:
+    """Device milliseconds of `iters` back-to-back calls of `fn` (CUDA events; no warm-up)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -39,10 +40,10 @@ def _burst_and_held_ms(fn: Any, sustain_s: float) -> tuple[float, float]:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    burst_ms = _timed_ms(fn, 10) / 10
+    burst_ms = device_ms(fn, 10) / 10
     iters = max(int(sustain_s / 2 / (burst_ms / 1e3)), 10)
-    _timed_ms(fn, iters)  # the first half brings the device to its held clocks
-    return burst_ms, _timed_ms(fn, iters) / iters
+    device_ms(fn, iters)  # the first half brings the device to its held clocks
+    return burst_ms, device_ms(fn, iters) / iters
 
 
 def measure_ceilings(sustain_s: float = 1.0) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.gpu_throughput import device_ms
+
 
 def _rate(m: int, n: int, k: int, iters: int) -> float:
     """TFLOP/s of x[m, k] @ w[n, k]^T (F.linear, as the model runs it)."""
@@ -24,13 +26,8 @@ def _rate(m: int, n: int, k: int, iters: int) -> float:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         torch.nn.functional.linear(x, w)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        torch.nn.functional.linear(x, w)
-    end.record()
-    end.synchronize()
-    return 2 * m * n * k * iters / (start.elapsed_time(end) / 1e3) / 1e12
+    ms = device_ms(lambda: torch.nn.functional.linear(x, w), iters)
+    return 2 * m * n * k * iters / (ms / 1e3) / 1e12
 
 
 def main() -> None:

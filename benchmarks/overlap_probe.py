@@ -18,14 +18,17 @@ matmuls (qkv, o, gate_up, down), SiLU-and-mul, and the paged decode attention ke
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from benchmarks.gpu_throughput import device_ms
 from kernels.activation import silu_and_mul
 from kernels.paged_attention import paged_decode_attention, tune_decode_attention
 
@@ -84,13 +87,35 @@ class Work:
 def time_ms(fn: Callable[[], object], iters: int = 3) -> float:
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return device_ms(fn, iters) / iters
+
+
+@contextlib.contextmanager
+def sm_carveout(num_sms: int) -> Iterator[None]:
+    """cuBLAS matmuls inside leave `num_sms` SMs free."""
+    torch._C._set_sm_carveout_experimental(num_sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+
+
+def record(res: dict[str, Any], name: str, make: Callable[[], Callable[[], object]]) -> None:
+    """res[name] = ms per call of make()'s function, or the error (a probe: record, go on)."""
+    try:
+        res[name] = time_ms(make())
+        print(f"{name}: {res[name]:.2f} ms", flush=True)
+    except Exception as exc:
+        res[name] = f"error: {exc!r}"[:300]
+        print(f"{name}: {res[name]}", flush=True)
+        traceback.print_exc()
+
+
+def write_result(res: dict[str, Any], out: str) -> None:
+    print(json.dumps(res, indent=1))
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 def serial(w: Work, layers: int) -> Callable[[], object]:
@@ -215,12 +240,7 @@ def concurrency_probe(w: Work, layers: int, res: dict[str, Any], dev: torch.devi
         return [w.mm2(layer, w.mm1(layer, a)) for _ in range(layers)]
 
     def rec(name: str, fn: Callable[[], object]) -> None:
-        try:
-            res[name] = time_ms(fn)
-            print(f"{name}: {res[name]:.2f} ms", flush=True)
-        except Exception as exc:
-            res[name] = f"error: {exc!r}"[:300]
-            traceback.print_exc()
+        record(res, name, lambda: fn)
 
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     rec("c_attn_alone", attn_job)
@@ -229,11 +249,8 @@ def concurrency_probe(w: Work, layers: int, res: dict[str, Any], dev: torch.devi
     for n_attn in (48, 64, 80):
 
         def carved_mm(c: int = n_attn) -> object:
-            torch._C._set_sm_carveout_experimental(c)
-            try:
+            with sm_carveout(c):
                 return mm_job()
-            finally:
-                torch._C._set_sm_carveout_experimental(None)
 
         rec(f"c_both_carveout{n_attn}", concurrent([(s1, carved_mm), (s2, attn_job)]))
         try:
@@ -267,30 +284,19 @@ def main(argv: list[str] | None = None) -> int:
 
     if ns.concurrency_only:
         concurrency_probe(w, ns.layers, res, dev)
-        print(json.dumps(res, indent=1))
-        if ns.out:
-            with open(ns.out, "w") as f:
-                json.dump(res, f, indent=1)
+        write_result(res, ns.out)
         return 0
 
-    def record(name: str, fn: Callable[[], Callable[[], object]]) -> None:
-        try:
-            ms = time_ms(fn())
-            res[name] = ms
-            print(f"{name}: {ms:.2f} ms", flush=True)
-        except Exception as exc:  # a probe: record and go on
-            res[name] = f"error: {exc!r}"[:300]
-            print(f"{name}: {res[name]}", flush=True)
-            traceback.print_exc()
+    measure = functools.partial(record, res)
 
     L = ns.layers
     full = slice(0, ns.batch)
     layer = w.layers[0]
     q = w.mm1(layer, w.x)
     a = w.attn(q, full)
-    record("serial", lambda: serial(w, L))
-    record("attn_only", lambda: lambda: [w.attn(q, full) for _ in range(L)])
-    record("mm_only", lambda: lambda: [w.mm2(layer, w.mm1(layer, a)) for _ in range(L)])
+    measure("serial", lambda: serial(w, L))
+    measure("attn_only", lambda: lambda: [w.attn(q, full) for _ in range(L)])
+    measure("mm_only", lambda: lambda: [w.mm2(layer, w.mm1(layer, a)) for _ in range(L)])
     kv_bytes = ns.batch * ns.ctx * NKV * HD * 2 * 2 * L
     flops = 2 * ns.batch * L * (6144 * 4096 + 4096 * 4096 + 2 * INTER * 4096 + INTER * 4096)
     if isinstance(res["attn_only"], float):
@@ -298,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(res["mm_only"], float):
         res["mm_TFLOPs"] = flops / res["mm_only"] / 1e9
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    record("halves_2streams", lambda: halves(w, L, [s1, s2]))
-    record("pipelined_nopartition", lambda: pipelined(w, L, s1, s2))
+    measure("halves_2streams", lambda: halves(w, L, [s1, s2]))
+    measure("pipelined_nopartition", lambda: pipelined(w, L, s1, s2))
     if res["carveout_api"]:
         for carve in (32, 48, 64):
 
@@ -307,27 +313,21 @@ def main(argv: list[str] | None = None) -> int:
                 run = pipelined(w, L, s1, s2)
 
                 def go() -> object:
-                    torch._C._set_sm_carveout_experimental(c)
-                    try:
+                    with sm_carveout(c):
                         return run()
-                    finally:
-                        torch._C._set_sm_carveout_experimental(None)
 
                 return go
 
-            record(f"pipelined_carveout{carve}", carved)
+            measure(f"pipelined_carveout{carve}", carved)
 
             def mm_carved(c: int = carve) -> Callable[[], object]:
                 def go() -> object:
-                    torch._C._set_sm_carveout_experimental(c)
-                    try:
+                    with sm_carveout(c):
                         return [w.mm2(layer, w.mm1(layer, a)) for _ in range(L)]
-                    finally:
-                        torch._C._set_sm_carveout_experimental(None)
 
                 return go
 
-            record(f"mm_only_carveout{carve}", mm_carved)
+            measure(f"mm_only_carveout{carve}", mm_carved)
     if res["green_contexts"]:
         for n_attn in (32, 48, 64):
             try:
@@ -358,9 +358,9 @@ def main(argv: list[str] | None = None) -> int:
 
                 return go
 
-            record(f"green_attn_only_{n_attn}sms", attn_alone)
-            record(f"green_mm_only_{num_sms - n_attn}sms", mm_alone)
-            record(
+            measure(f"green_attn_only_{n_attn}sms", attn_alone)
+            measure(f"green_mm_only_{num_sms - n_attn}sms", mm_alone)
+            measure(
                 f"pipelined_green_attn{n_attn}",
                 lambda sm=st_mm, sa=st_attn: pipelined(w, L, sm, sa),
             )
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 cap = torch.cuda.Stream()
                 with torch.cuda.graph(graph, stream=cap):
                     run()
-                record(f"graph_pipelined_green_attn{n_attn}", lambda g=graph: g.replay)
+                measure(f"graph_pipelined_green_attn{n_attn}", lambda g=graph: g.replay)
             except Exception as exc:
                 res[f"graph_pipelined_green_attn{n_attn}"] = f"error: {exc!r}"[:300]
                 traceback.print_exc()
@@ -381,19 +381,16 @@ def main(argv: list[str] | None = None) -> int:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
-        record("graph_pipelined_nopartition", lambda: graph.replay)
+        measure("graph_pipelined_nopartition", lambda: graph.replay)
         graph2 = torch.cuda.CUDAGraph()
         run2 = serial(w, L)
         with torch.cuda.graph(graph2):
             run2()
-        record("graph_serial", lambda: graph2.replay)
+        measure("graph_serial", lambda: graph2.replay)
     except Exception as exc:
         res["graph"] = f"error: {exc!r}"[:300]
         traceback.print_exc()
-    print(json.dumps(res, indent=1))
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_result(res, ns.out)
     return 0
 
 

@@ -108,11 +108,12 @@ def test_prefill_mixed_batch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch", [1, 7, 64, 256])
-def test_decode(dtype: torch.dtype, batch: int) -> None:
-    gen = torch.Generator().manual_seed(2 + batch)
-    seq_lens = [4096] if batch == 1 else torch.randint(1, 4097, (batch,), generator=gen).tolist()
+def _decode_case(
+    seq_lens: list[int], dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One query row per request over shuffled blocks: (query, cache, seq_lens, block_table,
+    the torch reference's output)."""
+    batch = len(seq_lens)
     num_blocks = sum(math.ceil(n / BLOCK_SIZE) for n in seq_lens) + 8
     cache = _cache(num_blocks, dtype)
     block_table = _block_table(seq_lens, num_blocks, gen)
@@ -120,6 +121,15 @@ def test_decode(dtype: torch.dtype, batch: int) -> None:
     query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
     ref = paged_attention_ref(query, cache, qsl, lens, block_table, SCALE)
+    return query, cache, lens, block_table, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 7, 64, 256])
+def test_decode(dtype: torch.dtype, batch: int) -> None:
+    gen = torch.Generator().manual_seed(2 + batch)
+    seq_lens = [4096] if batch == 1 else torch.randint(1, 4097, (batch,), generator=gen).tolist()
+    query, cache, lens, block_table, ref = _decode_case(seq_lens, dtype, gen)
     auto = paged_decode_attention(query, cache, lens, block_table, SCALE, max_seq_len=4096)
     torch.testing.assert_close(auto, ref, **_tol(dtype))
     for splits in (1, 5):
@@ -137,13 +147,7 @@ def test_decode_every_tuning_candidate_and_the_tuned_config() -> None:
     dtype, batch = torch.bfloat16, 48
     gen = torch.Generator().manual_seed(11)
     seq_lens = torch.randint(1, 3000, (batch,), generator=gen).tolist()
-    num_blocks = sum(math.ceil(n / BLOCK_SIZE) for n in seq_lens) + 8
-    cache = _cache(num_blocks, dtype)
-    block_table = _block_table(seq_lens, num_blocks, gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
-    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
-    ref = paged_attention_ref(query, cache, qsl, lens, block_table, SCALE)
+    query, cache, lens, block_table, ref = _decode_case(seq_lens, dtype, gen)
     for block_n, warps, stages, heads_first in pa._DECODE_CANDIDATES:
         for splits in (1, 4):
             out = paged_decode_attention(
