@@ -1,4 +1,11 @@
-"""Runs one worker: engine thread, gRPC server, scheduler link; drains on SIGTERM."""
+"""Runs one worker: engine-core process, gRPC server, scheduler link; drains on SIGTERM.
+
+The engine runs in a child process (`EngineCoreProc`) reached through an `AsyncMPClient`, so
+this process's event loop (gRPC, protobuf conversion, KV hand-off sessions) and the engine's
+host work do not share one GIL. When the engine process dies, the worker notices at once (its
+output pipe closes): it reports NOT_SERVING, fails every request in flight with an error, and
+exits non-zero.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
@@ -18,28 +24,23 @@ from services.common.server import GrpcServer, insecure_channel, shutdown_event,
 from services.worker import core as m
 from services.worker.config import WorkerServiceConfig
 from services.worker.metrics import MeteredKVTransports, WorkerMetrics
-from services.worker.prefix_publishing import start_prefix_publishing, stop_prefix_publishing
+from services.worker.prefix_publishing import (
+    CacheMirror,
+    publishes_prefixes,
+    start_prefix_publishing,
+    stop_prefix_publishing,
+)
 from services.worker.servicer import ROLE_TO_PROTO, WorkerServicer, stats_to_proto
 from tandem.core.outputs import EngineCoreOutput
-from tandem.engine.core import EngineCore
-from tandem.engine.engine_thread import EngineThread
+from tandem.engine.core_client import AsyncMPClient
+from tandem.engine.core_proc import EngineProcOptions
+from tandem.engine.serial import Piggyback
 from tandem.kv_transfer.placement import host_id
 from tandem.kv_transfer.tcp import TcpKVConnector
 from tandem.kv_transfer.transports import worker_transports
 from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-
-def collect_held(engine: EngineCore, outputs: list[EngineCoreOutput]) -> dict[str, list[int]]:
-    """Prefill role, on the engine thread after a step: the KV blocks each finished prefill
-    holds, read before anything else can change them."""
-    held = {}
-    for out in outputs:
-        if out.finish_reason in ("stop", "length"):
-            with contextlib.suppress(KeyError):
-                held[out.request_id] = engine.get_held_block_ids(out.request_id)
-    return held
 
 
 class SchedulerLink:
@@ -53,7 +54,7 @@ class SchedulerLink:
         config: WorkerServiceConfig,
         register: scheduler_pb2.RegisterWorkerRequest,
         core: m.WorkerCore,
-        engine: EngineThread[Any],
+        engine: AsyncMPClient,
         max_model_len: int,
     ) -> None:
         self.config = config
@@ -94,7 +95,7 @@ class SchedulerLink:
         while True:
             finished, num_inflight = await self.core.ask(m.TakeFinished())
             # The latest snapshot, not a fresh read: a report must not wait for a long step.
-            stats = self.engine.latest_snapshot
+            stats = self.engine.latest_stats
             yield scheduler_pb2.LoadReport(
                 worker_id=self.config.worker_id,
                 stats=stats_to_proto(
@@ -128,28 +129,46 @@ async def _ticker(core: m.WorkerCore) -> None:
 
 async def serve(config: WorkerServiceConfig) -> int:
     stop = shutdown_event()
-    loop = asyncio.get_running_loop()
     holder: list[m.WorkerCore] = []
     metrics = WorkerMetrics(config.role)
 
-    def on_step(outputs: list[EngineCoreOutput], held: Any) -> None:
-        holder[0].tell(m.Step(outputs, held))
+    mirror = CacheMirror()
+    publishes = publishes_prefixes(config)
+    engine_dead = asyncio.Event()
+
+    def on_piggyback(pig: Piggyback) -> None:
+        if pig.cache_events:
+            mirror.apply(pig.cache_events)
+
+    def on_step(outputs: list[EngineCoreOutput], pig: Piggyback) -> None:
+        on_piggyback(pig)
+        holder[0].tell(m.Step(outputs, pig.held_block_ids))
         metrics.on_step(outputs)
 
-    engine_thread: EngineThread[EngineCore] = EngineThread(
-        lambda: EngineCore(config.engine),
-        loop,
+    def on_dead(reason: str) -> None:
+        engine_dead.set()
+        if holder:
+            holder[0].tell(m.Abort(list(holder[0].requests), notify_error=reason))
+
+    client = AsyncMPClient(
+        config.engine,
         on_step,
-        post_step=collect_held if config.role == "prefill" else None,
+        EngineProcOptions(
+            report_held_blocks=config.role == "prefill",
+            publish_cache_events=publishes,
+            share_kv_cache=config.role != "unified",
+        ),
         name=f"engine-{config.role}",
-        snapshot=lambda e: e.stats(),
+        on_dead=on_dead,
+        on_piggyback=on_piggyback,
     )
-    engine = await engine_thread.start()
+    info = await client.start()
+    logger.info("engine-core process %s ready", info.pid)
     core = m.WorkerCore(
         config.worker_id,
-        engine_thread,
-        engine.block_size,
-        engine.max_model_len,
+        client,
+        info.block_size,
+        info.max_model_len,
         config.destination_timeout_s,
         config.rpc_timeout_s,
     )
@@ -157,29 +176,26 @@ async def serve(config: WorkerServiceConfig) -> int:
     core.start()
     connector = None
     if config.role != "unified":
-        tcp = TcpKVConnector(
-            engine.kv_cache, engine_thread, config.kv_max_message_bytes, config.rpc_timeout_s
-        )
+        kv_cache = client.kv_cache()
+        tcp = TcpKVConnector(kv_cache, client, config.kv_max_message_bytes, config.rpc_timeout_s)
         # TCP, and CUDA IPC / NCCL (gloo on CPU) where this process can; the scheduler picks
         # one per pair and names it in each hand-off.
         connector = MeteredKVTransports(
-            worker_transports(
-                engine.kv_cache, engine_thread, tcp, config.worker_id, config.rpc_timeout_s
-            ),
+            worker_transports(kv_cache, client, tcp, config.worker_id, config.rpc_timeout_s),
             metrics,
         )
         core.connector = connector
 
     server = GrpcServer([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
     servicer = WorkerServicer(
-        config.role, config.worker_id, core, engine_thread, engine.eos_token_id, connector
+        config.role, config.worker_id, core, client, info.eos_token_id, connector
     )
     server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     port = await server.start(config.host, config.port)
-    metrics.bind(core, engine_thread)
+    metrics.bind(core, client)
     metrics_server = await start_metrics_server(metrics.registry, config.host, config.metrics_port)
     # Prefix-cache directory feed (prefill / unified workers, when a server is configured).
-    publisher = await start_prefix_publishing(config, engine_thread, metrics.registry)
+    publisher = await start_prefix_publishing(config, mirror, metrics.registry)
     address = config.advertise_address or reachable_address(config.host, port)
     tasks = [asyncio.create_task(_ticker(core))]
 
@@ -192,17 +208,17 @@ async def serve(config: WorkerServiceConfig) -> int:
                 address=address,
                 role=ROLE_TO_PROTO[config.role],
                 model=config.engine.model.model,
-                max_model_len=engine.max_model_len,
-                block_size=engine.block_size,
-                num_blocks=engine.num_blocks,
+                max_model_len=info.max_model_len,
+                block_size=info.block_size,
+                num_blocks=info.num_blocks,
                 kv_transports=connector.names if connector is not None else [],
                 host_id=host_id(),
                 process_id=os.getpid(),
-                kv_device=engine.kv_cache.device.type,
+                kv_device=info.kv_device,
             ),
             core,
-            engine_thread,
-            engine.max_model_len,
+            client,
+            info.max_model_len,
         )
         tasks.append(asyncio.create_task(link.run()))
         registered = asyncio.create_task(link.registered.wait())
@@ -216,11 +232,15 @@ async def serve(config: WorkerServiceConfig) -> int:
         ready.append(f"metrics={config.host}:{metrics_server.port}")
     write_ready_file(config.ready_file, ready)
 
-    # Run until SIGTERM or until the engine thread dies.
-    while not stop.is_set() and engine_thread.alive:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=1.0)
-    exit_code = 0 if engine_thread.alive else 1
+    # Run until SIGTERM or until the engine process dies.
+    stopping = asyncio.create_task(stop.wait())
+    dead = asyncio.create_task(engine_dead.wait())
+    await asyncio.wait([stopping, dead], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    dead.cancel()
+    exit_code = 0 if client.alive else 1
+    if exit_code:
+        logger.error("worker %s: %s; stopping", config.worker_id, client.dead_reason)
 
     # Drain: no new work, let in-flight requests finish within the grace period.
     await core.ask(m.SetDraining())
@@ -229,12 +249,12 @@ async def serve(config: WorkerServiceConfig) -> int:
         await link.deregister()
     await stop_prefix_publishing(publisher)
     deadline = time.monotonic() + config.grace_period_s
-    while engine_thread.alive and time.monotonic() < deadline and await core.ask(m.Inflight()):
+    while client.alive and time.monotonic() < deadline and await core.ask(m.Inflight()):
         await asyncio.sleep(0.05)
     remaining = await core.ask(m.Inflight())
     if remaining:
         logger.warning("grace period over: handing back %d requests", len(remaining))
-        reason = "the worker is shutting down" if engine_thread.alive else "the engine failed"
+        reason = "the worker is shutting down" if client.alive else "the engine failed"
         await core.ask(m.Abort(remaining, notify_error=reason))
     # Let the streams carry the last outputs, then end them.
     flush_deadline = time.monotonic() + 1.0
@@ -247,7 +267,7 @@ async def serve(config: WorkerServiceConfig) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     await server.stop(grace_s=1.0)
-    await engine_thread.stop()
+    await client.shutdown()
     await core.close()
     if connector is not None:
         await connector.close()

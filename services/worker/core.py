@@ -1,8 +1,8 @@
 """A worker's request state and its one owner, `WorkerCore`.
 
-The engine belongs to the engine thread; everything else a worker knows of its requests
-(where outputs go, what phase a hand-off is in, which blocks are reserved) belongs to
-`WorkerCore`, which handles one message at a time on the event loop.
+The engine runs in its own process (an EngineCoreProc behind an AsyncMPClient); everything
+else a worker knows of its requests (where outputs go, what phase a hand-off is in, which
+blocks are reserved) belongs to `WorkerCore`, which handles one message at a time on the event loop.
 
 Request phases by role::
 
@@ -25,7 +25,6 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +34,7 @@ from services.common.actor import Actor, Ask
 from services.common.convert import output_to_proto
 from services.common.server import insecure_channel
 from tandem.core.outputs import EngineCoreOutput
-from tandem.engine.engine_thread import EngineThread
+from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVConnector, KVDestination, num_prompt_blocks
 from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -212,7 +211,7 @@ class WorkerCore(Actor[WorkerMessage]):
     def __init__(
         self,
         worker_id: str,
-        engine: EngineThread[Any],
+        engine: AsyncMPClient,
         block_size: int,
         max_model_len: int,
         destination_timeout_s: float,
@@ -359,7 +358,7 @@ class WorkerCore(Actor[WorkerMessage]):
         if really_done:
             batches[r.destination].append(output_to_proto(out, 0))
             self._finish(r)
-            self.engine.call_nowait(_release_held(r.request_id))
+            self.engine.release_held_nowait(r.request_id)
             self._abort_remote_reservation(r)
             return
         first = EngineCoreOutput(
@@ -418,7 +417,7 @@ class WorkerCore(Actor[WorkerMessage]):
         if r is None or r.phase != "handing_off":
             return
         self._finish(r)
-        self.engine.call_nowait(_release_held(r.request_id))
+        self.engine.release_held_nowait(r.request_id)
         if msg.error or r.aborted:
             self._abort_remote_reservation(r)
         if msg.error and not r.aborted:
@@ -457,7 +456,7 @@ class WorkerCore(Actor[WorkerMessage]):
                     self._finish(r)
                     aborted.append(rid)
         if aborted:
-            self.engine.call_nowait(_abort_in_engine(aborted))
+            self.engine.abort_requests_nowait(aborted)
 
     def _on_reserved(self, msg: Reserved) -> None:
         r = self.requests.get(msg.request_id)
@@ -471,7 +470,7 @@ class WorkerCore(Actor[WorkerMessage]):
         if r.aborted:
             # Aborted while reserving. The abort queued then may have run before the reserve
             # (it can overtake the servicer between Track and the engine call): again, now.
-            self.engine.call_nowait(_abort_in_engine([r.request_id]))
+            self.engine.abort_requests_nowait([r.request_id])
             self._finish(r)
 
     def _on_admitted(self, msg: Admitted) -> None:
@@ -480,7 +479,7 @@ class WorkerCore(Actor[WorkerMessage]):
             return
         r.admitted = True
         if r.aborted:  # the abort that arrived before the add, carried out now
-            self.engine.call_nowait(_abort_in_engine([r.request_id]))
+            self.engine.abort_requests_nowait([r.request_id])
             self._finish(r)
             if r.kind == "prefill":
                 self._abort_remote_reservation(r)
@@ -511,7 +510,7 @@ class WorkerCore(Actor[WorkerMessage]):
             if r.kind == "prefill":
                 self._abort_remote_reservation(r)
         if to_engine:
-            self.engine.call_nowait(_abort_in_engine(to_engine))
+            self.engine.abort_requests_nowait(to_engine)
         self._emit(notify)
         return count
 
@@ -559,11 +558,3 @@ def _abort_output(r: WorkerRequest, error: str) -> worker_pb2.RequestOutput:
     return worker_pb2.RequestOutput(
         request_id=r.request_id, output_index=r.num_emitted, finish_reason=_ABORT, error=error
     )
-
-
-def _abort_in_engine(request_ids: list[str]) -> Callable[[Any], None]:
-    return lambda engine: engine.abort_requests(request_ids)
-
-
-def _release_held(request_id: str) -> Callable[[Any], None]:
-    return lambda engine: engine.release_held(request_id)

@@ -33,7 +33,7 @@ from prometheus_client.metrics_core import Metric
 from services.common.metrics import TRANSFER_BUCKETS_S, ScrapeCollector, counter, gauge
 from services.worker import core as m
 from tandem.core.outputs import EngineCoreOutput
-from tandem.engine.engine_thread import EngineThread
+from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVDestination
 from tandem.kv_transfer.placement import TCP
 from tandem.kv_transfer.transports import KVTransports
@@ -64,9 +64,9 @@ class WorkerMetrics:
             registry=r,
         )
         self._core: m.WorkerCore | None = None
-        self._engine: EngineThread[Any] | None = None
+        self._engine: AsyncMPClient | None = None
 
-    def bind(self, core: m.WorkerCore, engine: EngineThread[Any]) -> None:
+    def bind(self, core: m.WorkerCore, engine: AsyncMPClient) -> None:
         """Start reporting the state of `core` and `engine` at scrape time."""
         self._core, self._engine = core, engine
         self.registry.register(ScrapeCollector(self._collect))
@@ -101,7 +101,7 @@ class WorkerMetrics:
             ),
             labels,
         )
-        stats = self._engine.latest_snapshot
+        stats = self._engine.latest_stats
         if stats is None:
             return
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits

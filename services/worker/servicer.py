@@ -14,7 +14,7 @@ import grpc
 from services.common.convert import engine_request_from_proto
 from services.worker import core as m
 from services.worker.config import Role
-from tandem.engine.engine_thread import EngineThread
+from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVTransferError
 from tandem.kv_transfer.transports import KVTransports
 from tandem.request import EngineCoreRequest
@@ -80,7 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         role: Role,
         worker_id: str,
         core: m.WorkerCore,
-        engine: EngineThread[Any],
+        engine: AsyncMPClient,
         eos_token_id: int | None,
         connector: KVTransports | None,
     ) -> None:
@@ -149,7 +149,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         async def admit() -> None:
             try:
-                await self.engine.call(lambda e: e.add_request(req, hold_kv=hold_kv))
+                await self.engine.add_request(req, hold_kv=hold_kv)
             except ValueError:
                 self.core.tell(m.Untrack(req.request_id))
                 raise
@@ -187,7 +187,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         async def reserve() -> tuple[list[int], int] | None:
             try:
-                result = await self.engine.call(lambda e: e.reserve(req))
+                result = await self.engine.reserve(req)
             except ValueError:
                 self.core.tell(m.Untrack(req.request_id))
                 raise
@@ -291,7 +291,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 f"request {rid!r} has no reservation with its KV here (aborted?)",
             )
         try:
-            out = await self.engine.call(lambda e: e.add_prefilled_request(rid, token))
+            out = await self.engine.add_prefilled_request(rid, token)
         except Exception as exc:
             logger.exception("add_prefilled_request(%s) failed", rid)
             self.core.tell(m.Abort([rid], notify_error=f"decode worker failed: {exc}"))
@@ -309,7 +309,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerStats:
-        stats = await self.engine.call(lambda e: e.stats())
+        stats = await self.engine.stats()
         inflight = await self.core.ask(m.Inflight())
         return stats_to_proto(
             stats,

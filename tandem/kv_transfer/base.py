@@ -10,25 +10,24 @@ table order, into the blocks the decode engine reserved::
 
 A run is defined by its destination blocks; its source blocks are gathered.
 
-Threading: the engine thread owns block allocation; `reserve` and `release` go through it.
-The bytes of held blocks (prefill side) and reserved blocks (decode side) belong to no running
-request, so they are read and written from the event loop while the engine keeps stepping.
+Ownership: the engine (in its own process) owns block allocation; `reserve` and `release` go
+through its client. The bytes of held blocks (prefill side) and reserved blocks (decode side)
+belong to no running request, so this process reads and writes them in the shared KV cache
+while the engine keeps stepping.
 """
 
 from __future__ import annotations
 
 import abc
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from tandem.request import EngineCoreRequest
-
-T = TypeVar("T")
 
 # Bytes per transfer message; a run longer than this is split (one block at least).
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -149,9 +148,14 @@ def num_prompt_blocks(num_prompt_tokens: int, block_size: int) -> int:
 
 
 class EngineHandle(Protocol):
-    """What a connector needs from the engine's owner: run a function on the engine thread."""
+    """What a connector needs from the engine's client (an AsyncMPClient): the block
+    allocation calls, and how other processes open the engine's KV cache."""
 
-    def call(self, fn: Callable[[Any], T]) -> Awaitable[T]: ...
+    async def reserve(self, request: EngineCoreRequest) -> tuple[list[int], int] | None: ...
+
+    async def abort_requests(self, request_ids: Iterable[str]) -> None: ...
+
+    def kv_cache_ipc_handle(self) -> tuple[Any, ...] | None: ...
 
 
 class KVCacheView:
@@ -224,7 +228,7 @@ class KVConnector(abc.ABC):
         self.engine = engine
 
     async def reserve(self, request: EngineCoreRequest) -> list[int] | None:
-        return await self.engine.call(lambda e: e.reserve(request))
+        return await self.engine.reserve(request)
 
     def receive(self, run: BlockRun, reserved_block_ids: Sequence[int]) -> None:
         """Write one run into blocks that must belong to the request's reservation."""
@@ -233,7 +237,7 @@ class KVConnector(abc.ABC):
 
     async def release(self, request_id: str) -> None:
         """Free the request's held (prefill) or reserved (decode) blocks here."""
-        await self.engine.call(lambda e: e.abort_requests([request_id]))
+        await self.engine.abort_requests([request_id])
 
     @abc.abstractmethod
     async def send_blocks(

@@ -253,10 +253,10 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
         self, request: worker_pb2.ConnectKVRequest
     ) -> worker_pb2.ConnectKVResponse:
         cache = self.cache.kv_cache
-        storage = cache.untyped_storage()
-        # On the engine thread: `_share_cuda_` swaps the storage's data pointer wrapper (same
-        # address), which must not race with the engine reading it.
-        shared = await self.engine.call(lambda _engine: storage._share_cuda_())
+        # An engine process exported its cache's storage once (this process holds an opened
+        # view of it, which cannot be exported again): peers open the same handle. With no
+        # such handle the cache was allocated here, and is exported here.
+        shared = self.engine.kv_cache_ipc_handle() or tuple(cache.untyped_storage()._share_cuda_())
         (
             _device,
             mem_handle,

@@ -7,23 +7,29 @@ the connector said nothing more can land).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
 
 import grpc
 
 from tandem.kv_transfer.base import KVTransferError
 from tandem.kv_transfer.transports import KVTransports
+from tandem.request import EngineCoreRequest
 from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
-
-T = TypeVar("T")
 
 
 class DirectEngine:
-    """An `EngineHandle` with no engine thread: runs the function at once (with None)."""
+    """An `EngineHandle` with no engine: the cache belongs to this process (connectors export
+    it themselves), and there are no blocks to allocate."""
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        return fn(None)
+    async def reserve(self, request: EngineCoreRequest) -> tuple[list[int], int] | None:
+        raise RuntimeError("a standalone connector has no engine to reserve blocks in")
+
+    async def abort_requests(self, request_ids: Iterable[str]) -> None:
+        return None
+
+    def kv_cache_ipc_handle(self) -> tuple[Any, ...] | None:
+        return None
 
 
 class StandaloneReceiver(worker_pb2_grpc.WorkerServicer):

@@ -63,7 +63,7 @@ def fake_worker_metrics(role: str = "prefill") -> WorkerMetrics:
         num_held=1,
         num_reserved=0,
     )
-    metrics.bind(SimpleNamespace(requests=requests), SimpleNamespace(latest_snapshot=stats))  # type: ignore[arg-type]
+    metrics.bind(SimpleNamespace(requests=requests), SimpleNamespace(latest_stats=stats))  # type: ignore[arg-type]
     return metrics
 
 

@@ -3,7 +3,7 @@
 The servicer tracks a request in `WorkerCore`, then asks the engine thread to add (prefill) or
 reserve (decode) it. An abort handled between the two used to reach the engine first (a no-op
 there), after which the add or reserve ran and its blocks were never freed. These tests play
-that order on a real engine thread with the SmolLM2 model and a real `WorkerCore`, and check
+that order on a real engine-core process with the SmolLM2 model and a real `WorkerCore`, and check
 that the engine ends with no request and a whole block pool.
 """
 
@@ -11,34 +11,31 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 from services.worker import core as m
-from services.worker.app import collect_held
 from tandem.config import EngineArgs
 from tandem.core.outputs import EngineCoreOutput
-from tandem.engine.core import EngineCore
-from tandem.engine.engine_thread import EngineThread
+from tandem.engine.core_client import AsyncMPClient
+from tandem.engine.core_proc import EngineProcOptions
+from tandem.engine.serial import Piggyback
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
 
 
-async def _worker(model: Path, role: str) -> tuple[EngineThread[EngineCore], m.WorkerCore]:
-    loop = asyncio.get_running_loop()
+async def _worker(model: Path, role: str) -> tuple[AsyncMPClient, m.WorkerCore]:
     holder: list[m.WorkerCore] = []
 
-    def on_step(outputs: list[EngineCoreOutput], held: Any) -> None:
-        holder[0].tell(m.Step(outputs, held))
+    def on_step(outputs: list[EngineCoreOutput], pig: Piggyback) -> None:
+        holder[0].tell(m.Step(outputs, pig.held_block_ids))
 
     args = EngineArgs(
         model=str(model), dtype="float32", device="cpu", kv_cache_memory_gb=0.05,
         max_model_len=512, num_threads=1,
     )  # fmt: skip
-    thread: EngineThread[EngineCore] = EngineThread(
-        lambda: EngineCore(args.create_engine_config()),
-        loop,
+    thread = AsyncMPClient(
+        args.create_engine_config(),
         on_step,
-        post_step=collect_held if role == "prefill" else None,
+        EngineProcOptions(report_held_blocks=role == "prefill"),
         name=f"engine-{role}",
     )
     engine = await thread.start()
@@ -48,16 +45,9 @@ async def _worker(model: Path, role: str) -> tuple[EngineThread[EngineCore], m.W
     return thread, core
 
 
-async def _engine_is_empty(thread: EngineThread[EngineCore]) -> bool:
-    def check(e: EngineCore) -> bool:
-        return (
-            not e.has_unfinished_requests()
-            and not e.scheduler.held
-            and e.scheduler.kv_cache_manager.block_pool.is_whole
-        )
-
+async def _engine_is_empty(thread: AsyncMPClient) -> bool:
     for _ in range(200):
-        if await thread.call(check):
+        if (await thread.pool_state()).empty:
             return True
         await asyncio.sleep(0.02)
     return False
@@ -84,13 +74,13 @@ async def _abort_before_add(model: Path, role: str) -> None:
         # The abort overtakes the servicer's engine call.
         assert await core.ask(m.Abort([rid])) == 1
         req = _request(rid, 1 if role == "prefill" else 4)
-        await thread.call(lambda e: e.add_request(req, hold_kv=role == "prefill"))
+        await thread.add_request(req, hold_kv=role == "prefill")
         core.tell(m.Admitted(rid))
         assert await _engine_is_empty(thread), "the aborted request kept engine state or blocks"
         assert await core.ask(m.Inflight()) == []
     finally:
         await core.close()
-        await thread.stop()
+        await thread.shutdown()
 
 
 def test_abort_before_prefill_admission_frees_everything(smollm2_path: Path) -> None:
@@ -116,14 +106,14 @@ async def _abort_before_reserve(model: Path) -> None:
         assert tracked
         assert await core.ask(m.Abort([rid])) == 1
         req = _request(rid, 4)
-        result = await thread.call(lambda e: e.reserve(req))
+        result = await thread.reserve(req)
         assert result is not None
         core.tell(m.Reserved(rid, list(result[0])))
         assert await _engine_is_empty(thread), "the aborted reservation kept its blocks"
         assert await core.ask(m.Inflight()) == []
     finally:
         await core.close()
-        await thread.stop()
+        await thread.shutdown()
 
 
 def test_abort_before_reserve_frees_the_reservation(smollm2_path: Path) -> None:

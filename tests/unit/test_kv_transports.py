@@ -7,7 +7,6 @@ import asyncio
 import concurrent.futures
 import random
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -253,7 +252,13 @@ def test_rows_use_wide_words() -> None:
 
 
 class _NoEngine:
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def reserve(self, request: Any) -> Any:
+        raise AssertionError("not used here")
+
+    async def abort_requests(self, request_ids: Any) -> None:
+        raise AssertionError("not used here")
+
+    def kv_cache_ipc_handle(self) -> None:
         raise AssertionError("not used here")
 
 

@@ -1,0 +1,561 @@
+"""EngineCoreClient: how callers reach an EngineCore, in this process or in its own.
+
+    InprocClient     the engine in the caller's process; `get_output()` runs one step
+                     (the offline `LLM`, tests)
+    SyncMPClient     the engine in an EngineCoreProc; blocking calls, `get_output()` waits for
+                     the next step's frame
+    AsyncMPClient    the engine in an EngineCoreProc; asyncio calls, each step's outputs handed
+                     to a callback on the event loop (worker services)
+
+Every client offers the same operations: add, abort, outputs, the disaggregation hooks (hold
+via `add_request(hold_kv=True)`, reserve, add prefilled, release held, held block ids) and
+stats. A multiprocess client's calls run in order with the engine's steps (see
+`tandem.engine.core_proc`); a call that the engine refuses raises the engine's error
+(InvalidRequestError naming the problem, KeyError, ...). When the engine process dies, every
+pending and later call raises EngineDeadError, and the async client calls `on_dead` once.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+from collections.abc import Callable, Iterable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.core.outputs import EngineCoreOutput
+from tandem.engine import serial
+from tandem.engine.core import EngineCore, EngineStats
+from tandem.engine.core_proc import (
+    EngineInfo,
+    EngineProcOptions,
+    PoolState,
+    SharedKVCache,
+    run_engine_core,
+)
+from tandem.request import EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+OnStep = Callable[[list[EngineCoreOutput], serial.Piggyback], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process has exited; the message says how."""
+
+
+def open_shared_kv_cache(shared: SharedKVCache) -> torch.Tensor:
+    """Open another process's KV cache tensor in this process (see SharedKVCache)."""
+    dtype = getattr(torch, shared.dtype)
+    if shared.kind == "cuda":
+        index = int(shared.handle[0])
+        with torch.cuda.device(index):
+            storage = torch.UntypedStorage._new_shared_cuda(*shared.handle)
+            device = torch.device("cuda", index)
+    else:
+        manager, name, size = shared.handle
+        storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
+        device = torch.device("cpu")
+    return torch.empty(0, dtype=dtype, device=device).set_(
+        storage, shared.storage_offset, shared.shape, shared.stride
+    )
+
+
+class EngineCoreClient(abc.ABC):
+    """Blocking access to one engine (see the module docstring)."""
+
+    info: EngineInfo
+
+    @abc.abstractmethod
+    def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None: ...
+
+    @abc.abstractmethod
+    def abort_requests(self, request_ids: Iterable[str]) -> None: ...
+
+    @abc.abstractmethod
+    def get_output(self) -> list[EngineCoreOutput]:
+        """The next step's outputs (the in-process client runs the step)."""
+
+    @abc.abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+    @abc.abstractmethod
+    def reserve(self, req: EngineCoreRequest) -> tuple[list[int], int] | None: ...
+
+    @abc.abstractmethod
+    def add_prefilled_request(
+        self, request_id: str, first_token_id: int
+    ) -> EngineCoreOutput | None: ...
+
+    @abc.abstractmethod
+    def release_held(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def get_held_block_ids(self, request_id: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+    @staticmethod
+    def make(config: EngineConfig, multiprocess: bool = False) -> EngineCoreClient:
+        return SyncMPClient(config) if multiprocess else InprocClient(config)
+
+
+def _info_of(engine: EngineCore) -> EngineInfo:
+    return EngineInfo(
+        pid=0,
+        block_size=engine.block_size,
+        num_blocks=engine.num_blocks,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        eos_token_id=engine.eos_token_id,
+        model_path=str(engine.model_path),
+        kv_device=engine.kv_cache.device.type,
+        shared_kv_cache=None,
+    )
+
+
+class InprocClient(EngineCoreClient):
+    """The engine in this process; `get_output()` runs one step."""
+
+    def __init__(self, config: EngineConfig | None = None, engine: EngineCore | None = None):
+        if engine is None:
+            assert config is not None
+            engine = EngineCore(config)
+        self.engine = engine
+        self.info = _info_of(engine)
+
+    def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None:
+        self.engine.add_request(req, hold_kv=hold_kv)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.engine.abort_requests(request_ids)
+
+    def get_output(self) -> list[EngineCoreOutput]:
+        return self.engine.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def reserve(self, req: EngineCoreRequest) -> tuple[list[int], int] | None:
+        return self.engine.reserve(req)
+
+    def add_prefilled_request(
+        self, request_id: str, first_token_id: int
+    ) -> EngineCoreOutput | None:
+        return self.engine.add_prefilled_request(request_id, first_token_id)
+
+    def release_held(self, request_id: str) -> None:
+        self.engine.release_held(request_id)
+
+    def get_held_block_ids(self, request_id: str) -> list[int]:
+        return self.engine.get_held_block_ids(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class _EngineProcess:
+    """The engine-core child process and the two pipes to it (shared by the MP clients)."""
+
+    def __init__(self, config: EngineConfig, options: EngineProcOptions, name: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        cmd_recv, self.commands = ctx.Pipe(duplex=False)
+        self.outputs, out_send = ctx.Pipe(duplex=False)
+        self.process: BaseProcess = ctx.Process(
+            target=run_engine_core,
+            args=(config, options, cmd_recv, out_send, logging.getLogger().getEffectiveLevel()),
+            name=name,
+            daemon=True,
+        )
+        self.process.start()
+        # The child's ends live in the child only: its exit then closes the output pipe.
+        cmd_recv.close()
+        out_send.close()
+        self._ids = itertools.count(1)
+        self.dead: str | None = None
+
+    def next_call_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, call_id: int, method: str, *args: Any) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        try:
+            self.commands.send_bytes(serial.encode_command(call_id, method, args))
+        except (BrokenPipeError, OSError) as exc:
+            raise EngineDeadError(f"the engine process is gone ({exc})") from exc
+
+    def exit_reason(self, fatal: BaseException | None = None) -> str:
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        how = f"exit code {code}" if code is not None else "no exit code yet"
+        if fatal is not None:
+            return f"the engine process failed: {type(fatal).__name__}: {fatal} ({how})"
+        return f"the engine process exited ({how})"
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with contextlib.suppress(Exception):
+            self.commands.close()
+        self.process.join(timeout=timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5.0)
+        with contextlib.suppress(Exception):
+            self.outputs.close()
+
+
+def _expect_ready(frame: bytes, proc: _EngineProcess) -> EngineInfo:
+    if frame[0] == serial.READY:
+        return serial.decode_pickled(frame)
+    if frame[0] == serial.FATAL:
+        exc = serial.decode_pickled(frame)
+        proc.dead = proc.exit_reason(exc)
+        raise exc
+    raise EngineDeadError(f"unexpected first frame {frame[0]} from the engine process")
+
+
+class SyncMPClient(EngineCoreClient):
+    """The engine in its own process, reached with blocking calls."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        options: EngineProcOptions | None = None,
+        name: str = "engine-core",
+    ) -> None:
+        self._proc = _EngineProcess(config, options or EngineProcOptions(), name)
+        try:
+            self.info = _expect_ready(self._recv(), self._proc)
+        except BaseException:
+            self._proc.close()
+            raise
+        self._steps: list[list[EngineCoreOutput]] = []
+        self._unfinished: set[str] = set()
+        self.latest_piggyback = serial.Piggyback()
+
+    def _recv(self) -> bytes:
+        try:
+            return self._proc.outputs.recv_bytes()
+        except (EOFError, OSError) as exc:
+            self._proc.dead = self._proc.exit_reason()
+            raise EngineDeadError(self._proc.dead) from exc
+
+    def _take(self, frame: bytes) -> tuple[int, bool, Any] | None:
+        """Handle one frame; a reply is returned, a step is queued."""
+        kind = frame[0]
+        if kind == serial.STEP:
+            outputs, pig = serial.decode_step(frame)
+            self.latest_piggyback = pig
+            for out in outputs:
+                if out.finished:
+                    self._unfinished.discard(out.request_id)
+            self._steps.append(outputs)
+            return None
+        if kind == serial.REPLY:
+            call_id, ok, result, pig = serial.decode_pickled(frame)
+            self.latest_piggyback = pig
+            return call_id, ok, result
+        if kind == serial.FATAL:
+            exc = serial.decode_pickled(frame)
+            self._proc.dead = self._proc.exit_reason(exc)
+            raise EngineDeadError(self._proc.dead) from exc
+        raise EngineDeadError(f"unexpected frame {kind} from the engine process")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        call_id = self._proc.next_call_id()
+        self._proc.send(call_id, method, *args)
+        while True:
+            reply = self._take(self._recv())
+            if reply is None:
+                continue
+            got_id, ok, result = reply
+            assert got_id == call_id, (got_id, call_id)
+            if not ok:
+                raise result
+            return result
+
+    def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None:
+        self._call("add_request", req, hold_kv)
+        self._unfinished.add(req.request_id)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        self._call("abort_requests", ids)
+        self._unfinished.difference_update(ids)
+
+    def get_output(self) -> list[EngineCoreOutput]:
+        while not self._steps:
+            if not self._unfinished:
+                return []
+            self._take(self._recv())
+        return self._steps.pop(0)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished) or bool(self._steps)
+
+    def reserve(self, req: EngineCoreRequest) -> tuple[list[int], int] | None:
+        return self._call("reserve", req)
+
+    def add_prefilled_request(
+        self, request_id: str, first_token_id: int
+    ) -> EngineCoreOutput | None:
+        out = self._call("add_prefilled_request", request_id, first_token_id)
+        if out is None or not out.finished:
+            self._unfinished.add(request_id)
+        return out
+
+    def release_held(self, request_id: str) -> None:
+        self._call("release_held", request_id)
+
+    def get_held_block_ids(self, request_id: str) -> list[int]:
+        return self._call("get_held_block_ids", request_id)
+
+    def stats(self) -> EngineStats:
+        return self._call("stats")
+
+    def shutdown(self) -> None:
+        if self._proc.dead is None:
+            with contextlib.suppress(EngineDeadError):
+                self._proc.send(0, "shutdown")
+        self._proc.dead = self._proc.dead or "the client shut the engine down"
+        self._proc.close()
+
+
+class AsyncMPClient:
+    """The engine in its own process, reached from an asyncio event loop.
+
+    Each STEP frame's outputs go to `on_step(outputs, piggyback)` on the loop, in step order;
+    a reply's piggyback (stats, held blocks, cache events) goes to `on_piggyback` first, so
+    that what the engine did before a reply is known when the call returns. `on_dead(reason)`
+    runs once when the engine process is gone.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_step: OnStep,
+        options: EngineProcOptions | None = None,
+        name: str = "engine-core",
+        on_dead: Callable[[str], None] | None = None,
+        on_piggyback: Callable[[serial.Piggyback], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.options = options or EngineProcOptions()
+        self.name = name
+        self._on_step = on_step
+        self._on_dead = on_dead
+        self._on_piggyback = on_piggyback
+        self._proc: _EngineProcess | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._ready: asyncio.Future[EngineInfo] | None = None
+        self.info: EngineInfo | None = None
+        self.latest_stats: EngineStats | None = None
+        self.num_step_frames = 0
+        self._kv_cache: torch.Tensor | None = None
+        self._closing = False
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def start(self) -> EngineInfo:
+        """Spawn the engine process; returns its constants once it is ready (raises what
+        building the engine raised)."""
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._proc = _EngineProcess(self.config, self.options, self.name)
+        self._loop.add_reader(self._proc.outputs.fileno(), self._on_readable)
+        try:
+            self.info = await self._ready
+            self.latest_stats = await self.stats()
+        except BaseException:
+            self._stop_reading()
+            self._proc.close(timeout_s=5.0)
+            raise
+        return self.info
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.dead is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.process.pid if self._proc is not None else None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._proc.dead if self._proc is not None else None
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine after its current step (queued commands still run first)."""
+        proc = self._proc
+        if proc is None:
+            return
+        self._closing = True
+        if proc.dead is None:
+            with contextlib.suppress(EngineDeadError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._call("shutdown"), timeout_s)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, proc.close, timeout_s)
+        self._mark_dead("the engine was shut down")
+
+    def kv_cache(self) -> torch.Tensor:
+        """The engine's KV cache tensor, opened in this process (needs share_kv_cache)."""
+        if self._kv_cache is None:
+            assert self.info is not None
+            if self.info.shared_kv_cache is None:
+                raise RuntimeError("the engine was started without share_kv_cache")
+            self._kv_cache = open_shared_kv_cache(self.info.shared_kv_cache)
+        return self._kv_cache
+
+    def kv_cache_ipc_handle(self) -> tuple[Any, ...] | None:
+        """The CUDA IPC handle (`_share_cuda_()` tuple) of the engine's KV cache, if any."""
+        shared = self.info.shared_kv_cache if self.info is not None else None
+        return shared.handle if shared is not None and shared.kind == "cuda" else None
+
+    # ------------------------------------------------------------------ frames
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None and self._proc is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._proc.outputs.fileno())
+
+    def _on_readable(self) -> None:
+        proc = self._proc
+        assert proc is not None
+        try:
+            while proc.outputs.poll():
+                self._handle(proc.outputs.recv_bytes())
+                if proc.dead is not None:
+                    return
+        except (EOFError, OSError):
+            self._mark_dead(proc.exit_reason() if not self._closing else "shut down")
+
+    def _handle(self, frame: bytes) -> None:
+        kind = frame[0]
+        if kind == serial.STEP:
+            outputs, pig = serial.decode_step(frame)
+            self.num_step_frames += 1
+            self.latest_stats = pig.stats
+            self._on_step(outputs, pig)
+        elif kind == serial.REPLY:
+            call_id, ok, result, pig = serial.decode_pickled(frame)
+            self.latest_stats = pig.stats
+            if self._on_piggyback is not None:
+                self._on_piggyback(pig)
+            fut = self._pending.pop(call_id, None)
+            if fut is not None and not fut.done():
+                if ok:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(result)
+        elif kind == serial.READY:
+            info: EngineInfo = serial.decode_pickled(frame)
+            assert self._ready is not None
+            if not self._ready.done():
+                self._ready.set_result(info)
+        elif kind == serial.FATAL:
+            exc = serial.decode_pickled(frame)
+            assert self._proc is not None
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(exc)
+            self._mark_dead(self._proc.exit_reason(exc))
+
+    def _mark_dead(self, reason: str) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        first = proc.dead is None
+        if first:
+            proc.dead = reason
+        self._stop_reading()
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(EngineDeadError(reason))
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+        if first and not self._closing:
+            logger.error("engine %s: %s", self.name, reason)
+            if self._on_dead is not None:
+                self._on_dead(reason)
+
+    # ------------------------------------------------------------------ calls
+
+    def _call(self, method: str, *args: Any) -> asyncio.Future[Any]:
+        proc = self._proc
+        if proc is None:
+            raise EngineDeadError("the engine was not started")
+        assert self._loop is not None
+        call_id = proc.next_call_id()
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._pending[call_id] = fut
+        try:
+            proc.send(call_id, method, *args)
+        except EngineDeadError:
+            self._pending.pop(call_id, None)
+            raise
+        return fut
+
+    def _tell(self, method: str, *args: Any) -> None:
+        """A call whose result nobody waits for (an error is logged by the engine)."""
+        proc = self._proc
+        if proc is None or proc.dead is not None:
+            return
+        with contextlib.suppress(EngineDeadError):
+            proc.send(0, method, *args)
+
+    async def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None:
+        await self._call("add_request", req, hold_kv)
+
+    async def abort_requests(self, request_ids: Iterable[str]) -> None:
+        await self._call("abort_requests", list(request_ids))
+
+    def abort_requests_nowait(self, request_ids: Iterable[str]) -> None:
+        self._tell("abort_requests", list(request_ids))
+
+    async def reserve(self, req: EngineCoreRequest) -> tuple[list[int], int] | None:
+        return await self._call("reserve", req)
+
+    async def add_prefilled_request(
+        self, request_id: str, first_token_id: int
+    ) -> EngineCoreOutput | None:
+        return await self._call("add_prefilled_request", request_id, first_token_id)
+
+    async def release_held(self, request_id: str) -> None:
+        await self._call("release_held", request_id)
+
+    def release_held_nowait(self, request_id: str) -> None:
+        self._tell("release_held", request_id)
+
+    async def get_held_block_ids(self, request_id: str) -> list[int]:
+        return await self._call("get_held_block_ids", request_id)
+
+    async def stats(self) -> EngineStats:
+        return await self._call("stats")
+
+    async def cached_block_hashes(self) -> list[bytes]:
+        return await self._call("cached_block_hashes")
+
+    async def pool_state(self) -> PoolState:
+        """Whether the engine holds any request or block (see PoolState)."""
+        return await self._call("pool_state")
+
+    async def ping(self) -> int:
+        """The number of steps the engine has run (proves its loop is turning)."""
+        return await self._call("ping")

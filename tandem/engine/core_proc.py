@@ -1,0 +1,386 @@
+"""EngineCoreProc: one EngineCore's busy loop in a process of its own.
+
+    client process                          engine-core process
+    ──────────────                          ───────────────────
+    command pipe ── COMMAND frames ──▶ input thread ─▶ queue ─┐
+                                                               ▼
+                                       busy loop: commands (in order), then engine.step()
+    output pipe ◀── READY / STEP / REPLY ── output thread ◀─ queue ◀─┘
+
+The engine and the service that feeds it no longer share one GIL: the process spends its
+time on the model, the scheduler and encoding one frame per step (`tandem.engine.serial`).
+Commands run in arrival order, all of them before the next step, so a command sees the
+effects of every earlier one, and a reply leaves before the outputs of any later step.
+
+The KV cache is shared with the client process: on CUDA through an IPC handle of its storage
+(the client opens it; peers receive the same handle), on the CPU by moving the storage into a
+shared-memory file before the first step (views keep working: the storage is moved in
+place). The client process reads and writes blocks there (KV hand-off) while this process
+owns their allocation.
+
+The process exits when its command pipe closes (the client went away), on SHUTDOWN, or when
+a step raises (after a FATAL frame naming the error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tandem.config import EngineConfig
+from tandem.core.outputs import EngineCoreOutput
+from tandem.engine import serial
+from tandem.engine.core import EngineCore, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+_IDLE_STEP_PAUSE_S = 0.001
+
+# What a client may call (EngineCore's interface, plus what only a process needs).
+METHODS = frozenset(
+    {
+        "add_request",
+        "abort_requests",
+        "reserve",
+        "add_prefilled_request",
+        "release_held",
+        "get_held_block_ids",
+        "stats",
+        "cached_block_hashes",
+        "ping",
+        "pool_state",
+        "shutdown",
+    }
+)
+
+
+@dataclass(frozen=True)
+class EngineProcOptions:
+    """What the engine-core process does beyond stepping.
+
+    `report_held_blocks`: with each step, the blocks every finished `hold_kv` request holds
+    (a prefill worker sends them). `publish_cache_events`: with every frame, the prefix-cache
+    changes since the last one (a worker that feeds the directory). `share_kv_cache`: export
+    the KV cache to the client (needed for KV hand-off; off for unified workers).
+    """
+
+    report_held_blocks: bool = False
+    publish_cache_events: bool = False
+    share_kv_cache: bool = False
+
+
+@dataclass(frozen=True)
+class SharedKVCache:
+    """How another process opens this engine's KV cache tensor.
+
+    `kind` "cuda": `handle` is the storage's `_share_cuda_()` tuple (an IPC handle other
+    processes on this host open; the opener must not be this process). `kind` "cpu":
+    `handle` is (shm manager handle, file name, size) of a shared-memory file.
+    """
+
+    kind: str
+    handle: tuple[Any, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """An engine's constants, sent once when it is ready."""
+
+    pid: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    model_path: str
+    kv_device: str
+    shared_kv_cache: SharedKVCache | None
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """Whether an engine holds anything: requests, held or reserved blocks (tests, drains)."""
+
+    has_unfinished_requests: bool
+    num_held: int
+    num_reserved: int
+    is_whole: bool
+
+    @property
+    def empty(self) -> bool:
+        return (
+            not self.has_unfinished_requests
+            and not self.num_held
+            and not self.num_reserved
+            and self.is_whole
+        )
+
+
+class _Stop:
+    pass
+
+
+def share_kv_cache(engine: EngineCore) -> SharedKVCache:
+    """Export the engine's KV cache (see SharedKVCache); call before the first step."""
+    cache = engine.kv_cache
+    storage = cache.untyped_storage()
+    if cache.device.type == "cuda":
+        handle: tuple[Any, ...] = tuple(storage._share_cuda_())
+        kind = "cuda"
+    else:
+        handle = tuple(storage._share_filename_cpu_())
+        kind = "cpu"
+    return SharedKVCache(
+        kind=kind,
+        handle=handle,
+        dtype=str(cache.dtype).removeprefix("torch."),
+        shape=tuple(cache.shape),
+        stride=tuple(cache.stride()),
+        storage_offset=cache.storage_offset(),
+    )
+
+
+class EngineCoreProc:
+    """The busy loop of one engine in its own process (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: EngineCore,
+        options: EngineProcOptions,
+        commands: Connection,
+        outputs: Connection,
+    ) -> None:
+        self.engine = engine
+        self.options = options
+        self._commands = commands
+        self._outputs = outputs
+        self._inbox: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | _Stop] = (
+            queue.SimpleQueue()
+        )
+        self._outbox: queue.SimpleQueue[bytes | _Stop] = queue.SimpleQueue()
+        self._cache_events: list[tuple[list[bytes], list[bytes]]] = []
+        self._held: dict[str, list[int]] = {}
+        self.num_steps = 0
+        if options.publish_cache_events:
+            pool = engine.scheduler.kv_cache_manager.block_pool
+            pool.on_cache_event = self._record_cache_event
+        self._reader = threading.Thread(target=self._read_commands, name="engine-in", daemon=True)
+        self._writer = threading.Thread(target=self._write_outputs, name="engine-out", daemon=True)
+
+    # ------------------------------------------------------------------ threads
+
+    def _read_commands(self) -> None:
+        try:
+            while True:
+                self._inbox.put(serial.decode_command(self._commands.recv_bytes()))
+        except (EOFError, OSError):
+            self._inbox.put(_Stop())  # the client went away
+
+    def _write_outputs(self) -> None:
+        while True:
+            frame = self._outbox.get()
+            if isinstance(frame, _Stop):
+                return
+            try:
+                self._outputs.send_bytes(frame)
+            except (BrokenPipeError, OSError):
+                return
+
+    def _record_cache_event(self, added: list[bytes], evicted: list[bytes]) -> None:
+        self._cache_events.append((list(added), list(evicted)))
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        self._reader.start()
+        self._writer.start()
+        try:
+            self._loop()
+        finally:
+            self._outbox.put(_Stop())
+            self._writer.join(timeout=5.0)
+
+    def _piggyback(self) -> serial.Piggyback:
+        pig = serial.Piggyback(stats=self.engine.stats())
+        if self._held:
+            pig.held_block_ids, self._held = self._held, {}
+        if self._cache_events:
+            pig.cache_events, self._cache_events = self._cache_events, []
+        return pig
+
+    def _run_command(self, item: tuple[int, str, tuple[Any, ...]]) -> bool:
+        """Run one command; False when it asks the loop to stop."""
+        call_id, method, args = item
+        if method == "shutdown":
+            if call_id:
+                self._outbox.put(serial.encode_reply(call_id, True, None, self._piggyback()))
+            return False
+        try:
+            if method not in METHODS:
+                raise ValueError(f"unknown engine method {method!r}")
+            result = getattr(self, "_" + method)(*args)
+        except Exception as exc:
+            if not call_id:
+                logger.warning("engine command %s failed: %s", method, exc)
+                return True
+            if not isinstance(exc, InvalidRequestError | KeyError | ValueError):
+                logger.exception("engine command %s failed", method)
+            self._outbox.put(serial.encode_reply(call_id, False, _portable(exc), self._piggyback()))
+            return True
+        if call_id:
+            self._outbox.put(serial.encode_reply(call_id, True, result, self._piggyback()))
+        return True
+
+    def _loop(self) -> None:
+        engine = self.engine
+        inbox = self._inbox
+        while True:
+            busy = engine.has_unfinished_requests()
+            try:
+                item = inbox.get(block=not busy)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if isinstance(item, _Stop) or not self._run_command(item):
+                    return
+                try:
+                    item = inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if not engine.has_unfinished_requests():
+                continue
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            self.num_steps += 1
+            if self.options.report_held_blocks:
+                self._collect_held(outputs)
+            if outputs or self._held or self._cache_events:
+                self._outbox.put(serial.encode_step(outputs, self._piggyback()))
+            elif engine.last_step_idle and time.perf_counter() - t0 < _IDLE_STEP_PAUSE_S:
+                # Work remains but nothing could be scheduled: wait for a command briefly
+                # rather than spin.
+                try:
+                    item = inbox.get(timeout=_IDLE_STEP_PAUSE_S)
+                except queue.Empty:
+                    continue
+                if isinstance(item, _Stop) or not self._run_command(item):
+                    return
+
+    def _collect_held(self, outputs: list[EngineCoreOutput]) -> None:
+        """The KV blocks each finished prefill holds, read before anything can change them."""
+        held = self.engine.scheduler.held
+        for out in outputs:
+            if out.finish_reason in ("stop", "length") and out.request_id in held:
+                self._held[out.request_id] = self.engine.get_held_block_ids(out.request_id)
+
+    # ------------------------------------------------------------------ methods
+
+    def _add_request(self, req: Any, hold_kv: bool = False) -> None:
+        if "\x00" in req.request_id:
+            raise InvalidRequestError("request id must not contain NUL characters")
+        self.engine.add_request(req, hold_kv=hold_kv)
+
+    def _abort_requests(self, request_ids: list[str]) -> None:
+        self.engine.abort_requests(request_ids)
+
+    def _reserve(self, req: Any) -> tuple[list[int], int] | None:
+        if "\x00" in req.request_id:
+            raise InvalidRequestError("request id must not contain NUL characters")
+        return self.engine.reserve(req)
+
+    def _add_prefilled_request(self, request_id: str, first_token_id: int) -> Any:
+        return self.engine.add_prefilled_request(request_id, first_token_id)
+
+    def _release_held(self, request_id: str) -> None:
+        self.engine.release_held(request_id)
+
+    def _get_held_block_ids(self, request_id: str) -> list[int]:
+        return self.engine.get_held_block_ids(request_id)
+
+    def _stats(self) -> Any:
+        return self.engine.stats()
+
+    def _cached_block_hashes(self) -> list[bytes]:
+        return self.engine.scheduler.kv_cache_manager.block_pool.cached_block_hashes()
+
+    def _ping(self) -> int:
+        return self.num_steps
+
+    def _pool_state(self) -> PoolState:
+        sched = self.engine.scheduler
+        return PoolState(
+            has_unfinished_requests=self.engine.has_unfinished_requests(),
+            num_held=len(sched.held),
+            num_reserved=len(sched.reserved),
+            is_whole=sched.kv_cache_manager.block_pool.is_whole,
+        )
+
+
+def run_engine_core(
+    config: EngineConfig,
+    options: EngineProcOptions,
+    commands: Connection,
+    outputs: Connection,
+    log_level: int = logging.INFO,
+) -> None:
+    """Entry point of the engine-core process (spawned by an MP client)."""
+    logging.basicConfig(
+        level=log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        engine = EngineCore(config)
+        shared = share_kv_cache(engine) if options.share_kv_cache else None
+        info = EngineInfo(
+            pid=os.getpid(),
+            block_size=engine.block_size,
+            num_blocks=engine.num_blocks,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            eos_token_id=engine.eos_token_id,
+            model_path=str(engine.model_path),
+            kv_device=engine.kv_cache.device.type,
+            shared_kv_cache=shared,
+        )
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            outputs.send_bytes(serial.encode_pickled(serial.FATAL, _portable(exc)))
+        raise
+    outputs.send_bytes(serial.encode_pickled(serial.READY, info))
+    proc = EngineCoreProc(engine, options, commands, outputs)
+    try:
+        proc.run()
+    except BaseException as exc:
+        logger.exception("engine-core loop failed")
+        with contextlib.suppress(Exception):
+            outputs.send_bytes(serial.encode_pickled(serial.FATAL, _portable(exc)))
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            shutdown = getattr(engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """`exc` if it pickles, else a RuntimeError with its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
