@@ -227,7 +227,7 @@ async def serve(config: WorkerServiceConfig) -> int:
         registered.cancel()
         stopping.cancel()
     logger.info("%s worker %s serving on %s", config.role, config.worker_id, address)
-    ready = [f"grpc={address}", f"worker_id={config.worker_id}"]
+    ready = [f"grpc={address}", f"worker_id={config.worker_id}", f"engine_pid={info.pid}"]
     if metrics_server is not None:
         ready.append(f"metrics={config.host}:{metrics_server.port}")
     write_ready_file(config.ready_file, ready)

@@ -1,0 +1,214 @@
+"""EngineCoreClient: the in-process and the multiprocess engines agree token for token, and an
+engine process that dies is noticed at once (by its client, and by the worker around it).
+
+Real engines (the embedded SmolLM2 on the CPU), real child processes, real pipes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from tandem.config import EngineArgs, EngineConfig
+from tandem.core.outputs import EngineCoreOutput
+from tandem.engine.core import InvalidRequestError
+from tandem.engine.core_client import (
+    AsyncMPClient,
+    EngineCoreClient,
+    EngineDeadError,
+    InprocClient,
+    SyncMPClient,
+)
+from tandem.engine.serial import Piggyback
+from tandem.request import EngineCoreRequest
+from tandem.sampling_params import SamplingParams
+from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+
+from .conftest import PROMPTS, launch
+
+
+def _config(model: Path) -> EngineConfig:
+    return EngineArgs(
+        model=str(model), dtype="float32", device="cpu", num_gpu_blocks=64,
+        max_model_len=512, num_threads=1,
+    ).create_engine_config()  # fmt: skip
+
+
+def _requests() -> list[EngineCoreRequest]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_k=40, seed=77, max_tokens=10, ignore_eos=True)
+    stop_early = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    return [
+        EngineCoreRequest("greedy-0", list(range(20, 60)), greedy),
+        EngineCoreRequest("greedy-1", list(range(100, 117)), greedy),
+        EngineCoreRequest("seeded", list(range(300, 340)), seeded),
+        EngineCoreRequest("aborted", list(range(500, 530)), stop_early),
+    ]
+
+
+def _run(client: EngineCoreClient) -> tuple[dict[str, list[int]], dict[str, str | None]]:
+    for req in _requests():
+        client.add_request(req)
+    tokens: dict[str, list[int]] = {}
+    finish: dict[str, str | None] = {}
+    steps = 0
+    while client.has_unfinished_requests():
+        outs = client.get_output()
+        steps += 1
+        if steps == 4:
+            client.abort_requests(["aborted"])
+        for out in outs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+    return tokens, finish
+
+
+@pytest.fixture(scope="module")
+def clients(smollm2_path: Path) -> Iterator[tuple[InprocClient, SyncMPClient]]:
+    inproc = InprocClient(_config(smollm2_path))
+    mp = SyncMPClient(_config(smollm2_path))
+    try:
+        yield inproc, mp
+    finally:
+        mp.shutdown()
+        inproc.shutdown()
+
+
+def test_inproc_and_multiprocess_clients_agree(clients: tuple[InprocClient, SyncMPClient]) -> None:
+    inproc, mp = clients
+    assert mp.info.pid not in (0, os.getpid())
+    assert (mp.info.num_blocks, mp.info.block_size) == (inproc.info.num_blocks, 16)
+    a_tokens, a_finish = _run(inproc)
+    b_tokens, b_finish = _run(mp)
+    assert a_tokens["greedy-0"] and len(a_tokens["seeded"]) == 10
+    for rid in ("greedy-0", "greedy-1", "seeded"):
+        assert b_tokens[rid] == a_tokens[rid], rid
+    assert a_finish["greedy-0"] == b_finish["greedy-0"] == "length"
+    assert b_finish.get("aborted") in (None, "abort")  # an abort asked for emits nothing
+    assert len(b_tokens.get("aborted", [])) < 40
+    for client in (inproc, mp):
+        s = client.stats()
+        assert (s.num_running, s.num_waiting) == (0, 0)
+        assert s.num_free_blocks == s.num_blocks, "aborts and finishes must free every block"
+
+
+def test_disaggregation_hooks_over_the_process_boundary(
+    clients: tuple[InprocClient, SyncMPClient],
+) -> None:
+    _, mp = clients
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    mp.add_request(EngineCoreRequest("held", list(range(40, 90)), params), hold_kv=True)
+    while mp.has_unfinished_requests():
+        mp.get_output()
+    held = mp.get_held_block_ids("held")
+    assert len(held) == 4  # 50 prompt tokens in blocks of 16
+    assert mp.stats().num_held == 1
+    mp.release_held("held")
+    assert mp.stats().num_held == 0
+    decode = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    reserved = mp.reserve(EngineCoreRequest("reserved", list(range(40, 90)), decode))
+    assert reserved is not None and len(reserved[0]) == 4
+    first = mp.add_prefilled_request("reserved", 7)
+    assert first is None or not first.finished
+    got: list[int] = []
+    while mp.has_unfinished_requests():
+        for out in mp.get_output():
+            got.extend(out.new_token_ids)
+    assert len(got) == 2  # the first token came from "elsewhere"
+    with pytest.raises(KeyError):
+        mp.get_held_block_ids("nobody")
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        mp.add_request(EngineCoreRequest("empty", [], decode))
+    s = mp.stats()
+    assert s.num_free_blocks == s.num_blocks
+
+
+def test_async_client_notices_a_dead_engine_at_once(smollm2_path: Path) -> None:
+    async def run() -> None:
+        dead: list[tuple[str, float]] = []
+        steps: list[list[EngineCoreOutput]] = []
+
+        def on_step(outputs: list[EngineCoreOutput], pig: Piggyback) -> None:
+            steps.append(outputs)
+
+        client = AsyncMPClient(
+            _config(smollm2_path), on_step, on_dead=lambda r: dead.append((r, time.monotonic()))
+        )
+        info = await client.start()
+        assert client.alive and client.latest_stats is not None
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        await client.add_request(EngineCoreRequest("long", list(range(10, 40)), params))
+        while not steps:
+            await asyncio.sleep(0.01)
+        os.kill(info.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        pending = client.stats()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(pending, 5.0)
+        assert dead, "on_dead was not called"
+        assert dead[0][1] - killed < 1.0
+        assert "exit" in dead[0][0]
+        assert not client.alive
+        with pytest.raises(EngineDeadError):
+            await client.add_request(EngineCoreRequest("later", [1, 2, 3], params))
+        await client.shutdown()
+
+    asyncio.run(run())
+
+
+def test_engine_build_error_surfaces(tmp_path: Path) -> None:
+    async def run() -> None:
+        missing = tmp_path / "no-such-model"
+        config = EngineArgs(model=str(missing), device="cpu").create_engine_config()
+        client = AsyncMPClient(config, lambda outputs, pig: None)
+        with pytest.raises(Exception, match="no-such-model"):
+            await client.start()
+        assert not client.alive
+
+    asyncio.run(run())
+
+
+def test_worker_whose_engine_dies_fails_its_streams_and_exits(tmp_path: Path) -> None:
+    """SIGKILL the unified worker's engine process mid-stream: the stream ends with an error
+    within seconds (no hang) and the worker process exits non-zero."""
+    dep = launch(tmp_path, unified=True)
+    try:
+        worker = psutil.Process(dep.pid("unified"))
+        engine = psutil.Process(int(dep.services["unified"].info["engine_pid"]))
+        assert engine in worker.children()
+
+        async def run() -> float:
+            async with grpc.aio.insecure_channel(dep.grpc_address) as channel:
+                stub = frontend_pb2_grpc.FrontendStub(channel)
+                params = common_pb2.SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+                call = stub.Generate(
+                    frontend_pb2.GenerateRequest(text=PROMPTS[0], sampling_params=params)
+                )
+                n = 0
+                t0 = 0.0
+                try:
+                    async for _ in call:
+                        n += 1
+                        if n == 2:
+                            engine.kill()
+                            t0 = time.monotonic()
+                except grpc.aio.AioRpcError:
+                    return time.monotonic() - t0
+                raise AssertionError("the stream ended without an error")
+
+        waited = asyncio.run(asyncio.wait_for(run(), timeout=60))
+        assert waited < 10
+        code = dep.services["unified"].process.wait(timeout=30)
+        assert code != 0
+        assert "engine" in dep.services["unified"].log_tail(40)
+    finally:
+        dep.stop(timeout_s=20)
