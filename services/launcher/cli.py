@@ -17,6 +17,7 @@ import time
 from services.common.directory import add_directory_args, directory_config_from
 from services.launcher.deployment import LaunchError, ServeConfig, start_deployment
 from tandem.config import EngineArgs, add_engine_args, engine_argv
+from tandem.directory.factory import require_redis
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,9 +80,11 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     try:
         directory = directory_config_from(ns)
+        if directory.uses_redis:
+            require_redis()  # one line naming the extra, before any child starts
         # Checked here, before any process starts (nothing is loaded: no resolution).
         EngineArgs.from_cli_args(ns).create_engine_config(resolve=False)
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:
         parser.error(str(exc))
     try:
         config = ServeConfig(
