@@ -303,7 +303,7 @@ class DeviceConfig:
             raise ConfigError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend}"
             )
-        if not self.cuda_graph_sizes or any(s < 1 for s in self.cuda_graph_sizes):
+        if any(s < 1 for s in self.cuda_graph_sizes):
             raise ConfigError("cuda_graph_sizes must be positive")
 
     @property
