@@ -1,15 +1,34 @@
-"""EngineArgs (flat, from the CLI or the offline API) -> one frozen config tree.
+"""The engine's configuration: one small frozen dataclass per concern, each engine flag declared
+once on its field, resolved once.
 
-One small frozen dataclass per concern, each validated in `__post_init__`. Nothing here
-reads the environment: callers (a service's `__main__`, the CLI, `LLM`) do that once.
+    flags, LLM(**kwargs) --> EngineArgs (flat) --create_engine_config()--> EngineConfig (resolved):
+                                                                           model, cache, scheduler,
+                                                                           parallel, device, ...
+
+- Every user-settable field of the config classes below is a field of `EngineArgs` (generated
+  from them: there is no second list). A field whose metadata carries a `Flag` is a command-line
+  flag; `add_engine_args` builds every entry point's parser from those declarations, and
+  `engine_argv` turns values back into flags for a child process (the launcher's workers).
+- Resolution happens once, in `EngineConfig.resolve()` (which `create_engine_config` calls): the
+  model path is resolved (converting GGUF once), the HF config is loaded once, and
+  `max_model_len` is decided once (the model's `max_position_embeddings`, or the user's value
+  checked against it), then copied into `SchedulerConfig.max_model_len`. Everything downstream
+  reads `config.model.hf_config` / `config.model.max_model_len`; nothing loads or patches them.
+- Nothing here imports torch at module level (tandem.core imports this module), nor reads the
+  environment except where a caller builds a parser (`add_engine_args(environ=...)`).
+- An `EngineConfig`, resolved or not, pickles (it is sent to an engine child process).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
+import typing
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 DEFAULT_MODEL = "default"
 Dtype = Literal["float32", "float16", "bfloat16", "auto"]
@@ -24,20 +43,87 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "tandem"
 
 
+# ----------------------------------------------------------------------------- flag declarations
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one config field appears on the command line.
+
+    The flag is `--<field-name-with-dashes>` unless `name` says otherwise. Its type, choices
+    (from a `Literal`) and default come from the field. A bool field is a pair
+    `--x` / `--no-x`; `false_aliases` are further flags that set it False. A `tuple[int, ...]`
+    field takes one or more values. `env` names an environment variable whose value, when set,
+    is the flag's default (read only where a caller builds a parser)."""
+
+    help: str
+    name: str = ""
+    aliases: tuple[str, ...] = ()
+    false_aliases: tuple[str, ...] = ()
+    env: str = ""
+    type: Callable[[str], Any] | None = None
+
+
+def flag(help: str, **kwargs: Any) -> dict[str, Any]:
+    """Field metadata declaring a flag: `field(default=..., metadata=flag("help", ...))`."""
+    return {"flag": Flag(help, **kwargs)}
+
+
+# Field metadata of values filled in by resolution (not settable, not flags).
+_RESOLVED: dict[str, Any] = {"resolved": True}
+
+
+def device_arg(value: str) -> str:
+    """argparse type of --device: "auto" | "cpu" | "cuda" | "cuda:<index>"."""
+    try:
+        parse_device(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def parse_device(device: str) -> tuple[str, int | None]:
+    """A device name -> (kind, GPU index or None); names: auto, cpu, cuda, cuda:<index>.
+    Raises ConfigError for anything else."""
+    kind, sep, index = device.partition(":")
+    if not sep and kind in ("auto", "cpu", "cuda"):
+        return kind, None
+    if kind == "cuda" and index.isascii() and index.isdigit():  # no sign, no spaces
+        return kind, int(index)
+    raise ConfigError(f"device must be auto, cpu, cuda or cuda:<index>, got {device!r}")
+
+
+# ----------------------------------------------------------------------------- the configs
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to run and how.
 
     `model` is a Hugging Face folder, a `.gguf` file, a named random-weight shape
     (`random:llama-3.2-1b`) or "default" (the embedded SmolLM2-135M-Instruct).
-    `max_model_len` 0 means "from the model's config".
+    `max_model_len` 0 means "from the model's config" until resolution decides it.
+    After `resolve()`: `model_path` is the local HF folder, `hf_config` its loaded config and
+    `max_model_len` the context every part of the engine uses.
     """
 
-    model: str = DEFAULT_MODEL
-    dtype: Dtype = "auto"
-    max_model_len: int = 0
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata=flag("HF folder, .gguf file, random:<shape>, or 'default' (SmolLM2-135M)"),
+    )
+    dtype: Dtype = field(default="auto", metadata=flag("weight and activation dtype"))
+    max_model_len: int = field(
+        default=0, metadata=flag("context length (0: the model's max_position_embeddings)")
+    )
     seed: int = 0
-    cache_dir: str = ""
+    cache_dir: str = field(
+        default="",
+        metadata=flag(
+            "where converted models are kept ('': ~/.cache/tandem)", env="TANDEM_CACHE_DIR"
+        ),
+    )
+    model_path: Path | None = field(default=None, metadata=_RESOLVED)
+    hf_config: Any = field(default=None, compare=False, repr=False, metadata=_RESOLVED)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -46,6 +132,27 @@ class ModelConfig:
             raise ConfigError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype}")
         if self.max_model_len < 0:
             raise ConfigError(f"max_model_len must be >= 0, got {self.max_model_len}")
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.hf_config is not None
+
+    def resolve(self) -> ModelConfig:
+        """This config with the model path, HF config and max_model_len decided (itself when
+        already resolved). Raises ConfigError when `max_model_len` exceeds the model's context."""
+        if self.is_resolved:
+            return self
+        from tandem.loader import load_hf_config, resolve_model_path
+
+        model_path = resolve_model_path(self.model, self.cache_dir or None)
+        hf_config = load_hf_config(model_path)
+        model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        max_len = self.max_model_len or model_max
+        if model_max and max_len > model_max:
+            raise ConfigError(f"max_model_len {max_len} exceeds the model's context ({model_max})")
+        return dataclasses.replace(
+            self, model_path=model_path, hf_config=hf_config, max_model_len=max_len
+        )
 
 
 @dataclass(frozen=True)
@@ -56,12 +163,25 @@ class CacheConfig:
     `gpu_memory_utilization` fraction on CUDA after weights and a profiling pass.
     """
 
-    block_size: int = 16
-    num_gpu_blocks: int = 0
-    kv_cache_memory_gb: float = 1.0
-    gpu_memory_utilization: float = 0.90
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: Dtype = "auto"
+    block_size: int = field(default=16, metadata=flag("tokens per KV block (a power of two)"))
+    num_gpu_blocks: int = field(
+        default=0,
+        metadata=flag("KV blocks (0: size from memory)", aliases=("--num-gpu-blocks-override",)),
+    )
+    kv_cache_memory_gb: float = field(
+        default=1.0, metadata=flag("KV cache size on the CPU, in GB (with --num-gpu-blocks 0)")
+    )
+    gpu_memory_utilization: float = field(
+        default=0.90,
+        metadata=flag("fraction of GPU memory for weights, activations and the KV cache"),
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=flag(
+            "reuse cached KV blocks of equal prefixes", false_aliases=("--no-prefix-caching",)
+        ),
+    )
+    kv_cache_dtype: Dtype = field(default="auto", metadata=flag("KV cache dtype (auto: --dtype)"))
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -74,21 +194,33 @@ class CacheConfig:
             )
         if self.kv_cache_memory_gb <= 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_dtype not in ("float32", "float16", "bfloat16", "auto"):
+            raise ConfigError(
+                f"kv_cache_dtype must be float32, float16, bfloat16 or auto, "
+                f"got {self.kv_cache_dtype}"
+            )
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Step-level scheduling: a token budget per step and a cap on running sequences."""
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    policy: Literal["fcfs", "priority"] = "fcfs"
-    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = field(default=2048, metadata=flag("token budget of one step"))
+    max_num_seqs: int = field(default=256, metadata=flag("most requests running at once"))
+    policy: Literal["fcfs", "priority"] = field(
+        default="fcfs", metadata=flag("waiting-queue order", aliases=("--scheduling-policy",))
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=flag("split long prompts over steps under the token budget")
+    )
     # Plan step N+1 while the device runs step N (the tokens step N samples feed step N+1 on
     # the device). "auto": on for CUDA, where the host's planning then hides behind the GPU.
-    async_scheduling: Literal["auto", "on", "off"] = "auto"
-    # Filled in from the model at engine build time (0 = unknown yet).
-    max_model_len: int = 0
+    async_scheduling: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata=flag("plan step N+1 while the device runs step N (auto: on for CUDA)"),
+    )
+    # Filled in from the resolved ModelConfig (0 = unknown yet).
+    max_model_len: int = field(default=0, metadata=_RESOLVED)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -113,52 +245,57 @@ class SchedulerConfig:
             )
 
 
-def parse_device(device: str) -> tuple[str, int | None]:
-    """A device name -> (kind, GPU index or None); names: auto, cpu, cuda, cuda:<index>.
-    Raises ConfigError for anything else."""
-    kind, sep, index = device.partition(":")
-    if not sep and kind in ("auto", "cpu", "cuda"):
-        return kind, None
-    if kind == "cuda" and index.isascii() and index.isdigit():  # no sign, no spaces
-        return kind, int(index)
-    raise ConfigError(f"device must be auto, cpu, cuda or cuda:<index>, got {device!r}")
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine spreads over devices. Only 1 x 1 runs today; larger sizes are refused
+    here, before anything is loaded."""
+
+    tensor_parallel_size: int = field(
+        default=1, metadata=flag("tensor-parallel ranks (only 1 today)", aliases=("-tp",))
+    )
+    pipeline_parallel_size: int = field(
+        default=1, metadata=flag("pipeline-parallel stages (only 1 today)", aliases=("-pp",))
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            size = getattr(self, name)
+            if size < 1:
+                raise ConfigError(f"{name} must be >= 1, got {size}")
+            if size > 1:
+                raise ConfigError(f"{name} {size} is not supported yet (only 1)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+_CUDA_GRAPH_SIZES += (320, 384, 448, 512, 640, 768, 896, 1024)
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where the model runs: "auto" (CUDA when present), "cpu", "cuda" (the current device,
-    normally 0) or "cuda:<index>" (that GPU; the engine makes it current on its thread, and
-    every GPU stays visible to the process, so other processes' GPUs can be reached)."""
+    """Where the model runs and how it is compiled: "auto" (CUDA when present), "cpu", "cuda"
+    (the current device, normally 0) or "cuda:<index>" (that GPU; the engine makes it current on
+    its thread, and every GPU stays visible to the process, so other processes' GPUs can be
+    reached)."""
 
-    device: str = "auto"
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    enforce_eager: bool = False
-    cuda_graph_sizes: tuple[int, ...] = (
-        1,
-        2,
-        4,
-        8,
-        16,
-        24,
-        32,
-        48,
-        64,
-        96,
-        128,
-        160,
-        192,
-        224,
-        256,
-        320,
-        384,
-        448,
-        512,
-        640,
-        768,
-        896,
-        1024,
+    device: str = field(
+        default="auto",
+        metadata=flag(
+            "auto | cpu | cuda | cuda:<index> (that GPU; every GPU stays visible)",
+            type=device_arg,
+        ),
     )
-    num_threads: int = 0
+    attention_backend: Literal["auto", "torch", "triton"] = field(
+        default="auto", metadata=flag("attention implementation (auto: triton on CUDA)")
+    )
+    enforce_eager: bool = field(default=False, metadata=flag("no CUDA graphs"))
+    cuda_graph_sizes: tuple[int, ...] = field(
+        default=_CUDA_GRAPH_SIZES, metadata=flag("decode batch sizes captured as CUDA graphs")
+    )
+    num_threads: int = field(default=0, metadata=flag("torch intra-op threads (0: torch's)"))
 
     def __post_init__(self) -> None:
         parse_device(self.device)
@@ -183,70 +320,255 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (proposers, k tokens per request per step): none yet."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs (grammar bitmasks applied in the sampler): none yet."""
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight / activation quantization methods: none yet."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
+    """Every config of one engine. Build it with `EngineArgs.create_engine_config()` (resolved);
+    an engine given an unresolved one resolves it itself (`resolve()` is idempotent)."""
+
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.model.is_resolved
+
+    def resolve(self) -> EngineConfig:
+        """The one resolution step (see the module docstring); itself when already resolved."""
+        if self.is_resolved:
+            return self
+        model = self.model.resolve()
+        scheduler = dataclasses.replace(self.scheduler, max_model_len=model.max_model_len)
+        return dataclasses.replace(self, model=model, scheduler=scheduler)
 
 
-@dataclass
-class EngineArgs:
-    """Flat engine arguments, as the CLI and `LLM(...)` take them."""
+# The sections of EngineConfig whose user-settable fields make up EngineArgs, in flag order.
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "device": DeviceConfig,
+    "speculative": SpeculativeConfig,
+    "structured_outputs": StructuredOutputsConfig,
+    "quantization": QuantizationConfig,
+}
 
-    model: str = DEFAULT_MODEL
-    dtype: Dtype = "auto"
-    max_model_len: int = 0
-    seed: int = 0
-    cache_dir: str = ""
-    block_size: int = 16
-    num_gpu_blocks: int = 0
-    kv_cache_memory_gb: float = 1.0
-    gpu_memory_utilization: float = 0.90
-    enable_prefix_caching: bool = True
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    policy: Literal["fcfs", "priority"] = "fcfs"
-    enable_chunked_prefill: bool = True
-    async_scheduling: Literal["auto", "on", "off"] = "auto"
-    # "auto" | "cpu" | "cuda" | "cuda:<index>" (see DeviceConfig)
-    device: str = "auto"
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    enforce_eager: bool = False
-    num_threads: int = 0
-    extra: dict[str, object] = field(default_factory=dict)
 
-    def create_engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=ModelConfig(
-                model=self.model,
-                dtype=self.dtype,
-                max_model_len=self.max_model_len,
-                seed=self.seed,
-                cache_dir=self.cache_dir,
-            ),
-            cache=CacheConfig(
-                block_size=self.block_size,
-                num_gpu_blocks=self.num_gpu_blocks,
-                kv_cache_memory_gb=self.kv_cache_memory_gb,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                enable_prefix_caching=self.enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_num_seqs=self.max_num_seqs,
-                policy=self.policy,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                async_scheduling=self.async_scheduling,
-            ),
-            device=DeviceConfig(
-                device=self.device,
-                attention_backend=self.attention_backend,
-                enforce_eager=self.enforce_eager,
-                num_threads=self.num_threads,
-            ),
-        )
+def _settable_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(cls) if f.init and not f.metadata.get("resolved")]
+
+
+# ----------------------------------------------------------------------------- EngineArgs
+
+
+class _EngineArgsMethods:
+    """Behaviour of `EngineArgs` (its fields are generated from the config classes)."""
+
+    def create_engine_config(self, resolve: bool = True) -> EngineConfig:
+        """The config tree, validated; resolved (model path, HF config, max_model_len) unless
+        `resolve` is False (a launcher checking its flags without loading anything)."""
+        sections = {
+            name: cls(**{f.name: getattr(self, f.name) for f in _settable_fields(cls)})
+            for name, cls in _SECTIONS.items()
+        }
+        config = EngineConfig(**sections)
+        return config.resolve() if resolve else config
 
     @classmethod
     def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
+        return {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        """The engine arguments of a namespace parsed by a parser with `add_engine_args`."""
+        return EngineArgs(model=ns.model, **engine_kwargs_from(ns))
+
+
+def _engine_args_class() -> type:
+    specs: list[tuple[str, Any, Any]] = []
+    seen: set[str] = set()
+    for cls in _SECTIONS.values():
+        for f in _settable_fields(cls):
+            if f.name in seen:
+                raise TypeError(f"config field {f.name!r} is declared twice")
+            seen.add(f.name)
+            default = (
+                field(default_factory=f.default_factory)
+                if f.default_factory is not dataclasses.MISSING
+                else field(default=f.default, metadata=f.metadata)
+            )
+            specs.append((f.name, f.type, default))
+    made = dataclasses.make_dataclass("EngineArgs", specs, bases=(_EngineArgsMethods,))
+    made.__module__ = __name__
+    made.__doc__ = (
+        "Flat engine arguments, as the CLI and `LLM(...)` take them: every settable field of "
+        "ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig (and the "
+        "empty speculative / structured-output / quantization configs), same names and "
+        "defaults. `create_engine_config()` builds and resolves the config tree."
+    )
+    return made
+
+
+if typing.TYPE_CHECKING:
+
+    class EngineArgs(_EngineArgsMethods):
+        def __init__(self, **kwargs: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    EngineArgs = _engine_args_class()
+
+
+# ----------------------------------------------------------------------------- argparse
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """One engine flag as declared: its field, the type hint and the declaration."""
+
+    dest: str
+    hint: Any
+    default: Any
+    flag: Flag
+
+    @property
+    def option(self) -> str:
+        return self.flag.name or "--" + self.dest.replace("_", "-")
+
+    @property
+    def is_bool(self) -> bool:
+        return self.hint is bool
+
+    @property
+    def is_tuple(self) -> bool:
+        return typing.get_origin(self.hint) is tuple
+
+
+def engine_flags() -> list[EngineFlag]:
+    """Every engine flag, in declaration order (the one definition every parser uses)."""
+    flags = []
+    for cls in _SECTIONS.values():
+        hints = typing.get_type_hints(cls)
+        for f in _settable_fields(cls):
+            declared = f.metadata.get("flag")
+            if declared is not None:
+                flags.append(EngineFlag(f.name, hints[f.name], f.default, declared))
+    return flags
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None
+) -> None:
+    """Add every engine flag, as an "engine" argument group, to `parser`. Defaults are the
+    fields' defaults, or the declared environment variable's value in `environ` (default:
+    this process's environment; call this where flags are read, in a `__main__`)."""
+    env = os.environ if environ is None else environ
+    group = parser.add_argument_group("engine")
+    for ef in engine_flags():
+        default = ef.default
+        if ef.flag.env and env.get(ef.flag.env):
+            default = env[ef.flag.env]
+        names = [ef.option, *ef.flag.aliases]
+        help_text = f"{ef.flag.help} (default: {_show(ef.default)})"
+        if ef.is_bool:
+            group.add_argument(
+                *names,
+                dest=ef.dest,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=ef.flag.help,
+            )
+            for alias in ef.flag.false_aliases:
+                group.add_argument(
+                    alias, dest=ef.dest, action="store_false", help=f"same as --no-{ef.option[2:]}"
+                )
+        elif ef.is_tuple:
+            (item,) = {a for a in typing.get_args(ef.hint) if a is not Ellipsis}
+            group.add_argument(
+                *names, dest=ef.dest, nargs="+", type=item, default=default, help=help_text
+            )
+        else:
+            choices, kind = _choices_and_type(ef.hint)
+            group.add_argument(
+                *names,
+                dest=ef.dest,
+                type=ef.flag.type or kind,
+                choices=choices,
+                default=default,
+                help=help_text,
+            )
+    return group
+
+
+def engine_kwargs_from(ns: argparse.Namespace) -> dict[str, Any]:
+    """EngineArgs keyword arguments from a namespace parsed with `add_engine_args`, every flag's
+    value but `model` (callers pass `model=` themselves)."""
+    kwargs: dict[str, Any] = {}
+    for ef in engine_flags():
+        if ef.dest == "model":
+            continue
+        value = getattr(ns, ef.dest)
+        kwargs[ef.dest] = tuple(value) if ef.is_tuple else value
+    return kwargs
+
+
+def engine_argv(
+    values: EngineArgs | argparse.Namespace | Mapping[str, Any],
+    exclude: Iterable[str] = ("model",),
+) -> list[str]:
+    """Command-line arguments that give a child process these engine values: one flag for each
+    value that differs from its field's default (a launcher forwarding its flags to workers)."""
+    get: Callable[[str], Any] = (
+        values.__getitem__ if isinstance(values, Mapping) else lambda n: getattr(values, n)
+    )
+    skip = set(exclude)
+    argv: list[str] = []
+    for ef in engine_flags():
+        if ef.dest in skip:
+            continue
+        value = get(ef.dest)
+        if ef.is_tuple:
+            value = tuple(value)
+        if value == ef.default:
+            continue
+        if ef.is_bool:
+            argv.append(ef.option if value else "--no-" + ef.option[2:])
+        elif ef.is_tuple:
+            argv += [ef.option, *map(str, value)]
+        else:
+            argv += [ef.option, str(value)]
+    return argv
+
+
+def _choices_and_type(hint: Any) -> tuple[list[str] | None, Callable[[str], Any]]:
+    if typing.get_origin(hint) is Literal:
+        return [str(a) for a in typing.get_args(hint)], str
+    if hint in (int, float, str):
+        return None, hint
+    raise TypeError(f"no flag type for {hint!r}")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) if len(value) <= 8 else f"{len(value)} sizes"
+    return repr(value) if value == "" else str(value)

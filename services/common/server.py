@@ -1,4 +1,5 @@
-"""gRPC server set-up shared by every service: health, reflection, message limits, signals."""
+"""gRPC server set-up shared by every service: health, reflection, message limits, signals;
+the channel options and pool (`tandem.channels`)."""
 
 from __future__ import annotations
 
@@ -14,22 +15,27 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-# KV block runs are a few MB; leave room above them.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-SERVER_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.so_reuseport", 0),
+# The one set of channel / server options and the channel pool (defined beside the KV movers,
+# which the library keeps and which cannot import the services).
+from tandem.channels import (
+    CHANNEL_OPTIONS,
+    MAX_MESSAGE_BYTES,
+    SERVER_OPTIONS,
+    ChannelPool,
+    insecure_channel,
+)
+
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "MAX_MESSAGE_BYTES",
+    "SERVER_OPTIONS",
+    "ChannelPool",
+    "GrpcServer",
+    "env_default",
+    "insecure_channel",
+    "setup_logging",
+    "shutdown_event",
+    "write_ready_file",
 ]
 
 
@@ -39,10 +45,6 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-
-
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 class GrpcServer:

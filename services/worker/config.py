@@ -10,8 +10,7 @@ from typing import Literal
 
 from services.common.directory import add_directory_args, directory_config_from
 from services.common.server import env_default
-from tandem.cli import add_engine_args, engine_kwargs_from
-from tandem.config import EngineArgs, EngineConfig
+from tandem.config import EngineArgs, EngineConfig, add_engine_args
 from tandem.directory import DirectoryConfig
 
 Role = Literal["prefill", "decode", "unified"]
@@ -124,9 +123,14 @@ def build_parser(service: str, default_role: Role) -> argparse.ArgumentParser:
 
 
 def config_from_args(service: str, default_role: Role, argv: list[str]) -> WorkerServiceConfig:
-    ns = build_parser(service, default_role).parse_args(argv)
+    parser = build_parser(service, default_role)
+    ns = parser.parse_args(argv)
     role: Role = "unified" if ns.unified else default_role
-    engine = EngineArgs(model=ns.model, **engine_kwargs_from(ns)).create_engine_config()  # type: ignore[arg-type]
+    try:
+        # Resolved here, once: the model path, its HF config and max_model_len.
+        engine = EngineArgs.from_cli_args(ns).create_engine_config()
+    except ValueError as exc:  # ConfigError, ModelNotFoundError: one line, exit code 2
+        parser.error(str(exc))
     worker_id = ns.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     return WorkerServiceConfig(
         role=role,

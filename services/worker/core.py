@@ -32,7 +32,7 @@ import grpc
 
 from services.common.actor import Actor, Ask
 from services.common.convert import output_to_proto
-from services.common.server import insecure_channel
+from services.common.server import ChannelPool
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVConnector, KVDestination, num_prompt_blocks
@@ -229,7 +229,7 @@ class WorkerCore(Actor[WorkerMessage]):
         self.destinations: dict[str, _Destination] = {}
         self.finished: list[str] = []
         self.draining = False
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ dispatch
@@ -536,10 +536,7 @@ class WorkerCore(Actor[WorkerMessage]):
     # ------------------------------------------------------------------ plumbing
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = insecure_channel(address)
-        return channel
+        return self._channels.get(address)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -550,8 +547,7 @@ class WorkerCore(Actor[WorkerMessage]):
         await self.stop()
         for task in list(self._tasks):
             task.cancel()
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
 
 
 def _abort_output(r: WorkerRequest, error: str) -> worker_pb2.RequestOutput:

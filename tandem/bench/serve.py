@@ -443,8 +443,8 @@ def plot(runs: list[dict[str, Any]], out_dir: Path, stem: str) -> list[Path]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tandem.cli import add_engine_args
-    from tandem.launcher import add_worker_placement_args
+    from services.launcher import add_worker_placement_args
+    from tandem.config import add_engine_args
 
     p = argparse.ArgumentParser(prog="tandem bench serve", description=__doc__.split("\n\n")[0])
     target = p.add_argument_group("target")
@@ -518,16 +518,14 @@ def _table(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from tandem.config import EngineArgs
-    from tandem.launcher import ServeConfig, _worker_argv, default_cpu_threads, start_deployment
+    from services.launcher import ServeConfig, default_cpu_threads, start_deployment
+    from tandem.config import EngineArgs, engine_argv, engine_kwargs_from
     from tandem.loader import load_hf_config, load_tokenizer, resolve_model_path
 
     parser = build_parser()
     ns = parser.parse_args(argv)
     if not ns.url and not ns.launch:
         parser.error("give --url of a running frontend or --launch")
-    from tandem.cli import engine_kwargs_from
-
     num_workers = ns.num_unified_workers if ns.unified else ns.num_prefill_workers + 1
     if not ns.num_threads and not ns.device.startswith("cuda") and not ns.gpus:
         # The offline engine and the workers get the same threads per engine.
@@ -610,7 +608,7 @@ def main(argv: list[str]) -> int:
                 grpc_port=0,
                 unified=ns.unified,
                 api_key=ns.api_key,
-                worker_args=tuple(_worker_argv(parser, ns)),
+                worker_args=tuple(engine_argv(ns)),
                 log_dir=ns.log_dir or tempfile.mkdtemp(prefix=f"tandem-bench-{stem}-logs-"),
                 num_prefill_workers=ns.num_prefill_workers,
                 num_unified_workers=ns.num_unified_workers,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tandem.directory.base import DEFAULT_WORKER_TTL_S, PrefixDirectory
 from tandem.directory.memory import InMemoryDirectory
+from tandem.extras import require
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,16 @@ class DirectoryConfig:
         return bool(self.redis_url)
 
 
+def require_redis() -> None:
+    """Raise MissingExtraError (one line naming the `redis` extra) unless redis imports."""
+    require("redis", "redis", "the Redis prefix-cache directory (--redis-url)")
+
+
 def make_directory(config: DirectoryConfig) -> PrefixDirectory:
     """A `RedisDirectory` when a URL is set (imports redis lazily), else `InMemoryDirectory`."""
     if not config.uses_redis:
         return InMemoryDirectory(worker_ttl_s=config.worker_ttl_s)
+    require_redis()
     from tandem.directory.redis_directory import RedisDirectory
 
     return RedisDirectory(

@@ -18,7 +18,6 @@ not thread-safe and never blocks on anything but the model.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import time
@@ -31,7 +30,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.outputs import EngineCoreOutput, SchedulerOutput
 from tandem.core.scheduler import Scheduler
-from tandem.loader import get_eos_token_ids, load_hf_config, resolve_model_path
+from tandem.loader import get_eos_token_ids
 from tandem.request import EngineCoreRequest, Request, RequestStatus
 from tandem.worker.model_runner import ModelRunner, PendingStep
 
@@ -79,33 +78,27 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        # Resolved once (a no-op when EngineArgs.create_engine_config() did it): model path,
+        # HF config and max_model_len are read from it, never loaded or patched here.
+        config = config.resolve()
         self.config = config
         if config.device.num_threads > 0:
             torch.set_num_threads(config.device.num_threads)
-        self.model_path: Path = resolve_model_path(
-            config.model.model, config.model.cache_dir or None
-        )
-        hf_config = load_hf_config(self.model_path)
+        assert config.model.model_path is not None
+        self.model_path: Path = config.model.model_path
         eos_ids = get_eos_token_ids(self.model_path)
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
-        model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
-        max_len = config.model.max_model_len or model_max
-        if model_max and max_len > model_max:
-            raise InvalidRequestError(
-                f"max_model_len {max_len} exceeds the model's context ({model_max})"
-            )
+        max_len = config.model.max_model_len
         self.max_model_len = max_len
 
         t0 = time.perf_counter()
         self.model_runner = ModelRunner(config, self.model_path, self.eos_token_id)
         self.vocab_size = self.model_runner.vocab_size
-        self.model_runner.max_model_len = max_len
         num_blocks = self.model_runner.determine_num_blocks()
         self.model_runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = config.cache.block_size
-        scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_len)
-        self.scheduler = Scheduler(scheduler_config, config.cache, num_blocks, max_len)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len)
         mode = config.scheduler.async_scheduling
         self.async_scheduling = mode == "on" or (
             mode == "auto" and self.model_runner.device.type == "cuda"

@@ -55,6 +55,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 import torch
 
+from tandem.channels import ChannelPool
 from tandem.kv_transfer.base import (
     EngineHandle,
     KVConnector,
@@ -72,11 +73,6 @@ logger = logging.getLogger(__name__)
 BEGIN = worker_pb2.KV_WRITE_PHASE_BEGIN
 READY = worker_pb2.KV_WRITE_PHASE_READY
 DONE = worker_pb2.KV_WRITE_PHASE_DONE
-
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 16 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-]
 
 # (position in the request's block lists, first destination block id, number of blocks)
 Run = tuple[int, int, int]
@@ -200,7 +196,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         super().__init__(kv_cache, engine)
         self.worker_id = worker_id
         self.rpc_timeout_s = rpc_timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._closed = False
         self._peers: dict[str, P] = {}
@@ -465,11 +461,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
             self._close_peer(peer)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-            self._channels[address] = channel
-        return channel
+        return self._channels.get(address)
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
@@ -492,9 +484,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         for peer in self._peers.values():
             self._close_peer(peer)
         self._peers.clear()
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._channels.close()
 
     async def _open(self, dst: KVDestination, info: worker_pb2.ConnectKVResponse) -> P:
         raise NotImplementedError

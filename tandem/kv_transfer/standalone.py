@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from tandem.channels import SERVER_OPTIONS
 from tandem.kv_transfer.base import KVTransferError
 from tandem.kv_transfer.transports import KVTransports
 from tandem.request import EngineCoreRequest
@@ -132,12 +133,7 @@ async def start_receiver(
     host: str = "127.0.0.1",
 ) -> tuple[grpc.aio.Server, str, StandaloneReceiver]:
     """Serve a `StandaloneReceiver` on a free port; returns (server, address, receiver)."""
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ]
-    )
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     receiver = StandaloneReceiver(transports, reservations)
     worker_pb2_grpc.add_WorkerServicer_to_server(receiver, server)
     port = server.add_insecure_port(f"{host}:0")

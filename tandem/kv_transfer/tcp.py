@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
+from tandem.channels import ChannelPool
 from tandem.kv_transfer.base import (
     DEFAULT_MAX_MESSAGE_BYTES,
     BlockRun,
@@ -38,11 +39,6 @@ from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
 COPY_OFF_LOOP_BYTES = 256 * 1024
 # Threads for those copies (per connector).
 COPY_THREADS = 4
-
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-]
 
 
 def layout_to_proto(layout: KVLayout) -> worker_pb2.KVLayout:
@@ -70,7 +66,7 @@ class TcpKVConnector(KVConnector):
         super().__init__(kv_cache, engine)  # type: ignore[arg-type]
         self.max_blocks_per_message = max(1, max_message_bytes // self.layout.bytes_per_block)
         self.timeout_s = timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _copier(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -121,16 +117,10 @@ class TcpKVConnector(KVConnector):
             yield msg
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-            self._channels[address] = channel
-        return channel
+        return self._channels.get(address)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._channels.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

@@ -39,7 +39,7 @@ from tandem.layers.sampler import (
     SamplingMetadata,
     to_logprobs_lists,
 )
-from tandem.loader import build_model, load_hf_config
+from tandem.loader import build_model
 from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -180,11 +180,16 @@ class ModelRunner:
         if backend_name == "auto":
             backend_name = "triton" if self.device.type == "cuda" else "torch"
         self.attn_backend = get_attention_backend(backend_name)
-        self.hf_config = load_hf_config(model_path)
+        self.hf_config = config.model.hf_config  # resolved once, in tandem.config
         torch.manual_seed(config.model.seed)
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = build_model(
-            model_path, self.dtype, self.device, self.attn_backend, seed=config.model.seed
+            model_path,
+            self.dtype,
+            self.device,
+            self.attn_backend,
+            seed=config.model.seed,
+            hf_config=self.hf_config,
         )
         self.vocab_size: int = self.model.vocab_size
         self.weight_bytes = (
@@ -194,7 +199,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.max_model_len = 0  # set by the engine before the KV cache is made
+        self.max_model_len: int = config.model.max_model_len
         self.use_cuda_graphs = self.device.type == "cuda" and not config.device.enforce_eager
         self._graphs = {}
         self._graph_sizes: list[int] = []

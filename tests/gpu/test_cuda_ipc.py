@@ -345,7 +345,7 @@ def start_deployments(
     """Every deployment of `plans` at once: its scheduler, then its workers (worker id
     <role>-0, service <kind>-<role>), all ready within 400 s. Stopped in reverse order; the
     log tail of any service that exits uncleanly is printed."""
-    from tandem.launcher import ServeConfig, spawn_service, stop_process, wait_ready
+    from services.launcher import ServeConfig, spawn_service, stop_process, wait_ready
 
     config = ServeConfig(log_dir=str(tmp_path_factory.mktemp(f"{name}-logs")))
     work = tmp_path_factory.mktemp(f"{name}-ready")

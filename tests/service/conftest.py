@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tandem.launcher import Deployment, ServeConfig, start_deployment
+from services.launcher import Deployment, ServeConfig, start_deployment
 from tandem_protos.v1 import (
     common_pb2,
     scheduler_pb2,

@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from tandem.launcher import Deployment, ServeConfig, Service, spawn_service, wait_ready
+from services.launcher import Deployment, ServeConfig, Service, spawn_service, wait_ready
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)

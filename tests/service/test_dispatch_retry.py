@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from tandem.launcher import Deployment, ServeConfig, start_deployment
+from services.launcher import Deployment, ServeConfig, start_deployment
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tests.service.conftest import (
     GRACE_S,

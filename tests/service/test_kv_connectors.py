@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tandem.launcher import Deployment, ServeConfig, start_deployment
+from services.launcher import Deployment, ServeConfig, start_deployment
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tests.service.conftest import (
     GRACE_S,

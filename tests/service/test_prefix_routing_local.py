@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tandem.launcher import Deployment, start_deployment
+from services.launcher import Deployment, start_deployment
 from tests.service.conftest import wait_until
 from tests.service.test_prefix_routing import (
     BLOCK_SIZE,

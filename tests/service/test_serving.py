@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tandem.launcher import Deployment
+from services.launcher import Deployment
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tests.service.conftest import (
     CHAT,

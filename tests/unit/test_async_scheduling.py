@@ -213,8 +213,13 @@ def test_abort_while_a_step_is_in_flight(tiny_llama: Path) -> None:
 def test_async_scheduling_flag_reaches_the_engine_config() -> None:
     import argparse
 
-    from tandem.cli import add_engine_args, engine_kwargs_from
-    from tandem.config import ConfigError, EngineArgs, SchedulerConfig
+    from tandem.config import (
+        ConfigError,
+        EngineArgs,
+        SchedulerConfig,
+        add_engine_args,
+        engine_kwargs_from,
+    )
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

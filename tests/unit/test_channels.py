@@ -11,11 +11,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common import server as common_server
 from tandem import channels
-from tandem.channels import SERVER_OPTIONS, ChannelPool
 
 
 def test_services_use_the_one_definition() -> None:
-    assert common_server.ChannelPool is ChannelPool
+    assert common_server.ChannelPool is channels.ChannelPool
     assert common_server.insecure_channel is channels.insecure_channel
     assert common_server.CHANNEL_OPTIONS is channels.CHANNEL_OPTIONS
     assert common_server.SERVER_OPTIONS is channels.SERVER_OPTIONS
@@ -23,14 +22,14 @@ def test_services_use_the_one_definition() -> None:
 
 def test_pool_one_channel_per_address_closed_together() -> None:
     async def run() -> None:
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=channels.SERVER_OPTIONS)
         servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         address = f"127.0.0.1:{port}"
-        pool = ChannelPool()
+        pool = channels.ChannelPool()
         try:
             first = pool.get(address)
             assert pool.get(address) is first and address in pool and len(pool) == 1

@@ -6,8 +6,14 @@ import argparse
 
 import pytest
 
-from tandem.cli import add_engine_args, engine_kwargs_from
-from tandem.config import ConfigError, DeviceConfig, EngineArgs, parse_device
+from tandem.config import (
+    ConfigError,
+    DeviceConfig,
+    EngineArgs,
+    add_engine_args,
+    engine_kwargs_from,
+    parse_device,
+)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.launcher import ServeConfig, build_parser, worker_commands
+from services.launcher import ServeConfig, build_parser, worker_commands
 
 SCHED = "127.0.0.1:7000"
 

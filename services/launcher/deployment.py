@@ -1,16 +1,20 @@
-"""`tandem serve`: the whole system as child processes on one machine.
+"""The whole system as child processes on one machine (`tandem serve`, tests, benchmarks).
 
     scheduler ──▶ prefill worker(s) + decode worker (or unified worker(s)) ──▶ frontend
 
 Each service runs as `python -m services.<name>` in its own session (so a Ctrl-C reaches only
 this launcher), reports its bound addresses through a ready file, and is stopped in order on
 Ctrl-C / SIGTERM: the frontend first (it finishes what clients are waiting for), then the
-workers, then the scheduler. tandem never imports the services; it only starts them.
+workers, then the scheduler. It lives with the services it starts: `tandem serve` execs
+`python -m services.launcher` (tandem never imports the services).
 
 GPUs: `--gpus 0,1` puts the workers on those GPUs round robin in role order (prefill workers,
 then the decode worker; or each unified worker), as `--device cuda:<index>` on each worker's
 command line. Every worker still sees every GPU (no CUDA_VISIBLE_DEVICES): NCCL and CUDA IPC
 between workers on different GPUs need both visible. `worker_commands` is that plan, as data.
+
+The workers' engine flags are the one definition in `tandem.config` (`engine_argv` turns
+values back into flags); the command line itself is `services/launcher/cli.py`.
 
 Prefix-cache directory: with `--redis-url` the scheduler reads, and the prefill workers
 publish, which worker caches which prompt prefix in that Redis (a password travels in the
@@ -21,7 +25,6 @@ routing then goes by its own record of where it sent which prompts.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -277,7 +280,7 @@ def spawn_service(
     env = dict(os.environ)
     if config.directory.redis_password:
         env["TANDEM_REDIS_PASSWORD"] = config.directory.redis_password
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     process = subprocess.Popen(
         [config.python, "-m", module, *args, "--ready-file", str(ready)],
@@ -377,188 +380,3 @@ def start_deployment(config: ServeConfig) -> Deployment:
         deployment.stop(timeout_s=10.0)
         raise
     return deployment
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from tandem.cli import add_engine_args
-
-    p = argparse.ArgumentParser(
-        prog="tandem serve",
-        description="Run the scheduler, a prefill and a decode worker (or one unified worker) "
-        "and the frontend on this machine.",
-    )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--scheduler-port", type=int, default=0)
-    p.add_argument("--unified", action="store_true", help="unified workers (no hand-off)")
-    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""))
-    p.add_argument("--grace-period-s", type=float, default=10.0)
-    p.add_argument("--log-dir", default="", help="write each service's log to DIR/<name>.log")
-    add_worker_placement_args(p)
-    p.add_argument(
-        "--routing",
-        choices=["prefix", "round-robin", "load"],
-        default="",
-        help="how the scheduler picks a prefill worker (default: prefix)",
-    )
-    d = p.add_argument_group("prefix-cache directory")
-    d.add_argument(
-        "--redis-url",
-        default=os.environ.get("TANDEM_REDIS_URL", ""),
-        help="Redis for the prefix-cache directory (redis://, rediss://, unix://); default: "
-        "none, the scheduler routes on its own dispatch record",
-    )
-    d.add_argument("--redis-username", default=os.environ.get("TANDEM_REDIS_USERNAME", ""))
-    d.add_argument(
-        "--redis-password",
-        default=os.environ.get("TANDEM_REDIS_PASSWORD", ""),
-        help="better: set TANDEM_REDIS_PASSWORD",
-    )
-    d.add_argument("--redis-tls", action="store_true", help="TLS (implied by rediss://)")
-    d.add_argument("--redis-tls-ca-certs", default="")
-    d.add_argument("--redis-tls-certfile", default="")
-    d.add_argument("--redis-tls-keyfile", default="")
-    d.add_argument("--redis-tls-no-check-hostname", action="store_true")
-    add_engine_args(p)
-    return p
-
-
-def gpu_list(value: str) -> tuple[int, ...]:
-    """argparse type of --gpus: "0,1" -> (0, 1)."""
-    try:
-        gpus = tuple(int(v) for v in value.split(","))
-    except ValueError:
-        gpus = ()
-    if not gpus or any(g < 0 for g in gpus):
-        raise argparse.ArgumentTypeError(f"--gpus takes GPU indices like 0,1; got {value!r}")
-    return gpus
-
-
-def add_worker_placement_args(p: argparse.ArgumentParser) -> None:
-    """--num-prefill-workers, --num-unified-workers, --gpus (`tandem serve`, `bench serve`)."""
-    p.add_argument(
-        "--num-prefill-workers", type=int, default=1, help="prefill workers (disaggregated)"
-    )
-    p.add_argument(
-        "--num-unified-workers", type=int, default=1, help="unified workers (with --unified)"
-    )
-    p.add_argument(
-        "--gpus",
-        type=gpu_list,
-        default=(),
-        help="GPU indices, e.g. 0,1: workers go to them round robin in role order (prefill "
-        "workers, then decode; or each unified worker) as --device cuda:<index>",
-    )
-
-
-def _worker_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:
-    """Engine flags that differ from their defaults, as worker command-line arguments."""
-    engine_group = next(g for g in parser._action_groups if g.title == "engine")
-    argv: list[str] = []
-    for action in engine_group._group_actions:
-        if action.dest == "model":
-            continue
-        value = getattr(ns, action.dest)
-        if value == action.default:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            argv.append(flag)
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def main(argv: list[str]) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    try:
-        directory = DirectoryConfig(
-            redis_url=ns.redis_url,
-            redis_username=ns.redis_username or None,
-            redis_password=ns.redis_password or None,
-            redis_tls=ns.redis_tls,
-            redis_tls_ca_certs=ns.redis_tls_ca_certs or None,
-            redis_tls_certfile=ns.redis_tls_certfile or None,
-            redis_tls_keyfile=ns.redis_tls_keyfile or None,
-            redis_tls_check_hostname=not ns.redis_tls_no_check_hostname,
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
-    try:
-        config = ServeConfig(
-            model=ns.model,
-            host=ns.host,
-            http_port=ns.http_port,
-            grpc_port=ns.grpc_port,
-            scheduler_port=ns.scheduler_port,
-            unified=ns.unified,
-            api_key=ns.api_key,
-            worker_args=tuple(_worker_argv(parser, ns)),
-            grace_period_s=ns.grace_period_s,
-            log_dir=ns.log_dir,
-            num_prefill_workers=ns.num_prefill_workers,
-            num_unified_workers=ns.num_unified_workers,
-            gpus=ns.gpus,
-            directory=directory,
-            routing=ns.routing,
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
-    stop = {"signal": 0}
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop["signal"] = signum
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    mode = (
-        f"{config.num_unified_workers} unified worker(s)"
-        if config.unified
-        else f"{config.num_prefill_workers} prefill + 1 decode workers"
-    )
-    if config.gpus:
-        mode += f" on GPUs {','.join(map(str, config.gpus))}"
-    print(f"tandem serve: starting scheduler, {mode}, frontend ({config.model}) ...", flush=True)
-    try:
-        deployment = start_deployment(config)
-    except LaunchError as exc:
-        print(f"tandem serve: {exc}", file=sys.stderr)
-        return 1
-    http = deployment.http_address
-    workers = ", ".join(f"{name} {deployment.address(name)}" for name, _ in config.worker_roles)
-    print(
-        f"tandem serve: ready\n"
-        f"  HTTP (OpenAI API)  http://{http}/v1\n"
-        f"  gRPC               {deployment.grpc_address}  (tandem.v1.Frontend)\n"
-        f"  scheduler          {deployment.scheduler_address}\n"
-        f"  workers            {workers}\n"
-        f"Try:\n"
-        f"  curl http://{http}/v1/completions -H 'Content-Type: application/json' "
-        f'-d \'{{"model": "{config.model}", "prompt": "The capital of France is", '
-        f'"max_tokens": 16}}\'\n'
-        f"Ctrl-C stops everything.",
-        flush=True,
-    )
-    code = 0
-    while not stop["signal"]:
-        dead = deployment.failed()
-        if dead:
-            print(f"tandem serve: {', '.join(dead)} exited; stopping", file=sys.stderr)
-            code = 1
-            break
-        time.sleep(0.2)
-    print("tandem serve: stopping ...", flush=True)
-    codes = deployment.stop()
-    bad = {n: c for n, c in codes.items() if c != 0}
-    if bad:
-        print(f"tandem serve: unclean exits: {bad}", file=sys.stderr)
-        code = 1
-    else:
-        print("tandem serve: stopped", flush=True)
-    return code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

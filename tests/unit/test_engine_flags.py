@@ -1,0 +1,205 @@
+"""Every entry point takes every engine flag from the one definition (tandem.config), and each
+value reaches the EngineConfig the engine is built from.
+
+The walk: for each entry point, parse one command line that sets every engine flag to a value
+other than its default, follow it as the program does (the launcher and `bench serve --launch`
+forward flags to worker command lines, which the worker service then parses), and compare the
+resulting EngineConfig field by field."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.launcher import ServeConfig, worker_commands
+from services.launcher import build_parser as serve_parser
+from services.worker.config import config_from_args
+from tandem.bench.serve import build_parser as bench_parser
+from tandem.config import (
+    EngineArgs,
+    EngineConfig,
+    add_engine_args,
+    engine_argv,
+    engine_flags,
+)
+from tandem.entrypoints.generate import build_parser as generate_parser
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# A value other than the default for every engine flag (the model is given per test). A flag
+# added without a value here fails `test_every_flag_has_a_test_value`.
+NON_DEFAULT: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 200,
+    "cache_dir": "/tmp/tandem-flags-cache",
+    "block_size": 32,
+    "num_gpu_blocks": 7,
+    "kv_cache_memory_gb": 0.5,
+    "gpu_memory_utilization": 0.5,
+    "enable_prefix_caching": False,
+    "kv_cache_dtype": "float16",
+    "max_num_batched_tokens": 300,
+    "max_num_seqs": 3,
+    "policy": "priority",
+    "enable_chunked_prefill": False,
+    "async_scheduling": "off",
+    "device": "cpu",
+    "attention_backend": "torch",
+    "enforce_eager": True,
+    "cuda_graph_sizes": (1, 3),
+    "num_threads": 1,
+}
+# Flags whose only valid value today is the default (checked to refuse others instead).
+ONLY_DEFAULT = {"tensor_parallel_size", "pipeline_parallel_size"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model folder with only config.json: enough to resolve (no weights are loaded here)."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("flags-model")
+    LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ).save_pretrained(path)
+    return path
+
+
+def full_argv() -> list[str]:
+    """Every engine flag but --model, each set to its NON_DEFAULT value."""
+    return engine_argv(NON_DEFAULT | {"model": "x"} | _defaults(ONLY_DEFAULT))
+
+
+def _defaults(names: set[str]) -> dict[str, Any]:
+    return {f.dest: f.default for f in engine_flags() if f.dest in names}
+
+
+def assert_reaches(config: EngineConfig, model: str) -> None:
+    """Every NON_DEFAULT value is in `config`, in the section its field is declared in."""
+    seen = {}
+    for section in ("model", "cache", "scheduler", "parallel", "device"):
+        part = getattr(config, section)
+        for name in NON_DEFAULT:
+            if hasattr(part, name) and not (section == "scheduler" and name == "max_model_len"):
+                seen[name] = getattr(part, name)
+    assert seen == NON_DEFAULT
+    assert config.model.model == model
+
+
+def test_every_flag_has_a_test_value() -> None:
+    declared = {f.dest for f in engine_flags()} - {"model"}
+    assert declared == set(NON_DEFAULT) | ONLY_DEFAULT
+    argv = full_argv()
+    for name in NON_DEFAULT:
+        flag = next(f.option for f in engine_flags() if f.dest == name)
+        if flag.startswith("--enable-") and NON_DEFAULT[name] is False:
+            flag = "--no-" + flag[2:]
+        assert argv.count(flag) == 1, flag
+
+
+def _via_workers(argv_to_worker_args: Callable[[list[str]], list[str]], model: str) -> None:
+    """Worker command lines planned by the launcher from `worker_args`, parsed by the worker
+    service's own config: each worker's EngineConfig carries every value."""
+    worker_args = argv_to_worker_args(full_argv())
+    for unified in (False, True):
+        plan = worker_commands(
+            ServeConfig(model=model, worker_args=tuple(worker_args), unified=unified), "127.0.0.1:1"
+        )
+        assert plan
+        for cmd in plan:
+            service = "prefill_worker" if cmd.module.endswith("prefill_worker") else "decode_worker"
+            role = "prefill" if service == "prefill_worker" else "decode"
+            config = config_from_args(service, role, list(cmd.args))
+            assert config.engine.is_resolved
+            assert config.engine.scheduler.max_model_len == NON_DEFAULT["max_model_len"]
+            assert_reaches(config.engine, model)
+
+
+def test_generate(model_dir: Path) -> None:
+    ns = generate_parser().parse_args(["hello", "--model", str(model_dir), *full_argv()])
+    assert ns.prompt == ["hello"]
+    assert_reaches(EngineArgs.from_cli_args(ns).create_engine_config(), str(model_dir))
+
+
+def test_serve_forwards_every_flag_to_the_workers(model_dir: Path) -> None:
+    def forward(argv: list[str]) -> list[str]:
+        ns = serve_parser().parse_args(["--model", str(model_dir), *argv])
+        return engine_argv(ns)
+
+    _via_workers(forward, str(model_dir))
+
+
+def test_bench_serve_launch_forwards_every_flag(model_dir: Path) -> None:
+    def forward(argv: list[str]) -> list[str]:
+        ns = bench_parser().parse_args(["--launch", "--model", str(model_dir), *argv])
+        assert ns.launch
+        return engine_argv(ns)
+
+    _via_workers(forward, str(model_dir))
+    # Its --compare-offline engine is built from the same flags.
+    ns = bench_parser().parse_args(["--launch", "--model", str(model_dir), *full_argv()])
+    assert_reaches(EngineArgs.from_cli_args(ns).create_engine_config(), str(model_dir))
+
+
+@pytest.mark.parametrize(
+    ("service", "role"), [("prefill_worker", "prefill"), ("decode_worker", "decode")]
+)
+def test_worker_services(model_dir: Path, service: str, role: str) -> None:
+    config = config_from_args(service, role, ["--model", str(model_dir), *full_argv()])  # type: ignore[arg-type]
+    assert config.role == role
+    assert_reaches(config.engine, str(model_dir))
+
+
+def test_defaults_forward_nothing() -> None:
+    for parser in (serve_parser(), bench_parser(), generate_parser()):
+        ns = parser.parse_args([])
+        assert engine_argv(ns, exclude=("model", "cache_dir")) == []
+
+
+def test_vllm_names_and_the_old_alias() -> None:
+    p = argparse.ArgumentParser()
+    add_engine_args(p, environ={})
+    assert p.parse_args([]).enable_prefix_caching is True
+    for argv in (["--no-prefix-caching"], ["--no-enable-prefix-caching"]):
+        assert p.parse_args(argv).enable_prefix_caching is False
+    ns = p.parse_args(
+        ["--num-gpu-blocks-override", "9", "--scheduling-policy", "priority", "-tp", "1"]
+    )
+    assert (ns.num_gpu_blocks, ns.policy, ns.tensor_parallel_size) == (9, "priority", 1)
+    assert p.parse_args(["--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
+
+
+def test_env_default_is_read_only_from_the_given_environment() -> None:
+    p = argparse.ArgumentParser()
+    add_engine_args(p, environ={"TANDEM_CACHE_DIR": "/from/env"})
+    assert p.parse_args([]).cache_dir == "/from/env"
+    assert p.parse_args(["--cache-dir", "/flag"]).cache_dir == "/flag"
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "-pp"])
+def test_parallel_sizes_above_one_are_refused_before_anything_starts(flag: str) -> None:
+    """`tandem serve -tp 2` exits at once with one line naming the setting (no child starts:
+    the engine flags are checked without resolving the model)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "serve", flag, "2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    name = "tensor_parallel_size" if flag.startswith("--tensor") else "pipeline_parallel_size"
+    assert f"{name} 2 is not supported yet" in out.stderr
+    assert "starting" not in out.stdout
