@@ -275,5 +275,7 @@ async def serve(config: WorkerServiceConfig) -> int:
         await link.close()
     if metrics_server is not None:
         await metrics_server.close()
-    logger.info("worker %s stopped", config.worker_id)
+    logger.info(
+        "worker %s stopped (%d engine step frames)", config.worker_id, client.num_step_frames
+    )
     return exit_code

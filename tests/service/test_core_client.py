@@ -165,12 +165,15 @@ def test_async_client_notices_a_dead_engine_at_once(smollm2_path: Path) -> None:
     asyncio.run(run())
 
 
-def test_engine_build_error_surfaces(tmp_path: Path) -> None:
+def test_engine_build_error_surfaces(smollm2_path: Path) -> None:
+    """An engine that cannot be built in its process: `start` raises the engine's error."""
+
     async def run() -> None:
-        missing = tmp_path / "no-such-model"
-        config = EngineArgs(model=str(missing), device="cpu").create_engine_config()
+        config = EngineArgs(
+            model=str(smollm2_path), device="cpu", num_gpu_blocks=4, max_model_len=512
+        ).create_engine_config()
         client = AsyncMPClient(config, lambda outputs, pig: None)
-        with pytest.raises(Exception, match="no-such-model"):
+        with pytest.raises(ValueError, match="cannot hold one request of max_model_len 512"):
             await client.start()
         assert not client.alive
 

@@ -1,0 +1,97 @@
+"""Merges one `scripts/gpu_issue14.sh` run into one JSON and a table against vLLM's figures.
+
+    python -m benchmarks.serving_report RESULTS_DIR OUT.json
+
+RESULTS_DIR holds `offline.json` (benchmarks.serve_offline), and per served run NAME:
+`NAME_startup.json`, `NAME_<rate>.json` (tandem bench serve) and `NAME_cpu_<rate>.json`
+(scripts/proc_cpu.py). vLLM's figures are the issue's (vLLM 0.26 `vllm serve` at its defaults,
+`vllm bench serve` with the same load, on the same GPU kind); they were not measured here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# rate -> TTFT p50, TTFT p99, TPOT p50, TPOT p99 (ms), vLLM 0.26 on one H200 (issue 14).
+VLLM_H200: dict[str, tuple[float, float, float, float]] = {
+    "5": (53, 106, 6.04, 7.47),
+    "15": (33, 58, 6.29, 7.34),
+    "25": (36, 56, 7.15, 7.84),
+}
+
+
+def _rate_key(rate: float) -> str:
+    return "inf" if rate == float("inf") else f"{rate:g}"
+
+
+def _load(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def main(argv: list[str]) -> int:
+    res, out = Path(argv[0]), Path(argv[1])
+    report: dict[str, Any] = {"vllm_h200_issue14": VLLM_H200, "served": {}, "offline": {}}
+    offline_path = res / "offline.json"
+    if offline_path.exists():
+        off = _load(offline_path)
+        report["offline_startup_s"] = off.get("startup_s")
+        for run in off["runs"]:
+            report["offline"][_rate_key(run["rate"])] = run["summary"]
+    for startup in sorted(res.glob("*_startup.json")):
+        name = _load(startup)["name"]
+        entry: dict[str, Any] = {"startup_s": _load(startup)["startup_s"], "rates": {}}
+        for bench in sorted(res.glob(f"{name}_*.json")):
+            stem = bench.stem.removeprefix(f"{name}_")
+            if stem == "startup" or stem.startswith("cpu_") or "_" in stem:
+                continue
+            data = _load(bench)
+            served = next(r for r in data["runs"] if r["system"].startswith("serve"))
+            s = served["summary"]
+            cpu_path = res / f"{name}_cpu_{stem}.json"
+            cpu = _load(cpu_path) if cpu_path.exists() else []
+            entry["rates"][stem] = {
+                "summary": s,
+                "cpu": {c["process"]: {"cores": c["cores"], "cpu_s": c["cpu_s"]} for c in cpu},
+            }
+        report["served"][name] = entry
+    out.write_text(json.dumps(report, indent=1))
+    lines = [
+        "| run | req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | out tok/s | cores (process) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, entry in report["served"].items():
+        for rate, r in sorted(entry["rates"].items(), key=lambda kv: float(kv[0])):
+            s = r["summary"]
+            cores = ", ".join(f"{p} {c['cores']:.2f}" for p, c in sorted(r["cpu"].items()))
+            lines.append(
+                f"| {name} | {rate} | {s['ttft_ms']['p50']:.1f} | {s['ttft_ms']['p99']:.1f} | "
+                f"{s['tpot_ms']['p50']:.2f} | {s['tpot_ms']['p99']:.2f} | "
+                f"{s['output_token_throughput']:.0f} | {cores} |"
+            )
+            if rate in VLLM_H200:
+                v = VLLM_H200[rate]
+                lines.append(f"| vLLM (issue) | {rate} | {v[0]} | {v[1]} | {v[2]} | {v[3]} | | |")
+    for rate, s in report["offline"].items():
+        lines.append(
+            f"| offline engine | {rate} | {s['ttft_ms']['p50']:.1f} | {s['ttft_ms']['p99']:.1f} "
+            f"| {s['tpot_ms']['p50']:.2f} | {s['tpot_ms']['p99']:.2f} | "
+            f"{s['output_token_throughput']:.0f} | |"
+        )
+    for name, entry in report["served"].items():
+        lines.append(f"{name}: answered {entry['startup_s']}s after start")
+        inf = entry["rates"].get("inf")
+        if inf and "inf" in report["offline"]:
+            ratio = (
+                inf["summary"]["output_token_throughput"]
+                / report["offline"]["inf"]["output_token_throughput"]
+            )
+            lines.append(f"{name}: all at once {ratio:.1%} of the offline engine's throughput")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
