@@ -139,7 +139,8 @@ async def _http_conn(
     schedule: Schedule, clock: StepClock, reader: asyncio.StreamReader, w: asyncio.StreamWriter
 ) -> None:
     """One HTTP/1.1 request: POST /v1/completions with `stream: true`, answered with chunked
-    server-sent events in the HTTP API's completion format; then the connection closes."""
+    server-sent events in the HTTP API's completion format (any other path: 404); then the
+    connection closes."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
         length = 0
@@ -148,6 +149,10 @@ async def _http_conn(
             if name.strip().lower() == b"content-length":
                 length = int(value)
         body = json.loads(await reader.readexactly(length)) if length else {}
+        if head.split(b" ", 2)[1:2] != [b"/v1/completions"]:
+            w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await w.drain()
+            return
         max_tokens = int(body.get("max_tokens") or 16)
         prompt = body.get("prompt") or []
         prompt_len = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
