@@ -14,6 +14,14 @@ flags and seed (one with `--unified`), then merge the two reports, rate by rate,
 (deltas and ratios: disaggregated minus / over unified) and one PNG:
 
     python -m benchmarks.serving compare DISAGG.json UNIFIED.json --out compare.json
+
+The load generator's own cost: the issue-14 load (random 500-1,500 token prompts, 100-300
+output tokens, ignore_eos, 150 requests, Poisson at 5, 15, 25 req/s) from `tandem bench
+serve`'s clients against `tandem.bench.stream_server` (a real gRPC / SSE server in its own
+process that streams one message per 5 ms step per request): the client's cores used (CPU
+seconds of its processes over the run's wall time), over gRPC and HTTP, 1 and 2 processes:
+
+    python -m benchmarks.serving client-cost --out benchmarks/results/serving-client-cost.json
 """
 
 from __future__ import annotations
@@ -261,9 +269,117 @@ def compare_main(argv: list[str]) -> int:
     return 0
 
 
+def client_cost_main(argv: list[str]) -> int:
+    """The client's CPU per backend, rate and process count against the stream server."""
+    import datetime as dt
+    import os
+    import platform
+    import time
+
+    from tandem.bench.client import Target, run_load
+    from tandem.bench.metrics import summarize
+    from tandem.bench.stream_server import Schedule, StreamServerProcess
+    from tandem.bench.workload import random_workload
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving client-cost")
+    p.add_argument("--backends", default="grpc,http")
+    p.add_argument("--request-rate", default="5,15,25")
+    p.add_argument("--num-client-procs", default="1,2", help="a comma list")
+    p.add_argument("--num-prompts", type=int, default=150)
+    p.add_argument("--random-input-len", type=int, default=1000)
+    p.add_argument("--random-output-len", type=int, default=200)
+    p.add_argument("--random-range-ratio", type=float, default=0.5)
+    p.add_argument("--step-ms", type=float, default=5.0)
+    p.add_argument("--ttft-ms", type=float, default=20.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="JSON of the figures")
+    ns = p.parse_args(argv)
+    workload = random_workload(
+        ns.num_prompts,
+        ns.random_input_len,
+        ns.random_output_len,
+        ns.random_range_ratio,
+        49152,
+        ns.seed,
+    )
+    schedule = Schedule(ns.step_ms, ns.ttft_ms)
+    rows = []
+    print(
+        f"{'backend':>8} {'procs':>5} {'rate':>5} {'ok':>4} {'out tok/s':>9} {'TTFT p50':>8}"
+        f" {'TPOT p50':>8} {'ITL p50':>7} {'client cores':>12} {'busiest proc':>12}"
+        f" {'server cores':>12}"
+    )
+    with StreamServerProcess(schedule) as server:
+        for backend in ns.backends.split(","):
+            address = server.grpc_address if backend == "grpc" else server.http_url
+            for procs in (int(x) for x in ns.num_client_procs.split(",")):
+                for rate in (float(x) for x in ns.request_rate.split(",")):
+                    s0, w0 = server.cpu_s(), time.perf_counter()
+                    run = run_load(
+                        Target(backend, address), workload, rate, seed=ns.seed, num_procs=procs
+                    )
+                    server_cores = (server.cpu_s() - s0) / (time.perf_counter() - w0)
+                    s = summarize(run.results, run.duration_s, client_cpu=run.cpu)
+                    row = {
+                        "backend": backend,
+                        "num_client_procs": procs,
+                        "request_rate": rate,
+                        "server_cores_used": server_cores,
+                        **{
+                            k: s[k]
+                            for k in (
+                                "completed",
+                                "duration",
+                                "output_throughput",
+                                "median_ttft_ms",
+                                "p99_ttft_ms",
+                                "median_tpot_ms",
+                                "p99_tpot_ms",
+                                "median_itl_ms",
+                                "client_cpu_s",
+                                "client_wall_s",
+                                "client_cores_used",
+                                "client_max_proc_cores_used",
+                            )
+                        },
+                    }
+                    rows.append(row)
+                    print(
+                        f"{backend:>8} {procs:>5} {rate:>5g} {s['completed']:>4}"
+                        f" {s['output_throughput']:>9.0f} {s['median_ttft_ms']:>8.1f}"
+                        f" {s['median_tpot_ms']:>8.2f} {s['median_itl_ms']:>7.2f}"
+                        f" {s['client_cores_used']:>12.3f} {s['client_max_proc_cores_used']:>12.3f}"
+                        f" {server_cores:>12.3f}",
+                        flush=True,
+                    )
+    if ns.out:
+        report = {
+            "benchmark": "serving_client_cost",
+            "date": dt.datetime.now().isoformat(timespec="seconds"),
+            "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "schedule": {"step_ms": ns.step_ms, "ttft_ms": ns.ttft_ms},
+            "workload": {
+                "num_prompts": ns.num_prompts,
+                "random_input_len": ns.random_input_len,
+                "random_output_len": ns.random_output_len,
+                "random_range_ratio": ns.random_range_ratio,
+                "prompt_tokens": sum(len(x) for x in workload.prompts),
+                "output_tokens": sum(workload.output_lens),
+            },
+            "runs": rows,
+        }
+        out = Path(ns.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["compare"]:
         return compare_main(argv[1:])
+    if argv[:1] == ["client-cost"]:
+        return client_cost_main(argv[1:])
     from tandem.bench.serve import main as bench_main
 
     name = "serving-unified" if "--unified" in argv else "serving-disaggregated"

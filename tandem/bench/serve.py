@@ -1,16 +1,24 @@
 """`tandem bench serve`: a load generator for the serving system, and its cost against the
 offline engine.
 
-Workload: random token-id prompts (lengths drawn in [len*(1-r), len*(1+r)]) or a prompt file,
-a fixed number of output tokens (ignore_eos), Poisson arrivals at `--request-rate` (or all at
-once: `inf`), optionally capped at `--max-concurrency` in flight. Per request it records
-TTFT, inter-token latencies, TPOT and end-to-end latency; per run it reports mean / p50 / p99
-of each, request and token throughput, and goodput (requests/s within `--goodput-ttft-ms` and
-`--goodput-tpot-ms`). Results go to JSON and PNG plots.
+Workload (vLLM bench serve's flag names): `--dataset-name random` token-id prompts
+(`--random-input-len`, `--random-output-len`, lengths in [len*(1-r), len*(1+r)] for
+`--random-range-ratio r`) or a prompt file, `--ignore-eos` (the default), arrivals at
+`--request-rate` with `--burstiness` (1: Poisson; `inf`: all at once), seeded, optionally
+capped at `--max-concurrency` in flight. Per request it records TTFT, inter-token latencies,
+TPOT and end-to-end latency; per run it reports mean / median / p50 / p90 / p99 of each
+(`--metric-percentiles`), request and token throughput, goodput (`--goodput ttft:MS tpot:MS`),
+and the load generator's own CPU (cores = CPU seconds of its processes / wall seconds), which
+`--num-client-procs N` spreads over N processes. Results go to JSON (vLLM's result field names
+where they exist: mean_ttft_ms, median_tpot_ms, p99_itl_ms, output_throughput, ...) and PNG
+plots. Module layout: `workload` (what and when), `client` (gRPC / SSE clients, processes),
+`metrics` (figures), `stream_server` (a server of known timing, for the client's own cost).
 
     tandem bench serve --url 127.0.0.1:50051                  # a running frontend (gRPC)
     tandem bench serve --launch --compare-offline             # start `tandem serve`, compare
-    tandem bench serve --launch --unified --request-rate 1,2,4,inf --compare-offline
+    tandem bench serve --launch --unified --dataset-name random --random-input-len 1000 \
+        --random-range-ratio 0.5 --random-output-len 200 --ignore-eos --num-prompts 150 \
+        --request-rate 5,15,25,inf --burstiness 1 --seed 0     # the issue-14 load
 
 `--compare-offline` runs the same prompts and arrival times through an `EngineCore` stepped in
 this process (no services, no detokenization), then through the services, and reports the
@@ -22,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import itertools
 import json
 import math
 import os
@@ -30,212 +37,20 @@ import platform
 import random
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.client import LoadRun, Target, grpc_channel, grpc_request, grpc_stream, run_load
+from tandem.bench.metrics import (
+    ClientCpu,
+    RequestResult,
+    percentile,
+    record_times,
+    summarize,
+)
+from tandem.bench.workload import Workload, arrival_times, file_workload, random_workload
 
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.prompts)
-
-
-@dataclass
-class RequestResult:
-    prompt_len: int
-    output_len: int = 0
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    ok: bool = False
-    error: str = ""
-
-    @property
-    def tpot_s(self) -> float:
-        return (self.e2e_s - self.ttft_s) / (self.output_len - 1) if self.output_len > 1 else 0.0
-
-
-# ----------------------------------------------------------------------------- workload
-
-
-def random_workload(
-    num: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int
-) -> Workload:
-    rng = random.Random(seed)
-
-    def draw(n: int) -> int:
-        lo, hi = max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio)))
-        return rng.randint(lo, hi)
-
-    prompts = [[rng.randrange(100, vocab) for _ in range(draw(input_len))] for _ in range(num)]
-    return Workload(prompts, [draw(output_len) for _ in range(num)])
-
-
-def file_workload(path: Path, tokenizer: Any, num: int, output_len: int, seed: int) -> Workload:
-    """One prompt per line (.txt) or per JSON line with a "prompt" field (.jsonl)."""
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    texts = [json.loads(ln)["prompt"] for ln in lines] if path.suffix == ".jsonl" else lines
-    rng = random.Random(seed)
-    chosen = [texts[rng.randrange(len(texts))] for _ in range(num)]
-    prompts = [list(tokenizer(t, add_special_tokens=True).input_ids) for t in chosen]
-    return Workload(prompts, [output_len] * num)
-
-
-def arrival_times(num: int, rate: float, seed: int) -> list[float]:
-    """Seconds from the start at which each request is sent (Poisson at `rate`/s)."""
-    if math.isinf(rate):
-        return [0.0] * num
-    rng = random.Random(seed + 1)
-    t, out = 0.0, []
-    for _ in range(num):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-def percentile(values: Sequence[float], q: float, empty: float = 0.0) -> float:
-    """The `q`-th percentile (0..100) of `values`, interpolated linearly between the two
-    nearest ranks; `empty` when there are none."""
-    if not values:
-        return empty
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def _stats_ms(values: Sequence[float]) -> dict[str, float]:
-    ms = [v * 1000 for v in values]
-    return {
-        "mean": sum(ms) / len(ms) if ms else 0.0,
-        "p50": percentile(ms, 50),
-        "p99": percentile(ms, 99),
-    }
-
-
-def summarize(
-    results: list[RequestResult],
-    duration_s: float,
-    goodput_ttft_ms: float | None,
-    goodput_tpot_ms: float | None,
-) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_len for r in ok)
-    in_tokens = sum(r.prompt_len for r in ok)
-    good = [
-        r
-        for r in ok
-        if (goodput_ttft_ms is None or r.ttft_s * 1000 <= goodput_ttft_ms)
-        and (goodput_tpot_ms is None or r.tpot_s * 1000 <= goodput_tpot_ms)
-    ]
-    return {
-        "num_requests": len(results),
-        "num_ok": len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration_s,
-        "request_throughput": len(ok) / duration_s if duration_s else 0.0,
-        "output_token_throughput": out_tokens / duration_s if duration_s else 0.0,
-        "total_token_throughput": (out_tokens + in_tokens) / duration_s if duration_s else 0.0,
-        "goodput": len(good) / duration_s if duration_s else 0.0,
-        "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
-        "tpot_ms": _stats_ms([r.tpot_s for r in ok if r.output_len > 1]),
-        "itl_ms": _stats_ms([x for r in ok for x in r.itl_s]),
-        "e2e_ms": _stats_ms([r.e2e_s for r in ok]),
-    }
-
-
-def _record_tokens(result: RequestResult, t_send: float, times: list[float]) -> None:
-    if not times:
-        return
-    result.ttft_s = times[0] - t_send
-    result.e2e_s = times[-1] - t_send
-    result.itl_s = [b - a for a, b in itertools.pairwise(times)]
-
-
-# ----------------------------------------------------------------------------- clients
-
-
-async def _paced(
-    workload: Workload,
-    rate: float,
-    max_concurrency: int,
-    seed: int,
-    send: Any,
-) -> tuple[list[RequestResult], float]:
-    arrivals = arrival_times(workload.num_requests, rate, seed)
-    sem = asyncio.Semaphore(max_concurrency if max_concurrency > 0 else workload.num_requests)
-    results = [RequestResult(len(p)) for p in workload.prompts]
-    t0 = time.perf_counter()
-
-    async def one(i: int) -> None:
-        delay = t0 + arrivals[i] - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        async with sem:
-            try:
-                await send(i, results[i])
-            except Exception as exc:
-                results[i].ok = False
-                results[i].error = f"{type(exc).__name__}: {exc}"[:200]
-
-    await asyncio.gather(*(one(i) for i in range(workload.num_requests)))
-    return results, time.perf_counter() - t0
-
-
-async def run_grpc(
-    address: str,
-    workload: Workload,
-    rate: float,
-    max_concurrency: int,
-    seed: int,
-    api_key: str = "",
-) -> tuple[list[RequestResult], float]:
-    import grpc
-
-    from tandem_protos.v1 import frontend_pb2_grpc
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = frontend_pb2_grpc.FrontendStub(channel)
-
-        async def send(i: int, result: RequestResult) -> None:
-            await grpc_send(stub, workload, i, result, api_key)
-
-        return await _paced(workload, rate, max_concurrency, seed, send)
-
-
-async def grpc_send(
-    stub: Any, workload: Workload, i: int, result: RequestResult, api_key: str = ""
-) -> None:
-    """One streamed `Generate` of request `i`; token arrival times into `result`."""
-    from tandem_protos.v1 import common_pb2, frontend_pb2
-
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-    request = frontend_pb2.GenerateRequest(
-        token_ids=frontend_pb2.TokenIds(ids=workload.prompts[i]),
-        sampling_params=common_pb2.SamplingParams(
-            temperature=0.0, max_tokens=workload.output_lens[i], ignore_eos=True
-        ),
-    )
-    times: list[float] = []
-    t_send = time.perf_counter()
-    async for resp in stub.Generate(request, metadata=metadata):
-        t = time.perf_counter()
-        for choice in resp.choices:
-            times.extend([t] * len(choice.token_ids))
-    _record_tokens(result, t_send, times)
-    result.output_len = len(times)
-    result.ok = result.output_len == workload.output_lens[i]
-    if not result.ok:
-        result.error = f"got {result.output_len} tokens"
+__all__ = ["build_parser", "main", "percentile", "run_offline", "run_paired"]
 
 
 async def run_paired(
@@ -244,88 +59,43 @@ async def run_paired(
     """Each request alone, once through the offline engine and once through the services,
     alternating which goes first: the per-request cost of the services under the same
     machine load (the two engines never run at the same time)."""
-    import grpc
-
     from tandem_protos.v1 import frontend_pb2_grpc
 
     offline: list[RequestResult] = []
     served: list[RequestResult] = []
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with grpc_channel(address) as channel:
         stub = frontend_pb2_grpc.FrontendStub(channel)
         for i in range(workload.num_requests):
-            one = Workload([workload.prompts[i]], [workload.output_lens[i]])
+            one = workload.subset([i])
+            request = grpc_request(workload.prompts[i], workload.output_lens[i])
             result = RequestResult(len(workload.prompts[i]))
             if i % 2:
-                await grpc_send(stub, one, 0, result, api_key)
+                await grpc_stream(stub, request, result, api_key)
                 offline.append(run_offline(engine, one, math.inf, 1, seed)[0][0])
             else:
                 offline.append(run_offline(engine, one, math.inf, 1, seed)[0][0])
-                await grpc_send(stub, one, 0, result, api_key)
+                await grpc_stream(stub, request, result, api_key)
+            result.ok = result.output_len == workload.output_lens[i]
             served.append(result)
     return offline, served
 
 
-async def run_http(
-    url: str,
+def run_offline(
+    engine: Any,
     workload: Workload,
     rate: float,
     max_concurrency: int,
     seed: int,
-    api_key: str = "",
-    model: str = "default",
-) -> tuple[list[RequestResult], float]:
-    """OpenAI /v1/completions with SSE. A chunk may carry several tokens (the detokenizer
-    holds text back); its arrival time counts for each of them."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max(workload.num_requests, 10))
-    async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as http:
-
-        async def send(i: int, result: RequestResult) -> None:
-            body = {
-                "model": model,
-                "prompt": workload.prompts[i],
-                "max_tokens": workload.output_lens[i],
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            times: list[float] = []
-            total = 0
-            t_send = time.perf_counter()
-            async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    t = time.perf_counter()
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        total = chunk["usage"]["completion_tokens"]
-                    if chunk.get("choices") and chunk["choices"][0].get("text"):
-                        times.append(t)
-            _record_tokens(result, t_send, times)
-            result.output_len = total
-            result.ok = total == workload.output_lens[i]
-            if not result.ok:
-                result.error = f"got {total} tokens"
-
-        return await _paced(workload, rate, max_concurrency, seed, send)
-
-
-def run_offline(
-    engine: Any, workload: Workload, rate: float, max_concurrency: int, seed: int
+    burstiness: float = 1.0,
 ) -> tuple[list[RequestResult], float]:
     """The same schedule through an EngineCore stepped here: the engine's own cost."""
     from tandem.request import EngineCoreRequest
     from tandem.sampling_params import SamplingParams
 
-    arrivals = arrival_times(workload.num_requests, rate, seed)
+    arrivals = arrival_times(workload.num_requests, rate, seed, burstiness)
     results = [RequestResult(len(p)) for p in workload.prompts]
     times: list[list[float]] = [[] for _ in workload.prompts]
+    counts = [0] * workload.num_requests
     sent = [0.0] * workload.num_requests
     cap = max_concurrency if max_concurrency > 0 else workload.num_requests
     next_i, inflight = 0, 0
@@ -354,15 +124,26 @@ def run_offline(
         t = time.perf_counter()
         for out in outputs:
             i = int(out.request_id.split("-", 1)[1])
-            times[i].extend([t] * len(out.new_token_ids))
+            if out.new_token_ids:
+                times[i].append(t)
+                counts[i] += len(out.new_token_ids)
             if out.finished:
                 inflight -= 1
     duration = time.perf_counter() - t0
     for i, r in enumerate(results):
-        _record_tokens(r, sent[i], times[i])
-        r.output_len = len(times[i])
+        record_times(r, sent[i], times[i])
+        r.output_len = counts[i]
         r.ok = r.output_len == workload.output_lens[i]
     return results, duration
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values]
+    return {
+        "mean": sum(ms) / len(ms) if ms else 0.0,
+        "p50": percentile(ms, 50),
+        "p99": percentile(ms, 99),
+    }
 
 
 def paired_summary(offline: list[RequestResult], served: list[RequestResult]) -> dict[str, Any]:
@@ -470,21 +251,60 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_worker_placement_args(target)
     w = p.add_argument_group("workload")
+    w.add_argument("--dataset-name", choices=["random", "file"], default="random")
     w.add_argument("--num-prompts", type=int, default=64)
-    w.add_argument("--input-len", type=int, default=64)
-    w.add_argument("--output-len", type=int, default=32)
-    w.add_argument("--range-ratio", type=float, default=0.0)
-    w.add_argument("--prompt-file", default="", help=".txt (one per line) or .jsonl (prompt)")
+    w.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=64)
+    w.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=32)
+    w.add_argument(
+        "--random-range-ratio", "--range-ratio", dest="range_ratio", type=float, default=0.0
+    )
+    w.add_argument(
+        "--prompt-file",
+        "--dataset-path",
+        dest="prompt_file",
+        default="",
+        help="with --dataset-name file: .txt (one per line) or .jsonl (prompt)",
+    )
+    w.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly the output length (default on)",
+    )
     w.add_argument(
         "--request-rate",
         default="inf",
-        help="requests/s (Poisson), 'inf' for all at once; a comma list sweeps",
+        help="requests/s, 'inf' for all at once; a comma list sweeps",
+    )
+    w.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier, >1 steadier",
     )
     w.add_argument("--max-concurrency", type=int, default=0, help="0: no cap")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="METRIC:MS",
+        help="service level objectives, e.g. ttft:200 tpot:10 (ttft, tpot, e2el)",
+    )
     w.add_argument("--goodput-ttft-ms", type=float, default=None)
     w.add_argument("--goodput-tpot-ms", type=float, default=None)
+    w.add_argument(
+        "--metric-percentiles",
+        default="50,90,99",
+        help="percentiles reported per metric (p50, p90 and p99 always)",
+    )
     w.add_argument("--warmup", type=int, default=2, help="requests sent before timing")
+    w.add_argument(
+        "--num-client-procs",
+        type=int,
+        default=1,
+        help="client processes the requests are spread over (round robin), results merged",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out-dir", default="benchmarks/results")
     o.add_argument("--name", default="", help="file stem (default: serving-<timestamp>)")
@@ -503,18 +323,43 @@ def _rates(spec: str) -> list[float]:
 def _table(runs: list[dict[str, Any]]) -> str:
     head = (
         f"{'system':<22}{'rate':>6}{'ok':>6}{'req/s':>8}{'out tok/s':>11}"
-        f"{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'ITL p50':>9}{'E2E p50':>10}"
+        f"{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p50':>9}"
+        f"{'E2E p50':>10}{'client cores':>14}"
     )
     lines = [head, "-" * len(head)]
     for r in runs:
         s = r["summary"]
+        cores = (
+            f"{s['client_cores_used']:.3f}/{s['num_client_procs']}p"
+            if "client_cores_used" in s
+            else "-"
+        )
         lines.append(
             f"{r['system']:<22}{r['rate']:>6g}{s['num_ok']:>6}{s['request_throughput']:>8.2f}"
             f"{s['output_token_throughput']:>11.1f}{s['ttft_ms']['p50']:>10.1f}"
-            f"{s['ttft_ms']['p99']:>10.1f}{s['tpot_ms']['p50']:>10.1f}"
-            f"{s['itl_ms']['p50']:>9.1f}{s['e2e_ms']['p50']:>10.1f}"
+            f"{s['ttft_ms']['p99']:>10.1f}{s['tpot_ms']['p50']:>10.2f}"
+            f"{s['tpot_ms']['p99']:>10.2f}{s['itl_ms']['p50']:>9.2f}"
+            f"{s['e2e_ms']['p50']:>10.1f}{cores:>14}"
         )
     return "\n".join(lines)
+
+
+def goodput_limits(
+    specs: list[str], ttft_ms: float | None = None, tpot_ms: float | None = None
+) -> dict[str, float]:
+    """Service level objectives in ms from vLLM-style `METRIC:MS` specs (ttft, tpot, e2el)
+    and the older --goodput-ttft-ms / --goodput-tpot-ms."""
+    limits: dict[str, float] = {}
+    if ttft_ms is not None:
+        limits["ttft"] = ttft_ms
+    if tpot_ms is not None:
+        limits["tpot"] = tpot_ms
+    for spec in specs:
+        name, _, value = spec.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {spec!r}")
+        limits[name] = float(value)
+    return limits
 
 
 def main(argv: list[str]) -> int:
@@ -526,6 +371,15 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     if not ns.url and not ns.launch:
         parser.error("give --url of a running frontend or --launch")
+    if ns.dataset_name == "file" and not ns.prompt_file:
+        parser.error("--dataset-name file needs --prompt-file")
+    if ns.num_client_procs < 1:
+        parser.error("--num-client-procs must be at least 1")
+    try:
+        limits = goodput_limits(ns.goodput, ns.goodput_ttft_ms, ns.goodput_tpot_ms)
+        percentiles = [float(q) for q in ns.metric_percentiles.split(",") if q.strip()]
+    except ValueError as exc:
+        parser.error(str(exc))
     num_workers = ns.num_unified_workers if ns.unified else ns.num_prefill_workers + 1
     if not ns.num_threads and not ns.device.startswith("cuda") and not ns.gpus:
         # The offline engine and the workers get the same threads per engine.
@@ -533,7 +387,7 @@ def main(argv: list[str]) -> int:
     engine_kwargs = engine_kwargs_from(ns)
     model_path = resolve_model_path(ns.model, ns.cache_dir or None)
     tokenizer = load_tokenizer(model_path)
-    if ns.prompt_file:
+    if ns.dataset_name == "file" or ns.prompt_file:
         workload = file_workload(
             Path(ns.prompt_file), tokenizer, ns.num_prompts, ns.output_len, ns.seed
         )
@@ -548,9 +402,21 @@ def main(argv: list[str]) -> int:
     stem = ns.name or f"serving-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     runs: list[dict[str, Any]] = []
 
-    def record(system: str, rate: float, res: tuple[list[RequestResult], float]) -> None:
-        results, duration = res
-        summary = summarize(results, duration, ns.goodput_ttft_ms, ns.goodput_tpot_ms)
+    def record(system: str, rate: float, res: tuple[list[RequestResult], float] | LoadRun) -> None:
+        cpu: ClientCpu | None = None
+        if isinstance(res, LoadRun):
+            results, duration, cpu = res.results, res.duration_s, res.cpu
+        else:
+            results, duration = res
+        summary = summarize(
+            results,
+            duration,
+            limits.get("ttft"),
+            limits.get("tpot"),
+            goodput_e2el_ms=limits.get("e2el"),
+            percentiles=percentiles,
+            client_cpu=cpu,
+        )
         ok = [r for r in results if r.ok]
         runs.append(
             {
@@ -589,7 +455,7 @@ def main(argv: list[str]) -> int:
             record(
                 "offline-engine",
                 rate,
-                run_offline(engine, workload, rate, ns.max_concurrency, ns.seed),
+                run_offline(engine, workload, rate, ns.max_concurrency, ns.seed, ns.burstiness),
             )
         if not ns.paired:
             engine = None
@@ -626,13 +492,18 @@ def main(argv: list[str]) -> int:
     if ns.backend == "http" and not url.startswith("http"):
         url = f"http://{url}"
     try:
+        target = Target(ns.backend, url, ns.api_key, ns.model, ns.ignore_eos)
 
-        def run(wl: Workload, rate: float) -> tuple[list[RequestResult], float]:
-            if ns.backend == "grpc":
-                coro = run_grpc(url, wl, rate, ns.max_concurrency, ns.seed, ns.api_key)
-            else:
-                coro = run_http(url, wl, rate, ns.max_concurrency, ns.seed, ns.api_key, ns.model)
-            return asyncio.run(coro)
+        def run(wl: Workload, rate: float) -> LoadRun:
+            return run_load(
+                target,
+                wl,
+                rate,
+                seed=ns.seed,
+                burstiness=ns.burstiness,
+                max_concurrency=ns.max_concurrency,
+                num_procs=ns.num_client_procs,
+            )
 
         run(warm, math.inf)
         for rate in rates:
