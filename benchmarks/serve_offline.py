@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--range-ratio", type=float, default=0.0)
     w.add_argument("--request-rate", default="inf", help="comma-separated rates (req/s)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--warmup", type=int, default=4, help="short requests run before timing")
     p.add_argument("--out", default="")
     ns = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = random_workload(
         ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, vocab, ns.seed
     )
-    warm = Workload([[100 + i for i in range(16)] for _ in range(4)], [4] * 4)
+    warm = Workload([[100 + i for i in range(16)] for _ in range(ns.warmup)], [4] * ns.warmup)
     run_offline(engine, warm, math.inf, 0, ns.seed)
     runs = []
     for spec in ns.request_rate.split(","):

@@ -31,6 +31,16 @@ def _load(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
+def _by_process(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """CPU seconds and cores summed over the processes of one label."""
+    out: dict[str, dict[str, float]] = {}
+    for c in samples:
+        entry = out.setdefault(c["process"], {"cores": 0.0, "cpu_s": 0.0})
+        entry["cores"] = round(entry["cores"] + c["cores"], 3)
+        entry["cpu_s"] = round(entry["cpu_s"] + c["cpu_s"], 3)
+    return out
+
+
 def main(argv: list[str]) -> int:
     res, out = Path(argv[0]), Path(argv[1])
     report: dict[str, Any] = {"vllm_h200_issue14": VLLM_H200, "served": {}, "offline": {}}
@@ -54,7 +64,7 @@ def main(argv: list[str]) -> int:
             cpu = _load(cpu_path) if cpu_path.exists() else []
             entry["rates"][stem] = {
                 "summary": s,
-                "cpu": {c["process"]: {"cores": c["cores"], "cpu_s": c["cpu_s"]} for c in cpu},
+                "cpu": _by_process(cpu),
             }
         report["served"][name] = entry
     out.write_text(json.dumps(report, indent=1))
