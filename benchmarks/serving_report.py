@@ -2,7 +2,7 @@
 
     python -m benchmarks.serving_report RESULTS_DIR OUT.json
 
-RESULTS_DIR holds `offline.json` (benchmarks.serve_offline), and per served run NAME:
+RESULTS_DIR holds `offline_<when>.json` (benchmarks.serve_offline), and per served run NAME:
 `NAME_startup.json`, `NAME_<rate>.json` (tandem bench serve) and `NAME_cpu_<rate>.json`
 (scripts/proc_cpu.py). vLLM's figures are the issue's (vLLM 0.26 `vllm serve` at its defaults,
 `vllm bench serve` with the same load, on the same GPU kind); they were not measured here.
@@ -44,12 +44,11 @@ def _by_process(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def main(argv: list[str]) -> int:
     res, out = Path(argv[0]), Path(argv[1])
     report: dict[str, Any] = {"vllm_h200_issue14": VLLM_H200, "served": {}, "offline": {}}
-    offline_path = res / "offline.json"
-    if offline_path.exists():
+    for offline_path in sorted(res.glob("offline*.json")):
         off = _load(offline_path)
-        report["offline_startup_s"] = off.get("startup_s")
+        label = offline_path.stem.removeprefix("offline").removeprefix("_") or "first"
         for run in off["runs"]:
-            report["offline"][_rate_key(run["rate"])] = run["summary"]
+            report["offline"][f"{label}/{_rate_key(run['rate'])}"] = run["summary"]
     for startup in sorted(res.glob("*_startup.json")):
         name = _load(startup)["name"]
         entry: dict[str, Any] = {"startup_s": _load(startup)["startup_s"], "rates": {}}
@@ -93,12 +92,13 @@ def main(argv: list[str]) -> int:
     for name, entry in report["served"].items():
         lines.append(f"{name}: answered {entry['startup_s']}s after start")
         inf = entry["rates"].get("inf")
-        if inf and "inf" in report["offline"]:
-            ratio = (
-                inf["summary"]["output_token_throughput"]
-                / report["offline"]["inf"]["output_token_throughput"]
-            )
-            lines.append(f"{name}: all at once {ratio:.1%} of the offline engine's throughput")
+        for key, off in report["offline"].items():
+            if inf and key.endswith("/inf") and off["output_token_throughput"]:
+                ratio = inf["summary"]["output_token_throughput"] / off["output_token_throughput"]
+                lines.append(
+                    f"{name}: all at once {ratio:.1%} of the offline engine's throughput "
+                    f"({key.split('/')[0]} run)"
+                )
     print("\n".join(lines))
     return 0
 

@@ -31,15 +31,23 @@ else
   RATES=${RATES:-4,inf}
   export TANDEM_SCHEDULER_KV_CONNECTOR=tcp
 fi
+# Extra engine flags for every engine of the run (e.g. ENGINE_EXTRA="--max-num-batched-tokens
+# 8192"); OFFLINE=first|last|both places the offline engine's run (last: after the served runs
+# warmed the kernel caches).
+read -r -a EXTRA <<<"${ENGINE_EXTRA:-}"
+ENGINE+=("${EXTRA[@]}")
+OFFLINE=${OFFLINE:-first}
 id_tokenizer_step "$MODEL"
 RES=$WORK/logs/results
 mkdir -p "$RES"
 SITE=${PYTHONPATH#"$PWD"}
 
-# 1. The offline engine on the same requests and arrival times.
-step "1 offline engine" 150 "$LOGS/1_offline.log" \
-  $PY -m benchmarks.serve_offline --model "$MODEL" "${ENGINE[@]}" "${LOAD[@]}" \
-  --request-rate "$RATES" --out "$RES/offline.json"
+offline_run() {  # offline_run NAME: the offline engine on the same requests and arrival times
+  step "offline engine ($1)" 150 "$LOGS/offline_$1.log" \
+    $PY -m benchmarks.serve_offline --model "$MODEL" "${ENGINE[@]}" "${LOAD[@]}" \
+    --request-rate "$RATES" --out "$RES/offline_$1.json"
+}
+if [ "$OFFLINE" != last ]; then offline_run first; fi
 
 serve_run() {  # serve_run NAME TREE PORT [tandem serve flags...]
   local name=$1 tree=$2 port=$3
@@ -94,11 +102,13 @@ PYEOF
   grep -h "engine step frames" "$LOGS/$name"/*.log 2>/dev/null | tee -a "$summary"
 }
 
-serve_run unified "$PWD" 8100 --unified
+TAG=${TAG:-}
+serve_run "unified$TAG" "$PWD" 8100 --unified
 if [ -n "${OLD_TREE:-}" ]; then
-  serve_run unified_before "$PWD/$OLD_TREE" 8200 --unified
+  serve_run "unified_before$TAG" "$PWD/$OLD_TREE" 8200 --unified
 fi
-serve_run disagg "$PWD" 8300 "${DISAGG_ENGINE[@]}"
+serve_run "disagg$TAG" "$PWD" 8300 "${DISAGG_ENGINE[@]}"
+if [ "$OFFLINE" != first ]; then offline_run last; fi
 
 step "9 merge" 30 "$LOGS/9_merge.log" $PY -m benchmarks.serving_report "$RES" "$OUT/issue14.json"
 cat "$LOGS/9_merge.log" >>"$summary"
