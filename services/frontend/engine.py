@@ -18,7 +18,7 @@ from services.common.convert import sampling_params_to_proto
 from services.common.server import insecure_channel
 from services.frontend.tracker import Cancel, Count, Failed, Outputs, Register, RequestTracker
 from services.frontend.types import FrontendError, GenerateInput, StepEvent, invalid
-from tandem.engine.output_processor import child_params, child_request_id
+from tandem.engine.output_state import child_params, child_request_id
 from tandem_protos.v1 import (
     common_pb2,
     scheduler_pb2,
