@@ -34,6 +34,11 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _LONG_TEXT_CHARS = 20_000
 
 
+def merge_queued(event: StepEvent, queue: asyncio.Queue[StepEvent]) -> StepEvent:
+    """`event` and whatever else the request's queue holds now, as the handler sends it."""
+    return event
+
+
 @dataclass(frozen=True)
 class ClusterView:
     """The workers the scheduler announced last (an immutable snapshot)."""
@@ -157,7 +162,7 @@ class FrontendEngine:
         try:
             await asyncio.gather(*(self._submit(inp, rid, p) for rid, p in choices))
             while True:
-                event = await queue.get()
+                event = merge_queued(await queue.get(), queue)
                 if event.error is not None:
                     done = True
                     raise event.error
