@@ -160,7 +160,7 @@ def _take(queue: asyncio.Queue[StepEvent]) -> list[StepEvent]:
     """What a handler gets from its queue, as `FrontendEngine.generate` takes it."""
     events = []
     while not queue.empty():
-        events.append(merge_queued(queue.get_nowait(), queue))
+        events.extend(merge_queued(queue.get_nowait(), queue))
     return events
 
 
@@ -182,10 +182,10 @@ async def _run_actor(
 
     async def handle(queue: asyncio.Queue[StepEvent], h: _Handler) -> None:
         while True:
-            event = merge_queued(await queue.get(), queue)
-            h.consume(event)
-            if event.finished:
-                return
+            for event in merge_queued(await queue.get(), queue):
+                h.consume(event)
+                if event.finished:
+                    return
 
     gc.collect()
     t0 = time.perf_counter()

@@ -299,10 +299,14 @@ class HttpApi:
     async def _stream(
         self,
         inputs: list[GenerateInput],
-        render: Callable[[int, StepEvent], list[str]],
-        final: Callable[[Usage], list[str]],
+        render: Callable[[int, StepEvent], str],
+        final: Callable[[Usage], str],
     ) -> Response:
-        """An SSE response; errors before the first event become a plain HTTP error."""
+        """An SSE response; errors before the first event become a plain HTTP error.
+
+        One write per event (each step's new text of every choice in one chunk); the last
+        event of a single-prompt stream goes out with the usage chunk and `[DONE]`."""
+        single = len(inputs) == 1
         events = _merge(self.engine, inputs)
         try:
             first = await anext(events)
@@ -321,16 +325,19 @@ class HttpApi:
                         usage.prompt_tokens += event.usage.prompt_tokens
                         usage.completion_tokens += event.usage.completion_tokens
                         usage.cached_tokens += event.usage.cached_tokens
-                    for line in render(i, event):
-                        yield line
+                    text = render(i, event)
+                    if single and event.finished:
+                        yield text + final(usage) + DONE
+                        return
+                    if text:
+                        yield text
                     item = await anext(events, None)
-                for line in final(usage):
-                    yield line
+                tail = final(usage)
             except FrontendError as exc:
-                yield sse(error_body(exc.message, exc.http_status, exc.param))
+                tail = sse(error_body(exc.message, exc.http_status, exc.param))
             finally:
                 await events.aclose()
-            yield DONE
+            yield tail + DONE
 
         return StreamingResponse(
             body(),

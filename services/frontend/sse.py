@@ -1,8 +1,14 @@
 """Server-sent events of the OpenAI streaming responses: one renderer per stream.
 
-`render(i, event)` turns one `StepEvent` of prompt `i` into the lines to send for it;
-`final(usage)` the usage chunk (with `stream_options.include_usage`). The HTTP handler
-writes what they return, then `data: [DONE]`.
+`render(i, event)` turns one `StepEvent` of prompt `i` (every choice's new text of one
+step, or of several when the handler fell behind) into ONE string, the stream's one write
+for it ("" when there is nothing to send); `final(usage)` the usage chunk (with
+`stream_options.include_usage`). The HTTP handler writes what they return, the last event's
+together with `final` and `data: [DONE]`.
+
+The per-step path builds no dict for a chunk's constant fields: they are encoded once per
+stream (`_head`), and a choice without logprobs is formatted directly; the bytes are those
+of `json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)` either way.
 """
 
 from __future__ import annotations
@@ -29,6 +35,23 @@ def sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
+def _reason(value: int | str | None) -> str:
+    """A finish or stop reason as JSON."""
+    if value is None:
+        return "null"
+    if isinstance(value, int):
+        return str(value)
+    return dumps(value)
+
+
+def _head(rid: str, obj: str, created: int, model: str) -> str:
+    """`data: {"id":..,"object":..,"created":..,"model":..,"choices":` of every chunk."""
+    return (
+        f'data: {{"id":{dumps(rid)},"object":{dumps(obj)},"created":{created},'
+        f'"model":{dumps(model)},"choices":'
+    )
+
+
 class CompletionStream:
     """`/v1/completions` with `stream: true`: choice `index = i * n + choice`."""
 
@@ -50,6 +73,7 @@ class CompletionStream:
         self.include_usage = include_usage
         self.token_text = token_text
         self._offsets: dict[int, int] = {}
+        self._head = _head(rid, "text_completion", created, model)
 
     def chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -63,7 +87,7 @@ class CompletionStream:
             out["usage"] = usage_body(usage)
         return out
 
-    def render(self, i: int, event: StepEvent) -> list[str]:
+    def render(self, i: int, event: StepEvent) -> str:
         choices = []
         want_logprobs = self.want_logprobs
         offsets = self._offsets
@@ -71,23 +95,29 @@ class CompletionStream:
             if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
                 continue
             index = i * self.n + d.index
-            lp = None
-            if want_logprobs:
-                lp = completion_logprobs(d.logprobs or [], self.token_text, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
-            choices.append(
-                {
-                    "index": index,
-                    "text": d.text,
-                    "logprobs": lp,
-                    "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason,
-                }
-            )
-        return [sse(self.chunk(choices))] if choices else []
+            if not want_logprobs:
+                choices.append(
+                    f'{{"index":{index},"text":{dumps(d.text)},"logprobs":null,'
+                    f'"finish_reason":{_reason(d.finish_reason)},'
+                    f'"stop_reason":{_reason(d.stop_reason)}}}'
+                )
+                continue
+            lp = completion_logprobs(d.logprobs or [], self.token_text, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
+            entry = {
+                "index": index,
+                "text": d.text,
+                "logprobs": lp,
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
+            choices.append(dumps(entry))
+        if not choices:
+            return ""
+        return f"{self._head}[{','.join(choices)}]}}\n\n"
 
-    def final(self, usage: Usage) -> list[str]:
-        return [sse(self.chunk([], usage))] if self.include_usage else []
+    def final(self, usage: Usage) -> str:
+        return sse(self.chunk([], usage)) if self.include_usage else ""
 
 
 class ChatStream:
@@ -109,6 +139,7 @@ class ChatStream:
         self.include_usage = include_usage
         self.token_text = token_text
         self._started: set[int] = set()
+        self._head = _head(rid, "chat.completion.chunk", created, model)
 
     def chunk(
         self, choices: list[dict[str, Any]], usage: Usage | None = None, full: bool = False
@@ -124,43 +155,32 @@ class ChatStream:
             out["usage"] = usage_body(usage)
         return out
 
-    def render(self, i: int, event: StepEvent) -> list[str]:
+    def render(self, i: int, event: StepEvent) -> str:
         lines = []
         choices = []
         want_logprobs = self.want_logprobs
         for d in event.deltas:
             if d.index not in self._started:
                 self._started.add(d.index)
-                lines.append(
-                    sse(
-                        self.chunk(
-                            [
-                                {
-                                    "index": d.index,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
-                    )
+                role = (
+                    f'{{"index":{d.index},"delta":{{"role":"assistant","content":""}},'
+                    '"logprobs":null,"finish_reason":null}'
                 )
+                lines.append(f"{self._head}[{role}]}}\n\n")
             if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
                 continue
+            delta = f'{{"content":{dumps(d.text)}}}' if d.text else "{}"
+            logprobs = (
+                dumps(chat_logprobs(d.logprobs or [], self.token_text)) if want_logprobs else "null"
+            )
             choices.append(
-                {
-                    "index": d.index,
-                    "delta": {"content": d.text} if d.text else {},
-                    "logprobs": chat_logprobs(d.logprobs or [], self.token_text)
-                    if want_logprobs
-                    else None,
-                    "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason,
-                }
+                f'{{"index":{d.index},"delta":{delta},"logprobs":{logprobs},'
+                f'"finish_reason":{_reason(d.finish_reason)},'
+                f'"stop_reason":{_reason(d.stop_reason)}}}'
             )
         if choices:
-            lines.append(sse(self.chunk(choices)))
-        return lines
+            lines.append(f"{self._head}[{','.join(choices)}]}}\n\n")
+        return "".join(lines)
 
-    def final(self, usage: Usage) -> list[str]:
-        return [sse(self.chunk([], usage))] if self.include_usage else []
+    def final(self, usage: Usage) -> str:
+        return sse(self.chunk([], usage)) if self.include_usage else ""
