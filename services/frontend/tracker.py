@@ -185,8 +185,11 @@ class RequestTracker(Actor[TrackerMessage]):
         if choice.params.logprobs is not None and out.logprobs:
             logprobs = [logprobs_from_proto(lp) for lp in out.logprobs]
         output = choice.output
-        stop_token = out.stop_token_id if out.HasField("stop_token_id") else None
-        if output.update(tokens, FINISH_FROM_PROTO.get(out.finish_reason), stop_token):
+        finish = FINISH_FROM_PROTO.get(out.finish_reason)
+        stop_token = None
+        if finish is not None and out.HasField("stop_token_id"):
+            stop_token = out.stop_token_id
+        if output.update(tokens, finish, stop_token):
             to_abort.append(choice.request_id)
         if output.finished:
             self.by_engine_id.pop(choice.request_id, None)
