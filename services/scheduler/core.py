@@ -7,13 +7,15 @@
                  │ pool short: back to the queue head      worker reports it finished: forgotten
 
 Everything here runs inside `handle`, one message at a time; RPCs to workers run in tasks
-that report back with a `DispatchOutcome`. A policy with a `lookup` step (prefix-aware
-routing asks the directory where the prompt's prefix is cached) runs it in a task at
-admission that reports back with `PrefixLookedUp`; a request is routed only once its lookup
-is back, in queue order. A worker that misses load reports for `dead_after_s` (or whose
-report stream ends) is dropped: its requests still dispatching fail their `Submit` with
-UNAVAILABLE, running ones are announced to their frontend as failed, and the other worker of
-each is told to abort it.
+that report back with a `DispatchOutcome` (its `DispatchResult`). A policy with
+`uses_lookup` (prefix-aware routing asks the directory where the prompt's prefix is cached)
+runs its `lookup` in a task at admission that reports back with `PrefixLookedUp`; a request
+is routed only once its lookup is back, in queue order. A request's `RequestStatus` changes
+only through `Queued.move`, along `REQUEST_TRANSITIONS`.
+
+A worker that misses load reports for `dead_after_s` (or whose report stream ends) is
+dropped: its requests still dispatching fail their `Submit` with UNAVAILABLE, running ones
+are announced to their frontend as failed, and the other worker of each is told to abort it.
 
 A dispatch that fails retriably (UNAVAILABLE, DEADLINE_EXCEEDED) may still have reached its
 workers: a stalled worker acts on it later. Before the request is dispatched again, the failed
