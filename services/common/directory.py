@@ -22,7 +22,7 @@ so compose files and config maps set Redis once for all services.
 Without a URL there is no shared directory: services run in separate processes, so an
 in-memory directory in one of them would see nothing the others cache. Workers then publish
 nothing, and the scheduler's prefix-aware routing uses only its own record of where it sent
-which prompts (see `services/scheduler/prefix_routing.py`).
+which prompts (see `services/scheduler/routing/prefix.py`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from services.common.convert import sampling_params_to_proto
 from services.common.server import insecure_channel
 from services.frontend.tracker import Cancel, Count, Failed, Outputs, Register, RequestTracker
 from services.frontend.types import FrontendError, GenerateInput, StepEvent, invalid
-from tandem.engine.output_processor import child_params, child_request_id
+from tandem.engine.output_state import child_params, child_request_id
 from tandem_protos.v1 import (
     common_pb2,
     scheduler_pb2,
@@ -32,6 +32,30 @@ logger = logging.getLogger(__name__)
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 # Texts longer than this are tokenized off the event loop.
 _LONG_TEXT_CHARS = 20_000
+
+
+def merge_queued(event: StepEvent, queue: asyncio.Queue[StepEvent]) -> list[StepEvent]:
+    """`event` and whatever else the request's queue holds now, merged into one event (so a
+    handler that fell behind sends one chunk, one write, for all of it), followed by an
+    error event if one was queued (its deltas before it are sent first, as they came)."""
+    if event.error is not None or queue.empty():
+        return [event]
+    merged = StepEvent(deltas=list(event.deltas), usage=event.usage)
+    by_index = {d.index: i for i, d in enumerate(merged.deltas)}
+    while not queue.empty():
+        nxt = queue.get_nowait()
+        if nxt.error is not None:
+            return [merged, nxt]
+        for d in nxt.deltas:
+            i = by_index.get(d.index)
+            if i is None:
+                by_index[d.index] = len(merged.deltas)
+                merged.deltas.append(d)
+            else:
+                merged.deltas[i] = merged.deltas[i].then(d)
+        if nxt.usage is not None:
+            merged.usage = nxt.usage
+    return [merged]
 
 
 @dataclass(frozen=True)
@@ -157,14 +181,14 @@ class FrontendEngine:
         try:
             await asyncio.gather(*(self._submit(inp, rid, p) for rid, p in choices))
             while True:
-                event = await queue.get()
-                if event.error is not None:
-                    done = True
-                    raise event.error
-                done = event.finished
-                yield event
-                if done:
-                    return
+                for event in merge_queued(await queue.get(), queue):
+                    if event.error is not None:
+                        done = True
+                        raise event.error
+                    done = event.finished
+                    yield event
+                    if done:
+                        return
         finally:
             if not done:
                 self.tracker.tell(Cancel(inp.request_id))

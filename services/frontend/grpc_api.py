@@ -14,7 +14,14 @@ from services.common.convert import (
 )
 from services.frontend.engine import FrontendEngine
 from services.frontend.openai_protocol import ChoiceAccumulator
-from services.frontend.types import ChoiceDelta, FrontendError, GenerateInput, Usage, invalid
+from services.frontend.types import (
+    ChoiceDelta,
+    FrontendError,
+    GenerateInput,
+    StepEvent,
+    Usage,
+    invalid,
+)
 from tandem.sampling_params import SamplingParams, SamplingParamsError
 from tandem_protos.v1 import frontend_pb2, frontend_pb2_grpc
 
@@ -42,6 +49,29 @@ def _usage(u: Usage) -> frontend_pb2.Usage:
         total_tokens=u.total_tokens,
         cached_tokens=u.cached_tokens,
     )
+
+
+def step_response(
+    request_id: str,
+    choices: list[frontend_pb2.Choice],
+    num_prompt_tokens: int,
+    usage: Usage | None,
+) -> frontend_pb2.GenerateResponse:
+    """One Generate stream message: every choice's output of one step (the last has usage)."""
+    response = frontend_pb2.GenerateResponse(
+        request_id=request_id, choices=choices, prompt_tokens=num_prompt_tokens
+    )
+    if usage is not None:
+        response.usage.CopyFrom(_usage(usage))
+    return response
+
+
+def stream_response(
+    request_id: str, event: StepEvent, num_prompt_tokens: int
+) -> frontend_pb2.GenerateResponse:
+    """The streamed (not final-only) message for one `StepEvent`."""
+    choices = [_choice(d, d.index) for d in event.deltas]
+    return step_response(request_id, choices, num_prompt_tokens, event.usage)
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
@@ -100,20 +130,14 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             final_only = request.output_kind == frontend_pb2.OUTPUT_KIND_FINAL_ONLY
             acc: dict[int, ChoiceAccumulator] = {}
             async for event in self.engine.generate(inp):
-                if final_only:
-                    for d in event.deltas:
-                        acc.setdefault(d.index, ChoiceAccumulator()).add(d)
-                    if event.usage is None:
-                        continue
-                    choices = [_choice(a, i) for i, a in sorted(acc.items())]
-                else:
-                    choices = [_choice(d, d.index) for d in event.deltas]
-                response = frontend_pb2.GenerateResponse(
-                    request_id=shown_id, choices=choices, prompt_tokens=len(ids)
-                )
+                if not final_only:
+                    yield stream_response(shown_id, event, len(ids))
+                    continue
+                for d in event.deltas:
+                    acc.setdefault(d.index, ChoiceAccumulator()).add(d)
                 if event.usage is not None:
-                    response.usage.CopyFrom(_usage(event.usage))
-                yield response
+                    choices = [_choice(a, i) for i, a in sorted(acc.items())]
+                    yield step_response(shown_id, choices, len(ids), event.usage)
         except FrontendError as exc:
             await context.abort(exc.code, exc.message)
 

@@ -26,17 +26,9 @@ from services.frontend.openai_protocol import (
     error_body,
     parse_chat,
     parse_completion,
-    usage_body,
 )
+from services.frontend.sse import DONE, ChatStream, CompletionStream, sse
 from services.frontend.types import FrontendError, GenerateInput, StepEvent, Usage, invalid
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {_dumps(obj)}\n\n"
 
 
 def _error_response(exc: FrontendError) -> JSONResponse:
@@ -218,26 +210,18 @@ class HttpApi:
                     body.priority,
                 )
             )
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        n = body.params.n
-        want_logprobs = body.params.logprobs is not None
-
-        def chunk(choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
-            out: dict[str, Any] = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": choices,
-            }
-            if usage is not None:
-                out["usage"] = usage_body(usage)
-            return out
-
+        stream = CompletionStream(
+            f"cmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            model,
+            body.params.n,
+            body.params.logprobs is not None,
+            body.include_usage,
+            self.token_text,
+        )
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}
-            usage = await _unless_disconnected(request, self._collect(inputs, n, acc))
+            usage = await _unless_disconnected(request, self._collect(inputs, body.params.n, acc))
             choices = []
             for index in sorted(acc):
                 a = acc[index]
@@ -246,43 +230,14 @@ class HttpApi:
                         "index": index,
                         "text": a.text,
                         "logprobs": completion_logprobs(a.logprobs or [], self.token_text, 0)
-                        if want_logprobs
+                        if stream.want_logprobs
                         else None,
                         "finish_reason": a.finish_reason,
                         "stop_reason": a.stop_reason,
                     }
                 )
-            return JSONResponse(chunk(choices, usage))
-
-        offsets: dict[int, int] = {}
-
-        def render(i: int, event: StepEvent) -> list[str]:
-            choices = []
-            for d in event.deltas:
-                if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
-                    continue
-                index = i * n + d.index
-                lp = None
-                if want_logprobs:
-                    lp = completion_logprobs(
-                        d.logprobs or [], self.token_text, offsets.get(index, 0)
-                    )
-                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
-                choices.append(
-                    {
-                        "index": index,
-                        "text": d.text,
-                        "logprobs": lp,
-                        "finish_reason": d.finish_reason,
-                        "stop_reason": d.stop_reason,
-                    }
-                )
-            return [_sse(chunk(choices))] if choices else []
-
-        def final(usage: Usage) -> list[str]:
-            return [_sse(chunk([], usage))] if body.include_usage else []
-
-        return await self._stream(inputs, render, final)
+            return JSONResponse(stream.chunk(choices, usage))
+        return await self._stream(inputs, stream.render, stream.final)
 
     async def chat(self, request: Request) -> Response:
         body = parse_chat(await self._read_json(request))
@@ -300,24 +255,14 @@ class HttpApi:
                 body.priority,
             )
         ]
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        want_logprobs = body.params.logprobs is not None
-
-        def chunk(
-            choices: list[dict[str, Any]], usage: Usage | None = None, obj: str = "chunk"
-        ) -> dict[str, Any]:
-            out: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion" if obj == "full" else "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": choices,
-            }
-            if usage is not None:
-                out["usage"] = usage_body(usage)
-            return out
-
+        stream = ChatStream(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            model,
+            body.params.logprobs is not None,
+            body.include_usage,
+            self.token_text,
+        )
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}
             usage = await _unless_disconnected(request, self._collect(inputs, 1, acc))
@@ -326,58 +271,15 @@ class HttpApi:
                     "index": index,
                     "message": {"role": "assistant", "content": a.text},
                     "logprobs": chat_logprobs(a.logprobs or [], self.token_text)
-                    if want_logprobs
+                    if stream.want_logprobs
                     else None,
                     "finish_reason": a.finish_reason,
                     "stop_reason": a.stop_reason,
                 }
                 for index, a in sorted(acc.items())
             ]
-            return JSONResponse(chunk(choices, usage, obj="full"))
-
-        started: set[int] = set()
-
-        def render(i: int, event: StepEvent) -> list[str]:
-            lines = []
-            choices = []
-            for d in event.deltas:
-                if d.index not in started:
-                    started.add(d.index)
-                    lines.append(
-                        _sse(
-                            chunk(
-                                [
-                                    {
-                                        "index": d.index,
-                                        "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None,
-                                        "finish_reason": None,
-                                    }
-                                ]
-                            )
-                        )
-                    )
-                if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
-                    continue
-                choices.append(
-                    {
-                        "index": d.index,
-                        "delta": {"content": d.text} if d.text else {},
-                        "logprobs": chat_logprobs(d.logprobs or [], self.token_text)
-                        if want_logprobs
-                        else None,
-                        "finish_reason": d.finish_reason,
-                        "stop_reason": d.stop_reason,
-                    }
-                )
-            if choices:
-                lines.append(_sse(chunk(choices)))
-            return lines
-
-        def final(usage: Usage) -> list[str]:
-            return [_sse(chunk([], usage))] if body.include_usage else []
-
-        return await self._stream(inputs, render, final)
+            return JSONResponse(stream.chunk(choices, usage, full=True))
+        return await self._stream(inputs, stream.render, stream.final)
 
     # ------------------------------------------------------------------ shared
 
@@ -397,10 +299,14 @@ class HttpApi:
     async def _stream(
         self,
         inputs: list[GenerateInput],
-        render: Callable[[int, StepEvent], list[str]],
-        final: Callable[[Usage], list[str]],
+        render: Callable[[int, StepEvent], str],
+        final: Callable[[Usage], str],
     ) -> Response:
-        """An SSE response; errors before the first event become a plain HTTP error."""
+        """An SSE response; errors before the first event become a plain HTTP error.
+
+        One write per event (each step's new text of every choice in one chunk); the last
+        event of a single-prompt stream goes out with the usage chunk and `[DONE]`."""
+        single = len(inputs) == 1
         events = _merge(self.engine, inputs)
         try:
             first = await anext(events)
@@ -419,16 +325,19 @@ class HttpApi:
                         usage.prompt_tokens += event.usage.prompt_tokens
                         usage.completion_tokens += event.usage.completion_tokens
                         usage.cached_tokens += event.usage.cached_tokens
-                    for line in render(i, event):
-                        yield line
+                    text = render(i, event)
+                    if single and event.finished:
+                        yield text + final(usage) + DONE
+                        return
+                    if text:
+                        yield text
                     item = await anext(events, None)
-                for line in final(usage):
-                    yield line
+                tail = final(usage)
             except FrontendError as exc:
-                yield _sse(error_body(exc.message, exc.http_status, exc.param))
+                tail = sse(error_body(exc.message, exc.http_status, exc.param))
             finally:
                 await events.aclose()
-            yield "data: [DONE]\n\n"
+            yield tail + DONE
 
         return StreamingResponse(
             body(),

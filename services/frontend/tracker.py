@@ -1,10 +1,11 @@
 """`RequestTracker`: the one owner of every in-flight request's client-side state.
 
 Worker output streams, scheduler events and request handlers all talk to it by message. Per
-request it keeps one incremental detokenizer per choice, orders outputs by `output_index`
-(the first token comes from the prefill worker, the rest from the decode worker, on two
-streams), finds stop strings, and puts one `StepEvent` per incoming step on the request's
-queue, which its handler drains.
+request it keeps one `ChoiceOutput` per choice (the per-choice state machine shared with the
+offline API, tandem.engine.output_state: incremental detokenization, stop strings, finish
+reasons), orders outputs by `output_index` (the first token comes from the prefill worker,
+the rest from the decode worker, on two streams), and puts one `StepEvent` per incoming step
+on the request's queue, which its handler drains.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from services.common.actor import Actor, Ask
 from services.common.convert import FINISH_FROM_PROTO, logprobs_from_proto
 from services.frontend.types import ChoiceDelta, FrontendError, StepEvent, Usage
 from tandem.core.outputs import Logprobs
-from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.output_state import ChoiceOutput
 from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, worker_pb2
 
@@ -33,13 +34,10 @@ class _Choice:
     request_id: str
     index: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    num_tokens: int = 0
+    output: ChoiceOutput
     next_index: int = 0
     # Outputs that arrived ahead of `next_index`.
     pending: dict[int, worker_pb2.RequestOutput] = field(default_factory=dict)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -52,7 +50,7 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        return all(c.output.finished for c in self.choices)
 
 
 # ----------------------------------------------------------------------------- messages
@@ -124,14 +122,8 @@ class RequestTracker(Actor[TrackerMessage]):
             )
         choices = []
         for i, (engine_id, params) in enumerate(msg.choices):
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                msg.prompt_token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
-            choices.append(_Choice(engine_id, i, params, detok))
+            output = ChoiceOutput(self.tokenizer, msg.prompt_token_ids, params)
+            choices.append(_Choice(engine_id, i, params, output))
         req = _Request(msg.request_id, len(msg.prompt_token_ids), choices, asyncio.Queue())
         self.requests[msg.request_id] = req
         for c in choices:
@@ -157,7 +149,7 @@ class RequestTracker(Actor[TrackerMessage]):
             batch = deltas.setdefault(req.request_id, [])
             while True:
                 batch.append(self._apply(req, choice, out, to_abort))
-                if choice.finish_reason is not None:
+                if choice.output.finished:
                     break
                 nxt = choice.pending.pop(choice.next_index, None)
                 if nxt is None:
@@ -171,7 +163,7 @@ class RequestTracker(Actor[TrackerMessage]):
             if req.finished:
                 event.usage = Usage(
                     req.num_prompt_tokens,
-                    sum(c.num_tokens for c in req.choices),
+                    sum(c.output.num_tokens for c in req.choices),
                     req.num_cached_tokens,
                 )
                 self._forget(req)
@@ -188,33 +180,26 @@ class RequestTracker(Actor[TrackerMessage]):
     ) -> ChoiceDelta:
         tokens = list(out.new_token_ids)
         choice.next_index += len(tokens)
-        choice.num_tokens += len(tokens)
         req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
         logprobs: list[Logprobs] | None = None
         if choice.params.logprobs is not None and out.logprobs:
             logprobs = [logprobs_from_proto(lp) for lp in out.logprobs]
-        detok = choice.detokenizer
-        stop_str = detok.update(tokens)
+        output = choice.output
         finish = FINISH_FROM_PROTO.get(out.finish_reason)
-        if stop_str is None and finish is not None:
-            stop_str = detok.finish()
-        if stop_str is not None:
-            choice.finish_reason, choice.stop_reason = "stop", stop_str
-            if finish is None:
-                to_abort.append(choice.request_id)
-        elif finish is not None:
-            choice.finish_reason = finish
-            if out.HasField("stop_token_id"):
-                choice.stop_reason = out.stop_token_id
-        if choice.finish_reason is not None:
+        stop_token = None
+        if finish is not None and out.HasField("stop_token_id"):
+            stop_token = out.stop_token_id
+        if output.update(tokens, finish, stop_token):
+            to_abort.append(choice.request_id)
+        if output.finished:
             self.by_engine_id.pop(choice.request_id, None)
         return ChoiceDelta(
             index=choice.index,
-            text=detok.get_next_delta(),
+            text=output.take_text(),
             token_ids=tokens,
             logprobs=logprobs,
-            finish_reason=choice.finish_reason,
-            stop_reason=choice.stop_reason,
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
         )
 
     def _on_failed(self, msg: Failed) -> None:
@@ -235,7 +220,7 @@ class RequestTracker(Actor[TrackerMessage]):
         req = self.requests.get(request_id)
         if req is None:
             return []
-        running = [c.request_id for c in req.choices if c.finish_reason is None]
+        running = [c.request_id for c in req.choices if not c.output.finished]
         self._forget(req)
         return running
 

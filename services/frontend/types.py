@@ -62,6 +62,20 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    def then(self, later: ChoiceDelta) -> ChoiceDelta:
+        """This delta followed by a later one of the same choice, as one delta."""
+        logprobs = self.logprobs
+        if later.logprobs:
+            logprobs = (logprobs or []) + later.logprobs
+        return ChoiceDelta(
+            self.index,
+            self.text + later.text,
+            self.token_ids + later.token_ids,
+            logprobs,
+            later.finish_reason if later.finish_reason is not None else self.finish_reason,
+            later.stop_reason if later.finish_reason is not None else self.stop_reason,
+        )
+
 
 @dataclass
 class Usage:

@@ -12,7 +12,7 @@ from services.common.server import GrpcServer, shutdown_event, write_ready_file
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.core import BeginShutdown, CountDispatching, SchedulerCore, Tick
 from services.scheduler.metrics import MeteredSchedulerServicer, SchedulerMetrics
-from services.scheduler.prefix_routing import make_routing_policy, routing_metrics
+from services.scheduler.routing import make_routing_policy, routing_metrics
 from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 from services.common.directory import add_directory_args, directory_config_from
 from services.common.server import env_default
-from tandem.directory import DirectoryConfig, RoutingWeights
+from services.scheduler.routing import ROUTING_CHOICES, RoutingWeights
+from tandem.directory import DirectoryConfig
 from tandem.kv_transfer.placement import CONNECTOR_CHOICES
-
-ROUTING_CHOICES = ("prefix", "round-robin", "load")
 
 
 class SchedulerConfigError(ValueError):
@@ -48,7 +47,7 @@ class SchedulerServiceConfig:
     # forced: "tcp", "cuda-ipc", "nccl" (tandem.kv_transfer.placement).
     kv_connector: str = "auto"
     # Which prefill (or unified) worker takes a prompt: "prefix" (cached prefix weighed
-    # against load; services/scheduler/prefix_routing.py), "round-robin" or "load".
+    # against load; services/scheduler/routing/prefix.py), "round-robin" or "load".
     routing: str = "prefix"
     routing_weights: RoutingWeights = field(default_factory=RoutingWeights)
     # Life of the scheduler's own record of where it sent which prefixes (seconds);

@@ -7,13 +7,15 @@
                  │ pool short: back to the queue head      worker reports it finished: forgotten
 
 Everything here runs inside `handle`, one message at a time; RPCs to workers run in tasks
-that report back with a `DispatchOutcome`. A policy with a `lookup` step (prefix-aware
-routing asks the directory where the prompt's prefix is cached) runs it in a task at
-admission that reports back with `PrefixLookedUp`; a request is routed only once its lookup
-is back, in queue order. A worker that misses load reports for `dead_after_s` (or whose
-report stream ends) is dropped: its requests still dispatching fail their `Submit` with
-UNAVAILABLE, running ones are announced to their frontend as failed, and the other worker of
-each is told to abort it.
+that report back with a `DispatchOutcome` (its `DispatchResult`). A policy with
+`uses_lookup` (prefix-aware routing asks the directory where the prompt's prefix is cached)
+runs its `lookup` in a task at admission that reports back with `PrefixLookedUp`; a request
+is routed only once its lookup is back, in queue order. A request's `RequestStatus` changes
+only through `Queued.move`, along `REQUEST_TRANSITIONS`.
+
+A worker that misses load reports for `dead_after_s` (or whose report stream ends) is
+dropped: its requests still dispatching fail their `Submit` with UNAVAILABLE, running ones
+are announced to their frontend as failed, and the other worker of each is told to abort it.
 
 A dispatch that fails retriably (UNAVAILABLE, DEADLINE_EXCEEDED) may still have reached its
 workers: a stalled worker acts on it later. Before the request is dispatched again, the failed
@@ -28,6 +30,7 @@ engine admission had not yet ended), it is retried again in the same way, within
 from __future__ import annotations
 
 import asyncio
+import enum
 import heapq
 import itertools
 import logging
@@ -35,7 +38,6 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 
@@ -43,7 +45,6 @@ from services.common.actor import Actor, Ask
 from services.common.server import insecure_channel
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.routing import PrefixLookup, RoutingPolicy, RoutingRequest, WorkerView
-from tandem.directory import DirectoryUnavailable
 from tandem.kv_transfer.placement import (
     NoKVTransportError,
     WorkerPlacement,
@@ -138,11 +139,21 @@ class Tick:
     pass
 
 
+class DispatchResult(enum.Enum):
+    """How one dispatch attempt ended, as its task reports it (`DispatchOutcome`)."""
+
+    # Every worker took it: the request runs.
+    OK = "ok"
+    # The decode worker's Reserve found no room (and forgot it): back to the queue head.
+    POOL_SHORT = "pool_short"
+    # An RPC failed or no KV transport fits: retried after aborts, or failed.
+    ERROR = "error"
+
+
 @dataclass
 class DispatchOutcome:
     request_id: str
-    # "ok", "pool_short" (decode Reserve found no room) or "error".
-    kind: str
+    result: DispatchResult
     worker_id: str = ""
     code: grpc.StatusCode = grpc.StatusCode.OK
     message: str = ""
@@ -228,8 +239,43 @@ class WorkerEntry:
         )
 
 
+class RequestStatus(enum.Enum):
+    """Where a submitted request stands in the scheduler. Transitions: `REQUEST_TRANSITIONS`.
+
+    LOOKING_UP ─▶ QUEUED ─▶ DISPATCHING ─▶ RUNNING
+                    ▲  ▲        │  │
+                    │  └────────┘  │ pool short            (any state may also end: aborted,
+                    │              ▼                        failed, timed out, finished)
+                    └──────── BACKING_OFF    retriable failure: aborts answered, back-off over
+    """
+
+    # Its routing lookup (prefix directory) is awaited; it is routed once it is back.
+    LOOKING_UP = "looking_up"
+    # In the admission queue (`SchedulerCore.queued`).
+    QUEUED = "queued"
+    # Routed; Reserve / Prefill RPCs under way (`SchedulerCore.inflight`, Submit unanswered).
+    DISPATCHING = "dispatching"
+    # A failed attempt is being aborted on its workers, then backs off (`backing_off`).
+    BACKING_OFF = "backing_off"
+    # On its workers (`inflight`, Submit answered) until they report it finished.
+    RUNNING = "running"
+
+
+REQUEST_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.LOOKING_UP: frozenset({RequestStatus.QUEUED}),
+    RequestStatus.QUEUED: frozenset({RequestStatus.DISPATCHING}),
+    RequestStatus.DISPATCHING: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.QUEUED, RequestStatus.BACKING_OFF}
+    ),
+    RequestStatus.BACKING_OFF: frozenset({RequestStatus.QUEUED}),
+    RequestStatus.RUNNING: frozenset(),
+}
+
+
 @dataclass
 class Queued:
+    """A request from its Submit until it runs (or ends)."""
+
     submit: Submit
     seq: int
     enqueued_at: float
@@ -237,9 +283,17 @@ class Queued:
     # An earlier attempt failed retriably: a worker may still hold it, so ALREADY_EXISTS from
     # a worker is that attempt not yet torn down, not another request with this id.
     earlier_attempt_unknown: bool = False
-    # Prefix-aware routing: the directory's answer, and whether it is still awaited.
+    # Prefix-aware routing: the directory's answer.
     prefix: PrefixLookup | None = None
-    looking_up: bool = False
+    status: RequestStatus = RequestStatus.QUEUED
+
+    def move(self, status: RequestStatus) -> None:
+        """The one place a request's status changes; refuses a transition not in the table."""
+        if status not in REQUEST_TRANSITIONS[self.status]:
+            raise RuntimeError(
+                f"request {self.submit.request.request_id!r}: {self.status} -> {status}"
+            )
+        self.status = status
 
 
 @dataclass
@@ -255,6 +309,11 @@ class Inflight:
     # Prompt tokens the prefill (or unified) worker computes: not cached there, as
     # estimated when routing.
     num_prefill_tokens: int = 0
+
+    @property
+    def status(self) -> RequestStatus:
+        """DISPATCHING until its Submit is answered, then RUNNING."""
+        return RequestStatus.RUNNING if self.queued is None else self.queued.status
 
 
 class SchedulerCore(Actor[SchedulerMessage]):
@@ -335,13 +394,15 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 queued = self.queued.get(msg.request_id)
                 if queued is not None and queued.seq == msg.seq:
                     queued.prefix = msg.prefix
-                    queued.looking_up = False
+                    queued.move(RequestStatus.QUEUED)
                     self._pump()
             case BeginShutdown():
                 self._begin_shutdown()
                 msg.answer(None)
             case CountDispatching():
-                msg.answer(sum(1 for r in self.inflight.values() if r.submit is not None))
+                msg.answer(
+                    sum(1 for r in self.inflight.values() if r.status is RequestStatus.DISPATCHING)
+                )
 
     # ------------------------------------------------------------------ admission
 
@@ -377,11 +438,12 @@ class SchedulerCore(Actor[SchedulerMessage]):
         except SubmitError as exc:
             msg.fail(exc)
             return
-        queued = Queued(msg, next(self._seq), time.monotonic())
+        looking_up = self.policy.uses_lookup and self._num_prefill_capable() > 1
+        status = RequestStatus.LOOKING_UP if looking_up else RequestStatus.QUEUED
+        queued = Queued(msg, next(self._seq), time.monotonic(), status=status)
         self.queued[rid] = queued
         heapq.heappush(self._heap, (req.priority, queued.seq, rid))
-        if hasattr(self.policy, "lookup") and self._num_prefill_capable() > 1:
-            queued.looking_up = True
+        if looking_up:
             self._spawn(self._lookup(queued))
         self._pump()
 
@@ -389,7 +451,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
         req = queued.submit.request
         prefix = None
         try:
-            prefix = await self.policy.lookup(  # type: ignore[attr-defined]
+            prefix = await self.policy.lookup(
                 req.prompt_token_ids,
                 req.cache_salt if req.HasField("cache_salt") else None,
                 self._prefix_block_size(),
@@ -421,7 +483,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             if queued is None or queued.seq != seq:
                 heapq.heappop(self._heap)
                 continue
-            if queued.looking_up:
+            if queued.status is RequestStatus.LOOKING_UP:
                 return  # routed once its lookup is back, in queue order
             req = queued.submit.request
             routing_req = RoutingRequest(rid, req.prompt_token_ids, priority, queued.prefix)
@@ -430,6 +492,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 return
             heapq.heappop(self._heap)
             del self.queued[rid]
+            queued.move(RequestStatus.DISPATCHING)
             prefill = self.workers[route.prefill_worker_id]
             decode = self.workers[route.decode_worker_id] if route.decode_worker_id else None
             workers = {prefill.worker_id}
@@ -494,7 +557,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                     self.tell(
                         DispatchOutcome(
                             rid,
-                            "error",
+                            DispatchResult.ERROR,
                             decode.worker_id,
                             grpc.StatusCode.FAILED_PRECONDITION,
                             str(exc),
@@ -508,7 +571,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                     timeout=timeout,
                 )
                 if not reply.block_ids:
-                    self.tell(DispatchOutcome(rid, "pool_short", decode.worker_id))
+                    self.tell(DispatchOutcome(rid, DispatchResult.POOL_SHORT, decode.worker_id))
                     return
                 handoff = worker_pb2.KVHandoff(
                     decode_worker_id=decode.worker_id,
@@ -524,10 +587,12 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 ),
                 timeout=timeout,
             )
-            self.tell(DispatchOutcome(rid, "ok"))
+            self.tell(DispatchOutcome(rid, DispatchResult.OK))
         except grpc.aio.AioRpcError as exc:
             self.tell(
-                DispatchOutcome(rid, "error", target.worker_id, exc.code(), exc.details() or "")
+                DispatchOutcome(
+                    rid, DispatchResult.ERROR, target.worker_id, exc.code(), exc.details() or ""
+                )
             )
 
     def _kv_transport(self, prefill: WorkerEntry, decode: WorkerEntry) -> str:
@@ -544,11 +609,12 @@ class SchedulerCore(Actor[SchedulerMessage]):
 
     def _on_outcome(self, msg: DispatchOutcome) -> None:
         r = self.inflight.get(msg.request_id)
-        if r is None or r.submit is None:
+        if r is None or r.status is not RequestStatus.DISPATCHING:
             return  # failed meanwhile (worker dropped) and already answered
         submit, queued = r.submit, r.queued
-        assert queued is not None
-        if msg.kind == "ok":
+        assert submit is not None and queued is not None
+        if msg.result is DispatchResult.OK:
+            queued.move(RequestStatus.RUNNING)
             r.submit = r.queued = None
             if r.aborted:
                 self._send_abort(r.workers, [r.request_id])
@@ -564,7 +630,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             return
         # Not started: undo the placement, then retry or fail.
         self._forget(r)
-        if msg.kind == "pool_short":
+        if msg.result is DispatchResult.POOL_SHORT:
             # The decode worker refused and forgot it; the prefill worker never saw it.
             entry = self.workers.get(msg.worker_id)
             if entry is not None:
@@ -590,6 +656,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 queued.attempts,
                 delay * 1000,
             )
+            queued.move(RequestStatus.BACKING_OFF)
             self.backing_off[r.request_id] = queued
             entries = [self.workers[w] for w in sorted(r.workers) if w in self.workers]
             self._spawn(self._retry_later(queued, entries, delay))
@@ -624,6 +691,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
 
     def _requeue(self, queued: Queued) -> None:
         rid = queued.submit.request.request_id
+        queued.move(RequestStatus.QUEUED)
         self.queued[rid] = queued
         heapq.heappush(self._heap, (queued.submit.request.priority, queued.seq, rid))
         self._pump()
@@ -651,7 +719,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 continue
             r.aborted = True
             count += 1
-            if r.submit is None:  # running: the workers report it finished once aborted
+            if r.status is RequestStatus.RUNNING:  # the workers report it finished once aborted
                 for wid in r.workers:
                     by_worker[wid].append(rid)
         for wid, ids in by_worker.items():
@@ -723,7 +791,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             r = self.inflight.get(rid)
             if r is not None:
                 r.workers.discard(entry.worker_id)
-                if not r.workers and r.submit is None:
+                if not r.workers and r.status is RequestStatus.RUNNING:
                     del self.inflight[rid]
         self._pump()
         return entry.generation
@@ -746,7 +814,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             r.workers.discard(entry.worker_id)
             self._forget(r)
             self._send_abort(r.workers, [rid])
-            if r.submit is not None:
+            if r.submit is not None:  # DISPATCHING
                 r.submit.fail(SubmitError(grpc.StatusCode.UNAVAILABLE, message))
             else:
                 failed[r.destination].append(rid)
@@ -767,12 +835,9 @@ class SchedulerCore(Actor[SchedulerMessage]):
         """What routing believed the worker caches is void (it left, or is a new process).
         A worker dropped for silence also leaves the directory at once rather than at its
         expiry; if it is alive after all, its publisher notices and republishes."""
-        forget = getattr(self.policy, "forget_worker", None)
-        if forget is not None:
-            forget(worker_id)
-        directory = getattr(self.policy, "directory", None)
-        if remove_from_directory and directory is not None:
-            self._spawn(_remove_from_directory(directory, worker_id))
+        self.policy.forget_worker(worker_id)
+        if remove_from_directory:
+            self._spawn(self.policy.leave_directory(worker_id))
 
     # ------------------------------------------------------------------ frontends
 
@@ -844,21 +909,12 @@ class SchedulerCore(Actor[SchedulerMessage]):
             task.cancel()
         for entry in self.workers.values():
             await entry.channel.close()
-        close_policy = getattr(self.policy, "close", None)
-        if close_policy is not None:
-            await close_policy()
+        await self.policy.close()
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-async def _remove_from_directory(directory: Any, worker_id: str) -> None:
-    try:
-        await directory.remove_worker(worker_id)
-    except DirectoryUnavailable as exc:
-        logger.info("could not remove %s from the prefix directory: %s", worker_id, exc)
 
 
 def _placement(info: scheduler_pb2.RegisterWorkerRequest) -> WorkerPlacement:

@@ -1,7 +1,9 @@
 """Turns EngineCoreOutputs into user-facing results: text, stop strings, logprobs, n > 1.
 
-The engine knows token ids only. Here each request gets an incremental detokenizer; a stop
-string found in the text finishes the request (the caller then aborts it in the engine).
+The engine knows token ids only. Here each choice gets a `ChoiceOutput` (the per-choice state
+machine in tandem.engine.output_state, shared with the frontend): incremental detokenization,
+stop strings, finish reasons. A stop string found in the text finishes the choice (the caller
+then aborts it in the engine).
 A request with n > 1 is fanned out into n child requests sharing one prompt (the prefix
 cache shares the prompt's blocks) and gathered back into one `RequestOutput`.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.core.outputs import EngineCoreOutput
-from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.output_state import ChoiceOutput, child_params, child_request_id
 from tandem.sampling_params import SamplingParams
 
 
@@ -47,28 +49,14 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-class _NoText:
-    """Stands in for the detokenizer of a model without a tokenizer: token ids only."""
-
-    output_text = ""
-
-    def update(self, new_token_ids: list[int]) -> str | None:
-        return None
-
-    def finish(self) -> str | None:
-        return None
-
-
 @dataclass
 class _ChildState:
     index: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | _NoText
+    output: ChoiceOutput
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -81,19 +69,7 @@ class _ParentState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children)
-
-
-def child_request_id(parent_id: str, index: int, n: int) -> str:
-    return parent_id if n == 1 else f"{parent_id}#{index}"
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Each child of an n > 1 request samples independently; seeds differ by index."""
-    changes: dict[str, object] = {"n": 1}
-    if params.seed is not None and index > 0:
-        changes["seed"] = params.seed + index
-    return params.clone(**changes)
+        return all(c.output.finished for c in self.children)
 
 
 class OutputProcessor:
@@ -119,22 +95,11 @@ class OutputProcessor:
         for i in range(params.n):
             cp = child_params(params, i)
             cid = child_request_id(request_id, i, params.n)
-            detok = (
-                _NoText()
-                if self.tokenizer is None
-                else IncrementalDetokenizer(
-                    self.tokenizer,
-                    prompt_token_ids,
-                    skip_special_tokens=cp.skip_special_tokens,
-                    stop=cp.stop,
-                    include_stop_str_in_output=cp.include_stop_str_in_output,
-                )
-            )
             children.append(
                 _ChildState(
                     index=i,
                     params=cp,
-                    detokenizer=detok,
+                    output=ChoiceOutput(self.tokenizer, prompt_token_ids, cp),
                     logprobs=[] if cp.logprobs is not None else None,
                 )
             )
@@ -159,7 +124,7 @@ class OutputProcessor:
                 continue
             parent = self._parents[key[0]]
             child = parent.children[key[1]]
-            if child.finish_reason is not None:
+            if child.output.finished:
                 continue
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             child.token_ids.extend(out.new_token_ids)
@@ -172,16 +137,9 @@ class OutputProcessor:
                             entry[tok] = Logprob(val, rank)
                     child.logprobs.append(entry)
                     child.cumulative_logprob += lp.logprobs[0]
-            stop_str = child.detokenizer.update(out.new_token_ids)
-            if stop_str is not None:
-                child.finish_reason = "stop"
-                child.stop_reason = stop_str
-                if not out.finished:
-                    to_abort.append(out.request_id)
-            elif out.finished:
-                child.finish_reason = out.finish_reason
-                child.stop_reason = out.stop_reason
-            if child.finish_reason is not None:
+            if child.output.update(out.new_token_ids, out.finish_reason, out.stop_reason):
+                to_abort.append(out.request_id)
+            if child.output.finished:
                 del self._child_to_parent[out.request_id]
                 if parent.finished:  # only a child finishing can finish its parent
                     finished.append(self._make_output(parent))
@@ -203,16 +161,15 @@ class OutputProcessor:
     def _make_output(self, parent: _ParentState) -> RequestOutput:
         outs = []
         for c in parent.children:
-            c.detokenizer.finish()
             outs.append(
                 CompletionOutput(
                     index=c.index,
-                    text=c.detokenizer.output_text,
+                    text=c.output.text,
                     token_ids=list(c.token_ids),
                     cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                     logprobs=c.logprobs,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
+                    finish_reason=c.output.finish_reason,
+                    stop_reason=c.output.stop_reason,
                 )
             )
         return RequestOutput(

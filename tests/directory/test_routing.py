@@ -7,12 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from tandem.directory.memory import InMemoryDirectory
-from tandem.directory.redis_directory import RedisDirectory
-from tandem.directory.router import PrefixRouter
-from tandem.directory.routing import (
-    PrefixAwarePolicy,
-    RoundRobin,
+from services.scheduler.routing.cost import (
+    CostModelChooser,
+    RoundRobinChooser,
     RoutingWeights,
     WorkerLoad,
     choose_worker,
@@ -20,6 +17,9 @@ from tandem.directory.routing import (
     rank_workers,
     routing_cost,
 )
+from services.scheduler.routing.directory_lookup import PrefixRouter
+from tandem.directory.memory import InMemoryDirectory
+from tandem.directory.redis_directory import RedisDirectory
 from tests.directory.helpers import chain
 from tests.redis_server import RedisServer
 
@@ -101,11 +101,11 @@ def test_validation() -> None:
 
 
 def test_round_robin_ignores_cache_and_load() -> None:
-    rr = RoundRobin()
+    rr = RoundRobinChooser()
     loads = [WorkerLoad("b", queued_prefill_tokens=10_000), WorkerLoad("a"), WorkerLoad("c")]
     picks = [rr.choose(loads, {"c": 100}, 100, BS).worker_id for _ in range(6)]
     assert picks == ["a", "b", "c", "a", "b", "c"]
-    assert PrefixAwarePolicy().choose(loads, {"c": 100}, 100, BS).worker_id == "c"
+    assert CostModelChooser().choose(loads, {"c": 100}, 100, BS).worker_id == "c"
 
 
 def test_router_uses_the_directory() -> None:
@@ -167,7 +167,7 @@ def test_package_imports_neither_torch_nor_redis() -> None:
     import sys
 
     code = (
-        "import sys, tandem.directory, tandem.directory.routing; "
+        "import sys, tandem.directory, services.scheduler.routing.cost; "
         "bad = [m for m in ('torch', 'redis') if m in sys.modules]; "
         "assert not bad, bad"
     )

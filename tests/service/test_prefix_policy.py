@@ -4,26 +4,32 @@ fallback), round robin, and the flags that build them."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 
 from services.scheduler.config import SchedulerConfigError, config_from_args
-from services.scheduler.prefix_routing import (
+from services.scheduler.routing import (
+    ROUTING_CHOICES,
     DispatchedPrefixes,
+    LoadBasedRouting,
     PrefixAwareRouting,
+    PrefixRouter,
     RoundRobinRouting,
+    Route,
+    RoutingPolicy,
+    RoutingRequest,
+    RoutingWeights,
+    WorkerView,
     make_routing_policy,
     prompt_block_hashes,
     routing_metrics,
 )
-from services.scheduler.routing import LoadBasedRouting, Route, RoutingRequest, WorkerView
 from tandem.core.kv_cache_utils import compute_block_hashes
 from tandem.directory import (
     DirectoryConfig,
     DirectoryUnavailable,
     InMemoryDirectory,
-    PrefixRouter,
-    RoutingWeights,
 )
 from tandem_protos.v1 import common_pb2
 
@@ -224,3 +230,31 @@ def test_flags_build_the_policy() -> None:
         config_from_args(["--routing-running-request-weight", "-1"])
     with pytest.raises(SystemExit):
         config_from_args(["--routing", "random"])
+
+
+def test_one_policy_interface_with_defaults() -> None:
+    """Every policy the flags build is a `RoutingPolicy`; a policy that writes only `route`
+    gets every other hook the scheduler core calls from the base class."""
+
+    class FirstWorker(RoutingPolicy):
+        name = "first"
+
+        def route(self, request: RoutingRequest, workers: Sequence[WorkerView]) -> Route | None:
+            return Route(workers[0].worker_id, None) if workers else None
+
+    policy = FirstWorker()
+    assert not policy.uses_lookup
+    assert asyncio.run(policy.lookup([1, 2, 3], None, BS)) is None
+    policy.forget_worker("u1")
+    asyncio.run(policy.leave_directory("u1"))
+    asyncio.run(policy.close())
+    [info] = list(routing_metrics(policy))
+    assert info.name == "tandem_scheduler_routing_info"
+    assert info.samples[0].labels == {"policy": "first"}
+    assert policy.route(RoutingRequest("r", [1], 0), [_w("u1", U)]) == Route("u1", None)
+    with pytest.raises(TypeError):
+        RoutingPolicy()  # type: ignore[abstract]
+    for routing in ROUTING_CHOICES:
+        built = make_routing_policy(routing, DirectoryConfig(), RoutingWeights(), -1, 8, 8)
+        assert isinstance(built, RoutingPolicy) and built.name == routing
+        assert built.uses_lookup == (routing == "prefix")

@@ -233,7 +233,7 @@ def test_hashes_equal_in_scheduler_code_and_worker_process(
     served, _ = served_by(cluster, prompt)
     # The scheduler's hashing, in a fresh interpreter with another hash seed.
     code = (
-        "import json, sys; from services.scheduler.prefix_routing import prompt_block_hashes; "
+        "import json, sys; from services.scheduler.routing import prompt_block_hashes; "
         "t = json.load(sys.stdin); print(json.dumps([h.hex() for h in "
         f"prompt_block_hashes(t, {BLOCK_SIZE}, None)]))"
     )

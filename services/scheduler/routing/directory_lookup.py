@@ -1,7 +1,8 @@
 """The scheduler's side of the directory: look up cached prefixes, route, never fail.
 
-`PrefixRouter.route` asks the directory for each worker's cached prefix of the prompt's
-block-hash chain, then lets a `RoutingPolicy` choose. When the directory is unavailable
+`PrefixRouter.cached_blocks` asks the directory for each worker's cached prefix of the
+prompt's block-hash chain (what `PrefixAwareRouting.lookup` awaits); `PrefixRouter.route`
+then lets a `PrefillChooser` choose. When the directory is unavailable
 it routes on load alone (`cached_blocks = {}`), counts a fallback, warns once per outage,
 and for `retry_after_s` does not ask again (so a dead server costs each request nothing,
 not a timeout); then it probes once more.
@@ -13,25 +14,25 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from tandem.directory.base import DirectoryUnavailable, PrefixDirectory
-from tandem.directory.routing import (
-    PrefixAwarePolicy,
+from services.scheduler.routing.cost import (
+    CostModelChooser,
+    PrefillChooser,
     RoutingDecision,
-    RoutingPolicy,
     WorkerLoad,
 )
+from tandem.directory.base import DirectoryUnavailable, PrefixDirectory
 
 logger = logging.getLogger(__name__)
 
 
 class PrefixRouter:
-    """Routes prompts with a `PrefixDirectory` and a policy (default: `PrefixAwarePolicy`)."""
+    """Routes prompts with a `PrefixDirectory` and a chooser (default: `CostModelChooser`)."""
 
     def __init__(
         self,
         directory: PrefixDirectory,
         block_size: int,
-        policy: RoutingPolicy | None = None,
+        chooser: PrefillChooser | None = None,
         retry_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -41,7 +42,7 @@ class PrefixRouter:
             raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s}")
         self.directory = directory
         self.block_size = block_size
-        self.policy: RoutingPolicy = policy or PrefixAwarePolicy()
+        self.chooser: PrefillChooser = chooser or CostModelChooser()
         self.retry_after_s = retry_after_s
         self._clock = clock
         self._skip_until = float("-inf")
@@ -85,8 +86,8 @@ class PrefixRouter:
         self.num_routed += 1
         if cached is None:
             self.num_fallbacks += 1
-            decision = self.policy.choose(candidates, {}, num_prompt_tokens, self.block_size)
+            decision = self.chooser.choose(candidates, {}, num_prompt_tokens, self.block_size)
             return RoutingDecision(
                 decision.worker_id, decision.cost, decision.num_cached_tokens, False
             )
-        return self.policy.choose(candidates, cached, num_prompt_tokens, self.block_size)
+        return self.chooser.choose(candidates, cached, num_prompt_tokens, self.block_size)

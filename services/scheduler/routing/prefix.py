@@ -10,7 +10,7 @@ then, when it reaches the head of the admission queue (`route`, synchronous):
     cached[w] = max(directory[w], dispatched[w])          per prefill (or unified) candidate
     cost[w]   = uncached_token * (prompt - cached tokens) + queued_token * queued_prefill_tokens
               + running_request * running + waiting_request * waiting
-    cheapest wins; ties go to the less loaded worker (tandem.directory.routing)
+    cheapest wins; ties go to the less loaded worker (services/scheduler/routing/cost.py)
 
 `dispatched` is the scheduler's own record of where it sent which prompt prefixes
 (`DispatchedPrefixes`): an LRU of block hashes per worker, bounded by the worker's block
@@ -39,27 +39,19 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client.metrics_core import Metric
 
 from services.common.metrics import counter, gauge
-from services.scheduler.config import ROUTING_CHOICES
-from services.scheduler.routing import (
-    LoadBasedRouting,
+from services.scheduler.routing.base import (
     PrefixLookup,
     Route,
+    RoutingPolicy,
     RoutingRequest,
     WorkerView,
     candidates,
     roomiest_decode,
 )
+from services.scheduler.routing.cost import CostModelChooser, RoutingWeights, WorkerLoad
+from services.scheduler.routing.directory_lookup import PrefixRouter
 from tandem.core.kv_cache_utils import compute_block_hashes
-from tandem.directory import (
-    DirectoryConfig,
-    PrefixAwarePolicy,
-    PrefixDirectory,
-    PrefixRouter,
-    RoundRobin,
-    RoutingWeights,
-    WorkerLoad,
-    make_directory,
-)
+from tandem.directory import DirectoryUnavailable, PrefixDirectory
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +120,7 @@ class DispatchedPrefixes:
             del entries[h]
 
 
-class PrefixAwareRouting:
+class PrefixAwareRouting(RoutingPolicy):
     """`--routing prefix`: cached prefix (directory and dispatch record) against load.
 
     `router` is None without a directory server (the dispatch record alone), `hints` None
@@ -137,6 +129,7 @@ class PrefixAwareRouting:
     """
 
     name = "prefix"
+    uses_lookup = True
 
     def __init__(
         self,
@@ -147,7 +140,7 @@ class PrefixAwareRouting:
         max_inflight_prefills: int = 64,
     ) -> None:
         self.router = router
-        self.policy = PrefixAwarePolicy(weights)
+        self.chooser = CostModelChooser(weights)
         self.hints = hints
         self.max_inflight_per_worker = max_inflight_per_worker
         self.max_inflight_prefills = max_inflight_prefills
@@ -219,7 +212,7 @@ class PrefixAwareRouting:
             )
             for w in c.prefill
         ]
-        decision = self.policy.choose(loads, usable, request.num_prompt_tokens, block_size)
+        decision = self.chooser.choose(loads, usable, request.num_prompt_tokens, block_size)
         chosen = next(w for w in c.prefill if w.worker_id == decision.worker_id)
         if self.hints is not None and prefix is not None and prefix.block_hashes:
             self.hints.record(chosen.worker_id, prefix.block_hashes, chosen.num_blocks)
@@ -236,116 +229,68 @@ class PrefixAwareRouting:
         if self.hints is not None:
             self.hints.forget_worker(worker_id)
 
+    async def leave_directory(self, worker_id: str) -> None:
+        directory = self.directory
+        if directory is None:
+            return
+        try:
+            await directory.remove_worker(worker_id)
+        except DirectoryUnavailable as exc:
+            logger.info("could not remove %s from the prefix directory: %s", worker_id, exc)
+
     async def close(self) -> None:
         if self.router is not None:
             await self.router.directory.close()
 
+    def metrics(self) -> Iterator[Metric]:
+        """The routing info gauge, then the counters below (`_total` added by the exporter):
 
-class RoundRobinRouting:
-    """`--routing round-robin`: prefill (or unified) workers in turn, ignoring cache and
-    load (the baseline); the decode worker as by load."""
-
-    name = "round-robin"
-
-    def __init__(self, max_inflight_per_worker: int = 256, max_inflight_prefills: int = 64) -> None:
-        self.max_inflight_per_worker = max_inflight_per_worker
-        self.max_inflight_prefills = max_inflight_prefills
-        self._rr = RoundRobin()
-
-    def route(self, request: RoutingRequest, workers: Sequence[WorkerView]) -> Route | None:
-        c = candidates(request, workers, self.max_inflight_per_worker, self.max_inflight_prefills)
-        if c is None:
-            return None
-        loads = [WorkerLoad(w.worker_id) for w in c.prefill]
-        block_size = c.prefill[0].block_size
-        decision = self._rr.choose(loads, {}, request.num_prompt_tokens, block_size)
-        decode = roomiest_decode(c.decode).worker_id if c.decode is not None else None
-        return Route(decision.worker_id, decode)
-
-
-def routing_metrics(policy: object) -> Iterator[Metric]:
-    """The routing policy's counters, read at scrape time (on the scheduler's event loop).
-
-    tandem_scheduler_routing_info{policy}                          1, labelled
-    tandem_scheduler_prefix_lookups_total                          prompts looked up
-    tandem_scheduler_prefix_directory_answers_total                lookups the directory answered
-    tandem_scheduler_prefix_directory_fallbacks_total              lookups it could not (load)
-    tandem_scheduler_prefix_directory_up                           0 while it is unreachable
-    tandem_scheduler_prefix_routed_requests_total                  routed by the prefix policy
-    tandem_scheduler_prefix_routed_to_cache_requests_total         ... to a worker with a prefix
-    tandem_scheduler_prefix_routed_prompt_tokens_total             their prompt tokens
-    tandem_scheduler_prefix_routed_cached_tokens_total             ... expected cached there
-    """
-    name = getattr(policy, "name", type(policy).__name__)
-    yield gauge("tandem_scheduler_routing_info", "The routing policy.", 1, {"policy": name})
-    if not isinstance(policy, PrefixAwareRouting):
-        return
-    yield counter(
-        "tandem_scheduler_prefix_lookups", "Prompts looked up for routing.", policy.num_lookups
-    )
-    yield counter(
-        "tandem_scheduler_prefix_directory_answers",
-        "Prefix lookups the directory answered.",
-        policy.num_directory_answers,
-    )
-    yield counter(
-        "tandem_scheduler_prefix_directory_fallbacks",
-        "Prefix lookups the directory could not answer (routed on load instead).",
-        policy.num_fallbacks,
-    )
-    if policy.router is not None:
-        yield gauge(
-            "tandem_scheduler_prefix_directory_up",
-            "0 while the prefix directory is unreachable.",
-            0.0 if policy.directory_degraded else 1.0,
+        tandem_scheduler_prefix_lookups_total                       prompts looked up
+        tandem_scheduler_prefix_directory_answers_total             lookups the directory answered
+        tandem_scheduler_prefix_directory_fallbacks_total           lookups it could not (load)
+        tandem_scheduler_prefix_directory_up                        0 while it is unreachable
+        tandem_scheduler_prefix_routed_requests_total               routed by the prefix policy
+        tandem_scheduler_prefix_routed_to_cache_requests_total      ... to a worker with a prefix
+        tandem_scheduler_prefix_routed_prompt_tokens_total          their prompt tokens
+        tandem_scheduler_prefix_routed_cached_tokens_total          ... expected cached there
+        """
+        yield from super().metrics()
+        yield counter(
+            "tandem_scheduler_prefix_lookups", "Prompts looked up for routing.", self.num_lookups
         )
-    yield counter(
-        "tandem_scheduler_prefix_routed_requests",
-        "Requests routed by the prefix-aware policy.",
-        policy.num_routed,
-    )
-    yield counter(
-        "tandem_scheduler_prefix_routed_to_cache_requests",
-        "Requests routed to a worker believed to hold part of their prompt.",
-        policy.num_routed_to_cache,
-    )
-    yield counter(
-        "tandem_scheduler_prefix_routed_prompt_tokens",
-        "Prompt tokens of the requests routed by the prefix-aware policy.",
-        policy.routed_prompt_tokens,
-    )
-    yield counter(
-        "tandem_scheduler_prefix_routed_cached_tokens",
-        "Prompt tokens the chosen workers were believed to hold.",
-        policy.routed_cached_tokens,
-    )
-
-
-def make_routing_policy(
-    routing: str,
-    directory: DirectoryConfig,
-    weights: RoutingWeights,
-    hint_ttl_s: float,
-    max_inflight_per_worker: int,
-    max_inflight_prefills: int,
-) -> LoadBasedRouting | RoundRobinRouting | PrefixAwareRouting:
-    """The policy `--routing` names. `hint_ttl_s` < 0: 2 s with a directory server (it only
-    bridges the publish delay), 300 s without (the record is all there is); 0: no record."""
-    caps = {
-        "max_inflight_per_worker": max_inflight_per_worker,
-        "max_inflight_prefills": max_inflight_prefills,
-    }
-    if routing == "load":
-        return LoadBasedRouting(**caps)
-    if routing == "round-robin":
-        return RoundRobinRouting(**caps)
-    if routing != "prefix":
-        raise ValueError(f"routing must be one of {', '.join(ROUTING_CHOICES)}, got {routing!r}")
-    router = None
-    if directory.uses_redis:
-        # PrefixRouter's block size serves its `route`; lookups here hash with the workers'.
-        router = PrefixRouter(make_directory(directory), block_size=16)
-    if hint_ttl_s < 0:
-        hint_ttl_s = 2.0 if router is not None else 300.0
-    hints = DispatchedPrefixes(hint_ttl_s) if hint_ttl_s > 0 else None
-    return PrefixAwareRouting(router, weights, hints, **caps)
+        yield counter(
+            "tandem_scheduler_prefix_directory_answers",
+            "Prefix lookups the directory answered.",
+            self.num_directory_answers,
+        )
+        yield counter(
+            "tandem_scheduler_prefix_directory_fallbacks",
+            "Prefix lookups the directory could not answer (routed on load instead).",
+            self.num_fallbacks,
+        )
+        if self.router is not None:
+            yield gauge(
+                "tandem_scheduler_prefix_directory_up",
+                "0 while the prefix directory is unreachable.",
+                0.0 if self.directory_degraded else 1.0,
+            )
+        yield counter(
+            "tandem_scheduler_prefix_routed_requests",
+            "Requests routed by the prefix-aware policy.",
+            self.num_routed,
+        )
+        yield counter(
+            "tandem_scheduler_prefix_routed_to_cache_requests",
+            "Requests routed to a worker believed to hold part of their prompt.",
+            self.num_routed_to_cache,
+        )
+        yield counter(
+            "tandem_scheduler_prefix_routed_prompt_tokens",
+            "Prompt tokens of the requests routed by the prefix-aware policy.",
+            self.routed_prompt_tokens,
+        )
+        yield counter(
+            "tandem_scheduler_prefix_routed_cached_tokens",
+            "Prompt tokens the chosen workers were believed to hold.",
+            self.routed_cached_tokens,
+        )

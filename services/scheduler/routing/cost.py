@@ -1,4 +1,5 @@
-"""Choosing a prefill worker: cached prefix against load. Pure Python, no I/O.
+"""The routing cost model: choosing a prefill worker, cached prefix against load. Pure
+Python, no I/O (moved here from tandem/directory/: it is routing policy, not the directory).
 
 For each candidate worker the cost of sending it a prompt is
 
@@ -141,8 +142,10 @@ def choose_worker(
     return ranked[0].worker_id
 
 
-class RoutingPolicy(Protocol):
-    """Picks a worker for one prompt. `cached_blocks` may be `{}` (no cache information)."""
+class PrefillChooser(Protocol):
+    """Picks one worker among prefill (or unified) candidates for one prompt: the step of a
+    `RoutingPolicy` that weighs cache against load. `cached_blocks` may be `{}` (no cache
+    information)."""
 
     name: str
 
@@ -155,7 +158,7 @@ class RoutingPolicy(Protocol):
     ) -> RoutingDecision: ...
 
 
-class PrefixAwarePolicy:
+class CostModelChooser:
     """The cost model above: cached prefix weighed against load."""
 
     name = "prefix-aware"
@@ -178,7 +181,7 @@ class PrefixAwarePolicy:
         return ranked[0]
 
 
-class RoundRobin:
+class RoundRobinChooser:
     """Cycles through the candidates sorted by id, ignoring cache and load (the baseline)."""
 
     name = "round-robin"

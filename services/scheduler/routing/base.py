@@ -1,22 +1,27 @@
-"""Routing policies: which workers run a request.
+"""The routing-policy interface and what it is handed: which workers run a request.
 
 The scheduler core hands a policy a snapshot of the workers that may take work and the
 request's size; the policy answers with a `Route` or None (nobody can take it now; the request
 waits in the admission queue). `route` is plain synchronous code run by the scheduler's core:
 a policy that needs I/O first (the prefix-aware one asks the directory which workers hold
-the prompt's prefix) does it in `lookup`, which the core awaits once per request, before
-routing it, and hands over as `RoutingRequest.prefix` (services/scheduler/prefix_routing.py).
+the prompt's prefix) says so with `uses_lookup` and does it in `lookup`, which the core awaits
+once per request, before routing it, and hands over as `RoutingRequest.prefix`.
 
-Three policies, by `--routing`: `load` (`LoadBasedRouting`), `round-robin` and `prefix`.
-All share `candidates`: the same caps and fit rules decide who *may* take a request.
+Every hook the core calls is declared on `RoutingPolicy`, with a default there; a policy
+overrides what it needs. All policies share `candidates`: the same caps and fit rules decide
+who *may* take a request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import abc
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar
 
+from prometheus_client.metrics_core import Metric
+
+from services.common.metrics import gauge
 from tandem_protos.v1 import common_pb2
 
 
@@ -82,10 +87,48 @@ class Route:
     num_cached_tokens: int = 0
 
 
-class RoutingPolicy(Protocol):
+class RoutingPolicy(abc.ABC):
+    """What the scheduler core asks of a routing policy; the one interface every policy
+    implements. Only `route` is required; every other hook has a do-nothing default.
+
+    Called on the scheduler core's event loop, one message at a time: `route` and
+    `forget_worker` synchronously, `lookup`, `leave_directory` and `close` awaited in tasks.
+    """
+
+    # The `--routing` value that selects the policy (also the `policy` metric label).
+    name: ClassVar[str]
+    # True: the core awaits `lookup` for every request before routing it (when more than
+    # one worker could take its prompt).
+    uses_lookup: ClassVar[bool] = False
+
+    @abc.abstractmethod
     def route(self, request: RoutingRequest, workers: Sequence[WorkerView]) -> Route | None:
         """Pick workers for `request` among `workers`, or None to keep it queued."""
-        ...
+
+    async def lookup(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None, block_size: int
+    ) -> PrefixLookup | None:
+        """I/O before routing (policies with `uses_lookup`); its answer becomes
+        `RoutingRequest.prefix`. Must not raise for a lost server (answer without it)."""
+        return None
+
+    def forget_worker(self, worker_id: str) -> None:
+        """The worker left or registered again: what the policy believed it caches is void."""
+        return None
+
+    async def leave_directory(self, worker_id: str) -> None:
+        """The worker was dropped: remove it from the prefix directory, if there is one
+        (it republishes should it be alive after all). Never raises for a lost server."""
+        return None
+
+    def metrics(self) -> Iterator[Metric]:
+        """The policy's metrics, read at scrape time on the scheduler's event loop."""
+        labels = {"policy": self.name}
+        yield gauge("tandem_scheduler_routing_info", "The routing policy.", 1, labels)
+
+    async def close(self) -> None:
+        """Release what the policy holds (a directory client)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -143,27 +186,3 @@ def candidates(
 def roomiest_decode(decode: Sequence[WorkerView]) -> WorkerView:
     """The decode worker with the most free blocks (then the fewest requests in flight)."""
     return max(decode, key=lambda w: (w.num_free_blocks, -w.num_inflight))
-
-
-@dataclass(frozen=True)
-class LoadBasedRouting:
-    """Least-loaded routing with per-worker caps.
-
-    Disaggregated (prefill and decode workers registered): the decode worker with the most
-    free blocks that fit the prompt, and the prefill worker with the fewest requests in
-    flight. Otherwise the unified worker with the fewest requests in flight that has room.
-    """
-
-    max_inflight_per_worker: int = 256
-    max_inflight_prefills: int = 64
-    name = "load"
-
-    def route(self, request: RoutingRequest, workers: Sequence[WorkerView]) -> Route | None:
-        c = candidates(request, workers, self.max_inflight_per_worker, self.max_inflight_prefills)
-        if c is None:
-            return None
-        if c.decode is not None:
-            p = min(c.prefill, key=lambda w: (w.num_inflight, w.num_waiting))
-            return Route(p.worker_id, roomiest_decode(c.decode).worker_id)
-        u = min(c.prefill, key=lambda w: (w.num_inflight, -w.num_free_blocks))
-        return Route(u.worker_id, None)

@@ -1,0 +1,94 @@
+"""The frontend's per-step output: queued events merged into one, one SSE write per event
+whose bytes are the JSON encoding of the chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+
+from services.frontend.engine import merge_queued
+from services.frontend.openai_protocol import TokenText
+from services.frontend.sse import ChatStream, CompletionStream, dumps
+from services.frontend.types import ChoiceDelta, FrontendError, StepEvent, Usage
+
+
+def _queue(events: list[StepEvent]) -> asyncio.Queue[StepEvent]:
+    queue: asyncio.Queue[StepEvent] = asyncio.Queue()
+    for e in events:
+        queue.put_nowait(e)
+    return queue
+
+
+def test_queued_events_merge_into_one() -> None:
+    first = StepEvent([ChoiceDelta(0, "a", [1]), ChoiceDelta(1, "x", [7])])
+    queue = _queue(
+        [
+            StepEvent([ChoiceDelta(0, "b", [2])]),
+            StepEvent(
+                [ChoiceDelta(1, "y", [8], None, "stop", "y"), ChoiceDelta(0, "c", [3])],
+                usage=Usage(4, 5),
+            ),
+        ]
+    )
+    [merged] = merge_queued(first, queue)
+    assert queue.empty()
+    assert [
+        (d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason) for d in merged.deltas
+    ] == [
+        (0, "abc", [1, 2, 3], None, None),
+        (1, "xy", [7, 8], "stop", "y"),
+    ]
+    assert merged.usage == Usage(4, 5) and merged.finished
+    # Nothing queued: the event itself.
+    alone = StepEvent([ChoiceDelta(0, "a", [1])])
+    assert merge_queued(alone, _queue([])) == [alone]
+
+
+def test_an_error_is_not_merged_and_comes_after_the_text() -> None:
+    error = StepEvent(error=FrontendError(grpc.StatusCode.UNAVAILABLE, "worker lost"))
+    queue = _queue([StepEvent([ChoiceDelta(0, "b", [2])]), error, StepEvent()])
+    merged, err = merge_queued(StepEvent([ChoiceDelta(0, "a", [1])]), queue)
+    assert merged.deltas[0].text == "ab" and not merged.finished
+    assert err is error
+    assert queue.qsize() == 1
+
+
+def test_one_write_per_event_is_the_json_of_the_chunk() -> None:
+    tt = TokenText(None)
+    text = 'é "quoted" \\ 🎉\n'
+    deltas = [ChoiceDelta(0, text, [1]), ChoiceDelta(1, "", [2], None, "stop", 13)]
+    cmpl = CompletionStream("cmpl-1", 9, "m", 2, False, True, tt)
+    write = cmpl.render(1, StepEvent(deltas))
+    assert write.startswith("data: ") and write.endswith("\n\n") and write.count("data: ") == 1
+    want = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 9,
+        "model": "m",
+        "choices": [
+            {
+                "index": 2,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": None,
+                "stop_reason": None,
+            },
+            {"index": 3, "text": "", "logprobs": None, "finish_reason": "stop", "stop_reason": 13},
+        ],
+    }
+    assert write == f"data: {dumps(want)}\n\n"
+    assert cmpl.render(0, StepEvent([ChoiceDelta(0, "", [5])])) == ""  # nothing to send
+
+    chat = ChatStream("chat-1", 9, "m", False, False, tt)
+    first = chat.render(0, StepEvent([ChoiceDelta(0, "hi", [1])]))
+    role, content = [json.loads(part[len("data: ") :]) for part in first.strip().split("\n\n")]
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert content["choices"][0]["delta"] == {"content": "hi"}
+    assert content["object"] == "chat.completion.chunk"
+    later = chat.render(0, StepEvent([ChoiceDelta(0, "", [2], None, "length")]))
+    assert json.loads(later[len("data: ") :])["choices"] == [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+    ]
+    assert chat.final(Usage(1, 2)) == ""  # include_usage off
