@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.util import find_spec
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -79,15 +79,18 @@ def build_model(
     device: torch.device,
     attn_backend: AttentionBackend,
     seed: int = 0,
+    hf_config: Any | None = None,
 ) -> LlamaForCausalLM:
     """Instantiate the registry's class for the folder's architecture and load its weights.
 
     A `random:<shape>` folder has no weight files: its weights are made on `device` from
-    `seed` (tandem.models.presets.random_weights).
+    `seed` (tandem.models.presets.random_weights). `hf_config`: the folder's config when the
+    caller has loaded it already (else it is loaded here).
     """
     from tandem.models.registry import get_model_class
 
-    hf_config = load_hf_config(model_path)
+    if hf_config is None:
+        hf_config = load_hf_config(model_path)
     model_cls = get_model_class(hf_config)
     model = model_cls(hf_config, attn_backend, dtype, torch.device(device))
     if has_random_weights(Path(model_path)):
