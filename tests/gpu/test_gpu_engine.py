@@ -144,3 +144,19 @@ def test_async_scheduling_equals_sync(llm: LLM) -> None:
         for engine in (llm.engine, sync.engine):
             assert not engine.has_unfinished_requests()
             assert engine.scheduler.kv_cache_manager.block_pool.is_whole
+
+
+def test_shutdown_returns_the_device_memory() -> None:
+    """An engine's KV cache, CUDA graphs and weights go back to the device on shutdown, so the
+    tests after it (all of tests/gpu runs in one process) find the GPU free."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with LLM(
+        model=MODEL, dtype="bfloat16", device="cuda", max_model_len=1024, gpu_memory_utilization=0.2
+    ) as llm:
+        held = torch.cuda.memory_allocated() - before
+        assert llm.engine.model_runner.cuda_graphs.graphs
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert held > 10 * (1 << 30), held  # ~20% of the device: weights and the KV cache
+    left = torch.cuda.memory_allocated() - before
+    assert left < 256 * (1 << 20), f"{left / (1 << 20):.0f} MiB still allocated after shutdown"
