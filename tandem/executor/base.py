@@ -16,6 +16,7 @@ Order: `determine_num_blocks` -> `initialize_kv_cache` -> steps (`execute_async`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +35,7 @@ class Executor(ABC):
     def __init__(
         self,
         config: EngineConfig,
-        model_path: Any,
+        model_path: Path,
         hf_config: Any,
         max_model_len: int,
         eos_token_id: int | None,
@@ -103,7 +104,7 @@ class Executor(ABC):
 
 def create_executor(
     config: EngineConfig,
-    model_path: Any,
+    model_path: Path,
     hf_config: Any,
     max_model_len: int,
     eos_token_id: int | None,

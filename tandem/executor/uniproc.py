@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ class UniprocExecutor(Executor):
     def __init__(
         self,
         config: EngineConfig,
-        model_path: Any,
+        model_path: Path,
         hf_config: Any,
         max_model_len: int,
         eos_token_id: int | None,

@@ -17,6 +17,7 @@ per request: position `len(token_ids)`) is read on the device from step N's samp
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from tandem.config import EngineConfig
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
 from tandem.loader import build_model
+from tandem.models.llama import LlamaForCausalLM
 from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import InputBatch, StepInputs
 from tandem.worker.sampling import PendingStep, StepSampler
@@ -50,7 +52,7 @@ class ModelRunner:
         self,
         config: EngineConfig,
         device: torch.device,
-        model_path: Any,
+        model_path: Path,
         hf_config: Any,
         max_model_len: int,
         eos_token_id: int | None,
@@ -72,7 +74,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(backend_name)
         self.hf_config = hf_config
         torch.manual_seed(config.model.seed)
-        self.model: Any = build_model(
+        self._model: LlamaForCausalLM | None = build_model(
             model_path,
             self.dtype,
             device,
@@ -98,6 +100,12 @@ class ModelRunner:
         # number: `may_write_blocks` reads them.
         self._unfinished_writes: list[tuple[int, np.ndarray]] = []
         self._num_launched = 0
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        if self._model is None:
+            raise RuntimeError("the model runner is shut down: it holds no model")
+        return self._model
 
     # ----------------------------------------------------------------- KV cache
 
@@ -322,14 +330,14 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Wait for the device, then drop the CUDA graphs, the KV cache, the weights and every
         buffer (idempotent). The runner cannot run steps afterwards."""
-        if self.kv_cache is not None or self.model is not None:
+        if self.kv_cache is not None or self._model is not None:
             self.synchronize()
         self._last_step = None
         self._unfinished_writes.clear()
         self.cuda_graphs.clear()
         self.kv_caches = []
         self.kv_cache = None
-        self.model = None
+        self._model = None
         self.input_batch.clear()
         self.staging.clear()
         self.sampler.clear()

@@ -18,6 +18,7 @@ where `activations` is the profiled peak of the largest step plus the sampler's 
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ class Worker:
     def __init__(
         self,
         config: EngineConfig,
-        model_path: Any,
+        model_path: Path,
         hf_config: Any,
         max_model_len: int,
         eos_token_id: int | None,
