@@ -1,6 +1,9 @@
 """EngineCore: the step loop of one worker, with no transport.
 
-    step():  scheduler.schedule() -> model_runner.execute() -> scheduler.update_from_output()
+    step():  scheduler.schedule() -> executor.execute_async() -> scheduler.update_from_output()
+
+    EngineCore ──> Scheduler (tandem.core: no torch)
+               └─> Executor (tandem.executor) ──> Worker per rank ──> ModelRunner
 
 With async scheduling (on by default on CUDA) a step plans and launches step N+1 and then
 waits for step N's tokens, so the host's scheduling and output handling run while the device
@@ -13,7 +16,8 @@ A step whose requests sample from their whole output (penalties, min_tokens) wai
 previous step first.
 
 Callers (the offline `LLM`, a worker service's engine thread) own the loop; EngineCore is
-not thread-safe and never blocks on anything but the model.
+not thread-safe and never blocks on anything but the model. `shutdown()` frees the device
+memory (KV cache, CUDA graphs, weights); an engine shut down runs no more steps.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.outputs import EngineCoreOutput, SchedulerOutput
 from tandem.core.scheduler import Scheduler
+from tandem.executor import Executor, create_executor
 from tandem.loader import get_eos_token_ids
 from tandem.request import EngineCoreRequest, Request, RequestStatus
-from tandem.worker.model_runner import ModelRunner, PendingStep
+from tandem.worker.model_runner import ModelRunner
+from tandem.worker.sampling import PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +75,7 @@ class EngineStats:
 
 
 class EngineCore:
-    """Scheduler + model runner of one worker.
+    """Scheduler + executor (workers, model runners) of one worker.
 
     Disaggregation hooks: a prefill worker adds requests with `hold_kv=True`; when such a
     request finishes, its blocks stay allocated (`get_held_block_ids`) until
@@ -82,36 +88,39 @@ class EngineCore:
         # HF config and max_model_len are read from it, never loaded or patched here.
         config = config.resolve()
         self.config = config
-        if config.device.num_threads > 0:
-            torch.set_num_threads(config.device.num_threads)
         assert config.model.model_path is not None
         self.model_path: Path = config.model.model_path
+        # The HF config was loaded once, by the resolution; the workers get it from here.
+        hf_config = config.model.hf_config
         eos_ids = get_eos_token_ids(self.model_path)
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         max_len = config.model.max_model_len
         self.max_model_len = max_len
 
         t0 = time.perf_counter()
-        self.model_runner = ModelRunner(config, self.model_path, self.eos_token_id)
-        self.vocab_size = self.model_runner.vocab_size
-        num_blocks = self.model_runner.determine_num_blocks()
-        self.model_runner.initialize_kv_cache(num_blocks)
+        self.executor: Executor = create_executor(
+            config, self.model_path, hf_config, max_len, self.eos_token_id
+        )
+        self.vocab_size = self.executor.vocab_size
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = config.cache.block_size
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len)
         mode = config.scheduler.async_scheduling
         self.async_scheduling = mode == "on" or (
-            mode == "auto" and self.model_runner.device.type == "cuda"
+            mode == "auto" and self.executor.device.type == "cuda"
         )
         # The launched step whose tokens have not been applied yet (async scheduling only).
         self._pending: tuple[SchedulerOutput, PendingStep] | None = None
         # Whether the last `step()` launched or finished any work.
         self.last_step_idle = True
+        self._shut_down = False
         _raise_gc_threshold()
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d (%.1fs)",
             self.model_path.name,
-            self.model_runner.device,
+            self.executor.device,
             num_blocks,
             self.block_size,
             max_len,
@@ -120,8 +129,26 @@ class EngineCore:
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        assert self.model_runner.kv_cache is not None
-        return self.model_runner.kv_cache
+        """Rank 0's KV cache tensor (`[num_blocks, layers, 2, block, heads, dim]`)."""
+        kv_cache = self.executor.kv_cache
+        if kv_cache is None:
+            raise RuntimeError("the engine is shut down: it holds no KV cache")
+        return kv_cache
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """Rank 0's model runner (in this process)."""
+        return self.executor.model_runner
+
+    def shutdown(self) -> None:
+        """Free the device memory: wait for launched steps, then drop the KV cache, CUDA
+        graphs and weights (and empty the CUDA cache). Idempotent; steps, reservations and
+        the KV cache are unavailable afterwards, while the scheduler's state stays readable."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._pending = None
+        self.executor.shutdown()
 
     # ----------------------------------------------------------------- requests
 
@@ -182,7 +209,7 @@ class EngineCore:
             if scheduler_output.is_empty:
                 # Nothing runs, but the runner must still forget what finished or was
                 # preempted since the last step (or it would hold their state forever).
-                self.model_runner.drop_requests(
+                self.executor.drop_requests(
                     scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
                 )
                 scheduler_output = None
@@ -190,9 +217,9 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if scheduler_output is None:
             return self._apply_pending()
-        if self._pending is not None and self.model_runner.needs_prior_tokens(scheduler_output):
+        if self._pending is not None and self.executor.needs_prior_tokens(scheduler_output):
             outputs = self._apply_pending()
-        step = self.model_runner.execute_async(scheduler_output)
+        step = self.executor.execute_async(scheduler_output)
         if not self.async_scheduling:
             return self.scheduler.update_from_output(scheduler_output, step.result())
         previous, self._pending = self._pending, (scheduler_output, step)
@@ -243,12 +270,12 @@ class EngineCore:
         """
         self._validate(req)
         reserved = self.scheduler.reserve(Request.from_engine_core_request(req))
-        if reserved is not None and self.model_runner.may_write_blocks(reserved[0]):
+        if reserved is not None and self.executor.may_write_blocks(reserved[0]):
             # A step still running writes KV into some of these blocks (freed since it was
             # planned: a request that stopped or was aborted); another process writes the
             # reserved blocks outside this engine's stream order, so let it finish before
             # their ids leave. Otherwise the reservation does not wait for the device.
-            self.model_runner.synchronize()
+            self.executor.synchronize()
         return reserved
 
     def add_prefilled_request(

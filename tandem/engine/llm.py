@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -24,6 +25,9 @@ class LLM:
 
     `LLM(model="default")` runs the embedded SmolLM2-135M-Instruct. Keyword arguments are
     `EngineArgs` fields (`max_num_batched_tokens=`, `num_gpu_blocks=`, `dtype=`, ...).
+
+    `shutdown()` (or leaving a `with LLM(...) as llm:` block) frees the engine's device memory
+    (KV cache, CUDA graphs, weights); the LLM generates nothing afterwards.
     """
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
@@ -40,6 +44,25 @@ class LLM:
         )
         self._output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
+
+    # ----------------------------------------------------------------- lifetime
+
+    def shutdown(self) -> None:
+        """Free the engine's KV cache, CUDA graphs and weights (idempotent)."""
+        self.engine.shutdown()
+
+    close = shutdown
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
 
     # ----------------------------------------------------------------- inputs
 

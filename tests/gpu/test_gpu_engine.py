@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,10 +24,11 @@ def prompts(vocab: int, n: int = NUM_PROMPTS) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(
+def llm() -> Iterator[LLM]:
+    with LLM(
         model=MODEL, dtype="bfloat16", device="cuda", max_model_len=1024, gpu_memory_utilization=0.5
-    )
+    ) as engine:
+        yield engine  # its device memory is freed on leaving: later tests get the GPU
 
 
 def test_bf16_greedy_matches_transformers(llm: LLM) -> None:
@@ -68,25 +70,25 @@ def test_bf16_greedy_matches_transformers(llm: LLM) -> None:
 
 
 def test_cuda_graph_decode_equals_eager(llm: LLM) -> None:
-    assert llm.engine.model_runner._graphs, "CUDA graphs were not captured"
+    assert llm.engine.model_runner.cuda_graphs.graphs, "CUDA graphs were not captured"
     vocab = llm.engine.vocab_size
     # 8 requests (a captured size) decoding together: same matmul shapes in both modes.
     ps = prompts(vocab, 8)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     graph_outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-    eager = LLM(
+    with LLM(
         model=MODEL,
         dtype="bfloat16",
         device="cuda",
         max_model_len=1024,
         gpu_memory_utilization=0.3,
         enforce_eager=True,
-    )
-    assert not eager.engine.model_runner._graphs
-    eager_outs = eager.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-    for g, e in zip(graph_outs, eager_outs, strict=True):
-        assert g.outputs[0].token_ids == e.outputs[0].token_ids
-    assert eager.engine.scheduler.kv_cache_manager.block_pool.is_whole
+    ) as eager:
+        assert not eager.engine.model_runner.cuda_graphs.graphs
+        eager_outs = eager.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        for g, e in zip(graph_outs, eager_outs, strict=True):
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert eager.engine.scheduler.kv_cache_manager.block_pool.is_whole
 
 
 def test_seeded_sampling_on_gpu_reproduces(llm: LLM) -> None:
@@ -128,17 +130,33 @@ def test_async_scheduling_equals_sync(llm: LLM) -> None:
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.2)
     )
     on = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-    sync = LLM(
+    with LLM(
         model=MODEL,
         dtype="bfloat16",
         device="cuda",
         max_model_len=1024,
         gpu_memory_utilization=0.3,
         async_scheduling="off",
-    )
-    off = sync.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-    for a, b in zip(on, off, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    for engine in (llm.engine, sync.engine):
-        assert not engine.has_unfinished_requests()
-        assert engine.scheduler.kv_cache_manager.block_pool.is_whole
+    ) as sync:
+        off = sync.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        for a, b in zip(on, off, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for engine in (llm.engine, sync.engine):
+            assert not engine.has_unfinished_requests()
+            assert engine.scheduler.kv_cache_manager.block_pool.is_whole
+
+
+def test_shutdown_returns_the_device_memory() -> None:
+    """An engine's KV cache, CUDA graphs and weights go back to the device on shutdown, so the
+    tests after it (all of tests/gpu runs in one process) find the GPU free."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with LLM(
+        model=MODEL, dtype="bfloat16", device="cuda", max_model_len=1024, gpu_memory_utilization=0.2
+    ) as llm:
+        held = torch.cuda.memory_allocated() - before
+        assert llm.engine.model_runner.cuda_graphs.graphs
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert held > 10 * (1 << 30), held  # ~20% of the device: weights and the KV cache
+    left = torch.cuda.memory_allocated() - before
+    assert left < 256 * (1 << 20), f"{left / (1 << 20):.0f} MiB still allocated after shutdown"

@@ -25,7 +25,10 @@ def engines(smollm2_path):
         "kv_cache_memory_gb": 0.25,
         "max_model_len": 2048,
     }
-    return LLM(str(smollm2_path), **kwargs), LLM(str(smollm2_path), **kwargs)
+    pair = LLM(str(smollm2_path), **kwargs), LLM(str(smollm2_path), **kwargs)
+    yield pair
+    for llm in pair:
+        llm.shutdown()
 
 
 def _drain(engine) -> dict[str, list[int]]:
@@ -136,3 +139,4 @@ def test_reserve_waits_for_the_device_only_for_blocks_a_running_step_writes(
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.scheduler.kv_cache_manager.block_pool.is_whole
+    llm.shutdown()

@@ -83,7 +83,7 @@ def reference() -> Reference:
         list(chat.token_ids),
         [list(o.outputs[0].token_ids) for o in seeded],
     )
-    del llm
+    llm.shutdown()
     return ref
 
 

@@ -241,9 +241,9 @@ def test_runner_forgets_requests_finished_before_an_empty_step(tiny_llama: Path)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 6)]
     llm.generate([[5, 6, 7], [8, 9, 10]], params, use_tqdm=False)
     llm.generate([[11, 12, 13]], params[0], use_tqdm=False)
-    runner = llm.engine.model_runner
+    batch = llm.engine.model_runner.input_batch
     # Only the last batch's request may still be held (its finish reaches the runner with
     # the next step); none of the first batch's.
-    assert set(runner.requests) <= {"2"}
-    assert len(runner._free_rows) + len(runner.requests) == runner._block_table_rows.shape[0]
+    assert set(batch.requests) <= {"2"}
+    assert len(batch.free_rows) + len(batch.requests) == batch.block_table_rows.shape[0]
     assert_pool_whole(llm)

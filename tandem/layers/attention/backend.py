@@ -13,6 +13,7 @@ offset s % block_size.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -41,7 +42,17 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Writes a step's new K/V into the paged cache, then attends over each request's context."""
+    """Writes a step's new K/V into the paged cache, then attends over each request's context.
+
+    Kernel tuning goes through two hooks, both no-ops unless a backend overrides them; the
+    runner calls them at start-up, never while serving:
+
+    - `startup_tuning()`: a context around the engine's profile forward (one eager step of
+      `max_num_batched_tokens` tokens), in which the backend may tune the kernels it runs;
+    - `tune(kv_cache, ...)`: given one layer's view of the engine's own KV cache, once the
+      cache exists and before CUDA graphs are captured (a graph keeps the kernel config it
+      was captured with). Tuned configs are per process: every engine in it runs the same.
+    """
 
     name: ClassVar[str]
 
@@ -56,6 +67,25 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         ...
+
+    def startup_tuning(self) -> contextlib.AbstractContextManager[None]:
+        """Context for the engine's start-up profile forward: kernels may tune themselves on
+        the shapes they see inside it (and only there)."""
+        return contextlib.nullcontext()
+
+    def tune(
+        self,
+        kv_cache: torch.Tensor,  # one layer's [num_blocks, 2, block_size, num_kv_heads, head]
+        *,
+        num_heads: int,
+        max_num_reqs: int,
+        max_seq_len: int,
+    ) -> str | None:
+        """Tune the decode kernels on the engine's KV cache (its contents are irrelevant and
+        may be overwritten) for batches of up to `max_num_reqs` requests of up to
+        `max_seq_len` tokens. Returns a description of what was picked, or None when
+        nothing was tuned."""
+        return None
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}

@@ -14,11 +14,17 @@ changes how the work is cut), and it allocates only buffers sized by those ints.
 
 from __future__ import annotations
 
+import contextlib
 from typing import ClassVar
 
 import torch
 
-from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from kernels.paged_attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_tuning,
+    tune_decode_attention,
+)
 from kernels.reshape_and_cache import reshape_and_cache
 from tandem.layers.attention.backend import (
     AttentionBackend,
@@ -32,6 +38,33 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels; rows past `num_actual_tokens` come back as zeros."""
 
     name: ClassVar[str] = "triton"
+
+    # The decode tuning batch: the throughput case, where the kernel is bound by reading the
+    # cache (up to this many requests of up to this many tokens).
+    TUNE_MAX_REQS: ClassVar[int] = 512
+    TUNE_MAX_SEQ_LEN: ClassVar[int] = 1024
+
+    def startup_tuning(self) -> contextlib.AbstractContextManager[None]:
+        """The prefill kernel picks its tile config inside (see `prefill_tuning`)."""
+        return prefill_tuning()
+
+    def tune(
+        self,
+        kv_cache: torch.Tensor,
+        *,
+        num_heads: int,
+        max_num_reqs: int,
+        max_seq_len: int,
+    ) -> str | None:
+        """Time the decode kernel's configs on this cache and keep the fastest, once per
+        process (`tune_decode_attention`; on CUDA only). The batch is the largest the engine
+        runs, capped at `TUNE_MAX_REQS` requests of `TUNE_MAX_SEQ_LEN` tokens."""
+        block_size = kv_cache.shape[2]
+        seq_len = min(max(max_seq_len, block_size), self.TUNE_MAX_SEQ_LEN)
+        num_reqs = min(max_num_reqs, self.TUNE_MAX_REQS)
+        with torch.inference_mode():
+            best = tune_decode_attention(kv_cache, num_heads, num_reqs=num_reqs, seq_len=seq_len)
+        return None if best is None else str(best)
 
     def forward(
         self,

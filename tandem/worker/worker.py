@@ -1,0 +1,160 @@
+"""A worker: one device rank of an engine, owning that rank's `ModelRunner`.
+
+The worker picks its device and makes it current on the calling (engine) thread before
+anything is built (Triton launches, CUDA graphs, streams and the KV cache go to the current
+device), sets up the distributed group (a placeholder while there is one rank), measures the
+weights' and a step's memory, sizes the KV cache, and allocates it in one place
+(`allocate_kv_cache`). Everything else it forwards to its runner.
+
+KV sizing on CUDA::
+
+    num_blocks = min(total * gpu_memory_utilization - weights - activations,
+                     free - activations - 1 GiB) // bytes_per_block
+
+where `activations` is the profiled peak of the largest step plus the sampler's buffers and a
+1 GiB margin for the CUDA graph pool. On other devices `kv_cache_memory_gb` decides.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.core.outputs import SchedulerOutput
+from tandem.worker.model_runner import ModelRunner
+from tandem.worker.sampling import PendingStep
+
+
+class Worker:
+    """One rank's device, memory accounting and model runner."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        hf_config: Any,
+        max_model_len: int,
+        eos_token_id: int | None,
+        rank: int = 0,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = self.init_device()
+        self.init_distributed()
+        before = self._allocated()
+        self.model_runner = ModelRunner(
+            config, self.device, model_path, hf_config, max_model_len, eos_token_id
+        )
+        self.weight_bytes = self._allocated() - before
+        self.num_blocks = 0
+
+    # ----------------------------------------------------------------- device
+
+    def init_device(self) -> torch.device:
+        """Resolve the device and make it current on this thread (see the module docstring);
+        apply the CPU thread count."""
+        config = self.config.device
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        device = torch.device(config.resolved_device())
+        if config.device_index is not None:
+            torch.cuda.set_device(device)
+        return device
+
+    def init_distributed(self) -> None:
+        """Join the tensor-parallel group. One rank today: nothing to set up."""
+
+    def _allocated(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.memory_allocated(self.device)
+
+    # ----------------------------------------------------------------- KV cache
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks this rank's share of the device holds (see the module doc)."""
+        cache = self.config.cache
+        runner = self.model_runner
+        if cache.num_gpu_blocks:
+            return cache.num_gpu_blocks
+        if self.device.type == "cuda":
+            # This engine's share: `gpu_memory_utilization` of the device, less its weights and
+            # what a step needs (profiled); never more than is free.
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            activation = self.profile_activation_bytes()
+            budget = min(
+                total * cache.gpu_memory_utilization - self.weight_bytes - activation,
+                free - activation - (1 << 30),
+            )
+            return max(int(budget // runner.kv_bytes_per_block()), 1)
+        return max(int(cache.kv_cache_memory_gb * (1 << 30) // runner.kv_bytes_per_block()), 1)
+
+    def profile_activation_bytes(self) -> int:
+        """Memory to keep free for activations, logits, sampler temporaries and CUDA graphs.
+
+        Measured (CUDA only): the peak of the runner's `profile_run` (the largest step through
+        a scratch KV cache, which is not counted), plus the logits and sampler buffers of
+        `max_num_seqs` rows, plus a fixed margin for the graph pool.
+        """
+        runner = self.model_runner
+        sched = self.config.scheduler
+        scratch = torch.zeros(
+            runner.kv_cache_shape(runner.profile_num_blocks()),
+            dtype=runner.kv_dtype,
+            device=self.device,
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        runner.profile_run(scratch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch
+        torch.cuda.empty_cache()
+        sampler_bytes = 4 * sched.max_num_seqs * runner.vocab_size * 4
+        return int(peak + sampler_bytes + (1 << 30))
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """The engine's KV cache: one zeroed tensor of the runner's `kv_cache_shape` on this
+        rank's device. The only place the engine's cache is allocated."""
+        runner = self.model_runner
+        return torch.zeros(
+            runner.kv_cache_shape(num_blocks), dtype=runner.kv_dtype, device=self.device
+        )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache, then let the runner tune kernels on it and capture graphs."""
+        self.num_blocks = num_blocks
+        self.model_runner.initialize_kv_cache(self.allocate_kv_cache(num_blocks))
+
+    # ----------------------------------------------------------------- steps
+
+    def execute_async(self, so: SchedulerOutput) -> PendingStep:
+        return self.model_runner.execute_async(so)
+
+    def drop_requests(self, req_ids: set[str]) -> None:
+        self.model_runner.drop_requests(req_ids)
+
+    def needs_prior_tokens(self, so: SchedulerOutput) -> bool:
+        return self.model_runner.needs_prior_tokens(so)
+
+    def may_write_blocks(self, block_ids: list[int]) -> bool:
+        return self.model_runner.may_write_blocks(block_ids)
+
+    def synchronize(self) -> None:
+        self.model_runner.synchronize()
+
+    # ----------------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        """Free this rank's KV cache, CUDA graphs and weights, and return the memory to the
+        device (idempotent)."""
+        self.model_runner.shutdown()
+        gc.collect()  # cycles that may still hold device tensors (a step's callbacks)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
