@@ -79,6 +79,11 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HOME=/cache/huggingface \
     TRITON_CACHE_DIR=/cache/triton \
     HOME=/home/tandem
+# The embedded default model converted once here, not by every container's first start: a
+# fresh /cache volume starts as a copy of the image's /cache (written before VOLUME).
+RUN python -c "from tandem.loader.model_loader import resolve_model_path; \
+print(resolve_model_path('default', '/cache/tandem'))" \
+    && chown -R 10001:10001 /cache
 VOLUME ["/cache"]
 USER 10001:10001
 WORKDIR /home/tandem

@@ -235,7 +235,8 @@ make_base() {
         >"$WORK/debootstrap.log" 2>&1 || { tail -20 "$WORK/debootstrap.log" >&2; die "debootstrap failed"; }
     as_root rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
     as_root tar -C "$root" -c . | timeout 600 "$ENGINE" import \
-        --change 'CMD ["/bin/bash"]' - "$BASE_TAG" >/dev/null
+        --change 'CMD ["/bin/bash"]' - "$BASE_TAG" >"$WORK/import.log" 2>&1 \
+        || { tail -5 "$WORK/import.log" >&2; die "importing the base image failed"; }
     as_root rm -rf "$root"
 }
 
@@ -278,7 +279,7 @@ make_tandem() {
         timeout 120 "$ENGINE" rmi "$old" >/dev/null 2>&1 || true
     fi
     IMAGE_SIZE=$(timeout 60 "$ENGINE" image inspect --format '{{.Size}}' "$IMAGE_TAG")
-    log "built in ${BUILD_S}s, $((IMAGE_SIZE / 1000000)) MB"
+    log "built in ${BUILD_S}s, $((IMAGE_SIZE / 1000000)) MB ($(grep -c 'Using cache' "$WORK/build.log" || true) steps from the layer cache)"
 }
 
 make_base
