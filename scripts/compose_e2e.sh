@@ -15,7 +15,9 @@
 # - the host's pip configuration (find-links, local indexes, constraints) and CA bundle are
 #   read at run time (scripts/container_build_env.py) and mounted into the build.
 # Cached on purpose between runs: the base, Redis and tandem images and the build's layers
-# (a warm run rebuilds only what changed), podman-compose's venv. Everything else the run
+# (a warm run rebuilds only what changed; the image a rebuild replaces is removed with its
+# own layers), podman-compose's venv. The image carries the default model converted, so a
+# fresh model-cache volume starts with it. Everything else the run
 # creates (containers, pod, network, volumes, temp files) is removed on every exit path.
 #
 # Environment: TANDEM_E2E_CACHE (default ~/.cache/tandem/compose-e2e), TANDEM_E2E_PYTHON (the
@@ -203,6 +205,11 @@ use_podman() {
 mkdir -p "$CACHE"
 use_docker || use_podman
 log "engine: $ENGINE ($("$ENGINE" --version 2>/dev/null))"
+# One run at a time on a machine: the project name and the image tags are shared.
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$CACHE/lock"
+    flock -w 1800 9 || die "another compose_e2e run held $CACHE/lock for 30 minutes"
+fi
 # A run killed earlier may have left its project behind.
 teardown
 
