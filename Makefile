@@ -24,9 +24,12 @@ generate: setup
 serve: setup
 	$(VENV)/bin/tandem serve
 
+# The unit, service and deploy tests, then the containers end to end (image built, compose up,
+# workload, compose down; it prints "skipped: <why>" and passes where no engine can be had).
 test: setup
 	bash scripts/install_redis.sh
 	$(PY) -m pytest -q -x --timeout=900
+	TANDEM_E2E_PYTHON=$(PY) bash scripts/compose_e2e.sh
 
 test-gpu:
 	python3 -m pytest -q -m gpu tests/gpu

@@ -88,7 +88,8 @@ def test_cpu_override_drops_gpu_reservations_and_builds_the_cpu_image() -> None:
         assert "devices" not in cpu[role]["deploy"]["resources"]["reservations"]
         assert cpu[role]["command"] == gpu[role]["command"]
     for name in TANDEM_SERVICES:
-        assert cpu[name]["build"]["args"]["BASE_IMAGE"] == "ubuntu:24.04"
+        # Debian 12: its Python 3.11 fits the cp311 CPU wheels.
+        assert cpu[name]["build"]["args"]["BASE_IMAGE"] == "debian:bookworm-slim"
         assert "cpu" in cpu[name]["build"]["args"]["TORCH_INDEX_URL"]
         assert cpu[name]["image"] == "tandem:cpu"
         assert "nvidia/cuda" in gpu[name]["build"]["args"]["BASE_IMAGE"]
