@@ -6,8 +6,10 @@ run's throughput is held against (issue: all at once, at least 90% of this).
         --request-rate inf --out offline.json
 
 The workload (prompts, output lengths, arrival times) is drawn exactly as `tandem bench serve`
-draws it from the same flags and seed; the engine is built from the same engine flags, and
-stepped in this process with no transport (`tandem.bench.serve.run_offline`).
+draws it from the same flags and seed (`--seeds`: one per rate, so that no rate's prompts hit
+the prefix cache another rate filled; the cache is also reset between rates); the engine is
+built from the same engine flags, and stepped in this process with no transport
+(`tandem.bench.serve.run_offline`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--range-ratio", type=float, default=0.0)
     w.add_argument("--request-rate", default="inf", help="comma-separated rates (req/s)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--seeds",
+        default="",
+        help="one workload seed per rate (comma-separated; default: --seed for every rate)",
+    )
     w.add_argument("--warmup", type=int, default=4, help="short requests run before timing")
     p.add_argument("--out", default="")
     ns = p.parse_args(argv)
@@ -46,18 +53,32 @@ def main(argv: list[str] | None = None) -> int:
     startup_s = time.perf_counter() - t0
     model_path = resolve_model_path(ns.model, ns.cache_dir or None)
     vocab = int(getattr(load_hf_config(model_path), "vocab_size", len(load_tokenizer(model_path))))
-    workload = random_workload(
-        ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, vocab, ns.seed
-    )
+    rates = [float(r) for r in ns.request_rate.split(",")]
+    seeds = [int(x) for x in ns.seeds.split(",")] if ns.seeds else [ns.seed] * len(rates)
+    if len(seeds) != len(rates):
+        p.error("--seeds needs one seed per rate")
     warm = Workload([[100 + i for i in range(16)] for _ in range(ns.warmup)], [4] * ns.warmup)
     run_offline(engine, warm, math.inf, 0, ns.seed)
     runs = []
-    for spec in ns.request_rate.split(","):
-        rate = float(spec)
+    for rate, seed in zip(rates, seeds, strict=True):
+        workload = random_workload(
+            ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, vocab, seed
+        )
         engine.scheduler.reset_prefix_cache()
-        results, duration = run_offline(engine, workload, rate, 0, ns.seed)
+        results, duration = run_offline(engine, workload, rate, 0, seed)
         summary = summarize(results, duration, None, None)
-        runs.append({"system": "offline-engine", "rate": rate, "summary": summary})
+        runs.append(
+            {
+                "system": "offline-engine",
+                "rate": rate,
+                "seed": seed,
+                "workload": {
+                    "prompt_tokens": sum(len(x) for x in workload.prompts),
+                    "output_tokens": sum(workload.output_lens),
+                },
+                "summary": summary,
+            }
+        )
         print(
             f"offline rate {rate}: {summary['output_token_throughput']:.0f} output tok/s, "
             f"TTFT p50 {summary['ttft_ms']['p50']:.1f} p99 {summary['ttft_ms']['p99']:.1f} ms, "
@@ -67,11 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "serve_offline",
         "startup_s": startup_s,
-        "workload": {
-            "num_prompts": workload.num_requests,
-            "prompt_tokens": sum(len(x) for x in workload.prompts),
-            "output_tokens": sum(workload.output_lens),
-        },
         "runs": runs,
     }
     if ns.out:

@@ -32,8 +32,8 @@ else
   export TANDEM_SCHEDULER_KV_CONNECTOR=tcp
 fi
 # Extra engine flags for every engine of the run (e.g. ENGINE_EXTRA="--max-num-batched-tokens
-# 8192"); OFFLINE=first|last|both places the offline engine's run (last: after the served runs
-# warmed the kernel caches).
+# 8192"); OFFLINE=first|last|both|none places the offline engine's run (last: after the
+# served runs warmed the kernel caches).
 read -r -a EXTRA <<<"${ENGINE_EXTRA:-}"
 ENGINE+=("${EXTRA[@]}")
 OFFLINE=${OFFLINE:-first}
@@ -42,12 +42,16 @@ RES=$WORK/logs/results
 mkdir -p "$RES"
 SITE=${PYTHONPATH#"$PWD"}
 
+# Each rate draws its own prompts (workload seed = the rate's position, from 1): a rate never
+# hits the prefix cache that an earlier rate filled, served or offline.
+SEEDS=$(python3 -c "print(','.join(str(i + 1) for i in range(len('$RATES'.split(',')))))")
+
 offline_run() {  # offline_run NAME: the offline engine on the same requests and arrival times
   step "offline engine ($1)" 150 "$LOGS/offline_$1.log" \
     $PY -m benchmarks.serve_offline --model "$MODEL" "${ENGINE[@]}" "${LOAD[@]}" \
-    --request-rate "$RATES" --out "$RES/offline_$1.json"
+    --request-rate "$RATES" --seeds "$SEEDS" --out "$RES/offline_$1.json"
 }
-if [ "$OFFLINE" != last ]; then offline_run first; fi
+if [ "$OFFLINE" = first ] || [ "$OFFLINE" = both ]; then offline_run first; fi
 
 serve_run() {  # serve_run NAME TREE PORT [tandem serve flags...]
   local name=$1 tree=$2 port=$3
@@ -85,12 +89,14 @@ PYEOF
   up=$(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')")
   echo "$name: answered ${up}s after start" | tee -a "$summary"
   echo "{\"name\": \"$name\", \"startup_s\": $up}" >"$RES/${name}_startup.json"
+  local k=0
   for rate in ${RATES//,/ }; do
+    k=$((k + 1))
     $PY scripts/proc_cpu.py "$RES/${name}_cpu_${rate}.json" &
     local cpid=$!
     (cd "$tree" && PYTHONPATH="$pypath" timeout 200 $PY -m tandem.cli bench serve \
       --url "http://127.0.0.1:$port" --backend http --model "$MODEL" "${LOAD[@]}" \
-      --request-rate "$rate" --no-plots --out-dir "$RES" --name "${name}_${rate}") \
+      --request-rate "$rate" --seed "$k" --no-plots --out-dir "$RES" --name "${name}_${rate}") \
       >>"$LOGS/${name}_bench.log" 2>&1
     echo "$name rate $rate: rc=$? $(grep -E "^ *serve" "$LOGS/${name}_bench.log" | tail -n 1)" \
       | tee -a "$summary"
@@ -103,12 +109,17 @@ PYEOF
 }
 
 TAG=${TAG:-}
-serve_run "unified$TAG" "$PWD" 8100 --unified
-if [ -n "${OLD_TREE:-}" ]; then
-  serve_run "unified_before$TAG" "$PWD/$OLD_TREE" 8200 --unified
-fi
-serve_run "disagg$TAG" "$PWD" 8300 "${DISAGG_ENGINE[@]}"
-if [ "$OFFLINE" != first ]; then offline_run last; fi
+RUNS=${RUNS:-unified disagg}  # which served layouts, in order
+for run in $RUNS; do
+  case $run in
+    unified) serve_run "unified$TAG" "$PWD" 8100 --unified ;;
+    disagg) serve_run "disagg$TAG" "$PWD" 8300 "${DISAGG_ENGINE[@]}" ;;
+  esac
+  if [ "$run" = unified ] && [ -n "${OLD_TREE:-}" ]; then
+    serve_run "unified_before$TAG" "$PWD/$OLD_TREE" 8200 --unified
+  fi
+done
+if [ "$OFFLINE" = last ] || [ "$OFFLINE" = both ]; then offline_run last; fi
 
 step "9 merge" 30 "$LOGS/9_merge.log" $PY -m benchmarks.serving_report "$RES" "$OUT/issue14.json"
 cat "$LOGS/9_merge.log" >>"$summary"
