@@ -176,8 +176,8 @@ def scheduler_counters(dep: Any) -> dict[str, float]:
 
 
 def run_mode(mode: str, ns: argparse.Namespace, workload: Workload, redis_url: str) -> dict:
+    from services.bench.serve import percentile
     from services.launcher import ServeConfig, start_deployment
-    from tandem.bench.serve import percentile
     from tandem.directory import DirectoryConfig
 
     logs = tempfile.mkdtemp(prefix=f"tandem-bench-prefix-{mode}-")

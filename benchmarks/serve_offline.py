@@ -9,7 +9,7 @@ The workload (prompts, output lengths, arrival times) is drawn exactly as `tande
 draws it from the same flags and seed (`--seeds`: one per rate, so that no rate's prompts hit
 the prefix cache another rate filled; the cache is also reset between rates); the engine is
 built from the same engine flags, and stepped in this process with no transport
-(`tandem.bench.serve.run_offline`).
+(`services.bench.serve.run_offline`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import math
 import time
 
-from tandem.bench.serve import (
+from services.bench.serve import (
     Workload,
     random_workload,
     run_offline,

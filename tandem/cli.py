@@ -1,8 +1,9 @@
 """`tandem generate | serve | bench | frontend | scheduler | prefill-worker | decode-worker`.
 
-This module only dispatches. `generate` and `bench` run in this process
-(`tandem.entrypoints.generate`, `tandem.bench`); `serve` and the services replace this process
-with `python -m services.<name>` (tandem never imports the services), so
+This module only dispatches. `generate` and `bench offline` run in this process
+(`tandem.entrypoints.generate`, `benchmarks.offline_throughput`); `serve`, `bench serve` and the
+services replace this process with `python -m services.<name>` (tandem never imports the
+services), so
 `tandem scheduler --port 1234` and `python -m services.scheduler --port 1234` are the same
 program, and `tandem serve` is `python -m services.launcher`.
 """
@@ -27,9 +28,7 @@ def _bench(argv: list[str]) -> int:
         print("usage: tandem bench {serve|offline} [options]", file=sys.stderr)
         return 2
     if argv[0] == "serve":
-        from tandem.bench.serve import main as bench_serve
-
-        return bench_serve(argv[1:])
+        os.execv(sys.executable, [sys.executable, "-m", "services.bench.serve", *argv[1:]])
     import runpy
 
     sys.argv = ["offline_throughput", *argv[1:]]

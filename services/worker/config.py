@@ -6,14 +6,12 @@ import argparse
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Literal
 
 from services.common.directory import add_directory_args, directory_config_from
 from services.common.server import env_default
+from services.worker.states import Role
 from tandem.config import EngineArgs, EngineConfig, add_engine_args
 from tandem.directory import DirectoryConfig
-
-Role = Literal["prefill", "decode", "unified"]
 
 
 class WorkerConfigError(ValueError):
@@ -125,7 +123,7 @@ def build_parser(service: str, default_role: Role) -> argparse.ArgumentParser:
 def config_from_args(service: str, default_role: Role, argv: list[str]) -> WorkerServiceConfig:
     parser = build_parser(service, default_role)
     ns = parser.parse_args(argv)
-    role: Role = "unified" if ns.unified else default_role
+    role = Role.UNIFIED if ns.unified else Role(default_role)
     try:
         # Resolved here, once: the model path, its HF config and max_model_len.
         engine = EngineArgs.from_cli_args(ns).create_engine_config()

@@ -33,6 +33,7 @@ import grpc
 from services.common.actor import Actor, Ask
 from services.common.convert import output_to_proto
 from services.common.server import ChannelPool
+from services.worker.states import TRANSFERRING, Phase, Role, move
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVConnector, KVDestination, num_prompt_blocks
@@ -47,8 +48,8 @@ _ABORT = common_pb2.FINISH_REASON_ABORT
 class WorkerRequest:
     request_id: str
     destination: str
-    kind: str  # "unified", "prefill" or "decode"
-    phase: str
+    kind: Role
+    phase: Phase
     num_prompt_tokens: int
     max_tokens: int | None = None
     # Next output index to send.
@@ -257,10 +258,10 @@ class WorkerCore(Actor[WorkerMessage]):
                 self._end_receive(msg.request_ids)
             case BeginAddPrefilled():
                 r = self.requests.get(msg.request_id)
-                ok = r is not None and r.phase == "reserved" and not r.aborted
+                ok = r is not None and r.phase == Phase.RESERVED and not r.aborted
                 if ok:
                     assert r is not None
-                    r.phase = "decoding"
+                    move(r, Phase.DECODING)
                 msg.answer(ok)
             case HandoffDone():
                 self._on_handoff_done(msg)
@@ -324,7 +325,7 @@ class WorkerCore(Actor[WorkerMessage]):
             r = self.requests.get(out.request_id)
             if r is None or r.aborted:
                 continue
-            if r.kind == "prefill":
+            if r.kind == Role.PREFILL:
                 self._on_prefill_output(r, out, msg.held or {}, batches)
                 continue
             batches[r.destination].append(output_to_proto(out, r.num_emitted))
@@ -370,7 +371,7 @@ class WorkerCore(Actor[WorkerMessage]):
         batches[r.destination].append(output_to_proto(first, 0))
         r.num_emitted = 1
         r.first_token_id = out.new_token_ids[0]
-        r.phase = "handing_off"
+        move(r, Phase.HANDING_OFF)
         src = held.get(r.request_id)
         if src is None:
             self._on_handoff_done(HandoffDone(r.request_id, "the prefill engine kept no KV"))
@@ -414,7 +415,7 @@ class WorkerCore(Actor[WorkerMessage]):
 
     def _on_handoff_done(self, msg: HandoffDone) -> None:
         r = self.requests.get(msg.request_id)
-        if r is None or r.phase != "handing_off":
+        if r is None or r.phase != Phase.HANDING_OFF:
             return
         self._finish(r)
         self.engine.release_held_nowait(r.request_id)
@@ -441,17 +442,17 @@ class WorkerCore(Actor[WorkerMessage]):
 
     def _begin_receive(self, request_id: str) -> list[int] | None:
         r = self.requests.get(request_id)
-        if r is None or r.kind != "decode" or r.phase != "reserved" or r.aborted:
+        if r is None or r.kind != Role.DECODE or r.phase != Phase.RESERVED or r.aborted:
             return None
-        r.phase = "receiving"
+        move(r, Phase.RECEIVING)
         return r.reserved_block_ids
 
     def _end_receive(self, request_ids: list[str]) -> None:
         aborted: list[str] = []
         for rid in request_ids:
             r = self.requests.get(rid)
-            if r is not None and r.phase == "receiving":
-                r.phase = "reserved"
+            if r is not None and r.phase == Phase.RECEIVING:
+                move(r, Phase.RESERVED)
                 if r.aborted:
                     self._finish(r)
                     aborted.append(rid)
@@ -466,7 +467,7 @@ class WorkerCore(Actor[WorkerMessage]):
             del self.requests[msg.request_id]
             return
         r.reserved_block_ids = msg.block_ids
-        r.phase = "reserved"
+        move(r, Phase.RESERVED)
         if r.aborted:
             # Aborted while reserving. The abort queued then may have run before the reserve
             # (it can overtake the servicer between Track and the engine call): again, now.
@@ -481,7 +482,7 @@ class WorkerCore(Actor[WorkerMessage]):
         if r.aborted:  # the abort that arrived before the add, carried out now
             self.engine.abort_requests_nowait([r.request_id])
             self._finish(r)
-            if r.kind == "prefill":
+            if r.kind == Role.PREFILL:
                 self._abort_remote_reservation(r)
 
     # ------------------------------------------------------------------ aborts
@@ -498,16 +499,16 @@ class WorkerCore(Actor[WorkerMessage]):
             r.aborted = True
             if notify_error:
                 notify[r.destination].append(_abort_output(r, notify_error))
-            if r.phase in ("handing_off", "receiving"):
+            if r.phase in TRANSFERRING:
                 continue  # freed when the transfer ends
             if not r.admitted:
                 continue  # carried out on `Admitted`, after the engine's add
-            if r.phase == "reserving":
+            if r.phase == Phase.RESERVING:
                 to_engine.append(rid)  # runs after the reserve command
                 continue
             to_engine.append(rid)
             self._finish(r)
-            if r.kind == "prefill":
+            if r.kind == Role.PREFILL:
                 self._abort_remote_reservation(r)
         if to_engine:
             self.engine.abort_requests_nowait(to_engine)

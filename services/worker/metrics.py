@@ -32,6 +32,7 @@ from prometheus_client.metrics_core import Metric
 
 from services.common.metrics import TRANSFER_BUCKETS_S, ScrapeCollector, counter, gauge
 from services.worker import core as m
+from services.worker.states import Phase, Role
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVDestination
@@ -97,7 +98,7 @@ class WorkerMetrics:
             sum(
                 r.num_prompt_tokens
                 for r in requests
-                if r.kind != "decode" and r.phase == "running" and r.num_emitted == 0
+                if r.kind != Role.DECODE and r.phase == Phase.RUNNING and r.num_emitted == 0
             ),
             labels,
         )

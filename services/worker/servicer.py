@@ -13,7 +13,7 @@ import grpc
 
 from services.common.convert import engine_request_from_proto
 from services.worker import core as m
-from services.worker.config import Role
+from services.worker.states import Phase, Role
 from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVTransferError
 from tandem.kv_transfer.transports import KVTransports
@@ -133,7 +133,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     request_id=req.request_id,
                     destination=request.destination,
                     kind=kind,
-                    phase="running",
+                    phase=Phase.RUNNING,
                     num_prompt_tokens=len(req.prompt_token_ids),
                     max_tokens=params.max_tokens,
                     handoff=request.handoff if has_handoff else None,
@@ -172,8 +172,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 m.WorkerRequest(
                     request_id=req.request_id,
                     destination=request.destination,
-                    kind="decode",
-                    phase="reserving",
+                    kind=Role.DECODE,
+                    phase=Phase.RESERVING,
                     num_prompt_tokens=len(req.prompt_token_ids),
                     max_tokens=req.sampling_params.max_tokens,
                     num_emitted=1,

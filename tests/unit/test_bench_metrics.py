@@ -9,10 +9,10 @@ import statistics
 
 import pytest
 
-from tandem.bench.client import sse_events
-from tandem.bench.metrics import ClientCpu, RequestResult, record_times, summarize
-from tandem.bench.serve import build_parser, goodput_limits
-from tandem.bench.workload import arrival_times, length_range, random_workload
+from services.bench.client import sse_events
+from services.bench.metrics import ClientCpu, RequestResult, record_times, summarize
+from services.bench.serve import build_parser, goodput_limits
+from services.bench.workload import arrival_times, length_range, random_workload
 
 
 def test_random_dataset_lengths_span_the_issue_ranges() -> None:

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
+from services.bench.serve import build_parser as bench_parser
 from services.launcher import ServeConfig, worker_commands
 from services.launcher import build_parser as serve_parser
 from services.worker.config import config_from_args
-from tandem.bench.serve import build_parser as bench_parser
 from tandem.config import (
     EngineArgs,
     EngineConfig,

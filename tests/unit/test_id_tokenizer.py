@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.bench.id_tokenizer import write_id_tokenizer
+from services.bench.id_tokenizer import write_id_tokenizer
 from tandem.loader import load_tokenizer
 
 

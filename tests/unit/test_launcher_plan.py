@@ -88,7 +88,7 @@ def test_bad_gpus_flag_errors_clearly(bad: str, capsys: pytest.CaptureFixture[st
 
 
 def test_bench_serve_takes_the_same_flags() -> None:
-    from tandem.bench.serve import build_parser as bench_parser
+    from services.bench.serve import build_parser as bench_parser
 
     ns = bench_parser().parse_args(
         ["--launch", "--unified", "--num-unified-workers", "2", "--gpus", "0,1"]

@@ -35,20 +35,21 @@ import math
 import os
 import platform
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.client import LoadRun, Target, grpc_channel, grpc_request, grpc_stream, run_load
-from tandem.bench.metrics import (
+from services.bench.client import LoadRun, Target, grpc_channel, grpc_request, grpc_stream, run_load
+from services.bench.metrics import (
     ClientCpu,
     RequestResult,
     percentile,
     record_times,
     summarize,
 )
-from tandem.bench.workload import Workload, arrival_times, file_workload, random_workload
+from services.bench.workload import Workload, arrival_times, file_workload, random_workload
 
 __all__ = ["build_parser", "main", "percentile", "run_offline", "run_paired"]
 
@@ -575,3 +576,7 @@ def main(argv: list[str]) -> int:
         for path in plot(runs, out_dir, stem):
             print(f"wrote {path}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

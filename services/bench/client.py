@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tandem.bench.metrics import ClientCpu, RequestResult, process_cpu_s, record_times
-from tandem.bench.workload import Workload, arrival_times
+from services.bench.metrics import ClientCpu, RequestResult, process_cpu_s, record_times
+from services.bench.workload import Workload, arrival_times
 
 Send = Callable[[int, RequestResult], Awaitable[None]]
 
@@ -351,7 +351,7 @@ async def run_requests(
 
 
 def _child_main() -> None:
-    """A client process (`python -m tandem.bench.client`), driven over stdin / stdout with
+    """A client process (`python -m services.bench.client`), driven over stdin / stdout with
     pickles: gets its share, connects, says ready, gets the shared start instant (epoch
     seconds), runs, sends back (results, end - start, CPU seconds)."""
     inp = sys.stdin.buffer
@@ -419,7 +419,7 @@ def _run_procs(
     try:
         for share in shares:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tandem.bench.client"],
+                [sys.executable, "-m", "services.bench.client"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env=env,

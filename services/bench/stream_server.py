@@ -9,7 +9,7 @@ engine's steps are shared by the batch), until `max_tokens`. So the client's TTF
 [ttft_ms, ttft_ms + step_ms] and its inter-token latency is step_ms, whatever the load, for as
 long as this process keeps up (it is run in its own process, away from the client it measures).
 
-    python -m tandem.bench.stream_server --step-ms 5 --ttft-ms 20     # prints its two ports
+    python -m services.bench.stream_server --step-ms 5 --ttft-ms 20     # prints its two ports
 
 Timeline of one request (S = step_ms, T = ttft_ms):
 
@@ -194,7 +194,7 @@ async def _http_conn(
 
 
 class StreamServerProcess:
-    """`python -m tandem.bench.stream_server` in a child process on free ports of 127.0.0.1;
+    """`python -m services.bench.stream_server` in a child process on free ports of 127.0.0.1;
     a context manager (the child is terminated on exit)."""
 
     def __init__(self, schedule: Schedule) -> None:
@@ -207,7 +207,7 @@ class StreamServerProcess:
         argv = [
             sys.executable,
             "-m",
-            "tandem.bench.stream_server",
+            "services.bench.stream_server",
             "--step-ms",
             str(self.schedule.step_ms),
             "--ttft-ms",

@@ -3,7 +3,7 @@
 tokenizer over the model's whole vocabulary, split on whitespace). Benchmarks send token ids,
 so the only text it makes is the detokenized output ("t17 t4 ..."), which nobody reads.
 
-    python -m tandem.bench.id_tokenizer random:llama-3.2-1b     # writes into the model folder
+    python -m services.bench.id_tokenizer random:llama-3.2-1b     # writes into the model folder
 """
 
 from __future__ import annotations

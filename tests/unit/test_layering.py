@@ -1,0 +1,58 @@
+"""The house rules on imports, checked on the source: `tandem/` never imports `services/`, a
+service never imports another service, `kernels/` imports only torch and triton (and the
+standard library)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = {p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").exists()}
+# Shared service code and the programs that start services (by design they import them).
+SHARED = {"common", "worker", "launcher", "bench"}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_tandem_never_imports_services() -> None:
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.split(".")[0] == "services")
+        for p in (ROOT / "tandem").rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_a_service_never_imports_another_service() -> None:
+    bad: dict[str, list[str]] = {}
+    for name in SERVICES - SHARED:
+        for p in (ROOT / "services" / name).rglob("*.py"):
+            others = sorted(
+                n
+                for n in _imports(p)
+                if n.split(".")[0] == "services"
+                and len(n.split(".")) > 1
+                and n.split(".")[1] not in SHARED | {name}
+            )
+            if others:
+                bad[str(p.relative_to(ROOT))] = others
+    assert bad == {}
+
+
+def test_kernels_import_only_torch_and_triton() -> None:
+    allowed = {"torch", "triton", "kernels", "__future__", *sys.stdlib_module_names}
+    bad = {
+        str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.split(".")[0] not in allowed)
+        for p in (ROOT / "kernels").rglob("*.py")
+    }
+    assert {k: v for k, v in bad.items() if v} == {}
