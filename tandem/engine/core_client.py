@@ -111,20 +111,6 @@ class EngineCoreClient(abc.ABC):
         return SyncMPClient(config) if multiprocess else InprocClient(config)
 
 
-def _info_of(engine: EngineCore) -> EngineInfo:
-    return EngineInfo(
-        pid=0,
-        block_size=engine.block_size,
-        num_blocks=engine.num_blocks,
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size,
-        eos_token_id=engine.eos_token_id,
-        model_path=str(engine.model_path),
-        kv_device=engine.kv_cache.device.type,
-        shared_kv_cache=None,
-    )
-
-
 class InprocClient(EngineCoreClient):
     """The engine in this process; `get_output()` runs one step."""
 
@@ -133,7 +119,7 @@ class InprocClient(EngineCoreClient):
             assert config is not None
             engine = EngineCore(config)
         self.engine = engine
-        self.info = _info_of(engine)
+        self.info = EngineInfo.of(engine, 0, None)
 
     def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None:
         self.engine.add_request(req, hold_kv=hold_kv)

@@ -108,6 +108,20 @@ class EngineInfo:
     kv_device: str
     shared_kv_cache: SharedKVCache | None
 
+    @classmethod
+    def of(cls, engine: EngineCore, pid: int, shared: SharedKVCache | None) -> EngineInfo:
+        return cls(
+            pid=pid,
+            block_size=engine.block_size,
+            num_blocks=engine.num_blocks,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            eos_token_id=engine.eos_token_id,
+            model_path=str(engine.model_path),
+            kv_device=engine.kv_cache.device.type,
+            shared_kv_cache=shared,
+        )
+
 
 @dataclass(frozen=True)
 class PoolState:
@@ -344,17 +358,7 @@ def run_engine_core(
     try:
         engine = EngineCore(config)
         shared = share_kv_cache(engine) if options.share_kv_cache else None
-        info = EngineInfo(
-            pid=os.getpid(),
-            block_size=engine.block_size,
-            num_blocks=engine.num_blocks,
-            max_model_len=engine.max_model_len,
-            vocab_size=engine.vocab_size,
-            eos_token_id=engine.eos_token_id,
-            model_path=str(engine.model_path),
-            kv_device=engine.kv_cache.device.type,
-            shared_kv_cache=shared,
-        )
+        info = EngineInfo.of(engine, os.getpid(), shared)
     except BaseException as exc:
         with contextlib.suppress(Exception):
             outputs.send_bytes(serial.encode_pickled(serial.FATAL, _portable(exc)))

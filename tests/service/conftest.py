@@ -6,6 +6,7 @@ module-scoped and the offline reference outputs are computed once per session.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ import pytest
 from services.launcher import Deployment, ServeConfig, start_deployment
 from tandem_protos.v1 import (
     common_pb2,
+    frontend_pb2,
+    frontend_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
     worker_pb2,
@@ -156,6 +159,33 @@ def pools_whole(dep: Deployment) -> bool:
         ):
             return False
     return True
+
+
+def interrupt_a_stream(
+    grpc_address: str, prompt: str, interrupt: Callable[[], None], timeout_s: float = 60.0
+) -> tuple[grpc.StatusCode, float]:
+    """Stream a long greedy Generate and call `interrupt` after its second message; returns
+    the status the stream ended with and the seconds from the interrupt to that end. A stream
+    that ends without an error fails the test."""
+
+    async def run() -> tuple[grpc.StatusCode, float]:
+        async with grpc.aio.insecure_channel(grpc_address) as channel:
+            stub = frontend_pb2_grpc.FrontendStub(channel)
+            params = common_pb2.SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+            call = stub.Generate(frontend_pb2.GenerateRequest(text=prompt, sampling_params=params))
+            n = 0
+            t0 = 0.0
+            try:
+                async for _ in call:
+                    n += 1
+                    if n == 2:
+                        interrupt()
+                        t0 = time.monotonic()
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), time.monotonic() - t0
+            raise AssertionError("the stream ended without an error")
+
+    return asyncio.run(asyncio.wait_for(run(), timeout=timeout_s))
 
 
 def assert_pools_whole(dep: Deployment, timeout_s: float = 20.0) -> None:

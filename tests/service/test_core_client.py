@@ -30,9 +30,8 @@ from tandem.engine.core_client import (
 from tandem.engine.serial import Piggyback
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
-from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
-from .conftest import PROMPTS, launch
+from .conftest import PROMPTS, interrupt_a_stream, launch
 
 
 def _config(model: Path) -> EngineConfig:
@@ -189,26 +188,8 @@ def test_worker_whose_engine_dies_fails_its_streams_and_exits(tmp_path: Path) ->
         engine = psutil.Process(int(dep.services["unified"].info["engine_pid"]))
         assert engine in worker.children()
 
-        async def run() -> float:
-            async with grpc.aio.insecure_channel(dep.grpc_address) as channel:
-                stub = frontend_pb2_grpc.FrontendStub(channel)
-                params = common_pb2.SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
-                call = stub.Generate(
-                    frontend_pb2.GenerateRequest(text=PROMPTS[0], sampling_params=params)
-                )
-                n = 0
-                t0 = 0.0
-                try:
-                    async for _ in call:
-                        n += 1
-                        if n == 2:
-                            engine.kill()
-                            t0 = time.monotonic()
-                except grpc.aio.AioRpcError:
-                    return time.monotonic() - t0
-                raise AssertionError("the stream ended without an error")
-
-        waited = asyncio.run(asyncio.wait_for(run(), timeout=60))
+        code, waited = interrupt_a_stream(dep.grpc_address, PROMPTS[0], engine.kill)
+        assert code == grpc.StatusCode.UNAVAILABLE, code
         assert waited < 10
         code = dep.services["unified"].process.wait(timeout=30)
         assert code != 0

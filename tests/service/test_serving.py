@@ -26,6 +26,7 @@ from tests.service.conftest import (
     SEEDED,
     Reference,
     assert_pools_whole,
+    interrupt_a_stream,
     list_workers,
     wait_until,
     worker_names,
@@ -380,28 +381,10 @@ def test_worker_that_stops_reporting_fails_its_requests(deployment: Deployment) 
     SIGCONT the worker registers again and serves."""
     victim = "unified" if "unified" in deployment.services else "decode"
     pid = deployment.pid(victim)
-
-    async def run() -> tuple[grpc.StatusCode, float]:
-        async with grpc.aio.insecure_channel(deployment.grpc_address) as channel:
-            stub = frontend_pb2_grpc.FrontendStub(channel)
-            params = common_pb2.SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
-            call = stub.Generate(
-                frontend_pb2.GenerateRequest(text=PROMPTS[2], sampling_params=params)
-            )
-            n = 0
-            t0 = 0.0
-            try:
-                async for _ in call:
-                    n += 1
-                    if n == 2:
-                        os.kill(pid, signal.SIGSTOP)
-                        t0 = time.monotonic()
-            except grpc.aio.AioRpcError as exc:
-                return exc.code(), time.monotonic() - t0
-            raise AssertionError("the stream ended without an error")
-
     try:
-        code, waited = asyncio.run(asyncio.wait_for(run(), timeout=60))
+        code, waited = interrupt_a_stream(
+            deployment.grpc_address, PROMPTS[2], lambda: os.kill(pid, signal.SIGSTOP)
+        )
     finally:
         os.kill(pid, signal.SIGCONT)
     assert code == grpc.StatusCode.UNAVAILABLE
