@@ -151,9 +151,7 @@ class InprocClient(EngineCoreClient):
         return self.engine.stats()
 
     def shutdown(self) -> None:
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.engine.shutdown()
 
 
 class _EngineProcess:

@@ -374,9 +374,7 @@ def run_engine_core(
         raise
     finally:
         with contextlib.suppress(Exception):
-            shutdown = getattr(engine, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            engine.shutdown()
 
 
 def _portable(exc: BaseException) -> BaseException:

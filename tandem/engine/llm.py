@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from tandem.config import EngineArgs
 from tandem.engine.core import EngineCore, InvalidRequestError
+from tandem.engine.core_client import InprocClient
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.loader import load_tokenizer
 from tandem.models.presets import has_random_weights
@@ -28,6 +29,9 @@ class LLM:
 
     `shutdown()` (or leaving a `with LLM(...) as llm:` block) frees the engine's device memory
     (KV cache, CUDA graphs, weights); the LLM generates nothing afterwards.
+
+    The engine is reached through an `InprocClient` (the same interface the services reach
+    their engine process through); `engine` is the EngineCore itself, for inspection.
     """
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
@@ -36,6 +40,7 @@ class LLM:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.engine = EngineCore(self.engine_args.create_engine_config())
+        self.client = InprocClient(engine=self.engine)
         # Random-weight presets carry no tokenizer: they take token ids and return no text.
         self.tokenizer = (
             None
@@ -49,7 +54,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Free the engine's KV cache, CUDA graphs and weights (idempotent)."""
-        self.engine.shutdown()
+        self.client.shutdown()
 
     close = shutdown
 
@@ -122,19 +127,19 @@ class LLM:
                 children = self._output_processor.add_request(rid, text, token_ids, params)
                 request_ids.append(rid)
                 for cid, cparams in children:
-                    self.engine.add_request(
+                    self.client.add_request(
                         EngineCoreRequest(
                             request_id=cid,
                             prompt_token_ids=token_ids,
                             sampling_params=cparams,
-                            eos_token_id=self.engine.eos_token_id,
+                            eos_token_id=self.client.info.eos_token_id,
                             priority=0 if priority is None else priority[i],
                         )
                     )
                     added.append(cid)
         except Exception:
             # Leave the engine as it was: nothing of this call stays queued.
-            self.engine.abort_requests(added)
+            self.client.abort_requests(added)
             for rid in request_ids:
                 self._output_processor.abort(rid)
             raise
@@ -165,19 +170,19 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm, unit="req")
         try:
             while self._output_processor.num_unfinished:
-                outputs = self.engine.step()
-                if not outputs and not self.engine.has_unfinished_requests():
+                outputs = self.client.get_output()
+                if not outputs and not self.client.has_unfinished_requests():
                     break
                 finished, to_abort = self._output_processor.process_outputs(outputs)
                 if to_abort:
-                    self.engine.abort_requests(to_abort)
+                    self.client.abort_requests(to_abort)
                 for ro in finished:
                     results[ro.request_id] = ro
                 bar.update(len(finished))
         except BaseException:
             for rid in request_ids:
                 if rid not in results:
-                    self.engine.abort_requests(self._output_processor.abort(rid))
+                    self.client.abort_requests(self._output_processor.abort(rid))
             raise
         finally:
             bar.close()
