@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 OnStep = Callable[[list[EngineCoreOutput], serial.Piggyback], None]
 
+_MAX_FRAMES_PER_WAKEUP = 16
+
 
 class EngineDeadError(RuntimeError):
     """The engine-core process has exited; the message says how."""
@@ -423,7 +425,11 @@ class AsyncMPClient:
         proc = self._proc
         assert proc is not None
         try:
-            while proc.outputs.poll():
+            # A bounded batch per wake-up: a fast engine cannot keep the loop from its other
+            # work (the reader fires again while frames remain).
+            for _ in range(_MAX_FRAMES_PER_WAKEUP):
+                if not proc.outputs.poll():
+                    return
                 self._handle(proc.outputs.recv_bytes())
                 if proc.dead is not None:
                     return
