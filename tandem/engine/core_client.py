@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import time
 from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 OnStep = Callable[[list[EngineCoreOutput], serial.Piggyback], None]
 
 _MAX_FRAMES_PER_WAKEUP = 16
+_WATCH_INTERVAL_S = 0.2
 
 
 class EngineDeadError(RuntimeError):
@@ -187,8 +189,21 @@ class _EngineProcess:
         except (BrokenPipeError, OSError) as exc:
             raise EngineDeadError(f"the engine process is gone ({exc})") from exc
 
+    def exited(self) -> bool:
+        """Whether the process has exited (waitpid, not the sentinel pipe: a process the
+        engine started, such as torch's shared-memory manager, may hold the sentinel open)."""
+        return self.process.exitcode is not None
+
+    def wait_exit(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.exited():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def exit_reason(self, fatal: BaseException | None = None) -> str:
-        self.process.join(timeout=1.0)
+        self.wait_exit(1.0)
         code = self.process.exitcode
         how = f"exit code {code}" if code is not None else "no exit code yet"
         if fatal is not None:
@@ -198,10 +213,9 @@ class _EngineProcess:
     def close(self, timeout_s: float = 10.0) -> None:
         with contextlib.suppress(Exception):
             self.commands.close()
-        self.process.join(timeout=timeout_s)
-        if self.process.is_alive():
+        if not self.wait_exit(timeout_s):
             self.process.kill()
-            self.process.join(timeout=5.0)
+            self.wait_exit(5.0)
         with contextlib.suppress(Exception):
             self.outputs.close()
 
@@ -356,6 +370,7 @@ class AsyncMPClient:
         self.num_step_frames = 0
         self._kv_cache: torch.Tensor | None = None
         self._closing = False
+        self._watchdog: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -366,6 +381,7 @@ class AsyncMPClient:
         self._ready = self._loop.create_future()
         self._proc = _EngineProcess(self.config, self.options, self.name)
         self._loop.add_reader(self._proc.outputs.fileno(), self._on_readable)
+        self._watchdog = self._loop.create_task(self._watch())
         try:
             self.info = await self._ready
             self.latest_stats = await self.stats()
@@ -415,6 +431,17 @@ class AsyncMPClient:
         return shared.handle if shared is not None and shared.kind == "cuda" else None
 
     # ------------------------------------------------------------------ frames
+
+    async def _watch(self) -> None:
+        """Notices an exited engine process within `_WATCH_INTERVAL_S` even when its output
+        pipe stays open (a process it started holds the pipe's other end)."""
+        proc = self._proc
+        assert proc is not None
+        while proc.dead is None:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+            if proc.dead is None and proc.exited():
+                self._on_readable()  # the frames it wrote before it went (FATAL)
+                self._mark_dead(proc.exit_reason() if not self._closing else "shut down")
 
     def _stop_reading(self) -> None:
         if self._loop is not None and self._proc is not None:

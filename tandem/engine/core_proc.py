@@ -365,16 +365,19 @@ def run_engine_core(
         raise
     outputs.send_bytes(serial.encode_pickled(serial.READY, info))
     proc = EngineCoreProc(engine, options, commands, outputs)
+    code = 0
     try:
         proc.run()
     except BaseException as exc:
         logger.exception("engine-core loop failed")
         with contextlib.suppress(Exception):
             outputs.send_bytes(serial.encode_pickled(serial.FATAL, _portable(exc)))
-        raise
-    finally:
-        with contextlib.suppress(Exception):
-            engine.shutdown()
+        code = 1
+    # Every frame is written (the output thread was joined). Leave without the interpreter's
+    # teardown, which takes seconds on a busy machine (torch, the model, a shared KV cache
+    # file): the OS frees the process's memory, and a worker's stop is not held up by it.
+    logging.shutdown()
+    os._exit(code)
 
 
 def _portable(exc: BaseException) -> BaseException:

@@ -27,6 +27,7 @@ from tandem.engine.core_client import (
     InprocClient,
     SyncMPClient,
 )
+from tandem.engine.core_proc import EngineProcOptions
 from tandem.engine.serial import Piggyback
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
@@ -131,7 +132,13 @@ def test_disaggregation_hooks_over_the_process_boundary(
     assert s.num_free_blocks == s.num_blocks
 
 
-def test_async_client_notices_a_dead_engine_at_once(smollm2_path: Path) -> None:
+@pytest.mark.parametrize("share_kv_cache", [False, True])
+def test_async_client_notices_a_dead_engine_at_once(
+    smollm2_path: Path, share_kv_cache: bool
+) -> None:
+    """Also with the KV cache shared (a shared-memory file, whose manager process can keep
+    the engine's pipes open after it died): noticed within a second."""
+
     async def run() -> None:
         dead: list[tuple[str, float]] = []
         steps: list[list[EngineCoreOutput]] = []
@@ -140,9 +147,14 @@ def test_async_client_notices_a_dead_engine_at_once(smollm2_path: Path) -> None:
             steps.append(outputs)
 
         client = AsyncMPClient(
-            _config(smollm2_path), on_step, on_dead=lambda r: dead.append((r, time.monotonic()))
+            _config(smollm2_path),
+            on_step,
+            EngineProcOptions(share_kv_cache=share_kv_cache),
+            on_dead=lambda r: dead.append((r, time.monotonic())),
         )
         info = await client.start()
+        if share_kv_cache:
+            assert client.kv_cache().shape[0] == info.num_blocks
         assert client.alive and client.latest_stats is not None
         params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         await client.add_request(EngineCoreRequest("long", list(range(10, 40)), params))
