@@ -11,6 +11,10 @@ Request phases by role::
                         (or finished at the first token: eos, max_tokens=1)
     decode:   reserving ─▶ reserved ─▶ receiving ─▶ reserved ─ AddPrefilled ─▶ decoding ─▶ ...
 
+What a request's role changes (its step outputs, the prefill hand-off, what an abort also
+does) is decided by the worker's role object (`services/worker/roles.py`), which the core
+asks; the core itself keeps the phases, the destinations and the abort protocol.
+
 Blocks whose bytes are being moved are never freed under the transfer: an abort during
 `handing_off` (prefill) or `receiving` (decode) is deferred until the transfer ends.
 
@@ -324,6 +328,7 @@ class WorkerCore(Actor[WorkerMessage]):
         return dest.queue
 
     def emit(self, batches: dict[str, list[worker_pb2.RequestOutput]]) -> None:
+        """Put one `StepOutputs` per destination on that destination's queue."""
         for name, outs in batches.items():
             self._destination(name).queue.put_nowait(worker_pb2.StepOutputs(outputs=outs))
 
