@@ -30,10 +30,10 @@ from services.worker.prefix_publishing import (
     start_prefix_publishing,
     stop_prefix_publishing,
 )
-from services.worker.servicer import ROLE_TO_PROTO, WorkerServicer, stats_to_proto
+from services.worker.roles import worker_role
+from services.worker.servicer import WorkerServicer, stats_to_proto
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
-from tandem.engine.core_proc import EngineProcOptions
 from tandem.engine.serial import Piggyback
 from tandem.kv_transfer.placement import host_id
 from tandem.kv_transfer.tcp import TcpKVConnector
@@ -130,6 +130,7 @@ async def _ticker(core: m.WorkerCore) -> None:
 async def serve(config: WorkerServiceConfig) -> int:
     stop = shutdown_event()
     holder: list[m.WorkerCore] = []
+    role = worker_role(config.role)
     metrics = WorkerMetrics(config.role)
 
     mirror = CacheMirror()
@@ -153,11 +154,7 @@ async def serve(config: WorkerServiceConfig) -> int:
     client = AsyncMPClient(
         config.engine,
         on_step,
-        EngineProcOptions(
-            report_held_blocks=config.role == "prefill",
-            publish_cache_events=publishes,
-            share_kv_cache=config.role != "unified",
-        ),
+        role.engine_options(publish_cache_events=publishes),
         name=f"engine-{config.role}",
         on_dead=on_dead,
         on_piggyback=on_piggyback,
@@ -171,11 +168,12 @@ async def serve(config: WorkerServiceConfig) -> int:
         info.max_model_len,
         config.destination_timeout_s,
         config.rpc_timeout_s,
+        role,
     )
     holder.append(core)
     core.start()
     connector = None
-    if config.role != "unified":
+    if role.has_kv_connector:
         kv_cache = client.kv_cache()
         tcp = TcpKVConnector(kv_cache, client, config.kv_max_message_bytes, config.rpc_timeout_s)
         # TCP, and CUDA IPC / NCCL (gloo on CPU) where this process can; the scheduler picks
@@ -187,9 +185,7 @@ async def serve(config: WorkerServiceConfig) -> int:
         core.connector = connector
 
     server = GrpcServer([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
-    servicer = WorkerServicer(
-        config.role, config.worker_id, core, client, info.eos_token_id, connector
-    )
+    servicer = WorkerServicer(role, config.worker_id, core, client, info.eos_token_id, connector)
     server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     port = await server.start(config.host, config.port)
     metrics.bind(core, client)
@@ -206,7 +202,7 @@ async def serve(config: WorkerServiceConfig) -> int:
             scheduler_pb2.RegisterWorkerRequest(
                 worker_id=config.worker_id,
                 address=address,
-                role=ROLE_TO_PROTO[config.role],
+                role=role.proto,
                 model=config.engine.model.model,
                 max_model_len=info.max_model_len,
                 block_size=info.block_size,

@@ -11,6 +11,10 @@ Request phases by role::
                         (or finished at the first token: eos, max_tokens=1)
     decode:   reserving ─▶ reserved ─▶ receiving ─▶ reserved ─ AddPrefilled ─▶ decoding ─▶ ...
 
+What a request's role changes (its step outputs, the prefill hand-off, what an abort also
+does) is decided by the worker's role object (`services/worker/roles.py`), which the core
+asks; the core itself keeps the phases, the destinations and the abort protocol.
+
 Blocks whose bytes are being moved are never freed under the transfer: an abort during
 `handing_off` (prefill) or `receiving` (decode) is deferred until the transfer ends.
 
@@ -26,18 +30,20 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from services.common.actor import Actor, Ask
-from services.common.convert import output_to_proto
 from services.common.server import ChannelPool
 from services.worker.states import TRANSFERRING, Phase, Role, move
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
-from tandem.kv_transfer.base import KVConnector, KVDestination, num_prompt_blocks
-from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.kv_transfer.base import KVConnector
+from tandem_protos.v1 import common_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from services.worker.roles import WorkerRole
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +213,11 @@ class _Destination:
 
 
 class WorkerCore(Actor[WorkerMessage]):
-    """Owns the worker's requests, output destinations and hand-offs."""
+    """Owns the worker's requests, output destinations and hand-offs.
+
+    What differs by role (a step's output, what an abort also does, the hand-off) is asked of
+    `role`; the methods it calls back (`finish`, `emit`, `spawn`, `channel`) run on the core's
+    event loop, inside its message handling."""
 
     def __init__(
         self,
@@ -217,9 +227,11 @@ class WorkerCore(Actor[WorkerMessage]):
         max_model_len: int,
         destination_timeout_s: float,
         rpc_timeout_s: float,
+        role: WorkerRole,
     ) -> None:
         super().__init__(f"worker-core-{worker_id}")
         self.worker_id = worker_id
+        self.role = role
         self.engine = engine
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -264,7 +276,7 @@ class WorkerCore(Actor[WorkerMessage]):
                     move(r, Phase.DECODING)
                 msg.answer(ok)
             case HandoffDone():
-                self._on_handoff_done(msg)
+                self.role.on_handoff_done(self, msg)
             case Abort():
                 msg.answer(self._abort(msg.request_ids, msg.notify_error))
             case Connect():
@@ -315,128 +327,20 @@ class WorkerCore(Actor[WorkerMessage]):
         dest.connected = True
         return dest.queue
 
-    def _emit(self, batches: dict[str, list[worker_pb2.RequestOutput]]) -> None:
+    def emit(self, batches: dict[str, list[worker_pb2.RequestOutput]]) -> None:
+        """Put one `StepOutputs` per destination on that destination's queue."""
         for name, outs in batches.items():
             self._destination(name).queue.put_nowait(worker_pb2.StepOutputs(outputs=outs))
 
     def _on_step(self, msg: Step) -> None:
         batches: dict[str, list[worker_pb2.RequestOutput]] = defaultdict(list)
+        held = msg.held or {}
         for out in msg.outputs:
             r = self.requests.get(out.request_id)
             if r is None or r.aborted:
                 continue
-            if r.kind == Role.PREFILL:
-                self._on_prefill_output(r, out, msg.held or {}, batches)
-                continue
-            batches[r.destination].append(output_to_proto(out, r.num_emitted))
-            r.num_emitted += len(out.new_token_ids)
-            if out.finished:
-                self._finish(r)
-        self._emit(batches)
-
-    def _on_prefill_output(
-        self,
-        r: WorkerRequest,
-        out: EngineCoreOutput,
-        held: dict[str, list[int]],
-        batches: dict[str, list[worker_pb2.RequestOutput]],
-    ) -> None:
-        if out.finish_reason == "abort" or not out.new_token_ids:
-            if out.finished:
-                batches[r.destination].append(
-                    output_to_proto(out, r.num_emitted, "aborted by the prefill engine")
-                )
-                self._finish(r)
-                self._abort_remote_reservation(r)
-            return
-        # The prefill ran with max_tokens=1, so it always finishes here. It ends the request
-        # for real on a stop (eos, stop token), at the caller's max_tokens, or at the context.
-        really_done = (
-            out.finish_reason == "stop"
-            or r.max_tokens == 1
-            or r.num_prompt_tokens + 1 >= self.max_model_len
-        )
-        if really_done:
-            batches[r.destination].append(output_to_proto(out, 0))
-            self._finish(r)
-            self.engine.release_held_nowait(r.request_id)
-            self._abort_remote_reservation(r)
-            return
-        first = EngineCoreOutput(
-            out.request_id,
-            out.new_token_ids,
-            out.new_logprobs,
-            num_cached_tokens=out.num_cached_tokens,
-        )
-        batches[r.destination].append(output_to_proto(first, 0))
-        r.num_emitted = 1
-        r.first_token_id = out.new_token_ids[0]
-        move(r, Phase.HANDING_OFF)
-        src = held.get(r.request_id)
-        if src is None:
-            self._on_handoff_done(HandoffDone(r.request_id, "the prefill engine kept no KV"))
-            return
-        self._spawn(self._handoff(r, src))
-
-    # ------------------------------------------------------------------ hand-off (prefill)
-
-    async def _handoff(self, r: WorkerRequest, src_block_ids: list[int]) -> None:
-        handoff = r.handoff
-        assert handoff is not None and self.connector is not None
-        try:
-            n = num_prompt_blocks(r.num_prompt_tokens, self.block_size)
-            skip = min(handoff.num_cached_tokens // self.block_size, n)
-            dst = KVDestination(
-                handoff.decode_worker_id,
-                handoff.decode_address,
-                tuple(handoff.block_ids[skip:n]),
-                handoff.transport or "tcp",
-            )
-            await self.connector.send_blocks(r.request_id, src_block_ids[skip:n], dst)
-            if r.aborted:
-                self.tell(HandoffDone(r.request_id, "aborted"))
-                return
-            stub = worker_pb2_grpc.WorkerStub(self._channel(handoff.decode_address))
-            await stub.AddPrefilled(
-                worker_pb2.AddPrefilledRequest(
-                    request_id=r.request_id, first_token_id=r.first_token_id
-                ),
-                timeout=self.rpc_timeout_s,
-            )
-            self.tell(HandoffDone(r.request_id))
-        except Exception as exc:
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            self.tell(
-                HandoffDone(
-                    r.request_id,
-                    f"KV hand-off to {handoff.decode_worker_id} failed: {detail}",
-                )
-            )
-
-    def _on_handoff_done(self, msg: HandoffDone) -> None:
-        r = self.requests.get(msg.request_id)
-        if r is None or r.phase != Phase.HANDING_OFF:
-            return
-        self._finish(r)
-        self.engine.release_held_nowait(r.request_id)
-        if msg.error or r.aborted:
-            self._abort_remote_reservation(r)
-        if msg.error and not r.aborted:
-            logger.warning("%s: %s", r.request_id, msg.error)
-            self._emit({r.destination: [_abort_output(r, msg.error)]})
-
-    def _abort_remote_reservation(self, r: WorkerRequest) -> None:
-        if r.handoff is not None:
-            self._spawn(self._remote_abort(r.handoff.decode_address, r.request_id))
-
-    async def _remote_abort(self, address: str, request_id: str) -> None:
-        stub = worker_pb2_grpc.WorkerStub(self._channel(address))
-        try:
-            await stub.Abort(
-                common_pb2.AbortRequest(request_ids=[request_id]), timeout=self.rpc_timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            logger.warning("abort of %s on %s failed: %s", request_id, address, exc.code().name)
+            self.role.on_output(self, r, out, held, batches)
+        self.emit(batches)
 
     # ------------------------------------------------------------------ decode side
 
@@ -454,7 +358,7 @@ class WorkerCore(Actor[WorkerMessage]):
             if r is not None and r.phase == Phase.RECEIVING:
                 move(r, Phase.RESERVED)
                 if r.aborted:
-                    self._finish(r)
+                    self.finish(r)
                     aborted.append(rid)
         if aborted:
             self.engine.abort_requests_nowait(aborted)
@@ -472,7 +376,7 @@ class WorkerCore(Actor[WorkerMessage]):
             # Aborted while reserving. The abort queued then may have run before the reserve
             # (it can overtake the servicer between Track and the engine call): again, now.
             self.engine.abort_requests_nowait([r.request_id])
-            self._finish(r)
+            self.finish(r)
 
     def _on_admitted(self, msg: Admitted) -> None:
         r = self.requests.get(msg.request_id)
@@ -481,9 +385,8 @@ class WorkerCore(Actor[WorkerMessage]):
         r.admitted = True
         if r.aborted:  # the abort that arrived before the add, carried out now
             self.engine.abort_requests_nowait([r.request_id])
-            self._finish(r)
-            if r.kind == Role.PREFILL:
-                self._abort_remote_reservation(r)
+            self.finish(r)
+            self.role.on_aborted(self, r)
 
     # ------------------------------------------------------------------ aborts
 
@@ -498,7 +401,7 @@ class WorkerCore(Actor[WorkerMessage]):
             count += 1
             r.aborted = True
             if notify_error:
-                notify[r.destination].append(_abort_output(r, notify_error))
+                notify[r.destination].append(abort_output(r, notify_error))
             if r.phase in TRANSFERRING:
                 continue  # freed when the transfer ends
             if not r.admitted:
@@ -507,15 +410,15 @@ class WorkerCore(Actor[WorkerMessage]):
                 to_engine.append(rid)  # runs after the reserve command
                 continue
             to_engine.append(rid)
-            self._finish(r)
-            if r.kind == Role.PREFILL:
-                self._abort_remote_reservation(r)
+            self.finish(r)
+            self.role.on_aborted(self, r)
         if to_engine:
             self.engine.abort_requests_nowait(to_engine)
-        self._emit(notify)
+        self.emit(notify)
         return count
 
-    def _finish(self, r: WorkerRequest) -> None:
+    def finish(self, r: WorkerRequest) -> None:
+        """`r` leaves this worker (reported to the scheduler as finished)."""
         if self.requests.pop(r.request_id, None) is not None:
             self.finished.append(r.request_id)
 
@@ -536,10 +439,12 @@ class WorkerCore(Actor[WorkerMessage]):
 
     # ------------------------------------------------------------------ plumbing
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A pooled channel to another worker."""
         return self._channels.get(address)
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> None:
+        """Run `coro` in a task the core cancels on `close`."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -551,7 +456,8 @@ class WorkerCore(Actor[WorkerMessage]):
         await self._channels.close()
 
 
-def _abort_output(r: WorkerRequest, error: str) -> worker_pb2.RequestOutput:
+def abort_output(r: WorkerRequest, error: str) -> worker_pb2.RequestOutput:
+    """The last output of a request that ends with `error`."""
     return worker_pb2.RequestOutput(
         request_id=r.request_id, output_index=r.num_emitted, finish_reason=_ABORT, error=error
     )

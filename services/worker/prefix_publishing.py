@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from services.common.directory import publisher_metrics
 from services.common.metrics import ScrapeCollector
 from services.worker.config import WorkerServiceConfig
+from services.worker.roles import worker_role
 from tandem.directory import DirectoryPublisher, make_directory
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def publishes_prefixes(config: WorkerServiceConfig) -> bool:
     prefix caching on)."""
     return (
         config.directory.uses_redis
-        and config.role in ("prefill", "unified")
+        and worker_role(config.role).publishes_prefixes
         and config.engine.cache.enable_prefix_caching
     )
 

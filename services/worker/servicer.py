@@ -13,6 +13,7 @@ import grpc
 
 from services.common.convert import engine_request_from_proto
 from services.worker import core as m
+from services.worker.roles import ROLE_TO_PROTO, WorkerRole
 from services.worker.states import Phase, Role
 from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVTransferError
@@ -22,12 +23,7 @@ from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-ROLE_TO_PROTO = {
-    "prefill": common_pb2.WORKER_ROLE_PREFILL,
-    "decode": common_pb2.WORKER_ROLE_DECODE,
-    "unified": common_pb2.WORKER_ROLE_UNIFIED,
-}
-
+__all__ = ["ROLE_TO_PROTO", "WorkerServicer", "stats_to_proto"]
 
 T = TypeVar("T")
 # Tasks whose caller was cancelled, kept alive until they end.
@@ -77,7 +73,7 @@ def stats_to_proto(
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(
         self,
-        role: Role,
+        role: WorkerRole,
         worker_id: str,
         core: m.WorkerCore,
         engine: AsyncMPClient,
@@ -90,6 +86,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.eos_token_id = eos_token_id
         self.connector = connector
+
+    async def _refuse_wrong_role(self, rpc: str, context: grpc.aio.ServicerContext) -> None:
+        """FAILED_PRECONDITION when this worker's role does not serve `rpc`."""
+        refusal = self.role.refusal(rpc)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
 
     async def _request(
         self, msg: common_pb2.EngineRequest, context: grpc.aio.ServicerContext
@@ -114,25 +116,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
-        if self.role == "decode":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this is a decode worker")
+        await self._refuse_wrong_role("Prefill", context)
         has_handoff = request.HasField("handoff")
-        if has_handoff != (self.role == "prefill"):
+        if has_handoff != self.role.needs_handoff:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "a prefill worker needs a KV hand-off target; a unified worker takes none",
             )
         req = await self._request(request.request, context)
         params = req.sampling_params
-        kind = self.role
-        if kind == "prefill":
-            req.sampling_params = params.clone(max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        req = self.role.admit(req)
         tracked = await self.core.ask(
             m.Track(
                 m.WorkerRequest(
                     request_id=req.request_id,
                     destination=request.destination,
-                    kind=kind,
+                    kind=self.role.role,
                     phase=Phase.RUNNING,
                     num_prompt_tokens=len(req.prompt_token_ids),
                     max_tokens=params.max_tokens,
@@ -145,7 +144,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request id {req.request_id!r} is in use"
             )
-        hold_kv = kind == "prefill"
+        hold_kv = self.role.hold_kv
 
         async def admit() -> None:
             try:
@@ -164,8 +163,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Reserve(
         self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
-        if self.role != "decode":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+        await self._refuse_wrong_role("Reserve", context)
         req = await self._request(request.request, context)
         tracked = await self.core.ask(
             m.Track(
@@ -208,8 +206,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_iterator: AsyncIterator[worker_pb2.KVBlockRun],
         context: grpc.aio.ServicerContext,
     ) -> worker_pb2.ReceiveKVResponse:
-        if self.connector is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+        await self._refuse_wrong_role("ReceiveKV", context)
         assert self.connector is not None
         started: list[str] = []
 
@@ -234,8 +231,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def ConnectKV(
         self, request: worker_pb2.ConnectKVRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ConnectKVResponse:
-        if self.role != "decode" or self.connector is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+        await self._refuse_wrong_role("ConnectKV", context)
         assert self.connector is not None
         try:
             return await self.connector.connect(request)
@@ -248,8 +244,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_iterator: AsyncIterator[worker_pb2.KVWriteMessage],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.KVWriteMessage]:
-        if self.role != "decode" or self.connector is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+        await self._refuse_wrong_role("WriteKV", context)
         assert self.connector is not None
         # Requests whose BeginReceive may have marked them; each gets one EndReceive. One ask
         # of the core per session (not per request): a burst of sessions does not queue one
@@ -314,7 +309,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return stats_to_proto(
             stats,
             self.worker_id,
-            self.role,
+            self.role.role,
             len(inflight),
             self.core.block_size,
             self.core.max_model_len,

@@ -13,10 +13,10 @@ import asyncio
 from pathlib import Path
 
 from services.worker import core as m
+from services.worker.roles import worker_role
 from tandem.config import EngineArgs
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
-from tandem.engine.core_proc import EngineProcOptions
 from tandem.engine.serial import Piggyback
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
@@ -35,11 +35,13 @@ async def _worker(model: Path, role: str) -> tuple[AsyncMPClient, m.WorkerCore]:
     thread = AsyncMPClient(
         args.create_engine_config(),
         on_step,
-        EngineProcOptions(report_held_blocks=role == "prefill"),
+        worker_role(role).engine_options(publish_cache_events=False),
         name=f"engine-{role}",
     )
     engine = await thread.start()
-    core = m.WorkerCore(f"w-{role}", thread, engine.block_size, engine.max_model_len, 30.0, 5.0)
+    core = m.WorkerCore(
+        f"w-{role}", thread, engine.block_size, engine.max_model_len, 30.0, 5.0, worker_role(role)
+    )
     holder.append(core)
     core.start()
     return thread, core
