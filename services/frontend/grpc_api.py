@@ -189,7 +189,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = await self.engine.encode(request.text, add_special_tokens=add)
             elif kind == "chat":
-                messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                messages = check_messages(
+                    [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                )
                 _, ids = await self.engine.encode_chat(messages)
             else:
                 raise invalid("text or chat is required", "prompt")

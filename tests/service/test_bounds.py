@@ -426,6 +426,10 @@ def test_grpc_limits_are_invalid_argument(bounded: Deployment) -> None:
                 _ = [r async for r in stub.Generate(wizard)]
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "wizard" in (info.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Tokenize(frontend_pb2.TokenizeRequest(chat=wizard.chat))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "wizard" in (info.value.details() or "")
 
     asyncio.run(run())
     assert_pools_whole(bounded)
