@@ -46,7 +46,7 @@ async def serve(config: FrontendConfig) -> int:
     metrics_server = await start_metrics_server(metrics.registry, config.host, config.metrics_port)
 
     grpc_server = GrpcServer([frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name])
-    servicer = FrontendServicer(engine, config.api_key, config.model_ids)
+    servicer = FrontendServicer(engine, config.api_key, config.model_ids, config.request_limits)
     grpc_server.add(lambda s: frontend_pb2_grpc.add_FrontendServicer_to_server(servicer, s))
     grpc_port = await grpc_server.start(config.host, config.grpc_port)
 
@@ -54,7 +54,9 @@ async def serve(config: FrontendConfig) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((config.host, config.http_port))
     http_port = sock.getsockname()[1]
-    http = HttpApi(engine, config.api_key, config.max_body_bytes, config.model_ids)
+    http = HttpApi(
+        engine, config.api_key, config.max_body_bytes, config.model_ids, config.request_limits
+    )
     uv = _Uvicorn(
         uvicorn.Config(
             http.app(),

@@ -8,6 +8,21 @@ import socket
 from dataclasses import dataclass
 
 from services.common.server import env_default
+from services.frontend.limits import RequestLimits
+from tandem.sampling_params import MAX_LOGPROBS
+
+# The per-request limits (RequestLimits' fields), each a flag --max-... and an env
+# TANDEM_FRONTEND_MAX_...; defaults are RequestLimits' own.
+_LIMIT_HELP = {
+    "max_n": "most choices per request (n)",
+    "max_best_of": "largest best_of",
+    "max_logprobs": "most top logprobs per token (logprobs / top_logprobs; vLLM's max_logprobs)",
+    "max_stop_sequences": "most stop strings per request",
+    "max_stop_sequence_len": "longest stop string, in characters",
+    "max_tools": "most tools per request",
+    "max_tool_schema_bytes": "largest tool definition, in bytes of JSON",
+    "max_prompt_tokens_times_n": "most prompt tokens x n per request (summed over prompts)",
+}
 
 
 class FrontendConfigError(ValueError):
@@ -35,6 +50,15 @@ class FrontendConfig:
     metrics_port: int = -1
     ready_file: str = ""
     log_level: str = "info"
+    # Per-request limits, checked before a request is queued (limits.py).
+    max_n: int = RequestLimits.max_n
+    max_best_of: int = RequestLimits.max_best_of
+    max_logprobs: int = RequestLimits.max_logprobs
+    max_stop_sequences: int = RequestLimits.max_stop_sequences
+    max_stop_sequence_len: int = RequestLimits.max_stop_sequence_len
+    max_tools: int = RequestLimits.max_tools
+    max_tool_schema_bytes: int = RequestLimits.max_tool_schema_bytes
+    max_prompt_tokens_times_n: int = RequestLimits.max_prompt_tokens_times_n
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -51,6 +75,19 @@ class FrontendConfig:
             raise FrontendConfigError("grace_period_s must be >= 0")
         if not self.frontend_id:
             raise FrontendConfigError("frontend_id must not be empty")
+        try:
+            self.request_limits  # noqa: B018 (validates)
+        except ValueError as exc:
+            raise FrontendConfigError(str(exc)) from None
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise FrontendConfigError(
+                f"max_logprobs must be <= {MAX_LOGPROBS} (the engine's limit), "
+                f"got {self.max_logprobs}"
+            )
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(**{name: getattr(self, name) for name in _LIMIT_HELP})
 
     @property
     def model_ids(self) -> list[str]:
@@ -100,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ready-file", default=env("ready_file", ""))
     p.add_argument("--log-level", default=env("log_level", "info"))
+    for name, help_ in _LIMIT_HELP.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=env(name, d[name].default), help=help_
+        )
     return p
 
 
@@ -121,4 +162,5 @@ def config_from_args(argv: list[str]) -> FrontendConfig:
         metrics_port=ns.metrics_port,
         ready_file=ns.ready_file,
         log_level=ns.log_level,
+        **{name: getattr(ns, name) for name in _LIMIT_HELP},
     )

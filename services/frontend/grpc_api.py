@@ -13,6 +13,12 @@ from services.common.convert import (
     sampling_params_kwargs,
 )
 from services.frontend.engine import FrontendEngine
+from services.frontend.limits import (
+    RequestLimits,
+    check_messages,
+    check_prompt_work,
+    check_sampling,
+)
 from services.frontend.openai_protocol import ChoiceAccumulator
 from services.frontend.types import (
     ChoiceDelta,
@@ -75,8 +81,15 @@ def stream_response(
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
-    def __init__(self, engine: FrontendEngine, api_key: str, model_ids: list[str]) -> None:
+    def __init__(
+        self,
+        engine: FrontendEngine,
+        api_key: str,
+        model_ids: list[str],
+        limits: RequestLimits | None = None,
+    ) -> None:
         self.engine = engine
+        self.limits = limits or RequestLimits()
         self.api_key = api_key
         self.model_ids = model_ids
         self.created = int(time.time())
@@ -104,7 +117,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         if kind == "chat":
             if not request.chat.messages:
                 raise invalid("chat.messages is empty", "chat")
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            messages = check_messages(
+                [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            )
             text, ids = await self.engine.encode_chat(messages)
             return ids, text
         raise invalid("a prompt (text, token_ids or chat) is required", "prompt")
@@ -116,10 +131,17 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         try:
             try:
                 kwargs = sampling_params_kwargs(request.sampling_params)
+                check_sampling(
+                    self.limits,
+                    n=kwargs.get("n"),
+                    logprobs=kwargs.get("logprobs"),
+                    stop=kwargs["stop"],
+                )
                 params = SamplingParams(**kwargs)
             except SamplingParamsError as exc:
                 raise invalid(str(exc)) from None
             ids, text = await self._prompt(request)
+            check_prompt_work(self.limits, [len(ids)], params.n)
             given = request.sampling_params.HasField("max_tokens")
             max_tokens = self.engine.check_prompt(ids, params.max_tokens if given else None)
             rid = self.engine.new_request_id("grpc")
@@ -167,7 +189,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = await self.engine.encode(request.text, add_special_tokens=add)
             elif kind == "chat":
-                messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                messages = check_messages(
+                    [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                )
                 _, ids = await self.engine.encode_chat(messages)
             else:
                 raise invalid("text or chat is required", "prompt")

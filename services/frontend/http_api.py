@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.frontend.engine import FrontendEngine
+from services.frontend.limits import RequestLimits, check_prompt_work
 from services.frontend.openai_protocol import (
     ChoiceAccumulator,
     TokenText,
@@ -99,9 +100,15 @@ async def _unless_disconnected(request: Request, coro: Any) -> Any:
 
 class HttpApi:
     def __init__(
-        self, engine: FrontendEngine, api_key: str, max_body_bytes: int, model_ids: list[str]
+        self,
+        engine: FrontendEngine,
+        api_key: str,
+        max_body_bytes: int,
+        model_ids: list[str],
+        limits: RequestLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.limits = limits or RequestLimits()
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.model_ids = model_ids
@@ -191,15 +198,17 @@ class HttpApi:
         )
 
     async def completions(self, request: Request) -> Response:
-        body = parse_completion(await self._read_json(request))
+        body = parse_completion(await self._read_json(request), self.limits)
         model = self._check_model(body.model)
-        inputs = []
+        encoded: list[tuple[list[int], str | None]] = []
         for prompt in body.prompts:
             if isinstance(prompt, str):
-                ids = await self.engine.encode(prompt)
-                text: str | None = prompt
+                encoded.append((await self.engine.encode(prompt), prompt))
             else:
-                ids, text = prompt, None
+                encoded.append((prompt, None))
+        check_prompt_work(self.limits, [len(ids) for ids, _ in encoded], body.params.n)
+        inputs = []
+        for ids, text in encoded:
             max_tokens = self.engine.check_prompt(ids, body.params.max_tokens)
             inputs.append(
                 GenerateInput(
@@ -240,9 +249,10 @@ class HttpApi:
         return await self._stream(inputs, stream.render, stream.final)
 
     async def chat(self, request: Request) -> Response:
-        body = parse_chat(await self._read_json(request))
+        body = parse_chat(await self._read_json(request), self.limits)
         model = self._check_model(body.model)
         text, ids = await self.engine.encode_chat(body.messages)
+        check_prompt_work(self.limits, [len(ids)], body.params.n)
         max_tokens = self.engine.check_prompt(
             ids, body.params.max_tokens if body.max_tokens_given else None
         )

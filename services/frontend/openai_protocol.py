@@ -10,6 +10,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from services.frontend.limits import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    RequestLimits,
+    check_messages,
+    check_sampling,
+    check_tools,
+    reject_unimplemented,
+)
 from services.frontend.types import ChoiceDelta, Usage, invalid
 from tandem.core.outputs import Logprobs
 from tandem.sampling_params import SamplingParams, SamplingParamsError
@@ -85,22 +94,22 @@ class Fields:
             raise invalid("stream_options.include_usage must be true or false", "stream_options")
         return v
 
-    def reject_unsupported(self) -> None:
-        if self._get("logit_bias"):
-            raise invalid("logit_bias is not supported", "logit_bias")
-        if self._get("suffix") is not None:
-            raise invalid("suffix is not supported", "suffix")
-        if self.bool_("echo"):
-            raise invalid("echo is not supported", "echo")
-        tools = self._get("tools")
-        if tools:
-            raise invalid("tools are not supported", "tools")
 
-
-def sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """Sampling parameters shared by both endpoints (vLLM-style extensions included)."""
+def sampling_params(
+    f: Fields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    limits: RequestLimits,
+    logprobs_field: str = "logprobs",
+) -> SamplingParams:
+    """Sampling parameters shared by both endpoints (vLLM-style extensions included), checked
+    against `limits` before they are built."""
     n = f.int_("n", 1)
     best_of = f.int_("best_of")
+    stop = f.stop()
+    check_sampling(
+        limits, n=n, best_of=best_of, logprobs=logprobs, logprobs_field=logprobs_field, stop=stop
+    )
     if best_of is not None and best_of != n:
         raise invalid("best_of must equal n (or be left out)", "best_of")
     kwargs: dict[str, Any] = {
@@ -115,7 +124,7 @@ def sampling_params(f: Fields, max_tokens: int | None, logprobs: int | None) -> 
         "repetition_penalty": f.float_("repetition_penalty", 1.0),
         "max_tokens": max_tokens,
         "min_tokens": f.int_("min_tokens", 0),
-        "stop": f.stop(),
+        "stop": stop,
         "stop_token_ids": f.int_list("stop_token_ids"),
         "ignore_eos": f.bool_("ignore_eos"),
         "include_stop_str_in_output": f.bool_("include_stop_str_in_output"),
@@ -139,9 +148,12 @@ class CompletionBody:
     priority: int
 
 
-def parse_completion(body: dict[str, Any]) -> CompletionBody:
+def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) -> CompletionBody:
+    """A /v1/completions body; 400 naming the field for anything malformed, unimplemented or
+    over a limit."""
+    limits = limits or RequestLimits()
+    reject_unimplemented(body, COMPLETION_FIELDS)
     f = Fields(body)
-    f.reject_unsupported()
     prompt = body.get("prompt")
     prompts: list[str | list[int]]
     if isinstance(prompt, str):
@@ -175,7 +187,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionBody:
     return CompletionBody(
         model=f.str_("model"),
         prompts=prompts,
-        params=sampling_params(f, f.int_("max_tokens", 16), logprobs),
+        params=sampling_params(f, f.int_("max_tokens", 16), logprobs, limits),
         stream=f.bool_("stream"),
         include_usage=f.stream_include_usage(),
         priority=f.int_("priority", 0) or 0,
@@ -194,38 +206,16 @@ class ChatBody:
     max_tokens_given: bool
 
 
-def _message_text(content: Any, i: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise invalid(f"messages[{i}].content: only text parts are supported", "messages")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise invalid(f"messages[{i}].content: a text part needs a string", "messages")
-            parts.append(text)
-        return "".join(parts)
-    raise invalid(f"messages[{i}].content must be a string or a list of parts", "messages")
-
-
-def parse_chat(body: dict[str, Any]) -> ChatBody:
+def parse_chat(body: dict[str, Any], limits: RequestLimits | None = None) -> ChatBody:
+    """A /v1/chat/completions body; 400 naming the field for anything malformed,
+    unimplemented or over a limit."""
+    limits = limits or RequestLimits()
+    # The tools' number and size first (a huge list is refused for its size), then tool
+    # calling itself (not implemented) with the other unimplemented fields.
+    check_tools(limits, body.get("tools"))
+    reject_unimplemented(body, CHAT_FIELDS)
     f = Fields(body)
-    f.reject_unsupported()
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise invalid("messages must be a non-empty list", "messages")
-    messages = []
-    for i, msg in enumerate(raw):
-        if not isinstance(msg, dict):
-            raise invalid(f"messages[{i}] must be an object", "messages")
-        role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise invalid(f"messages[{i}].role must be a non-empty string", "messages")
-        messages.append({"role": role, "content": _message_text(msg.get("content"), i)})
+    messages = check_messages(body.get("messages"))
     max_tokens = f.int_("max_completion_tokens", f.int_("max_tokens"))
     logprobs = None
     top = f.int_("top_logprobs")
@@ -236,7 +226,7 @@ def parse_chat(body: dict[str, Any]) -> ChatBody:
     return ChatBody(
         model=f.str_("model"),
         messages=messages,
-        params=sampling_params(f, max_tokens, logprobs),
+        params=sampling_params(f, max_tokens, logprobs, limits, "top_logprobs"),
         stream=f.bool_("stream"),
         include_usage=f.stream_include_usage(),
         priority=f.int_("priority", 0) or 0,

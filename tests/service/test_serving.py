@@ -309,6 +309,7 @@ def test_grpc_cancel_mid_stream_frees_blocks(deployment: Deployment) -> None:
 def test_bad_http_input_gets_400_and_service_keeps_serving(deployment: Deployment) -> None:
     url = f"http://{deployment.http_address}/v1"
     good = {"model": "default", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
+    chat = {"model": "default", "messages": CHAT, "max_tokens": 4}
     cases: list[tuple[str, object, str]] = [
         ("completions", {**good, "temperature": -1}, "temperature"),
         ("completions", {**good, "top_p": 0}, "top_p"),
@@ -325,6 +326,16 @@ def test_bad_http_input_gets_400_and_service_keeps_serving(deployment: Deploymen
         ("completions", {**good, "prompt": "x" * (3 * 1024 * 1024)}, "limit"),
         ("chat/completions", {"model": "default", "messages": []}, "messages"),
         ("chat/completions", {"model": "default", "messages": [{"content": "hi"}]}, "role"),
+        ("completions", {**good, "n": 100000}, "--max-n"),
+        ("completions", {**good, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ("chat/completions", {**chat, "messages": [{"role": "wizard", "content": "hi"}]}, "wizard"),
+        ("chat/completions", {**chat, "messages": [{"role": "user"}]}, "content"),
+        (
+            "chat/completions",
+            {**chat, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ("chat/completions", {**chat, "tools": [{"type": "function"}]}, "tools"),
     ]
     with httpx.Client(timeout=120) as http:
         for path, body, needle in cases:
@@ -355,6 +366,13 @@ def test_bad_grpc_input_gets_invalid_argument(deployment: Deployment) -> None:
         ),
         frontend_pb2.GenerateRequest(model="gpt-9", text="hi", sampling_params=_greedy()),
         frontend_pb2.GenerateRequest(sampling_params=_greedy()),
+        frontend_pb2.GenerateRequest(
+            text="hi", sampling_params=common_pb2.SamplingParams(max_tokens=4, n=100000)
+        ),
+        frontend_pb2.GenerateRequest(
+            chat=frontend_pb2.Chat(messages=[frontend_pb2.ChatMessage(role="wizard", content="x")]),
+            sampling_params=_greedy(),
+        ),
     ]
 
     async def run() -> None:
