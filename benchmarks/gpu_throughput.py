@@ -245,7 +245,7 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
         )
     result["tandem"] = runs
     eng.scheduler.scheduler_config = base_config
-    from kernels.paged_attention import decode_tuning_log, prefill_tuning_log
+    from tandem_kernels.paged_attention import decode_tuning_log, prefill_tuning_log
 
     result["prefill_attention_tuning"] = prefill_tuning_log
     result["decode_attention_tuning"] = decode_tuning_log

@@ -104,7 +104,6 @@ def _shm_connector(cache: torch.Tensor, engine: Any, worker_id: str, path: str) 
     the receiver's cache is the file at `path`, which the sender maps in `_open`."""
     import concurrent.futures
 
-    from kernels.block_copy import block_words, common_words
     from tandem.kv_transfer.base import KVDestination
     from tandem.kv_transfer.cuda_ipc import (
         MAX_SESSIONS,
@@ -114,6 +113,7 @@ def _shm_connector(cache: torch.Tensor, engine: Any, worker_id: str, path: str) 
         wait_event,
     )
     from tandem.kv_transfer.session import RemoteKVConnector, Run
+    from tandem_kernels.block_copy import block_words, common_words
     from tandem_protos.v1 import worker_pb2
 
     class _Done:
@@ -379,7 +379,7 @@ def _kernel_figures(
 ) -> dict[str, Any]:
     """`copy_blocks` alone (one launch, device time) into the IPC-mapped cache: n consecutive
     pairs, and n shuffled pairs (also at other chunk sizes)."""
-    from kernels.block_copy import CHUNK_BYTES, copy_blocks
+    from tandem_kernels.block_copy import CHUNK_BYTES, copy_blocks
 
     out: dict[str, Any] = {}
     prompt_bytes = n * cache[0].numel() * cache.element_size()

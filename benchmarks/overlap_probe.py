@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_throughput import device_ms
-from kernels.activation import silu_and_mul
-from kernels.paged_attention import paged_decode_attention, tune_decode_attention
+from tandem_kernels.activation import silu_and_mul
+from tandem_kernels.paged_attention import paged_decode_attention, tune_decode_attention
 
 HIDDEN, INTER, NH, NKV, HD = 4096, 14336, 32, 8, 128
 BLOCK = 16

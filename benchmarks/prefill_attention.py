@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels.paged_attention import paged_prefill_attention
+from tandem_kernels.paged_attention import paged_prefill_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 # (requests, new tokens each, cached context tokens each)

@@ -176,9 +176,9 @@ def scheduler_counters(dep: Any) -> dict[str, float]:
 
 
 def run_mode(mode: str, ns: argparse.Namespace, workload: Workload, redis_url: str) -> dict:
-    from services.bench.serve import percentile
-    from services.launcher import ServeConfig, start_deployment
     from tandem.directory import DirectoryConfig
+    from tandem_services.bench.serve import percentile
+    from tandem_services.launcher import ServeConfig, start_deployment
 
     logs = tempfile.mkdtemp(prefix=f"tandem-bench-prefix-{mode}-")
     worker_args = (

@@ -9,7 +9,7 @@ The workload (prompts, output lengths, arrival times) is drawn exactly as `tande
 draws it from the same flags and seed (`--seeds`: one per rate, so that no rate's prompts hit
 the prefix cache another rate filled; the cache is also reset between rates); the engine is
 built from the same engine flags, and stepped in this process with no transport
-(`services.bench.serve.run_offline`).
+(`tandem_services.bench.serve.run_offline`).
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import json
 import math
 import time
 
-from services.bench.serve import (
+from tandem.config import EngineArgs, add_engine_args
+from tandem.engine.core import EngineCore
+from tandem.loader import load_hf_config, load_tokenizer, resolve_model_path
+from tandem_services.bench.serve import (
     Workload,
     random_workload,
     run_offline,
     summarize,
 )
-from tandem.config import EngineArgs, add_engine_args
-from tandem.engine.core import EngineCore
-from tandem.loader import load_hf_config, load_tokenizer, resolve_model_path
 
 
 def main(argv: list[str] | None = None) -> int:

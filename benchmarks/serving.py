@@ -17,7 +17,7 @@ flags and seed (one with `--unified`), then merge the two reports, rate by rate,
 
 The load generator's own cost: the issue-14 load (random 500-1,500 token prompts, 100-300
 output tokens, ignore_eos, 150 requests, Poisson at 5, 15, 25 req/s) from `tandem bench
-serve`'s clients against `services.bench.stream_server` (a real gRPC / SSE server in its own
+serve`'s clients against `tandem_services.bench.stream_server` (a real gRPC / SSE server in its own
 process that streams one message per 5 ms step per request): the client's cores used (CPU
 seconds of its processes over the run's wall time), over gRPC and HTTP, 1 and 2 processes:
 
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.bench.serve import percentile
+from tandem_services.bench.serve import percentile
 
 DEFAULTS = ["--launch", "--compare-offline", "--request-rate", "2,4,inf"]
 
@@ -276,10 +276,10 @@ def client_cost_main(argv: list[str]) -> int:
     import platform
     import time
 
-    from services.bench.client import Target, run_load
-    from services.bench.metrics import summarize
-    from services.bench.stream_server import Schedule, StreamServerProcess
-    from services.bench.workload import random_workload
+    from tandem_services.bench.client import Target, run_load
+    from tandem_services.bench.metrics import summarize
+    from tandem_services.bench.stream_server import Schedule, StreamServerProcess
+    from tandem_services.bench.workload import random_workload
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving client-cost")
     p.add_argument("--backends", default="grpc,http")
@@ -380,7 +380,7 @@ def main(argv: list[str]) -> int:
         return compare_main(argv[1:])
     if argv[:1] == ["client-cost"]:
         return client_cost_main(argv[1:])
-    from services.bench.serve import main as bench_main
+    from tandem_services.bench.serve import main as bench_main
 
     name = "serving-unified" if "--unified" in argv else "serving-disaggregated"
     return bench_main([*DEFAULTS, "--name", name, *argv])

@@ -76,7 +76,7 @@ PYEOF
 id_tokenizer_step() {  # id_tokenizer_step MODEL: a stand-in id tokenizer for random:<shape>
   if [[ $1 == random:* ]]; then
     step "0 id tokenizer for $1" 60 "$LOGS/0_id_tokenizer.log" \
-      $PY -m services.bench.id_tokenizer "$1"
+      $PY -m tandem_services.bench.id_tokenizer "$1"
   fi
 }
 

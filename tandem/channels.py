@@ -1,10 +1,10 @@
 """gRPC channels and servers: one set of options for every tandem process, and one channel pool.
 
-The services (through `services.common.server`, which re-exports this) and the library's KV
+The services (through `tandem_services.common.server`, which re-exports this) and the library's KV
 movers (`tandem/kv_transfer/`) dial each other with the same limits and keepalive, so a KV
 block run that one side may send the other may receive, and a server permits the pings its
 clients send. (The definition lives in `tandem/` because the library cannot import
-`services/`.)
+`tandem_services/`.)
 """
 
 from __future__ import annotations

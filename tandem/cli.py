@@ -4,8 +4,8 @@ This module only dispatches. `generate` and `bench offline` run in this process
 (`tandem.entrypoints.generate`, `benchmarks.offline_throughput`); `serve`, `bench serve` and the
 services replace this process with `python -m services.<name>` (tandem never imports the
 services), so
-`tandem scheduler --port 1234` and `python -m services.scheduler --port 1234` are the same
-program, and `tandem serve` is `python -m services.launcher`.
+`tandem scheduler --port 1234` and `python -m tandem_services.scheduler --port 1234` are the same
+program, and `tandem serve` is `python -m tandem_services.launcher`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import os
 import sys
 
 _SERVICES = {
-    "serve": "services.launcher",
-    "frontend": "services.frontend",
-    "scheduler": "services.scheduler",
-    "prefill-worker": "services.prefill_worker",
-    "decode-worker": "services.decode_worker",
+    "serve": "tandem_services.launcher",
+    "frontend": "tandem_services.frontend",
+    "scheduler": "tandem_services.scheduler",
+    "prefill-worker": "tandem_services.prefill_worker",
+    "decode-worker": "tandem_services.decode_worker",
 }
 _COMMANDS = ("generate", "serve", "bench", *(name for name in _SERVICES if name != "serve"))
 
@@ -28,7 +28,7 @@ def _bench(argv: list[str]) -> int:
         print("usage: tandem bench {serve|offline} [options]", file=sys.stderr)
         return 2
     if argv[0] == "serve":
-        os.execv(sys.executable, [sys.executable, "-m", "services.bench.serve", *argv[1:]])
+        os.execv(sys.executable, [sys.executable, "-m", "tandem_services.bench.serve", *argv[1:]])
     import runpy
 
     sys.argv = ["offline_throughput", *argv[1:]]

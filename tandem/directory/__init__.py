@@ -1,7 +1,7 @@
 """Prefix-cache directory (which worker holds which KV block) and the workers' publisher.
 
 Routing on it (the cost model, the policies, the lookup that never fails) is the scheduler
-service's: services/scheduler/routing/.
+service's: tandem_services/scheduler/routing/.
 
 Importing this package does not import redis; `RedisDirectory` lives in
 `tandem.directory.redis_directory` and `make_directory` imports it only when a URL is set.

@@ -10,8 +10,8 @@ connector's own CUDA stream:
     stretches (both sides consecutive):  (7->20, 3 blocks) (3->30, 1) (12->40, 4) ...
     at most MAX_COPIES stretches:        one copy_ per stretch (no kernel, no block mapping)
     more:   stretches of LONG_STRETCH blocks or more by copy_; the short ones (a pool after
-            churn) in one `kernels.block_copy.copy_block_rows` launch, its block mapping moved
-            in one host-to-device copy from pinned memory
+            churn) in one `tandem_kernels.block_copy.copy_block_rows` launch, its block mapping
+            moved in one host-to-device copy from pinned memory
 
 then one event, polled from the event loop between its other work (no thread hop; a thread
 waits only for a copy still running after `SPIN_S`), then the session's DONE: no host round
@@ -63,8 +63,8 @@ def local_device_index(uuid: str) -> int | None:
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:
-    """The cache as [num_blocks, words] (see `kernels.block_copy.block_words`)."""
-    from kernels.block_copy import block_words
+    """The cache as [num_blocks, words] (see `tandem_kernels.block_copy.block_words`)."""
+    from tandem_kernels.block_copy import block_words
 
     return block_words(cache)
 
@@ -168,7 +168,7 @@ def copy_runs(
     stream; returns the plan it followed. Both caches as `[num_blocks, words]` rows of one
     integer dtype (`_rows`). On one device the plan may use the kernel (its torch reference
     off CUDA); across devices, one copy_ per stretch."""
-    from kernels.block_copy import copy_block_rows, copy_block_rows_ref
+    from tandem_kernels.block_copy import copy_block_rows, copy_block_rows_ref
 
     if same_device is None:
         same_device = remote.device == local.device
@@ -299,7 +299,7 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
             raise KVTransferError(
                 f"the GPU of {dst.worker_id} ({handle.gpu_uuid}) is not visible here"
             )
-        from kernels.block_copy import common_words
+        from tandem_kernels.block_copy import common_words
 
         dtype = self.cache.kv_cache.dtype
 

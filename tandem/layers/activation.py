@@ -14,11 +14,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    """On CUDA the fused Triton kernel (kernels/activation.py), else the torch function."""
+    """On CUDA the fused Triton kernel (tandem_kernels/activation.py), else the torch function."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from kernels.activation import silu_and_mul as silu_and_mul_kernel
+            from tandem_kernels.activation import silu_and_mul as silu_and_mul_kernel
 
             return silu_and_mul_kernel(x)
         return silu_and_mul(x)

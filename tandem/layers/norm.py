@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if x.is_cuda:
-            from kernels import rms_norm as k
+            from tandem_kernels import rms_norm as k
 
             if residual is None:
                 return k.rms_norm(x, self.weight, self.eps)

@@ -4,7 +4,7 @@ A head's `head_size` dims are split in halves (x1, x2); position p with inverse 
 f_i turns (x1_i, x2_i) by angle p * f_i. `cos_cache[p] = cos(p f)` and `sin_cache[p] = sin(p f)`
 (`[max_position, rotary_dim // 2]`, float32) are precomputed for every position;
 `apply_rotary_emb` is a plain function with the same arguments as the Triton kernel
-(`kernels.rotary.rotary_embedding`), so one can stand in for the other.
+(`tandem_kernels.rotary.rotary_embedding`), so one can stand in for the other.
 
 Supported `rope_type`s: "default", "linear" (inverse frequencies / factor) and "llama3"
 (Llama 3.1's band-wise scaling of long wavelengths).
@@ -103,7 +103,7 @@ def apply_rotary_emb(
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin caches on the device; `forward(positions, q, k) -> (q, k)`.
 
-    On CUDA the Triton kernel (kernels/rotary.py), else `apply_rotary_emb`.
+    On CUDA the Triton kernel (tandem_kernels/rotary.py), else `apply_rotary_emb`.
     """
 
     def __init__(
@@ -124,7 +124,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if query.is_cuda:
-            from kernels.rotary import rotary_embedding
+            from tandem_kernels.rotary import rotary_embedding
 
             return rotary_embedding(
                 positions, query, key, self.cos_cache, self.sin_cache, inplace=False

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.entrypoint import SERVICES, GpuSlotError, claim_gpu, reachable_address
+from tandem_services.common.entrypoint import SERVICES, GpuSlotError, claim_gpu, reachable_address
 from tests.deploy.compose_local import (
     COMPOSE_FILES,
     CPU_COMPOSE_FILES,
@@ -104,7 +104,7 @@ def test_health_checks_probe_grpc_health_on_each_services_port() -> None:
         ("frontend", "--grpc-port"),
     ):
         local = local_service(COMPOSE_FILES, name, 0, env)
-        assert local.healthcheck[1:4] == ["-m", "services.common.entrypoint", "health"]
+        assert local.healthcheck[1:4] == ["-m", "tandem_services.common.entrypoint", "health"]
         port = local.argv[local.argv.index(port_flag) + 1]
         assert local.healthcheck[4] == f"127.0.0.1:{port}"
 
@@ -115,7 +115,7 @@ def help_flags() -> dict[str, set[str]]:
     lists; the four start at once."""
     procs = {
         command: subprocess.Popen(
-            [sys.executable, "-m", "services.common.entrypoint", command, "--help"],
+            [sys.executable, "-m", "tandem_services.common.entrypoint", command, "--help"],
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,
@@ -141,16 +141,16 @@ def test_every_command_is_an_entry_point_that_accepts_its_flags(files: tuple[Pat
         assert used and used <= known, f"{name}: unknown flags {used - known}"
         # And the service's own parser takes the whole command (types included).
         module = SERVICES[command[0]]
-        if module == "services.scheduler":
-            from services.scheduler.config import build_parser
+        if module == "tandem_services.scheduler":
+            from tandem_services.scheduler.config import build_parser
 
             build_parser().parse_args(command[1:])
-        elif module == "services.frontend":
-            from services.frontend.config import build_parser as frontend_parser
+        elif module == "tandem_services.frontend":
+            from tandem_services.frontend.config import build_parser as frontend_parser
 
             frontend_parser().parse_args(command[1:])
         else:
-            from services.worker.config import build_parser as worker_parser
+            from tandem_services.worker.config import build_parser as worker_parser
 
             worker_parser(module.split(".")[1], name).parse_args(command[1:])  # type: ignore[arg-type]
 
@@ -158,7 +158,7 @@ def test_every_command_is_an_entry_point_that_accepts_its_flags(files: tuple[Pat
 def test_unknown_flag_is_refused() -> None:
     """The check above can fail: a service refuses a flag it does not have."""
     proc = subprocess.run(
-        [sys.executable, "-m", "services.common.entrypoint", "scheduler", "--no-such-flag"],
+        [sys.executable, "-m", "tandem_services.common.entrypoint", "scheduler", "--no-such-flag"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -194,7 +194,7 @@ def test_dockerfile_one_image_cuda_base_non_root_cache_volume() -> None:
     env = " ".join(line for line in lines if line.startswith("ENV "))
     assert "TANDEM_CACHE_DIR=/cache/" in env and "HF_HOME=/cache/" in env
     entry = json.loads(next(line for line in lines if line.startswith("ENTRYPOINT "))[11:])
-    assert entry == ["python", "-m", "services.common.entrypoint"]
+    assert entry == ["python", "-m", "tandem_services.common.entrypoint"]
     cmd = json.loads(next(line for line in lines if line.startswith("CMD "))[4:])
     assert cmd[0] == "serve"
 
@@ -209,7 +209,13 @@ def test_dockerfile_copies_every_package_and_nothing_ignored() -> None:
         if line.startswith("COPY ") and "--from=" not in line
         for src in line.split()[1:-1]
     }
-    for package in ("tandem", "kernels", "services", "tandem_protos", "pyproject.toml"):
+    for package in (
+        "tandem",
+        "tandem_kernels",
+        "tandem_services",
+        "tandem_protos",
+        "pyproject.toml",
+    ):
         assert package in copied, package
         assert (ROOT / package).exists()
     ignored = {
@@ -227,7 +233,7 @@ def test_dockerfile_copies_every_package_and_nothing_ignored() -> None:
 _HOLD = """
 import sys, time
 from pathlib import Path
-from services.common.entrypoint import claim_gpu
+from tandem_services.common.entrypoint import claim_gpu
 claim = claim_gpu(sys.argv[2].split(","), Path(sys.argv[1]), float(sys.argv[3]))
 print(claim.device_id, flush=True)
 time.sleep(60)
@@ -291,7 +297,7 @@ def test_health_probe_fails_on_nothing_listening() -> None:
         port = s.getsockname()[1]
     proc = subprocess.run(
         [
-            sys.executable, "-m", "services.common.entrypoint", "health",
+            sys.executable, "-m", "tandem_services.common.entrypoint", "health",
             f"127.0.0.1:{port}", "--timeout-s", "1",
         ],
         capture_output=True,

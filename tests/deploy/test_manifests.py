@@ -201,7 +201,7 @@ def test_workers_find_the_scheduler_by_service_name_and_drain_before_stopping(
         env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
         assert env == {"POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
         pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
-        assert pre_stop[:4] == ["python", "-m", "services.common.entrypoint", "drain"]
+        assert pre_stop[:4] == ["python", "-m", "tandem_services.common.entrypoint", "drain"]
         timeout = float(pre_stop[pre_stop.index("--timeout-s") + 1])
         grace = float(config["TANDEM_GRACE_PERIOD_S"])
         assert pod["terminationGracePeriodSeconds"] > timeout + grace

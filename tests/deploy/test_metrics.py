@@ -17,15 +17,21 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.metrics import MetricsServer, start_metrics_server
-from services.frontend.engine import FrontendEngine
-from services.frontend.metrics import FrontendMetrics, MeteredFrontendEngine
-from services.frontend.types import ChoiceDelta, FrontendError, GenerateInput, StepEvent, Usage
-from services.scheduler.metrics import SchedulerMetrics
-from services.worker.metrics import WorkerMetrics
 from tandem.engine.core import EngineStats
 from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, scheduler_pb2
+from tandem_services.common.metrics import MetricsServer, start_metrics_server
+from tandem_services.frontend.engine import FrontendEngine
+from tandem_services.frontend.metrics import FrontendMetrics, MeteredFrontendEngine
+from tandem_services.frontend.types import (
+    ChoiceDelta,
+    FrontendError,
+    GenerateInput,
+    StepEvent,
+    Usage,
+)
+from tandem_services.scheduler.metrics import SchedulerMetrics
+from tandem_services.worker.metrics import WorkerMetrics
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from services.scheduler.routing.cost import (
+from tandem.directory.memory import InMemoryDirectory
+from tandem.directory.redis_directory import RedisDirectory
+from tandem_services.scheduler.routing.cost import (
     CostModelChooser,
     RoundRobinChooser,
     RoutingWeights,
@@ -17,9 +19,7 @@ from services.scheduler.routing.cost import (
     rank_workers,
     routing_cost,
 )
-from services.scheduler.routing.directory_lookup import PrefixRouter
-from tandem.directory.memory import InMemoryDirectory
-from tandem.directory.redis_directory import RedisDirectory
+from tandem_services.scheduler.routing.directory_lookup import PrefixRouter
 from tests.directory.helpers import chain
 from tests.redis_server import RedisServer
 
@@ -167,7 +167,7 @@ def test_package_imports_neither_torch_nor_redis() -> None:
     import sys
 
     code = (
-        "import sys, tandem.directory, services.scheduler.routing.cost; "
+        "import sys, tandem.directory, tandem_services.scheduler.routing.cost; "
         "bad = [m for m in ('torch', 'redis') if m in sys.modules]; "
         "assert not bad, bad"
     )

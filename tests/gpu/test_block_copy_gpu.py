@@ -1,4 +1,4 @@
-"""`kernels.block_copy.copy_blocks` at real size on the GPU: llama-3.1-8b blocks (32 layers,
+"""`tandem_kernels.block_copy.copy_blocks` at real size on the GPU: llama-3.1-8b blocks (32 layers,
 8 KV heads, head size 128, 16 tokens, bf16: 2 MiB each), 128 pairs in shuffled order, equal to
 the torch reference byte for byte; and its rate beside a `copy_` of the same bytes."""
 
@@ -25,7 +25,7 @@ def _mapping(num_blocks: int, n: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_copy_blocks_matches_reference(dtype: torch.dtype) -> None:
-    from kernels.block_copy import copy_blocks, copy_blocks_ref
+    from tandem_kernels.block_copy import copy_blocks, copy_blocks_ref
 
     shape = SHAPE if dtype != torch.float32 else (192, *SHAPE[1:])
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -43,7 +43,7 @@ def test_copy_blocks_matches_reference(dtype: torch.dtype) -> None:
 def test_copy_blocks_rows_entry_other_chunks(chunk_bytes: int) -> None:
     """The rows entry (as the CUDA IPC connector calls it) at the chunk sizes the transfer
     benchmark also times."""
-    from kernels.block_copy import block_words, copy_block_rows, copy_blocks_ref
+    from tandem_kernels.block_copy import block_words, copy_block_rows, copy_blocks_ref
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     src = torch.randn(SHAPE, generator=gen, device="cuda").bfloat16()
@@ -57,7 +57,7 @@ def test_copy_blocks_rows_entry_other_chunks(chunk_bytes: int) -> None:
 
 
 def test_copy_blocks_odd_block_and_int32_mapping() -> None:
-    from kernels.block_copy import copy_blocks, copy_blocks_ref
+    from tandem_kernels.block_copy import copy_blocks, copy_blocks_ref
 
     shape = (64, 3, 2, 5, 1, 7)  # 210 halves = 420 bytes per block: 4-byte words, a tail
     src = torch.randn(shape, device="cuda").half()
@@ -70,7 +70,7 @@ def test_copy_blocks_odd_block_and_int32_mapping() -> None:
 
 
 def test_copy_blocks_rate() -> None:
-    from kernels.block_copy import copy_blocks
+    from tandem_kernels.block_copy import copy_blocks
 
     src = torch.randn(SHAPE, device="cuda").bfloat16()
     dst = torch.empty_like(src)

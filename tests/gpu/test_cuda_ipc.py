@@ -345,7 +345,7 @@ def start_deployments(
     """Every deployment of `plans` at once: its scheduler, then its workers (worker id
     <role>-0, service <kind>-<role>), all ready within 400 s. Stopped in reverse order; the
     log tail of any service that exits uncleanly is printed."""
-    from services.launcher import ServeConfig, spawn_service, stop_process, wait_ready
+    from tandem_services.launcher import ServeConfig, spawn_service, stop_process, wait_ready
 
     config = ServeConfig(log_dir=str(tmp_path_factory.mktemp(f"{name}-logs")))
     work = tmp_path_factory.mktemp(f"{name}-ready")
@@ -357,7 +357,7 @@ def start_deployments(
             sched = spawn_service(
                 config,
                 f"{kind}-scheduler",
-                "services.scheduler",
+                "tandem_services.scheduler",
                 ["--host", "127.0.0.1", "--port", "0", "--kv-connector", connector],
                 work,
             )
@@ -366,7 +366,9 @@ def start_deployments(
             services = {"scheduler": sched}
             for role, args in workers:
                 module = (
-                    "services.prefill_worker" if role == "prefill" else "services.decode_worker"
+                    "tandem_services.prefill_worker"
+                    if role == "prefill"
+                    else "tandem_services.decode_worker"
                 )
                 extra = ["--unified"] if role == "unified" else []
                 svc = spawn_service(

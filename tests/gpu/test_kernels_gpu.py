@@ -18,23 +18,23 @@ if not torch.cuda.is_available():
 
 import triton.testing  # noqa: E402
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from tandem.layers.attention.backend import AttentionMetadata  # noqa: E402
+from tandem.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tandem_kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from tandem_kernels.paged_attention import (  # noqa: E402
     decode_num_splits,
     paged_attention_ref,
     paged_decode_attention,
     paged_prefill_attention,
 )
-from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
-from kernels.rms_norm import (  # noqa: E402
+from tandem_kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
+from tandem_kernels.rms_norm import (  # noqa: E402
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
     rms_norm,
     rms_norm_ref,
 )
-from kernels.rotary import rotary_embedding, rotary_embedding_ref  # noqa: E402
-from tandem.layers.attention.backend import AttentionMetadata  # noqa: E402
-from tandem.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tandem_kernels.rotary import rotary_embedding, rotary_embedding_ref  # noqa: E402
 
 DEV = torch.device("cuda")
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_LAYERS = 32, 8, 128, 16, 2
@@ -142,7 +142,7 @@ def test_decode(dtype: torch.dtype, batch: int) -> None:
 def test_decode_every_tuning_candidate_and_the_tuned_config() -> None:
     """Each config the start-up tuner may pick gives the reference's result; after tuning,
     calls without knobs use the winner and still agree."""
-    from kernels import paged_attention as pa
+    from tandem_kernels import paged_attention as pa
 
     dtype, batch = torch.bfloat16, 48
     gen = torch.Generator().manual_seed(11)

@@ -16,7 +16,6 @@ from typing import Any
 import grpc
 import pytest
 
-from services.launcher import Deployment, ServeConfig, start_deployment
 from tandem_protos.v1 import (
     common_pb2,
     frontend_pb2,
@@ -26,6 +25,7 @@ from tandem_protos.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from tandem_services.launcher import Deployment, ServeConfig, start_deployment
 
 MAX_MODEL_LEN = 2048
 NUM_BLOCKS = 256

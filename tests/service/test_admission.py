@@ -13,8 +13,8 @@ import grpc
 import httpx
 import pytest
 
-from services.launcher import Deployment, ServeConfig, Service, spawn_service, wait_ready
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+from tandem_services.launcher import Deployment, ServeConfig, Service, spawn_service, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,7 +32,7 @@ def no_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         services["scheduler"] = spawn_service(
             config,
             "scheduler",
-            "services.scheduler",
+            "tandem_services.scheduler",
             ["--port", "0", "--max-queue-len", "1", "--queue-timeout-s", str(QUEUE_TIMEOUT_S)],
             Path(tmp),
         )
@@ -40,7 +40,7 @@ def no_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         services["frontend"] = spawn_service(
             config,
             "frontend",
-            "services.frontend",
+            "tandem_services.frontend",
             [
                 "--http-port",
                 "0",

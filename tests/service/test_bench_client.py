@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.client import Target, run_load
-from services.bench.metrics import summarize
-from services.bench.stream_server import Schedule, StreamServerProcess
-from services.bench.workload import random_workload
+from tandem_services.bench.client import Target, run_load
+from tandem_services.bench.metrics import summarize
+from tandem_services.bench.stream_server import Schedule, StreamServerProcess
+from tandem_services.bench.workload import random_workload
 
 STEP_MS, TTFT_MS = 20.0, 100.0
 # Slack for a loaded test machine: a late timer moves a message later, never earlier.
@@ -114,7 +114,7 @@ def test_http_error_status_is_an_error(server: StreamServerProcess) -> None:
 
 
 def test_bench_serve_cli_reports_client_cpu(server: StreamServerProcess, tmp_path: Path) -> None:
-    from services.bench.serve import main
+    from tandem_services.bench.serve import main
 
     argv = [
         "--url",

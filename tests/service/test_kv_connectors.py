@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.launcher import Deployment, ServeConfig, start_deployment
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+from tandem_services.launcher import Deployment, ServeConfig, start_deployment
 from tests.service.conftest import (
     GRACE_S,
     MAX_TOKENS,

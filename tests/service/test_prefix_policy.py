@@ -8,8 +8,15 @@ from collections.abc import Sequence
 
 import pytest
 
-from services.scheduler.config import SchedulerConfigError, config_from_args
-from services.scheduler.routing import (
+from tandem.core.kv_cache_utils import compute_block_hashes
+from tandem.directory import (
+    DirectoryConfig,
+    DirectoryUnavailable,
+    InMemoryDirectory,
+)
+from tandem_protos.v1 import common_pb2
+from tandem_services.scheduler.config import SchedulerConfigError, config_from_args
+from tandem_services.scheduler.routing import (
     ROUTING_CHOICES,
     DispatchedPrefixes,
     LoadBasedRouting,
@@ -25,13 +32,6 @@ from services.scheduler.routing import (
     prompt_block_hashes,
     routing_metrics,
 )
-from tandem.core.kv_cache_utils import compute_block_hashes
-from tandem.directory import (
-    DirectoryConfig,
-    DirectoryUnavailable,
-    InMemoryDirectory,
-)
-from tandem_protos.v1 import common_pb2
 
 P, D, U = (
     common_pb2.WORKER_ROLE_PREFILL,

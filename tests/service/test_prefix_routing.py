@@ -27,11 +27,11 @@ from typing import Any
 import grpc
 import pytest
 
-from services.launcher import Deployment, ServeConfig, start_deployment, stop_process
 from tandem.core.kv_cache_utils import compute_block_hashes
 from tandem.directory import DirectoryConfig
 from tandem.directory.redis_directory import RedisDirectory
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+from tandem_services.launcher import Deployment, ServeConfig, start_deployment, stop_process
 from tests.redis_server import RedisServer
 from tests.service.conftest import list_workers, wait_until, worker_stats
 
@@ -233,7 +233,7 @@ def test_hashes_equal_in_scheduler_code_and_worker_process(
     served, _ = served_by(cluster, prompt)
     # The scheduler's hashing, in a fresh interpreter with another hash seed.
     code = (
-        "import json, sys; from services.scheduler.routing import prompt_block_hashes; "
+        "import json, sys; from tandem_services.scheduler.routing import prompt_block_hashes; "
         "t = json.load(sys.stdin); print(json.dumps([h.hex() for h in "
         f"prompt_block_hashes(t, {BLOCK_SIZE}, None)]))"
     )

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.launcher import Deployment, start_deployment
+from tandem_services.launcher import Deployment, start_deployment
 from tests.service.conftest import wait_until
 from tests.service.test_prefix_routing import (
     BLOCK_SIZE,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.scheduler.routing import LoadBasedRouting, Route, RoutingRequest, WorkerView
 from tandem_protos.v1 import common_pb2
+from tandem_services.scheduler.routing import LoadBasedRouting, Route, RoutingRequest, WorkerView
 
 P, D, U = (
     common_pb2.WORKER_ROLE_PREFILL,

@@ -1,5 +1,5 @@
 """The scheduler's request status and dispatch results: enums, with every transition in one
-table (services/scheduler/core.py)."""
+table (tandem_services/scheduler/core.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from services.scheduler.core import (
+from tandem_protos.v1 import common_pb2
+from tandem_services.scheduler.core import (
     REQUEST_TRANSITIONS,
     DispatchResult,
     Inflight,
@@ -15,7 +16,6 @@ from services.scheduler.core import (
     RequestStatus,
     Submit,
 )
-from tandem_protos.v1 import common_pb2
 
 S = RequestStatus
 

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from services.launcher import Deployment
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+from tandem_services.launcher import Deployment
 from tests.service.conftest import (
     CHAT,
     GRACE_S,

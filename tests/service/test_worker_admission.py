@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from services.worker import core as m
-from services.worker.roles import worker_role
 from tandem.config import EngineArgs
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
 from tandem.engine.serial import Piggyback
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
+from tandem_services.worker import core as m
+from tandem_services.worker.roles import worker_role
 
 
 async def _worker(model: Path, role: str) -> tuple[AsyncMPClient, m.WorkerCore]:

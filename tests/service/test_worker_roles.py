@@ -11,8 +11,11 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from services.worker import core as m
-from services.worker.roles import (
+from tandem.request import EngineCoreRequest
+from tandem.sampling_params import SamplingParams
+from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem_services.worker import core as m
+from tandem_services.worker.roles import (
     ROLE_SPECIFIC_RPCS,
     DecodeRole,
     PrefillRole,
@@ -20,11 +23,8 @@ from services.worker.roles import (
     WorkerRole,
     worker_role,
 )
-from services.worker.servicer import WorkerServicer
-from services.worker.states import Role
-from tandem.request import EngineCoreRequest
-from tandem.sampling_params import SamplingParams
-from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem_services.worker.servicer import WorkerServicer
+from tandem_services.worker.states import Role
 
 DECODE_RPCS = {"Reserve", "ReceiveKV", "ConnectKV", "WriteKV"}
 COMMON_RPCS = {"AddPrefilled", "Abort", "Stats", "StreamOutputs"}

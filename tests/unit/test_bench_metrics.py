@@ -9,10 +9,10 @@ import statistics
 
 import pytest
 
-from services.bench.client import sse_events
-from services.bench.metrics import ClientCpu, RequestResult, record_times, summarize
-from services.bench.serve import build_parser, goodput_limits
-from services.bench.workload import arrival_times, length_range, random_workload
+from tandem_services.bench.client import sse_events
+from tandem_services.bench.metrics import ClientCpu, RequestResult, record_times, summarize
+from tandem_services.bench.serve import build_parser, goodput_limits
+from tandem_services.bench.workload import arrival_times, length_range, random_workload
 
 
 def test_random_dataset_lengths_span_the_issue_ranges() -> None:

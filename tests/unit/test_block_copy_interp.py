@@ -1,4 +1,4 @@
-"""`kernels.block_copy.copy_blocks` against its torch reference, on the CPU through Triton's
+"""`tandem_kernels.block_copy.copy_blocks` against its torch reference, on the CPU through Triton's
 interpreter (in a child process started with TRITON_INTERPRET=1: the interpreter is chosen when
 triton is imported). Small shapes; fp32 and fp16, whole-word and odd-sized blocks, any order;
 several programs per block (small `chunk_bytes`), whole and masked last chunks; the rows entry.
@@ -34,7 +34,7 @@ CASES = {
 
 
 def _run_case(name: str) -> None:
-    from kernels.block_copy import block_words, copy_block_rows, copy_blocks, copy_blocks_ref
+    from tandem_kernels.block_copy import block_words, copy_block_rows, copy_blocks, copy_blocks_ref
 
     dtype, shape, chunk_bytes = CASES[name]
     gen = torch.Generator().manual_seed(len(name))
@@ -96,7 +96,7 @@ def test_copy_blocks_interp(name: str, results: dict[str, str]) -> None:
 
 
 def test_asserts_shapes_and_dtypes() -> None:
-    from kernels.block_copy import copy_blocks_ref
+    from tandem_kernels.block_copy import copy_blocks_ref
 
     a = torch.zeros(4, 1, 2, 2, 1, 4)
     mapping = torch.tensor([[0, 1]])

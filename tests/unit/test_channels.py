@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import server as common_server
 from tandem import channels
+from tandem_services.common import server as common_server
 
 
 def test_services_use_the_one_definition() -> None:

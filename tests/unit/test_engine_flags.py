@@ -17,10 +17,6 @@ from typing import Any
 
 import pytest
 
-from services.bench.serve import build_parser as bench_parser
-from services.launcher import ServeConfig, worker_commands
-from services.launcher import build_parser as serve_parser
-from services.worker.config import config_from_args
 from tandem.config import (
     EngineArgs,
     EngineConfig,
@@ -29,6 +25,10 @@ from tandem.config import (
     engine_flags,
 )
 from tandem.entrypoints.generate import build_parser as generate_parser
+from tandem_services.bench.serve import build_parser as bench_parser
+from tandem_services.launcher import ServeConfig, worker_commands
+from tandem_services.launcher import build_parser as serve_parser
+from tandem_services.worker.config import config_from_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The frontend's request bounds and field checks (services/frontend/limits.py), as parsing
+"""The frontend's request bounds and field checks (tandem_services/frontend/limits.py), as parsing
 applies them: every limit at its value accepted and one above refused with a 400 naming the
 field, the value and the limit; unimplemented fields and bad chat messages refused by name."""
 
@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from services.frontend.config import FrontendConfigError, config_from_args
-from services.frontend.limits import (
+from tandem_services.frontend.config import FrontendConfigError, config_from_args
+from tandem_services.frontend.limits import (
     RequestLimits,
     check_messages,
     check_prompt_work,
     check_tools,
 )
-from services.frontend.openai_protocol import parse_chat, parse_completion
-from services.frontend.types import FrontendError
+from tandem_services.frontend.openai_protocol import parse_chat, parse_completion
+from tandem_services.frontend.types import FrontendError
 
 LIMITS = RequestLimits(
     max_n=4,

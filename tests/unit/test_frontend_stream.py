@@ -8,10 +8,10 @@ import json
 
 import grpc
 
-from services.frontend.engine import merge_queued
-from services.frontend.openai_protocol import TokenText
-from services.frontend.sse import ChatStream, CompletionStream, dumps
-from services.frontend.types import ChoiceDelta, FrontendError, StepEvent, Usage
+from tandem_services.frontend.engine import merge_queued
+from tandem_services.frontend.openai_protocol import TokenText
+from tandem_services.frontend.sse import ChatStream, CompletionStream, dumps
+from tandem_services.frontend.types import ChoiceDelta, FrontendError, StepEvent, Usage
 
 
 def _queue(events: list[StepEvent]) -> asyncio.Queue[StepEvent]:

@@ -49,19 +49,19 @@ def _case(*variants: dict[str, object]) -> Callable[[Callable[..., None]], Calla
 
 def _kernels() -> SimpleNamespace:
     """The kernel modules (imported in the child, where TRITON_INTERPRET=1 is set)."""
-    import kernels.activation
-    import kernels.paged_attention
-    import kernels.reshape_and_cache
-    import kernels.rms_norm
-    import kernels.rotary
     import tandem.layers.attention.triton_backend
+    import tandem_kernels.activation
+    import tandem_kernels.paged_attention
+    import tandem_kernels.reshape_and_cache
+    import tandem_kernels.rms_norm
+    import tandem_kernels.rotary
 
     return SimpleNamespace(
-        activation=kernels.activation,
-        paged_attention=kernels.paged_attention,
-        reshape_and_cache=kernels.reshape_and_cache,
-        rms_norm=kernels.rms_norm,
-        rotary=kernels.rotary,
+        activation=tandem_kernels.activation,
+        paged_attention=tandem_kernels.paged_attention,
+        reshape_and_cache=tandem_kernels.reshape_and_cache,
+        rms_norm=tandem_kernels.rms_norm,
+        rotary=tandem_kernels.rotary,
         triton_backend=tandem.layers.attention.triton_backend,
     )
 
@@ -250,7 +250,7 @@ def case_decode_padded_requests_give_zeros() -> None:
 
 
 def test_decode_num_splits() -> None:
-    from kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_num_splits
+    from tandem_kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_num_splits
 
     # Enough (request, KV head) programs already: no split.
     assert decode_num_splits(64, 8, 1024, 132) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.launcher import ServeConfig, build_parser, worker_commands
+from tandem_services.launcher import ServeConfig, build_parser, worker_commands
 
 SCHED = "127.0.0.1:7000"
 
@@ -21,7 +21,10 @@ def test_disaggregated_on_two_gpus_prefill_first_then_decode() -> None:
         ("prefill", "prefill", "prefill-0", "cuda:0"),
         ("decode", "decode", "decode-0", "cuda:1"),
     ]
-    assert [c.module for c in cmds] == ["services.prefill_worker", "services.decode_worker"]
+    assert [c.module for c in cmds] == [
+        "tandem_services.prefill_worker",
+        "tandem_services.decode_worker",
+    ]
     for c in cmds:
         assert c.args.count("--device") == 1
         assert _flag(c.args, "--scheduler") == SCHED
@@ -48,7 +51,7 @@ def test_unified_workers_one_per_gpu() -> None:
         ("unified", "unified-0", "cuda:0"),
         ("unified-1", "unified-1", "cuda:1"),
     ]
-    assert all("--unified" in c.args and c.module == "services.decode_worker" for c in cmds)
+    assert all("--unified" in c.args and c.module == "tandem_services.decode_worker" for c in cmds)
     assert len({_flag(c.args, "--worker-id") for c in cmds}) == 2
 
 
@@ -88,7 +91,7 @@ def test_bad_gpus_flag_errors_clearly(bad: str, capsys: pytest.CaptureFixture[st
 
 
 def test_bench_serve_takes_the_same_flags() -> None:
-    from services.bench.serve import build_parser as bench_parser
+    from tandem_services.bench.serve import build_parser as bench_parser
 
     ns = bench_parser().parse_args(
         ["--launch", "--unified", "--num-unified-workers", "2", "--gpus", "0,1"]

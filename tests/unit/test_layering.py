@@ -1,5 +1,5 @@
-"""The house rules on imports, checked on the source: `tandem/` never imports `services/`, a
-service never imports another service, `kernels/` imports only torch and triton (and the
+"""The house rules on imports, checked on the source: `tandem/` never imports `tandem_services/`, a
+service never imports another service, `tandem_kernels/` imports only torch and triton (and the
 standard library)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = {p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").exists()}
+SERVICES = {p.name for p in (ROOT / "tandem_services").iterdir() if (p / "__init__.py").exists()}
 # Shared service code and the programs that start services (by design they import them).
 SHARED = {"common", "worker", "launcher", "bench"}
 
@@ -27,7 +27,9 @@ def _imports(path: Path) -> set[str]:
 
 def test_tandem_never_imports_services() -> None:
     offenders = {
-        str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.split(".")[0] == "services")
+        str(p.relative_to(ROOT)): sorted(
+            n for n in _imports(p) if n.split(".")[0] == "tandem_services"
+        )
         for p in (ROOT / "tandem").rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
@@ -36,11 +38,11 @@ def test_tandem_never_imports_services() -> None:
 def test_a_service_never_imports_another_service() -> None:
     bad: dict[str, list[str]] = {}
     for name in SERVICES - SHARED:
-        for p in (ROOT / "services" / name).rglob("*.py"):
+        for p in (ROOT / "tandem_services" / name).rglob("*.py"):
             others = sorted(
                 n
                 for n in _imports(p)
-                if n.split(".")[0] == "services"
+                if n.split(".")[0] == "tandem_services"
                 and len(n.split(".")) > 1
                 and n.split(".")[1] not in SHARED | {name}
             )
@@ -50,9 +52,9 @@ def test_a_service_never_imports_another_service() -> None:
 
 
 def test_kernels_import_only_torch_and_triton() -> None:
-    allowed = {"torch", "triton", "kernels", "__future__", *sys.stdlib_module_names}
+    allowed = {"torch", "triton", "tandem_kernels", "__future__", *sys.stdlib_module_names}
     bad = {
         str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.split(".")[0] not in allowed)
-        for p in (ROOT / "kernels").rglob("*.py")
+        for p in (ROOT / "tandem_kernels").rglob("*.py")
     }
     assert {k: v for k, v in bad.items() if v} == {}

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.common.convert import FINISH_TO_PROTO
-from services.frontend.tracker import Outputs, Register, RequestTracker
-from services.frontend.types import StepEvent
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.output_state import TRANSITIONS, ChoiceOutput, ChoiceState
 from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import worker_pb2
+from tandem_services.common.convert import FINISH_TO_PROTO
+from tandem_services.frontend.tracker import Outputs, Register, RequestTracker
+from tandem_services.frontend.types import StepEvent
 
 PIECES = ["a", "b", "c", "d", "e", " ", "x", "y", "<eos>"]
 A, B, C, D, E, SP, X, Y, EOS = range(len(PIECES))

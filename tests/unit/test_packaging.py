@@ -48,9 +48,9 @@ def test_grpc_and_what_the_services_import_are_core_dependencies() -> None:
 def test_every_service_starts_up_without_the_extras() -> None:
     """Every module `tandem serve` runs imports with redis (and fastapi) absent."""
     out = _run(
-        "import tandem.cli, services.launcher.cli, services.frontend.__main__, "
-        "services.scheduler.__main__, services.prefill_worker.__main__, "
-        "services.decode_worker.__main__, services.common.entrypoint\nprint('ok')"
+        "import tandem.cli, tandem_services.launcher.cli, tandem_services.frontend.__main__, "
+        "tandem_services.scheduler.__main__, tandem_services.prefill_worker.__main__, "
+        "tandem_services.decode_worker.__main__, tandem_services.common.entrypoint\nprint('ok')"
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
@@ -76,7 +76,7 @@ def test_a_missing_extra_is_one_line_naming_it() -> None:
 
 def test_tandem_serve_with_redis_missing_exits_with_one_line() -> None:
     out = _run(
-        "from services.launcher.cli import main\n"
+        "from tandem_services.launcher.cli import main\n"
         "sys.exit(main(['--redis-url', 'redis://127.0.0.1:1']))\n"
     )
     assert out.returncode == 2

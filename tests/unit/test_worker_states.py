@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.core import WorkerRequest
-from services.worker.states import TRANSITIONS, Phase, PhaseError, Role, move
+from tandem_services.worker.core import WorkerRequest
+from tandem_services.worker.states import TRANSITIONS, Phase, PhaseError, Role, move
 
 
 def _request(phase: Phase, kind: Role = Role.DECODE) -> WorkerRequest:

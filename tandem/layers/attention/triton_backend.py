@@ -1,4 +1,4 @@
-"""Attention through the Triton kernels in `kernels/` (the GPU path).
+"""Attention through the Triton kernels in `tandem_kernels/` (the GPU path).
 
 `forward` writes the step's K/V into the paged cache, then runs the decode kernel (split-K)
 when `metadata.is_decode_only`, else the prefill/mixed kernel, which reads every K/V of a
@@ -19,18 +19,18 @@ from typing import ClassVar
 
 import torch
 
-from kernels.paged_attention import (
-    paged_decode_attention,
-    paged_prefill_attention,
-    prefill_tuning,
-    tune_decode_attention,
-)
-from kernels.reshape_and_cache import reshape_and_cache
 from tandem.layers.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     register_attention_backend,
 )
+from tandem_kernels.paged_attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_tuning,
+    tune_decode_attention,
+)
+from tandem_kernels.reshape_and_cache import reshape_and_cache
 
 
 @register_attention_backend

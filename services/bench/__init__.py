@@ -1,2 +1,0 @@
-"""The serving load generator (`tandem bench serve` = `python -m services.bench.serve`): it
-launches or reaches the services, so it lives with them."""

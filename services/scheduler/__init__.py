@@ -1,4 +1,0 @@
-"""The global scheduler: bounded admission queue, worker registry and health, routing.
-
-Run it with `python -m services.scheduler` (or `tandem scheduler`).
-"""

@@ -1,0 +1,166 @@
+"""The frontend's configuration: flags and environment, read once in `__main__`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+
+from tandem.sampling_params import MAX_LOGPROBS
+from tandem_services.common.server import env_default
+from tandem_services.frontend.limits import RequestLimits
+
+# The per-request limits (RequestLimits' fields), each a flag --max-... and an env
+# TANDEM_FRONTEND_MAX_...; defaults are RequestLimits' own.
+_LIMIT_HELP = {
+    "max_n": "most choices per request (n)",
+    "max_best_of": "largest best_of",
+    "max_logprobs": "most top logprobs per token (logprobs / top_logprobs; vLLM's max_logprobs)",
+    "max_stop_sequences": "most stop strings per request",
+    "max_stop_sequence_len": "longest stop string, in characters",
+    "max_tools": "most tools per request",
+    "max_tool_schema_bytes": "largest tool definition, in bytes of JSON",
+    "max_prompt_tokens_times_n": "most prompt tokens x n per request (summed over prompts)",
+}
+
+
+class FrontendConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    scheduler_address: str = "127.0.0.1:50050"
+    # The model the workers serve (for the tokenizer and chat template).
+    model: str = "default"
+    # Names clients may use for it (first: the one reported); default: the model argument.
+    served_model_names: tuple[str, ...] = ()
+    cache_dir: str = ""
+    api_key: str = ""
+    max_body_bytes: int = 1024 * 1024
+    grace_period_s: float = 10.0
+    # Before announcing itself ready (ready file), wait up to this long for a worker.
+    wait_for_workers_s: float = 0.0
+    frontend_id: str = ""
+    # Prometheus /metrics port (0: any free port, -1: off).
+    metrics_port: int = -1
+    ready_file: str = ""
+    log_level: str = "info"
+    # Per-request limits, checked before a request is queued (limits.py).
+    max_n: int = RequestLimits.max_n
+    max_best_of: int = RequestLimits.max_best_of
+    max_logprobs: int = RequestLimits.max_logprobs
+    max_stop_sequences: int = RequestLimits.max_stop_sequences
+    max_stop_sequence_len: int = RequestLimits.max_stop_sequence_len
+    max_tools: int = RequestLimits.max_tools
+    max_tool_schema_bytes: int = RequestLimits.max_tool_schema_bytes
+    max_prompt_tokens_times_n: int = RequestLimits.max_prompt_tokens_times_n
+
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if not (0 <= port < 65536):
+                raise FrontendConfigError(f"{name} must be in [0, 65535], got {port}")
+        if not (-1 <= self.metrics_port < 65536):
+            raise FrontendConfigError(
+                f"metrics_port must be in [-1, 65535], got {self.metrics_port}"
+            )
+        if self.max_body_bytes < 1024:
+            raise FrontendConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.grace_period_s < 0:
+            raise FrontendConfigError("grace_period_s must be >= 0")
+        if not self.frontend_id:
+            raise FrontendConfigError("frontend_id must not be empty")
+        try:
+            self.request_limits  # noqa: B018 (validates)
+        except ValueError as exc:
+            raise FrontendConfigError(str(exc)) from None
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise FrontendConfigError(
+                f"max_logprobs must be <= {MAX_LOGPROBS} (the engine's limit), "
+                f"got {self.max_logprobs}"
+            )
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(**{name: getattr(self, name) for name in _LIMIT_HELP})
+
+    @property
+    def model_ids(self) -> list[str]:
+        return list(self.served_model_names) or [self.model]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = FrontendConfig.__dataclass_fields__
+    p = argparse.ArgumentParser(
+        prog="tandem frontend",
+        description="gRPC and OpenAI-compatible HTTP frontend. Flags also read "
+        "TANDEM_FRONTEND_<FLAG>; the API key also TANDEM_API_KEY.",
+    )
+
+    def env(name: str, default: object) -> str:
+        return env_default(f"TANDEM_FRONTEND_{name.upper()}", str(default))
+
+    p.add_argument("--host", default=env("host", d["host"].default))
+    p.add_argument("--grpc-port", type=int, default=env("grpc_port", d["grpc_port"].default))
+    p.add_argument("--http-port", type=int, default=env("http_port", d["http_port"].default))
+    p.add_argument(
+        "--scheduler",
+        default=env("scheduler", os.environ.get("TANDEM_SCHEDULER_ADDRESS", "127.0.0.1:50050")),
+    )
+    p.add_argument("--model", default=env("model", "default"))
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        help="a name clients may use for the model (repeatable)",
+    )
+    p.add_argument("--cache-dir", default=os.environ.get("TANDEM_CACHE_DIR", ""))
+    p.add_argument("--api-key", default=env("api_key", os.environ.get("TANDEM_API_KEY", "")))
+    p.add_argument(
+        "--max-body-bytes", type=int, default=env("max_body_bytes", d["max_body_bytes"].default)
+    )
+    p.add_argument(
+        "--grace-period-s", type=float, default=env("grace_period_s", d["grace_period_s"].default)
+    )
+    p.add_argument("--wait-for-workers-s", type=float, default=env("wait_for_workers_s", 0.0))
+    p.add_argument("--frontend-id", default=env("frontend_id", ""))
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env("metrics_port", d["metrics_port"].default),
+        help="serve Prometheus /metrics here (0: any free port, -1: off)",
+    )
+    p.add_argument("--ready-file", default=env("ready_file", ""))
+    p.add_argument("--log-level", default=env("log_level", "info"))
+    for name, help_ in _LIMIT_HELP.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=env(name, d[name].default), help=help_
+        )
+    return p
+
+
+def config_from_args(argv: list[str]) -> FrontendConfig:
+    ns = build_parser().parse_args(argv)
+    return FrontendConfig(
+        host=ns.host,
+        grpc_port=ns.grpc_port,
+        http_port=ns.http_port,
+        scheduler_address=ns.scheduler,
+        model=ns.model,
+        served_model_names=tuple(ns.served_model_name),
+        cache_dir=ns.cache_dir,
+        api_key=ns.api_key,
+        max_body_bytes=ns.max_body_bytes,
+        grace_period_s=ns.grace_period_s,
+        wait_for_workers_s=ns.wait_for_workers_s,
+        frontend_id=ns.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}",
+        metrics_port=ns.metrics_port,
+        ready_file=ns.ready_file,
+        log_level=ns.log_level,
+        **{name: getattr(ns, name) for name in _LIMIT_HELP},
+    )

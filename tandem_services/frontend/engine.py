@@ -1,0 +1,289 @@
+"""`FrontendEngine`: what both APIs call to generate, plus the frontend's links to the
+scheduler (submit, abort, worker-set and failure events) and to every worker (one output
+stream each)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from tandem.engine.output_state import child_params, child_request_id
+from tandem_protos.v1 import (
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from tandem_services.common.convert import sampling_params_to_proto
+from tandem_services.common.server import insecure_channel
+from tandem_services.frontend.tracker import (
+    Cancel,
+    Count,
+    Failed,
+    Outputs,
+    Register,
+    RequestTracker,
+)
+from tandem_services.frontend.types import FrontendError, GenerateInput, StepEvent, invalid
+
+logger = logging.getLogger(__name__)
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+# Texts longer than this are tokenized off the event loop.
+_LONG_TEXT_CHARS = 20_000
+
+
+def merge_queued(event: StepEvent, queue: asyncio.Queue[StepEvent]) -> list[StepEvent]:
+    """`event` and whatever else the request's queue holds now, merged into one event (so a
+    handler that fell behind sends one chunk, one write, for all of it), followed by an
+    error event if one was queued (its deltas before it are sent first, as they came)."""
+    if event.error is not None or queue.empty():
+        return [event]
+    merged = StepEvent(deltas=list(event.deltas), usage=event.usage)
+    by_index = {d.index: i for i, d in enumerate(merged.deltas)}
+    while not queue.empty():
+        nxt = queue.get_nowait()
+        if nxt.error is not None:
+            return [merged, nxt]
+        for d in nxt.deltas:
+            i = by_index.get(d.index)
+            if i is None:
+                by_index[d.index] = len(merged.deltas)
+                merged.deltas.append(d)
+            else:
+                merged.deltas[i] = merged.deltas[i].then(d)
+        if nxt.usage is not None:
+            merged.usage = nxt.usage
+    return [merged]
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The workers the scheduler announced last (an immutable snapshot)."""
+
+    workers: tuple[scheduler_pb2.WorkerInfo, ...] = ()
+
+    @property
+    def max_model_len(self) -> int:
+        """The context of the served model (0 while no worker is known)."""
+        lens = [w.max_model_len for w in self.workers if w.max_model_len > 0]
+        return min(lens) if lens else 0
+
+
+class FrontendEngine:
+    def __init__(
+        self,
+        frontend_id: str,
+        scheduler_address: str,
+        tokenizer: Any,
+        model_id: str,
+        rpc_timeout_s: float = 30.0,
+    ) -> None:
+        self.frontend_id = frontend_id
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.rpc_timeout_s = rpc_timeout_s
+        self._channel = insecure_channel(scheduler_address)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self.tracker = RequestTracker(tokenizer, self._abort_soon)
+        self.cluster = ClusterView()
+        self.draining = False
+        self._ids = itertools.count()
+        self._streams: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._watch_task: asyncio.Task[None] | None = None
+        self.have_workers = asyncio.Event()
+
+    async def start(self) -> None:
+        self.tracker.start()
+        self._watch_task = asyncio.create_task(self._watch(), name="scheduler-watch")
+
+    async def close(self) -> None:
+        tasks = [self._watch_task, *self._streams.values(), *self._tasks]
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+        for task in tasks:
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        await self.tracker.stop()
+        await self._channel.close()
+
+    async def num_inflight(self) -> int:
+        return await self.tracker.ask(Count())
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{self.frontend_id}-{next(self._ids)}"
+
+    # ------------------------------------------------------------------ inputs
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        def run() -> list[int]:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+        if len(text) > _LONG_TEXT_CHARS:
+            return await asyncio.to_thread(run)
+        return run()
+
+    async def encode_chat(self, messages: Sequence[dict[str, str]]) -> tuple[str, list[int]]:
+        """The chat template's text (generation prompt added) and its token ids."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # the template rejects the conversation
+            raise invalid(f"the chat template cannot render these messages: {exc}") from exc
+        return text, await self.encode(text, add_special_tokens=False)
+
+    def check_prompt(self, token_ids: Sequence[int], max_tokens: int | None) -> int | None:
+        """Validates a prompt's length against the context; returns max_tokens, filled in to
+        the rest of the context when it was None (and the context is known)."""
+        if not token_ids:
+            raise invalid("prompt is empty", "prompt")
+        limit = self.cluster.max_model_len
+        vocab = len(self.tokenizer)
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise invalid(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if not limit:
+            return max_tokens
+        n = len(token_ids)
+        if n >= limit:
+            raise invalid(
+                f"prompt has {n} tokens; the model's context is {limit} tokens, and at least "
+                "one must remain for output",
+                "prompt",
+            )
+        if max_tokens is None:
+            return limit - n
+        if n + max_tokens > limit:
+            raise invalid(
+                f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
+                f"context ({limit} tokens)",
+                "max_tokens",
+            )
+        return max_tokens
+
+    # ------------------------------------------------------------------ generate
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[StepEvent]:
+        """Stream a request's events; the last has `usage`. Raises FrontendError. Closing the
+        iterator early aborts the request everywhere."""
+        if self.draining:
+            raise FrontendError(grpc.StatusCode.UNAVAILABLE, "the frontend is shutting down")
+        n = inp.params.n
+        choices = [
+            (child_request_id(inp.request_id, i, n), child_params(inp.params, i)) for i in range(n)
+        ]
+        queue = await self.tracker.ask(Register(inp.request_id, inp.prompt_token_ids, choices))
+        done = False
+        try:
+            await asyncio.gather(*(self._submit(inp, rid, p) for rid, p in choices))
+            while True:
+                for event in merge_queued(await queue.get(), queue):
+                    if event.error is not None:
+                        done = True
+                        raise event.error
+                    done = event.finished
+                    yield event
+                    if done:
+                        return
+        finally:
+            if not done:
+                self.tracker.tell(Cancel(inp.request_id))
+
+    async def _submit(self, inp: GenerateInput, engine_id: str, params: Any) -> None:
+        request = common_pb2.EngineRequest(
+            request_id=engine_id,
+            prompt_token_ids=inp.prompt_token_ids,
+            sampling_params=sampling_params_to_proto(params),
+            priority=inp.priority,
+        )
+        try:
+            await self.scheduler.Submit(
+                scheduler_pb2.SubmitRequest(request=request, destination=self.frontend_id)
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.ALREADY_EXISTS:
+                code = grpc.StatusCode.INVALID_ARGUMENT
+            raise FrontendError(code, exc.details() or code.name) from None
+
+    def _abort_soon(self, engine_request_ids: list[str]) -> None:
+        self._spawn(self._abort(engine_request_ids))
+
+    async def _abort(self, engine_request_ids: list[str]) -> None:
+        try:
+            await self.scheduler.Abort(
+                common_pb2.AbortRequest(request_ids=engine_request_ids),
+                timeout=self.rpc_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("abort of %d requests failed: %s", len(engine_request_ids), exc.code())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ links
+
+    async def _watch(self) -> None:
+        """The one owner of `cluster` and the worker streams: follows the scheduler's events."""
+        backoff = 0.1
+        request = scheduler_pb2.WatchEventsRequest(destination=self.frontend_id)
+        while True:
+            try:
+                async for event in self.scheduler.WatchEvents(request):
+                    backoff = 0.1
+                    if event.HasField("workers"):
+                        self._sync_workers(tuple(event.workers.workers))
+                    elif event.HasField("failed"):
+                        f = event.failed
+                        code = _CODES.get(f.code, grpc.StatusCode.UNAVAILABLE)
+                        self.tracker.tell(
+                            Failed(list(f.request_ids), FrontendError(code, f.message))
+                        )
+            except grpc.aio.AioRpcError as exc:
+                logger.debug("scheduler event stream: %s", exc.code().name)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _sync_workers(self, workers: tuple[scheduler_pb2.WorkerInfo, ...]) -> None:
+        self.cluster = ClusterView(workers)
+        addresses = {w.address for w in workers}
+        for address in list(self._streams):
+            if address not in addresses:
+                self._streams.pop(address).cancel()
+        for address in addresses - set(self._streams):
+            self._streams[address] = asyncio.create_task(
+                self._stream_outputs(address), name=f"outputs-{address}"
+            )
+        if workers:
+            self.have_workers.set()
+
+    async def _stream_outputs(self, address: str) -> None:
+        channel = insecure_channel(address)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        request = worker_pb2.StreamOutputsRequest(destination=self.frontend_id)
+        backoff = 0.05
+        try:
+            while True:
+                try:
+                    async for step in stub.StreamOutputs(request):
+                        backoff = 0.05
+                        self.tracker.tell(Outputs(step))
+                except grpc.aio.AioRpcError as exc:
+                    logger.debug("output stream from %s: %s", address, exc.code().name)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+        finally:
+            await channel.close()

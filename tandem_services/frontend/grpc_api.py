@@ -1,0 +1,202 @@
+"""The frontend's gRPC API (`tandem.v1.Frontend`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem_protos.v1 import frontend_pb2, frontend_pb2_grpc
+from tandem_services.common.convert import (
+    FINISH_TO_PROTO,
+    logprobs_to_proto,
+    sampling_params_kwargs,
+)
+from tandem_services.frontend.engine import FrontendEngine
+from tandem_services.frontend.limits import (
+    RequestLimits,
+    check_messages,
+    check_prompt_work,
+    check_sampling,
+)
+from tandem_services.frontend.openai_protocol import ChoiceAccumulator
+from tandem_services.frontend.types import (
+    ChoiceDelta,
+    FrontendError,
+    GenerateInput,
+    StepEvent,
+    Usage,
+    invalid,
+)
+
+
+def _choice(d: ChoiceDelta | ChoiceAccumulator, index: int) -> frontend_pb2.Choice:
+    msg = frontend_pb2.Choice(
+        index=index,
+        text=d.text,
+        token_ids=d.token_ids or [],
+        finish_reason=FINISH_TO_PROTO.get(d.finish_reason, 0),
+    )
+    if d.logprobs:
+        msg.logprobs.extend(logprobs_to_proto(lp) for lp in d.logprobs)
+    if isinstance(d.stop_reason, str):
+        msg.stop_str = d.stop_reason
+    elif isinstance(d.stop_reason, int):
+        msg.stop_token_id = d.stop_reason
+    return msg
+
+
+def _usage(u: Usage) -> frontend_pb2.Usage:
+    return frontend_pb2.Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        total_tokens=u.total_tokens,
+        cached_tokens=u.cached_tokens,
+    )
+
+
+def step_response(
+    request_id: str,
+    choices: list[frontend_pb2.Choice],
+    num_prompt_tokens: int,
+    usage: Usage | None,
+) -> frontend_pb2.GenerateResponse:
+    """One Generate stream message: every choice's output of one step (the last has usage)."""
+    response = frontend_pb2.GenerateResponse(
+        request_id=request_id, choices=choices, prompt_tokens=num_prompt_tokens
+    )
+    if usage is not None:
+        response.usage.CopyFrom(_usage(usage))
+    return response
+
+
+def stream_response(
+    request_id: str, event: StepEvent, num_prompt_tokens: int
+) -> frontend_pb2.GenerateResponse:
+    """The streamed (not final-only) message for one `StepEvent`."""
+    choices = [_choice(d, d.index) for d in event.deltas]
+    return step_response(request_id, choices, num_prompt_tokens, event.usage)
+
+
+class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
+    def __init__(
+        self,
+        engine: FrontendEngine,
+        api_key: str,
+        model_ids: list[str],
+        limits: RequestLimits | None = None,
+    ) -> None:
+        self.engine = engine
+        self.limits = limits or RequestLimits()
+        self.api_key = api_key
+        self.model_ids = model_ids
+        self.created = int(time.time())
+
+    async def _check(self, model: str, context: grpc.aio.ServicerContext) -> None:
+        if self.api_key:
+            metadata = dict(context.invocation_metadata() or ())
+            if metadata.get("authorization") != f"Bearer {self.api_key}":
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "missing or wrong API key (metadata authorization: Bearer <key>)",
+                )
+        if model and model not in self.model_ids:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model {model!r} is not served here; available: {', '.join(self.model_ids)}",
+            )
+
+    async def _prompt(self, request: frontend_pb2.GenerateRequest) -> tuple[list[int], str | None]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return await self.engine.encode(request.text), request.text
+        if kind == "token_ids":
+            return list(request.token_ids.ids), None
+        if kind == "chat":
+            if not request.chat.messages:
+                raise invalid("chat.messages is empty", "chat")
+            messages = check_messages(
+                [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            )
+            text, ids = await self.engine.encode_chat(messages)
+            return ids, text
+        raise invalid("a prompt (text, token_ids or chat) is required", "prompt")
+
+    async def Generate(
+        self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        await self._check(request.model, context)
+        try:
+            try:
+                kwargs = sampling_params_kwargs(request.sampling_params)
+                check_sampling(
+                    self.limits,
+                    n=kwargs.get("n"),
+                    logprobs=kwargs.get("logprobs"),
+                    stop=kwargs["stop"],
+                )
+                params = SamplingParams(**kwargs)
+            except SamplingParamsError as exc:
+                raise invalid(str(exc)) from None
+            ids, text = await self._prompt(request)
+            check_prompt_work(self.limits, [len(ids)], params.n)
+            given = request.sampling_params.HasField("max_tokens")
+            max_tokens = self.engine.check_prompt(ids, params.max_tokens if given else None)
+            rid = self.engine.new_request_id("grpc")
+            inp = GenerateInput(
+                rid, ids, params.clone(max_tokens=max_tokens), text, request.priority
+            )
+            shown_id = request.request_id or rid
+            final_only = request.output_kind == frontend_pb2.OUTPUT_KIND_FINAL_ONLY
+            acc: dict[int, ChoiceAccumulator] = {}
+            async for event in self.engine.generate(inp):
+                if not final_only:
+                    yield stream_response(shown_id, event, len(ids))
+                    continue
+                for d in event.deltas:
+                    acc.setdefault(d.index, ChoiceAccumulator()).add(d)
+                if event.usage is not None:
+                    choices = [_choice(a, i) for i, a in sorted(acc.items())]
+                    yield step_response(shown_id, choices, len(ids), event.usage)
+        except FrontendError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def ListModels(
+        self, request: frontend_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.ListModelsResponse:
+        await self._check("", context)
+        return frontend_pb2.ListModelsResponse(
+            models=[
+                frontend_pb2.ModelCard(
+                    id=m,
+                    owned_by="tandem",
+                    max_model_len=self.engine.cluster.max_model_len,
+                    created=self.created,
+                )
+                for m in self.model_ids
+            ]
+        )
+
+    async def Tokenize(
+        self, request: frontend_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.TokenizeResponse:
+        await self._check(request.model, context)
+        try:
+            kind = request.WhichOneof("prompt")
+            if kind == "text":
+                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = await self.engine.encode(request.text, add_special_tokens=add)
+            elif kind == "chat":
+                messages = check_messages(
+                    [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                )
+                _, ids = await self.engine.encode_chat(messages)
+            else:
+                raise invalid("text or chat is required", "prompt")
+        except FrontendError as exc:
+            await context.abort(exc.code, exc.message)
+        return frontend_pb2.TokenizeResponse(
+            token_ids=ids, count=len(ids), max_model_len=self.engine.cluster.max_model_len
+        )

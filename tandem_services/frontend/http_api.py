@@ -1,0 +1,356 @@
+"""The OpenAI-compatible HTTP API (Starlette): /v1/completions, /v1/chat/completions,
+/v1/models, /health. Streaming responses are server-sent events ending in `data: [DONE]`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tandem_services.frontend.engine import FrontendEngine
+from tandem_services.frontend.limits import RequestLimits, check_prompt_work
+from tandem_services.frontend.openai_protocol import (
+    ChoiceAccumulator,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
+from tandem_services.frontend.sse import DONE, ChatStream, CompletionStream, sse
+from tandem_services.frontend.types import FrontendError, GenerateInput, StepEvent, Usage, invalid
+
+
+def _error_response(exc: FrontendError) -> JSONResponse:
+    return JSONResponse(
+        error_body(exc.message, exc.http_status, exc.param), status_code=exc.http_status
+    )
+
+
+async def _merge(
+    engine: FrontendEngine, inputs: list[GenerateInput]
+) -> AsyncIterator[tuple[int, StepEvent]]:
+    """Events of several requests as they come, tagged with the request's position."""
+    if len(inputs) == 1:
+        async for event in engine.generate(inputs[0]):
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, StepEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, inp: GenerateInput) -> None:
+        try:
+            async for event in engine.generate(inp):
+                queue.put_nowait((i, event))
+            queue.put_nowait((i, None))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, inp)) for i, inp in enumerate(inputs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro: Any) -> Any:
+    """Run `coro`; cancel it (aborting its requests) if the client disconnects first."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        raise FrontendError(grpc.StatusCode.CANCELLED, "client disconnected")
+    return work.result()
+
+
+class HttpApi:
+    def __init__(
+        self,
+        engine: FrontendEngine,
+        api_key: str,
+        max_body_bytes: int,
+        model_ids: list[str],
+        limits: RequestLimits | None = None,
+    ) -> None:
+        self.engine = engine
+        self.limits = limits or RequestLimits()
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.model_ids = model_ids
+        self.token_text = TokenText(engine.tokenizer)
+        self.created = int(time.time())
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self._guard(self.models), methods=["GET"]),
+            Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+        ]
+        return Starlette(routes=routes)
+
+    def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def run(request: Request) -> Response:
+            try:
+                if self.api_key:
+                    auth = request.headers.get("authorization", "")
+                    if auth != f"Bearer {self.api_key}":
+                        raise FrontendError(
+                            grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or wrong API key (Authorization: Bearer <key>)",
+                        )
+                return await handler(request)
+            except FrontendError as exc:
+                return _error_response(exc)
+
+        return run
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.max_body_bytes
+        body = bytearray()
+        too_big = False
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                too_big = True  # keep reading (and dropping) so the client sees our answer
+            else:
+                body += chunk
+        if too_big:
+            raise invalid(f"request body is {size} bytes; the limit is {limit} bytes")
+        try:
+            data = json.loads(body)
+        except ValueError as exc:
+            raise invalid(f"malformed JSON body: {exc}") from None
+        if not isinstance(data, dict):
+            raise invalid("the JSON body must be an object")
+        return data
+
+    def _check_model(self, model: str | None) -> str:
+        if model is None or model == "":
+            return self.model_ids[0]
+        if model not in self.model_ids:
+            raise invalid(
+                f"model {model!r} is not served here; available: {', '.join(self.model_ids)}",
+                "model",
+            )
+        return model
+
+    # ------------------------------------------------------------------ routes
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok", "workers": len(self.engine.cluster.workers)})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_id,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "tandem",
+                        "max_model_len": self.engine.cluster.max_model_len or None,
+                    }
+                    for model_id in self.model_ids
+                ],
+            }
+        )
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_completion(await self._read_json(request), self.limits)
+        model = self._check_model(body.model)
+        encoded: list[tuple[list[int], str | None]] = []
+        for prompt in body.prompts:
+            if isinstance(prompt, str):
+                encoded.append((await self.engine.encode(prompt), prompt))
+            else:
+                encoded.append((prompt, None))
+        check_prompt_work(self.limits, [len(ids) for ids, _ in encoded], body.params.n)
+        inputs = []
+        for ids, text in encoded:
+            max_tokens = self.engine.check_prompt(ids, body.params.max_tokens)
+            inputs.append(
+                GenerateInput(
+                    self.engine.new_request_id("cmpl"),
+                    ids,
+                    body.params.clone(max_tokens=max_tokens),
+                    text,
+                    body.priority,
+                )
+            )
+        stream = CompletionStream(
+            f"cmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            model,
+            body.params.n,
+            body.params.logprobs is not None,
+            body.include_usage,
+            self.token_text,
+        )
+        if not body.stream:
+            acc: dict[int, ChoiceAccumulator] = {}
+            usage = await _unless_disconnected(request, self._collect(inputs, body.params.n, acc))
+            choices = []
+            for index in sorted(acc):
+                a = acc[index]
+                choices.append(
+                    {
+                        "index": index,
+                        "text": a.text,
+                        "logprobs": completion_logprobs(a.logprobs or [], self.token_text, 0)
+                        if stream.want_logprobs
+                        else None,
+                        "finish_reason": a.finish_reason,
+                        "stop_reason": a.stop_reason,
+                    }
+                )
+            return JSONResponse(stream.chunk(choices, usage))
+        return await self._stream(inputs, stream.render, stream.final)
+
+    async def chat(self, request: Request) -> Response:
+        body = parse_chat(await self._read_json(request), self.limits)
+        model = self._check_model(body.model)
+        text, ids = await self.engine.encode_chat(body.messages)
+        check_prompt_work(self.limits, [len(ids)], body.params.n)
+        max_tokens = self.engine.check_prompt(
+            ids, body.params.max_tokens if body.max_tokens_given else None
+        )
+        inputs = [
+            GenerateInput(
+                self.engine.new_request_id("chat"),
+                ids,
+                body.params.clone(max_tokens=max_tokens),
+                text,
+                body.priority,
+            )
+        ]
+        stream = ChatStream(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            model,
+            body.params.logprobs is not None,
+            body.include_usage,
+            self.token_text,
+        )
+        if not body.stream:
+            acc: dict[int, ChoiceAccumulator] = {}
+            usage = await _unless_disconnected(request, self._collect(inputs, 1, acc))
+            choices = [
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": a.text},
+                    "logprobs": chat_logprobs(a.logprobs or [], self.token_text)
+                    if stream.want_logprobs
+                    else None,
+                    "finish_reason": a.finish_reason,
+                    "stop_reason": a.stop_reason,
+                }
+                for index, a in sorted(acc.items())
+            ]
+            return JSONResponse(stream.chunk(choices, usage, full=True))
+        return await self._stream(inputs, stream.render, stream.final)
+
+    # ------------------------------------------------------------------ shared
+
+    async def _collect(
+        self, inputs: list[GenerateInput], n: int, acc: dict[int, ChoiceAccumulator]
+    ) -> Usage:
+        usage = Usage(0, 0)
+        async for i, event in _merge(self.engine, inputs):
+            for d in event.deltas:
+                acc.setdefault(i * n + d.index, ChoiceAccumulator()).add(d)
+            if event.usage is not None:
+                usage.prompt_tokens += event.usage.prompt_tokens
+                usage.completion_tokens += event.usage.completion_tokens
+                usage.cached_tokens += event.usage.cached_tokens
+        return usage
+
+    async def _stream(
+        self,
+        inputs: list[GenerateInput],
+        render: Callable[[int, StepEvent], str],
+        final: Callable[[Usage], str],
+    ) -> Response:
+        """An SSE response; errors before the first event become a plain HTTP error.
+
+        One write per event (each step's new text of every choice in one chunk); the last
+        event of a single-prompt stream goes out with the usage chunk and `[DONE]`."""
+        single = len(inputs) == 1
+        events = _merge(self.engine, inputs)
+        try:
+            first = await anext(events)
+        except FrontendError as exc:
+            return _error_response(exc)
+        except StopAsyncIteration:
+            first = None
+
+        async def body() -> AsyncIterator[str]:
+            usage = Usage(0, 0)
+            try:
+                item = first
+                while item is not None:
+                    i, event = item
+                    if event.usage is not None:
+                        usage.prompt_tokens += event.usage.prompt_tokens
+                        usage.completion_tokens += event.usage.completion_tokens
+                        usage.cached_tokens += event.usage.cached_tokens
+                    text = render(i, event)
+                    if single and event.finished:
+                        yield text + final(usage) + DONE
+                        return
+                    if text:
+                        yield text
+                    item = await anext(events, None)
+                tail = final(usage)
+            except FrontendError as exc:
+                tail = sse(error_body(exc.message, exc.http_status, exc.param))
+            finally:
+                await events.aclose()
+            yield tail + DONE
+
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )

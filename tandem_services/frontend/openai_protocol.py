@@ -1,0 +1,333 @@
+"""OpenAI-compatible request parsing and response shapes (completions and chat completions).
+
+Parsing turns a JSON body into `SamplingParams` and prompts, and raises `FrontendError`
+(HTTP 400) naming the offending field for anything malformed or unsupported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.core.outputs import Logprobs
+from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem_services.frontend.limits import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    RequestLimits,
+    check_messages,
+    check_sampling,
+    check_tools,
+    reject_unimplemented,
+)
+from tandem_services.frontend.types import ChoiceDelta, Usage, invalid
+
+
+class Fields:
+    """Typed access to a JSON object's fields; errors name the field."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+
+    def _get(self, name: str) -> Any:
+        return self.body.get(name)
+
+    def int_(self, name: str, default: int | None = None) -> int | None:
+        v = self._get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise invalid(f"{name} must be an integer, got {v!r}", name)
+        return v
+
+    def float_(self, name: str, default: float | None = None) -> float | None:
+        v = self._get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise invalid(f"{name} must be a number, got {v!r}", name)
+        return float(v)
+
+    def bool_(self, name: str, default: bool = False) -> bool:
+        v = self._get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise invalid(f"{name} must be true or false, got {v!r}", name)
+        return v
+
+    def str_(self, name: str, default: str | None = None) -> str | None:
+        v = self._get(name)
+        if v is None:
+            return default
+        if not isinstance(v, str):
+            raise invalid(f"{name} must be a string, got {type(v).__name__}", name)
+        return v
+
+    def stop(self) -> list[str]:
+        v = self._get("stop")
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+            raise invalid("stop must be a non-empty string or a list of them", "stop")
+        return v
+
+    def int_list(self, name: str) -> list[int]:
+        v = self._get(name)
+        if v is None:
+            return []
+        if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
+            raise invalid(f"{name} must be a list of integers", name)
+        return v
+
+    def stream_include_usage(self) -> bool:
+        opts = self._get("stream_options")
+        if opts is None:
+            return False
+        if not isinstance(opts, dict):
+            raise invalid("stream_options must be an object", "stream_options")
+        v = opts.get("include_usage", False)
+        if not isinstance(v, bool):
+            raise invalid("stream_options.include_usage must be true or false", "stream_options")
+        return v
+
+
+def sampling_params(
+    f: Fields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    limits: RequestLimits,
+    logprobs_field: str = "logprobs",
+) -> SamplingParams:
+    """Sampling parameters shared by both endpoints (vLLM-style extensions included), checked
+    against `limits` before they are built."""
+    n = f.int_("n", 1)
+    best_of = f.int_("best_of")
+    stop = f.stop()
+    check_sampling(
+        limits, n=n, best_of=best_of, logprobs=logprobs, logprobs_field=logprobs_field, stop=stop
+    )
+    if best_of is not None and best_of != n:
+        raise invalid("best_of must equal n (or be left out)", "best_of")
+    kwargs: dict[str, Any] = {
+        "n": n,
+        "temperature": f.float_("temperature", 1.0),
+        "top_p": f.float_("top_p", 1.0),
+        "top_k": f.int_("top_k", -1),
+        "min_p": f.float_("min_p", 0.0),
+        "seed": f.int_("seed"),
+        "presence_penalty": f.float_("presence_penalty", 0.0),
+        "frequency_penalty": f.float_("frequency_penalty", 0.0),
+        "repetition_penalty": f.float_("repetition_penalty", 1.0),
+        "max_tokens": max_tokens,
+        "min_tokens": f.int_("min_tokens", 0),
+        "stop": stop,
+        "stop_token_ids": f.int_list("stop_token_ids"),
+        "ignore_eos": f.bool_("ignore_eos"),
+        "include_stop_str_in_output": f.bool_("include_stop_str_in_output"),
+        "logprobs": logprobs,
+        "skip_special_tokens": f.bool_("skip_special_tokens", True),
+    }
+    try:
+        return SamplingParams(**kwargs)
+    except SamplingParamsError as exc:
+        raise invalid(str(exc), str(exc).split(" ", 1)[0]) from None
+
+
+@dataclass(frozen=True)
+class CompletionBody:
+    model: str | None
+    # Each entry: text, or token ids.
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+
+
+def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) -> CompletionBody:
+    """A /v1/completions body; 400 naming the field for anything malformed, unimplemented or
+    over a limit."""
+    limits = limits or RequestLimits()
+    reject_unimplemented(body, COMPLETION_FIELDS)
+    f = Fields(body)
+    prompt = body.get("prompt")
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        prompts = [list(prompt)]
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+            for p in prompt
+        )
+    ):
+        prompts = [list(p) for p in prompt]
+    elif prompt is None:
+        raise invalid("prompt is required", "prompt")
+    else:
+        raise invalid(
+            "prompt must be a string, a list of strings, a list of token ids, or a list of "
+            "token id lists",
+            "prompt",
+        )
+    logprobs = f.int_("logprobs")
+    return CompletionBody(
+        model=f.str_("model"),
+        prompts=prompts,
+        params=sampling_params(f, f.int_("max_tokens", 16), logprobs, limits),
+        stream=f.bool_("stream"),
+        include_usage=f.stream_include_usage(),
+        priority=f.int_("priority", 0) or 0,
+    )
+
+
+@dataclass(frozen=True)
+class ChatBody:
+    model: str | None
+    messages: list[dict[str, str]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+    # max_tokens was left out: the frontend fills in the rest of the context.
+    max_tokens_given: bool
+
+
+def parse_chat(body: dict[str, Any], limits: RequestLimits | None = None) -> ChatBody:
+    """A /v1/chat/completions body; 400 naming the field for anything malformed,
+    unimplemented or over a limit."""
+    limits = limits or RequestLimits()
+    # The tools' number and size first (a huge list is refused for its size), then tool
+    # calling itself (not implemented) with the other unimplemented fields.
+    check_tools(limits, body.get("tools"))
+    reject_unimplemented(body, CHAT_FIELDS)
+    f = Fields(body)
+    messages = check_messages(body.get("messages"))
+    max_tokens = f.int_("max_completion_tokens", f.int_("max_tokens"))
+    logprobs = None
+    top = f.int_("top_logprobs")
+    if f.bool_("logprobs"):
+        logprobs = top or 0
+    elif top is not None:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    return ChatBody(
+        model=f.str_("model"),
+        messages=messages,
+        params=sampling_params(f, max_tokens, logprobs, limits, "top_logprobs"),
+        stream=f.bool_("stream"),
+        include_usage=f.stream_include_usage(),
+        priority=f.int_("priority", 0) or 0,
+        max_tokens_given=max_tokens is not None,
+    )
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def error_body(message: str, code: int, param: str | None = None) -> dict[str, Any]:
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+    }.get(code, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+    if usage.cached_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return body
+
+
+class TokenText:
+    """Decoded text of single tokens (for logprobs), cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return s
+
+
+def completion_logprobs(
+    logprobs: list[Logprobs], token_text: TokenText, text_offset: int
+) -> dict[str, Any]:
+    """The completions API's logprobs object for a run of tokens."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_offset
+    for lp in logprobs:
+        s = token_text(lp.token_ids[0])
+        tokens.append(s)
+        token_logprobs.append(lp.logprobs[0])
+        top.append(
+            {token_text(t): v for t, v in zip(lp.token_ids[1:], lp.logprobs[1:], strict=True)}
+        )
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(logprobs: list[Logprobs], token_text: TokenText) -> dict[str, Any]:
+    content = []
+    for lp in logprobs:
+        s = token_text(lp.token_ids[0])
+        content.append(
+            {
+                "token": s,
+                "logprob": lp.logprobs[0],
+                "bytes": list(s.encode()),
+                "top_logprobs": [
+                    {"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
+                    for t, v in zip(lp.token_ids[1:], lp.logprobs[1:], strict=True)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+@dataclass
+class ChoiceAccumulator:
+    """A choice's whole output, for non-streaming responses."""
+
+    text: str = ""
+    token_ids: list[int] | None = None
+    logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, d: ChoiceDelta) -> None:
+        self.text += d.text
+        self.token_ids = (self.token_ids or []) + d.token_ids
+        if d.logprobs:
+            self.logprobs = (self.logprobs or []) + d.logprobs
+        if d.finish_reason is not None:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason

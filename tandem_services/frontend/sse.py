@@ -1,0 +1,186 @@
+"""Server-sent events of the OpenAI streaming responses: one renderer per stream.
+
+`render(i, event)` turns one `StepEvent` of prompt `i` (every choice's new text of one
+step, or of several when the handler fell behind) into ONE string, the stream's one write
+for it ("" when there is nothing to send); `final(usage)` the usage chunk (with
+`stream_options.include_usage`). The HTTP handler writes what they return, the last event's
+together with `final` and `data: [DONE]`.
+
+The per-step path builds no dict for a chunk's constant fields: they are encoded once per
+stream (`_head`), and a choice without logprobs is formatted directly; the bytes are those
+of `json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)` either way.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tandem_services.frontend.openai_protocol import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    usage_body,
+)
+from tandem_services.frontend.types import StepEvent, Usage
+
+DONE = "data: [DONE]\n\n"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+def _reason(value: int | str | None) -> str:
+    """A finish or stop reason as JSON."""
+    if value is None:
+        return "null"
+    if isinstance(value, int):
+        return str(value)
+    return dumps(value)
+
+
+def _head(rid: str, obj: str, created: int, model: str) -> str:
+    """`data: {"id":..,"object":..,"created":..,"model":..,"choices":` of every chunk."""
+    return (
+        f'data: {{"id":{dumps(rid)},"object":{dumps(obj)},"created":{created},'
+        f'"model":{dumps(model)},"choices":'
+    )
+
+
+class CompletionStream:
+    """`/v1/completions` with `stream: true`: choice `index = i * n + choice`."""
+
+    def __init__(
+        self,
+        rid: str,
+        created: int,
+        model: str,
+        n: int,
+        want_logprobs: bool,
+        include_usage: bool,
+        token_text: TokenText,
+    ) -> None:
+        self.rid = rid
+        self.created = created
+        self.model = model
+        self.n = n
+        self.want_logprobs = want_logprobs
+        self.include_usage = include_usage
+        self.token_text = token_text
+        self._offsets: dict[int, int] = {}
+        self._head = _head(rid, "text_completion", created, model)
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.rid,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            out["usage"] = usage_body(usage)
+        return out
+
+    def render(self, i: int, event: StepEvent) -> str:
+        choices = []
+        want_logprobs = self.want_logprobs
+        offsets = self._offsets
+        for d in event.deltas:
+            if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
+                continue
+            index = i * self.n + d.index
+            if not want_logprobs:
+                choices.append(
+                    f'{{"index":{index},"text":{dumps(d.text)},"logprobs":null,'
+                    f'"finish_reason":{_reason(d.finish_reason)},'
+                    f'"stop_reason":{_reason(d.stop_reason)}}}'
+                )
+                continue
+            lp = completion_logprobs(d.logprobs or [], self.token_text, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
+            entry = {
+                "index": index,
+                "text": d.text,
+                "logprobs": lp,
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
+            choices.append(dumps(entry))
+        if not choices:
+            return ""
+        return f"{self._head}[{','.join(choices)}]}}\n\n"
+
+    def final(self, usage: Usage) -> str:
+        return sse(self.chunk([], usage)) if self.include_usage else ""
+
+
+class ChatStream:
+    """`/v1/chat/completions` with `stream: true`: a role chunk opens each choice."""
+
+    def __init__(
+        self,
+        rid: str,
+        created: int,
+        model: str,
+        want_logprobs: bool,
+        include_usage: bool,
+        token_text: TokenText,
+    ) -> None:
+        self.rid = rid
+        self.created = created
+        self.model = model
+        self.want_logprobs = want_logprobs
+        self.include_usage = include_usage
+        self.token_text = token_text
+        self._started: set[int] = set()
+        self._head = _head(rid, "chat.completion.chunk", created, model)
+
+    def chunk(
+        self, choices: list[dict[str, Any]], usage: Usage | None = None, full: bool = False
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.rid,
+            "object": "chat.completion" if full else "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            out["usage"] = usage_body(usage)
+        return out
+
+    def render(self, i: int, event: StepEvent) -> str:
+        lines = []
+        choices = []
+        want_logprobs = self.want_logprobs
+        for d in event.deltas:
+            if d.index not in self._started:
+                self._started.add(d.index)
+                role = (
+                    f'{{"index":{d.index},"delta":{{"role":"assistant","content":""}},'
+                    '"logprobs":null,"finish_reason":null}'
+                )
+                lines.append(f"{self._head}[{role}]}}\n\n")
+            if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
+                continue
+            delta = f'{{"content":{dumps(d.text)}}}' if d.text else "{}"
+            logprobs = (
+                dumps(chat_logprobs(d.logprobs or [], self.token_text)) if want_logprobs else "null"
+            )
+            choices.append(
+                f'{{"index":{d.index},"delta":{delta},"logprobs":{logprobs},'
+                f'"finish_reason":{_reason(d.finish_reason)},'
+                f'"stop_reason":{_reason(d.stop_reason)}}}'
+            )
+        if choices:
+            lines.append(f"{self._head}[{','.join(choices)}]}}\n\n")
+        return "".join(lines)
+
+    def final(self, usage: Usage) -> str:
+        return sse(self.chunk([], usage)) if self.include_usage else ""

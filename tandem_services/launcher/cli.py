@@ -1,0 +1,160 @@
+"""`tandem serve` (`python -m tandem_services.launcher`): its flags, and the foreground loop.
+
+The engine flags are the one definition in `tandem.config` (`add_engine_args`); the values
+that differ from their defaults go to every worker as flags (`engine_argv`). The prefix-cache
+directory flags are the services' own (`tandem_services.common.directory`), defaults from
+`TANDEM_SERVE_<FLAG>`, then `TANDEM_<FLAG>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from tandem.config import EngineArgs, add_engine_args, engine_argv
+from tandem.directory.factory import require_redis
+from tandem_services.common.directory import add_directory_args, directory_config_from
+from tandem_services.launcher.deployment import LaunchError, ServeConfig, start_deployment
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `tandem serve`, engine flags included."""
+    p = argparse.ArgumentParser(
+        prog="tandem serve",
+        description="Run the scheduler, a prefill and a decode worker (or one unified worker) "
+        "and the frontend on this machine.",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--scheduler-port", type=int, default=0)
+    p.add_argument("--unified", action="store_true", help="unified workers (no hand-off)")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""))
+    p.add_argument("--grace-period-s", type=float, default=10.0)
+    p.add_argument("--log-dir", default="", help="write each service's log to DIR/<name>.log")
+    add_worker_placement_args(p)
+    p.add_argument(
+        "--routing",
+        choices=["prefix", "round-robin", "load"],
+        default="",
+        help="how the scheduler picks a prefill worker (default: prefix)",
+    )
+    add_directory_args(p, "TANDEM_SERVE_")
+    add_engine_args(p)
+    return p
+
+
+def gpu_list(value: str) -> tuple[int, ...]:
+    """argparse type of --gpus: "0,1" -> (0, 1)."""
+    try:
+        gpus = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        gpus = ()
+    if not gpus or any(g < 0 for g in gpus):
+        raise argparse.ArgumentTypeError(f"--gpus takes GPU indices like 0,1; got {value!r}")
+    return gpus
+
+
+def add_worker_placement_args(p: argparse.ArgumentParser) -> None:
+    """--num-prefill-workers, --num-unified-workers, --gpus (`tandem serve`, `bench serve`)."""
+    p.add_argument(
+        "--num-prefill-workers", type=int, default=1, help="prefill workers (disaggregated)"
+    )
+    p.add_argument(
+        "--num-unified-workers", type=int, default=1, help="unified workers (with --unified)"
+    )
+    p.add_argument(
+        "--gpus",
+        type=gpu_list,
+        default=(),
+        help="GPU indices, e.g. 0,1: workers go to them round robin in role order (prefill "
+        "workers, then decode; or each unified worker) as --device cuda:<index>",
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        directory = directory_config_from(ns)
+        if directory.uses_redis:
+            require_redis()  # one line naming the extra, before any child starts
+        # Checked here, before any process starts (nothing is loaded: no resolution).
+        EngineArgs.from_cli_args(ns).create_engine_config(resolve=False)
+    except (ValueError, ImportError) as exc:
+        parser.error(str(exc))
+    try:
+        config = ServeConfig(
+            model=ns.model,
+            host=ns.host,
+            http_port=ns.http_port,
+            grpc_port=ns.grpc_port,
+            scheduler_port=ns.scheduler_port,
+            unified=ns.unified,
+            api_key=ns.api_key,
+            worker_args=tuple(engine_argv(ns)),
+            grace_period_s=ns.grace_period_s,
+            log_dir=ns.log_dir,
+            num_prefill_workers=ns.num_prefill_workers,
+            num_unified_workers=ns.num_unified_workers,
+            gpus=ns.gpus,
+            directory=directory,
+            routing=ns.routing,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    mode = (
+        f"{config.num_unified_workers} unified worker(s)"
+        if config.unified
+        else f"{config.num_prefill_workers} prefill + 1 decode workers"
+    )
+    if config.gpus:
+        mode += f" on GPUs {','.join(map(str, config.gpus))}"
+    print(f"tandem serve: starting scheduler, {mode}, frontend ({config.model}) ...", flush=True)
+    try:
+        deployment = start_deployment(config)
+    except LaunchError as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 1
+    http = deployment.http_address
+    workers = ", ".join(f"{name} {deployment.address(name)}" for name, _ in config.worker_roles)
+    print(
+        f"tandem serve: ready\n"
+        f"  HTTP (OpenAI API)  http://{http}/v1\n"
+        f"  gRPC               {deployment.grpc_address}  (tandem.v1.Frontend)\n"
+        f"  scheduler          {deployment.scheduler_address}\n"
+        f"  workers            {workers}\n"
+        f"Try:\n"
+        f"  curl http://{http}/v1/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{config.model}", "prompt": "The capital of France is", '
+        f'"max_tokens": 16}}\'\n'
+        f"Ctrl-C stops everything.",
+        flush=True,
+    )
+    code = 0
+    while not stop["signal"]:
+        dead = deployment.failed()
+        if dead:
+            print(f"tandem serve: {', '.join(dead)} exited; stopping", file=sys.stderr)
+            code = 1
+            break
+        time.sleep(0.2)
+    print("tandem serve: stopping ...", flush=True)
+    codes = deployment.stop()
+    bad = {n: c for n, c in codes.items() if c != 0}
+    if bad:
+        print(f"tandem serve: unclean exits: {bad}", file=sys.stderr)
+        code = 1
+    else:
+        print("tandem serve: stopped", flush=True)
+    return code

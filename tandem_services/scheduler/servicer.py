@@ -1,0 +1,103 @@
+"""gRPC edge of the scheduler: each handler turns a call into a message for `SchedulerCore`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tandem_protos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tandem_services.scheduler import core as m
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, core: m.SchedulerCore) -> None:
+        self.core = core
+
+    async def Submit(
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SubmitResponse:
+        msg = m.Submit(request=request.request, destination=request.destination)
+        try:
+            return await self.core.ask(msg)
+        except m.SubmitError as exc:
+            await context.abort(exc.code, exc.message)
+            raise  # not reached
+        except asyncio.CancelledError:
+            self.core.tell(m.Withdraw(request.request.request_id))
+            raise
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        n = await self.core.ask(m.Abort(request_ids=list(request.request_ids)))
+        return common_pb2.AbortResponse(num_aborted=n)
+
+    async def WatchEvents(
+        self, request: scheduler_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.SchedulerEvent]:
+        if not request.destination:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "destination is empty")
+        queue = await self.core.ask(m.Watch(destination=request.destination))
+        try:
+            while True:
+                event = await queue.get()
+                if event is None:
+                    return
+                yield event
+        finally:
+            self.core.tell(m.Unwatch(request.destination, queue))
+
+    async def RegisterWorker(
+        self, request: scheduler_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.RegisterWorkerResponse:
+        if not request.worker_id or not request.address:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required"
+            )
+        if request.role == common_pb2.WORKER_ROLE_UNSPECIFIED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role is required")
+        if self.core.shutting_down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+        interval = await self.core.ask(m.Register(info=request))
+        return scheduler_pb2.RegisterWorkerResponse(report_interval_s=interval)
+
+    async def ReportLoad(
+        self,
+        request_iterator: AsyncIterator[scheduler_pb2.LoadReport],
+        context: grpc.aio.ServicerContext,
+    ) -> scheduler_pb2.ReportLoadResponse:
+        generation: int | None = None
+        worker_id = ""
+        try:
+            async for report in request_iterator:
+                answer = await self.core.ask(m.Report(report=report, generation=generation))
+                if answer is None:
+                    await context.abort(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"worker {report.worker_id!r} is not registered; register again",
+                    )
+                generation, worker_id = answer, report.worker_id
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # the stream broke: the worker is gone
+            logger.info("load report stream of %s ended: %s", worker_id or "?", exc)
+        finally:
+            if generation is not None:
+                self.core.tell(m.ReportStreamClosed(worker_id, generation))
+        return scheduler_pb2.ReportLoadResponse()
+
+    async def DeregisterWorker(
+        self, request: scheduler_pb2.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.DeregisterWorkerResponse:
+        await self.core.ask(m.Deregister(worker_id=request.worker_id))
+        return scheduler_pb2.DeregisterWorkerResponse()
+
+    async def ListWorkers(
+        self, request: scheduler_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ListWorkersResponse:
+        return await self.core.ask(m.ListWorkers())

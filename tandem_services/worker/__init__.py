@@ -1,0 +1,8 @@
+"""The worker runtime shared by `tandem_services.prefill_worker` and
+`tandem_services.decode_worker`.
+
+A library, not a service: it has no `__main__`. One worker process holds one engine (in its
+own process, reached through an AsyncMPClient) and serves the `tandem.v1.Worker` API in one of
+three roles: prefill (compute the prompt, sample the first token, hand the KV to a decode
+worker), decode (reserve blocks, receive KV, decode), or unified (both in one engine).
+"""

@@ -1,0 +1,159 @@
+"""A worker's metrics: its engine, its KV cache and its KV transfers.
+
+    tandem_worker_running_requests, tandem_worker_waiting_requests     engine scheduler queues
+    tandem_worker_inflight_requests            every request this worker is responsible for
+    tandem_worker_pending_prefill_tokens       prompt tokens of requests not yet past prefill
+    tandem_worker_kv_cache_blocks_used, tandem_worker_kv_cache_blocks_free
+    tandem_worker_kv_cache_usage_ratio
+    tandem_worker_prefix_cache_queried_tokens_total, tandem_worker_prefix_cache_hit_tokens_total
+    tandem_worker_prefix_cache_hit_ratio       hit tokens / queried tokens since start
+    tandem_worker_preemptions_total
+    tandem_worker_engine_steps_total, tandem_worker_generated_tokens_total
+    tandem_kv_transfer_bytes_total{direction,transport}    sent | received; tcp, cuda_ipc, nccl
+    tandem_kv_transfer_duration_seconds{direction,transport}   one request's prompt KV
+
+Sends are measured on every transport; receives on TCP (the CUDA IPC and NCCL writers are
+the senders, so their side carries the figures).
+
+Every family carries a `role` label (prefill, decode, unified). Engine figures come from the
+engine thread's latest snapshot and the worker's request table, read at scrape time on the
+event loop. The autoscaling signals are `pending_prefill_tokens` (prefill pool) and
+`kv_cache_usage_ratio` / `running_requests` (decode pool).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import Metric
+
+from tandem.core.outputs import EngineCoreOutput
+from tandem.engine.core_client import AsyncMPClient
+from tandem.kv_transfer.base import KVDestination
+from tandem.kv_transfer.placement import TCP
+from tandem.kv_transfer.transports import KVTransports
+from tandem_services.common.metrics import TRANSFER_BUCKETS_S, ScrapeCollector, counter, gauge
+from tandem_services.worker import core as m
+from tandem_services.worker.states import Phase, Role
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.role = role
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.steps = Counter(
+            "tandem_worker_engine_steps", "Engine steps with outputs.", ["role"], registry=r
+        ).labels(role)
+        self.generated_tokens = Counter(
+            "tandem_worker_generated_tokens", "Tokens sampled by this engine.", ["role"], registry=r
+        ).labels(role)
+        self.transfer_bytes = Counter(
+            "tandem_kv_transfer_bytes",
+            "KV cache bytes moved between workers.",
+            ["role", "direction", "transport"],
+            registry=r,
+        )
+        self.transfer_time = Histogram(
+            "tandem_kv_transfer_duration_seconds",
+            "Time to move one request's prompt KV (send: until the receiver acknowledged).",
+            ["role", "direction", "transport"],
+            buckets=TRANSFER_BUCKETS_S,
+            registry=r,
+        )
+        self._core: m.WorkerCore | None = None
+        self._engine: AsyncMPClient | None = None
+
+    def bind(self, core: m.WorkerCore, engine: AsyncMPClient) -> None:
+        """Start reporting the state of `core` and `engine` at scrape time."""
+        self._core, self._engine = core, engine
+        self.registry.register(ScrapeCollector(self._collect))
+
+    def on_transfer(self, direction: str, transport: str, num_bytes: int, seconds: float) -> None:
+        """One request's prompt KV moved (`direction`: sent or received)."""
+        self.transfer_bytes.labels(self.role, direction, transport).inc(num_bytes)
+        self.transfer_time.labels(self.role, direction, transport).observe(seconds)
+
+    def on_step(self, outputs: list[EngineCoreOutput]) -> None:
+        """Called on the event loop with each engine step's outputs."""
+        self.steps.inc()
+        self.generated_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
+
+    def _collect(self) -> Iterator[Metric]:
+        assert self._core is not None and self._engine is not None
+        labels = {"role": self.role}
+        requests = self._core.requests.values()
+        yield gauge(
+            "tandem_worker_inflight_requests",
+            "Requests this worker is responsible for.",
+            len(self._core.requests),
+            labels,
+        )
+        yield gauge(
+            "tandem_worker_pending_prefill_tokens",
+            "Prompt tokens of this worker's requests whose prefill has not finished.",
+            sum(
+                r.num_prompt_tokens
+                for r in requests
+                if r.kind != Role.DECODE and r.phase == Phase.RUNNING and r.num_emitted == 0
+            ),
+            labels,
+        )
+        stats = self._engine.latest_stats
+        if stats is None:
+            return
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        for name, doc, value in (
+            ("running_requests", "Requests in the engine's running batch.", stats.num_running),
+            ("waiting_requests", "Requests waiting in the engine.", stats.num_waiting),
+            (
+                "kv_cache_blocks_used",
+                "KV cache blocks in use.",
+                stats.num_blocks - stats.num_free_blocks,
+            ),
+            ("kv_cache_blocks_free", "KV cache blocks free.", stats.num_free_blocks),
+            ("kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", stats.kv_usage),
+            (
+                "prefix_cache_hit_ratio",
+                "Prompt tokens found in the prefix cache / tokens looked up, since start.",
+                hits / queries if queries else 0.0,
+            ),
+        ):
+            yield gauge(f"tandem_worker_{name}", doc, value, labels)
+        for name, doc, value in (
+            ("prefix_cache_queried_tokens", "Prompt tokens looked up in the cache.", queries),
+            ("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", hits),
+            ("preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
+        ):
+            yield counter(f"tandem_worker_{name}", doc, value, labels)
+
+
+class MeteredKVTransports(KVTransports):
+    """A worker's `KVTransports` that records the bytes and time of every transfer."""
+
+    def __init__(self, transports: KVTransports, metrics: WorkerMetrics) -> None:
+        super().__init__(transports.connectors)
+        self.metrics = metrics
+
+    async def send_blocks(
+        self, request_id: str, src_block_ids: Sequence[int], dst: KVDestination
+    ) -> int:
+        start = time.perf_counter()
+        num_bytes = await super().send_blocks(request_id, src_block_ids, dst)
+        if num_bytes:
+            elapsed = time.perf_counter() - start
+            self.metrics.on_transfer("sent", dst.transport or TCP, num_bytes, elapsed)
+        return num_bytes
+
+    async def receive_stream(
+        self,
+        messages: AsyncIterator[Any],
+        reserved_for: Callable[[str], Awaitable[Sequence[int] | None]],
+    ) -> Any:
+        start = time.perf_counter()
+        reply = await super().receive_stream(messages, reserved_for)
+        self.metrics.on_transfer("received", TCP, reply.num_bytes, time.perf_counter() - start)
+        return reply
