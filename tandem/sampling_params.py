@@ -17,6 +17,60 @@ class SamplingParamsError(ValueError):
     """Raised for invalid sampling parameters; the message names the field."""
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's names): exactly one of
+
+    - `json`: a JSON schema (a dict, or its JSON text) the output must validate against;
+    - `regex`: a regular expression the whole output must match;
+    - `choice`: the output is exactly one of these strings;
+    - `grammar`: an EBNF (GBNF-style) grammar the output must derive from;
+    - `json_object`: any JSON object.
+
+    The spec is what crosses process and service boundaries; the grammar is compiled where it
+    is used (compiled grammars are cached by the spec's `key`).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise SamplingParamsError("structured_outputs.choice must be a list of strings")
+            if not self.choice:
+                raise SamplingParamsError("structured_outputs.choice must not be empty")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = self._kinds()
+        if len(kinds) != 1:
+            raise SamplingParamsError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {kinds or 'none'}"
+            )
+
+    def _kinds(self) -> list[str]:
+        set_: list[str] = []
+        if self.json is not None:
+            set_.append("json")
+        if self.regex is not None:
+            set_.append("regex")
+        if self.choice is not None:
+            set_.append("choice")
+        if self.grammar is not None:
+            set_.append("grammar")
+        if self.json_object:
+            set_.append("json_object")
+        return set_
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, regex, choice, grammar or json_object."""
+        return self._kinds()[0]
+
+
 @dataclass
 class SamplingParams:
     """How to sample a request's output tokens.
@@ -45,6 +99,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +150,10 @@ class SamplingParams:
             raise SamplingParamsError("stop strings must be non-empty strings")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams")
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters are irrelevant; normalise so the sampler can batch.
             self.temperature = 0.0
