@@ -10,6 +10,13 @@ draws it from the same flags and seed (`--seeds`: one per rate, so that no rate'
 the prefix cache another rate filled; the cache is also reset between rates); the engine is
 built from the same engine flags, and stepped in this process with no transport
 (`tandem_services.bench.serve.run_offline`).
+
+`--timeline` records every step's plan (decode requests, prefill tokens) and its time, and
+prints the time by kind of step: decode-only steps by batch size, mixed steps by prefill
+tokens. Under async scheduling a `step()` returns the previous step's tokens, so the time
+between two returns is the device time of the step launched in between.
+`--keep-prefix-cache` runs the rates one after another on one cache (with one `--seed`: each
+rate sends the same prompts, as a client re-run against a warm server does).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import json
 import math
 import time
+from typing import Any
 
 from tandem.config import EngineArgs, add_engine_args
 from tandem.engine.core import EngineCore
@@ -28,6 +36,68 @@ from tandem_services.bench.serve import (
     run_offline,
     summarize,
 )
+
+_DECODE_BUCKETS = (16, 32, 64, 128, 256, 1 << 30)
+_PREFILL_BUCKETS = (64, 256, 1024, 2048, 4096, 1 << 30)
+
+
+def _bucket(n: int, bounds: tuple[int, ...]) -> str:
+    lo = 1
+    for hi in bounds:
+        if n <= hi:
+            return f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+"
+        lo = hi + 1
+    return f"{lo}+"
+
+
+class StepTimeline:
+    """Every step's plan and time, recorded by wrapping the engine's scheduler."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        # Under async scheduling plan k+1 is made while step k runs, after step k-1 ended:
+        # the gap between plans k+1 and k+2 is step k's device time.
+        self.lag = 1 if engine.async_scheduling else 0
+        self.plans: list[tuple[int, int]] = []
+        self.stamps: list[float] = []
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule() -> Any:
+            so = schedule()
+            counts = so.num_scheduled_tokens
+            decodes = sum(1 for n in counts.values() if n == 1)
+            if counts:
+                self.plans.append((decodes, so.total_num_scheduled_tokens - decodes))
+                self.stamps.append(time.perf_counter())
+            return so
+
+        engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        self.plans.clear()
+        self.stamps.clear()
+
+    def summary(self) -> dict[str, Any]:
+        """Time by kind of step. Step k's time: the gap between plan k and plan k+1 (sync),
+        or between plans k+1 and k+2 (async). Idle gaps (no request) are not steps."""
+        kinds: dict[str, dict[str, float]] = {}
+        for k in range(len(self.plans) - 1 - self.lag):
+            decodes, prefill = self.plans[k]
+            ms = (self.stamps[k + 1 + self.lag] - self.stamps[k + self.lag]) * 1e3
+            if prefill:
+                name = f"mixed prefill {_bucket(prefill, _PREFILL_BUCKETS)}"
+            else:
+                name = f"decode {_bucket(decodes, _DECODE_BUCKETS)}"
+            kd = kinds.setdefault(name, {"steps": 0, "ms": 0.0, "decodes": 0, "prefill": 0})
+            kd["steps"] += 1
+            kd["ms"] += ms
+            kd["decodes"] += decodes
+            kd["prefill"] += prefill
+        for kd in kinds.values():
+            n = max(int(kd["steps"]), 1)
+            kd["ms_per_step"] = kd["ms"] / n
+            kd["decodes_per_step"] = kd["decodes"] / n
+            kd["prefill_per_step"] = kd["prefill"] / n
+        return dict(sorted(kinds.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         help="one workload seed per rate (comma-separated; default: --seed for every rate)",
     )
     w.add_argument("--warmup", type=int, default=4, help="short requests run before timing")
+    w.add_argument(
+        "--keep-prefix-cache",
+        action="store_true",
+        help="do not reset the prefix cache between rates",
+    )
+    p.add_argument("--timeline", action="store_true", help="record and print each step's time")
     p.add_argument("--out", default="")
     ns = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -59,16 +135,22 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--seeds needs one seed per rate")
     warm = Workload([[100 + i for i in range(16)] for _ in range(ns.warmup)], [4] * ns.warmup)
     run_offline(engine, warm, math.inf, 0, ns.seed)
+    timeline = StepTimeline(engine) if ns.timeline else None
     runs = []
     for rate, seed in zip(rates, seeds, strict=True):
         workload = random_workload(
             ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, vocab, seed
         )
-        engine.scheduler.reset_prefix_cache()
+        if not ns.keep_prefix_cache:
+            engine.scheduler.reset_prefix_cache()
+        if timeline is not None:
+            timeline.reset()
         results, duration = run_offline(engine, workload, rate, 0, seed)
         summary = summarize(results, duration, None, None)
+        steps = timeline.summary() if timeline is not None else None
         runs.append(
             {
+                "steps": steps,
                 "system": "offline-engine",
                 "rate": rate,
                 "seed": seed,
@@ -85,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
             f"TPOT p50 {summary['tpot_ms']['p50']:.2f} p99 {summary['tpot_ms']['p99']:.2f} ms",
             flush=True,
         )
+        for name, kd in (steps or {}).items():
+            print(
+                f"  {name:24s} {int(kd['steps']):5d} steps {kd['ms_per_step']:7.2f} ms/step "
+                f"({kd['decodes_per_step']:6.1f} decodes, {kd['prefill_per_step']:7.1f} "
+                f"prefill tokens per step; {kd['ms'] / 1e3:6.2f} s)",
+                flush=True,
+            )
     report = {
         "benchmark": "serve_offline",
         "startup_s": startup_s,

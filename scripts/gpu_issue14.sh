@@ -43,13 +43,23 @@ mkdir -p "$RES"
 SITE=${PYTHONPATH#"$PWD"}
 
 # Each rate draws its own prompts (workload seed = the rate's position, from 1): a rate never
-# hits the prefix cache that an earlier rate filled, served or offline.
-SEEDS=$(python3 -c "print(','.join(str(i + 1) for i in range(len('$RATES'.split(',')))))")
+# hits the prefix cache that an earlier rate filled, served or offline. SAME_PROMPTS=1: every
+# rate sends the same prompts (seed 1) to the same warm server, as `vllm bench serve` re-run at
+# each rate with its default seed does (rates after the first hit the prefix cache).
+if [ "${SAME_PROMPTS:-0}" = 1 ]; then
+  SEEDS=$(python3 -c "print(','.join('1' for _ in '$RATES'.split(',')))")
+  OFFLINE_FLAGS=(--keep-prefix-cache)
+else
+  SEEDS=$(python3 -c "print(','.join(str(i + 1) for i in range(len('$RATES'.split(',')))))")
+  OFFLINE_FLAGS=()
+fi
+[ "${TIMELINE:-0}" = 1 ] && OFFLINE_FLAGS+=(--timeline)
 
 offline_run() {  # offline_run NAME: the offline engine on the same requests and arrival times
-  step "offline engine ($1)" 150 "$LOGS/offline_$1.log" \
+  step "offline engine ($1)" "${OFFLINE_LIMIT_S:-150}" "$LOGS/offline_$1.log" \
     $PY -m benchmarks.serve_offline --model "$MODEL" "${ENGINE[@]}" "${LOAD[@]}" \
-    --request-rate "$RATES" --seeds "$SEEDS" --out "$RES/offline_$1.json"
+    --request-rate "$RATES" --seeds "$SEEDS" "${OFFLINE_FLAGS[@]}" --out "$RES/offline_$1.json"
+  grep -E "^offline rate|^  (decode|mixed)" "$LOGS/offline_$1.log" >>"$summary"
 }
 if [ "$OFFLINE" = first ] || [ "$OFFLINE" = both ]; then offline_run first; fi
 
@@ -90,13 +100,14 @@ PYEOF
   echo "$name: answered ${up}s after start" | tee -a "$summary"
   echo "{\"name\": \"$name\", \"startup_s\": $up}" >"$RES/${name}_startup.json"
   local k=0
+  local seeds=(${SEEDS//,/ })
   for rate in ${RATES//,/ }; do
     k=$((k + 1))
     $PY scripts/proc_cpu.py "$RES/${name}_cpu_${rate}.json" &
     local cpid=$!
     (cd "$tree" && PYTHONPATH="$pypath" timeout 200 $PY -m tandem.cli bench serve \
       --url "http://127.0.0.1:$port" --backend http --model "$MODEL" "${LOAD[@]}" \
-      --request-rate "$rate" --seed "$k" --no-plots --out-dir "$RES" --name "${name}_${rate}") \
+      --request-rate "$rate" --seed "${seeds[$((k - 1))]}" --no-plots --out-dir "$RES" --name "${name}_${rate}") \
       >>"$LOGS/${name}_bench.log" 2>&1
     echo "$name rate $rate: rc=$? $(grep -E "^ *serve" "$LOGS/${name}_bench.log" | tail -n 1)" \
       | tee -a "$summary"
