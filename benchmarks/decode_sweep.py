@@ -33,11 +33,21 @@ def _weight_bytes(engine: EngineCore) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def measure(engine: EngineCore, batch: int, context: int, steps: int, seed: int) -> dict[str, Any]:
+def measure(
+    engine: EngineCore,
+    batch: int,
+    context: int,
+    steps: int,
+    seed: int,
+    mixed_prefill: list[int],
+) -> dict[str, Any]:
     """One grid point; every request is aborted before it returns (the pool whole again)."""
     engine.scheduler.reset_prefix_cache()
     prompts = make_prompts(batch, context, engine.vocab_size, seed)
-    params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 16, ignore_eos=True)
+    cuda = torch.cuda.is_available()
+    params = SamplingParams(
+        temperature=0.0, max_tokens=(3 + len(mixed_prefill)) * steps + 16, ignore_eos=True
+    )
     ids = [f"s{batch}-{context}-{i}" for i in range(batch)]
     for rid, q in zip(ids, prompts, strict=True):
         engine.add_request(EngineCoreRequest(rid, q, params, eos_token_id=None))
@@ -46,7 +56,6 @@ def measure(engine: EngineCore, batch: int, context: int, steps: int, seed: int)
         engine.step()
     for _ in range(3):
         engine.step()
-    cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -60,10 +69,27 @@ def measure(engine: EngineCore, batch: int, context: int, steps: int, seed: int)
         if cuda
         else {"device_ms_per_step": 0.0, "by_kind_ms_per_step": {}}
     )
+    point: dict[str, Any] = {"batch": batch, "context": context, "wall_ms_per_step": wall, **prof}
+    # Mixed steps: the same decode batch, and before every step one new request of P prompt
+    # tokens (one output token): every step is mixed, as when requests keep arriving.
+    mixed = {}
+    for p_len in mixed_prefill:
+        extra = make_prompts(steps + 4, p_len, engine.vocab_size, seed + p_len)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for j in range(steps):
+            engine.add_request(EngineCoreRequest(f"m{p_len}-{j}-{seed}", extra[j], one, None))
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        mixed[str(p_len)] = (time.perf_counter() - t0) / steps * 1e3
+    point["mixed_wall_ms_per_step"] = mixed
     engine.abort_requests(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"batch": batch, "context": context, "wall_ms_per_step": wall, **prof}
+    return point
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,24,48,96,160")
     p.add_argument("--contexts", default="128,1100")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument(
+        "--mixed-prefill",
+        default="16,512",
+        help="prompt lengths of a request added before every step (mixed steps); '' for none",
+    )
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM bandwidth (H200: 4.8 TB/s)")
     p.add_argument("--out", default="")
     ns = p.parse_args(argv)
@@ -87,7 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     points = []
     for context in [int(x) for x in ns.contexts.split(",")]:
         for batch in [int(x) for x in ns.batches.split(",")]:
-            pt = measure(engine, batch, context, ns.steps, seed=batch * 7919 + context)
+            pt = measure(
+                engine,
+                batch,
+                context,
+                ns.steps,
+                seed=batch * 7919 + context,
+                mixed_prefill=[int(x) for x in ns.mixed_prefill.split(",") if x],
+            )
             read = weights + batch * (context + 2 * ns.steps) * kv_per_token
             pt["bytes_read"] = read
             pt["bandwidth_floor_ms"] = read / (ns.peak_gbps * 1e6)
@@ -97,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"batch {batch:4d} context {context:5d}: wall {pt['wall_ms_per_step']:6.2f} ms, "
                 f"device {pt['device_ms_per_step']:6.2f} ms (floor {pt['bandwidth_floor_ms']:.2f}"
-                f" ms, {100 * pt['floor_fraction']:.0f}%) | {kinds}",
+                f" ms, {100 * pt['floor_fraction']:.0f}%) | {kinds} | mixed "
+                + " ".join(f"+{k}: {v:.2f} ms" for k, v in pt["mixed_wall_ms_per_step"].items()),
                 flush=True,
             )
     if ns.out:

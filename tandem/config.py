@@ -272,6 +272,8 @@ class ParallelConfig:
 
 _CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 _CUDA_GRAPH_SIZES += (320, 384, 448, 512, 640, 768, 896, 1024)
+# Token counts of mixed steps captured piecewise (above the largest: eager, device-bound).
+_PIECEWISE_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 
 
 @dataclass(frozen=True)
@@ -295,6 +297,17 @@ class DeviceConfig:
     cuda_graph_sizes: tuple[int, ...] = field(
         default=_CUDA_GRAPH_SIZES, metadata=flag("decode batch sizes captured as CUDA graphs")
     )
+    cudagraph_mode: Literal["full_decode_only", "full_and_piecewise"] = field(
+        default="full_and_piecewise",
+        metadata=flag(
+            "full_decode_only: decode steps as whole graphs, mixed steps eager; "
+            "full_and_piecewise: mixed steps too, as graphs between eager attention calls"
+        ),
+    )
+    piecewise_cuda_graph_sizes: tuple[int, ...] = field(
+        default=_PIECEWISE_GRAPH_SIZES,
+        metadata=flag("token counts of mixed steps captured as piecewise CUDA graphs"),
+    )
     num_threads: int = field(default=0, metadata=flag("torch intra-op threads (0: torch's)"))
 
     def __post_init__(self) -> None:
@@ -305,6 +318,13 @@ class DeviceConfig:
             )
         if any(s < 1 for s in self.cuda_graph_sizes):
             raise ConfigError("cuda_graph_sizes must be positive")
+        if self.cudagraph_mode not in ("full_decode_only", "full_and_piecewise"):
+            raise ConfigError(
+                "cudagraph_mode must be full_decode_only or full_and_piecewise, "
+                f"got {self.cudagraph_mode}"
+            )
+        if any(s < 1 for s in self.piecewise_cuda_graph_sizes):
+            raise ConfigError("piecewise_cuda_graph_sizes must be positive")
 
     @property
     def device_index(self) -> int | None:

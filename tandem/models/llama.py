@@ -68,6 +68,13 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self.project_qkv(positions, hidden_states)
+        return self.o_proj(self.attend(q, k, v, kv_cache, attn_metadata))
+
+    def project_qkv(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q `[T, H, D]`, K and V `[T, Hkv, D]`, rotary applied (no KV cache access)."""
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -76,8 +83,19 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
         q, k = self._rotary_emb[0](positions, q, k)
+        return q, k, v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The backend's KV write and attention: `[T, H * D]`, before o_proj."""
         out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
+        return out.reshape(q.shape[0], self.num_heads * self.head_size)
 
 
 class LlamaMLP(nn.Module):
@@ -283,6 +301,63 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[N, hidden] -> [N, vocab]` float32."""
         return self.lm_head(hidden_states)
+
+    # Pieces of the forward between attention calls (piecewise CUDA graphs): piece 0 is the
+    # embedding up to layer 0's Q/K/V; piece i (1 <= i < num_layers) takes layer i-1's
+    # attention output through its o_proj, norm and MLP up to layer i's Q/K/V; the last
+    # piece ends with the final norm. With `LlamaAttention.attend` between them they run
+    # exactly the ops of `forward`, in its order.
+
+    def first_piece(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(q, k, v, residual)` of layer 0."""
+        residual = self.model.embed_tokens(input_ids)
+        layer = self.model.layers[0]
+        hidden = layer.input_layernorm(residual)
+        q, k, v = layer.self_attn.project_qkv(positions, hidden)
+        return q, k, v, residual
+
+    def middle_piece(
+        self,
+        index: int,
+        positions: torch.Tensor,
+        attn_out: torch.Tensor,
+        residual: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer `index - 1` from its attention output on, then layer `index` up to its
+        `(q, k, v)`; returns them and the residual."""
+        hidden, residual = self._finish_layer(self.model.layers[index - 1], attn_out, residual)
+        layer = self.model.layers[index]
+        hidden, residual = layer.input_layernorm(hidden, residual)
+        q, k, v = layer.self_attn.project_qkv(positions, hidden)
+        return q, k, v, residual
+
+    def last_piece(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer from its attention output on, and the final norm: `[T, hidden]`."""
+        hidden, residual = self._finish_layer(self.model.layers[-1], attn_out, residual)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def attend(
+        self,
+        index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Layer `index`'s KV write and attention (between two pieces): `[T, H * D]`."""
+        return self.model.layers[index].self_attn.attend(q, k, v, kv_cache, attn_metadata)
+
+    @staticmethod
+    def _finish_layer(
+        layer: LlamaDecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = layer.self_attn.o_proj(attn_out)
+        hidden, residual = layer.post_attention_layernorm(hidden, residual)
+        return layer.mlp(hidden), residual
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters.

@@ -1,9 +1,10 @@
 """The model runner: turns a `SchedulerOutput` into one flattened forward pass and samples.
 
 Its parts live beside it: per-request state, block table and a step's host arrays in
-`input_batch`, host -> device copies in `staging`, decode CUDA graphs in `cuda_graph`, and
-sampling metadata, seeded generators and sampled ids in `sampling`. The `Worker` that owns the
-runner picks the device, measures memory and sizes the KV cache; the runner runs the model.
+`input_batch`, host -> device copies in `staging`, decode CUDA graphs in `cuda_graph`, mixed
+steps' piecewise graphs in `piecewise_graph`, and sampling metadata, seeded generators and
+sampled ids in `sampling`. The `Worker` that owns the runner picks the device, measures
+memory and sizes the KV cache; the runner runs the model.
 
 A step's tokens form one sequence (see `input_batch`); logits are computed only for the rows
 that sample (the last query row of each request that reaches its token count).
@@ -30,6 +31,7 @@ from tandem.loader import build_model
 from tandem.models.llama import LlamaForCausalLM
 from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import InputBatch, StepInputs
+from tandem.worker.piecewise_graph import PiecewiseCudaGraphs
 from tandem.worker.sampling import PendingStep, StepSampler
 from tandem.worker.staging import PinnedStaging
 
@@ -89,6 +91,12 @@ class ModelRunner:
         self.staging = PinnedStaging(device)
         self.use_cuda_graphs = device.type == "cuda" and not config.device.enforce_eager
         self.cuda_graphs = DecodeCudaGraphs(config.device.cuda_graph_sizes, max_num_seqs, device)
+        piecewise = config.device.cudagraph_mode == "full_and_piecewise"
+        self.piecewise_graphs = PiecewiseCudaGraphs(
+            config.device.piecewise_cuda_graph_sizes if piecewise else (),
+            config.scheduler.max_num_batched_tokens,
+            device,
+        )
         # The engine's KV cache (one tensor) and its per-layer views; set by
         # `initialize_kv_cache`.
         self.kv_cache: torch.Tensor | None = None
@@ -188,6 +196,7 @@ class ModelRunner:
             self.cuda_graphs.capture(
                 self.model, self.kv_caches, self.max_model_len, self.block_size
             )
+            self.piecewise_graphs.capture(self.model, self.kv_caches)
 
     # ----------------------------------------------------------------- state
 
@@ -225,9 +234,9 @@ class ModelRunner:
         )
         input_ids.index_copy_(0, index[0], prev.index_select(0, index[1]))
 
-    def _run_eager(self, inp: StepInputs) -> torch.Tensor:
+    def _metadata(self, inp: StepInputs) -> AttentionMetadata:
         to_device = self.staging.to_device
-        metadata = AttentionMetadata(
+        return AttentionMetadata(
             num_actual_tokens=inp.total,
             num_reqs=inp.num_reqs,
             max_query_len=inp.max_query_len,
@@ -244,11 +253,21 @@ class ModelRunner:
             is_decode_only=inp.is_decode_only,
             num_decodes=inp.num_decodes,
         )
+
+    def _run_eager(self, inp: StepInputs, piecewise_size: int | None = None) -> torch.Tensor:
+        """The step's forward eagerly, or (`piecewise_size`) through that bucket of piecewise
+        graphs; the logits of its sampled rows."""
+        to_device = self.staging.to_device
+        metadata = self._metadata(inp)
         input_ids = to_device(inp.input_ids, torch.int64)
         self._fill_from_previous(input_ids, inp)
-        hidden = self.model(
-            input_ids, to_device(inp.positions, torch.int64), self.kv_caches, metadata
-        )
+        positions = to_device(inp.positions, torch.int64)
+        if piecewise_size is not None:
+            hidden = self.piecewise_graphs.replay(
+                self.model, self.kv_caches, piecewise_size, input_ids, positions, metadata
+            )
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         if not inp.sampled_rows:
             return hidden[:0]
         logits_indices = inp.query_start_loc[1:][inp.sampled_rows] - 1
@@ -312,7 +331,10 @@ class ModelRunner:
                 inp, graph_size, self.staging, self._fill_from_previous
             )
         else:
-            logits = self._run_eager(inp)
+            piecewise_size = (
+                None if inp.is_decode_only else self.piecewise_graphs.size_for(inp.total)
+            )
+            logits = self._run_eager(inp, piecewise_size)
 
         states = [inp.states[i] for i in inp.sampled_rows]
         sampled = self.sampler.sample(logits, states) if states else None
@@ -335,6 +357,7 @@ class ModelRunner:
         self._last_step = None
         self._unfinished_writes.clear()
         self.cuda_graphs.clear()
+        self.piecewise_graphs.clear()
         self.kv_caches = []
         self.kv_cache = None
         self._model = None

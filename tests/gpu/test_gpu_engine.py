@@ -160,3 +160,111 @@ def test_shutdown_returns_the_device_memory() -> None:
     assert held > 10 * (1 << 30), held  # ~20% of the device: weights and the KV cache
     left = torch.cuda.memory_allocated() - before
     assert left < 256 * (1 << 20), f"{left / (1 << 20):.0f} MiB still allocated after shutdown"
+
+
+def _mixed_step(
+    runner: object, query_lens: list[int], seq_lens: list[int], first_block: int
+) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Inputs and metadata (on the device) of one step over blocks from `first_block` on:
+    one-token requests first (as the runner orders a mixed step)."""
+    import dataclasses
+
+    from tests.conftest import build_attn_metadata
+
+    bs = runner.block_size  # type: ignore[attr-defined]
+    tables, nxt = [], first_block
+    for s in seq_lens:
+        n = -(-s // bs)
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    md = build_attn_metadata(query_lens, seq_lens, tables, bs)
+    md = dataclasses.replace(
+        md,
+        query_start_loc=md.query_start_loc.cuda(),
+        seq_lens=md.seq_lens.cuda(),
+        block_table=md.block_table.cuda(),
+        slot_mapping=md.slot_mapping.cuda(),
+        num_decodes=sum(1 for q in query_lens if q == 1) if not md.is_decode_only else 0,
+    )
+    rng = random.Random(sum(seq_lens))
+    total = sum(query_lens)
+    ids = torch.tensor([rng.randrange(100, 30000) for _ in range(total)], device="cuda")
+    positions = torch.cat(
+        [torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)]
+    ).cuda()
+    return ids, positions, md
+
+
+@torch.inference_mode()
+def test_piecewise_graphs_of_mixed_steps_equal_the_eager_forward() -> None:
+    """A mixed step (decodes over long contexts, a chunk over cached context, a new prompt)
+    through the piecewise graphs: the eager forward's hidden states, bit for bit when the
+    step fills its bucket, within bf16 noise when padded (the matmuls then run at the
+    bucket's row count)."""
+    with LLM(
+        model=MODEL,
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=1024,
+        gpu_memory_utilization=0.3,
+        max_num_batched_tokens=256,
+    ) as llm:
+        runner = llm.engine.model_runner
+        graphs = runner.piecewise_graphs
+        assert (
+            graphs.sizes and max(graphs.sizes) == 256 and set(graphs.buckets) == set(graphs.sizes)
+        )
+        model, kv = runner.model, runner.kv_caches
+        first_block = runner.kv_cache.shape[0] - 200  # free: the engine holds no request
+        # Context first (eager), then the mixed step both ways.
+        ctx_q, ctx_s = [300, 200, 90, 20], [300, 200, 90, 20]
+        ids, pos, md = _mixed_step(runner, ctx_q, ctx_s, first_block)
+        model(ids, pos, kv, md)
+        for query_lens in ([1, 1, 1, 61], [1, 1, 1, 30, 17]):  # 64 tokens (full), 50 (padded)
+            seq_lens = [301, 201, 91, 20 + query_lens[3], *query_lens[4:]]
+            ids, pos, md = _mixed_step(runner, query_lens, seq_lens, first_block)
+            eager = model(ids, pos, kv, md).clone()
+            size = graphs.size_for(len(ids))
+            assert size == 64
+            replays = graphs.num_replays
+            piecewise = graphs.replay(model, kv, size, ids, pos, md).clone()
+            assert graphs.num_replays == replays + 1
+            if len(ids) == size:
+                assert torch.equal(eager, piecewise)
+            else:
+                err = (eager.float() - piecewise.float()).norm() / eager.float().norm()
+                assert err < 1e-2, err
+
+
+def test_engine_runs_mixed_steps_through_piecewise_graphs() -> None:
+    """Chunked prefill beside decodes (a 64-token budget: every prefill step is mixed and
+    fits a bucket): the engine replays the piecewise graphs, and its greedy tokens are the
+    eager-mixed engine's (identical step plans; padded buckets differ only in bf16 noise)."""
+    vocab = 30000
+    ps = prompts(vocab, 8)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = {}
+    for mode in ("full_and_piecewise", "full_decode_only"):
+        with LLM(
+            model=MODEL,
+            dtype="bfloat16",
+            device="cuda",
+            max_model_len=1024,
+            gpu_memory_utilization=0.3,
+            max_num_batched_tokens=64,
+            cudagraph_mode=mode,
+        ) as llm:
+            outs[mode] = [
+                o.outputs[0].token_ids
+                for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+            ]
+            graphs = llm.engine.model_runner.piecewise_graphs
+            if mode == "full_and_piecewise":
+                assert graphs.num_replays > 0
+            else:
+                assert not graphs.buckets and graphs.num_replays == 0
+            assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
+    same = sum(
+        a == b for a, b in zip(outs["full_and_piecewise"], outs["full_decode_only"], strict=True)
+    )
+    assert same >= 6, f"only {same}/8 prompts identical"
