@@ -278,6 +278,7 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
         self.tie_word_embeddings = cfg.tie_word_embeddings
+        self.attn_backend = attn_backend
         self.model = LlamaModel(cfg, attn_backend, dtype, self.device)
         self.lm_head = LMHead(
             cfg.vocab_size,

@@ -5,13 +5,14 @@ A mixed step cannot be one graph: its attention depends on how its tokens split 
 requests (query lengths, prefill and decode rows), which only the host knows per step. Every
 other op is per token row, so the forward between two attention calls is captured as one
 graph per layer boundary (`LlamaForCausalLM.first_piece`, `middle_piece`, `last_piece`) for a
-fixed number of rows, and the attention (KV write, prefill/decode kernels) runs eagerly
-between the replays on the step's real rows. A step of n tokens replays the smallest bucket
-of size >= n; rows n.. are padding (their ids and positions are whatever the buffers hold,
-rows never mix, and attention sees only the first n rows, so they never reach the cache or
-a real row). An eager forward of an 8B model costs the host about 17 ms (kernel launches:
-measured on an H200 against 5.7 ms of device time); this leaves 33 graph launches and the
-attention's.
+fixed number of rows, and the attention (prefill/decode kernels) runs eagerly between the
+replays on the step's real rows. Where the backend can (`graph_kv_write`), the step's K/V
+writes go inside the pieces, from a static slot mapping (padding -1); else the eager
+attention writes them. A step of n tokens replays the smallest bucket of size >= n; rows n..
+are padding (their ids and positions are whatever the buffers hold; rows never mix, and
+neither the cache nor a real row sees them). An eager forward of an 8B model costs the host
+about 17 ms (kernel launches: measured on an H200 against 5.7 ms of device time); this
+leaves 33 graph launches and the attention's.
 
 Invariants: every piece's outputs are held from capture to `clear`, at the addresses the next
 piece's graph reads; the attention output is copied into one static buffer per bucket, which
@@ -21,6 +22,7 @@ capture order and never interleave with another bucket's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +48,9 @@ class _Bucket:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_out: torch.Tensor
+    # The step's slots, padding -1: read by the K/V writes inside the pieces (backends with
+    # `graph_kv_write`); unused otherwise.
+    slot_mapping: torch.Tensor
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     # Per piece but the last: (q, k, v, residual) as captured; the last piece's hidden.
     outputs: list[_Outputs] = field(default_factory=list)
@@ -86,6 +91,7 @@ class PiecewiseCudaGraphs:
                     input_ids=torch.zeros(size, dtype=torch.long, device=dev),
                     positions=torch.arange(size, dtype=torch.long, device=dev),
                     attn_out=torch.zeros((size, hidden_width), dtype=model.dtype, device=dev),
+                    slot_mapping=torch.full((size,), -1, dtype=torch.long, device=dev),
                 )
                 meta = self._dummy_metadata(size, kv_caches[0].shape[2])
                 for _ in range(2):  # warm-up: Triton compiles, the allocator settles
@@ -124,27 +130,40 @@ class PiecewiseCudaGraphs:
         """Run (capture=None) or capture (capture=the pool) every piece of `bucket`, with the
         dummy attention between them."""
         num_layers = model.num_layers
+        backend = model.attn_backend
+        in_graph = backend.graph_kv_write
+        if in_graph:
+            meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping[:0])
 
-        def piece(fn: Callable[..., _T], *args: object) -> _T:
+        def piece(layer: int | None, fn: Callable[..., _T], *args: object) -> _T:
+            """Run or capture `fn`; with the K/V write of `layer` (its outputs) inside."""
+
+            def body() -> _T:
+                out = fn(*args)
+                if in_graph and layer is not None:
+                    _, k, v, _ = out  # type: ignore[misc]
+                    backend.write_kv(k, v, kv_caches[layer], bucket.slot_mapping)
+                return out
+
             if capture is None:
-                return fn(*args)
+                return body()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=capture):
-                out = fn(*args)
+                out = body()
             bucket.graphs.append(graph)
             return out
 
-        outs = piece(model.first_piece, bucket.input_ids, bucket.positions)
+        outs = piece(0, model.first_piece, bucket.input_ids, bucket.positions)
         kept = [outs]
         for i in range(1, num_layers + 1):
             q, k, v, residual = outs
             attn = model.attend(i - 1, q[:size], k[:size], v[:size], kv_caches[i - 1], meta)
             bucket.attn_out.copy_(attn)
             if i < num_layers:
-                outs = piece(model.middle_piece, i, bucket.positions, bucket.attn_out, residual)
+                outs = piece(i, model.middle_piece, i, bucket.positions, bucket.attn_out, residual)
                 kept.append(outs)
             else:
-                hidden = piece(model.last_piece, bucket.attn_out, residual)
+                hidden = piece(None, model.last_piece, bucket.attn_out, residual)
         if capture is not None:
             bucket.outputs = kept
             bucket.hidden = hidden
@@ -169,6 +188,11 @@ class PiecewiseCudaGraphs:
         n = input_ids.shape[0]
         bucket.input_ids[:n].copy_(input_ids)
         bucket.positions[:n].copy_(positions)
+        if model.attn_backend.graph_kv_write:
+            # The pieces write the K/V: attention gets nothing left to write.
+            bucket.slot_mapping[:n].copy_(meta.slot_mapping[:n])
+            bucket.slot_mapping[n:].fill_(-1)
+            meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping[:0])
         graphs = bucket.graphs
         graphs[0].replay()
         for i in range(model.num_layers):

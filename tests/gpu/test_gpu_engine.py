@@ -200,7 +200,7 @@ def test_piecewise_graphs_of_mixed_steps_equal_the_eager_forward() -> None:
     """A mixed step (decodes over long contexts, a chunk over cached context, a new prompt)
     through the piecewise graphs: the eager forward's hidden states, bit for bit when the
     step fills its bucket, within bf16 noise when padded (the matmuls then run at the
-    bucket's row count)."""
+    bucket's row count); the step's K/V written by the graphs (zeroed in between)."""
     with LLM(
         model=MODEL,
         dtype="bfloat16",
@@ -224,6 +224,9 @@ def test_piecewise_graphs_of_mixed_steps_equal_the_eager_forward() -> None:
             seq_lens = [301, 201, 91, 20 + query_lens[3], *query_lens[4:]]
             ids, pos, md = _mixed_step(runner, query_lens, seq_lens, first_block)
             eager = model(ids, pos, kv, md).clone()
+            # Forget the step's K/V: the piecewise run must write it again (inside its graphs).
+            sm = md.slot_mapping
+            runner.kv_cache[sm // runner.block_size, :, :, sm % runner.block_size] = 0
             size = graphs.size_for(len(ids))
             assert size == 64
             replays = graphs.num_replays

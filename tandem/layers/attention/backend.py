@@ -68,6 +68,21 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         ...
 
+    # True when `write_kv` is implemented and CUDA-graph capturable: a runner capturing the
+    # ops around attention may then write the step's K/V inside its graphs, and call
+    # `forward` with an empty `slot_mapping` (nothing left to write there).
+    graph_kv_write: ClassVar[bool] = False
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
+    ) -> None:
+        """Write K/V rows into the paged cache (what `forward` does first)."""
+        raise NotImplementedError(f"{self.name} has no separate KV write")
+
     def startup_tuning(self) -> contextlib.AbstractContextManager[None]:
         """Context for the engine's start-up profile forward: kernels may tune themselves on
         the shapes they see inside it (and only there)."""

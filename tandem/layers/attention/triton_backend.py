@@ -44,6 +44,18 @@ class TritonAttentionBackend(AttentionBackend):
     TUNE_MAX_REQS: ClassVar[int] = 512
     TUNE_MAX_SEQ_LEN: ClassVar[int] = 1024
 
+    graph_kv_write: ClassVar[bool] = True
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """One kernel, no host sync (slots < 0 skipped): capturable."""
+        reshape_and_cache(key, value, kv_cache, slot_mapping)
+
     def startup_tuning(self) -> contextlib.AbstractContextManager[None]:
         """The prefill kernel picks its tile config inside (see `prefill_tuning`)."""
         return prefill_tuning()
