@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem.config import add_engine_args
 from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, worker_pb2
 from tandem_services.frontend.engine import merge_queued
@@ -56,10 +57,10 @@ TEXT = (
 ) * 40
 
 
-def _load_tokenizer(model: str) -> Any:
+def _load_tokenizer(model: str, cache_dir: str = "") -> Any:
     from tandem.loader import load_tokenizer, resolve_model_path
 
-    return load_tokenizer(resolve_model_path(model))
+    return load_tokenizer(resolve_model_path(model, cache_dir or None))
 
 
 def _step_messages(
@@ -213,7 +214,8 @@ def _new_loop(name: str) -> asyncio.AbstractEventLoop:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="default", help="tokenizer of this model")
+    # The engine's --model and --cache-dir, as the frontend takes them (the tokenizer's model).
+    add_engine_args(p, only=("model", "cache_dir"))
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--tokens-per-step", type=int, default=1)
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="write the JSON report here")
     ns = p.parse_args(argv)
 
-    tokenizer = _load_tokenizer(ns.model)
+    tokenizer = _load_tokenizer(ns.model, ns.cache_dir)
     token_ids = list(tokenizer(TEXT, add_special_tokens=False).input_ids)
     run = _run_direct if ns.path == "direct" else _run_actor
     results: dict[str, dict[str, float]] = {}

@@ -127,6 +127,7 @@ def roofline_seconds(
 def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.offline_throughput import make_prompts, run_transformers
     from tandem import LLM, SamplingParams
+    from tandem.config import engine_kwargs_from
 
     assert torch.cuda.is_available(), "--device cuda needs a CUDA device"
     model = ns.model if ns.model != "default" else "random:llama-3.1-8b"
@@ -136,7 +137,7 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "model": model,
-        "dtype": "bfloat16",
+        "dtype": ns.dtype,
     }
     ceilings = measure_ceilings()
     result["ceilings"] = ceilings
@@ -146,14 +147,9 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
     peak_burst = burst["bf16_matmul_tflops"] * 1e12
     bw_burst = burst["copy_bandwidth_gbs"] * 1e9
 
-    llm = LLM(
-        model=model,
-        dtype="bfloat16",
-        device="cuda",
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        async_scheduling=ns.async_scheduling,
-    )
+    # Every engine flag of offline_throughput's parser (its GPU defaults: bfloat16, 1024
+    # sequences, 8192 tokens a step).
+    llm = LLM(model=model, **engine_kwargs_from(ns))
     result["async_scheduling"] = llm.engine.async_scheduling
     hf = llm.engine.model_runner.hf_config
     nums = model_numbers(hf)
@@ -267,7 +263,9 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.empty_cache()
         inp, out, n_req = 512, 256, ns.peer_requests
         prompts = make_prompts(n_req, inp, vocab, inp)
-        peer = run_transformers(model_path, prompts, out, torch.bfloat16, "cuda", seed=seed)
+        peer = run_transformers(
+            model_path, prompts, out, getattr(torch, ns.dtype), "cuda", seed=seed
+        )
         same = next(r for r in runs if r["input_len"] == 512)
         peer["ratio_tandem_over_transformers"] = (
             same["output_tokens_per_s"] / peer["output_tokens_per_s"]

@@ -73,27 +73,28 @@ CPU_CONNECTORS = ("shm", "nccl", "tcp")
 def _connectors(
     mode: str, cache: torch.Tensor, worker_id: str, names: tuple[str, ...], shm_path: str
 ) -> dict[str, Any]:
-    from tandem.kv_transfer.standalone import DirectEngine
+    from tandem.kv_transfer.base import DirectEngine
+    from tandem_services.worker.kv_sessions import RemoteKVConnector
 
     engine = DirectEngine()
     if mode == "cuda":
-        from tandem.kv_transfer.cuda_ipc import CudaIpcKVConnector
+        from tandem.kv_transfer.cuda_ipc import CudaIpcMover
 
-        return {"cuda_ipc": CudaIpcKVConnector(cache, engine, worker_id)}
-    from tandem.kv_transfer.nccl import NcclKVConnector
-    from tandem.kv_transfer.tcp import TcpKVConnector
+        return {"cuda_ipc": RemoteKVConnector(CudaIpcMover(cache, engine, worker_id))}
+    from tandem.kv_transfer.nccl import NcclMover
+    from tandem_services.worker.kv_tcp import TcpKVConnector
 
     if mode == "nccl":
-        return {"nccl": NcclKVConnector(cache, engine, worker_id, group_timeout_s=60.0)}
+        mover = NcclMover(cache, engine, worker_id, group_timeout_s=60.0)
+        return {"nccl": RemoteKVConnector(mover)}
 
     out: dict[str, Any] = {}
     for name in names:
         if name == "shm":
             out[name] = _shm_connector(cache, engine, worker_id, shm_path)
         elif name == "nccl":
-            out[name] = NcclKVConnector(
-                cache, engine, worker_id, backend="gloo", group_timeout_s=60.0
-            )
+            mover = NcclMover(cache, engine, worker_id, backend="gloo", group_timeout_s=60.0)
+            out[name] = RemoteKVConnector(mover)
         else:
             out[name] = TcpKVConnector(cache, engine)
     return out
@@ -101,7 +102,7 @@ def _connectors(
 
 def _shm_connector(cache: torch.Tensor, engine: Any, worker_id: str, path: str) -> Any:
     """The CUDA IPC session protocol over a CPU cache in shared memory (see the docstring):
-    the receiver's cache is the file at `path`, which the sender maps in `_open`."""
+    the receiver's cache is the file at `path`, which the sender maps in `open`."""
     import concurrent.futures
 
     from tandem.kv_transfer.base import KVDestination
@@ -112,9 +113,9 @@ def _shm_connector(cache: torch.Tensor, engine: Any, worker_id: str, path: str) 
         copy_runs,
         wait_event,
     )
-    from tandem.kv_transfer.session import RemoteKVConnector, Run
+    from tandem.kv_transfer.mover import KVMover, Run
     from tandem_kernels.block_copy import block_words, common_words
-    from tandem_protos.v1 import worker_pb2
+    from tandem_services.worker.kv_sessions import RemoteKVConnector
 
     class _Done:
         """A device event that has already completed (CPU copies are synchronous)."""
@@ -125,37 +126,31 @@ def _shm_connector(cache: torch.Tensor, engine: Any, worker_id: str, path: str) 
         def synchronize(self) -> None:
             pass
 
-    class SharedMemoryKVConnector(RemoteKVConnector[OpenedCache]):
+    class SharedMemoryMover(KVMover[OpenedCache]):
         transport = "shm"
 
         def __init__(self) -> None:
-            super().__init__(cache, engine, worker_id)
-            self.max_sessions = MAX_SESSIONS
+            super().__init__(cache, engine, worker_id, MAX_SESSIONS)
             self._rows = block_words(cache)
             self._executor = concurrent.futures.ThreadPoolExecutor(1)
 
-        async def _connect_info(
-            self, request: worker_pb2.ConnectKVRequest
-        ) -> worker_pb2.ConnectKVResponse:
-            return worker_pb2.ConnectKVResponse()
+        async def handshake(self, prefill_worker_id: str) -> None:
+            return None
 
-        async def _open(
-            self, dst: KVDestination, info: worker_pb2.ConnectKVResponse
-        ) -> OpenedCache:
+        async def open(self, dst: KVDestination, handshake: object | None) -> OpenedCache:
             remote = torch.from_file(path, shared=True, size=cache.numel(), dtype=cache.dtype)
             remote = remote.view(cache.shape)
             return OpenedCache(remote, *common_words(block_words(remote), self._rows))
 
-        async def _write(self, peer: OpenedCache, src: list[int], runs: list[Run]) -> None:
+        async def write(self, peer: OpenedCache, src: list[int], runs: list[Run]) -> None:
             check_block_ids(src, runs, self.cache.num_blocks, peer.tensor.shape[0])
             copy_runs(peer.local_rows, peer.rows, src, runs)
             await wait_event(_Done(), self._executor)  # type: ignore[arg-type]
 
         async def close(self) -> None:
-            await super().close()
             self._executor.shutdown(wait=True)
 
-    return SharedMemoryKVConnector()
+    return RemoteKVConnector(SharedMemoryMover())
 
 
 # ----------------------------------------------------------------------------- receiver
@@ -180,8 +175,8 @@ async def _receiver(
     names: tuple[str, ...],
     shm_path: str,
 ) -> None:
-    from tandem.kv_transfer.standalone import start_receiver
-    from tandem.kv_transfer.transports import KVTransports
+    from tandem_services.worker.kv_standalone import start_receiver
+    from tandem_services.worker.kv_transports import KVTransports
 
     torch.set_num_threads(1)
     device = _device(mode, receiver=True)

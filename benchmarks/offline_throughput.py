@@ -6,6 +6,10 @@ benchmarks/results/.
 
     python -m benchmarks.offline_throughput                 # CPU, embedded model
     python -m benchmarks.offline_throughput --device cuda   # GPU figures (see --help)
+
+Every engine flag applies (the one definition, `tandem.config`); this benchmark's engine
+defaults differ from the engine's: --device cpu, --dtype float32 on CPU and bfloat16 on GPU,
+--max-num-batched-tokens 2048 CPU / 8192 GPU, --max-num-seqs 256 CPU / 1024 GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tandem.config import add_engine_args, engine_kwargs_from, parse_device
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -104,16 +110,11 @@ def run_transformers(
 def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
     from tandem.loader import resolve_model_path
 
-    if ns.threads:
-        torch.set_num_threads(ns.threads)
-    model_path = resolve_model_path(ns.model, None)
+    if ns.num_threads:
+        torch.set_num_threads(ns.num_threads)
+    model_path = resolve_model_path(ns.model, ns.cache_dir or None)
     prompts = make_prompts(ns.num_prompts, ns.input_len, 49152, ns.seed)
-    engine_kwargs = {
-        "dtype": "float32",
-        "device": "cpu",
-        "num_threads": ns.threads,
-        "max_num_batched_tokens": ns.max_num_batched_tokens,
-    }
+    engine_kwargs = engine_kwargs_from(ns)
     result: dict[str, Any] = {
         "benchmark": "offline_throughput",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -122,7 +123,7 @@ def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "model": str(model_path.name),
-        "dtype": "float32",
+        "dtype": ns.dtype,
         "workload": {
             "num_prompts": ns.num_prompts,
             "input_len": ns.input_len,
@@ -136,7 +137,7 @@ def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
     print(f"tandem:       {result['tandem']['output_tokens_per_s']:8.1f} output tok/s", flush=True)
     if not ns.skip_peer:
         result["transformers"] = run_transformers(
-            model_path, prompts, ns.output_len, torch.float32, "cpu"
+            model_path, prompts, ns.output_len, getattr(torch, ns.dtype), "cpu"
         )
         print(f"transformers: {result['transformers']['output_tokens_per_s']:8.1f} output tok/s")
         result["ratio"] = (
@@ -146,31 +147,50 @@ def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--model", default="default")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: 2048 CPU, 8192 GPU")
-    p.add_argument("--max-num-seqs", type=int, default=0, help="0: 256 CPU, 1024 GPU")
-    p.add_argument("--max-requests", type=int, default=1024, help="GPU: cap per workload")
-    p.add_argument("--peer-requests", type=int, default=128, help="GPU: transformers subset")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-peer", action="store_true", help="don't run transformers")
+    add_engine_args(p)
+    # This benchmark's engine defaults (0 and auto: by device, see `on_cuda_defaults`).
+    p.set_defaults(device="cpu", max_num_batched_tokens=0, max_num_seqs=0)
     p.add_argument(
+        "--threads",
+        dest="num_threads",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="same as --num-threads (torch threads; 0: torch's default)",
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=64)
+    w.add_argument("--input-len", type=int, default=128)
+    w.add_argument("--output-len", type=int, default=128)
+    w.add_argument("--max-requests", type=int, default=1024, help="GPU: cap per workload")
+    w.add_argument("--peer-requests", type=int, default=128, help="GPU: transformers subset")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--skip-peer", action="store_true", help="don't run transformers")
+    w.add_argument(
         "--workloads", default="", help="GPU: only these, e.g. 512/256,1000/1000 (default: all)"
     )
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
-    ns = p.parse_args(argv)
+    return p
+
+
+def on_cuda_defaults(ns: argparse.Namespace) -> bool:
+    """Whether the run is on CUDA; fills in the by-device engine defaults of `ns`."""
+    kind, _ = parse_device(ns.device)
+    on_cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
     if not ns.max_num_seqs:
-        ns.max_num_seqs = 1024 if ns.device == "cuda" else 256
+        ns.max_num_seqs = 1024 if on_cuda else 256
     if not ns.max_num_batched_tokens:
-        ns.max_num_batched_tokens = 8192 if ns.device == "cuda" else 2048
-    if ns.device == "cuda":
+        ns.max_num_batched_tokens = 8192 if on_cuda else 2048
+    if ns.dtype == "auto":
+        ns.dtype = "bfloat16" if on_cuda else "float32"
+    return on_cuda
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    on_cuda = on_cuda_defaults(ns)
+    if on_cuda:
         from benchmarks.gpu_throughput import cuda_main
 
         result = cuda_main(ns)
@@ -179,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     out = (
         Path(ns.out)
         if ns.out
-        else RESULTS_DIR / (f"offline_throughput_{ns.device}_{dt.date.today().isoformat()}.json")
+        else RESULTS_DIR
+        / f"offline_throughput_{'cuda' if on_cuda else 'cpu'}_{dt.date.today().isoformat()}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

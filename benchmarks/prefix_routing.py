@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.config import add_engine_args, engine_argv
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
 NAN = float("nan")  # a percentile of no requests
@@ -67,9 +69,9 @@ class Workload:
             seen.add(pid)
         return first
 
-    def ideal_hit_tokens(self) -> int:
+    def ideal_hit_tokens(self, block_size: int = BLOCK_SIZE) -> int:
         """Cached prompt tokens if every request but each prefix's first found it cached."""
-        full = self.prefix_len // BLOCK_SIZE * BLOCK_SIZE
+        full = self.prefix_len // block_size * block_size
         return sum(
             min(full, len(prompt) - 1)
             for prompt, first in zip(self.prompts, self.first_of_prefix(), strict=True)
@@ -175,22 +177,23 @@ def scheduler_counters(dep: Any) -> dict[str, float]:
     return values
 
 
+def worker_args(ns: argparse.Namespace) -> tuple[str, ...]:
+    """The workers' engine flags: every engine flag given (or defaulted here) but --model."""
+    return tuple(engine_argv(ns))
+
+
 def run_mode(mode: str, ns: argparse.Namespace, workload: Workload, redis_url: str) -> dict:
     from tandem.directory import DirectoryConfig
     from tandem_services.bench.serve import percentile
     from tandem_services.launcher import ServeConfig, start_deployment
 
     logs = tempfile.mkdtemp(prefix=f"tandem-bench-prefix-{mode}-")
-    worker_args = (
-        "--num-threads", "1",
-        "--max-model-len", str(ns.max_model_len),
-        "--num-gpu-blocks", str(ns.prefill_blocks),
-    )  # fmt: skip
     config = ServeConfig(
+        model=ns.model,
         http_port=0,
         grpc_port=0,
         num_prefill_workers=2,
-        worker_args=worker_args,
+        worker_args=worker_args(ns),
         scheduler_args=("--metrics-port", "0"),
         log_dir=logs,
         startup_timeout_s=600.0,
@@ -218,7 +221,7 @@ def run_mode(mode: str, ns: argparse.Namespace, workload: Workload, redis_url: s
         dep.stop()
     queries = sum(after[n][0] - before[n][0] for n in prefill)
     hits = sum(after[n][1] - before[n][1] for n in prefill)
-    ideal = workload.ideal_hit_tokens()
+    ideal = workload.ideal_hit_tokens(ns.block_size)
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s * 1000 for r in ok]
     # Each system prompt's first request can hit nowhere, whatever the routing.
@@ -267,10 +270,14 @@ def run_mode(mode: str, ns: argparse.Namespace, workload: Workload, redis_url: s
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every engine flag, forwarded to the workers (this benchmark's defaults: one torch thread,
+    1024 tokens of context, 192 KV blocks per worker), then the workload."""
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.prefix_routing",
         description="Prefix-aware routing against round robin (2 prefill + 1 decode worker).",
     )
+    add_engine_args(p)
+    p.set_defaults(num_threads=1, max_model_len=1024, num_gpu_blocks=192)
     p.add_argument("--modes", default="prefix,round-robin", help="comma-separated --routing")
     p.add_argument("--num-prefixes", type=int, default=8)
     p.add_argument("--questions", type=int, default=10)
@@ -280,11 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument(
         "--prefill-blocks",
+        dest="num_gpu_blocks",
         type=int,
-        default=192,
-        help="KV blocks per worker (16 tokens each; the decode worker gets as many)",
+        default=argparse.SUPPRESS,
+        help="same as --num-gpu-blocks: KV blocks per worker (the decode worker gets as many)",
     )
-    p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--redis-url", default="", help="an existing Redis (default: start a private one)"
@@ -351,7 +358,7 @@ def main(argv: list[str]) -> int:
                 "workload": {
                     "num_requests": len(workload.prompts),
                     "prompt_tokens": sum(len(p) for p in workload.prompts),
-                    "ideal_hit_tokens": workload.ideal_hit_tokens(),
+                    "ideal_hit_tokens": workload.ideal_hit_tokens(ns.block_size),
                 },
                 "runs": runs,
                 "comparison": comparison,

@@ -14,24 +14,31 @@ import torch
 
 from benchmarks.offline_throughput import make_prompts
 from tandem import LLM, SamplingParams
+from tandem.config import add_engine_args, engine_kwargs_from
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--model", default="random:llama-3.1-8b")
-    p.add_argument("--num-prompts", type=int, default=512)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=512)
-    ns = p.parse_args()
-    llm = LLM(
-        model=ns.model,
-        device=ns.device,
-        max_num_seqs=ns.max_num_seqs,
+def build_parser() -> argparse.ArgumentParser:
+    """Every engine flag (this benchmark's defaults: an 8B random-weight shape on CUDA, 512
+    sequences, 8192 tokens a step, 4096 tokens of context), then the workload."""
+    p = argparse.ArgumentParser(description=__doc__)
+    add_engine_args(p)
+    p.set_defaults(
+        model="random:llama-3.1-8b",
+        device="cuda",
+        max_num_seqs=512,
         max_num_batched_tokens=8192,
         max_model_len=4096,
     )
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=512)
+    w.add_argument("--input-len", type=int, default=512)
+    w.add_argument("--output-len", type=int, default=64)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    llm = LLM(model=ns.model, **engine_kwargs_from(ns))
     prompts = make_prompts(ns.num_prompts, ns.input_len, llm.engine.vocab_size, 0)
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": q} for q in prompts[:4]], params, use_tqdm=False)
@@ -40,7 +47,7 @@ def main() -> None:
     prof.enable()
     llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
     prof.disable()
-    if ns.device == "cuda":
+    if llm.engine.config.device.resolved_device().startswith("cuda"):
         torch.cuda.synchronize()
     print(f"elapsed {time.perf_counter() - t0:.2f}s")
     stats = pstats.Stats(prof)

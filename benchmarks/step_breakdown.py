@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks.offline_throughput import make_prompts
+from tandem.config import add_engine_args, engine_kwargs_from
 
 _KINDS = [
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90|sm100", re.I)),
@@ -77,28 +78,28 @@ def timed_steps(engine: Any, num_steps: int) -> float:
     return (time.perf_counter() - t0) / num_steps * 1e3
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """Every engine flag (this benchmark's defaults: an 8B random-weight shape on CUDA, 512
+    sequences, 8192 tokens a step), then the workload."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_engine_args(p)
+    p.set_defaults(
+        model="random:llama-3.1-8b", device="cuda", max_num_seqs=512, max_num_batched_tokens=8192
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=512)
+    w.add_argument("--input-len", type=int, default=512)
+    w.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", default="")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     from tandem import LLM, SamplingParams
     from tandem.request import EngineCoreRequest
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="random:llama-3.1-8b")
-    p.add_argument("--num-prompts", type=int, default=512)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=512)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--out", default="")
-    ns = p.parse_args(argv)
-
-    llm = LLM(
-        model=ns.model,
-        device="cuda",
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        async_scheduling=ns.async_scheduling,
-    )
+    ns = build_parser().parse_args(argv)
+    llm = LLM(model=ns.model, **engine_kwargs_from(ns))
     engine = llm.engine
     vocab = engine.vocab_size
     prompts = make_prompts(ns.num_prompts, ns.input_len, vocab, 0)

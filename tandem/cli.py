@@ -2,10 +2,10 @@
 
 This module only dispatches. `generate` and `bench offline` run in this process
 (`tandem.entrypoints.generate`, `benchmarks.offline_throughput`); `serve`, `bench serve` and the
-services replace this process with `python -m services.<name>` (tandem never imports the
-services), so
-`tandem scheduler --port 1234` and `python -m tandem_services.scheduler --port 1234` are the same
-program, and `tandem serve` is `python -m tandem_services.launcher`.
+services replace this process with `python -m tandem_services.<name>` (tandem never imports
+the services), so `tandem scheduler --port 1234` and
+`python -m tandem_services.scheduler --port 1234` are the same program, and `tandem serve` is
+`python -m tandem_services.launcher`.
 """
 
 from __future__ import annotations

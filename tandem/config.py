@@ -497,14 +497,27 @@ def engine_flags() -> list[EngineFlag]:
 
 
 def add_engine_args(
-    parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None
+    parser: argparse.ArgumentParser,
+    environ: Mapping[str, str] | None = None,
+    only: Iterable[str] | None = None,
 ) -> None:
     """Add every engine flag, as an "engine" argument group, to `parser`. Defaults are the
     fields' defaults, or the declared environment variable's value in `environ` (default:
-    this process's environment; call this where flags are read, in a `__main__`)."""
+    this process's environment; call this where flags are read, in a `__main__`).
+
+    `only`: the field names of the flags to add (a service that needs a few engine values,
+    e.g. the frontend's model for its tokenizer), declared here all the same. A caller that
+    wants other defaults sets them after this (`parser.set_defaults`)."""
     env = os.environ if environ is None else environ
+    flags = engine_flags()
+    if only is not None:
+        wanted = set(only)
+        unknown = wanted - {ef.dest for ef in flags}
+        if unknown:
+            raise ValueError(f"no engine flags for {sorted(unknown)}")
+        flags = [ef for ef in flags if ef.dest in wanted]
     group = parser.add_argument_group("engine")
-    for ef in engine_flags():
+    for ef in flags:
         default = ef.default
         if ef.flag.env and env.get(ef.flag.env):
             default = env[ef.flag.env]
@@ -537,7 +550,6 @@ def add_engine_args(
                 default=default,
                 help=help_text,
             )
-    return group
 
 
 def engine_kwargs_from(ns: argparse.Namespace) -> dict[str, Any]:

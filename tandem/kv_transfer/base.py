@@ -158,6 +158,20 @@ class EngineHandle(Protocol):
     def kv_cache_ipc_handle(self) -> tuple[Any, ...] | None: ...
 
 
+class DirectEngine:
+    """An `EngineHandle` with no engine, for benchmarks and tests: the cache belongs to this
+    process (movers export it themselves), and there are no blocks to allocate."""
+
+    async def reserve(self, request: EngineCoreRequest) -> tuple[list[int], int] | None:
+        raise RuntimeError("a standalone connector has no engine to reserve blocks in")
+
+    async def abort_requests(self, request_ids: Iterable[str]) -> None:
+        return None
+
+    def kv_cache_ipc_handle(self) -> tuple[Any, ...] | None:
+        return None
+
+
 class KVCacheView:
     """Byte-level reads and writes of whole blocks of one KV cache tensor (on the host)."""
 

@@ -1,7 +1,8 @@
-"""CUDA IPC KV connector: the prefill worker writes straight into the decode worker's KV cache.
+"""CUDA IPC KV mover: the prefill worker writes straight into the decode worker's KV cache.
 
 The decode worker shares its cache tensor's CUDA IPC handle once per prefill worker
-(`ConnectKV`, on the engine thread: sharing re-wraps the storage's data pointer); the prefill
+(`handshake`: a `CudaIpcHandle`, carried by the session layer's `ConnectKV`; on the engine
+thread: sharing re-wraps the storage's data pointer); the prefill
 worker opens it (same host, the GPU found by UUID) and keeps it open. Per write session (one
 request, or every request bound for that decode worker that was ready at once), on the
 connector's own CUDA stream:
@@ -31,9 +32,8 @@ import numpy as np
 import torch
 
 from tandem.kv_transfer.base import EngineHandle, KVDestination, KVTransferError
+from tandem.kv_transfer.mover import KVMover, Run, run_to_end
 from tandem.kv_transfer.placement import CUDA_IPC, host_id
-from tandem.kv_transfer.session import RemoteKVConnector, Run, run_to_end
-from tandem_protos.v1 import worker_pb2
 
 # Stretches moved by copy_ alone, with no kernel launch, when there are this few.
 MAX_COPIES = 8
@@ -215,6 +215,28 @@ async def wait_event(
         raise
 
 
+@dataclass(frozen=True)
+class CudaIpcHandle:
+    """The decode worker's KV cache tensor, shared through CUDA IPC (torch's storage sharing
+    fields; carried as the `CudaIpcHandle` message of ConnectKV, field for field)."""
+
+    # The host's boot id: CUDA IPC works only between processes of one host.
+    host_id: str
+    # The GPU holding the cache (device indices differ between processes, UUIDs do not).
+    gpu_uuid: str
+    mem_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    # The tensor's offset in its storage, in elements.
+    storage_offset: int
+
+
 @dataclass
 class OpenedCache:
     """The decode worker's KV cache, mapped into this process; `rows` and `local_rows` are it
@@ -225,7 +247,7 @@ class OpenedCache:
     local_rows: torch.Tensor
 
 
-class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
+class CudaIpcMover(KVMover[OpenedCache]):
     transport = CUDA_IPC
 
     def __init__(
@@ -233,15 +255,11 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
         kv_cache: torch.Tensor,
         engine: EngineHandle,
         worker_id: str = "",
-        rpc_timeout_s: float = 30.0,
         max_sessions: int = MAX_SESSIONS,
     ) -> None:
         if kv_cache.device.type != "cuda":
             raise ValueError("the CUDA IPC connector needs a KV cache on a CUDA device")
-        super().__init__(kv_cache, engine, worker_id, rpc_timeout_s)
-        if max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
-        self.max_sessions = max_sessions
+        super().__init__(kv_cache, engine, worker_id, max_sessions)
         self.device = kv_cache.device
         self._rows = _rows(kv_cache)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-ipc")
@@ -249,9 +267,7 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
 
     # ------------------------------------------------------------------ receiver
 
-    async def _connect_info(
-        self, request: worker_pb2.ConnectKVRequest
-    ) -> worker_pb2.ConnectKVResponse:
+    async def handshake(self, prefill_worker_id: str) -> CudaIpcHandle:
         cache = self.cache.kv_cache
         # An engine process exported its cache's storage once (this process holds an opened
         # view of it, which cannot be exported again): peers open the same handle. With no
@@ -267,29 +283,27 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
             event_handle,
             event_sync_required,
         ) = shared
-        return worker_pb2.ConnectKVResponse(
-            cuda_ipc=worker_pb2.CudaIpcHandle(
-                host_id=host_id(),
-                gpu_uuid=gpu_uuid(self.device),
-                mem_handle=mem_handle,
-                storage_size_bytes=storage_size_bytes,
-                storage_offset_bytes=storage_offset_bytes,
-                ref_counter_handle=ref_counter_handle,
-                ref_counter_offset=ref_counter_offset,
-                event_handle=event_handle or b"",
-                event_sync_required=bool(event_sync_required),
-                shape=list(cache.shape),
-                stride=list(cache.stride()),
-                storage_offset=cache.storage_offset(),
-            )
+        return CudaIpcHandle(
+            host_id=host_id(),
+            gpu_uuid=gpu_uuid(self.device),
+            mem_handle=mem_handle,
+            storage_size_bytes=storage_size_bytes,
+            storage_offset_bytes=storage_offset_bytes,
+            ref_counter_handle=ref_counter_handle,
+            ref_counter_offset=ref_counter_offset,
+            event_handle=event_handle or b"",
+            event_sync_required=bool(event_sync_required),
+            shape=tuple(cache.shape),
+            stride=tuple(cache.stride()),
+            storage_offset=cache.storage_offset(),
         )
 
     # ------------------------------------------------------------------ sender
 
-    async def _open(self, dst: KVDestination, info: worker_pb2.ConnectKVResponse) -> OpenedCache:
-        if info.WhichOneof("info") != "cuda_ipc":
+    async def open(self, dst: KVDestination, handshake: object | None) -> OpenedCache:
+        if not isinstance(handshake, CudaIpcHandle):
             raise KVTransferError(f"{dst.worker_id} sent no CUDA IPC handle")
-        handle = info.cuda_ipc
+        handle = handshake
         if handle.host_id != host_id():
             raise KVTransferError(
                 f"{dst.worker_id} runs on another host; CUDA IPC needs both on one host"
@@ -328,7 +342,7 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
         except RuntimeError as exc:
             raise KVTransferError(f"opening the KV cache of {dst.worker_id} failed: {exc}") from exc
 
-    async def _write(self, peer: OpenedCache, src: list[int], runs: list[Run]) -> None:
+    async def write(self, peer: OpenedCache, src: list[int], runs: list[Run]) -> None:
         check_block_ids(src, runs, self.cache.num_blocks, peer.tensor.shape[0])
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
@@ -339,11 +353,10 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
             done.record(self._stream)
         await wait_event(done, self._executor)
 
-    def _close_peer(self, peer: OpenedCache) -> None:
+    def close_peer(self, peer: OpenedCache) -> None:
         # Dropping the last reference closes the mapping (torch syncs and releases the
         # producer's ref count).
         peer.tensor = peer.rows = peer.local_rows = torch.empty(0)
 
     async def close(self) -> None:
-        await super().close()
         self._executor.shutdown(wait=True)

@@ -1,10 +1,11 @@
-"""NCCL KV connector: block runs sent over a two-rank process group per prefill-decode pair.
+"""NCCL KV mover: block runs sent over a two-rank process group per prefill-decode pair.
 
-The group is set up on first use. The prefill worker asks the decode worker (`ConnectKV`),
-which starts a TCP store on its host (once) and answers with the store's port and a fresh
-group name; both build the group from the store (decode rank 0, prefill rank 1; the decode
-side starts building before it answers) and exchange one small tensor, so the communicator
-exists before the first request. Backend "nccl" for CUDA caches, "gloo" for CPU caches: the
+The group is set up on first use. The prefill worker asks the decode worker (`ConnectKV` of
+the session layer: the decode side's `handshake`), which starts a TCP store on its host (once)
+and answers with the store's port and a fresh group name (an `NcclRendezvous`); both build
+the group from the store (decode rank 0, prefill rank 1; the decode side starts building
+before it answers) and exchange one small tensor, so the communicator exists before the first
+request. Backend "nccl" for CUDA caches, "gloo" for CPU caches: the
 same code path runs on either.
 
 Per request (one WriteKV session; one session at a time per pair, so both ranks post their
@@ -37,15 +38,8 @@ import torch
 import torch.distributed as dist
 
 from tandem.kv_transfer.base import EngineHandle, KVDestination, KVTransferError
+from tandem.kv_transfer.mover import DstRun, KVMover, Run, consecutive, run_to_end
 from tandem.kv_transfer.placement import NCCL
-from tandem.kv_transfer.session import (
-    DstRun,
-    RemoteKVConnector,
-    Run,
-    consecutive,
-    run_to_end,
-)
-from tandem_protos.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +56,19 @@ def split_address(address: str) -> tuple[str, int]:
     """'host:port' or '[v6]:port' -> (host, port)."""
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class NcclRendezvous:
+    """Where a prefill worker joins the pair's process group: a TCP store on the decode
+    worker's host (the host of its gRPC address); the decode worker is rank 0, the prefill
+    worker rank 1 (carried as the `NcclRendezvous` message of ConnectKV, field for field)."""
+
+    store_port: int
+    # Key prefix of the pair's group in the store; names the pair in WriteKV.
+    group_name: str
+    # "nccl" (CUDA caches) or "gloo" (CPU caches).
+    backend: str
 
 
 @dataclass
@@ -82,7 +89,7 @@ class Pair:
         self.executor.shutdown(wait=False)
 
 
-class NcclKVConnector(RemoteKVConnector[Pair]):
+class NcclMover(KVMover[Pair]):
     transport = NCCL
 
     def __init__(
@@ -90,11 +97,11 @@ class NcclKVConnector(RemoteKVConnector[Pair]):
         kv_cache: torch.Tensor,
         engine: EngineHandle,
         worker_id: str = "",
-        rpc_timeout_s: float = 30.0,
         backend: str = "",
         group_timeout_s: float = 30.0,
     ) -> None:
-        super().__init__(kv_cache, engine, worker_id, rpc_timeout_s, serialize_sessions=True)
+        # One session at a time per pair: both ranks must post their operations in one order.
+        super().__init__(kv_cache, engine, worker_id, max_sessions=1)
         self.backend = backend or default_backend(kv_cache)
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be nccl or gloo, got {self.backend!r}")
@@ -174,9 +181,7 @@ class NcclKVConnector(RemoteKVConnector[Pair]):
 
     # ------------------------------------------------------------------ receiver
 
-    async def _connect_info(
-        self, request: worker_pb2.ConnectKVRequest
-    ) -> worker_pb2.ConnectKVResponse:
+    async def handshake(self, prefill_worker_id: str) -> NcclRendezvous:
         if self._store is None:
             self._store = dist.TCPStore(
                 "127.0.0.1",
@@ -186,7 +191,7 @@ class NcclKVConnector(RemoteKVConnector[Pair]):
                 timeout=datetime.timedelta(seconds=self.group_timeout_s),
                 wait_for_workers=False,
             )
-        sender = request.prefill_worker_id or "prefill"
+        sender = prefill_worker_id or "prefill"
         receiver = self.worker_id or "decode"
         name = f"tandem-kv/{receiver}/{sender}/{next(self._names)}-{uuid.uuid4().hex[:8]}"
         old = self._latest.get(sender)
@@ -195,19 +200,15 @@ class NcclKVConnector(RemoteKVConnector[Pair]):
             self._pairs.pop(old).retire()
         self._pairs[name] = self._new_pair(name, DECODE_RANK, self._store)
         self._latest[sender] = name
-        return worker_pb2.ConnectKVResponse(
-            nccl=worker_pb2.NcclRendezvous(
-                store_port=self._store.port, group_name=name, backend=self.backend
-            )
-        )
+        return NcclRendezvous(store_port=self._store.port, group_name=name, backend=self.backend)
 
-    async def _begin_receive(
-        self, first: worker_pb2.KVWriteMessage, runs: list[DstRun]
+    async def begin_receive(
+        self, group_name: str, runs: list[DstRun]
     ) -> tuple[Pair, concurrent.futures.Future[None]]:
-        pair = self._pairs.get(first.group_name)
+        pair = self._pairs.get(group_name)
         if pair is None or pair.broken:
             raise KVTransferError(
-                f"no live KV pair group {first.group_name!r} here; the sender must connect again"
+                f"no live KV pair group {group_name!r} here; the sender must connect again"
             )
         for first_block, n in runs:
             if first_block + n > self.cache.num_blocks:
@@ -226,7 +227,7 @@ class NcclKVConnector(RemoteKVConnector[Pair]):
                 work.wait()
             self._sync(pair)
 
-    async def _end_receive(self, receipt: tuple[Pair, concurrent.futures.Future[None]]) -> None:
+    async def end_receive(self, receipt: tuple[Pair, concurrent.futures.Future[None]]) -> None:
         pair, future = receipt
         try:
             await asyncio.wrap_future(future)
@@ -234,7 +235,7 @@ class NcclKVConnector(RemoteKVConnector[Pair]):
             self._retire(pair)
             raise KVTransferError(f"receiving KV over pair {pair.name} failed: {exc}") from exc
 
-    async def _abandon_receive(self, receipt: tuple[Pair, concurrent.futures.Future[None]]) -> None:
+    async def abandon_receive(self, receipt: tuple[Pair, concurrent.futures.Future[None]]) -> None:
         pair, future = receipt
         self._retire(pair)
         # A receive still posted may yet land: wait until it finished or failed (the group's
@@ -251,10 +252,10 @@ class NcclKVConnector(RemoteKVConnector[Pair]):
 
     # ------------------------------------------------------------------ sender
 
-    async def _open(self, dst: KVDestination, info: worker_pb2.ConnectKVResponse) -> Pair:
-        if info.WhichOneof("info") != "nccl":
+    async def open(self, dst: KVDestination, handshake: object | None) -> Pair:
+        if not isinstance(handshake, NcclRendezvous):
             raise KVTransferError(f"{dst.worker_id} sent no NCCL rendezvous")
-        rendezvous = info.nccl
+        rendezvous = handshake
         if rendezvous.backend != self.backend:
             raise KVTransferError(
                 f"{dst.worker_id} uses backend {rendezvous.backend}, this worker {self.backend}"
@@ -281,10 +282,10 @@ class NcclKVConnector(RemoteKVConnector[Pair]):
         pair.group.set_result(group)
         return pair
 
-    def _group_name(self, peer: Pair) -> str:
+    def group_name(self, peer: Pair) -> str:
         return peer.name
 
-    async def _write(self, peer: Pair, src: list[int], runs: list[Run]) -> None:
+    async def write(self, peer: Pair, src: list[int], runs: list[Run]) -> None:
         if any(b < 0 or b >= self.cache.num_blocks for b in src):
             raise KVTransferError("source block ids out of range")
         await run_to_end(peer.executor, self._send_runs, peer, src, runs)
@@ -305,11 +306,10 @@ class NcclKVConnector(RemoteKVConnector[Pair]):
                 work.wait()
             self._sync(pair)
 
-    def _close_peer(self, peer: Pair) -> None:
+    def close_peer(self, peer: Pair) -> None:
         peer.retire()
 
     async def close(self) -> None:
-        await super().close()
         for pair in self._pairs.values():
             pair.retire()
         self._pairs.clear()

@@ -38,11 +38,13 @@ def write_id_tokenizer(folder: Path, vocab_size: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tandem.config import add_engine_args
     from tandem.loader import load_hf_config, resolve_model_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="random:<shape>")
-    p.add_argument("--cache-dir", default="")
+    # The engine's --cache-dir (TANDEM_CACHE_DIR): the folder the workers resolve the model in.
+    add_engine_args(p, only=("cache_dir",))
     ns = p.parse_args(argv)
     if not ns.model.startswith("random:"):
         p.error("only random:<shape> models get a stand-in tokenizer")

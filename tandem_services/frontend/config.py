@@ -7,6 +7,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from tandem.config import DEFAULT_MODEL, add_engine_args
 from tandem.sampling_params import MAX_LOGPROBS
 from tandem_services.common.server import env_default
 from tandem_services.frontend.limits import RequestLimits
@@ -112,14 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--scheduler",
         default=env("scheduler", os.environ.get("TANDEM_SCHEDULER_ADDRESS", "127.0.0.1:50050")),
     )
-    p.add_argument("--model", default=env("model", "default"))
+    # The engine's --model and --cache-dir (TANDEM_CACHE_DIR), as the workers declare them;
+    # the model's default is also read from TANDEM_FRONTEND_MODEL.
+    add_engine_args(p, only=("model", "cache_dir"))
+    p.set_defaults(model=env("model", DEFAULT_MODEL))
     p.add_argument(
         "--served-model-name",
         action="append",
         default=[],
         help="a name clients may use for the model (repeatable)",
     )
-    p.add_argument("--cache-dir", default=os.environ.get("TANDEM_CACHE_DIR", ""))
     p.add_argument("--api-key", default=env("api_key", os.environ.get("TANDEM_API_KEY", "")))
     p.add_argument(
         "--max-body-bytes", type=int, default=env("max_body_bytes", d["max_body_bytes"].default)

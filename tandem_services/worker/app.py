@@ -22,8 +22,6 @@ from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
 from tandem.engine.serial import Piggyback
 from tandem.kv_transfer.placement import host_id
-from tandem.kv_transfer.tcp import TcpKVConnector
-from tandem.kv_transfer.transports import worker_transports
 from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tandem_services.common.entrypoint import reachable_address
 from tandem_services.common.metrics import start_metrics_server
@@ -35,6 +33,8 @@ from tandem_services.common.server import (
 )
 from tandem_services.worker import core as m
 from tandem_services.worker.config import WorkerServiceConfig
+from tandem_services.worker.kv_tcp import TcpKVConnector
+from tandem_services.worker.kv_transports import worker_transports
 from tandem_services.worker.metrics import MeteredKVTransports, WorkerMetrics
 from tandem_services.worker.prefix_publishing import (
     CacheMirror,

@@ -34,9 +34,9 @@ from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVDestination
 from tandem.kv_transfer.placement import TCP
-from tandem.kv_transfer.transports import KVTransports
 from tandem_services.common.metrics import TRANSFER_BUCKETS_S, ScrapeCollector, counter, gauge
 from tandem_services.worker import core as m
+from tandem_services.worker.kv_transports import KVTransports
 from tandem_services.worker.states import Phase, Role
 
 

@@ -13,11 +13,11 @@ import grpc
 
 from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVTransferError
-from tandem.kv_transfer.transports import KVTransports
 from tandem.request import EngineCoreRequest
 from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem_services.common.convert import engine_request_from_proto
 from tandem_services.worker import core as m
+from tandem_services.worker.kv_transports import KVTransports
 from tandem_services.worker.roles import ROLE_TO_PROTO, WorkerRole
 from tandem_services.worker.states import Phase, Role
 

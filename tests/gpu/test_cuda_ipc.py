@@ -72,13 +72,16 @@ def decode_main(conn: Connection, reservations: dict[str, list[int]], out: str) 
 
 
 async def _decode(conn: Connection, reservations: dict[str, list[int]], out: str) -> None:
-    from tandem.kv_transfer.cuda_ipc import CudaIpcKVConnector
+    from tandem.kv_transfer.base import DirectEngine
+    from tandem.kv_transfer.cuda_ipc import CudaIpcMover
     from tandem.kv_transfer.placement import CUDA_IPC
-    from tandem.kv_transfer.standalone import DirectEngine, start_receiver
-    from tandem.kv_transfer.transports import KVTransports
+    from tandem_services.worker.kv_sessions import RemoteKVConnector
+    from tandem_services.worker.kv_standalone import start_receiver
+    from tandem_services.worker.kv_transports import KVTransports
 
     cache = torch.zeros(SHAPE, dtype=DTYPE, device="cuda")
-    transports = KVTransports({CUDA_IPC: CudaIpcKVConnector(cache, DirectEngine(), "decode-0")})
+    receiving = RemoteKVConnector(CudaIpcMover(cache, DirectEngine(), "decode-0"))
+    transports = KVTransports({CUDA_IPC: receiving})
     server, address, receiver = await start_receiver(transports, reservations)
     conn.send(address)
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)
@@ -97,13 +100,12 @@ def prefill_main(conn: Connection, address: str, jobs: dict[str, Job]) -> None:
 
 
 async def _prefill(address: str, jobs: dict[str, Job]) -> dict[str, Any]:
-    from tandem.kv_transfer.base import KVDestination, KVTransferError
-    from tandem.kv_transfer.cuda_ipc import CudaIpcKVConnector
-    from tandem.kv_transfer.session import BEGIN, READY
-    from tandem.kv_transfer.standalone import DirectEngine
+    from tandem.kv_transfer.base import DirectEngine, KVDestination, KVTransferError
+    from tandem.kv_transfer.cuda_ipc import CudaIpcMover
     from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
+    from tandem_services.worker.kv_sessions import BEGIN, READY, RemoteKVConnector
 
-    connector = CudaIpcKVConnector(source_cache().cuda(), DirectEngine(), "prefill-0")
+    connector = RemoteKVConnector(CudaIpcMover(source_cache().cuda(), DirectEngine(), "prefill-0"))
 
     def dest(dst: list[int]) -> KVDestination:
         return KVDestination("decode-0", address, tuple(dst), transport="cuda_ipc")
@@ -122,7 +124,9 @@ async def _prefill(address: str, jobs: dict[str, Job]) -> dict[str, Any]:
     await asyncio.gather(*(send(rid, *jobs[rid]) for rid in ("c0", "c1", "c2")))
     await send("ghost", [1, 2], [50, 51, 52])
     await send("c0", [1], [0, 1])
-    other = CudaIpcKVConnector(source_cache().float().cuda(), DirectEngine(), "prefill-1")
+    other = RemoteKVConnector(
+        CudaIpcMover(source_cache().float().cuda(), DirectEngine(), "prefill-1")
+    )
     await send("layout", [1], jobs["after"][1], c=other)
     await other.close()
     # Abandoned after READY (nothing was written), then a reconnect (a second share/open).

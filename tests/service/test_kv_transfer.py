@@ -18,8 +18,8 @@ from tandem.kv_transfer.base import (
     block_runs,
 )
 from tandem.kv_transfer.inproc import InProcessKVConnector, InProcessKVHub
-from tandem.kv_transfer.tcp import TcpKVConnector
 from tandem_protos.v1 import worker_pb2_grpc
+from tandem_services.worker.kv_tcp import TcpKVConnector
 
 SHAPE = (32, 3, 2, 4, 2, 8)  # blocks, layers, k/v, block_size, kv heads, head size
 
@@ -159,7 +159,7 @@ async def _test_tcp_large_copies_run_off_the_loop_side_by_side() -> None:
     """Blocks of 64 KiB: runs of 4 or more blocks are copied on the connectors' threads (read
     on the sender, written on the receiver). Four hand-offs at once land exactly; a run outside
     the reservation is still refused, with nothing written."""
-    from tandem.kv_transfer.tcp import COPY_OFF_LOOP_BYTES
+    from tandem_services.worker.kv_tcp import COPY_OFF_LOOP_BYTES
 
     shape = (40, 4, 2, 16, 8, 16)  # float32: 64 KiB per block
     gen = torch.Generator().manual_seed(1)

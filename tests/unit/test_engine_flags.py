@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks import offline_throughput, prefix_routing, profile_step, step_breakdown
 from tandem.config import (
     EngineArgs,
     EngineConfig,
@@ -160,6 +161,83 @@ def test_worker_services(model_dir: Path, service: str, role: str) -> None:
     config = config_from_args(service, role, ["--model", str(model_dir), *full_argv()])  # type: ignore[arg-type]
     assert config.role == role
     assert_reaches(config.engine, str(model_dir))
+
+
+@pytest.mark.parametrize(
+    "benchmark",
+    [offline_throughput, step_breakdown, profile_step],
+    ids=lambda m: m.__name__.rsplit(".", 1)[-1],
+)
+def test_engine_benchmarks(model_dir: Path, benchmark: Any) -> None:
+    """The benchmarks that build an engine take every engine flag; they build it from the
+    parsed flags (`LLM(model=ns.model, **engine_kwargs_from(ns))`)."""
+    ns = benchmark.build_parser().parse_args(["--model", str(model_dir), *full_argv()])
+    if benchmark is offline_throughput:
+        assert not offline_throughput.on_cuda_defaults(ns)  # --device cpu: nothing to fill in
+    assert_reaches(EngineArgs.from_cli_args(ns).create_engine_config(), str(model_dir))
+
+
+def test_benchmarks_keep_their_engine_defaults() -> None:
+    ns = offline_throughput.build_parser().parse_args([])
+    assert not offline_throughput.on_cuda_defaults(ns)
+    assert (ns.device, ns.dtype, ns.max_num_seqs, ns.max_num_batched_tokens) == (
+        "cpu",
+        "float32",
+        256,
+        2048,
+    )
+    ns = offline_throughput.build_parser().parse_args(["--device", "cuda", "--threads", "3"])
+    assert offline_throughput.on_cuda_defaults(ns)
+    assert (ns.dtype, ns.max_num_seqs, ns.max_num_batched_tokens, ns.num_threads) == (
+        "bfloat16",
+        1024,
+        8192,
+        3,
+    )
+    ns = step_breakdown.build_parser().parse_args([])
+    assert (ns.model, ns.device, ns.max_num_seqs, ns.max_num_batched_tokens) == (
+        "random:llama-3.1-8b",
+        "cuda",
+        512,
+        8192,
+    )
+    ns = profile_step.build_parser().parse_args([])
+    assert (ns.max_num_seqs, ns.max_num_batched_tokens, ns.max_model_len) == (512, 8192, 4096)
+    ns = prefix_routing.build_parser().parse_args([])
+    assert sorted(prefix_routing.worker_args(ns)) == sorted(
+        ["--num-threads", "1", "--max-model-len", "1024", "--num-gpu-blocks", "192"]
+    )
+    ns = prefix_routing.build_parser().parse_args(["--prefill-blocks", "64"])
+    assert ns.num_gpu_blocks == 64
+
+
+def test_prefix_routing_forwards_every_flag(model_dir: Path) -> None:
+    def forward(argv: list[str]) -> list[str]:
+        ns = prefix_routing.build_parser().parse_args(["--model", str(model_dir), *argv])
+        return list(prefix_routing.worker_args(ns))
+
+    _via_workers(forward, str(model_dir))
+
+
+def test_the_frontend_declares_model_and_cache_dir_as_the_engine_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The frontend's --model / --cache-dir are the engine's declarations (help, default,
+    TANDEM_CACHE_DIR), not a copy; TANDEM_FRONTEND_MODEL still gives the model's default."""
+    from tandem_services.frontend.config import build_parser as frontend_parser
+
+    engine = argparse.ArgumentParser()
+    add_engine_args(engine, environ={})
+    declared = {a.dest: a.help for a in engine._actions}
+    frontend = {a.dest: a.help for a in frontend_parser()._actions}
+    for dest in ("model", "cache_dir"):
+        assert frontend[dest] == declared[dest]
+    ns = frontend_parser().parse_args(["--model", "m", "--cache-dir", "/c"])
+    assert (ns.model, ns.cache_dir) == ("m", "/c")
+    monkeypatch.setenv("TANDEM_FRONTEND_MODEL", "from-env")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", "/cache-env")
+    ns = frontend_parser().parse_args([])
+    assert (ns.model, ns.cache_dir) == ("from-env", "/cache-env")
 
 
 def test_defaults_forward_nothing() -> None:

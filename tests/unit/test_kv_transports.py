@@ -23,14 +23,16 @@ from tandem.kv_transfer.cuda_ipc import (
     wait_event,
 )
 from tandem.kv_transfer.inproc import InProcessKVConnector, InProcessKVHub
+from tandem.kv_transfer.mover import KVMover
 from tandem.kv_transfer.placement import (
     NoKVTransportError,
     WorkerPlacement,
     choose_transport,
     normalize_transport,
 )
-from tandem.kv_transfer.session import RemoteKVConnector
-from tandem.kv_transfer.transports import KVTransports, local_transports
+from tandem.kv_transfer.transports import local_transports
+from tandem_services.worker.kv_sessions import RemoteKVConnector
+from tandem_services.worker.kv_transports import KVTransports
 
 SHAPE = (48, 2, 2, 4, 2, 8)
 ALL = ("tcp", "cuda_ipc", "nccl")
@@ -281,20 +283,28 @@ def test_transports_send_by_the_hand_offs_transport() -> None:
     asyncio.run(run())
 
 
+def _gloo_connector(cache: torch.Tensor, worker_id: str) -> RemoteKVConnector[Any]:
+    """The NCCL mover's code over gloo, in its sessions (10 s timeouts)."""
+    from tandem.kv_transfer.base import DirectEngine
+    from tandem.kv_transfer.nccl import NcclMover
+
+    mover = NcclMover(cache, DirectEngine(), worker_id, "gloo", group_timeout_s=10.0)
+    return RemoteKVConnector(mover, 10.0)
+
+
 def test_receiver_clears_the_mark_before_done_reaches_the_sender() -> None:
     """One process, both ends of a gloo pair: when send_blocks returns, the receiver's
     "being written" mark is already gone (AddPrefilled, sent next, must find it cleared)."""
-    from tandem.kv_transfer.nccl import NcclKVConnector
-    from tandem.kv_transfer.standalone import DirectEngine, start_receiver
+    from tandem_services.worker.kv_standalone import start_receiver
 
     async def run() -> None:
         src = torch.randn(SHAPE)
         dst = torch.zeros(SHAPE)
-        recv = NcclKVConnector(dst, DirectEngine(), "d", 10.0, "gloo", group_timeout_s=10.0)
+        recv = _gloo_connector(dst, "d")
         server, address, receiver = await start_receiver(
             KVTransports({"nccl": recv}), {"r0": [5, 6, 9], "r1": [1, 2]}
         )
-        send = NcclKVConnector(src, DirectEngine(), "p", 10.0, "gloo", group_timeout_s=10.0)
+        send = _gloo_connector(src, "p")
         try:
             for rid, s, d in (("r0", [3, 4, 8], (5, 6, 9)), ("r1", [0], (1, 2))):
                 n = await send.send_blocks(rid, s, KVDestination("d", address, d, "nccl"))
@@ -315,17 +325,16 @@ def test_receiver_clears_the_mark_before_done_reaches_the_sender() -> None:
 def test_one_session_carries_a_batch_with_refused_requests() -> None:
     """Three hand-offs queued at once go in one session; the receiver refuses two (no
     reservation; blocks outside it) and writes the third; every mark is cleared."""
-    from tandem.kv_transfer.nccl import NcclKVConnector
-    from tandem.kv_transfer.standalone import DirectEngine, start_receiver
+    from tandem_services.worker.kv_standalone import start_receiver
 
     async def run() -> None:
         src = torch.randn(SHAPE)
         dst = torch.zeros(SHAPE)
-        recv = NcclKVConnector(dst, DirectEngine(), "d", 10.0, "gloo", group_timeout_s=10.0)
+        recv = _gloo_connector(dst, "d")
         server, address, receiver = await start_receiver(
             KVTransports({"nccl": recv}), {"ok": [5, 6, 9], "bad": [1, 2]}
         )
-        send = NcclKVConnector(src, DirectEngine(), "p", 10.0, "gloo", group_timeout_s=10.0)
+        send = _gloo_connector(src, "p")
 
         async def one(rid: str, s: list[int], d: tuple[int, ...]) -> int | str:
             try:
@@ -366,7 +375,7 @@ def test_the_scheduler_side_imports_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-class _SharedCacheConnector(RemoteKVConnector[torch.Tensor]):
+class _SharedCacheMover(KVMover[torch.Tensor]):
     """The CUDA IPC session protocol over CPU tensors in one process: the "opened" cache is
     the receiver's tensor itself; each write copies by the CUDA IPC plan, then stands for a
     device wait of `write_s`. Records how many writes overlap."""
@@ -376,24 +385,21 @@ class _SharedCacheConnector(RemoteKVConnector[torch.Tensor]):
     def __init__(
         self, cache: torch.Tensor, caches: dict[str, torch.Tensor], max_sessions: int
     ) -> None:
-        from tandem.kv_transfer.standalone import DirectEngine
+        from tandem.kv_transfer.base import DirectEngine
 
-        super().__init__(cache, DirectEngine(), "shared")
-        self.max_sessions = max_sessions
+        super().__init__(cache, DirectEngine(), "shared", max_sessions)
         self.caches = caches
         self.writing = 0
         self.most_writing = 0
         self.write_s = 0.02
 
-    async def _connect_info(self, request: Any) -> Any:
-        from tandem_protos.v1 import worker_pb2
+    async def handshake(self, prefill_worker_id: str) -> None:
+        return None
 
-        return worker_pb2.ConnectKVResponse()
-
-    async def _open(self, dst: KVDestination, info: Any) -> torch.Tensor:
+    async def open(self, dst: KVDestination, handshake: object | None) -> torch.Tensor:
         return self.caches[dst.worker_id]
 
-    async def _write(self, peer: torch.Tensor, src: list[int], runs: list[Any]) -> None:
+    async def write(self, peer: torch.Tensor, src: list[int], runs: list[Any]) -> None:
         copy_runs(_rows(self.cache.kv_cache), _rows(peer), src, runs)
         self.writing += 1
         self.most_writing = max(self.most_writing, self.writing)
@@ -403,13 +409,19 @@ class _SharedCacheConnector(RemoteKVConnector[torch.Tensor]):
             self.writing -= 1
 
 
+def _SharedCacheConnector(
+    cache: torch.Tensor, caches: dict[str, torch.Tensor], max_sessions: int
+) -> RemoteKVConnector[torch.Tensor]:
+    return RemoteKVConnector(_SharedCacheMover(cache, caches, max_sessions))
+
+
 @pytest.mark.parametrize("max_sessions", [1, 4])
 def test_sessions_share_the_queue_and_overlap(max_sessions: int) -> None:
     """12 closed-loop senders, 3 hand-offs each, to one decode worker: with 4 sessions allowed,
     the queue is split (4 per session, 3 sessions writing at once); with one, each session
     takes every queued hand-off. Three hand-offs queued at once always share one session.
     Every block lands where it was sent."""
-    from tandem.kv_transfer.standalone import start_receiver
+    from tandem_services.worker.kv_standalone import start_receiver
 
     async def run() -> None:
         src = torch.randn(SHAPE)
@@ -438,9 +450,9 @@ def test_sessions_share_the_queue_and_overlap(max_sessions: int) -> None:
             await asyncio.gather(*(sender(j) for j in range(12)))
             batches = [r.batch_size for r in send.history]
             if max_sessions == 1:
-                assert set(batches) == {12} and send.most_writing == 1, batches
+                assert set(batches) == {12} and send.mover.most_writing == 1, batches
             else:
-                assert set(batches) == {4} and send.most_writing == 3, batches
+                assert set(batches) == {4} and send.mover.most_writing == 3, batches
             for j in range(12):
                 for i, s in enumerate([(j * 3 + 2) % SHAPE[0], (j * 7 + 2) % SHAPE[0]]):
                     assert torch.equal(dst[2 * j + i], src[s]), (j, i)
@@ -459,8 +471,8 @@ def test_sessions_reuse_their_write_stream(monkeypatch: pytest.MonkeyPatch) -> N
     """One hand-off after another: every session runs on the first WriteKV stream (refused
     requests included); a stream parked past IDLE_STREAM_S is closed and the next session opens
     a new one; a session that broke takes its stream with it."""
-    import tandem.kv_transfer.session as session_mod
-    from tandem.kv_transfer.standalone import start_receiver
+    import tandem_services.worker.kv_sessions as session_mod
+    from tandem_services.worker.kv_standalone import start_receiver
 
     monkeypatch.setattr(session_mod, "IDLE_STREAM_S", 0.2)
 
@@ -473,7 +485,7 @@ def test_sessions_reuse_their_write_stream(monkeypatch: pytest.MonkeyPatch) -> N
             KVTransports({"cuda_ipc": recv}), reservations
         )
         send = _SharedCacheConnector(src, {"d": dst}, 4)
-        send.write_s = 0.0
+        send.mover.write_s = 0.0
 
         def dest(blocks: list[int]) -> KVDestination:
             return KVDestination("d", address, tuple(blocks), "cuda_ipc")
@@ -494,7 +506,7 @@ def test_sessions_reuse_their_write_stream(monkeypatch: pytest.MonkeyPatch) -> N
             async def broken(peer: Any, src_ids: list[int], runs: list[Any]) -> None:
                 raise RuntimeError("device lost")
 
-            send._write = broken  # type: ignore[method-assign]
+            send.mover.write = broken  # type: ignore[method-assign]
             with pytest.raises(RuntimeError, match="device lost"):
                 await send.send_blocks("r7", [27], dest([7]))
             assert sum(len(lane.idle) for lane in send._lanes.values()) == 0
@@ -503,7 +515,7 @@ def test_sessions_reuse_their_write_stream(monkeypatch: pytest.MonkeyPatch) -> N
                     break
                 await asyncio.sleep(0.01)
             assert receiver.being_written == {}
-            del send._write
+            del send.mover.write
             await send.send_blocks("r8", [28], dest([8]))
             assert receiver.streams == 3 and torch.equal(dst[8], src[28])
         finally:
@@ -512,3 +524,40 @@ def test_sessions_reuse_their_write_stream(monkeypatch: pytest.MonkeyPatch) -> N
             await recv.close()
 
     asyncio.run(run())
+
+
+def test_handshakes_travel_in_connect_kv_field_for_field() -> None:
+    """A mover's handshake dataclass and its ConnectKV message agree name for name: what the
+    decode side's mover answers is what the prefill side's mover opens (the CUDA IPC one can
+    only be opened on a GPU, so its fields are checked here)."""
+    from tandem.kv_transfer.cuda_ipc import CudaIpcHandle
+    from tandem.kv_transfer.nccl import NcclRendezvous
+    from tandem_protos.v1 import worker_pb2
+    from tandem_services.worker.kv_sessions import handshake_from_proto, handshake_to_proto
+
+    ipc = CudaIpcHandle(
+        host_id="boot-1",
+        gpu_uuid="GPU-abc",
+        mem_handle=b"\x00\x01mem",
+        storage_size_bytes=1 << 33,
+        storage_offset_bytes=512,
+        ref_counter_handle=b"ref",
+        ref_counter_offset=8,
+        event_handle=b"",
+        event_sync_required=True,
+        shape=(48, 2, 2, 4, 2, 8),
+        stride=(256, 128, 64, 16, 8, 1),
+        storage_offset=3,
+    )
+    rendezvous = NcclRendezvous(store_port=29511, group_name="tandem-kv/d/p/0", backend="gloo")
+    for handshake, field in ((ipc, "cuda_ipc"), (rendezvous, "nccl")):
+        reply = handshake_to_proto(handshake)
+        assert reply.WhichOneof("info") == field
+        wire = worker_pb2.ConnectKVResponse.FromString(reply.SerializeToString())
+        assert handshake_from_proto(wire) == handshake
+    assert worker_pb2.ConnectKVResponse().WhichOneof("info") is None
+    assert handshake_from_proto(handshake_to_proto(None)) is None
+    fields = {f.name for f in worker_pb2.CudaIpcHandle.DESCRIPTOR.fields}
+    assert fields == set(CudaIpcHandle.__dataclass_fields__)
+    fields = {f.name for f in worker_pb2.NcclRendezvous.DESCRIPTOR.fields}
+    assert fields == set(NcclRendezvous.__dataclass_fields__)

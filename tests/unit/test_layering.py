@@ -58,3 +58,16 @@ def test_kernels_import_only_torch_and_triton() -> None:
         for p in (ROOT / "tandem_kernels").rglob("*.py")
     }
     assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_kv_transfer_knows_no_grpc_and_no_protos() -> None:
+    """The byte movers stay transport-free: the hand-off session protocol (ConnectKV, WriteKV,
+    ReceiveKV) lives in the worker service. Catches imports inside functions too."""
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(
+            n for n in _imports(p) if n.split(".")[0] in ("grpc", "grpc_health", "tandem_protos")
+        )
+        for p in (ROOT / "tandem" / "kv_transfer").rglob("*.py")
+    }
+    assert offenders, "no modules found under tandem/kv_transfer"
+    assert {k: v for k, v in offenders.items() if v} == {}

@@ -61,16 +61,19 @@ def decode_main(conn: Connection, reservations: dict[str, list[int]], out: str) 
 
 
 async def _decode(conn: Connection, reservations: dict[str, list[int]], out: str) -> None:
-    from tandem.kv_transfer.nccl import NcclKVConnector
+    from tandem.kv_transfer.base import DirectEngine
+    from tandem.kv_transfer.nccl import NcclMover
     from tandem.kv_transfer.placement import NCCL
-    from tandem.kv_transfer.standalone import DirectEngine, start_receiver
-    from tandem.kv_transfer.transports import KVTransports
+    from tandem_services.worker.kv_sessions import RemoteKVConnector
+    from tandem_services.worker.kv_standalone import start_receiver
+    from tandem_services.worker.kv_transports import KVTransports
 
     torch.set_num_threads(1)
     cache = torch.zeros(SHAPE, dtype=DTYPE)
-    connector = NcclKVConnector(
-        cache, DirectEngine(), "decode-0", 20.0, backend="gloo", group_timeout_s=GROUP_TIMEOUT_S
+    mover = NcclMover(
+        cache, DirectEngine(), "decode-0", backend="gloo", group_timeout_s=GROUP_TIMEOUT_S
     )
+    connector = RemoteKVConnector(mover, 20.0)
     transports = KVTransports({NCCL: connector})
     server, address, receiver = await start_receiver(transports, reservations)
     conn.send(address)
@@ -90,16 +93,16 @@ def prefill_main(conn: Connection, address: str, jobs: dict[str, Job]) -> None:
 
 
 async def _prefill(address: str, jobs: dict[str, Job]) -> dict[str, Any]:
-    from tandem.kv_transfer.base import KVDestination, KVTransferError
-    from tandem.kv_transfer.nccl import NcclKVConnector
-    from tandem.kv_transfer.session import BEGIN, READY
-    from tandem.kv_transfer.standalone import DirectEngine
+    from tandem.kv_transfer.base import DirectEngine, KVDestination, KVTransferError
+    from tandem.kv_transfer.nccl import NcclMover
     from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
+    from tandem_services.worker.kv_sessions import BEGIN, READY, RemoteKVConnector
 
     torch.set_num_threads(1)
-    connector = NcclKVConnector(
-        source_cache(), DirectEngine(), "prefill-0", 20.0, backend="gloo", group_timeout_s=5.0
+    mover = NcclMover(
+        source_cache(), DirectEngine(), "prefill-0", backend="gloo", group_timeout_s=5.0
     )
+    connector = RemoteKVConnector(mover, 20.0)
 
     def dest(dst: list[int]) -> KVDestination:
         return KVDestination("decode-0", address, tuple(dst), transport="nccl")

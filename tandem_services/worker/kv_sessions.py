@@ -1,19 +1,25 @@
-"""Connectors whose bytes bypass gRPC (CUDA IPC, NCCL): a connection once per prefill-decode
-pair, then write sessions through the decode worker's Worker service, each for every request
-the sender had ready for that decode worker at once (a batch: one step's prefills).
+"""The KV hand-off session protocol for transports whose bytes bypass gRPC (CUDA IPC, NCCL): a
+connection once per prefill-decode pair, then write sessions through the decode worker's
+Worker service, each for every request the sender had ready for that decode worker at once (a
+batch: one step's prefills). The bytes are moved by a `tandem.kv_transfer.mover.KVMover`
+(`CudaIpcMover`, `NcclMover`), which knows no messages; `RemoteKVConnector` here drives it.
 
     prefill worker (sender)                          decode worker (receiver)
-    ConnectKV(transport, layout) ──────────────────▶ connect(): IPC handle / group rendezvous
-      once per decode worker: open the handle, or join the pair's process group
+    ConnectKV(transport, layout) ──────────────────▶ connect(): the mover's handshake (an IPC
+                                                     handle, a group rendezvous) as a message
+      once per decode worker: mover.open(handshake)
+        (open the handle, or join the pair's process group)
     WriteKV stream, one session per batch (a stream carries its sessions one after another):
       BEGIN(items: request_id, destination runs) ──▶ the batch's reservations, in one ask of
                                                      the worker's owner: the runs must lie in
                                                      them, now marked as being written; else
                                                      refused (why)
                                           ◀───────── READY(items: "" or why refused)
-      write (CUDA IPC) or send (NCCL) the accepted
-      items' runs, then wait for the device, once
-      DONE ────────────────────────────────────────▶ (NCCL: wait for the receives)
+      mover.write: write (CUDA IPC) or send (NCCL)
+      the accepted items' runs, then wait for the
+      device, once
+      DONE ────────────────────────────────────────▶ mover.end_receive (NCCL: wait for the
+                                                     receives)
                                           ◀───────── DONE(items: num_bytes)
       BEGIN (the next session on this stream) ...
 
@@ -43,21 +49,19 @@ before its READY. A session that broke takes its stream with it.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic
 
 import grpc
-import torch
 
 from tandem.channels import ChannelPool
 from tandem.kv_transfer.base import (
-    EngineHandle,
     KVConnector,
     KVDestination,
     KVTransferError,
@@ -65,22 +69,17 @@ from tandem.kv_transfer.base import (
     check_fits,
     check_runs,
 )
-from tandem.kv_transfer.tcp import layout_from_proto, layout_to_proto
+from tandem.kv_transfer.cuda_ipc import CudaIpcHandle
+from tandem.kv_transfer.mover import DstRun, KVMover, P, Run
+from tandem.kv_transfer.nccl import NcclRendezvous
 from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
+from tandem_services.worker.kv_tcp import layout_from_proto, layout_to_proto
 
 logger = logging.getLogger(__name__)
 
 BEGIN = worker_pb2.KV_WRITE_PHASE_BEGIN
 READY = worker_pb2.KV_WRITE_PHASE_READY
 DONE = worker_pb2.KV_WRITE_PHASE_DONE
-
-# (position in the request's block lists, first destination block id, number of blocks)
-Run = tuple[int, int, int]
-# (first destination block id, number of blocks), as a receiver sees a run
-DstRun = tuple[int, int]
-
-P = TypeVar("P")  # what a sender keeps per decode worker (an opened cache, a process group)
-R = TypeVar("R")
 
 # The receiver's owner, per session: mark the requests' reservations as being written and
 # return their block ids (None: no reservation, not marked), in order; clear the marks.
@@ -137,21 +136,37 @@ class _Lane:
         return min(MAX_BATCH, max(MIN_SHARE, -(-len(self.queue) // idle)))
 
 
-def consecutive(ids: Sequence[int]) -> bool:
-    return all(ids[i] == ids[0] + i for i in range(1, len(ids)))
+# A mover's handshake type -> the ConnectKVResponse field (of its `info` oneof) carrying it;
+# each dataclass's fields are its message's fields, name for name.
+_HANDSHAKES: dict[type, str] = {CudaIpcHandle: "cuda_ipc", NcclRendezvous: "nccl"}
 
 
-async def run_to_end(executor: concurrent.futures.Executor, fn: Callable[..., R], *args: Any) -> R:
-    """`fn(*args)` on `executor`. If the awaiting task is cancelled meanwhile, wait for `fn` to
-    finish anyway (its device work must end before anyone can learn that the session ended),
-    then let the cancellation through."""
-    future = executor.submit(fn, *args)
-    try:
-        return await asyncio.wrap_future(future)
-    except asyncio.CancelledError:
-        with contextlib.suppress(BaseException):
-            future.result()
-        raise
+def handshake_to_proto(handshake: object | None) -> worker_pb2.ConnectKVResponse:
+    """A ConnectKV answer carrying a mover's handshake (no `info` for None)."""
+    reply = worker_pb2.ConnectKVResponse()
+    if handshake is None:
+        return reply
+    name = _HANDSHAKES.get(type(handshake))
+    if name is None:
+        raise TypeError(f"no ConnectKV field carries a {type(handshake).__name__}")
+    getattr(reply, name).CopyFrom(
+        type(getattr(reply, name))(**dataclasses.asdict(handshake))  # type: ignore[arg-type]
+    )
+    return reply
+
+
+def handshake_from_proto(reply: worker_pb2.ConnectKVResponse) -> object | None:
+    """The mover's handshake a ConnectKV answer carries (None: none)."""
+    which = reply.WhichOneof("info")
+    if which is None:
+        return None
+    cls = next(c for c, name in _HANDSHAKES.items() if name == which)
+    msg = getattr(reply, which)
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(msg, f.name)
+        values[f.name] = value if isinstance(value, str | bytes | int | float) else tuple(value)
+    return cls(**values)
 
 
 _DONE = worker_pb2.KVWriteMessage(phase=DONE)
@@ -173,28 +188,21 @@ async def _next(it: AsyncIterator[worker_pb2.KVWriteMessage]) -> worker_pb2.KVWr
 
 
 class RemoteKVConnector(KVConnector, Generic[P]):
-    """The session protocol above; subclasses move the bytes.
+    """The session protocol above, driving `mover`, which moves the bytes.
 
-    Sender hooks: `_open` (once per decode worker, from its ConnectKV answer), `_write` (a
+    Sender: `mover.open` (once per decode worker, from its ConnectKV answer), `mover.write` (a
     session's runs, of one or more requests; returns once the device finished),
-    `_group_name`, `_close_peer`.
-    Receiver hooks: `_connect_info`, `_begin_receive`, `_end_receive`, `_abandon_receive`.
-    `serialize_sessions`: one session at a time per decode worker (NCCL: both ranks must post
-    their operations in the same order).
+    `mover.group_name`, `mover.close_peer`. Receiver: `mover.handshake`,
+    `mover.begin_receive`, `mover.end_receive`, `mover.abandon_receive`. Sessions in flight per
+    decode worker: `mover.max_sessions` (while one waits for its messages, the next can copy;
+    NCCL: one, both ranks post their operations in session order; CUDA IPC: 4).
     """
 
-    transport = ""
-
-    def __init__(
-        self,
-        kv_cache: torch.Tensor,
-        engine: EngineHandle,
-        worker_id: str = "",
-        rpc_timeout_s: float = 30.0,
-        serialize_sessions: bool = False,
-    ) -> None:
-        super().__init__(kv_cache, engine)
-        self.worker_id = worker_id
+    def __init__(self, mover: KVMover[P], rpc_timeout_s: float = 30.0) -> None:
+        super().__init__(mover.cache.kv_cache, mover.engine)
+        self.mover = mover
+        self.transport = mover.transport
+        self.worker_id = mover.worker_id
         self.rpc_timeout_s = rpc_timeout_s
         self._channels = ChannelPool()
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
@@ -203,11 +211,12 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         self._connecting: dict[str, asyncio.Lock] = {}
         self._lanes: dict[str, _Lane] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        # Sessions in flight per decode worker: while one waits for its messages, the next
-        # can copy. NCCL: one (both ranks post their operations in session order); a
-        # subclass may allow more (CUDA IPC: 4).
-        self.max_sessions = 1 if serialize_sessions else 2
         self.history: deque[TransferRecord] = deque(maxlen=4096)
+
+    @property
+    def max_sessions(self) -> int:
+        """Sessions in flight per decode worker (the mover's)."""
+        return self.mover.max_sessions
 
     # ------------------------------------------------------------------ sender
 
@@ -311,7 +320,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
             begin = worker_pb2.KVWriteMessage(
                 phase=BEGIN,
                 transport=self.transport,
-                group_name=self._group_name(peer),
+                group_name=self.mover.group_name(peer),
                 items=[
                     worker_pb2.KVWriteItem(
                         request_id=it.request_id,
@@ -349,7 +358,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
                         runs += [(base + pos, first, n) for pos, first, n in it.runs]
                         src += it.src
                 t = time.perf_counter()
-                await self._write(peer, src, runs)
+                await self.mover.write(peer, src, runs)
                 data_s = time.perf_counter() - t
             await call.write(_DONE)
             reply = await self._expect(call, DONE, dst)
@@ -450,7 +459,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
                 raise KVTransferError(
                     f"KV layouts differ: {dst.worker_id} {theirs}, here {self.layout}"
                 )
-            peer = await self._open(dst, info)
+            peer = await self.mover.open(dst, handshake_from_proto(info))
             self._peers[dst.address] = peer
             logger.info("KV to %s (%s) over %s", dst.worker_id, dst.address, self.transport)
             return peer
@@ -458,7 +467,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
     def _forget_peer(self, address: str, peer: P) -> None:
         if self._peers.get(address) is peer:
             del self._peers[address]
-            self._close_peer(peer)
+            self.mover.close_peer(peer)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
@@ -482,21 +491,10 @@ class RemoteKVConnector(KVConnector, Generic[P]):
             self._drop_parked(lane)
         self._stubs.clear()
         for peer in self._peers.values():
-            self._close_peer(peer)
+            self.mover.close_peer(peer)
         self._peers.clear()
         await self._channels.close()
-
-    async def _open(self, dst: KVDestination, info: worker_pb2.ConnectKVResponse) -> P:
-        raise NotImplementedError
-
-    async def _write(self, peer: P, src: list[int], runs: list[Run]) -> None:
-        raise NotImplementedError
-
-    def _group_name(self, peer: P) -> str:
-        return ""
-
-    def _close_peer(self, peer: P) -> None:
-        pass
+        await self.mover.close()
 
     # ------------------------------------------------------------------ receiver
 
@@ -509,7 +507,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         theirs = layout_from_proto(request.layout)
         if theirs != self.layout:
             raise KVTransferError(f"KV layouts differ: sender {theirs}, here {self.layout}")
-        reply = await self._connect_info(request)
+        reply = handshake_to_proto(await self.mover.handshake(request.prefill_worker_id))
         reply.layout.CopyFrom(layout_to_proto(self.layout))
         return reply
 
@@ -587,7 +585,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
                 if not batched and errors[0]:
                     raise KVTransferError(errors[0])
                 if runs:
-                    receipt = await self._begin_receive(msg, runs)
+                    receipt = await self.mover.begin_receive(msg.group_name, runs)
                     posted = True
                 if batched:
                     yield worker_pb2.KVWriteMessage(
@@ -603,7 +601,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
                 if done is None or done.phase != DONE:
                     raise KVTransferError("the sender left a KV write session before DONE")
                 if posted:
-                    await self._end_receive(receipt)
+                    await self.mover.end_receive(receipt)
                     landed = True
                 ended = True
                 if accepted:
@@ -622,22 +620,7 @@ class RemoteKVConnector(KVConnector, Generic[P]):
                     )
             finally:
                 if posted and not landed:
-                    await self._abandon_receive(receipt)
+                    await self.mover.abandon_receive(receipt)
                 if not ended and accepted:
                     end(accepted)
             msg = await _next(it)
-
-    async def _connect_info(
-        self, request: worker_pb2.ConnectKVRequest
-    ) -> worker_pb2.ConnectKVResponse:
-        raise NotImplementedError
-
-    async def _begin_receive(self, first: worker_pb2.KVWriteMessage, runs: list[DstRun]) -> Any:
-        """Get ready for the runs (NCCL: post the receives); returns a receipt."""
-        return None
-
-    async def _end_receive(self, receipt: Any) -> None:
-        """The sender said DONE: return once the bytes are in place."""
-
-    async def _abandon_receive(self, receipt: Any) -> None:
-        """The session broke: return once nothing more can land in the runs."""

@@ -1,4 +1,6 @@
-"""TCP KV connector: block runs streamed as protobuf bytes to the decode worker's `ReceiveKV`.
+"""TCP KV connector: block runs streamed as protobuf bytes to the decode worker's `ReceiveKV`
+(a gRPC protocol of its own, so it lives in the worker service; the byte packing, reading and
+writing whole blocks of a cache, is `tandem.kv_transfer.base.KVCacheView`).
 
 For CPU workers (and tests). One `KVBlockRun` message per destination run, split so that no
 message exceeds `max_message_bytes`; the first message carries the sender's `KVLayout`, which

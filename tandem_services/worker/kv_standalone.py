@@ -1,36 +1,21 @@
 """A KV receiver without an engine, for benchmarks and tests: a gRPC Worker service that
 answers ConnectKV, WriteKV and ReceiveKV for one cache and a table of reservations, and keeps
 the same "being written" marks a decode worker keeps (an entry per session, cleared only after
-the connector said nothing more can land).
+the connector said nothing more can land). Its connectors' engine is a
+`tandem.kv_transfer.base.DirectEngine`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from tandem.channels import SERVER_OPTIONS
 from tandem.kv_transfer.base import KVTransferError
-from tandem.kv_transfer.transports import KVTransports
-from tandem.request import EngineCoreRequest
 from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
-
-
-class DirectEngine:
-    """An `EngineHandle` with no engine: the cache belongs to this process (connectors export
-    it themselves), and there are no blocks to allocate."""
-
-    async def reserve(self, request: EngineCoreRequest) -> tuple[list[int], int] | None:
-        raise RuntimeError("a standalone connector has no engine to reserve blocks in")
-
-    async def abort_requests(self, request_ids: Iterable[str]) -> None:
-        return None
-
-    def kv_cache_ipc_handle(self) -> tuple[Any, ...] | None:
-        return None
+from tandem_services.worker.kv_transports import KVTransports
 
 
 class StandaloneReceiver(worker_pb2_grpc.WorkerServicer):
