@@ -54,6 +54,8 @@ NON_DEFAULT: dict[str, Any] = {
     "attention_backend": "torch",
     "enforce_eager": True,
     "cuda_graph_sizes": (1, 3),
+    "cudagraph_mode": "full_decode_only",
+    "piecewise_cuda_graph_sizes": (8, 24),
     "num_threads": 1,
 }
 # Flags whose only valid value today is the default (checked to refuse others instead).
