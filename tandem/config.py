@@ -343,8 +343,15 @@ class StructuredOutputsConfig:
     compile_threads: int = field(
         default=2,
         metadata=flag(
-            "threads compiling grammars (and filling bitmasks)",
+            "threads compiling grammars",
             name="--structured-outputs-compile-threads",
+        ),
+    )
+    bitmask_threads: int = field(
+        default=0,
+        metadata=flag(
+            "threads filling a step's grammar bitmasks (0: one below 64 rows, else up to 8)",
+            name="--structured-outputs-bitmask-threads",
         ),
     )
     grammar_cache_size: int = field(
@@ -360,6 +367,8 @@ class StructuredOutputsConfig:
             raise ConfigError(f"compile_timeout_s must be >= 0, got {self.compile_timeout_s}")
         if self.compile_threads < 1:
             raise ConfigError(f"compile_threads must be >= 1, got {self.compile_threads}")
+        if self.bitmask_threads < 0:
+            raise ConfigError(f"bitmask_threads must be >= 0, got {self.bitmask_threads}")
         if self.grammar_cache_size < 1:
             raise ConfigError(f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
 

@@ -596,7 +596,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         """Free a finished request's blocks and forget it (it stays out of the queues).
 
-        A request with `hold_kv` keeps its blocks in `held` until `release_held`."""
+        A request with `hold_kv` keeps its blocks in `held` until `release_held` (unless it
+        was aborted or failed: then there is nothing to hand off)."""
         if request.hold_kv and request.status < RequestStatus.FINISHED_ABORTED:
             self.held[request.request_id] = request
         else:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -40,6 +41,9 @@ from tandem.request import Request
 from tandem.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+# A batched bitmask fill uses one more thread per this many rows (see `_fill_threads`).
+_MIN_ROWS_PER_FILL_THREAD = 32
 
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
@@ -186,7 +190,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._buffers: list[torch.Tensor] = []
         self._next_buffer = 0
-        self._batch_matcher: Any = None
+        self._batch_matchers: dict[int, Any] = {}
         # Host time spent filling bitmasks, and how many fills (for the benchmark).
         self.fill_seconds = 0.0
         self.num_fills = 0
@@ -268,11 +272,10 @@ class StructuredOutputManager:
                 self._cache.move_to_end(key)
                 return entry
             entry = _Compile(key)
+            entry.future = self._ensure_pool().submit(self._compile, entry, spec)
             self._cache[key] = entry
             while len(self._cache) > max(self.config.grammar_cache_size, 1):
                 self._cache.popitem(last=False)
-        pool = self._ensure_pool()
-        entry.future = pool.submit(self._compile, entry, spec)
         return entry
 
     def status(self, entry: _Compile) -> GrammarStatus:
@@ -355,18 +358,26 @@ class StructuredOutputManager:
                 continue
             matchers.append(matcher)
             indices.append(i)
-        if matchers:
-            if len(matchers) == 1:
-                matchers[0].fill_next_token_bitmask(bitmask, indices[0])
-            else:
-                if self._batch_matcher is None:
-                    self._batch_matcher = xgr.BatchGrammarMatcher(
-                        max_threads=max(self.config.compile_threads, 1)
-                    )
-                self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices)
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, indices[0])
+        elif matchers:
+            threads = self._fill_threads(len(matchers))
+            batch = self._batch_matchers.get(threads)
+            if batch is None:
+                batch = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
+            batch.batch_fill_next_token_bitmask(matchers, bitmask, indices)
         self.fill_seconds += time.perf_counter() - t0
         self.num_fills += 1
         return GrammarBitmask(list(req_ids), bitmask)
+
+    def _fill_threads(self, rows: int) -> int:
+        """Threads for a batched fill: waking threads costs more than a few rows' masks."""
+        if self.config.bitmask_threads:
+            return self.config.bitmask_threads
+        if rows < _MIN_ROWS_PER_FILL_THREAD * 2:
+            return 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        return max(1, min(8, cores // 2, rows // _MIN_ROWS_PER_FILL_THREAD))
 
     def shutdown(self) -> None:
         """Stop the pool (compiles still running finish in the background)."""

@@ -26,7 +26,7 @@ from tandem_services.launcher import Deployment
 from tests.service.conftest import ENGINE_ARGS, assert_pools_whole
 
 pytest.importorskip("xgrammar")
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1800)
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -57,6 +57,7 @@ NON_DEFAULT: dict[str, Any] = {
     "disable_any_whitespace": True,
     "compile_timeout_s": 5.0,
     "compile_threads": 3,
+    "bitmask_threads": 2,
     "grammar_cache_size": 17,
 }
 # Flags whose only valid value today is the default (checked to refuse others instead).

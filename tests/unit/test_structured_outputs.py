@@ -83,10 +83,17 @@ PROMPTS = [
     "Rate this movie as JSON:",
     "Give a product code and a short note, as JSON:",
 ]
-REGEXES = [r"[0-9]{3}-[a-z]{3}", r"(red|green|blue) [0-9]{1,2}", r"[A-Z][a-z]{1,8}( [A-Z][a-z]{1,8})?"]
+REGEXES = [
+    r"[0-9]{3}-[a-z]{3}",
+    r"(red|green|blue) [0-9]{1,2}",
+    r"[A-Z][a-z]{1,8}( [A-Z][a-z]{1,8})?",
+]
 CHOICES = ["yes", "no", "it depends"]
 
-BASE: dict[str, Any] = dict(device="cpu", dtype="float32", max_num_seqs=8, max_model_len=256)
+# A generous compile limit: a loaded machine must not fail the tests' grammars.
+BASE: dict[str, Any] = dict(
+    device="cpu", dtype="float32", max_num_seqs=8, max_model_len=256, compile_timeout_s=600
+)
 
 
 def greedy(spec: StructuredOutputsParams, max_tokens: int = 120) -> SamplingParams:
@@ -177,8 +184,12 @@ def test_seeded_samples_are_each_valid_and_reproducible(llm: LLM) -> None:
 @pytest.mark.parametrize(
     "engine_args",
     [
-        pytest.param(dict(max_num_batched_tokens=8), id="chunked-prefill"),
-        pytest.param(dict(num_gpu_blocks=16, max_num_batched_tokens=64), id="preemption"),
+        # Chunks of at most 8 tokens, and a pool of 160 slots for 8 running requests of up
+        # to ~130 tokens: both forced in one run.
+        pytest.param(
+            dict(max_num_batched_tokens=8, block_size=4, num_gpu_blocks=40, max_model_len=160),
+            id="chunked-prefill-and-preemption",
+        ),
         pytest.param(dict(async_scheduling="on", max_num_batched_tokens=16), id="async"),
     ],
 )
@@ -191,6 +202,8 @@ def test_greedy_outputs_do_not_depend_on_the_schedule(
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == baseline
         if "num_gpu_blocks" in engine_args:
+            # Some prompts are longer than one chunk.
+            assert max(len(llm.tokenizer(p).input_ids) for p in prompts) > 8
             assert llm.engine.stats().num_preemptions > 0, "the small pool was meant to preempt"
         if engine_args.get("async_scheduling") == "on":
             assert llm.engine.async_scheduling
@@ -238,13 +251,13 @@ def deep_schema(depth: int) -> dict[str, Any]:
 
 
 def test_a_spec_past_the_compile_limit_fails_and_others_run() -> None:
-    llm = LLM("default", **BASE, compile_timeout_s=0.05)
+    llm = LLM("default", **{**BASE, "compile_timeout_s": 0.05})
     try:
         slow = greedy(StructuredOutputsParams(json=deep_schema(6)))
         with pytest.raises(SamplingParamsError, match=r"did not compile within 0\.05 s"):
             llm.generate(["Hello"], slow, use_tqdm=False)
         assert_pool_whole(llm)
-        out = llm.generate(["Hello"], greedy(StructuredOutputsParams(choice=["a", "b"])))[0]
+        out = llm.generate(["Hello"], greedy(StructuredOutputsParams(choice=["a", "b"])), False)[0]
         assert out.outputs[0].text in ("a", "b")
         assert_pool_whole(llm)
     finally:
