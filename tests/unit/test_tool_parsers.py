@@ -32,7 +32,7 @@ def run(parser: ToolParser, chunks: list[str]) -> tuple[str, Calls]:
     """Feeds `chunks`, checks the delta protocol, returns (content, [(name, arguments)])."""
     content = ""
     calls: dict[int, dict[str, Any]] = {}
-    for i, chunk in enumerate(chunks + [None]):  # type: ignore[operator]
+    for chunk in [*chunks, None]:
         out = parser.feed(chunk) if chunk is not None else parser.finish()
         content += out.content
         seen = set()
@@ -46,7 +46,6 @@ def run(parser: ToolParser, chunks: list[str]) -> tuple[str, Calls]:
             else:
                 assert d.id is None and d.name is None, d
             calls[d.index]["arguments"] += d.arguments
-        del i
     return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
 
 
@@ -84,9 +83,14 @@ HERMES_CASES: list[tuple[str, str, Calls]] = [
         "Let me check.",
         [("add", {"a": 1, "b": [2, {"c": "}"}]}), ("get_weather", {"city": 'Rome "x"'})],
     ),
-    ("No tools needed: 2 < 3, <tool is a word.\n", "No tools needed: 2 < 3, <tool is a word.\n", []),
+    ("No tools: 2 < 3, <tool is a word.\n", "No tools: 2 < 3, <tool is a word.\n", []),
     ('<tool_call>{"name": "add"}</tool_call>', "", [("add", {})]),
-    ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 2}"}</tool_call>', "", [("add", {"a": 2})]),
+    # Arguments given as a JSON string.
+    (
+        '<tool_call>{"name": "add", "arguments": "{\\"a\\": 2}"}</tool_call>',
+        "",
+        [("add", {"a": 2})],
+    ),
     # Malformed: not a call, so content (the tag included).
     ("<tool_call>oops</tool_call>", "<tool_call>oops</tool_call>", []),
 ]
@@ -160,7 +164,8 @@ def test_rendered_calls_parse_back() -> None:
     calls = [("add", '{"a": 1}'), ("get_weather", '{"city": "Paris"}')]
     expected = [(n, json.loads(a)) for n, a in calls]
     check(lambda: HermesToolParser(NAMES), render_tool_calls("hermes", calls), "", expected)
-    check(lambda: Llama3JsonToolParser(NAMES), render_tool_calls("llama3_json", calls), "", expected)
+    text = render_tool_calls("llama3_json", calls)
+    check(lambda: Llama3JsonToolParser(NAMES), text, "", expected)
 
 
 def test_extractor_sets_finish_reason_and_keeps_plain_text() -> None:
