@@ -29,7 +29,11 @@ from tandem_services.frontend.openai_protocol import (
     parse_completion,
 )
 from tandem_services.frontend.sse import DONE, ChatStream, CompletionStream, sse
-from tandem_services.frontend.tool_parsers import ToolCallExtractor, parser_factory
+from tandem_services.frontend.tool_parsers import (
+    AUTO_TOOL_PARSERS,
+    ToolCallExtractor,
+    parser_factory,
+)
 from tandem_services.frontend.types import FrontendError, GenerateInput, StepEvent, Usage, invalid
 
 
@@ -130,6 +134,10 @@ class HttpApi:
         self.engine = engine
         self.limits = limits or RequestLimits()
         self.tool_call_parser = tool_call_parser
+        # The auto parser's tags are special tokens: keep them in the text it parses.
+        specials = set(getattr(engine.tokenizer, "all_special_tokens", ()) or ())
+        tags = AUTO_TOOL_PARSERS[tool_call_parser].TAGS if tool_call_parser else ()
+        self.keep_tool_tags = bool(specials & set(tags))
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.model_ids = model_ids
@@ -279,11 +287,15 @@ class HttpApi:
         max_tokens = self.engine.check_prompt(
             ids, body.params.max_tokens if body.max_tokens_given else None
         )
+        changes: dict[str, Any] = {"max_tokens": max_tokens}
+        auto = body.tool_calling is not None and body.tool_calling.mode == "auto"
+        if auto and self.keep_tool_tags:
+            changes["skip_special_tokens"] = False
         inputs = [
             GenerateInput(
                 self.engine.new_request_id("chat"),
                 ids,
-                body.params.clone(max_tokens=max_tokens),
+                body.params.clone(**changes),
                 text,
                 body.priority,
             )

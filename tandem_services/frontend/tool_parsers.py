@@ -227,7 +227,13 @@ class _CallObject:
 
 class ToolParser(ABC):
     """The per-choice streaming parser (see the module docstring). Subclasses implement
-    `_advance`, moving `pos` through `buf` and reporting through `_text` and `_sync`."""
+    `_advance`, moving `pos` through `buf` and reporting through `_text` and `_sync`.
+
+    `TAGS`: the format's marker strings; where the tokenizer makes them special tokens, the
+    request is detokenized with them (skip_special_tokens off), or the parser never sees them.
+    """
+
+    TAGS: tuple[str, ...] = ()
 
     def __init__(self, tool_names: Sequence[str] = ()) -> None:
         self.tool_names = frozenset(tool_names)
@@ -308,6 +314,7 @@ class HermesToolParser(ToolParser):
 
     START = "<tool_call>"
     END = "</tool_call>"
+    TAGS = (START, END)
 
     def __init__(self, tool_names: Sequence[str] = ()) -> None:
         super().__init__(tool_names)
@@ -371,6 +378,7 @@ class Llama3JsonToolParser(ToolParser):
     a call to one of the tools (first key "name", a known name) is all content."""
 
     PYTHON_TAG = "<|python_tag|>"
+    TAGS = (PYTHON_TAG,)
 
     def __init__(self, tool_names: Sequence[str] = ()) -> None:
         super().__init__(tool_names)
