@@ -160,7 +160,11 @@ class _CallObject:
                 self.pos = self.scanner.feed(buf, self.pos, final)
                 if not self.scanner.done:
                     return
-                self.key = json.loads(buf[self.tok_start : self.pos])
+                try:
+                    self.key = json.loads(buf[self.tok_start : self.pos])
+                except ValueError:
+                    self.error = True
+                    return
                 if self.first_key is None:
                     self.first_key = self.key
                 self.state = "colon"

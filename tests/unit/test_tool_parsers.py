@@ -188,3 +188,12 @@ def test_extractor_sets_finish_reason_and_keeps_plain_text() -> None:
     assert e2.deltas[0].finish_reason == "tool_calls"
     assert e1.deltas[1].text + e2.deltas[1].text == "Hi there"
     assert e2.deltas[1].finish_reason == "stop" and e2.deltas[1].tool_calls is None
+
+
+def test_bad_keys_and_names_are_content() -> None:
+    for text in [
+        '<tool_call>{"na\\x": "add"}</tool_call>',
+        '<tool_call>{"name": 5, "arguments": {}}</tool_call>',
+        '<tool_call>{"name" "add"}</tool_call>',
+    ]:
+        check(lambda: HermesToolParser(NAMES), text, text, [])
