@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from tandem.sampling_params import StructuredOutputsParams
+from tandem_services.frontend.config import FrontendConfigError, config_from_args
 from tandem_services.frontend.openai_protocol import ChoiceAccumulator, parse_chat, parse_completion
 from tandem_services.frontend.structured import required_schema
 from tandem_services.frontend.types import ChoiceDelta, FrontendError, ToolCallDelta
@@ -308,3 +309,18 @@ def test_accumulated_message_has_tool_calls_and_null_content() -> None:
     plain = ChoiceAccumulator()
     plain.add(ChoiceDelta(0, "hi", [1], finish_reason="stop"))
     assert plain.message() == {"role": "assistant", "content": "hi"}
+
+
+def test_auto_tool_choice_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert config_from_args([]).auto_tool_parser is None
+    on = config_from_args(["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert on.auto_tool_parser == "llama3_json"
+    # A parser alone does not turn "auto" on (vLLM's flags).
+    assert config_from_args(["--tool-call-parser", "hermes"]).auto_tool_parser is None
+    with pytest.raises(FrontendConfigError, match="tool_call_parser"):
+        config_from_args(["--enable-auto-tool-choice"])
+    with pytest.raises(SystemExit):
+        config_from_args(["--tool-call-parser", "mystery"])
+    monkeypatch.setenv("TANDEM_FRONTEND_ENABLE_AUTO_TOOL_CHOICE", "true")
+    monkeypatch.setenv("TANDEM_FRONTEND_TOOL_CALL_PARSER", "qwen")
+    assert config_from_args([]).auto_tool_parser == "qwen"
