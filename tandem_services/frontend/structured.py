@@ -35,6 +35,7 @@ from tandem_services.frontend.types import invalid
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 # A function without `parameters` takes none.
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's structured_outputs options tandem does not implement (refused by name).
 _STRUCTURED_UNIMPLEMENTED = (
@@ -71,7 +72,8 @@ def check_json_schema(schema: Any, where: str, param: str) -> dict[str, Any]:
 
 
 def parse_response_format(value: Any) -> StructuredOutputsParams | None:
-    """OpenAI's `response_format`: text (no constraint), json_object, or json_schema."""
+    """OpenAI's `response_format`: text (no constraint), json_object (the schema of any
+    object), or json_schema."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -83,7 +85,9 @@ def parse_response_format(value: Any) -> StructuredOutputsParams | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        # OpenAI's json_object is an object; the builtin JSON grammar (structured_outputs'
+        # json_object) lets any JSON value through, arrays included.
+        return StructuredOutputsParams(json=dict(_ANY_OBJECT))
     if kind != "json_schema":
         raise invalid(
             f"response_format.type must be text, json_object or json_schema, got {kind!r}",

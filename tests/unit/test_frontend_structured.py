@@ -54,7 +54,10 @@ def refused(fn: Any, *args: Any) -> FrontendError:
 
 GOOD: list[tuple[dict[str, Any], StructuredOutputsParams | None]] = [
     ({"response_format": {"type": "text"}}, None),
-    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+    (
+        {"response_format": {"type": "json_object"}},
+        StructuredOutputsParams(json={"type": "object"}),
+    ),
     (
         {
             "response_format": {
