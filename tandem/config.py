@@ -326,7 +326,42 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
-    """Structured outputs (grammar bitmasks applied in the sampler): none yet."""
+    """Structured outputs (`tandem.structured_output`): grammars compiled by xgrammar on a
+    thread pool, cached by spec, applied as token bitmasks in the sampler."""
+
+    disable_any_whitespace: bool = field(
+        default=False,
+        metadata=flag("JSON outputs without free whitespace between their tokens"),
+    )
+    compile_timeout_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "seconds a grammar may take to compile before its request fails (0: no limit)",
+            name="--structured-outputs-compile-timeout",
+        ),
+    )
+    compile_threads: int = field(
+        default=2,
+        metadata=flag(
+            "threads compiling grammars (and filling bitmasks)",
+            name="--structured-outputs-compile-threads",
+        ),
+    )
+    grammar_cache_size: int = field(
+        default=256,
+        metadata=flag(
+            "compiled grammars kept, by spec (least recently used evicted)",
+            name="--structured-outputs-cache-size",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.compile_timeout_s < 0:
+            raise ConfigError(f"compile_timeout_s must be >= 0, got {self.compile_timeout_s}")
+        if self.compile_threads < 1:
+            raise ConfigError(f"compile_threads must be >= 1, got {self.compile_threads}")
+        if self.grammar_cache_size < 1:
+            raise ConfigError(f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
 
 
 @dataclass(frozen=True)

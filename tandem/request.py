@@ -16,6 +16,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tandem.core.structured import GrammarState
 from tandem.sampling_params import SamplingParams
 
 
@@ -27,6 +28,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    # The request could not run (its structured-output grammar is invalid or did not compile
+    # in time); the stop reason is the error message.
+    FINISHED_ERROR = 6
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -44,6 +48,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -96,6 +101,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Disaggregated prefill: keep the blocks allocated after finishing, until released.
         self.hold_kv = False
+        # The grammar of a request with structured outputs (set by the engine), else None.
+        self.grammar: GrammarState | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

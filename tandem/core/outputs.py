@@ -8,6 +8,7 @@ answers with a `ModelRunnerOutput`, and `Scheduler.update_from_output` turns tha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.sampling_params import SamplingParams
 
@@ -48,10 +49,25 @@ class SchedulerOutput:
     # Requests the runner must forget: finished, aborted or preempted since last step.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests with structured outputs that sample in this step, in scheduling order.
+    structured_req_ids: list[str] = field(default_factory=list)
+    # Their allowed tokens (filled by the engine after the previous step's tokens landed).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class GrammarBitmask:
+    """The allowed next tokens of a step's structured rows: row i of `bitmask` (an int32 CPU
+    tensor `[len(req_ids), ceil(vocab_size / 32)]`, bit j of word w set: token 32 w + j is
+    allowed) belongs to `req_ids[i]`. Covers the logits' width (ids past the tokenizer's
+    vocabulary are never allowed)."""
+
+    req_ids: list[str]
+    bitmask: Any
 
 
 @dataclass
@@ -74,7 +90,8 @@ class ModelRunnerOutput:
 
 @dataclass(slots=True)
 class EngineCoreOutput:
-    """What one request produced in one step. `finish_reason` is "stop", "length" or "abort"."""
+    """What one request produced in one step. `finish_reason` is "stop", "length", "abort" or
+    "error" (the request could not run: `stop_reason` is the message naming the problem)."""
 
     request_id: str
     new_token_ids: list[int]

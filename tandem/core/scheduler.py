@@ -13,6 +13,11 @@ resumption after preemption (computed tokens dropped to 0)::
 `schedule()` returns a `SchedulerOutput` and advances each scheduled request's
 `num_computed_tokens` as if the step had run; `update_from_output()` appends the sampled
 tokens, applies the stop rules and frees finished requests.
+
+Structured outputs (`tandem.core.structured`): a request whose grammar is still compiling is
+passed over (waiting ones keep their place in the queue; the others are scheduled around
+them); one whose grammar failed ends with FINISHED_ERROR (`take_error_outputs`). The grammar
+follows the output tokens appended here and stops the request when it terminates.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tandem.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
+from tandem.core.structured import GrammarStatus
 from tandem.request import (
     FINISH_REASONS,
     FIRST_FINISHED,
@@ -157,6 +163,8 @@ class Scheduler:
         # for prompts whose KV arrives from another worker.
         self.held: dict[str, Request] = {}
         self.reserved: dict[str, Request] = {}
+        # Requests ended because their grammar failed, not yet reported (take_error_outputs).
+        self._error_outputs: list[EngineCoreOutput] = []
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -301,6 +309,8 @@ class Scheduler:
                 break
             if request.status != RUNNING:
                 continue  # preempted earlier in this step
+            if request.grammar is not None and not self._grammar_ready(request):
+                continue
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new == 0:
                 continue
@@ -321,10 +331,15 @@ class Scheduler:
 
         # 2. Waiting requests, only in a step that preempted nothing.
         max_num_seqs = self.scheduler_config.max_num_seqs
+        passed_over: list[Request] = []  # grammars still compiling: back in front, in order
         while not preempted and len(self.waiting) and budget > 0:
             if len(self.running) >= max_num_seqs:
                 break
             request = self.waiting.peek()
+            if request.grammar is not None and not self._grammar_ready(request):
+                if not request.is_finished:  # a failed one has left the queue
+                    passed_over.append(self.waiting.pop())
+                continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = self._num_tokens_to_schedule(request, num_computed, budget)
             if num_new == 0:
@@ -336,15 +351,46 @@ class Scheduler:
             scheduled.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        for request in reversed(passed_over):
+            self.waiting.prepend(request, self._seq[request.request_id])
 
         output = self._build_output(scheduled, num_scheduled, preempted)
+        structured = output.structured_req_ids
         for request in scheduled:
             request.num_computed_tokens += num_scheduled[request.request_id]
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 # This step samples the request's next token: count it before it is known,
                 # so the next step can be planned before this one's tokens come back.
                 request.num_output_placeholders += 1
+                if request.grammar is not None:
+                    structured.append(request.request_id)
         return output
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether `request`'s grammar lets it be scheduled now. A failed grammar ends the
+        request here (FINISHED_ERROR, reported by `take_error_outputs`)."""
+        assert request.grammar is not None
+        status = request.grammar.poll()
+        if status == GrammarStatus.READY:
+            return True
+        if status == GrammarStatus.FAILED:
+            error = request.grammar.error or "structured_outputs: the grammar failed"
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+            request.stop_reason = error
+            self._error_outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason="error",
+                    stop_reason=error,
+                )
+            )
+        return False
+
+    def take_error_outputs(self) -> list[EngineCoreOutput]:
+        """The outputs of requests ended because their grammar failed since the last call."""
+        outputs, self._error_outputs = self._error_outputs, []
+        return outputs
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens to compute this step from `num_computed` on; 0 when it must wait.
@@ -398,6 +444,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        if request.grammar is not None:
+            request.grammar.reset()  # rebuilt from the token ids when it runs again
         self._num_sent_blocks.pop(request.request_id, None)
         self.waiting.prepend(request, self._seq[request.request_id])
 
@@ -512,6 +560,18 @@ class Scheduler:
         """Apply the stop rules after `token_id` was appended; True if the request finished."""
         params = request.sampling_params
         num_output = len(request.output_token_ids)
+        grammar = request.grammar
+        if grammar is not None:
+            if not grammar.sync():
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = (
+                    f"structured_outputs: token {token_id} does not continue the grammar"
+                )
+                return True
+            if grammar.is_terminated():
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = None
+                return True
         if num_output >= params.min_tokens:
             if (
                 not params.ignore_eos
@@ -537,7 +597,7 @@ class Scheduler:
         """Free a finished request's blocks and forget it (it stays out of the queues).
 
         A request with `hold_kv` keeps its blocks in `held` until `release_held`."""
-        if request.hold_kv and request.status != RequestStatus.FINISHED_ABORTED:
+        if request.hold_kv and request.status < RequestStatus.FINISHED_ABORTED:
             self.held[request.request_id] = request
         else:
             self._kv_cache_manager.free(request)

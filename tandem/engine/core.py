@@ -13,7 +13,13 @@ computes::
 
 A request that stops at step N has one more token computed in step N+1, which is dropped.
 A step whose requests sample from their whole output (penalties, min_tokens) waits for the
-previous step first.
+previous step first, and so does a step with structured-output rows: their grammar bitmask
+(`tandem.structured_output`) is filled from the matchers after the previous step's tokens::
+
+    step():  schedule(N+1) -> [result(N), update(N)] -> fill bitmask(N+1) -> execute_async(N+1)
+
+Requests whose grammar is still compiling are passed over by the scheduler; when nothing
+else can run, the step waits (a few ms) for a compile instead of spinning.
 
 Callers (the offline `LLM`, a worker service's engine thread) own the loop; EngineCore is
 not thread-safe and never blocks on anything but the model. `shutdown()` frees the device
@@ -35,8 +41,10 @@ from tandem.config import EngineConfig
 from tandem.core.outputs import EngineCoreOutput, SchedulerOutput
 from tandem.core.scheduler import Scheduler
 from tandem.executor import Executor, create_executor
-from tandem.loader import get_eos_token_ids
+from tandem.loader import get_eos_token_ids, load_tokenizer
+from tandem.models.presets import has_random_weights
 from tandem.request import EngineCoreRequest, Request, RequestStatus
+from tandem.structured_output import StructuredOutputManager
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import PendingStep
 
@@ -54,6 +62,10 @@ def _raise_gc_threshold() -> None:
     gen0, gen1, gen2 = gc.get_threshold()
     if gen0 and gen0 < _GC_GEN0_THRESHOLD:
         gc.set_threshold(_GC_GEN0_THRESHOLD, gen1, gen2)
+
+
+# How long an idle step waits for a grammar compile when every request waits for one.
+_GRAMMAR_WAIT_S = 0.005
 
 
 class InvalidRequestError(ValueError):
@@ -111,6 +123,19 @@ class EngineCore:
         self.async_scheduling = mode == "on" or (
             mode == "auto" and self.executor.device.type == "cuda"
         )
+        # A random-weight folder has a tokenizer only when one was copied in (benchmarks).
+        self._has_tokenizer = not has_random_weights(self.model_path) or any(
+            (self.model_path / name).exists()
+            for name in ("tokenizer.json", "tokenizer_config.json")
+        )
+        self.structured = StructuredOutputManager(
+            config.structured_outputs,
+            lambda: load_tokenizer(self.model_path),
+            self.vocab_size,
+            config.scheduler.max_num_seqs,
+            stop_token_ids=eos_ids,
+            pin_memory=self.executor.device.type == "cuda",
+        )
         # The launched step whose tokens have not been applied yet (async scheduling only).
         self._pending: tuple[SchedulerOutput, PendingStep] | None = None
         # Whether the last `step()` launched or finished any work.
@@ -148,6 +173,7 @@ class EngineCore:
             return
         self._shut_down = True
         self._pending = None
+        self.structured.shutdown()
         self.executor.shutdown()
 
     # ----------------------------------------------------------------- requests
@@ -178,11 +204,24 @@ class EngineCore:
             or (req.request_id in sched.reserved)
         ):
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        if req.sampling_params.structured_outputs is not None and not self._has_tokenizer:
+            raise InvalidRequestError(
+                "structured_outputs need the model's tokenizer; this random-weight model "
+                "folder has none"
+            )
+
+    def _new_request(self, req: EngineCoreRequest) -> Request:
+        """The engine's request for `req`; a grammar's compile starts here (on the pool)."""
+        request = Request.from_engine_core_request(req)
+        if req.sampling_params.structured_outputs is not None:
+            request.grammar = self.structured.grammar_for(request)
+        return request
 
     def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None:
-        """Queue a request. Raises InvalidRequestError naming the problem."""
+        """Queue a request. Raises InvalidRequestError naming the problem. A structured-output
+        spec that does not compile ends the request later, with finish reason "error"."""
         self._validate(req)
-        request = Request.from_engine_core_request(req)
+        request = self._new_request(req)
         request.hold_kv = hold_kv
         self.scheduler.add_request(request)
 
@@ -204,8 +243,9 @@ class EngineCore:
         Under async scheduling the outputs are those of the step launched by the previous
         call (see the module docstring)."""
         scheduler_output: SchedulerOutput | None = None
-        if self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
+        scheduler = self.scheduler
+        if scheduler.has_unfinished_requests():
+            scheduler_output = scheduler.schedule()
             if scheduler_output.is_empty:
                 # Nothing runs, but the runner must still forget what finished or was
                 # preempted since the last step (or it would hold their state forever).
@@ -214,11 +254,20 @@ class EngineCore:
                 )
                 scheduler_output = None
         self.last_step_idle = scheduler_output is None and self._pending is None
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = scheduler.take_error_outputs()
         if scheduler_output is None:
-            return self._apply_pending()
-        if self._pending is not None and self.executor.needs_prior_tokens(scheduler_output):
-            outputs = self._apply_pending()
+            if self.last_step_idle and not outputs and scheduler.has_unfinished_requests():
+                self.structured.wait_any(_GRAMMAR_WAIT_S)  # all wait for a compile
+            return outputs + self._apply_pending()
+        structured = scheduler_output.structured_req_ids
+        if self._pending is not None and (
+            structured or self.executor.needs_prior_tokens(scheduler_output)
+        ):
+            outputs += self._apply_pending()
+        if structured:
+            scheduler_output.grammar_bitmask = self.structured.fill_bitmask(
+                structured, scheduler.requests
+            )
         step = self.executor.execute_async(scheduler_output)
         if not self.async_scheduling:
             return self.scheduler.update_from_output(scheduler_output, step.result())
@@ -269,7 +318,7 @@ class EngineCore:
         is short. Then write the KV into those blocks and call `add_prefilled_request`.
         """
         self._validate(req)
-        reserved = self.scheduler.reserve(Request.from_engine_core_request(req))
+        reserved = self.scheduler.reserve(self._new_request(req))
         if reserved is not None and self.executor.may_write_blocks(reserved[0]):
             # A step still running writes KV into some of these blocks (freed since it was
             # planned: a request that stopped or was aborted); another process writes the

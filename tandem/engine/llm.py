@@ -16,7 +16,7 @@ from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.loader import load_tokenizer
 from tandem.models.presets import has_random_weights
 from tandem.request import EngineCoreRequest
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, SamplingParamsError
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -97,7 +97,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of `prompts`.
 
-        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}. A prompt
+        whose structured-outputs spec does not compile fails the call with SamplingParamsError
+        naming it (nothing of the call stays queued).
         """
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -178,6 +180,13 @@ class LLM:
                     self.client.abort_requests(to_abort)
                 for ro in finished:
                     results[ro.request_id] = ro
+                    errors = [c.stop_reason for c in ro.outputs if c.finish_reason == "error"]
+                    if errors:
+                        # A spec that did not compile: the call fails naming it (the rest of
+                        # the call is aborted below); the engine keeps serving.
+                        raise SamplingParamsError(
+                            f"prompt {request_ids.index(ro.request_id)}: {errors[0]}"
+                        )
                 bar.update(len(finished))
         except BaseException:
             for rid in request_ids:

@@ -40,8 +40,9 @@ STEP = 3
 REPLY = 4
 FATAL = 5
 
-_FINISH_CODES: dict[str | None, int] = {None: 0, "stop": 1, "length": 2, "abort": 3}
-_FINISH_NAMES: list[str | None] = [None, "stop", "length", "abort"]
+# "error": the request could not run (its stop reason, in the side blob, is the message).
+_FINISH_CODES: dict[str | None, int] = {None: 0, "stop": 1, "length": 2, "abort": 3, "error": 4}
+_FINISH_NAMES: list[str | None] = [None, "stop", "length", "abort", "error"]
 
 # kind, num outputs, id blob bytes, side blob bytes, piggyback bytes
 _STEP_HEADER = struct.Struct("<BIIII")

@@ -315,7 +315,7 @@ class ModelRunner:
             logits = self._run_eager(inp)
 
         states = [inp.states[i] for i in inp.sampled_rows]
-        sampled = self.sampler.sample(logits, states) if states else None
+        sampled = self.sampler.sample(logits, states, so.grammar_bitmask) if states else None
         self._num_launched += 1
         launch = self._num_launched
         self._unfinished_writes.append((launch, inp.slot_mapping))

@@ -7,8 +7,9 @@ its results back:
   preemption continues its stream past the draws it already made (one exponential race of
   `vocab_size` draws per output token), so its tokens do not depend on preemption;
 - `StepSampler.sample`: the metadata of the sampled rows (temperatures, top-k/p, penalties
-  over prompt and output ids, generators), the sampler, and on CUDA an asynchronous copy of the
-  sampled ids into a pinned host buffer with an event after it;
+  over prompt and output ids, generators), the grammar bitmask of the structured rows (copied
+  to the device and applied to their logits first), the sampler, and on CUDA an asynchronous
+  copy of the sampled ids into a pinned host buffer with an event after it;
 - `PendingStep`: a launched step; `result()` waits for its ids only and appends them to the
   request states.
 
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.outputs import Logprobs, ModelRunnerOutput
+from tandem.core.outputs import GrammarBitmask, Logprobs, ModelRunnerOutput
 from tandem.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, to_logprobs_lists
+from tandem.layers.sampler_bitmask import apply_token_bitmask
 from tandem.sampling_params import SamplingParams
 from tandem.worker.input_batch import CachedRequestState
 
@@ -69,8 +71,16 @@ class StepSampler:
                 torch.empty(self.vocab_size, device=self.device).exponential_(generator=generator)
         return generator
 
-    def sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SampledStep:
-        """Sample one token for each of `states` (row i of `logits` is states[i]'s)."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        grammar: GrammarBitmask | None = None,
+    ) -> SampledStep:
+        """Sample one token for each of `states` (row i of `logits` is states[i]'s); the rows
+        of `grammar`'s requests sample only the tokens its bitmask allows."""
+        if grammar is not None and grammar.req_ids:
+            logits = self.apply_grammar(logits, states, grammar)
         meta = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
@@ -89,6 +99,25 @@ class StepSampler:
             event = torch.cuda.Event()
             event.record()
         return SampledStep(sampled, host, event, out)
+
+    def apply_grammar(
+        self, logits: torch.Tensor, states: list[CachedRequestState], grammar: GrammarBitmask
+    ) -> torch.Tensor:
+        """`logits` with each structured row's disallowed tokens at -inf (on the device)."""
+        row_of = {s.req_id: j for j, s in enumerate(states)}
+        rows = [row_of[rid] for rid in grammar.req_ids]
+        bitmask = grammar.bitmask
+        if self.device.type != "cuda":
+            index = None if rows == list(range(len(states))) else torch.tensor(rows)
+            return apply_token_bitmask(logits, bitmask.to(self.device), index)
+        # CUDA: one Triton pass over a copy (the logits may be a CUDA graph's output buffer).
+        from tandem_kernels.bitmask import apply_token_bitmask_
+
+        bitmask = bitmask.to(self.device, non_blocking=True)
+        index = torch.tensor(rows, dtype=torch.int64).pin_memory()
+        return apply_token_bitmask_(
+            logits.clone(), bitmask, index.to(self.device, non_blocking=True)
+        )
 
     def clear(self) -> None:
         """Drop the pinned buffers (no step may be unresolved)."""

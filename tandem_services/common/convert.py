@@ -6,11 +6,12 @@ EngineCoreOutput); protos exist only on the wire.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tandem.core.outputs import EngineCoreOutput, Logprobs
 from tandem.request import EngineCoreRequest
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from tandem_protos.v1 import common_pb2, worker_pb2
 
 _OPTIONAL_PARAMS = (
@@ -38,6 +39,33 @@ FINISH_TO_PROTO = {
 FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
 
 
+def structured_outputs_to_proto(spec: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
+    """The spec on the wire (a JSON schema given as a dict travels as its JSON text)."""
+    kind = spec.kind
+    if kind == "json":
+        text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+        return common_pb2.StructuredOutputs(json=text)
+    if kind == "choice":
+        return common_pb2.StructuredOutputs(
+            choice=common_pb2.Choices(choices=list(spec.choice or ()))
+        )
+    if kind == "json_object":
+        return common_pb2.StructuredOutputs(json_object=True)
+    return common_pb2.StructuredOutputs(**{kind: getattr(spec, kind)})
+
+
+def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    """Raises SamplingParamsError when no kind is set."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise SamplingParamsError(
+            "structured_outputs needs exactly one of json, regex, choice, grammar, json_object"
+        )
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(msg.choice.choices))
+    return StructuredOutputsParams(**{kind: getattr(msg, kind)})
+
+
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         stop=params.stop,
@@ -49,6 +77,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
+    if params.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
     return msg
 
 
@@ -63,6 +93,8 @@ def sampling_params_kwargs(msg: common_pb2.SamplingParams) -> dict[str, Any]:
     for name in _OPTIONAL_PARAMS:
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     return kwargs
 
 
@@ -112,6 +144,11 @@ def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> Logprobs:
 def output_to_proto(
     out: EngineCoreOutput, output_index: int, error: str = ""
 ) -> worker_pb2.RequestOutput:
+    """An engine output on the wire. Finish reason "error" (the request's own spec failed)
+    travels as ABORT with `invalid_request` and the engine's message as `error`."""
+    invalid = out.finish_reason == "error"
+    if invalid and not error:
+        error = str(out.stop_reason or "the request is invalid")
     msg = worker_pb2.RequestOutput(
         request_id=out.request_id,
         output_index=output_index,
@@ -119,6 +156,7 @@ def output_to_proto(
         finish_reason=FINISH_TO_PROTO.get(out.finish_reason, common_pb2.FINISH_REASON_ABORT),
         num_cached_tokens=max(out.num_cached_tokens, 0),
         error=error,
+        invalid_request=invalid,
     )
     if out.new_logprobs:
         msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)

@@ -173,9 +173,9 @@ class PrefillRole(WorkerRole):
     ) -> None:  # fmt: skip
         if out.finish_reason == "abort" or not out.new_token_ids:
             if out.finished:
-                batches[r.destination].append(
-                    output_to_proto(out, r.num_emitted, "aborted by the prefill engine")
-                )
+                # "error": the engine's message (the request's spec failed) goes as it is.
+                error = "" if out.finish_reason == "error" else "aborted by the prefill engine"
+                batches[r.destination].append(output_to_proto(out, r.num_emitted, error))
                 core.finish(r)
                 self.abort_remote_reservation(core, r)
             return

@@ -19,6 +19,7 @@ from tandem.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 CONTEXT = 512
@@ -111,7 +112,14 @@ def test_engine_args_are_the_config_fields_with_the_same_defaults() -> None:
     import dataclasses
 
     expected: dict[str, object] = {}
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig):
+    for cls in (
+        ModelConfig,
+        CacheConfig,
+        SchedulerConfig,
+        ParallelConfig,
+        DeviceConfig,
+        StructuredOutputsConfig,
+    ):
         for f in dataclasses.fields(cls):
             if f.init and not f.metadata.get("resolved"):
                 expected[f.name] = f.default

@@ -54,6 +54,10 @@ NON_DEFAULT: dict[str, Any] = {
     "enforce_eager": True,
     "cuda_graph_sizes": (1, 3),
     "num_threads": 1,
+    "disable_any_whitespace": True,
+    "compile_timeout_s": 5.0,
+    "compile_threads": 3,
+    "grammar_cache_size": 17,
 }
 # Flags whose only valid value today is the default (checked to refuse others instead).
 ONLY_DEFAULT = {"tensor_parallel_size", "pipeline_parallel_size"}
@@ -89,7 +93,8 @@ def _defaults(names: set[str]) -> dict[str, Any]:
 def assert_reaches(config: EngineConfig, model: str) -> None:
     """Every NON_DEFAULT value is in `config`, in the section its field is declared in."""
     seen = {}
-    for section in ("model", "cache", "scheduler", "parallel", "device"):
+    sections = ("model", "cache", "scheduler", "parallel", "device", "structured_outputs")
+    for section in sections:
         part = getattr(config, section)
         for name in NON_DEFAULT:
             if hasattr(part, name) and not (section == "scheduler" and name == "max_model_len"):

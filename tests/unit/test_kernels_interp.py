@@ -51,6 +51,7 @@ def _kernels() -> SimpleNamespace:
     """The kernel modules (imported in the child, where TRITON_INTERPRET=1 is set)."""
     import tandem.layers.attention.triton_backend
     import tandem_kernels.activation
+    import tandem_kernels.bitmask
     import tandem_kernels.paged_attention
     import tandem_kernels.reshape_and_cache
     import tandem_kernels.rms_norm
@@ -58,6 +59,7 @@ def _kernels() -> SimpleNamespace:
 
     return SimpleNamespace(
         activation=tandem_kernels.activation,
+        bitmask=tandem_kernels.bitmask,
         paged_attention=tandem_kernels.paged_attention,
         reshape_and_cache=tandem_kernels.reshape_and_cache,
         rms_norm=tandem_kernels.rms_norm,
@@ -261,6 +263,28 @@ def test_decode_num_splits() -> None:
     # Bounded, and never below 1.
     assert decode_num_splits(1, 1, 10**6, 132) == 64
     assert decode_num_splits(0, 8, 0, 132) == 1
+
+
+# --- grammar bitmask --------------------------------------------------------------------
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_token_bitmask(dtype: torch.dtype) -> None:
+    from tandem.layers.sampler_bitmask import apply_token_bitmask
+
+    k = _kernels()
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 1100, generator=gen).to(dtype)  # two blocks, a partial word
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 35), generator=gen, dtype=torch.int64)
+    bitmask = words.to(torch.int32)
+    bitmask[1] = 0  # nothing allowed
+    bitmask[2] = -1  # everything allowed
+    rows = torch.tensor([4, 0, 2])
+    expected = apply_token_bitmask(logits, bitmask, rows)
+    out = k.bitmask.apply_token_bitmask_(logits.clone(), bitmask, rows)
+    assert torch.equal(out, expected)
+    full = k.bitmask.apply_token_bitmask_(logits[:3].clone(), bitmask)
+    assert torch.equal(full, apply_token_bitmask(logits[:3], bitmask))
 
 
 # --- rms_norm ---------------------------------------------------------------------------
