@@ -7,22 +7,25 @@ against the tool's parameter schema, with finish_reason "tool_calls", streamed a
 streamed deltas join to the same calls); tool_choice "auto" parses a call the model writes in
 the frontend's format (--tool-call-parser hermes; the call is made certain by constraining
 the output to it); a history with tool calls and tool results renders; bad specs and tools
-are 400s naming the problem, and the next request is served; the block pools are whole after
-every test.
+are 400s naming the problem (over gRPC too: INVALID_ARGUMENT), and the next request is served;
+the block pools are whole after every test.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import httpx
 import jsonschema
 import openai
 import pytest
 
+from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tandem_services.launcher import Deployment
 from tests.service.conftest import GRACE_S, PROMPTS, assert_pools_whole, launch
 
@@ -398,4 +401,27 @@ def test_bad_specs_are_400_and_the_next_request_is_served(dep: Deployment) -> No
                 ok = http.post(url, json={**base, "structured_outputs": {"choice": ["fine"]}})
                 assert ok.status_code == 200, ok.text
                 assert ok.json()["choices"][0]["message"]["content"] == "fine"
+    assert_pools_whole(dep)
+
+
+def test_grpc_specs_are_checked_at_the_edge(dep: Deployment) -> None:
+    def request(spec: common_pb2.StructuredOutputs) -> frontend_pb2.GenerateRequest:
+        params = common_pb2.SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec)
+        return frontend_pb2.GenerateRequest(text=PROMPTS[0], sampling_params=params)
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(dep.grpc_address) as channel:
+            stub = frontend_pb2_grpc.FrontendStub(channel)
+            bad = request(common_pb2.StructuredOutputs(json='{"type": 5}'))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                _ = [r async for r in stub.Generate(bad)]
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid JSON schema" in (info.value.details() or "")
+            good = request(
+                common_pb2.StructuredOutputs(choice=common_pb2.Choices(choices=["ab", "cd"]))
+            )
+            text = "".join([c.text async for r in stub.Generate(good) for c in r.choices])
+            assert text in ("ab", "cd")
+
+    asyncio.run(run())
     assert_pools_whole(dep)
