@@ -11,6 +11,7 @@ from tandem.config import DEFAULT_MODEL, add_engine_args
 from tandem.sampling_params import MAX_LOGPROBS
 from tandem_services.common.server import env_default
 from tandem_services.frontend.limits import RequestLimits
+from tandem_services.frontend.tool_parsers import AUTO_TOOL_PARSERS
 
 # The per-request limits (RequestLimits' fields), each a flag --max-... and an env
 # TANDEM_FRONTEND_MAX_...; defaults are RequestLimits' own.
@@ -60,6 +61,9 @@ class FrontendConfig:
     max_tools: int = RequestLimits.max_tools
     max_tool_schema_bytes: int = RequestLimits.max_tool_schema_bytes
     max_prompt_tokens_times_n: int = RequestLimits.max_prompt_tokens_times_n
+    # tool_choice "auto" (vLLM's flags): on only with a parser for the model's call format.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str = ""
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -80,6 +84,13 @@ class FrontendConfig:
             self.request_limits  # noqa: B018 (validates)
         except ValueError as exc:
             raise FrontendConfigError(str(exc)) from None
+        if self.tool_call_parser and self.tool_call_parser not in AUTO_TOOL_PARSERS:
+            raise FrontendConfigError(
+                f"tool_call_parser must be one of {', '.join(AUTO_TOOL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise FrontendConfigError("enable_auto_tool_choice needs a tool_call_parser")
         if self.max_logprobs > MAX_LOGPROBS:
             raise FrontendConfigError(
                 f"max_logprobs must be <= {MAX_LOGPROBS} (the engine's limit), "
@@ -89,6 +100,11 @@ class FrontendConfig:
     @property
     def request_limits(self) -> RequestLimits:
         return RequestLimits(**{name: getattr(self, name) for name in _LIMIT_HELP})
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser tool_choice "auto" uses; None when "auto" is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @property
     def model_ids(self) -> list[str]:
@@ -140,6 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ready-file", default=env("ready_file", ""))
     p.add_argument("--log-level", default=env("log_level", "info"))
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=env("enable_auto_tool_choice", "").lower() in ("1", "true", "yes"),
+        help='allow tool_choice "auto" (the default with tools): calls parsed from the output',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=env("tool_call_parser", ""),
+        choices=["", *AUTO_TOOL_PARSERS],
+        help="the tool-call format of the model's output (hermes and qwen: <tool_call> tags; "
+        "llama3_json: Llama 3 JSON calls)",
+    )
     for name, help_ in _LIMIT_HELP.items():
         p.add_argument(
             "--" + name.replace("_", "-"), type=int, default=env(name, d[name].default), help=help_
@@ -165,5 +194,7 @@ def config_from_args(argv: list[str]) -> FrontendConfig:
         metrics_port=ns.metrics_port,
         ready_file=ns.ready_file,
         log_level=ns.log_level,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
         **{name: getattr(ns, name) for name in _LIMIT_HELP},
     )

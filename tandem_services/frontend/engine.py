@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from tandem_protos.v1 import (
 )
 from tandem_services.common.convert import sampling_params_to_proto
 from tandem_services.common.server import insecure_channel
+from tandem_services.frontend.tool_parsers import render_tool_calls
 from tandem_services.frontend.tracker import (
     Cancel,
     Count,
@@ -63,6 +65,20 @@ def merge_queued(event: StepEvent, queue: asyncio.Queue[StepEvent]) -> list[Step
         if nxt.usage is not None:
             merged.usage = nxt.usage
     return [merged]
+
+
+def _calls_in_content(message: dict[str, Any], tool_format: str | None) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    text = render_tool_calls(
+        tool_format,
+        [(c["function"]["name"], json.dumps(c["function"]["arguments"])) for c in calls],
+    )
+    content = message.get("content") or ""
+    out = {k: v for k, v in message.items() if k != "tool_calls"}
+    out["content"] = f"{content}\n{text}" if content else text
+    return out
 
 
 @dataclass(frozen=True)
@@ -134,11 +150,25 @@ class FrontendEngine:
             return await asyncio.to_thread(run)
         return run()
 
-    async def encode_chat(self, messages: Sequence[dict[str, str]]) -> tuple[str, list[int]]:
-        """The chat template's text (generation prompt added) and its token ids."""
+    async def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        tool_format: str | None = None,
+    ) -> tuple[str, list[int]]:
+        """The chat template's text (generation prompt added) and its token ids.
+
+        `tools` go to the template (transformers' `apply_chat_template(tools=...)`). A
+        template that does not render an assistant's `tool_calls` gets them written into the
+        message's content in `tool_format`'s text (a --tool-call-parser name; Hermes tags by
+        default), so the model still sees the calls it made."""
+        template = self.tokenizer.chat_template
+        if isinstance(template, str) and "tool_calls" not in template:
+            messages = [_calls_in_content(m, tool_format) for m in messages]
+        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False
+                list(messages), add_generation_prompt=True, tokenize=False, **kwargs
             )
         except Exception as exc:  # the template rejects the conversation
             raise invalid(f"the chat template cannot render these messages: {exc}") from exc

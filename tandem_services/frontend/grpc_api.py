@@ -22,6 +22,7 @@ from tandem_services.frontend.limits import (
     check_sampling,
 )
 from tandem_services.frontend.openai_protocol import ChoiceAccumulator
+from tandem_services.frontend.structured import check_structured
 from tandem_services.frontend.types import (
     ChoiceDelta,
     FrontendError,
@@ -140,6 +141,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 params = SamplingParams(**kwargs)
             except SamplingParamsError as exc:
                 raise invalid(str(exc)) from None
+            check_structured(params.structured_outputs, "sampling_params.structured_outputs")
             ids, text = await self._prompt(request)
             check_prompt_work(self.limits, [len(ids)], params.n)
             given = request.sampling_params.HasField("max_tokens")

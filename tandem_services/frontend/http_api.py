@@ -29,6 +29,11 @@ from tandem_services.frontend.openai_protocol import (
     parse_completion,
 )
 from tandem_services.frontend.sse import DONE, ChatStream, CompletionStream, sse
+from tandem_services.frontend.tool_parsers import (
+    AUTO_TOOL_PARSERS,
+    ToolCallExtractor,
+    parser_factory,
+)
 from tandem_services.frontend.types import FrontendError, GenerateInput, StepEvent, Usage, invalid
 
 
@@ -75,6 +80,22 @@ async def _merge(
                 await task
 
 
+async def _with_param(
+    events: AsyncIterator[tuple[int, StepEvent]], param: str | None
+) -> AsyncIterator[tuple[int, StepEvent]]:
+    """`events`, with a 400 the engine raised (an output constraint that does not compile)
+    naming the request field the constraint came from."""
+    try:
+        async for item in events:
+            yield item
+    except FrontendError as exc:
+        if exc.http_status == 400 and exc.param is None and param is not None:
+            exc.param = param
+        raise
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
 async def _until_disconnected(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -106,9 +127,17 @@ class HttpApi:
         max_body_bytes: int,
         model_ids: list[str],
         limits: RequestLimits | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
+        """`tool_call_parser`: the format tool_choice "auto" parses (set only with
+        --enable-auto-tool-choice; None refuses "auto")."""
         self.engine = engine
         self.limits = limits or RequestLimits()
+        self.tool_call_parser = tool_call_parser
+        # The auto parser's tags are special tokens: keep them in the text it parses.
+        specials = set(getattr(engine.tokenizer, "all_special_tokens", ()) or ())
+        tags = AUTO_TOOL_PARSERS[tool_call_parser].TAGS if tool_call_parser else ()
+        self.keep_tool_tags = bool(specials & set(tags))
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.model_ids = model_ids
@@ -230,7 +259,9 @@ class HttpApi:
         )
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}
-            usage = await _unless_disconnected(request, self._collect(inputs, body.params.n, acc))
+            usage = await _unless_disconnected(
+                request, self._collect(inputs, body.params.n, acc, body.structured_param)
+            )
             choices = []
             for index in sorted(acc):
                 a = acc[index]
@@ -246,21 +277,25 @@ class HttpApi:
                     }
                 )
             return JSONResponse(stream.chunk(choices, usage))
-        return await self._stream(inputs, stream.render, stream.final)
+        return await self._stream(inputs, stream.render, stream.final, body.structured_param)
 
     async def chat(self, request: Request) -> Response:
-        body = parse_chat(await self._read_json(request), self.limits)
+        body = parse_chat(await self._read_json(request), self.limits, self.tool_call_parser)
         model = self._check_model(body.model)
-        text, ids = await self.engine.encode_chat(body.messages)
+        text, ids = await self.engine.encode_chat(body.messages, body.tools, self.tool_call_parser)
         check_prompt_work(self.limits, [len(ids)], body.params.n)
         max_tokens = self.engine.check_prompt(
             ids, body.params.max_tokens if body.max_tokens_given else None
         )
+        changes: dict[str, Any] = {"max_tokens": max_tokens}
+        auto = body.tool_calling is not None and body.tool_calling.mode == "auto"
+        if auto and self.keep_tool_tags:
+            changes["skip_special_tokens"] = False
         inputs = [
             GenerateInput(
                 self.engine.new_request_id("chat"),
                 ids,
-                body.params.clone(max_tokens=max_tokens),
+                body.params.clone(**changes),
                 text,
                 body.priority,
             )
@@ -273,13 +308,18 @@ class HttpApi:
             body.include_usage,
             self.token_text,
         )
+        tools: ToolCallExtractor | None = None
+        if body.tool_calling is not None:
+            tools = ToolCallExtractor(parser_factory(body.tool_calling, self.tool_call_parser))
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}
-            usage = await _unless_disconnected(request, self._collect(inputs, 1, acc))
+            usage = await _unless_disconnected(
+                request, self._collect(inputs, 1, acc, body.structured_param, tools)
+            )
             choices = [
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": a.text},
+                    "message": a.message(),
                     "logprobs": chat_logprobs(a.logprobs or [], self.token_text)
                     if stream.want_logprobs
                     else None,
@@ -289,15 +329,26 @@ class HttpApi:
                 for index, a in sorted(acc.items())
             ]
             return JSONResponse(stream.chunk(choices, usage, full=True))
-        return await self._stream(inputs, stream.render, stream.final)
+        render = stream.render
+        if tools is not None:
+            extract = tools.apply
+            render = lambda i, event: stream.render(i, extract(event))  # noqa: E731
+        return await self._stream(inputs, render, stream.final, body.structured_param)
 
     # ------------------------------------------------------------------ shared
 
     async def _collect(
-        self, inputs: list[GenerateInput], n: int, acc: dict[int, ChoiceAccumulator]
+        self,
+        inputs: list[GenerateInput],
+        n: int,
+        acc: dict[int, ChoiceAccumulator],
+        structured_param: str | None = None,
+        tools: ToolCallExtractor | None = None,
     ) -> Usage:
         usage = Usage(0, 0)
-        async for i, event in _merge(self.engine, inputs):
+        async for i, event in _with_param(_merge(self.engine, inputs), structured_param):
+            if tools is not None:
+                tools.apply(event)
             for d in event.deltas:
                 acc.setdefault(i * n + d.index, ChoiceAccumulator()).add(d)
             if event.usage is not None:
@@ -311,13 +362,14 @@ class HttpApi:
         inputs: list[GenerateInput],
         render: Callable[[int, StepEvent], str],
         final: Callable[[Usage], str],
+        structured_param: str | None = None,
     ) -> Response:
         """An SSE response; errors before the first event become a plain HTTP error.
 
         One write per event (each step's new text of every choice in one chunk); the last
         event of a single-prompt stream goes out with the usage chunk and `[DONE]`."""
         single = len(inputs) == 1
-        events = _merge(self.engine, inputs)
+        events = _with_param(_merge(self.engine, inputs), structured_param)
         try:
             first = await anext(events)
         except FrontendError as exc:

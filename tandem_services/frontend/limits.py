@@ -9,7 +9,8 @@ Invariants:
 - a value equal to its limit is accepted; limit + 1 is refused;
 - a field tandem does not implement is refused by name, never silently dropped; a field is
   accepted only where it is implemented or where its value is the one tandem's behaviour
-  already matches (e.g. `response_format: {"type": "text"}`, `tool_choice: "none"`).
+  already matches (e.g. `echo: false`, `logit_bias: {}`). Structured outputs and tools are
+  parsed (and their specs checked) in structured.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem_services.frontend.structured import template_tool_calls
 from tandem_services.frontend.types import FrontendError, invalid
 
 
@@ -105,7 +107,7 @@ def check_prompt_work(limits: RequestLimits, prompt_lens: Sequence[int], n: int)
 
 
 def check_tools(limits: RequestLimits, tools: Any) -> None:
-    """The tools list's shape, number and sizes (tool calling itself is refused elsewhere)."""
+    """The tools list's shape, number and sizes (each tool is checked in structured.py)."""
     if tools is None:
         return
     if not isinstance(tools, list):
@@ -159,8 +161,21 @@ _COMMON = frozenset(
         "user",
     }
 )
-COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+# Structured outputs (structured.py), on both endpoints.
+_STRUCTURED = frozenset({"response_format", "structured_outputs"})
+COMPLETION_FIELDS = _COMMON | _STRUCTURED | {"prompt"}
+CHAT_FIELDS = (
+    _COMMON
+    | _STRUCTURED
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    }
+)
 
 
 def _is_absent(v: Any) -> bool:
@@ -170,17 +185,14 @@ def _is_absent(v: Any) -> bool:
 # Known fields tandem does not implement, accepted only with the value it already matches
 # (a predicate), with the reason given when refused. Anything else unknown is refused too.
 _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
-    "response_format": (
-        lambda v: v is None or v == {"type": "text"},
-        'response_format other than {"type": "text"} (structured outputs) is not implemented',
-    ),
+    # Tool calling is a chat feature: on /v1/completions only the no-op values pass.
     "tools": (
         lambda v: v is None or v == [],
-        "tools (tool calling) are not implemented",
+        "tools (tool calling) are for /v1/chat/completions only",
     ),
     "tool_choice": (
         lambda v: v is None or v == "none",
-        'tool_choice other than "none" (tool calling) is not implemented',
+        "tool_choice (tool calling) is for /v1/chat/completions only",
     ),
     "parallel_tool_calls": (
         lambda v: v is None or isinstance(v, bool),
@@ -213,14 +225,13 @@ _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
 
 # Known fields (OpenAI's and vLLM's) refused whenever present, with what they are.
 _UNIMPLEMENTED: dict[str, str] = {
-    # vLLM's structured outputs / guided decoding.
-    "structured_outputs": "structured outputs",
-    "guided_json": "guided decoding (structured outputs)",
-    "guided_regex": "guided decoding (structured outputs)",
-    "guided_choice": "guided decoding (structured outputs)",
-    "guided_grammar": "guided decoding (structured outputs)",
-    "guided_decoding_backend": "guided decoding (structured outputs)",
-    "guided_whitespace_pattern": "guided decoding (structured outputs)",
+    # vLLM's older guided-decoding fields (structured_outputs replaced them).
+    "guided_json": "guided decoding; use structured_outputs.json",
+    "guided_regex": "guided decoding; use structured_outputs.regex",
+    "guided_choice": "guided decoding; use structured_outputs.choice",
+    "guided_grammar": "guided decoding; use structured_outputs.grammar",
+    "guided_decoding_backend": "guided decoding backends",
+    "guided_whitespace_pattern": "guided decoding whitespace patterns",
     # OpenAI.
     "audio": "audio output",
     "prediction": "predicted outputs",
@@ -251,7 +262,7 @@ _UNIMPLEMENTED: dict[str, str] = {
     "kv_transfer_params": "client KV-transfer parameters",
     "vllm_xargs": "vllm_xargs",
     "logits_processors": "logits processors",
-    "response_format_schema": "structured outputs",
+    "response_format_schema": "response_format_schema; use response_format",
     "thinking": "reasoning options",
     "include_reasoning": "reasoning options",
 }
@@ -279,9 +290,9 @@ def _short(value: Any, limit: int = 80) -> str:
 
 # ----------------------------------------------------------------------------- chat messages
 
-# Roles tandem renders through the chat template. "tool" messages answer tool calls, which
-# are not implemented.
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+# Roles tandem renders through the chat template; "tool" messages answer an assistant's
+# tool calls.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_FIELDS = frozenset({"role", "content"})
 _UNSUPPORTED_PARTS = {
     "image_url": "images",
@@ -327,11 +338,13 @@ def _content_text(content: Any, i: int) -> str:
     return "".join(parts)
 
 
-def check_messages(raw: Any) -> list[dict[str, str]]:
-    """A chat request's messages as role/content strings; 400 naming the first problem."""
+def check_messages(raw: Any) -> list[dict[str, Any]]:
+    """A chat request's messages for the chat template: role and content (a string), with an
+    assistant's `tool_calls` (arguments parsed into objects) and a tool message's
+    `tool_call_id`; 400 naming the first problem."""
     if not isinstance(raw, list) or not raw:
         raise invalid("messages must be a non-empty list", "messages")
-    messages = []
+    messages: list[dict[str, Any]] = []
     for i, msg in enumerate(raw):
         if not isinstance(msg, dict):
             raise invalid(f"messages[{i}] must be an object", "messages")
@@ -339,18 +352,39 @@ def check_messages(raw: Any) -> list[dict[str, str]]:
         if not isinstance(role, str) or not role:
             raise invalid(f"messages[{i}].role must be a non-empty string", "messages")
         if role not in CHAT_ROLES:
-            hint = " (tool calling is not implemented)" if role in ("tool", "function") else ""
+            hint = " (legacy function calling is not implemented; use tools)" * (role == "function")
             raise invalid(
                 f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}{hint}",
                 "messages",
             )
+        out: dict[str, Any] = {"role": role}
         for key in msg:
             if key in _MESSAGE_FIELDS:
+                continue
+            if key == "tool_calls" and role == "assistant":
+                if msg[key]:
+                    out["tool_calls"] = template_tool_calls(msg[key], f"messages[{i}].tool_calls")
+                continue
+            if key == "tool_call_id" and role == "tool":
+                if not isinstance(msg[key], str) or not msg[key]:
+                    raise invalid(
+                        f"messages[{i}].tool_call_id must be a non-empty string", "messages"
+                    )
+                out["tool_call_id"] = msg[key]
                 continue
             if key in ("tool_calls", "function_call", "tool_call_id"):
                 if msg[key] is None or msg[key] == []:
                     continue
-                raise invalid(f"messages[{i}].{key}: tool calling is not implemented", "messages")
+                where = "assistant" if key == "tool_calls" else "tool"
+                if key == "function_call":
+                    raise invalid(
+                        f"messages[{i}].function_call (legacy function calling) is not "
+                        "implemented; use tool_calls",
+                        "messages",
+                    )
+                raise invalid(
+                    f"messages[{i}].{key} belongs on a {where} message, not {role!r}", "messages"
+                )
             if key == "name":
                 if msg[key] is None:
                     continue
@@ -358,7 +392,13 @@ def check_messages(raw: Any) -> list[dict[str, str]]:
                     f"messages[{i}].name (participant names) is not implemented", "messages"
                 )
             raise invalid(f"messages[{i}]: unknown field {key!r}", "messages")
-        if "content" not in msg or msg["content"] is None:
-            raise invalid(f"messages[{i}].content is required for role {role!r}", "messages")
-        messages.append({"role": role, "content": _content_text(msg["content"], i)})
+        content = msg.get("content")
+        if content is None:
+            if "tool_calls" not in out:
+                raise invalid(f"messages[{i}].content is required for role {role!r}", "messages")
+            content = ""
+        if role == "tool" and "tool_call_id" not in out:
+            raise invalid(f"messages[{i}].tool_call_id is required for role 'tool'", "messages")
+        out["content"] = _content_text(content, i)
+        messages.append(out)
     return messages

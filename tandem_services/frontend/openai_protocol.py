@@ -1,7 +1,9 @@
 """OpenAI-compatible request parsing and response shapes (completions and chat completions).
 
-Parsing turns a JSON body into `SamplingParams` and prompts, and raises `FrontendError`
-(HTTP 400) naming the offending field for anything malformed or unsupported.
+Parsing turns a JSON body into `SamplingParams` (structured outputs included) and prompts,
+and raises `FrontendError` (HTTP 400) naming the offending field for anything malformed or
+unsupported. A chat body's tools come out as the template's `tools` and a `ToolCalling` plan
+(structured.py); its output is parsed for calls by tool_parsers.py.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.core.outputs import Logprobs
-from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from tandem_services.frontend.limits import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -21,7 +23,14 @@ from tandem_services.frontend.limits import (
     check_tools,
     reject_unimplemented,
 )
-from tandem_services.frontend.types import ChoiceDelta, Usage, invalid
+from tandem_services.frontend.structured import (
+    ToolCalling,
+    parse_response_format,
+    parse_structured_outputs,
+    parse_tool_choice,
+    parse_tools,
+)
+from tandem_services.frontend.types import ChoiceDelta, ToolCallDelta, Usage, invalid
 
 
 class Fields:
@@ -101,6 +110,7 @@ def sampling_params(
     logprobs: int | None,
     limits: RequestLimits,
     logprobs_field: str = "logprobs",
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """Sampling parameters shared by both endpoints (vLLM-style extensions included), checked
     against `limits` before they are built."""
@@ -130,11 +140,29 @@ def sampling_params(
         "include_stop_str_in_output": f.bool_("include_stop_str_in_output"),
         "logprobs": logprobs,
         "skip_special_tokens": f.bool_("skip_special_tokens", True),
+        "structured_outputs": structured_outputs,
     }
     try:
         return SamplingParams(**kwargs)
     except SamplingParamsError as exc:
         raise invalid(str(exc), str(exc).split(" ", 1)[0]) from None
+
+
+def structured_field(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The body's output constraint (`response_format` or `structured_outputs`, at most one)
+    and the field it came from."""
+    rf = parse_response_format(body.get("response_format"))
+    so = parse_structured_outputs(body.get("structured_outputs"))
+    if rf is not None and so is not None:
+        raise invalid(
+            "response_format and structured_outputs both constrain the output; give one",
+            "structured_outputs",
+        )
+    if rf is not None:
+        return rf, "response_format"
+    if so is not None:
+        return so, "structured_outputs"
+    return None, None
 
 
 @dataclass(frozen=True)
@@ -146,6 +174,8 @@ class CompletionBody:
     stream: bool
     include_usage: bool
     priority: int
+    # The field the output constraint came from (for errors the engine reports), if any.
+    structured_param: str | None = None
 
 
 def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) -> CompletionBody:
@@ -184,38 +214,65 @@ def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) 
             "prompt",
         )
     logprobs = f.int_("logprobs")
+    structured, structured_param = structured_field(body)
     return CompletionBody(
         model=f.str_("model"),
         prompts=prompts,
-        params=sampling_params(f, f.int_("max_tokens", 16), logprobs, limits),
+        params=sampling_params(
+            f, f.int_("max_tokens", 16), logprobs, limits, structured_outputs=structured
+        ),
         stream=f.bool_("stream"),
         include_usage=f.stream_include_usage(),
         priority=f.int_("priority", 0) or 0,
+        structured_param=structured_param,
     )
 
 
 @dataclass(frozen=True)
 class ChatBody:
     model: str | None
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     params: SamplingParams
     stream: bool
     include_usage: bool
     priority: int
     # max_tokens was left out: the frontend fills in the rest of the context.
     max_tokens_given: bool
+    # The request's tools as given (for the chat template), and how they are used (None:
+    # tool_choice "none", or no tools).
+    tools: list[dict[str, Any]] | None = None
+    tool_calling: ToolCalling | None = None
+    # The field the output constraint came from (for errors the engine reports), if any.
+    structured_param: str | None = None
 
 
-def parse_chat(body: dict[str, Any], limits: RequestLimits | None = None) -> ChatBody:
+def parse_chat(
+    body: dict[str, Any],
+    limits: RequestLimits | None = None,
+    auto_tool_parser: str | None = None,
+) -> ChatBody:
     """A /v1/chat/completions body; 400 naming the field for anything malformed,
-    unimplemented or over a limit."""
+    unimplemented or over a limit. `auto_tool_parser` is the frontend's --tool-call-parser
+    when started with --enable-auto-tool-choice (tool_choice "auto" needs it)."""
     limits = limits or RequestLimits()
-    # The tools' number and size first (a huge list is refused for its size), then tool
-    # calling itself (not implemented) with the other unimplemented fields.
+    # The tools' number and size first (a huge list is refused for its size).
     check_tools(limits, body.get("tools"))
     reject_unimplemented(body, CHAT_FIELDS)
     f = Fields(body)
     messages = check_messages(body.get("messages"))
+    tools = parse_tools(body.get("tools"))
+    calling = parse_tool_choice(
+        tools, body.get("tool_choice"), body.get("parallel_tool_calls"), auto_tool_parser
+    )
+    structured, structured_param = structured_field(body)
+    if calling is not None and calling.mode != "auto":
+        if structured is not None:
+            raise invalid(
+                f"{structured_param} cannot be combined with a required or named tool_choice "
+                "(the output is the tool call)",
+                structured_param,
+            )
+        structured, structured_param = calling.structured_outputs(), "tools"
     max_tokens = f.int_("max_completion_tokens", f.int_("max_tokens"))
     logprobs = None
     top = f.int_("top_logprobs")
@@ -226,11 +283,16 @@ def parse_chat(body: dict[str, Any], limits: RequestLimits | None = None) -> Cha
     return ChatBody(
         model=f.str_("model"),
         messages=messages,
-        params=sampling_params(f, max_tokens, logprobs, limits, "top_logprobs"),
+        params=sampling_params(
+            f, max_tokens, logprobs, limits, "top_logprobs", structured_outputs=structured
+        ),
         stream=f.bool_("stream"),
         include_usage=f.stream_include_usage(),
         priority=f.int_("priority", 0) or 0,
         max_tokens_given=max_tokens is not None,
+        tools=list(body["tools"]) if tools else None,
+        tool_calling=calling,
+        structured_param=structured_param,
     )
 
 
@@ -323,11 +385,41 @@ class ChoiceAccumulator:
     logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Tool calls by index (their deltas joined), when the chat request uses tools.
+    tool_calls: dict[int, ToolCallDelta] | None = None
 
     def add(self, d: ChoiceDelta) -> None:
         self.text += d.text
         self.token_ids = (self.token_ids or []) + d.token_ids
         if d.logprobs:
             self.logprobs = (self.logprobs or []) + d.logprobs
+        for c in d.tool_calls or ():
+            calls = self.tool_calls = self.tool_calls or {}
+            calls[c.index] = calls[c.index].then(c) if c.index in calls else c
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+    def message(self) -> dict[str, Any]:
+        """The chat `message` of this choice: content null when it made only tool calls."""
+        if not self.tool_calls:
+            return {"role": "assistant", "content": self.text}
+        return {
+            "role": "assistant",
+            "content": self.text or None,
+            "tool_calls": [tool_call_body(c) for _, c in sorted(self.tool_calls.items())],
+        }
+
+
+def tool_call_body(c: ToolCallDelta, index: bool = False) -> dict[str, Any]:
+    """A tool call (or a streamed delta of one: then with `index`, and id, type and name only
+    on its first delta) as OpenAI's JSON."""
+    out: dict[str, Any] = {"index": c.index} if index else {}
+    fn: dict[str, Any] = {}
+    if c.id is not None:
+        out["id"] = c.id
+        out["type"] = "function"
+    if c.name is not None:
+        fn["name"] = c.name
+    fn["arguments"] = c.arguments
+    out["function"] = fn
+    return out

@@ -20,6 +20,7 @@ from tandem_services.frontend.openai_protocol import (
     TokenText,
     chat_logprobs,
     completion_logprobs,
+    tool_call_body,
     usage_body,
 )
 from tandem_services.frontend.types import StepEvent, Usage
@@ -121,7 +122,9 @@ class CompletionStream:
 
 
 class ChatStream:
-    """`/v1/chat/completions` with `stream: true`: a role chunk opens each choice."""
+    """`/v1/chat/completions` with `stream: true`: a role chunk opens each choice; a delta
+    carries `content` and/or `tool_calls` (each call's first delta with its id, type and
+    name, every one with more of its arguments)."""
 
     def __init__(
         self,
@@ -167,9 +170,20 @@ class ChatStream:
                     '"logprobs":null,"finish_reason":null}'
                 )
                 lines.append(f"{self._head}[{role}]}}\n\n")
-            if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
+            if (
+                not d.text
+                and d.finish_reason is None
+                and not d.tool_calls
+                and not (want_logprobs and d.logprobs)
+            ):
                 continue
-            delta = f'{{"content":{dumps(d.text)}}}' if d.text else "{}"
+            parts = []
+            if d.text:
+                parts.append(f'"content":{dumps(d.text)}')
+            if d.tool_calls:
+                calls = [tool_call_body(c, index=True) for c in d.tool_calls]
+                parts.append(f'"tool_calls":{dumps(calls)}')
+            delta = "{" + ",".join(parts) + "}"
             logprobs = (
                 dumps(chat_logprobs(d.logprobs or [], self.token_text)) if want_logprobs else "null"
             )

@@ -5,7 +5,9 @@ request it keeps one `ChoiceOutput` per choice (the per-choice state machine sha
 offline API, tandem.engine.output_state: incremental detokenization, stop strings, finish
 reasons), orders outputs by `output_index` (the first token comes from the prefill worker,
 the rest from the decode worker, on two streams), and puts one `StepEvent` per incoming step
-on the request's queue, which its handler drains.
+on the request's queue, which its handler drains. A request the engine ends as the request's
+own fault (`invalid_request`: a structured-output spec that does not compile) fails with
+INVALID_ARGUMENT (HTTP 400), other failures with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -143,6 +145,12 @@ class RequestTracker(Actor[TrackerMessage]):
                 continue
             if out.output_index < choice.next_index:
                 continue  # a duplicate
+            if out.invalid_request:
+                # The engine could not run it (its structured-output spec does not compile,
+                # or not in time): the client's request is at fault, 400 naming the problem.
+                message = out.error or "the request's output constraint could not be compiled"
+                self._fail(req, FrontendError(grpc.StatusCode.INVALID_ARGUMENT, message))
+                continue
             if out.finish_reason == common_pb2.FINISH_REASON_ABORT and out.error:
                 self._fail(req, FrontendError(grpc.StatusCode.UNAVAILABLE, out.error))
                 continue

@@ -52,8 +52,29 @@ class GenerateInput:
 
 
 @dataclass
+class ToolCallDelta:
+    """More of one tool call: the first delta of call `index` (its position in the choice's
+    tool_calls) has `id` and `name`; each carries more of the arguments' JSON text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def then(self, later: ToolCallDelta) -> ToolCallDelta:
+        """This delta followed by a later one of the same call, as one delta."""
+        return ToolCallDelta(
+            self.index,
+            self.id or later.id,
+            self.name or later.name,
+            self.arguments + later.arguments,
+        )
+
+
+@dataclass
 class ChoiceDelta:
-    """What one choice produced since the previous event."""
+    """What one choice produced since the previous event. With tool calling (chat), `text`
+    is the content part and `tool_calls` the calls' deltas (tool_parsers.py)."""
 
     index: int
     text: str
@@ -61,6 +82,7 @@ class ChoiceDelta:
     logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     def then(self, later: ChoiceDelta) -> ChoiceDelta:
         """This delta followed by a later one of the same choice, as one delta."""
@@ -74,7 +96,24 @@ class ChoiceDelta:
             logprobs,
             later.finish_reason if later.finish_reason is not None else self.finish_reason,
             later.stop_reason if later.finish_reason is not None else self.stop_reason,
+            _then_calls(self.tool_calls, later.tool_calls),
         )
+
+
+def _then_calls(
+    a: list[ToolCallDelta] | None, b: list[ToolCallDelta] | None
+) -> list[ToolCallDelta] | None:
+    if not a or not b:
+        return a or b
+    out = list(a)
+    for d in b:
+        for i, have in enumerate(out):
+            if have.index == d.index:
+                out[i] = have.then(d)
+                break
+        else:
+            out.append(d)
+    return out
 
 
 @dataclass

@@ -2,9 +2,9 @@
 whose frontend runs with small limits; the official openai client, raw HTTP and gRPC.
 
 Every limit at its value is served (200) and one above it is a 400 / INVALID_ARGUMENT naming
-the field, the value and the limit; the bad-input corpus (roles, content types,
-response_format, structured outputs, tools) is a 4xx within a second, the next request a 200;
-refused requests never reach a worker; the block pools whole afterwards.
+the field, the value and the limit; the bad-input corpus (roles, content types, bad
+response_format, structured-output and tool specs) is a 4xx within a second, the next request
+a 200; refused requests never reach a worker; the block pools whole afterwards.
 """
 
 from __future__ import annotations
@@ -189,11 +189,12 @@ def test_limits_with_the_openai_client(bounded: Deployment) -> None:
         )
     _is_over(info.value.body, "top_logprobs", MAX_LOGPROBS + 1, MAX_LOGPROBS)  # type: ignore[arg-type]
 
-    # tools: over the count or size limit, refused for it; within, refused by name.
-    for tools, needle in [
-        ([_tool()] * (MAX_TOOLS + 1), "--max-tools"),
-        ([_tool(MAX_TOOL_BYTES + 1 - _TOOL_BASE)], "--max-tool-schema-bytes"),
-        ([_tool(MAX_TOOL_BYTES - _TOOL_BASE)], "not implemented"),
+    # tools: over the count or size limit, refused for it; within, tool_choice "auto" (the
+    # default) is refused: this frontend runs without --enable-auto-tool-choice.
+    for tools, param, needle in [
+        ([_tool()] * (MAX_TOOLS + 1), "tools", "--max-tools"),
+        ([_tool(MAX_TOOL_BYTES + 1 - _TOOL_BASE)], "tools", "--max-tool-schema-bytes"),
+        ([_tool(MAX_TOOL_BYTES - _TOOL_BASE)], "tool_choice", "--enable-auto-tool-choice"),
     ]:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(
@@ -203,14 +204,14 @@ def test_limits_with_the_openai_client(bounded: Deployment) -> None:
                 tools=tools,  # type: ignore[arg-type]
             )
         err: Any = info.value.body
-        assert err["param"] == "tools" and needle in err["message"], err
+        assert err["param"] == param and needle in err["message"], err
 
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model="default",
             messages=[{"role": "user", "content": "Hi"}],
             max_tokens=2,
-            response_format={"type": "json_object"},
+            response_format={"type": "xml"},  # type: ignore[arg-type, typeddict-item]
         )
     assert info.value.body["param"] == "response_format"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as info:
@@ -218,7 +219,7 @@ def test_limits_with_the_openai_client(bounded: Deployment) -> None:
             model="default",
             messages=[{"role": "user", "content": "Hi"}],
             max_tokens=2,
-            extra_body={"structured_outputs": {"json": {"type": "object"}}},
+            extra_body={"structured_outputs": {"json": {"type": "objekt"}}},
         )
     assert info.value.body["param"] == "structured_outputs"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
@@ -268,7 +269,7 @@ CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
         "chat/completions",
         {**CHAT, "messages": [{"role": "tool", "content": "42"}]},
         "messages",
-        "tool",
+        "tool_call_id",
     ),
     ("chat/completions", {**CHAT, "messages": [{"role": "user"}]}, "messages", "content"),
     (
@@ -317,7 +318,7 @@ CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     (
         "chat/completions",
-        {**CHAT, "response_format": {"type": "json_object"}},
+        {**CHAT, "response_format": {"type": "json_objekt"}},
         "response_format",
         "response_format",
     ),
@@ -325,35 +326,48 @@ CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
         "chat/completions",
         {
             **CHAT,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}},
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {}}},
         },
         "response_format",
-        "response_format",
+        "name",
     ),
     (
         "completions",
-        {**GOOD, "response_format": {"type": "json_object"}},
+        {
+            **GOOD,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"type": 3}},
+            },
+        },
         "response_format",
-        "response_format",
+        "not a valid JSON schema",
     ),
     (
         "chat/completions",
-        {**CHAT, "structured_outputs": {"choice": ["a", "b"]}},
+        {**CHAT, "structured_outputs": {"choice": []}},
         "structured_outputs",
         "structured_outputs",
     ),
     (
         "completions",
-        {**GOOD, "structured_outputs": {"regex": "a+"}},
+        {**GOOD, "structured_outputs": {"regex": "a+", "grammar": "root ::= 'a'"}},
         "structured_outputs",
-        "structured_outputs",
+        "exactly one",
     ),
     ("chat/completions", {**CHAT, "guided_json": {"type": "object"}}, "guided_json", "guided_json"),
     ("completions", {**GOOD, "guided_regex": "a+"}, "guided_regex", "guided_regex"),
     ("chat/completions", {**CHAT, "guided_choice": ["a", "b"]}, "guided_choice", "guided_choice"),
     ("completions", {**GOOD, "guided_grammar": "root ::= 'a'"}, "guided_grammar", "guided_grammar"),
-    ("chat/completions", {**CHAT, "tools": [_tool()]}, "tools", "tools"),
-    ("chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "tool_choice"),
+    ("chat/completions", {**CHAT, "tools": [_tool()]}, "tool_choice", "tool_choice"),
+    ("chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    (
+        "chat/completions",
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f g"}}]},
+        "tools",
+        "'f g'",
+    ),
+    ("completions", {**GOOD, "tools": [_tool()]}, "tools", "chat/completions only"),
     ("chat/completions", {**CHAT, "logit_bias": {"1": 5}}, "logit_bias", "logit_bias"),
     ("completions", {**GOOD, "echo": True}, "echo", "echo"),
     ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search", "use_beam_search"),

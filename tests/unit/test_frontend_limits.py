@@ -107,7 +107,7 @@ def _tool(name: str, pad: int = 0) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "description": "d" * pad}}
 
 
-def test_tool_limits_then_tools_refused_by_name() -> None:
+def test_tool_limits_then_tools_served() -> None:
     check_tools(LIMITS, None)
     check_tools(LIMITS, [_tool("a"), _tool("b")])
     err = refused(check_tools, LIMITS, [_tool("a"), _tool("b"), _tool("c")])
@@ -118,9 +118,14 @@ def test_tool_limits_then_tools_refused_by_name() -> None:
     assert_over(err, "tools", 201, 200, "--max-tool-schema-bytes")
     assert refused(check_tools, LIMITS, {"a": 1}).param == "tools"
     assert refused(check_tools, LIMITS, ["a"]).param == "tools"
-    # Within the limits, tool calling itself is refused by name (not implemented).
+    # Within the limits, tools are served: "required" builds the grammar; "auto" (the default)
+    # needs the frontend's --enable-auto-tool-choice.
+    body = parse_chat({**CHAT, "tools": [_tool("a")], "tool_choice": "required"}, LIMITS)
+    assert body.tool_calling is not None and body.tool_calling.names == ("a",)
+    assert body.params.structured_outputs is not None
     err = refused(parse_chat, {**CHAT, "tools": [_tool("a")]}, LIMITS)
-    assert err.param == "tools" and "not implemented" in err.message
+    assert err.param == "tool_choice" and "--enable-auto-tool-choice" in err.message
+    assert parse_chat({**CHAT, "tools": [_tool("a")]}, LIMITS, "hermes").tool_calling is not None
     err = refused(parse_chat, {**CHAT, "tools": [_tool("a")] * 3}, LIMITS)
     assert "--max-tools" in err.message
 
@@ -173,16 +178,10 @@ def test_every_implemented_field_is_accepted() -> None:
 
 
 UNIMPLEMENTED = [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("structured_outputs", {"json": {"type": "object"}}),
     ("guided_json", {"type": "object"}),
     ("guided_regex", "[a-z]+"),
     ("guided_choice", ["yes", "no"]),
     ("guided_grammar", "root ::= 'a'"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("functions", [{"name": "f"}]),
     ("logit_bias", {"50256": -100}),
     ("use_beam_search", True),
@@ -203,6 +202,13 @@ def test_unimplemented_fields_are_refused_by_name(field: str, value: Any) -> Non
 
 
 def test_completion_only_and_chat_only_fields() -> None:
+    for field, value in [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ]:
+        err = refused(parse_completion, {**COMPLETION, field: value})
+        assert err.param == field and "chat/completions only" in err.message
     assert refused(parse_completion, {**COMPLETION, "echo": True}).param == "echo"
     assert refused(parse_completion, {**COMPLETION, "suffix": "x"}).param == "suffix"
     assert refused(parse_completion, {**COMPLETION, "messages": []}).param == "messages"
@@ -211,7 +217,9 @@ def test_completion_only_and_chat_only_fields() -> None:
 
 BAD_MESSAGES: list[tuple[Any, str]] = [
     ([{"role": "wizard", "content": "hi"}], "'wizard'"),
-    ([{"role": "tool", "content": "42"}], "tool calling"),
+    ([{"role": "tool", "content": "42"}], "tool_call_id is required"),
+    ([{"role": "function", "content": "42", "name": "f"}], "use tools"),
+    ([{"role": "user", "content": "hi", "tool_call_id": "c"}], "belongs on a tool message"),
     ([{"content": "hi"}], "role"),
     ([{"role": 3, "content": "hi"}], "role"),
     ([{"role": "user"}], "content is required"),
@@ -233,7 +241,16 @@ BAD_MESSAGES: list[tuple[Any, str]] = [
     ([{"role": "user", "content": "hi", "name": "bob"}], "name"),
     (
         [{"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function"}]}],
-        "tool calling",
+        '"type": "function"',
+    ),
+    (
+        [
+            {
+                "role": "assistant",
+                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}],
+            }
+        ],
+        "not valid JSON",
     ),
     (["hi"], "must be an object"),
     ([], "non-empty"),

@@ -11,7 +11,13 @@ import grpc
 from tandem_services.frontend.engine import merge_queued
 from tandem_services.frontend.openai_protocol import TokenText
 from tandem_services.frontend.sse import ChatStream, CompletionStream, dumps
-from tandem_services.frontend.types import ChoiceDelta, FrontendError, StepEvent, Usage
+from tandem_services.frontend.types import (
+    ChoiceDelta,
+    FrontendError,
+    StepEvent,
+    ToolCallDelta,
+    Usage,
+)
 
 
 def _queue(events: list[StepEvent]) -> asyncio.Queue[StepEvent]:
@@ -92,3 +98,33 @@ def test_one_write_per_event_is_the_json_of_the_chunk() -> None:
         {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
     ]
     assert chat.final(Usage(1, 2)) == ""  # include_usage off
+
+
+def test_tool_call_deltas_in_chat_chunks() -> None:
+    chat = ChatStream("chat-2", 9, "m", False, False, TokenText(None))
+    first = ToolCallDelta(0, "call_1", "add", '{"a"')
+    write = chat.render(0, StepEvent([ChoiceDelta(0, "", [1], tool_calls=[first])]))
+    _, chunk = [json.loads(part[len("data: ") :]) for part in write.strip().split("\n\n")]
+    assert chunk["choices"][0]["delta"] == {
+        "tool_calls": [
+            {
+                "index": 0,
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "add", "arguments": '{"a"'},
+            }
+        ]
+    }
+    more = [ToolCallDelta(0, arguments=": 1}")]
+    last = chat.render(0, StepEvent([ChoiceDelta(0, "", [2], None, "tool_calls", tool_calls=more)]))
+    [choice] = json.loads(last[len("data: ") :])["choices"]
+    assert choice["delta"] == {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}
+    assert choice["finish_reason"] == "tool_calls"
+    # Merged queued events join a call's deltas.
+    a = ChoiceDelta(0, "x", [1], tool_calls=[first])
+    b = ChoiceDelta(0, "y", [2], tool_calls=[*more, ToolCallDelta(1, "call_2", "sub", "{}")])
+    joined = a.then(b)
+    assert joined.text == "xy" and joined.tool_calls == [
+        ToolCallDelta(0, "call_1", "add", '{"a": 1}'),
+        ToolCallDelta(1, "call_2", "sub", "{}"),
+    ]
