@@ -28,6 +28,7 @@ from tandem.channels import (
 __all__ = [
     "CHANNEL_OPTIONS",
     "MAX_MESSAGE_BYTES",
+    "RETRY_AFTER_KEY",
     "SERVER_OPTIONS",
     "ChannelPool",
     "GrpcServer",
@@ -37,6 +38,10 @@ __all__ = [
     "shutdown_event",
     "write_ready_file",
 ]
+
+# Trailing-metadata key of an overload refusal's (RESOURCE_EXHAUSTED) retry hint: whole
+# seconds in ASCII, set by the scheduler's admission control, passed on by the frontend.
+RETRY_AFTER_KEY = "retry-after"
 
 
 def setup_logging(level: str) -> None:

@@ -23,7 +23,7 @@ from tandem_protos.v1 import (
     worker_pb2_grpc,
 )
 from tandem_services.common.convert import sampling_params_to_proto
-from tandem_services.common.server import insecure_channel
+from tandem_services.common.server import RETRY_AFTER_KEY, insecure_channel
 from tandem_services.frontend.tracker import (
     Cancel,
     Count,
@@ -63,6 +63,14 @@ def merge_queued(event: StepEvent, queue: asyncio.Queue[StepEvent]) -> list[Step
         if nxt.usage is not None:
             merged.usage = nxt.usage
     return [merged]
+
+
+def retry_after_of(exc: grpc.aio.AioRpcError) -> int | None:
+    """The retry hint (whole seconds) in a refusal's trailing metadata, if any."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY and isinstance(value, str) and value.isdigit():
+            return int(value)
+    return None
 
 
 @dataclass(frozen=True)
@@ -215,7 +223,9 @@ class FrontendEngine:
             code = exc.code()
             if code == grpc.StatusCode.ALREADY_EXISTS:
                 code = grpc.StatusCode.INVALID_ARGUMENT
-            raise FrontendError(code, exc.details() or code.name) from None
+            raise FrontendError(
+                code, exc.details() or code.name, retry_after_s=retry_after_of(exc)
+            ) from None
 
     def _abort_soon(self, engine_request_ids: list[str]) -> None:
         self._spawn(self._abort(engine_request_ids))

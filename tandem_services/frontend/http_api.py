@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tandem_services.frontend.auth import api_key_matches
 from tandem_services.frontend.engine import FrontendEngine
 from tandem_services.frontend.limits import RequestLimits, check_prompt_work
 from tandem_services.frontend.openai_protocol import (
@@ -33,8 +34,13 @@ from tandem_services.frontend.types import FrontendError, GenerateInput, StepEve
 
 
 def _error_response(exc: FrontendError) -> JSONResponse:
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(exc.retry_after_s)
     return JSONResponse(
-        error_body(exc.message, exc.http_status, exc.param), status_code=exc.http_status
+        error_body(exc.message, exc.http_status, exc.param),
+        status_code=exc.http_status,
+        headers=headers,
     )
 
 
@@ -129,7 +135,7 @@ class HttpApi:
             try:
                 if self.api_key:
                     auth = request.headers.get("authorization", "")
-                    if auth != f"Bearer {self.api_key}":
+                    if not api_key_matches(auth, self.api_key):
                         raise FrontendError(
                             grpc.StatusCode.UNAUTHENTICATED,
                             "missing or wrong API key (Authorization: Bearer <key>)",

@@ -9,6 +9,7 @@ from tandem.directory import DirectoryConfig
 from tandem.kv_transfer.placement import CONNECTOR_CHOICES
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.server import env_default
+from tandem_services.scheduler.admission import AdmissionConfigError, AdmissionLimits
 from tandem_services.scheduler.routing import ROUTING_CHOICES, RoutingWeights
 
 
@@ -20,8 +21,10 @@ class SchedulerConfigError(ValueError):
 class SchedulerServiceConfig:
     host: str = "127.0.0.1"
     port: int = 50050
-    # Requests waiting for a worker; one more is refused with RESOURCE_EXHAUSTED.
+    # Requests waiting for a worker; one more is refused with RESOURCE_EXHAUSTED ...
     max_queue_len: int = 1024
+    # ... as is one whose prompt would bring the tokens waiting past this (0: no bound).
+    max_queued_tokens: int = 0
     # A queued request that no worker takes within this long fails with UNAVAILABLE.
     queue_timeout_s: float = 60.0
     # Workers send a load report this often ...
@@ -73,8 +76,10 @@ class SchedulerServiceConfig:
                 f"kv_connector must be one of {', '.join(CONNECTOR_CHOICES)}, "
                 f"got {self.kv_connector!r}"
             )
-        if self.max_queue_len < 1:
-            raise SchedulerConfigError(f"max_queue_len must be >= 1, got {self.max_queue_len}")
+        try:
+            self.admission_limits  # noqa: B018 (validates)
+        except AdmissionConfigError as exc:
+            raise SchedulerConfigError(str(exc)) from None
         if self.report_interval_s <= 0 or self.dead_after_s <= self.report_interval_s:
             raise SchedulerConfigError(
                 "dead_after_s must exceed report_interval_s, both > 0; got "
@@ -97,6 +102,10 @@ class SchedulerServiceConfig:
         if self.max_inflight_per_worker < 1 or self.max_inflight_prefills < 1:
             raise SchedulerConfigError("max_inflight_per_worker and _prefills must be >= 1")
 
+    @property
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(self.max_queue_len, self.max_queued_tokens)
+
 
 def build_parser() -> argparse.ArgumentParser:
     d = SchedulerServiceConfig()
@@ -110,7 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--host", default=env("host", d.host))
     p.add_argument("--port", type=int, default=env("port", d.port))
-    p.add_argument("--max-queue-len", type=int, default=env("max_queue_len", d.max_queue_len))
+    p.add_argument(
+        "--max-queue-len",
+        "--max-queued-requests",
+        dest="max_queue_len",
+        type=int,
+        default=env("max_queue_len", d.max_queue_len),
+        help="requests waiting for a worker; more are refused at once (429, Retry-After)",
+    )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=env("max_queued_tokens", d.max_queued_tokens),
+        help="prompt tokens waiting for a worker; more are refused at once (0: no bound)",
+    )
     p.add_argument(
         "--queue-timeout-s", type=float, default=env("queue_timeout_s", d.queue_timeout_s)
     )
