@@ -55,7 +55,12 @@ async def serve(config: FrontendConfig) -> int:
     sock.bind((config.host, config.http_port))
     http_port = sock.getsockname()[1]
     http = HttpApi(
-        engine, config.api_key, config.max_body_bytes, config.model_ids, config.request_limits
+        engine,
+        config.api_key,
+        config.max_body_bytes,
+        config.model_ids,
+        config.request_limits,
+        metrics.registry,
     )
     uv = _Uvicorn(
         uvicorn.Config(

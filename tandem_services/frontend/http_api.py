@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (Starlette): /v1/completions, /v1/chat/completions,
-/v1/models, /health. Streaming responses are server-sent events ending in `data: [DONE]`."""
+/v1/models (behind the API key), and /health, /ready (health.py), /metrics (Prometheus text).
+Streaming responses are server-sent events ending in `data: [DONE]`."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tandem_protos.v1 import scheduler_pb2
 from tandem_services.frontend.auth import api_key_matches
 from tandem_services.frontend.engine import FrontendEngine
+from tandem_services.frontend.health import readiness
 from tandem_services.frontend.limits import RequestLimits, check_prompt_work
 from tandem_services.frontend.openai_protocol import (
     ChoiceAccumulator,
@@ -31,6 +35,8 @@ from tandem_services.frontend.openai_protocol import (
 )
 from tandem_services.frontend.sse import DONE, ChatStream, CompletionStream, sse
 from tandem_services.frontend.types import FrontendError, GenerateInput, StepEvent, Usage, invalid
+
+_READY_TIMEOUT_S = 2.0
 
 
 def _error_response(exc: FrontendError) -> JSONResponse:
@@ -112,8 +118,10 @@ class HttpApi:
         max_body_bytes: int,
         model_ids: list[str],
         limits: RequestLimits | None = None,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics_registry = metrics_registry
         self.limits = limits or RequestLimits()
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -124,10 +132,13 @@ class HttpApi:
     def app(self) -> Starlette:
         routes = [
             Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
             Route("/v1/models", self._guard(self.models), methods=["GET"]),
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
         ]
+        if self.metrics_registry is not None:
+            routes.append(Route("/metrics", self.metrics, methods=["GET"]))
         return Starlette(routes=routes)
 
     def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
@@ -182,9 +193,28 @@ class HttpApi:
     # ------------------------------------------------------------------ routes
 
     async def health(self, request: Request) -> Response:
-        if self.engine.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok", "workers": len(self.engine.cluster.workers)})
+        """200 when the workers the scheduler last announced cover every role (health.py)."""
+        state = readiness(self.engine.cluster.workers, self.engine.draining)
+        return JSONResponse(state.body(), status_code=200 if state.ok else 503)
+
+    async def ready(self, request: Request) -> Response:
+        """200 when the scheduler, asked now, lists serving workers for every role."""
+        workers: list[scheduler_pb2.WorkerInfo] = []
+        error = ""
+        try:
+            reply = await self.engine.scheduler.ListWorkers(
+                scheduler_pb2.ListWorkersRequest(), timeout=_READY_TIMEOUT_S
+            )
+            workers = list(reply.workers)
+        except grpc.aio.AioRpcError as exc:
+            error = exc.code().name
+        state = readiness(workers, self.engine.draining, error)
+        return JSONResponse(state.body(), status_code=200 if state.ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text of the frontend's registry, here on the API port as well."""
+        assert self.metrics_registry is not None
+        return Response(generate_latest(self.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(

@@ -34,6 +34,9 @@ class WorkerServiceConfig:
     destination_timeout_s: float = 10.0
     kv_max_message_bytes: int = 4 * 1024 * 1024
     rpc_timeout_s: float = 30.0
+    # A step in flight this long (the engine process stalled or stopped): health NOT_SERVING
+    # and load reports paused until steps run again (0: no stall detection).
+    engine_stall_timeout_s: float = 60.0
     # Prometheus /metrics port (0: any free port, -1: off).
     metrics_port: int = -1
     # Prefix-cache directory: prefill and unified workers publish their cached block hashes
@@ -54,6 +57,8 @@ class WorkerServiceConfig:
             raise WorkerConfigError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
         if self.grace_period_s < 0 or self.destination_timeout_s <= 0:
             raise WorkerConfigError("grace_period_s must be >= 0, destination_timeout_s > 0")
+        if self.engine_stall_timeout_s < 0:
+            raise WorkerConfigError("engine_stall_timeout_s must be >= 0")
         if self.kv_max_message_bytes < 1024:
             raise WorkerConfigError("kv_max_message_bytes must be >= 1024")
 
@@ -101,6 +106,12 @@ def build_parser(service: str, default_role: Role) -> argparse.ArgumentParser:
         "--rpc-timeout-s", type=float, default=env("rpc_timeout_s", d["rpc_timeout_s"].default)
     )
     p.add_argument(
+        "--engine-stall-timeout-s",
+        type=float,
+        default=env("engine_stall_timeout_s", d["engine_stall_timeout_s"].default),
+        help="a step in flight this long marks the worker NOT_SERVING (0: off)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=env("metrics_port", d["metrics_port"].default),
@@ -142,6 +153,7 @@ def config_from_args(service: str, default_role: Role, argv: list[str]) -> Worke
         destination_timeout_s=ns.destination_timeout_s,
         kv_max_message_bytes=ns.kv_max_message_bytes,
         rpc_timeout_s=ns.rpc_timeout_s,
+        engine_stall_timeout_s=ns.engine_stall_timeout_s,
         metrics_port=ns.metrics_port,
         directory=directory_config_from(ns),
         directory_publish_delay_s=ns.directory_publish_delay_s,
