@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.channels import PLAINTEXT, TlsConfig
 from tandem.kv_transfer.base import EngineHandle, KVDestination, KVTransferError
 from tandem.kv_transfer.placement import CUDA_IPC, host_id
 from tandem.kv_transfer.session import RemoteKVConnector, Run, run_to_end
@@ -235,10 +236,11 @@ class CudaIpcKVConnector(RemoteKVConnector[OpenedCache]):
         worker_id: str = "",
         rpc_timeout_s: float = 30.0,
         max_sessions: int = MAX_SESSIONS,
+        tls: TlsConfig = PLAINTEXT,
     ) -> None:
         if kv_cache.device.type != "cuda":
             raise ValueError("the CUDA IPC connector needs a KV cache on a CUDA device")
-        super().__init__(kv_cache, engine, worker_id, rpc_timeout_s)
+        super().__init__(kv_cache, engine, worker_id, rpc_timeout_s, tls=tls)
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.max_sessions = max_sessions

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.channels import PLAINTEXT, TlsConfig
 from tandem.kv_transfer.base import EngineHandle, KVDestination, KVTransferError
 from tandem.kv_transfer.placement import NCCL
 from tandem.kv_transfer.session import (
@@ -93,8 +94,11 @@ class NcclKVConnector(RemoteKVConnector[Pair]):
         rpc_timeout_s: float = 30.0,
         backend: str = "",
         group_timeout_s: float = 30.0,
+        tls: TlsConfig = PLAINTEXT,
     ) -> None:
-        super().__init__(kv_cache, engine, worker_id, rpc_timeout_s, serialize_sessions=True)
+        super().__init__(
+            kv_cache, engine, worker_id, rpc_timeout_s, serialize_sessions=True, tls=tls
+        )
         self.backend = backend or default_backend(kv_cache)
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be nccl or gloo, got {self.backend!r}")

@@ -55,7 +55,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 import torch
 
-from tandem.channels import ChannelPool
+from tandem.channels import PLAINTEXT, ChannelPool, TlsConfig
 from tandem.kv_transfer.base import (
     EngineHandle,
     KVConnector,
@@ -192,11 +192,12 @@ class RemoteKVConnector(KVConnector, Generic[P]):
         worker_id: str = "",
         rpc_timeout_s: float = 30.0,
         serialize_sessions: bool = False,
+        tls: TlsConfig = PLAINTEXT,
     ) -> None:
         super().__init__(kv_cache, engine)
         self.worker_id = worker_id
         self.rpc_timeout_s = rpc_timeout_s
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(tls)
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._closed = False
         self._peers: dict[str, P] = {}

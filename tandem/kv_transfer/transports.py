@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed
 
+from tandem.channels import PLAINTEXT, TlsConfig
 from tandem.kv_transfer.base import (
     EngineHandle,
     KVConnector,
@@ -116,6 +117,7 @@ def worker_transports(
     tcp: KVConnector,
     worker_id: str = "",
     rpc_timeout_s: float = 30.0,
+    tls: TlsConfig = PLAINTEXT,
 ) -> KVTransports:
     """Every connector a prefill or decode worker with `kv_cache` can speak: `tcp` (given, so
     the caller may wrap it), CUDA IPC on CUDA, NCCL (gloo on CPU) where torch.distributed has
@@ -125,9 +127,11 @@ def worker_transports(
     if CUDA_IPC in names:
         from tandem.kv_transfer.cuda_ipc import CudaIpcKVConnector
 
-        connectors[CUDA_IPC] = CudaIpcKVConnector(kv_cache, engine, worker_id, rpc_timeout_s)
+        connectors[CUDA_IPC] = CudaIpcKVConnector(
+            kv_cache, engine, worker_id, rpc_timeout_s, tls=tls
+        )
     if NCCL in names:
         from tandem.kv_transfer.nccl import NcclKVConnector
 
-        connectors[NCCL] = NcclKVConnector(kv_cache, engine, worker_id, rpc_timeout_s)
+        connectors[NCCL] = NcclKVConnector(kv_cache, engine, worker_id, rpc_timeout_s, tls=tls)
     return KVTransports(connectors)

@@ -7,8 +7,10 @@ import os
 import socket
 from dataclasses import dataclass
 
+from tandem.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem.sampling_params import MAX_LOGPROBS
 from tandem_services.common.server import env_default
+from tandem_services.common.tls import add_tls_args, tls_config_from
 from tandem_services.frontend.limits import RequestLimits
 
 # The per-request limits (RequestLimits' fields), each a flag --max-... and an env
@@ -50,6 +52,8 @@ class FrontendConfig:
     metrics_port: int = -1
     ready_file: str = ""
     log_level: str = "info"
+    # TLS to the scheduler and workers, and on the frontend's gRPC port (tandem.channels).
+    tls: TlsConfig = PLAINTEXT
     # Per-request limits, checked before a request is queued (limits.py).
     max_n: int = RequestLimits.max_n
     max_best_of: int = RequestLimits.max_best_of
@@ -141,11 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--" + name.replace("_", "-"), type=int, default=env(name, d[name].default), help=help_
         )
+    add_tls_args(p)
     return p
 
 
 def config_from_args(argv: list[str]) -> FrontendConfig:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        tls = tls_config_from(ns)
+    except TlsConfigError as exc:
+        parser.error(str(exc))
     return FrontendConfig(
         host=ns.host,
         grpc_port=ns.grpc_port,
@@ -162,5 +172,6 @@ def config_from_args(argv: list[str]) -> FrontendConfig:
         metrics_port=ns.metrics_port,
         ready_file=ns.ready_file,
         log_level=ns.log_level,
+        tls=tls,
         **{name: getattr(ns, name) for name in _LIMIT_HELP},
     )

@@ -23,7 +23,7 @@ from tandem_protos.v1 import (
     worker_pb2_grpc,
 )
 from tandem_services.common.convert import sampling_params_to_proto
-from tandem_services.common.server import RETRY_AFTER_KEY, insecure_channel
+from tandem_services.common.server import PLAINTEXT, RETRY_AFTER_KEY, TlsConfig, channel
 from tandem_services.frontend.tracker import (
     Cancel,
     Count,
@@ -94,12 +94,14 @@ class FrontendEngine:
         tokenizer: Any,
         model_id: str,
         rpc_timeout_s: float = 30.0,
+        tls: TlsConfig = PLAINTEXT,
     ) -> None:
         self.frontend_id = frontend_id
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.rpc_timeout_s = rpc_timeout_s
-        self._channel = insecure_channel(scheduler_address)
+        self.tls = tls
+        self._channel = channel(scheduler_address, tls)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.tracker = RequestTracker(tokenizer, self._abort_soon)
         self.cluster = ClusterView()
@@ -281,8 +283,8 @@ class FrontendEngine:
             self.have_workers.set()
 
     async def _stream_outputs(self, address: str) -> None:
-        channel = insecure_channel(address)
-        stub = worker_pb2_grpc.WorkerStub(channel)
+        ch = channel(address, self.tls)
+        stub = worker_pb2_grpc.WorkerStub(ch)
         request = worker_pb2.StreamOutputsRequest(destination=self.frontend_id)
         backoff = 0.05
         try:
@@ -296,4 +298,4 @@ class FrontendEngine:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
         finally:
-            await channel.close()
+            await ch.close()

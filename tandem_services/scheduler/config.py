@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from tandem.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem.directory import DirectoryConfig
 from tandem.kv_transfer.placement import CONNECTOR_CHOICES
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.server import env_default
+from tandem_services.common.tls import TLS_DESTS, add_tls_args, tls_config_from
 from tandem_services.scheduler.admission import AdmissionConfigError, AdmissionLimits
 from tandem_services.scheduler.routing import ROUTING_CHOICES, RoutingWeights
 
@@ -59,6 +61,9 @@ class SchedulerServiceConfig:
     directory: DirectoryConfig = field(default_factory=DirectoryConfig)
     ready_file: str = ""
     log_level: str = "info"
+    # TLS on the scheduler's port (mutual: workers and frontends need client certificates)
+    # and to the workers (tandem.channels).
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_CHOICES:
@@ -229,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(<0: 2 with Redis, 300 without; 0: off, the directory alone)",
     )
     add_directory_args(p, "TANDEM_SCHEDULER_")
+    add_tls_args(p)
     return p
 
 
@@ -254,13 +260,18 @@ _DIRECTORY_FLAGS = (
 
 
 def config_from_args(argv: list[str]) -> SchedulerServiceConfig:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     values = dict(vars(ns))
+    try:
+        tls = tls_config_from(ns)
+    except TlsConfigError as exc:
+        parser.error(str(exc))
     try:
         weights = RoutingWeights(**{f: values.pop(k) for k, f in _WEIGHT_FLAGS.items()})
         directory = directory_config_from(ns)
     except ValueError as exc:
         raise SchedulerConfigError(str(exc)) from exc
-    for k in _DIRECTORY_FLAGS:
+    for k in (*_DIRECTORY_FLAGS, *TLS_DESTS):
         values.pop(k)
-    return SchedulerServiceConfig(**values, routing_weights=weights, directory=directory)
+    return SchedulerServiceConfig(**values, routing_weights=weights, directory=directory, tls=tls)

@@ -53,7 +53,7 @@ from tandem_protos.v1 import (
     worker_pb2_grpc,
 )
 from tandem_services.common.actor import Actor, Ask
-from tandem_services.common.server import insecure_channel
+from tandem_services.common.server import channel as grpc_channel
 from tandem_services.scheduler import admission
 from tandem_services.scheduler.config import SchedulerServiceConfig
 from tandem_services.scheduler.routing import (
@@ -767,7 +767,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             # process after a lost stream (a new one replaces them when it publishes).
             self._drop_worker(old, "it registered again", broadcast=False, leave_directory=False)
         self._forget_cache(info.worker_id, remove_from_directory=False)
-        channel = insecure_channel(info.address)
+        channel = grpc_channel(info.address, self.config.tls)
         entry = WorkerEntry(
             info=info,
             generation=next(self._generation),

@@ -32,7 +32,7 @@ from tandem_services.common.entrypoint import reachable_address
 from tandem_services.common.metrics import start_metrics_server
 from tandem_services.common.server import (
     GrpcServer,
-    insecure_channel,
+    channel,
     shutdown_event,
     write_ready_file,
 )
@@ -74,7 +74,7 @@ class SchedulerLink:
         # Cleared while the engine is stalled (see the module docstring).
         self.engine_running = asyncio.Event()
         self.engine_running.set()
-        self._channel = insecure_channel(config.scheduler_address)
+        self._channel = channel(config.scheduler_address, config.tls)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def run(self) -> None:
@@ -164,7 +164,9 @@ async def serve(config: WorkerServiceConfig) -> int:
         if holder:
             holder[0].tell(m.Abort(list(holder[0].requests), notify_error=reason))
 
-    server = GrpcServer([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
+    server = GrpcServer(
+        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name], tls=config.tls
+    )
     link: SchedulerLink | None = None
     health_tasks: set[asyncio.Task[None]] = set()
 
@@ -196,17 +198,22 @@ async def serve(config: WorkerServiceConfig) -> int:
         config.destination_timeout_s,
         config.rpc_timeout_s,
         role,
+        config.tls,
     )
     holder.append(core)
     core.start()
     connector = None
     if role.has_kv_connector:
         kv_cache = client.kv_cache()
-        tcp = TcpKVConnector(kv_cache, client, config.kv_max_message_bytes, config.rpc_timeout_s)
+        tcp = TcpKVConnector(
+            kv_cache, client, config.kv_max_message_bytes, config.rpc_timeout_s, tls=config.tls
+        )
         # TCP, and CUDA IPC / NCCL (gloo on CPU) where this process can; the scheduler picks
         # one per pair and names it in each hand-off.
         connector = MeteredKVTransports(
-            worker_transports(kv_cache, client, tcp, config.worker_id, config.rpc_timeout_s),
+            worker_transports(
+                kv_cache, client, tcp, config.worker_id, config.rpc_timeout_s, tls=config.tls
+            ),
             metrics,
         )
         core.connector = connector

@@ -7,10 +7,12 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from tandem.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem.config import EngineArgs, EngineConfig, add_engine_args
 from tandem.directory import DirectoryConfig
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.server import env_default
+from tandem_services.common.tls import add_tls_args, tls_config_from
 from tandem_services.worker.states import Role
 
 
@@ -45,6 +47,9 @@ class WorkerServiceConfig:
     directory_publish_delay_s: float = 0.05
     ready_file: str = ""
     log_level: str = "info"
+    # TLS on the worker's port and to the scheduler and peers, KV hand-off streams included
+    # (tandem.channels).
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
         if self.directory_publish_delay_s < 0:
@@ -126,6 +131,7 @@ def build_parser(service: str, default_role: Role) -> argparse.ArgumentParser:
         default=env("directory_publish_delay_s", d["directory_publish_delay_s"].default),
         help="publish cache changes to the directory at most this late (batched)",
     )
+    add_tls_args(p)
     add_engine_args(p)
     p.set_defaults(_default_role=default_role)
     return p
@@ -139,6 +145,10 @@ def config_from_args(service: str, default_role: Role, argv: list[str]) -> Worke
         # Resolved here, once: the model path, its HF config and max_model_len.
         engine = EngineArgs.from_cli_args(ns).create_engine_config()
     except ValueError as exc:  # ConfigError, ModelNotFoundError: one line, exit code 2
+        parser.error(str(exc))
+    try:
+        tls = tls_config_from(ns)
+    except TlsConfigError as exc:
         parser.error(str(exc))
     worker_id = ns.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     return WorkerServiceConfig(
@@ -159,4 +169,5 @@ def config_from_args(service: str, default_role: Role, argv: list[str]) -> Worke
         directory_publish_delay_s=ns.directory_publish_delay_s,
         ready_file=ns.ready_file,
         log_level=ns.log_level,
+        tls=tls,
     )
