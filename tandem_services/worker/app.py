@@ -173,7 +173,7 @@ async def serve(config: WorkerServiceConfig) -> int:
     def on_stall(stalled: bool) -> None:
         if link is not None:
             (link.engine_running.clear if stalled else link.engine_running.set)()
-        if server.port and not engine_dead.is_set():
+        if server.port and not engine_dead.is_set() and not stop.is_set():  # not draining
             task = asyncio.get_running_loop().create_task(server.set_serving(not stalled))
             health_tasks.add(task)
             task.add_done_callback(health_tasks.discard)
