@@ -37,8 +37,10 @@ class WorkerServiceConfig:
     kv_max_message_bytes: int = 4 * 1024 * 1024
     rpc_timeout_s: float = 30.0
     # A step in flight this long (the engine process stalled or stopped): health NOT_SERVING
-    # and load reports paused until steps run again (0: no stall detection).
-    engine_stall_timeout_s: float = 60.0
+    # and load reports paused until steps run again (0: no stall detection). Generous by
+    # default: on a starved CPU host a long prefill step can take a minute (vLLM's iteration
+    # timeout is 60 s; lower it where steps are known to be short).
+    engine_stall_timeout_s: float = 300.0
     # Prometheus /metrics port (0: any free port, -1: off).
     metrics_port: int = -1
     # Prefix-cache directory: prefill and unified workers publish their cached block hashes
