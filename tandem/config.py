@@ -213,6 +213,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = field(
         default=True, metadata=flag("split long prompts over steps under the token budget")
     )
+    # The most prompt tokens one request is given in one step (vLLM's flag of that name), so a
+    # long prompt leaves the rest of the step's budget to the requests queued behind it.
+    # 0: no cap beyond the step's budget. Without chunked prefill it does nothing.
+    long_prefill_token_threshold: int = field(
+        default=0,
+        metadata=flag("most prompt tokens of one request per step (0: the whole step budget)"),
+    )
     # Plan step N+1 while the device runs step N (the tokens step N samples feed step N+1 on
     # the device). "auto": on for CUDA, where the host's planning then hides behind the GPU.
     async_scheduling: Literal["auto", "on", "off"] = field(
@@ -229,6 +236,11 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(
+                "long_prefill_token_threshold must be >= 0, got "
+                f"{self.long_prefill_token_threshold}"
+            )
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"policy must be fcfs or priority, got {self.policy}")
         if self.async_scheduling not in ("auto", "on", "off"):

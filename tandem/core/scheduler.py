@@ -1,9 +1,11 @@
 """Step-level scheduling on a token budget.
 
 Every request has `num_computed_tokens` catching up to `num_tokens`; each step hands out at
-most `max_num_batched_tokens` tokens. One rule covers decode (1 token left), chunked prefill
-(many left, a budget-sized chunk), prefix hits (computed tokens start at the hit) and
-resumption after preemption (computed tokens dropped to 0)::
+most `max_num_batched_tokens` tokens, one request at most `long_prefill_token_threshold` of
+them when that is set (so a long prompt cannot take a whole step from the others). One rule
+covers decode (1 token left), chunked prefill (many left, a budget-sized chunk), prefix hits
+(computed tokens start at the hit) and resumption after preemption (computed tokens dropped
+to 0)::
 
     step:  running requests, in order          waiting requests, in policy order
            [decode 1][decode 1][chunk k] ...   [prefill / chunk] ... until budget or seqs run out
@@ -414,6 +416,9 @@ class Scheduler:
             return 0
         if remaining > budget and not self.scheduler_config.enable_chunked_prefill:
             return 0
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if threshold and remaining > threshold and self.scheduler_config.enable_chunked_prefill:
+            remaining = threshold  # one request's share of a step is bounded
         return min(remaining, budget)
 
     def _admit(self, request: Request, num_computed_tokens: int) -> None:

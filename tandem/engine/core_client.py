@@ -13,6 +13,12 @@ stats. A multiprocess client's calls run in order with the engine's steps (see
 `tandem.engine.core_proc`); a call that the engine refuses raises the engine's error
 (InvalidRequestError naming the problem, KeyError, ...). When the engine process dies, every
 pending and later call raises EngineDeadError, and the async client calls `on_dead` once.
+
+The async client also tells a stalled engine from a busy one (`stall_timeout_s` > 0): its
+watchdog sends a `ping` now and then, which the engine answers between two steps (at once
+when idle). A ping unanswered for `stall_timeout_s` means a step has been in flight that long,
+or the process is stopped: `stalled` turns True and `on_stall(True)` runs; the next answer
+turns it back (`on_stall(False)`).
 """
 
 from __future__ import annotations
@@ -337,6 +343,12 @@ class SyncMPClient(EngineCoreClient):
         self._proc.close()
 
 
+def _consume(fut: asyncio.Future[Any]) -> None:
+    """Retrieve a probe's outcome, so a dead engine's error is not logged as unretrieved."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 class AsyncMPClient:
     """The engine in its own process, reached from an asyncio event loop.
 
@@ -354,6 +366,8 @@ class AsyncMPClient:
         name: str = "engine-core",
         on_dead: Callable[[str], None] | None = None,
         on_piggyback: Callable[[serial.Piggyback], None] | None = None,
+        stall_timeout_s: float = 0.0,
+        on_stall: Callable[[bool], None] | None = None,
     ) -> None:
         self.config = config
         self.options = options or EngineProcOptions()
@@ -371,6 +385,10 @@ class AsyncMPClient:
         self._kv_cache: torch.Tensor | None = None
         self._closing = False
         self._watchdog: asyncio.Task[None] | None = None
+        # Stall detection (0: off): see the module docstring.
+        self.stall_timeout_s = stall_timeout_s
+        self._on_stall = on_stall
+        self.stalled = False
 
     # ------------------------------------------------------------------ life cycle
 
@@ -437,11 +455,42 @@ class AsyncMPClient:
         pipe stays open (a process it started holds the pipe's other end)."""
         proc = self._proc
         assert proc is not None
+        probe: asyncio.Future[Any] | None = None
+        probe_sent = last_answer = time.monotonic()
+        probe_every_s = min(1.0, self.stall_timeout_s / 2)
         while proc.dead is None:
             await asyncio.sleep(_WATCH_INTERVAL_S)
             if proc.dead is None and proc.exited():
                 self._on_readable()  # the frames it wrote before it went (FATAL)
                 self._mark_dead(proc.exit_reason() if not self._closing else "shut down")
+            if self.stall_timeout_s <= 0 or proc.dead is not None or self._closing:
+                continue
+            if self.info is None:  # still loading: not a step
+                probe_sent = last_answer = time.monotonic()
+                continue
+            now = time.monotonic()
+            if probe is not None and probe.done():
+                probe, last_answer = None, now
+                self._set_stalled(False)
+            if probe is None and now - last_answer >= probe_every_s:
+                with contextlib.suppress(EngineDeadError):
+                    probe, probe_sent = self._call("ping"), now
+                    probe.add_done_callback(_consume)
+            elif probe is not None and now - probe_sent > self.stall_timeout_s:
+                self._set_stalled(True)
+
+    def _set_stalled(self, stalled: bool) -> None:
+        if stalled == self.stalled:
+            return
+        self.stalled = stalled
+        if stalled:
+            logger.error(
+                "engine %s: no step has ended for %.1f s (stalled)", self.name, self.stall_timeout_s
+            )
+        else:
+            logger.warning("engine %s: steps run again", self.name)
+        if self._on_stall is not None:
+            self._on_stall(stalled)
 
     def _stop_reading(self) -> None:
         if self._loop is not None and self._proc is not None:

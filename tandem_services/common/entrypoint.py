@@ -8,12 +8,15 @@ One image runs every service; its first argument picks what runs:
     serve | generate | bench [flags]
         exec `tandem <command>` (the whole system in one container, offline use).
     health ADDRESS [--service NAME]
-        gRPC health check (exit 0 when SERVING): Docker and compose health checks.
+        gRPC health check (exit 0 when SERVING): Docker and compose health checks, and
+        Kubernetes exec probes under TLS (its own gRPC probes speak plaintext only).
     drain [--scheduler ADDRESS] [--worker ADDRESS] [--worker-id ID] [--timeout-s S]
         A worker pod's preStop hook: the scheduler stops routing to this worker, then wait
         until the worker has nothing in flight (or the timeout), so SIGTERM finds it idle.
 
-Flags and environment are read here, once; nothing here imports torch.
+The probes dial with the service's TLS settings (TANDEM_TLS_CERT, TANDEM_TLS_KEY, TANDEM_TLS_CA,
+TANDEM_TLS_SERVER_NAME; `--tls-*` flags). Flags and environment are read here, once; nothing
+here imports torch.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tandem.channels import PLAINTEXT, TlsConfig, sync_channel
+from tandem_services.common.tls import add_tls_args, tls_config_from
 
 SERVICES = {
     "frontend": "tandem_services.frontend",
@@ -143,13 +149,13 @@ def _claim_for_worker(env: dict[str, str]) -> None:
 # ----------------------------------------------------------------------------- probes
 
 
-def health(address: str, service: str, timeout_s: float) -> bool:
+def health(address: str, service: str, timeout_s: float, tls: TlsConfig = PLAINTEXT) -> bool:
     """Whether the gRPC health service at `address` reports `service` SERVING."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(address) as channel:
+        with sync_channel(address, tls) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
             )
@@ -158,7 +164,9 @@ def health(address: str, service: str, timeout_s: float) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def drain(scheduler: str, worker: str, worker_id: str, timeout_s: float) -> int:
+def drain(
+    scheduler: str, worker: str, worker_id: str, timeout_s: float, tls: TlsConfig = PLAINTEXT
+) -> int:
     """Stop routing to `worker_id`, then wait until the worker at `worker` is idle."""
     import grpc
 
@@ -167,13 +175,13 @@ def drain(scheduler: str, worker: str, worker_id: str, timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     if scheduler and worker_id:
         try:
-            with grpc.insecure_channel(scheduler) as channel:
+            with sync_channel(scheduler, tls) as channel:
                 scheduler_pb2_grpc.SchedulerStub(channel).DeregisterWorker(
                     scheduler_pb2.DeregisterWorkerRequest(worker_id=worker_id), timeout=5.0
                 )
         except grpc.RpcError as exc:
             print(f"drain: scheduler unreachable ({exc.code().name})", file=sys.stderr)
-    with grpc.insecure_channel(worker) as channel:
+    with sync_channel(worker, tls) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -212,16 +220,18 @@ def main(argv: list[str]) -> int:
         p.add_argument("address", help="host:port of a tandem gRPC server")
         p.add_argument("--service", default="", help="service name ('' : the whole server)")
         p.add_argument("--timeout-s", type=float, default=3.0)
+        add_tls_args(p)
         ns = p.parse_args(rest)
-        return 0 if health(ns.address, ns.service, ns.timeout_s) else 1
+        return 0 if health(ns.address, ns.service, ns.timeout_s, tls_config_from(ns)) else 1
     if command == "drain":
         p = argparse.ArgumentParser(prog="entrypoint drain")
         p.add_argument("--scheduler", default=env.get("TANDEM_SCHEDULER_ADDRESS", ""))
         p.add_argument("--worker", default="127.0.0.1:" + env.get("TANDEM_WORKER_PORT", "50060"))
         p.add_argument("--worker-id", default=env.get("HOSTNAME", socket.gethostname()))
         p.add_argument("--timeout-s", type=float, default=120.0)
+        add_tls_args(p)
         ns = p.parse_args(rest)
-        return drain(ns.scheduler, ns.worker, ns.worker_id, ns.timeout_s)
+        return drain(ns.scheduler, ns.worker, ns.worker_id, ns.timeout_s, tls_config_from(ns))
     print(_usage(), file=sys.stderr)
     return 2
 

@@ -20,23 +20,37 @@ from grpc_reflection.v1alpha import reflection
 from tandem.channels import (
     CHANNEL_OPTIONS,
     MAX_MESSAGE_BYTES,
+    PLAINTEXT,
     SERVER_OPTIONS,
     ChannelPool,
+    TlsConfig,
+    add_port,
+    channel,
     insecure_channel,
+    sync_channel,
 )
 
 __all__ = [
     "CHANNEL_OPTIONS",
     "MAX_MESSAGE_BYTES",
+    "PLAINTEXT",
+    "RETRY_AFTER_KEY",
     "SERVER_OPTIONS",
     "ChannelPool",
     "GrpcServer",
+    "TlsConfig",
+    "channel",
     "env_default",
     "insecure_channel",
     "setup_logging",
     "shutdown_event",
+    "sync_channel",
     "write_ready_file",
 ]
+
+# Trailing-metadata key of an overload refusal's (RESOURCE_EXHAUSTED) retry hint: whole
+# seconds in ASCII, set by the scheduler's admission control, passed on by the frontend.
+RETRY_AFTER_KEY = "retry-after"
 
 
 def setup_logging(level: str) -> None:
@@ -48,9 +62,11 @@ def setup_logging(level: str) -> None:
 
 
 class GrpcServer:
-    """A grpc.aio server with the health service and reflection for `service_names`."""
+    """A grpc.aio server with the health service and reflection for `service_names`; TLS (and
+    mutual TLS) when `tls` says so (`tandem.channels.TlsConfig`)."""
 
-    def __init__(self, service_names: Iterable[str]) -> None:
+    def __init__(self, service_names: Iterable[str], tls: TlsConfig = PLAINTEXT) -> None:
+        self.tls = tls
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -64,7 +80,7 @@ class GrpcServer:
         register(self.server)
 
     async def start(self, host: str, port: int) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = add_port(self.server, f"{host}:{port}", self.tls)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {host}:{port}")
         await self.server.start()

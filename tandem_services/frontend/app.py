@@ -41,11 +41,14 @@ async def serve(config: FrontendConfig) -> int:
         tokenizer,
         config.model_ids[0],
         metrics=metrics,
+        tls=config.tls,
     )
     await engine.start()
     metrics_server = await start_metrics_server(metrics.registry, config.host, config.metrics_port)
 
-    grpc_server = GrpcServer([frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name])
+    grpc_server = GrpcServer(
+        [frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name], tls=config.tls
+    )
     servicer = FrontendServicer(engine, config.api_key, config.model_ids, config.request_limits)
     grpc_server.add(lambda s: frontend_pb2_grpc.add_FrontendServicer_to_server(servicer, s))
     grpc_port = await grpc_server.start(config.host, config.grpc_port)
@@ -61,6 +64,7 @@ async def serve(config: FrontendConfig) -> int:
         config.model_ids,
         config.request_limits,
         config.auto_tool_parser,
+        metrics.registry,
     )
     uv = _Uvicorn(
         uvicorn.Config(

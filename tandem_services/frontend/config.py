@@ -7,9 +7,11 @@ import os
 import socket
 from dataclasses import dataclass
 
+from tandem.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem.config import DEFAULT_MODEL, add_engine_args
 from tandem.sampling_params import MAX_LOGPROBS
 from tandem_services.common.server import env_default
+from tandem_services.common.tls import add_tls_args, tls_config_from
 from tandem_services.frontend.limits import RequestLimits
 from tandem_services.frontend.tool_parsers import AUTO_TOOL_PARSERS
 
@@ -52,6 +54,8 @@ class FrontendConfig:
     metrics_port: int = -1
     ready_file: str = ""
     log_level: str = "info"
+    # TLS to the scheduler and workers, and on the frontend's gRPC port (tandem.channels).
+    tls: TlsConfig = PLAINTEXT
     # Per-request limits, checked before a request is queued (limits.py).
     max_n: int = RequestLimits.max_n
     max_best_of: int = RequestLimits.max_best_of
@@ -173,11 +177,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--" + name.replace("_", "-"), type=int, default=env(name, d[name].default), help=help_
         )
+    add_tls_args(p)
     return p
 
 
 def config_from_args(argv: list[str]) -> FrontendConfig:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        tls = tls_config_from(ns)
+    except TlsConfigError as exc:
+        parser.error(str(exc))
     return FrontendConfig(
         host=ns.host,
         grpc_port=ns.grpc_port,
@@ -196,5 +206,6 @@ def config_from_args(argv: list[str]) -> FrontendConfig:
         log_level=ns.log_level,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
+        tls=tls,
         **{name: getattr(ns, name) for name in _LIMIT_HELP},
     )

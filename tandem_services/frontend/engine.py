@@ -24,7 +24,12 @@ from tandem_protos.v1 import (
     worker_pb2_grpc,
 )
 from tandem_services.common.convert import sampling_params_to_proto
-from tandem_services.common.server import insecure_channel
+from tandem_services.common.server import (
+    PLAINTEXT,
+    RETRY_AFTER_KEY,
+    TlsConfig,
+    channel,
+)
 from tandem_services.frontend.tool_parsers import render_tool_calls
 from tandem_services.frontend.tracker import (
     Cancel,
@@ -81,6 +86,14 @@ def _calls_in_content(message: dict[str, Any], tool_format: str | None) -> dict[
     return out
 
 
+def retry_after_of(exc: grpc.aio.AioRpcError) -> int | None:
+    """The retry hint (whole seconds) in a refusal's trailing metadata, if any."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY and isinstance(value, str) and value.isdigit():
+            return int(value)
+    return None
+
+
 @dataclass(frozen=True)
 class ClusterView:
     """The workers the scheduler announced last (an immutable snapshot)."""
@@ -102,12 +115,14 @@ class FrontendEngine:
         tokenizer: Any,
         model_id: str,
         rpc_timeout_s: float = 30.0,
+        tls: TlsConfig = PLAINTEXT,
     ) -> None:
         self.frontend_id = frontend_id
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.rpc_timeout_s = rpc_timeout_s
-        self._channel = insecure_channel(scheduler_address)
+        self.tls = tls
+        self._channel = channel(scheduler_address, tls)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.tracker = RequestTracker(tokenizer, self._abort_soon)
         self.cluster = ClusterView()
@@ -245,7 +260,9 @@ class FrontendEngine:
             code = exc.code()
             if code == grpc.StatusCode.ALREADY_EXISTS:
                 code = grpc.StatusCode.INVALID_ARGUMENT
-            raise FrontendError(code, exc.details() or code.name) from None
+            raise FrontendError(
+                code, exc.details() or code.name, retry_after_s=retry_after_of(exc)
+            ) from None
 
     def _abort_soon(self, engine_request_ids: list[str]) -> None:
         self._spawn(self._abort(engine_request_ids))
@@ -301,8 +318,8 @@ class FrontendEngine:
             self.have_workers.set()
 
     async def _stream_outputs(self, address: str) -> None:
-        channel = insecure_channel(address)
-        stub = worker_pb2_grpc.WorkerStub(channel)
+        ch = channel(address, self.tls)
+        stub = worker_pb2_grpc.WorkerStub(ch)
         request = worker_pb2.StreamOutputsRequest(destination=self.frontend_id)
         backoff = 0.05
         try:
@@ -316,4 +333,4 @@ class FrontendEngine:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
         finally:
-            await channel.close()
+            await ch.close()

@@ -14,6 +14,8 @@ from tandem_services.common.convert import (
     logprobs_to_proto,
     sampling_params_kwargs,
 )
+from tandem_services.common.server import RETRY_AFTER_KEY
+from tandem_services.frontend.auth import api_key_matches
 from tandem_services.frontend.engine import FrontendEngine
 from tandem_services.frontend.limits import (
     RequestLimits,
@@ -98,7 +100,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     async def _check(self, model: str, context: grpc.aio.ServicerContext) -> None:
         if self.api_key:
             metadata = dict(context.invocation_metadata() or ())
-            if metadata.get("authorization") != f"Bearer {self.api_key}":
+            auth = metadata.get("authorization", "")
+            if not api_key_matches(auth if isinstance(auth, str) else "", self.api_key):
                 await context.abort(
                     grpc.StatusCode.UNAUTHENTICATED,
                     "missing or wrong API key (metadata authorization: Bearer <key>)",
@@ -163,7 +166,10 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                     choices = [_choice(a, i) for i, a in sorted(acc.items())]
                     yield step_response(shown_id, choices, len(ids), event.usage)
         except FrontendError as exc:
-            await context.abort(exc.code, exc.message)
+            trailing: tuple[tuple[str, str], ...] = ()
+            if exc.retry_after_s is not None:
+                trailing = ((RETRY_AFTER_KEY, str(exc.retry_after_s)),)
+            await context.abort(exc.code, exc.message, trailing_metadata=trailing)
 
     async def ListModels(
         self, request: frontend_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (Starlette): /v1/completions, /v1/chat/completions,
-/v1/models, /health. Streaming responses are server-sent events ending in `data: [DONE]`."""
+/v1/models (behind the API key), and /health, /ready (health.py), /metrics (Prometheus text).
+Streaming responses are server-sent events ending in `data: [DONE]`."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tandem_protos.v1 import scheduler_pb2
+from tandem_services.frontend.auth import api_key_matches
 from tandem_services.frontend.engine import FrontendEngine
+from tandem_services.frontend.health import readiness
 from tandem_services.frontend.limits import RequestLimits, check_prompt_work
 from tandem_services.frontend.openai_protocol import (
     ChoiceAccumulator,
@@ -36,10 +41,17 @@ from tandem_services.frontend.tool_parsers import (
 )
 from tandem_services.frontend.types import FrontendError, GenerateInput, StepEvent, Usage, invalid
 
+_READY_TIMEOUT_S = 2.0
+
 
 def _error_response(exc: FrontendError) -> JSONResponse:
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(exc.retry_after_s)
     return JSONResponse(
-        error_body(exc.message, exc.http_status, exc.param), status_code=exc.http_status
+        error_body(exc.message, exc.http_status, exc.param),
+        status_code=exc.http_status,
+        headers=headers,
     )
 
 
@@ -128,10 +140,12 @@ class HttpApi:
         model_ids: list[str],
         limits: RequestLimits | None = None,
         tool_call_parser: str | None = None,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         """`tool_call_parser`: the format tool_choice "auto" parses (set only with
         --enable-auto-tool-choice; None refuses "auto")."""
         self.engine = engine
+        self.metrics_registry = metrics_registry
         self.limits = limits or RequestLimits()
         self.tool_call_parser = tool_call_parser
         # The auto parser's tags are special tokens: keep them in the text it parses.
@@ -147,10 +161,13 @@ class HttpApi:
     def app(self) -> Starlette:
         routes = [
             Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
             Route("/v1/models", self._guard(self.models), methods=["GET"]),
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
         ]
+        if self.metrics_registry is not None:
+            routes.append(Route("/metrics", self.metrics, methods=["GET"]))
         return Starlette(routes=routes)
 
     def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
@@ -158,7 +175,7 @@ class HttpApi:
             try:
                 if self.api_key:
                     auth = request.headers.get("authorization", "")
-                    if auth != f"Bearer {self.api_key}":
+                    if not api_key_matches(auth, self.api_key):
                         raise FrontendError(
                             grpc.StatusCode.UNAUTHENTICATED,
                             "missing or wrong API key (Authorization: Bearer <key>)",
@@ -205,9 +222,28 @@ class HttpApi:
     # ------------------------------------------------------------------ routes
 
     async def health(self, request: Request) -> Response:
-        if self.engine.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok", "workers": len(self.engine.cluster.workers)})
+        """200 when the workers the scheduler last announced cover every role (health.py)."""
+        state = readiness(self.engine.cluster.workers, self.engine.draining)
+        return JSONResponse(state.body(), status_code=200 if state.ok else 503)
+
+    async def ready(self, request: Request) -> Response:
+        """200 when the scheduler, asked now, lists serving workers for every role."""
+        workers: list[scheduler_pb2.WorkerInfo] = []
+        error = ""
+        try:
+            reply = await self.engine.scheduler.ListWorkers(
+                scheduler_pb2.ListWorkersRequest(), timeout=_READY_TIMEOUT_S
+            )
+            workers = list(reply.workers)
+        except grpc.aio.AioRpcError as exc:
+            error = exc.code().name
+        state = readiness(workers, self.engine.draining, error)
+        return JSONResponse(state.body(), status_code=200 if state.ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text of the frontend's registry, here on the API port as well."""
+        assert self.metrics_registry is not None
+        return Response(generate_latest(self.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(

@@ -25,11 +25,20 @@ _HTTP_STATUS = {
 class FrontendError(Exception):
     """A request that cannot be served; carries the gRPC code (and so the HTTP status)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
+        # Overload (RESOURCE_EXHAUSTED): when to retry, from the scheduler's admission
+        # control; HTTP `Retry-After`, gRPC trailing metadata `retry-after`.
+        self.retry_after_s = retry_after_s
 
     @property
     def http_status(self) -> int:

@@ -17,6 +17,7 @@ import time
 from tandem.config import EngineArgs, add_engine_args, engine_argv
 from tandem.directory.factory import require_redis
 from tandem_services.common.directory import add_directory_args, directory_config_from
+from tandem_services.common.tls import add_tls_args, tls_config_from
 from tandem_services.launcher.deployment import LaunchError, ServeConfig, start_deployment
 
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the scheduler picks a prefill worker (default: prefix)",
     )
     add_directory_args(p, "TANDEM_SERVE_")
+    add_tls_args(p)
     add_engine_args(p)
     return p
 
@@ -80,6 +82,7 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     try:
         directory = directory_config_from(ns)
+        tls = tls_config_from(ns)
         if directory.uses_redis:
             require_redis()  # one line naming the extra, before any child starts
         # Checked here, before any process starts (nothing is loaded: no resolution).
@@ -103,6 +106,7 @@ def main(argv: list[str]) -> int:
             gpus=ns.gpus,
             directory=directory,
             routing=ns.routing,
+            tls=tls,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from tandem.channels import PLAINTEXT, TlsConfig
 from tandem.directory.factory import DirectoryConfig
+from tandem_services.common.tls import tls_argv
 
 _STOP_ORDER = ("frontend", "prefill", "decode", "unified", "scheduler")
 
@@ -75,6 +77,8 @@ class ServeConfig:
     directory: DirectoryConfig = field(default_factory=DirectoryConfig)
     # The scheduler's --routing ("": its default, prefix-aware).
     routing: str = ""
+    # TLS between the services, passed to each as --tls-* flags (tandem.channels).
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
         if self.grace_period_s < 0 or self.startup_timeout_s <= 0:
@@ -157,6 +161,7 @@ def worker_commands(config: ServeConfig, scheduler_address: str) -> list[WorkerC
         if role == "unified":
             args.append("--unified")
         args += directory_flags(config.directory)
+        args += tls_argv(config.tls)
         if config.gpus:
             args += ["--device", f"cuda:{config.gpus[i % len(config.gpus)]}"]
         args += shared
@@ -347,6 +352,7 @@ def start_deployment(config: ServeConfig) -> Deployment:
                 *grace,
                 *directory,
                 *routing,
+                *tls_argv(config.tls),
                 *config.scheduler_args,
             ],
             workdir,
@@ -372,6 +378,7 @@ def start_deployment(config: ServeConfig) -> Deployment:
             "--wait-for-workers-s",
             str(config.startup_timeout_s),
             *grace,
+            *tls_argv(config.tls),
             *config.frontend_args,
         ]
         if config.api_key:

@@ -42,7 +42,9 @@ async def serve(config: SchedulerServiceConfig) -> int:
     logger.info("routing: %s; %s", config.routing, directory)
     core = SchedulerCore(config, policy)
     core.start()
-    server = GrpcServer([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
+    server = GrpcServer(
+        [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], tls=config.tls
+    )
     metrics = SchedulerMetrics(core)
     metrics.registry.register(ScrapeCollector(lambda: routing_metrics(policy)))
     servicer = MeteredSchedulerServicer(core, metrics)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from tandem.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem.directory import DirectoryConfig
 from tandem.kv_transfer.placement import CONNECTOR_CHOICES
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.server import env_default
+from tandem_services.common.tls import TLS_DESTS, add_tls_args, tls_config_from
+from tandem_services.scheduler.admission import AdmissionConfigError, AdmissionLimits
 from tandem_services.scheduler.routing import ROUTING_CHOICES, RoutingWeights
 
 
@@ -20,8 +23,10 @@ class SchedulerConfigError(ValueError):
 class SchedulerServiceConfig:
     host: str = "127.0.0.1"
     port: int = 50050
-    # Requests waiting for a worker; one more is refused with RESOURCE_EXHAUSTED.
+    # Requests waiting for a worker; one more is refused with RESOURCE_EXHAUSTED ...
     max_queue_len: int = 1024
+    # ... as is one whose prompt would bring the tokens waiting past this (0: no bound).
+    max_queued_tokens: int = 0
     # A queued request that no worker takes within this long fails with UNAVAILABLE.
     queue_timeout_s: float = 60.0
     # Workers send a load report this often ...
@@ -56,6 +61,9 @@ class SchedulerServiceConfig:
     directory: DirectoryConfig = field(default_factory=DirectoryConfig)
     ready_file: str = ""
     log_level: str = "info"
+    # TLS on the scheduler's port (mutual: workers and frontends need client certificates)
+    # and to the workers (tandem.channels).
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_CHOICES:
@@ -73,8 +81,10 @@ class SchedulerServiceConfig:
                 f"kv_connector must be one of {', '.join(CONNECTOR_CHOICES)}, "
                 f"got {self.kv_connector!r}"
             )
-        if self.max_queue_len < 1:
-            raise SchedulerConfigError(f"max_queue_len must be >= 1, got {self.max_queue_len}")
+        try:
+            self.admission_limits  # noqa: B018 (validates)
+        except AdmissionConfigError as exc:
+            raise SchedulerConfigError(str(exc)) from None
         if self.report_interval_s <= 0 or self.dead_after_s <= self.report_interval_s:
             raise SchedulerConfigError(
                 "dead_after_s must exceed report_interval_s, both > 0; got "
@@ -97,6 +107,10 @@ class SchedulerServiceConfig:
         if self.max_inflight_per_worker < 1 or self.max_inflight_prefills < 1:
             raise SchedulerConfigError("max_inflight_per_worker and _prefills must be >= 1")
 
+    @property
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(self.max_queue_len, self.max_queued_tokens)
+
 
 def build_parser() -> argparse.ArgumentParser:
     d = SchedulerServiceConfig()
@@ -110,7 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--host", default=env("host", d.host))
     p.add_argument("--port", type=int, default=env("port", d.port))
-    p.add_argument("--max-queue-len", type=int, default=env("max_queue_len", d.max_queue_len))
+    p.add_argument(
+        "--max-queue-len",
+        "--max-queued-requests",
+        dest="max_queue_len",
+        type=int,
+        default=env("max_queue_len", d.max_queue_len),
+        help="requests waiting for a worker; more are refused at once (429, Retry-After)",
+    )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=env("max_queued_tokens", d.max_queued_tokens),
+        help="prompt tokens waiting for a worker; more are refused at once (0: no bound)",
+    )
     p.add_argument(
         "--queue-timeout-s", type=float, default=env("queue_timeout_s", d.queue_timeout_s)
     )
@@ -207,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(<0: 2 with Redis, 300 without; 0: off, the directory alone)",
     )
     add_directory_args(p, "TANDEM_SCHEDULER_")
+    add_tls_args(p)
     return p
 
 
@@ -232,13 +260,18 @@ _DIRECTORY_FLAGS = (
 
 
 def config_from_args(argv: list[str]) -> SchedulerServiceConfig:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     values = dict(vars(ns))
+    try:
+        tls = tls_config_from(ns)
+    except TlsConfigError as exc:
+        parser.error(str(exc))
     try:
         weights = RoutingWeights(**{f: values.pop(k) for k, f in _WEIGHT_FLAGS.items()})
         directory = directory_config_from(ns)
     except ValueError as exc:
         raise SchedulerConfigError(str(exc)) from exc
-    for k in _DIRECTORY_FLAGS:
+    for k in (*_DIRECTORY_FLAGS, *TLS_DESTS):
         values.pop(k)
-    return SchedulerServiceConfig(**values, routing_weights=weights, directory=directory)
+    return SchedulerServiceConfig(**values, routing_weights=weights, directory=directory, tls=tls)

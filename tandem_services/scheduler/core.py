@@ -53,7 +53,8 @@ from tandem_protos.v1 import (
     worker_pb2_grpc,
 )
 from tandem_services.common.actor import Actor, Ask
-from tandem_services.common.server import insecure_channel
+from tandem_services.common.server import channel as grpc_channel
+from tandem_services.scheduler import admission
 from tandem_services.scheduler.config import SchedulerServiceConfig
 from tandem_services.scheduler.routing import (
     PrefixLookup,
@@ -71,10 +72,14 @@ _RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 class SubmitError(Exception):
     """A request the scheduler refuses or could not start; maps onto a gRPC status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # RESOURCE_EXHAUSTED: when to come back (admission.py), sent as trailing metadata.
+        self.retry_after_s = retry_after_s
 
 
 # ----------------------------------------------------------------------------- messages
@@ -434,11 +439,18 @@ class SchedulerCore(Actor[SchedulerMessage]):
                     f"prompt has {len(req.prompt_token_ids)} tokens; the model's context is "
                     f"{max(limits)} tokens, and at least one must remain for output",
                 )
-            if len(self.queued) >= self.config.max_queue_len:
+            refusal = admission.check(
+                self.config.admission_limits,
+                [
+                    admission.QueuedLoad(len(q.submit.request.prompt_token_ids), q.enqueued_at)
+                    for q in self.queued.values()
+                ],
+                len(req.prompt_token_ids),
+                time.monotonic(),
+            )
+            if refusal is not None:
                 raise SubmitError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the admission queue is full ({len(self.queued)} requests waiting); "
-                    "retry later",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, refusal.retry_after_s
                 )
         except SubmitError as exc:
             msg.fail(exc)
@@ -755,7 +767,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             # process after a lost stream (a new one replaces them when it publishes).
             self._drop_worker(old, "it registered again", broadcast=False, leave_directory=False)
         self._forget_cache(info.worker_id, remove_from_directory=False)
-        channel = insecure_channel(info.address)
+        channel = grpc_channel(info.address, self.config.tls)
         entry = WorkerEntry(
             info=info,
             generation=next(self._generation),

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem_protos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tandem_services.common.server import RETRY_AFTER_KEY
 from tandem_services.scheduler import core as m
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             return await self.core.ask(msg)
         except m.SubmitError as exc:
-            await context.abort(exc.code, exc.message)
+            trailing: tuple[tuple[str, str], ...] = ()
+            if exc.retry_after_s is not None:
+                trailing = ((RETRY_AFTER_KEY, str(exc.retry_after_s)),)
+            await context.abort(exc.code, exc.message, trailing_metadata=trailing)
             raise  # not reached
         except asyncio.CancelledError:
             self.core.tell(m.Withdraw(request.request.request_id))

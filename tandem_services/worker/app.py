@@ -4,7 +4,10 @@ The engine runs in a child process (`EngineCoreProc`) reached through an `AsyncM
 this process's event loop (gRPC, protobuf conversion, KV hand-off sessions) and the engine's
 host work do not share one GIL. When the engine process dies, the worker notices at once (its
 output pipe closes): it reports NOT_SERVING, fails every request in flight with an error, and
-exits non-zero.
+exits non-zero. When the engine's step loop stalls (a step in flight longer than
+`engine_stall_timeout_s`, or the process stopped), the worker's gRPC health is NOT_SERVING and
+its load reports pause, so the scheduler drops it after its `dead_after_s` and routes around
+it; once steps run again the health is SERVING and the worker registers again.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from tandem_services.common.entrypoint import reachable_address
 from tandem_services.common.metrics import start_metrics_server
 from tandem_services.common.server import (
     GrpcServer,
-    insecure_channel,
+    channel,
     shutdown_event,
     write_ready_file,
 )
@@ -68,7 +71,10 @@ class SchedulerLink:
         self.engine = engine
         self.max_model_len = max_model_len
         self.registered = asyncio.Event()
-        self._channel = insecure_channel(config.scheduler_address)
+        # Cleared while the engine is stalled (see the module docstring).
+        self.engine_running = asyncio.Event()
+        self.engine_running.set()
+        self._channel = channel(config.scheduler_address, config.tls)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def run(self) -> None:
@@ -98,6 +104,8 @@ class SchedulerLink:
 
     async def _reports(self, interval_s: float) -> AsyncIterator[scheduler_pb2.LoadReport]:
         while True:
+            # A stalled engine: no reports, so the scheduler drops this worker.
+            await self.engine_running.wait()
             finished, num_inflight = await self.core.ask(m.TakeFinished())
             # The latest snapshot, not a fresh read: a report must not wait for a long step.
             stats = self.engine.latest_stats
@@ -156,6 +164,20 @@ async def serve(config: WorkerServiceConfig) -> int:
         if holder:
             holder[0].tell(m.Abort(list(holder[0].requests), notify_error=reason))
 
+    server = GrpcServer(
+        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name], tls=config.tls
+    )
+    link: SchedulerLink | None = None
+    health_tasks: set[asyncio.Task[None]] = set()
+
+    def on_stall(stalled: bool) -> None:
+        if link is not None:
+            (link.engine_running.clear if stalled else link.engine_running.set)()
+        if server.port and not engine_dead.is_set() and not stop.is_set():  # not draining
+            task = asyncio.get_running_loop().create_task(server.set_serving(not stalled))
+            health_tasks.add(task)
+            task.add_done_callback(health_tasks.discard)
+
     client = AsyncMPClient(
         config.engine,
         on_step,
@@ -163,6 +185,8 @@ async def serve(config: WorkerServiceConfig) -> int:
         name=f"engine-{config.role}",
         on_dead=on_dead,
         on_piggyback=on_piggyback,
+        stall_timeout_s=config.engine_stall_timeout_s,
+        on_stall=on_stall,
     )
     info = await client.start()
     logger.info("engine-core process %s ready", info.pid)
@@ -174,22 +198,26 @@ async def serve(config: WorkerServiceConfig) -> int:
         config.destination_timeout_s,
         config.rpc_timeout_s,
         role,
+        config.tls,
     )
     holder.append(core)
     core.start()
     connector = None
     if role.has_kv_connector:
         kv_cache = client.kv_cache()
-        tcp = TcpKVConnector(kv_cache, client, config.kv_max_message_bytes, config.rpc_timeout_s)
+        tcp = TcpKVConnector(
+            kv_cache, client, config.kv_max_message_bytes, config.rpc_timeout_s, tls=config.tls
+        )
         # TCP, and CUDA IPC / NCCL (gloo on CPU) where this process can; the scheduler picks
         # one per pair and names it in each hand-off.
         connector = MeteredKVTransports(
-            worker_transports(kv_cache, client, tcp, config.worker_id, config.rpc_timeout_s),
+            worker_transports(
+                kv_cache, client, tcp, config.worker_id, config.rpc_timeout_s, tls=config.tls
+            ),
             metrics,
         )
         core.connector = connector
 
-    server = GrpcServer([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
     servicer = WorkerServicer(role, config.worker_id, core, client, info.eos_token_id, connector)
     server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     port = await server.start(config.host, config.port)
@@ -200,7 +228,6 @@ async def serve(config: WorkerServiceConfig) -> int:
     address = config.advertise_address or reachable_address(config.host, port)
     tasks = [asyncio.create_task(_ticker(core))]
 
-    link = None
     if config.scheduler_address:
         link = SchedulerLink(
             config,

@@ -7,10 +7,12 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from tandem.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem.config import EngineArgs, EngineConfig, add_engine_args
 from tandem.directory import DirectoryConfig
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.server import env_default
+from tandem_services.common.tls import add_tls_args, tls_config_from
 from tandem_services.worker.states import Role
 
 
@@ -34,6 +36,11 @@ class WorkerServiceConfig:
     destination_timeout_s: float = 10.0
     kv_max_message_bytes: int = 4 * 1024 * 1024
     rpc_timeout_s: float = 30.0
+    # A step in flight this long (the engine process stalled or stopped): health NOT_SERVING
+    # and load reports paused until steps run again (0: no stall detection). Generous by
+    # default: on a starved CPU host a long prefill step can take a minute (vLLM's iteration
+    # timeout is 60 s; lower it where steps are known to be short).
+    engine_stall_timeout_s: float = 300.0
     # Prometheus /metrics port (0: any free port, -1: off).
     metrics_port: int = -1
     # Prefix-cache directory: prefill and unified workers publish their cached block hashes
@@ -42,6 +49,9 @@ class WorkerServiceConfig:
     directory_publish_delay_s: float = 0.05
     ready_file: str = ""
     log_level: str = "info"
+    # TLS on the worker's port and to the scheduler and peers, KV hand-off streams included
+    # (tandem.channels).
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
         if self.directory_publish_delay_s < 0:
@@ -54,6 +64,8 @@ class WorkerServiceConfig:
             raise WorkerConfigError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
         if self.grace_period_s < 0 or self.destination_timeout_s <= 0:
             raise WorkerConfigError("grace_period_s must be >= 0, destination_timeout_s > 0")
+        if self.engine_stall_timeout_s < 0:
+            raise WorkerConfigError("engine_stall_timeout_s must be >= 0")
         if self.kv_max_message_bytes < 1024:
             raise WorkerConfigError("kv_max_message_bytes must be >= 1024")
 
@@ -101,6 +113,12 @@ def build_parser(service: str, default_role: Role) -> argparse.ArgumentParser:
         "--rpc-timeout-s", type=float, default=env("rpc_timeout_s", d["rpc_timeout_s"].default)
     )
     p.add_argument(
+        "--engine-stall-timeout-s",
+        type=float,
+        default=env("engine_stall_timeout_s", d["engine_stall_timeout_s"].default),
+        help="a step in flight this long marks the worker NOT_SERVING (0: off)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=env("metrics_port", d["metrics_port"].default),
@@ -115,6 +133,7 @@ def build_parser(service: str, default_role: Role) -> argparse.ArgumentParser:
         default=env("directory_publish_delay_s", d["directory_publish_delay_s"].default),
         help="publish cache changes to the directory at most this late (batched)",
     )
+    add_tls_args(p)
     add_engine_args(p)
     p.set_defaults(_default_role=default_role)
     return p
@@ -129,6 +148,10 @@ def config_from_args(service: str, default_role: Role, argv: list[str]) -> Worke
         engine = EngineArgs.from_cli_args(ns).create_engine_config()
     except ValueError as exc:  # ConfigError, ModelNotFoundError: one line, exit code 2
         parser.error(str(exc))
+    try:
+        tls = tls_config_from(ns)
+    except TlsConfigError as exc:
+        parser.error(str(exc))
     worker_id = ns.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     return WorkerServiceConfig(
         role=role,
@@ -142,9 +165,11 @@ def config_from_args(service: str, default_role: Role, argv: list[str]) -> Worke
         destination_timeout_s=ns.destination_timeout_s,
         kv_max_message_bytes=ns.kv_max_message_bytes,
         rpc_timeout_s=ns.rpc_timeout_s,
+        engine_stall_timeout_s=ns.engine_stall_timeout_s,
         metrics_port=ns.metrics_port,
         directory=directory_config_from(ns),
         directory_publish_delay_s=ns.directory_publish_delay_s,
         ready_file=ns.ready_file,
         log_level=ns.log_level,
+        tls=tls,
     )

@@ -39,7 +39,7 @@ from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVConnector
 from tandem_protos.v1 import common_pb2, worker_pb2
 from tandem_services.common.actor import Actor, Ask
-from tandem_services.common.server import ChannelPool
+from tandem_services.common.server import PLAINTEXT, ChannelPool, TlsConfig
 from tandem_services.worker.states import TRANSFERRING, Phase, Role, move
 
 if TYPE_CHECKING:
@@ -228,6 +228,7 @@ class WorkerCore(Actor[WorkerMessage]):
         destination_timeout_s: float,
         rpc_timeout_s: float,
         role: WorkerRole,
+        tls: TlsConfig = PLAINTEXT,
     ) -> None:
         super().__init__(f"worker-core-{worker_id}")
         self.worker_id = worker_id
@@ -242,7 +243,7 @@ class WorkerCore(Actor[WorkerMessage]):
         self.destinations: dict[str, _Destination] = {}
         self.finished: list[str] = []
         self.draining = False
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(tls)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ dispatch

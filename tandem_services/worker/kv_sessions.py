@@ -60,7 +60,7 @@ from typing import Any, Generic
 
 import grpc
 
-from tandem.channels import ChannelPool
+from tandem.channels import PLAINTEXT, ChannelPool, TlsConfig
 from tandem.kv_transfer.base import (
     KVConnector,
     KVDestination,
@@ -198,13 +198,15 @@ class RemoteKVConnector(KVConnector, Generic[P]):
     NCCL: one, both ranks post their operations in session order; CUDA IPC: 4).
     """
 
-    def __init__(self, mover: KVMover[P], rpc_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, mover: KVMover[P], rpc_timeout_s: float = 30.0, tls: TlsConfig = PLAINTEXT
+    ) -> None:
         super().__init__(mover.cache.kv_cache, mover.engine)
         self.mover = mover
         self.transport = mover.transport
         self.worker_id = mover.worker_id
         self.rpc_timeout_s = rpc_timeout_s
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(tls)
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._closed = False
         self._peers: dict[str, P] = {}

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
-from tandem.channels import ChannelPool
+from tandem.channels import PLAINTEXT, ChannelPool, TlsConfig
 from tandem.kv_transfer.base import (
     DEFAULT_MAX_MESSAGE_BYTES,
     BlockRun,
@@ -64,11 +64,12 @@ class TcpKVConnector(KVConnector):
         engine: EngineHandle,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         timeout_s: float = 60.0,
+        tls: TlsConfig = PLAINTEXT,
     ) -> None:
         super().__init__(kv_cache, engine)  # type: ignore[arg-type]
         self.max_blocks_per_message = max(1, max_message_bytes // self.layout.bytes_per_block)
         self.timeout_s = timeout_s
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(tls)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _copier(self) -> concurrent.futures.ThreadPoolExecutor:

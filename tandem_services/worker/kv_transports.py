@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tandem.channels import PLAINTEXT, TlsConfig
 from tandem.kv_transfer.base import (
     EngineHandle,
     KVConnector,
@@ -101,11 +102,12 @@ def worker_transports(
     tcp: KVConnector,
     worker_id: str = "",
     rpc_timeout_s: float = 30.0,
+    tls: TlsConfig = PLAINTEXT,
 ) -> KVTransports:
     """Every connector a prefill or decode worker with `kv_cache` can speak: `tcp` (given, so
     the caller may wrap it), CUDA IPC on CUDA, NCCL (gloo on CPU) where torch.distributed has
     the backend."""
     connectors: dict[str, KVConnector] = {TCP: tcp}
     for name, mover in worker_movers(kv_cache, engine, worker_id).items():
-        connectors[name] = RemoteKVConnector(mover, rpc_timeout_s)
+        connectors[name] = RemoteKVConnector(mover, rpc_timeout_s, tls=tls)
     return KVTransports(connectors)

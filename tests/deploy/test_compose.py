@@ -305,3 +305,43 @@ def test_health_probe_fails_on_nothing_listening() -> None:
         cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 1
+
+
+# ----------------------------------------------------------------------------- TLS
+
+
+def test_compose_tls_override_mounts_the_certificates_in_every_service(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """compose.tls.yaml: every tandem service mounts the three secrets, and the environment
+    it sets names them where each service's parser (and the health check) reads its flags."""
+    files = (*COMPOSE_FILES, ROOT / "compose.tls.yaml")
+    model = load_compose(files, {"TLS_DIR": "/etc/tandem-certs"})
+    secrets = model["secrets"]
+    assert {s["file"] for s in secrets.values()} == {
+        "/etc/tandem-certs/tls.crt", "/etc/tandem-certs/tls.key", "/etc/tandem-certs/ca.crt",
+    }  # fmt: skip
+    from tandem_services.frontend.config import build_parser as frontend_parser
+    from tandem_services.scheduler.config import build_parser as scheduler_parser
+    from tandem_services.worker.config import build_parser as worker_parser
+
+    parsers = {
+        "scheduler": scheduler_parser,
+        "frontend": frontend_parser,
+        "prefill": lambda: worker_parser("prefill_worker", "prefill"),
+        "decode": lambda: worker_parser("decode_worker", "decode"),
+    }
+    for name in TANDEM_SERVICES:
+        svc = model["services"][name]
+        assert set(svc["secrets"]) == set(secrets), name
+        env = svc["environment"]
+        for key in ("TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA"):
+            mounted = env[key].removeprefix("/run/secrets/")
+            assert mounted in svc["secrets"], (name, key)
+            monkeypatch.setenv(key, env[key])
+        monkeypatch.setenv("TANDEM_TLS_SERVER_NAME", env["TANDEM_TLS_SERVER_NAME"])
+        ns = parsers[name]().parse_args([])
+        assert ns.tls_cert == "/run/secrets/tandem-tls-cert" and ns.tls_ca.endswith("-ca")
+        assert ns.tls_server_name == "tandem.internal"
+    # The base file's environment is kept (merged, not replaced).
+    assert model["services"]["decode"]["environment"]["TANDEM_GPU_SLOT_DIR"]

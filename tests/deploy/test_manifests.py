@@ -22,7 +22,7 @@ from tests.deploy.test_metrics import exported_sample_names
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 OVERLAYS = ("overlays/cpu", "overlays/gpu")
-RENDERED = (*OVERLAYS, "monitoring")
+RENDERED = (*OVERLAYS, "overlays/cpu-tls", "monitoring")
 
 
 def shipped_versions() -> tuple[str, ...]:
@@ -107,7 +107,8 @@ def test_kubernetes_validate_strict_rejects_an_unknown_field(
 
 def test_yamllint_clean() -> None:
     conf = yamllint_config.YamlLintConfig(file=str(ROOT / "tests/deploy/yamllint.yaml"))
-    paths = [*sorted(K8S.rglob("*.yaml")), ROOT / "compose.yaml", ROOT / "compose.cpu.yaml"]
+    compose = ("compose.yaml", "compose.cpu.yaml", "compose.tls.yaml")
+    paths = [*sorted(K8S.rglob("*.yaml")), *(ROOT / name for name in compose)]
     problems = []
     for path in paths:
         for p in linter.run(path.read_text(), conf, str(path)):
@@ -308,3 +309,33 @@ def test_hpas_scale_on_metrics_the_adapter_serves_from_series_we_export(
         "tandem_worker_running_requests",
     }
     assert {m["type"] for m in prefill["metrics"]} == {"Pods", "Object"}
+
+
+def test_tls_overlay_mounts_the_secret_and_probes_through_tls(
+    rendered: dict[str, dict[tuple[str, str], Obj]],
+) -> None:
+    """overlays/cpu-tls: every service mounts the tandem-tls Secret where tandem-tls-config
+    points its flags, and its probes are `entrypoint health` on its gRPC port (reading the
+    same environment), not Kubernetes' plaintext gRPC probes."""
+    r = rendered["overlays/cpu-tls"]
+    env = r["ConfigMap", "tandem-tls-config"]["data"]
+    for name in ("tandem-frontend", "tandem-scheduler", *WORKERS):
+        deployment = r["Deployment", name]
+        pod = deployment["spec"]["template"]["spec"]
+        c = container(deployment)
+        volume = next(v for v in pod["volumes"] if v["name"] == "tls")
+        assert volume["secret"]["secretName"] == "tandem-tls"
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "tls")
+        assert mount["readOnly"]
+        for key in ("TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA"):
+            assert env[key].startswith(mount["mountPath"] + "/"), (name, key)
+        assert {"configMapRef": {"name": "tandem-tls-config"}} in c["envFrom"]
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+        grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        for probe in ("readinessProbe", "livenessProbe"):
+            command = c[probe]["exec"]["command"]
+            assert command == [
+                "python", "-m", "tandem_services.common.entrypoint", "health",
+                f"127.0.0.1:{grpc_port}",
+            ], (name, probe)  # fmt: skip
+            assert "grpc" not in c[probe]

@@ -108,6 +108,8 @@ def test_full_queue_429_then_queued_request_times_out_503(no_workers: Deployment
             assert r.status_code == 429, r.text
             assert "queue is full" in r.json()["error"]["message"]
             assert time.monotonic() - t0 < 5
+            # The retry hint: the queued request's age in whole seconds, at least 1.
+            assert 1 <= int(r.headers["retry-after"]) <= 30
             async with grpc.aio.insecure_channel(no_workers.grpc_address) as channel:
                 stub = frontend_pb2_grpc.FrontendStub(channel)
                 request = frontend_pb2.GenerateRequest(
@@ -117,6 +119,8 @@ def test_full_queue_429_then_queued_request_times_out_503(no_workers: Deployment
                     async for _ in stub.Generate(request, metadata=auth):
                         pass
                 assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                hint = dict(info.value.trailing_metadata() or ())["retry-after"]
+                assert 1 <= int(hint) <= 30
             # The queued one fails with 503 once the queue timeout passes: no hang.
             r = await first
             assert r.status_code == 503, r.text

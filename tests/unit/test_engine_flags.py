@@ -49,6 +49,7 @@ NON_DEFAULT: dict[str, Any] = {
     "max_num_seqs": 3,
     "policy": "priority",
     "enable_chunked_prefill": False,
+    "long_prefill_token_threshold": 64,
     "async_scheduling": "off",
     "device": "cpu",
     "attention_backend": "torch",

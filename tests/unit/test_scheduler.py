@@ -48,6 +48,7 @@ def make_sched(
     chunked: bool = True,
     caching: bool = True,
     max_model_len: int | None = None,
+    long_prefill: int = 0,
 ) -> Scheduler:
     if max_model_len is None:
         max_model_len = min(256, num_blocks * block_size)
@@ -57,6 +58,7 @@ def make_sched(
             max_num_seqs=max_num_seqs,
             policy=policy,  # type: ignore[arg-type]
             enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=long_prefill,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks,
@@ -219,6 +221,26 @@ def test_waiting_requests_share_the_rest_of_the_budget_in_order() -> None:
     assert out.num_scheduled_tokens == {"a": 1, "b": 2, "c": 6}
     run.run()
     assert run.tokens == {"a": [1000, 1001], "b": [1000, 1001], "c": [1000, 1001]}
+
+
+def test_a_long_prompt_takes_at_most_its_threshold_of_a_step() -> None:
+    """With long_prefill_token_threshold, a long prompt admitted first leaves the rest of each
+    step's budget to the short requests behind it; without it, it takes the whole step."""
+    for threshold, first_step in ((0, {"long": 32}), (8, {"long": 8, "s1": 4, "s2": 4})):
+        sched = make_sched(budget=32, long_prefill=threshold, num_blocks=128)
+        sched.add_request(make_req("long", prompt(100), max_tokens=2))
+        sched.add_request(make_req("s1", prompt(4, start=300), max_tokens=2))
+        sched.add_request(make_req("s2", prompt(4, start=400), max_tokens=2))
+        run = Runner(sched)
+        out, _ = run.step()
+        assert out.num_scheduled_tokens == first_step
+        steps = [out, *run.run()]
+        assert all(s.num_scheduled_tokens.get("long", 0) <= (threshold or 32) for s in steps)
+        assert sum(s.num_scheduled_tokens.get("long", 0) for s in steps) == 101
+        assert run.tokens["s1"] == run.tokens["s2"] == [1000, 1001]
+    if threshold:
+        # The short ones decode next to the long prompt's capped chunks.
+        assert steps[1].num_scheduled_tokens == {"long": 8, "s1": 1, "s2": 1}
 
 
 def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits() -> None:
