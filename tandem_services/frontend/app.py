@@ -40,6 +40,7 @@ async def serve(config: FrontendConfig) -> int:
         config.scheduler_address,
         tokenizer,
         config.model_ids[0],
+        migration_limit=config.migration_limit,
         metrics=metrics,
     )
     await engine.start()

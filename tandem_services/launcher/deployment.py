@@ -171,6 +171,9 @@ class Service:
     ready_file: Path
     log_path: Path | None
     info: dict[str, str] = field(default_factory=dict)
+    # `python -m <module> <args>` (without the ready file): how to start it again.
+    module: str = ""
+    args: tuple[str, ...] = ()
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -233,7 +236,8 @@ def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> int:
     return process.returncode
 
 
-def _read_ready(path: Path) -> dict[str, str] | None:
+def read_ready(path: Path) -> dict[str, str] | None:
+    """The key=value lines of a service's ready file; None until it is written."""
     if not path.exists():
         return None
     info = {}
@@ -295,7 +299,18 @@ def spawn_service(
     )
     if out is not None:
         out.close()
-    return Service(name, process, ready, log_path)
+    return Service(name, process, ready, log_path, module=module, args=tuple(args))
+
+
+def respawn_service(deployment: Deployment, service: Service) -> Service:
+    """Start `service` (which has exited) again with the same command line; its log file
+    gets the new process's output appended. Not ready until its ready file is written."""
+    if service.process.poll() is None:
+        raise RuntimeError(f"{service.name} is still running")
+    service.ready_file.unlink(missing_ok=True)
+    return spawn_service(
+        deployment.config, service.name, service.module, list(service.args), deployment.workdir
+    )
 
 
 def wait_ready(services: list[Service], deadline: float) -> None:
@@ -303,7 +318,7 @@ def wait_ready(services: list[Service], deadline: float) -> None:
     pending = list(services)
     while pending:
         for s in list(pending):
-            info = _read_ready(s.ready_file)
+            info = read_ready(s.ready_file)
             if info is not None:
                 s.info = info
                 pending.remove(s)
