@@ -27,6 +27,7 @@ from tandem_services.common.server import insecure_channel
 from tandem_services.frontend.tracker import (
     Cancel,
     Count,
+    FailAll,
     Failed,
     Migration,
     Outputs,
@@ -126,6 +127,11 @@ class FrontendEngine:
 
     async def num_inflight(self) -> int:
         return await self.tracker.ask(Count())
+
+    async def fail_inflight(self, message: str) -> int:
+        """End every request in flight with UNAVAILABLE `message` (aborted on the workers);
+        returns how many there were."""
+        return await self.tracker.ask(FailAll(FrontendError(grpc.StatusCode.UNAVAILABLE, message)))
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{self.frontend_id}-{next(self._ids)}"

@@ -127,7 +127,15 @@ class Migration:
     num_streamed_tokens: int
 
 
-TrackerMessage = Register | Outputs | Failed | Cancel | Count
+@dataclass
+class FailAll(Ask[int]):
+    """End every request in flight with `error` (shutdown after the grace period); answers
+    how many there were. Their handlers answer the client (HTTP 503, an error event)."""
+
+    error: FrontendError
+
+
+TrackerMessage = Register | Outputs | Failed | Cancel | Count | FailAll
 
 
 def migration_request_id(base_id: str, attempt: int) -> str:
@@ -171,6 +179,11 @@ class RequestTracker(Actor[TrackerMessage]):
                     self._abort(running)
             case Count():
                 msg.answer(len(self.requests))
+            case FailAll():
+                reqs = list(self.requests.values())
+                for req in reqs:
+                    self._fail(req, msg.error)
+                msg.answer(len(reqs))
 
     def _register(self, msg: Register) -> asyncio.Queue[StepEvent]:
         if msg.request_id in self.requests:

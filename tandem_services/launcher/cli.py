@@ -107,6 +107,9 @@ def add_worker_placement_args(p: argparse.ArgumentParser) -> None:
         "--num-prefill-workers", type=int, default=1, help="prefill workers (disaggregated)"
     )
     p.add_argument(
+        "--num-decode-workers", type=int, default=1, help="decode workers (disaggregated)"
+    )
+    p.add_argument(
         "--num-unified-workers", type=int, default=1, help="unified workers (with --unified)"
     )
     p.add_argument(
@@ -146,6 +149,7 @@ def main(argv: list[str]) -> int:
             log_dir=ns.log_dir,
             num_prefill_workers=ns.num_prefill_workers,
             num_unified_workers=ns.num_unified_workers,
+            num_decode_workers=ns.num_decode_workers,
             gpus=ns.gpus,
             directory=directory,
             routing=ns.routing,
@@ -163,7 +167,7 @@ def main(argv: list[str]) -> int:
     mode = (
         f"{config.num_unified_workers} unified worker(s)"
         if config.unified
-        else f"{config.num_prefill_workers} prefill + 1 decode workers"
+        else f"{config.num_prefill_workers} prefill + {config.num_decode_workers} decode workers"
     )
     if config.gpus:
         mode += f" on GPUs {','.join(map(str, config.gpus))}"

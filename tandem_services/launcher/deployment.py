@@ -69,6 +69,8 @@ class ServeConfig:
     num_prefill_workers: int = 1
     # Unified workers (with `unified`): "unified" (worker id unified-0), "unified-1", ...
     num_unified_workers: int = 1
+    # Decode workers (disaggregated): "decode" (worker id decode-0), "decode-1", ...
+    num_decode_workers: int = 1
     # GPU indices the workers go to, round robin in role order (): `--device` as given).
     gpus: tuple[int, ...] = ()
     # The prefix-cache directory for the scheduler and the workers ("": none).
@@ -83,6 +85,10 @@ class ServeConfig:
             raise ValueError(f"num_prefill_workers must be >= 1, got {self.num_prefill_workers}")
         if self.num_unified_workers < 1:
             raise ValueError(f"num_unified_workers must be >= 1, got {self.num_unified_workers}")
+        if self.num_decode_workers < 1:
+            raise ValueError(f"num_decode_workers must be >= 1, got {self.num_decode_workers}")
+        if self.num_decode_workers > 1 and self.unified:
+            raise ValueError("num_decode_workers > 1 needs disaggregated workers (no --unified)")
         if self.num_unified_workers > 1 and not self.unified:
             raise ValueError("num_unified_workers > 1 needs unified workers (--unified)")
         if any(g < 0 for g in self.gpus):
@@ -104,7 +110,11 @@ class ServeConfig:
             ("prefill" if i == 0 else f"prefill-{i}", "prefill")
             for i in range(self.num_prefill_workers)
         ]
-        return [*prefill, ("decode", "decode")]
+        decode = [
+            ("decode" if i == 0 else f"decode-{i}", "decode")
+            for i in range(self.num_decode_workers)
+        ]
+        return [*prefill, *decode]
 
 
 @dataclass(frozen=True)

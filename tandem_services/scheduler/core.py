@@ -855,6 +855,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 queued.attempts += 1
                 queued.earlier_attempt_unknown = True
                 if not r.aborted and queued.attempts < self.config.max_dispatch_attempts:
+                    logger.warning("%s was being dispatched there: dispatching it again", rid)
                     self._back_off(r, queued, self._backoff_s(queued.attempts))
                     continue
                 self._send_abort(r.workers, [rid])
