@@ -1,9 +1,10 @@
 """Chaos (issue 15): under steady load from several clients, a random prefill or decode worker
 of the healing cluster is SIGKILLed every few seconds for most of a minute: any worker whose
 role-mate is serving, so also one still starting again after an earlier kill (a worker takes
-tens of seconds to start on a small CPU machine). No request outlives its deadline; each completes with the offline
-engine's greedy text or fails with a clear error; afterwards every killed worker is back, the
-scheduler's queue is empty and every block pool whole. The figures are printed."""
+tens of seconds to start on a small CPU machine). No request outlives its deadline; each
+completes with the offline engine's greedy text or fails with a clear error; afterwards every
+killed worker is back, the scheduler's queue is empty and every block pool whole. The figures
+are printed."""
 
 from __future__ import annotations
 
