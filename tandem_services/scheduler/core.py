@@ -234,6 +234,8 @@ class WorkerEntry:
     full: bool = False
     reserved_since_report: int = 0
     inflight: set[str] = field(default_factory=set)
+    # Set when it is dropped: RPCs still waiting on it are moot (it is gone).
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def worker_id(self) -> str:
@@ -722,7 +724,9 @@ class SchedulerCore(Actor[SchedulerMessage]):
         Answered aborts come before the retry on each worker, so the earlier attempt's abort
         never lands on the retry."""
         rid = queued.submit.request.request_id
-        await asyncio.gather(*(self._abort_on(e, [rid]) for e in entries))
+        # An abort on a worker dropped meanwhile ends with its channel's close (cancelled):
+        # that worker is gone, so that abort is done too.
+        await asyncio.gather(*(self._abort_on(e, [rid]) for e in entries), return_exceptions=True)
         await asyncio.sleep(delay_s)
         self.tell(RetryDue(rid, queued))
 
@@ -770,13 +774,30 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 self._spawn(self._abort_on(entry, request_ids))
 
     async def _abort_on(self, entry: WorkerEntry, request_ids: list[str]) -> None:
-        try:
-            await entry.stub.Abort(
+        """Abort on one worker; done when it answers, fails, or is dropped (a lost worker's
+        requests are gone with it, and its channel is closed under the call)."""
+        call = asyncio.ensure_future(
+            entry.stub.Abort(
                 common_pb2.AbortRequest(request_ids=request_ids),
                 timeout=self.config.rpc_timeout_s,
             )
-        except grpc.aio.AioRpcError as exc:
+        )
+        lost = asyncio.ensure_future(entry.lost.wait())
+        try:
+            await asyncio.wait({call, lost}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            lost.cancel()
+        if not call.done():
+            call.cancel()
+            return
+        exc = call.exception() if not call.cancelled() else None
+        if isinstance(exc, grpc.aio.AioRpcError):
             logger.warning("abort on %s failed: %s", entry.worker_id, exc.code().name)
+        elif exc is not None:
+            raise exc
 
     # ------------------------------------------------------------------ workers
 
@@ -839,6 +860,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
         if self.workers.get(entry.worker_id) is not entry:
             return
         del self.workers[entry.worker_id]
+        entry.lost.set()
         self._forget_cache(entry.worker_id, remove_from_directory=leave_directory)
         message = f"worker {entry.worker_id} was lost ({why})"
         if entry.inflight:
