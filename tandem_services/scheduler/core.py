@@ -724,8 +724,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
         Answered aborts come before the retry on each worker, so the earlier attempt's abort
         never lands on the retry."""
         rid = queued.submit.request.request_id
-        # An abort on a worker dropped meanwhile ends with its channel's close (cancelled):
-        # that worker is gone, so that abort is done too.
+        # An abort on a worker dropped meanwhile ends with the drop (`_abort_on`).
         await asyncio.gather(*(self._abort_on(e, [rid]) for e in entries), return_exceptions=True)
         await asyncio.sleep(delay_s)
         self.tell(RetryDue(rid, queued))
