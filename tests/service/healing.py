@@ -34,7 +34,7 @@ HEAL_MAX_TOKENS = 24
 HEAL_PROMPTS = [f"Story {i}: once upon a time, in a land far away," for i in range(8)]
 # ... and long (prefill-bound: a few seconds of prefill on a CPU).
 LONG_PROMPTS = [
-    f"Note {i}. " + " ".join(f"The {w} of item {i} is number {j}." for j in range(60))
+    f"Note {i}. " + " ".join(f"The {w} of item {i} is number {j}." for j in range(130))
     for i, w in enumerate(["colour", "shape", "weight", "size"])
 ]
 HEAL_ARGS = (
