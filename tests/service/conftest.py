@@ -26,7 +26,11 @@ from tandem_protos.v1 import (
     worker_pb2_grpc,
 )
 from tandem_services.launcher import Deployment, ServeConfig, start_deployment
-from tests.service.healing import heal_reference, healing_cluster  # noqa: F401 (fixtures)
+from tests.service.healing import (  # noqa: F401 (fixtures)
+    heal_reference,
+    healing_cluster,
+    long_reference,
+)
 
 MAX_MODEL_LEN = 2048
 NUM_BLOCKS = 256

@@ -3,7 +3,7 @@ as a child process, its workers found and killed by pid, streams read token by t
 session's one healing cluster (2 prefill + 2 decode workers; a killed worker always has a
 survivor of its role while it restarts).
 
-The fixtures are imported by conftest.py, so the cluster starts once per session.
+The fixtures are imported by conftest.py (the references are computed once per session).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ HEAL_MAX_TOKENS = 24
 HEAL_PROMPTS = [f"Story {i}: once upon a time, in a land far away," for i in range(8)]
 # ... and long (prefill-bound: a few seconds of prefill on a CPU).
 LONG_PROMPTS = [
-    f"Note {i}. " + " ".join(f"The {w} of item {i} is number {j}." for j in range(130))
+    f"Note {i}. " + " ".join(f"The {w} of item {i} is number {j}." for j in range(80))
     for i, w in enumerate(["colour", "shape", "weight", "size"])
 ]
 HEAL_ARGS = (
@@ -286,17 +286,26 @@ class HealReference:
 
 @pytest.fixture(scope="session")
 def heal_reference() -> HealReference:
-    prompts = HEAL_PROMPTS + LONG_PROMPTS
-    return HealReference(dict(zip(prompts, offline_greedy(prompts, HEAL_MAX_TOKENS), strict=True)))
+    """Greedy texts of HEAL_PROMPTS."""
+    texts = offline_greedy(HEAL_PROMPTS, HEAL_MAX_TOKENS)
+    return HealReference(dict(zip(HEAL_PROMPTS, texts, strict=True)))
+
+
+@pytest.fixture(scope="session")
+def long_reference() -> HealReference:
+    """Greedy texts of LONG_PROMPTS."""
+    texts = offline_greedy(LONG_PROMPTS, HEAL_MAX_TOKENS)
+    return HealReference(dict(zip(LONG_PROMPTS, texts, strict=True)))
 
 
 CLUSTER_WORKERS = {"prefill-0", "prefill-1", "decode-0", "decode-1"}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def healing_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     """`tandem serve` with 2 prefill and 2 decode workers, restarts without limit (the chaos
-    test kills a worker every few seconds)."""
+    test kills a worker every few seconds). Per module: on a small machine its six idle
+    processes would slow every later test of the session."""
     logs = tmp_path_factory.mktemp("logs-healing")
     args = [
         "--num-prefill-workers",

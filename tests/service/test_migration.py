@@ -89,7 +89,7 @@ def _stats(address: str) -> common_pb2.WorkerStats:
 
 
 def test_prefill_worker_killed_mid_prefill(
-    healing_cluster: Serve, heal_reference: HealReference
+    healing_cluster: Serve, long_reference: HealReference
 ) -> None:
     """Long prompts; the first prefill worker seen computing them is SIGKILLed while some have
     no token out yet: each is prefilled elsewhere and ends with the offline engine's text."""
@@ -125,7 +125,7 @@ def test_prefill_worker_killed_mid_prefill(
     results = asyncio.run(run())
     for prompt, r in zip(LONG_PROMPTS, results, strict=True):
         assert r.ok, r
-        assert r.text == heal_reference.texts[prompt], (r, heal_reference.texts[prompt])
+        assert r.text == long_reference.texts[prompt], (r, long_reference.texts[prompt])
     assert _migrations(serve) > before or "dispatching it again" in serve.log("scheduler")
     serve.wait_registered(CLUSTER_WORKERS, 240)
     serve.wait_idle_and_whole()
