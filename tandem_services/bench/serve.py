@@ -486,6 +486,7 @@ def main(argv: list[str]) -> int:
                 log_dir=ns.log_dir or tempfile.mkdtemp(prefix=f"tandem-bench-{stem}-logs-"),
                 num_prefill_workers=ns.num_prefill_workers,
                 num_unified_workers=ns.num_unified_workers,
+                num_decode_workers=ns.num_decode_workers,
                 gpus=ns.gpus,
             )
         except ValueError as exc:

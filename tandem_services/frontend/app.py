@@ -40,6 +40,7 @@ async def serve(config: FrontendConfig) -> int:
         config.scheduler_address,
         tokenizer,
         config.model_ids[0],
+        migration_limit=config.migration_limit,
         metrics=metrics,
         tls=config.tls,
     )
@@ -103,13 +104,17 @@ async def serve(config: FrontendConfig) -> int:
     deadline = time.monotonic() + config.grace_period_s
     while time.monotonic() < deadline and await engine.num_inflight():
         await asyncio.sleep(0.05)
-    left = await engine.num_inflight()
+    # The rest end now with UNAVAILABLE (HTTP 503), so no handler outlives the server.
+    left = await engine.fail_inflight("the frontend is shutting down; retry the request")
     if left:
-        logger.warning("grace period over: aborting %d requests", left)
+        logger.warning("grace period over: ended %d requests with UNAVAILABLE", left)
+        await asyncio.sleep(0.2)  # their handlers answer
     uv.should_exit = True
     await grpc_server.stop(grace_s=0.5)
-    with contextlib.suppress(asyncio.CancelledError):
+    try:
         await asyncio.wait_for(http_task, timeout=5.0)
+    except (TimeoutError, asyncio.CancelledError):
+        logger.warning("HTTP connections still open after 5 s: closed")
     await engine.close()
     if metrics_server is not None:
         await metrics_server.close()

@@ -47,6 +47,9 @@ class FrontendConfig:
     api_key: str = ""
     max_body_bytes: int = 1024 * 1024
     grace_period_s: float = 10.0
+    # How many times one choice may move to another worker when its worker is lost (vLLM /
+    # Dynamo's --migration-limit); 0: it fails with the worker's error.
+    migration_limit: int = 3
     # Before announcing itself ready (ready file), wait up to this long for a worker.
     wait_for_workers_s: float = 0.0
     frontend_id: str = ""
@@ -82,6 +85,8 @@ class FrontendConfig:
             raise FrontendConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.grace_period_s < 0:
             raise FrontendConfigError("grace_period_s must be >= 0")
+        if self.migration_limit < 0:
+            raise FrontendConfigError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if not self.frontend_id:
             raise FrontendConfigError("frontend_id must not be empty")
         try:
@@ -150,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--grace-period-s", type=float, default=env("grace_period_s", d["grace_period_s"].default)
     )
+    p.add_argument(
+        "--migration-limit",
+        type=int,
+        default=env("migration_limit", d["migration_limit"].default),
+        help="times one request may move to another worker when its worker is lost (0: fail)",
+    )
     p.add_argument("--wait-for-workers-s", type=float, default=env("wait_for_workers_s", 0.0))
     p.add_argument("--frontend-id", default=env("frontend_id", ""))
     p.add_argument(
@@ -199,6 +210,7 @@ def config_from_args(argv: list[str]) -> FrontendConfig:
         api_key=ns.api_key,
         max_body_bytes=ns.max_body_bytes,
         grace_period_s=ns.grace_period_s,
+        migration_limit=ns.migration_limit,
         wait_for_workers_s=ns.wait_for_workers_s,
         frontend_id=ns.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}",
         metrics_port=ns.metrics_port,

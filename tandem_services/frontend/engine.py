@@ -34,7 +34,9 @@ from tandem_services.frontend.tool_parsers import render_tool_calls
 from tandem_services.frontend.tracker import (
     Cancel,
     Count,
+    FailAll,
     Failed,
+    Migration,
     Outputs,
     Register,
     RequestTracker,
@@ -116,7 +118,10 @@ class FrontendEngine:
         model_id: str,
         rpc_timeout_s: float = 30.0,
         tls: TlsConfig = PLAINTEXT,
+        migration_limit: int = 0,
     ) -> None:
+        """`migration_limit`: how many times one choice may move to another worker when its
+        worker is lost (tracker.py: Migration); 0 fails it instead."""
         self.frontend_id = frontend_id
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -124,7 +129,9 @@ class FrontendEngine:
         self.tls = tls
         self._channel = channel(scheduler_address, tls)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self.tracker = RequestTracker(tokenizer, self._abort_soon)
+        self.tracker = RequestTracker(
+            tokenizer, self._abort_soon, self._migrate_soon, migration_limit
+        )
         self.cluster = ClusterView()
         self.draining = False
         self._ids = itertools.count()
@@ -151,6 +158,13 @@ class FrontendEngine:
 
     async def num_inflight(self) -> int:
         return await self.tracker.ask(Count())
+
+    async def fail_inflight(self, message: str) -> int:
+        """End every request in flight with UNAVAILABLE `message` (aborted on the workers);
+        returns how many there were."""
+        return await self.tracker.ask(
+            FailAll(FrontendError(grpc.StatusCode.UNAVAILABLE, message, retry_after_s=1))
+        )
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{self.frontend_id}-{next(self._ids)}"
@@ -223,15 +237,20 @@ class FrontendEngine:
         """Stream a request's events; the last has `usage`. Raises FrontendError. Closing the
         iterator early aborts the request everywhere."""
         if self.draining:
-            raise FrontendError(grpc.StatusCode.UNAVAILABLE, "the frontend is shutting down")
+            raise FrontendError(
+                grpc.StatusCode.UNAVAILABLE, "the frontend is shutting down", retry_after_s=1
+            )
         n = inp.params.n
         choices = [
             (child_request_id(inp.request_id, i, n), child_params(inp.params, i)) for i in range(n)
         ]
-        queue = await self.tracker.ask(Register(inp.request_id, inp.prompt_token_ids, choices))
+        requests = tuple(self._engine_request(inp, rid, p) for rid, p in choices)
+        queue = await self.tracker.ask(
+            Register(inp.request_id, inp.prompt_token_ids, choices, requests)
+        )
         done = False
         try:
-            await asyncio.gather(*(self._submit(inp, rid, p) for rid, p in choices))
+            await asyncio.gather(*(self._submit_or_fail(r) for r in requests))
             while True:
                 for event in merge_queued(await queue.get(), queue):
                     if event.error is not None:
@@ -245,13 +264,26 @@ class FrontendEngine:
             if not done:
                 self.tracker.tell(Cancel(inp.request_id))
 
-    async def _submit(self, inp: GenerateInput, engine_id: str, params: Any) -> None:
-        request = common_pb2.EngineRequest(
+    @staticmethod
+    def _engine_request(
+        inp: GenerateInput, engine_id: str, params: Any
+    ) -> common_pb2.EngineRequest:
+        return common_pb2.EngineRequest(
             request_id=engine_id,
             prompt_token_ids=inp.prompt_token_ids,
             sampling_params=sampling_params_to_proto(params),
             priority=inp.priority,
         )
+
+    async def _submit_or_fail(self, request: common_pb2.EngineRequest) -> None:
+        """Submit; a refusal reaches the request's queue as its error (through the tracker,
+        which ignores it if the choice has meanwhile moved to another attempt)."""
+        try:
+            await self._submit(request)
+        except FrontendError as exc:
+            self.tracker.tell(Failed([request.request_id], exc, migratable=False))
+
+    async def _submit(self, request: common_pb2.EngineRequest) -> None:
         try:
             await self.scheduler.Submit(
                 scheduler_pb2.SubmitRequest(request=request, destination=self.frontend_id)
@@ -263,6 +295,18 @@ class FrontendEngine:
             raise FrontendError(
                 code, exc.details() or code.name, retry_after_s=retry_after_of(exc)
             ) from None
+
+    def _migrate_soon(self, migration: Migration) -> None:
+        self._spawn(self._migrate(migration))
+
+    async def _migrate(self, migration: Migration) -> None:
+        """Abort the lost attempt wherever it may still be (the other worker of a disaggregated
+        pair), then submit the continuation; a refusal fails the choice (tracker: Failed)."""
+        await self._abort([migration.old_request_id])
+        try:
+            await self._submit(migration.request)
+        except FrontendError as exc:
+            self.tracker.tell(Failed([migration.request.request_id], exc, migratable=False))
 
     def _abort_soon(self, engine_request_ids: list[str]) -> None:
         self._spawn(self._abort(engine_request_ids))

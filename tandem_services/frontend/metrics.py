@@ -6,6 +6,7 @@
     tandem_request_time_per_output_token_seconds   (last token - first token) / (tokens - 1)
     tandem_request_e2e_latency_seconds             generate() called -> last event
     tandem_prompt_tokens_total, tandem_generation_tokens_total
+    tandem_request_migrations_total                choices moved off a lost worker
 
 Both APIs (gRPC Generate, OpenAI HTTP) go through `FrontendEngine.generate`, so
 `MeteredFrontendEngine` measures there, once for both.
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tandem_services.common.metrics import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
 from tandem_services.frontend.engine import FrontendEngine
+from tandem_services.frontend.tracker import Migration
 from tandem_services.frontend.types import FrontendError, GenerateInput, StepEvent
 
 
@@ -54,6 +56,11 @@ class FrontendMetrics:
         )
         self.generation_tokens = Counter(
             "tandem_generation_tokens", "Output tokens streamed to clients.", registry=r
+        )
+        self.migrations = Counter(
+            "tandem_request_migrations",
+            "Choices continued on another worker after theirs was lost.",
+            registry=r,
         )
 
     def finish(
@@ -94,6 +101,10 @@ class MeteredFrontendEngine(FrontendEngine):
     def __init__(self, *args: Any, metrics: FrontendMetrics, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.metrics = metrics
+
+    def _migrate_soon(self, migration: Migration) -> None:
+        self.metrics.migrations.inc()
+        super()._migrate_soon(migration)
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[StepEvent]:
         start = time.monotonic()

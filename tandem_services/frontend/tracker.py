@@ -8,6 +8,22 @@ the rest from the decode worker, on two streams), and puts one `StepEvent` per i
 on the request's queue, which its handler drains. A request the engine ends as the request's
 own fault (`invalid_request`: a structured-output spec that does not compile) fails with
 INVALID_ARGUMENT (HTTP 400), other failures with UNAVAILABLE.
+
+Migration. A choice whose worker was lost (the scheduler's failure event, or a worker's error
+output: UNAVAILABLE) goes on elsewhere, up to `migration_limit` times: it is submitted again as
+a new engine request whose prompt is the original prompt plus every token the client has been
+sent, with `max_tokens` / `min_tokens` reduced by their number. Only the frontend knows exactly
+which tokens reached the client, so it is the frontend that builds the continuation:
+
+    engine id   cmpl-7 ──(worker lost after 5 tokens)──▶ cmpl-7~m1   (prompt + those 5 tokens)
+    output_index 0 1 2 3 4                               0 1 2 ...  + index_offset 5 = 5 6 7 ...
+
+Each attempt has its own engine id, so whatever the lost attempt still delivers (a late output,
+an error, a failure event) matches no choice and is dropped; the `ChoiceOutput` (detokenizer,
+stop strings, token counts) carries on across attempts, so no token is repeated or missing.
+Greedy output is that of an uninterrupted run. A seeded request's generator starts again from
+its seed at the migration point (the tokens after it differ from an uninterrupted run's), and
+presence / frequency penalties count the tokens before it as prompt, not output.
 """
 
 from __future__ import annotations
@@ -33,13 +49,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Choice:
+    # The engine request id of the current attempt (the first one's, or a migration's).
     request_id: str
     index: int
     params: SamplingParams
     output: ChoiceOutput
+    # The first attempt's engine request (a migration is built from it).
+    base: common_pb2.EngineRequest | None = None
+    # Every token applied so far (a migration's prompt ends with them).
+    token_ids: list[int] = field(default_factory=list)
     next_index: int = 0
-    # Outputs that arrived ahead of `next_index`.
+    # Outputs that arrived ahead of `next_index` (keyed by index in the whole output).
     pending: dict[int, worker_pb2.RequestOutput] = field(default_factory=dict)
+    migrations: int = 0
+    # The current attempt's output index 0 is this index in the whole output.
+    index_offset: int = 0
 
 
 @dataclass
@@ -64,6 +88,8 @@ class Register(Ask["asyncio.Queue[StepEvent]"]):
     prompt_token_ids: list[int]
     # (engine request id, params) per choice, in choice order.
     choices: list[tuple[str, SamplingParams]]
+    # Each choice's engine request as submitted (needed to migrate it); () : not migratable.
+    requests: tuple[common_pb2.EngineRequest, ...] = ()
 
 
 @dataclass
@@ -77,6 +103,8 @@ class Failed:
 
     engine_request_ids: list[str]
     error: FrontendError
+    # False: the error is final (a refused submit); True: a lost worker may be migrated from.
+    migratable: bool = True
 
 
 @dataclass
@@ -91,14 +119,51 @@ class Count(Ask[int]):
     pass
 
 
-TrackerMessage = Register | Outputs | Failed | Cancel | Count
+@dataclass
+class Migration:
+    """A choice to continue elsewhere: abort `old_request_id` (wherever it may still be) and
+    submit `request` (the continuation); a failed submit comes back as `Failed`."""
+
+    old_request_id: str
+    request: common_pb2.EngineRequest
+    num_streamed_tokens: int
+
+
+@dataclass
+class FailAll(Ask[int]):
+    """End every request in flight with `error` (shutdown after the grace period); answers
+    how many there were. Their handlers answer the client (HTTP 503, an error event)."""
+
+    error: FrontendError
+
+
+TrackerMessage = Register | Outputs | Failed | Cancel | Count | FailAll
+
+
+def migration_request_id(base_id: str, attempt: int) -> str:
+    """The engine request id of a choice's `attempt`-th migration (1, 2, ...)."""
+    return f"{base_id}~m{attempt}"
 
 
 class RequestTracker(Actor[TrackerMessage]):
-    def __init__(self, tokenizer: Any, abort: Callable[[list[str]], None]) -> None:
+    """`migrate` (with `migration_limit` > 0) continues a choice whose worker was lost; without
+    it such a choice fails with the worker's error."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        abort: Callable[[list[str]], None],
+        migrate: Callable[[Migration], None] | None = None,
+        migration_limit: int = 0,
+    ) -> None:
         super().__init__("request-tracker")
+        if migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         self.tokenizer = tokenizer
         self._abort = abort
+        self._migrate = migrate
+        self.migration_limit = migration_limit
+        self.num_migrations = 0
         self.requests: dict[str, _Request] = {}
         self.by_engine_id: dict[str, tuple[_Request, _Choice]] = {}
 
@@ -116,6 +181,11 @@ class RequestTracker(Actor[TrackerMessage]):
                     self._abort(running)
             case Count():
                 msg.answer(len(self.requests))
+            case FailAll():
+                reqs = list(self.requests.values())
+                for req in reqs:
+                    self._fail(req, msg.error)
+                msg.answer(len(reqs))
 
     def _register(self, msg: Register) -> asyncio.Queue[StepEvent]:
         if msg.request_id in self.requests:
@@ -125,7 +195,8 @@ class RequestTracker(Actor[TrackerMessage]):
         choices = []
         for i, (engine_id, params) in enumerate(msg.choices):
             output = ChoiceOutput(self.tokenizer, msg.prompt_token_ids, params)
-            choices.append(_Choice(engine_id, i, params, output))
+            base = msg.requests[i] if msg.requests else None
+            choices.append(_Choice(engine_id, i, params, output, base))
         req = _Request(msg.request_id, len(msg.prompt_token_ids), choices, asyncio.Queue())
         self.requests[msg.request_id] = req
         for c in choices:
@@ -140,10 +211,11 @@ class RequestTracker(Actor[TrackerMessage]):
             if found is None:
                 continue
             req, choice = found
-            if out.output_index > choice.next_index:
-                choice.pending[out.output_index] = out
+            index = out.output_index + choice.index_offset
+            if index > choice.next_index:
+                choice.pending[index] = out
                 continue
-            if out.output_index < choice.next_index:
+            if index < choice.next_index:
                 continue  # a duplicate
             if out.invalid_request:
                 # The engine could not run it (its structured-output spec does not compile,
@@ -152,7 +224,9 @@ class RequestTracker(Actor[TrackerMessage]):
                 self._fail(req, FrontendError(grpc.StatusCode.INVALID_ARGUMENT, message))
                 continue
             if out.finish_reason == common_pb2.FINISH_REASON_ABORT and out.error:
-                self._fail(req, FrontendError(grpc.StatusCode.UNAVAILABLE, out.error))
+                self._choice_failed(
+                    req, choice, FrontendError(grpc.StatusCode.UNAVAILABLE, out.error)
+                )
                 continue
             batch = deltas.setdefault(req.request_id, [])
             while True:
@@ -188,6 +262,7 @@ class RequestTracker(Actor[TrackerMessage]):
     ) -> ChoiceDelta:
         tokens = list(out.new_token_ids)
         choice.next_index += len(tokens)
+        choice.token_ids += tokens
         req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
         logprobs: list[Logprobs] | None = None
         if choice.params.logprobs is not None and out.logprobs:
@@ -214,7 +289,68 @@ class RequestTracker(Actor[TrackerMessage]):
         for engine_id in msg.engine_request_ids:
             found = self.by_engine_id.get(engine_id)
             if found is not None:
-                self._fail(found[0], msg.error)
+                self._choice_failed(found[0], found[1], msg.error, msg.migratable)
+
+    def _choice_failed(
+        self, req: _Request, choice: _Choice, error: FrontendError, migratable: bool = True
+    ) -> None:
+        """Migrate the choice if its worker was lost and it may still move; else fail it."""
+        if self.requests.get(req.request_id) is not req:
+            return
+        migration = self._migration(choice, error) if migratable else None
+        if migration is None:
+            if choice.migrations and error.code == grpc.StatusCode.UNAVAILABLE:
+                error = FrontendError(
+                    error.code, f"{error.message} (after {choice.migrations} migrations)"
+                )
+            self._fail(req, error)
+            return
+        old = choice.request_id
+        self.by_engine_id.pop(old, None)
+        choice.request_id = migration.request.request_id
+        choice.index_offset = choice.next_index
+        choice.pending.clear()  # the lost attempt's, ahead of what the client has
+        choice.migrations += 1
+        self.num_migrations += 1
+        self.by_engine_id[choice.request_id] = (req, choice)
+        logger.info(
+            "%s: %s; migrating after %d tokens as %s (migration %d of %d)",
+            old,
+            error.message,
+            choice.next_index,
+            choice.request_id,
+            choice.migrations,
+            self.migration_limit,
+        )
+        assert self._migrate is not None
+        self._migrate(migration)
+
+    def _migration(self, choice: _Choice, error: FrontendError) -> Migration | None:
+        """The continuation of `choice`, or None when it may not migrate."""
+        if (
+            error.code != grpc.StatusCode.UNAVAILABLE
+            or self._migrate is None
+            or choice.base is None
+            or choice.output.finished
+            or choice.migrations >= self.migration_limit
+        ):
+            return None
+        base = choice.base
+        k = len(choice.token_ids)
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(base.sampling_params)
+        if params.HasField("max_tokens"):
+            if params.max_tokens - k < 1:
+                return None
+            params.max_tokens -= k
+        if params.HasField("min_tokens"):
+            params.min_tokens = max(params.min_tokens - k, 0)
+        request = common_pb2.EngineRequest()
+        request.CopyFrom(base)
+        request.request_id = migration_request_id(base.request_id, choice.migrations + 1)
+        request.prompt_token_ids.extend(choice.token_ids)
+        request.sampling_params.CopyFrom(params)
+        return Migration(choice.request_id, request, k)
 
     def _fail(self, req: _Request, error: FrontendError) -> None:
         if self.requests.get(req.request_id) is not req:

@@ -4,6 +4,12 @@ The engine flags are the one definition in `tandem.config` (`add_engine_args`); 
 that differ from their defaults go to every worker as flags (`engine_argv`). The prefix-cache
 directory flags are the services' own (`tandem_services.common.directory`), defaults from
 `TANDEM_SERVE_<FLAG>`, then `TANDEM_<FLAG>`.
+
+While it runs, a worker that dies is started again (supervisor.py: `--max-worker-restarts`
+crashes within `--restart-window-s` allowed, back-off from `--restart-backoff-s`); the requests
+it was running move to another worker (`--migration-limit`, the frontend's). When supervision
+gives up, or the scheduler or frontend exits, everything is stopped, one line says why, and the
+exit code is 1.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from tandem.directory.factory import require_redis
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.tls import add_tls_args, tls_config_from
 from tandem_services.launcher.deployment import LaunchError, ServeConfig, start_deployment
+from tandem_services.launcher.supervisor import RestartPolicy, Supervisor
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unified", action="store_true", help="unified workers (no hand-off)")
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""))
     p.add_argument("--grace-period-s", type=float, default=10.0)
+    add_supervision_args(p)
     p.add_argument("--log-dir", default="", help="write each service's log to DIR/<name>.log")
     add_worker_placement_args(p)
     p.add_argument(
@@ -47,6 +55,41 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_args(p)
     add_engine_args(p)
     return p
+
+
+def add_supervision_args(p: argparse.ArgumentParser) -> None:
+    """Restart and migration flags of `tandem serve`."""
+    d = RestartPolicy()
+    p.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=d.max_worker_restarts,
+        help="crashes of one worker tolerated within --restart-window-s (each restarts it); "
+        "one more stops the deployment",
+    )
+    p.add_argument("--restart-window-s", type=float, default=d.restart_window_s)
+    p.add_argument(
+        "--restart-backoff-s",
+        type=float,
+        default=d.restart_backoff_s,
+        help="delay before restarting a dead worker, doubled per recent crash",
+    )
+    p.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="times one request may move to another worker when its worker is lost (0: fail)",
+    )
+
+
+def restart_policy_from(ns: argparse.Namespace) -> RestartPolicy:
+    """The `RestartPolicy` of parsed `tandem serve` flags (ValueError when out of range)."""
+    return RestartPolicy(
+        max_worker_restarts=ns.max_worker_restarts,
+        restart_window_s=ns.restart_window_s,
+        restart_backoff_s=ns.restart_backoff_s,
+        restart_backoff_max_s=max(RestartPolicy().restart_backoff_max_s, ns.restart_backoff_s),
+    )
 
 
 def gpu_list(value: str) -> tuple[int, ...]:
@@ -64,6 +107,9 @@ def add_worker_placement_args(p: argparse.ArgumentParser) -> None:
     """--num-prefill-workers, --num-unified-workers, --gpus (`tandem serve`, `bench serve`)."""
     p.add_argument(
         "--num-prefill-workers", type=int, default=1, help="prefill workers (disaggregated)"
+    )
+    p.add_argument(
+        "--num-decode-workers", type=int, default=1, help="decode workers (disaggregated)"
     )
     p.add_argument(
         "--num-unified-workers", type=int, default=1, help="unified workers (with --unified)"
@@ -90,6 +136,9 @@ def main(argv: list[str]) -> int:
     except (ValueError, ImportError) as exc:
         parser.error(str(exc))
     try:
+        policy = restart_policy_from(ns)
+        if ns.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {ns.migration_limit}")
         config = ServeConfig(
             model=ns.model,
             host=ns.host,
@@ -103,10 +152,12 @@ def main(argv: list[str]) -> int:
             log_dir=ns.log_dir,
             num_prefill_workers=ns.num_prefill_workers,
             num_unified_workers=ns.num_unified_workers,
+            num_decode_workers=ns.num_decode_workers,
             gpus=ns.gpus,
             directory=directory,
             routing=ns.routing,
             tls=tls,
+            frontend_args=("--migration-limit", str(ns.migration_limit)),
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -120,7 +171,7 @@ def main(argv: list[str]) -> int:
     mode = (
         f"{config.num_unified_workers} unified worker(s)"
         if config.unified
-        else f"{config.num_prefill_workers} prefill + 1 decode workers"
+        else f"{config.num_prefill_workers} prefill + {config.num_decode_workers} decode workers"
     )
     if config.gpus:
         mode += f" on GPUs {','.join(map(str, config.gpus))}"
@@ -146,16 +197,22 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     code = 0
+
+    def log(line: str) -> None:
+        print(f"tandem serve: {line}", file=sys.stderr, flush=True)
+
+    supervisor = Supervisor(deployment, policy, log)
     while not stop["signal"]:
-        dead = deployment.failed()
-        if dead:
-            print(f"tandem serve: {', '.join(dead)} exited; stopping", file=sys.stderr)
+        reason = supervisor.poll()
+        if reason is not None:
+            log(f"{reason}; stopping everything")
             code = 1
             break
         time.sleep(0.2)
     print("tandem serve: stopping ...", flush=True)
+    already_dead = set(deployment.failed())
     codes = deployment.stop()
-    bad = {n: c for n, c in codes.items() if c != 0}
+    bad = {n: c for n, c in codes.items() if c != 0 and n not in already_dead}
     if bad:
         print(f"tandem serve: unclean exits: {bad}", file=sys.stderr)
         code = 1

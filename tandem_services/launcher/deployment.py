@@ -71,6 +71,8 @@ class ServeConfig:
     num_prefill_workers: int = 1
     # Unified workers (with `unified`): "unified" (worker id unified-0), "unified-1", ...
     num_unified_workers: int = 1
+    # Decode workers (disaggregated): "decode" (worker id decode-0), "decode-1", ...
+    num_decode_workers: int = 1
     # GPU indices the workers go to, round robin in role order (): `--device` as given).
     gpus: tuple[int, ...] = ()
     # The prefix-cache directory for the scheduler and the workers ("": none).
@@ -87,6 +89,10 @@ class ServeConfig:
             raise ValueError(f"num_prefill_workers must be >= 1, got {self.num_prefill_workers}")
         if self.num_unified_workers < 1:
             raise ValueError(f"num_unified_workers must be >= 1, got {self.num_unified_workers}")
+        if self.num_decode_workers < 1:
+            raise ValueError(f"num_decode_workers must be >= 1, got {self.num_decode_workers}")
+        if self.num_decode_workers > 1 and self.unified:
+            raise ValueError("num_decode_workers > 1 needs disaggregated workers (no --unified)")
         if self.num_unified_workers > 1 and not self.unified:
             raise ValueError("num_unified_workers > 1 needs unified workers (--unified)")
         if any(g < 0 for g in self.gpus):
@@ -108,7 +114,11 @@ class ServeConfig:
             ("prefill" if i == 0 else f"prefill-{i}", "prefill")
             for i in range(self.num_prefill_workers)
         ]
-        return [*prefill, ("decode", "decode")]
+        decode = [
+            ("decode" if i == 0 else f"decode-{i}", "decode")
+            for i in range(self.num_decode_workers)
+        ]
+        return [*prefill, *decode]
 
 
 @dataclass(frozen=True)
@@ -176,6 +186,9 @@ class Service:
     ready_file: Path
     log_path: Path | None
     info: dict[str, str] = field(default_factory=dict)
+    # `python -m <module> <args>` (without the ready file): how to start it again.
+    module: str = ""
+    args: tuple[str, ...] = ()
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -238,7 +251,8 @@ def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> int:
     return process.returncode
 
 
-def _read_ready(path: Path) -> dict[str, str] | None:
+def read_ready(path: Path) -> dict[str, str] | None:
+    """The key=value lines of a service's ready file; None until it is written."""
     if not path.exists():
         return None
     info = {}
@@ -300,7 +314,18 @@ def spawn_service(
     )
     if out is not None:
         out.close()
-    return Service(name, process, ready, log_path)
+    return Service(name, process, ready, log_path, module=module, args=tuple(args))
+
+
+def respawn_service(deployment: Deployment, service: Service) -> Service:
+    """Start `service` (which has exited) again with the same command line; its log file
+    gets the new process's output appended. Not ready until its ready file is written."""
+    if service.process.poll() is None:
+        raise RuntimeError(f"{service.name} is still running")
+    service.ready_file.unlink(missing_ok=True)
+    return spawn_service(
+        deployment.config, service.name, service.module, list(service.args), deployment.workdir
+    )
 
 
 def wait_ready(services: list[Service], deadline: float) -> None:
@@ -308,7 +333,7 @@ def wait_ready(services: list[Service], deadline: float) -> None:
     pending = list(services)
     while pending:
         for s in list(pending):
-            info = _read_ready(s.ready_file)
+            info = read_ready(s.ready_file)
             if info is not None:
                 s.info = info
                 pending.remove(s)

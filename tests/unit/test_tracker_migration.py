@@ -1,0 +1,160 @@
+"""The frontend tracker's migration (issue 15), driven as a real actor with real worker protos:
+a choice whose worker is lost continues as a new engine request (prompt + the tokens the client
+has, max_tokens / min_tokens reduced); the client's stream goes on with no token repeated or
+missing; whatever the lost attempt still delivers is dropped; the limit holds."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import grpc
+
+from tandem.sampling_params import SamplingParams
+from tandem_protos.v1 import common_pb2, worker_pb2
+from tandem_services.common.convert import sampling_params_to_proto
+from tandem_services.frontend.tracker import (
+    Failed,
+    Migration,
+    Outputs,
+    Register,
+    RequestTracker,
+    migration_request_id,
+)
+from tandem_services.frontend.types import FrontendError, StepEvent
+
+PIECES = ["a", "b", "c", "d", "e", "f", "g", "h"]
+LOST = FrontendError(grpc.StatusCode.UNAVAILABLE, "worker decode-0 was lost")
+
+
+class PieceTokenizer:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return "".join(PIECES[i] for i in ids)
+
+
+def _out(rid: str, index: int, ids: list[int], finish: int = 0) -> Outputs:
+    out = worker_pb2.RequestOutput(
+        request_id=rid, output_index=index, new_token_ids=ids, finish_reason=finish
+    )
+    return Outputs(worker_pb2.StepOutputs(outputs=[out]))
+
+
+async def _drain(queue: asyncio.Queue[StepEvent], n: int) -> list[StepEvent]:
+    return [await asyncio.wait_for(queue.get(), 5) for _ in range(n)]
+
+
+def _setup(
+    limit: int, params: SamplingParams
+) -> tuple[RequestTracker, list[Migration], list[str], common_pb2.EngineRequest]:
+    migrations: list[Migration] = []
+    aborted: list[str] = []
+    tracker = RequestTracker(PieceTokenizer(), aborted.extend, migrations.append, limit)
+    request = common_pb2.EngineRequest(
+        request_id="r",
+        prompt_token_ids=[7, 7],
+        sampling_params=sampling_params_to_proto(params),
+        priority=3,
+    )
+    return tracker, migrations, aborted, request
+
+
+def test_a_lost_worker_migrates_and_the_stream_goes_on() -> None:
+    async def main() -> None:
+        params = SamplingParams(max_tokens=6, min_tokens=4, temperature=0)
+        tracker, migrations, _, request = _setup(2, params)
+        tracker.start()
+        try:
+            queue = await tracker.ask(Register("r", [7, 7], [("r", params)], (request,)))
+            tracker.tell(_out("r", 0, [0]))  # from the prefill worker
+            tracker.tell(_out("r", 1, [1, 2]))  # from the decode worker, then it dies
+            tracker.tell(Failed(["r"], LOST))
+            events = await _drain(queue, 2)
+            await asyncio.sleep(0.05)
+            assert len(migrations) == 1
+            m = migrations[0]
+            assert m.old_request_id == "r" and m.num_streamed_tokens == 3
+            assert m.request.request_id == migration_request_id("r", 1)
+            assert list(m.request.prompt_token_ids) == [7, 7, 0, 1, 2]
+            assert m.request.sampling_params.max_tokens == 3
+            assert m.request.sampling_params.min_tokens == 1
+            assert m.request.priority == 3
+            # The lost attempt's late output and failure match nothing now.
+            tracker.tell(_out("r", 3, [7]))
+            tracker.tell(Failed(["r"], LOST))
+            # The continuation's outputs count from 0 again; a duplicate is dropped.
+            new = m.request.request_id
+            tracker.tell(_out(new, 0, [3]))
+            tracker.tell(_out(new, 0, [3]))
+            tracker.tell(_out(new, 1, [4, 5], common_pb2.FINISH_REASON_LENGTH))
+            events += await _drain(queue, 2)
+            assert queue.empty()
+            text = "".join(d.text for e in events for d in e.deltas)
+            assert text == "abcdef"
+            assert events[-1].finished and events[-1].usage is not None
+            assert events[-1].usage.completion_tokens == 6
+            assert events[-1].usage.prompt_tokens == 2
+            assert tracker.num_migrations == 1
+        finally:
+            await tracker.stop()
+
+    asyncio.run(main())
+
+
+def test_the_migration_limit_then_a_clear_error() -> None:
+    async def main() -> None:
+        params = SamplingParams(max_tokens=8, temperature=0)
+        tracker, migrations, aborted, request = _setup(1, params)
+        tracker.start()
+        try:
+            queue = await tracker.ask(Register("r", [7], [("r", params)], (request,)))
+            tracker.tell(_out("r", 0, [0]))
+            tracker.tell(Failed(["r"], LOST))
+            await _drain(queue, 1)
+            await asyncio.sleep(0.05)
+            [m] = migrations
+            new = m.request.request_id
+            tracker.tell(_out(new, 0, [1]))
+            tracker.tell(Failed([new], LOST))  # lost again: the limit (1) is reached
+            events = await _drain(queue, 2)
+            assert events[-1].error is not None
+            assert events[-1].error.code == grpc.StatusCode.UNAVAILABLE
+            assert "after 1 migrations" in events[-1].error.message
+            assert len(migrations) == 1 and aborted == [new]
+        finally:
+            await tracker.stop()
+
+    asyncio.run(main())
+
+
+def test_a_refused_submit_is_not_migrated() -> None:
+    async def main() -> None:
+        params = SamplingParams(max_tokens=8, temperature=0)
+        tracker, migrations, _, request = _setup(3, params)
+        tracker.start()
+        try:
+            queue = await tracker.ask(Register("r", [7], [("r", params)], (request,)))
+            refused = FrontendError(grpc.StatusCode.UNAVAILABLE, "no worker within 60s")
+            tracker.tell(Failed(["r"], refused, migratable=False))
+            [event] = await _drain(queue, 1)
+            assert event.error is refused and not migrations
+        finally:
+            await tracker.stop()
+
+    asyncio.run(main())
+
+
+def test_without_a_limit_a_lost_worker_fails_the_request() -> None:
+    async def main() -> None:
+        params = SamplingParams(max_tokens=8, temperature=0)
+        tracker, migrations, _, request = _setup(0, params)
+        tracker.start()
+        try:
+            queue = await tracker.ask(Register("r", [7], [("r", params)], (request,)))
+            tracker.tell(_out("r", 0, [0]))
+            tracker.tell(Failed(["r"], LOST))
+            events = await _drain(queue, 2)
+            assert events[-1].error is LOST and not migrations
+        finally:
+            await tracker.stop()
+
+    asyncio.run(main())
