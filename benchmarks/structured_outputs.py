@@ -221,6 +221,7 @@ def main() -> None:
         max_num_seqs=batch,
         max_num_batched_tokens=max(2048, batch * 2),
         max_model_len=input_len + output_len + 16,
+        compile_timeout_s=0,  # measure the compile, however long it takes
     )
     if not gpu:
         kwargs.update(dtype="float32", num_threads=ns.threads)

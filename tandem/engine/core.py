@@ -270,7 +270,7 @@ class EngineCore:
             )
         step = self.executor.execute_async(scheduler_output)
         if not self.async_scheduling:
-            return self.scheduler.update_from_output(scheduler_output, step.result())
+            return outputs + self.scheduler.update_from_output(scheduler_output, step.result())
         previous, self._pending = self._pending, (scheduler_output, step)
         if previous is not None:
             outputs += self.scheduler.update_from_output(previous[0], previous[1].result())

@@ -116,6 +116,11 @@ def workload() -> tuple[list[str], list[SamplingParams]]:
 
 
 def assert_pool_whole(llm: LLM) -> None:
+    # Under async scheduling a request that stopped on EOS leaves one launched step whose
+    # tokens are dropped; the next step applies it.
+    for _ in range(2):
+        if llm.engine.has_unfinished_requests():
+            llm.engine.step()
     pool = llm.engine.scheduler.kv_cache_manager.block_pool
     pool.check_invariants()
     assert pool.is_whole
@@ -267,8 +272,8 @@ def test_a_spec_past_the_compile_limit_fails_and_others_run() -> None:
 def test_a_request_waiting_for_its_grammar_does_not_hold_up_the_step(llm: LLM) -> None:
     engine = llm.engine
     tok = llm.tokenizer
-    slow = greedy(StructuredOutputsParams(json=deep_schema(6)), 4)
-    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    slow = greedy(StructuredOutputsParams(json=deep_schema(7)), 4)  # compiles for seconds
+    plain = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     ids = list(tok("Hello there").input_ids)
     engine.add_request(EngineCoreRequest("slow", ids, slow, eos_token_id=tok.eos_token_id))
     engine.add_request(EngineCoreRequest("plain", ids, plain, eos_token_id=tok.eos_token_id))
