@@ -358,8 +358,11 @@ def run_engine_core(
     )
     if config.device.cpu_cores == "auto":
         # This process runs only the engine: a CPU engine binds its threads to its cores.
+        from tandem.worker.cpu_threads import engine_process_cpu_cores
+
+        cores = engine_process_cpu_cores(config.device)
         config = dataclasses.replace(
-            config, device=dataclasses.replace(config.device, cpu_cores="all")
+            config, device=dataclasses.replace(config.device, cpu_cores=cores)
         )
     try:
         engine = EngineCore(config)

@@ -5,7 +5,11 @@ caps how many. With a core list, the engine's OpenMP pool gets one thread per co
 i is bound to core i (the calling thread is thread 0), through `tandem_kernels.cpu`; without
 the extension, or with "none", only the thread count is set. "auto" is "none" here: binding an
 engine on the caller's thread would pin the caller's own thread; the engine-core process (which
-runs nothing else) turns "auto" into "all" before it builds its engine (`core_proc`).
+runs nothing else) turns "auto" into `engine_process_cpu_cores` before it builds its engine
+(`core_proc`): "all" when the engine owns every core it may run on (no `--num-threads`, or at
+least one per allowed core: a container's cpuset, a launcher's core set), else "none" (a thread
+count below the allowed cores, as under a CPU quota: binding would stack every such engine on
+the first cores).
 
 The OpenMP wait policy (spinning vs sleeping between parallel regions) is set before torch
 loads, in `tandem.runtime_env`; see there for the figures.
@@ -37,6 +41,16 @@ def cpu_supports_bf16() -> bool:
             flags = set(line.partition(":")[2].split())
             return bool(flags & {"avx512_bf16", "amx_bf16"})
     return False
+
+
+def engine_process_cpu_cores(config: DeviceConfig) -> str:
+    """What "auto" means in an engine-core process (see the module doc)."""
+    if config.cpu_cores != "auto":
+        return config.cpu_cores
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    if allowed and (config.num_threads <= 0 or config.num_threads >= len(allowed)):
+        return "all"
+    return "none"
 
 
 def resolve_cpu_cores(config: DeviceConfig) -> tuple[int, ...] | None:

@@ -54,6 +54,7 @@ NON_DEFAULT: dict[str, Any] = {
     "enforce_eager": True,
     "cuda_graph_sizes": (1, 3),
     "num_threads": 1,
+    "cpu_cores": "0",
 }
 # Flags whose only valid value today is the default (checked to refuse others instead).
 ONLY_DEFAULT = {"tensor_parallel_size", "pipeline_parallel_size"}
