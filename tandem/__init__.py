@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tandem.sampling_params import SamplingParams
+from tandem.runtime_env import set_openmp_defaults
+
+set_openmp_defaults()  # before anything loads torch (see tandem/runtime_env.py)
+
+from tandem.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from tandem.engine.llm import LLM

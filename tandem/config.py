@@ -288,6 +288,24 @@ _CUDA_GRAPH_SIZES += (320, 384, 448, 512, 640, 768, 896, 1024)
 _PIECEWISE_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 
 
+def parse_core_list(text: str) -> tuple[int, ...]:
+    """`0-3,8` -> (0, 1, 2, 3, 8): comma-separated cores and inclusive ranges, no repeats."""
+    cores: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cores.extend(range(first, last + 1))
+    except ValueError:
+        msg = f"cpu_cores must be auto, all, none or a list like 0-3,8: {text!r}"
+        raise ConfigError(msg) from None
+    if len(set(cores)) != len(cores):
+        raise ConfigError(f"cpu_cores lists a core twice: {text!r}")
+    return tuple(cores)
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     """Where the model runs and how it is compiled: "auto" (CUDA when present), "cpu", "cuda"
@@ -302,8 +320,12 @@ class DeviceConfig:
             type=device_arg,
         ),
     )
-    attention_backend: Literal["auto", "torch", "triton"] = field(
-        default="auto", metadata=flag("attention implementation (auto: triton on CUDA)")
+    attention_backend: Literal["auto", "torch", "triton", "cpu"] = field(
+        default="auto",
+        metadata=flag(
+            "attention implementation (auto: triton on CUDA; on CPUs cpu, the C++ kernels, "
+            "when they build, else torch)"
+        ),
     )
     enforce_eager: bool = field(default=False, metadata=flag("no CUDA graphs"))
     cuda_graph_sizes: tuple[int, ...] = field(
@@ -321,13 +343,24 @@ class DeviceConfig:
         metadata=flag("token counts of mixed steps captured as piecewise CUDA graphs"),
     )
     num_threads: int = field(default=0, metadata=flag("torch intra-op threads (0: torch's)"))
+    cpu_cores: str = field(
+        default="auto",
+        metadata=flag(
+            "CPU engine: cores its threads are bound to, one thread each, e.g. 0-3,8 "
+            "(all: the cores this process may use; none: unbound; auto: all in an engine "
+            "process, none for an engine on the caller's thread); --num-threads caps the count"
+        ),
+    )
 
     def __post_init__(self) -> None:
         parse_device(self.device)
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise ConfigError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend}"
+                "attention_backend must be auto, torch, triton or cpu, "
+                f"got {self.attention_backend}"
             )
+        if self.cpu_cores not in ("auto", "all", "none"):
+            parse_core_list(self.cpu_cores)
         if any(s < 1 for s in self.cuda_graph_sizes):
             raise ConfigError("cuda_graph_sizes must be positive")
         if self.cudagraph_mode not in ("full_decode_only", "full_and_piecewise"):

@@ -25,6 +25,7 @@ a step raises (after a FATAL frame naming the error).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -355,6 +356,14 @@ def run_engine_core(
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if config.device.cpu_cores == "auto":
+        # This process runs only the engine: a CPU engine binds its threads to its cores.
+        from tandem.worker.cpu_threads import engine_process_cpu_cores
+
+        cores = engine_process_cpu_cores(config.device)
+        config = dataclasses.replace(
+            config, device=dataclasses.replace(config.device, cpu_cores=cores)
+        )
     try:
         engine = EngineCore(config)
         shared = share_kv_cache(engine) if options.share_kv_cache else None

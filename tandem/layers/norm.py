@@ -28,13 +28,23 @@ def fused_add_rms_norm(
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim. Called with a residual, it adds it first and returns both."""
+    """RMSNorm over the last dim. Called with a residual, it adds it first and returns both.
+
+    With `cpu_kernels` (the model runs the CPU step path), 2-D CPU inputs go through one C++
+    pass (tandem_kernels/cpu): the residual is then updated in place.
+    """
 
     def __init__(
-        self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device
+        self,
+        hidden_size: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        cpu_kernels: bool = False,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.cpu_kernels = cpu_kernels
         self.weight = nn.Parameter(
             torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
         )
@@ -48,6 +58,12 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return k.rms_norm(x, self.weight, self.eps)
             return k.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if self.cpu_kernels and x.dim() == 2 and x.stride(-1) == 1:
+            from tandem_kernels import cpu
+
+            if residual is None:
+                return cpu.rms_norm(x, self.weight, self.eps)
+            return cpu.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -26,6 +26,7 @@ from torch import nn
 
 from tandem.layers.activation import SiluAndMul
 from tandem.layers.attention.backend import AttentionBackend, AttentionMetadata
+from tandem.layers.attention.cpu_backend import CpuAttentionBackend
 from tandem.layers.linear import Linear, MergedLinear, QKVLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_parameters_from_config
@@ -60,6 +61,9 @@ class LlamaAttention(nn.Module):
         # Shared across layers; kept out of the module tree so it isn't registered N times.
         self._rotary_emb = [rotary_emb]
         self.attn_backend = attn_backend
+        # CPU step path: one kernel splits Q/K/V, rotates Q and K and writes K/V into the
+        # paged cache; attention then reads the cache in place (tandem_kernels/cpu).
+        self.fused_cpu = isinstance(attn_backend, CpuAttentionBackend)
 
     def forward(
         self,
@@ -68,13 +72,17 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.fused_cpu:
+            qkv = self.qkv_proj(hidden_states)
+            return self._forward_cpu(positions, qkv, kv_cache, attn_metadata)
         q, k, v = self.project_qkv(positions, hidden_states)
         return self.o_proj(self.attend(q, k, v, kv_cache, attn_metadata))
 
     def project_qkv(
         self, positions: torch.Tensor, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q `[T, H, D]`, K and V `[T, Hkv, D]`, rotary applied (no KV cache access)."""
+        """Q `[T, H, D]`, K and V `[T, Hkv, D]`, rotary applied (no KV cache access; the
+        piecewise path; the fused CPU path is `_forward_cpu`)."""
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -96,6 +104,32 @@ class LlamaAttention(nn.Module):
         """The backend's KV write and attention: `[T, H * D]`, before o_proj."""
         out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_size)
+
+    def _forward_cpu(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        from tandem_kernels import cpu
+
+        rotary = self._rotary_emb[0]
+        backend = self.attn_backend
+        assert isinstance(backend, CpuAttentionBackend)
+        q, k, v = cpu.rotary_qkv_cache(
+            qkv,
+            positions,
+            rotary.cos_cache,
+            rotary.sin_cache,
+            kv_cache,
+            attn_metadata.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+        )
+        out = backend.attend(q, k, v, kv_cache, attn_metadata, self.scale)
+        return self.o_proj(out.view(qkv.shape[0], self.num_heads * self.head_size))
 
 
 class LlamaMLP(nn.Module):
@@ -141,8 +175,13 @@ class LlamaDecoderLayer(nn.Module):
             device,
         )
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        cpu_kernels = isinstance(attn_backend, CpuAttentionBackend)
+        self.input_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cpu_kernels=cpu_kernels
+        )
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cpu_kernels=cpu_kernels
+        )
 
     def forward(
         self,
@@ -219,7 +258,13 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, self.rotary_emb, attn_backend, dtype, device)
             for _ in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(
+            cfg.hidden_size,
+            cfg.rms_norm_eps,
+            dtype,
+            device,
+            cpu_kernels=isinstance(attn_backend, CpuAttentionBackend),
+        )
 
     def forward(
         self,

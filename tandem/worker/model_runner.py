@@ -29,6 +29,7 @@ from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
 from tandem.loader import build_model
 from tandem.models.llama import LlamaForCausalLM
+from tandem.worker.cpu_threads import cpu_supports_bf16, default_cpu_backend
 from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import InputBatch, StepInputs
 from tandem.worker.piecewise_graph import PiecewiseCudaGraphs
@@ -41,8 +42,11 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """`auto`: bf16 on CUDA and on CPUs with native bf16 (avx512_bf16 / AMX), else fp32."""
     if name == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
+        if device == "cuda" or (device == "cpu" and cpu_supports_bf16()):
+            return torch.bfloat16
+        return torch.float32
     return _DTYPES[name]
 
 
@@ -72,7 +76,7 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         backend_name = config.device.attention_backend
         if backend_name == "auto":
-            backend_name = "triton" if device.type == "cuda" else "torch"
+            backend_name = "triton" if device.type == "cuda" else default_cpu_backend()
         self.attn_backend = get_attention_backend(backend_name)
         self.hf_config = hf_config
         torch.manual_seed(config.model.seed)

@@ -25,6 +25,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.core.outputs import SchedulerOutput
+from tandem.worker.cpu_threads import setup_cpu_threads
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import PendingStep
 
@@ -43,6 +44,8 @@ class Worker:
     ) -> None:
         self.config = config
         self.rank = rank
+        # CPU: the cores this rank's threads are bound to (None: unbound); see cpu_threads.
+        self.cpu_cores: tuple[int, ...] | None = None
         self.device = self.init_device()
         self.init_distributed()
         before = self._allocated()
@@ -56,11 +59,13 @@ class Worker:
 
     def init_device(self) -> torch.device:
         """Resolve the device and make it current on this thread (see the module docstring);
-        apply the CPU thread count."""
+        on a CPU, set the thread count and bind the threads (`cpu_threads`)."""
         config = self.config.device
-        if config.num_threads > 0:
-            torch.set_num_threads(config.num_threads)
         device = torch.device(config.resolved_device())
+        if device.type == "cpu":
+            self.cpu_cores = setup_cpu_threads(config)
+        elif config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
         if config.device_index is not None:
             torch.cuda.set_device(device)
         return device

@@ -144,8 +144,12 @@ def worker_commands(config: ServeConfig, scheduler_address: str) -> list[WorkerC
     (this machine's cores shared among them) unless the worker args set it or a device."""
     roles = config.worker_roles
     shared = list(config.worker_args)
+    core_sets: list[str] = []
     if "--num-threads" not in shared and "--device" not in shared and not config.gpus:
-        shared += ["--num-threads", str(default_cpu_threads(len(roles)))]
+        threads = default_cpu_threads(len(roles))
+        shared += ["--num-threads", str(threads)]
+        if "--cpu-cores" not in shared:
+            core_sets = default_cpu_core_sets(len(roles), threads)
     commands = []
     for i, (name, role) in enumerate(roles):
         module = (
@@ -174,6 +178,8 @@ def worker_commands(config: ServeConfig, scheduler_address: str) -> list[WorkerC
         args += tls_argv(config.tls)
         if config.gpus:
             args += ["--device", f"cuda:{config.gpus[i % len(config.gpus)]}"]
+        if core_sets:
+            args += ["--cpu-cores", core_sets[i]]
         args += shared
         commands.append(WorkerCommand(name, role, worker_id, module, tuple(args)))
     return commands
@@ -353,6 +359,22 @@ def default_cpu_threads(num_workers: int) -> int:
     clients, shared among the workers. (More threads than free cores makes every step wait
     on busy cores: on 2 shared cores, 2 threads ran a decode step 18x slower than 1.)"""
     return max(1, ((os.cpu_count() or 1) - 1) // num_workers)
+
+
+def default_cpu_core_sets(num_workers: int, threads: int) -> list[str]:
+    """The cores each CPU worker's engine threads are bound to (its `--cpu-cores`): the cores
+    this process may use, the first left to the frontend, scheduler and clients when there
+    are two or more, the rest dealt out `threads` per worker in order (wrapping round when
+    there are fewer cores than threads in all)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cores:
+        cores = list(range(os.cpu_count() or 1))
+    pool = cores[1:] if len(cores) > 1 else cores
+    sets = []
+    for i in range(num_workers):
+        picked = sorted({pool[(i * threads + j) % len(pool)] for j in range(threads)})
+        sets.append(",".join(str(c) for c in picked))
+    return sets
 
 
 def start_deployment(config: ServeConfig) -> Deployment:

@@ -63,6 +63,7 @@ NON_DEFAULT: dict[str, Any] = {
     "compile_threads": 3,
     "bitmask_threads": 2,
     "grammar_cache_size": 17,
+    "cpu_cores": "0",
 }
 # Flags whose only valid value today is the default (checked to refuse others instead).
 ONLY_DEFAULT = {"tensor_parallel_size", "pipeline_parallel_size"}

@@ -112,9 +112,12 @@ def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBac
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    """Instantiate a registered backend by name ("torch", "triton")."""
+    """Instantiate a registered backend by name ("torch", "triton", "cpu")."""
     # Importing the modules registers their classes.
     from tandem.layers.attention import torch_backend  # noqa: F401
+
+    if name == "cpu":
+        from tandem.layers.attention import cpu_backend  # noqa: F401
 
     if name == "triton":
         from tandem.layers.attention import triton_backend  # noqa: F401

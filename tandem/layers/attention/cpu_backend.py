@@ -1,0 +1,81 @@
+"""CPU paged attention read in place: the C++ kernel of `tandem_kernels.cpu`.
+
+The torch backend gathers each request's blocks into padded K/V tensors and runs SDPA over the
+padding; this one reads every K/V row where its block is, one work item per (request, KV head,
+tile of 16 query rows), items taken dynamically by the OpenMP threads. Decode, chunked prefill,
+prefix hits and mixed steps are one code path: query row j of request r attends to positions
+`0 .. seq_lens[r] - query_len + j` of its cached context.
+
+On the Llama step path the K/V write is fused into the rotary kernel
+(`tandem_kernels.cpu.rotary_qkv_cache`) and the model calls `attend` on an already written
+cache; `forward` (write, then attend) keeps the backend interface for every other caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.layers.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    register_attention_backend,
+)
+from tandem.layers.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+
+
+@register_attention_backend
+class CpuAttentionBackend(AttentionBackend):
+    """Paged attention on the CPU through the C++ extension (built on first use)."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from tandem_kernels import cpu
+
+        if not cpu.available():
+            raise RuntimeError("the cpu attention backend needs the tandem CPU extension")
+        self._reference = TorchAttentionBackend()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        n = metadata.num_actual_tokens
+        if kv_cache.numel() > 0 and n > 0:
+            write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        return self.attend(query, key, value, kv_cache, metadata, scale)
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,  # this step's K/V already written at slot_mapping
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention over a cache that already holds this step's K/V (`key`/`value` are
+        read only when there is no cache)."""
+        if kv_cache.numel() == 0 or metadata.num_actual_tokens == 0:
+            return self._reference.forward(query, key, value, kv_cache, metadata, scale)
+        from tandem_kernels import cpu
+
+        r = metadata.num_reqs
+        out = cpu.paged_attention(
+            query[: metadata.num_actual_tokens],
+            kv_cache,
+            metadata.block_table[:r],
+            metadata.seq_lens[:r],
+            metadata.query_start_loc[: r + 1],
+            scale,
+        )
+        if out.shape[0] == query.shape[0]:
+            return out
+        full = torch.zeros_like(query)
+        full[: out.shape[0]] = out
+        return full

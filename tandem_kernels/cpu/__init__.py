@@ -1,0 +1,115 @@
+"""CPU kernels of the step path, a C++ extension built on first use (JIT, the system compiler).
+
+`cpu_ops.cpp` registers torch ops in the `tandem_cpu` namespace; the wrappers below state their
+contracts. `available()` builds (or loads the cached build of) the extension once per process
+and says whether it can be used; without a C++ compiler the engine keeps the pure-torch path.
+
+- `rms_norm(x [T, H], weight, eps)` and `fused_add_rms_norm(x, residual, weight, eps)`
+  (residual += x in place, returns the normed rows): as `tandem.layers.norm`;
+- `rotary_qkv_cache(qkv [T, (H + 2 KVH) D], positions, cos, sin, kv_cache, slot_mapping, ...)`:
+  splits the fused projection, rotates Q and K (as `tandem.layers.rotary`), writes K/V of every
+  token with a slot >= 0 into the paged cache, returns (q, k, v) contiguous;
+- `paged_attention(query [T, H, D], kv_cache, block_table, seq_lens, query_start_loc, scale)`:
+  causal attention of each request's query rows over its cached context, read where the blocks
+  are (no gather, no padding); see `tandem.layers.attention.backend` for the layout;
+- `bind_threads(cores)`: one OpenMP thread per core, thread i bound to `cores[i]`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and flags: builds with -march=native differ per CPU."""
+    text = platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        text += "".join(ln for ln in lines if ln.startswith(("model name", "flags")))[:4096]
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def available() -> bool:
+    """Build or load the extension (once per process); False, with a warning, if it cannot."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
+        if platform.machine() in ("x86_64", "AMD64"):
+            flags.append("-march=native")
+        load(
+            name=f"tandem_cpu_ops_{_cpu_tag()}",
+            sources=[str(_SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no headers, a failed build
+        logger.warning("CPU kernels unavailable (%s): the pure-torch CPU path runs", exc)
+        return False
+    return True
+
+
+def _ops() -> object:
+    if not available():
+        raise RuntimeError("the tandem CPU extension could not be built (see the log)")
+    return torch.ops.tandem_cpu
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _ops().rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual += x` in place; returns `(rms_norm(residual), residual)`."""
+    return _ops().fused_add_rms_norm(x, residual, weight, eps), residual
+
+
+def rotary_qkv_cache(
+    qkv: torch.Tensor,  # [T, (H + 2 KVH) * D], rows contiguous
+    positions: torch.Tensor,  # [T] int64
+    cos_cache: torch.Tensor,  # [P, D / 2] float32
+    sin_cache: torch.Tensor,  # [P, D / 2] float32
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D] or empty (no write)
+    slot_mapping: torch.Tensor,  # [>= T] int64; slot < 0: not written
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = _ops().rotary_qkv_cache(
+        qkv, positions, cos_cache, sin_cache, kv_cache, slot_mapping,
+        num_heads, num_kv_heads, head_size,
+    )  # fmt: skip
+    return q, k, v
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D]
+    block_table: torch.Tensor,  # [R, max_blocks] int32
+    seq_lens: torch.Tensor,  # [R] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    scale: float,
+) -> torch.Tensor:
+    return _ops().paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale)
+
+
+def bind_threads(cores: list[int]) -> list[int]:
+    """Bind OpenMP thread i to `cores[i]` (the pool becomes `len(cores)` threads); returns the
+    core each thread runs on afterwards."""
+    return list(_ops().bind_threads(cores))

@@ -1,0 +1,386 @@
+// CPU kernels of tandem's step path (see tandem_kernels/cpu/__init__.py for the contracts).
+//
+// Registered as torch ops in the `tandem_cpu` namespace (no pybind11: the JIT build stays
+// short). Every kernel computes in float32 and rounds once to the tensor dtype; the float32
+// operation order of the pure-torch references is kept where parity depends on it (build with
+// -ffp-contract=off: no fused multiply-adds the references do not do).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <omp.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_f(T x) {
+  return static_cast<float>(x);
+}
+
+// ---------------------------------------------------------------------------- RMSNorm
+
+// x: [T, H] rows with stride x_stride. If residual is given: residual <- x + residual (in the
+// input dtype), then out <- weight * round(residual * rsqrt(mean(residual^2) + eps)).
+template <typename T>
+void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t rows, int64_t h,
+                   int64_t x_stride, int64_t out_stride, int64_t res_stride, double eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(h);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      T* orow = out + r * out_stride;
+      if (residual != nullptr) {
+        T* rr = residual + r * res_stride;
+        for (int64_t i = 0; i < h; ++i) {
+          T s = static_cast<T>(to_f(xr[i]) + to_f(rr[i]));
+          rr[i] = s;
+          buf[i] = to_f(s);
+        }
+      } else {
+        for (int64_t i = 0; i < h; ++i) buf[i] = to_f(xr[i]);
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) ss += buf[i] * buf[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
+      for (int64_t i = 0; i < h; ++i) {
+        T normed = static_cast<T>(buf[i] * inv);
+        orow[i] = static_cast<T>(to_f(weight[i]) * to_f(normed));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [T, H], rows contiguous");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: weight [H]");
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), nullptr,
+                            weight.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
+                            out.stride(0), 0, eps);
+  });
+  return out;
+}
+
+// Returns the normed rows; `residual` is updated in place (residual += x).
+at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                              double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "fused_add_rms_norm: x must be [T, H]");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1, "residual like x");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "residual dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight [H]");
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms", [&] {
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                            residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                            x.size(0), x.size(1), x.stride(0), out.stride(0), residual.stride(0),
+                            eps);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------- rotary
+
+// qkv: [T, (H + 2 KVH) * D] rows (the fused projection's output). Writes q_out [T, H, D]
+// (rotated), and K (rotated) and V of every token with slot >= 0 into kv_cache
+// [num_blocks, 2, block_size, KVH, D] (any strides on dim 0; the rest contiguous). Returns
+// nothing; the rotation is x * cos + rotate_half(x) * sin with cos/sin rounded to the dtype.
+template <typename T, typename C>
+void rotary_qkv_cache_impl(const at::Tensor& qkv, const at::Tensor& positions,
+                           const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                           at::Tensor& q_out, at::Tensor& k_out, at::Tensor& v_out,
+                           at::Tensor& kv_cache, const at::Tensor& slot_mapping, int64_t nh,
+                           int64_t nkv, int64_t d, bool write_cache) {
+  const int64_t tokens = qkv.size(0);
+  const int64_t half = d / 2;
+  const T* src = qkv.data_ptr<T>();
+  const int64_t row = qkv.stride(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cosp = cos_cache.data_ptr<float>();
+  const float* sinp = sin_cache.data_ptr<float>();
+  const int64_t cs = cos_cache.stride(0);
+  T* qo = q_out.data_ptr<T>();
+  T* ko = k_out.data_ptr<T>();
+  T* vo = v_out.data_ptr<T>();
+  const int64_t* slots = write_cache ? slot_mapping.data_ptr<int64_t>() : nullptr;
+  C* cache = write_cache ? kv_cache.data_ptr<C>() : nullptr;
+  const int64_t bs = write_cache ? kv_cache.size(2) : 1;
+  const int64_t blk_stride = write_cache ? kv_cache.stride(0) : 0;
+  const int64_t kv_stride = write_cache ? kv_cache.stride(1) : 0;
+  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    std::vector<T> c(half), s(half);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = pos[t];
+      for (int64_t i = 0; i < half; ++i) {
+        c[i] = static_cast<T>(cosp[p * cs + i]);
+        s[i] = static_cast<T>(sinp[p * cs + i]);
+      }
+      const T* x = src + t * row;
+      auto rotate = [&](const T* in, T* out) {
+        for (int64_t i = 0; i < half; ++i) {
+          const T x1 = in[i], x2 = in[i + half];
+          // x * cos + cat(-x2, x1) * sin, each product rounded to T as torch does.
+          const T a1 = static_cast<T>(to_f(x1) * to_f(c[i]));
+          const T b1 = static_cast<T>(-to_f(x2) * to_f(s[i]));
+          const T a2 = static_cast<T>(to_f(x2) * to_f(c[i]));
+          const T b2 = static_cast<T>(to_f(x1) * to_f(s[i]));
+          out[i] = static_cast<T>(to_f(a1) + to_f(b1));
+          out[i + half] = static_cast<T>(to_f(a2) + to_f(b2));
+        }
+      };
+      for (int64_t h = 0; h < nh; ++h) rotate(x + h * d, qo + (t * nh + h) * d);
+      T* kt = ko + t * nkv * d;
+      T* vt = vo + t * nkv * d;
+      const T* vin = x + (nh + nkv) * d;
+      for (int64_t h = 0; h < nkv; ++h) rotate(x + (nh + h) * d, kt + h * d);
+      std::copy(vin, vin + nkv * d, vt);
+      if (write_cache && slots[t] >= 0) {
+        const int64_t slot = slots[t];
+        C* kc = cache + (slot / bs) * blk_stride + (slot % bs) * nkv * d;
+        C* vc = kc + kv_stride;
+        for (int64_t i = 0; i < nkv * d; ++i) {
+          kc[i] = static_cast<C>(kt[i]);
+          vc[i] = static_cast<C>(vt[i]);
+        }
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> rotary_qkv_cache(const at::Tensor& qkv, const at::Tensor& positions,
+                                         const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                                         at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                                         int64_t nh, int64_t nkv, int64_t d) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (nh + 2 * nkv) * d,
+              "rotary_qkv_cache: qkv must be [T, (H + 2 KVH) * D]");
+  TORCH_CHECK(d % 2 == 0 && cos_cache.size(1) == d / 2, "rotary dim must be the head size");
+  TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && cos_cache.stride(1) == 1 &&
+                  sin_cache.strides() == cos_cache.strides(),
+              "cos/sin caches: float32 [P, D/2]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions");
+  const int64_t t = qkv.size(0);
+  auto opts = qkv.options();
+  auto q = at::empty({t, nh, d}, opts);
+  auto k = at::empty({t, nkv, d}, opts);
+  auto v = at::empty({t, nkv, d}, opts);
+  const bool write = kv_cache.numel() > 0;
+  if (write) {
+    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.size(3) == nkv &&
+                    kv_cache.size(4) == d && kv_cache.stride(4) == 1 &&
+                    kv_cache.stride(3) == d && kv_cache.stride(2) == nkv * d,
+                "kv_cache: [num_blocks, 2, block_size, KVH, D], each block half contiguous");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                    slot_mapping.numel() >= t,
+                "slot_mapping: int64 [T]");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary", [&] {
+    using T = scalar_t;
+    if (!write || kv_cache.scalar_type() == qkv.scalar_type()) {
+      rotary_qkv_cache_impl<T, T>(qkv, positions, cos_cache, sin_cache, q, k, v, kv_cache,
+                                  slot_mapping, nh, nkv, d, write);
+    } else if (kv_cache.scalar_type() == at::kFloat) {
+      rotary_qkv_cache_impl<T, float>(qkv, positions, cos_cache, sin_cache, q, k, v, kv_cache,
+                                      slot_mapping, nh, nkv, d, write);
+    } else if (kv_cache.scalar_type() == at::kBFloat16) {
+      rotary_qkv_cache_impl<T, at::BFloat16>(qkv, positions, cos_cache, sin_cache, q, k, v,
+                                             kv_cache, slot_mapping, nh, nkv, d, write);
+    } else {
+      rotary_qkv_cache_impl<T, at::Half>(qkv, positions, cos_cache, sin_cache, q, k, v,
+                                         kv_cache, slot_mapping, nh, nkv, d, write);
+    }
+  });
+  return {q, k, v};
+}
+
+// ---------------------------------------------------------------------------- attention
+
+// Paged attention read in place. query [T, H, D]; kv_cache [num_blocks, 2, block_size, KVH, D];
+// request r owns query rows query_start_loc[r]..[r+1], its context is seq_lens[r] tokens whose
+// block b is block_table[r, b]; query row j of r attends to positions 0..seq_len - qlen + j.
+// One work item is (request, KV head, tile of query rows); items are taken dynamically, so a
+// thread descheduled by a busy machine does not hold the others at a static split.
+template <typename T, typename C>
+void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                          const at::Tensor& block_table, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double scale) {
+  const int64_t num_reqs = seq_lens.size(0);
+  const int64_t nh = query.size(1), d = query.size(2);
+  const int64_t nkv = kv_cache.size(3), bs = kv_cache.size(2);
+  const int64_t group = nh / nkv;
+  const int64_t blk_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
+  const int64_t bt_stride = block_table.stride(0);
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const T* q = query.data_ptr<T>();
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  T* o = out.data_ptr<T>();
+  const C* cache = kv_cache.data_ptr<C>();
+  constexpr int64_t kTile = 16;
+  struct Item {
+    int64_t req, kvh, row0, rows;
+  };
+  std::vector<Item> items;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t qlen = qsl[r + 1] - qsl[r];
+    for (int64_t j = 0; j < qlen; j += kTile)
+      for (int64_t h = 0; h < nkv; ++h) items.push_back({r, h, j, std::min(kTile, qlen - j)});
+  }
+  const float sc = static_cast<float>(scale);
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int nthreads = at::get_num_threads();
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> scores, acc(group * d), qf(group * d);
+    std::vector<const C*> krows, vrows;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) {
+      const Item& w = items[it];
+      const int64_t qlen = qsl[w.req + 1] - qsl[w.req];
+      const int64_t seq = lens[w.req];
+      const int64_t ctx_max = seq - qlen + w.row0 + w.rows;  // positions seen by the last row
+      krows.resize(ctx_max);
+      vrows.resize(ctx_max);
+      const int32_t* blocks = bt + w.req * bt_stride;
+      for (int64_t p = 0; p < ctx_max; ++p) {
+        const C* kb = cache + static_cast<int64_t>(blocks[p / bs]) * blk_stride +
+                      (p % bs) * nkv * d + w.kvh * d;
+        krows[p] = kb;
+        vrows[p] = kb + kv_stride;
+      }
+      scores.resize(ctx_max);
+      for (int64_t jr = 0; jr < w.rows; ++jr) {
+        const int64_t j = w.row0 + jr;
+        const int64_t tok = qsl[w.req] + j;
+        const int64_t ctx = seq - qlen + j + 1;
+        for (int64_t g = 0; g < group; ++g) {
+          const T* qh = q + tok * q_row + (w.kvh * group + g) * q_head;
+          for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_f(qh[i]) * sc;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * d;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t p = 0; p < ctx; ++p) {
+            const C* kr = krows[p];
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < d; ++i) s += qg[i] * to_f(kr[i]);
+            scores[p] = s;
+            mx = std::max(mx, s);
+          }
+          float sum = 0.f;
+          for (int64_t p = 0; p < ctx; ++p) {
+            const float e = std::exp(scores[p] - mx);
+            scores[p] = e;
+            sum += e;
+          }
+          float* a = acc.data() + g * d;
+          std::fill(a, a + d, 0.f);
+          for (int64_t p = 0; p < ctx; ++p) {
+            const C* vr = vrows[p];
+            const float e = scores[p];
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) a[i] += e * to_f(vr[i]);
+          }
+          const float inv = 1.f / sum;
+          T* oh = o + tok * nh * d + (w.kvh * group + g) * d;
+          for (int64_t i = 0; i < d; ++i) oh[i] = static_cast<T>(a[i] * inv);
+        }
+      }
+    }
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                           const at::Tensor& block_table, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query [T, H, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.stride(4) == 1 &&
+                  kv_cache.stride(3) == kv_cache.size(4) &&
+                  kv_cache.stride(2) == kv_cache.size(3) * kv_cache.size(4),
+              "kv_cache: [num_blocks, 2, block_size, KVH, D], each block half contiguous");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
+              "head sizes / GQA groups");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
+              "block_table int32 [R, B]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens int32");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+                  query_start_loc.numel() == seq_lens.numel() + 1,
+              "query_start_loc int32 [R + 1]");
+  auto out = at::zeros({query.size(0), query.size(1), query.size(2)}, query.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "attn", [&] {
+    using T = scalar_t;
+    const auto ct = kv_cache.scalar_type();
+    if (ct == query.scalar_type()) {
+      paged_attention_impl<T, T>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
+                                 scale);
+    } else if (ct == at::kFloat) {
+      paged_attention_impl<T, float>(out, query, kv_cache, block_table, seq_lens,
+                                     query_start_loc, scale);
+    } else if (ct == at::kBFloat16) {
+      paged_attention_impl<T, at::BFloat16>(out, query, kv_cache, block_table, seq_lens,
+                                            query_start_loc, scale);
+    } else {
+      paged_attention_impl<T, at::Half>(out, query, kv_cache, block_table, seq_lens,
+                                        query_start_loc, scale);
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------- threads
+
+// Bind OpenMP thread i of this process's pool to cores[i]; sets the pool to len(cores) threads.
+// Returns the core each thread ended on (sched_getcpu) for the caller to log.
+std::vector<int64_t> bind_threads(const std::vector<int64_t>& cores) {
+  const int n = static_cast<int>(cores.size());
+  TORCH_CHECK(n > 0, "bind_threads: no cores");
+  at::set_num_threads(n);
+  std::vector<int64_t> got(n, -1);
+  std::vector<int> errs(n, 0);
+#pragma omp parallel num_threads(n)
+  {
+    const int i = omp_get_thread_num();
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(static_cast<int>(cores[i]), &set);
+    errs[i] = sched_setaffinity(0, sizeof(set), &set);
+    got[i] = sched_getcpu();
+  }
+  for (int i = 0; i < n; ++i)
+    TORCH_CHECK(errs[i] == 0, "bind_threads: sched_setaffinity failed for core ", cores[i]);
+  return got;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "rotary_qkv_cache(Tensor qkv, Tensor positions, Tensor cos_cache, Tensor sin_cache, "
+      "Tensor(a!) kv_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
+      "int head_size) -> Tensor[]");
+  m.def(
+      "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, float scale) -> Tensor");
+  m.def("bind_threads(int[] cores) -> int[]", [](c10::IntArrayRef cores) {
+    return bind_threads(std::vector<int64_t>(cores.begin(), cores.end()));
+  });
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_qkv_cache", &rotary_qkv_cache);
+  m.impl("paged_attention", &paged_attention);
+}

@@ -1,0 +1,157 @@
+"""The CPU C++ kernels (tandem_kernels/cpu) against the pure-torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.layers.attention import get_attention_backend
+from tandem.layers.attention.torch_backend import TorchAttentionBackend
+from tandem.layers.norm import fused_add_rms_norm, rms_norm
+from tandem.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from tandem_kernels import cpu
+from tests.unit.test_layers import PagedScene
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the extension")
+
+
+def _both(scene: PagedScene, query_lens: list[int], scale: float):
+    """The torch backend's and the cpu backend's outputs on the same step and cache."""
+    query, key, value, md = scene.step(query_lens)
+    before = scene.full_cache.clone()
+    ref = TorchAttentionBackend().forward(query, key, value, scene.kv_cache, md, scale)
+    ref_cache = scene.full_cache.clone()
+    scene.full_cache.copy_(before)
+    out = get_attention_backend("cpu").forward(query, key, value, scene.kv_cache, md, scale)
+    assert torch.equal(scene.full_cache, ref_cache)  # same slots written, other layers untouched
+    return out, ref, scene.reference(query, query_lens, scale)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])
+def test_cpu_attention_mixed_step(heads: int, kv_heads: int) -> None:
+    # Decodes first (as the runner orders them), then a fresh prefill, a prefill chunk over a
+    # cached prefix (a prefix-cache hit), and a chunk ending exactly on a block boundary.
+    seq_lens = [1, 33, 16, 13, 40, 32]
+    query_lens = [1, 1, 1, 13, 9, 16]
+    scene = PagedScene(seq_lens, heads, kv_heads, 16, block_size=4, seed=11)
+    out, ref, dense = _both(scene, query_lens, 16**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_cpu_attention_block_boundaries(block_size: int) -> None:
+    # Context lengths one before, at and one past block multiples; long query chunks (> the
+    # kernel's 16-row tile) over cached context.
+    seq_lens = [15, 16, 17, 31, 32, 33, 50]
+    query_lens = [1, 1, 1, 17, 32, 20, 35]
+    scene = PagedScene(seq_lens, 6, 2, 8, block_size=block_size, seed=block_size)
+    out, ref, dense = _both(scene, query_lens, 0.35)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_attention_decode_ignores_unused_block_table_entries() -> None:
+    seq_lens = [1, 17, 64, 5]
+    scene = PagedScene(seq_lens, 6, 3, 8, block_size=8, seed=6)
+    query, key, value, md = scene.step([1] * 4)
+    md.block_table = torch.cat([md.block_table, torch.full((4, 3), 10**6, dtype=torch.int32)], 1)
+    out = get_attention_backend("cpu").forward(query, key, value, scene.kv_cache, md, 0.3)
+    torch.testing.assert_close(out, scene.reference(query, [1] * 4, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_attention_chunked_prefill_equals_one_shot() -> None:
+    # One 37-token prompt in chunks of 10: each chunk attends over the cache the earlier
+    # chunks wrote; the outputs equal one prefill of the whole prompt.
+    heads, kv_heads, d, bs = 4, 2, 16, 4
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(37, heads, d, generator=gen)
+    k = torch.randn(37, kv_heads, d, generator=gen)
+    v = torch.randn(37, kv_heads, d, generator=gen)
+    blocks = [7, 2, 9, 0, 4, 8, 1, 3, 6, 5]
+    from tests.conftest import build_attn_metadata
+
+    backend = get_attention_backend("cpu")
+    cache = torch.zeros(10, 2, bs, kv_heads, d)
+    chunks = []
+    for start in range(0, 37, 10):
+        end = min(start + 10, 37)
+        md = build_attn_metadata([end - start], [end], [blocks], bs)
+        chunks.append(backend.forward(q[start:end], k[start:end], v[start:end], cache, md, 0.25))
+    whole_cache = torch.zeros_like(cache)
+    md = build_attn_metadata([37], [37], [blocks], bs)
+    whole = backend.forward(q, k, v, whole_cache, md, 0.25)
+    torch.testing.assert_close(torch.cat(chunks), whole, rtol=1e-6, atol=1e-6)
+    assert torch.equal(cache, whole_cache)
+
+
+def test_cpu_attention_bf16_cache_close_to_float32() -> None:
+    seq_lens = [9, 30, 1]
+    query_lens = [9, 5, 1]
+    scene = PagedScene(seq_lens, 4, 2, 16, block_size=4, seed=2)
+    query, key, value, md = scene.step(query_lens)
+    cache16 = scene.kv_cache.to(torch.bfloat16)
+    out = get_attention_backend("cpu").forward(
+        query.bfloat16(), key.bfloat16(), value.bfloat16(), cache16, md, 0.25
+    )
+    assert out.dtype == torch.bfloat16
+    dense = scene.reference(query, query_lens, 0.25)
+    torch.testing.assert_close(out.float(), dense, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rms_norms_equal_torch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=gen).to(dtype)
+    res = torch.randn(37, 64, generator=gen).to(dtype)
+    w = torch.randn(64, generator=gen).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02}
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), **tol)
+    ref_out, ref_res = fused_add_rms_norm(x, res, w, 1e-5)
+    res_in = res.clone()
+    out, res_out = cpu.fused_add_rms_norm(x, res_in, w, 1e-5)
+    assert res_out is res_in  # updated in place
+    assert torch.equal(res_out, ref_res)  # the add rounds as torch's does
+    torch.testing.assert_close(out, ref_out, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rotary_and_cache_write_equal_torch(dtype: torch.dtype) -> None:
+    heads, kv_heads, d, bs = 6, 2, 16, 4
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    rope = RotaryEmbedding(d, 64, params, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    t = 11
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    positions = torch.randint(0, 64, (t,), generator=gen)
+    slots = torch.tensor([5, 6, 7, 8, 0, 1, -1, 12, 13, 14, 2])
+    cache = torch.zeros(4, 2, bs, kv_heads, d, dtype=dtype)
+    q, k, v = cpu.rotary_qkv_cache(
+        qkv, positions, rope.cos_cache, rope.sin_cache, cache, slots, heads, kv_heads, d
+    )
+    q_ref, k_ref, v_ref = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+    q_ref, k_ref = apply_rotary_emb(
+        positions, q_ref.view(t, heads, d), k_ref.view(t, kv_heads, d), rope.cos_cache,
+        rope.sin_cache,
+    )  # fmt: skip
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(v, v_ref.reshape(t, kv_heads, d))
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(cache[s // bs, 0, s % bs], k_ref[i])
+            assert torch.equal(cache[s // bs, 1, s % bs], v[i])
+    # Slot -1 (a padding row) wrote nothing: 10 of the 16 slots hold a token, 6 stay zero.
+    assert int((cache.flatten(3).abs().sum(-1) > 0).sum()) == 2 * 10
+
+
+def test_bind_threads_pins_each_thread() -> None:
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    threads = torch.get_num_threads()
+    try:
+        got = cpu.bind_threads(cores)
+        assert got == cores
+    finally:
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+        torch.set_num_threads(threads)

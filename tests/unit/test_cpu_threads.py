@@ -1,0 +1,87 @@
+"""CPU set-up: the --cpu-cores flag, what "auto" resolves to, the launcher's core sets, and
+--dtype auto on CPUs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tandem.config import ConfigError, DeviceConfig, parse_core_list
+from tandem.worker.cpu_threads import (
+    cpu_supports_bf16,
+    engine_process_cpu_cores,
+    resolve_cpu_cores,
+)
+from tandem.worker.model_runner import resolve_dtype
+from tandem_services.launcher import ServeConfig, worker_commands
+from tandem_services.launcher.deployment import default_cpu_core_sets
+
+
+def test_core_lists_parse_and_bad_ones_are_refused() -> None:
+    assert parse_core_list("0-3,8") == (0, 1, 2, 3, 8)
+    assert parse_core_list("5") == (5,)
+    for bad in ("", "a", "3-1", "1,1", "-2", "0-"):
+        with pytest.raises(ConfigError):
+            parse_core_list(bad)
+    with pytest.raises(ConfigError):
+        DeviceConfig(cpu_cores="0-x")
+    assert DeviceConfig(cpu_cores="none").cpu_cores == "none"
+
+
+def test_resolve_cpu_cores() -> None:
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    assert resolve_cpu_cores(DeviceConfig(cpu_cores="auto")) is None  # caller's thread
+    assert resolve_cpu_cores(DeviceConfig(cpu_cores="none")) is None
+    assert resolve_cpu_cores(DeviceConfig(cpu_cores="all")) == allowed
+    assert resolve_cpu_cores(DeviceConfig(cpu_cores="all", num_threads=1)) == allowed[:1]
+    assert resolve_cpu_cores(DeviceConfig(cpu_cores=str(allowed[-1]))) == (allowed[-1],)
+    with pytest.raises(ValueError, match="may not use"):
+        resolve_cpu_cores(DeviceConfig(cpu_cores=str(max(allowed) + 1000)))
+
+
+def test_engine_process_binds_only_when_it_owns_its_cores() -> None:
+    n = len(os.sched_getaffinity(0))
+    assert engine_process_cpu_cores(DeviceConfig()) == "all"
+    assert engine_process_cpu_cores(DeviceConfig(num_threads=n)) == "all"
+    expected = "none" if n > 1 else "all"  # fewer threads than cores: as under a CPU quota
+    assert engine_process_cpu_cores(DeviceConfig(num_threads=max(n - 1, 1))) == expected
+    assert engine_process_cpu_cores(DeviceConfig(cpu_cores="0")) == "0"
+
+
+def test_launcher_gives_each_cpu_worker_its_own_cores() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    sets = default_cpu_core_sets(2, 1)
+    pool = cores[1:] if len(cores) > 1 else cores
+    assert sets == [str(pool[0]), str(pool[1 % len(pool)])]
+    assert default_cpu_core_sets(1, 3) == [",".join(map(str, sorted(set((pool * 3)[:3]))))]
+    cmds = worker_commands(ServeConfig(unified=True, num_unified_workers=2), "127.0.0.1:1")
+    got = [c.args[c.args.index("--cpu-cores") + 1] for c in cmds]
+    assert got == default_cpu_core_sets(
+        2, int(cmds[0].args[cmds[0].args.index("--num-threads") + 1])
+    )
+    given = worker_commands(ServeConfig(worker_args=("--cpu-cores", "0")), "127.0.0.1:1")
+    assert all(c.args.count("--cpu-cores") == 1 for c in given)
+
+
+def test_dtype_auto_on_cpu_follows_native_bf16() -> None:
+    expected = torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    assert resolve_dtype("auto", "cpu") == expected
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+
+
+def test_importing_tandem_sets_the_openmp_wait_policy_before_torch() -> None:
+    code = (
+        "import os, sys; import tandem; "
+        "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["PASSIVE", "False"], out.stderr
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # a user's choice is kept
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["ACTIVE", "False"], out.stderr
