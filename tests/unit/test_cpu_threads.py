@@ -12,7 +12,6 @@ import torch
 
 from tandem.config import ConfigError, DeviceConfig, parse_core_list
 from tandem.worker.cpu_threads import (
-    cpu_supports_bf16,
     engine_process_cpu_cores,
     resolve_cpu_cores,
 )
@@ -67,9 +66,9 @@ def test_launcher_gives_each_cpu_worker_its_own_cores() -> None:
     assert all(c.args.count("--cpu-cores") == 1 for c in given)
 
 
-def test_dtype_auto_on_cpu_follows_native_bf16() -> None:
-    expected = torch.bfloat16 if cpu_supports_bf16() else torch.float32
-    assert resolve_dtype("auto", "cpu") == expected
+def test_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda() -> None:
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     assert resolve_dtype("float32", "cpu") == torch.float32
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
 
