@@ -327,12 +327,16 @@ def test_bad_http_input_gets_400_and_service_keeps_serving(deployment: Deploymen
         ("chat/completions", {"model": "default", "messages": []}, "messages"),
         ("chat/completions", {"model": "default", "messages": [{"content": "hi"}]}, "role"),
         ("completions", {**good, "n": 100000}, "--max-n"),
-        ("completions", {**good, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        (
+            "completions",
+            {**good, "structured_outputs": {"regex": "a+", "choice": ["a"]}},
+            "structured_outputs",
+        ),
         ("chat/completions", {**chat, "messages": [{"role": "wizard", "content": "hi"}]}, "wizard"),
         ("chat/completions", {**chat, "messages": [{"role": "user"}]}, "content"),
         (
             "chat/completions",
-            {**chat, "response_format": {"type": "json_object"}},
+            {**chat, "response_format": {"type": "json_objekt"}},
             "response_format",
         ),
         ("chat/completions", {**chat, "tools": [{"type": "function"}]}, "tools"),
