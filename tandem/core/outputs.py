@@ -7,6 +7,7 @@ answers with a `ModelRunnerOutput`, and `Scheduler.update_from_output` turns tha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,14 +50,19 @@ class SchedulerOutput:
     # Requests the runner must forget: finished, aborted or preempted since last step.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Requests with structured outputs that sample in this step, in scheduling order.
+    # Requests with structured outputs that sample in this step, in scheduling order. Their
+    # allowed tokens come to the runner at sampling time (`GrammarBitmaskSource`).
     structured_req_ids: list[str] = field(default_factory=list)
-    # Their allowed tokens (filled by the engine after the previous step's tokens landed).
-    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+# What the runner calls once a step's forward is launched, right before it samples: the
+# engine applies the previous step's tokens (matchers advanced) and fills the step's bitmask
+# while the device computes the forward. In the engine's process only.
+GrammarBitmaskSource = Callable[[], "GrammarBitmask"]
 
 
 @dataclass

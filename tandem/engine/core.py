@@ -13,10 +13,13 @@ computes::
 
 A request that stops at step N has one more token computed in step N+1, which is dropped.
 A step whose requests sample from their whole output (penalties, min_tokens) waits for the
-previous step first, and so does a step with structured-output rows: their grammar bitmask
-(`tandem.structured_output`) is filled from the matchers after the previous step's tokens::
+previous step first. A step with structured-output rows needs step N's tokens only to sample:
+their grammar bitmask (`tandem.structured_output`) is filled from the matchers advanced by
+them, so the runner asks for it once step N+1's forward is launched, and the host's work
+(step N's result and update, the fill) runs while the device computes that forward::
 
-    step():  schedule(N+1) -> [result(N), update(N)] -> fill bitmask(N+1) -> execute_async(N+1)
+    step():  schedule(N+1) -> forward(N+1) -> [result(N), update(N), fill bitmask(N+1)]
+                           -> sample(N+1)          (all inside execute_async(N+1, source))
 
 Requests whose grammar is still compiling are passed over by the scheduler; when nothing
 else can run, the step waits (a few ms) for a compile instead of spinning.
@@ -38,7 +41,7 @@ from pathlib import Path
 import torch
 
 from tandem.config import EngineConfig
-from tandem.core.outputs import EngineCoreOutput, SchedulerOutput
+from tandem.core.outputs import EngineCoreOutput, GrammarBitmask, SchedulerOutput
 from tandem.core.scheduler import Scheduler
 from tandem.executor import Executor, create_executor
 from tandem.loader import get_eos_token_ids, load_tokenizer
@@ -259,16 +262,25 @@ class EngineCore:
             if self.last_step_idle and not outputs and scheduler.has_unfinished_requests():
                 self.structured.wait_any(_GRAMMAR_WAIT_S)  # all wait for a compile
             return outputs + self._apply_pending()
-        structured = scheduler_output.structured_req_ids
-        if self._pending is not None and (
-            structured or self.executor.needs_prior_tokens(scheduler_output)
-        ):
+        if self._pending is not None and self.executor.needs_prior_tokens(scheduler_output):
             outputs += self._apply_pending()
+        structured = scheduler_output.structured_req_ids
+        source = None
+        previous: tuple[SchedulerOutput, PendingStep] | None = None
         if structured:
-            scheduler_output.grammar_bitmask = self.structured.fill_bitmask(
-                structured, scheduler.requests
-            )
-        step = self.executor.execute_async(scheduler_output)
+            # Step N's tokens are applied inside, once this step's forward is launched.
+            previous, self._pending = self._pending, None
+
+            def source() -> GrammarBitmask:
+                nonlocal previous
+                if previous is not None:
+                    (so, launched), previous = previous, None
+                    outputs.extend(scheduler.update_from_output(so, launched.result()))
+                return self.structured.fill_bitmask(structured, scheduler.requests)
+
+        step = self.executor.execute_async(scheduler_output, source)
+        if structured and previous is not None:  # a step that sampled nothing
+            outputs += self.scheduler.update_from_output(previous[0], previous[1].result())
         if not self.async_scheduling:
             return outputs + self.scheduler.update_from_output(scheduler_output, step.result())
         previous, self._pending = self._pending, (scheduler_output, step)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.config import EngineConfig
-from tandem.core.outputs import SchedulerOutput
+from tandem.core.outputs import GrammarBitmaskSource, SchedulerOutput
 
 if TYPE_CHECKING:
     from tandem.worker.model_runner import ModelRunner
@@ -78,8 +78,14 @@ class Executor(ABC):
         """Allocate every rank's cache, tune kernels on it, capture CUDA graphs."""
 
     @abstractmethod
-    def execute_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
-        """Launch one step on every rank; the result is rank 0's sampled tokens."""
+    def execute_async(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: GrammarBitmaskSource | None = None,
+    ) -> PendingStep:
+        """Launch one step on every rank; the result is rank 0's sampled tokens.
+        `grammar_bitmask` (steps with structured rows) is called once the forward is
+        launched, before sampling."""
 
     @abstractmethod
     def drop_requests(self, req_ids: set[str]) -> None:

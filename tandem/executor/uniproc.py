@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from tandem.config import EngineConfig
-from tandem.core.outputs import SchedulerOutput
+from tandem.core.outputs import GrammarBitmaskSource, SchedulerOutput
 from tandem.executor.base import Executor
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import PendingStep
@@ -52,8 +52,12 @@ class UniprocExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.driver_worker.initialize_kv_cache(num_blocks)
 
-    def execute_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
-        return self.driver_worker.execute_async(scheduler_output)
+    def execute_async(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: GrammarBitmaskSource | None = None,
+    ) -> PendingStep:
+        return self.driver_worker.execute_async(scheduler_output, grammar_bitmask)
 
     def drop_requests(self, req_ids: set[str]) -> None:
         self.driver_worker.drop_requests(req_ids)

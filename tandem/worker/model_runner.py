@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tandem.config import EngineConfig
-from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
 from tandem.loader import build_model
 from tandem.models.llama import LlamaForCausalLM
@@ -306,10 +306,14 @@ class ModelRunner:
         return self.execute_async(so).result()
 
     @torch.inference_mode()
-    def execute_async(self, so: SchedulerOutput) -> PendingStep:
+    def execute_async(
+        self, so: SchedulerOutput, grammar_bitmask: GrammarBitmaskSource | None = None
+    ) -> PendingStep:
         """Launch one step: inputs, forward, sampling; the host does not wait for the device.
 
-        Every step launched before must have had `result()` called, except the last one."""
+        Every step launched before must have had `result()` called, except the last one.
+        `grammar_bitmask` (a step with structured rows) is called after the forward is
+        launched and before sampling: the bitmask's host work overlaps the forward."""
         if self.kv_cache is None:
             raise RuntimeError("the model runner has no KV cache (not initialized, or shut down)")
         self._update_states(so)
@@ -341,7 +345,8 @@ class ModelRunner:
             logits = self._run_eager(inp, piecewise_size)
 
         states = [inp.states[i] for i in inp.sampled_rows]
-        sampled = self.sampler.sample(logits, states, so.grammar_bitmask) if states else None
+        grammar = grammar_bitmask() if grammar_bitmask is not None else None
+        sampled = self.sampler.sample(logits, states, grammar) if states else None
         self._num_launched += 1
         launch = self._num_launched
         self._unfinished_writes.append((launch, inp.slot_mapping))

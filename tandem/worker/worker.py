@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tandem.config import EngineConfig
-from tandem.core.outputs import SchedulerOutput
+from tandem.core.outputs import GrammarBitmaskSource, SchedulerOutput
 from tandem.worker.cpu_threads import setup_cpu_threads
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import PendingStep
@@ -139,8 +139,10 @@ class Worker:
 
     # ----------------------------------------------------------------- steps
 
-    def execute_async(self, so: SchedulerOutput) -> PendingStep:
-        return self.model_runner.execute_async(so)
+    def execute_async(
+        self, so: SchedulerOutput, grammar_bitmask: GrammarBitmaskSource | None = None
+    ) -> PendingStep:
+        return self.model_runner.execute_async(so, grammar_bitmask)
 
     def drop_requests(self, req_ids: set[str]) -> None:
         self.model_runner.drop_requests(req_ids)
