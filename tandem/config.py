@@ -331,16 +331,21 @@ class DeviceConfig:
     cuda_graph_sizes: tuple[int, ...] = field(
         default=_CUDA_GRAPH_SIZES, metadata=flag("decode batch sizes captured as CUDA graphs")
     )
-    cudagraph_mode: Literal["full_decode_only", "full_and_piecewise"] = field(
+    cudagraph_mode: Literal["full_decode_only", "full_and_piecewise", "full"] = field(
         default="full_and_piecewise",
         metadata=flag(
             "full_decode_only: decode steps as whole graphs, mixed steps eager; "
-            "full_and_piecewise: mixed steps too, as graphs between eager attention calls"
+            "full_and_piecewise: mixed steps too, as graphs between eager attention calls; "
+            "full: mixed steps as whole graphs too (attention backends that can: triton; "
+            "else as full_and_piecewise)"
         ),
     )
     piecewise_cuda_graph_sizes: tuple[int, ...] = field(
         default=_PIECEWISE_GRAPH_SIZES,
-        metadata=flag("token counts of mixed steps captured as piecewise CUDA graphs"),
+        metadata=flag(
+            "token counts of mixed steps captured as CUDA graphs (piecewise or full, "
+            "by --cudagraph-mode)"
+        ),
     )
     num_threads: int = field(default=0, metadata=flag("torch intra-op threads (0: torch's)"))
     cpu_cores: str = field(
@@ -363,9 +368,9 @@ class DeviceConfig:
             parse_core_list(self.cpu_cores)
         if any(s < 1 for s in self.cuda_graph_sizes):
             raise ConfigError("cuda_graph_sizes must be positive")
-        if self.cudagraph_mode not in ("full_decode_only", "full_and_piecewise"):
+        if self.cudagraph_mode not in ("full_decode_only", "full_and_piecewise", "full"):
             raise ConfigError(
-                "cudagraph_mode must be full_decode_only or full_and_piecewise, "
+                "cudagraph_mode must be full_decode_only, full_and_piecewise or full, "
                 f"got {self.cudagraph_mode}"
             )
         if any(s < 1 for s in self.piecewise_cuda_graph_sizes):

@@ -2,9 +2,10 @@
 
 Its parts live beside it: per-request state, block table and a step's host arrays in
 `input_batch`, host -> device copies in `staging`, decode CUDA graphs in `cuda_graph`, mixed
-steps' piecewise graphs in `piecewise_graph`, and sampling metadata, seeded generators and
-sampled ids in `sampling`. The `Worker` that owns the runner picks the device, measures
-memory and sizes the KV cache; the runner runs the model.
+steps' graphs in `piecewise_graph` (between eager attention) or `mixed_graph` (whole), and
+sampling metadata, seeded generators and sampled ids in `sampling`. The `Worker` that owns
+the runner picks the device, measures memory and sizes the KV cache; the runner runs the
+model.
 
 A step's tokens form one sequence (see `input_batch`); logits are computed only for the rows
 that sample (the last query row of each request that reaches its token count).
@@ -32,6 +33,7 @@ from tandem.models.llama import LlamaForCausalLM
 from tandem.worker.cpu_threads import default_cpu_backend
 from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import InputBatch, StepInputs
+from tandem.worker.mixed_graph import MixedCudaGraphs
 from tandem.worker.piecewise_graph import PiecewiseCudaGraphs
 from tandem.worker.sampling import PendingStep, StepSampler
 from tandem.worker.staging import PinnedStaging
@@ -95,11 +97,21 @@ class ModelRunner:
         self.staging = PinnedStaging(device)
         self.use_cuda_graphs = device.type == "cuda" and not config.device.enforce_eager
         self.cuda_graphs = DecodeCudaGraphs(config.device.cuda_graph_sizes, max_num_seqs, device)
-        piecewise = config.device.cudagraph_mode == "full_and_piecewise"
+        mode = config.device.cudagraph_mode
+        full = mode == "full" and self.attn_backend.full_graph_mixed
+        if mode == "full" and not full:
+            logger.info(
+                "cudagraph_mode full: the %s attention backend cannot run mixed steps in a "
+                "whole graph; they run piecewise",
+                self.attn_backend.name,
+            )
+        mixed_sizes = config.device.piecewise_cuda_graph_sizes
+        max_tokens = config.scheduler.max_num_batched_tokens
+        self.mixed_graphs = MixedCudaGraphs(
+            mixed_sizes if full else (), max_tokens, max_num_seqs, device
+        )
         self.piecewise_graphs = PiecewiseCudaGraphs(
-            config.device.piecewise_cuda_graph_sizes if piecewise else (),
-            config.scheduler.max_num_batched_tokens,
-            device,
+            mixed_sizes if mode != "full_decode_only" and not full else (), max_tokens, device
         )
         # The engine's KV cache (one tensor) and its per-layer views; set by
         # `initialize_kv_cache`.
@@ -201,6 +213,9 @@ class ModelRunner:
                 self.model, self.kv_caches, self.max_model_len, self.block_size
             )
             self.piecewise_graphs.capture(self.model, self.kv_caches)
+            self.mixed_graphs.capture(
+                self.model, self.kv_caches, self.max_model_len, self.block_size
+            )
 
     # ----------------------------------------------------------------- state
 
@@ -272,10 +287,14 @@ class ModelRunner:
             )
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        return self._sampled_logits(hidden, inp)
+
+    def _sampled_logits(self, hidden: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+        """The logits of the step's sampled rows (the last query row of each)."""
         if not inp.sampled_rows:
             return hidden[:0]
         logits_indices = inp.query_start_loc[1:][inp.sampled_rows] - 1
-        idx = to_device(logits_indices, torch.int64)
+        idx = self.staging.to_device(logits_indices, torch.int64)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
     def synchronize(self) -> None:
@@ -333,11 +352,21 @@ class ModelRunner:
         prev_row_of = self._last_step.row_of if self._last_step is not None else {}
         inp = self.input_batch.prepare(so, req_ids, prev_row_of)
         inp.num_decodes = num_decodes
-        graph_size = self.cuda_graphs.size_for(inp.num_reqs) if inp.is_decode_only else None
+        if inp.is_decode_only:
+            graph_size = self.cuda_graphs.size_for(inp.num_reqs)
+            mixed_size = None
+        else:
+            graph_size = None
+            mixed_size = self.mixed_graphs.size_for(inp.total, inp.num_reqs)
         if graph_size is not None:
             logits = self.cuda_graphs.replay(
                 inp, graph_size, self.staging, self._fill_from_previous
             )
+        elif mixed_size is not None:
+            hidden = self.mixed_graphs.replay(
+                inp, mixed_size, self.staging, self._fill_from_previous
+            )
+            logits = self._sampled_logits(hidden, inp)
         else:
             piecewise_size = (
                 None if inp.is_decode_only else self.piecewise_graphs.size_for(inp.total)
@@ -367,6 +396,7 @@ class ModelRunner:
         self._unfinished_writes.clear()
         self.cuda_graphs.clear()
         self.piecewise_graphs.clear()
+        self.mixed_graphs.clear()
         self.kv_caches = []
         self.kv_cache = None
         self._model = None

@@ -251,6 +251,95 @@ def test_piecewise_graphs_of_mixed_steps_equal_the_eager_forward() -> None:
                 assert err < 1e-2, err
 
 
+@torch.inference_mode()
+def test_full_graphs_of_mixed_steps_equal_the_eager_forward() -> None:
+    """`cudagraph_mode="full"`: a mixed step (decodes over long contexts, a chunk over cached
+    context, a new prompt) replayed as one graph gives the eager forward's hidden states
+    within bf16 noise (its decode rows run through the varlen kernel, padded rows and request
+    slots are empty), and writes the step's K/V (zeroed in between) as the eager step did."""
+    from tandem.worker.input_batch import StepInputs
+
+    with LLM(
+        model=MODEL,
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=1024,
+        gpu_memory_utilization=0.3,
+        max_num_batched_tokens=256,
+        cudagraph_mode="full",
+    ) as llm:
+        runner = llm.engine.model_runner
+        graphs = runner.mixed_graphs
+        assert set(graphs.graphs) == set(graphs.sizes) and max(graphs.sizes) == 256
+        assert not runner.piecewise_graphs.buckets
+        model, kv = runner.model, runner.kv_caches
+        first_block = runner.kv_cache.shape[0] - 200  # free: the engine holds no request
+        ctx_q, ctx_s = [300, 200, 90, 20], [300, 200, 90, 20]
+        ids, pos, md = _mixed_step(runner, ctx_q, ctx_s, first_block)
+        model(ids, pos, kv, md)
+        for query_lens in ([1, 1, 1, 61], [1, 1, 1, 30, 17]):  # 64 tokens (full), 50 (padded)
+            seq_lens = [301, 201, 91, 20 + query_lens[3], *query_lens[4:]]
+            ids, pos, md = _mixed_step(runner, query_lens, seq_lens, first_block)
+            eager = model(ids, pos, kv, md).clone()
+            sm = md.slot_mapping
+            blocks, offsets = sm // runner.block_size, sm % runner.block_size
+            written = runner.kv_cache[blocks, :, :, offsets].clone()
+            runner.kv_cache[blocks, :, :, offsets] = 0
+            inp = StepInputs(
+                num_reqs=len(query_lens),
+                total=len(ids),
+                input_ids=ids.cpu().numpy(),
+                positions=pos.cpu().numpy(),
+                slot_mapping=sm.cpu().numpy(),
+                query_start_loc=md.query_start_loc.cpu().numpy(),
+                seq_lens=md.seq_lens.cpu().numpy(),
+                block_table=md.block_table.cpu().numpy(),
+                max_query_len=max(query_lens),
+                sampled_rows=[],
+                states=[],
+            )
+            size = graphs.size_for(inp.total, inp.num_reqs)
+            assert size == 64
+            replays = graphs.num_replays
+            full = graphs.replay(inp, size, runner.staging, lambda ids, inp: None).clone()
+            assert graphs.num_replays == replays + 1
+            err = (eager.float() - full.float()).norm() / eager.float().norm()
+            assert err < 1e-2, err
+            kv_err = (runner.kv_cache[blocks, :, :, offsets].float() - written.float()).norm()
+            assert kv_err / written.float().norm() < 1e-2, kv_err
+        # Past the largest bucket: not replayed (the runner runs it eagerly).
+        assert graphs.size_for(20, 17) == 32 and graphs.size_for(257, 4) is None
+
+
+def test_engine_runs_mixed_steps_through_full_graphs() -> None:
+    """Chunked prefill beside decodes (a 64-token budget) under `cudagraph_mode="full"`: the
+    engine replays the mixed full graphs, its greedy tokens are mostly the eager-mixed
+    engine's (bf16 noise), and the block pool is whole afterwards."""
+    vocab = 30000
+    ps = prompts(vocab, 8)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = {}
+    for mode in ("full", "full_decode_only"):
+        with LLM(
+            model=MODEL,
+            dtype="bfloat16",
+            device="cuda",
+            max_model_len=1024,
+            gpu_memory_utilization=0.3,
+            max_num_batched_tokens=64,
+            cudagraph_mode=mode,
+        ) as llm:
+            outs[mode] = [
+                o.outputs[0].token_ids
+                for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+            ]
+            replays = llm.engine.model_runner.mixed_graphs.num_replays
+            assert (replays > 0) == (mode == "full"), (mode, replays)
+            assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
+    same = sum(a == b for a, b in zip(outs["full"], outs["full_decode_only"], strict=True))
+    assert same >= 6, f"only {same}/8 prompts identical"
+
+
 def test_engine_runs_mixed_steps_through_piecewise_graphs() -> None:
     """Chunked prefill beside decodes (a 64-token budget: every prefill step is mixed and
     fits a bucket): the engine replays the piecewise graphs, and its greedy tokens are the

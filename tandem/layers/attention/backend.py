@@ -73,6 +73,13 @@ class AttentionBackend(ABC):
     # `forward` with an empty `slot_mapping` (nothing left to write there).
     graph_kv_write: ClassVar[bool] = False
 
+    # True when `forward` on a mixed step (`is_decode_only` False, `num_decodes` 0) is
+    # CUDA-graph capturable for any split of its tokens into requests: it reads query start
+    # locations, context lengths and the block table from the device only, and its work
+    # depends on the token count and `num_reqs` alone (empty request slots: `seq_len` 0,
+    # query length 0). A runner may then capture whole mixed steps (`cudagraph_mode="full"`).
+    full_graph_mixed: ClassVar[bool] = False
+
     def write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]

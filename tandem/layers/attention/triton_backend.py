@@ -45,6 +45,8 @@ class TritonAttentionBackend(AttentionBackend):
     TUNE_MAX_SEQ_LEN: ClassVar[int] = 1024
 
     graph_kv_write: ClassVar[bool] = True
+    # The varlen kernel finds each program's request on the device (`_find_request`).
+    full_graph_mixed: ClassVar[bool] = True
 
     def write_kv(
         self,
