@@ -332,7 +332,7 @@ class DeviceConfig:
         default=_CUDA_GRAPH_SIZES, metadata=flag("decode batch sizes captured as CUDA graphs")
     )
     cudagraph_mode: Literal["full_decode_only", "full_and_piecewise", "full"] = field(
-        default="full_and_piecewise",
+        default="full",
         metadata=flag(
             "full_decode_only: decode steps as whole graphs, mixed steps eager; "
             "full_and_piecewise: mixed steps too, as graphs between eager attention calls; "

@@ -220,6 +220,7 @@ def test_piecewise_graphs_of_mixed_steps_equal_the_eager_forward() -> None:
         max_model_len=1024,
         gpu_memory_utilization=0.3,
         max_num_batched_tokens=256,
+        cudagraph_mode="full_and_piecewise",
     ) as llm:
         runner = llm.engine.model_runner
         graphs = runner.piecewise_graphs
@@ -313,11 +314,14 @@ def test_full_graphs_of_mixed_steps_equal_the_eager_forward() -> None:
 
 def test_engine_runs_mixed_steps_through_full_graphs() -> None:
     """Chunked prefill beside decodes (a 64-token budget) under `cudagraph_mode="full"`: the
-    engine replays the mixed full graphs, its greedy tokens are mostly the eager-mixed
-    engine's (bf16 noise), and the block pool is whole afterwards."""
+    engine replays the mixed full graphs and the block pool is whole afterwards. Its greedy
+    tokens against the eager-mixed engine's: the mixed steps' decode rows run through the
+    varlen kernel instead of split-K decode (another summation order), and random bf16
+    weights have near-ties, so outputs may part; where they part, each engine's token is in
+    the other's top 5 (a wrong input or context would not be)."""
     vocab = 30000
     ps = prompts(vocab, 8)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
     outs = {}
     for mode in ("full", "full_decode_only"):
         with LLM(
@@ -330,14 +334,22 @@ def test_engine_runs_mixed_steps_through_full_graphs() -> None:
             cudagraph_mode=mode,
         ) as llm:
             outs[mode] = [
-                o.outputs[0].token_ids
+                o.outputs[0]
                 for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
             ]
             replays = llm.engine.model_runner.mixed_graphs.num_replays
             assert (replays > 0) == (mode == "full"), (mode, replays)
             assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
-    same = sum(a == b for a, b in zip(outs["full"], outs["full_decode_only"], strict=True))
-    assert same >= 6, f"only {same}/8 prompts identical"
+    same = 0
+    for i, (full, ref) in enumerate(zip(outs["full"], outs["full_decode_only"], strict=True)):
+        a, b = list(full.token_ids), list(ref.token_ids)
+        if a == b:
+            same += 1
+            continue
+        j = next(k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        assert a[j] in ref.logprobs[j], f"prompt {i} step {j}: full graphs' token not in top 5"
+        assert b[j] in full.logprobs[j], f"prompt {i} step {j}: eager's token not in top 5"
+    print(f"{same}/8 prompts identical through full mixed graphs and eager mixed steps")
 
 
 def test_engine_runs_mixed_steps_through_piecewise_graphs() -> None:
