@@ -74,7 +74,14 @@ def main(argv: list[str]) -> int:
     for name, entry in report["served"].items():
         for rate, r in sorted(entry["rates"].items(), key=lambda kv: float(kv[0])):
             s = r["summary"]
-            cores = ", ".join(f"{p} {c['cores']:.2f}" for p, c in sorted(r["cpu"].items()))
+            cores = ", ".join(
+                f"{'bench (its whole life)' if p == 'bench' else p} {c['cores']:.2f}"
+                for p, c in sorted(r["cpu"].items())
+            )
+            if "client_cores_used" in s:  # the load generator's own, over the load only
+                cores = (
+                    f"bench (load) {s['client_cores_used']:.2f}" + (", " if cores else "") + cores
+                )
             lines.append(
                 f"| {name} | {rate} | {s['ttft_ms']['p50']:.1f} | {s['ttft_ms']['p99']:.1f} | "
                 f"{s['tpot_ms']['p50']:.2f} | {s['tpot_ms']['p99']:.2f} | "

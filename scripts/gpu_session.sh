@@ -42,7 +42,7 @@ fi
 
 if [ "${OFFLINE_THROUGHPUT:-1}" = 1 ]; then
   step "4 offline throughput 512/256" "${OFFLINE_LIMIT_S:-150}" "$OUT/offline_throughput.log" \
-    $PY -m benchmarks.offline_throughput --model random:llama-3.1-8b --skip-peer \
+    $PY -m benchmarks.offline_throughput --model random:llama-3.1-8b --device cuda --skip-peer \
     --workloads 512/256 --out "$OUT/offline_throughput.json"
   tail -n 6 "$OUT/offline_throughput.log" >>"$summary"
 fi

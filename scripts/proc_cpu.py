@@ -4,9 +4,11 @@ system) over the sampled window and the cores that makes.
 
     python scripts/proc_cpu.py OUT.json [--interval-s 0.5]
 
-A process is a service when its command line names `services.<name>`; its children (the
-engine-core process) are reported as `<name>/engine`. The benchmark's own client is the
-`bench` process (command line with `bench serve`).
+A process is a service when its command line names `tandem_services.<name>` (the module
+`tandem serve` starts it as); its children (the engine-core process) are reported as
+`<name>/engine`. The benchmark's own client is the `bench` process (command line with
+`bench serve`): its figure here spans its whole life (imports, workload set-up), while the
+cores it reports itself (`client_cores_used`) span the load only.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ def _label(p: psutil.Process) -> str | None:
     except (psutil.Error, OSError):
         return None
     for part in cmd.split():
-        if part.startswith("services."):
-            name = part.removeprefix("services.")
+        if part.startswith("tandem_services."):
+            name = part.removeprefix("tandem_services.")
             for flag in ("--worker-id",):
                 if flag in cmd:
                     name += ":" + cmd.split(flag, 1)[1].split()[0]
