@@ -1,6 +1,7 @@
 """Merges one `scripts/gpu_issue14.sh` run into one JSON and a table against vLLM's figures.
 
-    python -m benchmarks.serving_report RESULTS_DIR OUT.json
+    python -m benchmarks.serving_report RESULTS_DIR OUT.json       # OUT.png too (matplotlib)
+    python -m benchmarks.serving_report --plot-only OUT.json        # the PNG of a merged JSON
 
 RESULTS_DIR holds `offline_<when>.json` (benchmarks.serve_offline), and per served run NAME:
 `NAME_startup.json`, `NAME_<rate>.json` (tandem bench serve) and `NAME_cpu_<rate>.json`
@@ -41,7 +42,46 @@ def _by_process(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """TTFT p99 and TPOT p50/p99 by rate for every served run beside vLLM's (the issue's
+    table); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rates = sorted(VLLM_H200, key=float)
+    panels = [("TTFT p99 (ms)", "ttft_ms", "p99", 1), ("TPOT p50 (ms)", "tpot_ms", "p50", 2)]
+    panels.append(("TPOT p99 (ms)", "tpot_ms", "p99", 3))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for ax, (title, metric, pct, vllm_col) in zip(axes, panels, strict=True):
+        xs = [float(r) for r in rates]
+        ax.plot(xs, [VLLM_H200[r][vllm_col] for r in rates], "k--o", label="vLLM 0.26 (issue)")
+        for name, entry in report["served"].items():
+            got = [r for r in rates if r in entry["rates"]]
+            ys = [entry["rates"][r]["summary"][metric][pct] for r in got]
+            ax.plot([float(r) for r in got], ys, "-o", label=f"tandem {name}")
+        ax.set_title(title)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_xticks(xs)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("tandem serve under the issue-14 load, one H200 (random 8B-shape, bf16)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--plot-only":
+        merged = Path(argv[1])
+        ok = plot(_load(merged), merged.with_suffix(".png"))
+        print(f"wrote {merged.with_suffix('.png')}" if ok else "matplotlib is missing")
+        return 0 if ok else 1
     res, out = Path(argv[0]), Path(argv[1])
     report: dict[str, Any] = {"vllm_h200_issue14": VLLM_H200, "served": {}, "offline": {}}
     for offline_path in sorted(res.glob("offline*.json")):
@@ -107,6 +147,8 @@ def main(argv: list[str]) -> int:
                     f"({key.split('/')[0]} run)"
                 )
     print("\n".join(lines))
+    if plot(report, out.with_suffix(".png")):
+        print(f"wrote {out.with_suffix('.png')}")
     return 0
 
 
