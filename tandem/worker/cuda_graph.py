@@ -28,6 +28,85 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class StaticStepInputs:
+    """The device buffers a captured step reads, at fixed addresses: token rows (ids,
+    positions, slots) and request slots (query start locations, context lengths, block-table
+    rows). A replay copies a step's host arrays into the leading rows and marks the rest
+    empty: padding token rows get slot -1 (no K/V write); padding request slots get context
+    length `seq_len_pad` and, where the step's query start locations are copied in, a query
+    length of 0."""
+
+    def __init__(
+        self,
+        max_tokens: int,
+        max_reqs: int,
+        max_blocks: int,
+        device: torch.device,
+        seq_len_pad: int,
+    ) -> None:
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        # One token per request unless a step's own are copied in (`copy_in`).
+        self.query_start_loc = torch.arange(max_reqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.full((max_reqs,), seq_len_pad, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
+        self.seq_len_pad = seq_len_pad
+
+    def metadata(
+        self, num_tokens: int, num_reqs: int, max_query_len: int, max_seq_len: int
+    ) -> AttentionMetadata:
+        """The metadata of a captured step over the first `num_tokens` rows and `num_reqs`
+        request slots (decode only when they are equal and `max_query_len` is 1)."""
+        decode_only = max_query_len == 1
+        return AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=num_reqs,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=self.query_start_loc[: num_reqs + 1],
+            seq_lens=self.seq_lens[:num_reqs],
+            block_table=self.block_table[:num_reqs],
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc_cpu=[],
+            seq_lens_cpu=[],
+            is_decode_only=decode_only,
+            num_decodes=0,
+        )
+
+    def copy_in(
+        self,
+        inp: StepInputs,
+        num_tokens: int,
+        num_reqs: int,
+        staging: PinnedStaging,
+        fill_from_previous: Callable[[torch.Tensor, StepInputs], None],
+        query_start_loc: bool,
+    ) -> None:
+        """Copy the step `inp` into the leading rows of a graph of `num_tokens` token rows and
+        `num_reqs` request slots; the rest empty. `fill_from_previous(input_ids, inp)` writes
+        the ids the previous step samples (device op, after the host's ids are copied in).
+        `query_start_loc`: copy the step's query start locations too (else they stay one
+        token per request)."""
+        n, r = inp.total, inp.num_reqs
+        width = inp.block_table.shape[1]
+        # Straight from the pinned staging buffers into the graph's static inputs.
+        staging.copy_to(self.input_ids[:n], inp.input_ids)
+        fill_from_previous(self.input_ids[:n], inp)
+        staging.copy_to(self.positions[:n], inp.positions)
+        staging.copy_to(self.slot_mapping[:n], inp.slot_mapping)
+        staging.copy_to(self.seq_lens[:r], inp.seq_lens)
+        staging.copy_to(self.block_table[:r, :width], inp.block_table)
+        if query_start_loc:
+            staging.copy_to(self.query_start_loc[: r + 1], inp.query_start_loc)
+            if num_reqs > r:
+                self.query_start_loc[r + 1 : num_reqs + 1].fill_(n)
+        if num_tokens > n:
+            self.slot_mapping[n:num_tokens].fill_(-1)
+        if num_reqs > r:
+            self.seq_lens[r:num_reqs].fill_(self.seq_len_pad)
+
+
 class DecodeCudaGraphs:
     """Captured decode graphs and their static inputs, for one model and KV cache."""
 
@@ -37,12 +116,7 @@ class DecodeCudaGraphs:
         self.device = device
         # Batch size -> (graph, its logits output).
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._input_ids: torch.Tensor | None = None
-        self._positions: torch.Tensor | None = None
-        self._slot_mapping: torch.Tensor | None = None
-        self._seq_lens: torch.Tensor | None = None
-        self._block_table: torch.Tensor | None = None
-        self._query_start_loc: torch.Tensor | None = None
+        self._inputs: StaticStepInputs | None = None
 
     def capture(
         self,
@@ -58,17 +132,12 @@ class DecodeCudaGraphs:
         max_bs = self.sizes[-1]
         dev = self.device
         max_blocks = -(-max_model_len // block_size)
-        self._input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self._positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self._slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=dev)
-        self._seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
-        self._block_table = torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=dev)
-        self._query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        inputs = self._inputs = StaticStepInputs(max_bs, max_bs, max_blocks, dev, seq_len_pad=1)
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bs in reversed(self.sizes):
-                meta = self._metadata(bs, max_model_len)
-                args = (self._input_ids[:bs], self._positions[:bs], kv_caches, meta)
+                meta = inputs.metadata(bs, bs, 1, max_model_len)
+                args = (inputs.input_ids[:bs], inputs.positions[:bs], kv_caches, meta)
                 for _ in range(2):  # warm-up: Triton compiles, allocator settles
                     model.compute_logits(model(*args))
                 torch.cuda.synchronize(dev)
@@ -78,23 +147,6 @@ class DecodeCudaGraphs:
                 self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize(dev)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
-
-    def _metadata(self, bs: int, max_model_len: int) -> AttentionMetadata:
-        assert self._query_start_loc is not None and self._seq_lens is not None
-        assert self._block_table is not None and self._slot_mapping is not None
-        return AttentionMetadata(
-            num_actual_tokens=bs,
-            num_reqs=bs,
-            max_query_len=1,
-            max_seq_len=max_model_len,
-            query_start_loc=self._query_start_loc[: bs + 1],
-            seq_lens=self._seq_lens[:bs],
-            block_table=self._block_table[:bs],
-            slot_mapping=self._slot_mapping[:bs],
-            query_start_loc_cpu=[],
-            seq_lens_cpu=[],
-            is_decode_only=True,
-        )
 
     def size_for(self, num_reqs: int) -> int | None:
         """The bucket a decode step of `num_reqs` requests replays; None: run it eagerly."""
@@ -116,27 +168,13 @@ class DecodeCudaGraphs:
 
         `fill_from_previous(input_ids, inp)` writes the ids the previous step samples into
         the static input ids (device op, after the host's ids are copied in)."""
-        assert self._input_ids is not None and self._positions is not None
-        assert self._slot_mapping is not None and self._seq_lens is not None
-        assert self._block_table is not None
-        n = inp.num_reqs
-        width = inp.block_table.shape[1]
-        # Straight from the pinned staging buffers into the graph's static inputs.
-        staging.copy_to(self._input_ids[:n], inp.input_ids)
-        fill_from_previous(self._input_ids[:n], inp)
-        staging.copy_to(self._positions[:n], inp.positions)
-        staging.copy_to(self._slot_mapping[:n], inp.slot_mapping)
-        staging.copy_to(self._seq_lens[:n], inp.seq_lens)
-        staging.copy_to(self._block_table[:n, :width], inp.block_table)
-        if size > n:
-            self._slot_mapping[n:size].fill_(-1)
-            self._seq_lens[n:size].fill_(1)
+        assert self._inputs is not None
+        self._inputs.copy_in(inp, size, size, staging, fill_from_previous, query_start_loc=False)
         graph, logits = self.graphs[size]
         graph.replay()
-        return logits[:n]
+        return logits[: inp.num_reqs]
 
     def clear(self) -> None:
         """Drop the graphs (their pool is freed with the last one) and static buffers."""
         self.graphs.clear()
-        self._input_ids = self._positions = self._slot_mapping = None
-        self._seq_lens = self._block_table = self._query_start_loc = None
+        self._inputs = None

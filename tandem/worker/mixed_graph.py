@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.layers.attention import AttentionMetadata
+from tandem.worker.cuda_graph import StaticStepInputs
 
 if TYPE_CHECKING:
     from tandem.models.llama import LlamaForCausalLM
@@ -64,12 +64,7 @@ class MixedCudaGraphs:
         self.device = device
         self.graphs: dict[int, _Graph] = {}
         self.num_replays = 0
-        self._input_ids: torch.Tensor | None = None
-        self._positions: torch.Tensor | None = None
-        self._slot_mapping: torch.Tensor | None = None
-        self._query_start_loc: torch.Tensor | None = None
-        self._seq_lens: torch.Tensor | None = None
-        self._block_table: torch.Tensor | None = None
+        self._inputs: StaticStepInputs | None = None
 
     def _slots(self, size: int) -> int:
         return max(1, min(size, self.max_num_seqs))
@@ -95,27 +90,22 @@ class MixedCudaGraphs:
             return
         dev = self.device
         max_size = self.sizes[-1]
-        max_slots = self._slots(max_size)
         # Wide enough for any request, and for the capture step's one request of max_size.
         max_blocks = -(-max(max_model_len, max_size) // block_size)
-        self._input_ids = torch.zeros(max_size, dtype=torch.long, device=dev)
-        self._positions = torch.zeros(max_size, dtype=torch.long, device=dev)
-        self._slot_mapping = torch.full((max_size,), -1, dtype=torch.long, device=dev)
-        self._query_start_loc = torch.zeros(max_slots + 1, dtype=torch.int32, device=dev)
-        self._seq_lens = torch.zeros(max_slots, dtype=torch.int32, device=dev)
-        self._block_table = torch.zeros((max_slots, max_blocks), dtype=torch.int32, device=dev)
+        inputs = StaticStepInputs(max_size, self._slots(max_size), max_blocks, dev, seq_len_pad=0)
+        self._inputs = inputs
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for size in reversed(self.sizes):
                 slots = self._slots(size)
                 # One request of `size` tokens at positions 0..size-1 (within its blocks).
-                self._positions[:size].copy_(torch.arange(size, device=dev))
-                self._query_start_loc.fill_(size)
-                self._query_start_loc[0] = 0
-                self._seq_lens.zero_()
-                self._seq_lens[0] = size
-                meta = self._metadata(size, slots, max_model_len)
-                args = (self._input_ids[:size], self._positions[:size], kv_caches, meta)
+                inputs.positions[:size].copy_(torch.arange(size, device=dev))
+                inputs.query_start_loc.fill_(size)
+                inputs.query_start_loc[0] = 0
+                inputs.seq_lens.zero_()
+                inputs.seq_lens[0] = size
+                meta = inputs.metadata(size, slots, size, max_model_len)
+                args = (inputs.input_ids[:size], inputs.positions[:size], kv_caches, meta)
                 for _ in range(2):
                     model(*args)
                 torch.cuda.synchronize(dev)
@@ -125,24 +115,6 @@ class MixedCudaGraphs:
                 self.graphs[size] = _Graph(graph, slots, hidden)
         torch.cuda.synchronize(dev)
         logger.info("captured full CUDA graphs of mixed steps for %s tokens", self.sizes)
-
-    def _metadata(self, size: int, slots: int, max_model_len: int) -> AttentionMetadata:
-        assert self._query_start_loc is not None and self._seq_lens is not None
-        assert self._block_table is not None and self._slot_mapping is not None
-        return AttentionMetadata(
-            num_actual_tokens=size,
-            num_reqs=slots,
-            max_query_len=size,
-            max_seq_len=max_model_len,
-            query_start_loc=self._query_start_loc[: slots + 1],
-            seq_lens=self._seq_lens[:slots],
-            block_table=self._block_table[:slots],
-            slot_mapping=self._slot_mapping[:size],
-            query_start_loc_cpu=[],
-            seq_lens_cpu=[],
-            is_decode_only=False,
-            num_decodes=0,
-        )
 
     def replay(
         self,
@@ -154,31 +126,16 @@ class MixedCudaGraphs:
         """Replay bucket `size` for the step `inp`; returns the hidden states of its n real
         token rows. `fill_from_previous(input_ids, inp)` writes the ids the previous step
         samples into the static input ids (device op, after the host's ids are copied in)."""
-        assert self._input_ids is not None and self._positions is not None
-        assert self._slot_mapping is not None and self._seq_lens is not None
-        assert self._block_table is not None and self._query_start_loc is not None
+        assert self._inputs is not None
         entry = self.graphs[size]
-        n, r = inp.total, inp.num_reqs
-        slots = entry.num_req_slots
-        width = inp.block_table.shape[1]
         self.num_replays += 1
-        staging.copy_to(self._input_ids[:n], inp.input_ids)
-        fill_from_previous(self._input_ids[:n], inp)
-        staging.copy_to(self._positions[:n], inp.positions)
-        staging.copy_to(self._slot_mapping[:n], inp.slot_mapping)
-        staging.copy_to(self._query_start_loc[: r + 1], inp.query_start_loc)
-        staging.copy_to(self._seq_lens[:r], inp.seq_lens)
-        staging.copy_to(self._block_table[:r, :width], inp.block_table)
-        if size > n:
-            self._slot_mapping[n:size].fill_(-1)
-        if slots > r:
-            self._query_start_loc[r + 1 : slots + 1].fill_(n)
-            self._seq_lens[r:slots].zero_()
+        self._inputs.copy_in(
+            inp, size, entry.num_req_slots, staging, fill_from_previous, query_start_loc=True
+        )
         entry.graph.replay()
-        return entry.hidden[:n]
+        return entry.hidden[: inp.total]
 
     def clear(self) -> None:
         """Drop the graphs (their pool is freed with the last one) and static buffers."""
         self.graphs.clear()
-        self._input_ids = self._positions = self._slot_mapping = None
-        self._query_start_loc = self._seq_lens = self._block_table = None
+        self._inputs = None

@@ -207,26 +207,40 @@ def _mixed_step(
     return ids, positions, md
 
 
-@torch.inference_mode()
-def test_piecewise_graphs_of_mixed_steps_equal_the_eager_forward() -> None:
-    """A mixed step (decodes over long contexts, a chunk over cached context, a new prompt)
-    through the piecewise graphs: the eager forward's hidden states, bit for bit when the
-    step fills its bucket, within bf16 noise when padded (the matmuls then run at the
-    bucket's row count); the step's K/V written by the graphs (zeroed in between)."""
-    with LLM(
+def _mixed_llm(mode: str, max_num_batched_tokens: int) -> LLM:
+    return LLM(
         model=MODEL,
         dtype="bfloat16",
         device="cuda",
         max_model_len=1024,
         gpu_memory_utilization=0.3,
-        max_num_batched_tokens=256,
-        cudagraph_mode="full_and_piecewise",
-    ) as llm:
+        max_num_batched_tokens=max_num_batched_tokens,
+        cudagraph_mode=mode,
+    )
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "full"])
+def test_mixed_step_graphs_equal_the_eager_forward(mode: str) -> None:
+    """A mixed step (decodes over long contexts, a chunk over cached context, a new prompt)
+    through the mixed-step graphs against the eager forward, and the step's K/V (zeroed in
+    between) as the eager step wrote it:
+    - piecewise graphs: bit for bit when the step fills its bucket, within bf16 noise when
+      padded (the matmuls then run at the bucket's row count);
+    - whole graphs (`full`): within bf16 noise (the decode rows run through the varlen
+      kernel; padded rows and request slots are empty)."""
+    from tandem.worker.input_batch import StepInputs
+
+    piecewise = mode == "full_and_piecewise"
+    with _mixed_llm(mode, 256) as llm:
         runner = llm.engine.model_runner
-        graphs = runner.piecewise_graphs
-        assert (
-            graphs.sizes and max(graphs.sizes) == 256 and set(graphs.buckets) == set(graphs.sizes)
-        )
+        if piecewise:
+            graphs, captured = runner.piecewise_graphs, runner.piecewise_graphs.buckets
+            assert not runner.mixed_graphs.graphs
+        else:
+            graphs, captured = runner.mixed_graphs, runner.mixed_graphs.graphs
+            assert not runner.piecewise_graphs.buckets
+        assert graphs.sizes and max(graphs.sizes) == 256 and set(captured) == set(graphs.sizes)
         model, kv = runner.model, runner.kv_caches
         first_block = runner.kv_cache.shape[0] - 200  # free: the engine holds no request
         # Context first (eager), then the mixed step both ways.
@@ -237,150 +251,77 @@ def test_piecewise_graphs_of_mixed_steps_equal_the_eager_forward() -> None:
             seq_lens = [301, 201, 91, 20 + query_lens[3], *query_lens[4:]]
             ids, pos, md = _mixed_step(runner, query_lens, seq_lens, first_block)
             eager = model(ids, pos, kv, md).clone()
-            # Forget the step's K/V: the piecewise run must write it again (inside its graphs).
-            sm = md.slot_mapping
-            runner.kv_cache[sm // runner.block_size, :, :, sm % runner.block_size] = 0
-            size = graphs.size_for(len(ids))
-            assert size == 64
-            replays = graphs.num_replays
-            piecewise = graphs.replay(model, kv, size, ids, pos, md).clone()
-            assert graphs.num_replays == replays + 1
-            if len(ids) == size:
-                assert torch.equal(eager, piecewise)
-            else:
-                err = (eager.float() - piecewise.float()).norm() / eager.float().norm()
-                assert err < 1e-2, err
-
-
-@torch.inference_mode()
-def test_full_graphs_of_mixed_steps_equal_the_eager_forward() -> None:
-    """`cudagraph_mode="full"`: a mixed step (decodes over long contexts, a chunk over cached
-    context, a new prompt) replayed as one graph gives the eager forward's hidden states
-    within bf16 noise (its decode rows run through the varlen kernel, padded rows and request
-    slots are empty), and writes the step's K/V (zeroed in between) as the eager step did."""
-    from tandem.worker.input_batch import StepInputs
-
-    with LLM(
-        model=MODEL,
-        dtype="bfloat16",
-        device="cuda",
-        max_model_len=1024,
-        gpu_memory_utilization=0.3,
-        max_num_batched_tokens=256,
-        cudagraph_mode="full",
-    ) as llm:
-        runner = llm.engine.model_runner
-        graphs = runner.mixed_graphs
-        assert set(graphs.graphs) == set(graphs.sizes) and max(graphs.sizes) == 256
-        assert not runner.piecewise_graphs.buckets
-        model, kv = runner.model, runner.kv_caches
-        first_block = runner.kv_cache.shape[0] - 200  # free: the engine holds no request
-        ctx_q, ctx_s = [300, 200, 90, 20], [300, 200, 90, 20]
-        ids, pos, md = _mixed_step(runner, ctx_q, ctx_s, first_block)
-        model(ids, pos, kv, md)
-        for query_lens in ([1, 1, 1, 61], [1, 1, 1, 30, 17]):  # 64 tokens (full), 50 (padded)
-            seq_lens = [301, 201, 91, 20 + query_lens[3], *query_lens[4:]]
-            ids, pos, md = _mixed_step(runner, query_lens, seq_lens, first_block)
-            eager = model(ids, pos, kv, md).clone()
+            # Forget the step's K/V: the graphs must write it again.
             sm = md.slot_mapping
             blocks, offsets = sm // runner.block_size, sm % runner.block_size
             written = runner.kv_cache[blocks, :, :, offsets].clone()
             runner.kv_cache[blocks, :, :, offsets] = 0
-            inp = StepInputs(
-                num_reqs=len(query_lens),
-                total=len(ids),
-                input_ids=ids.cpu().numpy(),
-                positions=pos.cpu().numpy(),
-                slot_mapping=sm.cpu().numpy(),
-                query_start_loc=md.query_start_loc.cpu().numpy(),
-                seq_lens=md.seq_lens.cpu().numpy(),
-                block_table=md.block_table.cpu().numpy(),
-                max_query_len=max(query_lens),
-                sampled_rows=[],
-                states=[],
-            )
-            size = graphs.size_for(inp.total, inp.num_reqs)
-            assert size == 64
             replays = graphs.num_replays
-            full = graphs.replay(inp, size, runner.staging, lambda ids, inp: None).clone()
+            if piecewise:
+                size = graphs.size_for(len(ids))
+                assert size == 64
+                out = graphs.replay(model, kv, size, ids, pos, md).clone()
+            else:
+                inp = StepInputs(
+                    num_reqs=len(query_lens),
+                    total=len(ids),
+                    input_ids=ids.cpu().numpy(),
+                    positions=pos.cpu().numpy(),
+                    slot_mapping=sm.cpu().numpy(),
+                    query_start_loc=md.query_start_loc.cpu().numpy(),
+                    seq_lens=md.seq_lens.cpu().numpy(),
+                    block_table=md.block_table.cpu().numpy(),
+                    max_query_len=max(query_lens),
+                    sampled_rows=[],
+                    states=[],
+                )
+                size = graphs.size_for(inp.total, inp.num_reqs)
+                assert size == 64
+                out = graphs.replay(inp, size, runner.staging, lambda ids, inp: None).clone()
             assert graphs.num_replays == replays + 1
-            err = (eager.float() - full.float()).norm() / eager.float().norm()
-            assert err < 1e-2, err
+            if piecewise and len(ids) == size:
+                assert torch.equal(eager, out)
+            else:
+                err = (eager.float() - out.float()).norm() / eager.float().norm()
+                assert err < 1e-2, err
             kv_err = (runner.kv_cache[blocks, :, :, offsets].float() - written.float()).norm()
             assert kv_err / written.float().norm() < 1e-2, kv_err
-        # Past the largest bucket: not replayed (the runner runs it eagerly).
-        assert graphs.size_for(20, 17) == 32 and graphs.size_for(257, 4) is None
+        if not piecewise:  # past the largest bucket: not replayed (the runner runs it eagerly)
+            assert graphs.size_for(20, 17) == 32 and graphs.size_for(257, 4) is None
 
 
-def test_engine_runs_mixed_steps_through_full_graphs() -> None:
-    """Chunked prefill beside decodes (a 64-token budget) under `cudagraph_mode="full"`: the
-    engine replays the mixed full graphs and the block pool is whole afterwards. Its greedy
-    tokens against the eager-mixed engine's: the mixed steps' decode rows run through the
-    varlen kernel instead of split-K decode (another summation order), and random bf16
-    weights have near-ties, so outputs may part; where they part, each engine's token is in
-    the other's top 5 (a wrong input or context would not be)."""
-    vocab = 30000
-    ps = prompts(vocab, 8)
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "full"])
+def test_engine_runs_mixed_steps_through_graphs(mode: str) -> None:
+    """Chunked prefill beside decodes (a 64-token budget: every prefill step is mixed and
+    fits a bucket): the engine replays the mode's mixed-step graphs, and the block pool is
+    whole afterwards. Its greedy tokens against the eager-mixed engine's (identical step
+    plans): padded piecewise buckets differ only in bf16 noise (6 of 8 prompts identical at
+    least); whole graphs run the decode rows through the varlen kernel instead of split-K
+    decode (another summation order), so with the near-ties of random bf16 weights outputs
+    may part more often. Where they part, each engine's token is in the other's top 5 (a
+    wrong input or context would not be)."""
+    ps = prompts(30000, 8)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
     outs = {}
-    for mode in ("full", "full_decode_only"):
-        with LLM(
-            model=MODEL,
-            dtype="bfloat16",
-            device="cuda",
-            max_model_len=1024,
-            gpu_memory_utilization=0.3,
-            max_num_batched_tokens=64,
-            cudagraph_mode=mode,
-        ) as llm:
-            outs[mode] = [
+    for run in (mode, "full_decode_only"):
+        with _mixed_llm(run, 64) as llm:
+            outs[run] = [
                 o.outputs[0]
                 for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
             ]
-            replays = llm.engine.model_runner.mixed_graphs.num_replays
-            assert (replays > 0) == (mode == "full"), (mode, replays)
+            runner = llm.engine.model_runner
+            replays = runner.piecewise_graphs.num_replays + runner.mixed_graphs.num_replays
+            assert (replays > 0) == (run == mode), (run, replays)
             assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
     same = 0
-    for i, (full, ref) in enumerate(zip(outs["full"], outs["full_decode_only"], strict=True)):
-        a, b = list(full.token_ids), list(ref.token_ids)
+    for i, (got, ref) in enumerate(zip(outs[mode], outs["full_decode_only"], strict=True)):
+        a, b = list(got.token_ids), list(ref.token_ids)
         if a == b:
             same += 1
             continue
         j = next(k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-        assert a[j] in ref.logprobs[j], f"prompt {i} step {j}: full graphs' token not in top 5"
-        assert b[j] in full.logprobs[j], f"prompt {i} step {j}: eager's token not in top 5"
-    print(f"{same}/8 prompts identical through full mixed graphs and eager mixed steps")
-
-
-def test_engine_runs_mixed_steps_through_piecewise_graphs() -> None:
-    """Chunked prefill beside decodes (a 64-token budget: every prefill step is mixed and
-    fits a bucket): the engine replays the piecewise graphs, and its greedy tokens are the
-    eager-mixed engine's (identical step plans; padded buckets differ only in bf16 noise)."""
-    vocab = 30000
-    ps = prompts(vocab, 8)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = {}
-    for mode in ("full_and_piecewise", "full_decode_only"):
-        with LLM(
-            model=MODEL,
-            dtype="bfloat16",
-            device="cuda",
-            max_model_len=1024,
-            gpu_memory_utilization=0.3,
-            max_num_batched_tokens=64,
-            cudagraph_mode=mode,
-        ) as llm:
-            outs[mode] = [
-                o.outputs[0].token_ids
-                for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-            ]
-            graphs = llm.engine.model_runner.piecewise_graphs
-            if mode == "full_and_piecewise":
-                assert graphs.num_replays > 0
-            else:
-                assert not graphs.buckets and graphs.num_replays == 0
-            assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
-    same = sum(
-        a == b for a, b in zip(outs["full_and_piecewise"], outs["full_decode_only"], strict=True)
-    )
-    assert same >= 6, f"only {same}/8 prompts identical"
+        assert a[j] in ref.logprobs[j], f"prompt {i} step {j}: the graphs' token not in top 5"
+        assert b[j] in got.logprobs[j], f"prompt {i} step {j}: eager's token not in top 5"
+    print(f"{same}/8 prompts identical through {mode} mixed graphs and eager mixed steps")
+    if mode == "full_and_piecewise":
+        assert same >= 6, f"only {same}/8 prompts identical"
