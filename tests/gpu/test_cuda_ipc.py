@@ -17,7 +17,6 @@ submitting token ids to the scheduler and reading the workers' output streams).
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 import random
 import time
@@ -31,6 +30,8 @@ from typing import Any
 import grpc
 import pytest
 import torch
+
+from tests.kv_pair import run_kv_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -156,29 +157,16 @@ def test_two_processes_copy_blocks_byte_exact(tmp_path: Path) -> None:
     reservations = {rid: dst for rid, (_, dst) in jobs.items()}
     reservations["abandoned"] = list(jobs["after"][1])
     reservations["layout"] = list(jobs["after"][1])
-    ctx = mp.get_context("spawn")
-    decode_conn, decode_child = ctx.Pipe()
-    prefill_conn, prefill_child = ctx.Pipe()
     out = tmp_path / "decode_cache.pt"
-    decode = ctx.Process(target=decode_main, args=(decode_child, reservations, str(out)))
-    decode.start()
-    prefill = None
-    try:
-        assert decode_conn.poll(120), "the decode process did not start"
-        address = decode_conn.recv()
-        prefill = ctx.Process(target=prefill_main, args=(prefill_child, address, jobs))
-        prefill.start()
-        assert prefill_conn.poll(180), "the prefill process did not finish"
-        result = prefill_conn.recv()
-        decode_conn.send("stop")
-        assert decode_conn.poll(60), "the decode process did not report"
-        report = decode_conn.recv()
-    finally:
-        for p in (prefill, decode):
-            if p is not None:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
+    result, report = run_kv_pair(
+        decode_main,
+        prefill_main,
+        reservations,
+        jobs,
+        out,
+        start_timeout_s=120,
+        finish_timeout_s=180,
+    )
 
     src, dst = source_cache(), torch.load(out)
     good = ("runs", "mixed", "scatter", "c0", "c1", "c2", "after")

@@ -10,7 +10,6 @@ other block changed, and that every "being written" mark was cleared.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import random
 import time
 from multiprocessing.connection import Connection
@@ -19,6 +18,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.kv_pair import run_kv_pair
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -156,29 +157,16 @@ def test_gloo_pair_moves_blocks_byte_exact(tmp_path: Path) -> None:
     jobs = make_jobs()
     reservations = {rid: dst for rid, (_, dst) in jobs.items() if rid != "ghost"}
     reservations["abandoned"] = list(jobs["after"][1])  # the same blocks, later reused
-    ctx = mp.get_context("spawn")
-    decode_conn, decode_child = ctx.Pipe()
-    prefill_conn, prefill_child = ctx.Pipe()
     out = tmp_path / "decode_cache.pt"
-    decode = ctx.Process(target=decode_main, args=(decode_child, reservations, str(out)))
-    decode.start()
-    prefill = None
-    try:
-        assert decode_conn.poll(60), "the decode process did not start"
-        address = decode_conn.recv()
-        prefill = ctx.Process(target=prefill_main, args=(prefill_child, address, jobs))
-        prefill.start()
-        assert prefill_conn.poll(120), "the prefill process did not finish"
-        result = prefill_conn.recv()
-        decode_conn.send("stop")
-        assert decode_conn.poll(60), "the decode process did not report"
-        decode_report = decode_conn.recv()
-    finally:
-        for p in (prefill, decode):
-            if p is not None:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
+    result, decode_report = run_kv_pair(
+        decode_main,
+        prefill_main,
+        reservations,
+        jobs,
+        out,
+        start_timeout_s=60,
+        finish_timeout_s=120,
+    )
 
     src = source_cache()
     dst = torch.load(out)
