@@ -21,6 +21,15 @@ which tokens reached the client, so it is the frontend that builds the continuat
 Each attempt has its own engine id, so whatever the lost attempt still delivers (a late output,
 an error, a failure event) matches no choice and is dropped; the `ChoiceOutput` (detokenizer,
 stop strings, token counts) carries on across attempts, so no token is repeated or missing.
+
+Dispatch attempts. The scheduler may dispatch one engine request again before it runs (its
+first dispatch failed or its worker was lost before it started; scheduler/core.py), under
+`cmpl-7~d1`, `cmpl-7~d2`, ... (common/request_ids.py): the same prompt and output indices.
+Outputs of such an id belong to the choice of `cmpl-7` (or of `cmpl-7~m1`); once one of a
+newer attempt has come, those of older attempts are dropped (the scheduler aborted them, but
+what they sent before may still be on its way). A token an older attempt sent first is kept
+(the newer attempt's at that index is then a duplicate): greedy and seeded sampling draw the
+same one.
 Greedy output is that of an uninterrupted run. A seeded request's generator starts again from
 its seed at the migration point (the tokens after it differ from an uninterrupted run's), and
 presence / frequency penalties count the tokens before it as prompt, not output.
@@ -42,9 +51,22 @@ from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, worker_pb2
 from tandem_services.common.actor import Actor, Ask
 from tandem_services.common.convert import FINISH_FROM_PROTO, logprobs_from_proto
+from tandem_services.common.request_ids import migration_request_id, split_dispatch_request_id
 from tandem_services.frontend.types import ChoiceDelta, FrontendError, StepEvent, Usage
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Cancel",
+    "Count",
+    "FailAll",
+    "Failed",
+    "Migration",
+    "Outputs",
+    "Register",
+    "RequestTracker",
+    "migration_request_id",
+]
 
 
 @dataclass
@@ -64,6 +86,8 @@ class _Choice:
     migrations: int = 0
     # The current attempt's output index 0 is this index in the whole output.
     index_offset: int = 0
+    # The newest dispatch attempt of `request_id` outputs came from (request_ids.py).
+    dispatch_attempt: int = 0
 
 
 @dataclass
@@ -140,11 +164,6 @@ class FailAll(Ask[int]):
 TrackerMessage = Register | Outputs | Failed | Cancel | Count | FailAll
 
 
-def migration_request_id(base_id: str, attempt: int) -> str:
-    """The engine request id of a choice's `attempt`-th migration (1, 2, ...)."""
-    return f"{base_id}~m{attempt}"
-
-
 class RequestTracker(Actor[TrackerMessage]):
     """`migrate` (with `migration_limit` > 0) continues a choice whose worker was lost; without
     it such a choice fails with the worker's error."""
@@ -207,7 +226,7 @@ class RequestTracker(Actor[TrackerMessage]):
         deltas: dict[str, list[ChoiceDelta]] = {}
         to_abort: list[str] = []
         for out in step.outputs:
-            found = self.by_engine_id.get(out.request_id)
+            found = self._choice_of(out.request_id)
             if found is None:
                 continue
             req, choice = found
@@ -252,6 +271,27 @@ class RequestTracker(Actor[TrackerMessage]):
             req.queue.put_nowait(event)
         if to_abort:
             self._abort(to_abort)
+
+    def _choice_of(self, engine_request_id: str) -> tuple[_Request, _Choice] | None:
+        """The choice an output of `engine_request_id` belongs to; None when it belongs to
+        none (an unknown id, a lost attempt, or an older dispatch attempt than one seen)."""
+        found = self.by_engine_id.get(engine_request_id)
+        attempt = 0
+        if found is None:
+            split = split_dispatch_request_id(engine_request_id)
+            if split is None:
+                return None
+            base, attempt = split
+            found = self.by_engine_id.get(base)
+            if found is None:
+                return None
+        choice = found[1]
+        if attempt < choice.dispatch_attempt:
+            return None
+        if attempt > choice.dispatch_attempt:
+            choice.dispatch_attempt = attempt
+            choice.pending.clear()  # an older attempt's, ahead of what the client has
+        return found
 
     def _apply(
         self,
@@ -310,6 +350,7 @@ class RequestTracker(Actor[TrackerMessage]):
         choice.request_id = migration.request.request_id
         choice.index_offset = choice.next_index
         choice.pending.clear()  # the lost attempt's, ahead of what the client has
+        choice.dispatch_attempt = 0
         choice.migrations += 1
         self.num_migrations += 1
         self.by_engine_id[choice.request_id] = (req, choice)

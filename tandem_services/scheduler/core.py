@@ -22,14 +22,22 @@ retriable failure (below; their Submit fails with UNAVAILABLE only after
 frontend then migrates each (frontend/tracker.py: it alone knows which tokens the client has,
 so it submits the continuation, prompt plus those tokens, as a new engine request).
 
-A dispatch that fails retriably (UNAVAILABLE, DEADLINE_EXCEEDED) may still have reached its
-workers: a stalled worker acts on it later. Before the request is dispatched again, the failed
-attempt is aborted on each worker it may have reached and those aborts are answered, then a
-jittered back-off passes (the request waits in `backing_off`, where an abort still finds it).
-So the retry never meets its earlier attempt's abort, and a worker has torn that attempt down
-first; should the retry still find the id in use there (ALREADY_EXISTS: the earlier attempt's
-engine admission had not yet ended), it is retried again in the same way, within
-`max_dispatch_attempts`.
+A dispatch that fails retriably (UNAVAILABLE, DEADLINE_EXCEEDED: an engine busy with a long
+step answers its Prefill late) or whose worker is lost may still have reached its workers: a
+stalled worker acts on it later, a decode worker tears down a reservation whose KV receive is
+under way only once that receive ends, a worker aborts a request whose engine add has not run
+yet only after it. So each dispatch again runs under an engine id of its own
+(`dispatch_request_id`: `cmpl-7~d1`, `cmpl-7~d2`, ...; common/request_ids.py): what an earlier
+attempt left on a worker never collides with it (no ALREADY_EXISTS), and the frontend drops
+whatever such an attempt still delivers once the newer one's outputs come. The scheduler keys
+the request by its own id throughout and maps workers' reports of the attempt's id back to it.
+Before the request is dispatched again, the failed attempt is aborted on each worker it may
+have reached and those aborts are answered, then a jittered back-off passes (the request waits
+in `backing_off`, where an abort still finds it), within `max_dispatch_attempts`.
+
+    Submit cmpl-7 ─▶ attempt cmpl-7     Reserve ok, Prefill DEADLINE_EXCEEDED (engine mid-step)
+                     abort cmpl-7 on both (answered; each worker ends it once it can)
+                     back-off ─▶ attempt cmpl-7~d1 ─▶ running; Submit answered
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from tandem_protos.v1 import (
     worker_pb2_grpc,
 )
 from tandem_services.common.actor import Actor, Ask
+from tandem_services.common.request_ids import dispatch_request_id, split_dispatch_request_id
 from tandem_services.common.server import channel as grpc_channel
 from tandem_services.scheduler import admission
 from tandem_services.scheduler.config import SchedulerServiceConfig
@@ -298,13 +307,19 @@ class Queued:
     submit: Submit
     seq: int
     enqueued_at: float
+    # Failed dispatch attempts (the limit is max_dispatch_attempts).
     attempts: int = 0
-    # An earlier attempt failed retriably: a worker may still hold it, so ALREADY_EXISTS from
-    # a worker is that attempt not yet torn down, not another request with this id.
-    earlier_attempt_unknown: bool = False
+    # Earlier attempts that may have reached a worker (failed retriably, or their worker was
+    # lost): the next one runs under `dispatch_request_id(request_id, dispatch_attempt)`.
+    dispatch_attempt: int = 0
     # Prefix-aware routing: the directory's answer.
     prefix: PrefixLookup | None = None
     status: RequestStatus = RequestStatus.QUEUED
+
+    @property
+    def engine_request_id(self) -> str:
+        """The id the next dispatch attempt runs under on the workers."""
+        return dispatch_request_id(self.submit.request.request_id, self.dispatch_attempt)
 
     def move(self, status: RequestStatus) -> None:
         """The one place a request's status changes; refuses a transition not in the table."""
@@ -330,6 +345,12 @@ class Inflight:
     num_prefill_tokens: int = 0
     # Which dispatch attempt this is (outcomes of an earlier attempt of the id are stale).
     dispatch_id: int = 0
+    # The id this attempt runs under on its workers ("": `request_id`; see request_ids.py).
+    engine_request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.engine_request_id:
+            self.engine_request_id = self.request_id
 
     @property
     def status(self) -> RequestStatus:
@@ -542,10 +563,9 @@ class SchedulerCore(Actor[SchedulerMessage]):
                 queued=queued,
                 num_prefill_tokens=max(len(req.prompt_token_ids) - route.num_cached_tokens, 0),
                 dispatch_id=next(self._dispatch_ids),
+                engine_request_id=queued.engine_request_id,
             )
-            self._spawn(
-                self._dispatch(queued.submit, prefill, decode, self.inflight[rid].dispatch_id)
-            )
+            self._spawn(self._dispatch(queued.submit, prefill, decode, self.inflight[rid]))
 
     def _views(self) -> list[WorkerView]:
         views = []
@@ -575,9 +595,16 @@ class SchedulerCore(Actor[SchedulerMessage]):
         return views
 
     async def _dispatch(
-        self, submit: Submit, prefill: WorkerEntry, decode: WorkerEntry | None, dispatch_id: int
+        self, submit: Submit, prefill: WorkerEntry, decode: WorkerEntry | None, r: Inflight
     ) -> None:
-        rid = submit.request.request_id
+        """Reserve on the decode worker (if any), then Prefill; the attempt runs there under
+        `r.engine_request_id`. Reports a `DispatchOutcome` keyed by the scheduler's id."""
+        rid, dispatch_id = r.request_id, r.dispatch_id
+        request = submit.request
+        if r.engine_request_id != request.request_id:
+            request = common_pb2.EngineRequest()
+            request.CopyFrom(submit.request)
+            request.request_id = r.engine_request_id
         timeout = self.config.rpc_timeout_s
         target = decode if decode is not None else prefill
         try:
@@ -598,9 +625,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                     )
                     return
                 reply = await decode.stub.Reserve(
-                    worker_pb2.ReserveRequest(
-                        request=submit.request, destination=submit.destination
-                    ),
+                    worker_pb2.ReserveRequest(request=request, destination=submit.destination),
                     timeout=timeout,
                 )
                 if not reply.block_ids:
@@ -620,7 +645,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             target = prefill
             await prefill.stub.Prefill(
                 worker_pb2.PrefillRequest(
-                    request=submit.request, destination=submit.destination, handoff=handoff
+                    request=request, destination=submit.destination, handoff=handoff
                 ),
                 timeout=timeout,
             )
@@ -663,7 +688,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             queued.move(RequestStatus.RUNNING)
             r.submit = r.queued = None
             if r.aborted:
-                self._send_abort(r.workers, [r.request_id])
+                self._send_abort(r.workers, [r.engine_request_id])
             submit.answer(
                 scheduler_pb2.SubmitResponse(
                     prefill_worker_id=r.prefill_worker_id,
@@ -686,11 +711,10 @@ class SchedulerCore(Actor[SchedulerMessage]):
             else:
                 submit.fail(SubmitError(grpc.StatusCode.CANCELLED, "request aborted"))
             return
-        retriable = msg.code in _RETRIABLE or (
-            msg.code == grpc.StatusCode.ALREADY_EXISTS and queued.earlier_attempt_unknown
-        )
+        # ALREADY_EXISTS is never an earlier attempt of this request (each has its own id):
+        # another request with this id is on that worker. Not retried.
+        retriable = msg.code in _RETRIABLE
         queued.attempts += 1
-        queued.earlier_attempt_unknown |= msg.code in _RETRIABLE
         if not r.aborted and retriable and queued.attempts < self.config.max_dispatch_attempts:
             delay = self._backoff_s(queued.attempts)
             logger.warning(
@@ -704,7 +728,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             )
             self._back_off(r, queued, delay)
             return
-        self._send_abort(r.workers, [r.request_id])
+        self._send_abort(r.workers, [r.engine_request_id])
         if r.aborted:
             submit.fail(SubmitError(grpc.StatusCode.CANCELLED, "request aborted"))
             return
@@ -715,11 +739,13 @@ class SchedulerCore(Actor[SchedulerMessage]):
 
     def _back_off(self, r: Inflight, queued: Queued, delay_s: float) -> None:
         """Queue `r` again after its attempt is aborted on the workers it may have reached
-        (those still registered) and `delay_s` has passed."""
+        (those still registered) and `delay_s` has passed; the next attempt runs under an id
+        of its own (a worker may still hold this one)."""
         queued.move(RequestStatus.BACKING_OFF)
+        queued.dispatch_attempt += 1
         self.backing_off[r.request_id] = queued
         entries = [self.workers[w] for w in sorted(r.workers) if w in self.workers]
-        self._spawn(self._retry_later(queued, entries, delay_s))
+        self._spawn(self._retry_later(queued, entries, r.engine_request_id, delay_s))
 
     def _backoff_s(self, attempts: int) -> float:
         """Back-off after `attempts` failed attempts: exponential, capped, jittered."""
@@ -729,15 +755,17 @@ class SchedulerCore(Actor[SchedulerMessage]):
         return self._random.uniform(cap / 2, cap)
 
     async def _retry_later(
-        self, queued: Queued, entries: list[WorkerEntry], delay_s: float
+        self, queued: Queued, entries: list[WorkerEntry], engine_request_id: str, delay_s: float
     ) -> None:
-        """Abort the failed attempt on every worker it may have reached, wait for those aborts
-        to be answered (each within rpc_timeout_s), back off, then queue the request again.
-        Answered aborts come before the retry on each worker, so the earlier attempt's abort
-        never lands on the retry."""
+        """Abort the failed attempt (`engine_request_id`) on every worker it may have reached,
+        wait for those aborts to be answered (each within rpc_timeout_s), back off, then queue
+        the request again. A worker has taken the abort before the retry can reach it (and
+        ends the attempt as soon as it can: after a KV receive or an engine add under way)."""
         rid = queued.submit.request.request_id
         # An abort on a worker dropped meanwhile ends with the drop (`_abort_on`).
-        await asyncio.gather(*(self._abort_on(e, [rid]) for e in entries), return_exceptions=True)
+        await asyncio.gather(
+            *(self._abort_on(e, [engine_request_id]) for e in entries), return_exceptions=True
+        )
         await asyncio.sleep(delay_s)
         self.tell(RetryDue(rid, queued))
 
@@ -773,7 +801,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             count += 1
             if r.status is RequestStatus.RUNNING:  # the workers report it finished once aborted
                 for wid in r.workers:
-                    by_worker[wid].append(rid)
+                    by_worker[wid].append(r.engine_request_id)
         for wid, ids in by_worker.items():
             self._send_abort({wid}, ids)
         return count
@@ -855,15 +883,32 @@ class SchedulerCore(Actor[SchedulerMessage]):
         entry.last_report = time.monotonic()
         entry.full = False
         entry.reserved_since_report = 0
-        for rid in report.finished_request_ids:
-            entry.inflight.discard(rid)
-            r = self.inflight.get(rid)
-            if r is not None:
-                r.workers.discard(entry.worker_id)
-                if not r.workers and r.status is RequestStatus.RUNNING:
-                    del self.inflight[rid]
+        for engine_id in report.finished_request_ids:
+            r = self._inflight_of(engine_id)
+            if r is None:
+                # An earlier attempt of a request retried since (its current attempt may run
+                # on this worker too), or a request forgotten already.
+                if engine_id not in self.inflight:
+                    entry.inflight.discard(engine_id)
+                continue
+            entry.inflight.discard(r.request_id)
+            r.workers.discard(entry.worker_id)
+            if not r.workers and r.status is RequestStatus.RUNNING:
+                del self.inflight[r.request_id]
         self._pump()
         return entry.generation
+
+    def _inflight_of(self, engine_request_id: str) -> Inflight | None:
+        """The in-flight request whose current attempt runs under `engine_request_id` on the
+        workers (None: none, or an earlier attempt's id). An exact id wins over a suffix."""
+        r = self.inflight.get(engine_request_id)
+        if r is not None and r.engine_request_id == engine_request_id:
+            return r
+        split = split_dispatch_request_id(engine_request_id)
+        if split is None:
+            return None
+        r = self.inflight.get(split[0])
+        return r if r is not None and r.engine_request_id == engine_request_id else None
 
     def _drop_worker(
         self, entry: WorkerEntry, why: str, broadcast: bool = True, leave_directory: bool = True
@@ -886,12 +931,11 @@ class SchedulerCore(Actor[SchedulerMessage]):
             queued = r.queued
             if r.submit is not None and queued is not None:  # DISPATCHING: dispatch again
                 queued.attempts += 1
-                queued.earlier_attempt_unknown = True
                 if not r.aborted and queued.attempts < self.config.max_dispatch_attempts:
                     logger.warning("%s was being dispatched there: dispatching it again", rid)
                     self._back_off(r, queued, self._backoff_s(queued.attempts))
                     continue
-                self._send_abort(r.workers, [rid])
+                self._send_abort(r.workers, [r.engine_request_id])
                 r.submit.fail(
                     SubmitError(
                         grpc.StatusCode.CANCELLED if r.aborted else grpc.StatusCode.UNAVAILABLE,
@@ -899,7 +943,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                     )
                 )
             else:
-                self._send_abort(r.workers, [rid])
+                self._send_abort(r.workers, [r.engine_request_id])
                 failed[r.destination].append(rid)
         for destination, ids in failed.items():
             event = scheduler_pb2.SchedulerEvent(

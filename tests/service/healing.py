@@ -32,9 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
 HEAL_MAX_TOKENS = 24
 # Prompts of the healing tests, short (decode-bound) ...
 HEAL_PROMPTS = [f"Story {i}: once upon a time, in a land far away," for i in range(8)]
-# ... and long (prefill-bound: a few seconds of prefill on a CPU).
+# ... and long (prefill-bound: ~400 tokens each, a second or more of prefill on a CPU; not
+# longer: with one of the two prefill workers killed, the other computes them all, and steps of
+# 10 s on a small shared machine push its Prefill answers past the scheduler's RPC timeout).
 LONG_PROMPTS = [
-    f"Note {i}. " + " ".join(f"The {w} of item {i} is number {j}." for j in range(80))
+    f"Note {i}. " + " ".join(f"The {w} of item {i} is number {j}." for j in range(32))
     for i, w in enumerate(["colour", "shape", "weight", "size"])
 ]
 HEAL_ARGS = (

@@ -84,6 +84,11 @@ def test_api_key_required(no_workers: Deployment) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.ListModels(frontend_pb2.ListModelsRequest())
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ListModels(
+                    frontend_pb2.ListModelsRequest(), metadata=(("authorization", "Bearer wrong"),)
+                )
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             await stub.ListModels(
                 frontend_pb2.ListModelsRequest(), metadata=(("authorization", f"Bearer {API_KEY}"),)
             )

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import psutil
 import pytest
 
@@ -32,7 +33,7 @@ from tandem.engine.serial import Piggyback
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
 
-from .conftest import PROMPTS, interrupt_a_stream, launch
+from .conftest import PROMPTS, interrupt_a_stream, launch, wait_until
 
 
 def _config(model: Path) -> EngineConfig:
@@ -193,7 +194,8 @@ def test_engine_build_error_surfaces(smollm2_path: Path) -> None:
 
 def test_worker_whose_engine_dies_fails_its_streams_and_exits(tmp_path: Path) -> None:
     """SIGKILL the unified worker's engine process mid-stream: the stream ends with an error
-    within seconds (no hang) and the worker process exits non-zero."""
+    within seconds (no hang), the worker process exits non-zero, and the frontend's /ready is
+    503 (no serving worker)."""
     dep = launch(tmp_path, unified=True)
     try:
         worker = psutil.Process(dep.pid("unified"))
@@ -206,5 +208,9 @@ def test_worker_whose_engine_dies_fails_its_streams_and_exits(tmp_path: Path) ->
         code = dep.services["unified"].process.wait(timeout=30)
         assert code != 0
         assert "engine" in dep.services["unified"].log_tail(40)
+        # No serving worker is left: the frontend's readiness says so.
+        ready = f"http://{dep.http_address}/ready"
+        wait_until(lambda: httpx.get(ready, timeout=10).status_code == 503, 15, "/ready 503")
+        assert httpx.get(ready, timeout=10).json()["workers"]["unified"] == 0
     finally:
         dep.stop(timeout_s=20)

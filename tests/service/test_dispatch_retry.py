@@ -1,8 +1,9 @@
 """Dispatch retries against a stalled worker, with real processes: the worker is stopped
 (SIGSTOP) for longer than the scheduler's RPC timeout, so its first dispatch times out at the
 scheduler while it sits, received, in the worker's socket; the worker then resumes and sees the
-first attempt, its abort and the retry. The request must succeed (no ALREADY_EXISTS from the
-earlier attempt), an abort while a retry waits must end the request, and no worker may keep a
+first attempt, its abort and the retry. The request must succeed (the retry runs under an id
+of its own, so the earlier attempt the worker still holds never collides: no ALREADY_EXISTS),
+an abort while a retry waits must end the request, and no worker may keep a
 block or any request state afterwards.
 """
 
@@ -106,9 +107,15 @@ def test_retry_after_timeout_reaches_a_worker_that_got_the_first_attempt(
         finally:
             os.kill(pid, signal.SIGCONT)
 
+    scheduler_log = deployment.services["scheduler"].log_path
+    assert scheduler_log is not None
+    mark = len(scheduler_log.read_text())
     t0 = time.monotonic()
     assert asyncio.run(run()) == reference.token_ids[0]
     assert time.monotonic() - t0 > RPC_TIMEOUT_S  # it did wait for the stalled worker
+    log = scheduler_log.read_text()[mark:]
+    assert "DEADLINE_EXCEEDED, attempt 1" in log, log  # the first attempt timed out
+    assert "ALREADY_EXISTS" not in log, log  # the retry never met it
     assert_pools_whole(deployment)
     wait_until(lambda: _scheduler_idle(deployment), 10, "the scheduler to forget the request")
     # The worker serves the next request as usual.

@@ -1,7 +1,8 @@
 """Liveness that means something: an engine whose step loop stalls (made real with SIGSTOP of
 the engine process) is noticed by its client, turns its worker's gRPC health NOT_SERVING and
 the frontend's /health and /ready 503 (the scheduler drops the silent worker); SIGCONT brings
-all of it back. And /metrics is served on the frontend's HTTP port."""
+all of it back. And /metrics is served on the frontend's HTTP port; readiness needs a serving
+worker for every role."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from tandem.engine.core_client import AsyncMPClient
 from tandem.engine.serial import Piggyback
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
+from tandem_protos.v1 import common_pb2, scheduler_pb2
+from tandem_services.frontend.health import readiness
 from tandem_services.launcher import Deployment, ServeConfig, start_deployment
 
 from .conftest import GRACE_S, SCHEDULER_ARGS, WORKER_ARGS, wait_until
@@ -162,3 +165,29 @@ def test_a_stalled_engine_turns_worker_and_frontend_health_off_then_on(
         assert http.get(base + "/health").status_code == 200
         r = _complete(http, base)
         assert r.status_code == 200, r.text
+
+
+def test_readiness_needs_a_serving_worker_for_every_role() -> None:
+    """A request needs a unified worker, or a prefill and a decode worker; a draining worker
+    does not count (what /health and /ready answer, from the scheduler's worker list)."""
+
+    def info(role: int, draining: bool = False) -> scheduler_pb2.WorkerInfo:
+        return scheduler_pb2.WorkerInfo(role=role, draining=draining)
+
+    prefill, decode, unified = (
+        common_pb2.WORKER_ROLE_PREFILL,
+        common_pb2.WORKER_ROLE_DECODE,
+        common_pb2.WORKER_ROLE_UNIFIED,
+    )
+    assert not readiness([]).ok
+    assert not readiness([info(prefill), info(prefill)]).ok  # no decode worker
+    assert not readiness([info(decode)]).ok
+    assert not readiness([info(prefill), info(decode, draining=True)]).ok
+    r = readiness([info(prefill), info(decode, draining=True)])
+    assert r.workers == {"prefill": 1, "decode": 0, "unified": 0}
+    assert r.status == "no serving worker for every role"
+    assert readiness([info(prefill), info(decode)]).ok
+    assert readiness([info(unified)]).ok
+    assert not readiness([info(unified)], draining=True).ok
+    assert readiness([info(unified)], draining=True).status == "draining"
+    assert not readiness([info(unified)], scheduler_error="UNAVAILABLE").ok

@@ -1,7 +1,8 @@
 """Supervision (issue 15): `tandem serve` restarts a worker that dies, the new process
 registers and takes load; one crash more than `--max-worker-restarts` within
 `--restart-window-s` stops the whole deployment with one line naming why, exit code 1, and
-no traceback anywhere; a request still in flight then ends with 503 within the grace period."""
+no traceback anywhere; a request still in flight then ends with 503 and Retry-After within the
+grace period."""
 
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ def test_worker_restarted_then_too_many_crashes_stop_everything(tmp_path: Path) 
         sender.join(timeout=30)
         assert inflight and inflight[0].status_code == 503, inflight
         assert "shutting down" in inflight[0].json()["error"]["message"]
+        assert inflight[0].headers.get("retry-after") == "1", inflight[0].headers
         time.sleep(0.5)  # the output thread reads the last lines
         out = serve.output
         assert code == 1, out

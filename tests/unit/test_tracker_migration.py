@@ -1,7 +1,8 @@
 """The frontend tracker's migration (issue 15), driven as a real actor with real worker protos:
 a choice whose worker is lost continues as a new engine request (prompt + the tokens the client
 has, max_tokens / min_tokens reduced); the client's stream goes on with no token repeated or
-missing; whatever the lost attempt still delivers is dropped; the limit holds."""
+missing; whatever the lost attempt still delivers is dropped; the limit holds. A scheduler's
+dispatch attempt (`r~d1`) feeds its choice, older attempts' late outputs are dropped."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import grpc
 from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, worker_pb2
 from tandem_services.common.convert import sampling_params_to_proto
+from tandem_services.common.request_ids import dispatch_request_id, split_dispatch_request_id
 from tandem_services.frontend.tracker import (
     Failed,
     Migration,
@@ -154,6 +156,55 @@ def test_without_a_limit_a_lost_worker_fails_the_request() -> None:
             tracker.tell(Failed(["r"], LOST))
             events = await _drain(queue, 2)
             assert events[-1].error is LOST and not migrations
+        finally:
+            await tracker.stop()
+
+    asyncio.run(main())
+
+
+def test_dispatch_attempt_ids() -> None:
+    assert dispatch_request_id("r", 0) == "r"
+    assert dispatch_request_id("r", 2) == "r~d2"
+    assert split_dispatch_request_id("r~d2") == ("r", 2)
+    assert split_dispatch_request_id("r~m1~d1") == ("r~m1", 1)
+    for plain in ("r", "r~d", "r~d0", "r~d01", "~d1", "r~dx", "r~m1"):
+        assert split_dispatch_request_id(plain) is None, plain
+
+
+def test_a_dispatch_attempt_feeds_its_choice_and_older_attempts_are_dropped() -> None:
+    """The scheduler dispatched `r` again as `r~d1` (the first attempt may still deliver):
+    `r~d1`'s outputs are the choice's; once they come, `r`'s late ones are dropped; a migration
+    of the choice then takes attempts of its own id (`r~m1~d1`)."""
+
+    async def main() -> None:
+        params = SamplingParams(max_tokens=6, temperature=0)
+        tracker, migrations, _, request = _setup(2, params)
+        tracker.start()
+        try:
+            queue = await tracker.ask(Register("r", [7, 7], [("r", params)], (request,)))
+            tracker.tell(_out("r", 0, [0]))  # the first attempt's first token came out
+            tracker.tell(_out("r~d1", 0, [0]))  # the retry's: a duplicate index, dropped
+            tracker.tell(_out("r~d1", 1, [1]))
+            tracker.tell(_out("r", 1, [5]))  # the first attempt, late: dropped
+            tracker.tell(_out("r", 2, [5]))
+            tracker.tell(_out("r~d2x", 2, [5]))  # no attempt id: dropped
+            events = await _drain(queue, 2)
+            assert "".join(d.text for e in events for d in e.deltas) == "ab"
+            # A worker of attempt r~d1 is lost: the choice migrates with what the client has.
+            tracker.tell(Failed(["r"], LOST))
+            await asyncio.sleep(0.05)
+            [m] = migrations
+            new = m.request.request_id
+            assert new == migration_request_id("r", 1)
+            assert list(m.request.prompt_token_ids) == [7, 7, 0, 1]
+            tracker.tell(_out(f"{new}~d1", 0, [2]))  # the migration dispatched again
+            tracker.tell(_out("r~d1", 2, [5]))  # the lost attempt: dropped
+            tracker.tell(_out(f"{new}~d1", 1, [3, 4, 5], common_pb2.FINISH_REASON_LENGTH))
+            events += await _drain(queue, 2)
+            assert queue.empty()
+            assert "".join(d.text for e in events for d in e.deltas) == "abcdef"
+            assert events[-1].finished and events[-1].usage is not None
+            assert events[-1].usage.completion_tokens == 6
         finally:
             await tracker.stop()
 
