@@ -18,6 +18,19 @@
 #include <limits>
 #include <vector>
 
+// MKL's packed sgemm (a weight packed once into MKL's blocked layout, then multiplied by any
+// number of rows without MKL repacking it on every call). torch's x86 builds link MKL into
+// libtorch_cpu and export these; declared weak, so a build without MKL (aarch64, a source
+// build) still loads and `has_packed_sgemm` says false. LP64 (int) interface, CBLAS enums.
+extern "C" {
+size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
+void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k, float alpha,
+                      const float* src, int ld, float* dest) __attribute__((weak));
+void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a,
+                         int lda, const float* b, int ldb, float beta, float* c, int ldc)
+    __attribute__((weak));
+}
+
 namespace {
 
 template <typename T>
@@ -337,6 +350,91 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   return out;
 }
 
+// ---------------------------------------------------------------------------- linear
+
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112, kCblasPacked = 151;
+constexpr int kCblasBMatrix = 162;
+// The row count MKL packs for (a hint for its blocking; the packed weight serves any count):
+// decode-sized batches, where packing pays most.
+constexpr int kPackRowsHint = 64;
+
+bool has_packed_sgemm() {
+  return cblas_sgemm_pack_get_size != nullptr && cblas_sgemm_pack != nullptr &&
+         cblas_sgemm_compute != nullptr;
+}
+
+// weight [N, K] float32 (an nn.Linear weight) -> MKL's packed form of weight^T, as a flat
+// float32 tensor that only `packed_linear` reads.
+at::Tensor sgemm_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(has_packed_sgemm(), "sgemm_pack_weight: this torch build has no MKL packed sgemm");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "sgemm_pack_weight: weight must be float32 [N, K], contiguous");
+  const int n = static_cast<int>(weight.size(0)), k = static_cast<int>(weight.size(1));
+  const size_t bytes = cblas_sgemm_pack_get_size(kCblasBMatrix, kPackRowsHint, n, k);
+  auto packed = at::empty({static_cast<int64_t>((bytes + 63) / 4)}, weight.options());
+  cblas_sgemm_pack(kCblasRowMajor, kCblasBMatrix, kCblasTrans, kPackRowsHint, n, k, 1.0f,
+                   weight.data_ptr<float>(), k, packed.data_ptr<float>());
+  return packed;
+}
+
+// x [M, K] (rows contiguous) @ weight^T (+ bias) -> [M, N] float32, weight packed by
+// `sgemm_pack_weight`. With a bias, the output starts as the bias rows and MKL adds x W^T to
+// it (beta = 1), as addmm does.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "packed_linear: x must be float32 [M, K], rows contiguous");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous(), "packed weight");
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out;
+  float beta = 0.f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat, "bias [N] float32");
+    out = bias->reshape({1, n}).expand({m, n}).contiguous();
+    beta = 1.f;
+  } else {
+    out = at::empty({m, n}, x.options());
+  }
+  if (m == 0) return out;
+  cblas_sgemm_compute(kCblasRowMajor, kCblasNoTrans, kCblasPacked, static_cast<int>(m),
+                      static_cast<int>(n), static_cast<int>(k), x.data_ptr<float>(),
+                      static_cast<int>(x.stride(0)), packed.data_ptr<float>(),
+                      static_cast<int>(k), beta, out.data_ptr<float>(), static_cast<int>(n));
+  return out;
+}
+
+// x [T, 2 D] (rows contiguous; [gate | up]) -> silu(gate) * up [T, D], one pass. Each step
+// rounds to the dtype as the torch ops (F.silu, then the product) do; silu(g) = g / (1 + e^-g)
+// in float32 as ATen's CPU kernel computes it.
+template <typename T>
+void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d, int64_t x_stride) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = x + r * x_stride;
+      const T* u = g + d;
+      T* o = out + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        const float gf = to_f(g[i]);
+        const T act = static_cast<T>(gf / (1.f + std::exp(-gf)));
+        o[i] = static_cast<T>(to_f(act) * to_f(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be [T, 2 D], rows contiguous");
+  const int64_t d = x.size(1) / 2;
+  auto out = at::empty({x.size(0), d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
+    silu_and_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x.size(0), d,
+                                x.stride(0));
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------------------- threads
 
 // Bind OpenMP thread i of this process's pool to cores[i]; sets the pool to len(cores) threads.
@@ -373,6 +471,10 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, float scale) -> Tensor");
+  m.def("has_packed_sgemm() -> bool", &has_packed_sgemm);
+  m.def("sgemm_pack_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("bind_threads(int[] cores) -> int[]", [](c10::IntArrayRef cores) {
     return bind_threads(std::vector<int64_t>(cores.begin(), cores.end()));
   });
@@ -383,4 +485,7 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_qkv_cache", &rotary_qkv_cache);
   m.impl("paged_attention", &paged_attention);
+  m.impl("sgemm_pack_weight", &sgemm_pack_weight);
+  m.impl("packed_linear", &packed_linear);
+  m.impl("silu_and_mul", &silu_and_mul);
 }
