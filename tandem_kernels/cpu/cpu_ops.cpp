@@ -12,6 +12,9 @@
 
 #include <omp.h>
 #include <sched.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -29,6 +32,11 @@ void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k
 void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a,
                          int lda, const float* b, int ldb, float beta, float* c, int ldc)
     __attribute__((weak));
+#if defined(__AVX512F__)
+// SLEEF's 1-ulp exp over 16 floats: the one ATen's AVX512 kernels (silu, softmax) use; torch's
+// x86 builds export it. Weak, as above: without it the kernels take std::exp.
+__m512 Sleef_expf16_u10(__m512 x) __attribute__((weak));
+#endif
 }
 
 namespace {
@@ -36,6 +44,36 @@ namespace {
 template <typename T>
 inline float to_f(T x) {
   return static_cast<float>(x);
+}
+
+// x[i] <- exp(x[i] - shift) for i < n; 16 lanes at a time where SLEEF is there (see above).
+inline void exp_shifted(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (Sleef_expf16_u10 != nullptr) {
+    const __m512 sh = _mm512_set1_ps(shift);
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(x + i, Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh)));
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i] - shift);
+}
+
+// x[i] <- silu(x[i]) = x / (1 + exp(-x)) for i < n, float32, as ATen's vectorized silu.
+inline void silu_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (Sleef_expf16_u10 != nullptr) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 zero = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(zero, v));
+      _mm512_storeu_ps(x + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+    }
+  }
+#endif
+  for (; i < n; ++i) x[i] = x[i] / (1.f + std::exp(-x[i]));
 }
 
 // ---------------------------------------------------------------------------- RMSNorm
@@ -216,6 +254,8 @@ std::vector<at::Tensor> rotary_qkv_cache(const at::Tensor& qkv, const at::Tensor
 
 // ---------------------------------------------------------------------------- attention
 
+constexpr int64_t kMaxHead = 512;
+
 // Paged attention read in place. query [T, H, D]; kv_cache [num_blocks, 2, block_size, KVH, D];
 // request r owns query rows query_start_loc[r]..[r+1], its context is seq_lens[r] tokens whose
 // block b is block_table[r, b]; query row j of r attends to positions 0..seq_len - qlen + j.
@@ -239,6 +279,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   T* o = out.data_ptr<T>();
   const C* cache = kv_cache.data_ptr<C>();
   constexpr int64_t kTile = 16;
+  TORCH_CHECK(d <= kMaxHead, "paged_attention: head size above ", kMaxHead);
   struct Item {
     int64_t req, kvh, row0, rows;
   };
@@ -253,7 +294,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   const int nthreads = at::get_num_threads();
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> scores, acc(group * d), qf(group * d);
+    std::vector<float> scores, acc(group * d), qf(group * d), sums(group);
     std::vector<const C*> krows, vrows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
@@ -270,7 +311,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
         krows[p] = kb;
         vrows[p] = kb + kv_stride;
       }
-      scores.resize(ctx_max);
+      scores.resize(group * ctx_max);
       for (int64_t jr = 0; jr < w.rows; ++jr) {
         const int64_t j = w.row0 + jr;
         const int64_t tok = qsl[w.req] + j;
@@ -279,32 +320,42 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
           const T* qh = q + tok * q_row + (w.kvh * group + g) * q_head;
           for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_f(qh[i]) * sc;
         }
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * d;
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t p = 0; p < ctx; ++p) {
-            const C* kr = krows[p];
+        // Scores of every query head of the group against each K row (one read of the row
+        // for the group): scores[g * ctx_max + p].
+        for (int64_t p = 0; p < ctx; ++p) {
+          const C* kr = krows[p];
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * d;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t i = 0; i < d; ++i) s += qg[i] * to_f(kr[i]);
-            scores[p] = s;
-            mx = std::max(mx, s);
+            scores[g * ctx_max + p] = s;
           }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * ctx_max;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t p = 0; p < ctx; ++p) mx = std::max(mx, sg[p]);
+          exp_shifted(sg, ctx, mx);
           float sum = 0.f;
-          for (int64_t p = 0; p < ctx; ++p) {
-            const float e = std::exp(scores[p] - mx);
-            scores[p] = e;
-            sum += e;
-          }
-          float* a = acc.data() + g * d;
-          std::fill(a, a + d, 0.f);
-          for (int64_t p = 0; p < ctx; ++p) {
-            const C* vr = vrows[p];
-            const float e = scores[p];
+          for (int64_t p = 0; p < ctx; ++p) sum += sg[p];
+          sums[g] = sum;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < ctx; ++p) {
+          const C* vr = vrows[p];
+          float vf[kMaxHead];
+          for (int64_t i = 0; i < d; ++i) vf[i] = to_f(vr[i]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float e = scores[g * ctx_max + p];
+            float* a = acc.data() + g * d;
 #pragma omp simd
-            for (int64_t i = 0; i < d; ++i) a[i] += e * to_f(vr[i]);
+            for (int64_t i = 0; i < d; ++i) a[i] += e * vf[i];
           }
-          const float inv = 1.f / sum;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float inv = 1.f / sums[g];
+          const float* a = acc.data() + g * d;
           T* oh = o + tok * nh * d + (w.kvh * group + g) * d;
           for (int64_t i = 0; i < d; ++i) oh[i] = static_cast<T>(a[i] * inv);
         }
@@ -329,7 +380,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
                   query_start_loc.numel() == seq_lens.numel() + 1,
               "query_start_loc int32 [R + 1]");
-  auto out = at::zeros({query.size(0), query.size(1), query.size(2)}, query.options());
+  // Rows past the last request's (none on the step path) stay zero.
+  const bool all_rows = query_start_loc.numel() > 0 &&
+                        query_start_loc[-1].item<int64_t>() == query.size(0) &&
+                        query_start_loc[0].item<int64_t>() == 0;
+  auto out = all_rows ? at::empty({query.size(0), query.size(1), query.size(2)}, query.options())
+                      : at::zeros({query.size(0), query.size(1), query.size(2)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "attn", [&] {
     using T = scalar_t;
     const auto ct = kv_cache.scalar_type();
@@ -386,14 +442,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
               "packed_linear: x must be float32 [M, K], rows contiguous");
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous(), "packed weight");
   const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor out;
+  auto out = at::empty({m, n}, x.options());
   float beta = 0.f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat, "bias [N] float32");
-    out = bias->reshape({1, n}).expand({m, n}).contiguous();
+    out.copy_(bias->reshape({1, n}).expand({m, n}));  // a copy: MKL writes into it
     beta = 1.f;
-  } else {
-    out = at::empty({m, n}, x.options());
   }
   if (m == 0) return out;
   cblas_sgemm_compute(kCblasRowMajor, kCblasNoTrans, kCblasPacked, static_cast<int>(m),
@@ -409,16 +463,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
 template <typename T>
 void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d, int64_t x_stride) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> act(d);
     for (int64_t r = begin; r < end; ++r) {
       const T* g = x + r * x_stride;
       const T* u = g + d;
       T* o = out + r * d;
+      for (int64_t i = 0; i < d; ++i) act[i] = to_f(g[i]);
+      silu_inplace(act.data(), d);
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) {
-        const float gf = to_f(g[i]);
-        const T act = static_cast<T>(gf / (1.f + std::exp(-gf)));
-        o[i] = static_cast<T>(to_f(act) * to_f(u[i]));
-      }
+      for (int64_t i = 0; i < d; ++i)
+        o[i] = static_cast<T>(to_f(static_cast<T>(act[i])) * to_f(u[i]));
     }
   });
 }
