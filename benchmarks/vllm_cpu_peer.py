@@ -3,8 +3,9 @@
 Started by the benchmark as `<peer venv python> benchmarks/vllm_cpu_peer.py SPEC.json` (this
 file imports nothing of tandem: the peer venv has vLLM and its torch, not tandem). SPEC holds
 the model folder, the prompts (token ids), the output length and the dtype. It loads the
-engine once, prints `READY`, then for each line on stdin ("run") does one timed greedy,
-ignore_eos `generate` of every prompt and prints one JSON line; EOF ends it. Thread binding
+engine once, prints `TANDEM_PEER_READY`, then for each line on stdin ("run") does one timed
+greedy, ignore_eos `generate` of every prompt and prints `TANDEM_PEER_RESULT <json>`; EOF ends
+it (vLLM prints lines of its own to stdout: the markers tell ours apart). Thread binding
 comes from the environment the benchmark sets (`VLLM_CPU_OMP_THREADS_BIND`).
 """
 
@@ -33,7 +34,7 @@ def main() -> int:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    print("READY", flush=True)
+    print("TANDEM_PEER_READY", flush=True)
     for line in sys.stdin:
         if line.strip() != "run":
             continue
@@ -50,7 +51,7 @@ def main() -> int:
             "total_tokens_per_s": (n_out + n_in) / elapsed,
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
         }
-        print("RESULT " + json.dumps(result), flush=True)
+        print("TANDEM_PEER_RESULT " + json.dumps(result), flush=True)
     return 0
 
 

@@ -14,11 +14,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    """On CUDA the fused Triton kernel (tandem_kernels/activation.py), else the torch function."""
+    """On CUDA the fused Triton kernel (tandem_kernels/activation.py); with `cpu_kernels` (the
+    CPU step path), 2-D CPU inputs in one C++ pass (tandem_kernels/cpu); else the torch
+    function."""
+
+    def __init__(self, cpu_kernels: bool = False) -> None:
+        super().__init__()
+        self.cpu_kernels = cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from tandem_kernels.activation import silu_and_mul as silu_and_mul_kernel
 
             return silu_and_mul_kernel(x)
+        if self.cpu_kernels and x.dim() == 2 and x.stride(-1) == 1:
+            from tandem_kernels import cpu
+
+            return cpu.silu_and_mul(x)
         return silu_and_mul(x)

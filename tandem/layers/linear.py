@@ -5,6 +5,12 @@ their parts along the output dim and load each part with `load_shard`:
 
     QKVLinear:        [ q (num_heads * head_size) | k (num_kv_heads * head_size) | v (...) ]
     MergedLinear:     [ part 0 | part 1 | ... ]      (gate_up: [ gate | up ])
+
+On the CPU step path (float32 weights on a CPU whose torch has MKL), `pack_for_cpu` keeps a
+copy of the weight in MKL's packed layout beside it, made once after loading: products of at
+least `PACKED_MIN_ROWS` rows go through it (MKL's plain sgemm repacks the weight on every call,
+which is most of a decode step's product time at tens of rows); fewer rows, other devices and
+other dtypes take `F.linear` as before.
 """
 
 from __future__ import annotations
@@ -12,6 +18,41 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Fewer rows than this take `F.linear` even with a packed weight (MKL's gemv-sized paths are
+# as fast there, and single-row decode keeps exactly the arithmetic it had).
+PACKED_MIN_ROWS = 16
+
+
+def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """MKL's packed form of a float32 CPU `[N, K]` weight, or None where there is none (another
+    device or dtype, no MKL, no CPU extension)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    from tandem_kernels import cpu
+
+    if not cpu.has_packed_sgemm():
+        return None
+    return cpu.pack_linear_weight(weight.detach())
+
+
+def packed_or_plain_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through `packed` (`pack_cpu_weight(weight)`) when it is
+    given and `x` has at least `PACKED_MIN_ROWS` contiguous float32 rows."""
+    if (
+        packed is not None
+        and x.dim() == 2
+        and x.shape[0] >= PACKED_MIN_ROWS
+        and x.stride(-1) == 1
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+    ):
+        from tandem_kernels import cpu
+
+        return cpu.packed_linear(x, packed, bias, weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -37,9 +78,19 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(
                 torch.empty(out_features, dtype=dtype, device=device), requires_grad=False
             )
+        # MKL's packed copy of `weight` (`pack_for_cpu`); None until packed, or off the CPU.
+        self.cpu_packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.cpu_packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        return packed_or_plain_linear(x, self.weight, self.bias, self.cpu_packed_weight)
+
+    def pack_for_cpu(self) -> bool:
+        """Make (again) the packed copy of the loaded weight; call it after every change of the
+        weight. Returns whether there is one (see the module doc)."""
+        self.cpu_packed_weight = pack_cpu_weight(self.weight)
+        return self.cpu_packed_weight is not None
 
     def param(self, kind: str) -> nn.Parameter:
         """The "weight" or "bias" parameter, with a clear error when it doesn't exist."""

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.layers.linear import pack_cpu_weight, packed_or_plain_linear
+
 
 class VocabEmbedding(nn.Module):
     """`[T] int64 -> [T, hidden]`."""
@@ -44,7 +46,17 @@ class LMHead(nn.Module):
                 torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
                 requires_grad=False,
             )
+        # MKL's packed copy of `weight` on the CPU step path (see tandem.layers.linear).
+        self.cpu_packed_weight: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[N, hidden] -> [N, vocab]` float32."""
-        return F.linear(hidden_states, self.weight).float()
+        if self.cpu_packed_weight is None:
+            return F.linear(hidden_states, self.weight).float()
+        logits = packed_or_plain_linear(hidden_states, self.weight, None, self.cpu_packed_weight)
+        return logits.float()
+
+    def pack_for_cpu(self) -> bool:
+        """As `Linear.pack_for_cpu` (the tied embedding's weight when tied)."""
+        self.cpu_packed_weight = pack_cpu_weight(self.weight)
+        return self.cpu_packed_weight is not None

@@ -140,12 +140,13 @@ class LlamaMLP(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        cpu_kernels: bool = False,
     ) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(
             hidden_size, [intermediate_size, intermediate_size], bias, dtype, device
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(cpu_kernels=cpu_kernels)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,8 +175,10 @@ class LlamaDecoderLayer(nn.Module):
             dtype,
             device,
         )
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
         cpu_kernels = isinstance(attn_backend, CpuAttentionBackend)
+        self.mlp = LlamaMLP(
+            cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device, cpu_kernels
+        )
         self.input_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cpu_kernels=cpu_kernels
         )
@@ -459,3 +462,15 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} parameters: {shown}")
+        if isinstance(self.attn_backend, CpuAttentionBackend):
+            self.pack_cpu_weights()
+
+    def pack_cpu_weights(self) -> int:
+        """CPU step path: every projection and the LM head keep MKL's packed copy of their
+        float32 weight (tandem.layers.linear); made again after each `load_weights`. Returns
+        how many were packed (0 off float32, or without MKL)."""
+        packed = 0
+        for module in self.modules():
+            if isinstance(module, Linear | LMHead):
+                packed += module.pack_for_cpu()
+        return packed

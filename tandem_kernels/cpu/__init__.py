@@ -12,6 +12,11 @@ and says whether it can be used; without a C++ compiler the engine keeps the pur
 - `paged_attention(query [T, H, D], kv_cache, block_table, seq_lens, query_start_loc, scale)`:
   causal attention of each request's query rows over its cached context, read where the blocks
   are (no gather, no padding); see `tandem.layers.attention.backend` for the layout;
+- `pack_linear_weight(weight [N, K] float32)` and `packed_linear(x [M, K], packed, bias, n)`:
+  `F.linear` through MKL's packed sgemm, the weight packed once (MKL's plain sgemm repacks the
+  weight on every call, most of a decode-sized product's time); `has_packed_sgemm()` says
+  whether this torch build exports MKL's packed API (x86 wheels do);
+- `silu_and_mul(x [T, 2 D])`: `silu(gate) * up` in one pass, as `tandem.layers.activation`;
 - `bind_threads(cores)`: one OpenMP thread per core, thread i bound to `cores[i]`.
 """
 
@@ -107,6 +112,31 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     return _ops().paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale)
+
+
+@functools.cache
+def has_packed_sgemm() -> bool:
+    """Whether MKL's packed sgemm is there (the extension built, torch linked with MKL)."""
+    return available() and bool(_ops().has_packed_sgemm())
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (float32 `[N, K]`, an `nn.Linear` weight) in MKL's packed form: an opaque
+    float32 buffer that only `packed_linear` reads (about the weight's own size)."""
+    return _ops().sgemm_pack_weight(weight.contiguous())
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for float32 `x [M, K]` (rows contiguous), `packed` made by
+    `pack_linear_weight(weight)`."""
+    return _ops().packed_linear(x, packed, bias, out_features)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(x[:, :d]) * x[:, d:]` for `x [T, 2 d]` with rows contiguous, one pass."""
+    return _ops().silu_and_mul(x)
 
 
 def bind_threads(cores: list[int]) -> list[int]:

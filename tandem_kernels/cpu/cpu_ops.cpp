@@ -12,17 +12,77 @@
 
 #include <omp.h>
 #include <sched.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+// MKL's packed sgemm (a weight packed once into MKL's blocked layout, then multiplied by any
+// number of rows without MKL repacking it on every call). torch's x86 builds link MKL into
+// libtorch_cpu and export these; declared weak, so a build without MKL (aarch64, a source
+// build) still loads and `has_packed_sgemm` says false. LP64 (int) interface, CBLAS enums.
+extern "C" {
+size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
+void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k, float alpha,
+                      const float* src, int ld, float* dest) __attribute__((weak));
+void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a,
+                         int lda, const float* b, int ldb, float beta, float* c, int ldc)
+    __attribute__((weak));
+#if defined(__AVX512F__)
+// SLEEF's 1-ulp exp over 16 floats: the one ATen's AVX512 kernels (silu, softmax) use; torch's
+// x86 builds export it. Weak, as above: without it the kernels take std::exp.
+__m512 Sleef_expf16_u10(__m512 x) __attribute__((weak));
+#endif
+}
+
 namespace {
 
 template <typename T>
 inline float to_f(T x) {
   return static_cast<float>(x);
+}
+
+// Rows per parallel chunk for row-wise kernels of `row_elems` elements a row: at least about
+// 64K elements a chunk, so a decode step's few rows run on the calling thread. A parallel
+// region costs a wake-up of the other threads and a barrier; on a busy machine the barrier
+// waits for a descheduled thread (measured: 0.3-0.6 ms a call for 64 rows of 576, 10-50 us
+// of work).
+inline int64_t row_grain(int64_t row_elems) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, row_elems));
+}
+
+// x[i] <- exp(x[i] - shift) for i < n; 16 lanes at a time where SLEEF is there (see above).
+inline void exp_shifted(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (Sleef_expf16_u10 != nullptr) {
+    const __m512 sh = _mm512_set1_ps(shift);
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(x + i, Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh)));
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i] - shift);
+}
+
+// x[i] <- silu(x[i]) = x / (1 + exp(-x)) for i < n, float32, as ATen's vectorized silu.
+inline void silu_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (Sleef_expf16_u10 != nullptr) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 zero = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(zero, v));
+      _mm512_storeu_ps(x + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+    }
+  }
+#endif
+  for (; i < n; ++i) x[i] = x[i] / (1.f + std::exp(-x[i]));
 }
 
 // ---------------------------------------------------------------------------- RMSNorm
@@ -32,7 +92,7 @@ inline float to_f(T x) {
 template <typename T>
 void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t rows, int64_t h,
                    int64_t x_stride, int64_t out_stride, int64_t res_stride, double eps) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(h), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(h);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
@@ -116,7 +176,7 @@ void rotary_qkv_cache_impl(const at::Tensor& qkv, const at::Tensor& positions,
   const int64_t bs = write_cache ? kv_cache.size(2) : 1;
   const int64_t blk_stride = write_cache ? kv_cache.stride(0) : 0;
   const int64_t kv_stride = write_cache ? kv_cache.stride(1) : 0;
-  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, row_grain((nh + 2 * nkv) * d), [&](int64_t begin, int64_t end) {
     std::vector<T> c(half), s(half);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = pos[t];
@@ -203,6 +263,8 @@ std::vector<at::Tensor> rotary_qkv_cache(const at::Tensor& qkv, const at::Tensor
 
 // ---------------------------------------------------------------------------- attention
 
+constexpr int64_t kMaxHead = 512;
+
 // Paged attention read in place. query [T, H, D]; kv_cache [num_blocks, 2, block_size, KVH, D];
 // request r owns query rows query_start_loc[r]..[r+1], its context is seq_lens[r] tokens whose
 // block b is block_table[r, b]; query row j of r attends to positions 0..seq_len - qlen + j.
@@ -226,6 +288,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   T* o = out.data_ptr<T>();
   const C* cache = kv_cache.data_ptr<C>();
   constexpr int64_t kTile = 16;
+  TORCH_CHECK(d <= kMaxHead, "paged_attention: head size above ", kMaxHead);
   struct Item {
     int64_t req, kvh, row0, rows;
   };
@@ -240,7 +303,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   const int nthreads = at::get_num_threads();
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> scores, acc(group * d), qf(group * d);
+    std::vector<float> scores, acc(group * d), qf(group * d), sums(group);
     std::vector<const C*> krows, vrows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
@@ -257,7 +320,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
         krows[p] = kb;
         vrows[p] = kb + kv_stride;
       }
-      scores.resize(ctx_max);
+      scores.resize(group * ctx_max);
       for (int64_t jr = 0; jr < w.rows; ++jr) {
         const int64_t j = w.row0 + jr;
         const int64_t tok = qsl[w.req] + j;
@@ -266,32 +329,42 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
           const T* qh = q + tok * q_row + (w.kvh * group + g) * q_head;
           for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_f(qh[i]) * sc;
         }
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * d;
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t p = 0; p < ctx; ++p) {
-            const C* kr = krows[p];
+        // Scores of every query head of the group against each K row (one read of the row
+        // for the group): scores[g * ctx_max + p].
+        for (int64_t p = 0; p < ctx; ++p) {
+          const C* kr = krows[p];
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * d;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t i = 0; i < d; ++i) s += qg[i] * to_f(kr[i]);
-            scores[p] = s;
-            mx = std::max(mx, s);
+            scores[g * ctx_max + p] = s;
           }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * ctx_max;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t p = 0; p < ctx; ++p) mx = std::max(mx, sg[p]);
+          exp_shifted(sg, ctx, mx);
           float sum = 0.f;
-          for (int64_t p = 0; p < ctx; ++p) {
-            const float e = std::exp(scores[p] - mx);
-            scores[p] = e;
-            sum += e;
-          }
-          float* a = acc.data() + g * d;
-          std::fill(a, a + d, 0.f);
-          for (int64_t p = 0; p < ctx; ++p) {
-            const C* vr = vrows[p];
-            const float e = scores[p];
+          for (int64_t p = 0; p < ctx; ++p) sum += sg[p];
+          sums[g] = sum;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < ctx; ++p) {
+          const C* vr = vrows[p];
+          float vf[kMaxHead];
+          for (int64_t i = 0; i < d; ++i) vf[i] = to_f(vr[i]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float e = scores[g * ctx_max + p];
+            float* a = acc.data() + g * d;
 #pragma omp simd
-            for (int64_t i = 0; i < d; ++i) a[i] += e * to_f(vr[i]);
+            for (int64_t i = 0; i < d; ++i) a[i] += e * vf[i];
           }
-          const float inv = 1.f / sum;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float inv = 1.f / sums[g];
+          const float* a = acc.data() + g * d;
           T* oh = o + tok * nh * d + (w.kvh * group + g) * d;
           for (int64_t i = 0; i < d; ++i) oh[i] = static_cast<T>(a[i] * inv);
         }
@@ -316,7 +389,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
                   query_start_loc.numel() == seq_lens.numel() + 1,
               "query_start_loc int32 [R + 1]");
-  auto out = at::zeros({query.size(0), query.size(1), query.size(2)}, query.options());
+  // Rows past the last request's (none on the step path) stay zero.
+  const bool all_rows = query_start_loc.numel() > 0 &&
+                        query_start_loc[-1].item<int64_t>() == query.size(0) &&
+                        query_start_loc[0].item<int64_t>() == 0;
+  auto out = all_rows ? at::empty({query.size(0), query.size(1), query.size(2)}, query.options())
+                      : at::zeros({query.size(0), query.size(1), query.size(2)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "attn", [&] {
     using T = scalar_t;
     const auto ct = kv_cache.scalar_type();
@@ -333,6 +411,89 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
       paged_attention_impl<T, at::Half>(out, query, kv_cache, block_table, seq_lens,
                                         query_start_loc, scale);
     }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------- linear
+
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112, kCblasPacked = 151;
+constexpr int kCblasBMatrix = 162;
+// The row count MKL packs for (a hint for its blocking; the packed weight serves any count):
+// decode-sized batches, where packing pays most.
+constexpr int kPackRowsHint = 64;
+
+bool has_packed_sgemm() {
+  return cblas_sgemm_pack_get_size != nullptr && cblas_sgemm_pack != nullptr &&
+         cblas_sgemm_compute != nullptr;
+}
+
+// weight [N, K] float32 (an nn.Linear weight) -> MKL's packed form of weight^T, as a flat
+// float32 tensor that only `packed_linear` reads.
+at::Tensor sgemm_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(has_packed_sgemm(), "sgemm_pack_weight: this torch build has no MKL packed sgemm");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "sgemm_pack_weight: weight must be float32 [N, K], contiguous");
+  const int n = static_cast<int>(weight.size(0)), k = static_cast<int>(weight.size(1));
+  const size_t bytes = cblas_sgemm_pack_get_size(kCblasBMatrix, kPackRowsHint, n, k);
+  auto packed = at::empty({static_cast<int64_t>((bytes + 63) / 4)}, weight.options());
+  cblas_sgemm_pack(kCblasRowMajor, kCblasBMatrix, kCblasTrans, kPackRowsHint, n, k, 1.0f,
+                   weight.data_ptr<float>(), k, packed.data_ptr<float>());
+  return packed;
+}
+
+// x [M, K] (rows contiguous) @ weight^T (+ bias) -> [M, N] float32, weight packed by
+// `sgemm_pack_weight`. With a bias, the output starts as the bias rows and MKL adds x W^T to
+// it (beta = 1), as addmm does.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "packed_linear: x must be float32 [M, K], rows contiguous");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous(), "packed weight");
+  const int64_t m = x.size(0), k = x.size(1);
+  auto out = at::empty({m, n}, x.options());
+  float beta = 0.f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat, "bias [N] float32");
+    out.copy_(bias->reshape({1, n}).expand({m, n}));  // a copy: MKL writes into it
+    beta = 1.f;
+  }
+  if (m == 0) return out;
+  cblas_sgemm_compute(kCblasRowMajor, kCblasNoTrans, kCblasPacked, static_cast<int>(m),
+                      static_cast<int>(n), static_cast<int>(k), x.data_ptr<float>(),
+                      static_cast<int>(x.stride(0)), packed.data_ptr<float>(),
+                      static_cast<int>(k), beta, out.data_ptr<float>(), static_cast<int>(n));
+  return out;
+}
+
+// x [T, 2 D] (rows contiguous; [gate | up]) -> silu(gate) * up [T, D], one pass. Each step
+// rounds to the dtype as the torch ops (F.silu, then the product) do; silu(g) = g / (1 + e^-g)
+// in float32 as ATen's CPU kernel computes it.
+template <typename T>
+void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d, int64_t x_stride) {
+  at::parallel_for(0, rows, row_grain(3 * d), [&](int64_t begin, int64_t end) {
+    std::vector<float> act(d);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = x + r * x_stride;
+      const T* u = g + d;
+      T* o = out + r * d;
+      for (int64_t i = 0; i < d; ++i) act[i] = to_f(g[i]);
+      silu_inplace(act.data(), d);
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i)
+        o[i] = static_cast<T>(to_f(static_cast<T>(act[i])) * to_f(u[i]));
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be [T, 2 D], rows contiguous");
+  const int64_t d = x.size(1) / 2;
+  auto out = at::empty({x.size(0), d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
+    silu_and_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x.size(0), d,
+                                x.stride(0));
   });
   return out;
 }
@@ -373,6 +534,10 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, float scale) -> Tensor");
+  m.def("has_packed_sgemm() -> bool", &has_packed_sgemm);
+  m.def("sgemm_pack_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("bind_threads(int[] cores) -> int[]", [](c10::IntArrayRef cores) {
     return bind_threads(std::vector<int64_t>(cores.begin(), cores.end()));
   });
@@ -383,4 +548,7 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_qkv_cache", &rotary_qkv_cache);
   m.impl("paged_attention", &paged_attention);
+  m.impl("sgemm_pack_weight", &sgemm_pack_weight);
+  m.impl("packed_linear", &packed_linear);
+  m.impl("silu_and_mul", &silu_and_mul);
 }

@@ -144,6 +144,58 @@ def test_cpu_rotary_and_cache_write_equal_torch(dtype: torch.dtype) -> None:
     assert int((cache.flatten(3).abs().sum(-1) > 0).sum()) == 2 * 10
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_silu_and_mul_equals_torch(dtype: torch.dtype) -> None:
+    from tandem.layers.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(2)
+    x = (4 * torch.randn(37, 2 * 200, generator=gen)).to(dtype)  # 200: a SIMD tail too
+    out = cpu.silu_and_mul(x)
+    assert out.shape == (37, 200) and out.dtype == dtype
+    # ATen's silu arithmetic (SLEEF's exp where the CPU has AVX512), then the rounded product.
+    torch.testing.assert_close(out, silu_and_mul(x), rtol=1e-6, atol=1e-6)
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, silu_and_mul(x))
+
+
+@pytest.mark.skipif(not cpu.has_packed_sgemm(), reason="this torch has no MKL packed sgemm")
+@pytest.mark.parametrize("rows", [0, 1, 16, 64, 300])
+def test_cpu_packed_linear_equals_f_linear(rows: int) -> None:
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 40, generator=gen)
+    bias = torch.randn(96, generator=gen)
+    packed = cpu.pack_linear_weight(w)
+    x = torch.randn(rows, 40, generator=gen)
+    bias_before = bias.clone()
+    for b in (None, bias):
+        out = cpu.packed_linear(x, packed, b, 96)
+        assert out.shape == (rows, 96)
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(bias, bias_before)  # the output starts as a copy of the bias rows
+    # A view with a row stride (the left half of wider rows) reads only its own columns.
+    wide = torch.randn(rows, 80, generator=gen)
+    out = cpu.packed_linear(wide[:, :40], packed, None, 96)
+    torch.testing.assert_close(out, F.linear(wide[:, :40], w), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_step_path_packs_float32_weights_only() -> None:
+    from tandem.layers.linear import PACKED_MIN_ROWS, Linear
+
+    layer = Linear(40, 96, True, torch.float32, torch.device("cpu"))
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    assert layer.pack_for_cpu() == cpu.has_packed_sgemm()
+    for rows in (PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 100):
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(
+            layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+        )
+    half = Linear(40, 96, False, torch.bfloat16, torch.device("cpu"))
+    assert not half.pack_for_cpu() and half.cpu_packed_weight is None
+
+
 def test_bind_threads_pins_each_thread() -> None:
     import os
 
