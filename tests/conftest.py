@@ -130,6 +130,23 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
     return make
 
 
+def deep_schema(depth: int) -> dict[str, Any]:
+    """A JSON schema nested `depth` objects deep, each level also reachable through an anyOf
+    of itself and an array of itself: its grammar's size grows fast with depth (compile-limit
+    tests)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for i in range(depth):
+        schema = {
+            "type": "object",
+            "properties": {
+                f"a{i}": schema,
+                "b": {"anyOf": [schema, {"type": "array", "items": schema}]},
+            },
+            "required": [f"a{i}"],
+        }
+    return schema
+
+
 def build_attn_metadata(
     query_lens: list[int],
     seq_lens: list[int],

@@ -20,6 +20,7 @@ from tandem.request import Request
 from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.structured_output import StructuredOutputManager, spec_key
 from tandem.structured_output.manager import unsupported_schema_feature
+from tests.conftest import deep_schema
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -221,20 +222,6 @@ def test_unsupported_features_are_found_where_they_are() -> None:
         "'multipleOf' at /anyOf/1"
     )
     assert unsupported_schema_feature({"$defs": {"x": {}}, "$ref": "#/$defs/x"}) is None
-
-
-def deep_schema(depth: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for i in range(depth):
-        schema = {
-            "type": "object",
-            "properties": {
-                f"a{i}": schema,
-                "b": {"anyOf": [schema, {"type": "array", "items": schema}]},
-            },
-            "required": [f"a{i}"],
-        }
-    return schema
 
 
 def test_a_compile_past_the_time_limit_fails_and_so_does_its_spec_later(

@@ -19,6 +19,7 @@ from tandem.core.structured import GrammarStatus
 from tandem.engine.llm import LLM
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from tests.conftest import deep_schema
 
 pytest.importorskip("xgrammar")
 
@@ -239,20 +240,6 @@ def test_a_bad_spec_fails_the_call_and_the_engine_keeps_serving(
     out = llm.generate(["Hello"], good, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
     assert_pool_whole(llm)
-
-
-def deep_schema(depth: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for i in range(depth):
-        schema = {
-            "type": "object",
-            "properties": {
-                f"a{i}": schema,
-                "b": {"anyOf": [schema, {"type": "array", "items": schema}]},
-            },
-            "required": [f"a{i}"],
-        }
-    return schema
 
 
 def test_a_spec_past_the_compile_limit_fails_and_others_run() -> None:
