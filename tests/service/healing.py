@@ -267,6 +267,24 @@ async def stream_completion(
     return result
 
 
+async def streams_flowing(
+    client: httpx.AsyncClient, http: str, prompts: list[str], timeout_s: float = 120.0
+) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]]]:
+    """Start one greedy stream per prompt; return once each has 2 chunks out and none has
+    ended (the moment to kill a worker mid-stream): their results and tasks."""
+    results = [StreamResult(i) for i in range(len(prompts))]
+    tasks = [
+        asyncio.create_task(stream_completion(client, http, p, r))
+        for p, r in zip(prompts, results, strict=True)
+    ]
+    deadline = time.monotonic() + timeout_s
+    while min(r.num_chunks for r in results) < 2:
+        assert time.monotonic() < deadline, results
+        assert not any(t.done() for t in tasks), results  # all still streaming
+        await asyncio.sleep(0.02)
+    return results, tasks
+
+
 def offline_greedy(prompts: list[str], max_tokens: int) -> list[str]:
     """The offline engine's greedy texts (the deployment must stream exactly these)."""
     from tandem import LLM, SamplingParams

@@ -19,6 +19,7 @@ from tests.service.healing import (
     Serve,
     StreamResult,
     stream_completion,
+    streams_flowing,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -54,17 +55,8 @@ def test_decode_worker_killed_mid_stream(
 
     async def run() -> tuple[list[StreamResult], float]:
         """The streams' results and how long after the kill a new request was answered."""
-        results = [StreamResult(i) for i in range(len(HEAL_PROMPTS))]
         async with httpx.AsyncClient() as client:
-            tasks = [
-                asyncio.create_task(stream_completion(client, serve.http, p, r))
-                for p, r in zip(HEAL_PROMPTS, results, strict=True)
-            ]
-            deadline = time.monotonic() + 120
-            while min(r.num_chunks for r in results) < 2:
-                assert time.monotonic() < deadline, results
-                assert not any(t.done() for t in tasks), results  # all still streaming
-                await asyncio.sleep(0.02)
+            results, tasks = await streams_flowing(client, serve.http, HEAL_PROMPTS)
             serve.kill_worker("decode-0")
             new = await _served_within(client, serve, 30)
             await asyncio.gather(*tasks)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -20,7 +19,7 @@ from tests.service.healing import (
     HealReference,
     Serve,
     StreamResult,
-    stream_completion,
+    streams_flowing,
     tandem_serve,
 )
 
@@ -54,17 +53,8 @@ def test_unified_worker_killed_mid_stream(
     mark = len(serve.lines)
 
     async def run() -> tuple[list[StreamResult], str]:
-        results = [StreamResult(i) for i in range(len(HEAL_PROMPTS))]
         async with httpx.AsyncClient() as client:
-            tasks = [
-                asyncio.create_task(stream_completion(client, serve.http, p, r))
-                for p, r in zip(HEAL_PROMPTS, results, strict=True)
-            ]
-            deadline = time.monotonic() + 120
-            while min(r.num_chunks for r in results) < 2:
-                assert time.monotonic() < deadline, results
-                assert not any(t.done() for t in tasks), results
-                await asyncio.sleep(0.02)
+            results, tasks = await streams_flowing(client, serve.http, HEAL_PROMPTS)
             # The worker with the most requests running (both may have some).
             listed = await asyncio.to_thread(serve.workers)
             victim = max(listed.workers, key=lambda w: w.stats.num_inflight).worker_id
