@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 // MKL's packed sgemm (a weight packed once into MKL's blocked layout, then multiplied by any
@@ -373,6 +374,262 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   }
 }
 
+#if defined(__AVX512F__)
+// ------------------------------------------------ attention, AVX-512 path (head size 32-256)
+//
+// The same work items and contract as `paged_attention_impl`, computed in tiles:
+// - the item's query vectors (its rows x the KV head's query heads, scaled) sit in `qf`;
+// - K is read 16 positions at a time, transposed in registers into `kt` [D][16], so every
+//   score of a query vector against the 16 positions is D multiply-adds of one broadcast and
+//   one load (no horizontal sums);
+// - softmax per query vector over its own causal limit, probabilities past it set to zero;
+// - P V register-blocked: NV query vectors x DV vectors of 16 dims of accumulators, one V row
+//   loaded per position for all NV vectors.
+
+template <typename C>
+inline __m512 load16(const C* p);
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <>
+inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// r[i][j] <- r[j][i] for a 16x16 block of floats held in 16 registers.
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(t[4 * k]), b = _mm512_castps_pd(t[4 * k + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * k + 1]), e = _mm512_castps_pd(t[4 * k + 3]);
+    r[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, e));
+    r[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, e));
+  }
+  // r[4k + m], 128-bit lane l, holds rows 4k..4k+3 of column 4l + m: transpose the lanes.
+  for (int m = 0; m < 4; ++m) {
+    const __m512 ab_lo = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x44);
+    const __m512 ab_hi = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xEE);
+    const __m512 cd_lo = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x44);
+    const __m512 cd_hi = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xEE);
+    t[m] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88);
+    t[4 + m] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xDD);
+    t[8 + m] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88);
+    t[12 + m] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xDD);
+  }
+  for (int k = 0; k < 16; ++k) r[k] = t[k];
+}
+
+// s[k * s_stride + 0..15] <- q[k] . kt[:, 0..15] for k < NV (q rows of d floats).
+template <int NV>
+inline void qk_block(const float* q, int64_t d, const float* kt, float* s, int64_t s_stride) {
+  __m512 acc[NV];
+  for (int k = 0; k < NV; ++k) acc[k] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const __m512 kv = _mm512_loadu_ps(kt + i * 16);
+    for (int k = 0; k < NV; ++k) acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(q[k * d + i]), kv, acc[k]);
+  }
+  for (int k = 0; k < NV; ++k) _mm512_storeu_ps(s + k * s_stride, acc[k]);
+}
+
+template <int NV>
+inline void qk_rows(const float* q, int64_t nq, int64_t d, const float* kt, float* s,
+                    int64_t s_stride) {
+  if constexpr (NV > 0) {
+    for (; nq >= NV; nq -= NV, q += NV * d, s += NV * s_stride)
+      qk_block<NV>(q, d, kt, s, s_stride);
+    if (nq > 0) qk_rows<NV - 1>(q, nq, d, kt, s, s_stride);
+  }
+}
+
+// o[k * DV * 16 ...] <- sum_p p_k[p] * v_p for k < NV, p_k = s + k * s_stride, v_p the 16 * DV
+// values at rows[p] + off (converted to float32 as loaded).
+template <typename C, int DV, int NV>
+inline void pv_block(const C* const* rows, int64_t off, int64_t n, const float* s,
+                     int64_t s_stride, float* o) {
+  __m512 acc[NV][DV];
+  for (int k = 0; k < NV; ++k)
+    for (int j = 0; j < DV; ++j) acc[k][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < n; ++p) {
+    __m512 vv[DV];
+    for (int j = 0; j < DV; ++j) vv[j] = load16<C>(rows[p] + off + 16 * j);
+    for (int k = 0; k < NV; ++k) {
+      const __m512 e = _mm512_set1_ps(s[k * s_stride + p]);
+      for (int j = 0; j < DV; ++j) acc[k][j] = _mm512_fmadd_ps(e, vv[j], acc[k][j]);
+    }
+  }
+  for (int k = 0; k < NV; ++k)
+    for (int j = 0; j < DV; ++j) _mm512_storeu_ps(o + k * DV * 16 + 16 * j, acc[k][j]);
+}
+
+template <typename C, int DV, int NV>
+inline void pv_rows(const C* const* rows, int64_t off, int64_t n, const float* s,
+                    int64_t s_stride, int64_t nq, float* o) {
+  if constexpr (NV > 0) {
+    for (; nq >= NV; nq -= NV, s += NV * s_stride, o += NV * DV * 16)
+      pv_block<C, DV, NV>(rows, off, n, s, s_stride, o);
+    if (nq > 0) pv_rows<C, DV, NV - 1>(rows, off, n, s, s_stride, nq, o);
+  }
+}
+
+template <typename T, typename C, int DV>
+void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                          const at::Tensor& block_table, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double scale) {
+  constexpr int64_t d = DV * 16;
+  constexpr int kNvQk = 8;
+  constexpr int kNvPv = std::max(1, 24 / DV);
+  constexpr int64_t kTile = 16;
+  const int64_t num_reqs = seq_lens.size(0);
+  const int64_t nh = query.size(1);
+  const int64_t nkv = kv_cache.size(3), bs = kv_cache.size(2);
+  const int64_t group = nh / nkv;
+  const int64_t blk_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
+  const int64_t bt_stride = block_table.stride(0);
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const T* q = query.data_ptr<T>();
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  T* o = out.data_ptr<T>();
+  const C* cache = kv_cache.data_ptr<C>();
+  // One item is (request, tile of query rows) over every KV head: it streams the request's
+  // blocks once (a position's K of all heads is one contiguous row), not once per head.
+  struct Item {
+    int64_t req, row0, rows;
+  };
+  std::vector<Item> items;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t qlen = qsl[r + 1] - qsl[r];
+    for (int64_t j = 0; j < qlen; j += kTile) items.push_back({r, j, std::min(kTile, qlen - j)});
+  }
+  const float sc = static_cast<float>(scale);
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int nthreads = n_items > 1 ? at::get_num_threads() : 1;
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> qf, scores, acc, inv_sum;
+    std::vector<float> kt(d * 16);
+    std::vector<int64_t> limit;
+    std::vector<const C*> rows;  // position p's K row (all heads); its V row is + kv_stride
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) {
+      const Item& w = items[it];
+      const int64_t qlen = qsl[w.req + 1] - qsl[w.req];
+      const int64_t seq = lens[w.req];
+      const int64_t nq = w.rows * group;  // query vectors of one KV head: (row, head of group)
+      const int64_t ctx_max = seq - qlen + w.row0 + w.rows;
+      const int64_t cpad = (ctx_max + 15) / 16 * 16;
+      rows.resize(ctx_max);
+      const int32_t* blocks = bt + w.req * bt_stride;
+      for (int64_t b = 0, p = 0; p < ctx_max; ++b) {
+        const C* base = cache + static_cast<int64_t>(blocks[b]) * blk_stride;
+        for (int64_t t = 0; t < bs && p < ctx_max; ++t, ++p) rows[p] = base + t * nkv * d;
+      }
+      limit.resize(nq);
+      for (int64_t jr = 0; jr < w.rows; ++jr)
+        for (int64_t g = 0; g < group; ++g) limit[jr * group + g] = seq - qlen + w.row0 + jr + 1;
+      qf.resize(nq * d);
+      scores.resize(nq * cpad);
+      acc.resize(nq * d);
+      inv_sum.resize(nq);
+      for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+        const int64_t koff = kvh * d;
+        for (int64_t jr = 0; jr < w.rows; ++jr) {
+          const int64_t tok = qsl[w.req] + w.row0 + jr;
+          for (int64_t g = 0; g < group; ++g) {
+            const T* qh = q + tok * q_row + (kvh * group + g) * q_head;
+            float* dst = qf.data() + (jr * group + g) * d;
+            for (int64_t i = 0; i < d; ++i) dst[i] = to_f(qh[i]) * sc;
+          }
+        }
+        // Scores: 16 positions at a time against every query vector.
+        for (int64_t p0 = 0; p0 < ctx_max; p0 += 16) {
+          const int64_t n = std::min<int64_t>(16, ctx_max - p0);
+          for (int j = 0; j < DV; ++j) {
+            __m512 r[16];
+            for (int t = 0; t < 16; ++t)
+              r[t] = t < n ? load16<C>(rows[p0 + t] + koff + 16 * j) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int t = 0; t < 16; ++t) _mm512_storeu_ps(kt.data() + (16 * j + t) * 16, r[t]);
+          }
+          qk_rows<kNvQk>(qf.data(), nq, d, kt.data(), scores.data() + p0, cpad);
+        }
+        // Softmax of each query vector over its causal limit; zero past it.
+        for (int64_t v = 0; v < nq; ++v) {
+          float* s = scores.data() + v * cpad;
+          const int64_t lim = limit[v];
+          float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+          for (int64_t p = 0; p < lim; ++p) mx = std::max(mx, s[p]);
+          exp_shifted(s, lim, mx);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t p = 0; p < lim; ++p) sum += s[p];
+          inv_sum[v] = 1.f / sum;
+          std::fill(s + lim, s + cpad, 0.f);
+        }
+        pv_rows<C, DV, kNvPv>(rows.data(), kv_stride + koff, ctx_max, scores.data(), cpad, nq,
+                              acc.data());
+        for (int64_t jr = 0; jr < w.rows; ++jr) {
+          const int64_t tok = qsl[w.req] + w.row0 + jr;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t v = jr * group + g;
+            const float* a = acc.data() + v * d;
+            const float f = inv_sum[v];
+            T* oh = o + tok * nh * d + (kvh * group + g) * d;
+            for (int64_t i = 0; i < d; ++i) oh[i] = static_cast<T>(a[i] * f);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The AVX-512 path for head sizes 32, 64, 128 and 256 with a float32, bf16 or half cache;
+// false: not taken (the generic kernel runs).
+template <typename T>
+bool paged_attention_fast(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                          const at::Tensor& block_table, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double scale) {
+  const auto ct = kv_cache.scalar_type();
+  const int64_t d = query.size(2);
+  auto run = [&](auto dv) -> bool {
+    constexpr int DV = decltype(dv)::value;
+    if (ct == at::kFloat)
+      paged_attention_simd<T, float, DV>(out, query, kv_cache, block_table, seq_lens,
+                                         query_start_loc, scale);
+    else if (ct == at::kBFloat16)
+      paged_attention_simd<T, at::BFloat16, DV>(out, query, kv_cache, block_table, seq_lens,
+                                                query_start_loc, scale);
+    else if (ct == at::kHalf)
+      paged_attention_simd<T, at::Half, DV>(out, query, kv_cache, block_table, seq_lens,
+                                            query_start_loc, scale);
+    else
+      return false;
+    return true;
+  };
+  switch (d) {
+    case 32: return run(std::integral_constant<int, 2>{});
+    case 64: return run(std::integral_constant<int, 4>{});
+    case 128: return run(std::integral_constant<int, 8>{});
+    case 256: return run(std::integral_constant<int, 16>{});
+    default: return false;
+  }
+}
+#endif  // __AVX512F__
+
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale) {
@@ -398,6 +655,11 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "attn", [&] {
     using T = scalar_t;
     const auto ct = kv_cache.scalar_type();
+#if defined(__AVX512F__)
+    if (paged_attention_fast<T>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
+                                scale))
+      return;
+#endif
     if (ct == query.scalar_type()) {
       paged_attention_impl<T, T>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
                                  scale);

@@ -27,25 +27,27 @@ def _both(scene: PagedScene, query_lens: list[int], scale: float):
     return out, ref, scene.reference(query, query_lens, scale)
 
 
+@pytest.mark.parametrize("head_size", [16, 64, 128])  # 64 and 128: the AVX-512 path
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])
-def test_cpu_attention_mixed_step(heads: int, kv_heads: int) -> None:
+def test_cpu_attention_mixed_step(heads: int, kv_heads: int, head_size: int) -> None:
     # Decodes first (as the runner orders them), then a fresh prefill, a prefill chunk over a
     # cached prefix (a prefix-cache hit), and a chunk ending exactly on a block boundary.
     seq_lens = [1, 33, 16, 13, 40, 32]
     query_lens = [1, 1, 1, 13, 9, 16]
-    scene = PagedScene(seq_lens, heads, kv_heads, 16, block_size=4, seed=11)
+    scene = PagedScene(seq_lens, heads, kv_heads, head_size, block_size=4, seed=11)
     out, ref, dense = _both(scene, query_lens, 16**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_size", [8, 32])  # 32: the AVX-512 path
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_cpu_attention_block_boundaries(block_size: int) -> None:
-    # Context lengths one before, at and one past block multiples; long query chunks (> the
-    # kernel's 16-row tile) over cached context.
+def test_cpu_attention_block_boundaries(block_size: int, head_size: int) -> None:
+    # Context lengths one before, at and one past block multiples (and of the AVX-512 path's
+    # 16-position chunks); long query chunks (> the kernels' 16-row tile) over cached context.
     seq_lens = [15, 16, 17, 31, 32, 33, 50]
     query_lens = [1, 1, 1, 17, 32, 20, 35]
-    scene = PagedScene(seq_lens, 6, 2, 8, block_size=block_size, seed=block_size)
+    scene = PagedScene(seq_lens, 6, 2, head_size, block_size=block_size, seed=block_size)
     out, ref, dense = _both(scene, query_lens, 0.35)
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -60,10 +62,11 @@ def test_cpu_attention_decode_ignores_unused_block_table_entries() -> None:
     torch.testing.assert_close(out, scene.reference(query, [1] * 4, 0.3), rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_attention_chunked_prefill_equals_one_shot() -> None:
+@pytest.mark.parametrize("d", [16, 64])
+def test_cpu_attention_chunked_prefill_equals_one_shot(d: int) -> None:
     # One 37-token prompt in chunks of 10: each chunk attends over the cache the earlier
     # chunks wrote; the outputs equal one prefill of the whole prompt.
-    heads, kv_heads, d, bs = 4, 2, 16, 4
+    heads, kv_heads, bs = 4, 2, 4
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(37, heads, d, generator=gen)
     k = torch.randn(37, kv_heads, d, generator=gen)
@@ -85,10 +88,11 @@ def test_cpu_attention_chunked_prefill_equals_one_shot() -> None:
     assert torch.equal(cache, whole_cache)
 
 
-def test_cpu_attention_bf16_cache_close_to_float32() -> None:
+@pytest.mark.parametrize("head_size", [16, 64])
+def test_cpu_attention_bf16_cache_close_to_float32(head_size: int) -> None:
     seq_lens = [9, 30, 1]
     query_lens = [9, 5, 1]
-    scene = PagedScene(seq_lens, 4, 2, 16, block_size=4, seed=2)
+    scene = PagedScene(seq_lens, 4, 2, head_size, block_size=4, seed=2)
     query, key, value, md = scene.step(query_lens)
     cache16 = scene.kv_cache.to(torch.bfloat16)
     out = get_attention_backend("cpu").forward(
