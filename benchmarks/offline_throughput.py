@@ -120,7 +120,8 @@ class VllmCpuPeer:
         self._spec.write_text(json.dumps(spec))
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)
-        env.pop("OMP_WAIT_POLICY", None)  # the peer runs with its own OpenMP defaults
+        for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # the peer: its own OpenMP defaults
+            env.pop(name, None)
         env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(ns.peer_kv_gb)
         if bind:
@@ -212,6 +213,8 @@ def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
         "dtypes": dtypes,
         "tandem_cpu_cores": ns.cpu_cores,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", ""),
+        "cpu_adaptive_threads": ns.cpu_adaptive_threads,
         "vllm_cpu_omp_threads_bind": binds,
         "workload": {
             "num_prompts": ns.num_prompts,

@@ -47,7 +47,8 @@ def start_vllm_server(ns: argparse.Namespace, port: int) -> subprocess.Popen[byt
     peer = Path(ns.peer_dir)
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
-    env.pop("OMP_WAIT_POLICY", None)
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # the peer: its own OpenMP defaults
+        env.pop(name, None)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(ns.peer_kv_gb)
     bind = ns.peer_bind
     if bind == "all":

@@ -356,6 +356,13 @@ class DeviceConfig:
             "process, none for an engine on the caller's thread); --num-threads caps the count"
         ),
     )
+    cpu_adaptive_threads: bool = field(
+        default=True,
+        metadata=flag(
+            "CPU engine: before each step, run on as many threads as other processes leave "
+            "cores free (all, bound, on a quiet machine; fewer, unbound, on a busy one)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         parse_device(self.device)

@@ -25,7 +25,11 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.core.outputs import GrammarBitmaskSource, SchedulerOutput
-from tandem.worker.cpu_threads import setup_cpu_threads
+from tandem.worker.cpu_threads import (
+    CpuThreadGovernor,
+    make_cpu_thread_governor,
+    setup_cpu_threads,
+)
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import PendingStep
 
@@ -46,6 +50,7 @@ class Worker:
         self.rank = rank
         # CPU: the cores this rank's threads are bound to (None: unbound); see cpu_threads.
         self.cpu_cores: tuple[int, ...] | None = None
+        self.cpu_governor: CpuThreadGovernor | None = None
         self.device = self.init_device()
         self.init_distributed()
         before = self._allocated()
@@ -64,6 +69,7 @@ class Worker:
         device = torch.device(config.resolved_device())
         if device.type == "cpu":
             self.cpu_cores = setup_cpu_threads(config)
+            self.cpu_governor = make_cpu_thread_governor(config, self.cpu_cores)
         elif config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         if config.device_index is not None:
@@ -142,6 +148,8 @@ class Worker:
     def execute_async(
         self, so: SchedulerOutput, grammar_bitmask: GrammarBitmaskSource | None = None
     ) -> PendingStep:
+        if self.cpu_governor is not None:
+            self.cpu_governor.before_step()
         return self.model_runner.execute_async(so, grammar_bitmask)
 
     def drop_requests(self, req_ids: set[str]) -> None:

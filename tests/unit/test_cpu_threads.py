@@ -6,13 +6,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from tandem.config import ConfigError, DeviceConfig, parse_core_list
 from tandem.worker.cpu_threads import (
+    CpuThreadGovernor,
     engine_process_cpu_cores,
+    make_cpu_thread_governor,
     resolve_cpu_cores,
 )
 from tandem.worker.model_runner import resolve_dtype
@@ -73,14 +76,88 @@ def test_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda() -> None:
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
 
 
-def test_importing_tandem_sets_the_openmp_wait_policy_before_torch() -> None:
+def test_importing_tandem_sets_the_openmp_spin_bound_before_torch() -> None:
     code = (
         "import os, sys; import tandem; "
-        "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
+        "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), "
+        "'torch' in sys.modules)"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.split() == ["PASSIVE", "False"], out.stderr
-    env["OMP_WAIT_POLICY"] = "ACTIVE"  # a user's choice is kept
+    assert out.stdout.split() == ["None", "30000", "False"], out.stderr
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # a user's choice is kept, nothing added to it
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.split() == ["ACTIVE", "False"], out.stderr
+    assert out.stdout.split() == ["ACTIVE", "None", "False"], out.stderr
+
+
+class _Feed:
+    """A clock and the machine's busy core-seconds and this process's CPU seconds, as the
+    governor reads them, advanced by the test."""
+
+    def __init__(self) -> None:
+        self.t, self.busy, self.own = 0.0, 0.0, 0.0
+
+    def window(self, seconds: float, own_cores: float, other_cores: float) -> None:
+        self.t += seconds
+        self.own += own_cores * seconds
+        self.busy += (own_cores + other_cores) * seconds
+
+
+def test_governor_sizes_the_team_to_the_cores_others_leave() -> None:
+    feed, calls = _Feed(), []
+    gov = CpuThreadGovernor(
+        (0, 1),
+        2,
+        calls.append,
+        interval_s=0.1,
+        busy_seconds=lambda: feed.busy,
+        own_seconds=lambda: feed.own,
+        clock=lambda: feed.t,
+    )
+    assert gov.before_step() == 2 and calls == []
+    feed.window(0.05, own_cores=2.0, other_cores=0.0)
+    assert gov.before_step() == 2  # within the interval: not looked at
+    feed.window(0.1, own_cores=1.0, other_cores=1.0)  # another process takes a core
+    assert gov.before_step() == 1 and calls == [1]
+    assert gov.others_load == pytest.approx(0.1 / 0.15)  # over the whole window since t=0
+    feed.window(0.2, own_cores=1.0, other_cores=0.3)  # a core is free, but not a whole one
+    assert gov.before_step() == 1 and calls == [1]
+    feed.window(0.2, own_cores=1.0, other_cores=0.1)
+    assert gov.before_step() == 2 and calls == [1, 2]
+    feed.window(0.2, own_cores=2.0, other_cores=0.3)  # within the down margin: kept
+    assert gov.before_step() == 2 and calls == [1, 2]
+    feed.window(0.2, own_cores=1.0, other_cores=2.0)  # more than the cores: still one thread
+    assert gov.before_step() == 1 and calls == [1, 2, 1]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_governor_sees_a_busy_process_on_its_cores() -> None:
+    # Real /proc/stat and CPU times: a spinning child process on this machine's cores is
+    # the others' load; the governor goes to fewer threads within a few windows.
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    calls: list[int] = []
+    gov = CpuThreadGovernor(cores, len(cores), calls.append, interval_s=0.1)
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(len(cores) - 1)
+    ]
+    try:
+        deadline = time.monotonic() + 10
+        while gov.threads == len(cores) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gov.before_step()
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert gov.threads < len(cores) and calls == [gov.threads]
+    assert gov.others_load > 0.5
+
+
+def test_governor_is_made_for_multithreaded_cpu_engines_unless_turned_off() -> None:
+    threads = torch.get_num_threads()
+    gov = make_cpu_thread_governor(DeviceConfig(), None)
+    if threads > 1:
+        assert gov is not None and gov.max_threads == threads == gov.threads
+    else:
+        assert gov is None
+    assert make_cpu_thread_governor(DeviceConfig(cpu_adaptive_threads=False), None) is None

@@ -64,6 +64,7 @@ NON_DEFAULT: dict[str, Any] = {
     "bitmask_threads": 2,
     "grammar_cache_size": 17,
     "cpu_cores": "0",
+    "cpu_adaptive_threads": False,
 }
 # Flags whose only valid value today is the default (checked to refuse others instead).
 ONLY_DEFAULT = {"tensor_parallel_size", "pipeline_parallel_size"}
@@ -115,7 +116,7 @@ def test_every_flag_has_a_test_value() -> None:
     argv = full_argv()
     for name in NON_DEFAULT:
         flag = next(f.option for f in engine_flags() if f.dest == name)
-        if flag.startswith("--enable-") and NON_DEFAULT[name] is False:
+        if NON_DEFAULT[name] is False:
             flag = "--no-" + flag[2:]
         assert argv.count(flag) == 1, flag
 
