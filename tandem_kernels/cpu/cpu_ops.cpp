@@ -266,6 +266,39 @@ std::vector<at::Tensor> rotary_qkv_cache(const at::Tensor& qkv, const at::Tensor
 
 constexpr int64_t kMaxHead = 512;
 
+// One paged-attention call's tensors as pointers and strides (layouts: see paged_attention).
+template <typename T, typename C>
+struct PagedArgs {
+  int64_t num_reqs, nh, d, nkv, bs, group, blk_stride, kv_stride, bt_stride, q_row, q_head;
+  const int32_t* bt;
+  const int32_t* lens;
+  const int32_t* qsl;
+  const T* q;
+  T* o;
+  const C* cache;
+
+  PagedArgs(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+            const at::Tensor& block_table, const at::Tensor& seq_lens,
+            const at::Tensor& query_start_loc)
+      : num_reqs(seq_lens.size(0)),
+        nh(query.size(1)),
+        d(query.size(2)),
+        nkv(kv_cache.size(3)),
+        bs(kv_cache.size(2)),
+        group(nh / nkv),
+        blk_stride(kv_cache.stride(0)),
+        kv_stride(kv_cache.stride(1)),
+        bt_stride(block_table.stride(0)),
+        q_row(query.stride(0)),
+        q_head(query.stride(1)),
+        bt(block_table.data_ptr<int32_t>()),
+        lens(seq_lens.data_ptr<int32_t>()),
+        qsl(query_start_loc.data_ptr<int32_t>()),
+        q(query.data_ptr<T>()),
+        o(out.data_ptr<T>()),
+        cache(kv_cache.data_ptr<C>()) {}
+};
+
 // Paged attention read in place. query [T, H, D]; kv_cache [num_blocks, 2, block_size, KVH, D];
 // request r owns query rows query_start_loc[r]..[r+1], its context is seq_lens[r] tokens whose
 // block b is block_table[r, b]; query row j of r attends to positions 0..seq_len - qlen + j.
@@ -275,19 +308,9 @@ template <typename T, typename C>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                           const at::Tensor& block_table, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, double scale) {
-  const int64_t num_reqs = seq_lens.size(0);
-  const int64_t nh = query.size(1), d = query.size(2);
-  const int64_t nkv = kv_cache.size(3), bs = kv_cache.size(2);
-  const int64_t group = nh / nkv;
-  const int64_t blk_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
-  const int64_t bt_stride = block_table.stride(0);
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const T* q = query.data_ptr<T>();
-  const int64_t q_row = query.stride(0), q_head = query.stride(1);
-  T* o = out.data_ptr<T>();
-  const C* cache = kv_cache.data_ptr<C>();
+  const PagedArgs<T, C> args(out, query, kv_cache, block_table, seq_lens, query_start_loc);
+  const auto [num_reqs, nh, d, nkv, bs, group, blk_stride, kv_stride, bt_stride, q_row, q_head,
+              bt, lens, qsl, q, o, cache] = args;
   constexpr int64_t kTile = 16;
   TORCH_CHECK(d <= kMaxHead, "paged_attention: head size above ", kMaxHead);
   struct Item {
@@ -491,19 +514,9 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
   constexpr int kNvQk = 8;
   constexpr int kNvPv = std::max(1, 24 / DV);
   constexpr int64_t kTile = 16;
-  const int64_t num_reqs = seq_lens.size(0);
-  const int64_t nh = query.size(1);
-  const int64_t nkv = kv_cache.size(3), bs = kv_cache.size(2);
-  const int64_t group = nh / nkv;
-  const int64_t blk_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
-  const int64_t bt_stride = block_table.stride(0);
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const T* q = query.data_ptr<T>();
-  const int64_t q_row = query.stride(0), q_head = query.stride(1);
-  T* o = out.data_ptr<T>();
-  const C* cache = kv_cache.data_ptr<C>();
+  const PagedArgs<T, C> args(out, query, kv_cache, block_table, seq_lens, query_start_loc);
+  [[maybe_unused]] const auto [num_reqs, nh, d_unused, nkv, bs, group, blk_stride, kv_stride, bt_stride, q_row,
+              q_head, bt, lens, qsl, q, o, cache] = args;
   // One item is (request, tile of query rows) over every KV head: it streams the request's
   // blocks once (a position's K of all heads is one contiguous row), not once per head.
   struct Item {
