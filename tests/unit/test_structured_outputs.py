@@ -190,10 +190,11 @@ def test_seeded_samples_are_each_valid_and_reproducible(llm: LLM) -> None:
 @pytest.mark.parametrize(
     "engine_args",
     [
-        # Chunks of at most 8 tokens, and a pool of 160 slots for 8 running requests of up
-        # to ~130 tokens: both forced in one run.
+        # Chunks of at most 8 tokens, and a pool of 104 slots (the least that holds one
+        # request of max_model_len 100) for 8 running of the 11 requests, 243 tokens in all
+        # (the longest 40): both forced in one run (6 preemptions when written).
         pytest.param(
-            dict(max_num_batched_tokens=8, block_size=4, num_gpu_blocks=40, max_model_len=160),
+            dict(max_num_batched_tokens=8, block_size=4, num_gpu_blocks=26, max_model_len=100),
             id="chunked-prefill-and-preemption",
         ),
         pytest.param(dict(async_scheduling="on", max_num_batched_tokens=16), id="async"),
