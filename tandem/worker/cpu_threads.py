@@ -119,7 +119,7 @@ class CpuThreadGovernor:
     beyond what the team leaves them, and grows back only when they leave a whole core
     free but `up_at` (hysteresis: the others' load is measured to about a clock tick a
     core). With bound cores, a full team is bound one thread a core and a smaller one runs
-    unbound, where the kernel finds it a free core.
+    unbound on those cores, where the kernel finds it a free one.
 
     Invariant: 1 <= threads <= max_threads; `rebind(n)` is called only on a change.
     """
@@ -186,6 +186,8 @@ def make_cpu_thread_governor(
     `--no-cpu-adaptive-threads`, or a single thread, where there is nothing to size)."""
     if not config.cpu_adaptive_threads:
         return None
+    # Bound: the cores the engine was given (this thread is already bound to the first of
+    # them, so its own affinity no longer tells them); unbound: the process's.
     allowed = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
     cores = bound or allowed
     max_threads = torch.get_num_threads()
@@ -200,7 +202,7 @@ def make_cpu_thread_governor(
             return
         torch.set_num_threads(n)
         if bound is not None:
-            os.sched_setaffinity(0, allowed)  # this (the step's) thread, unbound
+            os.sched_setaffinity(0, bound)  # this (the step's) thread, free on all its cores
 
     return CpuThreadGovernor(cores, max_threads, rebind)
 

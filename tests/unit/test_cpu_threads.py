@@ -161,3 +161,28 @@ def test_governor_is_made_for_multithreaded_cpu_engines_unless_turned_off() -> N
     else:
         assert gov is None
     assert make_cpu_thread_governor(DeviceConfig(cpu_adaptive_threads=False), None) is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_governor_rebinds_a_bound_engine_on_its_cores() -> None:
+    # In a child (it re-binds its own threads): an engine bound to every core drops to one
+    # thread free on all of them, then comes back to one bound thread a core.
+    code = (
+        "import os, torch; from tandem.config import DeviceConfig; "
+        "from tandem.worker.cpu_threads import make_cpu_thread_governor, setup_cpu_threads; "
+        "cfg = DeviceConfig(cpu_cores='all'); bound = setup_cpu_threads(cfg); "
+        "print(sorted(bound), sorted(os.sched_getaffinity(0))); "
+        "gov = make_cpu_thread_governor(cfg, bound); gov._rebind(1); "
+        "print(torch.get_num_threads(), sorted(os.sched_getaffinity(0))); "
+        "gov._rebind(len(bound)); "
+        "print(torch.get_num_threads(), sorted(os.sched_getaffinity(0)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    cores = sorted(os.sched_getaffinity(0))
+    lines = out.stdout.split("\n")
+    expected = [
+        f"{cores} {cores[:1]}",  # bound: this thread on the first core
+        f"1 {cores}",  # one thread, free on the engine's cores
+        f"{len(cores)} {cores[:1]}",  # bound again
+    ]
+    assert lines[:3] == expected, out.stderr
