@@ -247,11 +247,21 @@ class Sampler(nn.Module):
     """Samples one token per row of `[B, V]` float32 logits under a `SamplingMetadata`.
 
     `generator` feeds the rows without a per-request generator (torch's default RNG if None).
+    With `cpu_kernels` (the model runs the CPU step path), greedy rows of CPU float32 logits
+    take their argmax from the C++ kernel (tandem_kernels/cpu; the same indices as torch's).
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, cpu_kernels: bool = False) -> None:
         super().__init__()
         self.generator = generator
+        self.cpu_kernels = cpu_kernels
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels and logits.device.type == "cpu" and logits.stride(-1) == 1:
+            from tandem_kernels import cpu
+
+            return cpu.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != metadata.num_reqs:
@@ -270,12 +280,12 @@ class Sampler(nn.Module):
 
         logits = self.process_logits(logits, metadata)
         if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = self._argmax(logits)
         else:
             probs = self._filtered_probs(logits, metadata)
             sampled = exponential_race(probs, metadata.generators, self.generator)
             if metadata.is_greedy is not None:
-                sampled = torch.where(metadata.is_greedy, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(metadata.is_greedy, self._argmax(logits), sampled)
 
         if raw_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)

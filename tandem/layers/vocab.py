@@ -46,7 +46,7 @@ class LMHead(nn.Module):
                 torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
                 requires_grad=False,
             )
-        # MKL's packed copy of `weight` on the CPU step path (see tandem.layers.linear).
+        # The prepacked copy of `weight` on the CPU step path (see tandem.layers.linear).
         self.cpu_packed_weight: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -466,9 +466,10 @@ class LlamaForCausalLM(nn.Module):
             self.pack_cpu_weights()
 
     def pack_cpu_weights(self) -> int:
-        """CPU step path: every projection and the LM head keep MKL's packed copy of their
-        float32 weight (tandem.layers.linear); made again after each `load_weights`. Returns
-        how many were packed (0 off float32, or without MKL)."""
+        """CPU step path: every projection and the LM head keep a prepacked copy of their
+        weight (MKL's for float32, oneDNN's for bf16: tandem.layers.linear); made again after
+        each `load_weights`. Returns how many were packed (0 in other dtypes, or without the
+        libraries)."""
         packed = 0
         for module in self.modules():
             if isinstance(module, Linear | LMHead):

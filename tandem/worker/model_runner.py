@@ -28,6 +28,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
+from tandem.layers.attention.cpu_backend import CpuAttentionBackend
 from tandem.loader import build_model
 from tandem.models.llama import LlamaForCausalLM
 from tandem.worker.cpu_threads import default_cpu_backend
@@ -92,7 +93,12 @@ class ModelRunner:
         )
         self.vocab_size: int = self.model.vocab_size
         max_num_seqs = config.scheduler.max_num_seqs
-        self.sampler = StepSampler(device, self.vocab_size, max_num_seqs)
+        self.sampler = StepSampler(
+            device,
+            self.vocab_size,
+            max_num_seqs,
+            cpu_kernels=isinstance(self.attn_backend, CpuAttentionBackend),
+        )
         self.input_batch = InputBatch(self.block_size, max_num_seqs)
         self.staging = PinnedStaging(device)
         self.use_cuda_graphs = device.type == "cuda" and not config.device.enforce_eager

@@ -49,11 +49,13 @@ class SampledStep:
 class StepSampler:
     """Samples a step's rows on one device; owns the sampler and the pinned id buffers."""
 
-    def __init__(self, device: torch.device, vocab_size: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, device: torch.device, vocab_size: int, max_num_seqs: int, cpu_kernels: bool = False
+    ) -> None:
         self.device = device
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_kernels=cpu_kernels)
         self._host_sampled: list[torch.Tensor] = []
         self._host_slot = 0
 

@@ -17,6 +17,8 @@ and says whether it can be used; without a C++ compiler the engine keeps the pur
   weight on every call, most of a decode-sized product's time); `has_packed_sgemm()` says
   whether this torch build exports MKL's packed API (x86 wheels do);
 - `silu_and_mul(x [T, 2 D])`: `silu(gate) * up` in one pass, as `tandem.layers.activation`;
+- `argmax_rows(x [N, V] float32)`: `torch.argmax(x, -1)` (first maximum; first NaN), rows
+  split among the threads;
 - `bind_threads(cores)`: one OpenMP thread per core, thread i bound to `cores[i]`.
 """
 
@@ -137,6 +139,11 @@ def packed_linear(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(x[:, :d]) * x[:, d:]` for `x [T, 2 d]` with rows contiguous, one pass."""
     return _ops().silu_and_mul(x)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`torch.argmax(x, dim=-1)` (int64 `[N]`) for float32 `x [N, V]`, rows contiguous."""
+    return _ops().argmax_rows(x)
 
 
 def bind_threads(cores: list[int]) -> list[int]:

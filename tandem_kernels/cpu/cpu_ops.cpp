@@ -18,6 +18,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -86,6 +88,73 @@ inline void silu_inplace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = x[i] / (1.f + std::exp(-x[i]));
 }
 
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------------------- 16 lanes
+
+// 16 values of C at p as float32.
+template <typename C>
+inline __m512 load16(const C* p);
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <>
+inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Whether T has the 16-lane helpers (float32, bf16, half; not double).
+template <typename T>
+constexpr bool kLanes16 = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> ||
+                          std::is_same_v<T, at::Half>;
+
+// v rounded to T as c10's conversion does (round to nearest even; NaN -> c10's NaN), as float32.
+template <typename T>
+inline __m512 round16(__m512 v);
+template <>
+inline __m512 round16<float>(__m512 v) {
+  return v;
+}
+inline __m512i bf16_bits(__m512 v) {  // the bf16 of each lane in its low 16 bits
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
+}
+template <>
+inline __m512 round16<at::BFloat16>(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+template <>
+inline __m512 round16<at::Half>(__m512 v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// p[0..15] <- v rounded to T (as round16).
+template <typename T>
+inline void store16(T* p, __m512 v);
+template <>
+inline void store16<float>(float* p, __m512 v) {
+  _mm512_storeu_ps(p, v);
+}
+template <>
+inline void store16<at::BFloat16>(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+template <>
+inline void store16<at::Half>(at::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif  // __AVX512F__
+
 // ---------------------------------------------------------------------------- RMSNorm
 
 // x: [T, H] rows with stride x_stride. If residual is given: residual <- x + residual (in the
@@ -98,6 +167,29 @@ void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t row
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
       T* orow = out + r * out_stride;
+#if defined(__AVX512F__)
+      if constexpr (kLanes16<T>) if (h % 16 == 0) {  // the same arithmetic in 16 lanes
+        __m512 acc = _mm512_setzero_ps();
+        T* rr = residual != nullptr ? residual + r * res_stride : nullptr;
+        for (int64_t i = 0; i < h; i += 16) {
+          __m512 v = load16<T>(xr + i);
+          if (rr != nullptr) {
+            v = round16<T>(_mm512_add_ps(v, load16<T>(rr + i)));
+            store16<T>(rr + i, v);
+          }
+          _mm512_storeu_ps(buf.data() + i, v);
+          acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
+        const float ss = _mm512_reduce_add_ps(acc);
+        const __m512 inv = _mm512_set1_ps(
+            1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps)));
+        for (int64_t i = 0; i < h; i += 16) {
+          const __m512 normed = round16<T>(_mm512_mul_ps(_mm512_loadu_ps(buf.data() + i), inv));
+          store16<T>(orow + i, _mm512_mul_ps(load16<T>(weight + i), normed));
+        }
+        continue;
+      }
+#endif
       if (residual != nullptr) {
         T* rr = residual + r * res_stride;
         for (int64_t i = 0; i < h; ++i) {
@@ -179,12 +271,11 @@ void rotary_qkv_cache_impl(const at::Tensor& qkv, const at::Tensor& positions,
   const int64_t kv_stride = write_cache ? kv_cache.stride(1) : 0;
   at::parallel_for(0, tokens, row_grain((nh + 2 * nkv) * d), [&](int64_t begin, int64_t end) {
     std::vector<T> c(half), s(half);
+#if defined(__AVX512F__)
+    std::vector<__m512> cv((half + 15) / 16), sv((half + 15) / 16);
+#endif
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = pos[t];
-      for (int64_t i = 0; i < half; ++i) {
-        c[i] = static_cast<T>(cosp[p * cs + i]);
-        s[i] = static_cast<T>(sinp[p * cs + i]);
-      }
       const T* x = src + t * row;
       auto rotate = [&](const T* in, T* out) {
         for (int64_t i = 0; i < half; ++i) {
@@ -198,19 +289,56 @@ void rotary_qkv_cache_impl(const at::Tensor& qkv, const at::Tensor& positions,
           out[i + half] = static_cast<T>(to_f(a2) + to_f(b2));
         }
       };
-      for (int64_t h = 0; h < nh; ++h) rotate(x + h * d, qo + (t * nh + h) * d);
       T* kt = ko + t * nkv * d;
       T* vt = vo + t * nkv * d;
       const T* vin = x + (nh + nkv) * d;
-      for (int64_t h = 0; h < nkv; ++h) rotate(x + (nh + h) * d, kt + h * d);
+      bool rotated = false;
+#if defined(__AVX512F__)
+      if constexpr (kLanes16<T>) if (half % 16 == 0) {  // the same arithmetic in 16 lanes
+        for (int64_t i = 0; i < half; i += 16) {
+          cv[i / 16] = round16<T>(_mm512_loadu_ps(cosp + p * cs + i));
+          sv[i / 16] = round16<T>(_mm512_loadu_ps(sinp + p * cs + i));
+        }
+        auto rotate16 = [&](const T* in, T* out) {
+          for (int64_t i = 0; i < half; i += 16) {
+            const __m512 x1 = load16<T>(in + i), x2 = load16<T>(in + i + half);
+            const __m512 c16 = cv[i / 16], s16 = sv[i / 16];
+            const __m512 a1 = round16<T>(_mm512_mul_ps(x1, c16));
+            const __m512 neg_x2 = _mm512_castsi512_ps(
+                _mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32(INT32_MIN)));
+            const __m512 b1 = round16<T>(_mm512_mul_ps(neg_x2, s16));
+            const __m512 a2 = round16<T>(_mm512_mul_ps(x2, c16));
+            const __m512 b2 = round16<T>(_mm512_mul_ps(x1, s16));
+            store16<T>(out + i, _mm512_add_ps(a1, b1));
+            store16<T>(out + i + half, _mm512_add_ps(a2, b2));
+          }
+        };
+        for (int64_t h = 0; h < nh; ++h) rotate16(x + h * d, qo + (t * nh + h) * d);
+        for (int64_t h = 0; h < nkv; ++h) rotate16(x + (nh + h) * d, kt + h * d);
+        rotated = true;
+      }
+#endif
+      if (!rotated) {
+        for (int64_t i = 0; i < half; ++i) {
+          c[i] = static_cast<T>(cosp[p * cs + i]);
+          s[i] = static_cast<T>(sinp[p * cs + i]);
+        }
+        for (int64_t h = 0; h < nh; ++h) rotate(x + h * d, qo + (t * nh + h) * d);
+        for (int64_t h = 0; h < nkv; ++h) rotate(x + (nh + h) * d, kt + h * d);
+      }
       std::copy(vin, vin + nkv * d, vt);
       if (write_cache && slots[t] >= 0) {
         const int64_t slot = slots[t];
         C* kc = cache + (slot / bs) * blk_stride + (slot % bs) * nkv * d;
         C* vc = kc + kv_stride;
-        for (int64_t i = 0; i < nkv * d; ++i) {
-          kc[i] = static_cast<C>(kt[i]);
-          vc[i] = static_cast<C>(vt[i]);
+        if constexpr (std::is_same_v<T, C>) {
+          std::copy(kt, kt + nkv * d, kc);
+          std::copy(vt, vt + nkv * d, vc);
+        } else {
+          for (int64_t i = 0; i < nkv * d; ++i) {
+            kc[i] = static_cast<C>(kt[i]);
+            vc[i] = static_cast<C>(vt[i]);
+          }
         }
       }
     }
@@ -405,25 +533,11 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
 // - K is read 16 positions at a time, transposed in registers into `kt` [D][16], so every
 //   score of a query vector against the 16 positions is D multiply-adds of one broadcast and
 //   one load (no horizontal sums);
+//   with a bf16 query and cache (and AVX512_BF16), K is transposed as pairs of bf16 and the
+//   scores are dpbf16 dot products: half the shuffles, no conversion of K;
 // - softmax per query vector over its own causal limit, probabilities past it set to zero;
 // - P V register-blocked: NV query vectors x DV vectors of 16 dims of accumulators, one V row
 //   loaded per position for all NV vectors.
-
-template <typename C>
-inline __m512 load16(const C* p);
-template <>
-inline __m512 load16<float>(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-template <>
-inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-template <>
-inline __m512 load16<at::Half>(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // r[i][j] <- r[j][i] for a 16x16 block of floats held in 16 registers.
 inline void transpose16(__m512* r) {
@@ -454,16 +568,62 @@ inline void transpose16(__m512* r) {
   for (int k = 0; k < 16; ++k) r[k] = t[k];
 }
 
+// s[0..lim) <- exp(s - max(s[0..lim))), s[lim..cpad) <- 0; returns 1 / the sum of the exps.
+inline float softmax_row(float* s, int64_t lim, int64_t cpad) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (lim % 16)) - 1);
+  const int64_t full = lim - lim % 16;
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t p = 0; p < full; p += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + p));
+  if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, s + full));
+  exp_shifted(s, lim, _mm512_reduce_max_ps(mv));
+  __m512 sv = _mm512_setzero_ps();
+  for (int64_t p = 0; p < full; p += 16) sv = _mm512_add_ps(sv, _mm512_loadu_ps(s + p));
+  if (tail) sv = _mm512_add_ps(sv, _mm512_maskz_loadu_ps(tail, s + full));
+  std::fill(s + lim, s + cpad, 0.f);
+  return 1.f / _mm512_reduce_add_ps(sv);
+}
+
+// r[t] <- 16 floats at rows[t] + off for t < n, zero for t >= n (n <= 16).
+template <typename C>
+inline void load_rows16(__m512* r, const C* const* rows, int64_t off, int64_t n) {
+  if (n == 16) {
+    for (int t = 0; t < 16; ++t) r[t] = load16<C>(rows[t] + off);
+  } else {
+    for (int t = 0; t < 16; ++t) r[t] = t < n ? load16<C>(rows[t] + off) : _mm512_setzero_ps();
+  }
+}
+
+// r[t] <- the 32 bf16 at rows[t] + off as 16 32-bit words for t < n, zero for t >= n.
+inline void load_pairs16(__m512* r, const at::BFloat16* const* rows, int64_t off, int64_t n) {
+  auto at = [&](int t) { return _mm512_loadu_ps(reinterpret_cast<const float*>(rows[t] + off)); };
+  if (n == 16) {
+    for (int t = 0; t < 16; ++t) r[t] = at(t);
+  } else {
+    for (int t = 0; t < 16; ++t) r[t] = t < n ? at(t) : _mm512_setzero_ps();
+  }
+}
+
 // s[k * s_stride + 0..15] <- q[k] . kt[:, 0..15] for k < NV (q rows of d floats).
+// With few query vectors (decode: one row times the GQA group), each keeps two sums (even and
+// odd i): enough independent multiply-adds in flight to hide their latency. d is even.
 template <int NV>
 inline void qk_block(const float* q, int64_t d, const float* kt, float* s, int64_t s_stride) {
-  __m512 acc[NV];
-  for (int k = 0; k < NV; ++k) acc[k] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; ++i) {
-    const __m512 kv = _mm512_loadu_ps(kt + i * 16);
-    for (int k = 0; k < NV; ++k) acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(q[k * d + i]), kv, acc[k]);
+  constexpr int NB = NV <= 4 ? 2 : 1;
+  __m512 acc[NB][NV];
+  for (int b = 0; b < NB; ++b)
+    for (int k = 0; k < NV; ++k) acc[b][k] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += NB) {
+    for (int b = 0; b < NB; ++b) {
+      const __m512 kv = _mm512_loadu_ps(kt + (i + b) * 16);
+      for (int k = 0; k < NV; ++k)
+        acc[b][k] = _mm512_fmadd_ps(_mm512_set1_ps(q[k * d + i + b]), kv, acc[b][k]);
+    }
   }
-  for (int k = 0; k < NV; ++k) _mm512_storeu_ps(s + k * s_stride, acc[k]);
+  for (int k = 0; k < NV; ++k) {
+    __m512 sum = acc[0][k];
+    if constexpr (NB == 2) sum = _mm512_add_ps(sum, acc[1][k]);
+    _mm512_storeu_ps(s + k * s_stride, sum);
+  }
 }
 
 template <int NV>
@@ -475,6 +635,43 @@ inline void qk_rows(const float* q, int64_t nq, int64_t d, const float* kt, floa
     if (nq > 0) qk_rows<NV - 1>(q, nq, d, kt, s, s_stride);
   }
 }
+
+#if defined(__AVX512BF16__)
+// As qk_block for bf16 queries and keys: q holds each query vector's d / 2 pairs of bf16 (as
+// 32-bit words), ktp [d / 2][16] the 16 positions' pairs; one dpbf16 instruction does a pair
+// of multiply-adds per lane (exact products, float32 sums). Scores are scaled here.
+template <int NV>
+inline void qk_block_bf16(const uint32_t* q, int64_t npairs, const float* ktp, __m512 scale,
+                          float* s, int64_t s_stride) {
+  constexpr int NB = NV <= 4 ? 2 : 1;  // as qk_block; npairs is even
+  __m512 acc[NB][NV];
+  for (int b = 0; b < NB; ++b)
+    for (int k = 0; k < NV; ++k) acc[b][k] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < npairs; i += NB) {
+    for (int b = 0; b < NB; ++b) {
+      const __m512bh kv = (__m512bh)_mm512_castps_si512(_mm512_loadu_ps(ktp + (i + b) * 16));
+      for (int k = 0; k < NV; ++k)
+        acc[b][k] = _mm512_dpbf16_ps(acc[b][k],
+                                     (__m512bh)_mm512_set1_epi32(q[k * npairs + i + b]), kv);
+    }
+  }
+  for (int k = 0; k < NV; ++k) {
+    __m512 sum = acc[0][k];
+    if constexpr (NB == 2) sum = _mm512_add_ps(sum, acc[1][k]);
+    _mm512_storeu_ps(s + k * s_stride, _mm512_mul_ps(sum, scale));
+  }
+}
+
+template <int NV>
+inline void qk_rows_bf16(const uint32_t* q, int64_t nq, int64_t npairs, const float* ktp,
+                         __m512 scale, float* s, int64_t s_stride) {
+  if constexpr (NV > 0) {
+    for (; nq >= NV; nq -= NV, q += NV * npairs, s += NV * s_stride)
+      qk_block_bf16<NV>(q, npairs, ktp, scale, s, s_stride);
+    if (nq > 0) qk_rows_bf16<NV - 1>(q, nq, npairs, ktp, scale, s, s_stride);
+  }
+}
+#endif
 
 // o[k * DV * 16 ...] <- sum_p p_k[p] * v_p for k < NV, p_k = s + k * s_stride, v_p the 16 * DV
 // values at rows[p] + off (converted to float32 as loaded).
@@ -514,9 +711,13 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
   constexpr int kNvQk = 8;
   constexpr int kNvPv = std::max(1, 24 / DV);
   constexpr int64_t kTile = 16;
+#if defined(__AVX512BF16__)
+  // bf16 query and cache: scores by bf16 dot products (qk_block_bf16).
+  constexpr bool kDotBf16 = std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>;
+#endif
   const PagedArgs<T, C> args(out, query, kv_cache, block_table, seq_lens, query_start_loc);
-  [[maybe_unused]] const auto [num_reqs, nh, d_unused, nkv, bs, group, blk_stride, kv_stride, bt_stride, q_row,
-              q_head, bt, lens, qsl, q, o, cache] = args;
+  [[maybe_unused]] const auto [num_reqs, nh, d_unused, nkv, bs, group, blk_stride, kv_stride,
+                               bt_stride, q_row, q_head, bt, lens, qsl, q, o, cache] = args;
   // One item is (request, tile of query rows) over every KV head: it streams the request's
   // blocks once (a position's K of all heads is one contiguous row), not once per head.
   struct Item {
@@ -534,6 +735,7 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
   {
     std::vector<float> qf, scores, acc, inv_sum;
     std::vector<float> kt(d * 16);
+    std::vector<uint32_t> qpairs;
     std::vector<int64_t> limit;
     std::vector<const C*> rows;  // position p's K row (all heads); its V row is + kv_stride
 #pragma omp for schedule(dynamic, 1)
@@ -554,45 +756,63 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
       for (int64_t jr = 0; jr < w.rows; ++jr)
         for (int64_t g = 0; g < group; ++g) limit[jr * group + g] = seq - qlen + w.row0 + jr + 1;
       qf.resize(nq * d);
+      qpairs.resize(nq * d / 2);
       scores.resize(nq * cpad);
       acc.resize(nq * d);
       inv_sum.resize(nq);
       for (int64_t kvh = 0; kvh < nkv; ++kvh) {
         const int64_t koff = kvh * d;
-        for (int64_t jr = 0; jr < w.rows; ++jr) {
-          const int64_t tok = qsl[w.req] + w.row0 + jr;
-          for (int64_t g = 0; g < group; ++g) {
-            const T* qh = q + tok * q_row + (kvh * group + g) * q_head;
-            float* dst = qf.data() + (jr * group + g) * d;
-            for (int64_t i = 0; i < d; ++i) dst[i] = to_f(qh[i]) * sc;
+        bool scored = false;  // by the bf16 dot-product path
+#if defined(__AVX512BF16__)
+        if constexpr (kDotBf16) {
+          // Scores from bf16 pairs: the query's bits as they are (scaled in the sum), K's
+          // pairs transposed as 32-bit words (half the shuffles of float32, no conversion).
+          for (int64_t jr = 0; jr < w.rows; ++jr) {
+            const int64_t tok = qsl[w.req] + w.row0 + jr;
+            for (int64_t g = 0; g < group; ++g) {
+              const T* qh = q + tok * q_row + (kvh * group + g) * q_head;
+              std::memcpy(qpairs.data() + (jr * group + g) * (d / 2), qh, d * sizeof(T));
+            }
           }
+          for (int64_t p0 = 0; p0 < ctx_max; p0 += 16) {
+            const int64_t n = std::min<int64_t>(16, ctx_max - p0);
+            for (int j = 0; j < DV / 2; ++j) {
+              __m512 r[16];  // 16 bf16 pairs of each row as 32-bit words
+              load_pairs16(r, rows.data() + p0, koff + 32 * j, n);
+              transpose16(r);
+              for (int t = 0; t < 16; ++t) _mm512_storeu_ps(kt.data() + (16 * j + t) * 16, r[t]);
+            }
+            qk_rows_bf16<kNvQk>(qpairs.data(), nq, d / 2, kt.data(), _mm512_set1_ps(sc),
+                                scores.data() + p0, cpad);
+          }
+          scored = true;
         }
-        // Scores: 16 positions at a time against every query vector.
-        for (int64_t p0 = 0; p0 < ctx_max; p0 += 16) {
-          const int64_t n = std::min<int64_t>(16, ctx_max - p0);
-          for (int j = 0; j < DV; ++j) {
-            __m512 r[16];
-            for (int t = 0; t < 16; ++t)
-              r[t] = t < n ? load16<C>(rows[p0 + t] + koff + 16 * j) : _mm512_setzero_ps();
-            transpose16(r);
-            for (int t = 0; t < 16; ++t) _mm512_storeu_ps(kt.data() + (16 * j + t) * 16, r[t]);
+#endif
+        if (!scored) {
+          for (int64_t jr = 0; jr < w.rows; ++jr) {
+            const int64_t tok = qsl[w.req] + w.row0 + jr;
+            for (int64_t g = 0; g < group; ++g) {
+              const T* qh = q + tok * q_row + (kvh * group + g) * q_head;
+              float* dst = qf.data() + (jr * group + g) * d;
+              for (int64_t i = 0; i < d; i += 16)
+                _mm512_storeu_ps(dst + i, _mm512_mul_ps(load16<T>(qh + i), _mm512_set1_ps(sc)));
+            }
           }
-          qk_rows<kNvQk>(qf.data(), nq, d, kt.data(), scores.data() + p0, cpad);
+          // Scores: 16 positions at a time against every query vector.
+          for (int64_t p0 = 0; p0 < ctx_max; p0 += 16) {
+            const int64_t n = std::min<int64_t>(16, ctx_max - p0);
+            for (int j = 0; j < DV; ++j) {
+              __m512 r[16];
+              load_rows16<C>(r, rows.data() + p0, koff + 16 * j, n);
+              transpose16(r);
+              for (int t = 0; t < 16; ++t) _mm512_storeu_ps(kt.data() + (16 * j + t) * 16, r[t]);
+            }
+            qk_rows<kNvQk>(qf.data(), nq, d, kt.data(), scores.data() + p0, cpad);
+          }
         }
         // Softmax of each query vector over its causal limit; zero past it.
-        for (int64_t v = 0; v < nq; ++v) {
-          float* s = scores.data() + v * cpad;
-          const int64_t lim = limit[v];
-          float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-          for (int64_t p = 0; p < lim; ++p) mx = std::max(mx, s[p]);
-          exp_shifted(s, lim, mx);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t p = 0; p < lim; ++p) sum += s[p];
-          inv_sum[v] = 1.f / sum;
-          std::fill(s + lim, s + cpad, 0.f);
-        }
+        for (int64_t v = 0; v < nq; ++v)
+          inv_sum[v] = softmax_row(scores.data() + v * cpad, limit[v], cpad);
         pv_rows<C, DV, kNvPv>(rows.data(), kv_stride + koff, ctx_max, scores.data(), cpad, nq,
                               acc.data());
         for (int64_t jr = 0; jr < w.rows; ++jr) {
@@ -600,9 +820,10 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
           for (int64_t g = 0; g < group; ++g) {
             const int64_t v = jr * group + g;
             const float* a = acc.data() + v * d;
-            const float f = inv_sum[v];
+            const __m512 f = _mm512_set1_ps(inv_sum[v]);
             T* oh = o + tok * nh * d + (kvh * group + g) * d;
-            for (int64_t i = 0; i < d; ++i) oh[i] = static_cast<T>(a[i] * f);
+            for (int64_t i = 0; i < d; i += 16)
+              store16<T>(oh + i, _mm512_mul_ps(_mm512_loadu_ps(a + i), f));
           }
         }
       }
@@ -610,7 +831,8 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
   }
 }
 
-// The AVX-512 path for head sizes 32, 64, 128 and 256 with a float32, bf16 or half cache;
+// The AVX-512 path for head sizes 32, 64, 128 and 256 with a float32, bf16 or half cache (and
+// query: T has `kLanes16`);
 // false: not taken (the generic kernel runs).
 template <typename T>
 bool paged_attention_fast(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
@@ -669,9 +891,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
     using T = scalar_t;
     const auto ct = kv_cache.scalar_type();
 #if defined(__AVX512F__)
-    if (paged_attention_fast<T>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
-                                scale))
-      return;
+    if constexpr (kLanes16<T>)  // not a double query
+      if (paged_attention_fast<T>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
+                                  scale))
+        return;
 #endif
     if (ct == query.scalar_type()) {
       paged_attention_impl<T, T>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
@@ -752,6 +975,18 @@ void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d, int64_t x_st
       const T* g = x + r * x_stride;
       const T* u = g + d;
       T* o = out + r * d;
+#if defined(__AVX512F__)
+      if constexpr (kLanes16<T>) if (d % 16 == 0 && Sleef_expf16_u10 != nullptr) {  // as below
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (int64_t i = 0; i < d; i += 16) {
+          const __m512 v = load16<T>(g + i);
+          const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), v));
+          const __m512 a = round16<T>(_mm512_div_ps(v, _mm512_add_ps(one, e)));
+          store16<T>(o + i, _mm512_mul_ps(a, load16<T>(u + i)));
+        }
+        continue;
+      }
+#endif
       for (int64_t i = 0; i < d; ++i) act[i] = to_f(g[i]);
       silu_inplace(act.data(), d);
 #pragma omp simd
@@ -769,6 +1004,52 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
     silu_and_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x.size(0), d,
                                 x.stride(0));
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------- argmax
+
+// The index of each row's largest value, as torch.argmax(x, -1): the first of equal maxima, the
+// first NaN where a row has one. x [N, V] float32, rows contiguous; rows are split among the
+// threads (torch's CPU argmax reads a decode step's [64, 49152] logits at a few GB/s).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat &&
+                  x.size(1) > 0,
+              "argmax_rows: x must be float32 [N, V > 0], rows contiguous");
+  const int64_t n = x.size(0), v = x.size(1), stride = x.stride(0);
+  auto out = at::empty({n}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 4096 / v), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * stride;
+      int64_t i = 0;
+      float best = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+#if defined(__AVX512F__)
+      __m512 mv = _mm512_set1_ps(best);
+      __mmask16 unord = 0;
+      for (; i + 16 <= v; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(row + i);
+        unord |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+        mv = _mm512_max_ps(mv, xv);
+      }
+      best = _mm512_reduce_max_ps(mv);
+      nan = unord != 0;
+#endif
+      for (; i < v; ++i) {
+        nan = nan || std::isnan(row[i]);
+        best = std::max(best, row[i]);
+      }
+      int64_t at = 0;
+      if (nan) {
+        while (!std::isnan(row[at])) ++at;
+      } else {
+        while (row[at] != best) ++at;  // every value was compared: the maximum is there
+      }
+      op[r] = at;
+    }
   });
   return out;
 }
@@ -813,6 +1094,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("sgemm_pack_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("bind_threads(int[] cores) -> int[]", [](c10::IntArrayRef cores) {
     return bind_threads(std::vector<int64_t>(cores.begin(), cores.end()));
   });
@@ -826,4 +1108,5 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("sgemm_pack_weight", &sgemm_pack_weight);
   m.impl("packed_linear", &packed_linear);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -103,12 +103,13 @@ def test_cpu_attention_bf16_cache_close_to_float32(head_size: int) -> None:
     torch.testing.assert_close(out.float(), dense, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("h", [64, 40])  # 64: the 16-lane path; 40: the scalar one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_rms_norms_equal_torch(dtype: torch.dtype) -> None:
+def test_cpu_rms_norms_equal_torch(dtype: torch.dtype, h: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 64, generator=gen).to(dtype)
-    res = torch.randn(37, 64, generator=gen).to(dtype)
-    w = torch.randn(64, generator=gen).to(dtype)
+    x = torch.randn(37, h, generator=gen).to(dtype)
+    res = torch.randn(37, h, generator=gen).to(dtype)
+    w = torch.randn(h, generator=gen).to(dtype)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02}
     torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), **tol)
     ref_out, ref_res = fused_add_rms_norm(x, res, w, 1e-5)
@@ -119,9 +120,10 @@ def test_cpu_rms_norms_equal_torch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, ref_out, **tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_rotary_and_cache_write_equal_torch(dtype: torch.dtype) -> None:
-    heads, kv_heads, d, bs = 6, 2, 16, 4
+@pytest.mark.parametrize("d", [16, 64])  # 64: the 16-lane path (half the head a multiple of 16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_rotary_and_cache_write_equal_torch(dtype: torch.dtype, d: int) -> None:
+    heads, kv_heads, bs = 6, 2, 4
     params = {"rope_type": "default", "rope_theta": 10000.0}
     rope = RotaryEmbedding(d, 64, params, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
@@ -148,14 +150,15 @@ def test_cpu_rotary_and_cache_write_equal_torch(dtype: torch.dtype) -> None:
     assert int((cache.flatten(3).abs().sum(-1) > 0).sum()) == 2 * 10
 
 
+@pytest.mark.parametrize("d", [200, 192])  # 192: the 16-lane path; 200: the scalar one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_silu_and_mul_equals_torch(dtype: torch.dtype) -> None:
+def test_cpu_silu_and_mul_equals_torch(dtype: torch.dtype, d: int) -> None:
     from tandem.layers.activation import silu_and_mul
 
     gen = torch.Generator().manual_seed(2)
-    x = (4 * torch.randn(37, 2 * 200, generator=gen)).to(dtype)  # 200: a SIMD tail too
+    x = (4 * torch.randn(37, 2 * d, generator=gen)).to(dtype)
     out = cpu.silu_and_mul(x)
-    assert out.shape == (37, 200) and out.dtype == dtype
+    assert out.shape == (37, d) and out.dtype == dtype
     # ATen's silu arithmetic (SLEEF's exp where the CPU has AVX512), then the rounded product.
     torch.testing.assert_close(out, silu_and_mul(x), rtol=1e-6, atol=1e-6)
     if dtype == torch.bfloat16:
@@ -184,7 +187,7 @@ def test_cpu_packed_linear_equals_f_linear(rows: int) -> None:
     torch.testing.assert_close(out, F.linear(wide[:, :40], w), rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_step_path_packs_float32_weights_only() -> None:
+def test_cpu_step_path_packs_float32_weights() -> None:
     from tandem.layers.linear import PACKED_MIN_ROWS, Linear
 
     layer = Linear(40, 96, True, torch.float32, torch.device("cpu"))
@@ -196,8 +199,35 @@ def test_cpu_step_path_packs_float32_weights_only() -> None:
         torch.testing.assert_close(
             layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
         )
-    half = Linear(40, 96, False, torch.bfloat16, torch.device("cpu"))
+    half = Linear(40, 96, False, torch.float16, torch.device("cpu"))
     assert not half.pack_for_cpu() and half.cpu_packed_weight is None
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 on this CPU"
+)
+def test_cpu_step_path_packs_bf16_weights_for_onednn() -> None:
+    from tandem.layers.linear import Linear
+
+    gen = torch.Generator().manual_seed(4)
+    layer = Linear(64, 96, True, torch.bfloat16, torch.device("cpu"))
+    layer.weight.data.copy_(torch.randn(96, 64, generator=gen))
+    layer.bias.data.copy_(torch.randn(96, generator=gen))  # type: ignore[union-attr]
+    assert layer.pack_for_cpu() and layer.cpu_packed_weight is not None
+    assert layer.cpu_packed_weight.layout == torch._mkldnn
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        out = layer(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+        # Both accumulate in float32 and round once; only the summation order may differ.
+        ref = x.float() @ layer.weight.float().T + layer.bias.float()  # type: ignore[union-attr]
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=2e-2)
+    # Rows the packed path does not take (none; a strided view) still give F.linear's answer.
+    assert layer(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 96)
+    wide = torch.randn(5, 128, generator=gen).bfloat16()
+    torch.testing.assert_close(
+        layer(wide[:, :64]), torch.nn.functional.linear(wide[:, :64], layer.weight, layer.bias)
+    )
 
 
 def test_bind_threads_pins_each_thread() -> None:
@@ -211,3 +241,19 @@ def test_bind_threads_pins_each_thread() -> None:
     finally:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("shape", [(64, 49152), (3, 17), (1, 1), (0, 5)])
+def test_cpu_argmax_rows_equals_torch(shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(*shape, generator=gen)
+    assert torch.equal(cpu.argmax_rows(x), torch.argmax(x, dim=-1))
+    if shape[0] >= 3 and shape[1] >= 17:
+        x[0, :] = 1.0  # ties: the first maximum
+        x[1, 5] = float("nan")  # a NaN: the first NaN (torch's answer too)
+        x[1, 9] = float("nan")
+        x[2, -1] = float("inf")
+        assert cpu.argmax_rows(x).tolist()[:3] == [0, 5, shape[1] - 1]
+        assert torch.equal(cpu.argmax_rows(x), torch.argmax(x, dim=-1))
+        # A view whose rows are strided (every other row) reads only its own rows.
+        assert torch.equal(cpu.argmax_rows(x[::2]), torch.argmax(x[::2], dim=-1))
