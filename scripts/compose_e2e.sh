@@ -298,7 +298,9 @@ free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)
 HTTP_PORT_NUM=$(free_port)
 GRPC_PORT_NUM=$(free_port)
 export TANDEM_IMAGE=$IMAGE_TAG REDIS_IMAGE=$REDIS_TAG
-export PREFILL_REPLICAS=2 DECODE_REPLICAS=2 WORKER_THREADS=1
+# float32: the workload checks greedy parity with an offline float32 run (bf16 results depend
+# on batch shapes).
+export PREFILL_REPLICAS=2 DECODE_REPLICAS=2 WORKER_THREADS=1 DTYPE=float32
 export HTTP_PORT=127.0.0.1:$HTTP_PORT_NUM GRPC_PORT=127.0.0.1:$GRPC_PORT_NUM
 export MAX_MODEL_LEN=2048 NUM_GPU_BLOCKS=256 GRACE_PERIOD_S=5 STOP_GRACE_PERIOD=10s
 export WORKER_SHM_SIZE=${WORKER_SHM_SIZE:-1gb}

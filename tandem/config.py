@@ -111,7 +111,14 @@ class ModelConfig:
         default=DEFAULT_MODEL,
         metadata=flag("HF folder, .gguf file, random:<shape>, or 'default' (SmolLM2-135M)"),
     )
-    dtype: Dtype = field(default="auto", metadata=flag("weight and activation dtype"))
+    dtype: Dtype = field(
+        default="auto",
+        metadata=flag(
+            "weight and activation dtype (auto: bfloat16 on CUDA and on CPUs with avx512_bf16 "
+            "or AMX, else float32)",
+            env="TANDEM_DTYPE",
+        ),
+    )
     max_model_len: int = field(
         default=0, metadata=flag("context length (0: the model's max_position_embeddings)")
     )

@@ -9,6 +9,12 @@ from typing import Any
 
 import pytest
 
+# The suite runs in float32 (token-for-token parity with transformers, served output against
+# offline runs; bf16 results depend on batch shapes): every service and `tandem serve` a test
+# starts reads its --dtype default from here, and in-process engines pass dtype="float32".
+# tests/parity/test_cpu_bf16.py runs bf16 and `auto` explicitly.
+os.environ["TANDEM_DTYPE"] = "float32"
+
 # A real redis-server on a free loopback port for the directory and service tests.
 pytest_plugins = ["tests.conftest_redis"]
 

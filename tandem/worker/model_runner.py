@@ -31,7 +31,7 @@ from tandem.layers.attention import AttentionMetadata, get_attention_backend
 from tandem.layers.attention.cpu_backend import CpuAttentionBackend
 from tandem.loader import build_model
 from tandem.models.llama import LlamaForCausalLM
-from tandem.worker.cpu_threads import default_cpu_backend
+from tandem.worker.cpu_threads import cpu_supports_bf16, default_cpu_backend
 from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import InputBatch, StepInputs
 from tandem.worker.mixed_graph import MixedCudaGraphs
@@ -45,11 +45,14 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """`auto`: bf16 on CUDA, fp32 on the CPU. bf16 on a CPU with native bf16 (avx512_bf16 /
-    AMX; `cpu_supports_bf16`) is `--dtype bfloat16`: the CPU is where every test compares
-    served text with an offline run, and bf16 makes those depend on batch shapes."""
+    """`auto`: bf16 on CUDA and on a CPU with native bf16 (avx512_bf16 / AMX:
+    `cpu_supports_bf16`), where bf16 products run at about twice fp32's speed; fp32 on other
+    CPUs, which would only emulate bf16. Parity and served-against-offline tests pin float32
+    (`--dtype float32`, `TANDEM_DTYPE`): bf16 results depend on batch shapes."""
     if name == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
+        if device == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if device == "cpu" and cpu_supports_bf16() else torch.float32
     return _DTYPES[name]
 
 

@@ -145,7 +145,9 @@ def offline_reference() -> tuple[list[str], list[int], str]:
     """The offline engine's greedy texts (and token counts) for PROMPTS, and for CHAT."""
     from tandem import LLM, SamplingParams
 
-    llm = LLM(model="default", max_model_len=2048, num_gpu_blocks=256, num_threads=1)
+    llm = LLM(
+        model="default", dtype="float32", max_model_len=2048, num_gpu_blocks=256, num_threads=1
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     chat = llm.chat(CHAT, params, use_tqdm=False)[0].outputs[0]

@@ -42,7 +42,14 @@ PROMPTS = [
     "def fibonacci(n):",
 ]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-ENGINE_ARGS = {"max_model_len": MAX_MODEL_LEN, "num_gpu_blocks": NUM_BLOCKS, "num_threads": 1}
+# float32 on both sides of every served-against-offline comparison (the services started here
+# read it from TANDEM_DTYPE, set in tests/conftest.py).
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "max_model_len": MAX_MODEL_LEN,
+    "num_gpu_blocks": NUM_BLOCKS,
+    "num_threads": 1,
+}
 # One intra-op thread per worker: on a small shared machine more threads than free cores
 # makes every step wait on busy cores.
 WORKER_ARGS = (

@@ -289,7 +289,9 @@ def offline_greedy(prompts: list[str], max_tokens: int) -> list[str]:
     """The offline engine's greedy texts (the deployment must stream exactly these)."""
     from tandem import LLM, SamplingParams
 
-    llm = LLM(model="default", max_model_len=2048, num_gpu_blocks=512, num_threads=1)
+    llm = LLM(
+        model="default", dtype="float32", max_model_len=2048, num_gpu_blocks=512, num_threads=1
+    )
     try:
         outs = llm.generate(
             prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False

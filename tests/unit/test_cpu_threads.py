@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 from tandem.config import ConfigError, DeviceConfig, parse_core_list
 from tandem.worker.cpu_threads import (
     CpuThreadGovernor,
+    cpu_supports_bf16,
     engine_process_cpu_cores,
     make_cpu_thread_governor,
     resolve_cpu_cores,
@@ -69,11 +71,27 @@ def test_launcher_gives_each_cpu_worker_its_own_cores() -> None:
     assert all(c.args.count("--cpu-cores") == 1 for c in given)
 
 
-def test_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda() -> None:
-    assert resolve_dtype("auto", "cpu") == torch.float32
-    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
-    assert resolve_dtype("float32", "cpu") == torch.float32
-    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+def test_dtype_auto_is_bf16_where_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.worker import model_runner
+
+    native = cpu_supports_bf16()
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    for has_bf16, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(model_runner, "cpu_supports_bf16", lambda v=has_bf16: v)
+        assert resolve_dtype("auto", "cpu") == want
+        assert resolve_dtype("float32", "cpu") == torch.float32
+        assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+        assert resolve_dtype("auto", "cuda") == torch.bfloat16
+
+
+def test_the_dtype_flag_takes_its_default_from_tandem_dtype() -> None:
+    from tandem.config import add_engine_args
+
+    for environ, want in (({}, "auto"), ({"TANDEM_DTYPE": "float32"}, "float32")):
+        parser = argparse.ArgumentParser()
+        add_engine_args(parser, environ=environ)
+        assert parser.parse_args([]).dtype == want
+        assert parser.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
 def test_importing_tandem_sets_the_openmp_spin_bound_before_torch() -> None:

@@ -188,7 +188,8 @@ def test_engine_benchmarks(model_dir: Path, benchmark: Any) -> None:
     assert_reaches(EngineArgs.from_cli_args(ns).create_engine_config(), str(model_dir))
 
 
-def test_benchmarks_keep_their_engine_defaults() -> None:
+def test_benchmarks_keep_their_engine_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TANDEM_DTYPE", raising=False)  # the suite's float32 (tests/conftest.py)
     ns = offline_throughput.build_parser().parse_args([])
     assert not offline_throughput.on_cuda_defaults(ns)
     assert (ns.device, ns.dtype, ns.max_num_seqs, ns.max_num_batched_tokens) == (
@@ -251,7 +252,8 @@ def test_the_frontend_declares_model_and_cache_dir_as_the_engine_does(
     assert (ns.model, ns.cache_dir) == ("from-env", "/cache-env")
 
 
-def test_defaults_forward_nothing() -> None:
+def test_defaults_forward_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TANDEM_DTYPE", raising=False)  # the suite's float32 (tests/conftest.py)
     for parser in (serve_parser(), bench_parser(), generate_parser()):
         ns = parser.parse_args([])
         assert engine_argv(ns, exclude=("model", "cache_dir")) == []
