@@ -840,20 +840,29 @@ bool paged_attention_fast(at::Tensor& out, const at::Tensor& query, const at::Te
                           const at::Tensor& query_start_loc, double scale) {
   const auto ct = kv_cache.scalar_type();
   const int64_t d = query.size(2);
+  // The cache in the query's dtype, or a 16-bit cache under a float32 query (--kv-cache-dtype);
+  // other pairs (a 16-bit query over a float32 cache) take the generic kernel. Each pair is 4
+  // instantiations: fewer keep the JIT build short.
   auto run = [&](auto dv) -> bool {
     constexpr int DV = decltype(dv)::value;
-    if (ct == at::kFloat)
-      paged_attention_simd<T, float, DV>(out, query, kv_cache, block_table, seq_lens,
-                                         query_start_loc, scale);
-    else if (ct == at::kBFloat16)
-      paged_attention_simd<T, at::BFloat16, DV>(out, query, kv_cache, block_table, seq_lens,
-                                                query_start_loc, scale);
-    else if (ct == at::kHalf)
-      paged_attention_simd<T, at::Half, DV>(out, query, kv_cache, block_table, seq_lens,
-                                            query_start_loc, scale);
-    else
-      return false;
-    return true;
+    if (ct == query.scalar_type()) {
+      paged_attention_simd<T, T, DV>(out, query, kv_cache, block_table, seq_lens,
+                                     query_start_loc, scale);
+      return true;
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      if (ct == at::kBFloat16) {
+        paged_attention_simd<T, at::BFloat16, DV>(out, query, kv_cache, block_table, seq_lens,
+                                                  query_start_loc, scale);
+        return true;
+      }
+      if (ct == at::kHalf) {
+        paged_attention_simd<T, at::Half, DV>(out, query, kv_cache, block_table, seq_lens,
+                                              query_start_loc, scale);
+        return true;
+      }
+    }
+    return false;
   };
   switch (d) {
     case 32: return run(std::integral_constant<int, 2>{});
