@@ -8,7 +8,11 @@ this process may use (`--peer-bind ''`: vLLM's default). Writes both reports and
 the two side by side (tandem over vLLM-CPU, rate by rate) under benchmarks/results/.
 
     python -m benchmarks.serving_cpu_peer --peer-dir /work/peer
+    python -m benchmarks.serving_cpu_peer --peer-dir /work/peer --dtype bfloat16
     python -m benchmarks.serving_cpu_peer --peer-dir /work/peer -- --request-rate 2,inf
+
+`--dtype` (float32 by default, the issue's comparison) is both servers' weight and activation
+dtype; tandem's own default (`auto`) is bf16 on CPUs with avx512_bf16 or AMX.
 
 Arguments after `--` go to both `tandem bench serve` runs (defaults: 64 prompts of 128 tokens,
 128 output tokens, rates 4 and inf).
@@ -42,8 +46,8 @@ def free_port() -> int:
 
 
 def start_vllm_server(ns: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
-    """vLLM-CPU's OpenAI server on 127.0.0.1:`port` serving the peer's fp32 folder as
-    "default" (the name `tandem bench serve` sends); returns once /health answers."""
+    """vLLM-CPU's OpenAI server on 127.0.0.1:`port` serving the peer's folder as "default"
+    (the name `tandem bench serve` sends) in `--dtype`; returns once /health answers."""
     peer = Path(ns.peer_dir)
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
@@ -58,7 +62,7 @@ def start_vllm_server(ns: argparse.Namespace, port: int) -> subprocess.Popen[byt
     cmd = [
         str(peer / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(peer / "smollm2-hf"), "--served-model-name", "default",
-        "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", ns.dtype, "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "2048", "--max-num-seqs", "256", "--max-num-batched-tokens", "2048",
         "--gpu-memory-utilization", "0.3", "--seed", "0",
     ]  # fmt: skip
@@ -113,17 +117,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-dir", required=True, help="PEER_DIR of setup_vllm_cpu.sh")
     p.add_argument("--peer-bind", default="all", help="VLLM_CPU_OMP_THREADS_BIND (all: ours)")
     p.add_argument("--peer-kv-gb", type=int, default=1)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--peer-start-timeout", type=float, default=900.0)
     p.add_argument("--log-dir", default="", help="logs (default: a results subfolder)")
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
     ns = p.parse_args(argv)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d_%H%M")
+    stamp += "" if ns.dtype == "float32" else f"_{ns.dtype}"
     work = RESULTS_DIR / f"serving_cpu_peer_{stamp}"
     ns.log_dir = ns.log_dir or str(work)
     Path(ns.log_dir).mkdir(parents=True, exist_ok=True)
     common = [*WORKLOAD, *extra, "--out-dir", str(work)]
+    tandem_args = [*common, "--dtype", ns.dtype]
     load_start = os.getloadavg()
-    tandem = bench([*common, "--launch", "--unified", "--name", "tandem", "--log-dir", ns.log_dir])
+    tandem = bench(
+        [*tandem_args, "--launch", "--unified", "--name", "tandem", "--log-dir", ns.log_dir]
+    )
     port = free_port()
     server = start_vllm_server(ns, port)
     try:
@@ -143,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_at_start": load_start,
         "load_average_at_end": os.getloadavg(),
         "client_args": common,
+        "dtype": ns.dtype,
         "vllm_cpu_omp_threads_bind": ns.peer_bind,
         "by_rate": side_by_side(tandem, vllm),
         "reports": {"tandem": str(work / "tandem.json"), "vllm_cpu": str(work / "vllm_cpu.json")},
