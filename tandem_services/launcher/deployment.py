@@ -355,21 +355,29 @@ def wait_ready(services: list[Service], deadline: float) -> None:
 
 
 def default_cpu_threads(num_workers: int) -> int:
-    """Intra-op threads per CPU worker: the cores, less one for the frontend, scheduler and
-    clients, shared among the workers. (More threads than free cores makes every step wait
-    on busy cores: on 2 shared cores, 2 threads ran a decode step 18x slower than 1.)"""
-    return max(1, ((os.cpu_count() or 1) - 1) // num_workers)
+    """Intra-op threads per CPU worker. One worker gets every core: its engine's
+    `CpuThreadGovernor` runs each step on the cores the frontend, scheduler and clients leave
+    free (served on this 2-core machine, bf16: 304-318 output tok/s at 4 req/s and 492-567 all
+    at once, against 236-254 and 337-382 with one thread). Several workers share the cores
+    less one for the other services (more threads than free cores in all makes every step
+    wait on busy cores)."""
+    cores = os.cpu_count() or 1
+    if num_workers == 1:
+        return cores
+    return max(1, (cores - 1) // num_workers)
 
 
 def default_cpu_core_sets(num_workers: int, threads: int) -> list[str]:
     """The cores each CPU worker's engine threads are bound to (its `--cpu-cores`): the cores
-    this process may use, the first left to the frontend, scheduler and clients when there
-    are two or more, the rest dealt out `threads` per worker in order (wrapping round when
-    there are fewer cores than threads in all)."""
+    this process may use. One worker with a thread a core takes them all (see
+    `default_cpu_threads`); otherwise the first is left to the frontend, scheduler and
+    clients when there are two or more, the rest dealt out `threads` per worker in order
+    (wrapping round when there are fewer cores than threads in all)."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if not cores:
         cores = list(range(os.cpu_count() or 1))
-    pool = cores[1:] if len(cores) > 1 else cores
+    whole = num_workers == 1 and threads >= len(cores)
+    pool = cores[1:] if len(cores) > 1 and not whole else cores
     sets = []
     for i in range(num_workers):
         picked = sorted({pool[(i * threads + j) % len(pool)] for j in range(threads)})

@@ -22,7 +22,7 @@ from tandem.worker.cpu_threads import (
 )
 from tandem.worker.model_runner import resolve_dtype
 from tandem_services.launcher import ServeConfig, worker_commands
-from tandem_services.launcher.deployment import default_cpu_core_sets
+from tandem_services.launcher.deployment import default_cpu_core_sets, default_cpu_threads
 
 
 def test_core_lists_parse_and_bad_ones_are_refused() -> None:
@@ -61,7 +61,13 @@ def test_launcher_gives_each_cpu_worker_its_own_cores() -> None:
     sets = default_cpu_core_sets(2, 1)
     pool = cores[1:] if len(cores) > 1 else cores
     assert sets == [str(pool[0]), str(pool[1 % len(pool)])]
-    assert default_cpu_core_sets(1, 3) == [",".join(map(str, sorted(set((pool * 3)[:3]))))]
+    # One worker with a thread a core (the default for one: default_cpu_threads) takes them
+    # all, its governor yielding to the other services; fewer threads keep off the first.
+    assert default_cpu_threads(1) == (os.cpu_count() or 1)
+    assert default_cpu_core_sets(1, len(cores)) == [",".join(map(str, cores))]
+    if len(cores) > 2:
+        assert default_cpu_core_sets(1, 2) == [",".join(map(str, pool[:2]))]
+    assert default_cpu_threads(2) == max(1, ((os.cpu_count() or 1) - 1) // 2)
     cmds = worker_commands(ServeConfig(unified=True, num_unified_workers=2), "127.0.0.1:1")
     got = [c.args[c.args.index("--cpu-cores") + 1] for c in cmds]
     assert got == default_cpu_core_sets(
