@@ -69,7 +69,7 @@ def packed_or_plain_linear(
         if x.shape[0] == 0 or not x.is_contiguous():
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    if x.shape[0] >= PACKED_MIN_ROWS and x.stride(-1) == 1 and x.dtype == torch.float32:
+    if x.shape[0] >= PACKED_MIN_ROWS and x.stride(-1) == 1:  # MKL's: a float32 weight
         from tandem_kernels import cpu
 
         return cpu.packed_linear(x, packed, bias, weight.shape[0])

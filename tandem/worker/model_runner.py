@@ -50,9 +50,8 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     CPUs, which would only emulate bf16. Parity and served-against-offline tests pin float32
     (`--dtype float32`, `TANDEM_DTYPE`): bf16 results depend on batch shapes."""
     if name == "auto":
-        if device == "cuda":
-            return torch.bfloat16
-        return torch.bfloat16 if device == "cpu" and cpu_supports_bf16() else torch.float32
+        native = device == "cuda" or (device == "cpu" and cpu_supports_bf16())
+        return torch.bfloat16 if native else torch.float32
     return _DTYPES[name]
 
 

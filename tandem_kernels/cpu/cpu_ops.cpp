@@ -583,24 +583,27 @@ inline float softmax_row(float* s, int64_t lim, int64_t cpad) {
   return 1.f / _mm512_reduce_add_ps(sv);
 }
 
-// r[t] <- 16 floats at rows[t] + off for t < n, zero for t >= n (n <= 16).
-template <typename C>
-inline void load_rows16(__m512* r, const C* const* rows, int64_t off, int64_t n) {
-  if (n == 16) {
-    for (int t = 0; t < 16; ++t) r[t] = load16<C>(rows[t] + off);
-  } else {
-    for (int t = 0; t < 16; ++t) r[t] = t < n ? load16<C>(rows[t] + off) : _mm512_setzero_ps();
-  }
-}
-
-// r[t] <- the 32 bf16 at rows[t] + off as 16 32-bit words for t < n, zero for t >= n.
-inline void load_pairs16(__m512* r, const at::BFloat16* const* rows, int64_t off, int64_t n) {
-  auto at = [&](int t) { return _mm512_loadu_ps(reinterpret_cast<const float*>(rows[t] + off)); };
+// r[t] <- at(t) for t < n, zero for t >= n (n <= 16); a full tile without per-row branches.
+template <typename Load>
+inline void load_tile16(__m512* r, int64_t n, Load at) {
   if (n == 16) {
     for (int t = 0; t < 16; ++t) r[t] = at(t);
   } else {
     for (int t = 0; t < 16; ++t) r[t] = t < n ? at(t) : _mm512_setzero_ps();
   }
+}
+
+// r[t] <- 16 values at rows[t] + off as float32 (n rows of the tile; see load_tile16).
+template <typename C>
+inline void load_rows16(__m512* r, const C* const* rows, int64_t off, int64_t n) {
+  load_tile16(r, n, [&](int t) { return load16<C>(rows[t] + off); });
+}
+
+// r[t] <- the 32 bf16 at rows[t] + off as 16 32-bit words (n rows of the tile).
+inline void load_pairs16(__m512* r, const at::BFloat16* const* rows, int64_t off, int64_t n) {
+  load_tile16(r, n, [&](int t) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(rows[t] + off));
+  });
 }
 
 // s[k * s_stride + 0..15] <- q[k] . kt[:, 0..15] for k < NV (q rows of d floats).
