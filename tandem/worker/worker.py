@@ -25,6 +25,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.core.outputs import GrammarBitmaskSource, SchedulerOutput
+from tandem.worker.cpu_memory import huge_page_empty
 from tandem.worker.cpu_threads import (
     CpuThreadGovernor,
     make_cpu_thread_governor,
@@ -134,9 +135,10 @@ class Worker:
         """The engine's KV cache: one zeroed tensor of the runner's `kv_cache_shape` on this
         rank's device. The only place the engine's cache is allocated."""
         runner = self.model_runner
-        return torch.zeros(
-            runner.kv_cache_shape(num_blocks), dtype=runner.kv_dtype, device=self.device
-        )
+        shape = runner.kv_cache_shape(num_blocks)
+        if self.device.type == "cpu":
+            return huge_page_empty(shape, runner.kv_dtype).zero_()
+        return torch.zeros(shape, dtype=runner.kv_dtype, device=self.device)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then let the runner tune kernels on it and capture graphs."""

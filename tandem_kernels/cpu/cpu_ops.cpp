@@ -583,6 +583,45 @@ inline float softmax_row(float* s, int64_t lim, int64_t cpad) {
   return 1.f / _mm512_reduce_add_ps(sv);
 }
 
+// Asks for positions [p0, p1)'s K and V rows (all heads: `row_bytes` from rows[p] and from
+// rows[p] + kv_stride) to be brought into L2. The first head's scoring pass runs this some
+// tiles ahead of itself: a request's blocks lie anywhere in the pool, so the hardware's
+// prefetchers, which follow addresses within a page, stall at each block's start; the other
+// heads' passes and P V then read what this brought.
+template <typename C>
+inline void prefetch_rows(const C* const* rows, int64_t p0, int64_t p1, int64_t kv_stride,
+                          int64_t row_bytes) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const char* k = reinterpret_cast<const char*>(rows[p]);
+    const char* v = reinterpret_cast<const char*>(rows[p] + kv_stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(k + b, _MM_HINT_T1);
+      _mm_prefetch(v + b, _MM_HINT_T1);
+    }
+  }
+}
+
+// Walks the K and V of a request's first `ctx` positions (all heads, one layer) a cache line
+// at a time, asking for each to be brought into L2. A thread runs it over the item it will
+// take next, a few lines per tile of the item it computes now: the next item's blocks then
+// stream in while this one computes (its other heads and P V read L2), instead of after.
+template <typename C>
+struct PrefetchCursor {
+  const C* cache = nullptr;
+  const int32_t* blocks = nullptr;
+  int64_t blk_stride = 0, kv_stride = 0, block_bytes = 0, total_bytes = 0;
+  int64_t done = 0;  // bytes of K (and as many of V) asked for
+
+  void step(int64_t lines) {
+    for (; lines > 0 && done < total_bytes; --lines, done += 64) {
+      const int64_t b = done / block_bytes, off = done % block_bytes;
+      const char* k = reinterpret_cast<const char*>(cache + blocks[b] * blk_stride) + off;
+      _mm_prefetch(k, _MM_HINT_T1);
+      _mm_prefetch(k + kv_stride * static_cast<int64_t>(sizeof(C)), _MM_HINT_T1);
+    }
+  }
+};
+
 // r[t] <- at(t) for t < n, zero for t >= n (n <= 16); a full tile without per-row branches.
 template <typename Load>
 inline void load_tile16(__m512* r, int64_t n, Load at) {
@@ -714,6 +753,7 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
   constexpr int kNvQk = 8;
   constexpr int kNvPv = std::max(1, 24 / DV);
   constexpr int64_t kTile = 16;
+  constexpr int64_t kAhead = 32;  // positions prefetched ahead of the first head's scores
 #if defined(__AVX512BF16__)
   // bf16 query and cache: scores by bf16 dot products (qk_block_bf16).
   constexpr bool kDotBf16 = std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>;
@@ -763,6 +803,29 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
       scores.resize(nq * cpad);
       acc.resize(nq * d);
       inv_sum.resize(nq);
+      const int64_t row_bytes = nkv * d * static_cast<int64_t>(sizeof(C));
+      prefetch_rows(rows.data(), 0, std::min(kAhead, ctx_max), kv_stride, row_bytes);
+      // The item this thread likely takes next (items go out in order, one to each thread
+      // that asks): its lines spread over this item's tiles, all heads.
+      PrefetchCursor<C> next;
+      int64_t next_per_tile = 0;
+      if (it + nthreads < n_items) {
+        const Item& w2 = items[it + nthreads];
+        const int64_t qlen2 = qsl[w2.req + 1] - qsl[w2.req];
+        const int64_t ctx2 = lens[w2.req] - qlen2 + w2.row0 + w2.rows;
+        next = {cache, bt + w2.req * bt_stride, blk_stride, kv_stride, bs * row_bytes,
+                ctx2 * row_bytes, 0};
+        const int64_t tiles = nkv * ((ctx_max + 15) / 16);
+        next_per_tile = (ctx2 * row_bytes / 64 + tiles - 1) / tiles;
+      }
+      // Rows p0 + kAhead .. + 16 while the first head scores the tile at p0; some of the next
+      // item's lines at every tile.
+      auto ahead = [&](int64_t kvh, int64_t p0) {
+        if (kvh == 0 && p0 + kAhead < ctx_max)
+          prefetch_rows(rows.data(), p0 + kAhead, std::min(p0 + kAhead + 16, ctx_max), kv_stride,
+                        row_bytes);
+        next.step(next_per_tile);
+      };
       for (int64_t kvh = 0; kvh < nkv; ++kvh) {
         const int64_t koff = kvh * d;
         bool scored = false;  // by the bf16 dot-product path
@@ -779,6 +842,7 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
           }
           for (int64_t p0 = 0; p0 < ctx_max; p0 += 16) {
             const int64_t n = std::min<int64_t>(16, ctx_max - p0);
+            ahead(kvh, p0);
             for (int j = 0; j < DV / 2; ++j) {
               __m512 r[16];  // 16 bf16 pairs of each row as 32-bit words
               load_pairs16(r, rows.data() + p0, koff + 32 * j, n);
@@ -804,6 +868,7 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
           // Scores: 16 positions at a time against every query vector.
           for (int64_t p0 = 0; p0 < ctx_max; p0 += 16) {
             const int64_t n = std::min<int64_t>(16, ctx_max - p0);
+            ahead(kvh, p0);
             for (int j = 0; j < DV; ++j) {
               __m512 r[16];
               load_rows16<C>(r, rows.data() + p0, koff + 16 * j, n);

@@ -1,0 +1,70 @@
+"""The CPU engine's KV cache on 2 MiB pages (tandem/worker/cpu_memory.py): the advice is given
+before the first touch, the kernel backs the range with huge pages where transparent huge
+pages are `always` or `madvise`, and the cache is zeroed as before."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from tandem.config import EngineArgs
+from tandem.loader import load_hf_config
+from tandem.worker.cpu_memory import HUGE_PAGE, advise_huge_pages, huge_page_empty
+from tandem.worker.worker import Worker
+
+
+def thp_mode() -> str | None:
+    """The bracketed word of /sys/kernel/mm/transparent_hugepage/enabled, None if absent."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    m = re.search(r"\[(\w+)\]", text)
+    return m.group(1) if m else None
+
+
+def anon_huge_kb(t: torch.Tensor) -> int:
+    """AnonHugePages (kB) of this process's mappings over `t`'s storage (the advice splits
+    the allocation's mapping in three: the unaligned ends and the advised middle)."""
+    lo = t.untyped_storage().data_ptr()
+    hi = lo + t.untyped_storage().nbytes()
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = int(head.group(1), 16) < hi and lo < int(head.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+
+
+HUGE_OK = thp_mode() in ("always", "madvise")
+
+
+def test_huge_page_empty_is_backed_by_huge_pages() -> None:
+    t = huge_page_empty((16 << 20,), torch.float32)  # 64 MiB
+    assert t.shape == (16 << 20,) and t.dtype == torch.float32
+    t.fill_(1.5)
+    assert float(t[-1]) == 1.5
+    if HUGE_OK:
+        # The advised part: all of it bar the unaligned ends of the allocation.
+        assert anon_huge_kb(t) >= (t.numel() * 4 - 2 * HUGE_PAGE) // 1024
+    # Too small to hold an aligned 2 MiB range: no advice, no error.
+    assert advise_huge_pages(torch.empty(1024)) is False
+
+
+def test_cpu_kv_cache_is_zeroed_and_on_huge_pages(tiny_model_path) -> None:
+    path = tiny_model_path("llama")
+    config = EngineArgs(
+        model=str(path), device="cpu", dtype="float32", kv_cache_memory_gb=0.064
+    ).create_engine_config()
+    worker = Worker(config, path, load_hf_config(path), 256, None)
+    num_blocks = worker.determine_num_blocks()
+    cache = worker.allocate_kv_cache(num_blocks)
+    assert tuple(cache.shape) == tuple(worker.model_runner.kv_cache_shape(num_blocks))
+    assert cache.nbytes >= 32 << 20
+    assert int(torch.count_nonzero(cache)) == 0
+    if HUGE_OK:
+        assert anon_huge_kb(cache) >= (cache.nbytes - 2 * HUGE_PAGE) // 1024
