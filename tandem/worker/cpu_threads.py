@@ -51,11 +51,25 @@ def cpu_supports_bf16() -> bool:
     return False
 
 
+# The calling thread's cores before `setup_cpu_threads` first bound it (to one core: OpenMP's
+# thread 0). None until then.
+_cores_before_binding: tuple[int, ...] | None = None
+
+
+def process_cpu_cores() -> tuple[int, ...]:
+    """The cores this process may use: the calling thread's affinity, or what it was before
+    an engine bound this thread. A second engine in the process (a benchmark's fp32 and bf16
+    engines) must not read the first one's binding as the process's cores."""
+    if _cores_before_binding is not None:
+        return _cores_before_binding
+    return tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+
+
 def engine_process_cpu_cores(config: DeviceConfig) -> str:
     """What "auto" means in an engine-core process (see the module doc)."""
     if config.cpu_cores != "auto":
         return config.cpu_cores
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    allowed = process_cpu_cores()
     if allowed and (config.num_threads <= 0 or config.num_threads >= len(allowed)):
         return "all"
     return "none"
@@ -66,8 +80,8 @@ def resolve_cpu_cores(config: DeviceConfig) -> tuple[int, ...] | None:
     spec = config.cpu_cores
     if spec in ("auto", "none"):
         return None
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    cores = tuple(allowed) if spec == "all" else parse_core_list(spec)
+    allowed = process_cpu_cores()
+    cores = allowed if spec == "all" else parse_core_list(spec)
     if spec != "all" and allowed and not set(cores) <= set(allowed):
         raise ValueError(f"cpu_cores {spec!r} names cores this process may not use: {allowed}")
     if config.num_threads > 0:
@@ -83,6 +97,9 @@ def setup_cpu_threads(config: DeviceConfig) -> tuple[int, ...] | None:
         from tandem_kernels import cpu
 
         if cpu.available():
+            global _cores_before_binding
+            if _cores_before_binding is None:
+                _cores_before_binding = process_cpu_cores()
             got = cpu.bind_threads(list(cores))
             logger.info("engine threads bound to cores %s", got)
             return cores
@@ -188,8 +205,7 @@ def make_cpu_thread_governor(
         return None
     # Bound: the cores the engine was given (this thread is already bound to the first of
     # them, so its own affinity no longer tells them); unbound: the process's.
-    allowed = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
-    cores = bound or allowed
+    cores = bound or process_cpu_cores()
     max_threads = torch.get_num_threads()
     if max_threads <= 1 or not cores or read_busy_core_seconds(frozenset(cores)) is None:
         return None

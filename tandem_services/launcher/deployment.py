@@ -354,6 +354,13 @@ def wait_ready(services: list[Service], deadline: float) -> None:
         time.sleep(0.05)
 
 
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its affinity mask, which a container's cpuset or
+    `taskset` narrows; every core where the OS has no masks)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cores or list(range(os.cpu_count() or 1))
+
+
 def default_cpu_threads(num_workers: int) -> int:
     """Intra-op threads per CPU worker. One worker gets every core: its engine's
     `CpuThreadGovernor` runs each step on the cores the frontend, scheduler and clients leave
@@ -361,7 +368,7 @@ def default_cpu_threads(num_workers: int) -> int:
     at once, against 236-254 and 337-382 with one thread). Several workers share the cores
     less one for the other services (more threads than free cores in all makes every step
     wait on busy cores)."""
-    cores = os.cpu_count() or 1
+    cores = len(usable_cores())
     if num_workers == 1:
         return cores
     return max(1, (cores - 1) // num_workers)
@@ -373,9 +380,7 @@ def default_cpu_core_sets(num_workers: int, threads: int) -> list[str]:
     `default_cpu_threads`); otherwise the first is left to the frontend, scheduler and
     clients when there are two or more, the rest dealt out `threads` per worker in order
     (wrapping round when there are fewer cores than threads in all)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if not cores:
-        cores = list(range(os.cpu_count() or 1))
+    cores = usable_cores()
     whole = num_workers == 1 and threads >= len(cores)
     pool = cores[1:] if len(cores) > 1 and not whole else cores
     sets = []

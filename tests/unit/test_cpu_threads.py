@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -47,6 +48,35 @@ def test_resolve_cpu_cores() -> None:
         resolve_cpu_cores(DeviceConfig(cpu_cores=str(max(allowed) + 1000)))
 
 
+def test_second_engine_in_a_process_binds_every_core_too() -> None:
+    # A benchmark's fp32 and bf16 engines in one process: binding the first pins the calling
+    # thread to one core, which the second must not read as the process's cores. In a child
+    # process: binding would pin this one's thread (and every process it starts after).
+    code = (
+        "import json, os, torch\n"
+        "from tandem.config import DeviceConfig\n"
+        "from tandem.worker.cpu_threads import setup_cpu_threads, process_cpu_cores\n"
+        "cores = sorted(os.sched_getaffinity(0))\n"
+        "first = setup_cpu_threads(DeviceConfig(cpu_cores='all'))\n"
+        "pinned = sorted(os.sched_getaffinity(0))\n"
+        "second = setup_cpu_threads(DeviceConfig(cpu_cores='all'))\n"
+        "print(json.dumps([cores, first, pinned, second, process_cpu_cores(),\n"
+        "                  torch.get_num_threads()]))\n"
+    )
+    out = (
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    cores, first, pinned, second, process, threads = json.loads(out)
+    assert first == second == process == cores
+    assert threads == len(cores)
+    if len(cores) > 1:
+        assert pinned == cores[:1]  # what misled the second engine: thread 0 on one core
+
+
 def test_engine_process_binds_only_when_it_owns_its_cores() -> None:
     n = len(os.sched_getaffinity(0))
     assert engine_process_cpu_cores(DeviceConfig()) == "all"
@@ -63,11 +93,20 @@ def test_launcher_gives_each_cpu_worker_its_own_cores() -> None:
     assert sets == [str(pool[0]), str(pool[1 % len(pool)])]
     # One worker with a thread a core (the default for one: default_cpu_threads) takes them
     # all, its governor yielding to the other services; fewer threads keep off the first.
-    assert default_cpu_threads(1) == (os.cpu_count() or 1)
+    assert default_cpu_threads(1) == len(cores)
     assert default_cpu_core_sets(1, len(cores)) == [",".join(map(str, cores))]
     if len(cores) > 2:
         assert default_cpu_core_sets(1, 2) == [",".join(map(str, pool[:2]))]
-    assert default_cpu_threads(2) == max(1, ((os.cpu_count() or 1) - 1) // 2)
+    assert default_cpu_threads(2) == max(1, (len(cores) - 1) // 2)
+    if len(cores) > 1:
+        # A narrower affinity mask (a container's cpuset, taskset) is what counts, not the
+        # machine's core count.
+        os.sched_setaffinity(0, {cores[-1]})
+        try:
+            assert default_cpu_threads(1) == 1
+            assert default_cpu_core_sets(1, 1) == [str(cores[-1])]
+        finally:
+            os.sched_setaffinity(0, set(cores))
     cmds = worker_commands(ServeConfig(unified=True, num_unified_workers=2), "127.0.0.1:1")
     got = [c.args[c.args.index("--cpu-cores") + 1] for c in cmds]
     assert got == default_cpu_core_sets(
