@@ -136,7 +136,9 @@ class CpuThreadGovernor:
     beyond what the team leaves them, and grows back only when they leave a whole core
     free but `up_at` (hysteresis: the others' load is measured to about a clock tick a
     core). With bound cores, a full team is bound one thread a core and a smaller one runs
-    unbound on those cores, where the kernel finds it a free one.
+    unbound on those cores, where the kernel finds it a free one. A window longer than
+    `max_window_s` (the engine sat idle between steps) tells what the others did while it
+    was idle, not what they do now: it only starts a new window.
 
     Invariant: 1 <= threads <= max_threads; `rebind(n)` is called only on a change.
     """
@@ -148,6 +150,7 @@ class CpuThreadGovernor:
         rebind: Callable[[int], None],
         *,
         interval_s: float = 0.1,
+        max_window_s: float = 1.0,
         down_at: float = 0.4,
         up_at: float = 0.25,
         busy_seconds: Callable[[], float | None] | None = None,
@@ -158,7 +161,8 @@ class CpuThreadGovernor:
         self.max_threads = max(1, max_threads)
         self.threads = self.max_threads
         self._rebind = rebind
-        self.interval_s, self.down_at, self.up_at = interval_s, down_at, up_at
+        self.interval_s, self.max_window_s = interval_s, max_window_s
+        self.down_at, self.up_at = down_at, up_at
         self._busy = busy_seconds or (lambda: read_busy_core_seconds(self.cores))
         self._own, self._clock = own_seconds, clock
         self.others_load = 0.0  # cores the other processes used over the last window
@@ -175,7 +179,7 @@ class CpuThreadGovernor:
         sample = self._sample()
         (t0, busy0, own0), (t1, busy1, own1) = self._last, sample
         self._last = sample
-        if busy0 is None or busy1 is None or t1 <= t0:
+        if busy0 is None or busy1 is None or t1 <= t0 or t1 - t0 > self.max_window_s:
             return self.threads
         self.others_load = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
         free = len(self.cores) - self.others_load  # cores the others leave this engine

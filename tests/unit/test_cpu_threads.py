@@ -191,6 +191,19 @@ def test_governor_sizes_the_team_to_the_cores_others_leave() -> None:
     assert gov.before_step() == 2 and calls == [1, 2]
     feed.window(0.2, own_cores=1.0, other_cores=2.0)  # more than the cores: still one thread
     assert gov.before_step() == 1 and calls == [1, 2, 1]
+    feed.window(0.2, own_cores=1.0, other_cores=0.0)
+    assert gov.before_step() == 2 and calls == [1, 2, 1, 2]
+    # The engine idle for 30 s while another process ran (a peer benchmarked in turn): that
+    # window starts a new one and decides nothing; the next, short one decides.
+    feed.window(30.0, own_cores=0.0, other_cores=1.8)
+    assert gov.before_step() == 2 and calls == [1, 2, 1, 2]
+    feed.window(0.2, own_cores=2.0, other_cores=0.0)
+    assert gov.before_step() == 2 and calls == [1, 2, 1, 2]
+    feed.window(30.0, own_cores=0.0, other_cores=0.0)
+    feed.window(0.0, own_cores=0.0, other_cores=0.0)
+    assert gov.before_step() == 2
+    feed.window(0.2, own_cores=1.0, other_cores=1.0)  # busy now: the short window sees it
+    assert gov.before_step() == 1 and calls == [1, 2, 1, 2, 1]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
