@@ -8,57 +8,35 @@ past what the TLB holds: attention then waits on page walks as well as on memory
 2 MiB pages, a layer's pieces of neighbouring blocks share one page.
 
 Linux backs anonymous memory with huge pages where `transparent_hugepage` is `always`, or
-`madvise` and the range was advised `MADV_HUGEPAGE` before it was touched; `huge_page_empty`
-does that advice. Elsewhere (another OS, THP `never`, a failed call) it is a plain
-`torch.empty`: the pages are a speed-up, never a requirement.
+`madvise` and the range was advised `MADV_HUGEPAGE` before it was touched. `huge_page_empty`
+maps the tensor's memory itself (a fresh anonymous mapping, so nothing of it was touched, as
+memory the allocator hands back again may have been) and advises it. Elsewhere (another OS,
+THP `never`, a refused call) the pages are plain ones: they are a speed-up, never a
+requirement.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
+import contextlib
+import math
+import mmap
 import sys
 
 import torch
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-@functools.cache
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    fn = libc.madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Advise the 2 MiB-aligned part of `t`'s storage `MADV_HUGEPAGE`; True if the call was
-    made and succeeded. Pages already touched stay as they are until the kernel collapses
-    them, so advise a tensor before writing it (see `huge_page_empty`)."""
-    fn = _madvise()
-    if fn is None or t.device.type != "cpu":
-        return False
-    start = t.untyped_storage().data_ptr()
-    end = start + t.untyped_storage().nbytes()
-    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-    hi = end // HUGE_PAGE * HUGE_PAGE
-    if hi <= lo:
-        return False
-    return fn(lo, hi - lo, _MADV_HUGEPAGE) == 0
 
 
 def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """`torch.empty(shape, dtype=dtype)` on the CPU, advised for 2 MiB pages before any page
-    of it is touched (large allocations are fresh mappings: nothing is touched yet)."""
-    t = torch.empty(shape, dtype=dtype)
-    advise_huge_pages(t)
-    return t
+    """An uninitialised CPU tensor like `torch.empty(shape, dtype=dtype)`, on its own anonymous
+    mapping advised `MADV_HUGEPAGE` (Linux, at least one huge page's worth; otherwise
+    `torch.empty`). The mapping lives as long as the tensor (and its views) do."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if not sys.platform.startswith("linux") or advice is None or nbytes < HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # refused: plain pages
+        buf.madvise(advice)
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(tuple(shape))

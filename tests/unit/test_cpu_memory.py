@@ -11,7 +11,7 @@ import torch
 
 from tandem.config import EngineArgs
 from tandem.loader import load_hf_config
-from tandem.worker.cpu_memory import HUGE_PAGE, advise_huge_pages, huge_page_empty
+from tandem.worker.cpu_memory import HUGE_PAGE, huge_page_empty
 from tandem.worker.worker import Worker
 
 
@@ -49,10 +49,16 @@ def test_huge_page_empty_is_backed_by_huge_pages() -> None:
     t.fill_(1.5)
     assert float(t[-1]) == 1.5
     if HUGE_OK:
-        # The advised part: all of it bar the unaligned ends of the allocation.
+        # All of it bar the ends of the mapping that miss a 2 MiB boundary.
         assert anon_huge_kb(t) >= (t.numel() * 4 - 2 * HUGE_PAGE) // 1024
-    # Too small to hold an aligned 2 MiB range: no advice, no error.
-    assert advise_huge_pages(torch.empty(1024)) is False
+    # Views keep the mapping; writes through them land in it.
+    v = t.view(4, -1)[1:3]
+    del t
+    v.zero_()
+    assert int(torch.count_nonzero(v)) == 0
+    # Below one huge page: a plain tensor, same contract.
+    small = huge_page_empty((3, 5), torch.bfloat16)
+    assert small.shape == (3, 5) and small.dtype == torch.bfloat16
 
 
 def test_cpu_kv_cache_is_zeroed_and_on_huge_pages(tiny_model_path) -> None:
