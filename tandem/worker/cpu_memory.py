@@ -32,7 +32,7 @@ def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> 
     mapping advised `MADV_HUGEPAGE` (Linux, at least one huge page's worth; otherwise
     `torch.empty`). The mapping lives as long as the tensor (and its views) do."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if not sys.platform.startswith("linux") or advice is None or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)

@@ -583,28 +583,13 @@ inline float softmax_row(float* s, int64_t lim, int64_t cpad) {
   return 1.f / _mm512_reduce_add_ps(sv);
 }
 
-// Asks for positions [p0, p1)'s K and V rows (all heads: `row_bytes` from rows[p] and from
-// rows[p] + kv_stride) to be brought into L2. The first head's scoring pass runs this some
-// tiles ahead of itself: a request's blocks lie anywhere in the pool, so the hardware's
-// prefetchers, which follow addresses within a page, stall at each block's start; the other
-// heads' passes and P V then read what this brought.
-template <typename C>
-inline void prefetch_rows(const C* const* rows, int64_t p0, int64_t p1, int64_t kv_stride,
-                          int64_t row_bytes) {
-  for (int64_t p = p0; p < p1; ++p) {
-    const char* k = reinterpret_cast<const char*>(rows[p]);
-    const char* v = reinterpret_cast<const char*>(rows[p] + kv_stride);
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(k + b, _MM_HINT_T1);
-      _mm_prefetch(v + b, _MM_HINT_T1);
-    }
-  }
-}
-
-// Walks the K and V of a request's first `ctx` positions (all heads, one layer) a cache line
-// at a time, asking for each to be brought into L2. A thread runs it over the item it will
-// take next, a few lines per tile of the item it computes now: the next item's blocks then
-// stream in while this one computes (its other heads and P V read L2), instead of after.
+// Walks the K and V of a request's first positions (all heads, one layer: K rows are
+// contiguous within a block, V at + kv_stride) in position order, a cache line at a time,
+// asking for each to be brought into L2. A request's blocks lie anywhere in the pool, so the
+// hardware's prefetchers, which follow addresses within a page, stall at each block's start.
+// Two run per item: one over the item itself, some tiles ahead of the first head's scores
+// (the other heads' passes and P V then read L2), and one over the item this thread takes
+// next, a few lines per tile of this one, so its blocks stream in while this one computes.
 template <typename C>
 struct PrefetchCursor {
   const C* cache = nullptr;
@@ -804,7 +789,10 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
       acc.resize(nq * d);
       inv_sum.resize(nq);
       const int64_t row_bytes = nkv * d * static_cast<int64_t>(sizeof(C));
-      prefetch_rows(rows.data(), 0, std::min(kAhead, ctx_max), kv_stride, row_bytes);
+      const int64_t tile_lines = 16 * row_bytes / 64;
+      PrefetchCursor<C> own{cache, blocks, blk_stride, kv_stride, bs * row_bytes,
+                            ctx_max * row_bytes, 0};
+      own.step(kAhead / 16 * tile_lines);
       // The item this thread likely takes next (items go out in order, one to each thread
       // that asks): its lines spread over this item's tiles, all heads.
       PrefetchCursor<C> next;
@@ -818,12 +806,10 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
         const int64_t tiles = nkv * ((ctx_max + 15) / 16);
         next_per_tile = (ctx2 * row_bytes / 64 + tiles - 1) / tiles;
       }
-      // Rows p0 + kAhead .. + 16 while the first head scores the tile at p0; some of the next
-      // item's lines at every tile.
-      auto ahead = [&](int64_t kvh, int64_t p0) {
-        if (kvh == 0 && p0 + kAhead < ctx_max)
-          prefetch_rows(rows.data(), p0 + kAhead, std::min(p0 + kAhead + 16, ctx_max), kv_stride,
-                        row_bytes);
+      // A tile's rows kAhead positions on while the first head scores the tile at p0; some
+      // of the next item's lines at every tile.
+      auto ahead = [&](int64_t kvh) {
+        if (kvh == 0) own.step(tile_lines);
         next.step(next_per_tile);
       };
       for (int64_t kvh = 0; kvh < nkv; ++kvh) {
@@ -842,7 +828,7 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
           }
           for (int64_t p0 = 0; p0 < ctx_max; p0 += 16) {
             const int64_t n = std::min<int64_t>(16, ctx_max - p0);
-            ahead(kvh, p0);
+            ahead(kvh);
             for (int j = 0; j < DV / 2; ++j) {
               __m512 r[16];  // 16 bf16 pairs of each row as 32-bit words
               load_pairs16(r, rows.data() + p0, koff + 32 * j, n);
@@ -868,7 +854,7 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
           // Scores: 16 positions at a time against every query vector.
           for (int64_t p0 = 0; p0 < ctx_max; p0 += 16) {
             const int64_t n = std::min<int64_t>(16, ctx_max - p0);
-            ahead(kvh, p0);
+            ahead(kvh);
             for (int j = 0; j < DV; ++j) {
               __m512 r[16];
               load_rows16<C>(r, rows.data() + p0, koff + 16 * j, n);

@@ -1,5 +1,5 @@
-"""The CPU engine's KV cache on 2 MiB pages (tandem/worker/cpu_memory.py): the advice is given
-before the first touch, the kernel backs the range with huge pages where transparent huge
+"""The CPU engine's KV cache on 2 MiB pages (tandem/worker/cpu_memory.py): a fresh mapping
+advised before its first touch, which the kernel backs with huge pages where transparent huge
 pages are `always` or `madvise`, and the cache is zeroed as before."""
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ def thp_mode() -> str | None:
 
 
 def anon_huge_kb(t: torch.Tensor) -> int:
-    """AnonHugePages (kB) of this process's mappings over `t`'s storage (the advice splits
-    the allocation's mapping in three: the unaligned ends and the advised middle)."""
+    """AnonHugePages (kB) summed over this process's mappings that overlap `t`'s storage."""
     lo = t.untyped_storage().data_ptr()
     hi = lo + t.untyped_storage().nbytes()
     total, inside = 0, False
