@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.layers.linear import pack_cpu_weight, packed_or_plain_linear
+from tandem.layers.cpu_gemm import pack_cpu_weight, packed_or_plain_linear
 
 
 class VocabEmbedding(nn.Module):

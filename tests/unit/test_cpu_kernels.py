@@ -188,7 +188,8 @@ def test_cpu_packed_linear_equals_f_linear(rows: int) -> None:
 
 
 def test_cpu_step_path_packs_float32_weights() -> None:
-    from tandem.layers.linear import PACKED_MIN_ROWS, Linear
+    from tandem.layers.cpu_gemm import PACKED_MIN_ROWS
+    from tandem.layers.linear import Linear
 
     layer = Linear(40, 96, True, torch.float32, torch.device("cpu"))
     torch.nn.init.normal_(layer.weight)
