@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,6 +39,10 @@ class AttentionMetadata:
     # In a mixed step, the first `num_decodes` requests have exactly one query token each
     # (the runner orders them first): a backend may run them through its decode path.
     num_decodes: int = 0
+    # Set by the runner while it captures or replays piecewise graphs: every `Attention` layer
+    # hands its call to it (`graph_splitter.attend(layer, q, k, v, kv_cache, metadata)`), so
+    # the runner splits the forward at attention and no model knows of graphs.
+    graph_splitter: Any = None
 
 
 class AttentionBackend(ABC):
@@ -79,6 +83,26 @@ class AttentionBackend(ABC):
     # depends on the token count and `num_reqs` alone (empty request slots: `seq_len` 0,
     # query length 0). A runner may then capture whole mixed steps (`cudagraph_mode="full"`).
     full_graph_mixed: ClassVar[bool] = False
+
+    # True when `forward_qkv` fuses the Q/K/V split, the rotary embedding and the K/V write
+    # into one kernel (the CPU backend); else the `Attention` layer splits and rotates itself.
+    fuses_rotary_kv_write: ClassVar[bool] = False
+
+    def forward_qkv(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_size]
+        rotary_emb: Any,  # tandem.layers.rotary.RotaryEmbedding
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        """Split the fused projection, rotate Q and K, write K/V and attend, in one pass
+        (backends with `fuses_rotary_kv_write`)."""
+        raise NotImplementedError(f"{self.name} does not fuse rotary and the K/V write")
 
     def write_kv(
         self,

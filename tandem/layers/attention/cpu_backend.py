@@ -6,12 +6,14 @@ tile of 16 query rows), items taken dynamically by the OpenMP threads. Decode, c
 prefix hits and mixed steps are one code path: query row j of request r attends to positions
 `0 .. seq_lens[r] - query_len + j` of its cached context.
 
-On the Llama step path the K/V write is fused into the rotary kernel
-(`tandem_kernels.cpu.rotary_qkv_cache`) and the model calls `attend` on an already written
-cache; `forward` (write, then attend) keeps the backend interface for every other caller.
+`forward_qkv` fuses the K/V write into the rotary kernel
+(`tandem_kernels.cpu.rotary_qkv_cache`) and calls `attend` on the written cache; `forward`
+(write, then attend) keeps the backend interface for every other caller.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -28,6 +30,7 @@ class CpuAttentionBackend(AttentionBackend):
     """Paged attention on the CPU through the C++ extension (built on first use)."""
 
     name = "cpu"
+    fuses_rotary_kv_write = True
 
     def __init__(self) -> None:
         from tandem_kernels import cpu
@@ -49,6 +52,35 @@ class CpuAttentionBackend(AttentionBackend):
         if kv_cache.numel() > 0 and n > 0:
             write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
         return self.attend(query, key, value, kv_cache, metadata, scale)
+
+    def forward_qkv(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        rotary_emb: Any,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+    ) -> torch.Tensor:
+        """One kernel splits Q/K/V, rotates Q and K and writes K/V into the paged cache; the
+        attention then reads the cache in place."""
+        from tandem_kernels import cpu
+
+        q, k, v = cpu.rotary_qkv_cache(
+            qkv,
+            positions,
+            rotary_emb.cos_cache,
+            rotary_emb.sin_cache,
+            kv_cache,
+            metadata.slot_mapping,
+            num_heads,
+            num_kv_heads,
+            head_size,
+        )
+        return self.attend(q, k, v, kv_cache, metadata, scale)
 
     def attend(
         self,

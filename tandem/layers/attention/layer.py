@@ -1,0 +1,108 @@
+"""The attention layer a model builds: its backend comes from the model context, never from
+the model.
+
+    q [T, H, D], k/v [T, Hkv, D] --Attention--> [T, H * D]   (K/V written into the paged cache)
+
+`forward` takes rotated Q/K (models that norm or scale Q/K between the projection and the
+rotary embedding); `forward_qkv` takes the fused projection and the rotary embedding, and lets
+a backend that can (`fuses_rotary_kv_write`, the CPU's) split, rotate and write in one kernel.
+While the runner captures or replays piecewise CUDA graphs it sets
+`attn_metadata.graph_splitter`, and every call goes to it: the runner splits the forward at
+these layers (tandem.worker.piecewise_graph).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.layers.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged attention over this rank's heads (`num_heads` query heads, `num_kv_heads` KV
+    heads, GQA when fewer)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.backend = backend
+        self.q_size = num_heads * head_size
+        self.kv_size = num_kv_heads * head_size
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`[T, H * D]` from rotated Q `[T, H, D]` and K/V `[T, Hkv, D]`."""
+        splitter = attn_metadata.graph_splitter
+        if splitter is not None:
+            return splitter.attend(self, query, key, value, kv_cache, attn_metadata)
+        return self.attend(query, key, value, kv_cache, attn_metadata)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The backend's K/V write and attention (what `forward` runs when nothing splits)."""
+        out = self.backend.forward(query, key, value, kv_cache, attn_metadata, self.scale)
+        return out.reshape(query.shape[0], self.q_size)
+
+    def split_qkv(
+        self, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection `[T, q | k | v]` as Q `[T, H, D]`, K and V `[T, Hkv, D]`."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (
+            q.view(num_tokens, self.num_heads, self.head_size),
+            k.view(num_tokens, self.num_kv_heads, self.head_size),
+            v.view(num_tokens, self.num_kv_heads, self.head_size),
+        )
+
+    def forward_qkv(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        rotary_emb: Any,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`[T, H * D]` from the fused projection: split, rotate Q and K, write, attend."""
+        backend = self.backend
+        if backend.fuses_rotary_kv_write and attn_metadata.graph_splitter is None:
+            out = backend.forward_qkv(
+                positions,
+                qkv,
+                rotary_emb,
+                kv_cache,
+                attn_metadata,
+                self.scale,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_size,
+            )
+            return out.reshape(qkv.shape[0], self.q_size)
+        q, k, v = self.split_qkv(qkv)
+        q, k = rotary_emb(positions, q, k)
+        return self.forward(q, k, v, kv_cache, attn_metadata)
