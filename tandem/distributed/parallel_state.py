@@ -107,9 +107,7 @@ class GroupCoordinator:
         import torch.distributed as dist
 
         dim = dim % x.dim()
-        out = torch.empty(
-            (self.world_size, *x.shape), dtype=x.dtype, device=x.device
-        )
+        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x.contiguous(), group=self.device_group)
         return out.movedim(0, dim).reshape(
             *x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1 :]
@@ -127,9 +125,11 @@ class GroupCoordinator:
             # NCCL has no gather: all-gather and keep it on dst only.
             full = self.all_gather(x, dim)
             return full if self.rank_in_group == dst else None
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if (
-            self.rank_in_group == dst
-        ) else None
+        parts = (
+            [torch.empty_like(x) for _ in range(self.world_size)]
+            if (self.rank_in_group == dst)
+            else None
+        )
         dist.gather(x, parts, dst=self._global(dst), group=self.device_group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
@@ -158,9 +158,7 @@ class GroupCoordinator:
 
         dist.send(x.contiguous(), dst=self._global(dst), group=self.device_group)
 
-    def recv(
-        self, shape: Sequence[int], dtype: torch.dtype, src: int
-    ) -> torch.Tensor:
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
         """A tensor of `shape` and `dtype` sent by rank `src` of the group."""
         import torch.distributed as dist
 

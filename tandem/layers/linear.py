@@ -18,6 +18,7 @@ from torch import nn
 
 from tandem.layers.cpu_gemm import pack_cpu_weight, packed_or_plain_linear
 
+
 class Linear(nn.Module):
     """`y = x W^T + b` with uninitialised parameters (they are always loaded)."""
 

@@ -68,9 +68,7 @@ class Attention(nn.Module):
         out = self.backend.forward(query, key, value, kv_cache, attn_metadata, self.scale)
         return out.reshape(query.shape[0], self.q_size)
 
-    def split_qkv(
-        self, qkv: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection `[T, q | k | v]` as Q `[T, H, D]`, K and V `[T, Hkv, D]`."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
