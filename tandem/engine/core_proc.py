@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tandem.config import EngineConfig
-from tandem.core.outputs import EngineCoreOutput
+from tandem.core.outputs import EngineCoreOutput, FinishReason
 from tandem.engine import serial
 from tandem.engine.core import EngineCore, InvalidRequestError
 
@@ -296,8 +296,9 @@ class EngineCoreProc:
     def _collect_held(self, outputs: list[EngineCoreOutput]) -> None:
         """The KV blocks each finished prefill holds, read before anything can change them."""
         held = self.engine.scheduler.held
+        done = (FinishReason.STOP, FinishReason.LENGTH)
         for out in outputs:
-            if out.finish_reason in ("stop", "length") and out.request_id in held:
+            if out.finish_reason in done and out.request_id in held:
                 self._held[out.request_id] = self.engine.get_held_block_ids(out.request_id)
 
     # ------------------------------------------------------------------ methods

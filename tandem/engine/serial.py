@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.core.outputs import EngineCoreOutput
+from tandem.core.outputs import EngineCoreOutput, FinishReason
 
 COMMAND = 1
 READY = 2
@@ -40,9 +40,10 @@ STEP = 3
 REPLY = 4
 FATAL = 5
 
-# "error": the request could not run (its stop reason, in the side blob, is the message).
-_FINISH_CODES: dict[str | None, int] = {None: 0, "stop": 1, "length": 2, "abort": 3, "error": 4}
-_FINISH_NAMES: list[str | None] = [None, "stop", "length", "abort", "error"]
+# A finish reason's code in a STEP frame: 0 while running, else 1 + its place in FinishReason
+# (ERROR: its stop reason, in the side blob, is the message).
+_FINISH_NAMES: list[FinishReason | None] = [None, *FinishReason]
+_FINISH_CODES: dict[FinishReason | None, int] = {r: i for i, r in enumerate(_FINISH_NAMES)}
 
 # kind, num outputs, id blob bytes, side blob bytes, piggyback bytes
 _STEP_HEADER = struct.Struct("<BIIII")

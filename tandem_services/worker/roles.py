@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import grpc
 
-from tandem.core.outputs import EngineCoreOutput
+from tandem.core.outputs import EngineCoreOutput, FinishReason
 from tandem.engine.core_proc import EngineProcOptions
 from tandem.kv_transfer.base import KVDestination, num_prompt_blocks
 from tandem.request import EngineCoreRequest
@@ -171,10 +171,11 @@ class PrefillRole(WorkerRole):
         self, core: WorkerCore, r: WorkerRequest, out: EngineCoreOutput,
         held: dict[str, list[int]], batches: Batches,
     ) -> None:  # fmt: skip
-        if out.finish_reason == "abort" or not out.new_token_ids:
+        if out.finish_reason == FinishReason.ABORT or not out.new_token_ids:
             if out.finished:
-                # "error": the engine's message (the request's spec failed) goes as it is.
-                error = "" if out.finish_reason == "error" else "aborted by the prefill engine"
+                # ERROR: the engine's message (the request's spec failed) goes as it is.
+                failed = out.finish_reason == FinishReason.ERROR
+                error = "" if failed else "aborted by the prefill engine"
                 batches[r.destination].append(output_to_proto(out, r.num_emitted, error))
                 core.finish(r)
                 self.abort_remote_reservation(core, r)
@@ -182,7 +183,7 @@ class PrefillRole(WorkerRole):
         # The prefill ran with max_tokens=1, so it always finishes here. It ends the request
         # for real on a stop (eos, stop token), at the caller's max_tokens, or at the context.
         really_done = (
-            out.finish_reason == "stop"
+            out.finish_reason == FinishReason.STOP
             or r.max_tokens == 1
             or r.num_prompt_tokens + 1 >= core.max_model_len
         )
