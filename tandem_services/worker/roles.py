@@ -38,6 +38,7 @@ import grpc
 
 from tandem.core.outputs import EngineCoreOutput, FinishReason
 from tandem.engine.core_proc import EngineProcOptions
+from tandem.engine.ops import EngineOps
 from tandem.kv_transfer.base import KVDestination, num_prompt_blocks
 from tandem.request import EngineCoreRequest
 from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -190,7 +191,7 @@ class PrefillRole(WorkerRole):
         if really_done:
             batches[r.destination].append(output_to_proto(out, 0))
             core.finish(r)
-            core.engine.release_held_nowait(r.request_id)
+            core.engine.tell(EngineOps.release_held, r.request_id)
             self.abort_remote_reservation(core, r)
             return
         first = EngineCoreOutput(
@@ -250,7 +251,7 @@ class PrefillRole(WorkerRole):
         if r is None or r.phase != Phase.HANDING_OFF:
             return
         core.finish(r)
-        core.engine.release_held_nowait(r.request_id)
+        core.engine.tell(EngineOps.release_held, r.request_id)
         if msg.error or r.aborted:
             self.abort_remote_reservation(core, r)
         if msg.error and not r.aborted:

@@ -43,7 +43,9 @@ def test_empty_step_frame() -> None:
 
 def test_command_and_reply_frames() -> None:
     frame = serial.encode_command(7, "abort_requests", (["a", "b"],))
-    assert serial.decode_command(frame) == (7, "abort_requests", (["a", "b"],))
+    assert serial.decode_command(frame) == (7, "abort_requests", (["a", "b"],), {})
+    frame = serial.encode_command(8, "add_request", ("req",), {"hold_kv": True})
+    assert serial.decode_command(frame) == (8, "add_request", ("req",), {"hold_kv": True})
     err = ValueError("prompt is empty")
     reply = serial.decode_pickled(serial.encode_reply(7, False, err, serial.Piggyback()))
     call_id, ok, result, _ = reply
