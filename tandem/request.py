@@ -16,6 +16,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tandem.core.outputs import FinishReason
 from tandem.core.structured import GrammarState
 from tandem.sampling_params import SamplingParams
 
@@ -36,7 +37,7 @@ class RequestStatus(enum.IntEnum):
     def is_finished(status: RequestStatus) -> bool:
         return status >= RequestStatus.FINISHED_STOPPED
 
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return FINISH_REASONS.get(self)
 
 
@@ -44,11 +45,11 @@ class RequestStatus(enum.IntEnum):
 FIRST_FINISHED = int(RequestStatus.FINISHED_STOPPED)
 RUNNING = int(RequestStatus.RUNNING)
 
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 

@@ -7,6 +7,7 @@ answers with a `ModelRunnerOutput`, and `Scheduler.update_from_output` turns tha
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,15 +95,36 @@ class ModelRunnerOutput:
     logprobs: list[Logprobs | None] = field(default_factory=list)
 
 
+class FinishReason(enum.StrEnum):
+    """Why a request, or one choice of it, ended: one enum from the engine to the wire.
+
+    The values are the OpenAI API's `finish_reason` strings, so a member is what the HTTP
+    responses write (a `str`: it JSON-encodes and compares as its value). The engine ends a
+    request with STOP (EOS, a stop token; the frontend also for a stop string), LENGTH
+    (max_tokens or the model's context), ABORT (a client's abort, or a failure), or ERROR
+    (the request could not run: its `stop_reason` is the message naming the problem).
+    TOOL_CALLS is the frontend's alone: a STOP whose text held tool calls. Where a finish
+    reason crosses a boundary it crosses as this enum: a code in the engine's STEP frames
+    (`tandem.engine.serial`), the proto's `FinishReason` at the services' edge (one mapping,
+    `tandem_services.common.convert`).
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+    TOOL_CALLS = "tool_calls"
+
+
 @dataclass(slots=True)
 class EngineCoreOutput:
-    """What one request produced in one step. `finish_reason` is "stop", "length", "abort" or
-    "error" (the request could not run: `stop_reason` is the message naming the problem)."""
+    """What one request produced in one step; `finish_reason` is None while it runs (see
+    FinishReason; with ERROR, `stop_reason` is the message naming the problem)."""
 
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
 

@@ -35,6 +35,7 @@ from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -383,7 +384,7 @@ class Scheduler:
                 EngineCoreOutput(
                     request_id=request.request_id,
                     new_token_ids=[],
-                    finish_reason="error",
+                    finish_reason=FinishReason.ERROR,
                     stop_reason=error,
                 )
             )

@@ -89,6 +89,25 @@ class EngineStats:
     num_reserved: int
 
 
+@dataclass(frozen=True)
+class PoolState:
+    """Whether an engine holds anything: requests, held or reserved blocks (tests, drains)."""
+
+    has_unfinished_requests: bool
+    num_held: int
+    num_reserved: int
+    is_whole: bool
+
+    @property
+    def empty(self) -> bool:
+        return (
+            not self.has_unfinished_requests
+            and not self.num_held
+            and not self.num_reserved
+            and self.is_whole
+        )
+
+
 class EngineCore:
     """Scheduler + executor (workers, model runners) of one worker.
 
@@ -311,6 +330,19 @@ class EngineCore:
             num_held=len(self.scheduler.held),
             num_reserved=len(self.scheduler.reserved),
         )
+
+    def pool_state(self) -> PoolState:
+        sched = self.scheduler
+        return PoolState(
+            has_unfinished_requests=self.has_unfinished_requests(),
+            num_held=len(sched.held),
+            num_reserved=len(sched.reserved),
+            is_whole=sched.kv_cache_manager.block_pool.is_whole,
+        )
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """The hashes of every block in the prefix cache (a directory's full resync)."""
+        return self.scheduler.kv_cache_manager.block_pool.cached_block_hashes()
 
     # ----------------------------------------------------------------- disaggregation
 

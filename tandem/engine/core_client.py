@@ -7,12 +7,17 @@
     AsyncMPClient    the engine in an EngineCoreProc; asyncio calls, each step's outputs handed
                      to a callback on the event loop (worker services)
 
-Every client offers the same operations: add, abort, outputs, the disaggregation hooks (hold
-via `add_request(hold_kv=True)`, reserve, add prefilled, release held, held block ids) and
-stats. A multiprocess client's calls run in order with the engine's steps (see
-`tandem.engine.core_proc`); a call that the engine refuses raises the engine's error
-(InvalidRequestError naming the problem, KeyError, ...). When the engine process dies, every
-pending and later call raises EngineDeadError, and the async client calls `on_dead` once.
+Every client offers the same operations, those of the one table (`tandem.engine.ops`): add,
+abort, the disaggregation hooks (hold via `add_request(hold_kv=True)`, reserve, add
+prefilled, release held, held block ids), stats, the pool's state and the cached block
+hashes. They are methods of every client through the table (`client.reserve(req)`); a client
+implements only `call(op, ...)` and `tell(op, ...)`, and its life cycle (outputs, start,
+shutdown). `EngineCoreClient` is the blocking interface, `AsyncEngineCoreClient` the asyncio
+one (each operation a coroutine). A multiprocess client's calls run in order with the
+engine's steps (see `tandem.engine.core_proc`); a call that the engine refuses raises the
+engine's error (InvalidRequestError naming the problem, KeyError, ...). When the engine
+process dies, every pending and later call raises EngineDeadError, and the async client
+calls `on_dead` once.
 
 The async client also tells a stalled engine from a busy one (`stall_timeout_s` > 0): its
 watchdog sends a `ping` now and then, which the engine answers between two steps (at once
@@ -30,9 +35,9 @@ import itertools
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -40,16 +45,13 @@ from tandem.config import EngineConfig
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine import serial
 from tandem.engine.core import EngineCore, EngineStats
-from tandem.engine.core_proc import (
-    EngineInfo,
-    EngineProcOptions,
-    PoolState,
-    SharedKVCache,
-    run_engine_core,
-)
-from tandem.request import EngineCoreRequest
+from tandem.engine.core_proc import EngineInfo, EngineProcOptions, SharedKVCache, run_engine_core
+from tandem.engine.ops import EngineOp, EngineOps
 
 logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 OnStep = Callable[[list[EngineCoreOutput], serial.Piggyback], None]
 
@@ -78,16 +80,24 @@ def open_shared_kv_cache(shared: SharedKVCache) -> torch.Tensor:
     )
 
 
-class EngineCoreClient(abc.ABC):
-    """Blocking access to one engine (see the module docstring)."""
+def _check_tell(op: EngineOp[..., Any]) -> None:
+    if not op.tell:
+        raise TypeError(f"engine operation {op.name!r} answers: call it, do not tell it")
+
+
+class EngineCoreClient(EngineOps, abc.ABC):
+    """Blocking access to one engine: every operation of `EngineOps` is a method that
+    returns the engine's result (see the module docstring), plus the life cycle."""
 
     info: EngineInfo
 
     @abc.abstractmethod
-    def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None: ...
+    def call(self, op: EngineOp[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run one engine operation; its result, or the engine's error raised."""
 
     @abc.abstractmethod
-    def abort_requests(self, request_ids: Iterable[str]) -> None: ...
+    def tell(self, op: EngineOp[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
+        """Run an operation marked `tell` with no reply awaited (a failure is logged)."""
 
     @abc.abstractmethod
     def get_output(self) -> list[EngineCoreOutput]:
@@ -95,23 +105,6 @@ class EngineCoreClient(abc.ABC):
 
     @abc.abstractmethod
     def has_unfinished_requests(self) -> bool: ...
-
-    @abc.abstractmethod
-    def reserve(self, req: EngineCoreRequest) -> tuple[list[int], int] | None: ...
-
-    @abc.abstractmethod
-    def add_prefilled_request(
-        self, request_id: str, first_token_id: int
-    ) -> EngineCoreOutput | None: ...
-
-    @abc.abstractmethod
-    def release_held(self, request_id: str) -> None: ...
-
-    @abc.abstractmethod
-    def get_held_block_ids(self, request_id: str) -> list[int]: ...
-
-    @abc.abstractmethod
-    def stats(self) -> EngineStats: ...
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...
@@ -131,34 +124,22 @@ class InprocClient(EngineCoreClient):
         self.engine = engine
         self.info = EngineInfo.of(engine, 0, None)
 
-    def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None:
-        self.engine.add_request(req, hold_kv=hold_kv)
+    def call(self, op: EngineOp[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        method: Callable[P, R] = getattr(self.engine, op.name)
+        return method(*args, **kwargs)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.engine.abort_requests(request_ids)
+    def tell(self, op: EngineOp[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
+        _check_tell(op)
+        try:
+            self.call(op, *args, **kwargs)
+        except Exception as exc:
+            logger.warning("engine command %s failed: %s", op.name, exc)
 
     def get_output(self) -> list[EngineCoreOutput]:
         return self.engine.step()
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
-
-    def reserve(self, req: EngineCoreRequest) -> tuple[list[int], int] | None:
-        return self.engine.reserve(req)
-
-    def add_prefilled_request(
-        self, request_id: str, first_token_id: int
-    ) -> EngineCoreOutput | None:
-        return self.engine.add_prefilled_request(request_id, first_token_id)
-
-    def release_held(self, request_id: str) -> None:
-        self.engine.release_held(request_id)
-
-    def get_held_block_ids(self, request_id: str) -> list[int]:
-        return self.engine.get_held_block_ids(request_id)
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -187,11 +168,17 @@ class _EngineProcess:
     def next_call_id(self) -> int:
         return next(self._ids)
 
-    def send(self, call_id: int, method: str, *args: Any) -> None:
+    def send(
+        self,
+        call_id: int,
+        name: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         try:
-            self.commands.send_bytes(serial.encode_command(call_id, method, args))
+            self.commands.send_bytes(serial.encode_command(call_id, name, args, kwargs))
         except (BrokenPipeError, OSError) as exc:
             raise EngineDeadError(f"the engine process is gone ({exc})") from exc
 
@@ -252,7 +239,7 @@ class SyncMPClient(EngineCoreClient):
             self._proc.close()
             raise
         self._steps: list[list[EngineCoreOutput]] = []
-        self._unfinished: set[str] = set()
+        # The latest frame's: whether the engine has unfinished requests comes from it.
         self.latest_piggyback = serial.Piggyback()
 
     def _recv(self) -> bytes:
@@ -268,10 +255,8 @@ class SyncMPClient(EngineCoreClient):
         if kind == serial.STEP:
             outputs, pig = serial.decode_step(frame)
             self.latest_piggyback = pig
-            for out in outputs:
-                if out.finished:
-                    self._unfinished.discard(out.request_id)
-            self._steps.append(outputs)
+            if outputs:
+                self._steps.append(outputs)
             return None
         if kind == serial.REPLY:
             call_id, ok, result, pig = serial.decode_pickled(frame)
@@ -283,9 +268,9 @@ class SyncMPClient(EngineCoreClient):
             raise EngineDeadError(self._proc.dead) from exc
         raise EngineDeadError(f"unexpected frame {kind} from the engine process")
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def call(self, op: EngineOp[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         call_id = self._proc.next_call_id()
-        self._proc.send(call_id, method, *args)
+        self._proc.send(call_id, op.name, args, kwargs)
         while True:
             reply = self._take(self._recv())
             if reply is None:
@@ -294,51 +279,26 @@ class SyncMPClient(EngineCoreClient):
             assert got_id == call_id, (got_id, call_id)
             if not ok:
                 raise result
-            return result
+            return result  # type: ignore[no-any-return]
 
-    def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None:
-        self._call("add_request", req, hold_kv)
-        self._unfinished.add(req.request_id)
-
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        ids = list(request_ids)
-        self._call("abort_requests", ids)
-        self._unfinished.difference_update(ids)
+    def tell(self, op: EngineOp[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
+        _check_tell(op)
+        self._proc.send(0, op.name, args, kwargs)
 
     def get_output(self) -> list[EngineCoreOutput]:
         while not self._steps:
-            if not self._unfinished:
+            if not self.latest_piggyback.has_unfinished_requests:
                 return []
             self._take(self._recv())
         return self._steps.pop(0)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._unfinished) or bool(self._steps)
-
-    def reserve(self, req: EngineCoreRequest) -> tuple[list[int], int] | None:
-        return self._call("reserve", req)
-
-    def add_prefilled_request(
-        self, request_id: str, first_token_id: int
-    ) -> EngineCoreOutput | None:
-        out = self._call("add_prefilled_request", request_id, first_token_id)
-        if out is None or not out.finished:
-            self._unfinished.add(request_id)
-        return out
-
-    def release_held(self, request_id: str) -> None:
-        self._call("release_held", request_id)
-
-    def get_held_block_ids(self, request_id: str) -> list[int]:
-        return self._call("get_held_block_ids", request_id)
-
-    def stats(self) -> EngineStats:
-        return self._call("stats")
+        return bool(self._steps) or self.latest_piggyback.has_unfinished_requests
 
     def shutdown(self) -> None:
         if self._proc.dead is None:
             with contextlib.suppress(EngineDeadError):
-                self._proc.send(0, "shutdown")
+                self._proc.send(0, serial.SHUTDOWN)
         self._proc.dead = self._proc.dead or "the client shut the engine down"
         self._proc.close()
 
@@ -349,7 +309,31 @@ def _consume(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-class AsyncMPClient:
+class AsyncEngineCoreClient(EngineOps, abc.ABC):
+    """Access to one engine from an asyncio event loop: every operation of `EngineOps` is a
+    coroutine method (`await client.reserve(req)`), plus the life cycle."""
+
+    info: EngineInfo | None
+
+    @abc.abstractmethod
+    async def call(self, op: EngineOp[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run one engine operation; its result, or the engine's error raised."""
+
+    @abc.abstractmethod
+    def tell(self, op: EngineOp[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
+        """Send an operation marked `tell`, awaiting no reply (a failure is logged by the
+        engine; nothing is sent to an engine that is gone)."""
+
+    @abc.abstractmethod
+    async def start(self) -> EngineInfo:
+        """Bring the engine up; its constants."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the engine (commands already sent still run first)."""
+
+
+class AsyncMPClient(AsyncEngineCoreClient):
     """The engine in its own process, reached from an asyncio event loop.
 
     Each STEP frame's outputs go to `on_step(outputs, piggyback)` on the loop, in step order;
@@ -429,7 +413,7 @@ class AsyncMPClient:
         self._closing = True
         if proc.dead is None:
             with contextlib.suppress(EngineDeadError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._call("shutdown"), timeout_s)
+                await asyncio.wait_for(self._send(serial.SHUTDOWN), timeout_s)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, proc.close, timeout_s)
         self._mark_dead("the engine was shut down")
@@ -474,7 +458,7 @@ class AsyncMPClient:
                 self._set_stalled(False)
             if probe is None and now - last_answer >= probe_every_s:
                 with contextlib.suppress(EngineDeadError):
-                    probe, probe_sent = self._call("ping"), now
+                    probe, probe_sent = self._send(serial.PING), now
                     probe.add_done_callback(_consume)
             elif probe is not None and now - probe_sent > self.stall_timeout_s:
                 self._set_stalled(True)
@@ -563,7 +547,10 @@ class AsyncMPClient:
 
     # ------------------------------------------------------------------ calls
 
-    def _call(self, method: str, *args: Any) -> asyncio.Future[Any]:
+    def _send(
+        self, name: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> asyncio.Future[Any]:
+        """Send one command; the future its REPLY resolves."""
         proc = self._proc
         if proc is None:
             raise EngineDeadError("the engine was not started")
@@ -572,56 +559,23 @@ class AsyncMPClient:
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._pending[call_id] = fut
         try:
-            proc.send(call_id, method, *args)
+            proc.send(call_id, name, args, kwargs)
         except EngineDeadError:
             self._pending.pop(call_id, None)
             raise
         return fut
 
-    def _tell(self, method: str, *args: Any) -> None:
-        """A call whose result nobody waits for (an error is logged by the engine)."""
+    async def call(self, op: EngineOp[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        return await self._send(op.name, args, kwargs)  # type: ignore[no-any-return]
+
+    def tell(self, op: EngineOp[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
+        _check_tell(op)
         proc = self._proc
         if proc is None or proc.dead is not None:
             return
         with contextlib.suppress(EngineDeadError):
-            proc.send(0, method, *args)
-
-    async def add_request(self, req: EngineCoreRequest, hold_kv: bool = False) -> None:
-        await self._call("add_request", req, hold_kv)
-
-    async def abort_requests(self, request_ids: Iterable[str]) -> None:
-        await self._call("abort_requests", list(request_ids))
-
-    def abort_requests_nowait(self, request_ids: Iterable[str]) -> None:
-        self._tell("abort_requests", list(request_ids))
-
-    async def reserve(self, req: EngineCoreRequest) -> tuple[list[int], int] | None:
-        return await self._call("reserve", req)
-
-    async def add_prefilled_request(
-        self, request_id: str, first_token_id: int
-    ) -> EngineCoreOutput | None:
-        return await self._call("add_prefilled_request", request_id, first_token_id)
-
-    async def release_held(self, request_id: str) -> None:
-        await self._call("release_held", request_id)
-
-    def release_held_nowait(self, request_id: str) -> None:
-        self._tell("release_held", request_id)
-
-    async def get_held_block_ids(self, request_id: str) -> list[int]:
-        return await self._call("get_held_block_ids", request_id)
-
-    async def stats(self) -> EngineStats:
-        return await self._call("stats")
-
-    async def cached_block_hashes(self) -> list[bytes]:
-        return await self._call("cached_block_hashes")
-
-    async def pool_state(self) -> PoolState:
-        """Whether the engine holds any request or block (see PoolState)."""
-        return await self._call("pool_state")
+            proc.send(0, op.name, args, kwargs)
 
     async def ping(self) -> int:
         """The number of steps the engine has run (proves its loop is turning)."""
-        return await self._call("ping")
+        return await self._send(serial.PING)  # type: ignore[no-any-return]

@@ -10,7 +10,9 @@
 The engine and the service that feeds it no longer share one GIL: the process spends its
 time on the model, the scheduler and encoding one frame per step (`tandem.engine.serial`).
 Commands run in arrival order, all of them before the next step, so a command sees the
-effects of every earlier one, and a reply leaves before the outputs of any later step.
+effects of every earlier one, and a reply leaves before the outputs of any later step. A
+command names an engine operation (dispatched through the one table, `tandem.engine.ops`, to
+the EngineCore method) or a control command (`ping`, `shutdown`).
 
 The KV cache is shared with the client process: on CUDA through an IPC handle of its storage
 (the client opens it; peers receive the same handle), on the CPU by moving the storage into a
@@ -37,30 +39,17 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tandem.config import EngineConfig
-from tandem.core.outputs import EngineCoreOutput
+from tandem.core.outputs import EngineCoreOutput, FinishReason
 from tandem.engine import serial
 from tandem.engine.core import EngineCore, InvalidRequestError
+from tandem.engine.ops import ENGINE_OPS
+from tandem.request import EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
 _IDLE_STEP_PAUSE_S = 0.001
 
-# What a client may call (EngineCore's interface, plus what only a process needs).
-METHODS = frozenset(
-    {
-        "add_request",
-        "abort_requests",
-        "reserve",
-        "add_prefilled_request",
-        "release_held",
-        "get_held_block_ids",
-        "stats",
-        "cached_block_hashes",
-        "ping",
-        "pool_state",
-        "shutdown",
-    }
-)
+assert not {serial.PING, serial.SHUTDOWN} & ENGINE_OPS.keys(), "a control command is no op"
 
 
 @dataclass(frozen=True)
@@ -124,25 +113,6 @@ class EngineInfo:
         )
 
 
-@dataclass(frozen=True)
-class PoolState:
-    """Whether an engine holds anything: requests, held or reserved blocks (tests, drains)."""
-
-    has_unfinished_requests: bool
-    num_held: int
-    num_reserved: int
-    is_whole: bool
-
-    @property
-    def empty(self) -> bool:
-        return (
-            not self.has_unfinished_requests
-            and not self.num_held
-            and not self.num_reserved
-            and self.is_whole
-        )
-
-
 class _Stop:
     pass
 
@@ -181,12 +151,12 @@ class EngineCoreProc:
         self.options = options
         self._commands = commands
         self._outputs = outputs
-        self._inbox: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | _Stop] = (
-            queue.SimpleQueue()
-        )
+        self._inbox: queue.SimpleQueue[serial.Command | _Stop] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[bytes | _Stop] = queue.SimpleQueue()
         self._cache_events: list[tuple[list[bytes], list[bytes]]] = []
         self._held: dict[str, list[int]] = {}
+        # What the last frame said of the engine's work (an idle engine says so once).
+        self._said_unfinished = False
         self.num_steps = 0
         if options.publish_cache_events:
             pool = engine.scheduler.kv_cache_manager.block_pool
@@ -228,41 +198,56 @@ class EngineCoreProc:
             self._writer.join(timeout=5.0)
 
     def _piggyback(self) -> serial.Piggyback:
-        pig = serial.Piggyback(stats=self.engine.stats())
+        unfinished = self.engine.has_unfinished_requests()
+        pig = serial.Piggyback(stats=self.engine.stats(), has_unfinished_requests=unfinished)
+        self._said_unfinished = unfinished
         if self._held:
             pig.held_block_ids, self._held = self._held, {}
         if self._cache_events:
             pig.cache_events, self._cache_events = self._cache_events, []
         return pig
 
-    def _run_command(self, item: tuple[int, str, tuple[Any, ...]]) -> bool:
+    def _run_command(self, item: serial.Command) -> bool:
         """Run one command; False when it asks the loop to stop."""
-        call_id, method, args = item
-        if method == "shutdown":
+        call_id, name, args, kwargs = item
+        if name == serial.SHUTDOWN:
             if call_id:
                 self._outbox.put(serial.encode_reply(call_id, True, None, self._piggyback()))
             return False
         try:
-            if method not in METHODS:
-                raise ValueError(f"unknown engine method {method!r}")
-            result = getattr(self, "_" + method)(*args)
+            result = self.num_steps if name == serial.PING else self._run_op(name, args, kwargs)
         except Exception as exc:
             if not call_id:
-                logger.warning("engine command %s failed: %s", method, exc)
+                logger.warning("engine command %s failed: %s", name, exc)
                 return True
             if not isinstance(exc, InvalidRequestError | KeyError | ValueError):
-                logger.exception("engine command %s failed", method)
+                logger.exception("engine command %s failed", name)
             self._outbox.put(serial.encode_reply(call_id, False, _portable(exc), self._piggyback()))
             return True
         if call_id:
             self._outbox.put(serial.encode_reply(call_id, True, result, self._piggyback()))
         return True
 
+    def _run_op(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One engine operation, by its entry in the table."""
+        op = ENGINE_OPS.get(name)
+        if op is None:
+            raise ValueError(f"unknown engine operation {name!r}")
+        for arg in (*args, *kwargs.values()):
+            # Request ids travel NUL-joined in STEP frames.
+            if isinstance(arg, EngineCoreRequest) and "\x00" in arg.request_id:
+                raise InvalidRequestError("request id must not contain NUL characters")
+        return getattr(self.engine, op.name)(*args, **kwargs)
+
     def _loop(self) -> None:
         engine = self.engine
         inbox = self._inbox
         while True:
             busy = engine.has_unfinished_requests()
+            if not busy and self._said_unfinished:
+                # The engine ran out of work with no frame saying so (an abort's steps
+                # produced no output, a told command): say it before waiting.
+                self._outbox.put(serial.encode_step([], self._piggyback()))
             try:
                 item = inbox.get(block=not busy)
             except queue.Empty:
@@ -296,51 +281,10 @@ class EngineCoreProc:
     def _collect_held(self, outputs: list[EngineCoreOutput]) -> None:
         """The KV blocks each finished prefill holds, read before anything can change them."""
         held = self.engine.scheduler.held
+        done = (FinishReason.STOP, FinishReason.LENGTH)
         for out in outputs:
-            if out.finish_reason in ("stop", "length") and out.request_id in held:
+            if out.finish_reason in done and out.request_id in held:
                 self._held[out.request_id] = self.engine.get_held_block_ids(out.request_id)
-
-    # ------------------------------------------------------------------ methods
-
-    def _add_request(self, req: Any, hold_kv: bool = False) -> None:
-        if "\x00" in req.request_id:
-            raise InvalidRequestError("request id must not contain NUL characters")
-        self.engine.add_request(req, hold_kv=hold_kv)
-
-    def _abort_requests(self, request_ids: list[str]) -> None:
-        self.engine.abort_requests(request_ids)
-
-    def _reserve(self, req: Any) -> tuple[list[int], int] | None:
-        if "\x00" in req.request_id:
-            raise InvalidRequestError("request id must not contain NUL characters")
-        return self.engine.reserve(req)
-
-    def _add_prefilled_request(self, request_id: str, first_token_id: int) -> Any:
-        return self.engine.add_prefilled_request(request_id, first_token_id)
-
-    def _release_held(self, request_id: str) -> None:
-        self.engine.release_held(request_id)
-
-    def _get_held_block_ids(self, request_id: str) -> list[int]:
-        return self.engine.get_held_block_ids(request_id)
-
-    def _stats(self) -> Any:
-        return self.engine.stats()
-
-    def _cached_block_hashes(self) -> list[bytes]:
-        return self.engine.scheduler.kv_cache_manager.block_pool.cached_block_hashes()
-
-    def _ping(self) -> int:
-        return self.num_steps
-
-    def _pool_state(self) -> PoolState:
-        sched = self.engine.scheduler
-        return PoolState(
-            has_unfinished_requests=self.engine.has_unfinished_requests(),
-            num_held=len(sched.held),
-            num_reserved=len(sched.reserved),
-            is_whole=sched.kv_cache_manager.block_pool.is_whole,
-        )
 
 
 def run_engine_core(

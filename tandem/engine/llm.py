@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tandem.config import EngineArgs
+from tandem.core.outputs import FinishReason
 from tandem.engine.core import EngineCore, InvalidRequestError
 from tandem.engine.core_client import InprocClient
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
@@ -180,7 +181,9 @@ class LLM:
                     self.client.abort_requests(to_abort)
                 for ro in finished:
                     results[ro.request_id] = ro
-                    errors = [c.stop_reason for c in ro.outputs if c.finish_reason == "error"]
+                    errors = [
+                        c.stop_reason for c in ro.outputs if c.finish_reason == FinishReason.ERROR
+                    ]
                     if errors:
                         # A spec that did not compile: the call fails naming it (the rest of
                         # the call is aborted below); the engine keeps serving.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.core.outputs import EngineCoreOutput
+from tandem.core.outputs import EngineCoreOutput, FinishReason
 from tandem.engine.output_state import ChoiceOutput, child_params, child_request_id
 from tandem.sampling_params import SamplingParams
 
@@ -31,7 +31,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
     @property

@@ -37,6 +37,7 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
+from tandem.core.outputs import FinishReason
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.sampling_params import SamplingParams
 
@@ -99,7 +100,7 @@ class ChoiceOutput:
             )
         self.state = ChoiceState.RUNNING
         self.num_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
 
     @property
@@ -114,11 +115,11 @@ class ChoiceOutput:
     def update(
         self,
         new_token_ids: Sequence[int],
-        engine_finish_reason: str | None = None,
+        engine_finish_reason: FinishReason | None = None,
         engine_stop_reason: int | str | None = None,
     ) -> bool:
         """Apply one step of this choice: its new tokens and, when the engine finished it,
-        why ("stop", "length" or "abort"; `engine_stop_reason` the stop token id, if any).
+        why (STOP, LENGTH, ABORT or ERROR; `engine_stop_reason` the stop token id, if any).
 
         Returns True when a stop string ended the choice while the engine still runs it:
         the caller aborts it there. Ignored (False) once the choice is finished."""
@@ -130,7 +131,7 @@ class ChoiceOutput:
         if stop_str is None and engine_finish_reason is not None:
             stop_str = detok.finish()
         if stop_str is not None:
-            self._move(ChoiceState.STOPPED_BY_STRING, "stop", stop_str)
+            self._move(ChoiceState.STOPPED_BY_STRING, FinishReason.STOP, stop_str)
             return engine_finish_reason is None
         if engine_finish_reason is not None:
             self._move(ChoiceState.FINISHED_BY_ENGINE, engine_finish_reason, engine_stop_reason)
@@ -140,7 +141,9 @@ class ChoiceOutput:
         """The text not taken before, minus the hold-back while RUNNING."""
         return self.detokenizer.get_next_delta()
 
-    def _move(self, state: ChoiceState, finish_reason: str, stop_reason: int | str | None) -> None:
+    def _move(
+        self, state: ChoiceState, finish_reason: FinishReason, stop_reason: int | str | None
+    ) -> None:
         if state not in TRANSITIONS[self.state]:
             raise RuntimeError(f"choice output cannot go from {self.state} to {state}")
         self.state = state

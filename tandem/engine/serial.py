@@ -3,7 +3,9 @@
 One frame per message on a pipe (`multiprocessing.connection`, length-prefixed). The first
 byte says what the frame is::
 
-    client -> engine   COMMAND   pickle of (call_id, method, args): adds, aborts, reserves ...
+    client -> engine   COMMAND   pickle of (call_id, name, args, kwargs): an engine operation
+                                 (tandem.engine.ops) or a control command (PING, SHUTDOWN);
+                                 call_id 0 asks for no reply (a tell)
     engine -> client   READY     pickle of the engine's constants (EngineInfo)
                        STEP      one step's outputs, columnar (below)
                        REPLY     pickle of (call_id, ok, result or exception) + piggyback
@@ -12,9 +14,11 @@ byte says what the frame is::
 A STEP frame is the hot path (one per engine step): request ids as one NUL-joined UTF-8
 blob, token counts / tokens / finish codes / cached-token counts as int32 and uint8 arrays,
 and a pickled side blob only for what is rare (logprobs, stop reasons). Every STEP and REPLY
-frame carries the piggyback: the engine's stats after the step or command, the KV blocks each
-finished `hold_kv` request holds, and the prefix-cache changes (block hashes added and
-evicted) since the last frame, in the order they happened.
+frame carries the piggyback: the engine's stats after the step or command, whether it has
+unfinished requests then, the KV blocks each finished `hold_kv` request holds, and the
+prefix-cache changes (block hashes added and evicted) since the last frame, in the order they
+happened. The engine's last frame before it goes idle says so: when nothing else reported
+it, an empty STEP frame follows the step or command that left it with no work.
 
 Measured (benchmarks/engine_ipc.py, this 2-core CPU, 256 outputs of one token): the frame
 encodes in 144 us and decodes back into objects in 317 us, against 802 / 450 us for pickling
@@ -32,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.core.outputs import EngineCoreOutput
+from tandem.core.outputs import EngineCoreOutput, FinishReason
 
 COMMAND = 1
 READY = 2
@@ -40,9 +44,15 @@ STEP = 3
 REPLY = 4
 FATAL = 5
 
-# "error": the request could not run (its stop reason, in the side blob, is the message).
-_FINISH_CODES: dict[str | None, int] = {None: 0, "stop": 1, "length": 2, "abort": 3, "error": 4}
-_FINISH_NAMES: list[str | None] = [None, "stop", "length", "abort", "error"]
+# Control commands: what only the process protocol needs, never engine operations. PING is
+# answered between two steps with the number of steps run; SHUTDOWN ends the loop.
+PING = "ping"
+SHUTDOWN = "shutdown"
+
+# A finish reason's code in a STEP frame: 0 while running, else 1 + its place in FinishReason
+# (ERROR: its stop reason, in the side blob, is the message).
+_FINISH_NAMES: list[FinishReason | None] = [None, *FinishReason]
+_FINISH_CODES: dict[FinishReason | None, int] = {r: i for i, r in enumerate(_FINISH_NAMES)}
 
 # kind, num outputs, id blob bytes, side blob bytes, piggyback bytes
 _STEP_HEADER = struct.Struct("<BIIII")
@@ -53,16 +63,22 @@ class Piggyback:
     """What travels with every STEP and REPLY frame (see the module docstring)."""
 
     stats: Any = None  # EngineStats
+    has_unfinished_requests: bool = False
     held_block_ids: dict[str, list[int]] = field(default_factory=dict)
     # (added, evicted) block hashes, one pair per block-pool change, in order.
     cache_events: list[tuple[list[bytes], list[bytes]]] = field(default_factory=list)
 
 
-def encode_command(call_id: int, method: str, args: tuple[Any, ...]) -> bytes:
-    return bytes([COMMAND]) + pickle.dumps((call_id, method, args), protocol=5)
+Command = tuple[int, str, tuple[Any, ...], dict[str, Any]]
 
 
-def decode_command(frame: bytes) -> tuple[int, str, tuple[Any, ...]]:
+def encode_command(
+    call_id: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> bytes:
+    return bytes([COMMAND]) + pickle.dumps((call_id, name, args, kwargs or {}), protocol=5)
+
+
+def decode_command(frame: bytes) -> Command:
     assert frame[0] == COMMAND, frame[0]
     return pickle.loads(memoryview(frame)[1:])
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tandem.core.outputs import EngineCoreOutput, Logprobs
+from tandem.core.outputs import EngineCoreOutput, FinishReason, Logprobs
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from tandem_protos.v1 import common_pb2, worker_pb2
@@ -30,13 +30,23 @@ _OPTIONAL_PARAMS = (
     "skip_special_tokens",
 )
 
-FINISH_TO_PROTO = {
+# The one mapping between the engine's FinishReason and the proto's. ERROR travels as ABORT
+# with `invalid_request` set (output_to_proto); TOOL_CALLS, the frontend's own, never leaves
+# as a proto (gRPC Generate sends STOP for it).
+FINISH_TO_PROTO: dict[FinishReason | None, int] = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.TOOL_CALLS: common_pb2.FINISH_REASON_STOP,
 }
-FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+FINISH_FROM_PROTO: dict[int, FinishReason | None] = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+}
 
 
 def structured_outputs_to_proto(spec: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
@@ -144,16 +154,16 @@ def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> Logprobs:
 def output_to_proto(
     out: EngineCoreOutput, output_index: int, error: str = ""
 ) -> worker_pb2.RequestOutput:
-    """An engine output on the wire. Finish reason "error" (the request's own spec failed)
+    """An engine output on the wire. Finish reason ERROR (the request's own spec failed)
     travels as ABORT with `invalid_request` and the engine's message as `error`."""
-    invalid = out.finish_reason == "error"
+    invalid = out.finish_reason == FinishReason.ERROR
     if invalid and not error:
         error = str(out.stop_reason or "the request is invalid")
     msg = worker_pb2.RequestOutput(
         request_id=out.request_id,
         output_index=output_index,
         new_token_ids=out.new_token_ids,
-        finish_reason=FINISH_TO_PROTO.get(out.finish_reason, common_pb2.FINISH_REASON_ABORT),
+        finish_reason=FINISH_TO_PROTO[out.finish_reason],
         num_cached_tokens=max(out.num_cached_tokens, 0),
         error=error,
         invalid_request=invalid,

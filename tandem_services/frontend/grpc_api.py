@@ -40,7 +40,7 @@ def _choice(d: ChoiceDelta | ChoiceAccumulator, index: int) -> frontend_pb2.Choi
         index=index,
         text=d.text,
         token_ids=d.token_ids or [],
-        finish_reason=FINISH_TO_PROTO.get(d.finish_reason, 0),
+        finish_reason=FINISH_TO_PROTO[d.finish_reason],
     )
     if d.logprobs:
         msg.logprobs.extend(logprobs_to_proto(lp) for lp in d.logprobs)

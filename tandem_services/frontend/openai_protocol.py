@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.core.outputs import Logprobs
+from tandem.core.outputs import FinishReason, Logprobs
 from tandem.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from tandem_services.frontend.limits import (
     CHAT_FIELDS,
@@ -383,7 +383,7 @@ class ChoiceAccumulator:
     text: str = ""
     token_ids: list[int] | None = None
     logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     # Tool calls by index (their deltas joined), when the chat request uses tools.
     tool_calls: dict[int, ToolCallDelta] | None = None

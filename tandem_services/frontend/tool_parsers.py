@@ -30,6 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from tandem.core.outputs import FinishReason
 from tandem_services.frontend.structured import ToolCalling
 from tandem_services.frontend.types import ChoiceDelta, StepEvent, ToolCallDelta
 
@@ -547,7 +548,7 @@ def parser_factory(calling: ToolCalling, auto_parser: str | None) -> Callable[[]
 
 class ToolCallExtractor:
     """A request's choices' text turned into content and tool-call deltas, event by event;
-    a choice that ended ("stop") with tool calls finishes with "tool_calls"."""
+    a choice that ended with STOP and held tool calls finishes with TOOL_CALLS."""
 
     def __init__(self, make_parser: Callable[[], ToolParser]) -> None:
         self.make_parser = make_parser
@@ -565,7 +566,7 @@ class ToolCallExtractor:
         out = parser.feed(d.text)
         if d.finish_reason is not None:
             out = out.then(parser.finish())
-            if d.finish_reason == "stop" and parser.num_calls:
-                d.finish_reason = "tool_calls"
+            if d.finish_reason == FinishReason.STOP and parser.num_calls:
+                d.finish_reason = FinishReason.TOOL_CALLS
         d.text = out.content
         d.tool_calls = out.tool_calls or None

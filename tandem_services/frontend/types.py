@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tandem.core.outputs import Logprobs
+from tandem.core.outputs import FinishReason, Logprobs
 from tandem.sampling_params import SamplingParams
 
 _HTTP_STATUS = {
@@ -89,7 +89,7 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 

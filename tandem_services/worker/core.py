@@ -36,6 +36,7 @@ import grpc
 
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
+from tandem.engine.ops import EngineOps
 from tandem.kv_transfer.base import KVConnector
 from tandem_protos.v1 import common_pb2, worker_pb2
 from tandem_services.common.actor import Actor, Ask
@@ -362,7 +363,7 @@ class WorkerCore(Actor[WorkerMessage]):
                     self.finish(r)
                     aborted.append(rid)
         if aborted:
-            self.engine.abort_requests_nowait(aborted)
+            self.engine.tell(EngineOps.abort_requests, aborted)
 
     def _on_reserved(self, msg: Reserved) -> None:
         r = self.requests.get(msg.request_id)
@@ -376,7 +377,7 @@ class WorkerCore(Actor[WorkerMessage]):
         if r.aborted:
             # Aborted while reserving. The abort queued then may have run before the reserve
             # (it can overtake the servicer between Track and the engine call): again, now.
-            self.engine.abort_requests_nowait([r.request_id])
+            self.engine.tell(EngineOps.abort_requests, [r.request_id])
             self.finish(r)
 
     def _on_admitted(self, msg: Admitted) -> None:
@@ -385,7 +386,7 @@ class WorkerCore(Actor[WorkerMessage]):
             return
         r.admitted = True
         if r.aborted:  # the abort that arrived before the add, carried out now
-            self.engine.abort_requests_nowait([r.request_id])
+            self.engine.tell(EngineOps.abort_requests, [r.request_id])
             self.finish(r)
             self.role.on_aborted(self, r)
 
@@ -414,7 +415,7 @@ class WorkerCore(Actor[WorkerMessage]):
             self.finish(r)
             self.role.on_aborted(self, r)
         if to_engine:
-            self.engine.abort_requests_nowait(to_engine)
+            self.engine.tell(EngineOps.abort_requests, to_engine)
         self.emit(notify)
         return count
 

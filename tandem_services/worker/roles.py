@@ -36,8 +36,9 @@ from typing import ClassVar
 
 import grpc
 
-from tandem.core.outputs import EngineCoreOutput
+from tandem.core.outputs import EngineCoreOutput, FinishReason
 from tandem.engine.core_proc import EngineProcOptions
+from tandem.engine.ops import EngineOps
 from tandem.kv_transfer.base import KVDestination, num_prompt_blocks
 from tandem.request import EngineCoreRequest
 from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -171,10 +172,11 @@ class PrefillRole(WorkerRole):
         self, core: WorkerCore, r: WorkerRequest, out: EngineCoreOutput,
         held: dict[str, list[int]], batches: Batches,
     ) -> None:  # fmt: skip
-        if out.finish_reason == "abort" or not out.new_token_ids:
+        if out.finish_reason == FinishReason.ABORT or not out.new_token_ids:
             if out.finished:
-                # "error": the engine's message (the request's spec failed) goes as it is.
-                error = "" if out.finish_reason == "error" else "aborted by the prefill engine"
+                # ERROR: the engine's message (the request's spec failed) goes as it is.
+                failed = out.finish_reason == FinishReason.ERROR
+                error = "" if failed else "aborted by the prefill engine"
                 batches[r.destination].append(output_to_proto(out, r.num_emitted, error))
                 core.finish(r)
                 self.abort_remote_reservation(core, r)
@@ -182,14 +184,14 @@ class PrefillRole(WorkerRole):
         # The prefill ran with max_tokens=1, so it always finishes here. It ends the request
         # for real on a stop (eos, stop token), at the caller's max_tokens, or at the context.
         really_done = (
-            out.finish_reason == "stop"
+            out.finish_reason == FinishReason.STOP
             or r.max_tokens == 1
             or r.num_prompt_tokens + 1 >= core.max_model_len
         )
         if really_done:
             batches[r.destination].append(output_to_proto(out, 0))
             core.finish(r)
-            core.engine.release_held_nowait(r.request_id)
+            core.engine.tell(EngineOps.release_held, r.request_id)
             self.abort_remote_reservation(core, r)
             return
         first = EngineCoreOutput(
@@ -249,7 +251,7 @@ class PrefillRole(WorkerRole):
         if r is None or r.phase != Phase.HANDING_OFF:
             return
         core.finish(r)
-        core.engine.release_held_nowait(r.request_id)
+        core.engine.tell(EngineOps.release_held, r.request_id)
         if msg.error or r.aborted:
             self.abort_remote_reservation(core, r)
         if msg.error and not r.aborted:

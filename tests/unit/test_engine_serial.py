@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.core.outputs import EngineCoreOutput, Logprobs
+from tandem.core.outputs import EngineCoreOutput, FinishReason, Logprobs
 from tandem.engine import serial
 from tandem.engine.core import EngineStats
 
@@ -16,10 +16,10 @@ def test_step_frame_round_trip() -> None:
     outputs = [
         EngineCoreOutput("plain", [17]),
         EngineCoreOutput("several-tokens", [1, 2, 3], num_cached_tokens=32),
-        EngineCoreOutput("unicodé-ид-😀", [], finish_reason="abort"),
-        EngineCoreOutput("stopped", [7], finish_reason="stop", stop_reason=42),
-        EngineCoreOutput("stop-string", [8], finish_reason="stop", stop_reason="END"),
-        EngineCoreOutput("length", [99], finish_reason="length"),
+        EngineCoreOutput("unicodé-ид-😀", [], finish_reason=FinishReason.ABORT),
+        EngineCoreOutput("stopped", [7], finish_reason=FinishReason.STOP, stop_reason=42),
+        EngineCoreOutput("stop-string", [8], finish_reason=FinishReason.STOP, stop_reason="END"),
+        EngineCoreOutput("length", [99], finish_reason=FinishReason.LENGTH),
         EngineCoreOutput("logprobs", [5], new_logprobs=[lp]),
     ]
     pig = serial.Piggyback(
@@ -43,7 +43,9 @@ def test_empty_step_frame() -> None:
 
 def test_command_and_reply_frames() -> None:
     frame = serial.encode_command(7, "abort_requests", (["a", "b"],))
-    assert serial.decode_command(frame) == (7, "abort_requests", (["a", "b"],))
+    assert serial.decode_command(frame) == (7, "abort_requests", (["a", "b"],), {})
+    frame = serial.encode_command(8, "add_request", ("req",), {"hold_kv": True})
+    assert serial.decode_command(frame) == (8, "add_request", ("req",), {"hold_kv": True})
     err = ValueError("prompt is empty")
     reply = serial.decode_pickled(serial.encode_reply(7, False, err, serial.Piggyback()))
     call_id, ok, result, _ = reply
