@@ -107,8 +107,12 @@ class GroupCoordinator:
         import torch.distributed as dist
 
         dim = dim % x.dim()
-        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.device_group)
+        # Flat along dim 0 (gloo checks the output is world_size inputs stacked on dim 0).
+        flat = torch.empty(
+            (self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device
+        )
+        dist.all_gather_into_tensor(flat, x.contiguous(), group=self.device_group)
+        out = flat.view(self.world_size, *x.shape)
         return out.movedim(0, dim).reshape(
             *x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1 :]
         )

@@ -3,7 +3,9 @@ config/tokenizer/weights, and build the model."""
 
 from tandem.loader.gguf_convert import GGUFConversionError, convert_gguf
 from tandem.loader.hf_folder import (
+    SafetensorsSlice,
     get_eos_token_ids,
+    iterate_weight_slices,
     iterate_weights,
     load_hf_config,
     load_tokenizer,
@@ -18,10 +20,12 @@ from tandem.loader.model_loader import (
 __all__ = [
     "GGUFConversionError",
     "ModelNotFoundError",
+    "SafetensorsSlice",
     "build_model",
     "convert_gguf",
     "embedded_default_gguf",
     "get_eos_token_ids",
+    "iterate_weight_slices",
     "iterate_weights",
     "load_hf_config",
     "load_tokenizer",

@@ -66,6 +66,8 @@ _SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -81,6 +83,92 @@ def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise FileNotFoundError(f"{path} holds no *.safetensors weight files")
     for file in files:
         yield from _read_safetensors(file)
+
+
+class SafetensorsSlice:
+    """One tensor of a safetensors file, not read yet (tandem.layers.weight_utils's
+    CheckpointTensor): `narrow(0, ...)` reads just those rows (one contiguous read), a narrow
+    on another dim reads only the strips it keeps (through safetensors' own slicing), `load()`
+    the whole tensor. A rank's weight loaders narrow to its shard, so it reads only that."""
+
+    def __init__(
+        self, file: Path, name: str, dtype: torch.dtype, shape: list[int], data_offset: int
+    ) -> None:
+        self.file = file
+        self.name = name
+        self.dtype = dtype
+        self.shape = torch.Size(shape)
+        self.data_offset = data_offset  # from the file's start
+        self.element_size = torch.empty((), dtype=dtype).element_size()
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"SafetensorsSlice({self.file.name}:{self.name}, {tuple(self.shape)}, {self.dtype})"
+
+    def load(self) -> torch.Tensor:
+        return self._read_rows(0, self.shape[0]) if self.shape else self._read_scalar()
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        dim = dim % len(self.shape)
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise ValueError(
+                f"{self.name}: [{start}, {start + length}) is outside dim {dim} of "
+                f"{tuple(self.shape)}"
+            )
+        if dim == 0:
+            return self._read_rows(start, length)
+        from safetensors import safe_open
+
+        index = (*[slice(None)] * dim, slice(start, start + length))
+        with safe_open(str(self.file), framework="pt", device="cpu") as f:
+            return f.get_slice(self.name)[index].contiguous()
+
+    def _read_rows(self, start: int, length: int) -> torch.Tensor:
+        tensor = torch.empty((length, *self.shape[1:]), dtype=self.dtype)
+        row_bytes = self.shape[1:].numel() * self.element_size
+        nbytes = length * row_bytes
+        if nbytes:
+            with open(self.file, "rb") as f:
+                f.seek(self.data_offset + start * row_bytes)
+                view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+                if f.readinto(view) != nbytes:
+                    raise ValueError(f"{self.file} is truncated at tensor {self.name}")
+        return tensor
+
+    def _read_scalar(self) -> torch.Tensor:
+        tensor = torch.empty((), dtype=self.dtype)
+        with open(self.file, "rb") as f:
+            f.seek(self.data_offset)
+            view = memoryview(tensor.view(1).view(torch.uint8).numpy())
+            if f.readinto(view) != self.element_size:
+                raise ValueError(f"{self.file} is truncated at tensor {self.name}")
+        return tensor
+
+
+def iterate_weight_slices(path: str | Path) -> Iterator[tuple[str, SafetensorsSlice]]:
+    """Every tensor of the folder's `*.safetensors` files as a lazy `SafetensorsSlice`, in
+    file order (only the headers are read here)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weight files")
+    for file in files:
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        data_start = 8 + header_len
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            if info["dtype"] not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
+            begin, end = info["data_offsets"]
+            item = SafetensorsSlice(
+                file, name, _SAFETENSORS_DTYPES[info["dtype"]], info["shape"], data_start + begin
+            )
+            if item.shape.numel() * item.element_size != end - begin:
+                raise ValueError(f"{file}: tensor {name} has {end - begin} bytes")
+            yield name, item
 
 
 def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:

