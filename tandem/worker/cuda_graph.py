@@ -21,7 +21,7 @@ import torch
 from tandem.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from tandem.models.llama import LlamaForCausalLM
+    from tandem.models.interface import CausalLM
     from tandem.worker.input_batch import StepInputs
     from tandem.worker.staging import PinnedStaging
 
@@ -120,7 +120,7 @@ class DecodeCudaGraphs:
 
     def capture(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[torch.Tensor],
         max_model_len: int,
         block_size: int,

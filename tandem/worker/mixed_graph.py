@@ -34,7 +34,7 @@ import torch
 from tandem.worker.cuda_graph import StaticStepInputs
 
 if TYPE_CHECKING:
-    from tandem.models.llama import LlamaForCausalLM
+    from tandem.models.interface import CausalLM
     from tandem.worker.input_batch import StepInputs
     from tandem.worker.staging import PinnedStaging
 
@@ -78,7 +78,7 @@ class MixedCudaGraphs:
 
     def capture(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[torch.Tensor],
         max_model_len: int,
         block_size: int,

@@ -14,6 +14,21 @@ Async scheduling: `execute_async` launches a step and returns a `PendingStep` wh
 `result()` waits for that step's sampled ids only. The engine may plan and launch step N+1
 before it calls step N's `result()`; a token of step N+1 whose id step N samples (at most one
 per request: position `len(token_ids)`) is read on the device from step N's sampled ids.
+
+The runner builds the model from a `ModelContext` and drives it through the `CausalLM`
+protocol only (tandem.models.interface). Pipeline parallel (`parallel.pp`), one step on every
+rank of a TP group of stages 0..P-1::
+
+    stage 0      ids -> forward -> send(hidden_states, residual)
+    stage p      recv -> forward -> send
+    stage P-1    recv -> forward -> logits -> sample
+    every stage  broadcast(sampled ids, src=P-1)
+
+Every stage gets the step's sampled ids (one broadcast over the PP group from the last stage,
+device to device): the first stage reads them for the next step's inputs, and every rank
+appends them to its request states in `result()`, so all ranks' input batches agree. Only the
+last stage computes logits and samples (all its TP ranks alike); only `parallel.is_driver`'s
+result is what the engine reads. Steps under PP > 1 run eagerly (no CUDA graphs yet).
 """
 
 from __future__ import annotations
@@ -27,17 +42,16 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
+from tandem.distributed import ParallelState, single_rank_state
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
-from tandem.layers.attention.cpu_backend import CpuAttentionBackend
 from tandem.loader import build_model
-from tandem.models.interface import ModelContext
-from tandem.models.llama import LlamaForCausalLM
+from tandem.models.interface import CausalLM, IntermediateTensors, ModelContext
 from tandem.worker.cpu_threads import cpu_supports_bf16, default_cpu_backend
 from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import InputBatch, StepInputs
 from tandem.worker.mixed_graph import MixedCudaGraphs
 from tandem.worker.piecewise_graph import PiecewiseCudaGraphs
-from tandem.worker.sampling import PendingStep, StepSampler
+from tandem.worker.sampling import PendingStep, SampledStep, StepSampler
 from tandem.worker.staging import PinnedStaging
 
 logger = logging.getLogger(__name__)
@@ -58,7 +72,10 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 class ModelRunner:
     """Owns the model, the engine's KV cache views, the input batch and the CUDA graphs of one
-    device. Built on a device its `Worker` made current; not thread-safe."""
+    rank's device. Built on a device its `Worker` made current; not thread-safe.
+
+    `parallel`: this rank's groups (None: one rank); the model holds this rank's TP share of
+    this PP stage's layers."""
 
     def __init__(
         self,
@@ -68,9 +85,14 @@ class ModelRunner:
         hf_config: Any,
         max_model_len: int,
         eos_token_id: int | None,
+        parallel: ParallelState | None = None,
     ) -> None:
         self.config = config
         self.device = device
+        self.parallel = parallel if parallel is not None else single_rank_state(device)
+        pp = self.parallel.pp
+        self.is_first_stage = pp.is_first_rank
+        self.is_last_stage = pp.is_last_rank
         self.dtype = resolve_dtype(config.model.dtype, device.type)
         self.kv_dtype = (
             self.dtype
@@ -85,25 +107,36 @@ class ModelRunner:
             backend_name = "triton" if device.type == "cuda" else default_cpu_backend()
         self.attn_backend = get_attention_backend(backend_name)
         self.hf_config = hf_config
+        self.model_context = ModelContext(
+            dtype=self.dtype,
+            device=device,
+            attn_backend=self.attn_backend,
+            parallel=self.parallel,
+            # The engine's QuantizationConfig declares no method yet: unquantized.
+            quant_config=None,
+        )
         torch.manual_seed(config.model.seed)
-        ctx = ModelContext.single(self.dtype, device, self.attn_backend)
-        self._model: LlamaForCausalLM | None = build_model(  # type: ignore[assignment]
-            model_path,
-            ctx,
-            seed=config.model.seed,
-            hf_config=hf_config,
+        self._model: CausalLM | None = build_model(
+            model_path, self.model_context, seed=config.model.seed, hf_config=hf_config
         )
         self.vocab_size: int = self.model.vocab_size
+        start, end = self.model.layer_range
+        self.num_stage_layers = end - start
         max_num_seqs = config.scheduler.max_num_seqs
         self.sampler = StepSampler(
-            device,
-            self.vocab_size,
-            max_num_seqs,
-            cpu_kernels=isinstance(self.attn_backend, CpuAttentionBackend),
+            device, self.vocab_size, max_num_seqs, cpu_kernels=self.model_context.cpu_kernels
         )
         self.input_batch = InputBatch(self.block_size, max_num_seqs)
         self.staging = PinnedStaging(device)
         self.use_cuda_graphs = device.type == "cuda" and not config.device.enforce_eager
+        if self.use_cuda_graphs and self.parallel.pp_size > 1:
+            logger.info(
+                "pipeline_parallel_size %d: steps run eagerly (CUDA graphs need one stage)",
+                self.parallel.pp_size,
+            )
+            self.use_cuda_graphs = False
+        # What a stage hands the next (keys, dtype, width), learned from the model once.
+        self._intermediate_template: IntermediateTensors | None = None
         self.cuda_graphs = DecodeCudaGraphs(config.device.cuda_graph_sizes, max_num_seqs, device)
         mode = config.device.cudagraph_mode
         full = mode == "full" and self.attn_backend.full_graph_mixed
@@ -127,6 +160,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # The last launched step: its device ids feed the next step's inputs.
         self._last_step: PendingStep | None = None
+        # Launched steps before the last one, resolved (if nobody did) before the next launch.
+        self._older_steps: list[PendingStep] = []
         # Cache slots written by launched steps the device may not have finished (a step's
         # sampled ids arriving on the host proves it and every earlier step done), by launch
         # number: `may_write_blocks` reads them.
@@ -134,7 +169,7 @@ class ModelRunner:
         self._num_launched = 0
 
     @property
-    def model(self) -> LlamaForCausalLM:
+    def model(self) -> CausalLM:
         if self._model is None:
             raise RuntimeError("the model runner is shut down: it holds no model")
         return self._model
@@ -142,9 +177,11 @@ class ModelRunner:
     # ----------------------------------------------------------------- KV cache
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]`."""
+        """`[num_blocks, stage_layers, 2, block_size, num_kv_heads, head_size]`: this PP
+        stage's layers, this TP rank's KV heads."""
         m = self.model
-        return (num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_size)
+        layers = self.num_stage_layers
+        return (num_blocks, layers, 2, self.block_size, m.num_kv_heads, m.head_size)
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
@@ -162,7 +199,7 @@ class ModelRunner:
         tokens = sched.max_num_batched_tokens
         per_req = min(tokens, 1024)
         num_reqs = -(-tokens // per_req)
-        caches = [scratch_kv_cache[:, i] for i in range(m.num_layers)]
+        caches = [scratch_kv_cache[:, i] for i in range(self.num_stage_layers)]
         qsl = [min(i * per_req, tokens) for i in range(num_reqs + 1)]
         lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
         bpr = -(-per_req // bs)
@@ -188,10 +225,16 @@ class ModelRunner:
             seq_lens_cpu=lens,
         )
         with torch.inference_mode(), self.attn_backend.startup_tuning():
-            ids = torch.zeros(tokens, dtype=torch.long, device=dev)
-            hidden = m(ids, positions, caches, meta)
-            logits = m.compute_logits(hidden[: min(sched.max_num_seqs, tokens)])
-            del hidden, logits
+            ids = torch.zeros(tokens, dtype=torch.long, device=dev) if self.is_first_stage else None
+            intermediate = (
+                None if self.is_first_stage else m.make_empty_intermediate_tensors(tokens)
+            )
+            out = m(ids, positions, caches, meta, intermediate)
+            if self.is_last_stage:
+                assert isinstance(out, torch.Tensor)
+                logits = m.compute_logits(out[: min(sched.max_num_seqs, tokens)])
+                del logits
+            del out, intermediate
 
     def profile_num_blocks(self) -> int:
         """Blocks of the scratch cache `profile_run` needs."""
@@ -207,7 +250,7 @@ class ModelRunner:
         consecutive block ids moves as one copy; each layer sees a strided view.
         """
         self.kv_cache = kv_cache
-        self.kv_caches = [kv_cache[:, i] for i in range(self.model.num_layers)]
+        self.kv_caches = [kv_cache[:, i] for i in range(self.num_stage_layers)]
         best = self.attn_backend.tune(
             self.kv_caches[0],
             num_heads=self.model.num_heads,
@@ -281,21 +324,68 @@ class ModelRunner:
             num_decodes=inp.num_decodes,
         )
 
-    def _run_eager(self, inp: StepInputs, piecewise_size: int | None = None) -> torch.Tensor:
+    def _run_eager(self, inp: StepInputs, piecewise_size: int | None = None) -> torch.Tensor | None:
         """The step's forward eagerly, or (`piecewise_size`) through that bucket of piecewise
-        graphs; the logits of its sampled rows."""
+        graphs; the logits of its sampled rows. A stage that is not the last sends what it
+        computed to the next stage and returns None; one that is not the first receives its
+        input from the previous stage."""
         to_device = self.staging.to_device
         metadata = self._metadata(inp)
-        input_ids = to_device(inp.input_ids, torch.int64)
-        self._fill_from_previous(input_ids, inp)
         positions = to_device(inp.positions, torch.int64)
-        if piecewise_size is not None:
-            hidden = self.piecewise_graphs.replay(
-                self.model, self.kv_caches, piecewise_size, input_ids, positions, metadata
-            )
+        input_ids: torch.Tensor | None = None
+        intermediate: IntermediateTensors | None = None
+        if self.is_first_stage:
+            input_ids = to_device(inp.input_ids, torch.int64)
+            self._fill_from_previous(input_ids, inp)
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-        return self._sampled_logits(hidden, inp)
+            intermediate = self._recv_intermediate(inp.total)
+        if piecewise_size is not None:
+            assert input_ids is not None
+            out = self.piecewise_graphs.replay(piecewise_size, input_ids, positions, metadata)
+        else:
+            out = self.model(input_ids, positions, self.kv_caches, metadata, intermediate)
+        if not self.is_last_stage:
+            assert isinstance(out, IntermediateTensors)
+            self._send_intermediate(out)
+            return None
+        assert isinstance(out, torch.Tensor)
+        return self._sampled_logits(out, inp)
+
+    # ----------------------------------------------------------------- pipeline parallel
+
+    def _intermediate_keys(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, per-token shape) of what a stage hands the next, in send order."""
+        if self._intermediate_template is None:
+            self._intermediate_template = self.model.make_empty_intermediate_tensors(0)
+        tensors = self._intermediate_template.tensors
+        return [(k, tensors[k].dtype, tuple(tensors[k].shape[1:])) for k in sorted(tensors)]
+
+    def _send_intermediate(self, out: IntermediateTensors) -> None:
+        pp = self.parallel.pp
+        for key, _, _ in self._intermediate_keys():
+            pp.send(out[key], dst=pp.next_rank)
+
+    def _recv_intermediate(self, num_tokens: int) -> IntermediateTensors:
+        pp = self.parallel.pp
+        return IntermediateTensors(
+            {
+                key: pp.recv((num_tokens, *shape), dtype, src=pp.prev_rank)
+                for key, dtype, shape in self._intermediate_keys()
+            }
+        )
+
+    def _share_sampled(self, sampled: SampledStep | None, num_rows: int) -> SampledStep:
+        """The step's sampled ids on every stage: the last stage broadcasts its own over the
+        PP group (each TP rank to its peers); the others receive them."""
+        pp = self.parallel.pp
+        last = pp.world_size - 1
+        if self.is_last_stage:
+            assert sampled is not None
+            pp.broadcast(sampled.sampled, src=last)
+            return sampled
+        ids = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+        pp.broadcast(ids, src=last)
+        return self.sampler.received(ids)
 
     def _sampled_logits(self, hidden: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         """The logits of the step's sampled rows (the last query row of each)."""
@@ -343,6 +433,7 @@ class ModelRunner:
         launched and before sampling: the bitmask's host work overlaps the forward."""
         if self.kv_cache is None:
             raise RuntimeError("the model runner has no KV cache (not initialized, or shut down)")
+        self._resolve_older_steps()
         self._update_states(so)
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + [
             r.req_id for r in so.scheduled_cached_reqs
@@ -382,16 +473,31 @@ class ModelRunner:
             logits = self._run_eager(inp, piecewise_size)
 
         states = [inp.states[i] for i in inp.sampled_rows]
-        grammar = grammar_bitmask() if grammar_bitmask is not None else None
-        sampled = self.sampler.sample(logits, states, grammar) if states else None
+        sampled: SampledStep | None = None
+        if self.is_last_stage and states:
+            assert logits is not None
+            grammar = grammar_bitmask() if grammar_bitmask is not None else None
+            sampled = self.sampler.sample(logits, states, grammar)
+        if self.parallel.pp_size > 1 and states:
+            sampled = self._share_sampled(sampled, len(states))
         self._num_launched += 1
         launch = self._num_launched
         self._unfinished_writes.append((launch, inp.slot_mapping))
         step = PendingStep(
             req_ids, inp.sampled_rows, states, sampled, on_done=lambda: self._writes_done(launch)
         )
+        if self._last_step is not None:
+            self._older_steps.append(self._last_step)
         self._last_step = step
         return step
+
+    def _resolve_older_steps(self) -> None:
+        """Take the results of launched steps before the last one that nobody asked for (a
+        rank whose results the engine does not read): every rank's request states must hold
+        the same tokens before the next step's inputs are built. `result()` is idempotent."""
+        for step in self._older_steps:
+            step.result()
+        self._older_steps.clear()
 
     # ----------------------------------------------------------------- shutdown
 
@@ -401,6 +507,7 @@ class ModelRunner:
         if self.kv_cache is not None or self._model is not None:
             self.synchronize()
         self._last_step = None
+        self._older_steps.clear()
         self._unfinished_writes.clear()
         self.cuda_graphs.clear()
         self.piecewise_graphs.clear()

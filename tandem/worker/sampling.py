@@ -43,7 +43,8 @@ class SampledStep:
     # On CUDA: the pinned host buffer the ids are copied into and the event after the copy.
     host_sampled: torch.Tensor | None
     event: torch.cuda.Event | None
-    sampler_output: SamplerOutput
+    # None on a pipeline stage that received the ids (no logprobs there).
+    sampler_output: SamplerOutput | None
 
 
 class StepSampler:
@@ -93,10 +94,17 @@ class StepSampler:
             device=self.device,
         )
         out = self.sampler(logits, meta)
-        sampled = out.sampled_token_ids
+        return self._to_host(out.sampled_token_ids, out)
+
+    def received(self, sampled: torch.Tensor) -> SampledStep:
+        """A step's ids sampled on another rank (pipeline parallel), already on this device:
+        copied to the host as `sample` copies its own."""
+        return self._to_host(sampled, None)
+
+    def _to_host(self, sampled: torch.Tensor, out: SamplerOutput | None) -> SampledStep:
         host = event = None
         if self.device.type == "cuda":
-            host = self._next_host_buffer(len(states))
+            host = self._next_host_buffer(sampled.shape[0])
             host.copy_(sampled, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
@@ -190,8 +198,11 @@ class PendingStep:
                 tokens = self.sampled.tolist()
             if self._on_done is not None:
                 self._on_done()
-            assert self._sampler_output is not None
-            lp_lists = to_logprobs_lists(self._sampler_output, self._num_logprobs)
+            lp_lists = (
+                to_logprobs_lists(self._sampler_output, self._num_logprobs)
+                if self._sampler_output is not None
+                else [None] * len(self.states)
+            )
             for row, state, token, lp in zip(
                 self.sampled_rows, self.states, tokens, lp_lists, strict=True
             ):

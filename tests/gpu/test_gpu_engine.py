@@ -260,7 +260,7 @@ def test_mixed_step_graphs_equal_the_eager_forward(mode: str) -> None:
             if piecewise:
                 size = graphs.size_for(len(ids))
                 assert size == 64
-                out = graphs.replay(model, kv, size, ids, pos, md).clone()
+                out = graphs.replay(size, ids, pos, md).clone()
             else:
                 inp = StepInputs(
                     num_reqs=len(query_lens),

@@ -83,14 +83,16 @@ class PagedRun:
         return list(logits.split(query_lens))
 
 
+def build_cpu_model(path: Path, backend: str = "torch") -> Any:
+    """The tandem model of `path`: fp32, CPU, one rank (the torch attention backend unless
+    `backend` names another)."""
+    ctx = ModelContext.single(torch.float32, torch.device("cpu"), get_attention_backend(backend))
+    return build_model(path, ctx)
+
+
 def load_both(path: Path) -> tuple[Any, Any]:
     """(tandem model, transformers model) on the same folder, fp32, CPU."""
     return build_cpu_model(path), hf_model(path)
-
-
-def build_cpu_model(path: Path, backend: str = "torch") -> Any:
-    ctx = ModelContext.single(torch.float32, torch.device("cpu"), get_attention_backend(backend))
-    return build_model(path, ctx)
 
 
 def check_prefill_then_decode(models: tuple[Any, Any], prompts: list[list[int]], seed: int) -> None:
