@@ -266,27 +266,108 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How one engine spreads over devices. Only 1 x 1 runs today; larger sizes are refused
-    here, before anything is loaded."""
+    """How one engine spreads over devices and hosts: `tensor_parallel_size` x
+    `pipeline_parallel_size` ranks (vLLM's rank order: `tandem.distributed`), each a worker
+    process of a `MultiprocExecutor` when there is more than one (or when asked for).
+
+    Several hosts: every host runs `nnodes`' share of the ranks; the engine runs on the host of
+    `node_rank` 0, which serves the c10d rendezvous at `master_addr:master_port`; the others run
+    `tandem rank-host` with the same flags and their own `--node-rank` (see
+    `tandem.executor.multiproc`). `check_model` refuses a split the model cannot take, before
+    anything is loaded."""
 
     tensor_parallel_size: int = field(
-        default=1, metadata=flag("tensor-parallel ranks (only 1 today)", aliases=("-tp",))
+        default=1,
+        metadata=flag(
+            "tensor-parallel ranks (each holds a slice of every layer)", aliases=("-tp",)
+        ),
     )
     pipeline_parallel_size: int = field(
-        default=1, metadata=flag("pipeline-parallel stages (only 1 today)", aliases=("-pp",))
+        default=1,
+        metadata=flag("pipeline-parallel stages (each holds a run of layers)", aliases=("-pp",)),
+    )
+    distributed_executor_backend: Literal["auto", "uni", "mp"] = field(
+        default="auto",
+        metadata=flag(
+            "uni: one rank in the engine's process; mp: one worker process per rank "
+            "(auto: mp when there are several ranks, else uni)"
+        ),
+    )
+    nnodes: int = field(default=1, metadata=flag("hosts the ranks span"))
+    node_rank: int = field(default=0, metadata=flag("this host's index (0: the engine's)"))
+    master_addr: str = field(
+        default="127.0.0.1",
+        metadata=flag("address of the c10d rendezvous (the engine's host) that every rank meets"),
+    )
+    master_port: int = field(
+        default=0, metadata=flag("port of the c10d rendezvous (0: a free one, one host only)")
     )
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
             size = getattr(self, name)
             if size < 1:
                 raise ConfigError(f"{name} must be >= 1, got {size}")
-            if size > 1:
-                raise ConfigError(f"{name} {size} is not supported yet (only 1)")
+        if self.distributed_executor_backend not in ("auto", "uni", "mp"):
+            raise ConfigError(
+                "distributed_executor_backend must be auto, uni or mp, "
+                f"got {self.distributed_executor_backend}"
+            )
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ConfigError(
+                f"distributed_executor_backend uni runs one rank; tensor_parallel_size x "
+                f"pipeline_parallel_size is {self.world_size} (use mp)"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank {self.node_rank} outside [0, nnodes={self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise ConfigError(
+                f"{self.world_size} ranks do not split evenly over nnodes {self.nnodes}"
+            )
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ConfigError("several hosts (nnodes > 1) need --master-port to meet at")
+        if not 0 <= self.master_port < 65536:
+            raise ConfigError(f"master_port {self.master_port} is not a port")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def uses_multiproc(self) -> bool:
+        backend = self.distributed_executor_backend
+        return backend == "mp" or (backend == "auto" and self.world_size > 1)
+
+    def check_model(self, hf_config: Any) -> None:
+        """Raise ConfigError when the model cannot be split this way: attention heads, KV
+        heads (unless replicated: the ranks a multiple of them) or the MLP width not divisible
+        by the TP size, or more pipeline stages than layers. The vocabulary is padded to a
+        multiple of the TP size (as vLLM pads it), so any size splits."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        text = getattr(hf_config, "text_config", None) or hf_config
+        heads = int(getattr(text, "num_attention_heads", 0) or 0)
+        kv_heads = int(getattr(text, "num_key_value_heads", 0) or heads)
+        layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+        inter = int(getattr(text, "intermediate_size", 0) or 0)
+        if heads and heads % tp:
+            raise ConfigError(
+                f"num_attention_heads {heads} is not divisible by tensor_parallel_size {tp}"
+            )
+        if kv_heads and kv_heads % tp and tp % kv_heads:
+            raise ConfigError(
+                f"num_key_value_heads {kv_heads} and tensor_parallel_size {tp}: neither divides "
+                "the other (KV heads are split, or replicated when the ranks outnumber them)"
+            )
+        if inter and inter % tp:
+            raise ConfigError(
+                f"intermediate_size {inter} is not divisible by tensor_parallel_size {tp}"
+            )
+        if layers and pp > layers:
+            raise ConfigError(f"pipeline_parallel_size {pp} exceeds the model's {layers} layers")
 
 
 _CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -485,6 +566,7 @@ class EngineConfig:
         if self.is_resolved:
             return self
         model = self.model.resolve()
+        self.parallel.check_model(model.hf_config)
         scheduler = dataclasses.replace(self.scheduler, max_model_len=model.max_model_len)
         return dataclasses.replace(self, model=model, scheduler=scheduler)
 

@@ -44,12 +44,12 @@ from tandem.config import EngineConfig
 from tandem.core.outputs import EngineCoreOutput, GrammarBitmask, SchedulerOutput
 from tandem.core.scheduler import Scheduler
 from tandem.executor import Executor, create_executor
+from tandem.executor.base import LaunchedStep
 from tandem.loader import get_eos_token_ids, load_tokenizer
 from tandem.models.presets import has_random_weights
 from tandem.request import EngineCoreRequest, Request, RequestStatus
 from tandem.structured_output import StructuredOutputManager
 from tandem.worker.model_runner import ModelRunner
-from tandem.worker.sampling import PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class EngineCore:
             pin_memory=self.executor.device.type == "cuda",
         )
         # The launched step whose tokens have not been applied yet (async scheduling only).
-        self._pending: tuple[SchedulerOutput, PendingStep] | None = None
+        self._pending: tuple[SchedulerOutput, LaunchedStep] | None = None
         # Whether the last `step()` launched or finished any work.
         self.last_step_idle = True
         self._shut_down = False
@@ -285,7 +285,7 @@ class EngineCore:
             outputs += self._apply_pending()
         structured = scheduler_output.structured_req_ids
         source = None
-        previous: tuple[SchedulerOutput, PendingStep] | None = None
+        previous: tuple[SchedulerOutput, LaunchedStep] | None = None
         if structured:
             # Step N's tokens are applied inside, once this step's forward is launched.
             previous, self._pending = self._pending, None

@@ -45,8 +45,9 @@ from tandem.config import EngineConfig
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine import serial
 from tandem.engine.core import EngineCore, EngineStats
-from tandem.engine.core_proc import EngineInfo, EngineProcOptions, SharedKVCache, run_engine_core
+from tandem.engine.core_proc import EngineInfo, EngineProcOptions, run_engine_core
 from tandem.engine.ops import EngineOp, EngineOps
+from tandem.worker.shared_kv import open_shared_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -61,23 +62,6 @@ _WATCH_INTERVAL_S = 0.2
 
 class EngineDeadError(RuntimeError):
     """The engine-core process has exited; the message says how."""
-
-
-def open_shared_kv_cache(shared: SharedKVCache) -> torch.Tensor:
-    """Open another process's KV cache tensor in this process (see SharedKVCache)."""
-    dtype = getattr(torch, shared.dtype)
-    if shared.kind == "cuda":
-        index = int(shared.handle[0])
-        with torch.cuda.device(index):
-            storage = torch.UntypedStorage._new_shared_cuda(*shared.handle)
-            device = torch.device("cuda", index)
-    else:
-        manager, name, size = shared.handle
-        storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
-        device = torch.device("cpu")
-    return torch.empty(0, dtype=dtype, device=device).set_(
-        storage, shared.storage_offset, shared.shape, shared.stride
-    )
 
 
 def _check_tell(op: EngineOp[..., Any]) -> None:

@@ -44,6 +44,7 @@ from tandem.engine import serial
 from tandem.engine.core import EngineCore, InvalidRequestError
 from tandem.engine.ops import ENGINE_OPS
 from tandem.request import EngineCoreRequest
+from tandem.worker.shared_kv import SharedKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -65,23 +66,6 @@ class EngineProcOptions:
     report_held_blocks: bool = False
     publish_cache_events: bool = False
     share_kv_cache: bool = False
-
-
-@dataclass(frozen=True)
-class SharedKVCache:
-    """How another process opens this engine's KV cache tensor.
-
-    `kind` "cuda": `handle` is the storage's `_share_cuda_()` tuple (an IPC handle other
-    processes on this host open; the opener must not be this process). `kind` "cpu":
-    `handle` is (shm manager handle, file name, size) of a shared-memory file.
-    """
-
-    kind: str
-    handle: tuple[Any, ...]
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int
 
 
 @dataclass(frozen=True)
@@ -108,7 +92,7 @@ class EngineInfo:
             vocab_size=engine.vocab_size,
             eos_token_id=engine.eos_token_id,
             model_path=str(engine.model_path),
-            kv_device=engine.kv_cache.device.type,
+            kv_device=engine.executor.device.type,
             shared_kv_cache=shared,
         )
 
@@ -118,23 +102,8 @@ class _Stop:
 
 
 def share_kv_cache(engine: EngineCore) -> SharedKVCache:
-    """Export the engine's KV cache (see SharedKVCache); call before the first step."""
-    cache = engine.kv_cache
-    storage = cache.untyped_storage()
-    if cache.device.type == "cuda":
-        handle: tuple[Any, ...] = tuple(storage._share_cuda_())
-        kind = "cuda"
-    else:
-        handle = tuple(storage._share_filename_cpu_())
-        kind = "cpu"
-    return SharedKVCache(
-        kind=kind,
-        handle=handle,
-        dtype=str(cache.dtype).removeprefix("torch."),
-        shape=tuple(cache.shape),
-        stride=tuple(cache.stride()),
-        storage_offset=cache.storage_offset(),
-    )
+    """Export the engine's KV cache (rank 0's, where it lives); call before the first step."""
+    return engine.executor.export_kv_cache()
 
 
 class EngineCoreProc:

@@ -1,7 +1,7 @@
 """The executor interface: what `EngineCore` asks of its workers.
 
     EngineCore ──> Executor ──> Worker (rank 0) ──> ModelRunner
-                            └─> Worker (rank k) ──> ModelRunner      (tensor parallel, later)
+                            └─> Worker (rank k) ──> ModelRunner      (MultiprocExecutor)
 
 Every method but the properties is collective: the executor runs it on every worker and
 answers with one value (rank 0's, or a reduction where ranks differ: the number of KV blocks
@@ -17,16 +17,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from tandem.config import EngineConfig
-from tandem.core.outputs import GrammarBitmaskSource, SchedulerOutput
+from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
+from tandem.worker.shared_kv import SharedKVCache, export_kv_cache
 
 if TYPE_CHECKING:
     from tandem.worker.model_runner import ModelRunner
-    from tandem.worker.sampling import PendingStep
+
+
+class LaunchedStep(Protocol):
+    """A launched step (`PendingStep` in a rank's process, `RemoteStep` across processes):
+    `result()` waits for its sampled ids; called once per step, in launch order."""
+
+    def result(self) -> ModelRunnerOutput: ...
 
 
 class Executor(ABC):
@@ -62,6 +69,13 @@ class Executor(ABC):
     def kv_cache(self) -> torch.Tensor | None:
         """Rank 0's KV cache tensor (None before `initialize_kv_cache` and after `shutdown`)."""
 
+    def export_kv_cache(self) -> SharedKVCache:
+        """Rank 0's KV cache for another process of this host (see `tandem.worker.shared_kv`)."""
+        cache = self.kv_cache
+        if cache is None:
+            raise RuntimeError("the executor holds no KV cache")
+        return export_kv_cache(cache)
+
     @property
     def model_runner(self) -> ModelRunner:
         """Rank 0's runner, where it lives in this process."""
@@ -82,7 +96,7 @@ class Executor(ABC):
         self,
         scheduler_output: SchedulerOutput,
         grammar_bitmask: GrammarBitmaskSource | None = None,
-    ) -> PendingStep:
+    ) -> LaunchedStep:
         """Launch one step on every rank; the result is rank 0's sampled tokens.
         `grammar_bitmask` (steps with structured rows) is called once the forward is
         launched, before sampling."""
@@ -115,7 +129,12 @@ def create_executor(
     max_model_len: int,
     eos_token_id: int | None,
 ) -> Executor:
-    """The executor for this configuration (one rank, in this process, today)."""
+    """The executor for this configuration: a `MultiprocExecutor` (one process per rank) when
+    `ParallelConfig.uses_multiproc`, else the in-process `UniprocExecutor`."""
+    if config.parallel.uses_multiproc:
+        from tandem.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, model_path, hf_config, max_model_len, eos_token_id)
     from tandem.executor.uniproc import UniprocExecutor
 
     return UniprocExecutor(config, model_path, hf_config, max_model_len, eos_token_id)

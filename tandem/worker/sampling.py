@@ -182,6 +182,15 @@ class PendingStep:
         """A step that scheduled nothing."""
         return cls([], [], [], None)
 
+    @property
+    def is_async(self) -> bool:
+        """Whether the ids reach the host by an asynchronous copy (CUDA)."""
+        return self._event is not None
+
+    def is_ready(self) -> bool:
+        """Whether `result()` would return without waiting for the device."""
+        return self._output is not None or self._event is None or self._event.query()
+
     def result(self) -> ModelRunnerOutput:
         if self._output is not None:
             return self._output

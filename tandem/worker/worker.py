@@ -2,7 +2,8 @@
 
 The worker picks its device and makes it current on the calling (engine) thread before
 anything is built (Triton launches, CUDA graphs, streams and the KV cache go to the current
-device), sets up the distributed group (a placeholder while there is one rank), measures the
+device), joins its engine's process groups (a rank of a `MultiprocExecutor`: GPU
+`device_index + local_rank`), measures the
 weights' and a step's memory, sizes the KV cache, and allocates it in one place
 (`allocate_kv_cache`). Everything else it forwards to its runner.
 
@@ -25,6 +26,8 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.core.outputs import GrammarBitmaskSource, SchedulerOutput
+from tandem.distributed import ParallelState
+from tandem.distributed.init import DistributedInit, init_parallel_state
 from tandem.worker.cpu_memory import huge_page_empty
 from tandem.worker.cpu_threads import (
     CpuThreadGovernor,
@@ -33,6 +36,7 @@ from tandem.worker.cpu_threads import (
 )
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import PendingStep
+from tandem.worker.shared_kv import SharedKVCache, export_kv_cache
 
 
 class Worker:
@@ -46,17 +50,20 @@ class Worker:
         max_model_len: int,
         eos_token_id: int | None,
         rank: int = 0,
+        local_rank: int = 0,
+        dist_init: DistributedInit | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
+        self.local_rank = local_rank
         # CPU: the cores this rank's threads are bound to (None: unbound); see cpu_threads.
         self.cpu_cores: tuple[int, ...] | None = None
         self.cpu_governor: CpuThreadGovernor | None = None
         self.device = self.init_device()
-        self.init_distributed()
+        self.parallel = self.init_distributed(dist_init)
         before = self._allocated()
         self.model_runner = ModelRunner(
-            config, self.device, model_path, hf_config, max_model_len, eos_token_id
+            config, self.device, model_path, hf_config, max_model_len, eos_token_id, self.parallel
         )
         self.weight_bytes = self._allocated() - before
         self.num_blocks = 0
@@ -68,17 +75,29 @@ class Worker:
         on a CPU, set the thread count and bind the threads (`cpu_threads`)."""
         config = self.config.device
         device = torch.device(config.resolved_device())
+        index = config.device_index
+        if device.type == "cuda" and (index is not None or self.local_rank):
+            index = (index or 0) + self.local_rank
+            if index >= torch.cuda.device_count():
+                raise RuntimeError(
+                    f"rank {self.rank} needs GPU {index}, but {torch.cuda.device_count()} "
+                    "are visible"
+                )
+            device = torch.device("cuda", index)
         if device.type == "cpu":
             self.cpu_cores = setup_cpu_threads(config)
             self.cpu_governor = make_cpu_thread_governor(config, self.cpu_cores)
         elif config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        if config.device_index is not None:
+        if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
         return device
 
-    def init_distributed(self) -> None:
-        """Join the tensor-parallel group. One rank today: nothing to set up."""
+    def init_distributed(self, dist_init: DistributedInit | None) -> ParallelState | None:
+        """Join the engine's process groups (None: a one-rank engine, no groups)."""
+        if dist_init is None:
+            return None
+        return init_parallel_state(dist_init, self.device)
 
     def _allocated(self) -> int:
         if self.device.type != "cuda":
@@ -139,6 +158,13 @@ class Worker:
         if self.device.type == "cpu":
             return huge_page_empty(shape, runner.kv_dtype).zero_()
         return torch.zeros(shape, dtype=runner.kv_dtype, device=self.device)
+
+    def export_kv_cache(self) -> SharedKVCache:
+        """This rank's KV cache for another process of this host."""
+        cache = self.model_runner.kv_cache
+        if cache is None:
+            raise RuntimeError("the worker holds no KV cache")
+        return export_kv_cache(cache)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then let the runner tune kernels on it and capture graphs."""
