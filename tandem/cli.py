@@ -1,7 +1,9 @@
-"""`tandem generate | serve | bench | frontend | scheduler | prefill-worker | decode-worker`.
+"""`tandem generate | serve | bench | rank-host | frontend | scheduler | prefill-worker |
+decode-worker`.
 
-This module only dispatches. `generate` and `bench offline` run in this process
-(`tandem.entrypoints.generate`, `benchmarks.offline_throughput`); `serve`, `bench serve` and the
+This module only dispatches. `generate`, `rank-host` and `bench offline` run in this process
+(`tandem.entrypoints.generate`, `tandem.entrypoints.rank_host`,
+`benchmarks.offline_throughput`); `serve`, `bench serve` and the
 services replace this process with `python -m tandem_services.<name>` (tandem never imports
 the services), so `tandem scheduler --port 1234` and
 `python -m tandem_services.scheduler --port 1234` are the same program, and `tandem serve` is
@@ -20,7 +22,13 @@ _SERVICES = {
     "prefill-worker": "tandem_services.prefill_worker",
     "decode-worker": "tandem_services.decode_worker",
 }
-_COMMANDS = ("generate", "serve", "bench", *(name for name in _SERVICES if name != "serve"))
+_COMMANDS = (
+    "generate",
+    "serve",
+    "bench",
+    "rank-host",
+    *(name for name in _SERVICES if name != "serve"),
+)
 
 
 def _bench(argv: list[str]) -> int:
@@ -46,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.entrypoints.generate import main as generate
 
         return generate(rest)
+    if cmd == "rank-host":
+        from tandem.entrypoints.rank_host import main as rank_host
+
+        return rank_host(rest)
     if cmd == "bench":
         return _bench(rest)
     os.execv(sys.executable, [sys.executable, "-m", _SERVICES[cmd], *rest])

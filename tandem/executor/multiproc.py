@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 import tandem
-from tandem.config import DeviceConfig, EngineConfig, parse_core_list
+from tandem.config import ConfigError, DeviceConfig, EngineConfig, parse_core_list
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.distributed.init import STORE_PREFIX, DistributedInit, connect_store
 from tandem.executor.base import Executor
@@ -99,6 +99,19 @@ def rank_device_configs(device: DeviceConfig, num_local: int) -> list[DeviceConf
     return out
 
 
+def check_devices(device: str, device_index: int | None, num_local: int) -> None:
+    """Raise ConfigError when this host's ranks need more GPUs than are visible."""
+    if not device.startswith("cuda"):
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    need = (device_index or 0) + num_local
+    if need > count:
+        raise ConfigError(
+            f"{num_local} ranks on this host from GPU {device_index or 0} needs {need} GPUs, "
+            f"but {count} are visible"
+        )
+
+
 def rank_env() -> dict[str, str]:
     """A rank process's environment: this one's, multicast off, and tandem importable."""
     env = dict(os.environ)
@@ -112,7 +125,9 @@ def rank_env() -> dict[str, str]:
 def start_rank(spec: RankSpec) -> subprocess.Popen[bytes]:
     """Start one rank process on this host."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from tandem.executor.rank import main; main()"], stdin=subprocess.PIPE, env=rank_env()
+        [sys.executable, "-c", "from tandem.executor.rank import main; main()"],
+        stdin=subprocess.PIPE,
+        env=rank_env(),
     )
     assert proc.stdin is not None
     proc.stdin.write(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
@@ -200,6 +215,9 @@ class MultiprocExecutor(Executor):
         prefixed.set(_CHANNEL_KEY, f"{channel[0]}:{channel[1]}")
         prefixed.set(_AUTHKEY_KEY, authkey.hex())
         try:
+            check_devices(
+                config.device.resolved_device(), config.device.device_index, par.ranks_per_node
+            )
             devices = rank_device_configs(config.device, par.ranks_per_node)
             for local_rank in range(par.ranks_per_node):
                 spec = self._spec(local_rank, local_rank, devices[local_rank], channel, authkey)
@@ -293,6 +311,7 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError):
                     raise self._fail(f"rank {rank} failed to start ({self._exit(rank)})") from None
                 if msg.kind is MsgKind.FAILED:
+                    self._check_processes(but=rank)
                     raise self._fail(f"rank {rank} failed to start: {_last_line(msg.payload)}")
                 assert msg.kind is MsgKind.READY
                 self._infos[rank] = msg.payload
@@ -307,10 +326,12 @@ class MultiprocExecutor(Executor):
                 proc.wait(timeout=1.0)
         return describe_exit(proc)
 
-    def _check_processes(self) -> None:
+    def _check_processes(self, but: int | None = None) -> None:
+        """Fail naming the first rank process that exited (a rank's error that follows from
+        another's death names the dead one). `but`: a rank expected to exit."""
         for rank, proc in self._proc_of.items():
-            if proc.poll() is not None:
-                raise self._fail(f"rank {rank} exited ({describe_exit(proc)})")
+            if rank != but and proc.poll() is not None:
+                raise self._fail(f"rank {rank} died ({describe_exit(proc)})")
 
     def _fail(self, reason: str) -> RankFailedError:
         """Stop every rank and remember why; the error to raise."""
@@ -363,6 +384,8 @@ class MultiprocExecutor(Executor):
                 try:
                     msg = recv(conn)
                 except (EOFError, OSError):
+                    self._exit(rank)
+                    self._check_processes()
                     raise self._fail(f"rank {rank} died ({self._exit(rank)})") from None
                 if msg.kind is MsgKind.OUTPUT:
                     seq, output = msg.payload
@@ -371,7 +394,9 @@ class MultiprocExecutor(Executor):
                 elif msg.kind is MsgKind.REPLY:
                     self._replies[rank].append(msg.payload)
                 elif msg.kind is MsgKind.ERROR:
-                    raise self._fail(_last_line(msg.payload, keep=3))
+                    time.sleep(0.1)  # a rank that died first is the cause: name it
+                    self._check_processes(but=rank)
+                    raise self._fail(f"rank {rank} failed: {_last_line(msg.payload)}")
                 else:
                     raise self._fail(f"rank {rank} sent an unexpected {msg.kind}")
 
@@ -394,6 +419,13 @@ class MultiprocExecutor(Executor):
         return [self._replies[r].pop(0) for r in targets]
 
     # ----------------------------------------------------------------- what rank 0 is
+
+    @property
+    def rank_pids(self) -> list[int | None]:
+        """Each rank's process id (None: a rank on another host)."""
+        return [
+            self._proc_of[r].pid if r in self._proc_of else None for r in range(self.world_size)
+        ]
 
     @property
     def device(self) -> torch.device:
@@ -487,11 +519,10 @@ class MultiprocExecutor(Executor):
         self._close_channels()
 
 
-def _last_line(text: str, keep: int = 1) -> str:
-    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
-    head = lines[0] if lines and lines[0].startswith("rank ") else ""
-    tail = " | ".join(ln.strip() for ln in lines[-keep:])
-    return f"{head.split(':')[0]}: {tail}" if head else tail
+def _last_line(text: str) -> str:
+    """The last line of a traceback (the exception and its message)."""
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no message)"
 
 
 def serve_rank_host(config: EngineConfig) -> int:

@@ -190,7 +190,7 @@ class RankServer:
             except BaseException:
                 text = traceback.format_exc()
                 logger.error("rank %d failed:\n%s", self.info.rank, text)
-                send(self.conn, MsgKind.ERROR, f"rank {self.info.rank}: {text}")
+                send(self.conn, MsgKind.ERROR, text)
                 raise
 
 
@@ -230,7 +230,7 @@ def main() -> None:
             is_last_stage=runner.is_last_stage,
         )
     except BaseException:
-        send(conn, MsgKind.FAILED, f"rank {rank}: {traceback.format_exc()}")
+        send(conn, MsgKind.FAILED, traceback.format_exc())
         raise
     send(conn, MsgKind.READY, info)
     code = 0

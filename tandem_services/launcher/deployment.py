@@ -10,8 +10,10 @@ workers, then the scheduler. It lives with the services it starts: `tandem serve
 
 GPUs: `--gpus 0,1` puts the workers on those GPUs round robin in role order (prefill workers,
 then the decode worker; or each unified worker), as `--device cuda:<index>` on each worker's
-command line. Every worker still sees every GPU (no CUDA_VISIBLE_DEVICES): NCCL and CUDA IPC
-between workers on different GPUs need both visible. `worker_commands` is that plan, as data.
+command line. A worker of R = TP x PP ranks takes the next R GPUs of the list, which must be
+consecutive indices (its rank r runs on `cuda:<first + r>`). Every worker still sees every GPU
+(no CUDA_VISIBLE_DEVICES): NCCL and CUDA IPC between workers on different GPUs need both
+visible. `worker_commands` is that plan, as data.
 
 The workers' engine flags are the one definition in `tandem.config` (`engine_argv` turns
 values back into flags); the command line itself is `tandem_services/launcher/cli.py`.
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -138,12 +141,41 @@ class WorkerCommand:
         return args[args.index("--device") + 1] if "--device" in args else "auto"
 
 
+def ranks_per_worker(worker_args: Sequence[str]) -> int:
+    """TP x PP of the workers' engine flags."""
+    import argparse
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    ns, _ = p.parse_known_args(list(worker_args))
+    return max(ns.tensor_parallel_size, 1) * max(ns.pipeline_parallel_size, 1)
+
+
+def worker_gpus(gpus: Sequence[int], num_workers: int, ranks: int) -> list[int]:
+    """The first GPU of each worker: worker i takes the next `ranks` GPUs of `gpus` (round
+    robin), which must be consecutive indices (its ranks run on first, first + 1, ...)."""
+    firsts = []
+    for i in range(num_workers):
+        block = [gpus[(i * ranks + r) % len(gpus)] for r in range(ranks)]
+        if block != list(range(block[0], block[0] + ranks)):
+            raise ValueError(
+                f"worker {i} of {ranks} ranks would take GPUs {block}: a worker's ranks need "
+                "consecutive GPU indices (give --gpus so that each run of "
+                f"{ranks} is consecutive)"
+            )
+        firsts.append(block[0])
+    return firsts
+
+
 def worker_commands(config: ServeConfig, scheduler_address: str) -> list[WorkerCommand]:
     """The command line of every worker (no ready file), in role order. With `config.gpus`,
-    worker i gets `--device cuda:<gpus[i % len(gpus)]>`. CPU workers get `--num-threads`
-    (this machine's cores shared among them) unless the worker args set it or a device."""
+    worker i gets `--device cuda:<first GPU of its block>` (`worker_gpus`). CPU workers get
+    `--num-threads` (this machine's cores shared among them; a worker's ranks split its
+    share) unless the worker args set it or a device."""
     roles = config.worker_roles
     shared = list(config.worker_args)
+    firsts = worker_gpus(config.gpus, len(roles), ranks_per_worker(shared)) if config.gpus else []
     core_sets: list[str] = []
     if "--num-threads" not in shared and "--device" not in shared and not config.gpus:
         threads = default_cpu_threads(len(roles))
@@ -176,8 +208,8 @@ def worker_commands(config: ServeConfig, scheduler_address: str) -> list[WorkerC
             args.append("--unified")
         args += directory_flags(config.directory)
         args += tls_argv(config.tls)
-        if config.gpus:
-            args += ["--device", f"cuda:{config.gpus[i % len(config.gpus)]}"]
+        if firsts:
+            args += ["--device", f"cuda:{firsts[i]}"]
         if core_sets:
             args += ["--cpu-cores", core_sets[i]]
         args += shared

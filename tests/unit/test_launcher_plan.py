@@ -97,3 +97,23 @@ def test_bench_serve_takes_the_same_flags() -> None:
         ["--launch", "--unified", "--num-unified-workers", "2", "--gpus", "0,1"]
     )
     assert ns.gpus == (0, 1) and ns.num_unified_workers == 2
+
+
+def test_a_worker_of_several_ranks_takes_consecutive_gpus() -> None:
+    config = ServeConfig(
+        unified=True, num_unified_workers=2, gpus=(0, 1, 2, 3), worker_args=("-tp", "2")
+    )
+    cmds = worker_commands(config, SCHED)
+    assert [c.device for c in cmds] == ["cuda:0", "cuda:2"]
+    tp_pp = ServeConfig(
+        gpus=(4, 5, 6, 7),
+        worker_args=("--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"),
+    )
+    # Prefill then decode, each worker four GPUs (the list wraps).
+    assert [c.device for c in worker_commands(tp_pp, SCHED)] == ["cuda:4", "cuda:4"]
+
+
+def test_a_worker_whose_gpus_are_not_consecutive_is_refused() -> None:
+    config = ServeConfig(unified=True, gpus=(0, 2), worker_args=("-tp", "2"))
+    with pytest.raises(ValueError, match=r"would take GPUs \[0, 2\].*consecutive"):
+        worker_commands(config, SCHED)
