@@ -151,7 +151,7 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
     # sequences, 8192 tokens a step).
     llm = LLM(model=model, **engine_kwargs_from(ns))
     result["async_scheduling"] = llm.engine.async_scheduling
-    hf = llm.engine.model_runner.hf_config
+    hf = llm.engine.config.model.hf_config
     nums = model_numbers(hf)
     result["model_numbers"] = nums
     kv_capacity = llm.engine.num_blocks * llm.engine.block_size

@@ -39,6 +39,7 @@ def _llm(path: Path, **kwargs: Any) -> LLM:
         num_gpu_blocks=64,
         max_num_batched_tokens=16,
         max_num_seqs=4,
+        max_model_len=1024,
         **kwargs,
     )
 
@@ -160,3 +161,58 @@ def test_more_gpu_ranks_than_devices_is_refused(tiny_model_path) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(ConfigError, match=r"needs \d+ GPUs, but \d+ are visible"):
         check_devices("cuda", None, count + 1)
+
+
+def test_two_hosts_meet_at_the_rendezvous(tiny_model_path) -> None:
+    """Node 1's ranks run in a process tree of their own (`tandem rank-host`), as on another
+    host; they meet node 0's executor at the c10d rendezvous."""
+    import socket
+    import subprocess
+    import sys
+
+    path = tiny_model_path("llama")
+    ref = _run(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    flags = ["--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32"]
+    flags += ["--num-gpu-blocks", "64", "--max-num-batched-tokens", "16", "--max-num-seqs", "4"]
+    flags += ["--max-model-len", "1024"]
+    follower = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "rank-host",
+            "--model",
+            str(path),
+            "--node-rank",
+            "1",
+            *common,
+            *flags,
+        ],
+        start_new_session=True,
+    )
+    try:
+        llm = _llm(
+            path,
+            tensor_parallel_size=2,
+            nnodes=2,
+            node_rank=0,
+            master_addr="127.0.0.1",
+            master_port=port,
+        )
+        try:
+            executor = llm.engine.executor
+            assert isinstance(executor, MultiprocExecutor)
+            assert executor.rank_pids[1] is None  # not this host's
+            _assert_same(_generate(llm), ref)
+            _assert_pool_whole(llm)
+        finally:
+            llm.shutdown()
+        assert follower.wait(timeout=30) == 0  # its rank stopped with the engine
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
