@@ -71,3 +71,33 @@ def test_kv_transfer_knows_no_grpc_and_no_protos() -> None:
     }
     assert offenders, "no modules found under tandem/kv_transfer"
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_distributed_imports_nothing_above_it() -> None:
+    """`tandem/distributed` sits below layers, models, workers and executors: of tandem it
+    imports only itself."""
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(
+            n
+            for n in _imports(p)
+            if n.split(".")[0] == "tandem" and not n.startswith("tandem.distributed")
+        )
+        for p in (ROOT / "tandem" / "distributed").rglob("*.py")
+    }
+    assert offenders, "no modules found under tandem/distributed"
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_no_model_names_an_attention_backend() -> None:
+    """Models build `tandem.layers.attention.Attention` layers; the backend is the runner's
+    choice (`ModelContext.attn_backend`), never imported by a model."""
+    backends = {
+        f"tandem.layers.attention.{p.stem}"
+        for p in (ROOT / "tandem" / "layers" / "attention").glob("*_backend.py")
+    }
+    assert backends, "no attention backend modules found"
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n in backends)
+        for p in (ROOT / "tandem" / "models").rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
