@@ -370,6 +370,16 @@ class ParallelConfig:
             raise ConfigError(f"pipeline_parallel_size {pp} exceeds the model's {layers} layers")
 
 
+def world_size_from_argv(argv: Iterable[str]) -> int:
+    """TP x PP named by engine flags on a command line (1 where they are absent): what a
+    launcher or a container entry point needs to know before it places a worker."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    ns, _ = p.parse_known_args(list(argv))
+    return max(ns.tensor_parallel_size, 1) * max(ns.pipeline_parallel_size, 1)
+
+
 _CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 _CUDA_GRAPH_SIZES += (320, 384, 448, 512, 640, 768, 896, 1024)
 # Token counts of mixed steps captured piecewise (above the largest: eager, device-bound).

@@ -4,7 +4,8 @@ One image runs every service; its first argument picks what runs:
 
     frontend | scheduler | prefill-worker | decode-worker [flags]
         exec `python -m services.<name> [flags]`. A worker first claims one GPU of those
-        visible when TANDEM_GPU_SLOT_DIR is set (see `claim_gpu`).
+        visible (TP x PP of them for a parallel worker) when TANDEM_GPU_SLOT_DIR is set (see
+        `claim_gpus`).
     serve | generate | bench [flags]
         exec `tandem <command>` (the whole system in one container, offline use).
     health ADDRESS [--service NAME]
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.channels import PLAINTEXT, TlsConfig, sync_channel
+from tandem.config import world_size_from_argv
 from tandem_services.common.tls import add_tls_args, tls_config_from
 
 SERVICES = {
@@ -100,19 +102,27 @@ def visible_gpus() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def claim_gpu(device_ids: Sequence[str], slot_dir: Path, wait_s: float) -> GpuClaim:
-    """Lock the first of `device_ids` that no other process holds (flock on
-    `slot_dir/<id>.lock`), waiting up to `wait_s` for one to free up.
+def claim_gpus(
+    device_ids: Sequence[str], count: int, slot_dir: Path, wait_s: float
+) -> list[GpuClaim]:
+    """Lock `count` of `device_ids` that no other process holds (flock on
+    `slot_dir/<id>.lock`), waiting up to `wait_s` for enough to free up.
 
     Replicas of a compose pool see the same GPUs (a reservation cannot differ per replica);
-    with a shared `slot_dir` volume each replica takes a different one. A lock dies with
-    its process, so a crashed worker's GPU is free again at once.
+    with a shared `slot_dir` volume each replica takes different ones: a worker of TP x PP
+    ranks takes that many. A lock dies with its process, so a crashed worker's GPUs are free
+    again at once. A replica that cannot get all of its GPUs holds none while it waits.
     """
     if not device_ids:
         raise GpuSlotError("no GPU is visible to claim")
+    if count > len(device_ids):
+        raise GpuSlotError(
+            f"a worker of {count} ranks needs {count} GPUs; the pool has {len(device_ids)}"
+        )
     slot_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + wait_s
     while True:
+        held: list[GpuClaim] = []
         for device_id in device_ids:
             path = slot_dir / f"{device_id.replace('/', '_')}.lock"
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -123,16 +133,25 @@ def claim_gpu(device_ids: Sequence[str], slot_dir: Path, wait_s: float) -> GpuCl
                 continue
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-            return GpuClaim(device_id, path, fd)
+            held.append(GpuClaim(device_id, path, fd))
+            if len(held) == count:
+                return held
+        for claim in held:
+            os.close(claim.fd)  # not enough: let the others have them meanwhile
         if time.monotonic() >= deadline:
             raise GpuSlotError(
-                f"every GPU of {list(device_ids)} is held by another worker (locks in "
-                f"{slot_dir}); give the pool more GPUs or fewer replicas"
+                f"fewer than {count} GPUs of {list(device_ids)} are free of other workers "
+                f"(locks in {slot_dir}); give the pool more GPUs or fewer replicas"
             )
         time.sleep(1.0)
 
 
-def _claim_for_worker(env: dict[str, str]) -> None:
+def claim_gpu(device_ids: Sequence[str], slot_dir: Path, wait_s: float) -> GpuClaim:
+    """One GPU (`claim_gpus` with a count of 1)."""
+    return claim_gpus(device_ids, 1, slot_dir, wait_s)[0]
+
+
+def _claim_for_worker(env: dict[str, str], argv: Sequence[str]) -> None:
     slot_dir = env.get("TANDEM_GPU_SLOT_DIR", "")
     if not slot_dir:
         return
@@ -140,10 +159,13 @@ def _claim_for_worker(env: dict[str, str]) -> None:
     if not devices:
         print("entrypoint: no GPU visible; not claiming one", file=sys.stderr, flush=True)
         return
-    claim = claim_gpu(devices, Path(slot_dir), float(env.get("TANDEM_GPU_SLOT_WAIT_S", "600")))
-    os.set_inheritable(claim.fd, True)
-    env["CUDA_VISIBLE_DEVICES"] = claim.device_id
-    print(f"entrypoint: claimed GPU {claim.device_id}", file=sys.stderr, flush=True)
+    count = world_size_from_argv(argv)
+    wait_s = float(env.get("TANDEM_GPU_SLOT_WAIT_S", "600"))
+    claims = claim_gpus(devices, count, Path(slot_dir), wait_s)
+    for claim in claims:
+        os.set_inheritable(claim.fd, True)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(c.device_id for c in claims)
+    print(f"entrypoint: claimed GPUs {env['CUDA_VISIBLE_DEVICES']}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- probes
@@ -211,7 +233,7 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ)
     if command in SERVICES:
         if command in _WORKERS:
-            _claim_for_worker(env)
+            _claim_for_worker(env, rest)
         os.execve(sys.executable, [sys.executable, "-m", SERVICES[command], *rest], env)
     if command in TANDEM_COMMANDS:
         os.execve(sys.executable, [sys.executable, "-m", "tandem.cli", command, *rest], env)

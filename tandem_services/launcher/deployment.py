@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import IO
 
 from tandem.channels import PLAINTEXT, TlsConfig
+from tandem.config import world_size_from_argv
 from tandem.directory.factory import DirectoryConfig
 from tandem_services.common.tls import tls_argv
 
@@ -141,17 +142,6 @@ class WorkerCommand:
         return args[args.index("--device") + 1] if "--device" in args else "auto"
 
 
-def ranks_per_worker(worker_args: Sequence[str]) -> int:
-    """TP x PP of the workers' engine flags."""
-    import argparse
-
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    ns, _ = p.parse_known_args(list(worker_args))
-    return max(ns.tensor_parallel_size, 1) * max(ns.pipeline_parallel_size, 1)
-
-
 def worker_gpus(gpus: Sequence[int], num_workers: int, ranks: int) -> list[int]:
     """The first GPU of each worker: worker i takes the next `ranks` GPUs of `gpus` (round
     robin), which must be consecutive indices (its ranks run on first, first + 1, ...)."""
@@ -175,7 +165,9 @@ def worker_commands(config: ServeConfig, scheduler_address: str) -> list[WorkerC
     share) unless the worker args set it or a device."""
     roles = config.worker_roles
     shared = list(config.worker_args)
-    firsts = worker_gpus(config.gpus, len(roles), ranks_per_worker(shared)) if config.gpus else []
+    firsts = (
+        worker_gpus(config.gpus, len(roles), world_size_from_argv(shared)) if config.gpus else []
+    )
     core_sets: list[str] = []
     if "--num-threads" not in shared and "--device" not in shared and not config.gpus:
         threads = default_cpu_threads(len(roles))

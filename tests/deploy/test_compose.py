@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -345,3 +346,24 @@ def test_compose_tls_override_mounts_the_certificates_in_every_service(
         assert ns.tls_server_name == "tandem.internal"
     # The base file's environment is kept (merged, not replaced).
     assert model["services"]["decode"]["environment"]["TANDEM_GPU_SLOT_DIR"]
+
+
+def test_a_parallel_worker_claims_as_many_gpus_as_ranks(tmp_path: Path) -> None:
+    from tandem.config import world_size_from_argv
+    from tandem_services.common.entrypoint import claim_gpus
+
+    count = world_size_from_argv(["--model", "m", "-tp", "2", "--pipeline-parallel-size", "1"])
+    assert count == 2
+    first = claim_gpus(["GPU-a", "GPU-b", "GPU-c"], count, tmp_path, wait_s=0.0)
+    try:
+        assert len({c.device_id for c in first}) == 2
+        # One GPU is left: a second two-rank replica holds none and says why.
+        with pytest.raises(GpuSlotError, match="fewer than 2 GPUs"):
+            claim_gpus(["GPU-a", "GPU-b", "GPU-c"], 2, tmp_path, wait_s=0.0)
+        left = claim_gpus(["GPU-a", "GPU-b", "GPU-c"], 1, tmp_path, wait_s=0.0)
+        assert {left[0].device_id} | {c.device_id for c in first} == {"GPU-a", "GPU-b", "GPU-c"}
+        with pytest.raises(GpuSlotError, match="needs 4 GPUs; the pool has 3"):
+            claim_gpus(["GPU-a", "GPU-b", "GPU-c"], 4, tmp_path, wait_s=0.0)
+    finally:
+        for claim in first:
+            os.close(claim.fd)
