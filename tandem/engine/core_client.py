@@ -411,6 +411,15 @@ class AsyncMPClient(AsyncEngineCoreClient):
             self._kv_cache = open_shared_kv_cache(self.info.shared_kv_cache)
         return self._kv_cache
 
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Every rank's KV cache, opened in this process, in rank order (one for an engine of
+        one rank; needs share_kv_cache)."""
+        assert self.info is not None
+        shared = self.info.shared_kv_caches
+        if len(shared) <= 1:
+            return [self.kv_cache()]
+        return [open_shared_kv_cache(s) for s in shared]
+
     def kv_cache_ipc_handle(self) -> tuple[Any, ...] | None:
         """The CUDA IPC handle (`_share_cuda_()` tuple) of the engine's KV cache, if any."""
         shared = self.info.shared_kv_cache if self.info is not None else None

@@ -80,10 +80,14 @@ class EngineInfo:
     eos_token_id: int | None
     model_path: str
     kv_device: str
+    # Rank 0's cache, and every rank's in rank order (one engine of several ranks).
     shared_kv_cache: SharedKVCache | None
+    shared_kv_caches: tuple[SharedKVCache, ...] = ()
 
     @classmethod
-    def of(cls, engine: EngineCore, pid: int, shared: SharedKVCache | None) -> EngineInfo:
+    def of(
+        cls, engine: EngineCore, pid: int, shared: tuple[SharedKVCache, ...] | None
+    ) -> EngineInfo:
         return cls(
             pid=pid,
             block_size=engine.block_size,
@@ -93,7 +97,8 @@ class EngineInfo:
             eos_token_id=engine.eos_token_id,
             model_path=str(engine.model_path),
             kv_device=engine.executor.device.type,
-            shared_kv_cache=shared,
+            shared_kv_cache=shared[0] if shared else None,
+            shared_kv_caches=shared or (),
         )
 
 
@@ -101,9 +106,10 @@ class _Stop:
     pass
 
 
-def share_kv_cache(engine: EngineCore) -> SharedKVCache:
-    """Export the engine's KV cache (rank 0's, where it lives); call before the first step."""
-    return engine.executor.export_kv_cache()
+def share_kv_caches(engine: EngineCore) -> tuple[SharedKVCache, ...]:
+    """Export every rank's KV cache, in rank order (from the processes they live in); call
+    before the first step."""
+    return engine.executor.export_kv_caches()
 
 
 class EngineCoreProc:
@@ -279,7 +285,7 @@ def run_engine_core(
         )
     try:
         engine = EngineCore(config)
-        shared = share_kv_cache(engine) if options.share_kv_cache else None
+        shared = share_kv_caches(engine) if options.share_kv_cache else None
         info = EngineInfo.of(engine, os.getpid(), shared)
     except BaseException as exc:
         with contextlib.suppress(Exception):

@@ -76,6 +76,10 @@ class Executor(ABC):
             raise RuntimeError("the executor holds no KV cache")
         return export_kv_cache(cache)
 
+    def export_kv_caches(self) -> tuple[SharedKVCache, ...]:
+        """Every rank's KV cache, in rank order, for another process of this host."""
+        return (self.export_kv_cache(),)
+
     @property
     def model_runner(self) -> ModelRunner:
         """Rank 0's runner, where it lives in this process."""

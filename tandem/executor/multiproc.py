@@ -450,6 +450,13 @@ class MultiprocExecutor(Executor):
             self._shared_kv = shared
         return shared
 
+    def export_kv_caches(self) -> tuple[SharedKVCache, ...]:
+        if self.config.parallel.nnodes > 1:
+            raise RuntimeError("ranks on other hosts cannot share their KV caches with this one")
+        shared = tuple(self.collective_rpc("export_kv_cache"))
+        self._shared_kv = shared[0]
+        return shared
+
     # ----------------------------------------------------------------- collective
 
     def determine_num_blocks(self) -> int:

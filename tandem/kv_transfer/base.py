@@ -39,36 +39,60 @@ class KVTransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape and dtype of one KV cache block; sender and receiver must agree."""
+    """Shape and dtype of one KV cache block; sender and receiver must agree.
+
+    An engine of several ranks (tensor / pipeline parallel) has one cache per rank, each
+    holding its share of every block (its KV heads, its stage's layers); `num_ranks` > 1 says
+    a block's bytes are those shares in rank order, each of `block_shape`."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_size: int
     dtype: str
+    num_ranks: int = 1
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor) -> KVLayout:
-        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+    def of(cls, kv_cache: torch.Tensor | Sequence[torch.Tensor]) -> KVLayout:
+        caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(kv_cache)
+        first = caches[0]
+        if first.dim() != 6 or first.shape[2] != 2:
             raise ValueError(
                 "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
-                f"head_size], got {tuple(kv_cache.shape)}"
+                f"head_size], got {tuple(first.shape)}"
             )
-        _, num_layers, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        for other in caches[1:]:
+            if other.shape != first.shape or other.dtype != first.dtype:
+                raise ValueError(
+                    "the ranks' KV caches differ in shape or dtype "
+                    f"({tuple(first.shape)} {first.dtype} vs {tuple(other.shape)} "
+                    f"{other.dtype}): their blocks cannot move as one"
+                )
+        _, num_layers, _, block_size, num_kv_heads, head_size = first.shape
         return cls(
-            num_layers, block_size, num_kv_heads, head_size, str(kv_cache.dtype).split(".")[-1]
+            num_layers,
+            block_size,
+            num_kv_heads,
+            head_size,
+            str(first.dtype).split(".")[-1],
+            num_ranks=len(caches),
         )
 
     @property
     def block_shape(self) -> tuple[int, ...]:
+        """One rank's share of a block."""
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_size)
+
+    @functools.cached_property
+    def rank_bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return int(np.prod(self.block_shape)) * itemsize
 
     @functools.cached_property
     def bytes_per_block(self) -> int:
         # Cached: a session asks once per request (cached_property writes the instance's
         # __dict__, so the frozen dataclass's fields, equality and hash are untouched).
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return int(np.prod(self.block_shape)) * itemsize
+        return self.rank_bytes_per_block * self.num_ranks
 
 
 @dataclass(frozen=True)
@@ -173,34 +197,27 @@ class DirectEngine:
 
 
 class KVCacheView:
-    """Byte-level reads and writes of whole blocks of one KV cache tensor (on the host)."""
+    """Byte-level reads and writes of whole blocks of one KV cache tensor (on the host), or of
+    several ranks' caches as one (see `KVLayout.num_ranks`): a run's bytes are each rank's
+    bytes of the run, in rank order."""
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = kv_cache
-        self.layout = KVLayout.of(kv_cache)
-        self.num_blocks = kv_cache.shape[0]
-        if kv_cache.device.type == "cpu":
-            self._bytes: np.ndarray | None = (
-                kv_cache.view(torch.uint8).numpy().reshape(self.num_blocks, -1)
-            )
-        else:
-            self._bytes = None
+    def __init__(self, kv_cache: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(kv_cache)
+        self.layout = KVLayout.of(caches)
+        self.kv_cache = caches[0]
+        self.num_blocks = caches[0].shape[0]
+        self.ranks = [_RankView(c, self.layout) for c in caches]
 
     def _check(self, block_ids: Sequence[int]) -> None:
         if any(b < 0 or b >= self.num_blocks for b in block_ids):
             raise KVTransferError(f"block ids out of range [0, {self.num_blocks}): {block_ids}")
 
     def read(self, block_ids: Sequence[int]) -> bytes:
-        """The bytes of `block_ids`, concatenated in that order."""
+        """The bytes of `block_ids`, concatenated in that order (per rank, in rank order)."""
         self._check(block_ids)
-        if self._bytes is not None:
-            first = block_ids[0]
-            if list(block_ids) == list(range(first, first + len(block_ids))):
-                return self._bytes[first : first + len(block_ids)].tobytes()
-            return self._bytes[np.asarray(block_ids)].tobytes()
-        idx = torch.as_tensor(list(block_ids), device=self.kv_cache.device)
-        blocks = self.kv_cache.index_select(0, idx).contiguous().cpu()
-        return blocks.view(torch.uint8).numpy().tobytes()
+        if len(self.ranks) == 1:
+            return self.ranks[0].read(block_ids)
+        return b"".join(rank.read(block_ids) for rank in self.ranks)
 
     def write(self, first_block_id: int, num_blocks: int, data: bytes) -> None:
         """Overwrite blocks `first_block_id ..+num_blocks` with `data`."""
@@ -210,6 +227,36 @@ class KVCacheView:
             raise KVTransferError(
                 f"a run of {num_blocks} blocks needs {expected} bytes, got {len(data)}"
             )
+        share = num_blocks * self.layout.rank_bytes_per_block
+        view = memoryview(data)
+        for i, rank in enumerate(self.ranks):
+            rank.write(first_block_id, num_blocks, view[i * share : (i + 1) * share])
+
+
+class _RankView:
+    """One rank's cache: its blocks' bytes."""
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.num_blocks = kv_cache.shape[0]
+        self._bytes: np.ndarray | None = (
+            kv_cache.view(torch.uint8).numpy().reshape(self.num_blocks, -1)
+            if kv_cache.device.type == "cpu"
+            else None
+        )
+
+    def read(self, block_ids: Sequence[int]) -> bytes:
+        if self._bytes is not None:
+            first = block_ids[0]
+            if list(block_ids) == list(range(first, first + len(block_ids))):
+                return self._bytes[first : first + len(block_ids)].tobytes()
+            return self._bytes[np.asarray(block_ids)].tobytes()
+        idx = torch.as_tensor(list(block_ids), device=self.kv_cache.device)
+        blocks = self.kv_cache.index_select(0, idx).contiguous().cpu()
+        return blocks.view(torch.uint8).numpy().tobytes()
+
+    def write(self, first_block_id: int, num_blocks: int, data: bytes | memoryview) -> None:
         src = np.frombuffer(data, dtype=np.uint8).reshape(num_blocks, -1)
         if self._bytes is not None:
             self._bytes[first_block_id : first_block_id + num_blocks] = src
@@ -236,7 +283,9 @@ class KVConnector(abc.ABC):
     prefill finished with its KV held, then `release` frees the held blocks.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, engine: EngineHandle) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor | Sequence[torch.Tensor], engine: EngineHandle
+    ) -> None:
         self.cache = KVCacheView(kv_cache)
         self.layout = self.cache.layout
         self.engine = engine

@@ -27,15 +27,15 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"~\n\tKVHandoff\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"w\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.EngineRequest\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\x12%\n\x07handoff\x18\x03 \x01(\x0b\x32\x14.tandem.v1.KVHandoff\"\x11\n\x0fPrefillResponse\"P\n\x0eReserveRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.EngineRequest\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\"?\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\"j\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x05\x12\x11\n\thead_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\x7f\n\nKVBlockRun\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_block_id\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12#\n\x06layout\x18\x05 \x01(\x0b\x32\x13.tandem.v1.KVLayout\":\n\x11ReceiveKVResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\"e\n\x10\x43onnectKVRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVLayout\"\xa2\x02\n\rCudaIpcHandle\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12\x12\n\nmem_handle\x18\x03 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x04 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x05 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\r\n\x05shape\x18\n \x03(\x03\x12\x0e\n\x06stride\x18\x0b \x03(\x03\x12\x16\n\x0estorage_offset\x18\x0c \x01(\x03\"I\n\x0eNcclRendezvous\x12\x12\n\nstore_port\x18\x01 \x01(\x05\x12\x12\n\ngroup_name\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"\x99\x01\n\x11\x43onnectKVResponse\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12,\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x18.tandem.v1.CudaIpcHandleH\x00\x12)\n\x04nccl\x18\x03 \x01(\x0b\x32\x19.tandem.v1.NcclRendezvousH\x00\x42\x06\n\x04info\"\xda\x01\n\x0eKVWriteMessage\x12&\n\x05phase\x18\x01 \x01(\x0e\x32\x17.tandem.v1.KVWritePhase\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x17\n\x0f\x66irst_block_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_blocks\x18\x06 \x03(\x05\x12\x11\n\tnum_bytes\x18\x07 \x01(\x03\x12%\n\x05items\x18\x08 \x03(\x0b\x32\x16.tandem.v1.KVWriteItem\"p\n\x0bKVWriteItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66irst_block_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_blocks\x18\x03 \x03(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x11\n\tnum_bytes\x18\x05 \x01(\x03\"A\n\x13\x41\x64\x64PrefilledRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\"\x16\n\x14\x41\x64\x64PrefilledResponse\"\x0e\n\x0cStatsRequest\"+\n\x14StreamOutputsRequest\x12\x13\n\x0b\x64\x65stination\x18\x01 \x01(\t\"\x9d\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0coutput_index\x18\x02 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x17\n\x0finvalid_request\x18\t \x01(\x08\x42\x10\n\x0e_stop_token_id\"8\n\x0bStepOutputs\x12)\n\x07outputs\x18\x01 \x03(\x0b\x32\x18.tandem.v1.RequestOutput*{\n\x0cKVWritePhase\x12\x1e\n\x1aKV_WRITE_PHASE_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_WRITE_PHASE_BEGIN\x10\x01\x12\x18\n\x14KV_WRITE_PHASE_READY\x10\x02\x12\x17\n\x13KV_WRITE_PHASE_DONE\x10\x03\x32\xf0\x04\n\x06Worker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12\x42\n\tReceiveKV\x12\x15.tandem.v1.KVBlockRun\x1a\x1c.tandem.v1.ReceiveKVResponse(\x01\x12\x46\n\tConnectKV\x12\x1b.tandem.v1.ConnectKVRequest\x1a\x1c.tandem.v1.ConnectKVResponse\x12\x43\n\x07WriteKV\x12\x19.tandem.v1.KVWriteMessage\x1a\x19.tandem.v1.KVWriteMessage(\x01\x30\x01\x12O\n\x0c\x41\x64\x64Prefilled\x12\x1e.tandem.v1.AddPrefilledRequest\x1a\x1f.tandem.v1.AddPrefilledResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12J\n\rStreamOutputs\x12\x1f.tandem.v1.StreamOutputsRequest\x1a\x16.tandem.v1.StepOutputs0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"~\n\tKVHandoff\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"w\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.EngineRequest\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\x12%\n\x07handoff\x18\x03 \x01(\x0b\x32\x14.tandem.v1.KVHandoff\"\x11\n\x0fPrefillResponse\"P\n\x0eReserveRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.EngineRequest\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\"?\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\"}\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x05\x12\x11\n\thead_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tnum_ranks\x18\x06 \x01(\x05\"\x7f\n\nKVBlockRun\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_block_id\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12#\n\x06layout\x18\x05 \x01(\x0b\x32\x13.tandem.v1.KVLayout\":\n\x11ReceiveKVResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\"e\n\x10\x43onnectKVRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVLayout\"\xa2\x02\n\rCudaIpcHandle\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12\x12\n\nmem_handle\x18\x03 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x04 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x05 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\r\n\x05shape\x18\n \x03(\x03\x12\x0e\n\x06stride\x18\x0b \x03(\x03\x12\x16\n\x0estorage_offset\x18\x0c \x01(\x03\"I\n\x0eNcclRendezvous\x12\x12\n\nstore_port\x18\x01 \x01(\x05\x12\x12\n\ngroup_name\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"\x99\x01\n\x11\x43onnectKVResponse\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12,\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x18.tandem.v1.CudaIpcHandleH\x00\x12)\n\x04nccl\x18\x03 \x01(\x0b\x32\x19.tandem.v1.NcclRendezvousH\x00\x42\x06\n\x04info\"\xda\x01\n\x0eKVWriteMessage\x12&\n\x05phase\x18\x01 \x01(\x0e\x32\x17.tandem.v1.KVWritePhase\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x17\n\x0f\x66irst_block_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_blocks\x18\x06 \x03(\x05\x12\x11\n\tnum_bytes\x18\x07 \x01(\x03\x12%\n\x05items\x18\x08 \x03(\x0b\x32\x16.tandem.v1.KVWriteItem\"p\n\x0bKVWriteItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66irst_block_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_blocks\x18\x03 \x03(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x11\n\tnum_bytes\x18\x05 \x01(\x03\"A\n\x13\x41\x64\x64PrefilledRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\"\x16\n\x14\x41\x64\x64PrefilledResponse\"\x0e\n\x0cStatsRequest\"+\n\x14StreamOutputsRequest\x12\x13\n\x0b\x64\x65stination\x18\x01 \x01(\t\"\x9d\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0coutput_index\x18\x02 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x17\n\x0finvalid_request\x18\t \x01(\x08\x42\x10\n\x0e_stop_token_id\"8\n\x0bStepOutputs\x12)\n\x07outputs\x18\x01 \x03(\x0b\x32\x18.tandem.v1.RequestOutput*{\n\x0cKVWritePhase\x12\x1e\n\x1aKV_WRITE_PHASE_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_WRITE_PHASE_BEGIN\x10\x01\x12\x18\n\x14KV_WRITE_PHASE_READY\x10\x02\x12\x17\n\x13KV_WRITE_PHASE_DONE\x10\x03\x32\xf0\x04\n\x06Worker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12\x42\n\tReceiveKV\x12\x15.tandem.v1.KVBlockRun\x1a\x1c.tandem.v1.ReceiveKVResponse(\x01\x12\x46\n\tConnectKV\x12\x1b.tandem.v1.ConnectKVRequest\x1a\x1c.tandem.v1.ConnectKVResponse\x12\x43\n\x07WriteKV\x12\x19.tandem.v1.KVWriteMessage\x1a\x19.tandem.v1.KVWriteMessage(\x01\x30\x01\x12O\n\x0c\x41\x64\x64Prefilled\x12\x1e.tandem.v1.AddPrefilledRequest\x1a\x1f.tandem.v1.AddPrefilledResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12J\n\rStreamOutputs\x12\x1f.tandem.v1.StreamOutputsRequest\x1a\x16.tandem.v1.StepOutputs0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVWRITEPHASE']._serialized_start=2233
-  _globals['_KVWRITEPHASE']._serialized_end=2356
+  _globals['_KVWRITEPHASE']._serialized_start=2252
+  _globals['_KVWRITEPHASE']._serialized_end=2375
   _globals['_KVHANDOFF']._serialized_start=61
   _globals['_KVHANDOFF']._serialized_end=187
   _globals['_PREFILLREQUEST']._serialized_start=189
@@ -47,35 +47,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVERESPONSE']._serialized_start=411
   _globals['_RESERVERESPONSE']._serialized_end=474
   _globals['_KVLAYOUT']._serialized_start=476
-  _globals['_KVLAYOUT']._serialized_end=582
-  _globals['_KVBLOCKRUN']._serialized_start=584
-  _globals['_KVBLOCKRUN']._serialized_end=711
-  _globals['_RECEIVEKVRESPONSE']._serialized_start=713
-  _globals['_RECEIVEKVRESPONSE']._serialized_end=771
-  _globals['_CONNECTKVREQUEST']._serialized_start=773
-  _globals['_CONNECTKVREQUEST']._serialized_end=874
-  _globals['_CUDAIPCHANDLE']._serialized_start=877
-  _globals['_CUDAIPCHANDLE']._serialized_end=1167
-  _globals['_NCCLRENDEZVOUS']._serialized_start=1169
-  _globals['_NCCLRENDEZVOUS']._serialized_end=1242
-  _globals['_CONNECTKVRESPONSE']._serialized_start=1245
-  _globals['_CONNECTKVRESPONSE']._serialized_end=1398
-  _globals['_KVWRITEMESSAGE']._serialized_start=1401
-  _globals['_KVWRITEMESSAGE']._serialized_end=1619
-  _globals['_KVWRITEITEM']._serialized_start=1621
-  _globals['_KVWRITEITEM']._serialized_end=1733
-  _globals['_ADDPREFILLEDREQUEST']._serialized_start=1735
-  _globals['_ADDPREFILLEDREQUEST']._serialized_end=1800
-  _globals['_ADDPREFILLEDRESPONSE']._serialized_start=1802
-  _globals['_ADDPREFILLEDRESPONSE']._serialized_end=1824
-  _globals['_STATSREQUEST']._serialized_start=1826
-  _globals['_STATSREQUEST']._serialized_end=1840
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=1842
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=1885
-  _globals['_REQUESTOUTPUT']._serialized_start=1888
-  _globals['_REQUESTOUTPUT']._serialized_end=2173
-  _globals['_STEPOUTPUTS']._serialized_start=2175
-  _globals['_STEPOUTPUTS']._serialized_end=2231
-  _globals['_WORKER']._serialized_start=2359
-  _globals['_WORKER']._serialized_end=2983
+  _globals['_KVLAYOUT']._serialized_end=601
+  _globals['_KVBLOCKRUN']._serialized_start=603
+  _globals['_KVBLOCKRUN']._serialized_end=730
+  _globals['_RECEIVEKVRESPONSE']._serialized_start=732
+  _globals['_RECEIVEKVRESPONSE']._serialized_end=790
+  _globals['_CONNECTKVREQUEST']._serialized_start=792
+  _globals['_CONNECTKVREQUEST']._serialized_end=893
+  _globals['_CUDAIPCHANDLE']._serialized_start=896
+  _globals['_CUDAIPCHANDLE']._serialized_end=1186
+  _globals['_NCCLRENDEZVOUS']._serialized_start=1188
+  _globals['_NCCLRENDEZVOUS']._serialized_end=1261
+  _globals['_CONNECTKVRESPONSE']._serialized_start=1264
+  _globals['_CONNECTKVRESPONSE']._serialized_end=1417
+  _globals['_KVWRITEMESSAGE']._serialized_start=1420
+  _globals['_KVWRITEMESSAGE']._serialized_end=1638
+  _globals['_KVWRITEITEM']._serialized_start=1640
+  _globals['_KVWRITEITEM']._serialized_end=1752
+  _globals['_ADDPREFILLEDREQUEST']._serialized_start=1754
+  _globals['_ADDPREFILLEDREQUEST']._serialized_end=1819
+  _globals['_ADDPREFILLEDRESPONSE']._serialized_start=1821
+  _globals['_ADDPREFILLEDRESPONSE']._serialized_end=1843
+  _globals['_STATSREQUEST']._serialized_start=1845
+  _globals['_STATSREQUEST']._serialized_end=1859
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=1861
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=1904
+  _globals['_REQUESTOUTPUT']._serialized_start=1907
+  _globals['_REQUESTOUTPUT']._serialized_end=2192
+  _globals['_STEPOUTPUTS']._serialized_start=2194
+  _globals['_STEPOUTPUTS']._serialized_end=2250
+  _globals['_WORKER']._serialized_start=2378
+  _globals['_WORKER']._serialized_end=3002
 # @@protoc_insertion_point(module_scope)

@@ -66,18 +66,20 @@ class ReserveResponse(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_size", "dtype")
+    __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_size", "dtype", "num_ranks")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_size: int
     dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    num_ranks: int
+    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_ranks: _Optional[int] = ...) -> None: ...
 
 class KVBlockRun(_message.Message):
     __slots__ = ("request_id", "first_block_id", "num_blocks", "data", "layout")

@@ -24,7 +24,7 @@ import grpc
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
 from tandem.engine.serial import Piggyback
-from tandem.kv_transfer.placement import host_id
+from tandem.kv_transfer.placement import TCP, host_id
 from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tandem_services.common.entrypoint import reachable_address
 from tandem_services.common.metrics import start_metrics_server
@@ -37,7 +37,7 @@ from tandem_services.common.server import (
 from tandem_services.worker import core as m
 from tandem_services.worker.config import WorkerServiceConfig
 from tandem_services.worker.kv_tcp import TcpKVConnector
-from tandem_services.worker.kv_transports import worker_transports
+from tandem_services.worker.kv_transports import KVTransports, worker_transports
 from tandem_services.worker.metrics import MeteredKVTransports, WorkerMetrics
 from tandem_services.worker.prefix_publishing import (
     CacheMirror,
@@ -204,18 +204,21 @@ async def serve(config: WorkerServiceConfig) -> int:
     core.start()
     connector = None
     if role.has_kv_connector:
-        kv_cache = client.kv_cache()
+        kv_caches = client.kv_caches()
         tcp = TcpKVConnector(
-            kv_cache, client, config.kv_max_message_bytes, config.rpc_timeout_s, tls=config.tls
+            kv_caches, client, config.kv_max_message_bytes, config.rpc_timeout_s, tls=config.tls
         )
         # TCP, and CUDA IPC / NCCL (gloo on CPU) where this process can; the scheduler picks
-        # one per pair and names it in each hand-off.
-        connector = MeteredKVTransports(
-            worker_transports(
-                kv_cache, client, tcp, config.worker_id, config.rpc_timeout_s, tls=config.tls
-            ),
-            metrics,
+        # one per pair and names it in each hand-off. An engine of several ranks moves each
+        # rank's share of a block to the same rank of the peer: over TCP only, today.
+        transports = (
+            KVTransports({TCP: tcp})
+            if len(kv_caches) > 1
+            else worker_transports(
+                kv_caches[0], client, tcp, config.worker_id, config.rpc_timeout_s, tls=config.tls
+            )
         )
+        connector = MeteredKVTransports(transports, metrics)
         core.connector = connector
 
     servicer = WorkerServicer(role, config.worker_id, core, client, info.eos_token_id, connector)

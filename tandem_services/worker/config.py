@@ -68,12 +68,10 @@ class WorkerServiceConfig:
             raise WorkerConfigError("engine_stall_timeout_s must be >= 0")
         if self.kv_max_message_bytes < 1024:
             raise WorkerConfigError("kv_max_message_bytes must be >= 1024")
-        ranks = self.engine.parallel.world_size
-        if ranks > 1 and self.role != "unified":
+        if self.engine.parallel.nnodes > 1 and self.role != "unified":
             raise WorkerConfigError(
-                f"a {self.role} worker hands KV over from one rank's cache; at "
-                f"tensor_parallel_size x pipeline_parallel_size = {ranks} run --unified "
-                "workers (the per-rank hand-off is not built yet)"
+                f"a {self.role} worker hands KV over from its ranks' caches, which must be on "
+                f"its host; nnodes {self.engine.parallel.nnodes} runs --unified workers only"
             )
 
 

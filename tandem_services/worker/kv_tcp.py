@@ -50,11 +50,19 @@ def layout_to_proto(layout: KVLayout) -> worker_pb2.KVLayout:
         num_kv_heads=layout.num_kv_heads,
         head_size=layout.head_size,
         dtype=layout.dtype,
+        num_ranks=layout.num_ranks,
     )
 
 
 def layout_from_proto(msg: worker_pb2.KVLayout) -> KVLayout:
-    return KVLayout(msg.num_layers, msg.block_size, msg.num_kv_heads, msg.head_size, msg.dtype)
+    return KVLayout(
+        msg.num_layers,
+        msg.block_size,
+        msg.num_kv_heads,
+        msg.head_size,
+        msg.dtype,
+        num_ranks=max(msg.num_ranks, 1),
+    )
 
 
 class TcpKVConnector(KVConnector):

@@ -1,7 +1,8 @@
-"""A unified worker whose engine runs tensor parallel (three rank processes over gloo, the
-embedded model's 9 heads and 3 KV heads split one KV head per rank): the served outputs equal
-the offline one-rank outputs, greedy and seeded, over gRPC and the OpenAI API. Disaggregated
-workers of several ranks are refused at start, naming why."""
+"""Workers whose engines run tensor parallel (three rank processes over gloo, the embedded
+model's 9 heads and 3 KV heads split one KV head per rank), unified and disaggregated (the
+prefill worker's ranks hand each its share of every block to the same rank of the decode
+worker, over TCP): the served outputs equal the offline one-rank outputs, greedy and seeded,
+over gRPC and the OpenAI API. A disaggregated worker whose ranks span hosts is refused."""
 
 from __future__ import annotations
 
@@ -20,10 +21,16 @@ from tests.service.test_serving import (  # noqa: F401 (run here against a TP de
 )
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    logs = tmp_path_factory.mktemp("logs-tp3")
-    dep = launch(logs, unified=True, worker_args=(*WORKER_ARGS, "--tensor-parallel-size", "3"))
+@pytest.fixture(scope="module", params=["unified", "disaggregated"])
+def deployment(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    logs = tmp_path_factory.mktemp(f"logs-tp3-{request.param}")
+    dep = launch(
+        logs,
+        unified=request.param == "unified",
+        worker_args=(*WORKER_ARGS, "--tensor-parallel-size", "3"),
+    )
     try:
         yield dep
     finally:
@@ -39,9 +46,9 @@ def test_pools_whole_after_parallel_serving(deployment: Deployment) -> None:
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_disaggregated_workers_of_several_ranks_are_refused(role: str) -> None:
-    engine = EngineArgs(model="default", tensor_parallel_size=3).create_engine_config(
-        resolve=False
-    )
-    with pytest.raises(WorkerConfigError, match=f"a {role} worker .* run --unified"):
+def test_disaggregated_workers_across_hosts_are_refused(role: str) -> None:
+    engine = EngineArgs(
+        model="default", tensor_parallel_size=3, nnodes=3, master_port=29500
+    ).create_engine_config(resolve=False)
+    with pytest.raises(WorkerConfigError, match=f"a {role} worker .* --unified workers only"):
         WorkerServiceConfig(role=role, engine=engine)  # type: ignore[arg-type]

@@ -561,3 +561,30 @@ def test_handshakes_travel_in_connect_kv_field_for_field() -> None:
     assert fields == set(CudaIpcHandle.__dataclass_fields__)
     fields = {f.name for f in worker_pb2.NcclRendezvous.DESCRIPTOR.fields}
     assert fields == set(NcclRendezvous.__dataclass_fields__)
+
+
+def test_ranked_cache_view_moves_each_ranks_share_to_the_same_rank() -> None:
+    """Several ranks' caches move as one: a run's bytes are each rank's bytes of it in rank
+    order, split again on the receiving side, rank to rank."""
+    import torch
+
+    from tandem.kv_transfer.base import KVCacheView, KVLayout, KVTransferError
+
+    shape = (6, 2, 2, 4, 1, 8)  # 6 blocks, 2 layers, K/V, 4 tokens, 1 KV head a rank, dim 8
+    src = [torch.randn(shape), torch.randn(shape)]
+    dst = [torch.zeros(shape), torch.zeros(shape)]
+    send, recv = KVCacheView(src), KVCacheView(dst)
+    assert send.layout == recv.layout == KVLayout(2, 4, 1, 8, "float32", num_ranks=2)
+    assert send.layout.bytes_per_block == 2 * send.layout.rank_bytes_per_block
+    data = send.read([4, 1])  # out of order: block 4 then block 1
+    recv.write(2, 2, data)
+    for rank in range(2):
+        assert torch.equal(dst[rank][2], src[rank][4])
+        assert torch.equal(dst[rank][3], src[rank][1])
+        assert dst[rank][[0, 1, 4, 5]].abs().sum() == 0
+    # One rank's layout never equals two ranks' (a TP = 1 peer of a TP = 2 engine).
+    assert KVCacheView(src[0]).layout != send.layout
+    with pytest.raises(KVTransferError, match="needs"):
+        recv.write(0, 1, data)
+    with pytest.raises(ValueError, match="ranks' KV caches differ"):
+        KVCacheView([torch.zeros(shape), torch.zeros((6, 1, 2, 4, 1, 8))])
