@@ -106,11 +106,11 @@ def launch(tmp: Path, unified: bool, **overrides: Any) -> Deployment:
     # The lost-worker tests of these deployments pin the failure path (a stream ends with
     # UNAVAILABLE): migration off. test_migration.py and test_chaos.py run it on.
     overrides.setdefault("frontend_args", ("--migration-limit", "0"))
+    overrides.setdefault("worker_args", WORKER_ARGS)
     config = ServeConfig(
         http_port=0,
         grpc_port=0,
         unified=unified,
-        worker_args=WORKER_ARGS,
         scheduler_args=SCHEDULER_ARGS,
         grace_period_s=GRACE_S,
         log_dir=str(tmp),
