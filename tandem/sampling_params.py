@@ -91,7 +91,8 @@ class SamplingParams:
 
     Logits processors (vLLM's names; tandem.layers.logits_processors applies them):
 
-    - `logit_bias`: token id -> a bias in [-100, 100] added to that token's logit;
+    - `logit_bias`: token id -> a bias in [-100, 100] added to that token's logit (before
+      penalties and temperature, as vLLM does: at temperature T a bias b weighs b / T);
     - `allowed_token_ids`: only these tokens may be sampled;
     - `bad_words`: words never generated. Each word is tokenized (by the frontend or `LLM`,
       `update_from_tokenizer`) with and without a leading space into `bad_words_token_ids`;

@@ -65,14 +65,17 @@ def test_engine_on_cuda_keeps_every_processor(tiny_model_path: Callable[[str], P
     assert llm.engine.async_scheduling
     prompts = [{"prompt_token_ids": [1, 50 + i, 60, 70]} for i in range(16)]
     x, y = (llm.tokenizer.encode(c, add_special_tokens=False)[0] for c in "xy")
-    params = SamplingParams(temperature=20.0, seed=1, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=40, ignore_eos=True)
     mixed = []
     for i in range(16):
         kind = i % 4
         if kind == 0:
             mixed.append(params.clone(logit_bias={77: 100}))
         elif kind == 1:
-            mixed.append(params.clone(allowed_token_ids=[x, y], bad_words=["xy"]))
+            # Near uniform over x and y (a bias is divided by the temperature; a ban is not).
+            mixed.append(
+                params.clone(temperature=20.0, allowed_token_ids=[x, y], bad_words=["xy"])
+            )
         elif kind == 2:
             mixed.append(params.clone(extra_args={"force_token_id": 99}))
         else:
