@@ -73,9 +73,7 @@ def test_engine_on_cuda_keeps_every_processor(tiny_model_path: Callable[[str], P
             mixed.append(params.clone(logit_bias={77: 100}))
         elif kind == 1:
             # Near uniform over x and y (a bias is divided by the temperature; a ban is not).
-            mixed.append(
-                params.clone(temperature=20.0, allowed_token_ids=[x, y], bad_words=["xy"])
-            )
+            mixed.append(params.clone(temperature=20.0, allowed_token_ids=[x, y], bad_words=["xy"]))
         elif kind == 2:
             mixed.append(params.clone(extra_args={"force_token_id": 99}))
         else:
