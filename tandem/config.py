@@ -549,6 +549,36 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class SamplerConfig:
+    """The sampler (`tandem.layers.sampler`): custom batch-level logits processors
+    (`tandem.layers.logits_processors.LogitsProcessor` subclasses), applied after the built-in
+    ones (logit_bias, allowed_token_ids, bad_words) to every step's sampling rows."""
+
+    logits_processors: tuple[str | type, ...] = field(
+        default=(),
+        metadata=flag(
+            "custom logits processors, each module:Class (a LogitsProcessor subclass)",
+            type=str,
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        specs = self.logits_processors
+        if isinstance(specs, str | type):
+            specs = (specs,)
+        specs = tuple(specs)
+        for spec in specs:
+            if isinstance(spec, str):
+                if not spec.strip(". :") or spec.count(":") > 1:
+                    raise ConfigError(f"logits_processors: {spec!r} is not module:Class")
+            elif not isinstance(spec, type):
+                raise ConfigError(
+                    f"logits_processors: {spec!r} is neither a class nor a module:Class string"
+                )
+        object.__setattr__(self, "logits_processors", specs)
+
+
+@dataclass(frozen=True)
 class QuantizationConfig:
     """Weight / activation quantization methods: none yet."""
 
@@ -566,6 +596,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
 
     @property
     def is_resolved(self) -> bool:
@@ -591,6 +622,7 @@ _SECTIONS: dict[str, type] = {
     "speculative": SpeculativeConfig,
     "structured_outputs": StructuredOutputsConfig,
     "quantization": QuantizationConfig,
+    "sampler": SamplerConfig,
 }
 
 
@@ -642,8 +674,9 @@ def _engine_args_class() -> type:
     made.__module__ = __name__
     made.__doc__ = (
         "Flat engine arguments, as the CLI and `LLM(...)` take them: every settable field of "
-        "ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig (and the "
-        "empty speculative / structured-output / quantization configs), same names and "
+        "ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig, "
+        "StructuredOutputsConfig, SamplerConfig (and the empty speculative / quantization "
+        "configs), same names and "
         "defaults. `create_engine_config()` builds and resolves the config tree."
     )
     return made
@@ -738,7 +771,12 @@ def add_engine_args(
         elif ef.is_tuple:
             (item,) = {a for a in typing.get_args(ef.hint) if a is not Ellipsis}
             group.add_argument(
-                *names, dest=ef.dest, nargs="+", type=item, default=default, help=help_text
+                *names,
+                dest=ef.dest,
+                nargs="+",
+                type=ef.flag.type or item,
+                default=default,
+                help=help_text,
             )
         else:
             choices, kind = _choices_and_type(ef.hint)
@@ -786,7 +824,7 @@ def engine_argv(
         if ef.is_bool:
             argv.append(ef.option if value else "--no-" + ef.option[2:])
         elif ef.is_tuple:
-            argv += [ef.option, *map(str, value)]
+            argv += [ef.option, *map(_flag_value, value)]
         else:
             argv += [ef.option, str(value)]
     return argv
@@ -798,6 +836,13 @@ def _choices_and_type(hint: Any) -> tuple[list[str] | None, Callable[[str], Any]
     if hint in (int, float, str):
         return None, hint
     raise TypeError(f"no flag type for {hint!r}")
+
+
+def _flag_value(value: Any) -> str:
+    """A tuple flag's item on a command line (a class as its `module:Class`)."""
+    if isinstance(value, type):
+        return f"{value.__module__}:{value.__qualname__}"
+    return str(value)
 
 
 def _show(value: Any) -> str:

@@ -7,10 +7,18 @@ offline API can all build and check it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
+
+
+class _Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
 class SamplingParamsError(ValueError):
@@ -80,6 +88,20 @@ class SamplingParams:
     (presence / frequency over output tokens) and the multiplicative repetition penalty
     over prompt and output tokens. `logprobs` asks for that many top logprobs per output
     token (besides the sampled token's own); None asks for none.
+
+    Logits processors (vLLM's names; tandem.layers.logits_processors applies them):
+
+    - `logit_bias`: token id -> a bias in [-100, 100] added to that token's logit (before
+      penalties and temperature, as vLLM does: at temperature T a bias b weighs b / T);
+    - `allowed_token_ids`: only these tokens may be sampled;
+    - `bad_words`: words never generated. Each word is tokenized (by the frontend or `LLM`,
+      `update_from_tokenizer`) with and without a leading space into `bad_words_token_ids`;
+      a word's last token is banned whenever the output so far ends with the word's other
+      tokens (a one-token word is always banned);
+    - `extra_args`: free-form arguments for custom logits processors (`--logits-processors`).
+
+    Token ids are checked against the vocabulary where it is known (the engine's
+    `add_request`, the frontend's tokenizer).
     """
 
     n: int = 1
@@ -100,6 +122,12 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Set by `update_from_tokenizer`: each bad word's token sequences (one or two per word).
+    bad_words_token_ids: list[list[int]] | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -154,9 +182,101 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams")
+        self._check_logits_processors()
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters are irrelevant; normalise so the sampler can batch.
             self.temperature = 0.0
+
+    def _check_logits_processors(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise SamplingParamsError("logit_bias must be a map of token id to bias")
+            bias: dict[int, float] = {}
+            for token, value in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise SamplingParamsError(
+                        f"logit_bias keys must be non-negative token ids, got {token!r}"
+                    )
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise SamplingParamsError(
+                        f"logit_bias[{token}] must be a number, got {value!r}"
+                    )
+                if not (-MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+                    raise SamplingParamsError(
+                        f"logit_bias[{token}] must be in [-100, 100], got {value}"
+                    )
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, str | bytes) or not _is_id_list(ids):
+                raise SamplingParamsError(
+                    "allowed_token_ids must be a list of non-negative token ids"
+                )
+            if not ids:
+                raise SamplingParamsError("allowed_token_ids must not be empty (leave it out)")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, str) or not all(isinstance(w, str) for w in words):
+                raise SamplingParamsError("bad_words must be a list of strings")
+            if any(not w.strip() for w in words):
+                raise SamplingParamsError("bad_words must not contain empty words")
+            self.bad_words = list(words) or None
+        if self.bad_words_token_ids is not None:
+            seqs = self.bad_words_token_ids
+            if isinstance(seqs, str | bytes) or not all(
+                not isinstance(q, str | bytes) and _is_id_list(q) and len(q) > 0 for q in seqs
+            ):
+                raise SamplingParamsError(
+                    "bad_words_token_ids must be a list of non-empty token id lists"
+                )
+            self.bad_words_token_ids = [list(q) for q in seqs] or None
+        if self.extra_args is not None and not isinstance(self.extra_args, Mapping):
+            raise SamplingParamsError("extra_args must be a map of names to values")
+
+    def update_from_tokenizer(self, tokenizer: _Tokenizer) -> None:
+        """Tokenize `bad_words` into `bad_words_token_ids` (no-op without bad words).
+
+        A word is banned both at the start of a text and after a space: each word is
+        tokenized as written (leading spaces stripped) and with one leading space, and each
+        distinct sequence is kept (tokenizers that mark a word start, like GPT-2's BPE, give
+        two)."""
+        if not self.bad_words:
+            return
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            bare = word.lstrip()
+            for text in (bare, " " + bare):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        self.bad_words_token_ids = seqs or None
+
+    def logits_token_ids(self) -> list[tuple[str, int]]:
+        """Every token id the logits processors name, with the field naming it (to check
+        against a vocabulary)."""
+        named: list[tuple[str, int]] = []
+        if self.logit_bias:
+            named += [("logit_bias", t) for t in self.logit_bias]
+        if self.allowed_token_ids:
+            named += [("allowed_token_ids", t) for t in self.allowed_token_ids]
+        if self.bad_words_token_ids:
+            named += [("bad_words", t) for q in self.bad_words_token_ids for t in q]
+        return named
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise SamplingParamsError naming the field of a token id outside [0, vocab_size)."""
+        for name, token in self.logits_token_ids():
+            if token >= vocab_size:
+                raise SamplingParamsError(
+                    f"{name}: token id {token} is outside the vocabulary [0, {vocab_size})"
+                )
+
+    @property
+    def has_logits_rules(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or bad words apply to this request."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def is_greedy(self) -> bool:
@@ -164,13 +284,15 @@ class SamplingParams:
 
     @property
     def needs_output_history(self) -> bool:
-        """Sampling reads the output so far (penalties, min_tokens): a step of such a request
-        waits for the previous step's tokens instead of overlapping it."""
+        """Sampling reads the output so far (penalties, min_tokens, bad words of more than one
+        token): a step of such a request waits for the previous step's tokens instead of
+        overlapping it."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
             or self.min_tokens > 0
+            or any(len(q) > 1 for q in self.bad_words_token_ids or ())
         )
 
     @property
@@ -179,3 +301,10 @@ class SamplingParams:
 
     def clone(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _is_id_list(values: Any) -> bool:
+    try:
+        return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in values)
+    except TypeError:
+        return False

@@ -45,9 +45,12 @@ from tandem.core.outputs import EngineCoreOutput, GrammarBitmask, SchedulerOutpu
 from tandem.core.scheduler import Scheduler
 from tandem.executor import Executor, create_executor
 from tandem.executor.base import LaunchedStep
+from tandem.layers.logits_processors import load_logits_processors
+from tandem.layers.logits_processors.interface import processor_name
 from tandem.loader import get_eos_token_ids, load_tokenizer
 from tandem.models.presets import has_random_weights
 from tandem.request import EngineCoreRequest, Request, RequestStatus
+from tandem.sampling_params import SamplingParamsError
 from tandem.structured_output import StructuredOutputManager
 from tandem.worker.model_runner import ModelRunner
 
@@ -130,6 +133,10 @@ class EngineCore:
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         max_len = config.model.max_model_len
         self.max_model_len = max_len
+
+        # Custom logits processor classes: a ConfigError here, before the model loads, when
+        # one does not load; each request's params are checked by them (`validate_params`).
+        self.logits_processor_classes = load_logits_processors(config.sampler.logits_processors)
 
         t0 = time.perf_counter()
         self.executor: Executor = create_executor(
@@ -226,11 +233,28 @@ class EngineCore:
             or (req.request_id in sched.reserved)
         ):
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        self._validate_logits_processors(req)
         if req.sampling_params.structured_outputs is not None and not self._has_tokenizer:
             raise InvalidRequestError(
                 "structured_outputs need the model's tokenizer; this random-weight model "
                 "folder has none"
             )
+
+    def _validate_logits_processors(self, req: EngineCoreRequest) -> None:
+        params = req.sampling_params
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise InvalidRequestError(
+                "bad_words are not tokenized: call SamplingParams.update_from_tokenizer first"
+            )
+        try:
+            params.check_vocab(self.vocab_size)
+        except SamplingParamsError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        for cls in self.logits_processor_classes:
+            try:
+                cls.validate_params(params)
+            except ValueError as exc:
+                raise InvalidRequestError(f"{processor_name(cls)}: {exc}") from None
 
     def _new_request(self, req: EngineCoreRequest) -> Request:
         """The engine's request for `req`; a grammar's compile starts here (on the pool)."""

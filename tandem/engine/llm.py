@@ -26,7 +26,8 @@ class LLM:
     """Runs a model in this process with continuous batching over all submitted prompts.
 
     `LLM(model="default")` runs the embedded SmolLM2-135M-Instruct. Keyword arguments are
-    `EngineArgs` fields (`max_num_batched_tokens=`, `num_gpu_blocks=`, `dtype=`, ...).
+    `EngineArgs` fields (`max_num_batched_tokens=`, `num_gpu_blocks=`, `dtype=`, ...);
+    `logits_processors=[...]` takes `LogitsProcessor` classes or "module:Class" strings.
 
     `shutdown()` (or leaving a `with LLM(...) as llm:` block) frees the engine's device memory
     (KV cache, CUDA graphs, weights); the LLM generates nothing afterwards.
@@ -87,6 +88,16 @@ class LLM:
             return None, list(prompt)
         raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}")
 
+    def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad words tokenized (a copy; itself when there is nothing to do)."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words need the model's tokenizer; this model has none")
+        params = params.clone()
+        params.update_from_tokenizer(self.tokenizer)
+        return params
+
     # ----------------------------------------------------------------- API
 
     def generate(
@@ -120,6 +131,7 @@ class LLM:
             )
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        params_list = [self._tokenize_bad_words(p) for p in params_list]
 
         request_ids: list[str] = []
         added: list[str] = []

@@ -4,6 +4,8 @@ Order of operations on a row (each stage is skipped for the whole batch when no 
 
     raw logits ──► log_softmax ─────────────────────────────► reported logprobs
         │
+        ├─► allowed_token_ids, bad words, logit_bias (tandem.layers.logits_processors)
+        ├─► custom logits processors (--logits-processors), in order
         ├─► min_tokens: eos / stop_token_ids -> -inf while len(output) < min_tokens
         ├─► repetition penalty (prompt + output tokens), frequency / presence (output tokens)
         ├─► greedy rows: argmax
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from tandem.core.outputs import Logprobs
+from tandem.layers.logits_processors import LogitsProcessor, LogitsRules, apply_logits_rules
 from tandem.sampling_params import SamplingParams
 
 
@@ -70,6 +73,10 @@ class SamplingMetadata:
     min_tokens_token_ids: torch.Tensor | None
     # Largest `logprobs` asked for by any row; None when no row asked for logprobs.
     max_num_logprobs: int | None
+    # The rows' logit_bias / allowed_token_ids / bad words; None when no row has any.
+    logits_rules: LogitsRules | None = None
+    # Custom batch-level processors, applied to every row in order.
+    logitsprocs: tuple[LogitsProcessor, ...] = ()
 
     @property
     def no_penalties(self) -> bool:
@@ -89,11 +96,14 @@ class SamplingMetadata:
         generators: Sequence[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
+        logits_rules: LogitsRules | None = None,
+        logitsprocs: Sequence[LogitsProcessor] = (),
     ) -> SamplingMetadata:
-        """Build one step's metadata; every argument has one entry per sampled row.
+        """Build one step's metadata; every per-row argument has one entry per sampled row.
 
         `output_token_ids[i]` is row i's output so far (not counting the token sampled now).
-        `generators[i]` is used only when row i is seeded and not greedy.
+        `generators[i]` is used only when row i is seeded and not greedy. `logits_rules` and
+        `logitsprocs` come from `tandem.layers.logits_processors.LogitsProcessors.prepare`.
         """
         num_reqs = len(params)
         if not (
@@ -208,6 +218,8 @@ class SamplingMetadata:
             min_tokens_rows=mt_rows_t,
             min_tokens_token_ids=mt_tokens_t,
             max_num_logprobs=max_num_logprobs,
+            logits_rules=logits_rules,
+            logitsprocs=tuple(logitsprocs),
         )
 
 
@@ -292,7 +304,19 @@ class Sampler(nn.Module):
         return _gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
 
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """min_tokens masking, then penalties; greedy rows take the argmax of the result."""
+        """Logits processors (built-in, then custom), min_tokens masking, then penalties;
+        greedy rows take the argmax of the result. Argmax-invariant custom processors are
+        skipped when every row is greedy. `logits` itself is never written."""
+        if metadata.logits_rules is not None:
+            logits = apply_logits_rules(logits, metadata.logits_rules)
+        procs = [
+            p for p in metadata.logitsprocs if not (metadata.all_greedy and p.is_argmax_invariant())
+        ]
+        if procs:
+            if metadata.logits_rules is None:
+                logits = logits.clone()  # processors may write in place
+            for proc in procs:
+                logits = proc.apply(logits)
         if metadata.min_tokens_rows is not None:
             logits = logits.clone()
             logits[metadata.min_tokens_rows, metadata.min_tokens_token_ids] = float("-inf")

@@ -44,6 +44,7 @@ from tandem.config import EngineConfig
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.distributed import ParallelState, single_rank_state
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
+from tandem.layers.logits_processors import LogitsProcessors, load_logits_processors
 from tandem.loader import build_model
 from tandem.models.interface import CausalLM, IntermediateTensors, ModelContext
 from tandem.worker.cpu_threads import cpu_supports_bf16, default_cpu_backend
@@ -124,7 +125,16 @@ class ModelRunner:
         self.num_stage_layers = end - start
         max_num_seqs = config.scheduler.max_num_seqs
         self.sampler = StepSampler(
-            device, self.vocab_size, max_num_seqs, cpu_kernels=self.model_context.cpu_kernels
+            device,
+            self.vocab_size,
+            max_num_seqs,
+            cpu_kernels=self.model_context.cpu_kernels,
+            logits_processors=LogitsProcessors(
+                load_logits_processors(config.sampler.logits_processors),
+                config,
+                device,
+                self.vocab_size,
+            ),
         )
         self.input_batch = InputBatch(self.block_size, max_num_seqs)
         self.staging = PinnedStaging(device)

@@ -7,8 +7,9 @@ its results back:
   preemption continues its stream past the draws it already made (one exponential race of
   `vocab_size` draws per output token), so its tokens do not depend on preemption;
 - `StepSampler.sample`: the metadata of the sampled rows (temperatures, top-k/p, penalties
-  over prompt and output ids, generators), the grammar bitmask of the structured rows (copied
-  to the device and applied to their logits first), the sampler, and on CUDA an asynchronous
+  over prompt and output ids, generators, logits processors: tandem.layers.logits_processors),
+  the grammar bitmask of the structured rows (copied to the device and applied to their
+  logits first), the sampler, and on CUDA an asynchronous
   copy of the sampled ids into a pinned host buffer with an event after it;
 - `PendingStep`: a launched step; `result()` waits for its ids only and appends them to the
   request states.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.outputs import GrammarBitmask, Logprobs, ModelRunnerOutput
+from tandem.layers.logits_processors import LogitsProcessors
 from tandem.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, to_logprobs_lists
 from tandem.layers.sampler_bitmask import apply_token_bitmask
 from tandem.sampling_params import SamplingParams
@@ -51,12 +53,18 @@ class StepSampler:
     """Samples a step's rows on one device; owns the sampler and the pinned id buffers."""
 
     def __init__(
-        self, device: torch.device, vocab_size: int, max_num_seqs: int, cpu_kernels: bool = False
+        self,
+        device: torch.device,
+        vocab_size: int,
+        max_num_seqs: int,
+        cpu_kernels: bool = False,
+        logits_processors: LogitsProcessors | None = None,
     ) -> None:
         self.device = device
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.sampler = Sampler(cpu_kernels=cpu_kernels)
+        self.logits_processors = logits_processors or LogitsProcessors((), None, device, vocab_size)
         self._host_sampled: list[torch.Tensor] = []
         self._host_slot = 0
 
@@ -84,6 +92,7 @@ class StepSampler:
         of `grammar`'s requests sample only the tokens its bitmask allows."""
         if grammar is not None and grammar.req_ids:
             logits = self.apply_grammar(logits, states, grammar)
+        processors = self.logits_processors.prepare(states)
         meta = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
@@ -92,6 +101,8 @@ class StepSampler:
             generators=[s.generator for s in states],
             vocab_size=self.vocab_size,
             device=self.device,
+            logits_rules=processors.rules,
+            logitsprocs=processors.processors,
         )
         out = self.sampler(logits, meta)
         return self._to_host(out.sampled_token_ids, out)

@@ -89,6 +89,16 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
             setattr(msg, name, value)
     if params.structured_outputs is not None:
         msg.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
+    if params.logit_bias:
+        msg.logit_bias.update(params.logit_bias)
+    if params.allowed_token_ids:
+        msg.allowed_token_ids.extend(params.allowed_token_ids)
+    if params.bad_words:
+        msg.bad_words.extend(params.bad_words)
+    for seq in params.bad_words_token_ids or ():
+        msg.bad_words_token_ids.add(token_ids=seq)
+    if params.extra_args:
+        msg.extra_args_json = json.dumps(params.extra_args)
     return msg
 
 
@@ -105,6 +115,19 @@ def sampling_params_kwargs(msg: common_pb2.SamplingParams) -> dict[str, Any]:
             kwargs[name] = getattr(msg, name)
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.bad_words:
+        kwargs["bad_words"] = list(msg.bad_words)
+    if msg.bad_words_token_ids:
+        kwargs["bad_words_token_ids"] = [list(q.token_ids) for q in msg.bad_words_token_ids]
+    if msg.extra_args_json:
+        try:
+            kwargs["extra_args"] = json.loads(msg.extra_args_json)
+        except json.JSONDecodeError as exc:
+            raise SamplingParamsError(f"extra_args_json is not JSON: {exc}") from None
     return kwargs
 
 

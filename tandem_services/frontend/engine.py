@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from tandem.engine.output_state import child_params, child_request_id
+from tandem.sampling_params import SamplingParams, SamplingParamsError
 from tandem_protos.v1 import (
     common_pb2,
     scheduler_pb2,
@@ -202,6 +203,19 @@ class FrontendEngine:
         except Exception as exc:  # the template rejects the conversation
             raise invalid(f"the chat template cannot render these messages: {exc}") from exc
         return text, await self.encode(text, add_special_tokens=False)
+
+    def check_logits_params(self, params: SamplingParams, prefix: str = "") -> SamplingParams:
+        """`params` with its bad words tokenized (a copy when there are any), every token id of
+        its logits processors checked against the tokenizer's vocabulary (400 naming the field,
+        `prefix` + its name)."""
+        if params.bad_words:
+            params = params.clone(bad_words_token_ids=None)
+            params.update_from_tokenizer(self.tokenizer)
+        try:
+            params.check_vocab(len(self.tokenizer))
+        except SamplingParamsError as exc:
+            raise invalid(str(exc), prefix + str(exc).split(":", 1)[0]) from None
+        return params
 
     def check_prompt(self, token_ids: Sequence[int], max_tokens: int | None) -> int | None:
         """Validates a prompt's length against the context; returns max_tokens, filled in to

@@ -145,6 +145,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             except SamplingParamsError as exc:
                 raise invalid(str(exc)) from None
             check_structured(params.structured_outputs, "sampling_params.structured_outputs")
+            params = self.engine.check_logits_params(params, "sampling_params.")
             ids, text = await self._prompt(request)
             check_prompt_work(self.limits, [len(ids)], params.n)
             given = request.sampling_params.HasField("max_tokens")

@@ -272,14 +272,15 @@ class HttpApi:
             else:
                 encoded.append((prompt, None))
         check_prompt_work(self.limits, [len(ids) for ids, _ in encoded], body.params.n)
+        params = self.engine.check_logits_params(body.params)
         inputs = []
         for ids, text in encoded:
-            max_tokens = self.engine.check_prompt(ids, body.params.max_tokens)
+            max_tokens = self.engine.check_prompt(ids, params.max_tokens)
             inputs.append(
                 GenerateInput(
                     self.engine.new_request_id("cmpl"),
                     ids,
-                    body.params.clone(max_tokens=max_tokens),
+                    params.clone(max_tokens=max_tokens),
                     text,
                     body.priority,
                 )
@@ -331,7 +332,7 @@ class HttpApi:
             GenerateInput(
                 self.engine.new_request_id("chat"),
                 ids,
-                body.params.clone(**changes),
+                self.engine.check_logits_params(body.params.clone(**changes)),
                 text,
                 body.priority,
             )

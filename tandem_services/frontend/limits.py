@@ -9,7 +9,7 @@ Invariants:
 - a value equal to its limit is accepted; limit + 1 is refused;
 - a field tandem does not implement is refused by name, never silently dropped; a field is
   accepted only where it is implemented or where its value is the one tandem's behaviour
-  already matches (e.g. `echo: false`, `logit_bias: {}`). Structured outputs and tools are
+  already matches (e.g. `echo: false`, `suffix: ""`). Structured outputs and tools are
   parsed (and their specs checked) in structured.py.
 """
 
@@ -159,6 +159,11 @@ _COMMON = frozenset(
         "priority",
         # An end-user id for abuse monitoring: nothing to do with the output.
         "user",
+        # Logits processors (OpenAI's logit_bias; vLLM's extra-body fields).
+        "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
+        "vllm_xargs",
     }
 )
 # Structured outputs (structured.py), on both endpoints.
@@ -203,7 +208,6 @@ _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
         lambda v: v is None or v == "none",
         "function_call (function calling) is not implemented",
     ),
-    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not implemented"),
     "suffix": (lambda v: v is None or v == "", "suffix is not implemented"),
     "echo": (lambda v: v is None or v is False, "echo is not implemented"),
     "use_beam_search": (lambda v: v is None or v is False, "use_beam_search is not implemented"),
@@ -245,8 +249,6 @@ _UNIMPLEMENTED: dict[str, str] = {
     "length_penalty": "beam search",
     "early_stopping": "beam search",
     "prompt_logprobs": "prompt logprobs",
-    "allowed_token_ids": "allowed_token_ids",
-    "bad_words": "bad_words",
     "truncate_prompt_tokens": "prompt truncation",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "add_special_tokens": "add_special_tokens",
@@ -260,8 +262,8 @@ _UNIMPLEMENTED: dict[str, str] = {
     "return_token_ids": "return_token_ids",
     "cache_salt": "cache_salt",
     "kv_transfer_params": "client KV-transfer parameters",
-    "vllm_xargs": "vllm_xargs",
-    "logits_processors": "logits processors",
+    "logits_processors": "per-request logits processors (the engine's --logits-processors "
+    "are applied to every request; pass their arguments in vllm_xargs)",
     "response_format_schema": "response_format_schema; use response_format",
     "thinking": "reasoning options",
     "include_reasoning": "reasoning options",

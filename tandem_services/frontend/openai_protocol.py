@@ -9,6 +9,7 @@ unsupported. A chat body's tools come out as the template's `tools` and a `ToolC
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,42 @@ class Fields:
             raise invalid(f"{name} must be a list of integers", name)
         return v
 
+    def logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's map of token id (a JSON key: a string) to a bias."""
+        v = self._get("logit_bias")
+        if v is None or v == {}:
+            return None
+        if not isinstance(v, dict):
+            raise invalid("logit_bias must be an object of token id to bias", "logit_bias")
+        bias: dict[int, float] = {}
+        for key, value in v.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise invalid(
+                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+                ) from None
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise invalid(f"logit_bias[{key}] must be a number, got {value!r}", "logit_bias")
+            bias[token] = float(value)
+        return bias
+
+    def str_list(self, name: str) -> list[str] | None:
+        v = self._get(name)
+        if v is None:
+            return None
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise invalid(f"{name} must be a list of strings", name)
+        return v
+
+    def object_(self, name: str) -> dict[str, Any] | None:
+        v = self._get(name)
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise invalid(f"{name} must be an object", name)
+        return v
+
     def stream_include_usage(self) -> bool:
         opts = self._get("stream_options")
         if opts is None:
@@ -141,11 +178,19 @@ def sampling_params(
         "logprobs": logprobs,
         "skip_special_tokens": f.bool_("skip_special_tokens", True),
         "structured_outputs": structured_outputs,
+        "logit_bias": f.logit_bias(),
+        "allowed_token_ids": f.int_list("allowed_token_ids")
+        if f.body.get("allowed_token_ids") is not None
+        else None,
+        "bad_words": f.str_list("bad_words"),
+        "extra_args": f.object_("vllm_xargs"),
     }
     try:
         return SamplingParams(**kwargs)
     except SamplingParamsError as exc:
-        raise invalid(str(exc), str(exc).split(" ", 1)[0]) from None
+        message = str(exc)
+        field = re.match(r"[a-z_]+", message)
+        raise invalid(message, field.group(0) if field else None) from None
 
 
 def structured_field(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:

@@ -167,9 +167,15 @@ def test_every_implemented_field_is_accepted() -> None:
         "stream_options": {"include_usage": True},
         "priority": 1,
         "user": "u",
+        "logit_bias": {"7": -100, "8": 2.5},
+        "allowed_token_ids": [7, 8, 9],
+        "bad_words": ["bad word"],
+        "vllm_xargs": {"k": 1},
     }
     c = parse_completion({**COMPLETION, **common, "logprobs": 2}, LIMITS)
     assert c.params.n == 2 and c.params.logprobs == 2 and c.stream and c.include_usage
+    assert c.params.logit_bias == {7: -100.0, 8: 2.5} and c.params.allowed_token_ids == [7, 8, 9]
+    assert c.params.bad_words == ["bad word"] and c.params.extra_args == {"k": 1}
     ch = parse_chat(
         {**CHAT, **common, "max_completion_tokens": 3, "logprobs": True, "top_logprobs": 2},
         LIMITS,
@@ -183,12 +189,11 @@ UNIMPLEMENTED = [
     ("guided_choice", ["yes", "no"]),
     ("guided_grammar", "root ::= 'a'"),
     ("functions", [{"name": "f"}]),
-    ("logit_bias", {"50256": -100}),
     ("use_beam_search", True),
     ("prompt_logprobs", 1),
     ("audio", {"voice": "alloy"}),
     ("reasoning_effort", "low"),
-    ("allowed_token_ids", [1, 2]),
+    ("logits_processors", ["m:C"]),
     ("wizardry", 1),
 ]
 
@@ -199,6 +204,28 @@ def test_unimplemented_fields_are_refused_by_name(field: str, value: Any) -> Non
     assert err.param == field and field in err.message
     err = refused(parse_completion, {**COMPLETION, field: value}, LIMITS)
     assert err.param == field and field in err.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("logit_bias", {"7": 101}, "[-100, 100]"),
+        ("logit_bias", {"seven": 1}, "token ids"),
+        ("logit_bias", {"7": "x"}, "number"),
+        ("logit_bias", [7], "object"),
+        ("allowed_token_ids", [], "empty"),
+        ("allowed_token_ids", [-1], "non-negative"),
+        ("bad_words", "word", "list of strings"),
+        ("bad_words", [" "], "empty"),
+        ("vllm_xargs", [1], "object"),
+    ],
+)
+def test_bad_logits_processor_fields_are_refused_by_name(
+    field: str, value: Any, needle: str
+) -> None:
+    for parse, body in ((parse_chat, CHAT), (parse_completion, COMPLETION)):
+        err = refused(parse, {**body, field: value}, LIMITS)
+        assert err.param == field and needle in err.message, err
 
 
 def test_completion_only_and_chat_only_fields() -> None:
