@@ -67,9 +67,15 @@ NON_DEFAULT: dict[str, Any] = {
     "cpu_adaptive_threads": False,
     # Only the form is checked until an engine loads it.
     "logits_processors": ("some.module:SomeProcessor", "other.module:Other"),
+    "tensor_parallel_size": 2,
+    "pipeline_parallel_size": 2,
+    "distributed_executor_backend": "mp",
+    "master_addr": "127.0.0.2",
+    "master_port": 29511,
 }
-# Flags whose only valid value today is the default (checked to refuse others instead).
-ONLY_DEFAULT = {"tensor_parallel_size", "pipeline_parallel_size"}
+# Flags kept at their defaults here: several hosts are for unified workers only (the flag
+# tests build prefill and decode workers too), and a node rank needs several hosts.
+ONLY_DEFAULT = {"nnodes", "node_rank"}
 
 
 @pytest.fixture(scope="module")
@@ -289,18 +295,25 @@ def test_env_default_is_read_only_from_the_given_environment() -> None:
     assert p.parse_args(["--cache-dir", "/flag"]).cache_dir == "/flag"
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "-pp"])
-def test_parallel_sizes_above_one_are_refused_before_anything_starts(flag: str) -> None:
-    """`tandem serve -tp 2` exits at once with one line naming the setting (no child starts:
-    the engine flags are checked without resolving the model)."""
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
+        (["-pp", "2", "--nnodes", "2"], "several hosts (nnodes > 1) need --master-port"),
+    ],
+)
+def test_bad_parallel_flags_are_refused_before_anything_starts(
+    argv: list[str], message: str
+) -> None:
+    """`tandem serve` with a parallel setting that cannot work exits at once with one line
+    naming it (no child starts: the engine flags are checked without resolving the model)."""
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "serve", flag, "2"],
+        [sys.executable, "-m", "tandem.cli", "serve", *argv],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
         timeout=120,
     )
     assert out.returncode == 2, out.stderr
-    name = "tensor_parallel_size" if flag.startswith("--tensor") else "pipeline_parallel_size"
-    assert f"{name} 2 is not supported yet" in out.stderr
+    assert message in out.stderr
     assert "starting" not in out.stdout
