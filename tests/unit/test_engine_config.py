@@ -91,14 +91,37 @@ def test_resolved_config_pickles(config_only_model: Path) -> None:
     assert back.resolve() is back  # nothing is loaded again on the other side
 
 
-def test_parallel_config_refuses_sizes_above_one() -> None:
-    assert ParallelConfig().world_size == 1
-    with pytest.raises(ConfigError, match="tensor_parallel_size 2 is not supported yet"):
-        ParallelConfig(tensor_parallel_size=2)
+def test_parallel_config_sizes_backends_and_hosts() -> None:
+    assert ParallelConfig().world_size == 1 and not ParallelConfig().uses_multiproc
+    two = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=3)
+    assert two.world_size == 6 and two.uses_multiproc and two.ranks_per_node == 6
+    assert ParallelConfig(distributed_executor_backend="mp").uses_multiproc
     with pytest.raises(ConfigError, match="pipeline_parallel_size must be >= 1"):
         ParallelConfig(pipeline_parallel_size=0)
-    with pytest.raises(ConfigError, match="tensor_parallel_size 4"):
-        EngineArgs(tensor_parallel_size=4).create_engine_config(resolve=False)
+    with pytest.raises(ConfigError, match="uni runs one rank"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ConfigError, match="do not split evenly over nnodes 2"):
+        ParallelConfig(tensor_parallel_size=3, nnodes=2, master_port=1234)
+    with pytest.raises(ConfigError, match="node_rank 2 outside"):
+        ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1234)
+    hosts = ParallelConfig(tensor_parallel_size=4, nnodes=2, master_port=1234)
+    assert hosts.ranks_per_node == 2
+
+
+def test_parallel_split_is_checked_against_the_model(config_only_model: Path) -> None:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(config_only_model)
+    heads, kv = hf.num_attention_heads, hf.num_key_value_heads
+    ParallelConfig(tensor_parallel_size=heads).check_model(hf)  # KV heads replicated
+    with pytest.raises(ConfigError, match=f"num_attention_heads {heads} is not divisible"):
+        EngineArgs(
+            model=str(config_only_model), tensor_parallel_size=heads + 1
+        ).create_engine_config()
+    if kv > 1:
+        assert heads % kv == 0
+    with pytest.raises(ConfigError, match="exceeds the model's"):
+        ParallelConfig(pipeline_parallel_size=hf.num_hidden_layers + 1).check_model(hf)
 
 
 def test_kv_cache_dtype_is_validated_and_settable() -> None:
