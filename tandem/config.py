@@ -459,7 +459,31 @@ class StructuredOutputsConfig:
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """Weight / activation quantization methods: none yet."""
+    """Weight / activation quantization (tandem.layers.quantization).
+
+    `quantization`: the method applied at load to an unquantized checkpoint, vLLM's names:
+    `fp8` (per-tensor weight scales, dynamic per-tensor activation scales), `ptpc_fp8`
+    (per-channel weights, dynamic per-token activations). A checkpoint that is quantized
+    already (its config's `quantization_config`) is loaded as stored; "auto" (or None) takes
+    that, or runs unquantized. FP8 needs a GPU of compute capability 8.9 or above.
+    """
+
+    quantization: Literal["auto", "fp8", "ptpc_fp8"] = field(
+        default="auto",
+        metadata=flag(
+            "fp8 | ptpc_fp8: quantize the weights at load (auto: the checkpoint's own scheme, "
+            "if any)",
+            aliases=("-q",),
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.quantization is None:  # vLLM's spelling of "none asked for"
+            object.__setattr__(self, "quantization", "auto")
+        if self.quantization not in ("auto", "fp8", "ptpc_fp8"):
+            raise ConfigError(
+                f"quantization must be auto, fp8 or ptpc_fp8, got {self.quantization}"
+            )
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from tandem.config import EngineConfig
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.distributed import ParallelState, single_rank_state
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
+from tandem.layers.quantization import resolve_quant_config
 from tandem.loader import build_model
 from tandem.models.interface import CausalLM, IntermediateTensors, ModelContext
 from tandem.worker.cpu_threads import cpu_supports_bf16, default_cpu_backend
@@ -112,8 +113,9 @@ class ModelRunner:
             device=device,
             attn_backend=self.attn_backend,
             parallel=self.parallel,
-            # The engine's QuantizationConfig declares no method yet: unquantized.
-            quant_config=None,
+            # The checkpoint's scheme or --quantization's; ConfigError here, before any weight
+            # is made, for a scheme not implemented or a device that cannot run it.
+            quant_config=resolve_quant_config(config.quantization.quantization, hf_config, device),
         )
         torch.manual_seed(config.model.seed)
         self._model: CausalLM | None = build_model(

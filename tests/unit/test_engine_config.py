@@ -18,6 +18,7 @@ from tandem.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    QuantizationConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
 )
@@ -119,6 +120,7 @@ def test_engine_args_are_the_config_fields_with_the_same_defaults() -> None:
         ParallelConfig,
         DeviceConfig,
         StructuredOutputsConfig,
+        QuantizationConfig,
     ):
         for f in dataclasses.fields(cls):
             if f.init and not f.metadata.get("resolved"):
