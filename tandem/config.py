@@ -32,6 +32,10 @@ from typing import Any, Literal
 
 DEFAULT_MODEL = "default"
 Dtype = Literal["float32", "float16", "bfloat16", "auto"]
+# The KV cache's dtype: the model's ("auto"), another float dtype, or FP8 e4m3 ("fp8" and
+# "fp8_e4m3" name the same, as in vLLM).
+KVCacheDtype = Literal["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3"]
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 class ConfigError(ValueError):
@@ -188,7 +192,13 @@ class CacheConfig:
             "reuse cached KV blocks of equal prefixes", false_aliases=("--no-prefix-caching",)
         ),
     )
-    kv_cache_dtype: Dtype = field(default="auto", metadata=flag("KV cache dtype (auto: --dtype)"))
+    kv_cache_dtype: KVCacheDtype = field(
+        default="auto",
+        metadata=flag(
+            "KV cache dtype (auto: --dtype; fp8 / fp8_e4m3: e4m3 with the checkpoint's "
+            "per-tensor k_scale / v_scale, else 1.0; a GPU of compute capability >= 8.9)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -201,11 +211,15 @@ class CacheConfig:
             )
         if self.kv_cache_memory_gb <= 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if self.kv_cache_dtype not in ("float32", "float16", "bfloat16", "auto"):
+        if self.kv_cache_dtype not in typing.get_args(KVCacheDtype):
             raise ConfigError(
-                f"kv_cache_dtype must be float32, float16, bfloat16 or auto, "
+                "kv_cache_dtype must be one of " + ", ".join(typing.get_args(KVCacheDtype)) + ", "
                 f"got {self.kv_cache_dtype}"
             )
+
+    @property
+    def is_fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in FP8_KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)

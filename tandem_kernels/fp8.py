@@ -9,6 +9,10 @@ this). Granularities:
     per channel   scale [N, 1]                one per weight output row
     per block     scale [ceil(N/bn), ceil(K/bk)]   one per bn x bk tile of the weight
 
+Activations are quantized on the fly by Triton kernels (`dynamic_quant_per_token`,
+`dynamic_quant_per_tensor`; their torch references are `quantize_per_row` and
+`quantize_per_tensor`, which also quantize weights at load).
+
 `fp8_scaled_mm(a, b, a_scale, b_scale)` is `(a * a_scale) @ (b * b_scale)^T` through
 `torch._scaled_mm` (cuBLASLt on Hopper and Ada; also runs on the CPU). Its layout rules,
 asserted at the entry: `a` `[M, K]` row-major, `b` `[N, K]` row-major (passed as `b.t()`, the
@@ -19,11 +23,15 @@ either both per-tensor, or rowwise (`a_scale` `[M, 1]`, `b_scale` `[N, 1]`) with
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Floor on a scale, so an all-zero tensor quantizes to zeros instead of NaNs.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+FP8_MAX_TL = tl.constexpr(FP8_MAX)
+MIN_SCALE_TL = tl.constexpr(MIN_SCALE)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -49,6 +57,92 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
     scale = (amax / FP8_MAX).clamp_(min=MIN_SCALE)
     return quantize_fp8(x, scale), scale
+
+
+@triton.jit
+def _row_amax(x_row, num_cols, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, num_cols, BLOCK):
+        x = tl.load(x_row + start + offs, mask=start + offs < num_cols, other=0.0)
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    return tl.max(acc, axis=0)
+
+
+@triton.jit
+def _quantize_row(x_row, q_row, scale, num_cols, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, num_cols, BLOCK):
+        mask = start + offs < num_cols
+        x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_TL, FP8_MAX_TL)
+        tl.store(q_row + start + offs, q.to(q_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quant_per_token_kernel(
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, num_cols, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    amax = _row_amax(x_ptr + row * stride_x, num_cols, BLOCK)
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX_TL), MIN_SCALE_TL)
+    tl.store(scale_ptr + row, scale)
+    _quantize_row(x_ptr + row * stride_x, q_ptr + row * stride_q, scale, num_cols, BLOCK)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, stride_x, num_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tl.atomic_max(amax_ptr, _row_amax(x_ptr + row * stride_x, num_cols, BLOCK))
+
+
+@triton.jit
+def _quant_per_tensor_kernel(
+    x_ptr, q_ptr, amax_ptr, scale_ptr, stride_x, stride_q, num_cols, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr), FP8_MAX_TL), MIN_SCALE_TL)
+    if row == 0:
+        tl.store(scale_ptr, scale)
+    _quantize_row(x_ptr + row * stride_x, q_ptr + row * stride_q, scale, num_cols, BLOCK)
+
+
+def _check_activation(x: torch.Tensor) -> tuple[int, int]:
+    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    return x.shape[0], x.shape[1]
+
+
+def dynamic_quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_row` of activations `[M, K]` in one Triton kernel (one program per
+    row: its amax, its scale, its e4m3 values). Capturable in a CUDA graph."""
+    rows, cols = _check_activation(x)
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = min(triton.next_power_of_2(cols), 2048)
+        _quant_per_token_kernel[(rows,)](
+            x, q, scale, x.stride(0), q.stride(0), cols, BLOCK=block, num_warps=4
+        )
+    return q, scale
+
+
+def dynamic_quant_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_tensor` (dynamic) of activations `[M, K]` in two Triton kernels: the
+    rows' amax into one float (atomic max over a zeroed scalar), then every row quantized by
+    the one scale. Capturable in a CUDA graph."""
+    rows, cols = _check_activation(x)
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+    if not rows:
+        return q, torch.full((), MIN_SCALE, dtype=torch.float32, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    block = min(triton.next_power_of_2(cols), 2048)
+    _amax_kernel[(rows,)](x, amax, x.stride(0), cols, BLOCK=block, num_warps=4)
+    _quant_per_tensor_kernel[(rows,)](
+        x, q, amax, scale, x.stride(0), q.stride(0), cols, BLOCK=block, num_warps=4
+    )
+    return q, scale
 
 
 def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]):

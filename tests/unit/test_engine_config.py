@@ -103,7 +103,8 @@ def test_parallel_config_refuses_sizes_above_one() -> None:
 
 def test_kv_cache_dtype_is_validated_and_settable() -> None:
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
-        CacheConfig(kv_cache_dtype="fp8")  # type: ignore[arg-type]
+        CacheConfig(kv_cache_dtype="fp4")  # type: ignore[arg-type]
+    assert CacheConfig(kv_cache_dtype="fp8_e4m3").is_fp8_kv_cache
     config = EngineArgs(kv_cache_dtype="bfloat16").create_engine_config(resolve=False)
     assert config.cache.kv_cache_dtype == "bfloat16"
 

@@ -401,3 +401,62 @@ def test_engine_refuses_fp8_on_the_cpu(tiny_model_path) -> None:
             device="cpu",
             attention_backend="torch",
         )
+
+
+# ----------------------------------------------------------------------------- FP8 KV cache
+
+
+def _step(model: Any, kv: list[torch.Tensor], lens: list[int], new: list[int], seed: int):
+    """One step: request r computes its last `new[r]` of `lens[r]` tokens (blocks r+1, r+3)."""
+    tables = [[1 + r, 3 + r] for r in range(len(lens))]
+    md = build_attn_metadata(new, lens, tables, BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.vocab_size, (sum(new),), generator=gen)
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, new, strict=True)])
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions, kv, md))
+
+
+def test_model_over_an_fp8_kv_cache(tiny_llama, tmp_path: Path) -> None:
+    """Prefill then decode through the torch backend with an e4m3 cache (the checkpoint's
+    per-layer `k_scale` / `v_scale` loaded into the attention layers): close to the same
+    model over an fp32 cache, and the cache holds FP8 values."""
+    src, _ = tiny_llama
+    folder = tmp_path / "kv_scales"
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    scales = {
+        f"model.layers.{i}.self_attn.{w}_scale": torch.tensor(0.02 * (i + 1) + (w == "v") * 0.01)
+        for i in range(2)
+        for w in "kv"
+    }
+    save_file(scales, str(folder / "model-kv-scales.safetensors"))
+    model = build_model(folder, context(None))
+    attn = model.model.layers[1].self_attn.attn
+    assert (attn.k_scale, attn.v_scale) == pytest.approx((0.04, 0.05))
+    shape = (6, 2, BLOCK_SIZE, model.num_kv_heads, model.head_size)
+    fp8 = [torch.zeros(shape).to(torch.float8_e4m3fn) for _ in range(2)]
+    exact = [torch.zeros(shape) for _ in range(2)]
+    assert attn.kv_scales(fp8[0]) == (attn.k_scale, attn.v_scale)
+    assert attn.kv_scales(exact[0]) == (1.0, 1.0)
+    for lens, new, seed in (([20, 7], [20, 7], 5), ([21, 8], [1, 1], 6)):
+        got, want = _step(model, fp8, lens, new, seed), _step(model, exact, lens, new, seed)
+        assert (got - want).norm() / want.norm() < 0.08
+    # The cache holds each K as k / k_scale in e4m3: dequantized, it is the fp32 cache's
+    # (layer 0, whose inputs the cache's rounding has not touched).
+    first = model.model.layers[0].self_attn.attn
+    k8, k32 = fp8[0][1, 0].float() * first.k_scale, exact[0][1, 0]
+    assert ((k8 - k32).abs() <= k32.abs() * 2**-4 + first.k_scale * 2**-9).all()
+    assert k32.abs().sum() > 0
+
+
+def test_fp8_kv_cache_dtype_is_refused_where_it_cannot_run() -> None:
+    from tandem.worker.model_runner import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, CPU, "torch") == torch.bfloat16
+    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8 needs a CUDA GPU"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, CPU, "torch")
+    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8_e4m3 needs a CUDA GPU"):
+        resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, CPU, "cpu")

@@ -320,11 +320,18 @@ class Fp8LinearMethod(LinearMethodBase):
             bk = scheme.weight_block_size[1]  # type: ignore[index]
             w = fp8_ops.dequantize(layer.weight, layer.weight_scale_inv, (1, bk))
             return F.linear(x, w.to(x.dtype), bias)
-        if scheme.activation_strategy == "token":
-            xq, x_scale = fp8_ops.quantize_per_row(x2)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        # Activations: one Triton kernel per token scale (two per tensor scale) on CUDA; the
+        # torch references elsewhere.
+        if scheme.activation_scheme == "static":
+            xq, x_scale = fp8_ops.quantize_per_tensor(x2, layer.input_scale)
+        elif scheme.activation_strategy == "token":
+            quant = fp8_ops.dynamic_quant_per_token if x2.is_cuda else fp8_ops.quantize_per_row
+            xq, x_scale = quant(x2)
         else:
-            static = layer.input_scale if scheme.activation_scheme == "static" else None
-            xq, x_scale = fp8_ops.quantize_per_tensor(x2, static)
+            quant = fp8_ops.dynamic_quant_per_tensor if x2.is_cuda else fp8_ops.quantize_per_tensor
+            xq, x_scale = quant(x2)
         out = fp8_linear(xq, layer.weight, x_scale, layer.weight_scale, bias, x.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
