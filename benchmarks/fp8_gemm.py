@@ -4,8 +4,9 @@
    three warm-ups) and held (back to back for `--sustain-s`, timed over the second half).
 2. The llama-3.1-8b projections (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672,
    down 14336 -> 4096) at decode batch sizes and prefill token counts: bf16; e4m3 per-tensor;
-   e4m3 rowwise (per-token x per-channel); and each e4m3 variant with its dynamic activation
-   quantization included (what a layer pays per call: tandem_kernels.fp8's quantizers).
+   e4m3 rowwise (per-token x per-channel); each e4m3 variant with its dynamic activation
+   quantization included (what a layer pays per call: tandem_kernels.fp8's Triton
+   quantizers); and the weight-only 128x128 block-scaled Triton GEMM.
 
     python -m benchmarks.fp8_gemm --out benchmarks/results/fp8_gemm_h200_<date>.json
 """
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from benchmarks.gpu_throughput import device_ms
 from tandem_kernels import fp8 as fp8_ops
+from tandem_kernels.fp8_block_gemm import fp8_block_gemm
 
 SHAPES_8B = {
     "qkv": (6144, 4096),
@@ -74,12 +76,16 @@ def shape_rates(m: int, n: int, k: int, iters: int) -> dict[str, float]:
     wq_c, ws_c = fp8_ops.quantize_per_row(w)
     xq_t, xs_t = fp8_ops.quantize_per_tensor(x)
     xq_c, xs_c = fp8_ops.quantize_per_row(x)
+    wq_b, tiles = fp8_ops.quantize_per_block(w, (128, 128))
+    ws_b = tiles.repeat_interleave(128, 0)[:n].contiguous()
     variants: dict[str, Callable[[], object]] = {
         "bf16": lambda: F.linear(x, w),
         "e4m3_tensor": lambda: fp8_ops.fp8_scaled_mm(xq_t, wq_t, xs_t, ws_t),
         "e4m3_rowwise": lambda: fp8_ops.fp8_scaled_mm(xq_c, wq_c, xs_c, ws_c),
-        "e4m3_tensor+quant": lambda: _with_quant(fp8_ops.quantize_per_tensor, x, wq_t, ws_t),
-        "e4m3_rowwise+quant": lambda: _with_quant(fp8_ops.quantize_per_row, x, wq_c, ws_c),
+        "e4m3_tensor+quant": lambda: _with_quant(fp8_ops.dynamic_quant_per_tensor, x, wq_t, ws_t),
+        "e4m3_rowwise+quant": lambda: _with_quant(fp8_ops.dynamic_quant_per_token, x, wq_c, ws_c),
+        # Block-scaled checkpoints: W8A16 through the Triton kernel.
+        "e4m3_block128_w8a16": lambda: fp8_block_gemm(x, wq_b, ws_b, 128),
     }
     flops = 2 * m * n * k
     rates = {}

@@ -205,3 +205,18 @@ def test_dynamic_activation_quant_is_bit_exact() -> None:
         (q, scale), (q_ref, scale_ref) = kernel(x), ref(x)
         assert torch.equal(scale, scale_ref)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [1, 64, 1000])
+def test_block_gemm_at_8b_shapes(m: int) -> None:
+    from tandem_kernels.fp8_block_gemm import fp8_block_gemm, fp8_block_gemm_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in SHAPES_8B:
+        w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+        wq, tiles = fp8_ops.quantize_per_block(w, (128, 128))
+        scale = tiles.repeat_interleave(128, 0)[:n].contiguous()
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        got = fp8_block_gemm(x, wq, scale, 128).float()
+        ref = fp8_block_gemm_ref(x.float(), wq, scale, 128)
+        assert ((got - ref).norm() / ref.norm()).item() < 4e-3, (m, n, k)

@@ -20,9 +20,10 @@ Schemes (`Fp8Config` fields, named as vLLM and compressed-tensors name them):
                                  (`activation_strategy` token, with channel weights: "PTPC")
                         static   the checkpoint's `input_scale` (per tensor)
 
-Block-scaled checkpoints run as weight-only FP8 for now: the weight is dequantized once at load
-to the model's dtype on CUDA (no block-scaled GEMM yet), and per block in the reference on the
-CPU. The LM head and embeddings stay in the model's dtype (as vLLM).
+Block-scaled checkpoints run as weight-only FP8 (W8A16): the weight stays e4m3 with its tile
+scales, and a Triton GEMM (tandem_kernels.fp8_block_gemm) widens each tile in registers and
+scales its products; its torch reference (dequantize, then matmul) on the CPU. The LM head and
+embeddings stay in the model's dtype (as vLLM).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ConfigError
@@ -45,6 +45,7 @@ from tandem.layers.quantization.base import (
 )
 from tandem.layers.weight_utils import LoadedWeight, full_weight
 from tandem_kernels import fp8 as fp8_ops
+from tandem_kernels.fp8_block_gemm import fp8_block_gemm, fp8_block_gemm_ref
 
 WeightStrategy = Literal["tensor", "channel", "block"]
 ActivationStrategy = Literal["tensor", "token"]
@@ -188,8 +189,7 @@ class Fp8LinearMethod(LinearMethodBase):
     """One linear layer in FP8 under `scheme`. After `process_weights_after_loading` the layer
     holds `weight` float8 `[N, K]` and `weight_scale` (float32, `[]` or `[N, 1]`), plus
     `input_scale` `[]` for static activations; a block scheme holds `weight_scale_inv`
-    `[N, ceil(K/bk)]` (each tile's scale repeated over its rows) on the CPU, and a dequantized
-    `weight` on CUDA."""
+    `[N, ceil(K/bk)]` instead (each tile's scale repeated over its rows)."""
 
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
@@ -285,12 +285,6 @@ class Fp8LinearMethod(LinearMethodBase):
                 scale = tiles.repeat_interleave(block[0], 0)[: weight.shape[0]]  # type: ignore[index]
             else:
                 q, scale = weight, layer.weight_scale_inv.data
-            if weight.is_cuda:  # weight-only: dequantized once (no block-scaled GEMM yet)
-                w = fp8_ops.dequantize(q, scale, (1, block[1]))  # type: ignore[index]
-                _replace(layer, "weight", w.to(layer.params_dtype))
-                if hasattr(layer, "weight_scale_inv"):
-                    del layer.weight_scale_inv
-                return
             _replace(layer, "weight", q)
             _replace(layer, "weight_scale_inv", scale)
             return
@@ -312,16 +306,17 @@ class Fp8LinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         scheme = self.scheme
-        if layer.weight.dtype != fp8_ops.FP8_DTYPE:  # a block scheme dequantized at load
-            return F.linear(x, layer.weight, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if scheme.weight_strategy == "block":  # the CPU's reference: weight-only
-            bk = scheme.weight_block_size[1]  # type: ignore[index]
-            w = fp8_ops.dequantize(layer.weight, layer.weight_scale_inv, (1, bk))
-            return F.linear(x, w.to(x.dtype), bias)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
+        if scheme.weight_strategy == "block":  # weight-only
+            bk = scheme.weight_block_size[1]  # type: ignore[index]
+            gemm = fp8_block_gemm if x2.is_cuda else fp8_block_gemm_ref
+            out = gemm(x2, layer.weight, layer.weight_scale_inv, bk)
+            if bias is not None:
+                out = out + bias
+            return out.reshape(*shape[:-1], out.shape[-1])
         # Activations: one Triton kernel per token scale (two per tensor scale) on CUDA; the
         # torch references elsewhere.
         if scheme.activation_scheme == "static":
