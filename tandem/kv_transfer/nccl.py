@@ -50,8 +50,10 @@ _HELLO = 0x7A4D  # first message of a pair: (hello, bytes per block)
 
 def _as_bytes(blocks: torch.Tensor) -> torch.Tensor:
     """Contiguous cache blocks as a flat uint8 view (the same memory): NCCL and gloo move
-    bytes whatever the cache's dtype (FP8 included, which gloo has no type for)."""
-    return blocks.reshape(-1).view(torch.uint8)
+    bytes whatever the cache's dtype (FP8 included), never a dtype-specific reduction type.
+    A copy would receive into nothing: the blocks must be one contiguous span."""
+    assert blocks.is_contiguous(), "KV blocks to move must be contiguous"
+    return blocks.view(-1).view(torch.uint8)
 
 
 def default_backend(kv_cache: torch.Tensor) -> str:
