@@ -220,3 +220,30 @@ def test_block_gemm_at_8b_shapes(m: int) -> None:
         got = fp8_block_gemm(x, wq, scale, 128).float()
         ref = fp8_block_gemm_ref(x.float(), wq, scale, 128)
         assert ((got - ref).norm() / ref.norm()).item() < 4e-3, (m, n, k)
+
+
+@pytest.mark.parametrize("kind", ["ct_tensor", "ct_channel", "ct_static", "fp8_block128"])
+def test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference(kind, tiny_model_path, tmp_path):
+    """A saved FP8 checkpoint (tests/unit/test_fp8.py writes it) through the GPU paths
+    (`_scaled_mm` per tensor / rowwise / static, the block GEMM) against the same checkpoint
+    through the CPU's dequantize-then-matmul references, fp32 activations both."""
+    from tandem.distributed import single_rank_state
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.quantization import resolve_quant_config
+    from tandem.loader import build_model, load_hf_config
+    from tandem.models import ModelContext
+    from tests.unit.test_fp8 import _logits, _write_fp8_checkpoint
+
+    folder = _write_fp8_checkpoint(tiny_model_path("llama"), tmp_path / kind, kind)
+    hf = load_hf_config(folder)
+    logits = {}
+    for dev in ("cpu", "cuda"):
+        device = torch.device(dev)
+        quant = resolve_quant_config("auto", hf, device, check_device=dev == "cuda")
+        ctx = ModelContext(
+            torch.float32, device, get_attention_backend("torch"), single_rank_state(device),
+            quant,
+        )  # fmt: skip
+        model = build_model(folder, ctx, hf_config=hf)
+        logits[dev] = _logits(model, device).cpu()
+    torch.testing.assert_close(logits["cuda"], logits["cpu"], atol=2e-2, rtol=2e-2)

@@ -238,17 +238,19 @@ _AT_LOAD: dict[str, Fp8Config | None] = {
 }
 
 
-def _logits(model: Any) -> torch.Tensor:
+def _logits(model: Any, device: torch.device = CPU) -> torch.Tensor:
+    """Logits of one paged prefill of two requests (5 and 9 tokens) through `model`."""
     lens = [5, 9]
     md = build_attn_metadata(lens, lens, [[1], [2]], BLOCK_SIZE)
-    ids = torch.randint(
-        3, model.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(4)
-    )
-    positions = torch.cat([torch.arange(n) for n in lens])
-    kv = [torch.zeros(4, 2, BLOCK_SIZE, model.num_kv_heads, model.head_size)] * model.num_layers
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        setattr(md, name, getattr(md, name).to(device))
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, model.vocab_size, (sum(lens),), generator=gen).to(device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    shape = (4, 2, BLOCK_SIZE, model.num_kv_heads, model.head_size)
+    kv = [torch.zeros(shape, device=device) for _ in range(model.num_layers)]
     with torch.inference_mode():
-        hidden = model(ids, positions, [t.clone() for t in kv], md)
-        return model.compute_logits(hidden)
+        return model.compute_logits(model(ids, positions, kv, md))
 
 
 @pytest.fixture(scope="module")
