@@ -1,10 +1,13 @@
 """GPU figures for `offline_throughput.py --device cuda` (one run, one device).
 
-1. the device's ceilings: bf16 matmul TFLOP/s (8192^3) and device copy bandwidth;
+1. the device's ceilings: bf16 and e4m3 (`torch._scaled_mm`) matmul TFLOP/s (8192^3) and
+   device copy bandwidth;
 2. tandem on a random-weight llama-3.1-8b shape at input/output 128/128, 512/256, 1000/1000;
 3. transformers' batched `generate` on a subset of one workload, and the ratio;
 4. the roofline bound of each workload from its FLOPs and bytes at the measured ceilings (held
-   for a second; the burst rates and the fraction of the bound they give are reported too);
+   for a second; the burst rates and the fraction of the bound they give are reported too).
+   With `--quantization fp8` the linear weights count one byte each and the matmul ceiling is
+   the e4m3 one; with `--kv-cache-dtype fp8` the KV cache counts one byte per value;
 5. batch-1 decode latency against the time to read the weights once.
 """
 
@@ -59,7 +62,13 @@ def measure_ceilings(sustain_s: float = 1.0) -> dict[str, Any]:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     mm_burst, mm_held = _burst_and_held_ms(lambda: a @ b, sustain_s)
-    a = b = torch.empty(0)
+    from tandem_kernels import fp8 as fp8_ops
+
+    (aq, a_s), (bq, b_s) = fp8_ops.quantize_per_tensor(a), fp8_ops.quantize_per_tensor(b)
+    f8_burst, f8_held = _burst_and_held_ms(
+        lambda: fp8_ops.fp8_scaled_mm(aq, bq, a_s, b_s), sustain_s
+    )
+    a = b = aq = bq = torch.empty(0)
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     copy_burst, copy_held = _burst_and_held_ms(lambda: y.copy_(x), sustain_s)
@@ -69,28 +78,38 @@ def measure_ceilings(sustain_s: float = 1.0) -> dict[str, Any]:
     flops = 2 * n**3
     return {
         "bf16_matmul_tflops": flops / mm_held / 1e9,
+        "fp8_matmul_tflops": flops / f8_held / 1e9,
         "copy_bandwidth_gbs": moved / copy_held / 1e6,
         "sustain_s": sustain_s,
         "burst": {
             "bf16_matmul_tflops": flops / mm_burst / 1e9,
+            "fp8_matmul_tflops": flops / f8_burst / 1e9,
             "copy_bandwidth_gbs": moved / copy_burst / 1e6,
         },
     }
 
 
-def model_numbers(hf: Any, dtype_bytes: int = 2) -> dict[str, float]:
+def model_numbers(
+    hf: Any, dtype_bytes: int = 2, linear_bytes: int | None = None, kv_bytes: int | None = None
+) -> dict[str, float]:
+    """FLOP and byte counts of the model: the layers' linear weights at `linear_bytes` per
+    value (1 in FP8), the embedding and LM head at `dtype_bytes` (they stay bf16), the KV
+    cache at `kv_bytes` (1 with an FP8 cache)."""
+    linear_bytes = dtype_bytes if linear_bytes is None else linear_bytes
+    kv_bytes = dtype_bytes if kv_bytes is None else kv_bytes
     h, inter, layers = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers
     heads, kvh = hf.num_attention_heads, hf.num_key_value_heads
     hd = getattr(hf, "head_dim", None) or h // heads
     per_layer = h * (heads * hd) + 2 * h * (kvh * hd) + (heads * hd) * h + 3 * h * inter
     matmul_params = layers * per_layer + hf.vocab_size * h  # + lm_head
     weight_bytes = (
-        layers * per_layer + hf.vocab_size * h * (1 if hf.tie_word_embeddings else 2)
-    ) * dtype_bytes
+        layers * per_layer * linear_bytes
+        + hf.vocab_size * h * (1 if hf.tie_word_embeddings else 2) * dtype_bytes
+    )
     return {
         "matmul_params": float(matmul_params),
         "weight_bytes": float(weight_bytes),
-        "kv_bytes_per_token": float(layers * 2 * kvh * hd * dtype_bytes),
+        "kv_bytes_per_token": float(layers * 2 * kvh * hd * kv_bytes),
         "attn_flops_per_token_ctx": float(layers * 4 * heads * hd),  # QK^T and PV per ctx pos
     }
 
@@ -142,9 +161,16 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
     ceilings = measure_ceilings()
     result["ceilings"] = ceilings
     print(f"ceilings: {ceilings}", flush=True)
-    peak, bw = ceilings["bf16_matmul_tflops"] * 1e12, ceilings["copy_bandwidth_gbs"] * 1e9
+    fp8_weights = getattr(ns, "quantization", "auto") in ("fp8", "ptpc_fp8")
+    fp8_kv = getattr(ns, "kv_cache_dtype", "auto") in ("fp8", "fp8_e4m3")
+    result["quantization"] = getattr(ns, "quantization", "auto")
+    result["kv_cache_dtype"] = getattr(ns, "kv_cache_dtype", "auto")
+    # FP8 linear layers: the e4m3 ceiling (a lower bound on time: the LM head and attention
+    # run in bf16, slower).
+    mm_key = "fp8_matmul_tflops" if fp8_weights else "bf16_matmul_tflops"
+    peak, bw = ceilings[mm_key] * 1e12, ceilings["copy_bandwidth_gbs"] * 1e9
     burst = ceilings["burst"]
-    peak_burst = burst["bf16_matmul_tflops"] * 1e12
+    peak_burst = burst[mm_key] * 1e12
     bw_burst = burst["copy_bandwidth_gbs"] * 1e9
 
     # Every engine flag of offline_throughput's parser (its GPU defaults: bfloat16, 1024
@@ -152,7 +178,7 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=model, **engine_kwargs_from(ns))
     result["async_scheduling"] = llm.engine.async_scheduling
     hf = llm.engine.config.model.hf_config
-    nums = model_numbers(hf)
+    nums = model_numbers(hf, linear_bytes=1 if fp8_weights else 2, kv_bytes=1 if fp8_kv else 2)
     result["model_numbers"] = nums
     kv_capacity = llm.engine.num_blocks * llm.engine.block_size
     result["kv_capacity_tokens"] = kv_capacity

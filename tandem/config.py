@@ -32,6 +32,10 @@ from typing import Any, Literal
 
 DEFAULT_MODEL = "default"
 Dtype = Literal["float32", "float16", "bfloat16", "auto"]
+# The KV cache's dtype: the model's ("auto"), another float dtype, or FP8 e4m3 ("fp8" and
+# "fp8_e4m3" name the same, as in vLLM).
+KVCacheDtype = Literal["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3"]
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 class ConfigError(ValueError):
@@ -188,7 +192,13 @@ class CacheConfig:
             "reuse cached KV blocks of equal prefixes", false_aliases=("--no-prefix-caching",)
         ),
     )
-    kv_cache_dtype: Dtype = field(default="auto", metadata=flag("KV cache dtype (auto: --dtype)"))
+    kv_cache_dtype: KVCacheDtype = field(
+        default="auto",
+        metadata=flag(
+            "KV cache dtype (auto: --dtype; fp8 / fp8_e4m3: e4m3 with the checkpoint's "
+            "per-tensor k_scale / v_scale, else 1.0; a GPU of compute capability >= 8.9)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -201,11 +211,15 @@ class CacheConfig:
             )
         if self.kv_cache_memory_gb <= 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if self.kv_cache_dtype not in ("float32", "float16", "bfloat16", "auto"):
+        if self.kv_cache_dtype not in typing.get_args(KVCacheDtype):
             raise ConfigError(
-                f"kv_cache_dtype must be float32, float16, bfloat16 or auto, "
+                "kv_cache_dtype must be one of " + ", ".join(typing.get_args(KVCacheDtype)) + ", "
                 f"got {self.kv_cache_dtype}"
             )
+
+    @property
+    def is_fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in FP8_KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -580,7 +594,31 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """Weight / activation quantization methods: none yet."""
+    """Weight / activation quantization (tandem.layers.quantization).
+
+    `quantization`: the method applied at load to an unquantized checkpoint, vLLM's names:
+    `fp8` (per-tensor weight scales, dynamic per-tensor activation scales), `ptpc_fp8`
+    (per-channel weights, dynamic per-token activations). A checkpoint that is quantized
+    already (its config's `quantization_config`) is loaded as stored; "auto" (or None) takes
+    that, or runs unquantized. FP8 needs a GPU of compute capability 8.9 or above.
+    """
+
+    quantization: Literal["auto", "fp8", "ptpc_fp8"] = field(
+        default="auto",
+        metadata=flag(
+            "fp8 | ptpc_fp8: quantize the weights at load (auto: the checkpoint's own scheme, "
+            "if any)",
+            aliases=("-q",),
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.quantization is None:  # vLLM's spelling of "none asked for"
+            object.__setattr__(self, "quantization", "auto")
+        if self.quantization not in ("auto", "fp8", "ptpc_fp8"):
+            raise ConfigError(
+                f"quantization must be auto, fp8 or ptpc_fp8, got {self.quantization}"
+            )
 
 
 @dataclass(frozen=True)

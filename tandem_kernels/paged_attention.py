@@ -26,6 +26,12 @@ Entries:
 - `paged_attention`: dispatches on `max_query_len == 1`.
 
 Head size: any (padded to a power of two inside). num_heads must be a multiple of num_kv_heads.
+
+FP8 cache (`float8_e4m3fn`, with a query in bf16/fp16/fp32): K and V tiles are converted to the
+query's dtype as they are loaded (exact: every e4m3 value is a bf16), the per-tensor `k_scale`
+is folded into the softmax scale and `v_scale` into the output, so the cache is read once at
+half the bytes and nothing is dequantized outside the kernels. `x ~= x_fp8 * scale`, as
+`reshape_and_cache` wrote it.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_NUM_SPLITS = 64
 # Fully masked rows start from this instead of -inf so no inf - inf appears.
 _NEG_INIT = tl.constexpr(-1.0e30)
+# The FP8 KV cache's dtype (`--kv-cache-dtype fp8`).
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
 @triton.jit
@@ -102,8 +110,10 @@ def _attend_tile(
         blk = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
         kv_mask = d_mask[None, :]
     kv_row = cache_head + blk * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_off
-    k = tl.load(kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    # An FP8 cache is widened to the query's dtype here (a no-op for a cache in that dtype).
+    k = tl.load(kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     v = tl.load(kv_row[:, None] + stride_c_kv + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = v.to(q.dtype)
 
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
     if CAUSAL:
@@ -134,6 +144,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     block_table_ptr,
     scale_log2,
+    v_scale,
     num_reqs,
     stride_q_tok,
     stride_q_head,
@@ -153,6 +164,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SCALE_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -207,6 +219,8 @@ def _prefill_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if SCALE_V:
+        out = out * v_scale
     tl.store(
         out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -228,6 +242,7 @@ def _decode_kernel(
     part_m_ptr,
     part_l_ptr,
     scale_log2,
+    v_scale,
     num_splits,
     num_heads,
     stride_q_tok,
@@ -248,6 +263,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    SCALE_V: tl.constexpr,
 ):
     # HEADS_FIRST: the KV heads of one request are neighbouring programs, so the programs in
     # flight together read whole token rows of the cache (all heads) rather than one head's
@@ -297,6 +313,8 @@ def _decode_kernel(
             True, False, INPUT_PRECISION,
         )  # fmt: skip
 
+    if SCALE_V:  # the merge is linear in each partition's accumulator
+        acc = acc * v_scale
     if SPLIT:
         # Unnormalised partial results, [num_reqs, num_heads, num_splits(, head_size)].
         part = (req * num_heads + head).to(tl.int64) * num_splits + split
@@ -365,13 +383,23 @@ def _check_common(
     _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
     assert cache_head_size == head_size, (kv_cache.shape, query.shape)
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
+    assert query.dtype == kv_cache.dtype or kv_cache.dtype == FP8_KV_DTYPE, (
+        query.dtype,
+        kv_cache.dtype,
+    )
     assert query.dtype in (torch.bfloat16, torch.float16, torch.float32), query.dtype
     assert block_size & (block_size - 1) == 0, block_size
     assert seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, seq_lens.dtype
     assert block_table.dim() == 2 and block_table.dtype == torch.int32, block_table.dtype
     assert block_table.stride(-1) == 1 and block_table.shape[0] >= seq_lens.shape[0]
     return num_heads, num_kv_heads, head_size, block_size
+
+
+def _check_kv_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """Scales other than 1.0 belong to an FP8 cache only."""
+    if kv_cache.dtype != FP8_KV_DTYPE:
+        assert k_scale == 1.0 and v_scale == 1.0, (kv_cache.dtype, k_scale, v_scale)
+    assert k_scale > 0 and v_scale > 0, (k_scale, v_scale)
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -392,6 +420,8 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch of any query lengths (see the module docstring).
 
@@ -400,11 +430,12 @@ def paged_prefill_attention(
     int32. Rows of `query` past `query_start_loc[R]` are not written in `out`. Launches one
     kernel; reads no device values on the host. `block_q`, `block_n`, `num_warps` and
     `num_stages` are tuning knobs; left unset on CUDA, the first large enough call tunes
-    them (see `_tuned_prefill_config`).
+    them (see `_tuned_prefill_config`). `k_scale` / `v_scale`: an FP8 cache's scales.
     """
     num_heads, num_kv_heads, head_size, block_size = _check_common(
         query, kv_cache, seq_lens, block_table
     )
+    _check_kv_scales(kv_cache, k_scale, v_scale)
     num_reqs = seq_lens.shape[0]
     assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32
     if out is None:
@@ -415,7 +446,7 @@ def paged_prefill_attention(
         return out
     if block_q is None and block_n is None and num_warps is None and num_stages is None:
         config = _tuned_prefill_config(
-            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale * k_scale, out
         )
         if config is not None:
             block_q, block_n, num_warps, num_stages = config
@@ -440,7 +471,8 @@ def paged_prefill_attention(
         query_start_loc,
         seq_lens,
         block_table,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
+        v_scale,
         num_reqs,
         query.stride(0),
         query.stride(1),
@@ -460,6 +492,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         HEAD_SIZE=head_size,
         INPUT_PRECISION=_input_precision(query.dtype),
+        SCALE_V=v_scale != 1.0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -673,8 +706,10 @@ def tune_decode_attention(
     ids = torch.randperm(num_blocks, generator=gen)[: num_reqs * blocks_per_req]
     block_table = ids.view(num_reqs, blocks_per_req).to(device=dev, dtype=torch.int32)
     seq_lens = torch.full((num_reqs,), seq_len, dtype=torch.int32, device=dev)
+    # An FP8 cache is read by a bf16 query (the models' dtype on CUDA).
+    q_dtype = torch.bfloat16 if kv_cache.dtype == FP8_KV_DTYPE else kv_cache.dtype
     query = torch.randn((num_reqs, num_heads, head_size), generator=gen, dtype=torch.float32).to(
-        device=dev, dtype=kv_cache.dtype
+        device=dev, dtype=q_dtype
     )
     out = torch.empty_like(query)
     splits = decode_num_splits(num_reqs, num_kv_heads, seq_len, _num_sms(dev))
@@ -735,6 +770,8 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     heads_first: bool | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query row per request over its whole cached context (split-K).
 
@@ -744,11 +781,13 @@ def paged_decode_attention(
     depend on it. Requests with seq_len 0 produce zeros. Allocations depend only on R, H, D
     and num_splits, so the call can be captured in a CUDA graph. `block_n`, `num_warps`,
     `num_stages` and `heads_first` (program order) are tuning knobs; left unset, the config
-    `tune_decode_attention` picked for this shape is used, else the default.
+    `tune_decode_attention` picked for this shape is used, else the default. `k_scale` /
+    `v_scale`: an FP8 cache's scales.
     """
     num_heads, num_kv_heads, head_size, block_size = _check_common(
         query, kv_cache, seq_lens, block_table
     )
+    _check_kv_scales(kv_cache, k_scale, v_scale)
     num_reqs = seq_lens.shape[0]
     assert query.shape[0] >= num_reqs, (query.shape, num_reqs)
     if out is None:
@@ -795,7 +834,8 @@ def paged_decode_attention(
         part_out,
         part_m,
         part_l,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
+        v_scale,
         num_splits,
         num_heads,
         query.stride(0),
@@ -816,6 +856,7 @@ def paged_decode_attention(
         SPLIT=split,
         INPUT_PRECISION=_input_precision(query.dtype),
         HEADS_FIRST=heads_first,
+        SCALE_V=v_scale != 1.0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -849,15 +890,25 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One entry for both paths: decode when `max_query_len == 1` (then every request must
     have exactly one query row), else prefill/mixed."""
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     if max_query_len == 1:
         return paged_decode_attention(
-            query, kv_cache, seq_lens, block_table, scale, max_seq_len=max_seq_len, out=out
+            query,
+            kv_cache,
+            seq_lens,
+            block_table,
+            scale,
+            max_seq_len=max_seq_len,
+            out=out,
+            **scales,
         )
     return paged_prefill_attention(
-        query, kv_cache, query_start_loc, seq_lens, block_table, scale, out=out
+        query, kv_cache, query_start_loc, seq_lens, block_table, scale, out=out, **scales
     )
 
 
@@ -868,8 +919,11 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Pure-torch reference (fp32 math, one request at a time; reads device values)."""
+    """Pure-torch reference (fp32 math, one request at a time; reads device values). An FP8
+    cache is dequantized (`x_fp8 * scale`) before the math."""
     out = torch.zeros_like(query)
     num_heads = query.shape[1]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -883,8 +937,10 @@ def paged_attention_ref(
         pos = torch.arange(seq_len, device=query.device)
         blocks = block_table[r, pos // block_size].long()
         offs = pos % block_size
-        k = kv_cache[blocks, 0, offs].float().repeat_interleave(num_heads // num_kv_heads, dim=1)
-        v = kv_cache[blocks, 1, offs].float().repeat_interleave(num_heads // num_kv_heads, dim=1)
+        k = kv_cache[blocks, 0, offs].float() * k_scale
+        v = kv_cache[blocks, 1, offs].float() * v_scale
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         q = query[q_lo:q_hi].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)

@@ -7,6 +7,9 @@ dimension is assumed contiguous; every other stride is read from the tensor.
 
 Token t goes to slot `slot_mapping[t]`: block `slot // block_size`, offset
 `slot % block_size`. A negative slot (padded rows) writes nothing.
+
+FP8 cache (`float8_e4m3fn`): each value is written as `x / scale` saturated to e4m3 (per-tensor
+`k_scale`, `v_scale`; `x ~= x_fp8 * scale` when read), in this one kernel.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -31,10 +37,13 @@ def _reshape_and_cache_kernel(
     stride_c_off,
     stride_c_head,
     num_kv_heads,
+    k_scale,
+    v_scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -50,6 +59,11 @@ def _reshape_and_cache_kernel(
     src_v = value_ptr + tok.to(tl.int64) * stride_v_tok + offs_h[:, None] * stride_v_head
     k = tl.load(src_k + offs_d[None, :], mask=mask)
     v = tl.load(src_v + offs_d[None, :], mask=mask)
+    if FP8:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+    k = k.to(cache_ptr.dtype.element_ty)
+    v = v.to(cache_ptr.dtype.element_ty)
 
     dst = (
         cache_ptr
@@ -67,10 +81,13 @@ def reshape_and_cache(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write `key`/`value` `[T, Hkv, D]` into `kv_cache` at `slot_mapping` `[T]` (in place).
 
     Rows of `key`/`value` past `slot_mapping.shape[0]` are ignored. Slots < 0 are skipped.
+    An FP8 cache is written quantized with `k_scale` / `v_scale` (see the module docstring).
     """
     assert key.dim() == 3 and value.shape == key.shape, (key.shape, value.shape)
     assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, kv_cache.shape
@@ -78,7 +95,13 @@ def reshape_and_cache(
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     assert key.shape[0] >= num_tokens and key.shape[1:] == (num_kv_heads, head_size)
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1
-    assert key.dtype == value.dtype == kv_cache.dtype, (key.dtype, value.dtype, kv_cache.dtype)
+    fp8 = kv_cache.dtype == FP8_KV_DTYPE
+    assert key.dtype == value.dtype and (fp8 or key.dtype == kv_cache.dtype), (
+        key.dtype,
+        value.dtype,
+        kv_cache.dtype,
+    )
+    assert fp8 or (k_scale == 1.0 and v_scale == 1.0), (k_scale, v_scale)
     assert slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64)
     assert key.device == kv_cache.device == slot_mapping.device
     if num_tokens == 0:
@@ -97,10 +120,13 @@ def reshape_and_cache(
         kv_cache.stride(2),
         kv_cache.stride(3),
         num_kv_heads,
+        k_scale,
+        v_scale,
         BLOCK_SIZE=block_size,
         HEAD_SIZE=head_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_size),
+        FP8=fp8,
         num_warps=4,
     )
 
@@ -110,6 +136,8 @@ def reshape_and_cache_ref(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Pure-torch reference of `reshape_and_cache` (in place on `kv_cache`)."""
     num_tokens = slot_mapping.shape[0]
@@ -117,5 +145,9 @@ def reshape_and_cache_ref(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offs = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offs] = key[:num_tokens][keep]
-    kv_cache[blocks, 1, offs] = value[:num_tokens][keep]
+    key, value = key[:num_tokens][keep], value[:num_tokens][keep]
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        key = (key.float() / k_scale).clamp(-448.0, 448.0)
+        value = (value.float() / v_scale).clamp(-448.0, 448.0)
+    kv_cache[blocks, 0, offs] = key.to(kv_cache.dtype)
+    kv_cache[blocks, 1, offs] = value.to(kv_cache.dtype)

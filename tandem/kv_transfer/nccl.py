@@ -48,6 +48,14 @@ PREFILL_RANK = 1
 _HELLO = 0x7A4D  # first message of a pair: (hello, bytes per block)
 
 
+def _as_bytes(blocks: torch.Tensor) -> torch.Tensor:
+    """Contiguous cache blocks as a flat uint8 view (the same memory): NCCL and gloo move
+    bytes whatever the cache's dtype (FP8 included), never a dtype-specific reduction type.
+    A copy would receive into nothing: the blocks must be one contiguous span."""
+    assert blocks.is_contiguous(), "KV blocks to move must be contiguous"
+    return blocks.view(-1).view(torch.uint8)
+
+
 def default_backend(kv_cache: torch.Tensor) -> str:
     return "nccl" if kv_cache.device.type == "cuda" else "gloo"
 
@@ -222,7 +230,11 @@ class NcclMover(KVMover[Pair]):
         group = self._pair_group(pair)
         cache = self.cache.kv_cache
         with self._on_stream(pair):
-            works = [group.recv([cache[first : first + n]], PREFILL_RANK, 0) for first, n in runs]
+            # Raw bytes: any cache dtype (an FP8 cache too) travels as uint8.
+            works = [
+                group.recv([_as_bytes(cache[first : first + n])], PREFILL_RANK, 0)
+                for first, n in runs
+            ]
             for work in works:
                 work.wait()
             self._sync(pair)
@@ -301,7 +313,7 @@ class NcclMover(KVMover[Pair]):
                     tensors.append(cache[ids[0] : ids[0] + n])
                 else:
                     tensors.append(cache.index_select(0, torch.tensor(ids, device=self.device)))
-            works = [group.send([t], DECODE_RANK, 0) for t in tensors]
+            works = [group.send([_as_bytes(t)], DECODE_RANK, 0) for t in tensors]
             for work in works:
                 work.wait()
             self._sync(pair)

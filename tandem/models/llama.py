@@ -31,9 +31,15 @@ from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from tandem.layers.weight_utils import LoadedWeight
+from tandem.layers.weight_utils import LoadedWeight, full_weight
 from tandem.models.interface import IntermediateTensors, ModelContext
-from tandem.models.utils import PPMissingLayer, make_layers, missing_prefixes, weight_loader_of
+from tandem.models.utils import (
+    PPMissingLayer,
+    kv_scale_target,
+    make_layers,
+    missing_prefixes,
+    weight_loader_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +271,13 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if own_tied_head and name == "model.embed_tokens.weight":
                 name = "lm_head.weight"  # a last stage without the embedding loads it here
+            kv_scale = kv_scale_target(name)
+            if kv_scale is not None:  # an FP8 KV cache's scale: the attention layer keeps it
+                module, scales = kv_scale
+                if not module.startswith(elsewhere):
+                    for which in scales:
+                        self.get_submodule(module).load_kv_scale(which, full_weight(tensor))
+                continue
             shard_id: Any = None
             for fused, part, shard in _STACKED_PARAMS:
                 if part in name:

@@ -32,6 +32,26 @@ def missing_prefixes(model: nn.Module) -> tuple[str, ...]:
     return tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, PPMissingLayer))
 
 
+# A checkpoint's FP8 KV cache scales, by name ending: which scale of the layer's attention.
+_KV_SCALE_SUFFIXES = {
+    ".self_attn.k_scale": ("k_scale",),
+    ".self_attn.v_scale": ("v_scale",),
+    ".self_attn.k_proj.output_scale": ("k_scale",),  # older compressed-tensors
+    ".self_attn.v_proj.output_scale": ("v_scale",),
+    ".self_attn.kv_scale": ("k_scale", "v_scale"),  # one scale for both
+}
+
+
+def kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """For a checkpoint's KV cache scale (`model.layers.3.self_attn.k_scale`): the module name
+    of its `Attention` layer (`model.layers.3.self_attn.attn`) and the scales it sets;
+    None for any other tensor."""
+    for suffix, scales in _KV_SCALE_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ".self_attn.attn", scales
+    return None
+
+
 def default_weight_loader(param: nn.Parameter, loaded_weight: LoadedWeight) -> None:
     """The whole checkpoint tensor into `param` (norms and other replicated parameters)."""
     copy_weight(param.data, loaded_weight, "parameter")

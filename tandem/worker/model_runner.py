@@ -40,11 +40,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.config import EngineConfig
+from tandem.config import FP8_KV_CACHE_DTYPES, ConfigError, EngineConfig
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.distributed import ParallelState, single_rank_state
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
 from tandem.layers.logits_processors import LogitsProcessors, load_logits_processors
+from tandem.layers.quantization import resolve_quant_config
+from tandem.layers.quantization.fp8 import check_fp8_device
 from tandem.loader import build_model
 from tandem.models.interface import CausalLM, IntermediateTensors, ModelContext
 from tandem.worker.cpu_threads import cpu_supports_bf16, default_cpu_backend
@@ -71,6 +73,22 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_cache_dtype(
+    name: str, model_dtype: torch.dtype, device: torch.device, attention_backend: str
+) -> torch.dtype:
+    """The KV cache's torch dtype: the model's ("auto"), a named one, or e4m3 for "fp8" /
+    "fp8_e4m3" (ConfigError where it cannot run: off a GPU of compute capability 8.9+, or
+    with the CPU attention backend)."""
+    if name == "auto":
+        return model_dtype
+    if name in FP8_KV_CACHE_DTYPES:
+        check_fp8_device(device, f"--kv-cache-dtype {name}")
+        if attention_backend == "cpu":
+            raise ConfigError(f"--kv-cache-dtype {name}: the cpu attention backend has no FP8")
+        return torch.float8_e4m3fn
+    return resolve_dtype(name, device.type)
+
+
 class ModelRunner:
     """Owns the model, the engine's KV cache views, the input batch and the CUDA graphs of one
     rank's device. Built on a device its `Worker` made current; not thread-safe.
@@ -95,17 +113,15 @@ class ModelRunner:
         self.is_first_stage = pp.is_first_rank
         self.is_last_stage = pp.is_last_rank
         self.dtype = resolve_dtype(config.model.dtype, device.type)
-        self.kv_dtype = (
-            self.dtype
-            if config.cache.kv_cache_dtype == "auto"
-            else resolve_dtype(config.cache.kv_cache_dtype, device.type)
-        )
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         backend_name = config.device.attention_backend
         if backend_name == "auto":
             backend_name = "triton" if device.type == "cuda" else default_cpu_backend()
+        self.kv_dtype = resolve_kv_cache_dtype(
+            config.cache.kv_cache_dtype, self.dtype, device, backend_name
+        )
         self.attn_backend = get_attention_backend(backend_name)
         self.hf_config = hf_config
         self.model_context = ModelContext(
@@ -113,8 +129,9 @@ class ModelRunner:
             device=device,
             attn_backend=self.attn_backend,
             parallel=self.parallel,
-            # The engine's QuantizationConfig declares no method yet: unquantized.
-            quant_config=None,
+            # The checkpoint's scheme or --quantization's; ConfigError here, before any weight
+            # is made, for a scheme not implemented or a device that cannot run it.
+            quant_config=resolve_quant_config(config.quantization.quantization, hf_config, device),
         )
         torch.manual_seed(config.model.seed)
         self._model: CausalLM | None = build_model(

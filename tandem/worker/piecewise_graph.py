@@ -134,7 +134,9 @@ class AttentionSplitter:
         bucket = self.bucket
         meta = self.attn_metadata
         if layer.backend.graph_kv_write:
-            layer.backend.write_kv(key, value, kv_cache, bucket.slot_mapping)
+            layer.backend.write_kv(
+                key, value, kv_cache, bucket.slot_mapping, *layer.kv_scales(kv_cache)
+            )
             meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping[:0])
         if self.capture is not None:
             self.capture.end()

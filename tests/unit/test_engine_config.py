@@ -18,6 +18,7 @@ from tandem.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    QuantizationConfig,
     SamplerConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
@@ -126,7 +127,8 @@ def test_parallel_split_is_checked_against_the_model(config_only_model: Path) ->
 
 def test_kv_cache_dtype_is_validated_and_settable() -> None:
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
-        CacheConfig(kv_cache_dtype="fp8")  # type: ignore[arg-type]
+        CacheConfig(kv_cache_dtype="fp4")  # type: ignore[arg-type]
+    assert CacheConfig(kv_cache_dtype="fp8_e4m3").is_fp8_kv_cache
     config = EngineArgs(kv_cache_dtype="bfloat16").create_engine_config(resolve=False)
     assert config.cache.kv_cache_dtype == "bfloat16"
 
@@ -144,6 +146,7 @@ def test_engine_args_are_the_config_fields_with_the_same_defaults() -> None:
         DeviceConfig,
         StructuredOutputsConfig,
         SamplerConfig,
+        QuantizationConfig,
     ):
         for f in dataclasses.fields(cls):
             if f.init and not f.metadata.get("resolved"):

@@ -134,6 +134,135 @@ def case_reshape_and_cache(dtype: torch.dtype) -> None:
     )
 
 
+@_case(*({"dtype": d} for d in DTYPES))
+def case_reshape_and_cache_fp8(dtype: torch.dtype) -> None:
+    """An FP8 cache is written as `x / scale` in e4m3: the kernel against its reference, to
+    the bit but where the interpreter's fp32 -> e4m3 conversion errs: it rounds ties away
+    from zero (one e4m3 step off) and drops the carry of a value that rounds up to a power of
+    two (writes half of it). The GPU converts in hardware; tests/gpu checks every bit there."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(7)
+    block_size, num_kv_heads, head_size, num_blocks = 16, 2, 32, 8
+    cache = _layer_view(num_blocks, block_size, num_kv_heads, head_size, torch.float32)
+    cache = cache.to(torch.float8_e4m3fn)
+    expected = cache.clone()
+    num_tokens = 21
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].long()
+    slots[5] = -1
+    key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype) * 3
+    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
+    key[0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, 1e-9])  # saturates, and underflows
+    k_scale, v_scale = 0.05, 0.01
+    k.reshape_and_cache.reshape_and_cache(key, value, cache, slots, k_scale, v_scale)
+    k.reshape_and_cache.reshape_and_cache_ref(key, value, expected, slots, k_scale, v_scale)
+    got, want = cache.float(), expected.float()
+    differ = got != want
+    one_step = (got - want).abs() <= want.abs() * 2**-3
+    assert (one_step | (got * 2 == want))[differ].all()  # only the interpreter's errors
+    assert differ.float().mean() < 0.02
+    written = slots[slots >= 0]
+    stored = expected[written // block_size, 0, written % block_size].float() * k_scale
+    exact = key[:num_tokens][slots >= 0].float()
+    assert stored[0, 0, 0] == 448 * k_scale and stored[0, 0, 1] == -448 * k_scale
+    fine = exact.abs() < 400 * k_scale
+    assert ((stored - exact).abs()[fine] <= exact.abs()[fine] * 2**-4 + k_scale * 2**-9).all()
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_fp8_dynamic_activation_quant(dtype: torch.dtype) -> None:
+    """Per-token and per-tensor dynamic e4m3 quantization of activations against the torch
+    quantizers: the same scales bit for bit; the values but for the interpreter's e4m3
+    rounding errors (see `case_reshape_and_cache_fp8`; tests/gpu checks every bit)."""
+    from tandem_kernels import fp8
+
+    gen = torch.Generator().manual_seed(9)
+    wide = torch.randn(13, 3000, generator=gen) * torch.linspace(0.01, 20, 13)[:, None]
+    x = wide.to(dtype)[:, 100:2700]  # a row-strided view, K past one 2048-wide block
+    x[4] = 0  # an all-zero row: the floor scale, zeros
+    for kernel, ref in (
+        (fp8.dynamic_quant_per_token, fp8.quantize_per_row),
+        (fp8.dynamic_quant_per_tensor, fp8.quantize_per_tensor),
+    ):
+        (q, scale), (q_ref, scale_ref) = kernel(x), ref(x)
+        assert scale.shape == scale_ref.shape and torch.equal(scale, scale_ref), kernel
+        got, want = q.float(), q_ref.float()
+        differ = got != want
+        # One e4m3 step off (2^-9 among the subnormals), or the dropped carry.
+        one_step = (got - want).abs() <= torch.clamp(want.abs() * 2**-3, min=2**-9)
+        assert (one_step | (got * 2 == want))[differ].all(), kernel
+        assert differ.float().mean() < 0.05, (kernel, differ.float().mean())
+    empty = fp8.dynamic_quant_per_token(x[:0])
+    assert empty[0].shape == (0, 2600) and empty[1].shape == (0, 1)
+
+
+@_case()
+def case_fp8_block_gemm() -> None:
+    """The weight-only block-scaled FP8 GEMM against its reference: fp32 activations, tiles
+    of 16 x 32, K not a multiple of the tile (a partial last block), M of one and of many."""
+    from tandem_kernels import fp8, fp8_block_gemm
+
+    gen = torch.Generator().manual_seed(10)
+    for m, n, k in ((1, 48, 96), (37, 80, 80)):
+        w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+        wq, tiles = fp8.quantize_per_block(w, (16, 32))
+        scale = tiles.repeat_interleave(16, 0)[:n]
+        x = torch.randn(m, k, generator=gen)
+        out = fp8_block_gemm.fp8_block_gemm(x, wq, scale, 32)
+        ref = fp8_block_gemm.fp8_block_gemm_ref(x, wq, scale, 32)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        assert (ref - x @ w.t()).norm() / (x @ w.t()).norm() < 0.05  # e4m3 weights
+
+
+def _fp8_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, scales: tuple[float, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 layer view (K and V with their scales) and the same values dequantized to fp32."""
+    full = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, head_size)
+    full[:, :, 0] /= scales[0]
+    full[:, :, 1] /= scales[1]
+    cache = full.to(torch.float8_e4m3fn)[:, 1]
+    deq = cache.float()
+    deq[:, 0] *= scales[0]
+    deq[:, 1] *= scales[1]
+    return cache, deq
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_attention_over_fp8_cache(dtype: torch.dtype) -> None:
+    """Prefill (with a prefix), mixed and decode (split and not) over an FP8 cache against the
+    reference over the same cache dequantized."""
+    k = _kernels()
+    pa = k.paged_attention
+    gen = torch.Generator().manual_seed(8)
+    num_heads, num_kv_heads, head_size, block_size, num_blocks = 4, 2, 32, 16, 24
+    ks, vs = 0.02, 0.5
+    cache, deq = _fp8_cache(num_blocks, block_size, num_kv_heads, head_size, (ks, vs))
+    deq = deq.to(dtype)
+    seq_lens, query_lens = [40, 1, 51], [19, 1, 3]
+    block_table = _block_table(seq_lens, block_size, num_blocks, gen)
+    qsl, lens = _batch(query_lens), torch.tensor(seq_lens, dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), num_heads, head_size, dtype=dtype, generator=gen)
+    scale = head_size**-0.5
+    ref = pa.paged_attention_ref(query, deq, qsl, lens, block_table, scale)
+    scaled = pa.paged_attention_ref(query, cache, qsl, lens, block_table, scale, ks, vs)
+    torch.testing.assert_close(scaled, ref, **_tol(dtype))  # the reference's own dequantize
+    for block_q, block_n in ((None, None), (1, 16)):
+        out = pa.paged_prefill_attention(
+            query, cache, qsl, lens, block_table, scale, block_q=block_q, block_n=block_n,
+            k_scale=ks, v_scale=vs,
+        )  # fmt: skip
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+    dq = torch.randn(3, num_heads, head_size, dtype=dtype, generator=gen)
+    ones = torch.arange(4, dtype=torch.int32)
+    dref = pa.paged_attention_ref(dq, deq, ones, lens, block_table, scale)
+    for splits in (1, 3):
+        out = pa.paged_decode_attention(
+            dq, cache, lens, block_table, scale, max_seq_len=51, num_splits=splits, block_n=16,
+            k_scale=ks, v_scale=vs,
+        )  # fmt: skip
+        torch.testing.assert_close(out, dref, **_tol(dtype))
+
+
 # --- prefill / mixed attention ---------------------------------------------------------------
 
 

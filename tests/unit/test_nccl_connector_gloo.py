@@ -1,10 +1,11 @@
 """The NCCL connector's code over gloo: two real processes move KV blocks byte-exact.
 
 A decode process serves ConnectKV / WriteKV for a zeroed CPU cache and a table of
-reservations; a prefill process sends shuffled, non-contiguous blocks of a random bf16 cache
-for several requests (one alone, three at once, bad requests, a session abandoned after READY,
-one more after reconnecting). The parent checks every destination block bit for bit, that no
-other block changed, and that every "being written" mark was cleared.
+reservations; a prefill process sends shuffled, non-contiguous blocks of a random FP8 (e4m3)
+cache (`--kv-cache-dtype fp8`; the mover moves its bytes) for several requests (one alone,
+three at once, bad requests, a session abandoned after READY, one more after reconnecting).
+The parent checks every destination block bit for bit, that no other block changed, and that
+every "being written" mark was cleared.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tests.kv_pair import run_kv_pair
 pytestmark = pytest.mark.timeout(180)
 
 SHAPE = (64, 3, 2, 4, 2, 8)  # blocks, layers, k/v, block_size, kv heads, head size
-DTYPE = torch.bfloat16
+DTYPE = torch.float8_e4m3fn
 SEED = 11
 GROUP_TIMEOUT_S = 5.0
 # request id -> (source block ids, destination block ids: the reservation, one block longer)

@@ -29,10 +29,17 @@ def _kv_write_skips_padding(monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch backend's K/V write, skipping slots < 0 (padding) as graph backends do, and
     writing nothing for an empty slot mapping (K/V written inside the pieces)."""
 
-    def write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor):
+    def write(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         n = slots.numel()
         keep = slots >= 0
-        write_kv_cache(key[:n][keep], value[:n][keep], kv_cache, slots[keep])
+        write_kv_cache(key[:n][keep], value[:n][keep], kv_cache, slots[keep], k_scale, v_scale)
 
     monkeypatch.setattr(torch_backend, "write_kv_cache", write)
 
@@ -86,9 +93,11 @@ class RecordingBackend(TorchAttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         self.log.events.append(("write_kv", key.shape[0]))
-        torch_backend.write_kv_cache(key, value, kv_cache, slot_mapping)
+        torch_backend.write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
     def forward(
         self,
@@ -98,11 +107,13 @@ class RecordingBackend(TorchAttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         self.log.events.append(
             ("attend", query.shape[0], metadata.slot_mapping.numel(), query.data_ptr())
         )
-        return super().forward(query, key, value, kv_cache, metadata, scale)
+        return super().forward(query, key, value, kv_cache, metadata, scale, k_scale, v_scale)
 
 
 def _model(path: Any, backend: RecordingBackend) -> Any:

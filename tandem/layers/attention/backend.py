@@ -69,8 +69,12 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        ...
+        """Write the step's K/V, then attend. An FP8 cache (`float8_e4m3fn`, the query in the
+        model's dtype) holds `k / k_scale`, `v / v_scale` (per-tensor scales of the layer);
+        with any other cache both scales are 1.0."""
 
     # True when `write_kv` is implemented and CUDA-graph capturable: a runner capturing the
     # ops around attention may then write the step's K/V inside its graphs, and call
@@ -110,6 +114,8 @@ class AttentionBackend(ABC):
         value: torch.Tensor,
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
         slot_mapping: torch.Tensor,  # [num_tokens] int64; slots < 0 are skipped
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         """Write K/V rows into the paged cache (what `forward` does first)."""
         raise NotImplementedError(f"{self.name} has no separate KV write")

@@ -47,7 +47,11 @@ class CpuAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            raise ValueError("the cpu attention backend has no FP8 KV cache")
         n = metadata.num_actual_tokens
         if kv_cache.numel() > 0 and n > 0:
             write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])

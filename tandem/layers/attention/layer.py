@@ -41,6 +41,25 @@ class Attention(nn.Module):
         self.backend = backend
         self.q_size = num_heads * head_size
         self.kv_size = num_kv_heads * head_size
+        # Per-tensor scales of an FP8 KV cache (`x ~= x_fp8 * scale`): the checkpoint's
+        # `k_scale` / `v_scale` when it has them (`load_kv_scale`), else 1.0.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    def load_kv_scale(self, which: str, loaded: torch.Tensor) -> None:
+        """Set `k_scale` or `v_scale` (`which`) from a checkpoint's scalar tensor."""
+        if which not in ("k_scale", "v_scale"):
+            raise ValueError(f"no KV cache scale {which!r} (k_scale, v_scale)")
+        value = float(loaded.float().reshape(-1).max())
+        if not value > 0.0:
+            raise ValueError(f"KV cache {which} must be positive, got {value}")
+        setattr(self, which, value)
+
+    def kv_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
+        """`(k_scale, v_scale)` for `kv_cache`: the layer's for an FP8 cache, else 1.0."""
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            return self.k_scale, self.v_scale
+        return 1.0, 1.0
 
     def forward(
         self,
@@ -65,7 +84,10 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """The backend's K/V write and attention (what `forward` runs when nothing splits)."""
-        out = self.backend.forward(query, key, value, kv_cache, attn_metadata, self.scale)
+        k_scale, v_scale = self.kv_scales(kv_cache)
+        out = self.backend.forward(
+            query, key, value, kv_cache, attn_metadata, self.scale, k_scale, v_scale
+        )
         return out.reshape(query.shape[0], self.q_size)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

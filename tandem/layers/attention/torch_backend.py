@@ -31,13 +31,25 @@ def write_kv_cache(
     value: torch.Tensor,  # [N, num_kv_heads, head_size]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [N] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store token i's K/V at slot `slot_mapping[i]` (block s // block_size, offset s % bs)."""
+    """Store token i's K/V at slot `slot_mapping[i]` (block s // block_size, offset s % bs);
+    an FP8 cache takes `key / k_scale`, `value / v_scale`, saturated to e4m3."""
     block_size = kv_cache.shape[2]
     block_ids = slot_mapping // block_size
     offsets = slot_mapping % block_size
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        key = (key.float() / k_scale).clamp(-448.0, 448.0)
+        value = (value.float() / v_scale).clamp(-448.0, 448.0)
     kv_cache[block_ids, 0, offsets] = key.to(kv_cache.dtype)
     kv_cache[block_ids, 1, offsets] = value.to(kv_cache.dtype)
+
+
+def _widen(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cached K or V in the query's dtype (an FP8 cache's values times their scale)."""
+    x = x.to(dtype)
+    return x if scale == 1.0 else x * scale
 
 
 def gather_kv(
@@ -89,6 +101,8 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         output = torch.zeros_like(query)
@@ -97,8 +111,14 @@ class TorchAttentionBackend(AttentionBackend):
         has_cache = kv_cache.numel() > 0
         if has_cache:
             write_kv_cache(
-                key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens]
+                key[:num_tokens],
+                value[:num_tokens],
+                kv_cache,
+                metadata.slot_mapping[:num_tokens],
+                k_scale,
+                v_scale,
             )
+        kv_scales = (k_scale, v_scale) if has_cache else (1.0, 1.0)
 
         query_start_loc = metadata.query_start_loc_cpu
         seq_lens = metadata.seq_lens_cpu
@@ -110,7 +130,7 @@ class TorchAttentionBackend(AttentionBackend):
                 r for r in range(num_reqs) if query_start_loc[r + 1] - query_start_loc[r] == 1
             ]
         if has_cache and decode_reqs:
-            self._decode(query, kv_cache, metadata, scale, decode_reqs, output)
+            self._decode(query, kv_cache, metadata, scale, decode_reqs, output, kv_scales)
         else:
             decode_reqs = []
         decode_set = set(decode_reqs)
@@ -129,8 +149,8 @@ class TorchAttentionBackend(AttentionBackend):
                 num_blocks = _cdiv(seq_len, kv_cache.shape[2])
                 k, v = gather_kv(kv_cache, metadata.block_table[r, :num_blocks], seq_len)
             q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            k = k.to(query.dtype).transpose(0, 1).unsqueeze(0)
-            v = v.to(query.dtype).transpose(0, 1).unsqueeze(0)
+            k = _widen(k, query.dtype, kv_scales[0]).transpose(0, 1).unsqueeze(0)
+            v = _widen(v, query.dtype, kv_scales[1]).transpose(0, 1).unsqueeze(0)
             if query_len == seq_len:
                 out = _sdpa(q, k, v, scale, is_causal=True)
             else:
@@ -150,6 +170,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         reqs: list[int],
         output: torch.Tensor,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         """One query token per request in `reqs`: one batched SDPA over padded contexts."""
         device = query.device
@@ -175,8 +196,8 @@ class TorchAttentionBackend(AttentionBackend):
         flat_ids = block_ids.reshape(-1)
         k = kv_cache[:, 0].index_select(0, flat_ids).view(batch, length, kv_heads, head_size)
         v = kv_cache[:, 1].index_select(0, flat_ids).view(batch, length, kv_heads, head_size)
-        k = k.to(query.dtype).transpose(1, 2)
-        v = v.to(query.dtype).transpose(1, 2)
+        k = _widen(k, query.dtype, kv_scales[0]).transpose(1, 2)
+        v = _widen(v, query.dtype, kv_scales[1]).transpose(1, 2)
         mask = torch.arange(length, device=device).unsqueeze(0) < seq_lens.unsqueeze(1)
         q = query.index_select(0, rows).unsqueeze(2)  # [B, H, 1, D]
         out = _sdpa(q, k, v, scale, attn_mask=mask[:, None, None, :])

@@ -54,9 +54,11 @@ class TritonAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         """One kernel, no host sync (slots < 0 skipped): capturable."""
-        reshape_and_cache(key, value, kv_cache, slot_mapping)
+        reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
     def startup_tuning(self) -> contextlib.AbstractContextManager[None]:
         """The prefill kernel picks its tile config inside (see `prefill_tuning`)."""
@@ -88,10 +90,13 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         num_reqs = metadata.num_reqs
-        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
+        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens], **scales)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         seq_lens = metadata.seq_lens[:num_reqs]
         block_table = metadata.block_table[:num_reqs]
@@ -104,6 +109,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_seq_len=metadata.max_seq_len,
                 out=out,
+                **scales,
             )
         elif 0 < metadata.num_decodes < num_reqs:
             # Mixed step: its one-token requests (first) through the split-K decode kernel,
@@ -117,6 +123,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_seq_len=metadata.max_seq_len,
                 out=out[:nd],
+                **scales,
             )
             paged_prefill_attention(
                 query[nd:],
@@ -126,6 +133,7 @@ class TritonAttentionBackend(AttentionBackend):
                 block_table[nd:],
                 scale,
                 out=out[nd:],
+                **scales,
             )
         else:
             paged_prefill_attention(
@@ -136,6 +144,7 @@ class TritonAttentionBackend(AttentionBackend):
                 block_table,
                 scale,
                 out=out,
+                **scales,
             )
         if query.shape[0] > num_tokens:
             out[num_tokens:].zero_()

@@ -9,15 +9,22 @@ from tandem.layers.quantization.base import (
     get_quantization_config,
     process_weights_after_loading,
     register_quantization_config,
+    resolve_quant_config,
     set_weight_attrs,
 )
+from tandem.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from tandem.layers.quantization.cpu import CpuPackedLinearMethod
+from tandem.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod, PtpcFp8Config
 from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
 
 __all__ = [
     "QUANTIZATION_CONFIGS",
+    "CompressedTensorsConfig",
     "CpuPackedLinearMethod",
+    "Fp8Config",
+    "Fp8LinearMethod",
     "LinearMethodBase",
+    "PtpcFp8Config",
     "QuantizationConfig",
     "QuantizeMethodBase",
     "UnquantizedLinearMethod",
@@ -25,5 +32,6 @@ __all__ = [
     "get_quantization_config",
     "process_weights_after_loading",
     "register_quantization_config",
+    "resolve_quant_config",
     "set_weight_attrs",
 ]

@@ -96,6 +96,10 @@ class QuantizationConfig(ABC):
         """From the checkpoint's `quantization_config`."""
         raise NotImplementedError(f"{cls.__name__} cannot be read from a checkpoint config")
 
+    def verify_device(self, device: torch.device) -> None:  # noqa: B027
+        """Raise ConfigError (naming the method and the device) where `device` cannot run
+        this scheme; called once at start, before any weight is made."""
+
 
 QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {}
 
@@ -113,6 +117,45 @@ def get_quantization_config(name: str) -> type[QuantizationConfig]:
         known = ", ".join(sorted(QUANTIZATION_CONFIGS)) or "(none)"
         raise ValueError(f"unknown quantization method {name!r}; known: {known}")
     return QUANTIZATION_CONFIGS[name]
+
+
+def resolve_quant_config(
+    method: str, hf_config: Any, device: torch.device, check_device: bool = True
+) -> QuantizationConfig | None:
+    """The engine's quantization config: the checkpoint's `quantization_config` when it has
+    one (loaded as stored), else `method` applied at load ("auto": none). Raises ConfigError
+    for a scheme not implemented, a `method` that contradicts the checkpoint, or a device
+    that cannot run it (`check_device` False: not checked, for tests of the CPU reference
+    path)."""
+    from tandem.config import ConfigError
+
+    stored = getattr(hf_config, "quantization_config", None)
+    if stored is not None and not isinstance(stored, dict):
+        stored = stored.to_dict()
+    if stored:
+        name = stored.get("quant_method")
+        if name not in QUANTIZATION_CONFIGS:
+            known = ", ".join(sorted(QUANTIZATION_CONFIGS))
+            raise ConfigError(
+                f"the checkpoint's quantization method {name!r} is not implemented ({known})"
+            )
+        # An FP8 request over an FP8 compressed-tensors checkpoint is the checkpoint's scheme.
+        if method not in ("auto", name) and not (method == "fp8" and name == "compressed-tensors"):
+            raise ConfigError(
+                f"--quantization {method} does not match the checkpoint's quantization "
+                f"method {name!r}"
+            )
+        config = QUANTIZATION_CONFIGS[name].from_config(stored)
+    elif method == "auto":
+        return None
+    else:
+        try:
+            config = get_quantization_config(method)()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if check_device:
+        config.verify_device(device)
+    return config
 
 
 def get_quant_method(ctx: ModelContext, layer: nn.Module, prefix: str = "") -> LinearMethodBase:

@@ -1,0 +1,382 @@
+"""FP8 (e4m3) linear layers: weights in float8 with scales, activations quantized on the fly,
+the product through `torch._scaled_mm` (tandem_kernels.fp8).
+
+Two ways in, one method:
+
+- quantized at load (`--quantization fp8` / `ptpc_fp8` on a bf16 or fp32 checkpoint): the
+  layer is created with a `weight` in the model's dtype, loaded as usual, and
+  `process_weights_after_loading` replaces it with float8 plus its scale;
+- loaded as stored (a checkpoint whose `quantization_config` is `fp8` or compressed-tensors
+  float-quantized): the layer is created with float8 `weight` and the scale parameters under
+  the checkpoint's names, each with a `weight_loader`, so `load_weights` needs no change.
+
+Schemes (`Fp8Config` fields, named as vLLM and compressed-tensors name them):
+
+    weight_strategy     tensor   weight_scale []        (a fused layer's parts requantized to
+                                                          the largest part scale after loading)
+                        channel  weight_scale [N, 1]    (shards with the weight: output_dim 0)
+                        block    weight_scale_inv, one per bn x bk tile (`weight_block_size`)
+    activation_scheme   dynamic  scale from each step's activations: per tensor, or per token
+                                 (`activation_strategy` token, with channel weights: "PTPC")
+                        static   the checkpoint's `input_scale` (per tensor)
+
+Block-scaled checkpoints run as weight-only FP8 (W8A16): the weight stays e4m3 with its tile
+scales, and a Triton GEMM (tandem_kernels.fp8_block_gemm) widens each tile in registers and
+scales its products; its torch reference (dequantize, then matmul) on the CPU. The LM head and
+embeddings stay in the model's dtype (as vLLM).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from tandem.config import ConfigError
+from tandem.layers.quantization.base import (
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizeMethodBase,
+    register_quantization_config,
+    set_weight_attrs,
+)
+from tandem.layers.weight_utils import LoadedWeight, full_weight
+from tandem_kernels import fp8 as fp8_ops
+from tandem_kernels.fp8_block_gemm import fp8_block_gemm, fp8_block_gemm_ref
+
+WeightStrategy = Literal["tensor", "channel", "block"]
+ActivationStrategy = Literal["tensor", "token"]
+
+# `torch._scaled_mm` with e4m3 runs on compute capability 8.9 (Ada) and above.
+MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_device(
+    device: torch.device,
+    what: str,
+    capability: tuple[int, int] | None = None,
+    name: str | None = None,
+) -> None:
+    """ConfigError unless `device` can run FP8 (a CUDA GPU of compute capability >= 8.9).
+    `capability` / `name`: the GPU's, when the caller knows them (else asked of CUDA)."""
+    if device.type != "cuda":
+        raise ConfigError(f"{what} needs a CUDA GPU of compute capability >= 8.9, not {device}")
+    capability = capability or torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        name = name or torch.cuda.get_device_name(device)
+        raise ConfigError(
+            f"{what} needs compute capability >= 8.9; {name} has {capability[0]}.{capability[1]}"
+        )
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How one layer's weights and activations are quantized (see the module docstring)."""
+
+    is_checkpoint_fp8_serialized: bool = False
+    weight_strategy: WeightStrategy = "tensor"
+    activation_scheme: Literal["dynamic", "static"] = "dynamic"
+    activation_strategy: ActivationStrategy = "tensor"
+    weight_block_size: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.weight_strategy == "block") != (self.weight_block_size is not None):
+            raise ConfigError("an FP8 block scheme needs weight_block_size [bn, bk], and only it")
+        if self.activation_strategy == "token" and self.weight_strategy != "channel":
+            raise ConfigError("per-token FP8 activations need per-channel weights")
+        if self.activation_scheme == "static" and self.activation_strategy != "tensor":
+            raise ConfigError("static FP8 activation scales are per tensor")
+        if self.activation_scheme == "static" and not self.is_checkpoint_fp8_serialized:
+            raise ConfigError("static FP8 activation scales come from an FP8 checkpoint")
+
+
+@register_quantization_config
+class Fp8Config(QuantizationConfig):
+    """`--quantization fp8`: per-tensor weights and dynamic per-tensor activations quantized at
+    load, or an HF checkpoint's `{"quant_method": "fp8", "activation_scheme": ...,
+    "weight_block_size": [128, 128]}` loaded as stored."""
+
+    name = "fp8"
+
+    def __init__(self, scheme: Fp8Scheme | None = None, ignored_layers: tuple[str, ...] = ()):
+        self.scheme = scheme if scheme is not None else Fp8Scheme()
+        self.ignored_layers = tuple(ignored_layers)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Fp8Config:
+        activation_scheme = config.get("activation_scheme", "dynamic")
+        if activation_scheme not in ("dynamic", "static"):
+            raise ConfigError(f"FP8 checkpoint: activation_scheme {activation_scheme!r}")
+        fmt = config.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ConfigError(f"FP8 checkpoint: fmt {fmt!r} is not implemented (e4m3)")
+        block = config.get("weight_block_size")
+        if block is not None:
+            if len(block) != 2 or min(block) < 1:
+                raise ConfigError(f"FP8 checkpoint: weight_block_size {block!r} is not [bn, bk]")
+            block = (int(block[0]), int(block[1]))
+        scheme = Fp8Scheme(
+            is_checkpoint_fp8_serialized=True,
+            weight_strategy="block" if block else "tensor",
+            activation_scheme=activation_scheme,
+            weight_block_size=block,
+        )
+        ignored = config.get("ignored_layers") or config.get("modules_to_not_convert") or ()
+        return cls(scheme, tuple(ignored))
+
+    def is_ignored(self, prefix: str) -> bool:
+        """Whether the checkpoint leaves layer `prefix` unquantized (a fused layer counts as
+        ignored when its first part is: `q_proj` for `qkv_proj`)."""
+        names = {prefix}
+        for fused, first in ((".qkv_proj", ".q_proj"), (".gate_up_proj", ".gate_proj")):
+            if prefix.endswith(fused):
+                names.add(prefix[: -len(fused)] + first)
+        return any(_matches(name, ig) for name in names for ig in self.ignored_layers)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from tandem.layers.linear import LinearBase
+
+        if not isinstance(layer, LinearBase) or self.is_ignored(prefix):
+            return None  # the LM head, embeddings and ignored layers stay unquantized
+        return Fp8LinearMethod(self.scheme)
+
+    def verify_device(self, device: torch.device) -> None:
+        check_fp8_device(device, f"--quantization {self.name}")
+
+
+@register_quantization_config
+class PtpcFp8Config(Fp8Config):
+    """`--quantization ptpc_fp8` (vLLM's name): per-channel weights quantized at load and
+    dynamic per-token activation scales."""
+
+    name = "ptpc_fp8"
+
+    def __init__(self, scheme: Fp8Scheme | None = None, ignored_layers: tuple[str, ...] = ()):
+        scheme = scheme or Fp8Scheme(weight_strategy="channel", activation_strategy="token")
+        super().__init__(scheme, ignored_layers)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """A checkpoint's ignore entry: `re:<regex>` (compressed-tensors) or a module name."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+def _part_index(layer: nn.Module, shard_id: Any) -> int | None:
+    """The fused part a checkpoint tensor fills (None: all of them, a fused tensor)."""
+    if shard_id is None:
+        return 0 if len(layer.output_partition_sizes) == 1 else None
+    if isinstance(shard_id, str):
+        return ("q", "k", "v").index(shard_id)
+    return int(shard_id)
+
+
+def _part_full_rows(layer: nn.Module, shard_id: Any) -> int:
+    """Rows of the checkpoint tensor of part `shard_id` (all ranks' rows)."""
+    if shard_id is None:
+        return layer.output_size
+    if isinstance(shard_id, str):  # QKVParallelLinear
+        heads = layer.total_num_heads if shard_id == "q" else layer.total_num_kv_heads
+        return heads * layer.head_size
+    return layer.output_sizes[int(shard_id)]
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """One linear layer in FP8 under `scheme`. After `process_weights_after_loading` the layer
+    holds `weight` float8 `[N, K]` and `weight_scale` (float32, `[]` or `[N, 1]`), plus
+    `input_scale` `[]` for static activations; a block scheme holds `weight_scale_inv`
+    `[N, ceil(K/bk)]` instead (each tile's scale repeated over its rows)."""
+
+    def __init__(self, scheme: Fp8Scheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        *,
+        device: torch.device | None = None,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        scheme = self.scheme
+        rows, cols = sum(output_partition_sizes), input_size_per_partition
+        layer.fp8_scheme = scheme
+        if scheme.weight_strategy != "block" and (rows % 16 or cols % 16):
+            raise ConfigError(
+                f"{layer.prefix}: FP8 GEMMs need both dims multiples of 16, this rank's "
+                f"weight is [{rows}, {cols}]"
+            )
+        dtype = fp8_ops.FP8_DTYPE if scheme.is_checkpoint_fp8_serialized else params_dtype
+        loader = extra_weight_attrs["weight_loader"]
+        weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), False)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
+        layer.register_parameter("weight", weight)
+        if not scheme.is_checkpoint_fp8_serialized:
+            return
+
+        def f32(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=torch.float32, device=device), False)
+
+        def load_part_scale(param: nn.Parameter, loaded: LoadedWeight, shard_id: Any = None):
+            index = _part_index(layer, shard_id)
+            value = full_weight(loaded).to(torch.float32).reshape(-1)
+            if value.numel() != 1:
+                raise ValueError(f"{layer.prefix}: a per-tensor scale has {value.numel()} values")
+            if index is None:
+                param.data.fill_(value.item())
+            else:
+                param.data[index] = value[0]
+
+        parts = len(output_partition_sizes)
+        if scheme.weight_strategy == "tensor":
+            scale = f32(parts)
+            set_weight_attrs(scale, {"weight_loader": load_part_scale})
+            layer.register_parameter("weight_scale", scale)
+        elif scheme.weight_strategy == "channel":
+            scale = f32(rows, 1)
+            set_weight_attrs(scale, {"output_dim": 0, **extra_weight_attrs})
+            layer.register_parameter("weight_scale", scale)
+        else:
+            bn, bk = scheme.weight_block_size  # type: ignore[misc]
+            if layer.tp_size > 1 and (
+                any(size % bn for size in output_partition_sizes) or cols % bk
+            ):
+                raise ConfigError(
+                    f"{layer.prefix}: FP8 block scales [{bn}, {bk}] do not divide this rank's "
+                    f"weight {output_partition_sizes} x {cols} under tensor parallel"
+                )
+
+            def load_block_scale(param: nn.Parameter, loaded: LoadedWeight, shard_id: Any = None):
+                # Repeat each tile row over its rows, so the layer's own loader shards the
+                # scale exactly as it shards the weight (QKV replicas included).
+                tiles = full_weight(loaded).to(torch.float32)
+                full_rows = _part_full_rows(layer, shard_id)
+                if tiles.dim() != 2 or tiles.shape[0] != -(-full_rows // bn):
+                    raise ValueError(
+                        f"{layer.prefix}: block scale shape {tuple(tiles.shape)} does not "
+                        f"tile {full_rows} rows by {bn}"
+                    )
+                loader(param, tiles.repeat_interleave(bn, 0)[:full_rows], shard_id)
+
+            scale = f32(rows, -(-cols // bk))
+            set_weight_attrs(scale, {"output_dim": 0, "input_dim": 1})
+            set_weight_attrs(scale, {"weight_loader": load_block_scale})
+            layer.register_parameter("weight_scale_inv", scale)
+        if scheme.activation_scheme == "static":
+            input_scale = f32(parts)
+            set_weight_attrs(input_scale, {"weight_loader": load_part_scale})
+            layer.register_parameter("input_scale", input_scale)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        scheme = self.scheme
+        weight = layer.weight.data
+        if scheme.weight_strategy == "block":
+            block = scheme.weight_block_size
+            if not scheme.is_checkpoint_fp8_serialized:
+                q, tiles = fp8_ops.quantize_per_block(weight, block)  # type: ignore[arg-type]
+                scale = tiles.repeat_interleave(block[0], 0)[: weight.shape[0]]  # type: ignore[index]
+            else:
+                q, scale = weight, layer.weight_scale_inv.data
+            _replace(layer, "weight", q)
+            _replace(layer, "weight_scale_inv", scale)
+            return
+        if not scheme.is_checkpoint_fp8_serialized:
+            if scheme.weight_strategy == "tensor":
+                q, scale = fp8_ops.quantize_per_tensor(weight)
+            else:
+                q, scale = fp8_ops.quantize_per_row(weight)
+        elif scheme.weight_strategy == "tensor":
+            q, scale = _requantize_to_max(weight, layer.weight_scale.data, layer)
+        else:
+            q, scale = weight, layer.weight_scale.data
+        _replace(layer, "weight", q.contiguous())
+        _replace(layer, "weight_scale", scale.to(torch.float32))
+        if scheme.activation_scheme == "static":
+            _replace(layer, "input_scale", layer.input_scale.data.max())
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        scheme = self.scheme
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        if scheme.weight_strategy == "block":  # weight-only
+            bk = scheme.weight_block_size[1]  # type: ignore[index]
+            gemm = fp8_block_gemm if x2.is_cuda else fp8_block_gemm_ref
+            out = gemm(x2, layer.weight, layer.weight_scale_inv, bk)
+            if bias is not None:
+                out = out + bias
+            return out.reshape(*shape[:-1], out.shape[-1])
+        # Activations: one Triton kernel per token scale (two per tensor scale) on CUDA; the
+        # torch references elsewhere.
+        if scheme.activation_scheme == "static":
+            xq, x_scale = fp8_ops.quantize_per_tensor(x2, layer.input_scale)
+        elif scheme.activation_strategy == "token":
+            quant = fp8_ops.dynamic_quant_per_token if x2.is_cuda else fp8_ops.quantize_per_row
+            xq, x_scale = quant(x2)
+        else:
+            quant = fp8_ops.dynamic_quant_per_tensor if x2.is_cuda else fp8_ops.quantize_per_tensor
+            xq, x_scale = quant(x2)
+        out = fp8_linear(xq, layer.weight, x_scale, layer.weight_scale, bias, x.dtype)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def fp8_linear(
+    xq: torch.Tensor,
+    wq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The scaled GEMM on CUDA, its dequantize-then-matmul reference elsewhere. Rowwise scales
+    produce bf16 (cuBLASLt's rule), cast to `out_dtype`; their bias is added after."""
+    rowwise = w_scale.numel() > 1 or x_scale.numel() > 1
+    if rowwise and w_scale.numel() == 1:
+        w_scale = w_scale.reshape(1, 1).expand(wq.shape[0], 1).contiguous()
+    if rowwise and x_scale.numel() == 1:
+        x_scale = x_scale.reshape(1, 1).expand(xq.shape[0], 1).contiguous()
+    if not xq.is_cuda:
+        return fp8_ops.fp8_scaled_mm_ref(xq, wq, x_scale, w_scale, bias, out_dtype)
+    if xq.shape[0] == 0:
+        return torch.empty(0, wq.shape[0], dtype=out_dtype, device=xq.device)
+    if not rowwise:
+        return fp8_ops.fp8_scaled_mm(xq, wq, x_scale, w_scale, bias, out_dtype)
+    out = fp8_ops.fp8_scaled_mm(xq, wq, x_scale, w_scale, None, torch.bfloat16)
+    if bias is not None:
+        out = out + bias
+    return out.to(out_dtype)
+
+
+def _requantize_to_max(
+    weight: torch.Tensor, part_scales: torch.Tensor, layer: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused layer's parts, each stored with its own per-tensor scale, requantized to one
+    scale (the largest), so one GEMM serves them all."""
+    top = part_scales.max()
+    if bool((part_scales == top).all()):
+        return weight, top
+    out = torch.empty_like(weight)
+    start = 0
+    for size, scale in zip(layer.output_partition_sizes, part_scales, strict=True):
+        part = weight[start : start + size]
+        out[start : start + size] = fp8_ops.quantize_fp8(fp8_ops.dequantize(part, scale), top)
+        start += size
+    return out, top
+
+
+def _replace(layer: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Re-register parameter `name` of `layer` as `value` (its loading attributes dropped)."""
+    if hasattr(layer, name):
+        delattr(layer, name)
+    layer.register_parameter(name, nn.Parameter(value, requires_grad=False))

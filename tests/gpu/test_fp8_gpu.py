@@ -1,0 +1,249 @@
+"""FP8 on the GPU at real sizes: `torch._scaled_mm` against its dequantize-then-matmul
+reference at the 8B model's shapes, the FP8 KV write bit for bit and attention over an FP8
+cache against the same cache dequantized, and the FP8 engine (weights, then KV cache) against
+its bf16 self on random:llama-3.2-1b with CUDA graphs on.
+
+    pytest -q -s -m gpu tests/gpu/test_fp8_gpu.py     # -s prints the logprob gaps
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem_kernels import fp8 as fp8_ops
+
+pytestmark = pytest.mark.gpu
+
+MODEL = "random:llama-3.2-1b"
+NUM_PROMPTS = 16
+NEW_TOKENS = 24
+# (N, K) of the 8B model's GEMMs: qkv, o, gate_up, down.
+SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def _fp8_capable() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.fixture(autouse=True)
+def _needs_fp8() -> None:
+    if not _fp8_capable():
+        pytest.skip("needs a GPU of compute capability >= 8.9")
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["per_tensor", "rowwise"])
+@pytest.mark.parametrize("m", [1, 16, 257, 4096])
+def test_scaled_mm_at_8b_shapes(m: int, rowwise: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in SHAPES_8B:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        quant = fp8_ops.quantize_per_row if rowwise else fp8_ops.quantize_per_tensor
+        (xq, xs), (wq, ws) = quant(x), quant(w)
+        got = fp8_ops.fp8_scaled_mm(xq, wq, xs, ws).float()
+        ref = fp8_ops.fp8_scaled_mm_ref(xq, wq, xs, ws, out_dtype=torch.float32)
+        # Both sum the same fp8 products; the GEMM rounds its output to bf16 once.
+        assert ((got - ref).norm() / ref.norm()).item() < 4e-3, (m, n, k)
+        torch.testing.assert_close(got, ref, atol=ref.abs().max().item() * 1e-2, rtol=1e-2)
+
+
+def test_fp8_kv_write_is_bit_exact() -> None:
+    from tandem_kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cache = torch.zeros(512, 4, 2, 16, 8, 128, device="cuda").to(torch.float8_e4m3fn)[:, 2]
+    expected = cache.clone()
+    slots = torch.randperm(512 * 16, device="cuda", generator=gen)[:3000]
+    key = torch.randn(3000, 8, 128, device="cuda", generator=gen).to(torch.bfloat16) * 4
+    value = torch.randn(3000, 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    reshape_and_cache(key, value, cache, slots, 0.03, 0.011)
+    reshape_and_cache_ref(key, value, expected, slots, 0.03, 0.011)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_attention_over_fp8_cache_at_real_sizes() -> None:
+    from tandem_kernels import paged_attention as pa
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    heads, kv_heads, head, bs, blocks = 32, 8, 128, 16, 1024
+    ks, vs = 0.02, 0.004
+    raw = torch.randn(blocks, 2, bs, kv_heads, head, device="cuda", generator=gen)
+    raw[:, 0] /= ks * 8
+    raw[:, 1] /= vs * 8
+    cache = raw.to(torch.float8_e4m3fn)
+    deq = cache.float()
+    deq[:, 0] *= ks
+    deq[:, 1] *= vs
+    deq = deq.to(torch.bfloat16)
+    seq_lens, q_lens = [2000, 1, 700, 1500], [2000, 1, 64, 1]
+    per = [-(-n // bs) for n in seq_lens]
+    perm = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32, device="cuda")
+    used = 0
+    for r, n in enumerate(per):
+        table[r, :n] = perm[used : used + n]
+        used += n
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    qsl = qsl.cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    query = torch.randn(sum(q_lens), heads, head, device="cuda", generator=gen)
+    query = query.to(torch.bfloat16)
+    scale = head**-0.5
+    ref = pa.paged_attention_ref(query, deq, qsl, lens, table, scale)
+    out = pa.paged_prefill_attention(query, cache, qsl, lens, table, scale, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    dq = torch.randn(4, heads, head, device="cuda", generator=gen).to(torch.bfloat16)
+    ones = torch.arange(5, dtype=torch.int32, device="cuda")
+    dref = pa.paged_attention_ref(dq, deq, ones, lens, table, scale)
+    for splits in (1, 8):
+        got = pa.paged_decode_attention(
+            dq, cache, lens, table, scale, max_seq_len=2000, num_splits=splits, k_scale=ks,
+            v_scale=vs,
+        )  # fmt: skip
+        torch.testing.assert_close(got, dref, atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def _prompts(vocab: int, n: int = NUM_PROMPTS) -> list[list[int]]:
+    rng = random.Random(5)
+    lengths = [rng.randrange(4, 600) for _ in range(n)]
+    return [[rng.randrange(100, vocab) for _ in range(k)] for k in lengths]
+
+
+def _run(**kwargs: Any) -> tuple[list[Any], int]:
+    """Greedy outputs (top-5 logprobs) of the 16 prompts, and the engine's KV block count."""
+    with LLM(
+        model=MODEL,
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=1024,
+        gpu_memory_utilization=0.4,
+        **kwargs,
+    ) as llm:
+        assert llm.engine.model_runner.cuda_graphs.graphs, "CUDA graphs were not captured"
+        ps = _prompts(llm.engine.vocab_size)
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
+        return [o.outputs[0] for o in outs], llm.engine.num_blocks
+
+
+@pytest.fixture(scope="module")
+def bf16_run() -> Iterator[tuple[list[Any], int]]:
+    yield _run()
+
+
+def _compare(name: str, ref: list[Any], test: list[Any]) -> float:
+    """Greedy identical, or at the first difference each side's token is in the other's
+    top 5. Returns (and prints) the mean |logprob gap| of the chosen tokens where both chose
+    the same one."""
+    identical, gaps = 0, []
+    for i, (a, b) in enumerate(zip(ref, test, strict=True)):
+        diff = next(
+            (j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y),
+            None,
+        )
+        upto = len(a.token_ids) if diff is None else diff
+        for j in range(upto):
+            tok = a.token_ids[j]
+            gaps.append(abs(a.logprobs[j][tok] - b.logprobs[j][tok]))
+        if diff is None:
+            identical += 1
+            continue
+        assert a.token_ids[diff] in b.logprobs[diff], f"{name} prompt {i} step {diff}"
+        assert b.token_ids[diff] in a.logprobs[diff], f"{name} prompt {i} step {diff}"
+    mean_gap = sum(gaps) / max(len(gaps), 1)
+    print(
+        f"\n{name}: {identical}/{len(ref)} prompts identical to bf16 for {NEW_TOKENS} tokens; "
+        f"mean chosen-token logprob gap {mean_gap:.4f} over {len(gaps)} tokens"
+    )
+    return mean_gap
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "ptpc_fp8"])
+def test_fp8_weights_against_bf16_self(bf16_run, quantization: str) -> None:
+    ref, _ = bf16_run
+    outs, _ = _run(quantization=quantization)
+    assert _compare(f"--quantization {quantization}", ref, outs) < 0.5
+
+
+def test_fp8_kv_cache_against_bf16_self(bf16_run) -> None:
+    ref, bf16_blocks = bf16_run
+    outs, fp8_blocks = _run(kv_cache_dtype="fp8")
+    assert _compare("--kv-cache-dtype fp8", ref, outs) < 0.5
+    # Half the bytes per block: about twice the blocks in the same memory.
+    print(f"KV blocks: bf16 {bf16_blocks}, fp8 {fp8_blocks}")
+    assert fp8_blocks >= 1.9 * bf16_blocks
+
+
+def test_fp8_weights_and_kv_cache_together(bf16_run) -> None:
+    ref, _ = bf16_run
+    outs, _ = _run(quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    assert _compare("--quantization fp8 --kv-cache-dtype fp8", ref, outs) < 0.7
+
+
+def test_dynamic_activation_quant_is_bit_exact() -> None:
+    """The Triton activation quantizers against the torch ones (weights' and references')."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(3000, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    x[7] = 0
+    for kernel, ref in (
+        (fp8_ops.dynamic_quant_per_token, fp8_ops.quantize_per_row),
+        (fp8_ops.dynamic_quant_per_tensor, fp8_ops.quantize_per_tensor),
+    ):
+        (q, scale), (q_ref, scale_ref) = kernel(x), ref(x)
+        assert torch.equal(scale, scale_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [1, 64, 1000])
+def test_block_gemm_at_8b_shapes(m: int) -> None:
+    from tandem_kernels.fp8_block_gemm import fp8_block_gemm, fp8_block_gemm_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in SHAPES_8B:
+        w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+        wq, tiles = fp8_ops.quantize_per_block(w, (128, 128))
+        scale = tiles.repeat_interleave(128, 0)[:n].contiguous()
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        got = fp8_block_gemm(x, wq, scale, 128).float()
+        ref = fp8_block_gemm_ref(x.float(), wq, scale, 128)
+        assert ((got - ref).norm() / ref.norm()).item() < 4e-3, (m, n, k)
+
+
+@pytest.mark.parametrize("kind", ["ct_tensor", "ct_channel", "ct_static", "fp8_block128"])
+def test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference(kind, tiny_model_path, tmp_path):
+    """A saved FP8 checkpoint (tests/unit/test_fp8.py writes it) through the GPU paths
+    (`_scaled_mm` per tensor / rowwise / static, the block GEMM) against the same checkpoint
+    through the CPU's dequantize-then-matmul references, fp32 activations both."""
+    from tandem.distributed import single_rank_state
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.quantization import resolve_quant_config
+    from tandem.loader import build_model, load_hf_config
+    from tandem.models import ModelContext
+    from tests.unit.test_fp8 import _logits, _write_fp8_checkpoint
+
+    folder = _write_fp8_checkpoint(tiny_model_path("llama"), tmp_path / kind, kind)
+    hf = load_hf_config(folder)
+    logits = {}
+    for dev in ("cpu", "cuda"):
+        device = torch.device(dev)
+        quant = resolve_quant_config("auto", hf, device, check_device=dev == "cuda")
+        ctx = ModelContext(
+            torch.float32, device, get_attention_backend("torch"), single_rank_state(device),
+            quant,
+        )  # fmt: skip
+        model = build_model(folder, ctx, hf_config=hf)
+        logits[dev] = _logits(model, device).cpu()
+    torch.testing.assert_close(logits["cuda"], logits["cpu"], atol=2e-2, rtol=2e-2)

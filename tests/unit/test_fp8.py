@@ -1,0 +1,464 @@
+"""FP8 on the CPU: the quantizers and `torch._scaled_mm` against their dequantize-then-matmul
+reference, `Fp8LinearMethod` quantizing at load (per tensor; per channel with per-token
+activations) and sharding its scales with its weights, FP8 checkpoints (compressed-tensors
+per tensor / per channel, HF `fp8` with block scales) written here and loaded as stored,
+matching the model quantized at load, and the start-up errors (FP8 on the CPU, schemes not
+implemented)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tandem.config import ConfigError, EngineArgs
+from tandem.layers.attention import get_attention_backend
+from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tandem.layers.quantization import (
+    Fp8Config,
+    Fp8LinearMethod,
+    PtpcFp8Config,
+    resolve_quant_config,
+)
+from tandem.layers.quantization.fp8 import Fp8Scheme
+from tandem.loader import build_model, iterate_weights
+from tandem.models import ModelContext
+from tandem_kernels import fp8 as fp8_ops
+from tests.conftest import build_attn_metadata
+from tests.parallel_groups import CPU, fake_parallel_state
+
+BLOCK_SIZE = 16
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def context(quant: Any, tp_rank: int = 0, tp_size: int = 1) -> ModelContext:
+    state = fake_parallel_state(tp_rank, tp_size)
+    return ModelContext(torch.float32, CPU, get_attention_backend("torch"), state, quant)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_scaled_mm_matches_reference(rowwise: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 64, generator=gen)
+    w = torch.randn(48, 64, generator=gen) * 0.05
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    if rowwise:
+        (xq, xs), (wq, ws) = fp8_ops.quantize_per_row(x), fp8_ops.quantize_per_row(w)
+        assert xs.shape == (7, 1) and ws.shape == (48, 1)
+    else:
+        (xq, xs), (wq, ws) = fp8_ops.quantize_per_tensor(x), fp8_ops.quantize_per_tensor(w)
+        assert xs.shape == () and ws.shape == ()
+    got = fp8_ops.fp8_scaled_mm(xq, wq, xs, ws, bias).float()
+    ref = fp8_ops.fp8_scaled_mm_ref(xq, wq, xs, ws, bias).float()
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    # And FP8 is close to the unquantized product (e4m3: ~3 mantissa bits per operand).
+    exact = x @ w.t() + bias.float()
+    assert (ref - exact).norm() / exact.norm() < 0.06
+
+
+def test_scaled_mm_layout_rules_are_asserted() -> None:
+    x = fp8_ops.quantize_per_tensor(torch.randn(4, 40))[0]  # K = 40: not a multiple of 16
+    w = fp8_ops.quantize_per_tensor(torch.randn(16, 40))[0]
+    one = torch.tensor(1.0)
+    with pytest.raises(AssertionError, match="K, N % 16"):
+        fp8_ops.fp8_scaled_mm(x, w, one, one)
+    x = fp8_ops.quantize_per_tensor(torch.randn(4, 32))[0]
+    w = fp8_ops.quantize_per_tensor(torch.randn(16, 32))[0]
+    with pytest.raises(AssertionError):  # rowwise scales of the wrong shape
+        fp8_ops.fp8_scaled_mm(x, w, torch.ones(4), torch.ones(16, 1))
+
+
+def test_quantizers_round_trip_within_e4m3_precision() -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 72, generator=gen) * torch.linspace(0.01, 3, 40).unsqueeze(1)
+    for q, deq in [
+        (lambda t: fp8_ops.quantize_per_tensor(t), lambda q, s: fp8_ops.dequantize(q, s)),
+        (lambda t: fp8_ops.quantize_per_row(t), lambda q, s: fp8_ops.dequantize(q, s)),
+        (
+            lambda t: fp8_ops.quantize_per_block(t, (16, 32)),
+            lambda q, s: fp8_ops.dequantize(q, s, (16, 32)),
+        ),
+    ]:
+        wq, scale = q(w)
+        assert wq.dtype == torch.float8_e4m3fn
+        assert wq.float().abs().max() <= fp8_ops.FP8_MAX
+        back = deq(wq, scale)
+        # e4m3 keeps 3 mantissa bits: a relative error of at most 2^-4 per normal value.
+        big = back.abs() > scale.max() * 2**-6 if scale.dim() else back.abs() > scale * 2**-6
+        assert ((back - w).abs()[big] <= w.abs()[big] * 2**-4 + 1e-7).all()
+    _, tiles = fp8_ops.quantize_per_block(w, (16, 32))
+    assert tiles.shape == (3, 3)  # ceil(40 / 16), ceil(72 / 32)
+    assert fp8_ops.quantize_per_tensor(torch.zeros(16, 16))[0].float().abs().sum() == 0
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _load_linear(layer: torch.nn.Module, parts: list[tuple[torch.Tensor, Any]]) -> None:
+    for tensor, shard in parts:
+        if shard is None:
+            layer.weight.weight_loader(layer.weight, tensor)
+        else:
+            layer.weight.weight_loader(layer.weight, tensor, shard)
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize("quant", [Fp8Config(), PtpcFp8Config()], ids=["fp8", "ptpc_fp8"])
+def test_linear_quantized_at_load(quant: Fp8Config) -> None:
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(n, 64, generator=gen) * 0.05 for n in (64, 32, 32))
+    layer = QKVParallelLinear(64, 16, 4, 2, False, context(quant), prefix="qkv")
+    assert isinstance(layer.quant_method, Fp8LinearMethod)
+    assert layer.weight.dtype == torch.float32  # quantized only after loading
+    _load_linear(layer, [(q, "q"), (k, "k"), (v, "v")])
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    per_channel = quant.scheme.weight_strategy == "channel"
+    assert layer.weight_scale.shape == ((128, 1) if per_channel else ())
+    x = torch.randn(5, 64, generator=gen)
+    out = layer(x)
+    full = torch.cat([q, k, v])
+    if per_channel:
+        xq, xs = fp8_ops.quantize_per_row(x)
+        wq, ws = fp8_ops.quantize_per_row(full)
+    else:
+        xq, xs = fp8_ops.quantize_per_tensor(x)
+        wq, ws = fp8_ops.quantize_per_tensor(full)
+    torch.testing.assert_close(out, fp8_ops.fp8_scaled_mm_ref(xq, wq, xs, ws, None, torch.float32))
+    exact = x @ full.t()
+    assert (out - exact).norm() / exact.norm() < 0.06
+
+
+def test_channel_scales_shard_with_their_weights() -> None:
+    """Column parallel: rank r's output columns (and scales) are exactly the whole layer's;
+    row parallel: every rank holds all output channels' scales."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 32, generator=gen)
+    x = torch.randn(3, 32, generator=gen)
+    quant = PtpcFp8Config()
+    whole = ColumnParallelLinear(32, 64, False, context(quant), prefix="col")
+    _load_linear(whole, [(w, None)])
+    for rank in range(2):
+        part = ColumnParallelLinear(32, 64, False, context(quant, rank, 2), prefix="col")
+        _load_linear(part, [(w, None)])
+        rows = slice(rank * 32, (rank + 1) * 32)
+        assert torch.equal(part.weight_scale, whole.weight_scale[rows])
+        assert torch.equal(part(x), whole(x)[:, rows])
+        row = RowParallelLinear(64, 32, False, context(quant, rank, 2), prefix="row")
+        _load_linear(row, [(w.t().contiguous(), None)])
+        assert row.weight.shape == (32, 32) and row.weight_scale.shape == (32, 1)
+
+
+def test_lm_head_and_ignored_layers_stay_unquantized(tiny_model_path) -> None:
+    model = build_model(tiny_model_path("llama"), context(Fp8Config()))
+    quantized = {n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert len(quantized) == 4 * 2  # qkv, o, gate_up, down in each of the 2 layers
+    assert model.lm_head.weight.dtype == torch.float32
+    ignored = Fp8Config(ignored_layers=("model.layers.0.self_attn.q_proj", "re:.*down_proj"))
+    assert ignored.is_ignored("model.layers.0.self_attn.qkv_proj")
+    assert ignored.is_ignored("model.layers.1.mlp.down_proj")
+    assert not ignored.is_ignored("model.layers.1.self_attn.qkv_proj")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _write_fp8_checkpoint(src: Path, dst: Path, kind: str) -> Path:
+    """`src`'s weights quantized here into an FP8 checkpoint of `kind` in `dst`."""
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in iterate_weights(src):
+        proj = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if proj not in LINEAR_NAMES:
+            tensors[name] = tensor.contiguous()
+            continue
+        base = name[: -len("weight")]
+        if kind == "ct_tensor":
+            q, s = fp8_ops.quantize_per_tensor(tensor)
+            tensors[base + "weight_scale"] = s.reshape(1)
+        elif kind == "ct_static":
+            q, s = fp8_ops.quantize_per_tensor(tensor)
+            tensors[base + "weight_scale"] = s.reshape(1)
+            tensors[base + "input_scale"] = torch.tensor([0.02])
+        elif kind == "ct_channel":
+            q, s = fp8_ops.quantize_per_row(tensor)
+            tensors[base + "weight_scale"] = s
+        else:
+            q, s = fp8_ops.quantize_per_block(tensor, _BLOCKS[kind])
+            tensors[base + "weight_scale_inv"] = s
+        tensors[name] = q
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = _QUANT_CONFIGS[kind]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+_BLOCKS = {"fp8_block128": (128, 128), "fp8_block16": (16, 16)}
+
+
+def _ct_config(weights: str, acts: str, dynamic: bool) -> dict[str, Any]:
+    def args(strategy: str, dyn: bool) -> dict[str, Any]:
+        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy,
+                "dynamic": dyn}  # fmt: skip
+
+    group = {"targets": ["Linear"], "weights": args(weights, False)}
+    group["input_activations"] = args(acts, dynamic)
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+    }
+
+
+_QUANT_CONFIGS: dict[str, dict[str, Any]] = {
+    "ct_tensor": _ct_config("tensor", "tensor", True),
+    "ct_static": _ct_config("tensor", "tensor", False),
+    "ct_channel": _ct_config("channel", "token", True),
+    **{
+        k: {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(b)}
+        for k, b in _BLOCKS.items()
+    },
+}
+# The config that quantizes the unquantized model at load the same way.
+_AT_LOAD: dict[str, Fp8Config | None] = {
+    "ct_tensor": Fp8Config(),
+    "ct_static": None,
+    "ct_channel": PtpcFp8Config(),
+    "fp8_block128": Fp8Config(Fp8Scheme(weight_strategy="block", weight_block_size=(128, 128))),
+    "fp8_block16": Fp8Config(Fp8Scheme(weight_strategy="block", weight_block_size=(16, 16))),
+}
+
+
+def _logits(model: Any, device: torch.device = CPU) -> torch.Tensor:
+    """Logits of one paged prefill of two requests (5 and 9 tokens) through `model`."""
+    lens = [5, 9]
+    md = build_attn_metadata(lens, lens, [[1], [2]], BLOCK_SIZE)
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        setattr(md, name, getattr(md, name).to(device))
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, model.vocab_size, (sum(lens),), generator=gen).to(device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    shape = (4, 2, BLOCK_SIZE, model.num_kv_heads, model.head_size)
+    kv = [torch.zeros(shape, device=device) for _ in range(model.num_layers)]
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions, kv, md))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_path) -> tuple[Path, torch.Tensor]:
+    path = tiny_model_path("llama")
+    return path, _logits(build_model(path, context(None)))
+
+
+@pytest.mark.parametrize("kind", list(_QUANT_CONFIGS))
+def test_fp8_checkpoint_loads_as_stored(kind: str, tiny_llama, tmp_path: Path) -> None:
+    src, exact = tiny_llama
+    folder = _write_fp8_checkpoint(src, tmp_path / kind, kind)
+    from tandem.loader import load_hf_config
+
+    hf_config = load_hf_config(folder)
+    quant = resolve_quant_config("auto", hf_config, CPU, check_device=False)
+    assert quant is not None and quant.scheme.is_checkpoint_fp8_serialized
+    stored = build_model(folder, context(quant), hf_config=hf_config)
+    logits = _logits(stored)
+    # e4m3 rounds each operand by up to 2^-4 (about 5% per product, RMS): through the tiny
+    # model's 2 layers its logits move by about 10%.
+    assert (logits - exact).norm() / exact.norm() < 0.15, kind
+    at_load = _AT_LOAD[kind]
+    if at_load is None:
+        return
+    quantized = build_model(src, context(at_load))
+    for name, param in quantized.named_parameters():
+        mine = stored.get_parameter(name)
+        fused = ".qkv_proj." in name or ".gate_up_proj." in name
+        if kind in ("ct_channel", "fp8_block16") or not fused:  # same scales: same bytes
+            assert torch.equal(param, mine), (kind, name)
+        elif name.endswith(".weight"):  # parts requantized to one scale / tiles over parts
+            prefix = name[: -len("weight")]
+            a, b = _dequantized(quantized, prefix), _dequantized(stored, prefix)
+            assert ((a - b).abs() <= a.abs() * 2**-3 + 1e-3).all(), (kind, name)
+    if kind in ("ct_channel", "fp8_block16"):
+        torch.testing.assert_close(logits, _logits(quantized), atol=0, rtol=0)
+
+
+def _dequantized(model: Any, prefix: str) -> torch.Tensor:
+    """A layer's FP8 weight times its scale (a block scale held per row: `(1, bk)` tiles)."""
+    weight = model.get_parameter(prefix + "weight")
+    names = dict(model.named_parameters())
+    if prefix + "weight_scale_inv" in names:
+        scale = names[prefix + "weight_scale_inv"]
+        bk = -(-weight.shape[1] // scale.shape[1])
+        return fp8_ops.dequantize(weight, scale, (1, bk))
+    return fp8_ops.dequantize(weight, names[prefix + "weight_scale"])
+
+
+def test_stored_scales_shard_with_their_weights(tiny_llama, tmp_path: Path) -> None:
+    src, _ = tiny_llama
+    for kind in ("ct_channel", "fp8_block16"):
+        folder = _write_fp8_checkpoint(src, tmp_path / kind, kind)
+        quant = Fp8Config.from_config(_QUANT_CONFIGS[kind]) if "block" in kind else None
+        quant = quant or resolve_quant_config("auto", _hf(folder), CPU, check_device=False)
+        whole = dict(build_model(folder, context(quant)).named_parameters())
+        for rank in range(2):
+            part = dict(build_model(folder, context(quant, rank, 2)).named_parameters())
+            for name in ("model.layers.1.mlp.gate_up_proj", "model.layers.1.self_attn.qkv_proj"):
+                scale = "weight_scale" if kind == "ct_channel" else "weight_scale_inv"
+                for suffix in ("weight", scale):
+                    full, mine = whole[f"{name}.{suffix}"], part[f"{name}.{suffix}"]
+                    halves = [p.chunk(2)[rank] for p in _parts(name, full)]
+                    assert torch.equal(mine.float(), torch.cat(halves).float()), (name, suffix)
+            down = "model.layers.1.mlp.down_proj"
+            cols = whole[f"{down}.weight"].shape[1] // 2
+            assert torch.equal(
+                part[f"{down}.weight"].float(),
+                whole[f"{down}.weight"][:, rank * cols : (rank + 1) * cols].float(),
+            )
+            if kind == "fp8_block16":
+                tiles = whole[f"{down}.weight_scale_inv"].chunk(2, dim=1)[rank]
+                assert torch.equal(part[f"{down}.weight_scale_inv"], tiles)
+
+
+def _parts(name: str, full: torch.Tensor) -> list[torch.Tensor]:
+    return list(full.split([64, 32, 32])) if "qkv" in name else list(full.chunk(2))
+
+
+def _hf(folder: Path) -> Any:
+    from tandem.loader import load_hf_config
+
+    return load_hf_config(folder)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_fp8_refused_where_it_cannot_run(tiny_model_path, tmp_path: Path) -> None:
+    hf = _hf(tiny_model_path("llama"))
+    with pytest.raises(ConfigError, match=r"--quantization fp8 needs a CUDA GPU .* not cpu"):
+        resolve_quant_config("fp8", hf, CPU)
+    with pytest.raises(ConfigError, match=r"compute capability >= 8\.9"):
+        from tandem.layers.quantization.fp8 import check_fp8_device
+
+        check_fp8_device(torch.device("cuda"), "fp8", capability=(8, 0), name="A100")
+    assert resolve_quant_config("auto", hf, CPU) is None
+    args = EngineArgs(model=str(tiny_model_path("llama")), quantization="fp8", device="cpu")
+    assert args.create_engine_config(resolve=False).quantization.quantization == "fp8"
+    assert EngineArgs(quantization=None).create_engine_config(resolve=False).quantization
+    with pytest.raises(ConfigError, match="quantization must be"):
+        EngineArgs(quantization="int4").create_engine_config(resolve=False)
+
+
+@pytest.mark.parametrize(
+    ("stored", "message"),
+    [
+        ({"quant_method": "awq"}, "quantization method 'awq' is not implemented"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not implemented"),
+        (
+            {**_ct_config("group", "tensor", True), "format": "float-quantized"},
+            "weight strategy 'group'",
+        ),
+        ({**_ct_config("tensor", "tensor", True), "format": "pack-quantized"}, "format"),
+        (
+            {
+                **_ct_config("tensor", "tensor", True),
+                "config_groups": {
+                    "g": {"targets": ["Linear"], "weights": {"type": "int", "num_bits": 4}}
+                },
+            },
+            "weights int 4-bit is not implemented",
+        ),
+    ],
+)
+def test_checkpoint_schemes_not_implemented_are_named(stored: dict, message: str) -> None:
+    class HF:
+        quantization_config = stored
+
+    with pytest.raises(ConfigError, match=message):
+        resolve_quant_config("auto", HF(), CPU, check_device=False)
+
+
+def test_quantization_flag_must_match_the_checkpoint() -> None:
+    class HF:
+        quantization_config: ClassVar[dict[str, Any]] = {"quant_method": "fp8"}
+
+    with pytest.raises(ConfigError, match="does not match the checkpoint"):
+        resolve_quant_config("ptpc_fp8", HF(), CPU, check_device=False)
+
+
+def test_engine_refuses_fp8_on_the_cpu(tiny_model_path) -> None:
+    from tandem.engine.llm import LLM
+
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        LLM(
+            model=str(tiny_model_path("llama")),
+            quantization="fp8",
+            device="cpu",
+            attention_backend="torch",
+        )
+
+
+# ----------------------------------------------------------------------------- FP8 KV cache
+
+
+def _step(model: Any, kv: list[torch.Tensor], lens: list[int], new: list[int], seed: int):
+    """One step: request r computes its last `new[r]` of `lens[r]` tokens (blocks r+1, r+3)."""
+    tables = [[1 + r, 3 + r] for r in range(len(lens))]
+    md = build_attn_metadata(new, lens, tables, BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.vocab_size, (sum(new),), generator=gen)
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, new, strict=True)])
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions, kv, md))
+
+
+def test_model_over_an_fp8_kv_cache(tiny_llama, tmp_path: Path) -> None:
+    """Prefill then decode through the torch backend with an e4m3 cache (the checkpoint's
+    per-layer `k_scale` / `v_scale` loaded into the attention layers): close to the same
+    model over an fp32 cache, and the cache holds FP8 values."""
+    src, _ = tiny_llama
+    folder = tmp_path / "kv_scales"
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    scales = {
+        f"model.layers.{i}.self_attn.{w}_scale": torch.tensor(0.02 * (i + 1) + (w == "v") * 0.01)
+        for i in range(2)
+        for w in "kv"
+    }
+    save_file(scales, str(folder / "model-kv-scales.safetensors"))
+    model = build_model(folder, context(None))
+    attn = model.model.layers[1].self_attn.attn
+    assert (attn.k_scale, attn.v_scale) == pytest.approx((0.04, 0.05))
+    shape = (6, 2, BLOCK_SIZE, model.num_kv_heads, model.head_size)
+    fp8 = [torch.zeros(shape).to(torch.float8_e4m3fn) for _ in range(2)]
+    exact = [torch.zeros(shape) for _ in range(2)]
+    assert attn.kv_scales(fp8[0]) == (attn.k_scale, attn.v_scale)
+    assert attn.kv_scales(exact[0]) == (1.0, 1.0)
+    for lens, new, seed in (([20, 7], [20, 7], 5), ([21, 8], [1, 1], 6)):
+        got, want = _step(model, fp8, lens, new, seed), _step(model, exact, lens, new, seed)
+        assert (got - want).norm() / want.norm() < 0.08
+    # The cache holds each K as k / k_scale in e4m3: dequantized, it is the fp32 cache's
+    # (layer 0, whose inputs the cache's rounding has not touched).
+    first = model.model.layers[0].self_attn.attn
+    k8, k32 = fp8[0][1, 0].float() * first.k_scale, exact[0][1, 0]
+    assert ((k8 - k32).abs() <= k32.abs() * 2**-4 + first.k_scale * 2**-9).all()
+    assert k32.abs().sum() > 0
+
+
+def test_fp8_kv_cache_dtype_is_refused_where_it_cannot_run() -> None:
+    from tandem.worker.model_runner import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, CPU, "torch") == torch.bfloat16
+    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8 needs a CUDA GPU"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, CPU, "torch")
+    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8_e4m3 needs a CUDA GPU"):
+        resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, CPU, "cpu")
