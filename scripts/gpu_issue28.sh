@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 28 (FP8) on one H200, random-weight llama-3.1-8b shape; two calls under the device's
+# 10-minute limit:
+#   PART=a: the FP8 GEMM ceilings (benchmarks/fp8_gemm.py), then the offline benchmark with
+#           --quantization fp8 --kv-cache-dtype fp8 at 128/128, 512/256, 1000/1000 and batch 1;
+#   PART=b: each flag alone (WORKLOADS, default all three).
+#
+#   OUT=/some/dir PART=a bash scripts/gpu_issue28.sh     (from the repository root)
+ISSUE=issue28
+BUDGET_S=${BUDGET_S:-560}
+. scripts/device_lib.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+env_report
+
+WORKLOADS=${WORKLOADS:-128/128,512/256,1000/1000}
+offline() {  # offline NAME LIMIT_S [engine flags...]
+  local name=$1 limit=$2
+  shift 2
+  step "offline $name" "$limit" "$OUT/offline_$name.log" \
+    $PY -m benchmarks.offline_throughput --model random:llama-3.1-8b --device cuda --skip-peer \
+    --workloads "$WORKLOADS" --out "$OUT/offline_$name.json" "$@"
+  grep -E "tok/s|TPOT|batch-1|ceiling" "$OUT/offline_$name.log" | tail -n 8 >>"$summary"
+}
+
+if [ "${PART:-a}" = a ]; then
+  step "fp8 gemm" 150 "$OUT/fp8_gemm.log" $PY -m benchmarks.fp8_gemm --out "$OUT/fp8_gemm.json"
+  tail -n 20 "$OUT/fp8_gemm.log" >>"$summary"
+  offline fp8_fp8kv "${OFFLINE_LIMIT_S:-380}" --quantization fp8 --kv-cache-dtype fp8
+else
+  offline fp8 "${OFFLINE_LIMIT_S:-260}" --quantization fp8
+  offline fp8kv "${OFFLINE_LIMIT_S:-260}" --kv-cache-dtype fp8
+fi
+finish
