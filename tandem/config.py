@@ -313,6 +313,66 @@ def parse_core_list(text: str) -> tuple[int, ...]:
     return tuple(cores)
 
 
+# `--attention-backend` values -> the registered backend (tandem/layers/attention); vLLM's
+# names are aliases.
+ATTENTION_BACKEND_ALIASES: dict[str, str] = {
+    "auto": "auto",
+    "torch": "torch",
+    "triton": "triton",
+    "cpu": "cpu",
+    "flashinfer": "flashinfer",
+    "flash_attn": "flash_attn",
+    "TRITON_ATTN": "triton",
+    "FLASHINFER": "flashinfer",
+    "FLASH_ATTN": "flash_attn",
+}
+# Optional backends: the modules any one of which provides it, and what to install.
+_BACKEND_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
+    "flashinfer": (("flashinfer",), "flashinfer-python"),
+    "flash_attn": (
+        ("vllm_flash_attn", "vllm.vllm_flash_attn", "flash_attn"),
+        "vllm-flash-attn (vLLM's build) or flash-attn",
+    ),
+}
+
+
+def _module_present(name: str) -> bool:
+    """Whether `name` can be imported, found without importing it (nor a parent package:
+    `vllm.vllm_flash_attn` is looked for as a folder of an installed `vllm`)."""
+    import importlib.util
+
+    top, _, rest = name.partition(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    if not rest:
+        return True
+    roots = spec.submodule_search_locations or []
+    return any((Path(root) / rest.replace(".", "/")).exists() for root in roots)
+
+
+def attention_backend_name(value: str) -> str:
+    """The registered backend `--attention-backend value` asks for ("auto" stays "auto").
+    ConfigError for an unknown name, or an optional backend whose package is not installed
+    (the message names the package)."""
+    name = ATTENTION_BACKEND_ALIASES.get(value)
+    if name is None:
+        known = ", ".join(ATTENTION_BACKEND_ALIASES)
+        raise ConfigError(f"attention_backend must be one of {known}; got {value!r}")
+    if name in _BACKEND_PACKAGES:
+        modules, package = _BACKEND_PACKAGES[name]
+        if not any(_module_present(m) for m in modules):
+            raise ConfigError(
+                f"attention_backend {value} needs the {package} package, which is not "
+                f"installed here (none of {', '.join(modules)} imports); install it or pick "
+                "TRITON_ATTN"
+            )
+    return name
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     """Where the model runs and how it is compiled: "auto" (CUDA when present), "cpu", "cuda"
@@ -327,11 +387,23 @@ class DeviceConfig:
             type=device_arg,
         ),
     )
-    attention_backend: Literal["auto", "torch", "triton", "cpu"] = field(
+    attention_backend: Literal[
+        "auto",
+        "torch",
+        "triton",
+        "cpu",
+        "flashinfer",
+        "flash_attn",
+        "TRITON_ATTN",
+        "FLASHINFER",
+        "FLASH_ATTN",
+    ] = field(
         default="auto",
         metadata=flag(
             "attention implementation (auto: triton on CUDA; on CPUs cpu, the C++ kernels, "
-            "when they build, else torch)"
+            "when they build, else torch). vLLM's names: TRITON_ATTN (= triton), FLASHINFER "
+            "(flashinfer-python), FLASH_ATTN (vllm-flash-attn or flash-attn); those two only "
+            "where their package is installed"
         ),
     )
     enforce_eager: bool = field(default=False, metadata=flag("no CUDA graphs"))
@@ -373,11 +445,7 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         parse_device(self.device)
-        if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
-            raise ConfigError(
-                "attention_backend must be auto, torch, triton or cpu, "
-                f"got {self.attention_backend}"
-            )
+        attention_backend_name(self.attention_backend)
         if self.cpu_cores not in ("auto", "all", "none"):
             parse_core_list(self.cpu_cores)
         if any(s < 1 for s in self.cuda_graph_sizes):
