@@ -28,6 +28,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 DEFAULT_MODEL = "default"
@@ -672,13 +673,22 @@ def engine_flags() -> list[EngineFlag]:
     return flags
 
 
+# Engine defaults of the served entry points (`tandem serve`, the worker services, `tandem
+# bench serve --launch`) where they differ from the fields' defaults, which stay the offline
+# `LLM`'s. Those parsers take these as their defaults (`add_engine_args(defaults=...)`) and a
+# launcher forwards a value to its workers only where it differs from them (`engine_argv`).
+SERVING_ENGINE_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
+
+
 def add_engine_args(
     parser: argparse.ArgumentParser,
     environ: Mapping[str, str] | None = None,
     only: Iterable[str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """Add every engine flag, as an "engine" argument group, to `parser`. Defaults are the
-    fields' defaults, or the declared environment variable's value in `environ` (default:
+    fields' defaults (or `defaults[name]` where given: SERVING_ENGINE_DEFAULTS for the served
+    entry points), or the declared environment variable's value in `environ` (default:
     this process's environment; call this where flags are read, in a `__main__`).
 
     `only`: the field names of the flags to add (a service that needs a few engine values,
@@ -693,12 +703,14 @@ def add_engine_args(
             raise ValueError(f"no engine flags for {sorted(unknown)}")
         flags = [ef for ef in flags if ef.dest in wanted]
     group = parser.add_argument_group("engine")
+    overrides = defaults or {}
     for ef in flags:
-        default = ef.default
+        declared = overrides.get(ef.dest, ef.default)
+        default = declared
         if ef.flag.env and env.get(ef.flag.env):
             default = env[ef.flag.env]
         names = [ef.option, *ef.flag.aliases]
-        help_text = f"{ef.flag.help} (default: {_show(ef.default)})"
+        help_text = f"{ef.flag.help} (default: {_show(declared)})"
         if ef.is_bool:
             group.add_argument(
                 *names,
@@ -743,9 +755,12 @@ def engine_kwargs_from(ns: argparse.Namespace) -> dict[str, Any]:
 def engine_argv(
     values: EngineArgs | argparse.Namespace | Mapping[str, Any],
     exclude: Iterable[str] = ("model",),
+    defaults: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Command-line arguments that give a child process these engine values: one flag for each
-    value that differs from its field's default (a launcher forwarding its flags to workers)."""
+    value that differs from the child's default (a launcher forwarding its flags to workers):
+    its field's default, or `defaults[name]` where given (the child's parser got the same
+    `defaults`)."""
     get: Callable[[str], Any] = (
         values.__getitem__ if isinstance(values, Mapping) else lambda n: getattr(values, n)
     )
@@ -757,7 +772,7 @@ def engine_argv(
         value = get(ef.dest)
         if ef.is_tuple:
             value = tuple(value)
-        if value == ef.default:
+        if value == (defaults or {}).get(ef.dest, ef.default):
             continue
         if ef.is_bool:
             argv.append(ef.option if value else "--no-" + ef.option[2:])
