@@ -8,10 +8,11 @@ reads the worker set the scheduler last pushed to this frontend (no RPC: cheap t
 `/ready` asks the scheduler now (`ListWorkers`), so it also fails while the scheduler is
 unreachable.
 
-The API itself follows `/health`: until it would answer 200, `/v1/models` and the completion
+The HTTP API follows `/health`: until it would answer 200, `/v1/models` and the completion
 endpoints answer 503 with a Retry-After header (`require_serving`), so a client that polls
 `/v1/models` for readiness (as clients of vLLM do) starts its load only when a request can be
 served. The listening socket is up from the start, so probes and `/health` always answer.
+(gRPC `Generate` is not gated: the scheduler queues or fails those requests as before.)
 """
 
 from __future__ import annotations

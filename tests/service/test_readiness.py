@@ -43,7 +43,11 @@ def test_frontend_answers_503_with_retry_after_until_a_worker_serves(
         http_port=0,
         grpc_port=0,
         unified=True,
-        worker_args=("--max-model-len", "256", "--num-gpu-blocks", "32", "--num-threads", "1"),
+        # The torch attention backend: no C++ kernel build in the worker's start-up.
+        worker_args=(
+            *("--max-model-len", "256", "--num-gpu-blocks", "32", "--num-threads", "1"),
+            *("--attention-backend", "torch"),
+        ),
         scheduler_args=SCHEDULER_ARGS,
         grace_period_s=GRACE_S,
         log_dir=str(tmp_path / "logs"),
