@@ -43,6 +43,8 @@ from tandem_services.frontend.tool_parsers import (
 from tandem_services.frontend.types import FrontendError, GenerateInput, StepEvent, Usage, invalid
 
 _READY_TIMEOUT_S = 2.0
+# How long a request waits for the deployment to become ready before its 503.
+_NOT_READY_WAIT_S = 0.5
 
 
 def _error_response(exc: FrontendError) -> JSONResponse:
@@ -184,12 +186,23 @@ class HttpApi:
                             grpc.StatusCode.UNAUTHENTICATED,
                             "missing or wrong API key (Authorization: Bearer <key>)",
                         )
-                require_serving(self.engine.readiness())
+                await self._require_serving()
                 return await handler(request)
             except FrontendError as exc:
                 return _error_response(exc)
 
         return run
+
+    async def _require_serving(self) -> None:
+        """503 with Retry-After unless a request can be served. A request that arrives just
+        before the scheduler's worker-set update (a worker registered a moment ago) waits for
+        it up to `_NOT_READY_WAIT_S` rather than being refused."""
+        state = self.engine.readiness()
+        if not state.ok and not state.draining:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.engine.serving.wait(), _NOT_READY_WAIT_S)
+            state = self.engine.readiness()
+        require_serving(state)
 
     # ------------------------------------------------------------------ plumbing
 
