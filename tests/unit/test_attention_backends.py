@@ -5,6 +5,8 @@ backends against the torch reference run in tests/gpu/test_attention_backends_gp
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 import torch
 
@@ -47,6 +49,11 @@ def test_vllm_names_and_the_lowercase_ones(value: str, backend: str) -> None:
         return  # absent here: the next test
     assert attention_backend_name(value) == backend
     assert DeviceConfig(attention_backend=value).attention_backend == value  # type: ignore[arg-type]
+
+
+def test_the_flag_choices_are_the_alias_table() -> None:
+    hint = typing.get_type_hints(DeviceConfig)["attention_backend"]
+    assert set(typing.get_args(hint)) == set(ATTENTION_BACKEND_ALIASES)
 
 
 def test_triton_attn_is_the_triton_backend() -> None:
