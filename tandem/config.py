@@ -28,6 +28,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 DEFAULT_MODEL = "default"
@@ -418,6 +419,66 @@ def parse_core_list(text: str) -> tuple[int, ...]:
     return tuple(cores)
 
 
+# `--attention-backend` values -> the registered backend (tandem/layers/attention); vLLM's
+# names are aliases.
+ATTENTION_BACKEND_ALIASES: dict[str, str] = {
+    "auto": "auto",
+    "torch": "torch",
+    "triton": "triton",
+    "cpu": "cpu",
+    "flashinfer": "flashinfer",
+    "flash_attn": "flash_attn",
+    "TRITON_ATTN": "triton",
+    "FLASHINFER": "flashinfer",
+    "FLASH_ATTN": "flash_attn",
+}
+# Optional backends: the modules any one of which provides it, and what to install.
+_BACKEND_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
+    "flashinfer": (("flashinfer",), "flashinfer-python"),
+    "flash_attn": (
+        ("vllm_flash_attn", "vllm.vllm_flash_attn", "flash_attn"),
+        "vllm-flash-attn (vLLM's build) or flash-attn",
+    ),
+}
+
+
+def _module_present(name: str) -> bool:
+    """Whether `name` can be imported, found without importing it (nor a parent package:
+    `vllm.vllm_flash_attn` is looked for as a folder of an installed `vllm`)."""
+    import importlib.util
+
+    top, _, rest = name.partition(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    if not rest:
+        return True
+    roots = spec.submodule_search_locations or []
+    return any((Path(root) / rest.replace(".", "/")).exists() for root in roots)
+
+
+def attention_backend_name(value: str) -> str:
+    """The registered backend `--attention-backend value` asks for ("auto" stays "auto").
+    ConfigError for an unknown name, or an optional backend whose package is not installed
+    (the message names the package)."""
+    name = ATTENTION_BACKEND_ALIASES.get(value)
+    if name is None:
+        known = ", ".join(ATTENTION_BACKEND_ALIASES)
+        raise ConfigError(f"attention_backend must be one of {known}; got {value!r}")
+    if name in _BACKEND_PACKAGES:
+        modules, package = _BACKEND_PACKAGES[name]
+        if not any(_module_present(m) for m in modules):
+            raise ConfigError(
+                f"attention_backend {value} needs the {package} package, which is not "
+                f"installed here (none of {', '.join(modules)} imports); install it or pick "
+                "TRITON_ATTN"
+            )
+    return name
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     """Where the model runs and how it is compiled: "auto" (CUDA when present), "cpu", "cuda"
@@ -432,11 +493,23 @@ class DeviceConfig:
             type=device_arg,
         ),
     )
-    attention_backend: Literal["auto", "torch", "triton", "cpu"] = field(
+    attention_backend: Literal[
+        "auto",
+        "torch",
+        "triton",
+        "cpu",
+        "flashinfer",
+        "flash_attn",
+        "TRITON_ATTN",
+        "FLASHINFER",
+        "FLASH_ATTN",
+    ] = field(
         default="auto",
         metadata=flag(
             "attention implementation (auto: triton on CUDA; on CPUs cpu, the C++ kernels, "
-            "when they build, else torch)"
+            "when they build, else torch). vLLM's names: TRITON_ATTN (= triton), FLASHINFER "
+            "(flashinfer-python), FLASH_ATTN (vllm-flash-attn or flash-attn); those two only "
+            "where their package is installed"
         ),
     )
     enforce_eager: bool = field(default=False, metadata=flag("no CUDA graphs"))
@@ -478,11 +551,7 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         parse_device(self.device)
-        if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
-            raise ConfigError(
-                "attention_backend must be auto, torch, triton or cpu, "
-                f"got {self.attention_backend}"
-            )
+        attention_backend_name(self.attention_backend)
         if self.cpu_cores not in ("auto", "all", "none"):
             parse_core_list(self.cpu_cores)
         if any(s < 1 for s in self.cuda_graph_sizes):
@@ -767,13 +836,27 @@ def engine_flags() -> list[EngineFlag]:
     return flags
 
 
+# Engine defaults of the served entry points (`tandem serve`, the worker services, `tandem
+# bench serve --launch`) where they differ from the fields' defaults, which stay the offline
+# `LLM`'s. Those parsers take these as their defaults (`add_engine_args(defaults=...)`) and a
+# launcher forwards a value to its workers only where it differs from them (`engine_argv`).
+#
+# max_num_batched_tokens 8,192 is vLLM's serving budget. Issue 30's runs on one H200 (vllm bench
+# serve's workload, 5-25 req/s and all at once): at 8,192 against 2,048, tandem's TPOT p50 went
+# from 1.0-1.08x vLLM's to 0.88-0.97x and its TTFT p99 at 25 req/s from 1.85x to 0.87x. The
+# offline `LLM` keeps 2,048 (SchedulerConfig's default).
+SERVING_ENGINE_DEFAULTS: Mapping[str, Any] = MappingProxyType({"max_num_batched_tokens": 8192})
+
+
 def add_engine_args(
     parser: argparse.ArgumentParser,
     environ: Mapping[str, str] | None = None,
     only: Iterable[str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """Add every engine flag, as an "engine" argument group, to `parser`. Defaults are the
-    fields' defaults, or the declared environment variable's value in `environ` (default:
+    fields' defaults (or `defaults[name]` where given: SERVING_ENGINE_DEFAULTS for the served
+    entry points), or the declared environment variable's value in `environ` (default:
     this process's environment; call this where flags are read, in a `__main__`).
 
     `only`: the field names of the flags to add (a service that needs a few engine values,
@@ -788,12 +871,14 @@ def add_engine_args(
             raise ValueError(f"no engine flags for {sorted(unknown)}")
         flags = [ef for ef in flags if ef.dest in wanted]
     group = parser.add_argument_group("engine")
+    overrides = defaults or {}
     for ef in flags:
-        default = ef.default
+        declared = overrides.get(ef.dest, ef.default)
+        default = declared
         if ef.flag.env and env.get(ef.flag.env):
             default = env[ef.flag.env]
         names = [ef.option, *ef.flag.aliases]
-        help_text = f"{ef.flag.help} (default: {_show(ef.default)})"
+        help_text = f"{ef.flag.help} (default: {_show(declared)})"
         if ef.is_bool:
             group.add_argument(
                 *names,
@@ -843,9 +928,12 @@ def engine_kwargs_from(ns: argparse.Namespace) -> dict[str, Any]:
 def engine_argv(
     values: EngineArgs | argparse.Namespace | Mapping[str, Any],
     exclude: Iterable[str] = ("model",),
+    defaults: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Command-line arguments that give a child process these engine values: one flag for each
-    value that differs from its field's default (a launcher forwarding its flags to workers)."""
+    value that differs from the child's default (a launcher forwarding its flags to workers):
+    its field's default, or `defaults[name]` where given (the child's parser got the same
+    `defaults`)."""
     get: Callable[[str], Any] = (
         values.__getitem__ if isinstance(values, Mapping) else lambda n: getattr(values, n)
     )
@@ -857,7 +945,7 @@ def engine_argv(
         value = get(ef.dest)
         if ef.is_tuple:
             value = tuple(value)
-        if value == ef.default:
+        if value == (defaults or {}).get(ef.dest, ef.default):
             continue
         if ef.is_bool:
             argv.append(ef.option if value else "--no-" + ef.option[2:])

@@ -3,8 +3,9 @@
 `pip install tandem` runs everything (the offline API, `tandem serve` with its gRPC services,
 HTTP API and metrics); extras add what only some deployments use:
 
-    redis   the Redis prefix-cache directory (`--redis-url`)
-    serve   everything a full deployment may use (today: redis)
+    redis        the Redis prefix-cache directory (`--redis-url`)
+    structured   structured outputs (xgrammar): response_format, guided fields
+    serve        everything the served API and a full deployment may use (redis, xgrammar)
 """
 
 from __future__ import annotations

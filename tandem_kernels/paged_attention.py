@@ -32,6 +32,11 @@ query's dtype as they are loaded (exact: every e4m3 value is a bf16), the per-te
 is folded into the softmax scale and `v_scale` into the output, so the cache is read once at
 half the bytes and nothing is dequantized outside the kernels. `x ~= x_fp8 * scale`, as
 `reshape_and_cache` wrote it.
+
+Long contexts (to 128k tokens): cache offsets are int64 (block ids are widened before they
+multiply the block stride, which spans every layer: 2 MiB per 16-token block at the 8B shape, so
+a cache past 2^31 elements is the normal case); positions, lengths and the block-table index stay
+int32. Decode splits are capped at MAX_NUM_SPLITS, the width of the merge kernel.
 """
 
 from __future__ import annotations
@@ -797,7 +802,8 @@ def paged_decode_attention(
         return out
     if num_splits is None:
         num_splits = decode_num_splits(num_reqs, num_kv_heads, max_seq_len, _num_sms(query.device))
-    assert num_splits >= 1
+    # The merge kernel reads MAX_NUM_SPLITS partials per row: more would be dropped silently.
+    assert 1 <= num_splits <= MAX_NUM_SPLITS, (num_splits, MAX_NUM_SPLITS)
 
     qpk = num_heads // num_kv_heads
     block_h = max(triton.next_power_of_2(qpk), 16)

@@ -146,7 +146,7 @@ def _import_xgrammar() -> Any:
         import xgrammar
     except ImportError as exc:
         raise StructuredOutputError(
-            "structured_outputs need the xgrammar package (pip install xgrammar)"
+            "structured_outputs need the xgrammar package: pip install 'tandem[serve]'"
         ) from exc
     return xgrammar
 

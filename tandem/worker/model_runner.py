@@ -164,7 +164,10 @@ class ModelRunner:
             self.use_cuda_graphs = False
         # What a stage hands the next (keys, dtype, width), learned from the model once.
         self._intermediate_template: IntermediateTensors | None = None
-        self.cuda_graphs = DecodeCudaGraphs(config.device.cuda_graph_sizes, max_num_seqs, device)
+        decode_sizes = config.device.cuda_graph_sizes
+        if not self.attn_backend.decode_cuda_graphs:
+            decode_sizes = ()
+        self.cuda_graphs = DecodeCudaGraphs(decode_sizes, max_num_seqs, device)
         mode = config.device.cudagraph_mode
         full = mode == "full" and self.attn_backend.full_graph_mixed
         if mode == "full" and not full:

@@ -232,7 +232,7 @@ def plot(runs: list[dict[str, Any]], out_dir: Path, stem: str) -> list[Path]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tandem.config import add_engine_args
+    from tandem.config import SERVING_ENGINE_DEFAULTS, add_engine_args
     from tandem_services.launcher import add_worker_placement_args
 
     p = argparse.ArgumentParser(prog="tandem bench serve", description=__doc__.split("\n\n")[0])
@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--log-dir", default="", help="with --launch: the services' logs (default: a temp dir)"
     )
-    add_engine_args(p)
+    add_engine_args(p, defaults=SERVING_ENGINE_DEFAULTS)
     return p
 
 
@@ -371,7 +371,7 @@ def goodput_limits(
 
 
 def main(argv: list[str]) -> int:
-    from tandem.config import EngineArgs, engine_argv, engine_kwargs_from
+    from tandem.config import SERVING_ENGINE_DEFAULTS, EngineArgs, engine_argv, engine_kwargs_from
     from tandem.loader import load_hf_config, load_tokenizer, resolve_model_path
     from tandem_services.launcher import ServeConfig, default_cpu_threads, start_deployment
 
@@ -482,7 +482,7 @@ def main(argv: list[str]) -> int:
                 grpc_port=0,
                 unified=ns.unified,
                 api_key=ns.api_key,
-                worker_args=tuple(engine_argv(ns)),
+                worker_args=tuple(engine_argv(ns, defaults=SERVING_ENGINE_DEFAULTS)),
                 log_dir=ns.log_dir or tempfile.mkdtemp(prefix=f"tandem-bench-{stem}-logs-"),
                 num_prefill_workers=ns.num_prefill_workers,
                 num_unified_workers=ns.num_unified_workers,

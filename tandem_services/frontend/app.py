@@ -91,7 +91,7 @@ async def serve(config: FrontendConfig) -> int:
     )
     if config.wait_for_workers_s > 0:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(engine.have_workers.wait(), config.wait_for_workers_s)
+            await asyncio.wait_for(engine.serving.wait(), config.wait_for_workers_s)
     ready = [f"http={config.host}:{http_port}", f"grpc={config.host}:{grpc_port}"]
     if metrics_server is not None:
         ready.append(f"metrics={config.host}:{metrics_server.port}")

@@ -50,7 +50,8 @@ class FrontendConfig:
     # How many times one choice may move to another worker when its worker is lost (vLLM /
     # Dynamo's --migration-limit); 0: it fails with the worker's error.
     migration_limit: int = 3
-    # Before announcing itself ready (ready file), wait up to this long for a worker.
+    # Before announcing itself ready (ready file), wait up to this long for workers that can
+    # serve a request (a unified one, or a prefill and a decode one).
     wait_for_workers_s: float = 0.0
     frontend_id: str = ""
     # Prometheus /metrics port (0: any free port, -1: off).

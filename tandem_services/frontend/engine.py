@@ -31,6 +31,7 @@ from tandem_services.common.server import (
     TlsConfig,
     channel,
 )
+from tandem_services.frontend.health import Readiness, readiness
 from tandem_services.frontend.tool_parsers import render_tool_calls
 from tandem_services.frontend.tracker import (
     Cancel,
@@ -139,7 +140,8 @@ class FrontendEngine:
         self._streams: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watch_task: asyncio.Task[None] | None = None
-        self.have_workers = asyncio.Event()
+        # Set while the announced workers can serve a request (health.py: Readiness.ok).
+        self.serving = asyncio.Event()
 
     async def start(self) -> None:
         self.tracker.start()
@@ -156,6 +158,10 @@ class FrontendEngine:
                     await task
         await self.tracker.stop()
         await self._channel.close()
+
+    def readiness(self) -> Readiness:
+        """Whether a request can be served now, from the last announced worker set."""
+        return readiness(self.cluster.workers, self.draining)
 
     async def num_inflight(self) -> int:
         return await self.tracker.ask(Count())
@@ -372,8 +378,10 @@ class FrontendEngine:
             self._streams[address] = asyncio.create_task(
                 self._stream_outputs(address), name=f"outputs-{address}"
             )
-        if workers:
-            self.have_workers.set()
+        if readiness(workers).ok:
+            self.serving.set()
+        else:
+            self.serving.clear()
 
     async def _stream_outputs(self, address: str) -> None:
         ch = channel(address, self.tls)

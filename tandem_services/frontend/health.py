@@ -7,6 +7,12 @@ stalled stops reporting and is dropped by the scheduler, so it leaves the list).
 reads the worker set the scheduler last pushed to this frontend (no RPC: cheap to poll);
 `/ready` asks the scheduler now (`ListWorkers`), so it also fails while the scheduler is
 unreachable.
+
+The HTTP API follows `/health`: until it would answer 200, `/v1/models` and the completion
+endpoints answer 503 with a Retry-After header (`require_serving`), so a client that polls
+`/v1/models` for readiness (as clients of vLLM do) starts its load only when a request can be
+served. The listening socket is up from the start, so probes and `/health` always answer.
+(gRPC `Generate` is not gated: the scheduler queues or fails those requests as before.)
 """
 
 from __future__ import annotations
@@ -14,7 +20,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import grpc
+
 from tandem_protos.v1 import common_pb2, scheduler_pb2
+from tandem_services.frontend.types import FrontendError
+
+# What a client is told to wait before it asks again while no request can be served.
+NOT_READY_RETRY_AFTER_S = 1
 
 _ROLE_NAMES = {
     common_pb2.WORKER_ROLE_PREFILL: "prefill",
@@ -62,3 +74,15 @@ def readiness(
         if name is not None and not w.draining:
             counts[name] += 1
     return Readiness(counts, draining, scheduler_error)
+
+
+def require_serving(state: Readiness) -> None:
+    """Raise UNAVAILABLE (HTTP 503, Retry-After) unless `state` can serve a request."""
+    if state.ok:
+        return
+    if state.draining:
+        message = "the frontend is shutting down"
+    else:
+        workers = ", ".join(f"{role} {n}" for role, n in state.workers.items())
+        message = f"not ready: {state.status} yet (workers: {workers}); retry shortly"
+    raise FrontendError(grpc.StatusCode.UNAVAILABLE, message, retry_after_s=NOT_READY_RETRY_AFTER_S)

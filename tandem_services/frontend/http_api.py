@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (Starlette): /v1/completions, /v1/chat/completions,
-/v1/models (behind the API key), and /health, /ready (health.py), /metrics (Prometheus text).
+/v1/models (behind the API key, and 503 with Retry-After until /health would be 200), and
+/health, /ready (health.py), /metrics (Prometheus text).
 Streaming responses are server-sent events ending in `data: [DONE]`."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from starlette.routing import Route
 from tandem_protos.v1 import scheduler_pb2
 from tandem_services.frontend.auth import api_key_matches
 from tandem_services.frontend.engine import FrontendEngine
-from tandem_services.frontend.health import readiness
+from tandem_services.frontend.health import readiness, require_serving
 from tandem_services.frontend.limits import RequestLimits, check_prompt_work
 from tandem_services.frontend.openai_protocol import (
     ChoiceAccumulator,
@@ -42,6 +43,8 @@ from tandem_services.frontend.tool_parsers import (
 from tandem_services.frontend.types import FrontendError, GenerateInput, StepEvent, Usage, invalid
 
 _READY_TIMEOUT_S = 2.0
+# How long a request waits for the deployment to become ready before its 503.
+_NOT_READY_WAIT_S = 0.5
 
 
 def _error_response(exc: FrontendError) -> JSONResponse:
@@ -171,6 +174,9 @@ class HttpApi:
         return Starlette(routes=routes)
 
     def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        """`handler` behind the API key, answering 503 with Retry-After until a request can
+        be served (health.py: require_serving)."""
+
         async def run(request: Request) -> Response:
             try:
                 if self.api_key:
@@ -180,11 +186,23 @@ class HttpApi:
                             grpc.StatusCode.UNAUTHENTICATED,
                             "missing or wrong API key (Authorization: Bearer <key>)",
                         )
+                await self._require_serving()
                 return await handler(request)
             except FrontendError as exc:
                 return _error_response(exc)
 
         return run
+
+    async def _require_serving(self) -> None:
+        """503 with Retry-After unless a request can be served. A request that arrives just
+        before the scheduler's worker-set update (a worker registered a moment ago) waits for
+        it up to `_NOT_READY_WAIT_S` rather than being refused."""
+        state = self.engine.readiness()
+        if not state.ok and not state.draining:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.engine.serving.wait(), _NOT_READY_WAIT_S)
+            state = self.engine.readiness()
+        require_serving(state)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -223,7 +241,7 @@ class HttpApi:
 
     async def health(self, request: Request) -> Response:
         """200 when the workers the scheduler last announced cover every role (health.py)."""
-        state = readiness(self.engine.cluster.workers, self.engine.draining)
+        state = self.engine.readiness()
         return JSONResponse(state.body(), status_code=200 if state.ok else 503)
 
     async def ready(self, request: Request) -> Response:

@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 
-from tandem.config import EngineArgs, add_engine_args, engine_argv
+from tandem.config import SERVING_ENGINE_DEFAULTS, EngineArgs, add_engine_args, engine_argv
 from tandem.directory.factory import require_redis
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.tls import add_tls_args, tls_config_from
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_directory_args(p, "TANDEM_SERVE_")
     add_tls_args(p)
-    add_engine_args(p)
+    add_engine_args(p, defaults=SERVING_ENGINE_DEFAULTS)
     return p
 
 
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
             scheduler_port=ns.scheduler_port,
             unified=ns.unified,
             api_key=ns.api_key,
-            worker_args=tuple(engine_argv(ns)),
+            worker_args=tuple(engine_argv(ns, defaults=SERVING_ENGINE_DEFAULTS)),
             grace_period_s=ns.grace_period_s,
             log_dir=ns.log_dir,
             num_prefill_workers=ns.num_prefill_workers,

@@ -8,7 +8,12 @@ import socket
 from dataclasses import dataclass, field
 
 from tandem.channels import PLAINTEXT, TlsConfig, TlsConfigError
-from tandem.config import EngineArgs, EngineConfig, add_engine_args
+from tandem.config import (
+    SERVING_ENGINE_DEFAULTS,
+    EngineArgs,
+    EngineConfig,
+    add_engine_args,
+)
 from tandem.directory import DirectoryConfig
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.server import env_default
@@ -139,7 +144,7 @@ def build_parser(service: str, default_role: Role) -> argparse.ArgumentParser:
         help="publish cache changes to the directory at most this late (batched)",
     )
     add_tls_args(p)
-    add_engine_args(p)
+    add_engine_args(p, defaults=SERVING_ENGINE_DEFAULTS)
     p.set_defaults(_default_role=default_role)
     return p
 

@@ -19,6 +19,7 @@ import pytest
 
 from benchmarks import offline_throughput, prefix_routing, profile_step, step_breakdown
 from tandem.config import (
+    SERVING_ENGINE_DEFAULTS,
     EngineArgs,
     EngineConfig,
     add_engine_args,
@@ -272,9 +273,14 @@ def test_the_frontend_declares_model_and_cache_dir_as_the_engine_does(
 
 def test_defaults_forward_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TANDEM_DTYPE", raising=False)  # the suite's float32 (tests/conftest.py)
-    for parser in (serve_parser(), bench_parser(), generate_parser()):
+    # The served entry points forward against the workers' (served) defaults.
+    for parser, defaults in (
+        (serve_parser(), SERVING_ENGINE_DEFAULTS),
+        (bench_parser(), SERVING_ENGINE_DEFAULTS),
+        (generate_parser(), None),
+    ):
         ns = parser.parse_args([])
-        assert engine_argv(ns, exclude=("model", "cache_dir")) == []
+        assert engine_argv(ns, exclude=("model", "cache_dir"), defaults=defaults) == []
 
 
 def test_vllm_names_and_the_old_alias() -> None:

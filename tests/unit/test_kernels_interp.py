@@ -360,6 +360,51 @@ def case_decode_splits(dtype: torch.dtype, num_splits: int, heads_first: bool) -
     torch.testing.assert_close(again, ref, **_tol(dtype))
 
 
+@_case({"dtype": torch.float32, "num_splits": 64}, {"dtype": torch.float16, "num_splits": 37})
+def case_decode_many_splits_long_and_short_contexts(dtype: torch.dtype, num_splits: int) -> None:
+    """Many partitions (up to the merge kernel's width): the long context is cut into dozens of
+    one-tile pieces, the short ones leave most partitions empty, and all merge exactly."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(11)
+    num_heads, num_kv_heads, head_size, block_size = 2, 1, 16, 16
+    seq_lens = [1100, 40, 1]
+    num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 4
+    cache = _layer_view(num_blocks, block_size, num_kv_heads, head_size, dtype)
+    block_table = _block_table(seq_lens, block_size, num_blocks, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    query = torch.randn(len(seq_lens), num_heads, head_size, dtype=dtype, generator=gen)
+    out = k.paged_attention.paged_decode_attention(
+        query,
+        cache,
+        lens,
+        block_table,
+        0.25,
+        max_seq_len=131072,
+        num_splits=num_splits,
+        block_n=16,
+    )
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    ref = k.paged_attention.paged_attention_ref(query, cache, qsl, lens, block_table, 0.25)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@_case()
+def case_decode_refuses_more_splits_than_the_merge_reads() -> None:
+    k = _kernels()
+    pa = k.paged_attention
+    cache = _layer_view(4, 16, 1, 16, torch.float32)
+    lens = torch.tensor([40], dtype=torch.int32)
+    table = torch.arange(4, dtype=torch.int32).view(1, 4)
+    query = torch.randn(1, 1, 16)
+    try:
+        pa.paged_decode_attention(
+            query, cache, lens, table, 0.25, max_seq_len=40, num_splits=pa.MAX_NUM_SPLITS + 1
+        )
+    except AssertionError:
+        return
+    raise AssertionError("num_splits past MAX_NUM_SPLITS was accepted")
+
+
 @_case()
 def case_decode_padded_requests_give_zeros() -> None:
     k = _kernels()
@@ -381,7 +426,11 @@ def case_decode_padded_requests_give_zeros() -> None:
 
 
 def test_decode_num_splits() -> None:
-    from tandem_kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_num_splits
+    from tandem_kernels.paged_attention import (
+        MAX_NUM_SPLITS,
+        MIN_TOKENS_PER_SPLIT,
+        decode_num_splits,
+    )
 
     # Enough (request, KV head) programs already: no split.
     assert decode_num_splits(64, 8, 1024, 132) == 1
@@ -392,6 +441,11 @@ def test_decode_num_splits() -> None:
     # Bounded, and never below 1.
     assert decode_num_splits(1, 1, 10**6, 132) == 64
     assert decode_num_splits(0, 8, 0, 132) == 1
+    # Long contexts (graphs are captured with max_model_len, up to 128k): the GPU is filled at
+    # two programs per SM, within the merge kernel's width.
+    assert decode_num_splits(1, 8, 131072, 132) == 33
+    assert decode_num_splits(4, 8, 32768, 132) == 9
+    assert decode_num_splits(1, 2, 131072, 132) == MAX_NUM_SPLITS
 
 
 # --- grammar bitmask --------------------------------------------------------------------

@@ -88,6 +88,11 @@ class AttentionBackend(ABC):
     # query length 0). A runner may then capture whole mixed steps (`cudagraph_mode="full"`).
     full_graph_mixed: ClassVar[bool] = False
 
+    # False when `forward` on a decode-only step cannot be captured in a CUDA graph (it plans
+    # on the host per step, as FlashInfer's wrappers do): the runner then runs decode steps
+    # eagerly (mixed steps may still run piecewise, attention outside the graphs).
+    decode_cuda_graphs: ClassVar[bool] = True
+
     # True when `forward_qkv` fuses the Q/K/V split, the rotary embedding and the K/V write
     # into one kernel (the CPU backend); else the `Attention` layer splits and rotates itself.
     fuses_rotary_kv_write: ClassVar[bool] = False
@@ -148,16 +153,28 @@ def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBac
     return cls
 
 
+_MODULES = {
+    "cpu": "tandem.layers.attention.cpu_backend",
+    "triton": "tandem.layers.attention.triton_backend",
+    "flashinfer": "tandem.layers.attention.flashinfer_backend",
+    "flash_attn": "tandem.layers.attention.flash_attn_backend",
+}
+
+
 def get_attention_backend(name: str) -> AttentionBackend:
-    """Instantiate a registered backend by name ("torch", "triton", "cpu")."""
+    """Instantiate a registered backend by name: "torch", "triton", "cpu", "flashinfer",
+    "flash_attn", or vLLM's names (TRITON_ATTN, FLASHINFER, FLASH_ATTN). An optional backend
+    whose package is missing raises ConfigError naming the package."""
+    import importlib
+
+    from tandem.config import attention_backend_name
+
     # Importing the modules registers their classes.
     from tandem.layers.attention import torch_backend  # noqa: F401
 
-    if name == "cpu":
-        from tandem.layers.attention import cpu_backend  # noqa: F401
-
-    if name == "triton":
-        from tandem.layers.attention import triton_backend  # noqa: F401
-    if name not in _REGISTRY:
+    resolved = attention_backend_name(name)
+    if resolved in _MODULES:
+        importlib.import_module(_MODULES[resolved])
+    if resolved not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]()
+    return _REGISTRY[resolved]()

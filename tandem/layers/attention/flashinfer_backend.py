@@ -1,0 +1,186 @@
+"""Attention through FlashInfer (`flashinfer-python`, CUDA only): `--attention-backend
+FLASHINFER`.
+
+Cache layout: FlashInfer's paged KV in the NHD layout is, per layer,
+`[num_pages, 2, page_size, num_kv_heads, head_dim]`, which is exactly a layer's view of
+tandem's cache `[num_blocks, layers, 2, block, heads, dim]` (a page is a block): the view is
+not contiguous (its page stride spans every layer), and FlashInfer >= 0.2 reads the tensor's
+own strides (`paged_kv_t` keeps a page stride; its Hopper path precomputes offsets from it,
+which needs the page stride to be a multiple of the token stride: true here). Nothing is
+copied. Older FlashInfer (no `plan`/`run` wrappers) is refused at start.
+
+Per step the wrappers are planned once (host work and a small host-to-device copy, from the
+host copies of the metadata), on the first layer's call, and run for every layer: the plan is
+kept for the metadata object it was made for. Because a plan is host work, decode steps do not
+run as whole CUDA graphs (`decode_cuda_graphs` False); the K/V write is the Triton
+`reshape_and_cache`, capturable, so piecewise graphs keep it inside.
+
+Page tables: request r's pages are `block_table[r, :ceil(seq_lens[r] / block)]`, its last page
+holds `seq_lens[r] - (pages - 1) * block` tokens. FlashInfer's causal mask is aligned to the
+end of the context (query row j at position `seq_len - query_len + j`), as tandem's is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from tandem.config import ConfigError
+from tandem.layers.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    register_attention_backend,
+)
+from tandem_kernels.reshape_and_cache import reshape_and_cache
+
+# FlashInfer's scratch space (its own examples use 128 MiB), one per backend instance.
+_WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def _import_flashinfer() -> Any:
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise ConfigError(
+            "attention_backend FLASHINFER needs the flashinfer-python package "
+            f"(import flashinfer failed: {exc})"
+        ) from None
+    wrapper = getattr(flashinfer, "BatchPrefillWithPagedKVCacheWrapper", None)
+    if wrapper is None or not hasattr(wrapper, "plan"):
+        raise ConfigError(
+            "attention_backend FLASHINFER needs flashinfer-python >= 0.2 (plan/run wrappers)"
+        )
+    return flashinfer
+
+
+def page_table(
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32, on the device
+    seq_lens: list[int],
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's page table of a step: `(kv_indptr [num_reqs + 1] host int32,
+    kv_indices [total_pages] on the device, kv_last_page_len [num_reqs] host int32)`.
+    No device-to-host sync: the page counts come from the host `seq_lens`."""
+    pages = [-(-n // block_size) for n in seq_lens]
+    indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
+    if pages:
+        indptr[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
+    last = torch.tensor(
+        [n - (p - 1) * block_size if p else 0 for n, p in zip(seq_lens, pages, strict=True)],
+        dtype=torch.int32,
+    )
+    # Positions in the flattened block table of every used page, built on the host.
+    width = block_table.shape[1]
+    flat = torch.cat(
+        [torch.arange(p, dtype=torch.long) + r * width for r, p in enumerate(pages)]
+        or [torch.zeros(0, dtype=torch.long)]
+    )
+    indices = block_table.reshape(-1).index_select(
+        0, flat.to(block_table.device, non_blocking=True)
+    )
+    return indptr, indices, last
+
+
+@register_attention_backend
+class FlashInferAttentionBackend(AttentionBackend):
+    """Paged attention with FlashInfer's batch prefill (mixed steps) and batch decode
+    (decode-only steps) wrappers over tandem's cache, unchanged."""
+
+    name: ClassVar[str] = "flashinfer"
+
+    graph_kv_write: ClassVar[bool] = True
+    decode_cuda_graphs: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._fi = _import_flashinfer()
+        self._workspace: torch.Tensor | None = None
+        self._prefill: Any = None
+        self._decode: Any = None
+        # The metadata the current plan was made for (held, so its id is never reused).
+        self._planned_for: AttentionMetadata | None = None
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+    def _wrappers(self, device: torch.device) -> tuple[Any, Any]:
+        if self._workspace is None:
+            self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, kv_layout="NHD"
+            )
+            self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, kv_layout="NHD"
+            )
+        return self._prefill, self._decode
+
+    def _plan(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> Any:
+        """The wrapper planned for this step (planned on its first layer's call)."""
+        prefill, decode = self._wrappers(query.device)
+        wrapper = decode if metadata.is_decode_only else prefill
+        if self._planned_for is metadata:
+            return wrapper
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_reqs = metadata.num_reqs
+        indptr, indices, last = page_table(
+            metadata.block_table[:num_reqs], metadata.seq_lens_cpu[:num_reqs], block_size
+        )
+        num_heads = query.shape[1]
+        if metadata.is_decode_only:
+            decode.plan(
+                indptr,
+                indices,
+                last,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                block_size,
+                sm_scale=scale,
+                q_data_type=query.dtype,
+                kv_data_type=kv_cache.dtype,
+            )
+        else:
+            starts = metadata.query_start_loc_cpu[: num_reqs + 1]
+            qo_indptr = torch.tensor(starts, dtype=torch.int32)
+            prefill.plan(
+                qo_indptr,
+                indptr,
+                indices,
+                last,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                block_size,
+                causal=True,
+                sm_scale=scale,
+                q_data_type=query.dtype,
+                kv_data_type=kv_cache.dtype,
+            )
+        self._planned_for = metadata
+        return wrapper
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens = metadata.num_actual_tokens
+        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
+        out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+        if num_tokens == 0:
+            return out
+        wrapper = self._plan(query, kv_cache, metadata, scale)
+        out[:num_tokens] = wrapper.run(query[:num_tokens], kv_cache)
+        return out

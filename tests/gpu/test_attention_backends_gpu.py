@@ -1,0 +1,104 @@
+"""The optional attention backends (FLASHINFER, FLASH_ATTN) against the torch reference on
+tandem's own cache layout (a layer's strided view of `[blocks, layers, 2, block, heads, dim]`),
+at the 8B attention shape: a mixed step (fresh prompt, a chunk after a cached prefix, decodes)
+and a decode-only step. A backend whose package is absent is skipped, naming the package."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from tandem.layers.attention import get_attention_backend  # noqa: E402
+from tandem.layers.attention.backend import AttentionMetadata  # noqa: E402
+from tandem.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+
+DEV = torch.device("cuda")
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_LAYERS = 32, 8, 128, 16, 2
+SCALE = HEAD_SIZE**-0.5
+BACKENDS = {
+    "FLASHINFER": ("flashinfer-python", ("flashinfer",)),
+    "FLASH_ATTN": ("vllm-flash-attn or flash-attn", ("vllm", "vllm_flash_attn", "flash_attn")),
+}
+
+
+def _backend(name: str):  # type: ignore[no-untyped-def]
+    package, modules = BACKENDS[name]
+    if not any(importlib.util.find_spec(m) is not None for m in modules):
+        pytest.skip(f"{name}: {package} is not installed")
+    return get_attention_backend(name)
+
+
+def _step(
+    query_lens: list[int], seq_lens: list[int], gen: torch.Generator
+) -> tuple[AttentionMetadata, int]:
+    per_req = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(per_req) + 8
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(per_req)
+    table, slots, starts, used = [], [], [0], 0
+    for q, s, n in zip(query_lens, seq_lens, per_req, strict=True):
+        row = perm[used : used + n]
+        used += n
+        table.append(row + [0] * (width - n))
+        starts.append(starts[-1] + q)
+        slots += [row[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(s - q, s)]
+    meta = AttentionMetadata(
+        num_actual_tokens=starts[-1],
+        num_reqs=len(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEV),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+        block_table=torch.tensor(table, dtype=torch.int32, device=DEV),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=list(seq_lens),
+        is_decode_only=all(q == 1 for q in query_lens),
+        num_decodes=0,
+    )
+    return meta, num_blocks
+
+
+CASES = {
+    "mixed": ([2048, 512, 100, 1, 1, 1], [2048, 3000, 100, 77, 1500, 4096]),
+    "decode": ([1] * 16, [1, 15, 16, 17, 300, 1000, 2048, 4095, 4096, 31, 33, 64, 65, 128, 2, 9]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_backend_matches_the_torch_reference(name: str, dtype: torch.dtype, case: str) -> None:
+    backend = _backend(name)
+    gen = torch.Generator().manual_seed(0)
+    query_lens, seq_lens = CASES[case]
+    meta, num_blocks = _step(query_lens, seq_lens, gen)
+    full = torch.randn(
+        num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype, device=DEV
+    )
+    cache = full[:, 1]  # strided: its block stride spans both layers
+    neighbour = full[:, 0].clone()
+    ref_cache = cache.clone()
+    n = meta.num_actual_tokens
+    query = torch.randn(n, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    key = torch.randn(n, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    value = torch.randn(n, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    out = backend.forward(query, key, value, cache, meta, SCALE)
+    # The reference in fp32 over the same cache contents.
+    ref = TorchAttentionBackend().forward(
+        query.float(), key.float(), value.float(), ref_cache.float(), meta, SCALE
+    )
+    blocks, offsets = meta.slot_mapping // BLOCK_SIZE, meta.slot_mapping % BLOCK_SIZE
+    assert torch.equal(cache[blocks, 0, offsets], key)
+    assert torch.equal(cache[blocks, 1, offsets], value)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 4e-3, "rtol": 5e-3}
+    torch.testing.assert_close(out.float(), ref, **tol)
+    # The other layer's view of the shared tensor is untouched.
+    assert torch.equal(full[:, 0], neighbour)

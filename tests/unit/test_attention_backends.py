@@ -1,0 +1,90 @@
+"""`--attention-backend` with vLLM's names: TRITON_ATTN is the Triton backend, FLASHINFER and
+FLASH_ATTN are optional backends that need their packages (a ConfigError naming the package
+where it is absent), and FlashInfer's page table built from tandem's metadata. The optional
+backends against the torch reference run in tests/gpu/test_attention_backends_gpu.py."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+import torch
+
+from tandem.config import (
+    ATTENTION_BACKEND_ALIASES,
+    ConfigError,
+    DeviceConfig,
+    attention_backend_name,
+)
+from tandem.layers.attention import get_attention_backend
+from tandem.layers.attention.flashinfer_backend import page_table
+
+_OPTIONAL = {
+    "FLASHINFER": ("flashinfer-python", ("flashinfer",)),
+    "FLASH_ATTN": ("vllm-flash-attn", ("vllm", "vllm_flash_attn", "flash_attn")),
+}
+
+
+def _installed(modules: tuple[str, ...]) -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in modules)
+
+
+@pytest.mark.parametrize(
+    ("value", "backend"),
+    [
+        ("TRITON_ATTN", "triton"),
+        ("triton", "triton"),
+        ("torch", "torch"),
+        ("cpu", "cpu"),
+        ("auto", "auto"),
+        ("FLASHINFER", "flashinfer"),
+        ("FLASH_ATTN", "flash_attn"),
+    ],
+)
+def test_vllm_names_and_the_lowercase_ones(value: str, backend: str) -> None:
+    assert ATTENTION_BACKEND_ALIASES[value] == backend
+    if value in _OPTIONAL and not _installed(_OPTIONAL[value][1]):
+        return  # absent here: the next test
+    assert attention_backend_name(value) == backend
+    assert DeviceConfig(attention_backend=value).attention_backend == value  # type: ignore[arg-type]
+
+
+def test_the_flag_choices_are_the_alias_table() -> None:
+    hint = typing.get_type_hints(DeviceConfig)["attention_backend"]
+    assert set(typing.get_args(hint)) == set(ATTENTION_BACKEND_ALIASES)
+
+
+def test_triton_attn_is_the_triton_backend() -> None:
+    assert get_attention_backend("TRITON_ATTN").name == "triton"
+    assert get_attention_backend("triton").name == "triton"
+
+
+def test_an_unknown_name_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"FLASHINFER.*got 'XFORMERS'"):
+        DeviceConfig(attention_backend="XFORMERS")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", sorted(_OPTIONAL))
+def test_an_absent_optional_backend_is_a_config_error_naming_its_package(value: str) -> None:
+    package, modules = _OPTIONAL[value]
+    if _installed(modules):
+        pytest.skip(f"{package} is installed here: tests/gpu runs the backend")
+    with pytest.raises(ConfigError, match=f"{value} needs the {package}"):
+        DeviceConfig(attention_backend=value)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=package):
+        get_attention_backend(value)
+    with pytest.raises(ConfigError, match=package):
+        get_attention_backend(value.lower())
+
+
+def test_flashinfer_page_table_from_block_table_and_lengths() -> None:
+    block = 16
+    seq_lens = [1, 16, 17, 40]
+    table = torch.tensor([[7, 0, 0], [3, 0, 0], [5, 9, 0], [2, 4, 8]], dtype=torch.int32)
+    indptr, indices, last = page_table(table, seq_lens, block)
+    assert indptr.tolist() == [0, 1, 2, 4, 7]
+    assert indices.tolist() == [7, 3, 5, 9, 2, 4, 8]
+    assert last.tolist() == [1, 16, 1, 8]
+    assert indptr.dtype == last.dtype == torch.int32 and indices.dtype == torch.int32
