@@ -29,7 +29,9 @@ def main(argv: list[str]) -> int:
     from tandem.executor.multiproc import serve_rank_host
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    ns = build_parser().parse_args(argv)
+    # The worker's command line as it is (a StatefulSet pod's): what is not an engine flag is
+    # the worker service's, and ignored here.
+    ns, _ = build_parser().parse_known_args(argv)
     try:
         config = EngineArgs.from_cli_args(ns).create_engine_config(resolve=False)
         if config.parallel.nnodes < 2 or config.parallel.node_rank < 1:

@@ -45,7 +45,7 @@ SERVICES = {
     "prefill-worker": "tandem_services.prefill_worker",
     "decode-worker": "tandem_services.decode_worker",
 }
-TANDEM_COMMANDS = ("serve", "generate", "bench")
+TANDEM_COMMANDS = ("serve", "generate", "bench", "rank-host")
 _WORKERS = ("prefill-worker", "decode-worker")
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
@@ -168,6 +168,21 @@ def _claim_for_worker(env: dict[str, str], argv: Sequence[str]) -> None:
     print(f"entrypoint: claimed GPUs {env['CUDA_VISIBLE_DEVICES']}", file=sys.stderr, flush=True)
 
 
+# ----------------------------------------------------------------------------- several hosts
+
+
+def multihost_argv(env: dict[str, str], argv: Sequence[str]) -> list[str]:
+    """`entrypoint multihost-worker [unified worker flags]`: one pod of a unified worker whose
+    ranks span pods (a StatefulSet; `TANDEM_NODE_RANK` from the pod's index). Pod 0 runs the
+    worker with `--node-rank 0`; the others run `tandem rank-host` with the same flags and
+    their own node rank (it ignores what is not an engine flag)."""
+    node_rank = int(env.get("TANDEM_NODE_RANK", "0") or 0)
+    flags = [*argv, "--node-rank", str(node_rank)]
+    if node_rank == 0:
+        return [sys.executable, "-m", SERVICES["decode-worker"], "--unified", *flags]
+    return [sys.executable, "-m", "tandem.cli", "rank-host", *flags]
+
+
 # ----------------------------------------------------------------------------- probes
 
 
@@ -221,7 +236,7 @@ def drain(
 
 
 def _usage() -> str:
-    names = [*SERVICES, *TANDEM_COMMANDS, "health", "drain"]
+    names = [*SERVICES, *TANDEM_COMMANDS, "multihost-worker", "health", "drain"]
     return f"usage: entrypoint {{{'|'.join(names)}}} [flags]"
 
 
@@ -235,6 +250,11 @@ def main(argv: list[str]) -> int:
         if command in _WORKERS:
             _claim_for_worker(env, rest)
         os.execve(sys.executable, [sys.executable, "-m", SERVICES[command], *rest], env)
+    if command == "multihost-worker":
+        if int(env.get("TANDEM_NODE_RANK", "0") or 0) == 0:
+            _claim_for_worker(env, rest)
+        argv = multihost_argv(env, rest)
+        os.execve(argv[0], argv, env)
     if command in TANDEM_COMMANDS:
         os.execve(sys.executable, [sys.executable, "-m", "tandem.cli", command, *rest], env)
     if command == "health":

@@ -22,7 +22,7 @@ from tests.deploy.test_metrics import exported_sample_names
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 OVERLAYS = ("overlays/cpu", "overlays/gpu")
-RENDERED = (*OVERLAYS, "overlays/cpu-tls", "monitoring")
+RENDERED = (*OVERLAYS, "overlays/cpu-tls", "overlays/gpu-multihost", "monitoring")
 
 
 def shipped_versions() -> tuple[str, ...]:
@@ -339,3 +339,46 @@ def test_tls_overlay_mounts_the_secret_and_probes_through_tls(
                 f"127.0.0.1:{grpc_port}",
             ], (name, probe)  # fmt: skip
             assert "grpc" not in c[probe]
+
+
+def test_multihost_worker_spans_two_pods_meeting_at_pod_zero(
+    rendered: dict[str, dict[tuple[str, str], Obj]],
+) -> None:
+    """The multi-host overlay: a StatefulSet of two one-GPU pods, started together, whose
+    ranks meet at pod 0's stable name; each pod's node rank is its index, and the entry point
+    turns pod 0 into the unified worker and pod 1 into `tandem rank-host`."""
+    from tandem_services.common.entrypoint import multihost_argv
+
+    objs = rendered["overlays/gpu-multihost"]
+    sts = objs["StatefulSet", "tandem-unified-mh"]
+    svc = objs["Service", "tandem-unified-mh"]
+    spec = sts["spec"]
+    assert spec["replicas"] == 2 and spec["podManagementPolicy"] == "Parallel"
+    assert spec["serviceName"] == "tandem-unified-mh" and svc["spec"]["clusterIP"] == "None"
+    worker = container(sts)
+    args = worker["args"]
+    assert args[0] == "multihost-worker"
+    flag = {args[i]: args[i + 1] for i in range(1, len(args) - 1) if args[i].startswith("--")}
+    tp, nnodes = int(flag["--tensor-parallel-size"]), int(flag["--nnodes"])
+    assert nnodes == spec["replicas"] and tp % nnodes == 0
+    assert flag["--master-addr"] == "tandem-unified-mh-0.tandem-unified-mh"
+    gpus = int(worker["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus * nnodes == tp
+    env = {e["name"]: e for e in worker["env"]}
+    assert "pod-index" in env["TANDEM_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert env["NCCL_NVLS_ENABLE"]["value"] == "0"
+    leader = multihost_argv({"TANDEM_NODE_RANK": "0"}, args[1:])
+    follower = multihost_argv({"TANDEM_NODE_RANK": "1"}, args[1:])
+    assert leader[2:4] == ["tandem_services.decode_worker", "--unified"]
+    assert leader[-2:] == ["--node-rank", "0"]
+    assert follower[2:4] == ["tandem.cli", "rank-host"] and follower[-2:] == ["--node-rank", "1"]
+    # The worker's own flags reach rank-host too: it keeps the engine flags, ignores the rest.
+    from tandem.config import EngineArgs
+    from tandem.entrypoints.rank_host import build_parser
+
+    # $(VAR) references are the kubelet's to expand: stand in values for them.
+    expanded = [re.sub(r"\$\((\w+)\)", "1", a) if a.startswith("$(") else a for a in follower]
+    ns, _ = build_parser().parse_known_args(expanded[4:])
+    config = EngineArgs.from_cli_args(ns).create_engine_config(resolve=False)
+    assert (config.parallel.node_rank, config.parallel.nnodes) == (1, nnodes)
+    assert config.parallel.tensor_parallel_size == tp
