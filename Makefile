@@ -29,7 +29,7 @@ serve: setup
 # workload, compose down; it prints "skipped: <why>" and passes where no engine can be had).
 test: setup
 	bash scripts/install_redis.sh
-	$(PY) -m pytest -q -x --timeout=900
+	$(PY) -m pytest -q -x --timeout=900 --durations=30
 	TANDEM_E2E_PYTHON=$(PY) bash scripts/compose_e2e.sh
 
 test-gpu:

@@ -243,10 +243,14 @@ class SchedulerConfig:
         metadata=flag("most prompt tokens of one request per step (0: the whole step budget)"),
     )
     # Plan step N+1 while the device runs step N (the tokens step N samples feed step N+1 on
-    # the device). "auto": on for CUDA, where the host's planning then hides behind the GPU.
+    # the device). "auto": on for CUDA, where the host's planning then hides behind the GPU,
+    # and under pipeline parallel, where the second step in flight keeps the stages busy.
     async_scheduling: Literal["auto", "on", "off"] = field(
         default="auto",
-        metadata=flag("plan step N+1 while the device runs step N (auto: on for CUDA)"),
+        metadata=flag(
+            "plan step N+1 while the device runs step N (auto: on for CUDA and for pipeline "
+            "parallel)"
+        ),
     )
     # Filled in from the resolved ModelConfig (0 = unknown yet).
     max_model_len: int = field(default=0, metadata=_RESOLVED)

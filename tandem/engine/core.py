@@ -149,8 +149,11 @@ class EngineCore:
         self.block_size = config.cache.block_size
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len)
         mode = config.scheduler.async_scheduling
+        # auto: on CUDA (the host plans while the device runs), and under pipeline parallel
+        # (a second step in flight keeps every stage busy).
         self.async_scheduling = mode == "on" or (
-            mode == "auto" and self.executor.device.type == "cuda"
+            mode == "auto"
+            and (self.executor.device.type == "cuda" or config.parallel.pipeline_parallel_size > 1)
         )
         # A random-weight folder has a tokenizer only when one was copied in (benchmarks).
         self._has_tokenizer = not has_random_weights(self.model_path) or any(
