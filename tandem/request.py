@@ -104,6 +104,9 @@ class Request:
         self.hold_kv = False
         # The grammar of a request with structured outputs (set by the engine), else None.
         self.grammar: GrammarState | None = None
+        # Speculative decoding: draft tokens proposed to follow `all_token_ids`, scheduled
+        # (and verified) with the request's next step; never part of its tokens or hashes.
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

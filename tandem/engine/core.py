@@ -43,6 +43,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.outputs import EngineCoreOutput, GrammarBitmask, SchedulerOutput
 from tandem.core.scheduler import Scheduler
+from tandem.core.spec_decode_stats import SpecDecodingStats
 from tandem.executor import Executor, create_executor
 from tandem.loader import get_eos_token_ids, load_tokenizer
 from tandem.models.presets import has_random_weights
@@ -87,6 +88,11 @@ class EngineStats:
     num_preemptions: int
     num_held: int
     num_reserved: int
+    # Whether steps are planned while the previous one runs (off under speculation).
+    async_scheduling: bool = False
+    # Speculative decoding (None without): drafts, accepted tokens, acceptance by position,
+    # and the verify steps by how they ran (`num_verify_steps`).
+    spec_decoding: SpecDecodingStats | None = None
 
 
 @dataclass(frozen=True)
@@ -140,11 +146,19 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = config.cache.block_size
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len)
+        num_spec_tokens = config.speculative.k
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, num_blocks, max_len, num_spec_tokens=num_spec_tokens
+        )
         mode = config.scheduler.async_scheduling
         self.async_scheduling = mode == "on" or (
             mode == "auto" and self.executor.device.type == "cuda"
         )
+        if num_spec_tokens and self.async_scheduling:
+            # A step's drafts come from the previous step's tokens: speculation plans each
+            # step after the last one's tokens landed (EngineStats.async_scheduling says so).
+            logger.info("speculative decoding: async scheduling is off (synchronous steps)")
+            self.async_scheduling = False
         # A random-weight folder has a tokenizer only when one was copied in (benchmarks).
         self._has_tokenizer = not has_random_weights(self.model_path) or any(
             (self.model_path / name).exists()
@@ -329,6 +343,8 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             num_held=len(self.scheduler.held),
             num_reserved=len(self.scheduler.reserved),
+            async_scheduling=self.async_scheduling,
+            spec_decoding=s.spec_decoding,
         )
 
     def pool_state(self) -> PoolState:

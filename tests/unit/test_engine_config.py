@@ -19,6 +19,7 @@ from tandem.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 
@@ -118,6 +119,7 @@ def test_engine_args_are_the_config_fields_with_the_same_defaults() -> None:
         SchedulerConfig,
         ParallelConfig,
         DeviceConfig,
+        SpeculativeConfig,
         StructuredOutputsConfig,
     ):
         for f in dataclasses.fields(cls):

@@ -65,6 +65,7 @@ NON_DEFAULT: dict[str, Any] = {
     "grammar_cache_size": 17,
     "cpu_cores": "0",
     "cpu_adaptive_threads": False,
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
 }
 # Flags whose only valid value today is the default (checked to refuse others instead).
 ONLY_DEFAULT = {"tensor_parallel_size", "pipeline_parallel_size"}
@@ -100,7 +101,15 @@ def _defaults(names: set[str]) -> dict[str, Any]:
 def assert_reaches(config: EngineConfig, model: str) -> None:
     """Every NON_DEFAULT value is in `config`, in the section its field is declared in."""
     seen = {}
-    sections = ("model", "cache", "scheduler", "parallel", "device", "structured_outputs")
+    sections = (
+        "model",
+        "cache",
+        "scheduler",
+        "parallel",
+        "device",
+        "speculative",
+        "structured_outputs",
+    )
     for section in sections:
         part = getattr(config, section)
         for name in NON_DEFAULT:
