@@ -462,6 +462,10 @@ class SpeculativeConfig:
     replay_path: str = field(default="", metadata=_RESOLVED)
     replay_acceptance: float = field(default=1.0, metadata=_RESOLVED)
     replay_seed: int = field(default=0, metadata=_RESOLVED)
+    # No drafts while this many requests or more run (0: always speculate): at large batches
+    # the step is compute-bound and verifying drafts costs more than it saves. Steps without
+    # drafts take the decode CUDA graphs as usual.
+    disable_by_batch_size: int = field(default=0, metadata=_RESOLVED)
 
     def __post_init__(self) -> None:
         raw: Any = self.speculative_config
@@ -495,6 +499,11 @@ class SpeculativeConfig:
                     "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, "
                     f"got {lo} and {hi}"
                 )
+        if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 0:
+            raise ConfigError(
+                "speculative_config: disable_by_batch_size must be an integer >= 0, "
+                f"got {self.disable_by_batch_size!r}"
+            )
         if self.method == "draft_model" and not self.model:
             raise ConfigError('speculative_config: method "draft_model" needs "model"')
         if self.method == "replay":

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from tandem.config import CacheConfig, SchedulerConfig
+from tandem.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import (
     CachedRequestData,
@@ -152,7 +152,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
-        num_spec_tokens: int = 0,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if max_model_len and num_blocks * cache_config.block_size < max_model_len:
             # One request of max_model_len tokens could never fit: it would preempt itself forever.
@@ -189,8 +189,10 @@ class Scheduler:
         # Requests ended because their grammar failed, not yet reported (take_error_outputs).
         self._error_outputs: list[EngineCoreOutput] = []
         # Speculative decoding: the most drafts per request per step (0: off) and counters.
-        self.num_spec_tokens = num_spec_tokens
-        self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
+        spec = speculative_config
+        self.num_spec_tokens = spec.k if spec is not None else 0
+        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else 0
+        self.spec_stats = SpecDecodingStats(self.num_spec_tokens) if self.num_spec_tokens else None
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -317,7 +319,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_stats.num_query_tokens,
             prefix_cache_hits=kv.prefix_cache_stats.num_hit_tokens,
             num_preemptions=self.num_preemptions,
-            spec_decoding=self.spec_stats,
+            spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
         )
 
     # ---- one step -----------------------------------------------------------------------
@@ -610,8 +612,12 @@ class Scheduler:
     def _next_drafts(self, request: Request, proposed: list[int]) -> list[int]:
         """The drafts `request` verifies in its next step: at most `num_spec_tokens`, none past
         max_tokens (a step emits up to 1 + drafts tokens), none for a request whose sampling
-        reads its output history (structured outputs, penalties, min_tokens)."""
+        reads its output history (structured outputs, penalties, min_tokens), none while
+        `disable_by_batch_size` requests or more run."""
         if not proposed or not self.num_spec_tokens:
+            return []
+        limit = self.spec_disable_by_batch_size
+        if limit and len(self.running) >= limit:
             return []
         params = request.sampling_params
         if request.grammar is not None or params.needs_output_history:

@@ -47,6 +47,17 @@ class SpecDecodingStats:
         for j in range(num_accepted_tokens):
             per_pos[j] += 1
 
+    def snapshot(self) -> SpecDecodingStats:
+        """A copy that later steps do not change (for stats snapshots)."""
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+            dict(self.num_verify_steps),
+        )
+
     def observe_step(self, path: str) -> None:
         """One step that verified drafts, run by `path`."""
         self.num_verify_steps[path] = self.num_verify_steps.get(path, 0) + 1

@@ -148,7 +148,7 @@ class EngineCore:
         self.block_size = config.cache.block_size
         num_spec_tokens = config.speculative.k
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, num_blocks, max_len, num_spec_tokens=num_spec_tokens
+            config.scheduler, config.cache, num_blocks, max_len, config.speculative
         )
         mode = config.scheduler.async_scheduling
         self.async_scheduling = mode == "on" or (

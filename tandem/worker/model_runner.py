@@ -179,6 +179,11 @@ class ModelRunner:
         self._num_launched = 0
 
     @property
+    def max_num_sampled_rows(self) -> int:
+        """The most logits rows one step samples: one per request, k + 1 under speculation."""
+        return self.config.scheduler.max_num_seqs * (1 + self.config.speculative.k)
+
+    @property
     def model(self) -> CausalLM:
         if self._model is None:
             raise RuntimeError("the model runner is shut down: it holds no model")
@@ -199,7 +204,7 @@ class ModelRunner:
 
     def profile_run(self, scratch_kv_cache: torch.Tensor) -> None:
         """One eager forward of `max_num_batched_tokens` tokens (in requests of at most 1024
-        tokens) through `scratch_kv_cache`, plus the logits of `max_num_seqs` rows: the
+        tokens) through `scratch_kv_cache`, plus the logits of `max_num_sampled_rows` rows: the
         largest step this engine runs. Inside the backend's `startup_tuning` (the prefill
         kernel may pick its tile config here). The caller measures the memory it takes."""
         sched = self.config.scheduler
@@ -242,7 +247,7 @@ class ModelRunner:
             out = m(ids, positions, caches, meta, intermediate)
             if self.is_last_stage:
                 assert isinstance(out, torch.Tensor)
-                logits = m.compute_logits(out[: min(sched.max_num_seqs, tokens)])
+                logits = m.compute_logits(out[: min(self.max_num_sampled_rows, tokens)])
                 del logits
             del out, intermediate
 

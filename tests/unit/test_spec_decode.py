@@ -136,7 +136,9 @@ def test_scheduler_schedules_drafts_and_rolls_back_rejections() -> None:
         CacheConfig(block_size=block_size),
         num_blocks=16,
         max_model_len=64,
-        num_spec_tokens=3,
+        speculative_config=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2
+        ),
     )
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     request = Request("r", list(range(10, 17)), params)  # 7 prompt tokens
@@ -176,6 +178,11 @@ def test_scheduler_schedules_drafts_and_rolls_back_rejections() -> None:
     so = sched.schedule()
     sched.update_from_output(so, ModelRunnerOutput(["r"], [[9]], spec_token_ids=[list(range(20))]))
     assert len(request.spec_token_ids) == 3
+    # No drafts while disable_by_batch_size requests run.
+    sched.spec_disable_by_batch_size = 1
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(["r"], [[9]], spec_token_ids=[[1, 2]]))
+    assert request.spec_token_ids == []
     sched.finish_requests("r", request.status.FINISHED_ABORTED)
     kv.check_invariants()
     assert kv.block_pool.is_whole
@@ -324,44 +331,72 @@ def _run(path: Path, prompts: list[list[int]], params: object, **kwargs: object)
     return [o.outputs[0] for o in outs], stats
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_with_ngram_speculation_is_greedy_without(tiny_model_path, arch: str) -> None:
+# Engine settings beside speculation: each case must give the tokens of the run without it.
+PARITY_CASES: dict[str, dict[str, object]] = {
+    # Drafts mix with prefills; async scheduling asked for is turned off (and says so).
+    "roomy": {"async_scheduling": "on"},
+    # Chunked prefill; drafts cut by the budget.
+    "chunked": {"max_num_batched_tokens": 8},
+    # Forced preemption (recompute) in a tiny pool.
+    "preemption": {"num_gpu_blocks": 16},
+}
+_GREEDY_REFS: dict[str, list] = {}
+
+
+@pytest.mark.parametrize(
+    ("arch", "case"),
+    [("llama", "roomy"), ("llama", "chunked"), ("llama", "preemption"), ("qwen2", "roomy")],
+)
+def test_greedy_with_ngram_speculation_is_greedy_without(
+    tiny_model_path, arch: str, case: str
+) -> None:
     path = tiny_model_path(arch)
     prompts = _repetitive_prompts(512)
     prompts.append([*prompts[-1][:20], 5, 6, 7])  # a prefix hit on the last prompt's blocks
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
-    ref, _ = _run(path, prompts, params)
-    for extra in (
-        {},  # roomy: drafts mix with prefills
-        {"max_num_batched_tokens": 8},  # chunked prefill, drafts cut by the budget
-        {"num_gpu_blocks": 16, "max_num_seqs": 8},  # forced preemption
-    ):
-        got, stats = _run(path, prompts, params, speculative_config=NGRAM, **extra)
-        assert [o.token_ids for o in got] == [o.token_ids for o in ref], extra
-        for a, b in zip(got, ref, strict=True):
-            assert len(a.logprobs) == len(a.token_ids)
-            for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
-                assert abs(la[t].logprob - lb[t].logprob) < 1e-4
-        spec = stats.spec_decoding
-        assert spec is not None and not stats.async_scheduling
-        assert 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
-        assert sum(spec.num_verify_steps.values()) > 0
-        if "num_gpu_blocks" in extra:
-            assert stats.num_preemptions > 0
+    if arch not in _GREEDY_REFS:
+        _GREEDY_REFS[arch] = _run(path, prompts, params)[0]
+    ref = _GREEDY_REFS[arch]
+    extra = PARITY_CASES[case]
+    got, stats = _run(path, prompts, params, speculative_config=NGRAM, **extra)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for a, b in zip(got, ref, strict=True):
+        assert len(a.logprobs) == len(a.token_ids)  # one entry per emitted token
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+    spec = stats.spec_decoding
+    assert spec is not None and not stats.async_scheduling
+    assert 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
+    assert set(spec.num_verify_steps) == {"eager"}  # the CPU runs verify steps eagerly
     assert stats.prefix_cache_hits > 0
+    if case == "preemption":
+        assert stats.num_preemptions > 0
 
 
 def test_seeded_sampling_with_speculation_reproduces(tiny_model_path) -> None:
+    """Seeded requests reproduce run to run; requests whose sampling reads their output
+    (penalties, min_tokens) run beside them without drafts, with the tokens they get without
+    speculation."""
     path = tiny_model_path("llama")
-    prompts = _repetitive_prompts(512, 4)
+    prompts = _repetitive_prompts(512, 5)
     params = [
-        SamplingParams(temperature=0.8, seed=i, max_tokens=32, ignore_eos=True) for i in range(3)
-    ] + [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)]
-    a, stats = _run(path, prompts, params, speculative_config=NGRAM)
-    b, _ = _run(path, prompts, params, speculative_config=NGRAM)
+        SamplingParams(temperature=0.3, top_k=3, seed=i, max_tokens=32, ignore_eos=True)
+        for i in range(3)
+    ] + [
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=32, min_tokens=8),
+    ]
+    # Sampled text on random weights rarely repeats a 3-gram: look up single tokens.
+    loose = {**NGRAM, "prompt_lookup_min": 1}
+    a, stats = _run(path, prompts, params, speculative_config=loose)
+    b, _ = _run(path, prompts, params, speculative_config=loose)
+    ref, _ = _run(path, prompts[3:], params[3:])
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert all(len(o.token_ids) == 32 for o in a)
-    assert stats.spec_decoding is not None and stats.spec_decoding.num_draft_tokens > 0
+    assert all(len(o.token_ids) == 32 for o in a[:4])
+    assert [o.token_ids for o in a[3:]] == [o.token_ids for o in ref]
+    # Only the seeded requests had drafts (the others read their output history).
+    spec = stats.spec_decoding
+    assert spec is not None and spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0
 
 
 def test_smollm2_greedy_with_ngram_speculation(smollm2_path) -> None:
@@ -369,9 +404,73 @@ def test_smollm2_greedy_with_ngram_speculation(smollm2_path) -> None:
         "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
         "Rewrite the code above with type hints.\n"
     )
-    params = SamplingParams(temperature=0.0, max_tokens=40)
+    params = SamplingParams(temperature=0.0, max_tokens=32)
     kwargs = dict(max_num_batched_tokens=256, num_gpu_blocks=64, max_model_len=512)
     ref, _ = _run(smollm2_path, [text], params, **kwargs)
     got, stats = _run(smollm2_path, [text], params, speculative_config=NGRAM, **kwargs)
     assert got[0].token_ids == ref[0].token_ids
     assert stats.spec_decoding is not None and stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_replay_proposer_controls_acceptance(tiny_model_path, tmp_path: Path) -> None:
+    """p = 1 replays the target's own greedy tokens: every draft accepted; p = 0: none. The
+    tokens are the run without speculation's either way."""
+    path = tiny_model_path("qwen2")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 512, size=n).tolist() for n in (5, 17, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref, _ = _run(path, prompts, params)
+    record = tmp_path / "replay.json"
+    record.write_text(
+        json.dumps(
+            [
+                {"prompt_token_ids": p, "output_token_ids": list(o.token_ids)}
+                for p, o in zip(prompts, ref, strict=True)
+            ]
+        )
+    )
+    for p, want_rate in ((1.0, 1.0), (0.0, 0.0)):
+        spec = {
+            "method": "replay",
+            "num_speculative_tokens": 4,
+            "replay_path": str(record),
+            "replay_acceptance": p,
+        }
+        got, stats = _run(path, prompts, params, speculative_config=spec)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        s = stats.spec_decoding
+        assert s is not None and s.num_draft_tokens > 0
+        assert s.acceptance_rate == want_rate
+    with pytest.raises(ConfigError, match="replay_path"):
+        build_proposer(
+            SpeculativeConfig(
+                method="replay",
+                num_speculative_tokens=2,
+                replay_path=str(tmp_path / "missing.json"),
+            ),
+            512,
+        )
+
+
+def test_spec_stats_reach_the_metrics_families() -> None:
+    from tandem.core.spec_decode_stats import SpecDecodingStats
+    from tandem_services.worker.metrics import spec_decode_families
+
+    stats = SpecDecodingStats(3)
+    stats.observe(3, 2)
+    stats.observe(2, 0)
+    stats.observe_step("eager")
+    snap = stats.snapshot()
+    stats.observe(3, 3)  # a later step leaves the snapshot alone
+    assert (snap.num_drafts, snap.num_draft_tokens, snap.num_accepted_tokens) == (2, 5, 2)
+    assert snap.num_accepted_tokens_per_pos == [1, 1, 0]
+    assert snap.mean_acceptance_length == 2.0
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for family in spec_decode_families(snap, {"role": "unified"})
+        for s in family.samples
+    }
+    prefix = "tandem_worker_spec_decode"
+    assert samples[(f"{prefix}_num_draft_tokens_total", None)] == 5
+    assert samples[(f"{prefix}_num_accepted_tokens_total", None)] == 2
+    assert samples[(f"{prefix}_num_accepted_tokens_per_pos_total", "1")] == 1
