@@ -12,6 +12,8 @@ computes::
     step():  schedule(N+1) -> execute_async(N+1) -> update_from_output(N, result(N))
 
 A request that stops at step N has one more token computed in step N+1, which is dropped.
+Speculative decoding turns async scheduling off (a step's drafts come from the previous
+step's tokens; `EngineStats.async_scheduling` says which way the engine runs).
 A step whose requests sample from their whole output (penalties, min_tokens) waits for the
 previous step first. A step with structured-output rows needs step N's tokens only to sample:
 their grammar bitmask (`tandem.structured_output`) is filled from the matchers advanced by
