@@ -230,12 +230,12 @@ def _ngram_copy(ns: argparse.Namespace, engine_kwargs: dict[str, Any], ks: list[
         if tokenizer is None:
             print("n-gram: the model has no tokenizer; skipped")
             return rows
-        prompts = []
-        for text in COPY_PROMPTS:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
             )
-            prompts.append(list(ids["input_ids"]) if isinstance(ids, dict) else list(ids))
+            for text in COPY_PROMPTS
+        ]
         for k in ks:
             spec = {
                 "method": "ngram",
