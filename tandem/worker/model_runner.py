@@ -496,12 +496,13 @@ class ModelRunner:
             assert logits is not None
             grammar = grammar_bitmask() if grammar_bitmask is not None else None
             if inp.num_draft is not None:
-                # Structured rows never carry drafts (the scheduler gives them none), and a
-                # step with drafts has no structured rows: the bitmask source is empty here.
+                # Structured rows never carry drafts (the scheduler gives them none): one row.
                 drafts = self.staging.to_device(
                     np.asarray(inp.draft_token_ids, dtype=np.int64), torch.int64
                 )
-                sampled = self.sampler.sample_speculative(logits, states, inp.num_draft, drafts)
+                sampled = self.sampler.sample_speculative(
+                    logits, states, inp.num_draft, drafts, grammar
+                )
             else:
                 sampled = self.sampler.sample(logits, states, grammar)
         if self.parallel.pp_size > 1 and states:

@@ -28,6 +28,7 @@ step's tokens on the host first (`InputBatch.needs_prior_tokens`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -122,12 +123,18 @@ class StepSampler:
         states: list[CachedRequestState],
         num_draft: list[int],
         draft_token_ids: torch.Tensor,
+        grammar: GrammarBitmask | None = None,
     ) -> SampledStep:
         """Verify drafts: `logits` has k_i + 1 rows for states[i] (k_i = num_draft[i]; the
         rows of its draft positions, then the bonus row), `draft_token_ids` the drafts in that
         order. Rejection sampling on the device (see `tandem.spec_decode.rejection_sampler`);
-        logprobs of every emitted token."""
+        logprobs of every emitted token. `grammar`'s rows (structured requests, which never
+        carry drafts: one row each) sample only the tokens its bitmask allows."""
         reps = [k + 1 for k in num_draft]
+        if grammar is not None and grammar.req_ids:
+            starts = itertools.accumulate(reps, initial=0)
+            row_of = {s.req_id: r for s, r in zip(states, starts, strict=False)}
+            logits = self.apply_grammar(logits, states, grammar, row_of)
 
         def per_row(values: Sequence) -> list:
             return [v for v, n in zip(values, reps, strict=True) for _ in range(n)]
@@ -202,14 +209,20 @@ class StepSampler:
         return SampledStep(sampled, host, event, out)
 
     def apply_grammar(
-        self, logits: torch.Tensor, states: list[CachedRequestState], grammar: GrammarBitmask
+        self,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        grammar: GrammarBitmask,
+        row_of: dict[str, int] | None = None,
     ) -> torch.Tensor:
-        """`logits` with each structured row's disallowed tokens at -inf (on the device)."""
-        row_of = {s.req_id: j for j, s in enumerate(states)}
+        """`logits` with each structured row's disallowed tokens at -inf (on the device).
+        `row_of`: request id -> its logits row (default: row i is states[i]'s)."""
+        if row_of is None:
+            row_of = {s.req_id: j for j, s in enumerate(states)}
         rows = [row_of[rid] for rid in grammar.req_ids]
         bitmask = grammar.bitmask
         if self.device.type != "cuda":
-            index = None if rows == list(range(len(states))) else torch.tensor(rows)
+            index = None if rows == list(range(logits.shape[0])) else torch.tensor(rows)
             return apply_token_bitmask(logits, bitmask.to(self.device), index)
         # CUDA: one Triton pass over a copy (the logits may be a CUDA graph's output buffer).
         from tandem_kernels.bitmask import apply_token_bitmask_

@@ -474,3 +474,22 @@ def test_spec_stats_reach_the_metrics_families() -> None:
     assert samples[(f"{prefix}_num_draft_tokens_total", None)] == 5
     assert samples[(f"{prefix}_num_accepted_tokens_total", None)] == 2
     assert samples[(f"{prefix}_num_accepted_tokens_per_pos_total", "1")] == 1
+
+
+def test_structured_rows_beside_drafts_keep_their_grammar(tiny_model_path) -> None:
+    """A structured-output request gets no drafts, and in a step where others verify drafts
+    its row still samples under its bitmask: the run's tokens are the run without
+    speculation's."""
+    from tandem.sampling_params import StructuredOutputsParams
+
+    path = tiny_model_path("llama")
+    prompts = _repetitive_prompts(512, 3)
+    choice = StructuredOutputsParams(choice=("alpha beta", "gamma delta epsilon"))
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=choice)
+    ]
+    ref, _ = _run(path, prompts, params)
+    got, stats = _run(path, prompts, params, speculative_config=NGRAM)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert got[2].text in choice.choice
+    assert stats.spec_decoding is not None and stats.spec_decoding.num_draft_tokens > 0
