@@ -31,6 +31,10 @@ rolled back::
 Speculation runs with synchronous scheduling only (the engine turns async scheduling off:
 step N+1's drafts come from step N's tokens); requests with structured outputs, penalties
 or min_tokens get no drafts (their sampling reads the output history token by token).
+A request whose drafts were all rejected in `SPEC_BACKOFF_AFTER` verify steps in a row drafts
+nothing for 1, 2, 4, ... (at most `SPEC_BACKOFF_MAX`) steps, until a draft is accepted again:
+drafts that keep failing cost a verify pass each, so a request that gains nothing from them
+soon runs as a plain decode (and its steps take the decode CUDA graphs).
 
 Structured outputs (`tandem.core.structured`): a request whose grammar is still compiling is
 passed over (waiting ones keep their place in the queue; the others are scheduled around
@@ -65,6 +69,10 @@ from tandem.request import (
     Request,
     RequestStatus,
 )
+
+# Speculation backoff (see the module docstring).
+SPEC_BACKOFF_AFTER = 2
+SPEC_BACKOFF_MAX = 32
 
 
 @dataclass(frozen=True)
@@ -575,6 +583,13 @@ class Scheduler:
                 # Roll back the rejected positions (see the module docstring).
                 num_accepted = len(sampled) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted
+                if num_accepted:
+                    request.spec_num_misses = 0
+                else:
+                    request.spec_num_misses += 1
+                    misses = request.spec_num_misses - SPEC_BACKOFF_AFTER
+                    if misses >= 0:
+                        request.spec_skip_steps = min(1 << misses, SPEC_BACKOFF_MAX)
                 if self.spec_stats is not None:
                     self.spec_stats.observe(len(drafts), num_accepted)
             was_running = request.status == RUNNING
@@ -613,11 +628,14 @@ class Scheduler:
         """The drafts `request` verifies in its next step: at most `num_spec_tokens`, none past
         max_tokens (a step emits up to 1 + drafts tokens), none for a request whose sampling
         reads its output history (structured outputs, penalties, min_tokens), none while
-        `disable_by_batch_size` requests or more run."""
-        if not proposed or not self.num_spec_tokens:
+        `disable_by_batch_size` requests or more run, none while the request backs off."""
+        if not self.num_spec_tokens:
+            return []
+        if request.spec_skip_steps:
+            request.spec_skip_steps -= 1
             return []
         limit = self.spec_disable_by_batch_size
-        if limit and len(self.running) >= limit:
+        if not proposed or (limit and len(self.running) >= limit):
             return []
         params = request.sampling_params
         if request.grammar is not None or params.needs_output_history:

@@ -493,3 +493,38 @@ def test_structured_rows_beside_drafts_keep_their_grammar(tiny_model_path) -> No
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert got[2].text in choice.choice
     assert stats.spec_decoding is not None and stats.spec_decoding.num_draft_tokens > 0
+
+
+def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
+    from tandem.core.scheduler import SPEC_BACKOFF_AFTER
+
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+        CacheConfig(block_size=4),
+        num_blocks=32,
+        max_model_len=128,
+        speculative_config=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1
+        ),
+    )
+    request = Request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=60))
+    sched.add_request(request)
+    so = sched.schedule()
+    drafted: list[bool] = []
+    token = 100
+    for step in range(14):
+        # Every draft is rejected until step 10, then every draft is accepted.
+        drafts = so.scheduled_spec_decode_tokens.get("r", [])
+        drafted.append(bool(drafts))
+        emitted = [*drafts, token] if step >= 10 else [token]
+        sched.update_from_output(so, ModelRunnerOutput(["r"], [emitted], spec_token_ids=[[1, 2]]))
+        assert request.num_computed_tokens == request.num_tokens - 1
+        token += 1
+        so = sched.schedule()
+    # Drafts in steps 1 and 2 fail (misses 1, 2): skip 1 step; step 4 fails: skip 2; step 7
+    # fails: skip 4 (steps 8-11); step 12's drafts are accepted: drafting goes on.
+    assert SPEC_BACKOFF_AFTER == 2
+    assert drafted[:12] == [False, True, True, False, True, False, False, True] + [False] * 4
+    assert drafted[12:] == [True, True]  # accepted again: no more skipping
+    sched.finish_requests("r", request.status.FINISHED_ABORTED)
+    assert sched.kv_cache_manager.block_pool.is_whole
