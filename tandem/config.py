@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -581,9 +582,159 @@ class DeviceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+SpecMethod = Literal["ngram", "draft_model", "replay"]
+_SPEC_METHODS = ("ngram", "draft_model", "replay")
+# Methods vLLM has that are declared in the issue but not built yet: refused by name.
+_SPEC_METHODS_LATER = ("eagle", "eagle3", "medusa", "mlp_speculator")
+# The most draft tokens per request per step (1 + k query tokens are verified at once).
+MAX_NUM_SPECULATIVE_TOKENS = 16
+
+
+def speculative_config_arg(value: str) -> str:
+    """argparse type of --speculative-config: a JSON object (or '' for none), checked here so
+    a bad one is refused when flags are read."""
+    try:
+        SpeculativeConfig(speculative_config=value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (proposers, k tokens per request per step): none yet."""
+    """Speculative decoding: a proposer drafts up to `num_speculative_tokens` (k) tokens per
+    request, the target verifies 1 + k query tokens in one step and a rejection sampler keeps
+    the target's distribution (`tandem.spec_decode`).
+
+    Set as one JSON object, vLLM's shape: `--speculative-config '{"method": "ngram",
+    "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'`, or
+    `LLM(speculative_config={...})` (a dict). The object's keys are parsed into the fields
+    below (which may also be given directly); unknown keys, an unknown method, k out of
+    [1, MAX_NUM_SPECULATIVE_TOKENS] and a bad n-gram window are ConfigErrors naming them.
+
+    - `ngram`: prompt lookup on the host; the last n tokens (n from `prompt_lookup_max` down
+      to `prompt_lookup_min`) are looked up earlier in the request, and the k tokens that
+      followed their latest earlier occurrence are the draft.
+    - `draft_model`: a second small model (`model`); its vocabulary must be the target's
+      (checked in `EngineConfig.resolve`). Its proposer is not built yet: refused at start.
+    - `replay` (benchmarks only): proposes the continuation recorded in `replay_path` (JSON:
+      a list of {"prompt_token_ids": [...], "output_token_ids": [...]}) for a request with
+      that prompt, keeping each draft token with probability `replay_acceptance` (a token not
+      kept is replaced by a wrong one), so acceptance is controlled on random weights.
+    """
+
+    speculative_config: str = field(
+        default="",
+        metadata=flag(
+            "speculative decoding as a JSON object, e.g. "
+            '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' '
+            "(methods: ngram, draft_model, replay)",
+            type=speculative_config_arg,
+        ),
+    )
+    method: SpecMethod | None = field(default=None, metadata=_RESOLVED)
+    num_speculative_tokens: int = field(default=0, metadata=_RESOLVED)
+    prompt_lookup_min: int = field(default=0, metadata=_RESOLVED)
+    prompt_lookup_max: int = field(default=0, metadata=_RESOLVED)
+    model: str = field(default="", metadata=_RESOLVED)
+    replay_path: str = field(default="", metadata=_RESOLVED)
+    replay_acceptance: float = field(default=1.0, metadata=_RESOLVED)
+    replay_seed: int = field(default=0, metadata=_RESOLVED)
+    # No drafts while this many requests or more run (0: always speculate): at large batches
+    # the step is compute-bound and verifying drafts costs more than it saves. Steps without
+    # drafts take the decode CUDA graphs as usual.
+    disable_by_batch_size: int = field(default=0, metadata=_RESOLVED)
+
+    def __post_init__(self) -> None:
+        raw: Any = self.speculative_config
+        if isinstance(raw, str) and raw.strip():
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config is not valid JSON: {exc}") from None
+        if isinstance(raw, Mapping):
+            self._take(dict(raw))
+        elif raw not in ("", None):
+            raise ConfigError(f"speculative_config must be a JSON object, got {type(raw).__name__}")
+        if self.method is None:
+            return
+        if self.method not in _SPEC_METHODS:
+            later = " (not supported yet)" if self.method in _SPEC_METHODS_LATER else ""
+            raise ConfigError(
+                f"speculative_config: unknown method {self.method!r}{later}; "
+                f"methods: {', '.join(_SPEC_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"speculative_config: num_speculative_tokens must be in "
+                f"[1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo < 1 or hi < lo:
+                raise ConfigError(
+                    "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                    f"got {lo} and {hi}"
+                )
+        if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 0:
+            raise ConfigError(
+                "speculative_config: disable_by_batch_size must be an integer >= 0, "
+                f"got {self.disable_by_batch_size!r}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError('speculative_config: method "draft_model" needs "model"')
+        if self.method == "replay":
+            if not self.replay_path:
+                raise ConfigError('speculative_config: method "replay" needs "replay_path"')
+            if not 0.0 <= self.replay_acceptance <= 1.0:
+                raise ConfigError(
+                    "speculative_config: replay_acceptance must be in [0, 1], "
+                    f"got {self.replay_acceptance}"
+                )
+
+    def _take(self, values: dict[str, Any]) -> None:
+        """Set the fields from a parsed JSON object (frozen: through object.__setattr__)."""
+        known = {f.name for f in dataclasses.fields(self)} - {"speculative_config"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown keys {unknown}")
+        if "method" not in values:
+            raise ConfigError('speculative_config needs "method"')
+        # The flag's value, canonical: a dict and its JSON text give equal configs.
+        canonical = json.dumps(values, sort_keys=True)
+        if values["method"] == "ngram":
+            lo, hi = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+            # vLLM's defaults: one bound alone sets both; neither gives 5.
+            values["prompt_lookup_min"] = lo if lo is not None else (hi if hi else 5)
+            values["prompt_lookup_max"] = hi if hi is not None else values["prompt_lookup_min"]
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "speculative_config", canonical)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def k(self) -> int:
+        """Draft tokens per request per step (0 without speculation)."""
+        return self.num_speculative_tokens if self.method is not None else 0
+
+    def resolve(self, cache_dir: str, target_vocab_size: int) -> SpeculativeConfig:
+        """Check a draft model against the target: the same vocabulary (ConfigError else)."""
+        if self.method != "draft_model":
+            return self
+        from tandem.loader import load_hf_config, resolve_model_path
+
+        draft = load_hf_config(resolve_model_path(self.model, cache_dir or None))
+        draft_vocab = int(getattr(draft, "vocab_size", 0) or 0)
+        if draft_vocab != target_vocab_size:
+            raise ConfigError(
+                f"speculative_config: the draft model {self.model!r} has a vocabulary of "
+                f"{draft_vocab} tokens, the target's has {target_vocab_size}"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -709,6 +860,13 @@ class EngineConfig:
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
 
+    def __post_init__(self) -> None:
+        if self.speculative.method is not None and self.sampler.logits_processors:
+            raise ConfigError(
+                "logits_processors and speculative_config together: custom processors are not "
+                "applied to speculative verify steps yet; use one or the other"
+            )
+
     @property
     def is_resolved(self) -> bool:
         return self.model.is_resolved
@@ -720,7 +878,9 @@ class EngineConfig:
         model = self.model.resolve()
         self.parallel.check_model(model.hf_config)
         scheduler = dataclasses.replace(self.scheduler, max_model_len=model.max_model_len)
-        return dataclasses.replace(self, model=model, scheduler=scheduler)
+        vocab = int(getattr(model.hf_config, "vocab_size", 0) or 0)
+        speculative = self.speculative.resolve(model.cache_dir, vocab)
+        return dataclasses.replace(self, model=model, scheduler=scheduler, speculative=speculative)
 
 
 # The sections of EngineConfig whose user-settable fields make up EngineArgs, in flag order.
@@ -786,8 +946,8 @@ def _engine_args_class() -> type:
     made.__doc__ = (
         "Flat engine arguments, as the CLI and `LLM(...)` take them: every settable field of "
         "ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig, "
-        "StructuredOutputsConfig, SamplerConfig (and the empty speculative / quantization "
-        "configs), same names and "
+        "StructuredOutputsConfig, SamplerConfig, QuantizationConfig and SpeculativeConfig "
+        "(one JSON flag), same names and "
         "defaults. `create_engine_config()` builds and resolves the config tree."
     )
     return made
@@ -951,6 +1111,8 @@ def engine_argv(
             value = tuple(value)
         if value == (defaults or {}).get(ef.dest, ef.default):
             continue
+        if isinstance(value, Mapping):  # a JSON-object flag given as a dict (LLM kwargs)
+            value = json.dumps(value)
         if ef.is_bool:
             argv.append(ef.option if value else "--no-" + ef.option[2:])
         elif ef.is_tuple:

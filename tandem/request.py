@@ -104,6 +104,13 @@ class Request:
         self.hold_kv = False
         # The grammar of a request with structured outputs (set by the engine), else None.
         self.grammar: GrammarState | None = None
+        # Speculative decoding: draft tokens proposed to follow `all_token_ids`, scheduled
+        # (and verified) with the request's next step; never part of its tokens or hashes.
+        self.spec_token_ids: list[int] = []
+        # Verify steps in a row that accepted no draft, and steps left without drafts (the
+        # scheduler backs off a request whose drafts keep failing).
+        self.spec_num_misses = 0
+        self.spec_skip_steps = 0
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

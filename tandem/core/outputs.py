@@ -54,6 +54,9 @@ class SchedulerOutput:
     # Requests with structured outputs that sample in this step, in scheduling order. Their
     # allowed tokens come to the runner at sampling time (`GrammarBitmaskSource`).
     structured_req_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: the draft tokens scheduled after a request's known tokens (its
+    # last `len(drafts)` scheduled tokens); only requests with at least one draft appear.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -88,11 +91,19 @@ class Logprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per scheduled request, the tokens sampled this step (empty for a partial prefill)."""
+    """Per scheduled request, the tokens sampled this step (empty for a partial prefill).
+
+    With speculative decoding a request emits 1 + (accepted drafts) tokens in a step;
+    `logprobs[i]` holds one `Logprobs` per emitted token (None where none were asked for),
+    and `spec_token_ids[i]` the drafts proposed for its next step (empty: none; the list is
+    empty without speculation)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    logprobs: list[Logprobs | None] = field(default_factory=list)
+    logprobs: list[list[Logprobs] | None] = field(default_factory=list)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+    # A step that verified drafts: how it ran ("eager", "piecewise_graph", "mixed_graph").
+    spec_verify_path: str = ""
 
 
 class FinishReason(enum.StrEnum):

@@ -16,6 +16,26 @@ to 0)::
 `num_computed_tokens` as if the step had run; `update_from_output()` appends the sampled
 tokens, applies the stop rules and frees finished requests.
 
+Speculative decoding: a running request's draft tokens (`Request.spec_token_ids`, set from
+the runner's proposals in `update_from_output`) are scheduled after its known tokens under
+the same budget (1 + k query tokens for a decode; they mix with prefills in one step), with
+their KV slots allocated (the lookahead). Drafts are never part of `all_token_ids`, so only
+verified tokens are hashed into full blocks. After the step, the rejected positions are
+rolled back::
+
+    before:  num_computed = L - 1, known tokens L, drafts d0..d{k-1}: schedule 1 + k
+    step:    num_computed = L + k (as if every draft were right)
+    update:  a accepted -> emits a + 1 tokens; num_computed -= k - a  (= L + a, the
+             last emitted token's KV is computed next step); the slots past it are reused
+
+Speculation runs with synchronous scheduling only (the engine turns async scheduling off:
+step N+1's drafts come from step N's tokens); requests with structured outputs, penalties
+or min_tokens get no drafts (their sampling reads the output history token by token).
+A request whose drafts were all rejected in `SPEC_BACKOFF_AFTER` verify steps in a row drafts
+nothing for 1, 2, 4, ... (at most `SPEC_BACKOFF_MAX`) steps, until a draft is accepted again:
+drafts that keep failing cost a verify pass each, so a request that gains nothing from them
+soon runs as a plain decode (and its steps take the decode CUDA graphs).
+
 Structured outputs (`tandem.core.structured`): a request whose grammar is still compiling is
 passed over (waiting ones keep their place in the queue; the others are scheduled around
 them); one whose grammar failed ends with FINISHED_ERROR (`take_error_outputs`). The grammar
@@ -30,7 +50,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from tandem.config import CacheConfig, SchedulerConfig
+from tandem.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import (
     CachedRequestData,
@@ -40,6 +60,7 @@ from tandem.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
+from tandem.core.spec_decode_stats import SpecDecodingStats
 from tandem.core.structured import GrammarStatus
 from tandem.request import (
     FINISH_REASONS,
@@ -48,6 +69,10 @@ from tandem.request import (
     Request,
     RequestStatus,
 )
+
+# Speculation backoff (see the module docstring).
+SPEC_BACKOFF_AFTER = 2
+SPEC_BACKOFF_MAX = 32
 
 
 @dataclass(frozen=True)
@@ -62,6 +87,8 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
     num_preemptions: int  # total since start
+    # Speculative decoding counters (None without speculation).
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class _FcfsQueue:
@@ -133,6 +160,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if max_model_len and num_blocks * cache_config.block_size < max_model_len:
             # One request of max_model_len tokens could never fit: it would preempt itself forever.
@@ -168,6 +196,11 @@ class Scheduler:
         self.reserved: dict[str, Request] = {}
         # Requests ended because their grammar failed, not yet reported (take_error_outputs).
         self._error_outputs: list[EngineCoreOutput] = []
+        # Speculative decoding: the most drafts per request per step (0: off) and counters.
+        spec = speculative_config
+        self.num_spec_tokens = spec.k if spec is not None else 0
+        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else 0
+        self.spec_stats = SpecDecodingStats(self.num_spec_tokens) if self.num_spec_tokens else None
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -294,6 +327,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_stats.num_query_tokens,
             prefix_cache_hits=kv.prefix_cache_stats.num_hit_tokens,
             num_preemptions=self.num_preemptions,
+            spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
         )
 
     # ---- one step -----------------------------------------------------------------------
@@ -359,9 +393,16 @@ class Scheduler:
 
         output = self._build_output(scheduled, num_scheduled, preempted)
         structured = output.structured_req_ids
+        spec = output.scheduled_spec_decode_tokens
         for request in scheduled:
             request.num_computed_tokens += num_scheduled[request.request_id]
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            if request.spec_token_ids:
+                # Drafts consumed: those within this step's tokens are verified by it.
+                num_drafts = request.num_computed_tokens - request.num_tokens_with_placeholders
+                if num_drafts > 0:
+                    spec[request.request_id] = request.spec_token_ids[:num_drafts]
+                request.spec_token_ids = []
+            if request.num_computed_tokens >= request.num_tokens_with_placeholders:
                 # This step samples the request's next token: count it before it is known,
                 # so the next step can be planned before this one's tokens come back.
                 request.num_output_placeholders += 1
@@ -410,7 +451,7 @@ class Scheduler:
                 and len(request.output_token_ids) + placeholders >= max_tokens
             ) or (max_model_len and num_tokens >= max_model_len):
                 return 0
-        remaining = num_tokens - num_computed
+        remaining = num_tokens + len(request.spec_token_ids) - num_computed
         if max_model_len and max_model_len - num_computed < remaining:
             remaining = max_model_len - num_computed
         if remaining <= 0:
@@ -448,6 +489,7 @@ class Scheduler:
         self._kv_cache_manager.free(request)  # reads num_computed_tokens: free before reset
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.grammar is not None:
@@ -516,6 +558,10 @@ class Scheduler:
         """
         requests = self.requests
         logprobs = model_runner_output.logprobs
+        spec_token_ids = model_runner_output.spec_token_ids
+        scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
+        if self.spec_stats is not None and model_runner_output.spec_verify_path:
+            self.spec_stats.observe_step(model_runner_output.spec_verify_path)
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         for i, (req_id, sampled) in enumerate(
@@ -532,6 +578,20 @@ class Scheduler:
             ):
                 continue
             request.num_output_placeholders -= 1
+            drafts = scheduled_spec.get(req_id) if scheduled_spec else None
+            if drafts:
+                # Roll back the rejected positions (see the module docstring).
+                num_accepted = len(sampled) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                if num_accepted:
+                    request.spec_num_misses = 0
+                else:
+                    request.spec_num_misses += 1
+                    misses = request.spec_num_misses - SPEC_BACKOFF_AFTER
+                    if misses >= 0:
+                        request.spec_skip_steps = min(1 << misses, SPEC_BACKOFF_MAX)
+                if self.spec_stats is not None:
+                    self.spec_stats.observe(len(drafts), num_accepted)
             was_running = request.status == RUNNING
             new_token_ids: list[int] = []
             for token_id in sampled:
@@ -542,11 +602,13 @@ class Scheduler:
                     break
             lp = logprobs[i] if i < len(logprobs) else None
             finished = request.status >= FIRST_FINISHED
+            if spec_token_ids and not finished:
+                request.spec_token_ids = self._next_drafts(request, spec_token_ids[i])
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=None if lp is None else [lp],
+                    new_logprobs=None if lp is None else lp[: len(new_token_ids)],
                     finish_reason=FINISH_REASONS.get(request.status) if finished else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -561,6 +623,28 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status < FIRST_FINISHED]
         return outputs
+
+    def _next_drafts(self, request: Request, proposed: list[int]) -> list[int]:
+        """The drafts `request` verifies in its next step: at most `num_spec_tokens`, none past
+        max_tokens (a step emits up to 1 + drafts tokens), none for a request whose sampling
+        reads its output history (structured outputs, penalties, min_tokens) or has logits
+        rules (logit_bias, allowed_token_ids, bad_words: not applied to drafts yet), none while
+        `disable_by_batch_size` requests or more run, none while the request backs off."""
+        if not self.num_spec_tokens:
+            return []
+        if request.spec_skip_steps:
+            request.spec_skip_steps -= 1
+            return []
+        limit = self.spec_disable_by_batch_size
+        if not proposed or (limit and len(self.running) >= limit):
+            return []
+        params = request.sampling_params
+        if request.grammar is not None or params.needs_output_history or params.has_logits_rules:
+            return []
+        k = self.num_spec_tokens
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
+        return list(proposed[:k]) if k > 0 else []
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Apply the stop rules after `token_id` was appended; True if the request finished."""

@@ -12,6 +12,8 @@ computes::
     step():  schedule(N+1) -> execute_async(N+1) -> update_from_output(N, result(N))
 
 A request that stops at step N has one more token computed in step N+1, which is dropped.
+Speculative decoding turns async scheduling off (a step's drafts come from the previous
+step's tokens; `EngineStats.async_scheduling` says which way the engine runs).
 A step whose requests sample from their whole output (penalties, min_tokens) waits for the
 previous step first. A step with structured-output rows needs step N's tokens only to sample:
 their grammar bitmask (`tandem.structured_output`) is filled from the matchers advanced by
@@ -43,6 +45,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.outputs import EngineCoreOutput, GrammarBitmask, SchedulerOutput
 from tandem.core.scheduler import Scheduler
+from tandem.core.spec_decode_stats import SpecDecodingStats
 from tandem.executor import Executor, create_executor
 from tandem.executor.base import LaunchedStep
 from tandem.layers.logits_processors import load_logits_processors
@@ -90,6 +93,11 @@ class EngineStats:
     num_preemptions: int
     num_held: int
     num_reserved: int
+    # Whether steps are planned while the previous one runs (off under speculation).
+    async_scheduling: bool = False
+    # Speculative decoding (None without): drafts, accepted tokens, acceptance by position,
+    # and the verify steps by how they ran (`num_verify_steps`).
+    spec_decoding: SpecDecodingStats | None = None
 
 
 @dataclass(frozen=True)
@@ -147,7 +155,10 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = config.cache.block_size
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len)
+        num_spec_tokens = config.speculative.k
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, num_blocks, max_len, config.speculative
+        )
         mode = config.scheduler.async_scheduling
         # auto: on CUDA (the host plans while the device runs), and under pipeline parallel
         # (a second step in flight keeps every stage busy).
@@ -155,6 +166,11 @@ class EngineCore:
             mode == "auto"
             and (self.executor.device.type == "cuda" or config.parallel.pipeline_parallel_size > 1)
         )
+        if num_spec_tokens and self.async_scheduling:
+            # A step's drafts come from the previous step's tokens: speculation plans each
+            # step after the last one's tokens landed (EngineStats.async_scheduling says so).
+            logger.info("speculative decoding: async scheduling is off (synchronous steps)")
+            self.async_scheduling = False
         # A random-weight folder has a tokenizer only when one was copied in (benchmarks).
         self._has_tokenizer = not has_random_weights(self.model_path) or any(
             (self.model_path / name).exists()
@@ -356,6 +372,8 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             num_held=len(self.scheduler.held),
             num_reserved=len(self.scheduler.reserved),
+            async_scheduling=self.async_scheduling,
+            spec_decoding=s.spec_decoding,
         )
 
     def pool_state(self) -> PoolState:

@@ -301,7 +301,7 @@ class Sampler(nn.Module):
 
         if raw_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)
-        return _gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
 
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Logits processors (built-in, then custom), min_tokens masking, then penalties;
@@ -428,9 +428,10 @@ def exponential_race(
     return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
 ) -> SamplerOutput:
+    """The logprob, rank and top `num_logprobs` of each row's `sampled` token."""
     sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))
     ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
     if num_logprobs > 0:

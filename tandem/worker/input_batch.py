@@ -12,6 +12,11 @@ form one sequence (no padding). For request r with `num_computed_tokens` c and
 
 A request is sampled when c + n reaches its token count (its last query row).
 
+Speculative decoding: a request's scheduled draft tokens d (`scheduled_spec_decode_tokens`)
+follow its known tokens in its query (`input_ids[...] = token_ids[c:] + d`); such a request
+is sampled at its last len(d) + 1 query rows (`logits_indices`), verified by the rejection
+sampler.
+
 Async scheduling: a token whose id the previous step samples on the device (at most one per
 request: position `len(token_ids)`) is not known on the host; its input row is listed in
 `StepInputs.fill_dst`, with the previous step's sampled row in `fill_src`.
@@ -66,6 +71,13 @@ class StepInputs:
     fill_src: list[int] = field(default_factory=list)
     # Leading one-token requests of a mixed step (see AttentionMetadata.num_decodes).
     num_decodes: int = 0
+    # Flat rows whose logits are computed: the last query row of each sampled request, or
+    # under speculation its last k + 1 rows (k = its drafts).
+    logits_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # Speculation: drafts per sampled request and the drafts in that order (None: no drafts
+    # this step).
+    num_draft: list[int] | None = None
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -196,6 +208,7 @@ class InputBatch:
         # (async scheduling): its input row is filled on the device from that step's ids.
         fill_dst: list[int] = []
         fill_src: list[int] = []
+        spec = so.scheduled_spec_decode_tokens
         starts_list = starts.tolist()
         if total == num_reqs:  # decode only: one token per request
             positions = starts
@@ -221,6 +234,10 @@ class InputBatch:
                 lo, hi = loc[i], loc[i + 1]
                 if c + hi - lo <= len(tokens):
                     input_ids[lo:hi] = tokens[c : c + hi - lo]
+                elif spec and state.req_id in spec:
+                    known = len(tokens) - c
+                    input_ids[lo : lo + known] = tokens[c:]
+                    input_ids[lo + known : hi] = spec[state.req_id]
                 else:
                     input_ids[lo : hi - 1] = tokens[c:]
                     input_ids[hi - 1] = 0
@@ -228,6 +245,18 @@ class InputBatch:
                     fill_src.append(_prev_row(prev_row_of, state, c + hi - lo - 1))
         slot_mapping = slot_mapping * bs + positions % bs
         sampled_rows = [i for i, state in enumerate(states) if seq_lens[i] >= len(state.token_ids)]
+        ends = query_start_loc[1:][sampled_rows]
+        num_draft: list[int] | None = None
+        draft_token_ids: list[int] = []
+        if spec and any(states[i].req_id in spec for i in sampled_rows):
+            drafts = [spec.get(states[i].req_id, []) for i in sampled_rows]
+            num_draft = [len(d) for d in drafts]
+            draft_token_ids = [t for d in drafts for t in d]
+            counts = np.array(num_draft, dtype=np.int64) + 1
+            first = np.cumsum(counts) - counts
+            logits_indices = np.repeat(ends - counts - first, counts) + np.arange(counts.sum())
+        else:
+            logits_indices = ends - 1
         return StepInputs(
             num_reqs=num_reqs,
             total=total,
@@ -242,6 +271,9 @@ class InputBatch:
             states=states,
             fill_dst=fill_dst,
             fill_src=fill_src,
+            logits_indices=logits_indices,
+            num_draft=num_draft,
+            draft_token_ids=draft_token_ids,
         )
 
 

@@ -8,7 +8,9 @@ the runner picks the device, measures memory and sizes the KV cache; the runner 
 model.
 
 A step's tokens form one sequence (see `input_batch`); logits are computed only for the rows
-that sample (the last query row of each request that reaches its token count).
+that sample (the last query row of each request that reaches its token count; with
+speculative decoding the last k + 1 rows of a request verifying k drafts, sampled by the
+rejection sampler, after which the proposer drafts the next step's tokens: `tandem.spec_decode`).
 
 Async scheduling: `execute_async` launches a step and returns a `PendingStep` whose
 `result()` waits for that step's sampled ids only. The engine may plan and launch step N+1
@@ -49,6 +51,7 @@ from tandem.layers.quantization import resolve_quant_config
 from tandem.layers.quantization.fp8 import check_fp8_device
 from tandem.loader import build_model
 from tandem.models.interface import CausalLM, IntermediateTensors, ModelContext
+from tandem.spec_decode.proposer import build_proposer
 from tandem.worker.cpu_threads import cpu_supports_bf16, default_cpu_backend
 from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import InputBatch, StepInputs
@@ -154,6 +157,13 @@ class ModelRunner:
             ),
         )
         self.input_batch = InputBatch(self.block_size, max_num_seqs)
+        # Speculative decoding: the proposer drafting each step's next tokens (on the host,
+        # after the step's tokens land). Decode graphs assume one token per request: verify
+        # steps run as whole mixed graphs, piecewise graphs or eagerly, and each step's
+        # output says which (`spec_verify_path`, counted in the engine's stats).
+        self.proposer = build_proposer(config.speculative, self.vocab_size)
+        if self.proposer is not None and self.parallel.pp_size > 1:
+            raise ConfigError("speculative decoding with pipeline parallel is not supported yet")
         self.staging = PinnedStaging(device)
         self.use_cuda_graphs = device.type == "cuda" and not config.device.enforce_eager
         if self.use_cuda_graphs and self.parallel.pp_size > 1:
@@ -199,6 +209,11 @@ class ModelRunner:
         self._num_launched = 0
 
     @property
+    def max_num_sampled_rows(self) -> int:
+        """The most logits rows one step samples: one per request, k + 1 under speculation."""
+        return self.config.scheduler.max_num_seqs * (1 + self.config.speculative.k)
+
+    @property
     def model(self) -> CausalLM:
         if self._model is None:
             raise RuntimeError("the model runner is shut down: it holds no model")
@@ -219,7 +234,7 @@ class ModelRunner:
 
     def profile_run(self, scratch_kv_cache: torch.Tensor) -> None:
         """One eager forward of `max_num_batched_tokens` tokens (in requests of at most 1024
-        tokens) through `scratch_kv_cache`, plus the logits of `max_num_seqs` rows: the
+        tokens) through `scratch_kv_cache`, plus the logits of `max_num_sampled_rows` rows: the
         largest step this engine runs. Inside the backend's `startup_tuning` (the prefill
         kernel may pick its tile config here). The caller measures the memory it takes."""
         sched = self.config.scheduler
@@ -262,7 +277,7 @@ class ModelRunner:
             out = m(ids, positions, caches, meta, intermediate)
             if self.is_last_stage:
                 assert isinstance(out, torch.Tensor)
-                logits = m.compute_logits(out[: min(sched.max_num_seqs, tokens)])
+                logits = m.compute_logits(out[: min(self.max_num_sampled_rows, tokens)])
                 del logits
             del out, intermediate
 
@@ -418,11 +433,11 @@ class ModelRunner:
         return self.sampler.received(ids)
 
     def _sampled_logits(self, hidden: torch.Tensor, inp: StepInputs) -> torch.Tensor:
-        """The logits of the step's sampled rows (the last query row of each)."""
+        """The logits of the step's sampled rows (the last query row of each; under
+        speculation the last k + 1 rows of a request with k drafts)."""
         if not inp.sampled_rows:
             return hidden[:0]
-        logits_indices = inp.query_start_loc[1:][inp.sampled_rows] - 1
-        idx = self.staging.to_device(logits_indices, torch.int64)
+        idx = self.staging.to_device(inp.logits_indices, torch.int64)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
     def synchronize(self) -> None:
@@ -488,10 +503,12 @@ class ModelRunner:
             graph_size = None
             mixed_size = self.mixed_graphs.size_for(inp.total, inp.num_reqs)
         if graph_size is not None:
+            path = "decode_graph"
             logits = self.cuda_graphs.replay(
                 inp, graph_size, self.staging, self._fill_from_previous
             )
         elif mixed_size is not None:
+            path = "mixed_graph"
             hidden = self.mixed_graphs.replay(
                 inp, mixed_size, self.staging, self._fill_from_previous
             )
@@ -500,6 +517,7 @@ class ModelRunner:
             piecewise_size = (
                 None if inp.is_decode_only else self.piecewise_graphs.size_for(inp.total)
             )
+            path = "eager" if piecewise_size is None else "piecewise_graph"
             logits = self._run_eager(inp, piecewise_size)
 
         states = [inp.states[i] for i in inp.sampled_rows]
@@ -507,14 +525,29 @@ class ModelRunner:
         if self.is_last_stage and states:
             assert logits is not None
             grammar = grammar_bitmask() if grammar_bitmask is not None else None
-            sampled = self.sampler.sample(logits, states, grammar)
+            if inp.num_draft is not None:
+                # Structured rows never carry drafts (the scheduler gives them none): one row.
+                drafts = self.staging.to_device(
+                    np.asarray(inp.draft_token_ids, dtype=np.int64), torch.int64
+                )
+                sampled = self.sampler.sample_speculative(
+                    logits, states, inp.num_draft, drafts, grammar
+                )
+            else:
+                sampled = self.sampler.sample(logits, states, grammar)
         if self.parallel.pp_size > 1 and states:
             sampled = self._share_sampled(sampled, len(states))
         self._num_launched += 1
         launch = self._num_launched
         self._unfinished_writes.append((launch, inp.slot_mapping))
         step = PendingStep(
-            req_ids, inp.sampled_rows, states, sampled, on_done=lambda: self._writes_done(launch)
+            req_ids,
+            inp.sampled_rows,
+            states,
+            sampled,
+            on_done=lambda: self._writes_done(launch),
+            proposer=self.proposer,
+            spec_verify_path=path if inp.num_draft is not None else "",
         )
         if self._last_step is not None:
             self._older_steps.append(self._last_step)

@@ -9,6 +9,9 @@
     tandem_worker_prefix_cache_hit_ratio       hit tokens / queried tokens since start
     tandem_worker_preemptions_total
     tandem_worker_engine_steps_total, tandem_worker_generated_tokens_total
+    tandem_worker_spec_decode_num_drafts_total, ..._num_draft_tokens_total,
+    ..._num_accepted_tokens_total, ..._num_accepted_tokens_per_pos_total{position}
+                                               speculative decoding (only when it is on)
     tandem_kv_transfer_bytes_total{direction,transport}    sent | received; tcp, cuda_ipc, nccl
     tandem_kv_transfer_duration_seconds{direction,transport}   one request's prompt KV
 
@@ -28,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
@@ -129,6 +132,28 @@ class WorkerMetrics:
             ("preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
         ):
             yield counter(f"tandem_worker_{name}", doc, value, labels)
+        spec = getattr(stats, "spec_decoding", None)
+        if spec is not None:
+            yield from spec_decode_families(spec, labels)
+
+
+def spec_decode_families(spec: Any, labels: dict[str, str]) -> Iterator[Metric]:
+    """The speculative-decoding counters of an engine's `SpecDecodingStats`."""
+    prefix = "tandem_worker_spec_decode"
+    for name, doc, value in (
+        ("num_drafts", "Request-steps that verified draft tokens.", spec.num_drafts),
+        ("num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+    ):
+        yield counter(f"{prefix}_{name}", doc, value, labels)
+    family = CounterMetricFamily(
+        f"{prefix}_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 first).",
+        labels=[*labels, "position"],
+    )
+    for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
+        family.add_metric([*labels.values(), str(pos)], value)
+    yield family
 
 
 class MeteredKVTransports(KVTransports):

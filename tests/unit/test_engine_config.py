@@ -21,6 +21,7 @@ from tandem.config import (
     QuantizationConfig,
     SamplerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 
@@ -144,6 +145,7 @@ def test_engine_args_are_the_config_fields_with_the_same_defaults() -> None:
         SchedulerConfig,
         ParallelConfig,
         DeviceConfig,
+        SpeculativeConfig,
         StructuredOutputsConfig,
         SamplerConfig,
         QuantizationConfig,

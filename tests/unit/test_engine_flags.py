@@ -74,6 +74,7 @@ NON_DEFAULT: dict[str, Any] = {
     "master_addr": "127.0.0.2",
     "master_port": 29511,
     "quantization": "fp8",
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
 }
 # Flags kept at their defaults here: several hosts are for unified workers only (the flag
 # tests build prefill and decode workers too), and a node rank needs several hosts.
@@ -116,6 +117,7 @@ def assert_reaches(config: EngineConfig, model: str) -> None:
         "scheduler",
         "parallel",
         "device",
+        "speculative",
         "structured_outputs",
         "sampler",
         "quantization",

@@ -85,7 +85,7 @@ def _drive(config: Any, runner: Any, send: Any = None) -> dict[str, Any]:
             for rid, ids, lp in zip(out.req_ids, out.sampled_token_ids, out.logprobs, strict=True):
                 tokens[rid] += ids
                 if lp is not None:
-                    logprobs[rid].append(lp)
+                    logprobs[rid].extend(lp)
             sched.update_from_output(pending[0], out)
         pending = (so, step) if step is not None else None
         if pending is None and not sched.has_unfinished_requests():
@@ -106,9 +106,7 @@ def _stage_main(rank: int, port: int, path: Path, results: Any) -> None:
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
         )
         cpu = torch.device("cpu")
-        pair = GroupCoordinator(
-            [0, 1], rank, cpu, dist.new_group([0, 1]), dist.new_group([0, 1])
-        )
+        pair = GroupCoordinator([0, 1], rank, cpu, dist.new_group([0, 1]), dist.new_group([0, 1]))
         alone = GroupCoordinator([rank], rank, cpu)
         parallel = ParallelState(world=pair, tp=alone, pp=pair, ep=alone)
         config = _config(path)

@@ -425,10 +425,10 @@ def test_several_tokens_in_one_step_stop_at_the_first_stop() -> None:
     sched.add_request(make_req("r", prompt(3), max_tokens=10))
     out = sched.schedule()
     lp = Logprobs(token_ids=[5], logprobs=[-0.5], sampled_rank=1)
-    outs = sched.update_from_output(out, ModelRunnerOutput(["r"], [[5, EOS, 7]], [lp]))
+    outs = sched.update_from_output(out, ModelRunnerOutput(["r"], [[5, EOS, 7]], [[lp, lp, lp]]))
     assert len(outs) == 1
     assert outs[0].new_token_ids == [5, EOS] and outs[0].finish_reason == "stop"
-    assert outs[0].new_logprobs == [lp]
+    assert outs[0].new_logprobs == [lp, lp]
     assert sched.get_num_unfinished_requests() == 0
 
 

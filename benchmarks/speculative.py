@@ -1,0 +1,261 @@
+"""Speculative decoding: TPOT and throughput with and without it, acceptance under control.
+
+Random weights give random acceptance, so acceptance is set with the replay proposer
+(`tandem.spec_decode.replay`): a run without speculation records each prompt's greedy
+continuation, then engines with `{"method": "replay", "num_speculative_tokens": k,
+"replay_acceptance": p}` propose it, each draft token kept with probability p. Every batch
+size has its own prompts (so each prompt's record comes from the run of its batch size).
+With a model that has a tokenizer, `--ngram` also runs n-gram speculation on prompts whose
+answers copy their input, with the measured acceptance.
+
+Per batch size B (all requests greedy, ignore_eos, `--output-len` tokens each, started
+together): `tpot_ms` = wall time / the longest output (the batch decodes in lockstep; prefill
+included), `output_tokens_per_s` = output tokens / wall time; `same_tokens` = the outputs
+equal the run without speculation; acceptance from the engine's stats.
+
+    python -m benchmarks.speculative                        # CPU, embedded model
+    python -m benchmarks.speculative --device cuda --model random:llama-3.1-8b \\
+        --batch-sizes 1,8,32,128 --ks 2,4 --acceptances 1,0.7,0.4,0
+
+Every engine flag applies (`tandem.config`); defaults here: --device cpu, --dtype float32 on
+the CPU and bfloat16 on CUDA, --gpu-memory-utilization 0.4 (two engines are loaded at once:
+the one without speculation stays, to time it right before each speculative run).
+Writes JSON under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# tandem first: it sets the OpenMP defaults (tandem/runtime_env.py) before torch loads.
+import tandem  # noqa: F401
+
+# isort: split
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.config import add_engine_args, engine_kwargs_from, parse_device
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+COPY_PROMPTS = [
+    "Fix the typo in this function and return the whole function:\n\n"
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return totl / len(values)\n",
+    "Extract every email address from this text, one per line:\n\n"
+    "Contact alice@example.com or bob@example.org; billing: billing@example.net. "
+    "Support is at help@example.com and sales@example.org.\n",
+    "Rename the variable x to count in this code:\n\n"
+    "x = 0\nfor item in items:\n    if item.ok:\n        x += 1\nprint(x)\n",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_engine_args(p)
+    p.set_defaults(device="cpu", gpu_memory_utilization=0.4)
+    w = p.add_argument_group("workload")
+    w.add_argument("--batch-sizes", default="1,8", help="comma-separated")
+    w.add_argument("--ks", default="2,4", help="num_speculative_tokens values")
+    w.add_argument("--acceptances", default="1,0.7,0.4,0", help="replay keep probabilities p")
+    w.add_argument("--input-len", type=int, default=64)
+    w.add_argument("--output-len", type=int, default=64)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--ngram", action="store_true", help="also n-gram on copy prompts")
+    p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
+    return p
+
+
+def _prompts(batch_sizes: list[int], input_len: int, vocab: int, seed: int) -> dict[int, list]:
+    rng = random.Random(seed)
+    return {
+        b: [[rng.randrange(100, vocab) for _ in range(input_len)] for _ in range(b)]
+        for b in batch_sizes
+    }
+
+
+def _timed(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, list[list[int]]]:
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return elapsed, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _spec_counts(llm: LLM) -> tuple[int, int, list[int], dict[str, int]]:
+    spec = llm.engine.stats().spec_decoding
+    if spec is None:
+        return 0, 0, [], {}
+    return (
+        spec.num_draft_tokens,
+        spec.num_accepted_tokens,
+        list(spec.num_accepted_tokens_per_pos),
+        dict(spec.num_verify_steps),
+    )
+
+
+def _row(
+    llm: LLM, prompts: list, params: SamplingParams, ref: list | None
+) -> tuple[dict[str, Any], list[list[int]]]:
+    d0, a0, pos0, _ = _spec_counts(llm)
+    elapsed, tokens = _timed(llm, prompts, params)
+    d1, a1, pos1, paths = _spec_counts(llm)
+    row: dict[str, Any] = {
+        "batch": len(prompts),
+        "elapsed_s": elapsed,
+        # The batch decodes in lockstep: its longest output sets the pace.
+        "tpot_ms": 1000 * elapsed / max(len(t) for t in tokens),
+        "output_tokens_per_s": sum(len(t) for t in tokens) / elapsed,
+    }
+    if ref is not None:
+        drafts, accepted = d1 - d0, a1 - a0
+        row.update(
+            same_tokens=tokens == ref,
+            draft_tokens=drafts,
+            accepted_tokens=accepted,
+            acceptance_rate=accepted / drafts if drafts else 0.0,
+            accepted_per_position=[
+                b - (pos0[j] if j < len(pos0) else 0) for j, b in enumerate(pos1)
+            ],
+            verify_steps_by_path=paths,
+        )
+    return row, tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    kind, _ = parse_device(ns.device)
+    on_cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
+    if ns.dtype == "auto":
+        ns.dtype = "bfloat16" if on_cuda else "float32"
+    engine_kwargs = engine_kwargs_from(ns)
+    batch_sizes = [int(x) for x in ns.batch_sizes.split(",")]
+    ks = [int(x) for x in ns.ks.split(",")]
+    acceptances = [float(x) for x in ns.acceptances.split(",")]
+    params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
+    result: dict[str, Any] = {
+        "model": ns.model,
+        "device": "cuda" if on_cuda else "cpu",
+        "dtype": ns.dtype,
+        "input_len": ns.input_len,
+        "output_len": ns.output_len,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "tpot_definition": "wall time of the batch / its longest output (lockstep, prefill in)",
+        "runs": [],
+    }
+
+    # The engine without speculation stays loaded: each speculative timing is paired with a
+    # baseline timing taken just before it, so a busy machine slows both alike.
+    base_llm = LLM(model=ns.model, **engine_kwargs)
+    prompts = _prompts(batch_sizes, ns.input_len, base_llm.engine.vocab_size, ns.seed)
+    baseline: dict[int, list] = {}
+    for b in batch_sizes:
+        row, baseline[b] = _row(base_llm, prompts[b], params, None)
+        result["runs"].append({"speculation": None, **row})
+        print(
+            f"no spec      B={b:4d}  TPOT {row['tpot_ms']:8.2f} ms  "
+            f"{row['output_tokens_per_s']:9.1f} tok/s",
+            flush=True,
+        )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "replay.json"
+        record.write_text(
+            json.dumps(
+                [
+                    {"prompt_token_ids": p, "output_token_ids": o}
+                    for b in batch_sizes
+                    for p, o in zip(prompts[b], baseline[b], strict=True)
+                ]
+            )
+        )
+        for k in ks:
+            for p in acceptances:
+                spec = {
+                    "method": "replay",
+                    "num_speculative_tokens": k,
+                    "replay_path": str(record),
+                    "replay_acceptance": p,
+                }
+                with LLM(model=ns.model, **{**engine_kwargs, "speculative_config": spec}) as llm:
+                    for b in batch_sizes:
+                        base, _ = _row(base_llm, prompts[b], params, None)
+                        row, _ = _row(llm, prompts[b], params, baseline[b])
+                        row["no_spec_tpot_ms"] = base["tpot_ms"]
+                        row["tpot_vs_no_spec"] = row["tpot_ms"] / base["tpot_ms"]
+                        row["throughput_vs_no_spec"] = (
+                            row["output_tokens_per_s"] / base["output_tokens_per_s"]
+                        )
+                        result["runs"].append({"speculation": {"k": k, "p": p}, **row})
+                        print(
+                            f"k={k} p={p:.1f}  B={b:4d}  TPOT {row['tpot_ms']:8.2f} ms "
+                            f"({row['tpot_vs_no_spec']:.2f}x)  "
+                            f"{row['output_tokens_per_s']:9.1f} tok/s "
+                            f"({row['throughput_vs_no_spec']:.2f}x)  "
+                            f"acc {row['acceptance_rate']:.2f}  same {row['same_tokens']}",
+                            flush=True,
+                        )
+    base_llm.shutdown()
+
+    if ns.ngram:
+        result["ngram_copy"] = _ngram_copy(ns, engine_kwargs, ks)
+    out = (
+        Path(ns.out)
+        if ns.out
+        else RESULTS_DIR
+        / f"speculative_{'cuda' if on_cuda else 'cpu'}_{dt.date.today().isoformat()}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def _ngram_copy(ns: argparse.Namespace, engine_kwargs: dict[str, Any], ks: list[int]) -> list:
+    """N-gram speculation on prompts whose answers copy their input (needs a tokenizer);
+    each timing paired with the engine without speculation's, taken just before."""
+    params = SamplingParams(temperature=0.0, max_tokens=ns.output_len)
+    rows: list[dict[str, Any]] = []
+    with LLM(model=ns.model, **engine_kwargs) as base_llm:
+        tokenizer = base_llm.tokenizer
+        if tokenizer is None:
+            print("n-gram: the model has no tokenizer; skipped")
+            return rows
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            for text in COPY_PROMPTS
+        ]
+        for k in ks:
+            spec = {
+                "method": "ngram",
+                "num_speculative_tokens": k,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            }
+            with LLM(model=ns.model, **{**engine_kwargs, "speculative_config": spec}) as llm:
+                base, ref = _row(base_llm, prompts, params, None)
+                row, _ = _row(llm, prompts, params, ref)
+            row["no_spec_tpot_ms"] = base["tpot_ms"]
+            row["tpot_vs_no_spec"] = row["tpot_ms"] / base["tpot_ms"]
+            rows.append({"speculation": spec, **row})
+            print(
+                f"n-gram k={k}  TPOT {row['tpot_ms']:8.2f} ms ({row['tpot_vs_no_spec']:.2f}x)  "
+                f"acc {row['acceptance_rate']:.2f}  same {row['same_tokens']}",
+                flush=True,
+            )
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,530 @@
+"""Speculative decoding (issue 29): config, scheduler rollback, rejection sampler, n-gram.
+
+- Config: `--speculative-config JSON` / `LLM(speculative_config={...})`; bad input (unknown
+  method or key, k out of range, a draft model of another vocabulary) is a ConfigError naming
+  it.
+- Scheduler: drafts are scheduled with their request under the budget (lookahead slots),
+  rejected positions are rolled back, only verified tokens are hashed, the pool stays whole.
+- Rejection sampler: the device version equals the per-request reference; the emitted
+  tokens keep the target distribution (chi-square on crafted p and q), which a sampler that
+  accepts drafts blindly fails.
+- Engine (tiny random models, SmolLM2): greedy output with n-gram speculation is the output
+  without, with chunked prefill, forced preemption and prefix hits; seeded sampling
+  reproduces; logprobs come per emitted token; the stats count drafts and acceptances.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.config import (
+    CacheConfig,
+    ConfigError,
+    EngineArgs,
+    SchedulerConfig,
+    SpeculativeConfig,
+    add_engine_args,
+)
+from tandem.core.outputs import ModelRunnerOutput
+from tandem.core.scheduler import Scheduler
+from tandem.request import Request
+from tandem.spec_decode.ngram import NgramProposer, ngram_draft
+from tandem.spec_decode.proposer import build_proposer
+from tandem.spec_decode.rejection_sampler import rejection_sample, rejection_sample_reference
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+# ---- config --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "unknown method 'eagle'"),
+        ({"method": "magic", "num_speculative_tokens": 2}, "unknown method 'magic'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown keys"),
+        ({"num_speculative_tokens": 2}, '"method"'),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, '"model"'),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min",
+        ),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_speculative_config_names_the_problem(spec: object, message: str) -> None:
+    text = spec if isinstance(spec, str) else json.dumps(spec)
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeConfig(speculative_config=text)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, environ={})
+    with pytest.raises(SystemExit):  # refused when the flags are read
+        parser.parse_args(["--speculative-config", text])
+
+
+def test_flag_and_dict_give_the_same_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, environ={})
+    ns = parser.parse_args(["--speculative-config", json.dumps(NGRAM)])
+    from_flag = EngineArgs.from_cli_args(ns).create_engine_config(resolve=False).speculative
+    from_dict = EngineArgs(speculative_config=NGRAM).create_engine_config(resolve=False)
+    assert from_flag == from_dict.speculative
+    assert (from_flag.method, from_flag.k) == ("ngram", 3)
+    # One bound alone sets both (vLLM's rule).
+    assert (from_flag.prompt_lookup_min, from_flag.prompt_lookup_max) == (3, 3)
+    assert EngineArgs().create_engine_config(resolve=False).speculative.k == 0
+
+
+def test_draft_model_of_another_vocabulary_is_refused(tiny_model_path, smollm2_path) -> None:
+    spec = {
+        "method": "draft_model",
+        "model": str(tiny_model_path("llama")),
+        "num_speculative_tokens": 2,
+    }
+    with pytest.raises(ConfigError, match="vocabulary of 512 tokens"):
+        EngineArgs(model=str(smollm2_path), speculative_config=spec).create_engine_config()
+    # Same vocabulary: accepted by the config, refused at start (no proposer yet).
+    same = EngineArgs(model=str(tiny_model_path("qwen2")), speculative_config=spec)
+    config = same.create_engine_config()
+    with pytest.raises(ConfigError, match="not built yet"):
+        build_proposer(config.speculative, 512)
+
+
+# ---- n-gram proposer ----------------------------------------------------------------------
+
+
+def test_ngram_draft() -> None:
+    t = np.array([1, 2, 3, 4, 5, 9, 9, 1, 2, 3], dtype=np.int64)
+    assert ngram_draft(t, 3, 1, 3) == [4, 5, 9]  # "1 2 3" seen before, then 4 5 9
+    assert ngram_draft(t, 2, 2, 3) == [4, 5]
+    assert ngram_draft(np.array([7, 8, 9]), 3, 1, 3) == []  # nothing repeats
+    # The latest occurrence with k tokens after it wins over older ones.
+    t2 = np.array([1, 2, 5, 5, 5, 1, 2, 6, 6, 6, 0, 1, 2])
+    assert ngram_draft(t2, 3, 2, 2) == [6, 6, 6]
+    # Too close to the end for k tokens: the earliest occurrence.
+    assert ngram_draft(np.array([4, 4, 4, 4]), 3, 1, 1) == [4, 4, 4]
+    proposer = NgramProposer(2, 1, 2)
+
+    class State:
+        def __init__(self, ids: list[int]) -> None:
+            self.token_ids = ids
+
+    assert proposer.propose([State([1, 2, 3, 1, 2]), State([5])]) == [[3, 1], []]  # type: ignore[list-item]
+
+
+# ---- scheduler --------------------------------------------------------------------------
+
+
+def test_scheduler_schedules_drafts_and_rolls_back_rejections() -> None:
+    block_size = 4
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+        CacheConfig(block_size=block_size),
+        num_blocks=16,
+        max_model_len=64,
+        speculative_config=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2
+        ),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    request = Request("r", list(range(10, 17)), params)  # 7 prompt tokens
+    sched.add_request(request)
+    kv = sched.kv_cache_manager
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"r": 7} and not so.scheduled_spec_decode_tokens
+    sched.update_from_output(so, ModelRunnerOutput(["r"], [[100]], spec_token_ids=[[1, 2, 3]]))
+    assert request.spec_token_ids == [1, 2, 3]
+
+    so = sched.schedule()  # 1 known + 3 drafts: positions 7..10, lookahead into block 2
+    assert so.num_scheduled_tokens == {"r": 4}
+    assert so.scheduled_spec_decode_tokens == {"r": [1, 2, 3]}
+    assert len(kv.get_block_ids("r")) == 3 and request.num_computed_tokens == 11
+    # Only verified tokens are hashed: 8 known tokens -> 2 full blocks.
+    assert kv.num_cached_blocks["r"] == 2
+    # The first draft accepted, the second rejected: emits [1, 50].
+    outs = sched.update_from_output(so, ModelRunnerOutput(["r"], [[1, 50]], spec_token_ids=[[7]]))
+    assert outs[0].new_token_ids == [1, 50]
+    assert request.all_token_ids[-3:] == [100, 1, 50]
+    assert request.num_computed_tokens == 9 == request.num_tokens - 1
+    assert request.spec_token_ids == [7]
+    stats = sched.stats().spec_decoding
+    assert stats is not None
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 1)
+    assert stats.num_accepted_tokens_per_pos == [1, 0, 0]
+
+    # A tight budget cuts drafts: 2 tokens -> the known one and one draft.
+    sched.scheduler_config = SchedulerConfig(max_num_batched_tokens=2, max_num_seqs=4)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"r": 2} and so.scheduled_spec_decode_tokens == {"r": [7]}
+    sched.update_from_output(so, ModelRunnerOutput(["r"], [[7, 8]]))  # all accepted + bonus
+    assert request.num_computed_tokens == request.num_tokens - 1 == 11
+    assert kv.num_cached_blocks["r"] == 2  # tokens 0..10 known and computed: 2 full blocks
+    # max_tokens bounds the drafts: 20 - 5 outputs - 1.
+    sched.scheduler_config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4)
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(["r"], [[9]], spec_token_ids=[list(range(20))]))
+    assert len(request.spec_token_ids) == 3
+    # No drafts while disable_by_batch_size requests run.
+    sched.spec_disable_by_batch_size = 1
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(["r"], [[9]], spec_token_ids=[[1, 2]]))
+    assert request.spec_token_ids == []
+    sched.finish_requests("r", request.status.FINISHED_ABORTED)
+    kv.check_invariants()
+    assert kv.block_pool.is_whole
+
+
+# ---- rejection sampler ------------------------------------------------------------------
+
+
+def _random_case(
+    gen: torch.Generator, num_draft: list[int], vocab: int, greedy: list[bool], with_q: bool
+) -> dict:
+    rows = sum(num_draft) + len(num_draft)
+    d = sum(num_draft)
+    probs = torch.softmax(torch.randn(rows, vocab, generator=gen) * 2, dim=-1)
+    q = torch.softmax(torch.randn(d, vocab, generator=gen) * 2, dim=-1) if with_q else None
+    drafts = (
+        torch.multinomial(q, 1, generator=gen).squeeze(1)
+        if q is not None
+        else torch.randint(0, vocab, (d,), generator=gen)
+    )
+    # Make greedy rows agree with some drafts so acceptance runs are exercised.
+    argmax = probs.argmax(dim=-1)
+    row = di = 0
+    for k in num_draft:
+        for j in range(k):
+            if (j + row) % 3:
+                argmax[row + j] = drafts[di + j]
+        row += k + 1
+        di += k
+    return dict(
+        num_draft=num_draft,
+        draft_token_ids=drafts,
+        target_probs=None if all(greedy) else probs,
+        target_argmax=argmax,
+        is_greedy=None if all(greedy) or not any(greedy) else torch.tensor(greedy),
+        uniform=torch.rand(d, generator=gen),
+        noise=torch.empty(rows, vocab).exponential_(generator=gen),
+        draft_probs=q,
+    )
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+@pytest.mark.parametrize("greedy", ["all", "none", "mixed"])
+def test_rejection_sampler_matches_its_reference(greedy: str, with_q: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        num_draft = [int(x) for x in torch.randint(0, 5, (6,), generator=gen)]
+        if not any(num_draft):
+            num_draft[0] = 2
+        flags = {
+            "all": [True] * 6,
+            "none": [False] * 6,
+            "mixed": [bool(i % 2) for i in range(6)],
+        }[greedy]
+        case = _random_case(gen, num_draft, 16, flags, with_q)
+        got = rejection_sample(**case)
+        want = rejection_sample_reference(**case)
+        assert torch.equal(got, want), f"trial {trial}: {got} != {want}"
+        emitted = (got >= 0).sum(dim=1)
+        assert bool(((emitted >= 1) & (emitted <= torch.tensor(num_draft) + 1)).all())
+
+
+CHI2_CRIT_DF7_P001 = 24.32  # chi-square critical value, 7 degrees of freedom, p = 0.001
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_rejection_sampling_keeps_the_target_distribution(with_q: bool) -> None:
+    """Per position, the emitted token follows p: position 0 always, position 1 given the
+    first draft was accepted (that conditional law is p_1 too). A blind acceptor fails."""
+    gen = torch.Generator().manual_seed(1)
+    n, vocab, k = 40_000, 8, 2
+    p = torch.tensor(
+        [
+            [0.30, 0.05, 0.20, 0.05, 0.10, 0.10, 0.15, 0.05],
+            [0.05, 0.40, 0.05, 0.10, 0.10, 0.05, 0.05, 0.20],
+            [0.125] * 8,
+        ]
+    )
+    q = torch.tensor(
+        [
+            [0.05, 0.30, 0.05, 0.20, 0.10, 0.10, 0.05, 0.15],
+            [0.20, 0.10, 0.30, 0.05, 0.05, 0.10, 0.10, 0.10],
+        ]
+    )
+    if with_q:
+        drafts = torch.stack(
+            [torch.multinomial(q[j], n, replacement=True, generator=gen) for j in range(k)], 1
+        )
+        draft_probs = q.repeat(n, 1)
+    else:  # one-hot drafts (n-gram): always token 1, then token 2
+        drafts = torch.tensor([1, 2]).repeat(n, 1)
+        draft_probs = None
+    out = rejection_sample(
+        [k] * n,
+        drafts.flatten(),
+        p.repeat(n, 1),
+        p.repeat(n, 1).argmax(dim=-1),
+        None,
+        torch.rand(n * k, generator=gen),
+        torch.empty(n * (k + 1), vocab).exponential_(generator=gen),
+        draft_probs,
+    )
+    first = torch.bincount(out[:, 0], minlength=vocab).float()
+    assert _chi2(first, p[0]) < CHI2_CRIT_DF7_P001
+    accepted_first = out[:, 0] == drafts[:, 0]
+    second = torch.bincount(out[accepted_first, 1], minlength=vocab).float()
+    assert _chi2(second, p[1]) < CHI2_CRIT_DF7_P001
+    # The check has teeth: accepting every draft emits q (or the one-hot draft), not p.
+    blind = torch.bincount(drafts[:, 0], minlength=vocab).float()
+    assert _chi2(blind, p[0]) > 10 * CHI2_CRIT_DF7_P001
+
+
+# ---- engine -------------------------------------------------------------------------------
+
+
+def _repetitive_prompts(vocab: int, num: int = 6) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    prompts = []
+    for i in range(num):
+        motif = rng.integers(3, vocab, size=4 + i % 3).tolist()
+        prompts.append((motif * (2 + i % 3))[: 10 + 4 * i] + rng.integers(3, vocab, 2).tolist())
+    return prompts
+
+
+def _run(path: Path, prompts: list[list[int]], params: object, **kwargs: object) -> tuple:
+    defaults: dict[str, object] = dict(
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_gpu_blocks=48,
+        max_model_len=256,
+    )
+    defaults.update(kwargs)
+    with LLM(model=str(path), **defaults) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        pool = llm.engine.scheduler.kv_cache_manager
+        pool.check_invariants()
+        assert pool.block_pool.is_whole and not llm.engine.has_unfinished_requests()
+        stats = llm.engine.stats()
+    return [o.outputs[0] for o in outs], stats
+
+
+# Engine settings beside speculation: each case must give the tokens of the run without it.
+PARITY_CASES: dict[str, dict[str, object]] = {
+    # Drafts mix with prefills; async scheduling asked for is turned off (and says so).
+    "roomy": {"async_scheduling": "on"},
+    # Chunked prefill; drafts cut by the budget.
+    "chunked": {"max_num_batched_tokens": 8},
+    # Forced preemption (recompute) in a tiny pool.
+    "preemption": {"num_gpu_blocks": 16},
+}
+_GREEDY_REFS: dict[str, list] = {}
+
+
+@pytest.mark.parametrize(
+    ("arch", "case"),
+    [("llama", "roomy"), ("llama", "chunked"), ("llama", "preemption"), ("qwen2", "roomy")],
+)
+def test_greedy_with_ngram_speculation_is_greedy_without(
+    tiny_model_path, arch: str, case: str
+) -> None:
+    path = tiny_model_path(arch)
+    prompts = _repetitive_prompts(512)
+    prompts.append([*prompts[-1][:20], 5, 6, 7])  # a prefix hit on the last prompt's blocks
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
+    if arch not in _GREEDY_REFS:
+        _GREEDY_REFS[arch] = _run(path, prompts, params)[0]
+    ref = _GREEDY_REFS[arch]
+    extra = PARITY_CASES[case]
+    got, stats = _run(path, prompts, params, speculative_config=NGRAM, **extra)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for a, b in zip(got, ref, strict=True):
+        assert len(a.logprobs) == len(a.token_ids)  # one entry per emitted token
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+    spec = stats.spec_decoding
+    assert spec is not None and not stats.async_scheduling
+    assert 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
+    assert set(spec.num_verify_steps) == {"eager"}  # the CPU runs verify steps eagerly
+    assert stats.prefix_cache_hits > 0
+    if case == "preemption":
+        assert stats.num_preemptions > 0
+
+
+def test_seeded_sampling_with_speculation_reproduces(tiny_model_path) -> None:
+    """Seeded requests reproduce run to run; requests whose sampling reads their output
+    (penalties, min_tokens) run beside them without drafts, with the tokens they get without
+    speculation."""
+    path = tiny_model_path("llama")
+    prompts = _repetitive_prompts(512, 5)
+    params = [
+        SamplingParams(temperature=0.3, top_k=3, seed=i, max_tokens=32, ignore_eos=True)
+        for i in range(3)
+    ] + [
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=32, min_tokens=8),
+    ]
+    # Sampled text on random weights rarely repeats a 3-gram: look up single tokens.
+    loose = {**NGRAM, "prompt_lookup_min": 1}
+    a, stats = _run(path, prompts, params, speculative_config=loose)
+    b, _ = _run(path, prompts, params, speculative_config=loose)
+    ref, _ = _run(path, prompts[3:], params[3:])
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == 32 for o in a[:4])
+    assert [o.token_ids for o in a[3:]] == [o.token_ids for o in ref]
+    # Only the seeded requests had drafts (the others read their output history).
+    spec = stats.spec_decoding
+    assert spec is not None and spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0
+
+
+def test_smollm2_greedy_with_ngram_speculation(smollm2_path) -> None:
+    text = (
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+        "Rewrite the code above with type hints.\n"
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    kwargs = dict(max_num_batched_tokens=256, num_gpu_blocks=64, max_model_len=512)
+    ref, _ = _run(smollm2_path, [text], params, **kwargs)
+    got, stats = _run(smollm2_path, [text], params, speculative_config=NGRAM, **kwargs)
+    assert got[0].token_ids == ref[0].token_ids
+    assert stats.spec_decoding is not None and stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_replay_proposer_controls_acceptance(tiny_model_path, tmp_path: Path) -> None:
+    """p = 1 replays the target's own greedy tokens: every draft accepted; p = 0: none. The
+    tokens are the run without speculation's either way."""
+    path = tiny_model_path("qwen2")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 512, size=n).tolist() for n in (5, 17, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref, _ = _run(path, prompts, params)
+    record = tmp_path / "replay.json"
+    record.write_text(
+        json.dumps(
+            [
+                {"prompt_token_ids": p, "output_token_ids": list(o.token_ids)}
+                for p, o in zip(prompts, ref, strict=True)
+            ]
+        )
+    )
+    for p, want_rate in ((1.0, 1.0), (0.0, 0.0)):
+        spec = {
+            "method": "replay",
+            "num_speculative_tokens": 4,
+            "replay_path": str(record),
+            "replay_acceptance": p,
+        }
+        got, stats = _run(path, prompts, params, speculative_config=spec)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        s = stats.spec_decoding
+        assert s is not None and s.num_draft_tokens > 0
+        assert s.acceptance_rate == want_rate
+    with pytest.raises(ConfigError, match="replay_path"):
+        build_proposer(
+            SpeculativeConfig(
+                method="replay",
+                num_speculative_tokens=2,
+                replay_path=str(tmp_path / "missing.json"),
+            ),
+            512,
+        )
+
+
+def test_spec_stats_reach_the_metrics_families() -> None:
+    from tandem.core.spec_decode_stats import SpecDecodingStats
+    from tandem_services.worker.metrics import spec_decode_families
+
+    stats = SpecDecodingStats(3)
+    stats.observe(3, 2)
+    stats.observe(2, 0)
+    stats.observe_step("eager")
+    snap = stats.snapshot()
+    stats.observe(3, 3)  # a later step leaves the snapshot alone
+    assert (snap.num_drafts, snap.num_draft_tokens, snap.num_accepted_tokens) == (2, 5, 2)
+    assert snap.num_accepted_tokens_per_pos == [1, 1, 0]
+    assert snap.mean_acceptance_length == 2.0
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for family in spec_decode_families(snap, {"role": "unified"})
+        for s in family.samples
+    }
+    prefix = "tandem_worker_spec_decode"
+    assert samples[(f"{prefix}_num_draft_tokens_total", None)] == 5
+    assert samples[(f"{prefix}_num_accepted_tokens_total", None)] == 2
+    assert samples[(f"{prefix}_num_accepted_tokens_per_pos_total", "1")] == 1
+
+
+def test_structured_rows_beside_drafts_keep_their_grammar(tiny_model_path) -> None:
+    """A structured-output request gets no drafts, and in a step where others verify drafts
+    its row still samples under its bitmask: the run's tokens are the run without
+    speculation's."""
+    from tandem.sampling_params import StructuredOutputsParams
+
+    path = tiny_model_path("llama")
+    prompts = _repetitive_prompts(512, 3)
+    choice = StructuredOutputsParams(choice=("alpha beta", "gamma delta epsilon"))
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=choice)
+    ]
+    ref, _ = _run(path, prompts, params)
+    got, stats = _run(path, prompts, params, speculative_config=NGRAM)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert got[2].text in choice.choice
+    assert stats.spec_decoding is not None and stats.spec_decoding.num_draft_tokens > 0
+
+
+def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
+    from tandem.core.scheduler import SPEC_BACKOFF_AFTER
+
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+        CacheConfig(block_size=4),
+        num_blocks=32,
+        max_model_len=128,
+        speculative_config=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1
+        ),
+    )
+    request = Request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=60))
+    sched.add_request(request)
+    so = sched.schedule()
+    drafted: list[bool] = []
+    token = 100
+    for step in range(14):
+        # Every draft is rejected until step 10, then every draft is accepted.
+        drafts = so.scheduled_spec_decode_tokens.get("r", [])
+        drafted.append(bool(drafts))
+        emitted = [*drafts, token] if step >= 10 else [token]
+        sched.update_from_output(so, ModelRunnerOutput(["r"], [emitted], spec_token_ids=[[1, 2]]))
+        assert request.num_computed_tokens == request.num_tokens - 1
+        token += 1
+        so = sched.schedule()
+    # Drafts in steps 1 and 2 fail (misses 1, 2): skip 1 step; step 4 fails: skip 2; step 7
+    # fails: skip 4 (steps 8-11); step 12's drafts are accepted: drafting goes on.
+    assert SPEC_BACKOFF_AFTER == 2
+    assert drafted[:12] == [False, True, True, False, True, False, False, True] + [False] * 4
+    assert drafted[12:] == [True, True]  # accepted again: no more skipping
+    sched.finish_requests("r", request.status.FINISHED_ABORTED)
+    assert sched.kv_cache_manager.block_pool.is_whole
