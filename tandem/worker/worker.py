@@ -130,10 +130,10 @@ class Worker:
 
         Measured (CUDA only): the peak of the runner's `profile_run` (the largest step through
         a scratch KV cache, which is not counted), plus the logits and sampler buffers of
-        `max_num_seqs` rows, plus a fixed margin for the graph pool.
+        `max_num_sampled_rows` rows (k + 1 a request under speculation), plus a fixed margin
+        for the graph pool.
         """
         runner = self.model_runner
-        sched = self.config.scheduler
         scratch = torch.zeros(
             runner.kv_cache_shape(runner.profile_num_blocks()),
             dtype=runner.kv_dtype,
@@ -147,7 +147,7 @@ class Worker:
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del scratch
         torch.cuda.empty_cache()
-        sampler_bytes = 4 * sched.max_num_seqs * runner.vocab_size * 4
+        sampler_bytes = 4 * runner.max_num_sampled_rows * runner.vocab_size * 4
         return int(peak + sampler_bytes + (1 << 30))
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
