@@ -860,13 +860,6 @@ class EngineConfig:
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
 
-    def __post_init__(self) -> None:
-        if self.speculative.method is not None and self.sampler.logits_processors:
-            raise ConfigError(
-                "logits_processors and speculative_config together: custom processors are not "
-                "applied to speculative verify steps yet; use one or the other"
-            )
-
     @property
     def is_resolved(self) -> bool:
         return self.model.is_resolved

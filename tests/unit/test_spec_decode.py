@@ -528,3 +528,34 @@ def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
     assert drafted[12:] == [True, True]  # accepted again: no more skipping
     sched.finish_requests("r", request.status.FINISHED_ABORTED)
     assert sched.kv_cache_manager.block_pool.is_whole
+
+
+def test_custom_logits_processors_and_speculation_are_refused_together(tiny_model_path) -> None:
+    """Custom processors are not applied to verify steps yet: asking for both fails at start,
+    naming the pair, before the model loads."""
+    with pytest.raises(ConfigError, match="logits_processors and speculative_config together"):
+        LLM(
+            str(tiny_model_path("llama")),
+            device="cpu",
+            dtype="float32",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            logits_processors=["tests.logits_procs:ForceTokenProcessor"],
+        )
+
+
+def test_requests_with_logits_rules_get_no_drafts() -> None:
+    """logit_bias, allowed_token_ids and bad words are not applied to drafts yet: such a
+    request verifies no drafts (its tokens follow its rules); others beside it still do."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+        CacheConfig(block_size=4),
+        num_blocks=16,
+        max_model_len=64,
+        speculative_config=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2
+        ),
+    )
+    biased = Request("b", [1, 2, 3], SamplingParams(max_tokens=8, logit_bias={5: 10.0}))
+    plain = Request("p", [1, 2, 3], SamplingParams(max_tokens=8))
+    assert sched._next_drafts(biased, [7, 8, 9]) == []
+    assert sched._next_drafts(plain, [7, 8, 9]) == [7, 8, 9]
