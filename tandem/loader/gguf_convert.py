@@ -44,6 +44,7 @@ _VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 _GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 
 # Per-layer GGUF tensor name -> Hugging Face name (after "model.layers.{i}.").
@@ -54,6 +55,8 @@ _LAYER_TENSOR_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -142,7 +145,7 @@ def _meta(gguf: GGUFFile, key: str, default: Any = None) -> Any:
 
 
 def _hf_config(gguf: GGUFFile) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     arch = gguf.architecture
     hf_arch, model_type = _GGUF_ARCHITECTURES[arch]
@@ -191,6 +194,8 @@ def _hf_config(gguf: GGUFFile) -> Any:
     if model_type == "llama":
         fields["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
         config_cls = LlamaConfig
+    elif model_type == "qwen3":
+        config_cls = Qwen3Config
     else:
         config_cls = Qwen2Config
     config = config_cls(architectures=[hf_arch], dtype="float32", **fields)

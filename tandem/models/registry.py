@@ -7,11 +7,13 @@ from typing import Any
 
 from tandem.models.interface import CausalLM
 from tandem.models.llama import LlamaForCausalLM
+from tandem.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 
