@@ -275,6 +275,14 @@ class ParallelConfig:
     pipeline_parallel_size: int = field(
         default=1, metadata=flag("pipeline-parallel stages (only 1 today)", aliases=("-pp",))
     )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=flag(
+            "MoE layers: spread the experts whole over the ranks (all-to-all dispatch) instead "
+            "of splitting each expert over tensor parallel",
+            aliases=("-ep",),
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

@@ -43,6 +43,28 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
     # q/k norms per head, head_dim != hidden_size // num_attention_heads.
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
+    # 8 experts, top 2 renormalised; layer 1 dense (mlp_only_layers).
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {
+            "tie_word_embeddings": False,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+        },
+    ),
 }
 
 

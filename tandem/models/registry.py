@@ -7,13 +7,17 @@ from typing import Any
 
 from tandem.models.interface import CausalLM
 from tandem.models.llama import LlamaForCausalLM
+from tandem.models.mixtral import MixtralForCausalLM
 from tandem.models.qwen3 import Qwen3ForCausalLM
+from tandem.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -114,6 +114,7 @@ class ModelRunner:
             parallel=self.parallel,
             # The engine's QuantizationConfig declares no method yet: unquantized.
             quant_config=None,
+            enable_expert_parallel=config.parallel.enable_expert_parallel,
         )
         torch.manual_seed(config.model.seed)
         self._model: CausalLM | None = build_model(
