@@ -1,0 +1,137 @@
+"""Mixture-of-experts: the router's top-k per family, loading experts by shard, and the MoE
+models at 2 ranks over gloo (experts split by tensor parallel, and spread whole by expert
+parallel with all-to-all dispatch and combine) equal to one rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tandem.layers.attention import get_attention_backend
+from tandem.layers.moe import FusedMoE, select_experts
+from tandem.loader import build_model
+from tandem.models.interface import ModelContext
+from tandem_kernels.moe_ref import fused_moe_ref
+from tests.conftest import build_attn_metadata
+from tests.parallel_groups import CPU, fake_parallel_state, gloo_tp_state
+
+BLOCK_SIZE = 16
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+
+
+def test_router_top_k_and_renormalisation() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 3.5, 0.0]])
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    probs = logits.softmax(-1)
+    assert ids.dtype == torch.int32 and ids.tolist() == [[0, 1], [2, 1]]
+    torch.testing.assert_close(weights, probs.gather(1, ids.long()))
+    # Renormalised (Mixtral; Qwen3-MoE's norm_topk_prob): the softmax over the chosen logits.
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights, logits.gather(1, ids.long()).softmax(-1))
+    with pytest.raises(ValueError, match="top_k 5"):
+        select_experts(logits, 5, renormalize=True)
+
+
+def _context(tp_rank: int = 0, tp_size: int = 1, ep: bool = False) -> ModelContext:
+    state = fake_parallel_state(tp_rank, tp_size)
+    return ModelContext(
+        torch.float32, CPU, get_attention_backend("torch"), state, enable_expert_parallel=ep
+    )
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_experts_load_by_shard(arch: str, tiny_model_path) -> None:
+    """TP = 2: every expert, its half of the intermediate rows (gate, up) and columns (down).
+    EP = 2: half the experts, whole."""
+    path = tiny_model_path(arch)
+    whole = build_model(path, _context())
+    layer = "model.layers.0." + ("block_sparse_moe" if arch == "mixtral" else "mlp")
+    full = whole.get_submodule(f"{layer}.experts")
+    inter = full.intermediate_size
+    gate, up = full.w13_weight[:, :inter], full.w13_weight[:, inter:]
+    for rank in range(2):
+        tp = build_model(path, _context(rank, 2)).get_submodule(f"{layer}.experts")
+        half = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        assert torch.equal(tp.w13_weight, torch.cat([gate[:, half], up[:, half]], dim=1))
+        assert torch.equal(tp.w2_weight, full.w2_weight[:, :, half])
+        ep = build_model(path, _context(rank, 2, ep=True)).get_submodule(f"{layer}.experts")
+        experts = slice(rank * full.num_experts // 2, (rank + 1) * full.num_experts // 2)
+        assert ep.use_ep and ep.num_local_experts == full.num_experts // 2
+        assert torch.equal(ep.w13_weight, full.w13_weight[experts])
+        assert torch.equal(ep.w2_weight, full.w2_weight[experts])
+
+
+def test_a_missing_expert_is_reported(tiny_model_path) -> None:
+    from tandem.loader import iterate_weight_slices, load_hf_config
+    from tandem.models import get_model_class
+
+    path = tiny_model_path("mixtral")
+    config = load_hf_config(path)
+    model = get_model_class(config)(config, _context())
+    weights = [
+        (n, t)
+        for n, t in iterate_weight_slices(path)
+        if "layers.1.block_sparse_moe.experts.2.w3" not in n
+    ]
+    with pytest.raises(ValueError, match=r"missing 1 parameters: .*layers\.1\.block_sparse_moe"):
+        model.load_weights(weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two ranks over gloo
+
+
+def _check_layer_ep(rank: int, world: int, ep_ctx: ModelContext) -> None:
+    """The FusedMoE layer alone, expert parallel vs the reference on all experts, for token
+    counts below, at and above the number of ranks (some ranks route no token)."""
+    gen = torch.Generator().manual_seed(4)
+    num_experts, hidden, inter = 6, 16, 12
+    w1, w3 = torch.randn(2, num_experts, inter, hidden, generator=gen) * 0.3
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * 0.3
+    layer = FusedMoE(num_experts, 2, hidden, inter, True, ep_ctx)
+    for e in range(num_experts):
+        for shard, tensor in (("w1", w1[e]), ("w3", w3[e])):
+            layer.weight_loader(layer.w13_weight, tensor, shard, e)
+        layer.weight_loader(layer.w2_weight, w2[e], "w2", e)
+    w13 = torch.cat([w1, w3], dim=1)
+    for num_tokens in (1, 2, 9):
+        x = torch.randn(num_tokens, hidden, generator=gen)
+        logits = torch.randn(num_tokens, num_experts, generator=gen)
+        weights, ids = select_experts(logits, 2, renormalize=True)
+        expected = fused_moe_ref(x, w13, w2, weights, ids)
+        torch.testing.assert_close(layer(x, logits), expected, rtol=1e-5, atol=1e-6)
+
+
+def _prefill_logits(model: Any) -> torch.Tensor:
+    lens = [9, 23, 1]
+    md = build_attn_metadata(lens, lens, [[2, 0], [3, 5], [1]], BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, model.vocab_size, (sum(lens),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    kv = torch.zeros(6, 2, 2, BLOCK_SIZE, model.num_kv_heads, model.head_size)
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions, [kv[:, i] for i in range(2)], md))
+
+
+def _run_rank(rank: int, world: int, store: Path, paths: dict[str, Path]) -> None:
+    torch.set_num_threads(1)
+    backend = get_attention_backend("torch")
+    state = gloo_tp_state(rank, world, store)
+    one = ModelContext.single(torch.float32, CPU, backend)
+    tp = ModelContext(torch.float32, CPU, backend, state)
+    ep = ModelContext(torch.float32, CPU, backend, state, enable_expert_parallel=True)
+    _check_layer_ep(rank, world, ep)
+    for arch, path in paths.items():
+        reference = _prefill_logits(build_model(path, one))
+        for what, ctx in (("tp", tp), ("ep", ep)):
+            got = _prefill_logits(build_model(path, ctx))
+            torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4, msg=f"{arch} {what}")
+
+
+def test_moe_models_at_two_ranks_equal_one_rank(tiny_model_path, tmp_path: Path) -> None:
+    paths = {arch: tiny_model_path(arch) for arch in MOE_ARCHS}
+    mp.spawn(_run_rank, args=(2, tmp_path / "store", paths), nprocs=2, join=True)
