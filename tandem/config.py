@@ -123,6 +123,10 @@ class ModelConfig:
         default=0, metadata=flag("context length (0: the model's max_position_embeddings)")
     )
     seed: int = 0
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata=flag("load no tokenizer: prompts must be token ids (text prompts are refused)"),
+    )
     cache_dir: str = field(
         default="",
         metadata=flag(

@@ -65,6 +65,8 @@ NON_DEFAULT: dict[str, Any] = {
     "grammar_cache_size": 17,
     "cpu_cores": "0",
     "cpu_adaptive_threads": False,
+    "skip_tokenizer_init": True,
+    "enable_expert_parallel": True,
 }
 # Flags whose only valid value today is the default (checked to refuse others instead).
 ONLY_DEFAULT = {"tensor_parallel_size", "pipeline_parallel_size"}
