@@ -29,7 +29,12 @@ from tandem.layers.attention.backend import AttentionMetadata
 from tandem.layers.attention.layer import Attention
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
-from tandem.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from tandem.layers.quantization import QUANTIZATION_CONFIGS
+from tandem.layers.rotary import (
+    SUPPORTED_ROPE_TYPES,
+    RotaryEmbedding,
+    rope_parameters_from_config,
+)
 from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.weight_utils import LoadedWeight
 from tandem.models.interface import IntermediateTensors, ModelContext
@@ -65,6 +70,21 @@ class LlamaShape:
         hidden_act = getattr(hf_config, "hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (silu)")
+        rope_type = self.rope_parameters["rope_type"]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+        quant = getattr(hf_config, "quantization_config", None)
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else None
+            if method not in QUANTIZATION_CONFIGS:
+                known = ", ".join(sorted(QUANTIZATION_CONFIGS)) or "none yet"
+                raise ValueError(
+                    f"quantization_config (quant_method {method!r}) is not supported "
+                    f"(checkpoint quantization methods: {known}; GGUF files load dequantized)"
+                )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_heads} is not a multiple of "
@@ -311,6 +331,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, prefix="lm_head")
             if cfg.tie_word_embeddings and ctx.parallel.pp.is_first_rank:
                 self.lm_head.tie_weights(self.model.embed_tokens)
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        """Raise ValueError naming a variant or option of `hf_config` this class cannot run
+        (before any weight is loaded)."""
+        cls.shape_cls(hf_config)
 
     @classmethod
     def make_attention(

@@ -20,12 +20,19 @@ from tandem.models.llama import LlamaAttention, LlamaForCausalLM, LlamaShape
 
 
 class Qwen3Shape(LlamaShape):
-    """Qwen3's config: bias only with `attention_bias` (on Q/K/V/O, as in transformers)."""
+    """Qwen3's config: bias only with `attention_bias` (on Q/K/V/O, as in transformers); no
+    sliding-window layers."""
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__(hf_config)
         self.qkv_bias = self.o_bias = bool(getattr(hf_config, "attention_bias", False))
         self.mlp_bias = False
+        window = getattr(hf_config, "sliding_window", None)
+        if getattr(hf_config, "use_sliding_window", False) and window:
+            raise ValueError(
+                f"use_sliding_window (sliding_window {window}) is not supported: tandem's "
+                "attention spans the whole context"
+            )
 
 
 class Qwen3Attention(LlamaAttention):

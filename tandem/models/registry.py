@@ -29,6 +29,20 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
+def check_model_config(hf_config: Any) -> None:
+    """UnsupportedModelError naming the architecture, variant or option of `hf_config` tandem
+    cannot run (the class's `check_config`); nothing when it can. Reads only the config."""
+    cls = get_model_class(hf_config)
+    check = getattr(cls, "check_config", None)
+    if check is None:
+        return
+    try:
+        check(hf_config)
+    except ValueError as exc:
+        arch = next(a for a in hf_config.architectures if a in MODEL_REGISTRY)
+        raise UnsupportedModelError(f"{arch}: {exc}") from None
+
+
 def get_model_class(hf_config: Any) -> type[CausalLM]:
     """The class for the first of `hf_config.architectures` tandem implements."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
