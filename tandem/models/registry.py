@@ -21,6 +21,18 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 }
 
 
+# A config that names no `architectures` (saved from a bare config class) is taken by its
+# `model_type`.
+_BY_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
 class UnsupportedModelError(ValueError):
     """The config's architecture has no tandem implementation; the message lists those that do."""
 
@@ -39,13 +51,15 @@ def check_model_config(hf_config: Any) -> None:
     try:
         check(hf_config)
     except ValueError as exc:
-        arch = next(a for a in hf_config.architectures if a in MODEL_REGISTRY)
-        raise UnsupportedModelError(f"{arch}: {exc}") from None
+        raise UnsupportedModelError(f"{cls.__name__}: {exc}") from None
 
 
 def get_model_class(hf_config: Any) -> type[CausalLM]:
-    """The class for the first of `hf_config.architectures` tandem implements."""
+    """The class for the first of `hf_config.architectures` tandem implements (none named:
+    the one of its `model_type`)."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not architectures and getattr(hf_config, "model_type", None) in _BY_MODEL_TYPE:
+        architectures = [_BY_MODEL_TYPE[hf_config.model_type]]
     for arch in architectures:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
