@@ -44,9 +44,13 @@ def _routing(
 
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    scale = ref.float().abs().mean().item()
-    err = (out.float() - ref.float()).abs().max().item()
-    assert err <= 0.03 * scale + 1e-3, f"max error {err} vs mean magnitude {scale}"
+    """bf16 intermediates round differently with another summation order: relative error of
+    the whole output under 1%, no element off by more than 5% of the largest."""
+    out, ref = out.float(), ref.float()
+    rel = ((out - ref).norm() / ref.norm()).item()
+    err = (out - ref).abs().max().item()
+    assert rel < 0.01, f"relative error {rel}"
+    assert err <= 0.05 * ref.abs().max().item(), f"max error {err}"
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
