@@ -1,15 +1,16 @@
 """Mixture-of-experts: the router's top-k per family, loading experts by shard, and the MoE
 models at 2 ranks over gloo (experts split by tensor parallel, and spread whole by expert
-parallel with all-to-all dispatch and combine) equal to one rank."""
+parallel with all-to-all dispatch and combine) equal to one rank (run inside
+tests/unit/test_parallel_layers.py's gloo processes: `check_expert_parallel`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tandem.layers.attention import get_attention_backend
 from tandem.layers.moe import FusedMoE, select_experts
@@ -17,7 +18,7 @@ from tandem.loader import build_model
 from tandem.models.interface import ModelContext
 from tandem_kernels.moe_ref import fused_moe_ref
 from tests.conftest import build_attn_metadata
-from tests.parallel_groups import CPU, fake_parallel_state, gloo_tp_state
+from tests.parallel_groups import CPU, fake_parallel_state
 
 BLOCK_SIZE = 16
 MOE_ARCHS = ("qwen3_moe", "mixtral")
@@ -117,21 +118,15 @@ def _prefill_logits(model: Any) -> torch.Tensor:
         return model.compute_logits(model(ids, positions, [kv[:, i] for i in range(2)], md))
 
 
-def _run_rank(rank: int, world: int, store: Path, paths: dict[str, Path]) -> None:
-    torch.set_num_threads(1)
-    backend = get_attention_backend("torch")
-    state = gloo_tp_state(rank, world, store)
-    one = ModelContext.single(torch.float32, CPU, backend)
-    tp = ModelContext(torch.float32, CPU, backend, state)
-    ep = ModelContext(torch.float32, CPU, backend, state, enable_expert_parallel=True)
+def check_expert_parallel(rank: int, world: int, tp: ModelContext, path: Path) -> None:
+    """Run in each rank of tests/unit/test_parallel_layers.py's gloo TP group (which also runs
+    the MoE model at TP): the FusedMoE layer alone, and the tiny Qwen3-MoE (a sparse and a
+    dense layer; Mixtral's blocks are the same layer under another name), expert parallel over
+    the group, against one rank."""
+    ep = dataclasses.replace(tp, enable_expert_parallel=True)
     _check_layer_ep(rank, world, ep)
-    for arch, path in paths.items():
-        reference = _prefill_logits(build_model(path, one))
-        for what, ctx in (("tp", tp), ("ep", ep)):
-            got = _prefill_logits(build_model(path, ctx))
-            torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4, msg=f"{arch} {what}")
-
-
-def test_moe_models_at_two_ranks_equal_one_rank(tiny_model_path, tmp_path: Path) -> None:
-    paths = {arch: tiny_model_path(arch) for arch in MOE_ARCHS}
-    mp.spawn(_run_rank, args=(2, tmp_path / "store", paths), nprocs=2, join=True)
+    one = ModelContext.single(torch.float32, CPU, tp.attn_backend)
+    reference = _prefill_logits(build_model(path, one))
+    model = build_model(path, ep)
+    assert model.model.layers[0].mlp.experts.use_ep
+    torch.testing.assert_close(_prefill_logits(model), reference, rtol=1e-4, atol=1e-4)
