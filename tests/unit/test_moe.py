@@ -130,3 +130,27 @@ def check_expert_parallel(rank: int, world: int, tp: ModelContext, path: Path) -
     model = build_model(path, ep)
     assert model.model.layers[0].mlp.experts.use_ep
     torch.testing.assert_close(_prefill_logits(model), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_random_weights_equal_in_transformers(arch: str, tiny_model_path, tmp_path: Path) -> None:
+    """A random-weight MoE folder: `load_transformers_model` puts the experts `random_weights`
+    makes into transformers' stacked expert parameters, so both run the same model (the
+    parity path of the benchmarks)."""
+    import shutil
+
+    from tandem.models.presets import load_transformers_model
+
+    folder = tmp_path / "random-moe"
+    folder.mkdir()
+    shutil.copy(tiny_model_path(arch) / "config.json", folder / "config.json")
+    (folder / "RANDOM_WEIGHTS").write_text("tiny\n")
+    ours = build_model(folder, _context())
+    hf = load_transformers_model(folder, torch.float32, "cpu", seed=0)
+    ids = torch.randint(3, ours.vocab_size, (13,), generator=torch.Generator().manual_seed(1))
+    md = build_attn_metadata([13], [13], [[0]], BLOCK_SIZE)
+    kv = torch.zeros(2, 2, 2, BLOCK_SIZE, ours.num_kv_heads, ours.head_size)
+    with torch.inference_mode():
+        logits = ours.compute_logits(ours(ids, torch.arange(13), [kv[:, 0], kv[:, 1]], md))
+        ref = hf(ids[None]).logits[0].float()
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
