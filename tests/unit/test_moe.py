@@ -87,8 +87,9 @@ def test_a_missing_expert_is_reported(tiny_model_path) -> None:
 
 
 def _check_layer_ep(rank: int, world: int, ep_ctx: ModelContext) -> None:
-    """The FusedMoE layer alone, expert parallel vs the reference on all experts, for token
-    counts below, at and above the number of ranks (some ranks route no token)."""
+    """The FusedMoE layer alone, expert parallel (both dispatches) vs the reference on all
+    experts, for token counts below, at and above the number of ranks (some ranks route no
+    token)."""
     gen = torch.Generator().manual_seed(4)
     num_experts, hidden, inter = 6, 16, 12
     w1, w3 = torch.randn(2, num_experts, inter, hidden, generator=gen) * 0.3
@@ -104,7 +105,9 @@ def _check_layer_ep(rank: int, world: int, ep_ctx: ModelContext) -> None:
         logits = torch.randn(num_tokens, num_experts, generator=gen)
         weights, ids = select_experts(logits, 2, renormalize=True)
         expected = fused_moe_ref(x, w13, w2, weights, ids)
-        torch.testing.assert_close(layer(x, logits), expected, rtol=1e-5, atol=1e-6)
+        for sync_free in (False, True):  # exact splits; fixed capacity (CUDA graphs)
+            layer.ep_sync_free = sync_free
+            torch.testing.assert_close(layer(x, logits), expected, rtol=1e-5, atol=1e-6)
 
 
 def _prefill_logits(model: Any) -> torch.Tensor:

@@ -107,6 +107,8 @@ class FusedMoE(nn.Module):
             torch.empty(local, hidden_size, inter, dtype=ctx.dtype, device=ctx.device),
             requires_grad=False,
         )
+        # Expert parallel's dispatch: None picks the sync-free one only in CUDA graph capture.
+        self.ep_sync_free: bool | None = None
         experts = range(self.first_expert, self.first_expert + local)
         set_weight_attrs(
             self.w13_weight,
@@ -154,7 +156,15 @@ class FusedMoE(nn.Module):
     def _forward_expert_parallel(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """Dispatch, compute, combine, gather (see the module docstring)."""
+        """Dispatch, compute, combine, gather (see the module docstring).
+
+        The exact dispatch sends each rank just its pairs: the counts are exchanged first and
+        read on the host. The sync-free one (`ep_sync_free`; by default while a CUDA graph is
+        captured) sends every rank a fixed `ceil(T / n) * top_k` rows instead, unused rows
+        naming no expert: more bytes, no host read, so the step can be captured."""
+        sync_free = self.ep_sync_free
+        if sync_free is None:
+            sync_free = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
         group = self.ep_group
         size, rank = group.world_size, group.rank_in_group
         num_tokens, hidden = hidden_states.shape
@@ -164,20 +174,48 @@ class FusedMoE(nn.Module):
         flat_ids = ids.reshape(-1).long()
         dest = flat_ids // self.num_local_experts
         order = torch.argsort(dest, stable=True)
-        send_counts = torch.bincount(dest, minlength=size)
-        recv_counts = group.all_to_all(send_counts)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
-        rows = group.all_to_all(x[order // self.top_k], recv, send)
-        local_ids = group.all_to_all(flat_ids[order] % self.num_local_experts, recv, send)
-        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
-        y = run_experts(rows, self.w13_weight, self.w2_weight, ones, local_ids.view(-1, 1))
-        back = group.all_to_all(y, send, recv)
+        rows_out = x[order // self.top_k]
+        ids_out = flat_ids[order] % self.num_local_experts
+        if sync_free:
+            back = self._exchange_padded(rows_out, ids_out, dest[order], chunk * self.top_k)
+        else:
+            send_counts = torch.bincount(dest, minlength=size)
+            recv_counts = group.all_to_all(send_counts)
+            send, recv = send_counts.tolist(), recv_counts.tolist()
+            rows = group.all_to_all(rows_out, recv, send)
+            local_ids = group.all_to_all(ids_out, recv, send)
+            y = self._run_local(rows, local_ids)
+            back = group.all_to_all(y, send, recv)
         pairs = torch.empty_like(back)
         pairs[order] = back
         mine = (pairs.view(hi - lo, self.top_k, hidden).float() * weights.unsqueeze(-1)).sum(1)
         padded = torch.zeros(chunk, hidden, dtype=hidden_states.dtype, device=x.device)
         padded[: hi - lo] = mine.to(hidden_states.dtype)
         return group.all_gather(padded, dim=0)[:num_tokens]
+
+    def _run_local(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Each received row through its one local expert (weight 1; id E_local: none)."""
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+        return run_experts(rows, self.w13_weight, self.w2_weight, ones, local_ids.view(-1, 1))
+
+    def _exchange_padded(
+        self, rows: torch.Tensor, local_ids: torch.Tensor, dest: torch.Tensor, capacity: int
+    ) -> torch.Tensor:
+        """The sync-free round trip: rows sorted by destination rank go into that rank's
+        `capacity` slots (the rest name expert E_local: none), equal splits both ways;
+        returns the outputs of `rows`, in their order."""
+        group, size = self.ep_group, self.ep_group.world_size
+        num_rows, hidden = rows.shape
+        starts = torch.searchsorted(dest, torch.arange(size, device=dest.device))
+        slot = dest * capacity + torch.arange(num_rows, device=dest.device) - starts[dest]
+        send = torch.zeros(size * capacity, hidden, dtype=rows.dtype, device=rows.device)
+        send_ids = torch.full(
+            (size * capacity,), self.num_local_experts, dtype=torch.long, device=rows.device
+        )
+        send[slot] = rows
+        send_ids[slot] = local_ids
+        y = self._run_local(group.all_to_all(send), group.all_to_all(send_ids))
+        return group.all_to_all(y)[slot]
 
     def extra_repr(self) -> str:
         return (
