@@ -13,6 +13,10 @@ One class covers them; the differences are config fields:
 Under tensor parallel each rank holds its heads and MLP columns (tandem.layers.linear); under
 pipeline parallel a stage holds layers `layer_range` (the embedding on the first stage, the
 final norm and LM head on the last) and hands the next stage `IntermediateTensors`.
+
+Families with the same skeleton subclass `LlamaForCausalLM` and swap a part: Qwen3 its
+attention (qwen3.py), Qwen3-MoE and Mixtral their MLP for a mixture of experts
+(qwen3_moe.py, mixtral.py).
 """
 
 from __future__ import annotations
