@@ -36,6 +36,9 @@ def test_qwen3_30b_a3b_shape_serves_and_tunes_its_moe_kernel() -> None:
         device="cuda",
         max_model_len=2048,
         gpu_memory_utilization=0.8,
+        max_num_seqs=32,
+        cuda_graph_sizes=(1, 8, 32),
+        piecewise_cuda_graph_sizes=(64, 256),
     ) as llm:
         tuned = {tuple(e["key"][:4]) for e in fm.tuning_log}
         assert (128, 2 * 768, 2048, 8) in tuned, "the MoE kernel was not tuned at start-up"
