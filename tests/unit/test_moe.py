@@ -66,6 +66,19 @@ def test_experts_load_by_shard(arch: str, tiny_model_path) -> None:
         assert torch.equal(ep.w2_weight, full.w2_weight[experts])
 
 
+def test_expert_load_is_counted_per_layer_and_reset(tiny_model_path) -> None:
+    from tandem.layers.moe import take_expert_load
+
+    model = build_model(tiny_model_path("qwen3_moe"), _context())
+    assert take_expert_load(model).sum() == 0
+    _prefill_logits(model)  # 33 tokens; layer 0 sparse (top 2 of 8), layer 1 dense
+    load = take_expert_load(model)
+    assert load.shape == (1, 8) and load.dtype == torch.int64
+    assert load.sum() == 33 * 2 and (load > 0).sum() > 1
+    assert take_expert_load(model).sum() == 0
+    assert take_expert_load(build_model(tiny_model_path("qwen3"), _context())) is None
+
+
 def test_a_missing_expert_is_reported(tiny_model_path) -> None:
     from tandem.loader import iterate_weight_slices, load_hf_config
     from tandem.models import get_model_class

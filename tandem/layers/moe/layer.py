@@ -109,6 +109,13 @@ class FusedMoE(nn.Module):
         )
         # Expert parallel's dispatch: None picks the sync-free one only in CUDA graph capture.
         self.ep_sync_free: bool | None = None
+        # Tokens routed to each expert since the last `take_expert_load` (every rank sees
+        # every token's routing, so each holds the whole layer's load).
+        self.register_buffer(
+            "expert_load",
+            torch.zeros(num_experts, dtype=torch.int64, device=ctx.device),
+            persistent=False,
+        )
         experts = range(self.first_expert, self.first_expert + local)
         set_weight_attrs(
             self.w13_weight,
@@ -146,6 +153,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        flat_ids = topk_ids.reshape(-1).long()
+        self.expert_load.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         if self.use_ep:
             return self._forward_expert_parallel(hidden_states, topk_weights, topk_ids)
         out = run_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
@@ -222,6 +231,19 @@ class FusedMoE(nn.Module):
             f"experts={self.num_local_experts}/{self.num_experts}, top_k={self.top_k}, "
             f"hidden={self.hidden_size}, inter={self.intermediate_per_rank}, ep={self.use_ep}"
         )
+
+
+def take_expert_load(model: nn.Module) -> torch.Tensor | None:
+    """`[MoE layers, E]` tokens routed to each expert of each of the model's MoE layers since
+    the last call (in module order; on the model's device), the counters reset; None for a
+    model without experts. Device ops only: the caller decides when to read it."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if not layers:
+        return None
+    load = torch.stack([m.expert_load for m in layers])
+    for m in layers:
+        m.expert_load.zero_()
+    return load
 
 
 class SparseMoeBlock(nn.Module):
