@@ -129,6 +129,10 @@ class ModelConfig:
         default=0, metadata=flag("context length (0: the model's max_position_embeddings)")
     )
     seed: int = 0
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata=flag("load no tokenizer: prompts must be token ids (text prompts are refused)"),
+    )
     cache_dir: str = field(
         default="",
         metadata=flag(
@@ -152,13 +156,19 @@ class ModelConfig:
 
     def resolve(self) -> ModelConfig:
         """This config with the model path, HF config and max_model_len decided (itself when
-        already resolved). Raises ConfigError when `max_model_len` exceeds the model's context."""
+        already resolved). Raises ConfigError when the model's architecture, a variant or an
+        option of its config is unsupported, or `max_model_len` exceeds its context."""
         if self.is_resolved:
             return self
         from tandem.loader import load_hf_config, resolve_model_path
+        from tandem.models import check_model_config
 
         model_path = resolve_model_path(self.model, self.cache_dir or None)
         hf_config = load_hf_config(model_path)
+        try:
+            check_model_config(hf_config)
+        except ValueError as exc:  # an architecture, variant or option tandem cannot run
+            raise ConfigError(f"model {self.model}: {exc}") from None
         model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
         max_len = self.max_model_len or model_max
         if model_max and max_len > model_max:
@@ -321,6 +331,14 @@ class ParallelConfig:
     )
     master_port: int = field(
         default=0, metadata=flag("port of the c10d rendezvous (0: a free one, one host only)")
+    )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=flag(
+            "MoE layers: spread the experts whole over the ranks (all-to-all dispatch) instead "
+            "of splitting each expert over tensor parallel",
+            aliases=("-ep",),
+        ),
     )
 
     def __post_init__(self) -> None:

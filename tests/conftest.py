@@ -41,6 +41,30 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1000000.0}),
     "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
+    # q/k norms per head, head_dim != hidden_size // num_attention_heads.
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
+    # 8 experts, top 2 renormalised; layer 1 dense (mlp_only_layers).
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {
+            "tie_word_embeddings": False,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+        },
+    ),
 }
 
 
@@ -123,8 +147,8 @@ def write_tiny_tokenizer(path: Path, vocab_size: int) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`tiny_model_path(arch)` -> folder of a tiny random model ("llama", "llama3", "qwen2",
-    "mistral"); built once per session and arch."""
+    """`tiny_model_path(arch)` -> folder of a tiny random model (an arch of TINY_ARCHS); built
+    once per session and arch."""
     built: dict[str, Path] = {}
 
     def make(arch: str) -> Path:

@@ -50,7 +50,7 @@ from tandem.executor import Executor, create_executor
 from tandem.executor.base import LaunchedStep
 from tandem.layers.logits_processors import load_logits_processors
 from tandem.layers.logits_processors.interface import processor_name
-from tandem.loader import get_eos_token_ids, load_tokenizer
+from tandem.loader import get_eos_token_ids, has_tokenizer_files, load_tokenizer
 from tandem.models.presets import has_random_weights
 from tandem.request import EngineCoreRequest, Request, RequestStatus
 from tandem.sampling_params import SamplingParamsError
@@ -137,7 +137,8 @@ class EngineCore:
         self.model_path: Path = config.model.model_path
         # The HF config was loaded once, by the resolution; the workers get it from here.
         hf_config = config.model.hf_config
-        eos_ids = get_eos_token_ids(self.model_path)
+        skip_tokenizer = config.model.skip_tokenizer_init
+        eos_ids = get_eos_token_ids(self.model_path, use_tokenizer=not skip_tokenizer)
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         max_len = config.model.max_model_len
         self.max_model_len = max_len
@@ -176,11 +177,13 @@ class EngineCore:
             # step after the last one's tokens landed (EngineStats.async_scheduling says so).
             logger.info("speculative decoding: async scheduling is off (synchronous steps)")
             self.async_scheduling = False
-        # A random-weight folder has a tokenizer only when one was copied in (benchmarks).
-        self._has_tokenizer = not has_random_weights(self.model_path) or any(
-            (self.model_path / name).exists()
-            for name in ("tokenizer.json", "tokenizer_config.json")
-        )
+        # None: the engine has a tokenizer for structured outputs; else why it has none. A
+        # random-weight folder has one only when one was made or copied in (serving).
+        self._no_tokenizer: str | None = None
+        if skip_tokenizer:
+            self._no_tokenizer = "skip_tokenizer_init is set"
+        elif has_random_weights(self.model_path) and not has_tokenizer_files(self.model_path):
+            self._no_tokenizer = "this random-weight model folder has none"
         self.structured = StructuredOutputManager(
             config.structured_outputs,
             lambda: load_tokenizer(self.model_path),
@@ -258,10 +261,9 @@ class EngineCore:
         ):
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         self._validate_logits_processors(req)
-        if req.sampling_params.structured_outputs is not None and not self._has_tokenizer:
+        if req.sampling_params.structured_outputs is not None and self._no_tokenizer:
             raise InvalidRequestError(
-                "structured_outputs need the model's tokenizer; this random-weight model "
-                "folder has none"
+                f"structured_outputs need the model's tokenizer; {self._no_tokenizer}"
             )
 
     def _validate_logits_processors(self, req: EngineCoreRequest) -> None:

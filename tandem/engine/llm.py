@@ -43,11 +43,17 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.engine = EngineCore(self.engine_args.create_engine_config())
         self.client = InprocClient(engine=self.engine)
-        # Random-weight presets carry no tokenizer: they take token ids and return no text.
-        self.tokenizer = (
-            None
+        # With skip_tokenizer_init, and for random-weight presets (whose stand-in tokenizer
+        # only serves), no tokenizer: prompts are token ids and outputs carry no text.
+        self.no_tokenizer_reason = (
+            "skip_tokenizer_init is set"
+            if self.engine_args.skip_tokenizer_init
+            else "a random-weight model has no tokenizer"
             if has_random_weights(self.engine.model_path)
-            else load_tokenizer(self.engine.model_path)
+            else None
+        )
+        self.tokenizer = (
+            None if self.no_tokenizer_reason else load_tokenizer(self.engine.model_path)
         )
         self._output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
@@ -76,7 +82,10 @@ class LLM:
     def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: pass token ids")
+                raise InvalidRequestError(
+                    f"a text prompt needs a tokenizer ({self.no_tokenizer_reason}): pass token "
+                    'ids, e.g. {"prompt_token_ids": [...]}'
+                )
             return prompt, list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -169,6 +178,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                f"chat needs a tokenizer for its template ({self.no_tokenizer_reason})"
+            )
         prompts: list[PromptType] = []
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(

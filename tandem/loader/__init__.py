@@ -4,7 +4,9 @@ config/tokenizer/weights, and build the model."""
 from tandem.loader.gguf_convert import GGUFConversionError, convert_gguf
 from tandem.loader.hf_folder import (
     SafetensorsSlice,
+    TokenizerNotFoundError,
     get_eos_token_ids,
+    has_tokenizer_files,
     iterate_weight_slices,
     iterate_weights,
     load_hf_config,
@@ -14,6 +16,7 @@ from tandem.loader.model_loader import (
     ModelNotFoundError,
     build_model,
     embedded_default_gguf,
+    prepare_tokenizer,
     resolve_model_path,
 )
 
@@ -21,13 +24,16 @@ __all__ = [
     "GGUFConversionError",
     "ModelNotFoundError",
     "SafetensorsSlice",
+    "TokenizerNotFoundError",
     "build_model",
     "convert_gguf",
     "embedded_default_gguf",
     "get_eos_token_ids",
+    "has_tokenizer_files",
     "iterate_weight_slices",
     "iterate_weights",
     "load_hf_config",
     "load_tokenizer",
+    "prepare_tokenizer",
     "resolve_model_path",
 ]

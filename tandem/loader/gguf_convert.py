@@ -44,6 +44,17 @@ _VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 _GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+# llama.cpp writes Mixtral as a "llama" file with experts.
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
+
+# Per-layer stacked expert tensors `[E, ...]` -> each expert's projection, and the router.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+_EXPERT_NAMES = {
+    "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
 }
 
 # Per-layer GGUF tensor name -> Hugging Face name (after "model.layers.{i}.").
@@ -54,6 +65,9 @@ _LAYER_TENSOR_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -141,18 +155,27 @@ def _meta(gguf: GGUFFile, key: str, default: Any = None) -> Any:
     return gguf.metadata.get(f"{gguf.architecture}.{key}", default)
 
 
+def _hf_architecture(gguf: GGUFFile) -> tuple[str, str]:
+    """(Hugging Face architecture, model_type) of the file: a llama file with experts is
+    Mixtral."""
+    if gguf.architecture == "llama" and int(_meta(gguf, "expert_count", 0) or 0) > 0:
+        return _MIXTRAL
+    return _GGUF_ARCHITECTURES[gguf.architecture]
+
+
 def _hf_config(gguf: GGUFFile) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
+    import transformers
 
     arch = gguf.architecture
-    hf_arch, model_type = _GGUF_ARCHITECTURES[arch]
+    hf_arch, model_type = _hf_architecture(gguf)
     md = gguf.metadata
     required = {
         "num_hidden_layers": "block_count",
         "hidden_size": "embedding_length",
-        "intermediate_size": "feed_forward_length",
         "num_attention_heads": "attention.head_count",
     }
+    if model_type != "qwen3_moe":  # Qwen3-MoE files may give only the experts' size
+        required["intermediate_size"] = "feed_forward_length"
     fields: dict[str, Any] = {}
     for hf_key, gguf_key in required.items():
         value = _meta(gguf, gguf_key)
@@ -190,11 +213,32 @@ def _hf_config(gguf: GGUFFile) -> Any:
         fields[key] = int(value) if value is not None else None
     if model_type == "llama":
         fields["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
-        config_cls = LlamaConfig
-    else:
-        config_cls = Qwen2Config
-    config = config_cls(architectures=[hf_arch], dtype="float32", **fields)
-    return config
+    if model_type in _EXPERT_NAMES:
+        experts, used = _meta(gguf, "expert_count"), _meta(gguf, "expert_used_count")
+        if experts is None or used is None:
+            raise GGUFConversionError(
+                f"{gguf.path}: metadata keys {arch}.expert_count / expert_used_count are missing"
+            )
+        fields["num_experts_per_tok"] = int(used)
+    if model_type == "mixtral":
+        fields["num_local_experts"] = int(experts)
+        fields["sliding_window"] = None
+    elif model_type == "qwen3_moe":
+        fields["num_experts"] = int(experts)
+        inter = _meta(gguf, "expert_feed_forward_length")
+        if inter is None:
+            raise GGUFConversionError(
+                f"{gguf.path}: metadata key {arch}.expert_feed_forward_length is missing"
+            )
+        fields["moe_intermediate_size"] = int(inter)
+        fields["intermediate_size"] = int(_meta(gguf, "feed_forward_length", inter))
+        fields["norm_topk_prob"] = True  # as llama.cpp runs qwen3moe
+        layers = range(fields["num_hidden_layers"])
+        fields["mlp_only_layers"] = [
+            i for i in layers if f"blk.{i}.ffn_gate_exps.weight" not in gguf.tensors
+        ]
+    config_cls = transformers.CONFIG_MAPPING[model_type]
+    return config_cls(architectures=[hf_arch], dtype="float32", **fields)
 
 
 def _generation_config(gguf: GGUFFile) -> Any:
@@ -230,7 +274,7 @@ def _save_tokenizer(gguf: GGUFFile, out_dir: Path) -> None:
         for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
         if f"tokenizer.{key}" in md
     }
-    _, model_type = _GGUF_ARCHITECTURES[gguf.architecture]
+    _, model_type = _hf_architecture(gguf)
     backend, extra = convert_gguf_tokenizer(model_type, tokenizer_dict)
     kwargs: dict[str, Any] = {
         k: v for k, v in extra.items() if k not in ("bos_token", "eos_token", "unk_token")
@@ -296,10 +340,17 @@ def unpermute_qk_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _hf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     permute = gguf.architecture == "llama"
+    _, model_type = _hf_architecture(gguf)
     for gguf_name in gguf.tensors:
+        parts = gguf_name.split(".")
+        if len(parts) == 4 and parts[2] in _EXPERT_TENSORS:
+            weights.update(_expert_weights(gguf, gguf_name, model_type))
+            continue
         hf_name = hf_tensor_name(gguf_name)
         if hf_name is None:
             continue
+        if model_type == "mixtral":
+            hf_name = hf_name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
         tensor = gguf.dequantize(gguf_name)
         if permute and ".attn_q." in gguf_name:
             tensor = unpermute_qk_rows(tensor, num_heads)
@@ -307,3 +358,17 @@ def _hf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, 
             tensor = unpermute_qk_rows(tensor, num_kv_heads)
         weights[hf_name] = tensor
     return weights
+
+
+def _expert_weights(gguf: GGUFFile, gguf_name: str, model_type: str) -> dict[str, torch.Tensor]:
+    """A stacked `blk.N.ffn_{gate,up,down}_exps.weight` `[E, ...]` as each expert's tensor."""
+    if model_type not in _EXPERT_NAMES:
+        raise GGUFConversionError(f"{gguf.path}: expert tensor {gguf_name} in a dense model")
+    _, layer, kind, _ = gguf_name.split(".")
+    module, names = _EXPERT_NAMES[model_type]
+    proj = names[_EXPERT_TENSORS[kind]]
+    stacked = gguf.dequantize(gguf_name)
+    return {
+        f"model.layers.{int(layer)}.{module}.experts.{e}.{proj}.weight": stacked[e].clone()
+        for e in range(stacked.shape[0])
+    }

@@ -21,10 +21,36 @@ def load_hf_config(path: str | Path) -> Any:
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
+# Files of which a folder's tokenizer loads (any one of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class TokenizerNotFoundError(ValueError):
+    """The model folder has no tokenizer; the one-line message says what makes one."""
+
+
+def has_tokenizer_files(path: str | Path) -> bool:
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str | Path) -> Any:
-    """The folder's fast tokenizer."""
+    """The folder's fast tokenizer. A random-weight folder (`random:<shape>`) gets the
+    stand-in id tokenizer (tandem.loader.id_tokenizer) made on first use; any other folder
+    without tokenizer files is a TokenizerNotFoundError naming the fixes."""
     from transformers import AutoTokenizer
 
+    from tandem.models.presets import has_random_weights
+
+    path = Path(path)
+    if has_random_weights(path) and not has_tokenizer_files(path):
+        from tandem.loader.id_tokenizer import write_id_tokenizer
+
+        write_id_tokenizer(path, int(load_hf_config(path).vocab_size))
+    if not has_tokenizer_files(path):
+        raise TokenizerNotFoundError(
+            f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the model's "
+            "tokenizer files into it, or run with --skip-tokenizer-init and token-id prompts"
+        )
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
@@ -36,11 +62,11 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
-def get_eos_token_ids(path: str | Path) -> list[int]:
+def get_eos_token_ids(path: str | Path, use_tokenizer: bool = True) -> list[int]:
     """Token ids that end generation, in order, without repeats.
 
     From generation_config.json, then config.json; the tokenizer's eos token only when
-    neither names any.
+    neither names any (and `use_tokenizer`; else none).
     """
     path = Path(path)
     ids: list[int] = []
@@ -49,7 +75,7 @@ def get_eos_token_ids(path: str | Path) -> list[int]:
         if file.is_file():
             with open(file) as f:
                 ids += _as_id_list(json.load(f).get("eos_token_id"))
-    if not ids:
+    if not ids and use_tokenizer and has_tokenizer_files(path):
         tokenizer = load_tokenizer(path)
         ids = _as_id_list(tokenizer.eos_token_id)
     return list(dict.fromkeys(ids))

@@ -10,7 +10,12 @@ import torch
 
 from tandem.layers.quantization import process_weights_after_loading
 from tandem.loader.gguf_convert import convert_gguf
-from tandem.loader.hf_folder import iterate_weight_slices, load_hf_config
+from tandem.loader.hf_folder import (
+    TokenizerNotFoundError,
+    has_tokenizer_files,
+    iterate_weight_slices,
+    load_hf_config,
+)
 from tandem.models.presets import (
     has_random_weights,
     is_random_model,
@@ -71,6 +76,24 @@ def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> Path:
         f"model {model!r} not found: expected 'default', a .gguf file or a folder with "
         f"config.json (looked at {path.resolve()})"
     )
+
+
+def prepare_tokenizer(model: str, cache_dir: str | Path | None = None) -> None:
+    """Before serving `model`: a `random:<shape>` preset gets its stand-in id tokenizer now
+    (tandem.loader.id_tokenizer); a model folder without tokenizer files is refused with a
+    one-line TokenizerNotFoundError. GGUF files carry their tokenizer (nothing to do)."""
+    if is_random_model(model):
+        from tandem.loader.id_tokenizer import write_id_tokenizer
+
+        folder = resolve_model_path(model, cache_dir)
+        write_id_tokenizer(folder, int(load_hf_config(folder).vocab_size))
+        return
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file() and not has_tokenizer_files(path):
+        raise TokenizerNotFoundError(
+            f"{path} has no tokenizer files: copy the model's tokenizer files into it "
+            "(the frontend needs them to serve text)"
+        )
 
 
 def build_model(

@@ -5,6 +5,7 @@ from tandem.models.llama import LlamaForCausalLM
 from tandem.models.registry import (
     MODEL_REGISTRY,
     UnsupportedModelError,
+    check_model_config,
     get_model_class,
     supported_architectures,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "LlamaForCausalLM",
     "ModelContext",
     "UnsupportedModelError",
+    "check_model_config",
     "get_model_class",
     "supported_architectures",
 ]

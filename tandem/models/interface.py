@@ -37,6 +37,8 @@ class ModelContext:
     parallel: ParallelState
     # The engine's QuantizationConfig (None: unquantized); layers ask it for their method.
     quant_config: Any = None
+    # MoE layers: experts spread whole over the EP group (else split like the MLPs over TP).
+    enable_expert_parallel: bool = False
 
     @staticmethod
     def single(

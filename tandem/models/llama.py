@@ -13,13 +13,17 @@ One class covers them; the differences are config fields:
 Under tensor parallel each rank holds its heads and MLP columns (tandem.layers.linear); under
 pipeline parallel a stage holds layers `layer_range` (the embedding on the first stage, the
 final norm and LM head on the last) and hands the next stage `IntermediateTensors`.
+
+Families with the same skeleton subclass `LlamaForCausalLM` and swap a part: Qwen3 its
+attention (qwen3.py), Qwen3-MoE and Mixtral their MLP for a mixture of experts
+(qwen3_moe.py, mixtral.py).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -29,19 +33,97 @@ from tandem.layers.attention.backend import AttentionMetadata
 from tandem.layers.attention.layer import Attention
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
-from tandem.layers.rotary import RotaryEmbedding, rope_parameters_from_config
-from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from tandem.layers.weight_utils import LoadedWeight, full_weight
-from tandem.models.interface import IntermediateTensors, ModelContext
-from tandem.models.utils import (
-    PPMissingLayer,
-    kv_scale_target,
-    make_layers,
-    missing_prefixes,
-    weight_loader_of,
+from tandem.layers.quantization import QUANTIZATION_CONFIGS
+from tandem.layers.rotary import (
+    SUPPORTED_ROPE_TYPES,
+    RotaryEmbedding,
+    rope_parameters_from_config,
 )
+from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from tandem.layers.weight_utils import LoadedWeight
+from tandem.models.interface import IntermediateTensors, ModelContext
+from tandem.models.utils import STACKED_PARAMS, PPMissingLayer, load_checkpoint, make_layers
 
 logger = logging.getLogger(__name__)
+
+
+class LlamaShape:
+    """The config fields the model reads, resolved once (with family defaults)."""
+
+    def __init__(self, hf_config: Any) -> None:
+        model_type = getattr(hf_config, "model_type", "llama")
+        self.hidden_size = int(hf_config.hidden_size)
+        self.intermediate_size = int(hf_config.intermediate_size)
+        self.num_layers = int(hf_config.num_hidden_layers)
+        self.num_heads = int(hf_config.num_attention_heads)
+        self.num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or self.num_heads)
+        self.head_size = int(
+            getattr(hf_config, "head_dim", None) or self.hidden_size // self.num_heads
+        )
+        self.vocab_size = int(hf_config.vocab_size)
+        self.max_position_embeddings = int(hf_config.max_position_embeddings)
+        self.rms_norm_eps = float(hf_config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.rope_parameters = rope_parameters_from_config(hf_config)
+        if model_type == "qwen2":
+            self.qkv_bias, self.o_bias, self.mlp_bias = True, False, False
+        else:
+            attention_bias = bool(getattr(hf_config, "attention_bias", False))
+            self.qkv_bias = self.o_bias = attention_bias
+            self.mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
+        hidden_act = getattr(hf_config, "hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (silu)")
+        rope_type = self.rope_parameters["rope_type"]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+        quant = getattr(hf_config, "quantization_config", None)
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else None
+            if method not in QUANTIZATION_CONFIGS:
+                known = ", ".join(sorted(QUANTIZATION_CONFIGS)) or "none yet"
+                raise ValueError(
+                    f"quantization_config (quant_method {method!r}) is not supported "
+                    f"(checkpoint quantization methods: {known}; GGUF files load dequantized)"
+                )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+        sliding_window = getattr(hf_config, "sliding_window", None)
+        use_sliding = getattr(hf_config, "use_sliding_window", model_type == "mistral")
+        if use_sliding and sliding_window and sliding_window < self.max_position_embeddings:
+            logger.warning(
+                "sliding_window=%d is ignored: attention spans the whole context", sliding_window
+            )
+
+    def check_parallel(self, tp_size: int, pp_size: int) -> None:
+        """A clear error when the model cannot be split `tp_size` x `pp_size` ways."""
+        if self.num_heads % tp_size:
+            raise ValueError(
+                f"num_attention_heads {self.num_heads} is not divisible by "
+                f"tensor_parallel_size {tp_size}"
+            )
+        kv, tp = self.num_kv_heads, tp_size
+        if (tp < kv and kv % tp) or (tp >= kv and tp % kv):
+            raise ValueError(
+                f"num_key_value_heads {kv} and tensor_parallel_size {tp}: one must divide the "
+                "other (KV heads are split, or replicated when the ranks outnumber them)"
+            )
+        if self.intermediate_size % tp_size:
+            raise ValueError(
+                f"intermediate_size {self.intermediate_size} is not divisible by "
+                f"tensor_parallel_size {tp_size}"
+            )
+        if pp_size > self.num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size {pp_size} is larger than num_hidden_layers "
+                f"{self.num_layers}: every stage needs at least one layer"
+            )
 
 
 class LlamaAttention(nn.Module):
@@ -110,12 +192,22 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """`x -> norm -> self_attn -> add&norm -> mlp`, the attention and the MLP (dense or MoE)
+    given; the MLP sits under `mlp_name` (the checkpoint's: "mlp", Mixtral's
+    "block_sparse_moe")."""
+
     def __init__(
-        self, cfg: LlamaShape, ctx: ModelContext, rotary_emb: RotaryEmbedding, prefix: str
+        self,
+        cfg: LlamaShape,
+        ctx: ModelContext,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        mlp_name: str = "mlp",
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, ctx, rotary_emb, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(cfg, ctx, f"{prefix}.mlp")
+        self.self_attn = self_attn
+        self.mlp_name = mlp_name
+        self.add_module(mlp_name, mlp)
         eps, dim = cfg.rms_norm_eps, cfg.hidden_size
         self.input_layernorm = RMSNorm(dim, eps, ctx.dtype, ctx.device, ctx.cpu_kernels)
         self.post_attention_layernorm = RMSNorm(dim, eps, ctx.dtype, ctx.device, ctx.cpu_kernels)
@@ -135,11 +227,18 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return getattr(self, self.mlp_name)(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaShape, ctx: ModelContext) -> None:
+    """Embedding, this stage's decoder layers (`layer_fn(index, rotary_emb)`), final norm."""
+
+    def __init__(
+        self,
+        cfg: LlamaShape,
+        ctx: ModelContext,
+        layer_fn: Callable[[int, RotaryEmbedding], nn.Module],
+    ) -> None:
         super().__init__()
         pp = ctx.parallel.pp
         self.hidden_size = cfg.hidden_size
@@ -155,7 +254,7 @@ class LlamaModel(nn.Module):
             cfg.num_layers,
             pp.rank_in_group,
             pp.world_size,
-            lambda i: LlamaDecoderLayer(cfg, ctx, rotary_emb, f"model.layers.{i}"),
+            lambda i: layer_fn(i, rotary_emb),
         )
         self.norm: nn.Module = (
             RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.device, ctx.cpu_kernels)
@@ -192,24 +291,21 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-# (fused parameter, checkpoint projection, shard id)
-_STACKED_PARAMS: list[tuple[str, str, str | int]] = [
-    (".qkv_proj", ".q_proj", "q"),
-    (".qkv_proj", ".k_proj", "k"),
-    (".qkv_proj", ".v_proj", "v"),
-    (".gate_up_proj", ".gate_proj", 0),
-    (".gate_up_proj", ".up_proj", 1),
-]
-_SHARDS_OF = {".qkv_proj": {"q", "k", "v"}, ".gate_up_proj": {0, 1}}
-
-
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a flattened batch and a paged KV cache (the CausalLM
-    protocol, tandem.models.interface)."""
+    protocol, tandem.models.interface).
+
+    Families that differ from Llama only in their attention or MLP (Qwen3's q/k norms, the
+    MoE blocks of Qwen3-MoE and Mixtral) subclass it and override `shape_cls`,
+    `make_attention`, `make_mlp` and `mlp_name`.
+    """
+
+    shape_cls: ClassVar[type[LlamaShape]] = LlamaShape
+    mlp_name: ClassVar[str] = "mlp"
 
     def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
         super().__init__()
-        cfg = LlamaShape(hf_config)
+        cfg = self.shape_cls(hf_config)
         cfg.check_parallel(ctx.parallel.tp_size, ctx.parallel.pp_size)
         self.hf_config = hf_config
         self.dtype = ctx.dtype
@@ -219,7 +315,18 @@ class LlamaForCausalLM(nn.Module):
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.tie_word_embeddings = cfg.tie_word_embeddings
-        self.model = LlamaModel(cfg, ctx)
+
+        def layer_fn(index: int, rotary_emb: RotaryEmbedding) -> nn.Module:
+            prefix = f"model.layers.{index}"
+            return LlamaDecoderLayer(
+                cfg,
+                ctx,
+                self.make_attention(cfg, ctx, rotary_emb, f"{prefix}.self_attn"),
+                self.make_mlp(cfg, ctx, index, f"{prefix}.{self.mlp_name}"),
+                self.mlp_name,
+            )
+
+        self.model = LlamaModel(cfg, ctx, layer_fn)
         self.layer_range = (self.model.start_layer, self.model.end_layer)
         attn = self.model.layers[self.model.start_layer].self_attn.attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
@@ -228,6 +335,22 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, prefix="lm_head")
             if cfg.tie_word_embeddings and ctx.parallel.pp.is_first_rank:
                 self.lm_head.tie_weights(self.model.embed_tokens)
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        """Raise ValueError naming a variant or option of `hf_config` this class cannot run
+        (before any weight is loaded)."""
+        cls.shape_cls(hf_config)
+
+    @classmethod
+    def make_attention(
+        cls, cfg: Any, ctx: ModelContext, rotary_emb: RotaryEmbedding, prefix: str
+    ) -> nn.Module:
+        return LlamaAttention(cfg, ctx, rotary_emb, prefix)
+
+    @classmethod
+    def make_mlp(cls, cfg: Any, ctx: ModelContext, layer_index: int, prefix: str) -> nn.Module:
+        return LlamaMLP(cfg, ctx, prefix)
 
     def forward(
         self,
@@ -254,124 +377,6 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         """Hand each checkpoint tensor (Hugging Face names) to its parameter's
-        `weight_loader`, which keeps this rank's part. q/k/v and gate/up go into their
-        fused parameters; tensors of layers another stage holds are skipped, and so are
-        rotary `inv_freq` buffers and a tied `lm_head.weight`. Raises on an unknown name, a
-        shape mismatch, or a parameter no checkpoint tensor filled."""
-        params = dict(self.named_parameters())
-        elsewhere = missing_prefixes(self)
-        own_tied_head = self.tie_word_embeddings and isinstance(
-            self.model.embed_tokens, PPMissingLayer
-        )
-        loaded: dict[str, set[Any]] = {}
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            if own_tied_head and name == "model.embed_tokens.weight":
-                name = "lm_head.weight"  # a last stage without the embedding loads it here
-            kv_scale = kv_scale_target(name)
-            if kv_scale is not None:  # an FP8 KV cache's scale: the attention layer keeps it
-                module, scales = kv_scale
-                if not module.startswith(elsewhere):
-                    for which in scales:
-                        self.get_submodule(module).load_kv_scale(which, full_weight(tensor))
-                continue
-            shard_id: Any = None
-            for fused, part, shard in _STACKED_PARAMS:
-                if part in name:
-                    name, shard_id = name.replace(part, fused), shard
-                    break
-            if name.startswith(elsewhere):
-                continue
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
-            loader = weight_loader_of(param)
-            if shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
-            loaded.setdefault(name, set()).add(shard_id)
-        missing = [
-            name for name in params if not (name in loaded and _complete(name, loaded[name]))
-        ]
-        if missing:
-            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} parameters: {shown}")
-
-
-def _complete(name: str, shards: set[Any]) -> bool:
-    """Whether a parameter got all its parts (a fused one: every shard id, or the whole)."""
-    if None in shards:
-        return True
-    module = name.rsplit(".", 1)[0]
-    for fused, expected in _SHARDS_OF.items():
-        if module.endswith(fused):
-            return shards >= expected
-    return True
-
-
-class LlamaShape:
-    """The config fields the model reads, resolved once (with family defaults)."""
-
-    def __init__(self, hf_config: Any) -> None:
-        model_type = getattr(hf_config, "model_type", "llama")
-        self.hidden_size = int(hf_config.hidden_size)
-        self.intermediate_size = int(hf_config.intermediate_size)
-        self.num_layers = int(hf_config.num_hidden_layers)
-        self.num_heads = int(hf_config.num_attention_heads)
-        self.num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or self.num_heads)
-        self.head_size = int(
-            getattr(hf_config, "head_dim", None) or self.hidden_size // self.num_heads
-        )
-        self.vocab_size = int(hf_config.vocab_size)
-        self.max_position_embeddings = int(hf_config.max_position_embeddings)
-        self.rms_norm_eps = float(hf_config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.rope_parameters = rope_parameters_from_config(hf_config)
-        if model_type == "qwen2":
-            self.qkv_bias, self.o_bias, self.mlp_bias = True, False, False
-        else:
-            attention_bias = bool(getattr(hf_config, "attention_bias", False))
-            self.qkv_bias = self.o_bias = attention_bias
-            self.mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
-        hidden_act = getattr(hf_config, "hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act {hidden_act!r} is not supported (silu)")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads {self.num_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_kv_heads}"
-            )
-        sliding_window = getattr(hf_config, "sliding_window", None)
-        use_sliding = getattr(hf_config, "use_sliding_window", model_type == "mistral")
-        if use_sliding and sliding_window and sliding_window < self.max_position_embeddings:
-            logger.warning(
-                "sliding_window=%d is ignored: attention spans the whole context", sliding_window
-            )
-
-    def check_parallel(self, tp_size: int, pp_size: int) -> None:
-        """A clear error when the model cannot be split `tp_size` x `pp_size` ways."""
-        if self.num_heads % tp_size:
-            raise ValueError(
-                f"num_attention_heads {self.num_heads} is not divisible by "
-                f"tensor_parallel_size {tp_size}"
-            )
-        kv, tp = self.num_kv_heads, tp_size
-        if (tp < kv and kv % tp) or (tp >= kv and tp % kv):
-            raise ValueError(
-                f"num_key_value_heads {kv} and tensor_parallel_size {tp}: one must divide the "
-                "other (KV heads are split, or replicated when the ranks outnumber them)"
-            )
-        if self.intermediate_size % tp_size:
-            raise ValueError(
-                f"intermediate_size {self.intermediate_size} is not divisible by "
-                f"tensor_parallel_size {tp_size}"
-            )
-        if pp_size > self.num_layers:
-            raise ValueError(
-                f"pipeline_parallel_size {pp_size} is larger than num_hidden_layers "
-                f"{self.num_layers}: every stage needs at least one layer"
-            )
+        `weight_loader` (tandem.models.utils.load_checkpoint): q/k/v and gate/up go into their
+        fused parameters, experts into their MoE layer's; a tied `lm_head.weight` is skipped."""
+        load_checkpoint(self, weights, STACKED_PARAMS, self.tie_word_embeddings)

@@ -79,6 +79,85 @@ PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 151643,
         "eos_token_id": 151643,
     },
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    "qwen3-32b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
 
 
@@ -124,7 +203,6 @@ def random_weights(
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or hidden // heads
-    inter = c.intermediate_size
     bias = bool(getattr(c, "attention_bias", False)) or c.model_type == "qwen2"
     shapes: list[tuple[str, tuple[int, ...], str]] = [
         ("model.embed_tokens.weight", (c.vocab_size, hidden), "mat")
@@ -138,10 +216,13 @@ def random_weights(
             (p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), "mat"),
             (p + "self_attn.o_proj.weight", (hidden, heads * head_dim), "mat"),
             (p + "post_attention_layernorm.weight", (hidden,), "norm"),
-            (p + "mlp.gate_proj.weight", (inter, hidden), "mat"),
-            (p + "mlp.up_proj.weight", (inter, hidden), "mat"),
-            (p + "mlp.down_proj.weight", (hidden, inter), "mat"),
         ]
+        if c.model_type in ("qwen3", "qwen3_moe"):
+            shapes += [
+                (p + "self_attn.q_norm.weight", (head_dim,), "norm"),
+                (p + "self_attn.k_norm.weight", (head_dim,), "norm"),
+            ]
+        shapes += _mlp_shapes(c, i)
         if bias:
             shapes += [
                 (p + "self_attn.q_proj.bias", (heads * head_dim,), "bias"),
@@ -161,6 +242,43 @@ def random_weights(
         yield name, t.to(dtype)
 
 
+def _mlp_shapes(c: Any, layer: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """The checkpoint tensors of layer `layer`'s MLP: dense, or a router and its experts."""
+    p = f"model.layers.{layer}."
+    hidden = c.hidden_size
+    if c.model_type == "mixtral":
+        moe, names, inter = p + "block_sparse_moe.", ("w1", "w3", "w2"), c.intermediate_size
+        num_experts = c.num_local_experts
+    elif c.model_type == "qwen3_moe" and _is_sparse_layer(c, layer):
+        moe, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        inter, num_experts = c.moe_intermediate_size, c.num_experts
+    else:
+        inter = c.intermediate_size
+        return [
+            (p + "mlp.gate_proj.weight", (inter, hidden), "mat"),
+            (p + "mlp.up_proj.weight", (inter, hidden), "mat"),
+            (p + "mlp.down_proj.weight", (hidden, inter), "mat"),
+        ]
+    shapes: list[tuple[str, tuple[int, ...], str]] = [
+        (moe + "gate.weight", (num_experts, hidden), "mat")
+    ]
+    for e in range(num_experts):
+        gate, up, down = (f"{moe}experts.{e}.{n}.weight" for n in names)
+        shapes += [
+            (gate, (inter, hidden), "mat"),
+            (up, (inter, hidden), "mat"),
+            (down, (hidden, inter), "mat"),
+        ]
+    return shapes
+
+
+def _is_sparse_layer(c: Any, layer: int) -> bool:
+    """Qwen3-MoE: whether layer `layer` has experts (else a dense MLP)."""
+    step = int(getattr(c, "decoder_sparse_step", 1) or 1)
+    only_dense = set(getattr(c, "mlp_only_layers", None) or [])
+    return layer not in only_dense and c.num_experts > 0 and (layer + 1) % step == 0
+
+
 def load_transformers_model(
     model_path: Path, dtype: torch.dtype, device: str | torch.device, seed: int = 0
 ) -> torch.nn.Module:
@@ -178,5 +296,30 @@ def load_transformers_model(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():
         for name, tensor in random_weights(config, dtype, device, seed):
-            model.get_parameter(name).copy_(tensor)
+            _copy_into_transformers(model, name, tensor)
     return model.to(device).eval()
+
+
+def _copy_into_transformers(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Checkpoint tensor `name` into transformers' model: as is, or (transformers 5 keeps the
+    experts of a layer stacked, `experts.gate_up_proj [E, 2I, H]` and `experts.down_proj
+    [E, H, I]`, and Mixtral's `block_sparse_moe` under `mlp`) into its slice."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    try:
+        model.get_parameter(name).copy_(tensor)
+        return
+    except AttributeError:
+        pass
+    from tandem.models.utils import expert_param
+
+    found = expert_param(name)
+    if found is None:
+        raise ValueError(f"transformers' model has no parameter for {name!r}")
+    param_name, shard, expert = found
+    prefix = param_name.rsplit(".", 1)[0]
+    if shard == "w2":
+        model.get_parameter(f"{prefix}.down_proj")[expert].copy_(tensor)
+        return
+    gate_up = model.get_parameter(f"{prefix}.gate_up_proj")[expert]
+    inter = gate_up.shape[0] // 2
+    (gate_up[:inter] if shard == "w1" else gate_up[inter:]).copy_(tensor)

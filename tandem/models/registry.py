@@ -7,11 +7,29 @@ from typing import Any
 
 from tandem.models.interface import CausalLM
 from tandem.models.llama import LlamaForCausalLM
+from tandem.models.mixtral import MixtralForCausalLM
+from tandem.models.qwen3 import Qwen3ForCausalLM
+from tandem.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+}
+
+
+# A config that names no `architectures` (saved from a bare config class) is taken by its
+# `model_type`.
+_BY_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -23,9 +41,25 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
+def check_model_config(hf_config: Any) -> None:
+    """UnsupportedModelError naming the architecture, variant or option of `hf_config` tandem
+    cannot run (the class's `check_config`); nothing when it can. Reads only the config."""
+    cls = get_model_class(hf_config)
+    check = getattr(cls, "check_config", None)
+    if check is None:
+        return
+    try:
+        check(hf_config)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{cls.__name__}: {exc}") from None
+
+
 def get_model_class(hf_config: Any) -> type[CausalLM]:
-    """The class for the first of `hf_config.architectures` tandem implements."""
+    """The class for the first of `hf_config.architectures` tandem implements (none named:
+    the one of its `model_type`)."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not architectures and getattr(hf_config, "model_type", None) in _BY_MODEL_TYPE:
+        architectures = [_BY_MODEL_TYPE[hf_config.model_type]]
     for arch in architectures:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]

@@ -135,6 +135,7 @@ class ModelRunner:
             # The checkpoint's scheme or --quantization's; ConfigError here, before any weight
             # is made, for a scheme not implemented or a device that cannot run it.
             quant_config=resolve_quant_config(config.quantization.quantization, hf_config, device),
+            enable_expert_parallel=config.parallel.enable_expert_parallel,
         )
         torch.manual_seed(config.model.seed)
         self._model: CausalLM | None = build_model(

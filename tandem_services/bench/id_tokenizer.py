@@ -1,7 +1,5 @@
-"""A stand-in tokenizer for `random:<shape>` models, so that `tandem serve` and
-`tandem bench serve` run them with no download: token i is the word `t<i>` (a WordLevel
-tokenizer over the model's whole vocabulary, split on whitespace). Benchmarks send token ids,
-so the only text it makes is the detokenized output ("t17 t4 ..."), which nobody reads.
+"""Make the stand-in tokenizer of a `random:<shape>` model ahead of time
+(tandem.loader.id_tokenizer; `tandem serve` also makes it on first use).
 
     python -m tandem_services.bench.id_tokenizer random:llama-3.2-1b  # writes into the model folder
 """
@@ -9,32 +7,8 @@ so the only text it makes is the detokenized output ("t17 t4 ..."), which nobody
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-TOKENIZER_CONFIG = {
-    "tokenizer_class": "PreTrainedTokenizerFast",
-    "model_max_length": 1 << 20,
-    "unk_token": "t0",
-    "clean_up_tokenization_spaces": False,
-}
-
-
-def write_id_tokenizer(folder: Path, vocab_size: int) -> Path:
-    """Write tokenizer.json and tokenizer_config.json into `folder` (kept if already there
-    for this vocabulary size); returns the folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    path = folder / "tokenizer.json"
-    marker = folder / "ID_TOKENIZER"
-    if path.is_file() and marker.is_file() and marker.read_text().strip() == str(vocab_size):
-        return folder
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, "t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path))
-    (folder / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
-    marker.write_text(f"{vocab_size}\n")
-    return folder
+from tandem.loader.id_tokenizer import write_id_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

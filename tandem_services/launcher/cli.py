@@ -132,7 +132,13 @@ def main(argv: list[str]) -> int:
         if directory.uses_redis:
             require_redis()  # one line naming the extra, before any child starts
         # Checked here, before any process starts (nothing is loaded: no resolution).
-        EngineArgs.from_cli_args(ns).create_engine_config(resolve=False)
+        args = EngineArgs.from_cli_args(ns)
+        args.create_engine_config(resolve=False)
+        # The frontend's tokenizer: a random preset's stand-in made now, a folder without
+        # one refused in one line.
+        from tandem.loader import prepare_tokenizer
+
+        prepare_tokenizer(args.model, args.cache_dir or None)
     except (ValueError, ImportError) as exc:
         parser.error(str(exc))
     try:

@@ -153,3 +153,15 @@ def test_tiny_random_models_greedy_match(arch: str, tiny_model_path) -> None:
     reference = hf_greedy(path, prompts, NUM_NEW_TOKENS)
     _, outs = run_tandem(path, prompts, NUM_NEW_TOKENS, max_num_batched_tokens=256)
     assert_matches(outs, reference)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral"])
+def test_new_families_greedy_match(arch: str, tiny_model_path) -> None:
+    """Qwen3, Qwen3-MoE and Mixtral through the whole engine (CPU step path, chunked by a
+    small token budget) against transformers' greedy generation: fewer, shorter prompts than
+    above, as the families share the step path those cover."""
+    path = tiny_model_path(arch)
+    prompts = make_prompts(512, seed=2)[1:7]  # 3 to 129 tokens
+    reference = hf_greedy(path, prompts, 12)
+    _, outs = run_tandem(path, prompts, 12, max_num_batched_tokens=64)
+    assert_matches(outs, reference)

@@ -133,14 +133,16 @@ def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "mistral"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama3", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral"]
+)
 def test_tiny_model_prefill_and_decode_match_hf(arch: str, tiny_model_path) -> None:
     path = tiny_model_path(arch)
     prompts = random_prompts(512, [1, 5, 16, 17, 40, 100], seed=11)
     check_prefill_then_decode(load_both(path), prompts, seed=12)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_tiny_model_chunked_prefill_mixed_with_decode(arch: str, tiny_model_path) -> None:
     check_chunked_prefill_mixed_with_decode(load_both(tiny_model_path(arch)), seed=13)
 

@@ -75,6 +75,8 @@ NON_DEFAULT: dict[str, Any] = {
     "master_port": 29511,
     "quantization": "fp8",
     "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
+    "skip_tokenizer_init": True,
+    "enable_expert_parallel": True,
 }
 # Flags kept at their defaults here: several hosts are for unified workers only (the flag
 # tests build prefill and decode workers too), and a node rank needs several hosts.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tandem.loader import load_tokenizer
-from tandem_services.bench.id_tokenizer import write_id_tokenizer
+from tandem.loader.id_tokenizer import write_id_tokenizer
 
 
 def test_id_tokenizer_round_trip(tmp_path: Path) -> None:

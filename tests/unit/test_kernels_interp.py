@@ -52,6 +52,8 @@ def _kernels() -> SimpleNamespace:
     import tandem.layers.attention.triton_backend
     import tandem_kernels.activation
     import tandem_kernels.bitmask
+    import tandem_kernels.fused_moe
+    import tandem_kernels.moe_ref
     import tandem_kernels.paged_attention
     import tandem_kernels.reshape_and_cache
     import tandem_kernels.rms_norm
@@ -60,6 +62,8 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(
         activation=tandem_kernels.activation,
         bitmask=tandem_kernels.bitmask,
+        fused_moe=tandem_kernels.fused_moe,
+        moe_ref=tandem_kernels.moe_ref,
         paged_attention=tandem_kernels.paged_attention,
         reshape_and_cache=tandem_kernels.reshape_and_cache,
         rms_norm=tandem_kernels.rms_norm,
@@ -735,6 +739,52 @@ def test_kernel_interp(case: str, interp_results: dict[str, str]) -> None:
     result = interp_results.get(case, "not run")
     if result != "ok":
         pytest.fail(f"{case}:\n{result}", pytrace=False)
+
+
+# --- fused MoE -----------------------------------------------------------------------------
+
+
+@_case(
+    *(
+        {"dtype": d, "block_m": m, "other_rank": o}
+        for d, m, o in [
+            (torch.float32, 16, False),
+            (torch.float16, 16, False),
+            (torch.float32, 32, True),
+        ]
+    )
+)
+def case_fused_moe(dtype: torch.dtype, block_m: int, other_rank: bool) -> None:
+    """Tokens routed to 2 of 5 experts (one expert gets none), odd sizes (masks on every
+    dim); `other_rank`: some ids name experts another rank holds (id >= E): they add nothing."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, hidden, inter, num_experts, top_k = 13, 40, 24, 5, 2
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype)
+    w2 = (0.2 * torch.randn(num_experts, hidden, inter, generator=gen)).to(dtype)
+    scores = torch.randn(num_tokens, num_experts, generator=gen)
+    scores[:, 3] = -1e9  # expert 3 gets no token
+    topk_weights, topk_ids = scores.softmax(-1).topk(top_k, dim=-1)
+    topk_ids = topk_ids.to(torch.int32)
+    if other_rank:
+        topk_ids[::3, 1] = num_experts
+    sorted_ids, expert_ids, num_post = k.fused_moe.moe_align_block_size(
+        topk_ids, block_m, num_experts
+    )
+    # Every pair appears once, in a tile of its own expert.
+    real = sorted_ids[sorted_ids < num_tokens * top_k].long()
+    mine = (topk_ids.reshape(-1) < num_experts).nonzero().reshape(-1)
+    assert torch.equal(real.sort().values, mine)
+    positions = (sorted_ids < num_tokens * top_k).nonzero().reshape(-1)
+    assert torch.equal(expert_ids[positions // block_m].long(), topk_ids.reshape(-1)[real].long())
+    assert int(num_post) % block_m == 0 and int(num_post) <= sorted_ids.shape[0]
+    config = (block_m, 32, 16, 2, 4, 1)
+    out = k.fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, config)
+    ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
+    assert ref.abs().max() > 0.1
+    torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
 def _patch_interpreter_for_numpy_2_4() -> None:

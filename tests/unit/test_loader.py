@@ -142,8 +142,11 @@ _GGUF_GLOBAL_NAMES = {v: k for k, v in gguf_convert._GLOBAL_TENSOR_NAMES.items()
 
 
 def _gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("blk."):  # already a GGUF name (stacked experts)
+        return hf_name
     if hf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[hf_name]
+    hf_name = hf_name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
@@ -171,6 +174,10 @@ def write_tiny_gguf(
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(rope_freq_base or config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -185,8 +192,15 @@ def write_tiny_gguf(
     writer.add_eos_token_id(2)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}</s>{% endfor %}")
 
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+
     stored: dict[str, np.ndarray] = {}
-    for hf_name, tensor in iterate_weights(hf_folder):
+    for hf_name, tensor in _stack_experts(iterate_weights(hf_folder)):
         name = _gguf_name(hf_name)
         data = tensor.numpy()
         if arch == "llama" and ".attn_q." in name:
@@ -209,10 +223,31 @@ def write_tiny_gguf(
     return stored
 
 
+def _stack_experts(weights: Any) -> Any:
+    """Checkpoint tensors with each layer's experts stacked as llama.cpp stores them:
+    (`blk.N.ffn_{gate,up,down}_exps.weight` `[E, ...]`, given here by GGUF name)."""
+    from tandem.models.utils import expert_param
+
+    stacks: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in weights:
+        found = expert_param(name)
+        if found is None:
+            yield name, tensor
+            continue
+        _, shard, expert = found
+        stacks.setdefault((name.split(".")[2], shard), {})[expert] = tensor
+    kinds = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+    for (layer, shard), experts in stacks.items():
+        yield (
+            f"blk.{layer}.{kinds[shard]}.weight",
+            torch.stack([experts[e] for e in sorted(experts)]),
+        )
+
+
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_converts_back_to_the_original_weights(
     arch: str, tiny_model_path, tmp_path: Path
 ) -> None:
@@ -251,6 +286,33 @@ def test_tiny_gguf_converts_back_to_the_original_weights(
     assert tok.eos_token == "</s>" and tok.eos_token_id == 2
     ids = [vocab_id(tok, t) for t in ["t", "h", "e", "Ġt", "e", "a"]]
     assert tok("the tea").input_ids == ids
+
+
+@pytest.mark.parametrize(("arch", "gguf_arch"), [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+def test_tiny_moe_gguf_converts_back(
+    arch: str, gguf_arch: str, tiny_model_path, tmp_path: Path
+) -> None:
+    """Stacked expert tensors split back into each expert's projection; a llama file with
+    experts is Mixtral."""
+    hf_folder = tiny_model_path(arch)
+    gguf_path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(hf_folder, gguf_path, gguf_arch)
+    converted = convert_gguf(gguf_path, tmp_path / "cache")
+    original = dict(iterate_weights(hf_folder))
+    ours = dict(iterate_weights(converted))
+    assert set(ours) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(ours[name], tensor), name
+    config, ref_config = load_hf_config(converted), load_hf_config(hf_folder)
+    assert config.architectures == ref_config.architectures
+    for field in (
+        "num_experts_per_tok",
+        "num_local_experts",
+        "num_experts",
+        "moe_intermediate_size",
+        "mlp_only_layers",
+    ):
+        assert getattr(config, field, None) == getattr(ref_config, field, None), field
 
 
 def vocab_id(tok: Any, token: str) -> int:

@@ -3,8 +3,9 @@
 Every rank builds each layer twice, unsharded (one rank) and at its TP rank, loads both from
 the same full tensors through their `weight_loader`s, and runs both on the same input: the
 sharded layer's output (after its collective) must be the unsharded one's, or this rank's
-slice of it. The tiny Llama and Qwen2 models then run a paged prefill at TP = 2 (and Llama at
-TP = 4: its 2 KV heads replicated) and must give the one-rank logits.
+slice of it. The tiny Llama, Qwen2 and Qwen3-MoE models then run a paged prefill at TP = 2 (and
+Llama at TP = 4: its 2 KV heads replicated) and must give the one-rank logits; at TP = 2 the
+MoE layer and model also run expert parallel (tests/unit/test_moe.py).
 """
 
 from __future__ import annotations
@@ -184,6 +185,9 @@ def run_rank(rank: int, world: int, store: Path, paths: dict[str, Path], layers:
     if layers:
         check_linear_layers(rank, world, one, tp)
         check_vocab_layers(rank, world, one, tp)
+        from tests.unit.test_moe import check_expert_parallel
+
+        check_expert_parallel(rank, world, tp, paths["qwen3_moe"])
     else:  # TP = 4: the QKV layer's replicated KV heads
         check_qkv(rank, world, one, tp, torch.Generator().manual_seed(10), 4, 2)
     check_models(world, tp, one, paths)
@@ -201,7 +205,8 @@ def _nccl_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_parallel_layers_and_models_at_tp2_equal_one_rank(tiny_model_path, tmp_path) -> None:
-    paths = {arch: tiny_model_path(arch) for arch in ("llama", "qwen2")}
+    # Qwen3-MoE: its experts split over TP here, spread whole by expert parallel (test_moe).
+    paths = {arch: tiny_model_path(arch) for arch in ("llama", "qwen2", "qwen3_moe")}
     spawn(2, tmp_path, paths, layers=True)
 
 

@@ -69,7 +69,7 @@ def assert_sharded_equals_slices(path: Path, size: int, ranks: list[int] | None 
         del sharded
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_safetensors_loads_by_shard(arch: str, tiny_model_path) -> None:
     assert_sharded_equals_slices(tiny_model_path(arch), 2)
 
@@ -158,7 +158,7 @@ def run_stages(models: list[Any], lens: list[int], seed: int) -> torch.Tensor:
         return models[-1].compute_logits(out)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied; tied (the last stage loads it)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])  # untied; tied; MoE
 def test_pipeline_stages_chained_equal_the_whole_model(arch: str, tiny_model_path) -> None:
     path = tiny_model_path(arch)
     whole = build_model(path, context())

@@ -1,0 +1,126 @@
+"""The fused MoE kernel's rate by tokens, beside dense bf16 GEMMs doing the same work.
+
+For each layer shape (Qwen3-30B-A3B, Mixtral-8x7B) and token count T, with uniformly random
+routing: the kernel's TFLOP/s (2 * T * k * 3 * H * I flops), the weight bytes of the experts
+it touched per ms (GB/s, what bounds decode), and a dense reference: one bf16 GEMM per
+expert on its rows (the same flops as separate matmuls) and the 8192^3 ceiling and device copy
+bandwidth measured in the same run. Configs are tuned first (as at engine start-up).
+
+    python -m benchmarks.moe_kernel --tokens 1 8 64 512 4096 16384 --out moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.gpu_throughput import device_ms
+
+SHAPES = {
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+}
+
+
+def _copy_gbps(iters: int) -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ms = device_ms(lambda: dst.copy_(src), iters)
+    return 2 * src.numel() * iters / (ms / 1e3) / 1e9
+
+
+def _ceiling_tflops(iters: int) -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a @ a
+    ms = device_ms(lambda: a @ a, iters)
+    return 2 * 8192**3 * iters / (ms / 1e3) / 1e12
+
+
+def _measure(
+    w13: torch.Tensor, w2: torch.Tensor, top_k: int, tokens: int, iters: int
+) -> dict[str, Any]:
+    from tandem_kernels.fused_moe import fused_moe
+
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    scores = torch.rand(tokens, num_experts, device="cuda")
+    weights, ids = scores.topk(top_k, dim=-1)
+    ids = ids.to(torch.int32)
+    fused_moe(x, w13, w2, weights, ids)
+    ms = device_ms(lambda: fused_moe(x, w13, w2, weights, ids), iters) / iters
+    flops = 2 * tokens * top_k * 3 * hidden * inter
+    touched = int(torch.unique(ids).numel())
+    weight_bytes = touched * 3 * hidden * inter * w13.element_size()
+    # Dense reference: one GEMM per touched expert over its rows (the same flops).
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=num_experts).tolist()
+    xs = [torch.randn(c, hidden, device="cuda", dtype=torch.bfloat16) for c in counts]
+
+    def dense() -> None:
+        for e, xe in enumerate(xs):
+            if xe.shape[0]:
+                h = torch.nn.functional.linear(xe, w13[e])
+                torch.nn.functional.linear(h[:, :inter], w2[e])
+
+    dense()
+    dense_ms = device_ms(dense, iters) / iters
+    return {
+        "ms": ms,
+        "tflops": flops / (ms / 1e3) / 1e12,
+        "weight_GBps": weight_bytes / (ms / 1e3) / 1e9,
+        "experts_touched": touched,
+        "dense_per_expert_ms": dense_ms,
+        "dense_per_expert_tflops": flops / (dense_ms / 1e3) / 1e12,
+    }
+
+
+def main() -> None:
+    from tandem_kernels.fused_moe import tune_fused_moe, tuning_log
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096, 16384])
+    p.add_argument("--shapes", nargs="+", default=sorted(SHAPES))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default="")
+    ns = p.parse_args()
+    result: dict[str, Any] = {
+        "benchmark": "moe_kernel",
+        "device": torch.cuda.get_device_name(),
+        "ceiling_8192_tflops": _ceiling_tflops(ns.iters),
+        "copy_GBps": _copy_gbps(ns.iters),
+        "shapes": {},
+    }
+    print(
+        f"ceiling {result['ceiling_8192_tflops']:.0f} TFLOP/s, copy {result['copy_GBps']:.0f} GB/s",
+        flush=True,
+    )
+    for name in ns.shapes:
+        num_experts, top_k, hidden, inter = SHAPES[name]
+        w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16)
+        w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=torch.bfloat16)
+        tune_fused_moe(w13, w2, top_k, max_tokens=max(ns.tokens))
+        rows: dict[str, Any] = {}
+        for tokens in ns.tokens:
+            r = _measure(w13, w2, top_k, tokens, ns.iters)
+            rows[str(tokens)] = r
+            print(
+                f"{name} T={tokens}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s "
+                f"({100 * r['tflops'] / result['ceiling_8192_tflops']:.0f}% of ceiling), "
+                f"{r['weight_GBps']:.0f} GB/s of weights "
+                f"({100 * r['weight_GBps'] / result['copy_GBps']:.0f}% of copy); "
+                f"dense per-expert {r['dense_per_expert_tflops']:.0f} TFLOP/s",
+                flush=True,
+            )
+        result["shapes"][name] = rows
+    result["tuning"] = tuning_log
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

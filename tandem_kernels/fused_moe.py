@@ -1,0 +1,355 @@
+"""Fused mixture-of-experts: tokens sorted by expert, then two grouped GEMMs.
+
+    topk_ids [T, k] --moe_align_block_size--> sorted_token_ids [EM], expert_ids [EM / BLOCK_M]
+
+          pair p = t * k + j (token t's j-th expert). Pairs are grouped by expert and each
+          expert's run is padded to a multiple of BLOCK_M with the id T * k (no pair), so one
+          tile of BLOCK_M rows always belongs to one expert:
+
+          sorted_token_ids  | e0 e0 e0 -- | e1 -- -- -- | e3 e3 e3 e3 | e3 -- -- -- | pad...
+          expert_ids        |     0       |     1       |     3       |     3       | E ...
+
+    GEMM 1   C1[p] = x[p // k] @ w13[e]^T            [T * k, 2I]   (tile: one expert's rows)
+    act      silu(C1[:, :I]) * C1[:, I:]             [T * k, I]
+    GEMM 2   C2[p] = act[p] @ w2[e]^T * weight[p]    [T * k, H]
+    sum      out[t] = sum_j C2[t * k + j]            [T, H]
+
+The padded length EM = T * k + E * (BLOCK_M - 1) is an upper bound known on the host, and the
+real length stays on the device: no host sync, so a call can be captured in a CUDA graph.
+Tiles past the real length exit at once. Ids >= E (experts of another rank) are never
+computed and add nothing.
+
+Tile configs (BLOCK_M/N/K, GROUP_M, warps, stages) are tuned per shape and per token-count
+bucket on the device the first time a shape runs outside graph capture (an engine's start-up
+profile forward: every bucket up to its token count at once), as the attention kernels are;
+`fused_moe_ref` (moe_ref.py) is the torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem_kernels.activation import silu_and_mul
+
+
+@triton.jit
+def _fused_moe_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    topk_weights_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    N,
+    K,
+    EM,
+    num_valid_tokens,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    A_ROW_DIV: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """One `[BLOCK_M, BLOCK_N]` tile of `C[p] = A[p // A_ROW_DIV] @ B[expert]^T` over the
+    sorted pairs of one expert (times the pair's routing weight when MUL_ROUTED_WEIGHT)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
+    if pid_m * BLOCK_M >= num_tokens_post_padded:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)
+    pair_mask = offs_pair < num_valid_tokens
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (offs_pair[:, None] // A_ROW_DIV) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if MUL_ROUTED_WEIGHT:
+        weight = tl.load(topk_weights_ptr + offs_pair, mask=pair_mask, other=0.0)
+        acc = acc * weight.to(tl.float32)[:, None]
+    c_ptrs = c_ptr + offs_pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(sorted_token_ids [EM] int32, expert_ids [EM / block_m] int32, num_tokens_post_padded
+    [1] int32)` for `topk_ids [T, k]` (see the module docstring). Device ops only, no sync."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    dev = flat.device
+    capped = flat.clamp(max=num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, capped, torch.ones_like(capped))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    unpadded_start = counts.cumsum(0) - counts
+    order = torch.argsort(capped, stable=True)
+    sorted_experts = capped[order]
+    valid = sorted_experts < num_experts
+    expert_of = sorted_experts.clamp(max=num_experts - 1)
+    rank = torch.arange(num_pairs, device=dev) - unpadded_start[expert_of]
+    max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    # Pairs of other ranks' experts land in one scratch slot past the end.
+    pos = torch.where(valid, padded_start[expert_of] + rank, max_padded)
+    sorted_ids = torch.full((max_padded + 1,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, pos, order.to(torch.int32))
+    block_starts = torch.arange(0, max_padded, block_m, device=dev)
+    expert_ids = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    return sorted_ids[:max_padded], expert_ids, padded_end[-1:].to(torch.int32)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
+MoEConfig = tuple[int, int, int, int, int, int]
+_CANDIDATES: tuple[MoEConfig, ...] = (
+    (16, 64, 128, 1, 4, 3),
+    (16, 128, 128, 1, 4, 3),
+    (16, 64, 64, 1, 4, 4),
+    (16, 128, 64, 1, 4, 4),
+    (16, 256, 64, 1, 8, 3),
+    (32, 64, 128, 8, 4, 3),
+    (32, 128, 64, 8, 4, 4),
+    (64, 64, 64, 8, 4, 4),
+    (64, 128, 64, 8, 4, 3),
+    (64, 128, 64, 8, 8, 3),
+    (64, 256, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 3),
+    (128, 256, 64, 8, 8, 3),
+    (128, 128, 32, 8, 4, 4),
+)
+# (E, 2I, H, top_k, dtype) of a layer; with the token bucket, what a tuned config is kept for.
+_ShapeKey = tuple[int, int, int, int, torch.dtype]
+_configs: dict[tuple[_ShapeKey, int], MoEConfig] = {}
+tuning_log: list[dict[str, object]] = []
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+    """The untuned config: small tiles when each expert sees few rows."""
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    if rows_per_expert <= 16:
+        return (16, 64, 64, 1, 4, 3)
+    if rows_per_expert <= 64:
+        return (32, 64, 64, 8, 4, 3)
+    return (64, 128, 64, 8, 8, 3)
+
+
+def token_bucket(num_tokens: int) -> int:
+    """Tuned configs are kept per power of two of the token count."""
+    return triton.next_power_of_2(max(num_tokens, 1))
+
+
+def _may_tune(tensor: torch.Tensor) -> bool:
+    """On CUDA only: not on the CPU interpreter, not in graph capture, not with
+    TANDEM_TUNE_KERNELS=0."""
+    return (
+        tensor.is_cuda
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and os.environ.get("TANDEM_TUNE_KERNELS", "1") != "0"
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """`[T, H]`: `sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])` (fused_moe_ref's
+    result). hidden_states `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]` (contiguous, one dtype),
+    topk_weights `[T, k]` float32, topk_ids `[T, k]` int. `config` unset: the tuned one for
+    this shape and token bucket (tuning it now when allowed, see the module docstring)."""
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_inter, _ = w13.shape
+    assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
+    assert w13.is_contiguous() and w2.is_contiguous() and hidden_states.stride(-1) == 1
+    assert hidden_states.dtype == w13.dtype == w2.dtype
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
+    top_k = topk_ids.shape[1]
+    if config is None:
+        config = _config_for(hidden_states, w13, w2, top_k)
+    out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
+    if num_tokens == 0:
+        return out
+    block_m = config[0]
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, num_experts)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    num_pairs = num_tokens * top_k
+    dev, dtype = hidden_states.device, hidden_states.dtype
+    gate_up = torch.empty(num_pairs, two_inter, dtype=dtype, device=dev)
+    routing = (weights, sorted_ids, expert_ids, num_post)
+    _launch(hidden_states, w13, gate_up, *routing, top_k, False, config)
+    act = silu_and_mul(gate_up)
+    # Rows of other ranks' experts are never written: they must add nothing.
+    down = torch.zeros(num_pairs, hidden, dtype=dtype, device=dev)
+    _launch(act, w2, down, *routing, 1, True, config)
+    return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
+
+
+def _launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    weights: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post: torch.Tensor,
+    a_row_div: int,
+    mul_routed_weight: bool,
+    config: MoEConfig,
+) -> None:
+    block_m, block_n, block_k, group_m, warps, stages = config
+    em = sorted_ids.shape[0]
+    n, k = b.shape[1], b.shape[2]
+    grid = (triton.cdiv(em, block_m) * triton.cdiv(n, block_n),)
+    _fused_moe_kernel[grid](
+        a,
+        b,
+        c,
+        weights,
+        sorted_ids,
+        expert_ids,
+        num_post,
+        n,
+        k,
+        em,
+        c.shape[0],
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        c.stride(0),
+        c.stride(1),
+        A_ROW_DIV=a_row_div,
+        MUL_ROUTED_WEIGHT=mul_routed_weight,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=group_m,
+        INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+def _shape_key(w13: torch.Tensor, top_k: int) -> _ShapeKey:
+    num_experts, two_inter, hidden = w13.shape
+    return (num_experts, two_inter, hidden, top_k, w13.dtype)
+
+
+def _config_for(
+    hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int
+) -> MoEConfig:
+    num_tokens = hidden_states.shape[0]
+    key = _shape_key(w13, top_k)
+    bucket = token_bucket(num_tokens)
+    found = _configs.get((key, bucket))
+    if found is not None:
+        return found
+    if _may_tune(hidden_states) and num_tokens > 0:
+        tune_fused_moe(w13, w2, top_k, max_tokens=num_tokens)
+        found = _configs.get((key, bucket))
+        if found is not None:
+            return found
+    return default_config(num_tokens, top_k, w13.shape[0])
+
+
+def tune_fused_moe(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    max_tokens: int,
+    candidates: tuple[MoEConfig, ...] = _CANDIDATES,
+    iters: int = 3,
+) -> dict[int, MoEConfig]:
+    """Time `candidates` for every token bucket up to `max_tokens` not tuned yet for this
+    layer shape (on these weights, uniformly random routing, seeded) and keep the fastest;
+    returns bucket -> config for the shape. Once per shape and bucket per process."""
+    key = _shape_key(w13, top_k)
+    num_experts, _, hidden = w13.shape
+    dev = w13.device
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    bucket = 1
+    while bucket <= token_bucket(max_tokens):
+        if (key, bucket) not in _configs:
+            x = torch.randn(bucket, hidden, generator=gen).to(device=dev, dtype=w13.dtype)
+            scores = torch.rand(bucket, num_experts, generator=gen)
+            topk_weights, topk_ids = scores.topk(top_k, dim=-1)
+            topk_weights, topk_ids = topk_weights.to(dev), topk_ids.to(dev, torch.int32)
+            timings: dict[MoEConfig, float] = {}
+            for config in candidates:
+                if config[0] > 2 * max(bucket * top_k // num_experts, 16):
+                    continue  # tiles far taller than an expert's rows: padding only
+                run = functools.partial(fused_moe, x, w13, w2, topk_weights, topk_ids, config)
+                ms = _time_config(run, iters)
+                if ms is not None:
+                    timings[config] = ms
+            if timings:
+                best = min(timings, key=lambda c: timings[c])
+                _configs[(key, bucket)] = best
+                tuning_log.append(
+                    {
+                        "key": [key[0], key[1], key[2], key[3], str(key[4])],
+                        "num_tokens": bucket,
+                        "ms": {"x".join(map(str, c)): t for c, t in timings.items()},
+                        "best": "x".join(map(str, best)),
+                    }
+                )
+        bucket *= 2
+    return {b: c for (k, b), c in _configs.items() if k == key}
+
+
+def _time_config(run: Callable[[], object], iters: int) -> float | None:
+    """Milliseconds per call after two untimed calls (compilation); None when the device
+    cannot run the config (shared memory, registers)."""
+    try:
+        run()
+        run()
+    except Exception:
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters

@@ -1,0 +1,50 @@
+"""Mixture-of-experts in plain torch: the reference the fused Triton kernel (fused_moe.py) is
+tested against, and the CPU path.
+
+Each token `t` was routed to `top_k` experts `topk_ids[t]` with weights `topk_weights[t]`:
+
+    out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])
+    expert_e(x) = (silu(x W1_e^T) * (x W3_e^T)) W2_e^T
+
+with `w13[e] = [W1_e; W3_e]` (`[E, 2I, H]`, gate rows then up rows) and `w2[e] = W2_e`
+(`[E, H, I]`). Ids >= E (another rank's experts) contribute nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_moe_ref(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`[T, H]` in the input dtype (see the module docstring). Tokens are grouped by expert
+    and each expert runs once on its rows; the weighted sum accumulates in float32."""
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_inter, hidden_w = w13.shape
+    assert hidden_w == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
+    top_k = topk_ids.shape[1]
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=hidden_states.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids.clamp(max=num_experts), minlength=num_experts + 1)
+    inter = two_inter // 2
+    start = 0
+    for expert, count in enumerate(counts.tolist()[:num_experts]):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        tokens = pairs // top_k
+        gate_up = F.linear(hidden_states[tokens], w13[expert])
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = F.linear(act, w2[expert])
+        weight = topk_weights.reshape(-1)[pairs].float().unsqueeze(1)
+        out.index_add_(0, tokens, y.float() * weight)
+    return out.to(hidden_states.dtype)

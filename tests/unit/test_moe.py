@@ -1,0 +1,172 @@
+"""Mixture-of-experts: the router's top-k per family, loading experts by shard, and the MoE
+models at 2 ranks over gloo (experts split by tensor parallel, and spread whole by expert
+parallel with all-to-all dispatch and combine) equal to one rank (run inside
+tests/unit/test_parallel_layers.py's gloo processes: `check_expert_parallel`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tandem.layers.attention import get_attention_backend
+from tandem.layers.moe import FusedMoE, select_experts
+from tandem.loader import build_model
+from tandem.models.interface import ModelContext
+from tandem_kernels.moe_ref import fused_moe_ref
+from tests.conftest import build_attn_metadata
+from tests.parallel_groups import CPU, fake_parallel_state
+
+BLOCK_SIZE = 16
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+
+
+def test_router_top_k_and_renormalisation() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 3.5, 0.0]])
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    probs = logits.softmax(-1)
+    assert ids.dtype == torch.int32 and ids.tolist() == [[0, 1], [2, 1]]
+    torch.testing.assert_close(weights, probs.gather(1, ids.long()))
+    # Renormalised (Mixtral; Qwen3-MoE's norm_topk_prob): the softmax over the chosen logits.
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights, logits.gather(1, ids.long()).softmax(-1))
+    with pytest.raises(ValueError, match="top_k 5"):
+        select_experts(logits, 5, renormalize=True)
+
+
+def _context(tp_rank: int = 0, tp_size: int = 1, ep: bool = False) -> ModelContext:
+    state = fake_parallel_state(tp_rank, tp_size)
+    return ModelContext(
+        torch.float32, CPU, get_attention_backend("torch"), state, enable_expert_parallel=ep
+    )
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_experts_load_by_shard(arch: str, tiny_model_path) -> None:
+    """TP = 2: every expert, its half of the intermediate rows (gate, up) and columns (down).
+    EP = 2: half the experts, whole."""
+    path = tiny_model_path(arch)
+    whole = build_model(path, _context())
+    layer = "model.layers.0." + ("block_sparse_moe" if arch == "mixtral" else "mlp")
+    full = whole.get_submodule(f"{layer}.experts")
+    inter = full.intermediate_size
+    gate, up = full.w13_weight[:, :inter], full.w13_weight[:, inter:]
+    for rank in range(2):
+        tp = build_model(path, _context(rank, 2)).get_submodule(f"{layer}.experts")
+        half = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        assert torch.equal(tp.w13_weight, torch.cat([gate[:, half], up[:, half]], dim=1))
+        assert torch.equal(tp.w2_weight, full.w2_weight[:, :, half])
+        ep = build_model(path, _context(rank, 2, ep=True)).get_submodule(f"{layer}.experts")
+        experts = slice(rank * full.num_experts // 2, (rank + 1) * full.num_experts // 2)
+        assert ep.use_ep and ep.num_local_experts == full.num_experts // 2
+        assert torch.equal(ep.w13_weight, full.w13_weight[experts])
+        assert torch.equal(ep.w2_weight, full.w2_weight[experts])
+
+
+def test_expert_load_is_counted_per_layer_and_reset(tiny_model_path) -> None:
+    from tandem.layers.moe import take_expert_load
+
+    model = build_model(tiny_model_path("qwen3_moe"), _context())
+    assert take_expert_load(model).sum() == 0
+    _prefill_logits(model)  # 33 tokens; layer 0 sparse (top 2 of 8), layer 1 dense
+    load = take_expert_load(model)
+    assert load.shape == (1, 8) and load.dtype == torch.int64
+    assert load.sum() == 33 * 2 and (load > 0).sum() > 1
+    assert take_expert_load(model).sum() == 0
+    assert take_expert_load(build_model(tiny_model_path("qwen3"), _context())) is None
+
+
+def test_a_missing_expert_is_reported(tiny_model_path) -> None:
+    from tandem.loader import iterate_weight_slices, load_hf_config
+    from tandem.models import get_model_class
+
+    path = tiny_model_path("mixtral")
+    config = load_hf_config(path)
+    model = get_model_class(config)(config, _context())
+    weights = [
+        (n, t)
+        for n, t in iterate_weight_slices(path)
+        if "layers.1.block_sparse_moe.experts.2.w3" not in n
+    ]
+    with pytest.raises(ValueError, match=r"missing 1 parameters: .*layers\.1\.block_sparse_moe"):
+        model.load_weights(weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two ranks over gloo
+
+
+def _check_layer_ep(rank: int, world: int, ep_ctx: ModelContext) -> None:
+    """The FusedMoE layer alone, expert parallel (both dispatches) vs the reference on all
+    experts, for token counts below, at and above the number of ranks (some ranks route no
+    token)."""
+    gen = torch.Generator().manual_seed(4)
+    num_experts, hidden, inter = 6, 16, 12
+    w1, w3 = torch.randn(2, num_experts, inter, hidden, generator=gen) * 0.3
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * 0.3
+    layer = FusedMoE(num_experts, 2, hidden, inter, True, ep_ctx)
+    for e in range(num_experts):
+        for shard, tensor in (("w1", w1[e]), ("w3", w3[e])):
+            layer.weight_loader(layer.w13_weight, tensor, shard, e)
+        layer.weight_loader(layer.w2_weight, w2[e], "w2", e)
+    w13 = torch.cat([w1, w3], dim=1)
+    for num_tokens in (1, 2, 9):
+        x = torch.randn(num_tokens, hidden, generator=gen)
+        logits = torch.randn(num_tokens, num_experts, generator=gen)
+        weights, ids = select_experts(logits, 2, renormalize=True)
+        expected = fused_moe_ref(x, w13, w2, weights, ids)
+        for sync_free in (False, True):  # exact splits; fixed capacity (CUDA graphs)
+            layer.ep_sync_free = sync_free
+            torch.testing.assert_close(layer(x, logits), expected, rtol=1e-5, atol=1e-6)
+
+
+def _prefill_logits(model: Any) -> torch.Tensor:
+    lens = [9, 23, 1]
+    md = build_attn_metadata(lens, lens, [[2, 0], [3, 5], [1]], BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, model.vocab_size, (sum(lens),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    kv = torch.zeros(6, 2, 2, BLOCK_SIZE, model.num_kv_heads, model.head_size)
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions, [kv[:, i] for i in range(2)], md))
+
+
+def check_expert_parallel(rank: int, world: int, tp: ModelContext, path: Path) -> None:
+    """Run in each rank of tests/unit/test_parallel_layers.py's gloo TP group (which also runs
+    the MoE model at TP): the FusedMoE layer alone, and the tiny Qwen3-MoE (a sparse and a
+    dense layer; Mixtral's blocks are the same layer under another name), expert parallel over
+    the group, against one rank."""
+    ep = dataclasses.replace(tp, enable_expert_parallel=True)
+    _check_layer_ep(rank, world, ep)
+    one = ModelContext.single(torch.float32, CPU, tp.attn_backend)
+    reference = _prefill_logits(build_model(path, one))
+    model = build_model(path, ep)
+    assert model.model.layers[0].mlp.experts.use_ep
+    torch.testing.assert_close(_prefill_logits(model), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_random_weights_equal_in_transformers(arch: str, tiny_model_path, tmp_path: Path) -> None:
+    """A random-weight MoE folder: `load_transformers_model` puts the experts `random_weights`
+    makes into transformers' stacked expert parameters, so both run the same model (the
+    parity path of the benchmarks)."""
+    import shutil
+
+    from tandem.models.presets import load_transformers_model
+
+    folder = tmp_path / "random-moe"
+    folder.mkdir()
+    shutil.copy(tiny_model_path(arch) / "config.json", folder / "config.json")
+    (folder / "RANDOM_WEIGHTS").write_text("tiny\n")
+    ours = build_model(folder, _context())
+    hf = load_transformers_model(folder, torch.float32, "cpu", seed=0)
+    ids = torch.randint(3, ours.vocab_size, (13,), generator=torch.Generator().manual_seed(1))
+    md = build_attn_metadata([13], [13], [[0]], BLOCK_SIZE)
+    kv = torch.zeros(2, 2, 2, BLOCK_SIZE, ours.num_kv_heads, ours.head_size)
+    with torch.inference_mode():
+        logits = ours.compute_logits(ours(ids, torch.arange(13), [kv[:, 0], kv[:, 1]], md))
+        ref = hf(ids[None]).logits[0].float()
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
