@@ -157,7 +157,7 @@ def _compare(name: str, ref: list[Any], test: list[Any]) -> float:
         upto = len(a.token_ids) if diff is None else diff
         for j in range(upto):
             tok = a.token_ids[j]
-            gaps.append(abs(a.logprobs[j][tok] - b.logprobs[j][tok]))
+            gaps.append(abs(a.logprobs[j][tok].logprob - b.logprobs[j][tok].logprob))
         if diff is None:
             identical += 1
             continue
