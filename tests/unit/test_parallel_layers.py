@@ -194,9 +194,7 @@ def run_rank(rank: int, world: int, store: Path, paths: dict[str, Path], layers:
 
 
 def spawn(world: int, tmp_path: Path, paths: dict[str, Path], layers: bool) -> None:
-    mp.spawn(
-        run_rank, args=(world, tmp_path / "store", paths, layers), nprocs=world, join=True
-    )
+    mp.spawn(run_rank, args=(world, tmp_path / "store", paths, layers), nprocs=world, join=True)
 
 
 @pytest.fixture(autouse=True)
