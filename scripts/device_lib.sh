@@ -2,7 +2,7 @@
 # issue8: names the default $OUT and the temp dir) and, where the default differs, BUDGET_S.
 # It sets MODE (gpu | cpu), OUT, WORK, LOGS, PY, summary, START and PLOTS, puts the services'
 # Python packages on the path (a bare machine gets them from .whl/ into /tmp/site) and defines
-# `step`, `env_report`, `id_tokenizer_step` and `finish`.
+# `step`, `env_report`, `id_tokenizer_step`, `offline` and `finish`.
 set -u
 MODE=${MODE:-gpu}
 OUT=${OUT:-$PWD/gpu_${ISSUE}_out}
@@ -78,6 +78,16 @@ id_tokenizer_step() {  # id_tokenizer_step MODEL: a stand-in id tokenizer for ra
     step "0 id tokenizer for $1" 60 "$LOGS/0_id_tokenizer.log" \
       $PY -m tandem_services.bench.id_tokenizer "$1"
   fi
+}
+
+offline() {  # offline NAME LIMIT_S [engine flags...]: the offline benchmark on the 8B shape at
+  # $WORKLOADS (default all three) and batch 1 -> $OUT/offline_NAME.{log,json}, figures to summary
+  local name=$1 limit=$2
+  shift 2
+  step "offline $name" "$limit" "$OUT/offline_$name.log" \
+    $PY -m benchmarks.offline_throughput --model random:llama-3.1-8b --device cuda --skip-peer \
+    --workloads "${WORKLOADS:-128/128,512/256,1000/1000}" --out "$OUT/offline_$name.json" "$@"
+  grep -E "tok/s|TPOT|batch-1|ceiling" "$OUT/offline_$name.log" | tail -n 8 >>"$summary"
 }
 
 finish() {  # the total time, the logs into $OUT/logs.tar.gz, the summary shown

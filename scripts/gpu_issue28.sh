@@ -12,7 +12,6 @@ BUDGET_S=${BUDGET_S:-560}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 env_report
 
-WORKLOADS=${WORKLOADS:-128/128,512/256,1000/1000}
 offline() {  # offline NAME LIMIT_S [engine flags...]
   local name=$1 limit=$2
   shift 2
