@@ -12,15 +12,6 @@ BUDGET_S=${BUDGET_S:-560}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 env_report
 
-offline() {  # offline NAME LIMIT_S [engine flags...]
-  local name=$1 limit=$2
-  shift 2
-  step "offline $name" "$limit" "$OUT/offline_$name.log" \
-    $PY -m benchmarks.offline_throughput --model random:llama-3.1-8b --device cuda --skip-peer \
-    --workloads "$WORKLOADS" --out "$OUT/offline_$name.json" "$@"
-  grep -E "tok/s|TPOT|batch-1|ceiling" "$OUT/offline_$name.log" | tail -n 8 >>"$summary"
-}
-
 if [ "${PART:-a}" = a ]; then
   step "fp8 gemm" 150 "$OUT/fp8_gemm.log" $PY -m benchmarks.fp8_gemm --out "$OUT/fp8_gemm.json"
   tail -n 20 "$OUT/fp8_gemm.log" >>"$summary"
