@@ -37,6 +37,8 @@ class ModelContext:
     parallel: ParallelState
     # The engine's QuantizationConfig (None: unquantized); layers ask it for their method.
     quant_config: Any = None
+    # The CPU step path's GEMM (`--cpu-gemm`, tandem.layers.cpu_gemm): "auto" measures.
+    cpu_gemm: str = "auto"
 
     @staticmethod
     def single(

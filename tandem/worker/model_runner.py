@@ -114,6 +114,7 @@ class ModelRunner:
             parallel=self.parallel,
             # The engine's QuantizationConfig declares no method yet: unquantized.
             quant_config=None,
+            cpu_gemm=config.device.cpu_gemm,
         )
         torch.manual_seed(config.model.seed)
         self._model: CausalLM | None = build_model(

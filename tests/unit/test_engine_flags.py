@@ -64,6 +64,7 @@ NON_DEFAULT: dict[str, Any] = {
     "bitmask_threads": 2,
     "grammar_cache_size": 17,
     "cpu_cores": "0",
+    "cpu_gemm": "onednn",
     "cpu_adaptive_threads": False,
 }
 # Flags whose only valid value today is the default (checked to refuse others instead).
