@@ -14,10 +14,10 @@ MKL dispatches by CPU vendor: on AMD it runs its generic AVX2 kernels, at 60-90 
 core at the embedded model's shapes, where oneDNN's AVX-512 brgemm kernels reach 95-110; on
 Intel MKL runs its own AVX-512 / AMX kernels. So no fixed choice serves both, and each process
 measures (`choose_cpu_gemm`): for each weight shape and each token class (`TOKEN_CLASSES`: one
-row, a decode batch, a prefill chunk) every candidate runs a few products at the class's probe
-row count on random data of the weight's shape; the fastest wins. Choices are cached for the
-process by (shape, dtype, bias, thread count), so the 30 layers of one shape measure once, and
-logged. `CpuGemmPlan` holds one weight's choices and the packed copies they need.
+row, a decode batch, a prefill chunk) every candidate runs a few products, on one thread, at
+the class's probe row count on random data of the weight's shape; the fastest wins. Choices
+are cached for the process by (shape, dtype, bias), so the 30 layers of one shape measure
+once, and logged. `CpuGemmPlan` holds one weight's choices and the packed copies they need.
 
     load:  CpuPackedLinearMethod.process_weights_after_loading
              -> CpuGemmPlan(weight, has_bias)  -> choose_cpu_gemm(N, K, dtype, ...)   (cached)
@@ -187,15 +187,19 @@ class TokenClass:
 TOKEN_CLASSES: tuple[TokenClass, ...] = (
     TokenClass("single", 1, 1),  # one decode row: a matrix-vector product, memory bound
     TokenClass("decode", 128, 64),  # a decode batch
-    TokenClass("prefill", 1 << 62, 256),  # prompt chunks, big batches
+    TokenClass("prefill", 1 << 62, 128),  # prompt chunks, big batches
 )
 
-# The most floating-point operations one probe product may take (about 10 ms on one core): the
-# LM head's probes run fewer rows than the class's.
-_PROBE_FLOPS = 1 << 30
-# Timed products per candidate and class, after one untimed one; the minimum counts (the least
-# disturbed by other processes).
-_PROBE_REPS = 3
+# The most floating-point operations one probe product may take (about 5 ms on one core): the
+# LM head's probes run fewer rows than the class's (and its classes share one probe).
+_PROBE_FLOPS = 1 << 29
+# Each probe times every candidate in turn, round after round, for at least `_PROBE_MIN_S`
+# and `_PROBE_MIN_REPS` rounds, and stops at `_PROBE_MAX_REPS` rounds or past `_PROBE_MAX_S`
+# (one round at least); the minimum counts, the product least disturbed by other processes.
+_PROBE_MIN_REPS = 3
+_PROBE_MAX_REPS = 20
+_PROBE_MIN_S = 0.02
+_PROBE_MAX_S = 0.1
 
 
 def token_class_index(rows: int) -> int:
@@ -209,7 +213,7 @@ def token_class_index(rows: int) -> int:
 @dataclass(frozen=True)
 class GemmChoice:
     """The kernel each token class takes for one weight shape, and what was measured:
-    `timings[i]` maps kernel name -> seconds per product at class i's probe rows."""
+    `timings[i]` maps kernel name -> seconds per product at `probe_rows[i]` rows."""
 
     out_features: int
     in_features: int
@@ -236,50 +240,75 @@ def probe_rows(cls: TokenClass, out_features: int, in_features: int) -> int:
 
 @functools.cache
 def choose_cpu_gemm(
-    out_features: int, in_features: int, dtype: torch.dtype, has_bias: bool, num_threads: int
+    out_features: int, in_features: int, dtype: torch.dtype, has_bias: bool
 ) -> GemmChoice:
     """Measure every kernel that supports an `[out_features, in_features]` weight of `dtype`
-    at each token class's probe rows and pick the fastest per class. Cached per process;
-    `num_threads` (torch's, at the call) is part of the key, as the answer depends on it.
+    at each token class's probe rows and pick the fastest per class. Cached per process.
 
-    The data is random (a private generator: the global RNG is not drawn from); candidates
-    run in turn, round after round, so a burst of load from other processes falls on all."""
+    Measured on one thread: what differs between the libraries is their kernels' speed on
+    this CPU's cores, and a product split over threads waits at its barrier for a thread
+    another process has descheduled, which on a busy machine decides more than the kernel
+    (measured: 25-90 ms for a 0.5 ms product at a load average of 10 on two cores); on one
+    thread the product's CPU time is its own, descheduled or not. The data is random (a
+    private generator: the global RNG is not drawn from); the candidates run in turn, round
+    after round, so what other processes do to the caches falls on all of them."""
     gen = torch.Generator().manual_seed(0)
-    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)
-    bias = torch.randn(out_features, generator=gen).to(dtype) if has_bias else None
+    weight = torch.empty(out_features, in_features).uniform_(-0.05, 0.05, generator=gen)
+    weight = weight.to(dtype)
+    bias = torch.empty(out_features).uniform_(-1, 1, generator=gen).to(dtype) if has_bias else None
     kernels = [g for g in CPU_GEMMS.values() if g.supports(weight)]
-    packed = {g.name: g.pack(weight) for g in kernels}
-    chosen: list[str] = []
-    timings: list[dict[str, float]] = []
-    rows_measured: list[int] = []
-    for cls in TOKEN_CLASSES:
-        rows = probe_rows(cls, out_features, in_features)
-        x = torch.randn(rows, in_features, generator=gen).to(dtype)
-        best = {g.name: float("inf") for g in kernels}
-        for g in kernels:  # untimed: primitive creation, first touch of the packed weight
-            g.linear(x, weight, packed[g.name], bias)
-        for _ in range(_PROBE_REPS):
-            for g in kernels:
-                start = time.perf_counter()
-                g.linear(x, weight, packed[g.name], bias)
-                best[g.name] = min(best[g.name], time.perf_counter() - start)
-        # Ties (within timer noise) go to the earlier kernel in CPU_GEMMS: torch first.
-        chosen.append(min(kernels, key=lambda g: best[g.name]).name)
-        timings.append(best)
-        rows_measured.append(rows)
-    choice = GemmChoice(
-        out_features, in_features, dtype, tuple(chosen), tuple(timings), tuple(rows_measured)
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        packed = {g.name: g.pack(weight) for g in kernels}
+        by_rows: dict[int, dict[str, float]] = {}
+        for cls in TOKEN_CLASSES:
+            rows = probe_rows(cls, out_features, in_features)
+            if rows not in by_rows:
+                x = torch.empty(rows, in_features).uniform_(-1, 1, generator=gen).to(dtype)
+                by_rows[rows] = _probe(kernels, x, weight, packed, bias)
+    finally:
+        torch.set_num_threads(threads)
+    rows_measured = tuple(probe_rows(c, out_features, in_features) for c in TOKEN_CLASSES)
+    timings = tuple(by_rows[r] for r in rows_measured)
+    # Ties go to the earlier kernel in CPU_GEMMS (torch first).
+    chosen = tuple(min(kernels, key=lambda g, t=t: t[g.name]).name for t in timings)
+    choice = GemmChoice(out_features, in_features, dtype, chosen, timings, rows_measured)
     logger.info(
-        "CPU GEMM [%d, %d] %s%s, %d threads: %s",
+        "CPU GEMM [%d, %d] %s%s: %s",
         out_features,
         in_features,
         str(dtype).removeprefix("torch."),
         " + bias" if has_bias else "",
-        num_threads,
         choice.describe(),
     )
     return choice
+
+
+def _probe(
+    kernels: list[CpuGemm],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: dict[str, torch.Tensor | None],
+    bias: torch.Tensor | None,
+) -> dict[str, float]:
+    """Seconds per product of each kernel on `x` (the least of its timed runs), in this
+    thread's CPU time: on one thread that is the product's own time, whatever else runs."""
+    best = {g.name: float("inf") for g in kernels}
+    for g in kernels:  # untimed: primitive creation, first touch of the packed weight
+        g.linear(x, weight, packed[g.name], bias)
+    start = time.perf_counter()
+    for rep in range(_PROBE_MAX_REPS):
+        elapsed = time.perf_counter() - start
+        if rep > 0 and elapsed > _PROBE_MAX_S:
+            break
+        if rep >= _PROBE_MIN_REPS and elapsed > _PROBE_MIN_S:
+            break
+        for g in kernels:
+            t0 = time.thread_time()
+            g.linear(x, weight, packed[g.name], bias)
+            best[g.name] = min(best[g.name], time.thread_time() - t0)
+    return best
 
 
 # ---------------------------------------------------------------------------- per weight
@@ -298,9 +327,7 @@ class CpuGemmPlan:
         if weight.device.type != "cpu" or weight.dim() != 2:
             names = ("torch",) * len(TOKEN_CLASSES)
         elif cpu_gemm == "auto":
-            self.choice = choose_cpu_gemm(
-                weight.shape[0], weight.shape[1], weight.dtype, has_bias, torch.get_num_threads()
-            )
+            self.choice = choose_cpu_gemm(weight.shape[0], weight.shape[1], weight.dtype, has_bias)
             names = self.choice.kernels
         else:
             forced = cpu_gemm if CPU_GEMMS[cpu_gemm].supports(weight) else "torch"

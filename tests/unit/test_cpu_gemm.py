@@ -48,26 +48,31 @@ def cpu_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dty
 def test_every_gemm_equals_f_linear_at_model_shapes(shape: tuple[int, int]) -> None:
     n, k = shape
     gen = torch.Generator().manual_seed(7)
-    weight = torch.randn(n, k, generator=gen) * 0.05
-    bias = torch.randn(n, generator=gen)
+    weight = torch.empty(n, k).uniform_(-0.05, 0.05, generator=gen)
+    bias = torch.empty(n).uniform_(-1, 1, generator=gen)
     kernels = [g for g in CPU_GEMMS.values() if g.supports(weight)]
     assert {"torch", "onednn"} <= {g.name for g in kernels}  # oneDNN is in torch's x86 wheels
     assert ("mkl" in {g.name for g in kernels}) == cpu.has_packed_sgemm()
-    # A decode row, a decode batch, a prefill chunk (the LM head sees sampled rows only).
+    # A decode row, a decode batch, a prefill chunk (the LM head sees sampled rows only); the
+    # bias on one of them.
     row_counts = (1, 64) if n > 10_000 else (1, 64, 300)
+    cases = []
+    for rows in row_counts:
+        x = torch.empty(rows, k).uniform_(-1, 1, generator=gen)
+        b = bias if rows == 64 else None
+        cases.append((x, b, F.linear(x, weight, b)))
     for g in kernels:
         packed = g.pack(weight)
-        for rows in row_counts:
-            x = torch.randn(rows, k, generator=gen)
-            for b in (None, bias):
-                out = g.linear(x, weight, packed, b)
-                assert out.dtype == torch.float32 and out.shape == (rows, n)
-                # float32 throughout: only the summation order differs from F.linear's
-                torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=2e-5)
+        for x, b, ref in cases:
+            out = g.linear(x, weight, packed, b)
+            assert out.dtype == torch.float32 and out.shape == ref.shape
+            # float32 throughout: only the summation order differs from F.linear's
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
 
 
 def test_choice_is_measured_once_per_shape_and_reused(caplog: pytest.LogCaptureFixture) -> None:
     weight = torch.randn(72, 40)
+    threads = torch.get_num_threads()
     misses = choose_cpu_gemm.cache_info().misses
     with caplog.at_level(logging.INFO, logger=cpu_gemm.__name__):
         first = CpuGemmPlan(weight, has_bias=False)
@@ -85,10 +90,9 @@ def test_choice_is_measured_once_per_shape_and_reused(caplog: pytest.LogCaptureF
     assert set(first.packed) == set(choice.kernels)  # only the chosen kernels' copies
     logged = [r.getMessage() for r in caplog.records if "CPU GEMM [72, 40]" in r.getMessage()]
     assert len(logged) == 1 and all(cls.name in logged[0] for cls in TOKEN_CLASSES)
-    # Another thread count or dtype is another key.
-    assert choose_cpu_gemm(72, 40, torch.float32, False, 1) is not choose_cpu_gemm(
-        72, 40, torch.float32, True, 1
-    )
+    assert torch.get_num_threads() == threads  # measured on one thread, then restored
+    # A bias is another key.
+    assert choose_cpu_gemm(72, 40, torch.float32, True) is not first.choice
 
 
 def test_plan_routes_each_token_class_to_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
