@@ -324,8 +324,9 @@ class CpuGemmPlan:
             raise ValueError(f"unknown CPU GEMM {cpu_gemm!r}; known: {CPU_GEMM_CHOICES}")
         self.choice: GemmChoice | None = None
         names: tuple[str, ...]
-        if weight.device.type != "cpu" or weight.dim() != 2:
-            names = ("torch",) * len(TOKEN_CLASSES)
+        supported = [g for g in CPU_GEMMS.values() if g.supports(weight)]
+        if weight.device.type != "cpu" or weight.dim() != 2 or len(supported) == 1:
+            names = ("torch",) * len(TOKEN_CLASSES)  # nothing to measure
         elif cpu_gemm == "auto":
             self.choice = choose_cpu_gemm(weight.shape[0], weight.shape[1], weight.dtype, has_bias)
             names = self.choice.kernels
