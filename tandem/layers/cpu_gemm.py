@@ -197,6 +197,8 @@ _PROBE_FLOPS = 1 << 29
 # and `_PROBE_MIN_REPS` rounds, and stops at `_PROBE_MAX_REPS` rounds or past `_PROBE_MAX_S`
 # (one round at least); the minimum counts, the product least disturbed by other processes.
 _PROBE_MIN_REPS = 3
+# A kernel within this factor of a class's fastest counts as as fast (see `pick_kernels`).
+_NEAR = 1.1
 _PROBE_MAX_REPS = 20
 _PROBE_MIN_S = 0.02
 _PROBE_MAX_S = 0.1
@@ -271,8 +273,7 @@ def choose_cpu_gemm(
         torch.set_num_threads(threads)
     rows_measured = tuple(probe_rows(c, out_features, in_features) for c in TOKEN_CLASSES)
     timings = tuple(by_rows[r] for r in rows_measured)
-    # Ties go to the earlier kernel in CPU_GEMMS (torch first).
-    chosen = tuple(min(kernels, key=lambda g, t=t: t[g.name]).name for t in timings)
+    chosen = pick_kernels(timings)
     choice = GemmChoice(out_features, in_features, dtype, chosen, timings, rows_measured)
     logger.info(
         "CPU GEMM [%d, %d] %s%s: %s",
@@ -283,6 +284,27 @@ def choose_cpu_gemm(
         choice.describe(),
     )
     return choice
+
+
+def pick_kernels(timings: tuple[dict[str, float], ...]) -> tuple[str, ...]:
+    """The kernel of each token class from its measured `timings` (kernel -> seconds).
+
+    Each class takes its fastest kernel, except that a kernel within `_NEAR` of the fastest
+    is taken instead when it costs no extra copy of the weight: `torch` (the plain weight) or
+    a kernel a larger class already took. Classes are settled largest first (their products
+    are most of the work). So a weight holds at most one packed copy unless a second one is
+    worth more than `_NEAR`, and a near tie measured on a busy machine does not flip the
+    choice from one process to the next."""
+    chosen: list[str] = [""] * len(timings)
+    held: set[str] = {"torch"}
+    for i in reversed(range(len(timings))):
+        times = timings[i]
+        fastest = min(times, key=lambda name: (times[name], name != "torch"))
+        near = [name for name in times if times[name] <= times[fastest] * _NEAR]
+        cheap = [name for name in near if name in held]
+        chosen[i] = min(cheap, key=times.__getitem__) if cheap else fastest
+        held.add(chosen[i])
+    return tuple(chosen)
 
 
 def _probe(
