@@ -228,14 +228,18 @@ def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
     kwargs = engine_kwargs_from(ns)
+    # One engine per dtype and --cpu-gemms entry: "float32", or "float32_mkl" with several.
+    gemms = _csv(ns.cpu_gemms) or [ns.cpu_gemm]
     engines: dict[str, Any] = {}
     for dtype in dtypes:
-        t0 = time.perf_counter()
-        llm = LLM(model=str(model_path), **{**kwargs, "dtype": dtype})
-        # Warm-up on a couple of prompts (allocator, kernels).
-        llm.generate(requests[:2], params.clone(max_tokens=4), use_tqdm=False)
-        engines[dtype] = llm
-        print(f"tandem {dtype} loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+        for gemm in gemms:
+            label = dtype if len(gemms) == 1 else f"{dtype}_{gemm}"
+            t0 = time.perf_counter()
+            llm = LLM(model=str(model_path), **{**kwargs, "dtype": dtype, "cpu_gemm": gemm})
+            # Warm-up on a couple of prompts (allocator, kernels).
+            llm.generate(requests[:2], params.clone(max_tokens=4), use_tqdm=False)
+            engines[label] = llm
+            print(f"tandem {label} loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     hf_model = None
     if not ns.skip_peer:
         from tandem.models.presets import load_transformers_model
@@ -255,19 +259,21 @@ def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
                 print(f"{name} loaded in {time.perf_counter() - t0:.1f} s", flush=True)
         for r in range(ns.rounds):
             row: dict[str, Any] = {"load_average": os.getloadavg()}
-            for dtype, llm in engines.items():
+            for label, llm in engines.items():
                 llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
                 t0 = time.perf_counter()
                 outs = llm.generate(requests, params, use_tqdm=False)
                 elapsed = time.perf_counter() - t0
                 n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-                tandem_ids[dtype] = [list(o.outputs[0].token_ids) for o in outs]
-                row[f"tandem_{dtype}"] = {
+                tandem_ids.setdefault(
+                    label.split("_")[0], [list(o.outputs[0].token_ids) for o in outs]
+                )
+                row[f"tandem_{label}"] = {
                     "elapsed_s": elapsed,
                     "output_tokens": n_out,
                     "output_tokens_per_s": n_out / elapsed,
                 }
-                print(f"[{r}] tandem {dtype}: {n_out / elapsed:8.1f} output tok/s", flush=True)
+                print(f"[{r}] tandem {label}: {n_out / elapsed:8.1f} output tok/s", flush=True)
             if hf_model is not None:
                 row["transformers_float32"] = _transformers_run(hf_model, prompts, ns.output_len)
                 tps = row["transformers_float32"]["output_tokens_per_s"]
@@ -302,13 +308,18 @@ def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def _ratios(row: dict[str, Any]) -> dict[str, float]:
-    """tandem (each dtype) over every peer of the row."""
+    """tandem (each dtype and GEMM) over every peer of the row, and with several
+    `--cpu-gemms`, each tandem engine over the last one of its dtype (the A/B)."""
     out: dict[str, float] = {}
-    peers = [k for k, v in row.items() if isinstance(v, dict) and not k.startswith("tandem_")]
-    for name, system in row.items():
+    systems = [k for k, v in row.items() if isinstance(v, dict)]
+    peers = [k for k in systems if not k.startswith("tandem_")]
+    for name in systems:
         if not name.startswith("tandem_"):
             continue
-        for peer in peers:
+        system = row[name]
+        same_dtype = [k for k in systems if k.split("_")[:2] == name.split("_")[:2]]
+        baseline = [same_dtype[-1]] if len(same_dtype) > 1 and name != same_dtype[-1] else []
+        for peer in peers + baseline:
             tps = row[peer]["output_tokens_per_s"]
             out[f"{name}/{peer}"] = system["output_tokens_per_s"] / tps
     return out
@@ -358,6 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c = p.add_argument_group("CPU comparison (interleaved rounds)")
     c.add_argument("--dtypes", default="", help="tandem's dtypes, e.g. float32,bfloat16 (--dtype)")
+    c.add_argument(
+        "--cpu-gemms",
+        default="",
+        help="one tandem engine per entry, e.g. auto,mkl (--cpu-gemm), timed in turn: the A/B",
+    )
     c.add_argument("--rounds", type=int, default=3, help="timed rounds, systems interleaved")
     c.add_argument(
         "--peer-dir",

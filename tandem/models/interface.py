@@ -39,6 +39,8 @@ class ModelContext:
     quant_config: Any = None
     # MoE layers: experts spread whole over the EP group (else split like the MLPs over TP).
     enable_expert_parallel: bool = False
+    # The CPU step path's GEMM (`--cpu-gemm`, tandem.layers.cpu_gemm): "auto" measures.
+    cpu_gemm: str = "auto"
 
     @staticmethod
     def single(

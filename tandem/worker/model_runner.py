@@ -136,6 +136,7 @@ class ModelRunner:
             # is made, for a scheme not implemented or a device that cannot run it.
             quant_config=resolve_quant_config(config.quantization.quantization, hf_config, device),
             enable_expert_parallel=config.parallel.enable_expert_parallel,
+            cpu_gemm=config.device.cpu_gemm,
         )
         torch.manual_seed(config.model.seed)
         self._model: CausalLM | None = build_model(

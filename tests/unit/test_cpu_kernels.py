@@ -187,63 +187,6 @@ def test_cpu_packed_linear_equals_f_linear(rows: int) -> None:
     torch.testing.assert_close(out, F.linear(wide[:, :40], w), rtol=1e-5, atol=1e-5)
 
 
-def cpu_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
-    """A linear layer of the CPU step path: the CPU packed method behind the quant hook."""
-    from tandem.layers.attention import get_attention_backend
-    from tandem.layers.linear import ReplicatedLinear
-    from tandem.layers.quantization import CpuPackedLinearMethod
-    from tandem.models.interface import ModelContext
-
-    ctx = ModelContext.single(dtype, torch.device("cpu"), get_attention_backend("cpu"))
-    layer = ReplicatedLinear(in_features, out_features, bias, ctx)
-    assert isinstance(layer.quant_method, CpuPackedLinearMethod)
-    return layer
-
-
-def test_cpu_step_path_packs_float32_weights() -> None:
-    from tandem.layers.cpu_gemm import PACKED_MIN_ROWS
-
-    layer = cpu_linear(40, 96, True, torch.float32)
-    torch.nn.init.normal_(layer.weight)
-    torch.nn.init.normal_(layer.bias)
-    layer.quant_method.process_weights_after_loading(layer)
-    assert (layer.cpu_packed_weight is not None) == cpu.has_packed_sgemm()
-    for rows in (PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 100):
-        x = torch.randn(rows, 40)
-        torch.testing.assert_close(
-            layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
-        )
-    half = cpu_linear(40, 96, False, torch.float16)
-    half.quant_method.process_weights_after_loading(half)
-    assert half.cpu_packed_weight is None
-
-
-@pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 on this CPU"
-)
-def test_cpu_step_path_packs_bf16_weights_for_onednn() -> None:
-    gen = torch.Generator().manual_seed(4)
-    layer = cpu_linear(64, 96, True, torch.bfloat16)
-    layer.weight.data.copy_(torch.randn(96, 64, generator=gen))
-    layer.bias.data.copy_(torch.randn(96, generator=gen))  # type: ignore[union-attr]
-    layer.quant_method.process_weights_after_loading(layer)
-    assert layer.cpu_packed_weight is not None
-    assert layer.cpu_packed_weight.layout == torch._mkldnn
-    for rows in (1, 7, 64, 300):
-        x = torch.randn(rows, 64, generator=gen).bfloat16()
-        out = layer(x)
-        assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
-        # Both accumulate in float32 and round once; only the summation order may differ.
-        ref = x.float() @ layer.weight.float().T + layer.bias.float()  # type: ignore[union-attr]
-        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=2e-2)
-    # Rows the packed path does not take (none; a strided view) still give F.linear's answer.
-    assert layer(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 96)
-    wide = torch.randn(5, 128, generator=gen).bfloat16()
-    torch.testing.assert_close(
-        layer(wide[:, :64]), torch.nn.functional.linear(wide[:, :64], layer.weight, layer.bias)
-    )
-
-
 def test_bind_threads_pins_each_thread() -> None:
     import os
 

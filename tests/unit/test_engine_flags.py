@@ -65,6 +65,7 @@ NON_DEFAULT: dict[str, Any] = {
     "bitmask_threads": 2,
     "grammar_cache_size": 17,
     "cpu_cores": "0",
+    "cpu_gemm": "onednn",
     "cpu_adaptive_threads": False,
     # Only the form is checked until an engine loads it.
     "logits_processors": ("some.module:SomeProcessor", "other.module:Other"),

@@ -170,7 +170,7 @@ def get_quant_method(ctx: ModelContext, layer: nn.Module, prefix: str = "") -> L
     if ctx.cpu_kernels:
         from tandem.layers.quantization.cpu import CpuPackedLinearMethod
 
-        return CpuPackedLinearMethod()
+        return CpuPackedLinearMethod(ctx.cpu_gemm)
     from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
 
     return UnquantizedLinearMethod()

@@ -1,0 +1,203 @@
+"""The CPU step path's GEMMs (tandem.layers.cpu_gemm): every candidate equals `F.linear` at
+the embedded model's shapes, the measured choice is made once per shape and reused, and the
+CPU linear method routes each product to its token class's kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.config import ConfigError, DeviceConfig
+from tandem.layers import cpu_gemm
+from tandem.layers.cpu_gemm import (
+    CPU_GEMMS,
+    TOKEN_CLASSES,
+    CpuGemmPlan,
+    GemmChoice,
+    choose_cpu_gemm,
+    onednn_bf16,
+    pick_kernels,
+    token_class_index,
+)
+from tandem_kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the extension")
+
+# SmolLM2-135M's weights [out, in]: QKV (9 + 2 * 3 heads of 64), o_proj, gate_up, down, LM head.
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
+def cpu_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, gemm: str):
+    """A linear layer of the CPU step path: the CPU packed method behind the quant hook."""
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.linear import ReplicatedLinear
+    from tandem.layers.quantization import CpuPackedLinearMethod
+    from tandem.models.interface import ModelContext
+
+    single = ModelContext.single(dtype, torch.device("cpu"), get_attention_backend("cpu"))
+    ctx = dataclasses.replace(single, cpu_gemm=gemm)
+    layer = ReplicatedLinear(in_features, out_features, bias, ctx)
+    assert isinstance(layer.quant_method, CpuPackedLinearMethod)
+    return layer
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_gemm_equals_f_linear_at_model_shapes(shape: tuple[int, int]) -> None:
+    n, k = shape
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.empty(n, k).uniform_(-0.05, 0.05, generator=gen)
+    bias = torch.empty(n).uniform_(-1, 1, generator=gen)
+    kernels = [g for g in CPU_GEMMS.values() if g.supports(weight)]
+    assert {"torch", "onednn"} <= {g.name for g in kernels}  # oneDNN is in torch's x86 wheels
+    assert ("mkl" in {g.name for g in kernels}) == cpu.has_packed_sgemm()
+    # A decode row, a decode batch, a prefill chunk (the LM head sees sampled rows only); the
+    # bias on one of them.
+    row_counts = (1, 64) if n > 10_000 else (1, 64, 300)
+    cases = []
+    for rows in row_counts:
+        x = torch.empty(rows, k).uniform_(-1, 1, generator=gen)
+        b = bias if rows == 64 else None
+        cases.append((x, b, F.linear(x, weight, b)))
+    for g in kernels:
+        packed = g.pack(weight)
+        for x, b, ref in cases:
+            out = g.linear(x, weight, packed, b)
+            assert out.dtype == torch.float32 and out.shape == ref.shape
+            # float32 throughout: only the summation order differs from F.linear's
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
+
+
+def test_choice_is_measured_once_per_shape_and_reused(caplog: pytest.LogCaptureFixture) -> None:
+    weight = torch.randn(72, 40)
+    threads = torch.get_num_threads()
+    misses = choose_cpu_gemm.cache_info().misses
+    with caplog.at_level(logging.INFO, logger=cpu_gemm.__name__):
+        first = CpuGemmPlan(weight, has_bias=False)
+        second = CpuGemmPlan(torch.randn(72, 40), has_bias=False)
+    assert choose_cpu_gemm.cache_info().misses == misses + 1  # the second plan reused it
+    assert first.choice is second.choice
+    choice = first.choice
+    assert isinstance(choice, GemmChoice)
+    supported = {g.name for g in CPU_GEMMS.values() if g.supports(weight)}
+    assert len(choice.kernels) == len(TOKEN_CLASSES) == len(choice.timings)
+    for kernel, times in zip(choice.kernels, choice.timings, strict=True):
+        assert set(times) == supported and all(t > 0 for t in times.values())
+        assert times[kernel] <= min(times.values()) * 1.1  # the fastest, or as good as it
+    assert first.kernel_names == choice.kernels
+    assert set(first.packed) == set(choice.kernels)  # only the chosen kernels' copies
+    logged = [r.getMessage() for r in caplog.records if "CPU GEMM [72, 40]" in r.getMessage()]
+    assert len(logged) == 1 and all(cls.name in logged[0] for cls in TOKEN_CLASSES)
+    assert torch.get_num_threads() == threads  # measured on one thread, then restored
+    # A bias is another key.
+    assert choose_cpu_gemm(72, 40, torch.float32, True) is not first.choice
+
+
+def test_plan_routes_each_token_class_to_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [token_class_index(r) for r in (0, 1, 2, 64, 128, 129, 4096)] == [0, 0, 1, 1, 1, 2, 2]
+    names = ("mkl", "onednn", "torch") if cpu.has_packed_sgemm() else ("onednn", "torch", "torch")
+    fixed = GemmChoice(96, 40, torch.float32, names, ({}, {}, {}), (1, 64, 256))
+    monkeypatch.setattr(cpu_gemm, "choose_cpu_gemm", lambda *args: fixed)
+    gen = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    plan = CpuGemmPlan(weight, has_bias=True)
+    assert [plan.kernel_for(r).name for r in (1, 64, 1000)] == list(names)
+    calls: list[str] = []
+    for g in CPU_GEMMS.values():
+        monkeypatch.setattr(
+            g, "linear", lambda *a, _g=g, _f=g.linear: calls.append(_g.name) or _f(*a)
+        )
+    for rows, name in ((1, names[0]), (64, names[1]), (1000, names[2])):
+        calls.clear()
+        x = torch.randn(rows, 40, generator=gen)
+        torch.testing.assert_close(plan.linear(x, weight, bias), F.linear(x, weight, bias))
+        assert calls == [name]
+    # Inputs a kernel cannot read (a strided view for oneDNN, 3-D rows) take F.linear.
+    wide = torch.randn(64, 80, generator=gen)[:, :40]
+    torch.testing.assert_close(plan.linear(wide, weight, bias), F.linear(wide, weight, bias))
+    x3 = torch.randn(2, 3, 40, generator=gen)
+    torch.testing.assert_close(plan.linear(x3, weight, None), F.linear(x3, weight))
+
+
+def test_pick_kernels_prefers_a_copy_already_held() -> None:
+    def ms(torch_: float, mkl: float, onednn: float) -> dict[str, float]:
+        return {"torch": torch_ * 1e-3, "mkl": mkl * 1e-3, "onednn": onednn * 1e-3}
+
+    # Clear winners each keep their own kernel.
+    assert pick_kernels((ms(1, 2, 3), ms(3, 1, 2), ms(3, 2, 1))) == ("torch", "mkl", "onednn")
+    # A near tie (within 10%) goes to the plain weight or a copy a larger class holds...
+    assert pick_kernels((ms(1.05, 1.0, 1.08), ms(2, 2, 1), ms(4, 4, 2))) == (
+        "torch",
+        "onednn",
+        "onednn",
+    )
+    assert pick_kernels((ms(1.3, 1.0, 1.08), ms(2, 2, 1), ms(4, 4, 2))) == (
+        "onednn",
+        "onednn",
+        "onednn",
+    )
+    # ...but a second copy that is worth more than that is made.
+    assert pick_kernels((ms(1.3, 1.0, 1.2), ms(2, 2, 1), ms(4, 4, 2))) == (
+        "mkl",
+        "onednn",
+        "onednn",
+    )
+
+
+@pytest.mark.parametrize("gemm", ["auto", "torch", "mkl", "onednn"])
+def test_cpu_linear_method_equals_f_linear(gemm: str) -> None:
+    layer = cpu_linear(40, 96, True, torch.float32, gemm)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(5, 40)
+    before = layer(x)  # before loading finishes: no plan, F.linear
+    torch.testing.assert_close(before, F.linear(x, layer.weight, layer.bias))
+    layer.quant_method.process_weights_after_loading(layer)
+    plan = layer.cpu_gemm_plan
+    if gemm != "auto":
+        expected = "torch" if gemm == "mkl" and not cpu.has_packed_sgemm() else gemm
+        assert plan.kernel_names == (expected,) * len(TOKEN_CLASSES)
+    for rows in (0, 1, 15, 16, 100, 300):
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_cpu_linear_method_keeps_half_on_f_linear() -> None:
+    # No packed kernel takes float16 weights: every class falls to F.linear.
+    half = cpu_linear(40, 96, False, torch.float16, "mkl")
+    half.quant_method.process_weights_after_loading(half)
+    assert half.cpu_gemm_plan.kernel_names == ("torch",) * len(TOKEN_CLASSES)
+    assert half.cpu_gemm_plan.packed == {"torch": None}
+
+
+@pytest.mark.skipif(not onednn_bf16(), reason="oneDNN has no bf16 on this CPU")
+def test_cpu_linear_method_bf16_through_onednn() -> None:
+    gen = torch.Generator().manual_seed(4)
+    layer = cpu_linear(64, 96, True, torch.bfloat16, "onednn")
+    layer.weight.data.copy_(torch.randn(96, 64, generator=gen))
+    layer.bias.data.copy_(torch.randn(96, generator=gen))  # type: ignore[union-attr]
+    layer.quant_method.process_weights_after_loading(layer)
+    packed = layer.cpu_gemm_plan.packed["onednn"]
+    assert packed is not None and packed.layout == torch._mkldnn
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        out = layer(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+        # Both accumulate in float32 and round once; only the summation order may differ.
+        ref = x.float() @ layer.weight.float().T + layer.bias.float()  # type: ignore[union-attr]
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=2e-2)
+    # Rows the packed path does not take (none; a strided view) still give F.linear's answer.
+    assert layer(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 96)
+    wide = torch.randn(5, 128, generator=gen).bfloat16()
+    torch.testing.assert_close(
+        layer(wide[:, :64]), F.linear(wide[:, :64], layer.weight, layer.bias)
+    )
+
+
+def test_cpu_gemm_flag_is_checked() -> None:
+    assert DeviceConfig(cpu_gemm="onednn").cpu_gemm == "onednn"
+    with pytest.raises(ConfigError, match="cpu_gemm"):
+        DeviceConfig(cpu_gemm="blas")  # type: ignore[arg-type]
