@@ -59,6 +59,9 @@ from tandem.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+# How often the engine reads its MoE layers' expert load from the device (EngineStats).
+EXPERT_LOAD_PERIOD_S = 1.0
+
 
 # Young-generation collections every 700 allocations cost more than the steps' own work at
 # a thousand running requests (each step allocates lists and messages per request); engine
@@ -98,6 +101,9 @@ class EngineStats:
     # Speculative decoding (None without): drafts, accepted tokens, acceptance by position,
     # and the verify steps by how they ran (`num_verify_steps`).
     spec_decoding: SpecDecodingStats | None = None
+    # MoE models (None without): tokens routed to each expert of each MoE layer since start,
+    # `[layers][experts]`, read from the device at most every EXPERT_LOAD_PERIOD_S.
+    expert_load: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,12 @@ class EngineCore:
             stop_token_ids=eos_ids,
             pin_memory=self.executor.device.type == "cuda",
         )
+        text = getattr(hf_config, "text_config", None) or hf_config
+        self._has_experts = bool(
+            getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0)
+        )
+        self._expert_load_total: tuple[tuple[int, ...], ...] | None = None
+        self._expert_load_read_at = float("-inf")
         # The launched step whose tokens have not been applied yet (async scheduling only).
         self._pending: tuple[SchedulerOutput, LaunchedStep] | None = None
         # Whether the last `step()` launched or finished any work.
@@ -366,6 +378,26 @@ class EngineCore:
 
     # ----------------------------------------------------------------- stats
 
+    def _expert_load(self) -> tuple[tuple[int, ...], ...] | None:
+        """The totals of expert load, topped up from the device at most every
+        EXPERT_LOAD_PERIOD_S (stats ride on every step's frame: reading each time would wait
+        for the device every step)."""
+        if not self._has_experts or self._shut_down:
+            return self._expert_load_total
+        now = time.monotonic()
+        if now - self._expert_load_read_at >= EXPERT_LOAD_PERIOD_S:
+            self._expert_load_read_at = now
+            delta = self.executor.take_expert_load()
+            if delta is not None:
+                old = self._expert_load_total
+                self._expert_load_total = tuple(
+                    tuple(
+                        a + b for a, b in zip(row, old[i] if old else [0] * len(row), strict=True)
+                    )
+                    for i, row in enumerate(delta)
+                )
+        return self._expert_load_total
+
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
         return EngineStats(
@@ -381,6 +413,7 @@ class EngineCore:
             num_reserved=len(self.scheduler.reserved),
             async_scheduling=self.async_scheduling,
             spec_decoding=s.spec_decoding,
+            expert_load=self._expert_load(),
         )
 
     def pool_state(self) -> PoolState:

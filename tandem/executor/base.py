@@ -122,6 +122,11 @@ class Executor(ABC):
         """Wait until every launched step finished on every rank's device."""
 
     @abstractmethod
+    def take_expert_load(self) -> list[list[int]] | None:
+        """Tokens routed to each expert of each MoE layer since the last call, every layer of
+        the model in order (`[layers][experts]`; None without MoE layers). Between steps."""
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Free every rank's KV cache, graphs and weights (idempotent)."""
 

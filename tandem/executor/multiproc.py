@@ -510,6 +510,17 @@ class MultiprocExecutor(Executor):
             return False
         return self._next_seq - 1 > max(self._last_output_seq, self._synced_seq)
 
+    def take_expert_load(self) -> list[list[int]] | None:
+        # Every TP rank routes every token of its stage: the first TP rank of each stage
+        # holds that stage's layers' load; stages in order give the whole model's.
+        par = self.config.parallel
+        tp = par.tensor_parallel_size
+        firsts = [stage * tp for stage in range(par.pipeline_parallel_size)]
+        parts = self.collective_rpc("take_expert_load", ranks=firsts)
+        if all(p is None for p in parts):
+            return None
+        return [row for part in parts if part is not None for row in part]
+
     def synchronize(self) -> None:
         self.collective_rpc("synchronize")
         self._synced_seq = self._next_seq - 1

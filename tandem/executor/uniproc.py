@@ -71,6 +71,9 @@ class UniprocExecutor(Executor):
     def synchronize(self) -> None:
         self.driver_worker.synchronize()
 
+    def take_expert_load(self) -> list[list[int]] | None:
+        return self.driver_worker.take_expert_load()
+
     def shutdown(self) -> None:
         if self._shut_down:
             return

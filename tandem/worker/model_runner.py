@@ -442,6 +442,15 @@ class ModelRunner:
         idx = self.staging.to_device(inp.logits_indices, torch.int64)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
+    def take_expert_load(self) -> list[list[int]] | None:
+        """Tokens routed to each expert of each of this stage's MoE layers since the last call
+        (`[layers][experts]`, the counters reset; None without MoE layers). Reads the device:
+        call it between steps."""
+        from tandem.layers.moe import take_expert_load
+
+        load = take_expert_load(self.model)
+        return None if load is None else load.tolist()
+
     def synchronize(self) -> None:
         """Wait until every launched step has finished on the device."""
         if self.device.type == "cuda":

@@ -192,6 +192,9 @@ class Worker:
     def synchronize(self) -> None:
         self.model_runner.synchronize()
 
+    def take_expert_load(self) -> list[list[int]] | None:
+        return self.model_runner.take_expert_load()
+
     # ----------------------------------------------------------------- shutdown
 
     def shutdown(self) -> None:

@@ -12,6 +12,8 @@
     tandem_worker_spec_decode_num_drafts_total, ..._num_draft_tokens_total,
     ..._num_accepted_tokens_total, ..._num_accepted_tokens_per_pos_total{position}
                                                speculative decoding (only when it is on)
+    tandem_worker_moe_expert_tokens_total{layer,expert}    tokens routed to each expert of
+                                               each MoE layer (MoE models only)
     tandem_kv_transfer_bytes_total{direction,transport}    sent | received; tcp, cuda_ipc, nccl
     tandem_kv_transfer_duration_seconds{direction,transport}   one request's prompt KV
 
@@ -135,6 +137,17 @@ class WorkerMetrics:
         spec = getattr(stats, "spec_decoding", None)
         if spec is not None:
             yield from spec_decode_families(spec, labels)
+        load = getattr(stats, "expert_load", None)
+        if load is not None:
+            family = CounterMetricFamily(
+                "tandem_worker_moe_expert_tokens",
+                "Tokens routed to each expert of each MoE layer (layer: the MoE layers' order).",
+                labels=[*labels, "layer", "expert"],
+            )
+            for layer, row in enumerate(load):
+                for expert, value in enumerate(row):
+                    family.add_metric([*labels.values(), str(layer), str(expert)], value)
+            yield family
 
 
 def spec_decode_families(spec: Any, labels: dict[str, str]) -> Iterator[Metric]:

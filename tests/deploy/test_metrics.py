@@ -68,6 +68,7 @@ def fake_worker_metrics(role: str = "prefill") -> WorkerMetrics:
         num_preemptions=1,
         num_held=1,
         num_reserved=0,
+        expert_load=((5, 0, 3), (1, 6, 1)),
     )
     metrics.bind(SimpleNamespace(requests=requests), SimpleNamespace(latest_stats=stats))  # type: ignore[arg-type]
     return metrics
@@ -129,6 +130,9 @@ def test_worker_collector_reads_engine_and_requests() -> None:
     assert sample(r, "tandem_worker_prefix_cache_hit_tokens_total", **role) == 50
     assert sample(r, "tandem_worker_prefix_cache_queried_tokens_total", **role) == 200
     assert sample(r, "tandem_worker_preemptions_total", **role) == 1
+    moe = "tandem_worker_moe_expert_tokens_total"
+    assert sample(r, moe, layer="0", expert="0", **role) == 5
+    assert sample(r, moe, layer="1", expert="1", **role) == 6
 
 
 def test_decode_requests_are_not_pending_prefill() -> None:

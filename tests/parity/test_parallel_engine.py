@@ -216,3 +216,34 @@ def test_two_hosts_meet_at_the_rendezvous(tiny_model_path) -> None:
         if follower.poll() is None:
             follower.kill()
             follower.wait()
+
+
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2}])
+def test_expert_load_counts_every_routed_token(layout: dict[str, Any], tiny_model_path) -> None:
+    """Engine stats carry the tokens routed to each expert of each MoE layer: every forwarded
+    token goes to top_k experts of every layer (the prompts, then each output token but the
+    last), in one rank or read from the ranks of a TP engine."""
+    from transformers import AutoConfig
+
+    path = tiny_model_path("mixtral")
+    hf = AutoConfig.from_pretrained(path)
+    llm = _llm(path, **layout)
+    try:
+        assert llm.engine.stats().expert_load == tuple(
+            (0,) * hf.num_local_experts for _ in range(hf.num_hidden_layers)
+        )
+        _generate(llm)
+        llm.engine._expert_load_read_at = float("-inf")  # read now, not a second later
+        load = llm.engine.stats().expert_load
+        assert load is not None and len(load) == hf.num_hidden_layers
+        forwarded = sum(len(p) for p in PROMPTS) + len(PROMPTS) * (MAX_TOKENS - 1)
+        for row in load:
+            assert len(row) == hf.num_local_experts
+            assert sum(row) == hf.num_experts_per_tok * forwarded
+    finally:
+        llm.shutdown()
+    dense = _llm(tiny_model_path("llama"))
+    try:
+        assert dense.engine.stats().expert_load is None
+    finally:
+        dense.shutdown()
