@@ -551,13 +551,16 @@ def _state(req_id: str, output: list[int], params: SamplingParams) -> CachedRequ
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_verify_rows_follow_the_drafts_before_them(temperature: float) -> None:
+    check_verify_rows(torch.device("cpu"), temperature)
+
+
+def check_verify_rows(device: torch.device, temperature: float) -> None:
     """Each verified row is processed as if the drafts before it were emitted: the bad word
     (2, 3) completes inside the drafts and is banned at that row, as is (2, 3, 4) whose first
     token ends the output; the custom processor forces
     its request's token at every position (beside a request verifying no drafts);
     logit_bias and allowed_token_ids hold at every row."""
     vocab = 10
-    device = torch.device("cpu")
     procs = LogitsProcessors([ForceTokenProcessor], None, device, vocab)
     sampler = StepSampler(device, vocab, 4, logits_processors=procs)
     p = SamplingParams(temperature=temperature, seed=0, max_tokens=8)
@@ -592,13 +595,14 @@ def test_verify_rows_follow_the_drafts_before_them(temperature: float) -> None:
             logits[row, token] = value
     for state in states:
         state.generator = sampler.new_generator(state.sampling_params, 0)
+    logits, device_drafts = logits.to(device), torch.tensor(drafts, device=device)
     step = sampler.sample_speculative(
-        logits, states, num_draft, torch.tensor(drafts), host_draft_token_ids=drafts
+        logits, states, num_draft, device_drafts, host_draft_token_ids=drafts
     )
     emitted = [[t for t in row if t >= 0] for row in step.sampled.tolist()]
     assert emitted == [[2, 5], [6, 6, 6], [7], [8, 9], [3, 6]]
     # The device drafts are read back when the host copy is not given.
-    again = sampler.sample_speculative(logits, states, num_draft, torch.tensor(drafts))
+    again = sampler.sample_speculative(logits, states, num_draft, device_drafts)
     assert [[t for t in row if t >= 0] for row in again.sampled.tolist()] == emitted
 
 
