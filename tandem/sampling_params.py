@@ -296,6 +296,18 @@ class SamplingParams:
         )
 
     @property
+    def reads_output_counts(self) -> bool:
+        """Penalties or min_tokens: the sampler reads the output's token counts or length,
+        which a speculative verify step does not extend over the drafts (so such a request
+        verifies none). Bad words follow the drafts (tandem.layers.logits_processors)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
+
+    @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

@@ -626,10 +626,11 @@ class Scheduler:
 
     def _next_drafts(self, request: Request, proposed: list[int]) -> list[int]:
         """The drafts `request` verifies in its next step: at most `num_spec_tokens`, none past
-        max_tokens (a step emits up to 1 + drafts tokens), none for a request whose sampling
-        reads its output history (structured outputs, penalties, min_tokens) or has logits
-        rules (logit_bias, allowed_token_ids, bad_words: not applied to drafts yet), none while
-        `disable_by_batch_size` requests or more run, none while the request backs off."""
+        max_tokens (a step emits up to 1 + drafts tokens), none for a structured request or one
+        whose sampling reads its output counts (penalties, min_tokens), none while
+        `disable_by_batch_size` requests or more run, none while the request backs off.
+        Logits processors (logit_bias, allowed_token_ids, bad words, custom) apply at every
+        verified position (tandem.layers.logits_processors.speculative)."""
         if not self.num_spec_tokens:
             return []
         if request.spec_skip_steps:
@@ -639,7 +640,7 @@ class Scheduler:
         if not proposed or (limit and len(self.running) >= limit):
             return []
         params = request.sampling_params
-        if request.grammar is not None or params.needs_output_history or params.has_logits_rules:
+        if request.grammar is not None or params.reads_output_counts:
             return []
         k = self.num_spec_tokens
         if params.max_tokens is not None:

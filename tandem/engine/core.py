@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import ConfigError, EngineConfig
+from tandem.config import EngineConfig
 from tandem.core.outputs import EngineCoreOutput, GrammarBitmask, SchedulerOutput
 from tandem.core.scheduler import Scheduler
 from tandem.core.spec_decode_stats import SpecDecodingStats
@@ -151,11 +151,6 @@ class EngineCore:
 
         # Custom logits processor classes: a ConfigError here, before the model loads, when
         # one does not load; each request's params are checked by them (`validate_params`).
-        if config.speculative.method is not None and config.sampler.logits_processors:
-            raise ConfigError(
-                "logits_processors and speculative_config together: custom processors are not "
-                "applied to speculative verify steps yet; use one or the other"
-            )
         self.logits_processor_classes = load_logits_processors(config.sampler.logits_processors)
 
         t0 = time.perf_counter()

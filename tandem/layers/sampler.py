@@ -324,12 +324,16 @@ class Sampler(nn.Module):
             logits = apply_penalties(logits, metadata)
         return logits
 
-    def sampling_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def sampling_probs(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, processed: bool = False
+    ) -> torch.Tensor:
         """[B, V] the distribution each row samples from (one-hot at the argmax on greedy rows).
+        `processed`: `logits` already went through `process_logits` (float32).
 
-        For tests and diagnostics; `forward` never normalises after min-p.
+        For tests, diagnostics and the rejection sampler; `forward` never normalises after
+        min-p.
         """
-        logits = self.process_logits(logits.float(), metadata)
+        logits = logits if processed else self.process_logits(logits.float(), metadata)
         greedy = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         if metadata.all_greedy:
             return greedy

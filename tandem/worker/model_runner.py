@@ -542,7 +542,7 @@ class ModelRunner:
                     np.asarray(inp.draft_token_ids, dtype=np.int64), torch.int64
                 )
                 sampled = self.sampler.sample_speculative(
-                    logits, states, inp.num_draft, drafts, grammar
+                    logits, states, inp.num_draft, drafts, grammar, inp.draft_token_ids
                 )
             else:
                 sampled = self.sampler.sample(logits, states, grammar)

@@ -12,7 +12,8 @@ its results back:
   logits first), the sampler, and on CUDA an asynchronous
   copy of the sampled ids into a pinned host buffer with an event after it;
 - `StepSampler.sample_speculative`: a step that verifies draft tokens (k_i + 1 logits rows
-  per sampled request): the distributions of every row, the seeded requests' draws from their
+  per sampled request): the distributions of every row (after the logits processors, each
+  row as if the drafts before it had been emitted), the seeded requests' draws from their
   own generators, and `tandem.spec_decode.rejection_sampler` on the device;
 - `PendingStep`: a launched step; `result()` waits for its ids only, appends them to the
   request states (1 + accepted drafts per request under speculation) and asks the proposer
@@ -135,12 +136,16 @@ class StepSampler:
         num_draft: list[int],
         draft_token_ids: torch.Tensor,
         grammar: GrammarBitmask | None = None,
+        host_draft_token_ids: Sequence[int] | None = None,
     ) -> SampledStep:
         """Verify drafts: `logits` has k_i + 1 rows for states[i] (k_i = num_draft[i]; the
         rows of its draft positions, then the bonus row), `draft_token_ids` the drafts in that
-        order. Rejection sampling on the device (see `tandem.spec_decode.rejection_sampler`);
-        logprobs of every emitted token. `grammar`'s rows (structured requests, which never
-        carry drafts: one row each) sample only the tokens its bitmask allows."""
+        order (`host_draft_token_ids`: the same on the host; read back when not given).
+        Rejection sampling on the device (see `tandem.spec_decode.rejection_sampler`) of the
+        processed distributions: every logits processor applies at every verified row, as if
+        the drafts before it had been emitted (`LogitsProcessors.prepare_verify`); logprobs of
+        every emitted token. `grammar`'s rows (structured requests, which never carry drafts:
+        one row each) sample only the tokens its bitmask allows."""
         reps = [k + 1 for k in num_draft]
         if grammar is not None and grammar.req_ids:
             starts = itertools.accumulate(reps, initial=0)
@@ -150,6 +155,10 @@ class StepSampler:
         def per_row(values: Sequence) -> list:
             return [v for v, n in zip(values, reps, strict=True) for _ in range(n)]
 
+        if host_draft_token_ids is None:
+            host_draft_token_ids = draft_token_ids.tolist()
+        processors = self.logits_processors.prepare_verify(states, num_draft, host_draft_token_ids)
+
         meta = SamplingMetadata.build(
             params=per_row([s.sampling_params for s in states]),
             prompt_token_ids=per_row([s.prompt_token_ids for s in states]),
@@ -158,12 +167,15 @@ class StepSampler:
             generators=[None] * sum(reps),
             vocab_size=self.vocab_size,
             device=self.device,
+            logits_rules=processors.rules,
+            logitsprocs=processors.processors,
         )
         logits = logits.float()
-        target_argmax = self.sampler.process_logits(logits, meta).argmax(dim=-1)
+        processed = self.sampler.process_logits(logits, meta)
+        target_argmax = processed.argmax(dim=-1)
         probs = is_greedy = uniform = noise = None
         if not meta.all_greedy:
-            probs = self.sampler.sampling_probs(logits, meta)
+            probs = self.sampler.sampling_probs(processed, meta, processed=True)
             greedy = [s.sampling_params.is_greedy for s in states]
             is_greedy = (
                 torch.tensor(greedy, dtype=torch.bool).to(self.device, non_blocking=True)

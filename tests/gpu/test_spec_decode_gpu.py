@@ -1,7 +1,8 @@
 """Speculative decoding on CUDA: the rejection sampler at real sizes against its reference,
 and n-gram speculation with CUDA graphs on (verify steps through the mixed-step graphs,
 reported in the stats) giving the tokens of the same engine without speculation (fp32, so
-batch shapes do not flip near-ties)."""
+batch shapes do not flip near-ties); logits processors at every verified row on the device,
+and under n-gram speculation with CUDA graphs giving the tokens they give without it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.spec_decode.rejection_sampler import rejection_sample, rejection_sample_reference
+from tests.logits_procs import ForceTokenProcessor
+from tests.unit.test_spec_decode import check_verify_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -60,3 +63,50 @@ def test_ngram_speculation_with_cuda_graphs_keeps_greedy_tokens() -> None:
     # as whole mixed-step graphs (eager past the largest size).
     assert "decode_graph" not in s.num_verify_steps and s.num_verify_steps.get("mixed_graph", 0) > 0
     print("spec stats:", s)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_verify_rows_follow_the_drafts_before_them_on_cuda(temperature: float) -> None:
+    check_verify_rows(torch.device("cuda"), temperature)
+
+
+def test_logits_processors_under_speculation_with_cuda_graphs() -> None:
+    """logit_bias, allowed_token_ids, a two-token bad word and the custom processor under
+    n-gram speculation (CUDA graphs on) give the tokens of the same engine without it."""
+    text = (
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+        "Rewrite the code above with type hints, keeping the names.\n"
+    )
+    kwargs = dict(
+        device="cuda",
+        dtype="float32",
+        max_model_len=1024,
+        gpu_memory_utilization=0.3,
+        logits_processors=[ForceTokenProcessor],
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    with LLM(**kwargs) as llm:
+        free = llm.generate([text], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        pair = [free[4], free[5]]
+        allowed = sorted(set(free))[:6]
+        params = [
+            greedy,
+            greedy.clone(logit_bias={1000: 100}),
+            greedy.clone(logit_bias=dict.fromkeys(free[:8], -100)),
+            greedy.clone(allowed_token_ids=allowed),
+            greedy.clone(bad_words_token_ids=[pair]),
+            greedy.clone(extra_args={"force_token_id": 42}),
+        ]
+        ref = [o.outputs[0].token_ids for o in llm.generate([text] * 6, params, use_tqdm=False)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    with LLM(speculative_config=spec, **kwargs) as llm:
+        outs = llm.generate([text] * 6, params, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        stats = llm.engine.stats()
+        assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
+    assert got == ref
+    assert got[1] == [1000] * 48 and got[5] == [42] * 48
+    assert not set(got[2]) & set(free[:8]) and set(got[3]) <= set(allowed)
+    assert tuple(pair) not in set(zip(got[4], got[4][1:], strict=False))
+    s = stats.spec_decoding
+    assert s is not None and s.num_accepted_tokens > 0

@@ -8,7 +8,9 @@ it; `allowed_token_ids` and a two-token `bad_words` entry (extra body) hold; the
 processor acts on the requests that ask (`vllm_xargs`); processors compose with structured
 outputs; bad values are 400s naming the field, from the frontend (range, vocabulary) and from
 the engine (a processor refusing the request's arguments), and the next request is served.
-The block pools are whole after every test.
+The block pools are whole after every test. The module runs twice: without speculation and
+with n-gram speculation on the workers (the decode worker verifies drafts under every
+processor; its /metrics count accepted drafts).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import itertools
 import json
 import re
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,16 +29,30 @@ import pytest
 
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tandem_services.launcher import Deployment
-from tests.service.conftest import GRACE_S, WORKER_ARGS, assert_pools_whole, launch
+from tests.service.conftest import (
+    GRACE_S,
+    WORKER_ARGS,
+    assert_pools_whole,
+    launch,
+    wait_until,
+)
 
 PROMPT = "The capital of France is"
 BANANA = " banana"
 
 
-@pytest.fixture(scope="module")
-def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    logs = tmp_path_factory.mktemp("logs-logits")
+# Drafts from single-token lookups: a forced or biased output repeats its token.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module", params=["plain", "ngram"])
+def dep(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    logs = tmp_path_factory.mktemp(f"logs-logits-{request.param}")
     worker_args = (*WORKER_ARGS, "--logits-processors", "tests.logits_procs:ForceTokenProcessor")
+    if request.param == "ngram":
+        worker_args += ("--speculative-config", json.dumps(NGRAM), "--metrics-port", "0")
     d = launch(logs, unified=False, worker_args=worker_args)
     try:
         yield d
@@ -47,6 +64,17 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
 def client(dep: Deployment) -> Iterator[openai.OpenAI]:
     yield openai.OpenAI(base_url=f"http://{dep.http_address}/v1", api_key="x", max_retries=0)
     assert_pools_whole(dep)
+
+
+def accepted_drafts(dep: Deployment) -> float | None:
+    """The decode worker's accepted draft tokens (None: not in its /metrics)."""
+    url = f"http://{dep.services['decode'].info['metrics']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    for line in text.splitlines():
+        if line.startswith("tandem_worker_spec_decode_num_accepted_tokens_total"):
+            return float(line.rpartition(" ")[2])
+    return None
 
 
 def one_token(tokenizer: Any, text: str) -> int:
@@ -97,11 +125,22 @@ def test_logit_bias_allowed_token_ids_and_bad_words(
 
 
 def test_custom_processor_and_structured_outputs(
-    client: openai.OpenAI, smollm2_tokenizer: Any
+    client: openai.OpenAI,
+    dep: Deployment,
+    smollm2_tokenizer: Any,
+    request: pytest.FixtureRequest,
 ) -> None:
     banana = one_token(smollm2_tokenizer, BANANA)
+    speculative = request.node.callspec.params["dep"] == "ngram"
+    before = accepted_drafts(dep) if speculative else None
     text, _ = complete(client, max_tokens=5, extra_body={"vllm_xargs": {"force_token_id": banana}})
     assert text == BANANA * 5
+    if speculative:
+        # The forced tokens were drafted, verified under the processor and accepted.
+        assert before is not None
+        wait_until(
+            lambda: (accepted_drafts(dep) or 0) > before, 20.0, "accepted drafts in /metrics"
+        )
     # Not forced: the same as without the processor's arguments.
     assert complete(client)[0] == complete(client, extra_body={"vllm_xargs": {"other": 1}})[0]
 

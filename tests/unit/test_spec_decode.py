@@ -11,11 +11,16 @@
 - Engine (tiny random models, SmolLM2): greedy output with n-gram speculation is the output
   without, with chunked prefill, forced preemption and prefix hits; seeded sampling
   reproduces; logprobs come per emitted token; the stats count drafts and acceptances.
+- Logits processors in verify steps: every verified row is processed as if the drafts before
+  it were emitted (a bad word completing inside the drafts is banned there; custom processors
+  apply at every position); logit_bias, allowed_token_ids, bad words and a custom processor
+  hold under n-gram speculation and give the tokens they give without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -34,10 +39,14 @@ from tandem.config import (
 )
 from tandem.core.outputs import ModelRunnerOutput
 from tandem.core.scheduler import Scheduler
+from tandem.layers.logits_processors import LogitsProcessors
 from tandem.request import Request
 from tandem.spec_decode.ngram import NgramProposer, ngram_draft
 from tandem.spec_decode.proposer import build_proposer
 from tandem.spec_decode.rejection_sampler import rejection_sample, rejection_sample_reference
+from tandem.worker.input_batch import CachedRequestState
+from tandem.worker.sampling import StepSampler
+from tests.logits_procs import ForceTokenProcessor
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
@@ -530,22 +539,76 @@ def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
     assert sched.kv_cache_manager.block_pool.is_whole
 
 
-def test_custom_logits_processors_and_speculation_are_refused_together(tiny_model_path) -> None:
-    """Custom processors are not applied to verify steps yet: asking for both fails at start,
-    naming the pair, before the model loads."""
-    with pytest.raises(ConfigError, match="logits_processors and speculative_config together"):
-        LLM(
-            str(tiny_model_path("llama")),
-            device="cpu",
-            dtype="float32",
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-            logits_processors=["tests.logits_procs:ForceTokenProcessor"],
-        )
+# ---- logits processors in verify steps ------------------------------------------------------
 
 
-def test_requests_with_logits_rules_get_no_drafts() -> None:
-    """logit_bias, allowed_token_ids and bad words are not applied to drafts yet: such a
-    request verifies no drafts (its tokens follow its rules); others beside it still do."""
+def _state(req_id: str, output: list[int], params: SamplingParams) -> CachedRequestState:
+    tokens = [1, *output]
+    return CachedRequestState(
+        req_id, tokens, 1, params, [], len(tokens), None, None, list(output), [1]
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_verify_rows_follow_the_drafts_before_them(temperature: float) -> None:
+    check_verify_rows(torch.device("cpu"), temperature)
+
+
+def check_verify_rows(device: torch.device, temperature: float) -> None:
+    """Each verified row is processed as if the drafts before it were emitted: the bad word
+    (2, 3) completes inside the drafts and is banned at that row, as is (2, 3, 4) whose first
+    token ends the output; the custom processor forces
+    its request's token at every position (beside a request verifying no drafts);
+    logit_bias and allowed_token_ids hold at every row."""
+    vocab = 10
+    procs = LogitsProcessors([ForceTokenProcessor], None, device, vocab)
+    sampler = StepSampler(device, vocab, 4, logits_processors=procs)
+    p = SamplingParams(temperature=temperature, seed=0, max_tokens=8)
+    states = [
+        _state("bad", [1], p.clone(bad_words_token_ids=[[2, 3]])),
+        _state("force", [4], p.clone(extra_args={"force_token_id": 6})),
+        _state("bias", [4], p.clone(logit_bias={7: 100})),
+        _state("allowed", [4], p.clone(allowed_token_ids=[8, 9])),
+        _state("span", [9, 5, 2], p.clone(bad_words_token_ids=[[2, 3, 4]])),
+    ]
+    num_draft = [3, 2, 0, 2, 2]
+    drafts = [2, 3, 4, 6, 6, 8, 1, 3, 4]
+    peak = {
+        0: [(2, 50)],  # "bad": d0 = 2 accepted
+        1: [(3, 50), (5, 40)],  # 3 would complete the bad word: 5 instead
+        2: [(4, 50)],
+        3: [(4, 50)],
+        4: [(0, 50)],  # "force": argmax 0, forced to 6 at every row
+        5: [(0, 50)],
+        6: [(0, 50)],
+        7: [(0, 50)],  # "bias": 7 by +100
+        8: [(1, 50), (8, 40), (9, 30)],  # "allowed": d0 = 8 accepted
+        9: [(1, 50), (9, 40), (8, 30)],  # d1 = 1 is not allowed: 9
+        10: [(1, 50)],
+        11: [(3, 50)],  # "span": the output's 2, then d0 = 3 accepted
+        12: [(4, 50), (6, 40)],  # 4 would complete (2, 3, 4) across output and drafts: 6
+        13: [(1, 50)],
+    }
+    logits = torch.zeros(sum(num_draft) + len(num_draft), vocab)
+    for row, pairs in peak.items():
+        for token, value in pairs:
+            logits[row, token] = value
+    for state in states:
+        state.generator = sampler.new_generator(state.sampling_params, 0)
+    logits, device_drafts = logits.to(device), torch.tensor(drafts, device=device)
+    step = sampler.sample_speculative(
+        logits, states, num_draft, device_drafts, host_draft_token_ids=drafts
+    )
+    emitted = [[t for t in row if t >= 0] for row in step.sampled.tolist()]
+    assert emitted == [[2, 5], [6, 6, 6], [7], [8, 9], [3, 6]]
+    # The device drafts are read back when the host copy is not given.
+    again = sampler.sample_speculative(logits, states, num_draft, device_drafts)
+    assert [[t for t in row if t >= 0] for row in again.sampled.tolist()] == emitted
+
+
+def test_requests_with_logits_rules_get_drafts() -> None:
+    """Logits rules apply at every verified row: such requests verify drafts; requests whose
+    sampling reads their output counts (penalties, min_tokens) still do not."""
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
         CacheConfig(block_size=4),
@@ -555,7 +618,54 @@ def test_requests_with_logits_rules_get_no_drafts() -> None:
             method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2
         ),
     )
-    biased = Request("b", [1, 2, 3], SamplingParams(max_tokens=8, logit_bias={5: 10.0}))
-    plain = Request("p", [1, 2, 3], SamplingParams(max_tokens=8))
-    assert sched._next_drafts(biased, [7, 8, 9]) == []
-    assert sched._next_drafts(plain, [7, 8, 9]) == [7, 8, 9]
+    drafted = [
+        SamplingParams(max_tokens=8),
+        SamplingParams(max_tokens=8, logit_bias={5: 10.0}),
+        SamplingParams(max_tokens=8, allowed_token_ids=[7, 8, 9]),
+        SamplingParams(max_tokens=8, bad_words_token_ids=[[7, 8], [4]]),
+        SamplingParams(max_tokens=8, extra_args={"force_token_id": 7}),
+    ]
+    for i, params in enumerate(drafted):
+        assert sched._next_drafts(Request(f"d{i}", [1, 2, 3], params), [7, 8, 9]) == [7, 8, 9]
+    for i, params in enumerate(
+        [SamplingParams(max_tokens=8, repetition_penalty=1.2), SamplingParams(min_tokens=2)]
+    ):
+        assert sched._next_drafts(Request(f"n{i}", [1, 2, 3], params), [7, 8, 9]) == []
+
+
+def test_logits_processors_under_speculation_match_the_run_without(tiny_model_path) -> None:
+    """With n-gram speculation on: +100 bias forces its token, -100 bans it, allowed_token_ids
+    holds, a two-token bad word never appears, the custom processor forces its token; every
+    greedy output is the output of the same processors without speculation; the pool is
+    whole (`_run`)."""
+    path = tiny_model_path("llama")
+    prompts = _repetitive_prompts(512, 6)
+    loose = {**NGRAM, "prompt_lookup_min": 1}
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    procs = {"logits_processors": ["tests.logits_procs:ForceTokenProcessor"]}
+    free, _ = _run(path, prompts, greedy, **procs)
+    free_ids = [list(o.token_ids) for o in free]
+    # The most frequent bigram of the free output of prompt 4 (repeats: its drafts meet it).
+    pairs = list(itertools.pairwise(free_ids[4]))
+    bad = max(set(pairs), key=pairs.count)
+    allowed = sorted(set(prompts[3]))[:4]
+    params = [
+        greedy,
+        greedy.clone(logit_bias={77: 100}),
+        greedy.clone(logit_bias=dict.fromkeys(free_ids[2], -100)),
+        greedy.clone(allowed_token_ids=allowed),
+        greedy.clone(bad_words_token_ids=[list(bad)]),
+        greedy.clone(extra_args={"force_token_id": 42}),
+    ]
+    ref, _ = _run(path, prompts, params, **procs)
+    got, stats = _run(path, prompts, params, speculative_config=loose, **procs)
+    got_ids = [list(o.token_ids) for o in got]
+    assert got_ids == [list(o.token_ids) for o in ref]
+    assert got_ids[0] == free_ids[0]
+    assert got_ids[1] == [77] * 24
+    assert not set(got_ids[2]) & set(free_ids[2])
+    assert set(got_ids[3]) <= set(allowed)
+    assert bad not in set(itertools.pairwise(got_ids[4])) and got_ids[4] != free_ids[4]
+    assert got_ids[5] == [42] * 24
+    spec = stats.spec_decoding
+    assert spec is not None and spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0

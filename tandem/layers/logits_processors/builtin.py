@@ -63,6 +63,11 @@ class RequestLogitsRules:
             bad_sequences=tuple(sequences),
         )
 
+    @property
+    def history_len(self) -> int:
+        """How many of the output's last tokens the bad words read (0: none)."""
+        return max((len(prefix) for prefix, _ in self.bad_sequences), default=0)
+
     def banned_after(self, output_token_ids: Sequence[int]) -> list[int]:
         """The last tokens of the longer bad words whose other tokens end the output."""
         banned = []

@@ -20,6 +20,14 @@ An added request's output ids are the live list the runner appends each sampled 
 history: penalties, min_tokens, bad words). Per-request arguments travel in
 `SamplingParams.extra_args`.
 
+Under speculative decoding a verify step has k_b + 1 logits rows per request (its draft
+positions, then the bonus row). The rows a processor is told of stay one per request, as
+above; `apply` is called once per draft position j = 0..max_k with a `[batch_size, V]` batch
+whose row b is request b's logits at position min(j, k_b), and only the rows with j <= k_b
+are kept (tandem.layers.logits_processors.speculative). So `apply` may run several times a
+step on the same rows, and a request's output ids do not include the step's drafts (they are
+not emitted until verified): a processor that reads them sees the output before the step.
+
 `is_argmax_invariant()` True promises the processor never changes a row's argmax (it only
 reshapes the distribution): then it is skipped on steps whose rows are all greedy. A class
 may define `validate_params(sampling_params)` (a classmethod raising ValueError): the engine

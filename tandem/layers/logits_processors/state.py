@@ -5,7 +5,8 @@
 - `BatchUpdateBuilder`: the `BatchUpdate` from one step's sampling rows to the next.
 - `LogitsProcessors`: owned by the step sampler, one per model runner: the custom processors
   (built once), each request's built-in rules (built when it joins the rows), and `prepare`,
-  which turns one step's rows into what the sampler's "process logits" stage applies.
+  which turns one step's rows into what the sampler's "process logits" stage applies
+  (`prepare_verify` for a speculative verify step's k + 1 rows per request).
 
 A request is known by its runner state object, not its id: a request resumed after
 preemption has a new state (a new output list) and so is removed and added again.
@@ -29,6 +30,10 @@ from tandem.layers.logits_processors.interface import (
     MoveDirectionality,
     MovedRequest,
     processor_name,
+)
+from tandem.layers.logits_processors.speculative import (
+    PerPositionProcessor,
+    verified_histories,
 )
 from tandem.sampling_params import SamplingParams
 
@@ -169,12 +174,45 @@ class LogitsProcessors:
 
     def prepare(self, rows: Sequence[SamplingRow]) -> ProcessorInputs:
         """One step's inputs: rows[i] is the request of logits row i."""
+        self._update_custom(rows)
+        per_row = self._request_rules(rows)
+        rules = None
+        if any(r is not None for r in per_row):
+            rules = LogitsRules.build(per_row, [s.output_token_ids for s in rows], self.device)
+        return ProcessorInputs(rules, self.custom)
+
+    def prepare_verify(
+        self, rows: Sequence[SamplingRow], num_draft: Sequence[int], drafts: Sequence[int]
+    ) -> ProcessorInputs:
+        """A speculative verify step's inputs: rows[b] verifies num_draft[b] drafts (its
+        k_b + 1 logits rows in order; `drafts`: all requests' drafts in order). The rules have
+        one row per verified row, each following the output and the drafts before it; the
+        custom processors see the requests as one row each and are wrapped to apply at every
+        draft position (tandem.layers.logits_processors.speculative)."""
+        self._update_custom(rows)
+        per_request = self._request_rules(rows)
+        rules = None
+        if any(r is not None for r in per_request):
+            per_row = [r for r, k in zip(per_request, num_draft, strict=True) for _ in range(k + 1)]
+            # Only the tails the bad words read (whole outputs would be copied k + 1 times).
+            tails = [
+                s.output_token_ids[-r.history_len :] if r is not None and r.history_len else []
+                for s, r in zip(rows, per_request, strict=True)
+            ]
+            histories = verified_histories(tails, num_draft, drafts)
+            rules = LogitsRules.build(per_row, histories, self.device)
+        processors = tuple(PerPositionProcessor(p, num_draft) for p in self.custom)
+        return ProcessorInputs(rules, processors)
+
+    def _update_custom(self, rows: Sequence[SamplingRow]) -> None:
         if self.custom:
             update = self._builder.update(rows)
             for proc in self.custom:
                 proc.update_state(update)
+
+    def _request_rules(self, rows: Sequence[SamplingRow]) -> list[RequestLogitsRules | None]:
+        """Each row's built-in rules (built when its request joins the rows)."""
         per_row: list[RequestLogitsRules | None] = []
-        any_rules = False
         kept: dict[int, tuple[SamplingRow, RequestLogitsRules | None]] = {}
         for s in rows:
             entry = self._rules.get(id(s))
@@ -182,9 +220,5 @@ class LogitsProcessors:
                 entry = (s, RequestLogitsRules.from_params(s.sampling_params, self.vocab_size))
             kept[id(s)] = entry
             per_row.append(entry[1])
-            any_rules = any_rules or entry[1] is not None
         self._rules = kept
-        rules = None
-        if any_rules:
-            rules = LogitsRules.build(per_row, [s.output_token_ids for s in rows], self.device)
-        return ProcessorInputs(rules, self.custom)
+        return per_row
