@@ -1,5 +1,7 @@
-"""Admission without workers (no model loads): a full queue answers 429 / RESOURCE_EXHAUSTED,
-a queued request nobody takes fails with 503 / UNAVAILABLE, and the API key is enforced."""
+"""Admission without workers (no model loads): a full queue answers RESOURCE_EXHAUSTED, a
+queued request nobody takes fails with UNAVAILABLE, and the API key is enforced before
+anything else. The HTTP API is not ready without workers: it answers 503 with Retry-After at
+once (after the key check) instead of queueing; gRPC Generate queues at the scheduler."""
 
 from __future__ import annotations
 
@@ -76,7 +78,9 @@ def test_api_key_required(no_workers: Deployment) -> None:
         r = http.get(f"{url}/models", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
         r = http.get(f"{url}/models", headers={"Authorization": f"Bearer {API_KEY}"})
-        assert r.status_code == 200
+        # The key passes; no worker can serve yet, so the API says it is not ready.
+        assert r.status_code == 503 and "not ready" in r.json()["error"]["message"]
+        assert int(r.headers["retry-after"]) >= 1
 
     async def run() -> None:
         async with grpc.aio.insecure_channel(no_workers.grpc_address) as channel:
@@ -100,35 +104,44 @@ def test_full_queue_429_then_queued_request_times_out_503(no_workers: Deployment
     url = f"http://{no_workers.http_address}/v1/completions"
     headers = {"Authorization": f"Bearer {API_KEY}"}
     auth = (("authorization", f"Bearer {API_KEY}"),)
+    request = frontend_pb2.GenerateRequest(
+        text="Hello", sampling_params=common_pb2.SamplingParams(max_tokens=4)
+    )
+
+    async def generate(stub: frontend_pb2_grpc.FrontendStub) -> None:
+        async for _ in stub.Generate(request, metadata=auth):
+            pass
 
     async def run() -> None:
-        async with httpx.AsyncClient(timeout=60) as http:
+        async with (
+            httpx.AsyncClient(timeout=60) as http,
+            grpc.aio.insecure_channel(no_workers.grpc_address) as channel,
+        ):
+            stub = frontend_pb2_grpc.FrontendStub(channel)
             # No worker: the first request waits in the queue (length 1) ...
-            first = asyncio.create_task(http.post(url, json=_body(), headers=headers))
+            first = asyncio.create_task(generate(stub))
             await asyncio.sleep(1.0)
             assert not first.done()
-            # ... so the next one is refused at once.
+            # ... so the next one is refused at once, with a retry hint: the queued request's
+            # age in whole seconds, at least 1.
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await generate(stub)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "queue is full" in (info.value.details() or "")
+            assert time.monotonic() - t0 < 5
+            hint = dict(info.value.trailing_metadata() or ())["retry-after"]
+            assert 1 <= int(hint) <= 30
+            # HTTP is not ready without workers: 503 with Retry-After at once, nothing queued.
             t0 = time.monotonic()
             r = await http.post(url, json=_body(), headers=headers)
-            assert r.status_code == 429, r.text
-            assert "queue is full" in r.json()["error"]["message"]
-            assert time.monotonic() - t0 < 5
-            # The retry hint: the queued request's age in whole seconds, at least 1.
-            assert 1 <= int(r.headers["retry-after"]) <= 30
-            async with grpc.aio.insecure_channel(no_workers.grpc_address) as channel:
-                stub = frontend_pb2_grpc.FrontendStub(channel)
-                request = frontend_pb2.GenerateRequest(
-                    text="Hello", sampling_params=common_pb2.SamplingParams(max_tokens=4)
-                )
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    async for _ in stub.Generate(request, metadata=auth):
-                        pass
-                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                hint = dict(info.value.trailing_metadata() or ())["retry-after"]
-                assert 1 <= int(hint) <= 30
-            # The queued one fails with 503 once the queue timeout passes: no hang.
-            r = await first
             assert r.status_code == 503, r.text
-            assert "no worker" in r.json()["error"]["message"]
+            assert "not ready" in r.json()["error"]["message"]
+            assert int(r.headers["retry-after"]) >= 1 and time.monotonic() - t0 < 5
+            # The queued one fails with UNAVAILABLE once the queue timeout passes: no hang.
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await first
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no worker" in (info.value.details() or "")
 
     asyncio.run(run())
