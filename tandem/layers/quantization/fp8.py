@@ -44,13 +44,20 @@ from tandem.layers.quantization.base import (
     set_weight_attrs,
 )
 from tandem.layers.weight_utils import LoadedWeight, full_weight
-from tandem_kernels import fp8 as fp8_ops
-from tandem_kernels.fp8_block_gemm import fp8_block_gemm, fp8_block_gemm_ref
 
 WeightStrategy = Literal["tensor", "channel", "block"]
 ActivationStrategy = Literal["tensor", "token"]
 
+
 # `torch._scaled_mm` with e4m3 runs on compute capability 8.9 (Ada) and above.
+def _fp8_ops() -> Any:
+    """tandem_kernels.fp8, imported when first used: its module loads Triton, which a CPU
+    image does not have (the FP8 methods never run there, but this module is imported)."""
+    from tandem_kernels import fp8
+
+    return fp8
+
+
 MIN_CAPABILITY = (8, 9)
 
 
@@ -214,7 +221,7 @@ class Fp8LinearMethod(LinearMethodBase):
                 f"{layer.prefix}: FP8 GEMMs need both dims multiples of 16, this rank's "
                 f"weight is [{rows}, {cols}]"
             )
-        dtype = fp8_ops.FP8_DTYPE if scheme.is_checkpoint_fp8_serialized else params_dtype
+        dtype = _fp8_ops().FP8_DTYPE if scheme.is_checkpoint_fp8_serialized else params_dtype
         loader = extra_weight_attrs["weight_loader"]
         weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), False)
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
@@ -281,7 +288,7 @@ class Fp8LinearMethod(LinearMethodBase):
         if scheme.weight_strategy == "block":
             block = scheme.weight_block_size
             if not scheme.is_checkpoint_fp8_serialized:
-                q, tiles = fp8_ops.quantize_per_block(weight, block)  # type: ignore[arg-type]
+                q, tiles = _fp8_ops().quantize_per_block(weight, block)  # type: ignore[arg-type]
                 scale = tiles.repeat_interleave(block[0], 0)[: weight.shape[0]]  # type: ignore[index]
             else:
                 q, scale = weight, layer.weight_scale_inv.data
@@ -290,9 +297,9 @@ class Fp8LinearMethod(LinearMethodBase):
             return
         if not scheme.is_checkpoint_fp8_serialized:
             if scheme.weight_strategy == "tensor":
-                q, scale = fp8_ops.quantize_per_tensor(weight)
+                q, scale = _fp8_ops().quantize_per_tensor(weight)
             else:
-                q, scale = fp8_ops.quantize_per_row(weight)
+                q, scale = _fp8_ops().quantize_per_row(weight)
         elif scheme.weight_strategy == "tensor":
             q, scale = _requantize_to_max(weight, layer.weight_scale.data, layer)
         else:
@@ -312,6 +319,8 @@ class Fp8LinearMethod(LinearMethodBase):
             x2 = x2.contiguous()
         if scheme.weight_strategy == "block":  # weight-only
             bk = scheme.weight_block_size[1]  # type: ignore[index]
+            from tandem_kernels.fp8_block_gemm import fp8_block_gemm, fp8_block_gemm_ref
+
             gemm = fp8_block_gemm if x2.is_cuda else fp8_block_gemm_ref
             out = gemm(x2, layer.weight, layer.weight_scale_inv, bk)
             if bias is not None:
@@ -320,12 +329,18 @@ class Fp8LinearMethod(LinearMethodBase):
         # Activations: one Triton kernel per token scale (two per tensor scale) on CUDA; the
         # torch references elsewhere.
         if scheme.activation_scheme == "static":
-            xq, x_scale = fp8_ops.quantize_per_tensor(x2, layer.input_scale)
+            xq, x_scale = _fp8_ops().quantize_per_tensor(x2, layer.input_scale)
         elif scheme.activation_strategy == "token":
-            quant = fp8_ops.dynamic_quant_per_token if x2.is_cuda else fp8_ops.quantize_per_row
+            quant = (
+                _fp8_ops().dynamic_quant_per_token if x2.is_cuda else _fp8_ops().quantize_per_row
+            )
             xq, x_scale = quant(x2)
         else:
-            quant = fp8_ops.dynamic_quant_per_tensor if x2.is_cuda else fp8_ops.quantize_per_tensor
+            quant = (
+                _fp8_ops().dynamic_quant_per_tensor
+                if x2.is_cuda
+                else _fp8_ops().quantize_per_tensor
+            )
             xq, x_scale = quant(x2)
         out = fp8_linear(xq, layer.weight, x_scale, layer.weight_scale, bias, x.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
@@ -347,12 +362,12 @@ def fp8_linear(
     if rowwise and x_scale.numel() == 1:
         x_scale = x_scale.reshape(1, 1).expand(xq.shape[0], 1).contiguous()
     if not xq.is_cuda:
-        return fp8_ops.fp8_scaled_mm_ref(xq, wq, x_scale, w_scale, bias, out_dtype)
+        return _fp8_ops().fp8_scaled_mm_ref(xq, wq, x_scale, w_scale, bias, out_dtype)
     if xq.shape[0] == 0:
         return torch.empty(0, wq.shape[0], dtype=out_dtype, device=xq.device)
     if not rowwise:
-        return fp8_ops.fp8_scaled_mm(xq, wq, x_scale, w_scale, bias, out_dtype)
-    out = fp8_ops.fp8_scaled_mm(xq, wq, x_scale, w_scale, None, torch.bfloat16)
+        return _fp8_ops().fp8_scaled_mm(xq, wq, x_scale, w_scale, bias, out_dtype)
+    out = _fp8_ops().fp8_scaled_mm(xq, wq, x_scale, w_scale, None, torch.bfloat16)
     if bias is not None:
         out = out + bias
     return out.to(out_dtype)
@@ -370,7 +385,7 @@ def _requantize_to_max(
     start = 0
     for size, scale in zip(layer.output_partition_sizes, part_scales, strict=True):
         part = weight[start : start + size]
-        out[start : start + size] = fp8_ops.quantize_fp8(fp8_ops.dequantize(part, scale), top)
+        out[start : start + size] = _fp8_ops().quantize_fp8(_fp8_ops().dequantize(part, scale), top)
         start += size
     return out, top
 
