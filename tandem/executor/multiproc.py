@@ -384,9 +384,9 @@ class MultiprocExecutor(Executor):
                 try:
                     msg = recv(conn)
                 except (EOFError, OSError):
-                    self._exit(rank)
+                    how = self._exit(rank)  # waits for the process to be gone
                     self._check_processes()
-                    raise self._fail(f"rank {rank} died ({self._exit(rank)})") from None
+                    raise self._fail(f"rank {rank} died ({how})") from None
                 if msg.kind is MsgKind.OUTPUT:
                     seq, output = msg.payload
                     self._outputs[seq] = output
