@@ -30,8 +30,18 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Floor on a scale, so an all-zero tensor quantizes to zeros instead of NaNs.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# A dynamic scale is amax * (1 / 448), multiplied, not divided: torch on CUDA turns a division
+# by a Python number into this product, so the Triton kernels and the torch references (weights
+# quantized at load) give the same scale bit for bit on every device.
+INV_FP8_MAX = 1.0 / FP8_MAX
 FP8_MAX_TL = tl.constexpr(FP8_MAX)
+INV_FP8_MAX_TL = tl.constexpr(INV_FP8_MAX)
 MIN_SCALE_TL = tl.constexpr(MIN_SCALE)
+
+
+def _dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
+    """`max(amax / 448, MIN_SCALE)` in fp32, as the kernels compute it."""
+    return (amax.to(torch.float32) * INV_FP8_MAX).clamp_(min=MIN_SCALE)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -45,7 +55,7 @@ def quantize_per_tensor(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(x_fp8, scale [])`: dynamic (amax / 448) when `scale` is None, else that static one."""
     if scale is None:
-        scale = (x.abs().amax().to(torch.float32) / FP8_MAX).clamp_(min=MIN_SCALE)
+        scale = _dynamic_scale(x.abs().amax())
     scale = scale.reshape(()).to(torch.float32)
     return quantize_fp8(x, scale), scale
 
@@ -54,8 +64,7 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(x_fp8, scale [rows, 1])`: one dynamic scale per row of a 2-D tensor (activation
     tokens, or weight output channels)."""
     assert x.dim() == 2, x.shape
-    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
-    scale = (amax / FP8_MAX).clamp_(min=MIN_SCALE)
+    scale = _dynamic_scale(x.abs().amax(dim=1, keepdim=True))
     return quantize_fp8(x, scale), scale
 
 
@@ -85,7 +94,7 @@ def _quant_per_token_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     amax = _row_amax(x_ptr + row * stride_x, num_cols, BLOCK)
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX_TL), MIN_SCALE_TL)
+    scale = tl.maximum(amax * INV_FP8_MAX_TL, MIN_SCALE_TL)
     tl.store(scale_ptr + row, scale)
     _quantize_row(x_ptr + row * stride_x, q_ptr + row * stride_q, scale, num_cols, BLOCK)
 
@@ -101,7 +110,7 @@ def _quant_per_tensor_kernel(
     x_ptr, q_ptr, amax_ptr, scale_ptr, stride_x, stride_q, num_cols, BLOCK: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
-    scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr), FP8_MAX_TL), MIN_SCALE_TL)
+    scale = tl.maximum(tl.load(amax_ptr) * INV_FP8_MAX_TL, MIN_SCALE_TL)
     if row == 0:
         tl.store(scale_ptr, scale)
     _quantize_row(x_ptr + row * stride_x, q_ptr + row * stride_q, scale, num_cols, BLOCK)

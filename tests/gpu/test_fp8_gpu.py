@@ -1,14 +1,14 @@
 """FP8 on the GPU at real sizes: `torch._scaled_mm` against its dequantize-then-matmul
 reference at the 8B model's shapes, the FP8 KV write bit for bit and attention over an FP8
 cache against the same cache dequantized, and the FP8 engine (weights, then KV cache) against
-its bf16 self on random:llama-3.2-1b with CUDA graphs on.
+its bf16 self on the embedded SmolLM2 (real weights: random ones give near-flat
+distributions, where the top-5 rule says nothing) with CUDA graphs on.
 
     pytest -q -s -m gpu tests/gpu/test_fp8_gpu.py     # -s prints the logprob gaps
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +20,7 @@ from tandem_kernels import fp8 as fp8_ops
 
 pytestmark = pytest.mark.gpu
 
-MODEL = "random:llama-3.2-1b"
+MODEL = "default"  # the embedded SmolLM2-135M-Instruct
 NUM_PROMPTS = 16
 NEW_TOKENS = 24
 # (N, K) of the 8B model's GEMMs: qkv, o, gate_up, down.
@@ -115,10 +115,28 @@ def test_attention_over_fp8_cache_at_real_sizes() -> None:
 # ----------------------------------------------------------------------------- engine
 
 
-def _prompts(vocab: int, n: int = NUM_PROMPTS) -> list[list[int]]:
-    rng = random.Random(5)
-    lengths = [rng.randrange(4, 600) for _ in range(n)]
-    return [[rng.randrange(100, vocab) for _ in range(k)] for k in lengths]
+_TOPICS = [
+    "the history of the printing press",
+    "how a refrigerator works",
+    "the rules of chess",
+    "why the sky is blue",
+    "a recipe for bread",
+    "the water cycle",
+    "how vaccines work",
+    "the French revolution",
+    "photosynthesis",
+    "how to learn a language",
+    "black holes",
+    "the life of bees",
+    "how the internet routes packets",
+    "the Roman empire",
+    "how batteries store energy",
+    "the causes of earthquakes",
+]
+
+
+def _prompts(n: int = NUM_PROMPTS) -> list[str]:
+    return [f"Write a short explanation of {topic}." for topic in _TOPICS[:n]]
 
 
 def _run(**kwargs: Any) -> tuple[list[Any], int]:
@@ -132,9 +150,8 @@ def _run(**kwargs: Any) -> tuple[list[Any], int]:
         **kwargs,
     ) as llm:
         assert llm.engine.model_runner.cuda_graphs.graphs, "CUDA graphs were not captured"
-        ps = _prompts(llm.engine.vocab_size)
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
-        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        outs = llm.generate(_prompts(), params, use_tqdm=False)
         assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
         return [o.outputs[0] for o in outs], llm.engine.num_blocks
 
@@ -226,7 +243,12 @@ def test_block_gemm_at_8b_shapes(m: int) -> None:
 def test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference(kind, tiny_model_path, tmp_path):
     """A saved FP8 checkpoint (tests/unit/test_fp8.py writes it) through the GPU paths
     (`_scaled_mm` per tensor / rowwise / static, the block GEMM) against the same checkpoint
-    through the CPU's dequantize-then-matmul references, fp32 activations both."""
+    through the CPU's dequantize-then-matmul references, fp32 activations both.
+
+    Layer by layer: every quantized linear gets the same input on both devices. Both quantize
+    it to the same e4m3 values (the scales are bit-exact), so only the GEMM's summation order
+    and the rowwise GEMM's bf16 output differ. A whole model would not compare this way: one
+    activation that rounds to the other e4m3 neighbour moves every later layer."""
     from tandem.distributed import single_rank_state
     from tandem.layers.attention import get_attention_backend
     from tandem.layers.quantization import resolve_quant_config
@@ -236,7 +258,7 @@ def test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference(kind, tiny_model_pa
 
     folder = _write_fp8_checkpoint(tiny_model_path("llama"), tmp_path / kind, kind)
     hf = load_hf_config(folder)
-    logits = {}
+    models, logits = {}, {}
     for dev in ("cpu", "cuda"):
         device = torch.device(dev)
         quant = resolve_quant_config("auto", hf, device, check_device=dev == "cuda")
@@ -244,6 +266,24 @@ def test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference(kind, tiny_model_pa
             torch.float32, device, get_attention_backend("torch"), single_rank_state(device),
             quant,
         )  # fmt: skip
-        model = build_model(folder, ctx, hf_config=hf)
-        logits[dev] = _logits(model, device).cpu()
-    torch.testing.assert_close(logits["cuda"], logits["cpu"], atol=2e-2, rtol=2e-2)
+        models[dev] = build_model(folder, ctx, hf_config=hf)
+        logits[dev] = _logits(models[dev], device).cpu()
+    cpu_layers = dict(models["cpu"].named_modules())
+    checked = 0
+    gen = torch.Generator().manual_seed(9)
+    for name, layer in models["cuda"].named_modules():
+        method = getattr(layer, "quant_method", None)
+        if method is None or type(method).__name__ != "Fp8LinearMethod":
+            continue
+        x = torch.randn(37, layer.input_size_per_partition, generator=gen)
+        with torch.inference_mode():
+            got = layer(x.cuda()).float().cpu()
+            ref = cpu_layers[name](x).float()
+        rel = ((got - ref).norm() / ref.norm()).item()
+        assert rel < 6e-3, (name, rel)
+        checked += 1
+    assert checked >= 7, checked
+    # The whole model: the same logits up to the drift of activations re-rounded to e4m3.
+    cos = torch.nn.functional.cosine_similarity(logits["cuda"], logits["cpu"], dim=-1)
+    print(f"\n{kind}: {checked} layers; logits cosine min {cos.min().item():.5f}")
+    assert cos.min().item() > 0.98

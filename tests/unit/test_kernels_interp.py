@@ -217,6 +217,26 @@ def case_fp8_block_gemm() -> None:
         assert (ref - x @ w.t()).norm() / (x @ w.t()).norm() < 0.05  # e4m3 weights
 
 
+@_case()
+def case_fp8_w8a16_gemm() -> None:
+    """The small-batch W8A16 GEMM against its reference: fp32 activations, per-tensor and
+    per-channel weight scales, K not a multiple of BLOCK_K (a partial last tile), N not a
+    multiple of BLOCK_N, M of one, of a part of a tile and of several tiles."""
+    from tandem_kernels import fp8, fp8_w8a16
+
+    gen = torch.Generator().manual_seed(11)
+    for m, n, k in ((1, 48, 96), (5, 80, 272), (37, 64, 64)):
+        w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+        for wq, scale in (fp8.quantize_per_tensor(w), fp8.quantize_per_row(w)):
+            x = torch.randn(m, k, generator=gen)
+            for config in (None, (16, 32, 64, 4, 2), (32, 16, 256, 4, 2)):
+                out = fp8_w8a16.w8a16_gemm(x, wq, scale, config)
+                ref = fp8_w8a16.w8a16_gemm_ref(x, wq, scale)
+                torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+            assert (ref - x @ w.t()).norm() / (x @ w.t()).norm() < 0.05  # e4m3 weights
+    assert fp8_w8a16.w8a16_gemm(x[:0], wq, scale).shape == (0, 64)
+
+
 def _fp8_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, scales: tuple[float, float]
 ) -> tuple[torch.Tensor, torch.Tensor]:

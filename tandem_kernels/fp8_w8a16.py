@@ -1,0 +1,237 @@
+"""FP8 weights, 16-bit activations (W8A16) for the small batches of decode.
+
+`y = x @ (W_fp8 * s)^T`, W `[N, K]` e4m3 with a per-tensor (`[]`) or per-output-channel
+(`[N, 1]`) float32 scale, x `[M, K]` in the model's dtype. Each weight tile is widened in
+registers (exact: every e4m3 value is a bf16) and fed to a 16-bit tensor-core dot; the scale is
+applied once to the fp32 accumulator. Activations are not quantized at all.
+
+Why: at decode batch sizes a linear layer is bound by reading its weight. FP8 halves the bytes,
+but cuBLASLt's e4m3 GEMM (`torch._scaled_mm`) was slower than the bf16 GEMM it replaces at
+M <= 64 on the H200 (qkv of the 8B at M = 1: 2.1 against 2.7 TFLOP/s), before the activation
+quantization pass it also needs. Which path serves which batch size is measured per weight shape
+when the weights load (`tune_w8a16`): this kernel's candidate configs against the scaled-GEMM
+path the layer would otherwise run, at each bucket of `M_BUCKETS`. Larger batches keep the
+scaled GEMM, whose FP8 tensor cores then pay.
+
+Reference: `w8a16_gemm_ref` (dequantize, then matmul in fp32).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# Batch sizes (rows of x) measured at load; a call with M rows uses the smallest bucket >= M.
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Candidates per bucket bound.
+Config = tuple[int, int, int, int, int]
+_CANDIDATES: dict[int, tuple[Config, ...]] = {
+    16: (
+        (16, 16, 256, 4, 4),
+        (16, 32, 256, 4, 4),
+        (16, 32, 512, 4, 3),
+        (16, 64, 256, 4, 4),
+        (16, 16, 512, 4, 3),
+        (16, 64, 128, 4, 4),
+    ),
+    32: ((32, 32, 256, 4, 4), (32, 64, 256, 4, 3), (32, 64, 128, 4, 4), (32, 128, 128, 8, 3)),
+    64: ((64, 64, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3), (64, 32, 256, 4, 4)),
+    128: ((64, 64, 128, 4, 4), (128, 128, 128, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 4, 4)),
+    256: ((128, 128, 128, 8, 3), (128, 64, 128, 4, 4), (64, 128, 128, 8, 3), (128, 256, 64, 8, 3)),
+}
+# Used without tuning (TANDEM_TUNE_KERNELS=0 on CUDA, the interpreter): this kernel up to
+# M = 16, the scaled GEMM above.
+_DEFAULT: Config = (16, 32, 256, 4, 4)
+_DEFAULT_MAX_M = 16
+
+# (N, K, x dtype, baseline name) -> {bucket: config, or None for the baseline}.
+_choices: dict[tuple[int, int, torch.dtype, str], dict[int, Config | None]] = {}
+tuning_log: list[dict[str, object]] = []
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a16_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_s,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = k0 + offs_k < K
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    scale = tl.load(s_ptr + offs_n * stride_s, mask=n_mask, other=0.0)
+    out = acc * scale[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def w8a16_gemm(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: Config | None = None
+) -> torch.Tensor:
+    """`x [M, K] @ (weight [N, K] e4m3 * scale)^T` in x's dtype; `scale` float32 `[]`, `[1]`
+    or `[N, 1]`. Rows contiguous. Launches one kernel; reads no device values on the host, so
+    it can be captured in a CUDA graph."""
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    m, k = x.shape
+    n = weight.shape[0]
+    assert scale.numel() in (1, n), (scale.shape, n)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_m, block_n, block_k, warps, stages = config or _DEFAULT
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _w8a16_kernel[grid](
+        x,
+        weight,
+        scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        0 if scale.numel() == 1 else 1,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        # fp32 activations: exact products (tf32 would lose digits); ignored for 16-bit.
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
+
+
+def w8a16_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Pure-torch reference: the weight dequantized to float32, then the product."""
+    w = weight.to(torch.float32) * scale.to(torch.float32).reshape(-1, 1)
+    return F.linear(x.to(torch.float32), w).to(x.dtype)
+
+
+def bucket(m: int) -> int | None:
+    """The smallest tuned batch bucket holding `m` rows, or None above the largest."""
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return None
+
+
+def choose(m: int, n: int, k: int, dtype: torch.dtype, baseline: str) -> Config | None:
+    """This kernel's config for an `[m, k] x [n, k]^T` product, or None where the layer's
+    scaled-GEMM path (`baseline`) is faster or the shape was never measured."""
+    b = bucket(m)
+    if b is None:
+        return None
+    choices = _choices.get((n, k, dtype, baseline))
+    if choices is None:
+        return _DEFAULT if m <= _DEFAULT_MAX_M else None
+    return choices.get(b)
+
+
+def _may_tune(weight: torch.Tensor) -> bool:
+    return (
+        weight.is_cuda
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and os.environ.get("TANDEM_TUNE_KERNELS", "1") != "0"
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def _time(run: Callable[[], object], flush: torch.Tensor, iters: int = 10) -> float | None:
+    """Median microseconds of `run` with L2 flushed before each call (decode reads every
+    weight from HBM: a weight still in L2 from the last call would flatter small configs)."""
+    try:
+        run()
+        run()
+    except Exception:
+        return None
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def tune_w8a16(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    baseline_name: str,
+    baseline: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[int, Config | None]:
+    """Measure, once per (N, K, dtype, baseline), this kernel's candidates against `baseline`
+    (the layer's own path: activation quantization + scaled GEMM) at every bucket of
+    `M_BUCKETS`, on random activations and this weight; remember the winners for `choose`.
+    A no-op off CUDA, under the interpreter, during capture, or with TANDEM_TUNE_KERNELS=0."""
+    n, k = weight.shape
+    key = (n, k, dtype, baseline_name)
+    if key in _choices or not _may_tune(weight):
+        return _choices.get(key, {})
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    flush = torch.empty(64 << 20, dtype=torch.uint8, device=weight.device)
+    choices: dict[int, Config | None] = {}
+    record: dict[str, object] = {"n": n, "k": k, "baseline": baseline_name, "us": {}}
+    for b in M_BUCKETS:
+        x = torch.randn(b, k, device=weight.device, generator=gen).to(dtype)
+        base_us = _time(lambda x=x: baseline(x), flush)
+        cands = _CANDIDATES[max(16, b)]
+        timed = {c: _time(lambda x=x, c=c: w8a16_gemm(x, weight, scale, c), flush) for c in cands}
+        ok = {c: t for c, t in timed.items() if t is not None}
+        best = min(ok, key=ok.__getitem__) if ok else None
+        use = best if best is not None and (base_us is None or ok[best] < base_us) else None
+        choices[b] = use
+        record["us"][str(b)] = {  # type: ignore[index]
+            "baseline": base_us,
+            "best": "x".join(map(str, best)) if best else None,
+            "best_us": ok.get(best) if best else None,
+            "use": "w8a16" if use else "baseline",
+        }
+    del flush
+    _choices[key] = choices
+    tuning_log.append(record)
+    return choices
