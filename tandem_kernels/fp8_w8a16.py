@@ -38,6 +38,9 @@ _CANDIDATES: dict[int, tuple[Config, ...]] = {
         (16, 64, 256, 4, 4),
         (16, 16, 512, 4, 3),
         (16, 64, 128, 4, 4),
+        (16, 16, 256, 2, 6),
+        (16, 32, 128, 2, 8),
+        (16, 64, 128, 4, 6),
     ),
     32: ((32, 32, 256, 4, 4), (32, 64, 256, 4, 3), (32, 64, 128, 4, 4), (32, 128, 128, 8, 3)),
     64: ((64, 64, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3), (64, 32, 256, 4, 4)),
@@ -176,25 +179,36 @@ def _may_tune(weight: torch.Tensor) -> bool:
     )
 
 
-def _time(run: Callable[[], object], flush: torch.Tensor, iters: int = 10) -> float | None:
-    """Median microseconds of `run` with L2 flushed before each call (decode reads every
-    weight from HBM: a weight still in L2 from the last call would flatter small configs)."""
+def _time(runs: list[Callable[[], object]], reps: int = 8) -> float | None:
+    """Microseconds per call, as decode runs it: the calls (`runs`, one per weight copy, so
+    that together they overflow L2 and every weight comes from HBM, as each layer's does in a
+    forward) captured `reps` times in one CUDA graph, the graph replayed and timed. None when
+    this device cannot run it (shared memory, registers) or it cannot be captured."""
     try:
-        run()
-        run()
+        for run in runs:  # compiles
+            run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                for run in runs:
+                    run()
+        graph.replay()
+        torch.cuda.synchronize()
     except Exception:
+        torch.cuda.synchronize()
         return None
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    times.sort()
-    return times[len(times) // 2]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / (3 * reps * len(runs))
+
+
+# Weight copies timed in turn: at least this many bytes (twice an H200's 50 MB L2).
+_STREAM_BYTES = 128 << 20
 
 
 def tune_w8a16(
@@ -202,25 +216,30 @@ def tune_w8a16(
     scale: torch.Tensor,
     dtype: torch.dtype,
     baseline_name: str,
-    baseline: Callable[[torch.Tensor], torch.Tensor],
+    baseline: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> dict[int, Config | None]:
     """Measure, once per (N, K, dtype, baseline), this kernel's candidates against `baseline`
-    (the layer's own path: activation quantization + scaled GEMM) at every bucket of
-    `M_BUCKETS`, on random activations and this weight; remember the winners for `choose`.
+    (the layer's own path, `baseline(x, weight)`: activation quantization + scaled GEMM) at
+    every bucket of `M_BUCKETS`, on random activations and this weight, in CUDA graphs
+    (`_time`); remember the winners for `choose`.
     A no-op off CUDA, under the interpreter, during capture, or with TANDEM_TUNE_KERNELS=0."""
     n, k = weight.shape
     key = (n, k, dtype, baseline_name)
     if key in _choices or not _may_tune(weight):
         return _choices.get(key, {})
     gen = torch.Generator(device=weight.device).manual_seed(0)
-    flush = torch.empty(64 << 20, dtype=torch.uint8, device=weight.device)
+    weight_bytes = weight.numel() * weight.element_size()
+    copies = [weight] + [weight.clone() for _ in range(-(-_STREAM_BYTES // weight_bytes) - 1)]
     choices: dict[int, Config | None] = {}
     record: dict[str, object] = {"n": n, "k": k, "baseline": baseline_name, "us": {}}
     for b in M_BUCKETS:
         x = torch.randn(b, k, device=weight.device, generator=gen).to(dtype)
-        base_us = _time(lambda x=x: baseline(x), flush)
+        base_us = _time([lambda x=x, w=w: baseline(x, w) for w in copies])
         cands = _CANDIDATES[max(16, b)]
-        timed = {c: _time(lambda x=x, c=c: w8a16_gemm(x, weight, scale, c), flush) for c in cands}
+        timed = {
+            c: _time([lambda x=x, c=c, w=w: w8a16_gemm(x, w, scale, c) for w in copies])
+            for c in cands
+        }
         ok = {c: t for c, t in timed.items() if t is not None}
         best = min(ok, key=ok.__getitem__) if ok else None
         use = best if best is not None and (base_us is None or ok[best] < base_us) else None
@@ -231,7 +250,7 @@ def tune_w8a16(
             "best_us": ok.get(best) if best else None,
             "use": "w8a16" if use else "baseline",
         }
-    del flush
+    del copies
     _choices[key] = choices
     tuning_log.append(record)
     return choices

@@ -323,7 +323,7 @@ class Fp8LinearMethod(LinearMethodBase):
                 layer.weight_scale.data,
                 layer.fp8_input_dtype,
                 self._baseline_name,
-                lambda x: self._scaled(layer, x, None, x.dtype),
+                lambda x, w: self._scaled(layer, x, None, x.dtype, w),
             )
 
     @property
@@ -360,10 +360,16 @@ class Fp8LinearMethod(LinearMethodBase):
         return out.reshape(*shape[:-1], out.shape[-1])
 
     def _scaled(
-        self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+        self,
+        layer: nn.Module,
+        x2: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Activations quantized (one Triton kernel per token scale, two per tensor scale, on
-        CUDA; the torch references elsewhere), then the scaled GEMM."""
+        CUDA; the torch references elsewhere), then the scaled GEMM (with `weight` in place of
+        the layer's: a copy, when tuning times it)."""
         scheme = self.scheme
         if scheme.activation_scheme == "static":
             xq, x_scale = _fp8_ops().quantize_per_tensor(x2, layer.input_scale)
@@ -379,7 +385,8 @@ class Fp8LinearMethod(LinearMethodBase):
                 else _fp8_ops().quantize_per_tensor
             )
             xq, x_scale = quant(x2)
-        return fp8_linear(xq, layer.weight, x_scale, layer.weight_scale, bias, out_dtype)
+        weight = layer.weight if weight is None else weight
+        return fp8_linear(xq, weight, x_scale, layer.weight_scale, bias, out_dtype)
 
 
 def fp8_linear(
