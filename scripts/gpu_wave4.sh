@@ -2,8 +2,8 @@
 # This session's H200 runs, in parts that each fit one device call (from the repository root):
 #
 #   PART=a: the W8A16 small-batch FP8 GEMM against the scaled GEMM and bf16
-#           (benchmarks/fp8_w8a16.py), the FP8 kernel and checkpoint tests, batch-1 TPOT in
-#           FP8 (the three workloads are PART=c), the prefill attention kernel's table;
+#           (benchmarks/fp8_w8a16.py), batch-1 TPOT in FP8 and bf16 (the three workloads are
+#           PART=c), with PREFILL=1 the prefill attention kernel's table;
 #   PART=b: the GPU tests that need the embedded SmolLM2 (FP8 against its bf16 self, n-gram
 #           speculation under CUDA graphs) and the rest of tests/gpu;
 #   PART=c: the offline benchmark in FP8 (WORKLOADS, default all three).
@@ -24,11 +24,9 @@ a)
   env_report
   step "fp8 w8a16" 120 "$OUT/fp8_w8a16.log" $PY -m benchmarks.fp8_w8a16 --out "$OUT/fp8_w8a16.json"
   grep -E "M=   1|M=  16|M= 256" "$OUT/fp8_w8a16.log" >>"$summary"
-  step "fp8 kernel tests" 150 "$OUT/tests_fp8_kernels.log" $PY -m pytest -q -s -m gpu \
-    tests/gpu/test_fp8_gpu.py -k "not bf16_self and not together" -p no:cacheprovider
-  tail -n 3 "$OUT/tests_fp8_kernels.log" >>"$summary"
   WORKLOADS=b1only offline fp8_b1 200 --quantization fp8
-  step "prefill attention" 90 "$OUT/prefill_attention.log" $PY -m benchmarks.prefill_attention \
+  WORKLOADS=b1only offline bf16_b1 120
+  [ -n "${PREFILL:-}" ] && step "prefill attention" 90 "$OUT/prefill_attention.log" $PY -m benchmarks.prefill_attention \
     --out "$OUT/prefill_attention.json"
   ;;
 b)
