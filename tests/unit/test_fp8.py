@@ -248,7 +248,7 @@ def _logits(model: Any, device: torch.device = CPU) -> torch.Tensor:
     ids = torch.randint(3, model.vocab_size, (sum(lens),), generator=gen).to(device)
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
     shape = (4, 2, BLOCK_SIZE, model.num_kv_heads, model.head_size)
-    kv = [torch.zeros(shape, device=device) for _ in range(model.num_layers)]
+    kv = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)]
     with torch.inference_mode():
         return model.compute_logits(model(ids, positions, kv, md))
 
@@ -479,8 +479,10 @@ def _producers(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-def _fused_inputs(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, str]]:
-    """`_logits(model)`, and each linear layer's input kind in that forward."""
+def _fused_inputs(
+    model: torch.nn.Module, device: torch.device = CPU
+) -> tuple[torch.Tensor, dict[str, str]]:
+    """`_logits(model, device)`, and each linear layer's input kind in that forward."""
     from tandem.layers.linear import LinearBase
     from tandem.layers.quantization.input_quant import QuantizedActivation
 
@@ -495,7 +497,7 @@ def _fused_inputs(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, str]]
         if isinstance(module, LinearBase)
     ]
     try:
-        return _logits(model), kinds
+        return _logits(model, device), kinds
     finally:
         for hook in hooks:
             hook.remove()
