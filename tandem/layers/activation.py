@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.layers.quantization.input_quant import input_quantizer
+from tandem.layers.quantization.input_quant import Activation, input_quantizer
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -31,7 +29,7 @@ class SiluAndMul(nn.Module):
         self.cpu_kernels = cpu_kernels
         self.input_quant = input_quantizer(quant_consumer)
 
-    def forward(self, x: torch.Tensor) -> Any:  # a tensor or QuantizedActivation
+    def forward(self, x: torch.Tensor) -> Activation:
         if self.input_quant is not None and x.dim() == 2 and x.stride(-1) == 1:
             return self.input_quant.silu_and_mul(x)
         if x.is_cuda:

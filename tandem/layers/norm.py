@@ -6,12 +6,10 @@ them; both compute in float32 and round once to the input dtype, as Hugging Face
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from tandem.layers.quantization.input_quant import input_quantizer
+from tandem.layers.quantization.input_quant import Activation, input_quantizer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,7 +59,7 @@ class RMSNorm(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> Any:  # a tensor or QuantizedActivation, and with a residual the residual sum
+    ) -> Activation | tuple[Activation, torch.Tensor]:
         if self.input_quant is not None and x.dim() == 2 and x.stride(-1) == 1:
             out, residual_out = self.input_quant.rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual_out)

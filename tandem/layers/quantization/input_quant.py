@@ -46,6 +46,10 @@ class QuantizedActivation:
         return self.data.shape
 
 
+# What a producer (norm, activation) hands the next layer: plain, or quantized for it.
+Activation = torch.Tensor | QuantizedActivation
+
+
 class ActivationQuantizer(ABC):
     """How one linear layer wants its input quantized, with the producers' ops fused into it.
     Each op takes the same inputs as the unfused op (2-D, unit stride along the last dim) and
