@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.layers.quantization.input_quant import Activation, input_quantizer
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(x[..., :d]) * x[..., d:]` with `d = x.shape[-1] // 2`."""
@@ -16,13 +18,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     """On CUDA the fused Triton kernel (tandem_kernels/activation.py); with `cpu_kernels` (the
     CPU step path), 2-D CPU inputs in one C++ pass (tandem_kernels/cpu); else the torch
-    function."""
+    function.
 
-    def __init__(self, cpu_kernels: bool = False) -> None:
+    `quant_consumer`: the linear layer this activation feeds (down_proj). When its method
+    wants quantized input (an FP8 method), 2-D inputs come out as that `QuantizedActivation`,
+    written by the activation's own kernel (input_quant.py); else as usual."""
+
+    def __init__(self, cpu_kernels: bool = False, quant_consumer: nn.Module | None = None) -> None:
         super().__init__()
         self.cpu_kernels = cpu_kernels
+        self.input_quant = input_quantizer(quant_consumer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Activation:
+        if self.input_quant is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return self.input_quant.silu_and_mul(x)
         if x.is_cuda:
             from tandem_kernels.activation import silu_and_mul as silu_and_mul_kernel
 

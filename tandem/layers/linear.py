@@ -323,6 +323,12 @@ class RowParallelLinear(LinearBase):
             )
             set_weight_attrs(self.bias, {"weight_loader": self.weight_loader})
 
+    @property
+    def splits_input(self) -> bool:
+        """Whether `forward` takes this rank's columns of a whole input (so its input cannot
+        come quantized: tandem.layers.quantization.input_quant)."""
+        return not self.input_is_parallel and self.tp_size > 1
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None
     ) -> None:

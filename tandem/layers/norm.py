@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.layers.quantization.input_quant import Activation, input_quantizer
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / sqrt(mean(x^2) + eps)` over the last dim."""
@@ -32,6 +34,10 @@ class RMSNorm(nn.Module):
 
     With `cpu_kernels` (the model runs the CPU step path), 2-D CPU inputs go through one C++
     pass (tandem_kernels/cpu): the residual is then updated in place.
+
+    `quant_consumer`: the linear layer this norm feeds (qkv_proj, gate_up_proj). When its
+    method wants quantized input (an FP8 method), 2-D inputs come out as that
+    `QuantizedActivation`, written by the norm's own kernel (input_quant.py); else as usual.
     """
 
     def __init__(
@@ -41,6 +47,7 @@ class RMSNorm(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         cpu_kernels: bool = False,
+        quant_consumer: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.eps = eps
@@ -48,10 +55,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(
             torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
         )
+        self.input_quant = input_quantizer(quant_consumer)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> Activation | tuple[Activation, torch.Tensor]:
+        if self.input_quant is not None and x.dim() == 2 and x.stride(-1) == 1:
+            out, residual_out = self.input_quant.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual_out)
         if x.is_cuda:
             from tandem_kernels import rms_norm as k
 

@@ -185,7 +185,7 @@ class LlamaMLP(nn.Module):
             ctx,
             prefix=f"{prefix}.down_proj",
         )
-        self.act_fn = SiluAndMul(cpu_kernels=ctx.cpu_kernels)
+        self.act_fn = SiluAndMul(cpu_kernels=ctx.cpu_kernels, quant_consumer=self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -209,8 +209,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp_name = mlp_name
         self.add_module(mlp_name, mlp)
         eps, dim = cfg.rms_norm_eps, cfg.hidden_size
-        self.input_layernorm = RMSNorm(dim, eps, ctx.dtype, ctx.device, ctx.cpu_kernels)
-        self.post_attention_layernorm = RMSNorm(dim, eps, ctx.dtype, ctx.device, ctx.cpu_kernels)
+        # Each norm feeds the first linear of its block (none for an MoE block), which may
+        # want its input quantized (tandem.layers.quantization.input_quant).
+        self.input_layernorm = RMSNorm(
+            dim, eps, ctx.dtype, ctx.device, ctx.cpu_kernels, getattr(self_attn, "qkv_proj", None)
+        )
+        self.post_attention_layernorm = RMSNorm(
+            dim, eps, ctx.dtype, ctx.device, ctx.cpu_kernels, getattr(mlp, "gate_up_proj", None)
+        )
 
     def forward(
         self,

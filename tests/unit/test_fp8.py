@@ -248,7 +248,7 @@ def _logits(model: Any, device: torch.device = CPU) -> torch.Tensor:
     ids = torch.randint(3, model.vocab_size, (sum(lens),), generator=gen).to(device)
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
     shape = (4, 2, BLOCK_SIZE, model.num_kv_heads, model.head_size)
-    kv = [torch.zeros(shape, device=device) for _ in range(model.num_layers)]
+    kv = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)]
     with torch.inference_mode():
         return model.compute_logits(model(ids, positions, kv, md))
 
@@ -462,3 +462,120 @@ def test_fp8_kv_cache_dtype_is_refused_where_it_cannot_run() -> None:
         resolve_kv_cache_dtype("fp8", torch.bfloat16, CPU, "torch")
     with pytest.raises(ConfigError, match="--kv-cache-dtype fp8_e4m3 needs a CUDA GPU"):
         resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, CPU, "cpu")
+
+
+# ----------------------------------------------------------------------------- fused input
+
+
+def _producers(model: torch.nn.Module) -> dict[str, Any]:
+    """Each norm / activation of the decoder layers -> its input quantizer (or None)."""
+    from tandem.layers.activation import SiluAndMul
+    from tandem.layers.norm import RMSNorm
+
+    return {
+        name: module.input_quant
+        for name, module in model.named_modules()
+        if isinstance(module, (RMSNorm, SiluAndMul))
+    }
+
+
+def _fused_inputs(
+    model: torch.nn.Module, device: torch.device = CPU
+) -> tuple[torch.Tensor, dict[str, str]]:
+    """`_logits(model, device)`, and each linear layer's input kind in that forward."""
+    from tandem.layers.linear import LinearBase
+    from tandem.layers.quantization.input_quant import QuantizedActivation
+
+    kinds: dict[str, str] = {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda mod, args, name=name: kinds.__setitem__(
+                name, "quantized" if isinstance(args[0], QuantizedActivation) else "plain"
+            )
+        )
+        for name, module in model.named_modules()
+        if isinstance(module, LinearBase)
+    ]
+    try:
+        return _logits(model, device), kinds
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("kind", ["fp8", "ptpc_fp8", "ct_static", "fp8_block16"])
+def test_norm_and_activation_hand_fp8_linears_quantized_input(
+    kind: str, tiny_llama, tmp_path: Path
+) -> None:
+    """The norm before qkv / gate_up and the activation before down write the FP8 input the
+    linear's scheme wants (per tensor, per token, the checkpoint's static scale), and the
+    logits are those of the same model with every linear quantizing its own input, bit for
+    bit; block-scaled (weight-only) linears take plain input; the final norm (before the
+    unquantized LM head) stays plain."""
+    src, _ = tiny_llama
+    if kind in ("fp8", "ptpc_fp8"):
+        model = build_model(src, context(Fp8Config() if kind == "fp8" else PtpcFp8Config()))
+    else:
+        folder = _write_fp8_checkpoint(src, tmp_path / kind, kind)
+        quant = resolve_quant_config("auto", _hf(folder), CPU, check_device=False)
+        model = build_model(folder, context(quant))
+    producers = _producers(model)
+    fused, kinds = _fused_inputs(model)
+    weight_only = kind == "fp8_block16"
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        for name in ("input_layernorm", "post_attention_layernorm", "mlp.act_fn"):
+            assert (producers[p + name] is None) == weight_only, (kind, name)
+        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            assert kinds[p + name] == ("plain" if weight_only else "quantized"), (kind, name)
+        assert kinds[p + "self_attn.o_proj"] == "plain"
+    assert producers["model.norm"] is None
+    if kind == "ct_static":
+        strategies = {q.strategy for q in producers.values() if q is not None}
+        assert strategies == {"static"}
+    for name in producers:  # the same model, each linear quantizing its own input
+        model.get_submodule(name).input_quant = None
+    unfused, kinds = _fused_inputs(model)
+    assert set(kinds.values()) == {"plain"}
+    torch.testing.assert_close(fused, unfused, atol=0, rtol=0)
+
+
+def test_unquantized_models_keep_plain_inputs(tiny_model_path) -> None:
+    """No quantizer on any norm or activation of an unquantized dense or MoE model, nor on
+    an MoE block's norm in an FP8 one (its experts are not FP8 linears)."""
+    for arch in ("llama", "qwen3_moe"):
+        model = build_model(tiny_model_path(arch), context(None))
+        assert set(_producers(model).values()) == {None}, arch
+    router = PtpcFp8Config(ignored_layers=(r"re:.*\.mlp\.gate$",))  # 8 experts: not % 16
+    moe = build_model(tiny_model_path("qwen3_moe"), context(router))
+    producers = _producers(moe)
+    assert producers["model.layers.0.input_layernorm"] is not None
+    assert producers["model.layers.0.post_attention_layernorm"] is None
+
+
+def test_row_parallel_input_split_here_stays_plain() -> None:
+    """A row-parallel FP8 layer takes a quantized input only when it is already this rank's
+    columns (`input_is_parallel`); one that splits a whole input takes it plain. Each rank's
+    per-token scales come from its own columns, as its own quantization would."""
+    from tandem.layers.activation import SiluAndMul
+    from tandem.layers.quantization.input_quant import input_quantizer
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(32, 64, generator=gen) * 0.1
+    x = torch.randn(3, 128, generator=gen)
+    quant = PtpcFp8Config()
+    for rank in range(2):
+        split_here = RowParallelLinear(
+            64, 32, False, context(quant, rank, 2), input_is_parallel=False, prefix="down"
+        )
+        assert split_here.splits_input and input_quantizer(split_here) is None
+        down = RowParallelLinear(
+            64, 32, False, context(quant, rank, 2), reduce_results=False, prefix="down"
+        )
+        _load_linear(down, [(w, None)])
+        act = SiluAndMul(quant_consumer=down)
+        assert act.input_quant is not None
+        part = torch.cat([c.chunk(2, dim=1)[rank] for c in x.chunk(2, dim=1)], dim=1)
+        quantized = act(part)
+        assert quantized.scale.shape == (3, 1)
+        assert torch.equal(down(quantized), down(SiluAndMul()(part)))

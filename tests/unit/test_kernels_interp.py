@@ -199,6 +199,103 @@ def case_fp8_dynamic_activation_quant(dtype: torch.dtype) -> None:
     assert empty[0].shape == (0, 2600) and empty[1].shape == (0, 1)
 
 
+def _assert_e4m3_close(
+    got: torch.Tensor,
+    want: torch.Tensor,
+    what: object,
+    unit: torch.Tensor | float = 1.0,
+    slack: float = 0.0,
+) -> None:
+    """Dequantized e4m3 values (`unit`: their scale, broadcast) equal but for e4m3 rounding:
+    one step (2^-3 relative, 2^-9 among the subnormals), or the interpreter's dropped carry
+    (half the value; see `case_fp8_dynamic_activation_quant`). `slack`: the relative error of
+    the values before they were quantized (0: the same values, so few may differ)."""
+    got, want = got.float(), want.float()
+    differ = got != want
+    floor = torch.as_tensor(unit, dtype=torch.float32) * 2**-9 * (1 + slack + 2**-10)
+    close = (got - want).abs() <= torch.maximum(want.abs() * (2**-3 + slack), floor)
+    dropped = (got * 2 - want).abs() <= want.abs() * slack * 2
+    assert (close | dropped)[differ].all(), what
+    if not slack:
+        assert differ.float().mean() < 0.06, (what, differ.float().mean())
+
+
+_FP8_STRATEGIES = (("token", None), ("tensor", None), ("static", 0.013))
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_rms_norm_fp8(dtype: torch.dtype) -> None:
+    """RMSNorm (with and without the residual add) writing e4m3 per token, per tensor (two
+    passes) and by a static scale: the scales bit for bit those of the unfused Triton norm's
+    output quantized by torch, the values within e4m3 rounding of it and of the pure-torch
+    reference; the residual sum exact; inputs untouched."""
+    from tandem_kernels import fp8_fused
+
+    k = _kernels()
+    gen = torch.Generator().manual_seed(11)
+    wide = torch.randn(9, 120, generator=gen) * torch.linspace(0.1, 30, 9)[:, None]
+    x = wide.to(dtype)[:, :96]  # hidden 96 (not a power of two), row stride 120
+    residual = torch.randn(9, 96, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    before = (x.clone(), residual.clone())
+    for res in (None, residual):
+        if res is None:
+            unfused = k.rms_norm.rms_norm(x, weight, 1e-6)
+        else:
+            unfused = k.rms_norm.fused_add_rms_norm(x, res, weight, 1e-6)[0]
+        for strategy, value in _FP8_STRATEGIES:
+            scale = None if value is None else torch.tensor(value)
+            what = (strategy, res is None)
+            q, s, res_out = fp8_fused.rms_norm_fp8(x, res, weight, 1e-6, strategy, scale)
+            q_unf, s_unf = fp8_fused.quantize_activation_ref(unfused, strategy, scale)
+            q_ref, s_ref, res_ref = fp8_fused.rms_norm_fp8_ref(
+                x, res, weight, 1e-6, strategy, scale
+            )
+            assert q.dtype == torch.float8_e4m3fn and q.shape == (9, 96), what
+            assert s.shape == s_ref.shape and torch.equal(s, s_unf), what
+            torch.testing.assert_close(s, s_ref, **_tol(dtype))
+            _assert_e4m3_close(q, q_unf, what)
+            # Against the pure-torch chain: within e4m3 rounding of a value within the norm's
+            # tolerance.
+            slack = 1e-5 if dtype == torch.float32 else 3e-3
+            _assert_e4m3_close(q.float() * s, q_ref.float() * s_ref, what, s, slack)
+            if res is None:
+                assert res_out is None and res_ref is None
+            else:
+                assert torch.equal(res_out, res_ref), what
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+    empty = fp8_fused.rms_norm_fp8(x[:0], residual[:0], weight, 1e-6, "tensor")
+    assert empty[0].shape == (0, 96) and empty[1].shape == () and empty[2].shape == (0, 96)
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_silu_and_mul_fp8(dtype: torch.dtype) -> None:
+    """SiLU-and-mul writing e4m3 (I = 1100: past one column block, masked tail): the scales
+    bit for bit those of the unfused Triton kernel's output quantized by torch, the values
+    within e4m3 rounding of it and of the pure-torch reference."""
+    from tandem_kernels import fp8_fused
+
+    k = _kernels()
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(6, 2 * 1100, generator=gen) * torch.linspace(1, 4, 6)[:, None]).to(dtype)
+    x[2] = 0  # an all-zero row: the floor scale, zeros
+    unfused = k.activation.silu_and_mul(x)
+    for strategy, value in _FP8_STRATEGIES:
+        scale = None if value is None else torch.tensor(value)
+        q, s = fp8_fused.silu_and_mul_fp8(x, strategy, scale)
+        q_unf, s_unf = fp8_fused.quantize_activation_ref(unfused, strategy, scale)
+        q_ref, s_ref = fp8_fused.silu_and_mul_fp8_ref(x, strategy, scale)
+        assert q.shape == (6, 1100) and s.shape == s_ref.shape, strategy
+        assert torch.equal(s, s_unf), strategy
+        torch.testing.assert_close(s, s_ref, **_tol(dtype))
+        _assert_e4m3_close(q, q_unf, strategy)
+        slack = 1e-5 if dtype == torch.float32 else 2e-3
+        _assert_e4m3_close(q.float() * s, q_ref.float() * s_ref, strategy, s, slack)
+        assert not q[2].float().any()
+    empty = fp8_fused.silu_and_mul_fp8(x[:0], "token")
+    assert empty[0].shape == (0, 1100) and empty[1].shape == (0, 1)
+
+
 @_case()
 def case_fp8_block_gemm() -> None:
     """The weight-only block-scaled FP8 GEMM against its reference: fp32 activations, tiles

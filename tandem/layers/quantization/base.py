@@ -9,6 +9,9 @@ holds); the method keeps the representation (plain, prepacked for the CPU, FP8 w
     load_weights    -> param.weight_loader(param, tensor, shard_id)
     after loading   -> method.process_weights_after_loading(layer)   (repack, requantize)
     forward         -> method.apply(layer, x, bias)
+    the op before   -> method.input_quantizer(layer)   (input_quant.py: the norm or activation
+                                                       feeding `layer` writes the quantized
+                                                       input the method wants, or plain input)
 
 Sharding metadata lives on the parameters, as vLLM's does: `output_dim` (the dim a column-
 parallel layer splits) and `input_dim` (the dim a row-parallel layer splits). A parameter with
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from tandem.layers.quantization.input_quant import ActivationQuantizer
     from tandem.models.interface import ModelContext
 
 # `weight_loader(param, loaded_weight, shard_id=None)`: copies this rank's part of a
@@ -79,6 +83,12 @@ class QuantizeMethodBase(ABC):
 
 class LinearMethodBase(QuantizeMethodBase):
     """A method for linear layers (the LM head included)."""
+
+    def input_quantizer(self, layer: nn.Module) -> ActivationQuantizer | None:
+        """How `layer` wants its input from the op before it (tandem.layers.quantization.
+        input_quant): None, plain input (the default); a method that returns a quantizer
+        accepts that quantizer's `QuantizedActivation` in `apply`."""
+        return None
 
 
 class QuantizationConfig(ABC):

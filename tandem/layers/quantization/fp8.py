@@ -20,6 +20,10 @@ Schemes (`Fp8Config` fields, named as vLLM and compressed-tensors name them):
                                  (`activation_strategy` token, with channel weights: "PTPC")
                         static   the checkpoint's `input_scale` (per tensor)
 
+The norm or activation before a linear (RMSNorm before qkv / gate_up, SiLU-and-mul before down)
+writes the e4m3 input with its scale in its own kernel when the method asks for it
+(`input_quantizer`, fp8_input.py): `apply` then takes that `QuantizedActivation` as is.
+
 Block-scaled checkpoints run as weight-only FP8 (W8A16): the weight stays e4m3 with its tile
 scales, and a Triton GEMM (tandem_kernels.fp8_block_gemm) widens each tile in registers and
 scales its products; its torch reference (dequantize, then matmul) on the CPU. The LM head and
@@ -43,6 +47,7 @@ from tandem.layers.quantization.base import (
     register_quantization_config,
     set_weight_attrs,
 )
+from tandem.layers.quantization.input_quant import ActivationQuantizer, QuantizedActivation
 from tandem.layers.weight_utils import LoadedWeight, full_weight
 
 WeightStrategy = Literal["tensor", "channel", "block"]
@@ -331,10 +336,25 @@ class Fp8LinearMethod(LinearMethodBase):
         s = self.scheme
         return f"{s.activation_scheme}/{s.activation_strategy}/{s.weight_strategy}"
 
+    def input_quantizer(self, layer: nn.Module) -> ActivationQuantizer | None:
+        """e4m3 input with this scheme's activation scale, from the op before (fp8_input.py);
+        None for the weight-only block scheme (bf16 input)."""
+        if self.scheme.weight_strategy == "block":
+            return None
+        from tandem.layers.quantization.fp8_input import Fp8ActivationQuantizer
+
+        return Fp8ActivationQuantizer(layer, self.scheme)
+
     def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        layer: nn.Module,
+        x: torch.Tensor | QuantizedActivation,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         scheme = self.scheme
+        if isinstance(x, QuantizedActivation):  # quantized by the op before (input_quantizer)
+            assert scheme.weight_strategy != "block" and x.data.dim() == 2, x.shape
+            return fp8_linear(x.data, layer.weight, x.scale, layer.weight_scale, bias, x.dtype)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.stride(-1) != 1:
