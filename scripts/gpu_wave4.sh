@@ -2,8 +2,9 @@
 # This session's H200 runs, in parts that each fit one device call (from the repository root):
 #
 #   PART=a: the W8A16 small-batch FP8 GEMM against the scaled GEMM and bf16
-#           (benchmarks/fp8_w8a16.py), batch-1 TPOT in FP8 and bf16 (the three workloads are
-#           PART=c), with PREFILL=1 the prefill attention kernel's table;
+#           (benchmarks/fp8_w8a16.py), the fused activation quantization's tests and kernels
+#           (benchmarks/fp8_fused.py), batch-1 TPOT in FP8 (BF16_B1=1: and bf16; the three
+#           workloads are PART=c), with PREFILL=1 the prefill attention kernel's table;
 #   PART=b: the GPU tests that need the embedded SmolLM2 (FP8 against its bf16 self, n-gram
 #           speculation under CUDA graphs) and the rest of tests/gpu;
 #   PART=c: the offline benchmark in FP8 (WORKLOADS, default all three).
@@ -24,8 +25,12 @@ a)
   env_report
   step "fp8 w8a16" 120 "$OUT/fp8_w8a16.log" $PY -m benchmarks.fp8_w8a16 --out "$OUT/fp8_w8a16.json"
   grep -E "M=   1|M=  16|M= 256" "$OUT/fp8_w8a16.log" >>"$summary"
-  WORKLOADS=b1only offline fp8_b1 200 --quantization fp8
-  WORKLOADS=b1only offline bf16_b1 120
+  step "fp8 fused tests" 120 "$OUT/tests_fp8_fused.log" $PY -m pytest -q -s -m gpu \
+    tests/gpu/test_fp8_fused_gpu.py -p no:cacheprovider
+  tail -n 4 "$OUT/tests_fp8_fused.log" >>"$summary"
+  step "fp8 fused bench" 90 "$OUT/fp8_fused.log" $PY -m benchmarks.fp8_fused --out "$OUT/fp8_fused.json"
+  WORKLOADS=b1only offline fp8_b1 150 --quantization fp8
+  [ -n "${BF16_B1:-}" ] && WORKLOADS=b1only offline bf16_b1 120
   [ -n "${PREFILL:-}" ] && step "prefill attention" 90 "$OUT/prefill_attention.log" $PY -m benchmarks.prefill_attention \
     --out "$OUT/prefill_attention.json"
   ;;

@@ -31,6 +31,7 @@ from tandem_kernels.activation import silu_and_mul_ref
 from tandem_kernels.fp8 import (
     FP8_DTYPE,
     FP8_MAX_TL,
+    INV_FP8_MAX_TL,
     MIN_SCALE,
     MIN_SCALE_TL,
     quantize_per_row,
@@ -53,12 +54,12 @@ def _scale_and_store(y, row, q_row, scale_ptr, amax_ptr, offs, mask, MODE: tl.co
     else:
         if MODE == 0:
             amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
-            scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX_TL), MIN_SCALE_TL)
+            scale = tl.maximum(amax * INV_FP8_MAX_TL, MIN_SCALE_TL)
             tl.store(scale_ptr + row, scale)
         elif MODE == 1:
             scale = tl.load(scale_ptr)
         else:
-            scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr), FP8_MAX_TL), MIN_SCALE_TL)
+            scale = tl.maximum(tl.load(amax_ptr) * INV_FP8_MAX_TL, MIN_SCALE_TL)
             if row == 0:
                 tl.store(scale_ptr, scale)
         q = tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX_TL, FP8_MAX_TL)
@@ -133,7 +134,7 @@ def _silu_and_mul_fp8_token_kernel(
     for start in range(0, INTERMEDIATE_SIZE, BLOCK):
         y, offs, mask = _silu_mul_row_block(x_row, start, INTERMEDIATE_SIZE, BLOCK)
         acc = tl.maximum(acc, tl.where(mask, tl.abs(y), 0.0))
-    scale = tl.maximum(tl.math.div_rn(tl.max(acc, axis=0), FP8_MAX_TL), MIN_SCALE_TL)
+    scale = tl.maximum(tl.max(acc, axis=0) * INV_FP8_MAX_TL, MIN_SCALE_TL)
     tl.store(scale_ptr + row, scale)
     for start in range(0, INTERMEDIATE_SIZE, BLOCK):
         y, offs, mask = _silu_mul_row_block(x_row, start, INTERMEDIATE_SIZE, BLOCK)

@@ -30,7 +30,12 @@ class SiluAndMul(nn.Module):
         self.input_quant = input_quantizer(quant_consumer)
 
     def forward(self, x: torch.Tensor) -> Activation:
-        if self.input_quant is not None and x.dim() == 2 and x.stride(-1) == 1:
+        if (
+            self.input_quant is not None
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and self.input_quant.takes_quantized(x)
+        ):
             return self.input_quant.silu_and_mul(x)
         if x.is_cuda:
             from tandem_kernels.activation import silu_and_mul as silu_and_mul_kernel

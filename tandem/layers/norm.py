@@ -60,7 +60,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> Activation | tuple[Activation, torch.Tensor]:
-        if self.input_quant is not None and x.dim() == 2 and x.stride(-1) == 1:
+        if (
+            self.input_quant is not None
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and self.input_quant.takes_quantized(x)
+        ):
             out, residual_out = self.input_quant.rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual_out)
         if x.is_cuda:

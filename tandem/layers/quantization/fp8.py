@@ -336,6 +336,14 @@ class Fp8LinearMethod(LinearMethodBase):
         s = self.scheme
         return f"{s.activation_scheme}/{s.activation_strategy}/{s.weight_strategy}"
 
+    def w8a16_config(self, layer: nn.Module, x: torch.Tensor) -> tuple[int, ...] | None:
+        """The W8A16 GEMM's config where it serves `x`'s batch on CUDA (measured at load), else
+        None: this scheme's own path (activation quantization + scaled GEMM)."""
+        if not x.is_cuda or self.scheme.weight_strategy == "block":
+            return None
+        n, k = layer.weight.shape
+        return _w8a16().choose(x.shape[0], n, k, x.dtype, self._baseline_name)
+
     def input_quantizer(self, layer: nn.Module) -> ActivationQuantizer | None:
         """e4m3 input with this scheme's activation scale, from the op before (fp8_input.py);
         None for the weight-only block scheme (bf16 input)."""
@@ -368,14 +376,12 @@ class Fp8LinearMethod(LinearMethodBase):
             if bias is not None:
                 out = out + bias
             return out.reshape(*shape[:-1], out.shape[-1])
-        if x2.is_cuda:
-            n, k = layer.weight.shape
-            config = _w8a16().choose(x2.shape[0], n, k, x2.dtype, self._baseline_name)
-            if config is not None:
-                out = _w8a16().w8a16_gemm(x2, layer.weight, layer.weight_scale, config)
-                if bias is not None:
-                    out = out + bias
-                return out.reshape(*shape[:-1], out.shape[-1])
+        config = self.w8a16_config(layer, x2)
+        if config is not None:
+            out = _w8a16().w8a16_gemm(x2, layer.weight, layer.weight_scale, config)
+            if bias is not None:
+                out = out + bias
+            return out.reshape(*shape[:-1], out.shape[-1])
         out = self._scaled(layer, x2, bias, x.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 

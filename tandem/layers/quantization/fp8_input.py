@@ -44,6 +44,10 @@ class Fp8ActivationQuantizer(ActivationQuantizer):
             "static" if scheme.activation_scheme == "static" else scheme.activation_strategy
         )
 
+    def takes_quantized(self, x: torch.Tensor) -> bool:
+        """Not where the linear runs its weight-only small-batch GEMM (W8A16, bf16 input)."""
+        return self.layer.quant_method.w8a16_config(self.layer, x) is None
+
     def _static_scale(self) -> torch.Tensor | None:
         return self.layer.input_scale if self.strategy == "static" else None
 

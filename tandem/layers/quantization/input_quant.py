@@ -55,6 +55,12 @@ class ActivationQuantizer(ABC):
     Each op takes the same inputs as the unfused op (2-D, unit stride along the last dim) and
     returns the quantized form of the unfused op's output."""
 
+    def takes_quantized(self, x: torch.Tensor) -> bool:
+        """Whether the consumer takes its input quantized for this input's batch (a function of
+        its shape, device and dtype only, so fixed when a CUDA graph is captured); when not,
+        the producer runs its plain op."""
+        return True
+
     @abstractmethod
     def rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
