@@ -210,8 +210,12 @@ def _time(runs: list[Callable[[], object]], reps: int = 8) -> float | None:
     return start.elapsed_time(end) * 1000.0 / (3 * reps * len(runs))
 
 
-# Weight copies timed in turn: at least this many bytes (twice an H200's 50 MB L2).
+# Weight copies timed in turn: at least this many bytes (twice an H200's 50 MB L2), at most
+# _MAX_COPIES of them; weights under _MIN_TUNE_BYTES are not measured (the default rule serves
+# them: a tiny model's GEMMs cost their launch, whatever the path).
 _STREAM_BYTES = 128 << 20
+_MAX_COPIES = 16
+_MIN_TUNE_BYTES = 1 << 20
 
 
 def tune_w8a16(
@@ -228,11 +232,12 @@ def tune_w8a16(
     A no-op off CUDA, under the interpreter, during capture, or with TANDEM_TUNE_KERNELS=0."""
     n, k = weight.shape
     key = (n, k, dtype, baseline_name)
-    if key in _choices or not _may_tune(weight):
+    if key in _choices or not _may_tune(weight) or weight.numel() < _MIN_TUNE_BYTES:
         return _choices.get(key, {})
     gen = torch.Generator(device=weight.device).manual_seed(0)
     weight_bytes = weight.numel() * weight.element_size()
-    copies = [weight] + [weight.clone() for _ in range(-(-_STREAM_BYTES // weight_bytes) - 1)]
+    num_copies = min(-(-_STREAM_BYTES // weight_bytes), _MAX_COPIES)
+    copies = [weight] + [weight.clone() for _ in range(num_copies - 1)]
     choices: dict[int, Config | None] = {}
     record: dict[str, object] = {"n": n, "k": k, "baseline": baseline_name, "us": {}}
     for b in M_BUCKETS:

@@ -116,10 +116,16 @@ def test_fused_kernels_replay_in_a_cuda_graph() -> None:
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "ptpc_fp8"])
-def test_fp8_model_with_fused_inputs_matches_unfused(quantization: str, tmp_path: Path) -> None:
+def test_fp8_model_with_fused_inputs_matches_unfused(
+    quantization: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """random:llama-3.2-1b in bf16 on the GPU: with the fused producers, every qkv / gate_up
     / down input arrives quantized, and the logits are those of the model whose linears
-    quantize their own input."""
+    quantize their own input. (The small-batch W8A16 GEMM, which takes plain input, is held
+    off: this step's few tokens would otherwise take it.)"""
+    from tandem_kernels import fp8_w8a16
+
+    monkeypatch.setattr(fp8_w8a16, "choose", lambda *args: None)
     from tandem.distributed import single_rank_state
     from tandem.layers.activation import SiluAndMul
     from tandem.layers.attention import get_attention_backend
