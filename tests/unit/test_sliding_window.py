@@ -118,7 +118,7 @@ def test_attention_layer_passes_its_window() -> None:
         Attention(2, 8, 1, 0.3, Spy(), sliding_window=window).forward(
             query, key, value, scene.kv_cache, md
         )
-    assert seen == [None, 4]
+    assert seen == [None, 4]  # None: not passed, the default
     with pytest.raises(ValueError, match="sliding_window"):
         Attention(2, 8, 1, 0.3, Spy(), sliding_window=0)
 
