@@ -15,8 +15,8 @@ keys at positions k with p - W < k <= p (W keys, itself included; transformers' 
 Blocks wholly left of the window are never read: a KV manager may free them and leave the null
 block id 0 in their block-table slots.
 
-    positions   0 1 2 3 4 5 6 7 8 9
-    query p=9               [.......]   W = 4: keys 6..9
+    position        0 1 2 3 4 5 6 7 8 9
+    p = 9, W = 4                x x x x   (keys 6..9)
 """
 
 from __future__ import annotations
