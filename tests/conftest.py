@@ -41,6 +41,18 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1000000.0}),
     "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
+    # Sliding windows in the Llama family: Mistral's on every layer, Qwen2's from
+    # max_window_layers on.
+    "mistral_swa": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": 8}),
+    "qwen2_swa": (
+        "Qwen2Config",
+        {
+            "tie_word_embeddings": True,
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 1,
+        },
+    ),
     # q/k norms per head, head_dim != hidden_size // num_attention_heads.
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
     # 8 experts, top 2 renormalised; layer 1 dense (mlp_only_layers).
@@ -63,6 +75,23 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_local_experts": 4,
             "num_experts_per_tok": 2,
             "sliding_window": None,
+        },
+    ),
+    # A sliding layer (8-token window, its own rope base) then a global one (linear rope
+    # scaling); q/k norms, query_pre_attn_scalar != head_dim, final logit softcapping.
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "tie_word_embeddings": True,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_theta": 10000.0,
+            "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "final_logit_softcapping": 30.0,
+            "pad_token_id": 0,
         },
     ),
 }

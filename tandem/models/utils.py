@@ -178,3 +178,51 @@ def _complete(name: str, param: nn.Parameter, shards: set[Any]) -> bool:
         if module.endswith(fused):
             return shards >= expected
     return True
+
+
+def sliding_window_for_layer(hf_config: Any, layer_index: int) -> int | None:
+    """The sliding window (in tokens, `Attention.sliding_window`) of layer `layer_index`, or
+    None for full attention; read from the HF config:
+
+    - `layer_types` (Gemma 3, Qwen2/3 in transformers 5, ...): "sliding_attention" layers get
+      `sliding_window`, "full_attention" layers None; another type is a ConfigError;
+    - else a `sliding_window_pattern` p (older Gemma 3 configs): every p-th layer is global;
+    - else `use_sliding_window` where the config has it (Qwen2: layers from
+      `max_window_layers` on), or Mistral-style a set `sliding_window` alone.
+
+    A window of at least `max_position_embeddings` never excludes a key and reads as None.
+    """
+    from tandem.config import ConfigError
+
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        if not 0 <= layer_index < len(layer_types):
+            raise ConfigError(f"layer_types has {len(layer_types)} entries, no layer {layer_index}")
+        kind = layer_types[layer_index]
+        if kind not in ("sliding_attention", "full_attention"):
+            raise ConfigError(
+                f"layer_types[{layer_index}] {kind!r} is not supported "
+                "(sliding_attention, full_attention)"
+            )
+        slides = kind == "sliding_attention"
+    else:
+        pattern = getattr(hf_config, "sliding_window_pattern", None) or getattr(
+            hf_config, "_sliding_window_pattern", None
+        )
+        if pattern:
+            slides = bool((layer_index + 1) % int(pattern))
+        elif hasattr(hf_config, "use_sliding_window"):
+            max_window_layers = getattr(hf_config, "max_window_layers", None) or 0
+            slides = bool(hf_config.use_sliding_window) and layer_index >= max_window_layers
+        else:
+            slides = True
+    if not slides or not window:
+        return None
+    window = int(window)
+    if window <= 0:
+        raise ConfigError(f"sliding_window must be positive, got {window}")
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    if max_positions is not None and window >= int(max_positions):
+        return None
+    return window

@@ -9,6 +9,14 @@ a backend that can (`fuses_rotary_kv_write`, the CPU's) split, rotate and write 
 While the runner captures or replays piecewise CUDA graphs it sets
 `attn_metadata.graph_splitter`, and every call goes to it: the runner splits the forward at
 these layers (tandem.worker.piecewise_graph).
+
+Sliding-window layers (`sliding_window` W): the query at absolute position p attends to the
+keys at positions k with p - W < k <= p (W keys, itself included; transformers' convention).
+Blocks wholly left of the window are never read: a KV manager may free them and leave the null
+block id 0 in their block-table slots.
+
+    position        0 1 2 3 4 5 6 7 8 9
+    p = 9, W = 4                x x x x   (keys 6..9)
 """
 
 from __future__ import annotations
@@ -32,13 +40,18 @@ class Attention(nn.Module):
         num_kv_heads: int,
         scale: float,
         backend: AttentionBackend,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.backend = backend
+        # Keys this layer attends to, counting back from the query (None: the whole context).
+        self.sliding_window = sliding_window
         self.q_size = num_heads * head_size
         self.kv_size = num_kv_heads * head_size
         # Per-tensor scales of an FP8 KV cache (`x ~= x_fp8 * scale`): the checkpoint's
@@ -86,9 +99,15 @@ class Attention(nn.Module):
         """The backend's K/V write and attention (what `forward` runs when nothing splits)."""
         k_scale, v_scale = self.kv_scales(kv_cache)
         out = self.backend.forward(
-            query, key, value, kv_cache, attn_metadata, self.scale, k_scale, v_scale
-        )
+            query, key, value, kv_cache, attn_metadata, self.scale, k_scale, v_scale,
+            **self._window_kwargs(),
+        )  # fmt: skip
         return out.reshape(query.shape[0], self.q_size)
+
+    def _window_kwargs(self) -> dict[str, int]:
+        """`sliding_window` for the backend, only when the layer slides (a backend written
+        before windows existed still serves full-attention layers)."""
+        return {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection `[T, q | k | v]` as Q `[T, H, D]`, K and V `[T, Hkv, D]`."""
@@ -121,6 +140,7 @@ class Attention(nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_size,
+                **self._window_kwargs(),
             )
             return out.reshape(qkv.shape[0], self.q_size)
         q, k, v = self.split_qkv(qkv)
