@@ -7,7 +7,8 @@
 #           workloads are PART=c), with PREFILL=1 the prefill attention kernel's table;
 #   PART=b: the GPU tests that need the embedded SmolLM2 (FP8 against its bf16 self, n-gram
 #           speculation under CUDA graphs) and the rest of tests/gpu;
-#   PART=c: the offline benchmark in FP8 (WORKLOADS, default all three).
+#   PART=c: the offline benchmark in FP8 (WORKLOADS, default all three);
+#   PART=d: the sliding-window and FP8 GPU tests that need no SmolLM2, then PART=c.
 #
 # The embedded model's GGUF (98 MB) is over one call's 64 MiB: it travels in two halves,
 # .smol/a (PART=a) and .smol/b (PART=b), back to back on one warm machine; PART=b joins them
@@ -48,6 +49,13 @@ b)
   step "gpu tests" "${TESTS_LIMIT_S:-540}" "$OUT/gpu_tests.log" $PY -m pytest -q -s -m gpu \
     ${GPU_TESTS:-tests/gpu} -p no:cacheprovider --durations=15
   grep -E "passed|failed|prompts identical" "$OUT/gpu_tests.log" >>"$summary"
+  ;;
+d)
+  step "gpu tests" "${TESTS_LIMIT_S:-120}" "$OUT/gpu_tests_d.log" $PY -m pytest -q -s -m gpu \
+    tests/gpu/test_sliding_window_gpu.py tests/gpu/test_fp8_fused_gpu.py tests/gpu/test_fp8_gpu.py \
+    -k "not 4b_shape and not bf16_self and not together" -p no:cacheprovider -x
+  grep -E "passed|failed" "$OUT/gpu_tests_d.log" >>"$summary"
+  offline "${NAME:-fp8}" "${OFFLINE_LIMIT_S:-300}" ${FLAGS:---quantization fp8}
   ;;
 c)
   offline "${NAME:-fp8}" "${OFFLINE_LIMIT_S:-520}" ${FLAGS:---quantization fp8}
