@@ -17,10 +17,11 @@ summary="$OUT/summary.txt"
 START=$SECONDS
 
 # What the services import beyond torch/numpy (the frontend: uvicorn + starlette, and their
-# anyio/h11/click; structured outputs: xgrammar, pydantic, jsonschema). All of .whl/ is
+# anyio/h11/click; structured outputs: xgrammar, pydantic, jsonschema; the embedded GGUF
+# model's reader: gguf, absent there, so SmolLM2's GPU tests errored without it). All of .whl/ is
 # installed (--upgrade: a /tmp/site left by an earlier run with fewer wheels is completed).
 NEED_IMPORTS="import grpc, google.protobuf, grpc_health, grpc_reflection, prometheus_client, \
-uvicorn, starlette, anyio, h11, click, xgrammar, jsonschema, pydantic"
+uvicorn, starlette, anyio, h11, click, xgrammar, jsonschema, pydantic, gguf"
 if ! $PY -c "$NEED_IMPORTS" 2>/dev/null; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   if ! $PY -c "$NEED_IMPORTS" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
