@@ -24,6 +24,7 @@ down) and keeps this rank's part; other ranks' experts are skipped.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -261,7 +262,13 @@ class SparseMoeBlock(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
-        self.gate = ReplicatedLinear(hidden_size, num_experts, False, ctx, prefix=f"{prefix}.gate")
+        # The router stays in the model's dtype under any quantization (as vLLM keeps it):
+        # its [E, H] product is tiny, its choices decide every expert's input, and E is often
+        # no multiple of 16 (an FP8 GEMM's need).
+        router_ctx = dataclasses.replace(ctx, quant_config=None)
+        self.gate = ReplicatedLinear(
+            hidden_size, num_experts, False, router_ctx, prefix=f"{prefix}.gate"
+        )
         self.experts = FusedMoE(
             num_experts,
             top_k,
