@@ -28,23 +28,32 @@ import triton.language as tl
 
 # Batch sizes (rows of x) measured at load; a call with M rows uses the smallest bucket >= M.
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Candidates per bucket bound.
+# Config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). BLOCK_M >= 16: tensor-core tiles (the
+# rows padded to 16); BLOCK_M < 16: the GEMV form (`_w8a16_gemv_kernel`), for the few rows
+# where a padded dot wastes the loads' parallelism.
 Config = tuple[int, int, int, int, int]
+_DOT_16: tuple[Config, ...] = (
+    (16, 16, 256, 4, 4),
+    (16, 32, 256, 4, 4),
+    (16, 32, 512, 4, 3),
+    (16, 64, 256, 4, 4),
+    (16, 16, 512, 4, 3),
+    (16, 64, 128, 4, 4),
+    (16, 32, 128, 2, 8),
+    (16, 32, 1024, 8, 3),
+)
+
+
+def _gemv(m: int) -> tuple[Config, ...]:
+    return ((m, 8, 512, 4, 1), (m, 16, 512, 4, 1), (m, 16, 1024, 8, 1), (m, 4, 1024, 4, 1))
+
+
 _CANDIDATES: dict[int, tuple[Config, ...]] = {
-    16: (
-        (16, 16, 256, 4, 4),
-        (16, 32, 256, 4, 4),
-        (16, 32, 512, 4, 3),
-        (16, 64, 256, 4, 4),
-        (16, 16, 512, 4, 3),
-        (16, 64, 128, 4, 4),
-        (16, 16, 256, 2, 6),
-        (16, 32, 128, 2, 8),
-        (16, 64, 128, 4, 6),
-        (16, 16, 1024, 4, 3),
-        (16, 16, 2048, 8, 2),
-        (16, 32, 1024, 8, 3),
-    ),
+    1: _gemv(1) + _DOT_16,
+    2: _gemv(2) + _DOT_16,
+    4: _gemv(4) + _DOT_16,
+    8: _DOT_16,
+    16: _DOT_16,
     32: ((32, 32, 256, 4, 4), (32, 64, 256, 4, 3), (32, 64, 128, 4, 4), (32, 128, 128, 8, 3)),
     64: ((64, 64, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3), (64, 32, 256, 4, 4)),
     128: ((64, 64, 128, 4, 4), (128, 128, 128, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 4, 4)),
@@ -106,6 +115,59 @@ def _w8a16_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _w8a16_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_s,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The few-row form: each program reads BLOCK_N weight rows once, in BLOCK_K-wide chunks
+    (many programs resident per SM keep the loads in flight), and reduces each of the BLOCK_M
+    activation rows against them on the CUDA cores in fp32."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_row0 = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = k0 + offs_k < K
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w = w.to(tl.float32)
+        for i in tl.static_range(BLOCK_M):
+            row_ok = offs_k * 0 + (pid_m * BLOCK_M + i) < M
+            x = tl.load(x_row0 + i * stride_xm + k0 + offs_k, mask=k_mask & row_ok, other=0.0)
+            part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+            acc = tl.where(tl.arange(0, BLOCK_M)[:, None] == i, acc + part[None, :], acc)
+        w_ptrs += BLOCK_K
+    scale = tl.load(s_ptr + offs_n * stride_s, mask=n_mask, other=0.0)
+    out = acc * scale[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(
+        out_ptrs,
+        out.to(out_ptr.dtype.element_ty),
+        mask=(offs_m < M)[:, None] & n_mask[None, :],
+    )
+
+
 def w8a16_gemm(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: Config | None = None
 ) -> torch.Tensor:
@@ -123,18 +185,23 @@ def w8a16_gemm(
         return out
     block_m, block_n, block_k, warps, stages = config or _DEFAULT
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    scale_stride = 0 if scale.numel() == 1 else 1
+    if block_m < 16:
+        _w8a16_gemv_kernel[grid](
+            *args,
+            scale_stride,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        return out
     _w8a16_kernel[grid](
-        x,
-        weight,
-        scale,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        0 if scale.numel() == 1 else 1,
+        *args,
+        scale_stride,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -243,7 +310,7 @@ def tune_w8a16(
     for b in M_BUCKETS:
         x = torch.randn(b, k, device=weight.device, generator=gen).to(dtype)
         base_us = _time([lambda x=x, w=w: baseline(x, w) for w in copies])
-        cands = _CANDIDATES[max(16, b)]
+        cands = _CANDIDATES[b]
         timed = {
             c: _time([lambda x=x, c=c, w=w: w8a16_gemm(x, w, scale, c) for w in copies])
             for c in cands
