@@ -35,6 +35,7 @@ result is what the engine reads. Steps under PP > 1 run eagerly (no CUDA graphs 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -43,9 +44,11 @@ import numpy as np
 import torch
 
 from tandem.config import FP8_KV_CACHE_DTYPES, ConfigError, EngineConfig
+from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.distributed import ParallelState, single_rank_state
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
+from tandem.layers.attention.layer import Attention
 from tandem.layers.logits_processors import LogitsProcessors, load_logits_processors
 from tandem.layers.quantization import resolve_quant_config
 from tandem.layers.quantization.fp8 import check_fp8_device
@@ -145,6 +148,10 @@ class ModelRunner:
         self.vocab_size: int = self.model.vocab_size
         start, end = self.model.layer_range
         self.num_stage_layers = end - start
+        # The cache's groups by attention kind, from the layers' sliding windows; each layer
+        # learns its group and its slot of a block (see `kv_cache_shape`).
+        self.kv_cache_spec = self._build_kv_cache_spec()
+        self._layer_slots = [slot for _, slot in self.kv_cache_spec.layer_slots()]
         max_num_seqs = config.scheduler.max_num_seqs
         self.sampler = StepSampler(
             device,
@@ -158,7 +165,9 @@ class ModelRunner:
                 self.vocab_size,
             ),
         )
-        self.input_batch = InputBatch(self.block_size, max_num_seqs)
+        self.input_batch = InputBatch(
+            self.block_size, max_num_seqs, num_kv_groups=self.kv_cache_spec.num_groups
+        )
         # Speculative decoding: the proposer drafting each step's next tokens (on the host,
         # after the step's tokens land). Decode graphs assume one token per request: verify
         # steps run as whole mixed graphs, piecewise graphs or eagerly, and each step's
@@ -173,6 +182,10 @@ class ModelRunner:
                 "pipeline_parallel_size %d: steps run eagerly (CUDA graphs need one stage)",
                 self.parallel.pp_size,
             )
+            self.use_cuda_graphs = False
+        if self.use_cuda_graphs and self.kv_cache_spec.num_groups > 1:
+            # The graphs' static inputs hold one block table and slot mapping.
+            logger.info("%d KV cache groups: steps run eagerly", self.kv_cache_spec.num_groups)
             self.use_cuda_graphs = False
         # What a stage hands the next (keys, dtype, width), learned from the model once.
         self._intermediate_template: IntermediateTensors | None = None
@@ -223,11 +236,36 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- KV cache
 
+    def _build_kv_cache_spec(self) -> KVCacheSpec:
+        """The groups of this stage's attention layers by kind (their `sliding_window`); one
+        full group with `--disable-hybrid-kv-cache-manager`, or when the model's layers are
+        not one `Attention` each. Tells each layer its group."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if len(layers) != self.num_stage_layers:
+            return KVCacheSpec.full(self.block_size, self.num_stage_layers)
+        spec = KVCacheSpec.from_layer_windows(
+            self.block_size,
+            [layer.sliding_window for layer in layers],
+            hybrid=not self.config.cache.disable_hybrid_kv_cache_manager,
+        )
+        if not spec.is_plain:
+            if self.parallel.pp_size > 1:
+                raise ConfigError(
+                    "a model with sliding-window layers and pipeline_parallel_size > 1 is not "
+                    "supported yet (--disable-hybrid-kv-cache-manager runs it keeping every "
+                    "block)"
+                )
+            logger.info("%s", spec.describe())
+        for layer, (group, _) in zip(layers, spec.layer_slots(), strict=True):
+            layer.kv_cache_group = group
+        return spec
+
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """`[num_blocks, stage_layers, 2, block_size, num_kv_heads, head_size]`: this PP
-        stage's layers, this TP rank's KV heads."""
+        """`[num_blocks, layers, 2, block_size, num_kv_heads, head_size]`: this PP stage's
+        layers (with several KV cache groups, `layers_per_group`: a block holds one group's
+        layers, `tandem.core.kv_cache_spec`), this TP rank's KV heads."""
         m = self.model
-        layers = self.num_stage_layers
+        layers = self.kv_cache_spec.layers_per_group
         return (num_blocks, layers, 2, self.block_size, m.num_kv_heads, m.head_size)
 
     def kv_bytes_per_block(self) -> int:
@@ -246,7 +284,7 @@ class ModelRunner:
         tokens = sched.max_num_batched_tokens
         per_req = min(tokens, 1024)
         num_reqs = -(-tokens // per_req)
-        caches = [scratch_kv_cache[:, i] for i in range(self.num_stage_layers)]
+        caches = [scratch_kv_cache[:, i] for i in self._layer_slots]
         qsl = [min(i * per_req, tokens) for i in range(num_reqs + 1)]
         lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
         bpr = -(-per_req // bs)
@@ -297,7 +335,7 @@ class ModelRunner:
         consecutive block ids moves as one copy; each layer sees a strided view.
         """
         self.kv_cache = kv_cache
-        self.kv_caches = [kv_cache[:, i] for i in range(self.num_stage_layers)]
+        self.kv_caches = [kv_cache[:, i] for i in self._layer_slots]
         best = self.attn_backend.tune(
             self.kv_caches[0],
             num_heads=self.model.num_heads,
@@ -353,7 +391,7 @@ class ModelRunner:
 
     def _metadata(self, inp: StepInputs) -> AttentionMetadata:
         to_device = self.staging.to_device
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             num_actual_tokens=inp.total,
             num_reqs=inp.num_reqs,
             max_query_len=inp.max_query_len,
@@ -370,6 +408,16 @@ class ModelRunner:
             is_decode_only=inp.is_decode_only,
             num_decodes=inp.num_decodes,
         )
+        if inp.group_block_tables is None or inp.group_slot_mappings is None:
+            return metadata
+        # One copy each for every group's table and slot mapping; a group's are views.
+        tables = to_device(inp.group_block_tables, torch.int32)
+        slots = to_device(inp.group_slot_mappings, torch.int64)
+        groups = tuple(
+            dataclasses.replace(metadata, block_table=tables[g], slot_mapping=slots[g])
+            for g in range(tables.shape[0])
+        )
+        return dataclasses.replace(groups[0], kv_groups=groups)
 
     def _run_eager(self, inp: StepInputs, piecewise_size: int | None = None) -> torch.Tensor | None:
         """The step's forward eagerly, or (`piecewise_size`) through that bucket of piecewise
@@ -550,7 +598,8 @@ class ModelRunner:
             sampled = self._share_sampled(sampled, len(states))
         self._num_launched += 1
         launch = self._num_launched
-        self._unfinished_writes.append((launch, inp.slot_mapping))
+        written = inp.slot_mapping if inp.group_slot_mappings is None else inp.group_slot_mappings
+        self._unfinished_writes.append((launch, written.reshape(-1)))
         step = PendingStep(
             req_ids,
             inp.sampled_rows,
