@@ -21,10 +21,10 @@ block a request still holds.
 
 Prefix caching: block j of group g is registered under its own key (the token hash for group
 0, a hash of the token hash and g for the others), so equal prefixes match group by group. A
-hit covers logical block j only when every group still has j cached; a sliding group's hit
-blocks that are already left of the window at the hit point are not taken (their entries are
-null). A block freed by the window keeps its hash in the pool (it is free and evictable, its
-KV still valid) until it is handed out again.
+hit of n blocks needs all n in every full group, and in a sliding group only those its window
+reads at the hit point (`get_computed_blocks`); the entries left of the window are null. A
+block freed by the window keeps its hash in the pool (free and evictable, its KV still valid)
+until it is handed out again.
 
 Disaggregation (`delay_caching`, handing a request's blocks to another worker) moves one table
 and is refused here.
@@ -118,26 +118,61 @@ class HybridKVCacheManager:
     # ----------------------------------------------------------------- prefix cache
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest prefix cached in every group (interleaved, G blocks per logical block)
-        and its length in tokens; at least one token is left to compute. Takes no
-        references."""
+        """The longest cached prefix (interleaved, G entries per logical block) and its length
+        in tokens; at least one token is left to compute. Takes no references.
+
+        A hit of n blocks needs blocks 0..n-1 in each full group, and in each sliding group
+        only the blocks its window still reads at the hit point (entries left of it are
+        `NULL_BLOCK`)::
+
+            hit point h = n * block_size, window w:  sliding group needs blocks
+                                                     skip(h) .. n-1, skip(h) = (h - w + 1) // bs
+        """
         if not self.enable_caching:
             return [], 0
-        block_hashes = update_block_hashes(request, self.block_size)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        G = self.num_groups
+        block_hashes = update_block_hashes(request, bs)
+        n = min(len(block_hashes), (request.num_tokens - 1) // bs)
         get = self.block_pool.get_cached_block
-        hits: list[KVCacheBlock] = []
-        for block_hash in block_hashes[:max_hit_blocks]:
-            row = []
-            for g in range(self.num_groups):
-                block = get(group_block_key(block_hash, g))
-                if block is None:
-                    break
-                row.append(block)
-            if len(row) < self.num_groups:
+        # Per group, the cached block of each logical block below n (None: not cached).
+        found: list[list[KVCacheBlock | None]] = [[] for _ in range(G)]
+        sliding = {g for g, _ in self._sliding}
+        for j in range(n):
+            for g in range(G):
+                if g not in sliding:
+                    block = get(group_block_key(block_hashes[j], g))
+                    if block is None:
+                        n = j  # a full group's hit is a prefix
+                        break
+                    found[g].append(block)
+            if n == j:
                 break
-            hits.extend(row)
-        return hits, len(hits) // self.num_groups * self.block_size
+        for g in sliding:
+            found[g] = [get(group_block_key(h, g)) for h in block_hashes[:n]]
+        # Shrink n until every sliding group has the blocks its window reads (monotone).
+        while n > 0:
+            shrunk = n
+            for g in sliding:
+                group = self.spec.groups[g]
+                while shrunk > 0:
+                    lo = group.num_skipped_blocks(shrunk * bs, bs)
+                    missing = [j for j in range(lo, shrunk) if found[g][j] is None]
+                    if not missing:
+                        break
+                    shrunk = missing[-1]
+            if shrunk == n:
+                break
+            n = shrunk
+        hits: list[KVCacheBlock] = []
+        skip = [0] * G
+        for g in sliding:
+            skip[g] = self.spec.groups[g].num_skipped_blocks(n * bs, bs)
+        for j in range(n):
+            for g in range(G):
+                block = found[g][j] if j >= skip[g] else None
+                hits.append(NULL_BLOCK if block is None else block)
+        return hits, n * bs
 
     # ----------------------------------------------------------------- allocation
 

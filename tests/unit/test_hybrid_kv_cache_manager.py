@@ -145,6 +145,8 @@ def test_prefix_hit_needs_every_group_and_skips_sliding_blocks_left_of_the_windo
     assert admit(mgr, b) == 20
     # At the hit point (20 tokens) the sliding group needs keys > 16 only: blocks 0..3 of
     # its table are null, block 4 is shared with `a`.
+    mgr_tables_a_full = mgr.get_group_block_ids(a.request_id, 0)
+    mgr_tables_a_sliding = mgr.get_group_block_ids(a.request_id, 1)
     sliding_b = mgr.get_group_block_ids(b.request_id, 1)
     assert sliding_b[:4] == [NULL_BLOCK_ID] * 4
     assert sliding_b[4] == mgr.get_group_block_ids(a.request_id, 1)[4]
@@ -155,18 +157,34 @@ def test_prefix_hit_needs_every_group_and_skips_sliding_blocks_left_of_the_windo
     mgr.free(a)
     mgr.free(b)
     mgr.check_invariants()
-    # Everything is free and still cached; once one group loses a block, hits stop there.
+    # Everything is free and still cached. A sliding block left of the window at the hit
+    # point is not needed: losing it keeps the hit.
     c = make_req([*prompt, 97])
     hits, num_hit = mgr.get_computed_blocks(c)
     assert num_hit == 20 and len(hits) == 10
+    assert [b is NULL_BLOCK for b in hits[1::2]] == [True] * 4 + [False]
     pool = mgr.block_pool
-    # Evict exactly the block holding the sliding group's logical block 2.
-    victim = hits[2 * 2 + 1]
-    pool.touch([victim])
-    pool.uncache_block(victim)
-    pool.free_blocks([victim])
+
+    def evict(block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            block = pool.blocks[block_id]
+            pool.touch([block])
+            pool.uncache_block(block)
+            pool.free_blocks([block])
+
+    a_full = mgr_tables_a_full
+    a_sliding = mgr_tables_a_sliding
+    evict([a_sliding[2]])
+    assert mgr.get_computed_blocks(c)[1] == 20
+    # The sliding block the window reads at 20 tokens (block 4) lost: at 16 tokens the
+    # window reads blocks 3.. only.
+    evict([a_sliding[4]])
+    assert mgr.get_computed_blocks(c)[1] == 16
+    # The full group loses block 3: at 12 the window needs block 2 (lost), at 8 block 1.
+    evict([a_full[3]])
     hits, num_hit = mgr.get_computed_blocks(c)
-    assert num_hit == 8 and len(hits) == 4
+    assert num_hit == 8 and [b.block_id for b in hits[::2]] == a_full[:2]
+    assert hits[1] is NULL_BLOCK and hits[3].block_id == a_sliding[1]
     mgr.check_invariants()
     assert pool.is_whole
 
@@ -291,6 +309,8 @@ def test_random_sequences_read_only_their_own_tokens(data: st.DataObject) -> Non
             hits, num_hit = mgr.get_computed_blocks(req)
             assert num_hit < req.num_tokens
             for i, blk in enumerate(hits):
+                if blk is NULL_BLOCK:
+                    continue
                 j, g = divmod(i, 2)
                 expect = [(g, t) for t in req.all_token_ids[j * bs : (j + 1) * bs]]
                 assert written[blk.block_id] == expect
