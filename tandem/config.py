@@ -169,7 +169,8 @@ class ModelConfig:
             check_model_config(hf_config)
         except ValueError as exc:  # an architecture, variant or option tandem cannot run
             raise ConfigError(f"model {self.model}: {exc}") from None
-        model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        text = getattr(hf_config, "text_config", None) or hf_config  # a multimodal config's
+        model_max = int(getattr(text, "max_position_embeddings", 0) or 0)
         max_len = self.max_model_len or model_max
         if model_max and max_len > model_max:
             raise ConfigError(f"max_model_len {max_len} exceeds the model's context ({model_max})")

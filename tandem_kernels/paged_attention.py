@@ -7,7 +7,11 @@ tokens, the last q_len_r of which are its new tokens, already written to the cac
     positions  0 ............. seq_len - q_len - 1 | seq_len - q_len ...... seq_len - 1
                cached context (prefix hits, chunks)  | this step's query rows j = 0..q_len-1
 
-Query row j attends causally to positions `0 .. seq_len - q_len + j`. Every K/V, the new ones
+Query row j attends causally to positions `0 .. seq_len - q_len + j`; with a sliding window W
+(`sliding_window`, 0/None: off) only to the last W of them, `p - W < k <= p` for the row at
+position p (transformers' convention). Tiles wholly left of a program's window are skipped and
+K/V rows left of it are never loaded: a KV manager may free those blocks and leave the null
+block id 0 in their block-table slots. Every K/V, the new ones
 included, is read from the cache `[num_blocks, 2, block_size, num_kv_heads, head_size]`
 through `block_table[r]` (position p lives in block `block_table[r, p // block_size]`, offset
 `p % block_size`). The cache may be a strided view: only its last dim must be contiguous.
@@ -83,8 +87,10 @@ def _attend_tile(
     l_i,
     acc,
     start_n,
+    key_start,
     key_end,
     q_pos,
+    window,
     bt_row,
     cache_head,
     scale_log2,
@@ -97,17 +103,19 @@ def _attend_tile(
     HEAD_SIZE: tl.constexpr,
     MASK_KEYS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over keys start_n .. start_n + BLOCK_N of the paged context.
 
-    MASK_KEYS: keys >= key_end are dropped (else the whole tile is valid). CAUSAL: key n is
-    dropped for row m when n > q_pos[m].
+    MASK_KEYS: keys outside [key_start, key_end) are neither loaded nor used (else the whole
+    tile is valid). CAUSAL: key n is dropped for row m when n > q_pos[m]. WINDOW: key n is
+    dropped for row m when n <= q_pos[m] - window.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_SIZE
-    n_valid = offs_n < key_end
+    n_valid = (offs_n >= key_start) & (offs_n < key_end)
     if MASK_KEYS:
         blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         kv_mask = n_valid[:, None] & d_mask[None, :]
@@ -121,8 +129,13 @@ def _attend_tile(
     v = v.to(q.dtype)
 
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
-    if CAUSAL:
-        qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :], qk, float("-inf"))
+    if CAUSAL or WINDOW:
+        keep = n_valid[None, :] & (q_pos[:, None] >= 0)  # [rows, keys]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= q_pos[:, None])
+        if WINDOW:
+            keep = keep & (offs_n[None, :] > q_pos[:, None] - window)
+        qk = tl.where(keep, qk, float("-inf"))
     elif MASK_KEYS:
         qk = tl.where(n_valid[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -136,7 +149,7 @@ def _attend_tile(
 # Ints that change from step to step are not specialised on (divisibility by 16, == 1):
 # otherwise a new batch shape could compile a new kernel variant in the middle of serving.
 @triton.jit(
-    do_not_specialize=["num_reqs", "stride_bt"],
+    do_not_specialize=["num_reqs", "stride_bt", "window"],
     # Mixed steps pass row-offset views (seq_lens[nd:], block_table[nd:]): their alignment
     # changes with nd, and must not pick a new variant either.
     do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr"],
@@ -151,6 +164,7 @@ def _prefill_kernel(
     scale_log2,
     v_scale,
     num_reqs,
+    window,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -170,6 +184,7 @@ def _prefill_kernel(
     HEAD_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     SCALE_V: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -204,22 +219,43 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # Keys below the tile's first row are visible to every row: no masks. The rest, up to the
-    # last row's position (causal) and within the context, is the masked diagonal.
+    # last row's position (causal) and within the context, is the masked diagonal. With a
+    # window, keys from the first row's window start (`key_lo`) to where every row's window
+    # has begun (`left_end`) are a masked band, and tiles left of `key_lo` are not visited:
+    #
+    #   key_lo   left_end          full_end   num_keys
+    #     |  band   |    unmasked     | diagonal |
+    p_first = context_len + q_block * BLOCK_Q
     num_keys = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
-    full_end = (context_len + q_block * BLOCK_Q) // BLOCK_N * BLOCK_N
+    full_end = p_first // BLOCK_N * BLOCK_N
+    key_lo = p_first * 0
+    left_end = key_lo
+    if SLIDING:
+        key_lo = tl.maximum(p_first - window + 1, 0)
+        left_end = tl.minimum(
+            tl.cdiv(tl.maximum(num_keys - window, 0), BLOCK_N) * BLOCK_N, full_end
+        )
+        left_end = tl.maximum(left_end, key_lo // BLOCK_N * BLOCK_N)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     cache_head = cache_ptr + kv_head.to(tl.int64) * stride_c_head
-    for start_n in range(0, full_end, BLOCK_N):
+    if SLIDING:
+        for start_n in range(key_lo // BLOCK_N * BLOCK_N, left_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start_n, key_lo, num_keys, q_pos, window, bt_row, cache_head,
+                scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D,
+                BLOCK_SIZE, HEAD_SIZE, True, False, True, INPUT_PRECISION,
+            )  # fmt: skip
+    for start_n in range(left_end, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, start_n, num_keys, q_pos, bt_row, cache_head, scale_log2,
-            stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE, HEAD_SIZE,
-            False, False, INPUT_PRECISION,
+            q, m_i, l_i, acc, start_n, key_lo, num_keys, q_pos, window, bt_row, cache_head,
+            scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            HEAD_SIZE, False, False, False, INPUT_PRECISION,
         )  # fmt: skip
-    for start_n in range(full_end, num_keys, BLOCK_N):
+    for start_n in range(tl.maximum(full_end, left_end), num_keys, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, start_n, num_keys, q_pos, bt_row, cache_head, scale_log2,
-            stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE, HEAD_SIZE,
-            True, True, INPUT_PRECISION,
+            q, m_i, l_i, acc, start_n, key_lo, num_keys, q_pos, window, bt_row, cache_head,
+            scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            HEAD_SIZE, True, True, SLIDING, INPUT_PRECISION,
         )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -234,7 +270,7 @@ def _prefill_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["num_splits", "stride_bt"],
+    do_not_specialize=["num_splits", "stride_bt", "window"],
     do_not_specialize_on_alignment=["seq_lens_ptr", "block_table_ptr"],
 )
 def _decode_kernel(
@@ -250,6 +286,7 @@ def _decode_kernel(
     v_scale,
     num_splits,
     num_heads,
+    window,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -269,6 +306,7 @@ def _decode_kernel(
     INPUT_PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
     SCALE_V: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     # HEADS_FIRST: the KV heads of one request are neighbouring programs, so the programs in
     # flight together read whole token rows of the cache (all heads) rather than one head's
@@ -281,9 +319,14 @@ def _decode_kernel(
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    # Partitions are whole BLOCK_N tiles; trailing partitions may be empty.
-    part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * part_len
+    # The keys read: [key_lo, seq_len), the last `window` with a sliding window. Partitions
+    # are whole BLOCK_N tiles from key_lo's tile on; trailing partitions may be empty.
+    key_lo = seq_len * 0
+    if SLIDING:
+        key_lo = tl.maximum(seq_len - window, 0)
+    tile_lo = key_lo // BLOCK_N * BLOCK_N
+    part_len = tl.cdiv(tl.cdiv(seq_len - tile_lo, num_splits), BLOCK_N) * BLOCK_N
+    start = tile_lo + split * part_len
     end = tl.maximum(tl.minimum(start + part_len, seq_len), start)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -303,19 +346,29 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     cache_head = cache_ptr + kv_head.to(tl.int64) * stride_c_head
-    # Whole tiles unmasked, then the tail; q_pos (here `start`) is unused: not causal.
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    for start_n in range(start, full_end, BLOCK_N):
+    # The window's first tile masked (keys below key_lo), whole tiles unmasked, then the
+    # tail; q_pos (here `start`) is unused: not causal, the window is [key_lo, seq_len).
+    first_full = start
+    if SLIDING:
+        first_full = tl.minimum(tl.maximum(start, tl.cdiv(key_lo, BLOCK_N) * BLOCK_N), end)
+        for start_n in range(start, first_full, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start_n, key_lo, end, start, window, bt_row, cache_head,
+                scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D,
+                BLOCK_SIZE, HEAD_SIZE, True, False, False, INPUT_PRECISION,
+            )  # fmt: skip
+    full_end = first_full + (end - first_full) // BLOCK_N * BLOCK_N
+    for start_n in range(first_full, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, start_n, end, start, bt_row, cache_head, scale_log2,
-            stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE, HEAD_SIZE,
-            False, False, INPUT_PRECISION,
+            q, m_i, l_i, acc, start_n, key_lo, end, start, window, bt_row, cache_head,
+            scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            HEAD_SIZE, False, False, False, INPUT_PRECISION,
         )  # fmt: skip
     for start_n in range(full_end, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, start_n, end, start, bt_row, cache_head, scale_log2,
-            stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE, HEAD_SIZE,
-            True, False, INPUT_PRECISION,
+            q, m_i, l_i, acc, start_n, key_lo, end, start, window, bt_row, cache_head,
+            scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            HEAD_SIZE, True, False, False, INPUT_PRECISION,
         )  # fmt: skip
 
     if SCALE_V:  # the merge is linear in each partition's accumulator
@@ -407,6 +460,12 @@ def _check_kv_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> 
     assert k_scale > 0 and v_scale > 0, (k_scale, v_scale)
 
 
+def _window(sliding_window: int | None) -> int:
+    """The kernels' `window` argument: 0 for full attention."""
+    assert sliding_window is None or sliding_window >= 0, sliding_window
+    return sliding_window or 0
+
+
 def _input_precision(dtype: torch.dtype) -> str:
     # fp32 IO: exact products (tf32 would lose ~3 digits); ignored for 16-bit inputs.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -427,6 +486,7 @@ def paged_prefill_attention(
     num_stages: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch of any query lengths (see the module docstring).
 
@@ -436,6 +496,7 @@ def paged_prefill_attention(
     kernel; reads no device values on the host. `block_q`, `block_n`, `num_warps` and
     `num_stages` are tuning knobs; left unset on CUDA, the first large enough call tunes
     them (see `_tuned_prefill_config`). `k_scale` / `v_scale`: an FP8 cache's scales.
+    `sliding_window`: each row attends to the last that many positions (0/None: all).
     """
     num_heads, num_kv_heads, head_size, block_size = _check_common(
         query, kv_cache, seq_lens, block_table
@@ -447,6 +508,7 @@ def paged_prefill_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     assert out.shape == query.shape and out.stride(-1) == 1 and out.dtype == query.dtype
     num_tokens = query.shape[0]
+    window = _window(sliding_window)
     if num_tokens == 0 or num_reqs == 0:
         return out
     if block_q is None and block_n is None and num_warps is None and num_stages is None:
@@ -479,6 +541,7 @@ def paged_prefill_attention(
         scale * k_scale * _LOG2E,
         v_scale,
         num_reqs,
+        window,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -498,6 +561,7 @@ def paged_prefill_attention(
         HEAD_SIZE=head_size,
         INPUT_PRECISION=_input_precision(query.dtype),
         SCALE_V=v_scale != 1.0,
+        SLIDING=window > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -777,8 +841,10 @@ def paged_decode_attention(
     heads_first: bool | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query row per request over its whole cached context (split-K).
+    """Attention of one query row per request over its whole cached context (split-K), or
+    over its last `sliding_window` positions (0/None: all; the splits cut the window).
 
     query `[>= R, H, D]` (row r is request r's only query, at position seq_lens[r] - 1);
     seq_lens `[R]` int32; block_table `[>= R, max_blocks]` int32. `max_seq_len` (a host int,
@@ -800,8 +866,10 @@ def paged_decode_attention(
     assert out.shape == query.shape and out.stride(-1) == 1 and out.dtype == query.dtype
     if num_reqs == 0:
         return out
+    window = _window(sliding_window)
     if num_splits is None:
-        num_splits = decode_num_splits(num_reqs, num_kv_heads, max_seq_len, _num_sms(query.device))
+        span = min(max_seq_len, window) if window else max_seq_len
+        num_splits = decode_num_splits(num_reqs, num_kv_heads, span, _num_sms(query.device))
     # The merge kernel reads MAX_NUM_SPLITS partials per row: more would be dropped silently.
     assert 1 <= num_splits <= MAX_NUM_SPLITS, (num_splits, MAX_NUM_SPLITS)
 
@@ -844,6 +912,7 @@ def paged_decode_attention(
         v_scale,
         num_splits,
         num_heads,
+        window,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -863,6 +932,7 @@ def paged_decode_attention(
         INPUT_PRECISION=_input_precision(query.dtype),
         HEADS_FIRST=heads_first,
         SCALE_V=v_scale != 1.0,
+        SLIDING=window > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -898,10 +968,11 @@ def paged_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One entry for both paths: decode when `max_query_len == 1` (then every request must
     have exactly one query row), else prefill/mixed."""
-    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    scales = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": sliding_window}
     if max_query_len == 1:
         return paged_decode_attention(
             query,
@@ -927,9 +998,12 @@ def paged_attention_ref(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference (fp32 math, one request at a time; reads device values). An FP8
-    cache is dequantized (`x_fp8 * scale`) before the math."""
+    cache is dequantized (`x_fp8 * scale`) before the math. With `sliding_window` W, row at
+    position p sees keys p - W < k <= p, and positions left of every row's window are not
+    read."""
     out = torch.zeros_like(query)
     num_heads = query.shape[1]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -940,7 +1014,8 @@ def paged_attention_ref(
         q_len = q_hi - q_lo
         if q_len == 0 or seq_len == 0:
             continue
-        pos = torch.arange(seq_len, device=query.device)
+        lo = max(seq_len - q_len - sliding_window + 1, 0) if sliding_window else 0
+        pos = torch.arange(lo, seq_len, device=query.device)
         blocks = block_table[r, pos // block_size].long()
         offs = pos % block_size
         k = kv_cache[blocks, 0, offs].float() * k_scale
@@ -951,6 +1026,8 @@ def paged_attention_ref(
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         allowed = pos[None, :] <= q_pos[:, None]
+        if sliding_window:
+            allowed &= pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out

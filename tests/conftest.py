@@ -65,6 +65,23 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             "sliding_window": None,
         },
     ),
+    # A sliding layer (8-token window, its own rope base) then a global one (linear rope
+    # scaling); q/k norms, query_pre_attn_scalar != head_dim, final logit softcapping.
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "tie_word_embeddings": True,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_theta": 10000.0,
+            "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "final_logit_softcapping": 30.0,
+            "pad_token_id": 0,
+        },
+    ),
 }
 
 

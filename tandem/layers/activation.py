@@ -32,3 +32,16 @@ class SiluAndMul(nn.Module):
 
             return cpu.silu_and_mul(x)
         return silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`gelu_tanh(x[..., :d]) * x[..., d:]` with `d = x.shape[-1] // 2` (Gemma's MLP)."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+class GeluTanhAndMul(nn.Module):
+    """The tanh-approximated GELU gate (`gelu_pytorch_tanh`) on a fused [gate | up] output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul(x)

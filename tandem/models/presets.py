@@ -26,7 +26,43 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
+
+def _gemma3(
+    hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int, scalar: int
+) -> dict[str, Any]:
+    """A Gemma 3 text shape (the multimodal checkpoints' `text_config`): five sliding layers
+    (1024-token window, local rope base 10k) to one global (rope 1M, linear scaling x8)."""
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": scalar,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": [1, 106],
+    }
+
+
 PRESETS: dict[str, dict[str, Any]] = {
+    "gemma-3-4b": _gemma3(2560, 10240, 34, 8, 4, 256, 256),
+    "gemma-3-12b": _gemma3(3840, 15360, 48, 16, 8, 256, 256),
+    "gemma-3-27b": _gemma3(5376, 21504, 62, 32, 16, 128, 168),
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -213,7 +249,8 @@ def random_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Deterministic random weights under Hugging Face names, made on `device`.
 
-    Matrices ~ N(0, 0.02); norms ~ 1 + N(0, 0.02); biases ~ N(0, 0.02). Each tensor gets
+    Matrices ~ N(0, 0.02); norms ~ 1 + N(0, 0.02) (Gemma's, which store the offset from 1,
+    ~ N(0, 0.02)); biases ~ N(0, 0.02). Each tensor gets
     its own generator seeded from (seed, its index), so the stream does not depend on which
     tensors a caller keeps.
     """
@@ -223,6 +260,7 @@ def random_weights(
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     bias = bool(getattr(c, "attention_bias", False)) or c.model_type == "qwen2"
+    gemma = c.model_type == "gemma3_text"
     shapes: list[tuple[str, tuple[int, ...], str]] = [
         ("model.embed_tokens.weight", (c.vocab_size, hidden), "mat")
     ]
@@ -236,10 +274,15 @@ def random_weights(
             (p + "self_attn.o_proj.weight", (hidden, heads * head_dim), "mat"),
             (p + "post_attention_layernorm.weight", (hidden,), "norm"),
         ]
-        if c.model_type in ("qwen3", "qwen3_moe"):
+        if c.model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes += [
                 (p + "self_attn.q_norm.weight", (head_dim,), "norm"),
                 (p + "self_attn.k_norm.weight", (head_dim,), "norm"),
+            ]
+        if c.model_type == "gemma3_text":
+            shapes += [
+                (p + "pre_feedforward_layernorm.weight", (hidden,), "norm"),
+                (p + "post_feedforward_layernorm.weight", (hidden,), "norm"),
             ]
         shapes += _mlp_shapes(c, i)
         if bias:
@@ -256,7 +299,7 @@ def random_weights(
         gen.manual_seed(seed * 1_000_003 + index)
         t = torch.empty(shape, dtype=torch.float32, device=device)
         t.normal_(0.0, 0.02, generator=gen)
-        if kind == "norm":
+        if kind == "norm" and not gemma:
             t += 1.0
         yield name, t.to(dtype)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from tandem.models.interface import CausalLM
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mixtral import MixtralForCausalLM
@@ -12,6 +13,8 @@ from tandem.models.qwen3 import Qwen3ForCausalLM
 from tandem.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
@@ -24,6 +27,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 # A config that names no `architectures` (saved from a bare config class) is taken by its
 # `model_type`.
 _BY_MODEL_TYPE: dict[str, str] = {
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",

@@ -112,8 +112,14 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [R] int32
     query_start_loc: torch.Tensor,  # [R + 1] int32
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    return _ops().paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale)
+    """Paged attention read in place (query row j of request r at position
+    `seq_lens[r] - q_len + j`); with `sliding_window` W it sees the last W positions only and
+    reads no block left of them."""
+    return _ops().paged_attention(
+        query, kv_cache, block_table, seq_lens, query_start_loc, scale, sliding_window or 0
+    )
 
 
 @functools.cache

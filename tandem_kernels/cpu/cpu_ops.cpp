@@ -429,13 +429,15 @@ struct PagedArgs {
 
 // Paged attention read in place. query [T, H, D]; kv_cache [num_blocks, 2, block_size, KVH, D];
 // request r owns query rows query_start_loc[r]..[r+1], its context is seq_lens[r] tokens whose
-// block b is block_table[r, b]; query row j of r attends to positions 0..seq_len - qlen + j.
+// block b is block_table[r, b]; query row j of r attends to positions 0..seq_len - qlen + j,
+// with a sliding window (window > 0) only to the last `window` of them; positions left of an
+// item's first row's window are not read (their blocks may be freed: the null block).
 // One work item is (request, KV head, tile of query rows); items are taken dynamically, so a
 // thread descheduled by a busy machine does not hold the others at a static split.
 template <typename T, typename C>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                           const at::Tensor& block_table, const at::Tensor& seq_lens,
-                          const at::Tensor& query_start_loc, double scale) {
+                          const at::Tensor& query_start_loc, double scale, int64_t window) {
   const PagedArgs<T, C> args(out, query, kv_cache, block_table, seq_lens, query_start_loc);
   const auto [num_reqs, nh, d, nkv, bs, group, blk_stride, kv_stride, bt_stride, q_row, q_head,
               bt, lens, qsl, q, o, cache] = args;
@@ -463,10 +465,12 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
       const int64_t qlen = qsl[w.req + 1] - qsl[w.req];
       const int64_t seq = lens[w.req];
       const int64_t ctx_max = seq - qlen + w.row0 + w.rows;  // positions seen by the last row
+      // The first position any row of the item sees (its first row's window start).
+      const int64_t ctx_lo = window > 0 ? std::max<int64_t>(0, ctx_max - w.rows - window + 1) : 0;
       krows.resize(ctx_max);
       vrows.resize(ctx_max);
       const int32_t* blocks = bt + w.req * bt_stride;
-      for (int64_t p = 0; p < ctx_max; ++p) {
+      for (int64_t p = ctx_lo; p < ctx_max; ++p) {
         const C* kb = cache + static_cast<int64_t>(blocks[p / bs]) * blk_stride +
                       (p % bs) * nkv * d + w.kvh * d;
         krows[p] = kb;
@@ -477,13 +481,14 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
         const int64_t j = w.row0 + jr;
         const int64_t tok = qsl[w.req] + j;
         const int64_t ctx = seq - qlen + j + 1;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
         for (int64_t g = 0; g < group; ++g) {
           const T* qh = q + tok * q_row + (w.kvh * group + g) * q_head;
           for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_f(qh[i]) * sc;
         }
         // Scores of every query head of the group against each K row (one read of the row
         // for the group): scores[g * ctx_max + p].
-        for (int64_t p = 0; p < ctx; ++p) {
+        for (int64_t p = lo; p < ctx; ++p) {
           const C* kr = krows[p];
           for (int64_t g = 0; g < group; ++g) {
             const float* qg = qf.data() + g * d;
@@ -496,14 +501,14 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
         for (int64_t g = 0; g < group; ++g) {
           float* sg = scores.data() + g * ctx_max;
           float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t p = 0; p < ctx; ++p) mx = std::max(mx, sg[p]);
-          exp_shifted(sg, ctx, mx);
+          for (int64_t p = lo; p < ctx; ++p) mx = std::max(mx, sg[p]);
+          exp_shifted(sg + lo, ctx - lo, mx);
           float sum = 0.f;
-          for (int64_t p = 0; p < ctx; ++p) sum += sg[p];
+          for (int64_t p = lo; p < ctx; ++p) sum += sg[p];
           sums[g] = sum;
         }
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t p = 0; p < ctx; ++p) {
+        for (int64_t p = lo; p < ctx; ++p) {
           const C* vr = vrows[p];
           float vf[kMaxHead];
           for (int64_t i = 0; i < d; ++i) vf[i] = to_f(vr[i]);
@@ -733,7 +738,7 @@ inline void pv_rows(const C* const* rows, int64_t off, int64_t n, const float* s
 template <typename T, typename C, int DV>
 void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                           const at::Tensor& block_table, const at::Tensor& seq_lens,
-                          const at::Tensor& query_start_loc, double scale) {
+                          const at::Tensor& query_start_loc, double scale, int64_t window) {
   constexpr int64_t d = DV * 16;
   constexpr int kNvQk = 8;
   constexpr int kNvPv = std::max(1, 24 / DV);
@@ -764,7 +769,7 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
     std::vector<float> qf, scores, acc, inv_sum;
     std::vector<float> kt(d * 16);
     std::vector<uint32_t> qpairs;
-    std::vector<int64_t> limit;
+    std::vector<int64_t> limit, first;
     std::vector<const C*> rows;  // position p's K row (all heads); its V row is + kv_stride
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
@@ -772,17 +777,29 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
       const int64_t qlen = qsl[w.req + 1] - qsl[w.req];
       const int64_t seq = lens[w.req];
       const int64_t nq = w.rows * group;  // query vectors of one KV head: (row, head of group)
-      const int64_t ctx_max = seq - qlen + w.row0 + w.rows;
+      // Positions ctx_lo..ctx_max of the context are read (ctx_lo: the item's first row's
+      // window start, 0 without a window); rows[i], scores[v * cpad + i] are position
+      // ctx_lo + i. Query vector v sees rows first[v] .. limit[v].
+      const int64_t ctx_end = seq - qlen + w.row0 + w.rows;
+      const int64_t ctx_lo = window > 0 ? std::max<int64_t>(0, ctx_end - w.rows - window + 1) : 0;
+      const int64_t ctx_max = ctx_end - ctx_lo;
       const int64_t cpad = (ctx_max + 15) / 16 * 16;
       rows.resize(ctx_max);
       const int32_t* blocks = bt + w.req * bt_stride;
-      for (int64_t b = 0, p = 0; p < ctx_max; ++b) {
-        const C* base = cache + static_cast<int64_t>(blocks[b]) * blk_stride;
-        for (int64_t t = 0; t < bs && p < ctx_max; ++t, ++p) rows[p] = base + t * nkv * d;
+      for (int64_t i = 0; i < ctx_max; ++i) {
+        const int64_t p = ctx_lo + i;
+        rows[i] = cache + static_cast<int64_t>(blocks[p / bs]) * blk_stride + (p % bs) * nkv * d;
       }
       limit.resize(nq);
-      for (int64_t jr = 0; jr < w.rows; ++jr)
-        for (int64_t g = 0; g < group; ++g) limit[jr * group + g] = seq - qlen + w.row0 + jr + 1;
+      first.resize(nq);
+      for (int64_t jr = 0; jr < w.rows; ++jr) {
+        const int64_t end = seq - qlen + w.row0 + jr + 1;  // this row's positions end
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+        for (int64_t g = 0; g < group; ++g) {
+          limit[jr * group + g] = end - ctx_lo;
+          first[jr * group + g] = lo - ctx_lo;
+        }
+      }
       qf.resize(nq * d);
       qpairs.resize(nq * d / 2);
       scores.resize(nq * cpad);
@@ -790,8 +807,9 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
       inv_sum.resize(nq);
       const int64_t row_bytes = nkv * d * static_cast<int64_t>(sizeof(C));
       const int64_t tile_lines = 16 * row_bytes / 64;
-      PrefetchCursor<C> own{cache, blocks, blk_stride, kv_stride, bs * row_bytes,
-                            ctx_max * row_bytes, 0};
+      const int64_t lo_block = ctx_lo / bs;  // prefetch from the block holding ctx_lo
+      PrefetchCursor<C> own{cache, blocks + lo_block, blk_stride, kv_stride, bs * row_bytes,
+                            (ctx_end - lo_block * bs) * row_bytes, 0};
       own.step(kAhead / 16 * tile_lines);
       // The item this thread likely takes next (items go out in order, one to each thread
       // that asks): its lines spread over this item's tiles, all heads.
@@ -800,8 +818,11 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
       if (it + nthreads < n_items) {
         const Item& w2 = items[it + nthreads];
         const int64_t qlen2 = qsl[w2.req + 1] - qsl[w2.req];
-        const int64_t ctx2 = lens[w2.req] - qlen2 + w2.row0 + w2.rows;
-        next = {cache, bt + w2.req * bt_stride, blk_stride, kv_stride, bs * row_bytes,
+        const int64_t end2 = lens[w2.req] - qlen2 + w2.row0 + w2.rows;
+        const int64_t lo2 =
+            window > 0 ? std::max<int64_t>(0, end2 - w2.rows - window + 1) / bs * bs : 0;
+        const int64_t ctx2 = end2 - lo2;
+        next = {cache, bt + w2.req * bt_stride + lo2 / bs, blk_stride, kv_stride, bs * row_bytes,
                 ctx2 * row_bytes, 0};
         const int64_t tiles = nkv * ((ctx_max + 15) / 16);
         next_per_tile = (ctx2 * row_bytes / 64 + tiles - 1) / tiles;
@@ -864,9 +885,12 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
             qk_rows<kNvQk>(qf.data(), nq, d, kt.data(), scores.data() + p0, cpad);
           }
         }
-        // Softmax of each query vector over its causal limit; zero past it.
-        for (int64_t v = 0; v < nq; ++v)
-          inv_sum[v] = softmax_row(scores.data() + v * cpad, limit[v], cpad);
+        // Softmax of each query vector over its window first..limit; zero outside it.
+        for (int64_t v = 0; v < nq; ++v) {
+          float* sv = scores.data() + v * cpad;
+          inv_sum[v] = softmax_row(sv + first[v], limit[v] - first[v], cpad - first[v]);
+          std::fill(sv, sv + first[v], 0.f);
+        }
         pv_rows<C, DV, kNvPv>(rows.data(), kv_stride + koff, ctx_max, scores.data(), cpad, nq,
                               acc.data());
         for (int64_t jr = 0; jr < w.rows; ++jr) {
@@ -891,7 +915,7 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
 template <typename T>
 bool paged_attention_fast(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                           const at::Tensor& block_table, const at::Tensor& seq_lens,
-                          const at::Tensor& query_start_loc, double scale) {
+                          const at::Tensor& query_start_loc, double scale, int64_t window) {
   const auto ct = kv_cache.scalar_type();
   const int64_t d = query.size(2);
   // The cache in the query's dtype, or a 16-bit cache under a float32 query (--kv-cache-dtype);
@@ -901,18 +925,18 @@ bool paged_attention_fast(at::Tensor& out, const at::Tensor& query, const at::Te
     constexpr int DV = decltype(dv)::value;
     if (ct == query.scalar_type()) {
       paged_attention_simd<T, T, DV>(out, query, kv_cache, block_table, seq_lens,
-                                     query_start_loc, scale);
+                                     query_start_loc, scale, window);
       return true;
     }
     if constexpr (std::is_same_v<T, float>) {
       if (ct == at::kBFloat16) {
         paged_attention_simd<T, at::BFloat16, DV>(out, query, kv_cache, block_table, seq_lens,
-                                                  query_start_loc, scale);
+                                                  query_start_loc, scale, window);
         return true;
       }
       if (ct == at::kHalf) {
         paged_attention_simd<T, at::Half, DV>(out, query, kv_cache, block_table, seq_lens,
-                                              query_start_loc, scale);
+                                              query_start_loc, scale, window);
         return true;
       }
     }
@@ -930,7 +954,8 @@ bool paged_attention_fast(at::Tensor& out, const at::Tensor& query, const at::Te
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale) {
+                           const at::Tensor& query_start_loc, double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: full attention)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query [T, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.stride(4) == 1 &&
                   kv_cache.stride(3) == kv_cache.size(4) &&
@@ -956,21 +981,21 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 #if defined(__AVX512F__)
     if constexpr (kLanes16<T>)  // not a double query
       if (paged_attention_fast<T>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
-                                  scale))
+                                  scale, window))
         return;
 #endif
     if (ct == query.scalar_type()) {
       paged_attention_impl<T, T>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
-                                 scale);
+                                 scale, window);
     } else if (ct == at::kFloat) {
       paged_attention_impl<T, float>(out, query, kv_cache, block_table, seq_lens,
-                                     query_start_loc, scale);
+                                     query_start_loc, scale, window);
     } else if (ct == at::kBFloat16) {
       paged_attention_impl<T, at::BFloat16>(out, query, kv_cache, block_table, seq_lens,
-                                            query_start_loc, scale);
+                                            query_start_loc, scale, window);
     } else {
       paged_attention_impl<T, at::Half>(out, query, kv_cache, block_table, seq_lens,
-                                        query_start_loc, scale);
+                                        query_start_loc, scale, window);
     }
   });
   return out;
@@ -1152,7 +1177,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
       "int head_size) -> Tensor[]");
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, float scale) -> Tensor");
+      "Tensor query_start_loc, float scale, int window=0) -> Tensor");
   m.def("has_packed_sgemm() -> bool", &has_packed_sgemm);
   m.def("sgemm_pack_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");

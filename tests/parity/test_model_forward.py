@@ -134,7 +134,7 @@ def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "llama3", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral"]
+    "arch", ["llama", "llama3", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3"]
 )
 def test_tiny_model_prefill_and_decode_match_hf(arch: str, tiny_model_path) -> None:
     path = tiny_model_path(arch)
@@ -142,7 +142,7 @@ def test_tiny_model_prefill_and_decode_match_hf(arch: str, tiny_model_path) -> N
     check_prefill_then_decode(load_both(path), prompts, seed=12)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3"])
 def test_tiny_model_chunked_prefill_mixed_with_decode(arch: str, tiny_model_path) -> None:
     check_chunked_prefill_mixed_with_decode(load_both(tiny_model_path(arch)), seed=13)
 

@@ -429,6 +429,146 @@ def case_decode_padded_requests_give_zeros() -> None:
         torch.testing.assert_close(out[:1], ref, atol=1e-5, rtol=1e-5)
 
 
+# --- sliding window ---------------------------------------------------------------------
+
+
+def _null_left_of_window(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: list[int],
+    query_lens: list[int],
+    window: int,
+    block_size: int,
+) -> None:
+    """Block-table entries wholly left of each request's first query's window -> block 0,
+    filled with NaN (as a KV manager frees them for the null block): reading one shows."""
+    for r, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        block_table[r, : max(seq_len - q_len - window + 1, 0) // block_size] = 0
+    cache[0] = float("nan")
+
+
+def _sliding_scene(
+    dtype: torch.dtype, seq_lens: list[int], heads: int, kv_heads: int, head_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cache (block size 16) whose block 0 no request holds, its block table, the query."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil(n / 16) for n in seq_lens) + 3
+    cache = _layer_view(num_blocks, 16, kv_heads, head_size, dtype)
+    table = _block_table(seq_lens, 16, num_blocks - 1, gen) + 1
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    query = torch.randn(sum(seq_lens), heads, head_size, dtype=dtype, generator=gen)
+    return cache, table, lens, query
+
+
+@_case(*({"dtype": d, "window": w} for d in DTYPES for w in (1, 7, 16, 45, 1000)))
+def case_sliding_prefill(dtype: torch.dtype, window: int) -> None:
+    # Windows smaller than a block, a block, across blocks, larger than every context; a fresh
+    # prompt, chunks over a cached prefix crossing blocks, a decode in a mixed step.
+    pa = _kernels().paged_attention
+    seq_lens, query_lens = [70, 33, 100, 51], [40, 33, 1, 19]
+    cache, table, lens, query = _sliding_scene(dtype, seq_lens, 4, 2, 32, seed=21)
+    qsl = _batch(query_lens)
+    n = int(qsl[-1])
+    query = query[:n]
+    scale = 32**-0.5
+    ref = pa.paged_attention_ref(query, cache, qsl, lens, table, scale, sliding_window=window)
+    full = pa.paged_attention_ref(query, cache, qsl, lens, table, scale)
+    assert (window >= 100) == torch.allclose(ref, full), "the window must matter when short"
+    _null_left_of_window(cache, table, seq_lens, query_lens, window, 16)
+    # Default tiles, then tiles small enough that the band, the unmasked middle and the
+    # diagonal loops all run.
+    for block_q, block_n in ((None, None), (1, 16), (8, 16)):
+        out = pa.paged_prefill_attention(
+            query,
+            cache,
+            qsl,
+            lens,
+            table,
+            scale,
+            block_q=block_q,
+            block_n=block_n,
+            sliding_window=window,
+        )
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@_case(
+    *(
+        {"dtype": d, "window": w, "num_splits": s}
+        for d, w, s in [
+            (torch.float32, 1, 1),
+            (torch.float32, 20, 3),
+            (torch.float16, 20, 1),
+            (torch.float32, 37, 8),
+            (torch.float16, 64, 3),
+            (torch.float32, 500, 3),
+        ]
+    )
+)
+def case_sliding_decode(dtype: torch.dtype, window: int, num_splits: int) -> None:
+    # Split-K over the window only: the first tile of the window is masked below its start.
+    pa = _kernels().paged_attention
+    seq_lens = [90, 1, 47, 200]
+    cache, table, lens, query = _sliding_scene(dtype, seq_lens, 4, 2, 32, seed=22)
+    query = query[: len(seq_lens)]
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    ref = pa.paged_attention_ref(query, cache, qsl, lens, table, 0.3, sliding_window=window)
+    _null_left_of_window(cache, table, seq_lens, [1] * len(seq_lens), window, 16)
+    for block_n in (16, 32):
+        out = pa.paged_decode_attention(
+            query,
+            cache,
+            lens,
+            table,
+            0.3,
+            max_seq_len=200,
+            num_splits=num_splits,
+            block_n=block_n,
+            sliding_window=window,
+        )
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_triton_backend_sliding_mixed_step(dtype: torch.dtype) -> None:
+    # The backend hands the layer's window to both kernels of a mixed step.
+    from tandem.layers.attention.backend import AttentionMetadata
+
+    k = _kernels()
+    pa = k.paged_attention
+    seq_lens, query_lens, window = [60, 35, 80], [1, 1, 30], 24
+    cache, table, lens, query = _sliding_scene(dtype, seq_lens, 4, 1, 16, seed=23)
+    qsl = _batch(query_lens)
+    n = int(qsl[-1])
+    query = query[:n]
+    key = torch.randn(n, 1, 16, dtype=dtype)
+    value = torch.randn(n, 1, 16, dtype=dtype)
+    slots = torch.cat(
+        [
+            (table[r].long()[torch.arange(s - q, s) // 16] * 16 + torch.arange(s - q, s) % 16)
+            for r, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True))
+        ]
+    )
+    md = AttentionMetadata(
+        num_actual_tokens=n,
+        num_reqs=3,
+        max_query_len=30,
+        max_seq_len=80,
+        query_start_loc=qsl,
+        seq_lens=lens,
+        block_table=table,
+        slot_mapping=slots,
+        query_start_loc_cpu=qsl.tolist(),
+        seq_lens_cpu=seq_lens,
+        num_decodes=2,
+    )
+    _null_left_of_window(cache, table, seq_lens, query_lens, window, 16)
+    backend = k.triton_backend.TritonAttentionBackend()
+    out = backend.forward(query, key, value, cache, md, 0.25, sliding_window=window)
+    ref = pa.paged_attention_ref(query, cache, qsl, lens, table, 0.25, sliding_window=window)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
 def test_decode_num_splits() -> None:
     from tandem_kernels.paged_attention import (
         MAX_NUM_SPLITS,

@@ -57,6 +57,22 @@ def _resolve(folder: Path) -> Any:
             {"num_experts_per_tok": 6},
             r"MixtralForCausalLM: num_experts_per_tok 6 must be in \[1, num_local_experts 4\]",
         ),
+        (
+            "gemma3",
+            {"attn_logit_softcapping": 50.0},
+            r"Gemma3ForCausalLM: attn_logit_softcapping=50.0 is not supported",
+        ),
+        (
+            "gemma3",
+            {"use_bidirectional_attention": True},
+            r"Gemma3ForCausalLM: use_bidirectional_attention=True is not supported",
+        ),
+        ("gemma3", {"hidden_activation": "relu"}, r"hidden_activation 'relu' is not supported"),
+        (
+            "gemma3",
+            {"layer_types": ["sliding_attention", "chunked_attention"]},
+            r"layer_types\[1\] 'chunked_attention' is not supported",
+        ),
     ],
 )
 def test_unsupported_variants_are_a_config_error(
@@ -75,6 +91,6 @@ def test_new_families_resolve(arch: str, tiny_model_path, tmp_path: Path) -> Non
 
 
 def test_random_presets_of_the_new_families_resolve(tmp_path: Path) -> None:
-    for preset in ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "mixtral-8x7b"):
+    for preset in ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-27b"):
         args = EngineArgs(model=f"random:{preset}", device="cpu", cache_dir=str(tmp_path))
         assert args.create_engine_config().model.max_model_len >= 32768

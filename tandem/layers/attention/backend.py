@@ -79,10 +79,14 @@ class AttentionBackend(ABC):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         """Write the step's K/V, then attend. An FP8 cache (`float8_e4m3fn`, the query in the
         model's dtype) holds `k / k_scale`, `v / v_scale` (per-tensor scales of the layer);
-        with any other cache both scales are 1.0."""
+        with any other cache both scales are 1.0. `sliding_window` W (the layer's; None: full
+        attention): the query at position p attends to keys p - W < k <= p only, and blocks
+        wholly left of that are never read (their block-table entries may be the null
+        block)."""
 
     # True when `write_kv` is implemented and CUDA-graph capturable: a runner capturing the
     # ops around attention may then write the step's K/V inside its graphs, and call
@@ -116,6 +120,7 @@ class AttentionBackend(ABC):
         num_heads: int,
         num_kv_heads: int,
         head_size: int,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         """Split the fused projection, rotate Q and K, write K/V and attend, in one pass
         (backends with `fuses_rotary_kv_write`)."""

@@ -4,7 +4,8 @@ The torch backend gathers each request's blocks into padded K/V tensors and runs
 padding; this one reads every K/V row where its block is, one work item per (request, KV head,
 tile of 16 query rows), items taken dynamically by the OpenMP threads. Decode, chunked prefill,
 prefix hits and mixed steps are one code path: query row j of request r attends to positions
-`0 .. seq_lens[r] - query_len + j` of its cached context.
+`0 .. seq_lens[r] - query_len + j` of its cached context (with a sliding window W, to the last
+W of them, reading no block left of the window).
 
 `forward_qkv` fuses the K/V write into the rotary kernel
 (`tandem_kernels.cpu.rotary_qkv_cache`) and calls `attend` on the written cache; `forward`
@@ -49,13 +50,14 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         if kv_cache.dtype == torch.float8_e4m3fn:
             raise ValueError("the cpu attention backend has no FP8 KV cache")
         n = metadata.num_actual_tokens
         if kv_cache.numel() > 0 and n > 0:
             write_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
-        return self.attend(query, key, value, kv_cache, metadata, scale)
+        return self.attend(query, key, value, kv_cache, metadata, scale, sliding_window)
 
     def forward_qkv(
         self,
@@ -68,6 +70,7 @@ class CpuAttentionBackend(AttentionBackend):
         num_heads: int,
         num_kv_heads: int,
         head_size: int,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """One kernel splits Q/K/V, rotates Q and K and writes K/V into the paged cache; the
         attention then reads the cache in place."""
@@ -84,7 +87,7 @@ class CpuAttentionBackend(AttentionBackend):
             num_kv_heads,
             head_size,
         )
-        return self.attend(q, k, v, kv_cache, metadata, scale)
+        return self.attend(q, k, v, kv_cache, metadata, scale, sliding_window)
 
     def attend(
         self,
@@ -94,11 +97,14 @@ class CpuAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # this step's K/V already written at slot_mapping
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Attention over a cache that already holds this step's K/V (`key`/`value` are
         read only when there is no cache)."""
         if kv_cache.numel() == 0 or metadata.num_actual_tokens == 0:
-            return self._reference.forward(query, key, value, kv_cache, metadata, scale)
+            return self._reference.forward(
+                query, key, value, kv_cache, metadata, scale, sliding_window=sliding_window
+            )
         from tandem_kernels import cpu
 
         r = metadata.num_reqs
@@ -109,6 +115,7 @@ class CpuAttentionBackend(AttentionBackend):
             metadata.seq_lens[:r],
             metadata.query_start_loc[: r + 1],
             scale,
+            sliding_window,
         )
         if out.shape[0] == query.shape[0]:
             return out

@@ -96,6 +96,9 @@ class FlashAttnAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         self._check(query, kv_cache)
         num_tokens = metadata.num_actual_tokens
@@ -116,6 +119,9 @@ class FlashAttnAttentionBackend(AttentionBackend):
             causal=True,
             block_table=metadata.block_table[:num_reqs],
         )
+        if sliding_window is not None:
+            # FlashAttention's window counts keys left of the query, itself excluded.
+            kwargs["window_size"] = (sliding_window - 1, 0)
         if self.build == "vllm":
             kwargs["seqused_k"] = seq_lens
         else:

@@ -175,7 +175,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if sliding_window is not None:
+            raise ConfigError(
+                "attention_backend FLASHINFER has no sliding-window layers here; use TRITON_ATTN"
+            )
         num_tokens = metadata.num_actual_tokens
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
         out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)

@@ -104,7 +104,15 @@ class Attention(nn.Module):
         """The backend's K/V write and attention (what `forward` runs when nothing splits)."""
         k_scale, v_scale = self.kv_scales(kv_cache)
         out = self.backend.forward(
-            query, key, value, kv_cache, attn_metadata, self.scale, k_scale, v_scale
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            self.scale,
+            k_scale,
+            v_scale,
+            sliding_window=self.sliding_window,
         )
         return out.reshape(query.shape[0], self.q_size)
 
@@ -141,6 +149,7 @@ class Attention(nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_size,
+                sliding_window=self.sliding_window,
             )
             return out.reshape(qkv.shape[0], self.q_size)
         q, k, v = self.split_qkv(qkv)

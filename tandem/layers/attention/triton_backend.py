@@ -92,11 +92,13 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         num_reqs = metadata.num_reqs
         scales = {"k_scale": k_scale, "v_scale": v_scale}
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens], **scales)
+        window = {"sliding_window": sliding_window}
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         seq_lens = metadata.seq_lens[:num_reqs]
         block_table = metadata.block_table[:num_reqs]
@@ -110,6 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_seq_len=metadata.max_seq_len,
                 out=out,
                 **scales,
+                **window,
             )
         elif 0 < metadata.num_decodes < num_reqs:
             # Mixed step: its one-token requests (first) through the split-K decode kernel,
@@ -124,6 +127,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_seq_len=metadata.max_seq_len,
                 out=out[:nd],
                 **scales,
+                **window,
             )
             paged_prefill_attention(
                 query[nd:],
@@ -134,6 +138,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 out=out[nd:],
                 **scales,
+                **window,
             )
         else:
             paged_prefill_attention(
@@ -145,6 +150,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 out=out,
                 **scales,
+                **window,
             )
         if query.shape[0] > num_tokens:
             out[num_tokens:].zero_()
