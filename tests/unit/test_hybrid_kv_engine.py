@@ -1,75 +1,97 @@
-"""The engine with a KV cache of several groups (one per attention kind): the runner's
-per-group tables, slot mappings and cache layout give the same tokens as one group keeping
-every block, the pool ends whole, and fewer blocks are held."""
+"""The engine with a KV cache group per attention kind, on the tiny Gemma 3 (layer 0 slides
+with an 8-token window, layer 1 is global): greedy tokens equal transformers' and the same
+engine's with every block kept (`disable_hybrid_kv_cache_manager`), through prefix hits,
+chunked prefill and preemption; the sliding group holds at most cdiv(8, 4) + 1 blocks of a
+decoding request, and the cache holds fewer layer-blocks at its peak."""
 
 from __future__ import annotations
 
-import itertools
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.layers.attention import layer as attention_layer
+from tandem.core.hybrid_kv_cache_manager import NULL_BLOCK, HybridKVCacheManager
+from tests.parity.test_engine_parity import hf_greedy
+
+BS = 4
+NEW_TOKENS = 16
 
 
-@pytest.fixture
-def windowed_layers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every other Attention layer built (0, 2, ...) slides with window WINDOW."""
-    init = attention_layer.Attention.__init__
-    counter = itertools.count()
-
-    def patched(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        init(self, *args, **kwargs)
-        if next(counter) % 2 == 0:
-            self.sliding_window = WINDOW
-
-    monkeypatch.setattr(attention_layer.Attention, "__init__", patched)
-    yield
+@pytest.fixture(scope="module")
+def gemma3_case(tiny_model_path) -> tuple[Path, list[list[int]], list[list[int]]]:
+    path = tiny_model_path("gemma3")
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 500) for _ in range(21)]
+    prompts = [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (1, 7, 30, 45)]
+    prompts += [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 60)]
+    reference = [tokens for tokens, _ in hf_greedy(path, prompts, NEW_TOKENS)]
+    return path, prompts, reference
 
 
-WINDOW = 4096
-
-
-def run(path: Path, num_gpu_blocks: int, **kwargs: object) -> tuple[list[list[int]], LLM]:
+def run(path: Path, prompts: list[list[int]], num_gpu_blocks: int, **kwargs: object):
+    """Greedy tokens, the engine, the peak of blocks in use, and the most blocks the
+    sliding group held for one decoding request."""
     llm = LLM(
         model=str(path),
         device="cpu",
         dtype="float32",
         max_num_seqs=4,
-        max_num_batched_tokens=48,
-        max_model_len=160,
-        block_size=4,
-        async_scheduling="on",
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        block_size=BS,
         num_gpu_blocks=num_gpu_blocks,
         **kwargs,
     )
-    rng = random.Random(5)
-    shared = [rng.randrange(3, 500) for _ in range(20)]
-    prompts = [
-        shared + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))] for _ in range(6)
-    ]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    sched = llm.engine.scheduler
+    kv = sched.kv_cache_manager
+    peak = [0, 0]
+    schedule = sched.schedule
+
+    def observed():  # type: ignore[no-untyped-def]
+        out = schedule()
+        peak[0] = max(peak[0], kv.num_blocks - kv.num_free_blocks)
+        if isinstance(kv, HybridKVCacheManager):
+            for request in sched.running:
+                if request.num_computed_tokens > request.num_prompt_tokens:  # decoding
+                    flat = kv.get_blocks(request.request_id)
+                    held = sum(1 for b in flat[1::2] if b is not NULL_BLOCK)
+                    peak[1] = max(peak[1], held)
+        return out
+
+    sched.schedule = observed  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    pool = llm.engine.scheduler.kv_cache_manager.block_pool
-    pool.check_invariants()
-    assert pool.is_whole
-    return [o.outputs[0].token_ids for o in outs], llm
+    kv.check_invariants()
+    assert kv.block_pool.is_whole
+    return [o.outputs[0].token_ids for o in outs], llm, peak[0], peak[1]
 
 
-def test_two_groups_give_the_one_group_tokens(tiny_model_path, windowed_layers) -> None:
-    path = tiny_model_path("llama")
-    # The same memory: 100 blocks of one layer, or 50 of both layers.
-    hybrid_tokens, llm = run(path, 100)
+def test_gemma3_hybrid_cache_matches_transformers_and_the_plain_cache(gemma3_case) -> None:
+    path, prompts, reference = gemma3_case
+    # The same memory twice: 120 blocks of one layer, or 60 blocks of both layers.
+    tokens, llm, peak, sliding_peak = run(path, prompts, 120)
     spec = llm.engine.kv_cache_spec
-    assert [g.sliding_window for g in spec.groups] == [None, WINDOW]
-    assert spec.layers_per_group == 1
-    # A block holds one layer: the cache tensor's second dimension.
-    assert llm.engine.kv_cache.shape[1] == 1
+    assert [g.sliding_window for g in spec.groups] == [None, 8]
+    assert llm.engine.kv_cache.shape[1] == spec.layers_per_group == 1
     assert llm.engine.stats().prefix_cache_hits > 0
-    plain_tokens, plain = run(path, 50, disable_hybrid_kv_cache_manager=True)
-    assert plain.engine.kv_cache_spec.is_plain
-    assert plain.engine.kv_cache.shape[1] == 2
-    assert hybrid_tokens == plain_tokens
+    assert tokens == reference
+    assert 0 < sliding_peak <= -(-8 // BS) + 1
+    plain_tokens, plain, plain_peak, _ = run(
+        path, prompts, 60, disable_hybrid_kv_cache_manager=True
+    )
+    assert plain.engine.kv_cache_spec.is_plain and plain.engine.kv_cache.shape[1] == 2
+    assert plain_tokens == reference
+    # Layer-blocks in use at the peak: the sliding layer keeps a window's worth.
+    assert peak < 2 * plain_peak
+    print(f"peak layer-blocks in use: hybrid {peak}, every block kept {2 * plain_peak}")
+    # Maximum concurrency at 128 tokens from the same memory.
+    assert llm.engine.max_concurrency > plain.engine.max_concurrency
+
+
+def test_gemma3_hybrid_cache_under_preemption(gemma3_case) -> None:
+    path, prompts, reference = gemma3_case
+    tokens, llm, _, _ = run(path, prompts, 48)
+    assert llm.engine.stats().num_preemptions > 0, "the small pool was meant to preempt"
+    assert tokens == reference
