@@ -183,16 +183,13 @@ class ModelRunner:
                 self.parallel.pp_size,
             )
             self.use_cuda_graphs = False
-        if self.use_cuda_graphs and self.kv_cache_spec.num_groups > 1:
-            # The graphs' static inputs hold one block table and slot mapping.
-            logger.info("%d KV cache groups: steps run eagerly", self.kv_cache_spec.num_groups)
-            self.use_cuda_graphs = False
+        num_kv_groups = self.kv_cache_spec.num_groups
         # What a stage hands the next (keys, dtype, width), learned from the model once.
         self._intermediate_template: IntermediateTensors | None = None
         decode_sizes = config.device.cuda_graph_sizes
         if not self.attn_backend.decode_cuda_graphs:
             decode_sizes = ()
-        self.cuda_graphs = DecodeCudaGraphs(decode_sizes, max_num_seqs, device)
+        self.cuda_graphs = DecodeCudaGraphs(decode_sizes, max_num_seqs, device, num_kv_groups)
         mode = config.device.cudagraph_mode
         full = mode == "full" and self.attn_backend.full_graph_mixed
         if mode == "full" and not full:
@@ -204,10 +201,17 @@ class ModelRunner:
         mixed_sizes = config.device.piecewise_cuda_graph_sizes
         max_tokens = config.scheduler.max_num_batched_tokens
         self.mixed_graphs = MixedCudaGraphs(
-            mixed_sizes if full else (), max_tokens, max_num_seqs, device
+            mixed_sizes if full else (), max_tokens, max_num_seqs, device, num_kv_groups
         )
+        piecewise = mode != "full_decode_only" and not full
+        if piecewise and num_kv_groups > 1:
+            # Piecewise graphs write K/V through one slot mapping: mixed steps run eagerly.
+            logger.info(
+                "%d KV cache groups: mixed steps run without piecewise graphs", num_kv_groups
+            )
+            piecewise = False
         self.piecewise_graphs = PiecewiseCudaGraphs(
-            mixed_sizes if mode != "full_decode_only" and not full else (), max_tokens, device
+            mixed_sizes if piecewise else (), max_tokens, device
         )
         # The engine's KV cache (one tensor) and its per-layer views; set by
         # `initialize_kv_cache`.
