@@ -95,3 +95,14 @@ def test_gemma3_hybrid_cache_under_preemption(gemma3_case) -> None:
     tokens, llm, _, _ = run(path, prompts, 48)
     assert llm.engine.stats().num_preemptions > 0, "the small pool was meant to preempt"
     assert tokens == reference
+
+
+def test_gemma3_hybrid_cache_with_the_model_in_a_rank_process(gemma3_case) -> None:
+    """The spec crosses the process boundary (MultiprocExecutor's RankInfo)."""
+    path, prompts, reference = gemma3_case
+    tokens, llm, _, _ = run(path, prompts, 120, distributed_executor_backend="mp")
+    try:
+        assert llm.engine.kv_cache_spec.num_groups == 2
+        assert tokens == reference
+    finally:
+        llm.shutdown()
