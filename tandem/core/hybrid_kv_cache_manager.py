@@ -20,7 +20,8 @@ the table keeps the old ids there; nothing reads them. Preemption and finishing 
 block a request still holds.
 
 Prefix caching: block j of group g is registered under its own key (the token hash for group
-0, a hash of the token hash and g for the others), so equal prefixes match group by group. A
+0, the token hash followed by g for the others), so equal prefixes match group by group; only
+group 0's keys reach a prefix directory (`publish_cache_events`). A
 hit of n blocks needs all n in every full group, and in a sliding group only those its window
 reads at the hit point (`get_computed_blocks`); the entries left of the window are null. A
 block freed by the window keeps its hash in the pool (free and evictable, its KV still valid)
@@ -32,12 +33,10 @@ and is refused here.
 
 from __future__ import annotations
 
-import xxhash
-
-from tandem.core.block_pool import BlockPool, KVCacheBlock
+from tandem.core.block_pool import BlockPool, CacheEventListener, KVCacheBlock
 from tandem.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from tandem.core.kv_cache_spec import NULL_BLOCK_ID, KVCacheSpec, cdiv
-from tandem.core.kv_cache_utils import BlockHash, update_block_hashes
+from tandem.core.kv_cache_utils import HASH_NUM_BYTES, BlockHash, update_block_hashes
 from tandem.request import Request
 
 # Stands in a table for a block a sliding group has freed; never in the pool's lists.
@@ -57,10 +56,15 @@ def build_kv_cache_manager(
 
 
 def group_block_key(block_hash: BlockHash, group: int) -> BlockHash:
-    """The prefix-cache key of a group's block: the token hash itself for group 0."""
+    """The prefix-cache key of a group's block: the token hash itself for group 0, else the
+    hash followed by the group number (longer than a token hash: never published)."""
     if group == 0:
         return block_hash
-    return xxhash.xxh3_128_digest(block_hash + b"group" + group.to_bytes(4, "little"))
+    return block_hash + group.to_bytes(2, "little")
+
+
+def _token_hashes(keys: list[BlockHash]) -> list[BlockHash]:
+    return [k for k in keys if len(k) == HASH_NUM_BYTES]
 
 
 class HybridKVCacheManager:
@@ -372,6 +376,24 @@ class HybridKVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def publish_cache_events(self, listener: CacheEventListener | None) -> None:
+        """Tell `listener` of group 0's registered and evicted hashes (the token hashes a
+        prefix directory knows); the other groups' keys stay inside this pool."""
+        if listener is None:
+            self.block_pool.on_cache_event = None
+            return
+
+        def filtered(added: list[BlockHash], evicted: list[BlockHash]) -> None:
+            added, evicted = _token_hashes(added), _token_hashes(evicted)
+            if added or evicted:
+                listener(added, evicted)
+
+        self.block_pool.on_cache_event = filtered
+
+    def published_block_hashes(self) -> list[BlockHash]:
+        """Group 0's cached token hashes (what `publish_cache_events` names)."""
+        return _token_hashes(self.block_pool.cached_block_hashes())
 
     def check_invariants(self) -> None:
         """The pool's invariants, plus: ref counts equal the holders of each block, tables

@@ -441,7 +441,7 @@ class EngineCore:
 
     def cached_block_hashes(self) -> list[bytes]:
         """The hashes of every block in the prefix cache (a directory's full resync)."""
-        return self.scheduler.kv_cache_manager.block_pool.cached_block_hashes()
+        return self.scheduler.kv_cache_manager.published_block_hashes()
 
     # ----------------------------------------------------------------- disaggregation
 

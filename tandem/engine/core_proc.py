@@ -134,8 +134,7 @@ class EngineCoreProc:
         self._said_unfinished = False
         self.num_steps = 0
         if options.publish_cache_events:
-            pool = engine.scheduler.kv_cache_manager.block_pool
-            pool.on_cache_event = self._record_cache_event
+            engine.scheduler.kv_cache_manager.publish_cache_events(self._record_cache_event)
         self._reader = threading.Thread(target=self._read_commands, name="engine-in", daemon=True)
         self._writer = threading.Thread(target=self._write_outputs, name="engine-out", daemon=True)
 

@@ -338,3 +338,18 @@ def test_random_sequences_read_only_their_own_tokens(data: st.DataObject) -> Non
         mgr.free(req)
     mgr.check_invariants()
     assert mgr.block_pool.is_whole
+
+
+def test_only_token_hashes_are_published() -> None:
+    """A prefix directory hears group 0's keys (the token hashes), never the other groups'."""
+    mgr = hybrid(window=4)
+    events: list[tuple[list[bytes], list[bytes]]] = []
+    mgr.publish_cache_events(lambda added, evicted: events.append((added, evicted)))
+    req = make_req(list(range(9)))
+    admit(mgr, req)
+    assert events == [(req.block_hashes[:2], [])]
+    assert mgr.published_block_hashes() == req.block_hashes[:2]
+    assert len(mgr.block_pool.cached_block_hashes()) == 4
+    mgr.free(req)
+    assert mgr.reset_prefix_cache()
+    assert events[-1] == ([], req.block_hashes[:2])
