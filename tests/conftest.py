@@ -41,6 +41,18 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1000000.0}),
     "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
+    # Sliding windows in the Llama family: Mistral's on every layer, Qwen2's from
+    # max_window_layers on.
+    "mistral_swa": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": 8}),
+    "qwen2_swa": (
+        "Qwen2Config",
+        {
+            "tie_word_embeddings": True,
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 1,
+        },
+    ),
     # q/k norms per head, head_dim != hidden_size // num_attention_heads.
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
     # 8 experts, top 2 renormalised; layer 1 dense (mlp_only_layers).

@@ -129,11 +129,26 @@ class _LlamaView:
 
 
 class GemmaRMSNorm(RMSNorm):
-    """RMSNorm scaling by `1 + w` for a checkpoint weight `w`: the loader stores `1 + w`."""
+    """RMSNorm scaling by `1 + w` for a checkpoint weight `w`: the loader stores `1 + w`, in
+    float32 (transformers adds the one in float32: `1 + w` rounded to bf16 would move small
+    offsets by up to 0.4%). On CUDA the RMSNorm kernel reads the float32 weight; on the CPU a
+    16-bit model takes Gemma's own arithmetic (all in float32, one rounding at the end)."""
 
     def __init__(self, hidden_size: int, eps: float, ctx: ModelContext) -> None:
-        super().__init__(hidden_size, eps, ctx.dtype, ctx.device, ctx.cpu_kernels)
+        super().__init__(hidden_size, eps, torch.float32, ctx.device, ctx.cpu_kernels)
         self.weight.weight_loader = self._load_offset  # type: ignore[attr-defined]
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda or x.dtype == self.weight.dtype:
+            return super().forward(x, residual)
+        if residual is not None:
+            x = residual = (x.float() + residual.float()).to(x.dtype)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (x32 * self.weight).to(x.dtype)
+        return out if residual is None else (out, residual)
 
     def _load_offset(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
         tensor = full_weight(loaded)

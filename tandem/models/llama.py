@@ -1,4 +1,4 @@
-"""The Llama family: Llama 2/3.x, Mistral (full attention), Qwen2/2.5, SmolLM2.
+"""The Llama family: Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2.
 
 One class covers them; the differences are config fields:
 
@@ -6,7 +6,9 @@ One class covers them; the differences are config fields:
 - Llama: `attention_bias` (Q/K/V/O) and `mlp_bias`;
 - tied embeddings (`tie_word_embeddings`): the LM head reads the embedding weight;
 - `head_dim` when the config gives one, else hidden_size // num_attention_heads;
-- rope: default, linear or llama3 scaling.
+- rope: default, linear or llama3 scaling;
+- sliding windows where the config sets them (Mistral's `sliding_window`, Qwen2's
+  `use_sliding_window` from `max_window_layers` on): `sliding_window_for_layer`.
 
     input_ids [T] -> embed -> N x (RMSNorm -> attention -> add&RMSNorm -> MLP) -> add&RMSNorm
 
@@ -21,7 +23,6 @@ attention (qwen3.py), Qwen3-MoE and Mixtral their MLP for a mixture of experts
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -42,9 +43,13 @@ from tandem.layers.rotary import (
 from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.weight_utils import LoadedWeight
 from tandem.models.interface import IntermediateTensors, ModelContext
-from tandem.models.utils import STACKED_PARAMS, PPMissingLayer, load_checkpoint, make_layers
-
-logger = logging.getLogger(__name__)
+from tandem.models.utils import (
+    STACKED_PARAMS,
+    PPMissingLayer,
+    load_checkpoint,
+    make_layers,
+    sliding_window_for_layer,
+)
 
 
 class LlamaShape:
@@ -94,12 +99,10 @@ class LlamaShape:
                 f"num_attention_heads {self.num_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_kv_heads}"
             )
-        sliding_window = getattr(hf_config, "sliding_window", None)
-        use_sliding = getattr(hf_config, "use_sliding_window", model_type == "mistral")
-        if use_sliding and sliding_window and sliding_window < self.max_position_embeddings:
-            logger.warning(
-                "sliding_window=%d is ignored: attention spans the whole context", sliding_window
-            )
+        # Each layer's window (None: full attention).
+        self.sliding_windows = [
+            sliding_window_for_layer(hf_config, i) for i in range(self.num_layers)
+        ]
 
     def check_parallel(self, tp_size: int, pp_size: int) -> None:
         """A clear error when the model cannot be split `tp_size` x `pp_size` ways."""
@@ -328,6 +331,8 @@ class LlamaForCausalLM(nn.Module):
 
         self.model = LlamaModel(cfg, ctx, layer_fn)
         self.layer_range = (self.model.start_layer, self.model.end_layer)
+        for i in range(*self.layer_range):
+            self.model.layers[i].self_attn.attn.sliding_window = cfg.sliding_windows[i]
         attn = self.model.layers[self.model.start_layer].self_attn.attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.lm_head: nn.Module = PPMissingLayer()

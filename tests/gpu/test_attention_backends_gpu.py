@@ -102,3 +102,38 @@ def test_backend_matches_the_torch_reference(name: str, dtype: torch.dtype, case
     torch.testing.assert_close(out.float(), ref, **tol)
     # The other layer's view of the shared tensor is untouched.
     assert torch.equal(full[:, 0], neighbour)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_flash_attn_sliding_window_matches_the_torch_reference(case: str) -> None:
+    backend = _backend("FLASH_ATTN")
+    gen = torch.Generator().manual_seed(1)
+    query_lens, seq_lens = CASES[case]
+    meta, num_blocks = _step(query_lens, seq_lens, gen)
+    cache = torch.randn(
+        num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=DEV
+    )
+    ref_cache = cache.clone()
+    n = meta.num_actual_tokens
+    query, key, value = (
+        torch.randn(n, h, HEAD_SIZE, dtype=torch.bfloat16, device=DEV)
+        for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)
+    )
+    out = backend.forward(query, key, value, cache, meta, SCALE, sliding_window=1000)
+    ref = TorchAttentionBackend().forward(
+        query.float(), key.float(), value.float(), ref_cache.float(), meta, SCALE,
+        sliding_window=1000,
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_flashinfer_refuses_a_sliding_window() -> None:
+    from tandem.config import ConfigError
+
+    backend = _backend("FLASHINFER")
+    meta, num_blocks = _step([4], [4], torch.Generator().manual_seed(2))
+    cache = torch.zeros(num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device=DEV)
+    q = torch.zeros(4, NUM_HEADS, HEAD_SIZE, device=DEV)
+    kv = torch.zeros(4, NUM_KV_HEADS, HEAD_SIZE, device=DEV)
+    with pytest.raises(ConfigError, match="sliding-window"):
+        backend.forward(q, kv, kv, cache, meta, SCALE, sliding_window=64)

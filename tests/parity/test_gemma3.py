@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tandem.config import EngineArgs
 from tandem.models.gemma3 import Gemma3ForCausalLM
 from tandem.models.interface import ModelContext
 from tandem.models.presets import _copy_into_transformers, random_weights
@@ -78,6 +79,9 @@ def test_gemma3_conditional_generation_runs_its_language_model(
     save_file(renamed, tmp_path / "model.safetensors")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((src / name).read_bytes())
+    # The engine config reads the context length from the text config.
+    engine_config = EngineArgs(model=str(tmp_path), device="cpu").create_engine_config()
+    assert engine_config.model.max_model_len == text_config["max_position_embeddings"]
     model = build_cpu_model(tmp_path)
     assert type(model).__name__ == "Gemma3ForConditionalGeneration"
     prompts = random_prompts(512, [3, 30], seed=31)

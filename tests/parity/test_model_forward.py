@@ -134,7 +134,19 @@ def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "llama3", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3"]
+    "arch",
+    [
+        "llama",
+        "llama3",
+        "qwen2",
+        "mistral",
+        "qwen3",
+        "qwen3_moe",
+        "mixtral",
+        "gemma3",
+        "mistral_swa",
+        "qwen2_swa",
+    ],
 )
 def test_tiny_model_prefill_and_decode_match_hf(arch: str, tiny_model_path) -> None:
     path = tiny_model_path(arch)
@@ -183,3 +195,12 @@ def test_smollm2_batch_prefill_and_decode_match_hf(smollm2_models, smollm2_token
 
 def test_smollm2_chunked_prefill_mixed_with_decode(smollm2_models) -> None:
     check_chunked_prefill_mixed_with_decode(smollm2_models, seed=15)
+
+
+@pytest.mark.parametrize(("arch", "windows"), [("mistral_swa", [8, 8]), ("qwen2_swa", [None, 8])])
+def test_llama_family_sliding_windows(
+    arch: str, windows: list[int | None], tiny_model_path
+) -> None:
+    """Parity above runs these past their windows; here: the windows each layer got."""
+    model = build_cpu_model(tiny_model_path(arch))
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == windows

@@ -118,7 +118,7 @@ def test_attention_layer_passes_its_window() -> None:
         Attention(2, 8, 1, 0.3, Spy(), sliding_window=window).forward(
             query, key, value, scene.kv_cache, md
         )
-    assert seen == [None, 4]
+    assert seen == [None, 4]  # None: not passed, the default
     with pytest.raises(ValueError, match="sliding_window"):
         Attention(2, 8, 1, 0.3, Spy(), sliding_window=0)
 
@@ -140,3 +140,24 @@ def test_sliding_window_for_layer() -> None:
     gemma.layer_types = ["sliding_attention", "chunked_attention"] + ["full_attention"] * 5
     with pytest.raises(ConfigError, match="chunked_attention"):
         sliding_window_for_layer(gemma, 1)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the extension")
+@pytest.mark.parametrize("head_size", [48, 64])  # 48: the generic kernel; 64: AVX-512 (bf16 dots)
+def test_cpu_backend_sliding_window_bf16(head_size: int) -> None:
+    window = 13
+    scene = _scene(SEQ_LENS, 8, 2, head_size, 5)
+    query, key, value, md = scene.step(QUERY_LENS)
+    _null_left_of_windows(scene, md, QUERY_LENS, window)
+    cache16 = scene.kv_cache.to(torch.bfloat16)
+    out = get_attention_backend("cpu").forward(
+        query.bfloat16(), key.bfloat16(), value.bfloat16(), cache16, md, 0.25,
+        sliding_window=window,
+    )  # fmt: skip
+    expected, start = [], 0
+    for r, q_len in enumerate(QUERY_LENS):
+        q = query[start : start + q_len]
+        expected.append(windowed_reference(q, scene.keys[r], scene.values[r], 0.25, window))
+        start += q_len
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), torch.cat(expected), rtol=3e-2, atol=3e-2)

@@ -101,6 +101,8 @@ class FlashAttnAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         self._check(query, kv_cache)
+        if (k_scale, v_scale) != (1.0, 1.0):
+            raise ConfigError("attention_backend FLASH_ATTN has no FP8 KV cache; use TRITON_ATTN")
         num_tokens = metadata.num_actual_tokens
         num_reqs = metadata.num_reqs
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens])

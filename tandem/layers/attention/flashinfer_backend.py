@@ -183,6 +183,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ConfigError(
                 "attention_backend FLASHINFER has no sliding-window layers here; use TRITON_ATTN"
             )
+        if (k_scale, v_scale) != (1.0, 1.0):
+            raise ConfigError("attention_backend FLASHINFER has no FP8 KV cache; use TRITON_ATTN")
         num_tokens = metadata.num_actual_tokens
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
         out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)

@@ -15,8 +15,8 @@ keys at positions k with p - W < k <= p (W keys, itself included; transformers' 
 Blocks wholly left of the window are never read: a KV manager may free them and leave the null
 block id 0 in their block-table slots.
 
-    positions   0 1 2 3 4 5 6 7 8 9
-    query p=9               [.......]   W = 4: keys 6..9
+    position        0 1 2 3 4 5 6 7 8 9
+    p = 9, W = 4                x x x x   (keys 6..9)
 """
 
 from __future__ import annotations
@@ -104,17 +104,15 @@ class Attention(nn.Module):
         """The backend's K/V write and attention (what `forward` runs when nothing splits)."""
         k_scale, v_scale = self.kv_scales(kv_cache)
         out = self.backend.forward(
-            query,
-            key,
-            value,
-            kv_cache,
-            attn_metadata,
-            self.scale,
-            k_scale,
-            v_scale,
-            sliding_window=self.sliding_window,
-        )
+            query, key, value, kv_cache, attn_metadata, self.scale, k_scale, v_scale,
+            **self._window_kwargs(),
+        )  # fmt: skip
         return out.reshape(query.shape[0], self.q_size)
+
+    def _window_kwargs(self) -> dict[str, int]:
+        """`sliding_window` for the backend, only when the layer slides (a backend written
+        before windows existed still serves full-attention layers)."""
+        return {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection `[T, q | k | v]` as Q `[T, H, D]`, K and V `[T, Hkv, D]`."""
@@ -149,7 +147,7 @@ class Attention(nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_size,
-                sliding_window=self.sliding_window,
+                **self._window_kwargs(),
             )
             return out.reshape(qkv.shape[0], self.q_size)
         q, k, v = self.split_qkv(qkv)
