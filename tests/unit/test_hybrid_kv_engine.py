@@ -53,11 +53,14 @@ def run(path: Path, prompts: list[list[int]], num_gpu_blocks: int, **kwargs: obj
         out = schedule()
         peak[0] = max(peak[0], kv.num_blocks - kv.num_free_blocks)
         if isinstance(kv, HybridKVCacheManager):
+            G = kv.num_groups
+            sliding = [g for g, group in enumerate(kv.spec.groups) if group.is_sliding]
             for request in sched.running:
                 if request.num_computed_tokens > request.num_prompt_tokens:  # decoding
                     flat = kv.get_blocks(request.request_id)
-                    held = sum(1 for b in flat[1::2] if b is not NULL_BLOCK)
-                    peak[1] = max(peak[1], held)
+                    for g in sliding:
+                        held = sum(1 for b in flat[g::G] if b is not NULL_BLOCK)
+                        peak[1] = max(peak[1], held)
         return out
 
     sched.schedule = observed  # type: ignore[method-assign]
@@ -106,3 +109,18 @@ def test_gemma3_hybrid_cache_with_the_model_in_a_rank_process(gemma3_case) -> No
         assert tokens == reference
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(("arch", "windows"), [("mistral_swa", [8]), ("qwen2_swa", [None, 8])])
+def test_llama_family_windows_through_the_hybrid_cache(
+    arch: str, windows: list[int | None], tiny_model_path
+) -> None:
+    """Mistral slides on every layer (one sliding group), Qwen2 from max_window_layers on."""
+    path = tiny_model_path(arch)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 30, 61)]
+    reference = [tokens for tokens, _ in hf_greedy(path, prompts, NEW_TOKENS)]
+    tokens, llm, _, sliding_peak = run(path, prompts, 120)
+    assert [g.sliding_window for g in llm.engine.kv_cache_spec.groups] == windows
+    assert 0 < sliding_peak <= -(-8 // BS) + 1
+    assert tokens == reference
