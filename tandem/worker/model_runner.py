@@ -395,6 +395,17 @@ class ModelRunner:
 
     def _metadata(self, inp: StepInputs) -> AttentionMetadata:
         to_device = self.staging.to_device
+        tables: torch.Tensor | None = None
+        slots: torch.Tensor | None = None
+        if inp.group_block_tables is not None and inp.group_slot_mappings is not None:
+            # Several KV cache groups: one copy each for every group's tables and slot
+            # mappings; a group's are views, group 0's the top level's.
+            tables = to_device(inp.group_block_tables, torch.int32)
+            slots = to_device(inp.group_slot_mappings, torch.int64)
+            block_table, slot_mapping = tables[0], slots[0]
+        else:
+            block_table = to_device(inp.block_table, torch.int32)
+            slot_mapping = to_device(inp.slot_mapping, torch.int64)
         metadata = AttentionMetadata(
             num_actual_tokens=inp.total,
             num_reqs=inp.num_reqs,
@@ -405,18 +416,15 @@ class ModelRunner:
             else int(inp.seq_lens.max()),
             query_start_loc=to_device(inp.query_start_loc, torch.int32),
             seq_lens=to_device(inp.seq_lens, torch.int32),
-            block_table=to_device(inp.block_table, torch.int32),
-            slot_mapping=to_device(inp.slot_mapping, torch.int64),
+            block_table=block_table,
+            slot_mapping=slot_mapping,
             query_start_loc_cpu=inp.query_start_loc.tolist(),
             seq_lens_cpu=inp.seq_lens.tolist(),
             is_decode_only=inp.is_decode_only,
             num_decodes=inp.num_decodes,
         )
-        if inp.group_block_tables is None or inp.group_slot_mappings is None:
+        if tables is None or slots is None:
             return metadata
-        # One copy each for every group's table and slot mapping; a group's are views.
-        tables = to_device(inp.group_block_tables, torch.int32)
-        slots = to_device(inp.group_slot_mappings, torch.int64)
         groups = tuple(
             dataclasses.replace(metadata, block_table=tables[g], slot_mapping=slots[g])
             for g in range(tables.shape[0])
