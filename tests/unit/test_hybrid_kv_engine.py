@@ -124,3 +124,22 @@ def test_llama_family_windows_through_the_hybrid_cache(
     assert [g.sliding_window for g in llm.engine.kv_cache_spec.groups] == windows
     assert 0 < sliding_peak <= -(-8 // BS) + 1
     assert tokens == reference
+
+
+def test_gemma3_hybrid_cache_with_ngram_speculation(tiny_model_path) -> None:
+    """Drafts take lookahead slots and rejected ones roll back: the window's blocks are freed
+    by computed tokens only, so the tokens stay transformers'."""
+    path = tiny_model_path("gemma3")
+    rng = random.Random(11)
+    prompts = []
+    for i in range(4):
+        motif = [rng.randrange(3, 500) for _ in range(4 + i)]
+        prompts.append((motif * 8)[: 14 + 9 * i])
+    reference = [tokens for tokens, _ in hf_greedy(path, prompts, NEW_TOKENS)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    tokens, llm, _, _ = run(path, prompts, 120, speculative_config=spec)
+    stats = llm.engine.stats().spec_decoding
+    assert stats is not None
+    # Some drafts accepted, some rolled back.
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert tokens == reference
