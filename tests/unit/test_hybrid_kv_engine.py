@@ -95,7 +95,9 @@ def test_gemma3_hybrid_cache_matches_transformers_and_the_plain_cache(gemma3_cas
 
 def test_gemma3_hybrid_cache_under_preemption(gemma3_case) -> None:
     path, prompts, reference = gemma3_case
-    tokens, llm, _, _ = run(path, prompts, 48)
+    # Async scheduling: the next step is planned (windows moved, blocks freed) while one runs.
+    tokens, llm, _, _ = run(path, prompts, 48, async_scheduling="on")
+    assert llm.engine.async_scheduling
     assert llm.engine.stats().num_preemptions > 0, "the small pool was meant to preempt"
     assert tokens == reference
 
