@@ -158,6 +158,20 @@ class KVCacheSpec:
         `cdiv(window, block_size) + 1` blocks of a request."""
         return num_blocks / self.max_blocks_per_request(num_tokens)
 
+    def max_tokens(self, num_blocks: int) -> int | None:
+        """The most tokens one decoding request holds in `num_blocks` blocks (vLLM's "KV
+        cache size" in tokens); None when no full-attention group bounds it."""
+        if all(g.sliding_window is not None for g in self.groups):
+            return None
+        lo, hi = 0, num_blocks * self.block_size
+        while lo < hi:  # the largest T with max_blocks_per_request(T) <= num_blocks
+            mid = (lo + hi + 1) // 2
+            if self.max_blocks_per_request(mid) <= num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def describe(self) -> str:
         """One line for the logs: the groups by kind."""
         parts = []

@@ -211,13 +211,15 @@ class EngineCore:
         self.last_step_idle = True
         self._shut_down = False
         _raise_gc_threshold()
+        max_tokens = self.kv_cache_spec.max_tokens(num_blocks)
         logger.info(
-            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d, maximum "
-            "concurrency for %d tokens per request: %.2fx (%.1fs)",
+            "engine ready: %s on %s, %d KV blocks of %d tokens (%s), max_model_len %d, "
+            "maximum concurrency for %d tokens per request: %.2fx (%.1fs)",
             self.model_path.name,
             self.executor.device,
             num_blocks,
             self.block_size,
+            "sliding windows only" if max_tokens is None else f"{max_tokens} tokens",
             max_len,
             max_len,
             self.max_concurrency,
