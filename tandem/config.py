@@ -205,6 +205,14 @@ class CacheConfig:
             "reuse cached KV blocks of equal prefixes", false_aliases=("--no-prefix-caching",)
         ),
     )
+    disable_hybrid_kv_cache_manager: bool = field(
+        default=False,
+        metadata=flag(
+            "keep every layer's KV blocks in one group: sliding-window layers then hold the "
+            "whole context's blocks (default: a group per attention kind, sliding groups free "
+            "the blocks left of their window)"
+        ),
+    )
     kv_cache_dtype: KVCacheDtype = field(
         default="auto",
         metadata=flag(

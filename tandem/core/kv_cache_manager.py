@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.core.block_pool import BlockPool, KVCacheBlock
-from tandem.core.kv_cache_utils import update_block_hashes
+from tandem.core.block_pool import BlockPool, CacheEventListener, KVCacheBlock
+from tandem.core.kv_cache_utils import BlockHash, update_block_hashes
 from tandem.request import Request
 
 
@@ -230,6 +230,14 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing done) while any block is in use."""
         return self.block_pool.reset_prefix_cache()
+
+    def publish_cache_events(self, listener: CacheEventListener | None) -> None:
+        """Tell `listener` of every prefix hash registered or evicted (a prefix directory)."""
+        self.block_pool.on_cache_event = listener
+
+    def published_block_hashes(self) -> list[BlockHash]:
+        """The prefix hashes cached now, as `publish_cache_events` names them."""
+        return self.block_pool.cached_block_hashes()
 
     def check_invariants(self) -> None:
         """The pool's invariants, plus: ref counts equal the number of holders of each block."""

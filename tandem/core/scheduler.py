@@ -51,7 +51,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from tandem.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tandem.core.hybrid_kv_cache_manager import HybridKVCacheManager, build_kv_cache_manager
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -151,7 +153,8 @@ class Scheduler:
     """Decides, each step, which requests run and how many tokens each computes.
 
     `max_model_len` (0: unbounded) caps every request's tokens; the pool must hold at least
-    one request of that length (ValueError otherwise).
+    one request of that length (ValueError otherwise). `kv_cache_spec` gives the cache's
+    groups by attention kind (None: one full-attention group, the plain cache).
     """
 
     def __init__(
@@ -161,8 +164,19 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         speculative_config: SpeculativeConfig | None = None,
+        kv_cache_spec: KVCacheSpec | None = None,
     ) -> None:
-        if max_model_len and num_blocks * cache_config.block_size < max_model_len:
+        spec = kv_cache_spec
+        if spec is None:
+            spec = KVCacheSpec.full(cache_config.block_size, 1)
+        elif spec.block_size != cache_config.block_size:
+            raise ValueError(
+                f"kv_cache_spec has block_size {spec.block_size}, the cache "
+                f"{cache_config.block_size}"
+            )
+        if max_model_len and num_blocks < spec.max_blocks_per_request(
+            max_model_len, scheduler_config.max_num_batched_tokens
+        ):
             # One request of max_model_len tokens could never fit: it would preempt itself forever.
             raise ValueError(
                 f"{num_blocks} KV blocks of {cache_config.block_size} tokens cannot hold one "
@@ -171,9 +185,10 @@ class Scheduler:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
-        self._kv_cache_manager = KVCacheManager(
+        self.kv_cache_spec = spec
+        self._kv_cache_manager = build_kv_cache_manager(
+            spec,
             num_blocks,
-            cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             max_model_len=max_model_len,
         )
@@ -203,7 +218,7 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats(self.num_spec_tokens) if self.num_spec_tokens else None
 
     @property
-    def kv_cache_manager(self) -> KVCacheManager:
+    def kv_cache_manager(self) -> KVCacheManager | HybridKVCacheManager:
         return self._kv_cache_manager
 
     # ---- requests in and out ------------------------------------------------------------

@@ -163,8 +163,14 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.block_size = config.cache.block_size
         num_spec_tokens = config.speculative.k
+        self.kv_cache_spec = self.executor.kv_cache_spec
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, num_blocks, max_len, config.speculative
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            max_len,
+            config.speculative,
+            kv_cache_spec=self.kv_cache_spec,
         )
         mode = config.scheduler.async_scheduling
         # auto: on CUDA (the host plans while the device runs), and under pipeline parallel
@@ -205,15 +211,26 @@ class EngineCore:
         self.last_step_idle = True
         self._shut_down = False
         _raise_gc_threshold()
+        max_tokens = self.kv_cache_spec.max_tokens(num_blocks)
         logger.info(
-            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d (%.1fs)",
+            "engine ready: %s on %s, %d KV blocks of %d tokens (%s), max_model_len %d, "
+            "maximum concurrency for %d tokens per request: %.2fx (%.1fs)",
             self.model_path.name,
             self.executor.device,
             num_blocks,
             self.block_size,
+            "sliding windows only" if max_tokens is None else f"{max_tokens} tokens",
             max_len,
+            max_len,
+            self.max_concurrency,
             time.perf_counter() - t0,
         )
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many decoding requests of `max_model_len` tokens the KV cache holds at once
+        (sliding-window groups count at most `cdiv(window, block_size) + 1` blocks each)."""
+        return self.kv_cache_spec.max_concurrency(self.num_blocks, self.max_model_len)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -255,7 +272,9 @@ class EngineCore:
                 f"prompt token ids must be in [0, {self.vocab_size}), "
                 f"got {min(req.prompt_token_ids)}..{max(req.prompt_token_ids)}"
             )
-        blocks_needed = -(-(n + 1) // self.block_size)
+        blocks_needed = self.kv_cache_spec.max_blocks_per_request(
+            n + 1, self.config.scheduler.max_num_batched_tokens
+        )
         if blocks_needed > self.num_blocks:
             raise InvalidRequestError(
                 f"prompt needs {blocks_needed} KV blocks; the cache holds {self.num_blocks}"
@@ -300,6 +319,8 @@ class EngineCore:
         """Queue a request. Raises InvalidRequestError naming the problem. A structured-output
         spec that does not compile ends the request later, with finish reason "error"."""
         self._validate(req)
+        if hold_kv:
+            self._check_kv_hand_off()
         request = self._new_request(req)
         request.hold_kv = hold_kv
         self.scheduler.add_request(request)
@@ -422,9 +443,17 @@ class EngineCore:
 
     def cached_block_hashes(self) -> list[bytes]:
         """The hashes of every block in the prefix cache (a directory's full resync)."""
-        return self.scheduler.kv_cache_manager.block_pool.cached_block_hashes()
+        return self.scheduler.kv_cache_manager.published_block_hashes()
 
     # ----------------------------------------------------------------- disaggregation
+
+    def _check_kv_hand_off(self) -> None:
+        """KV hand-off moves one block table: refused for a cache of several groups."""
+        if not self.kv_cache_spec.is_plain:
+            raise InvalidRequestError(
+                "KV hand-off between workers is not supported for a model with sliding-window "
+                "layers (--disable-hybrid-kv-cache-manager keeps one block table)"
+            )
 
     def get_held_block_ids(self, request_id: str) -> list[int]:
         """Block table of a finished `hold_kv` request (prompt KV in order)."""
@@ -442,6 +471,7 @@ class EngineCore:
         is short. Then write the KV into those blocks and call `add_prefilled_request`.
         """
         self._validate(req)
+        self._check_kv_hand_off()
         reserved = self.scheduler.reserve(self._new_request(req))
         if reserved is not None and self.executor.may_write_blocks(reserved[0]):
             # A step still running writes KV into some of these blocks (freed since it was

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tandem.config import EngineConfig
+from tandem.config import ConfigError, EngineConfig
 from tandem.core.outputs import EngineCoreOutput, FinishReason
 from tandem.engine import serial
 from tandem.engine.core import EngineCore, InvalidRequestError
@@ -108,7 +108,14 @@ class _Stop:
 
 def share_kv_caches(engine: EngineCore) -> tuple[SharedKVCache, ...]:
     """Export every rank's KV cache, in rank order (from the processes they live in); call
-    before the first step."""
+    before the first step. Refused (ConfigError) for a cache of several groups: a KV hand-off
+    moves one block table."""
+    if not engine.kv_cache_spec.is_plain:
+        raise ConfigError(
+            "KV hand-off between workers (prefill and decode roles) is not supported for a "
+            "model with sliding-window layers; run unified workers, or pass "
+            "--disable-hybrid-kv-cache-manager"
+        )
     return engine.executor.export_kv_caches()
 
 
@@ -134,8 +141,7 @@ class EngineCoreProc:
         self._said_unfinished = False
         self.num_steps = 0
         if options.publish_cache_events:
-            pool = engine.scheduler.kv_cache_manager.block_pool
-            pool.on_cache_event = self._record_cache_event
+            engine.scheduler.kv_cache_manager.publish_cache_events(self._record_cache_event)
         self._reader = threading.Thread(target=self._read_commands, name="engine-in", daemon=True)
         self._writer = threading.Thread(target=self._write_outputs, name="engine-out", daemon=True)
 

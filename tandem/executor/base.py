@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from tandem.config import EngineConfig
+from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.worker.shared_kv import SharedKVCache, export_kv_cache
 
@@ -63,6 +64,11 @@ class Executor(ABC):
     @property
     @abstractmethod
     def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The KV cache's groups by attention kind (the same on every rank)."""
 
     @property
     @abstractmethod

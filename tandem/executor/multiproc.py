@@ -50,6 +50,7 @@ import torch
 
 import tandem
 from tandem.config import ConfigError, DeviceConfig, EngineConfig, parse_core_list
+from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.distributed.init import STORE_PREFIX, DistributedInit, connect_store
 from tandem.executor.base import Executor
@@ -434,6 +435,10 @@ class MultiprocExecutor(Executor):
     @property
     def vocab_size(self) -> int:
         return self._infos[self.driver_rank].vocab_size
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self._infos[0].kv_cache_spec
 
     @property
     def kv_cache(self) -> torch.Tensor | None:

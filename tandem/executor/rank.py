@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config import EngineConfig
+from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.distributed.init import DistributedInit
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class RankInfo:
     pid: int
     device: str
     vocab_size: int
+    kv_cache_spec: KVCacheSpec
     is_driver: bool
     is_last_stage: bool
 
@@ -226,6 +228,7 @@ def main() -> None:
             pid=os.getpid(),
             device=str(worker.device),
             vocab_size=runner.vocab_size,
+            kv_cache_spec=runner.kv_cache_spec,
             is_driver=worker.parallel.is_driver,
             is_last_stage=runner.is_last_stage,
         )

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from tandem.config import EngineConfig
+from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.core.outputs import GrammarBitmaskSource, SchedulerOutput
 from tandem.executor.base import Executor
 from tandem.worker.model_runner import ModelRunner
@@ -37,6 +38,10 @@ class UniprocExecutor(Executor):
     @property
     def vocab_size(self) -> int:
         return self.driver_worker.model_runner.vocab_size
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.driver_worker.model_runner.kv_cache_spec
 
     @property
     def kv_cache(self) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ split count is fixed at capture, and any length up to it gives correct results.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -34,7 +35,11 @@ class StaticStepInputs:
     rows). A replay copies a step's host arrays into the leading rows and marks the rest
     empty: padding token rows get slot -1 (no K/V write); padding request slots get context
     length `seq_len_pad` and, where the step's query start locations are copied in, a query
-    length of 0."""
+    length of 0.
+
+    With `num_kv_groups` G > 1 (a KV cache group per attention kind) each group has its own
+    block table and slot mapping rows (`[G, ...]`), handed to the layers as
+    `AttentionMetadata.kv_groups`; `block_table` and `slot_mapping` are then unused."""
 
     def __init__(
         self,
@@ -43,6 +48,7 @@ class StaticStepInputs:
         max_blocks: int,
         device: torch.device,
         seq_len_pad: int,
+        num_kv_groups: int = 1,
     ) -> None:
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
@@ -52,6 +58,15 @@ class StaticStepInputs:
         self.seq_lens = torch.full((max_reqs,), seq_len_pad, dtype=torch.int32, device=device)
         self.block_table = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
         self.seq_len_pad = seq_len_pad
+        self.group_block_table: torch.Tensor | None = None
+        self.group_slot_mapping: torch.Tensor | None = None
+        if num_kv_groups > 1:
+            self.group_block_table = torch.zeros(
+                (num_kv_groups, max_reqs, max_blocks), dtype=torch.int32, device=device
+            )
+            self.group_slot_mapping = torch.full(
+                (num_kv_groups, max_tokens), -1, dtype=torch.long, device=device
+            )
 
     def metadata(
         self, num_tokens: int, num_reqs: int, max_query_len: int, max_seq_len: int
@@ -59,7 +74,7 @@ class StaticStepInputs:
         """The metadata of a captured step over the first `num_tokens` rows and `num_reqs`
         request slots (decode only when they are equal and `max_query_len` is 1)."""
         decode_only = max_query_len == 1
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=num_reqs,
             max_query_len=max_query_len,
@@ -73,6 +88,16 @@ class StaticStepInputs:
             is_decode_only=decode_only,
             num_decodes=0,
         )
+        tables, slots = self.group_block_table, self.group_slot_mapping
+        if tables is None or slots is None:
+            return metadata
+        groups = tuple(
+            dataclasses.replace(
+                metadata, block_table=tables[g, :num_reqs], slot_mapping=slots[g, :num_tokens]
+            )
+            for g in range(tables.shape[0])
+        )
+        return dataclasses.replace(groups[0], kv_groups=groups)
 
     def copy_in(
         self,
@@ -94,9 +119,17 @@ class StaticStepInputs:
         staging.copy_to(self.input_ids[:n], inp.input_ids)
         fill_from_previous(self.input_ids[:n], inp)
         staging.copy_to(self.positions[:n], inp.positions)
-        staging.copy_to(self.slot_mapping[:n], inp.slot_mapping)
         staging.copy_to(self.seq_lens[:r], inp.seq_lens)
-        staging.copy_to(self.block_table[:r, :width], inp.block_table)
+        tables, slots = self.group_block_table, self.group_slot_mapping
+        if tables is not None and slots is not None:
+            assert inp.group_block_tables is not None and inp.group_slot_mappings is not None
+            staging.copy_to(slots[:, :n], inp.group_slot_mappings)
+            staging.copy_to(tables[:, :r, :width], inp.group_block_tables)
+            if num_tokens > n:
+                slots[:, n:num_tokens].fill_(-1)
+        else:
+            staging.copy_to(self.slot_mapping[:n], inp.slot_mapping)
+            staging.copy_to(self.block_table[:r, :width], inp.block_table)
         if query_start_loc:
             staging.copy_to(self.query_start_loc[: r + 1], inp.query_start_loc)
             if num_reqs > r:
@@ -110,7 +143,14 @@ class StaticStepInputs:
 class DecodeCudaGraphs:
     """Captured decode graphs and their static inputs, for one model and KV cache."""
 
-    def __init__(self, sizes: Sequence[int], max_num_seqs: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        max_num_seqs: int,
+        device: torch.device,
+        num_kv_groups: int = 1,
+    ) -> None:
+        self.num_kv_groups = num_kv_groups
         # Buckets past max_num_seqs could never be used.
         self.sizes: list[int] = sorted({s for s in sizes if s <= max_num_seqs})
         self.device = device
@@ -132,7 +172,9 @@ class DecodeCudaGraphs:
         max_bs = self.sizes[-1]
         dev = self.device
         max_blocks = -(-max_model_len // block_size)
-        inputs = self._inputs = StaticStepInputs(max_bs, max_bs, max_blocks, dev, seq_len_pad=1)
+        inputs = self._inputs = StaticStepInputs(
+            max_bs, max_bs, max_blocks, dev, seq_len_pad=1, num_kv_groups=self.num_kv_groups
+        )
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bs in reversed(self.sizes):

@@ -12,6 +12,10 @@ form one sequence (no padding). For request r with `num_computed_tokens` c and
 
 A request is sampled when c + n reaches its token count (its last query row).
 
+With G > 1 KV cache groups (one per attention kind) a request's table interleaves the groups'
+tables (`flat[j * G + g]`); each group gets its own block table and slot mapping
+(`StepInputs.group_block_tables`, `group_slot_mappings`).
+
 Speculative decoding: a request's scheduled draft tokens d (`scheduled_spec_decode_tokens`)
 follow its known tokens in its query (`input_ids[...] = token_ids[c:] + d`); such a request
 is sampled at its last len(d) + 1 query rows (`logits_indices`), verified by the rejection
@@ -78,6 +82,11 @@ class StepInputs:
     # this step).
     num_draft: list[int] | None = None
     draft_token_ids: list[int] = field(default_factory=list)
+    # A cache of G > 1 groups (the tables interleaved: `tandem.core.hybrid_kv_cache_manager`):
+    # each group's block table `[G, num_reqs, blocks]` and slot mapping `[G, total]`;
+    # `block_table` and `slot_mapping` are then group 0's. None with one group.
+    group_block_tables: np.ndarray | None = None
+    group_slot_mappings: np.ndarray | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -92,9 +101,11 @@ class InputBatch:
     exist, or a table is wider than a row. A dropped request's row is reused.
     """
 
-    def __init__(self, block_size: int, max_num_seqs: int) -> None:
+    def __init__(self, block_size: int, max_num_seqs: int, num_kv_groups: int = 1) -> None:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        # KV cache groups: a request's table interleaves them (`flat[j * G + g]`).
+        self.num_kv_groups = num_kv_groups
         self.requests: dict[str, CachedRequestState] = {}
         self.block_table_rows = np.zeros((0, 1), dtype=np.int32)
         self.free_rows: list[int] = []
@@ -243,7 +254,21 @@ class InputBatch:
                     input_ids[hi - 1] = 0
                     fill_dst.append(hi - 1)
                     fill_src.append(_prev_row(prev_row_of, state, c + hi - lo - 1))
-        slot_mapping = slot_mapping * bs + positions % bs
+        group_tables: np.ndarray | None = None
+        group_slots: np.ndarray | None = None
+        G = self.num_kv_groups
+        if G > 1:
+            # De-interleave: group g's table is columns g, g + G, ... of the flat one.
+            group_tables = np.ascontiguousarray(
+                block_table.reshape(num_reqs, max_blocks // G, G).transpose(2, 0, 1)
+            )
+            ridx = np.arange(num_reqs) if total == num_reqs else req_index
+            slot_mapping = group_tables[:, ridx, positions // bs].astype(np.int64)
+            group_slots = np.ascontiguousarray(slot_mapping * bs + positions % bs)
+            block_table = group_tables[0]
+            slot_mapping = group_slots[0]
+        else:
+            slot_mapping = slot_mapping * bs + positions % bs
         sampled_rows = [i for i, state in enumerate(states) if seq_lens[i] >= len(state.token_ids)]
         ends = query_start_loc[1:][sampled_rows]
         num_draft: list[int] | None = None
@@ -274,6 +299,8 @@ class InputBatch:
             logits_indices=logits_indices,
             num_draft=num_draft,
             draft_token_ids=draft_token_ids,
+            group_block_tables=group_tables,
+            group_slot_mappings=group_slots,
         )
 
 

@@ -57,7 +57,9 @@ class MixedCudaGraphs:
         max_num_tokens: int,
         max_num_seqs: int,
         device: torch.device,
+        num_kv_groups: int = 1,
     ) -> None:
+        self.num_kv_groups = num_kv_groups
         # Buckets past the step token budget could never be used.
         self.sizes: list[int] = sorted({s for s in sizes if s <= max_num_tokens})
         self.max_num_seqs = max_num_seqs
@@ -92,7 +94,14 @@ class MixedCudaGraphs:
         max_size = self.sizes[-1]
         # Wide enough for any request, and for the capture step's one request of max_size.
         max_blocks = -(-max(max_model_len, max_size) // block_size)
-        inputs = StaticStepInputs(max_size, self._slots(max_size), max_blocks, dev, seq_len_pad=0)
+        inputs = StaticStepInputs(
+            max_size,
+            self._slots(max_size),
+            max_blocks,
+            dev,
+            seq_len_pad=0,
+            num_kv_groups=self.num_kv_groups,
+        )
         self._inputs = inputs
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():

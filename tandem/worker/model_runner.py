@@ -35,6 +35,7 @@ result is what the engine reads. Steps under PP > 1 run eagerly (no CUDA graphs 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -43,9 +44,11 @@ import numpy as np
 import torch
 
 from tandem.config import FP8_KV_CACHE_DTYPES, ConfigError, EngineConfig
+from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.distributed import ParallelState, single_rank_state
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
+from tandem.layers.attention.layer import Attention
 from tandem.layers.logits_processors import LogitsProcessors, load_logits_processors
 from tandem.layers.quantization import resolve_quant_config
 from tandem.layers.quantization.fp8 import check_fp8_device
@@ -145,6 +148,10 @@ class ModelRunner:
         self.vocab_size: int = self.model.vocab_size
         start, end = self.model.layer_range
         self.num_stage_layers = end - start
+        # The cache's groups by attention kind, from the layers' sliding windows; each layer
+        # learns its group and its slot of a block (see `kv_cache_shape`).
+        self.kv_cache_spec = self._build_kv_cache_spec()
+        self._layer_slots = [slot for _, slot in self.kv_cache_spec.layer_slots()]
         max_num_seqs = config.scheduler.max_num_seqs
         self.sampler = StepSampler(
             device,
@@ -158,7 +165,9 @@ class ModelRunner:
                 self.vocab_size,
             ),
         )
-        self.input_batch = InputBatch(self.block_size, max_num_seqs)
+        self.input_batch = InputBatch(
+            self.block_size, max_num_seqs, num_kv_groups=self.kv_cache_spec.num_groups
+        )
         # Speculative decoding: the proposer drafting each step's next tokens (on the host,
         # after the step's tokens land). Decode graphs assume one token per request: verify
         # steps run as whole mixed graphs, piecewise graphs or eagerly, and each step's
@@ -174,12 +183,13 @@ class ModelRunner:
                 self.parallel.pp_size,
             )
             self.use_cuda_graphs = False
+        num_kv_groups = self.kv_cache_spec.num_groups
         # What a stage hands the next (keys, dtype, width), learned from the model once.
         self._intermediate_template: IntermediateTensors | None = None
         decode_sizes = config.device.cuda_graph_sizes
         if not self.attn_backend.decode_cuda_graphs:
             decode_sizes = ()
-        self.cuda_graphs = DecodeCudaGraphs(decode_sizes, max_num_seqs, device)
+        self.cuda_graphs = DecodeCudaGraphs(decode_sizes, max_num_seqs, device, num_kv_groups)
         mode = config.device.cudagraph_mode
         full = mode == "full" and self.attn_backend.full_graph_mixed
         if mode == "full" and not full:
@@ -191,10 +201,17 @@ class ModelRunner:
         mixed_sizes = config.device.piecewise_cuda_graph_sizes
         max_tokens = config.scheduler.max_num_batched_tokens
         self.mixed_graphs = MixedCudaGraphs(
-            mixed_sizes if full else (), max_tokens, max_num_seqs, device
+            mixed_sizes if full else (), max_tokens, max_num_seqs, device, num_kv_groups
         )
+        piecewise = mode != "full_decode_only" and not full
+        if piecewise and num_kv_groups > 1:
+            # Piecewise graphs write K/V through one slot mapping: mixed steps run eagerly.
+            logger.info(
+                "%d KV cache groups: mixed steps run without piecewise graphs", num_kv_groups
+            )
+            piecewise = False
         self.piecewise_graphs = PiecewiseCudaGraphs(
-            mixed_sizes if mode != "full_decode_only" and not full else (), max_tokens, device
+            mixed_sizes if piecewise else (), max_tokens, device
         )
         # The engine's KV cache (one tensor) and its per-layer views; set by
         # `initialize_kv_cache`.
@@ -223,11 +240,36 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- KV cache
 
+    def _build_kv_cache_spec(self) -> KVCacheSpec:
+        """The groups of this stage's attention layers by kind (their `sliding_window`); one
+        full group with `--disable-hybrid-kv-cache-manager`, or when the model's layers are
+        not one `Attention` each. Tells each layer its group."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if len(layers) != self.num_stage_layers:
+            return KVCacheSpec.full(self.block_size, self.num_stage_layers)
+        spec = KVCacheSpec.from_layer_windows(
+            self.block_size,
+            [layer.sliding_window for layer in layers],
+            hybrid=not self.config.cache.disable_hybrid_kv_cache_manager,
+        )
+        if not spec.is_plain:
+            if self.parallel.pp_size > 1:
+                raise ConfigError(
+                    "a model with sliding-window layers and pipeline_parallel_size > 1 is not "
+                    "supported yet (--disable-hybrid-kv-cache-manager runs it keeping every "
+                    "block)"
+                )
+            logger.info("%s", spec.describe())
+        for layer, (group, _) in zip(layers, spec.layer_slots(), strict=True):
+            layer.kv_cache_group = group
+        return spec
+
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """`[num_blocks, stage_layers, 2, block_size, num_kv_heads, head_size]`: this PP
-        stage's layers, this TP rank's KV heads."""
+        """`[num_blocks, layers, 2, block_size, num_kv_heads, head_size]`: this PP stage's
+        layers (with several KV cache groups, `layers_per_group`: a block holds one group's
+        layers, `tandem.core.kv_cache_spec`), this TP rank's KV heads."""
         m = self.model
-        layers = self.num_stage_layers
+        layers = self.kv_cache_spec.layers_per_group
         return (num_blocks, layers, 2, self.block_size, m.num_kv_heads, m.head_size)
 
     def kv_bytes_per_block(self) -> int:
@@ -246,7 +288,7 @@ class ModelRunner:
         tokens = sched.max_num_batched_tokens
         per_req = min(tokens, 1024)
         num_reqs = -(-tokens // per_req)
-        caches = [scratch_kv_cache[:, i] for i in range(self.num_stage_layers)]
+        caches = [scratch_kv_cache[:, i] for i in self._layer_slots]
         qsl = [min(i * per_req, tokens) for i in range(num_reqs + 1)]
         lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
         bpr = -(-per_req // bs)
@@ -297,7 +339,7 @@ class ModelRunner:
         consecutive block ids moves as one copy; each layer sees a strided view.
         """
         self.kv_cache = kv_cache
-        self.kv_caches = [kv_cache[:, i] for i in range(self.num_stage_layers)]
+        self.kv_caches = [kv_cache[:, i] for i in self._layer_slots]
         best = self.attn_backend.tune(
             self.kv_caches[0],
             num_heads=self.model.num_heads,
@@ -353,7 +395,18 @@ class ModelRunner:
 
     def _metadata(self, inp: StepInputs) -> AttentionMetadata:
         to_device = self.staging.to_device
-        return AttentionMetadata(
+        tables: torch.Tensor | None = None
+        slots: torch.Tensor | None = None
+        if inp.group_block_tables is not None and inp.group_slot_mappings is not None:
+            # Several KV cache groups: one copy each for every group's tables and slot
+            # mappings; a group's are views, group 0's the top level's.
+            tables = to_device(inp.group_block_tables, torch.int32)
+            slots = to_device(inp.group_slot_mappings, torch.int64)
+            block_table, slot_mapping = tables[0], slots[0]
+        else:
+            block_table = to_device(inp.block_table, torch.int32)
+            slot_mapping = to_device(inp.slot_mapping, torch.int64)
+        metadata = AttentionMetadata(
             num_actual_tokens=inp.total,
             num_reqs=inp.num_reqs,
             max_query_len=inp.max_query_len,
@@ -363,13 +416,20 @@ class ModelRunner:
             else int(inp.seq_lens.max()),
             query_start_loc=to_device(inp.query_start_loc, torch.int32),
             seq_lens=to_device(inp.seq_lens, torch.int32),
-            block_table=to_device(inp.block_table, torch.int32),
-            slot_mapping=to_device(inp.slot_mapping, torch.int64),
+            block_table=block_table,
+            slot_mapping=slot_mapping,
             query_start_loc_cpu=inp.query_start_loc.tolist(),
             seq_lens_cpu=inp.seq_lens.tolist(),
             is_decode_only=inp.is_decode_only,
             num_decodes=inp.num_decodes,
         )
+        if tables is None or slots is None:
+            return metadata
+        groups = tuple(
+            dataclasses.replace(metadata, block_table=tables[g], slot_mapping=slots[g])
+            for g in range(tables.shape[0])
+        )
+        return dataclasses.replace(groups[0], kv_groups=groups)
 
     def _run_eager(self, inp: StepInputs, piecewise_size: int | None = None) -> torch.Tensor | None:
         """The step's forward eagerly, or (`piecewise_size`) through that bucket of piecewise
@@ -550,7 +610,8 @@ class ModelRunner:
             sampled = self._share_sampled(sampled, len(states))
         self._num_launched += 1
         launch = self._num_launched
-        self._unfinished_writes.append((launch, inp.slot_mapping))
+        written = inp.slot_mapping if inp.group_slot_mappings is None else inp.group_slot_mappings
+        self._unfinished_writes.append((launch, written.reshape(-1)))
         step = PendingStep(
             req_ids,
             inp.sampled_rows,

@@ -45,6 +45,7 @@ NON_DEFAULT: dict[str, Any] = {
     "kv_cache_memory_gb": 0.5,
     "gpu_memory_utilization": 0.5,
     "enable_prefix_caching": False,
+    "disable_hybrid_kv_cache_manager": True,
     "kv_cache_dtype": "float16",
     "max_num_batched_tokens": 300,
     "max_num_seqs": 3,

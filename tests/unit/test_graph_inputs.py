@@ -61,3 +61,45 @@ def test_decode_copy_in_keeps_one_token_per_request() -> None:
     assert inputs.slot_mapping[:4].tolist() == [10, 11, 12, -1]
     meta = inputs.metadata(4, 4, 1, 1024)
     assert meta.is_decode_only and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_kv_groups_de_interleaved_and_copied_into_the_static_inputs() -> None:
+    """Two KV cache groups: a request's flat table `[f0, s0, f1, s1, ...]` gives each group its
+    own table and slot mapping, eagerly (StepInputs) and in the static inputs' kv_groups."""
+    from tandem.core.outputs import NewRequestData, SchedulerOutput
+    from tandem.sampling_params import SamplingParams
+    from tandem.worker.input_batch import InputBatch
+
+    batch = InputBatch(block_size=4, max_num_seqs=4, num_kv_groups=2)
+    params = SamplingParams()
+    # r0: 6 tokens computed, decoding its 7th; r1: a prompt of 9, the first 5 computed. Group 1
+    # has freed r0's block 0 (the null block 0).
+    batch.add_request(NewRequestData("r0", list(range(7)), [], params, [10, 0, 12, 13], 6), 2, None)
+    batch.add_request(
+        NewRequestData("r1", list(range(9)), [], params, [20, 21, 22, 23, 24, 25], 5), 2, None
+    )
+    so = SchedulerOutput(num_scheduled_tokens={"r0": 1, "r1": 4}, total_num_scheduled_tokens=5)
+    inp = batch.prepare(so, ["r0", "r1"], {})
+    assert inp.group_block_tables is not None and inp.group_slot_mappings is not None
+    assert inp.group_block_tables.tolist() == [
+        [[10, 12, 0], [20, 22, 24]],
+        [[0, 13, 0], [21, 23, 25]],
+    ]
+    # Positions: r0 6; r1 5..8.
+    full = [12 * 4 + 2, 22 * 4 + 1, 22 * 4 + 2, 22 * 4 + 3, 24 * 4 + 0]
+    sliding = [13 * 4 + 2, 23 * 4 + 1, 23 * 4 + 2, 23 * 4 + 3, 25 * 4 + 0]
+    assert inp.group_slot_mappings.tolist() == [full, sliding]
+    assert inp.slot_mapping.tolist() == full and inp.block_table.tolist() == [
+        [10, 12, 0],
+        [20, 22, 24],
+    ]
+
+    inputs = StaticStepInputs(8, 4, 8, torch.device("cpu"), seq_len_pad=0, num_kv_groups=2)
+    staging = PinnedStaging(torch.device("cpu"))
+    inputs.copy_in(inp, 8, 4, staging, lambda i, s: None, True)
+    meta = inputs.metadata(8, 4, 4, 64)
+    assert meta.kv_groups is not None and len(meta.kv_groups) == 2
+    for g, group in enumerate(meta.kv_groups):
+        assert group.kv_groups is None
+        assert group.block_table[:2, :3].tolist() == inp.group_block_tables[g].tolist()
+        assert group.slot_mapping.tolist() == inp.group_slot_mappings[g].tolist() + [-1] * 3

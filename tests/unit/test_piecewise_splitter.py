@@ -109,11 +109,14 @@ class RecordingBackend(TorchAttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         self.log.events.append(
             ("attend", query.shape[0], metadata.slot_mapping.numel(), query.data_ptr())
         )
-        return super().forward(query, key, value, kv_cache, metadata, scale, k_scale, v_scale)
+        return super().forward(
+            query, key, value, kv_cache, metadata, scale, k_scale, v_scale, sliding_window
+        )
 
 
 def _model(path: Any, backend: RecordingBackend) -> Any:

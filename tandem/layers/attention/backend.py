@@ -9,6 +9,10 @@ KV cache per layer: `[num_blocks, 2, block_size, num_kv_heads, head_size]` (a vi
 one tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]`, so a block's
 KV over all layers is one contiguous span). Token with slot s lives at block s // block_size,
 offset s % block_size.
+
+With several KV cache groups (one per attention kind: tandem.core.kv_cache_spec) the tensor is
+`[num_blocks, layers_per_group, 2, ...]`, a layer's view is its slot of every block, and the
+layer reads its group's block table and slot mapping (`AttentionMetadata.kv_groups`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ class AttentionMetadata:
     # hands its call to it (`graph_splitter.attend(layer, q, k, v, kv_cache, metadata)`), so
     # the runner splits the forward at attention and no model knows of graphs.
     graph_splitter: Any = None
+    # A cache with a group per attention kind (tandem.core.kv_cache_spec): each group's
+    # metadata (its own `block_table` and `slot_mapping`, the rest shared), indexed by the
+    # `Attention` layer's `kv_cache_group`. None: one group, this metadata is every layer's.
+    kv_groups: tuple[AttentionMetadata, ...] | None = None
 
 
 class AttentionBackend(ABC):

@@ -52,6 +52,9 @@ class Attention(nn.Module):
         self.backend = backend
         # Keys this layer attends to, counting back from the query (None: the whole context).
         self.sliding_window = sliding_window
+        # The KV cache group whose block table this layer reads (`AttentionMetadata.kv_groups`);
+        # set by the runner from the cache's spec.
+        self.kv_cache_group = 0
         self.q_size = num_heads * head_size
         self.kv_size = num_kv_heads * head_size
         # Per-tensor scales of an FP8 KV cache (`x ~= x_fp8 * scale`): the checkpoint's
@@ -83,6 +86,8 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """`[T, H * D]` from rotated Q `[T, H, D]` and K/V `[T, Hkv, D]`."""
+        if attn_metadata.kv_groups is not None:
+            attn_metadata = attn_metadata.kv_groups[self.kv_cache_group]
         splitter = attn_metadata.graph_splitter
         if splitter is not None:
             return splitter.attend(self, query, key, value, kv_cache, attn_metadata)
@@ -129,6 +134,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`[T, H * D]` from the fused projection: split, rotate Q and K, write, attend."""
         backend = self.backend
+        if attn_metadata.kv_groups is not None:
+            attn_metadata = attn_metadata.kv_groups[self.kv_cache_group]
         if backend.fuses_rotary_kv_write and attn_metadata.graph_splitter is None:
             out = backend.forward_qkv(
                 positions,

@@ -1,0 +1,183 @@
+"""The KV cache's shape by attention kind: groups of layers that share one block table.
+
+A model whose layers all attend to the whole context has one group, and the cache is what it
+always was: a block holds the KV of every layer. A model that mixes kinds (Gemma 3: five
+sliding-window layers, then one global) keeps one group per kind, split so that every group
+has the same number of layers, `layers_per_group`. A block then holds the KV of
+`layers_per_group` layers, and layer i of every group reads and writes slot i of a block::
+
+    layers   0  1  2  3  4  5  6  7  8  9 10 11     (S: window 512, F: full)
+    kind     S  S  S  S  S  F  S  S  S  S  S  F
+    groups   g0 = F{5, 11}   g1 = S{0, 1}   g2 = S{2, 3}   g3 = S{4, 6}   g4 = S{7, 8} ...
+    block    [slot 0 | slot 1]: in g0's table layers 5 and 11, in g1's layers 0 and 1, ...
+
+All groups draw from one block pool. A request has one block table per group, all of the
+same length (one entry per `block_size` tokens); a sliding group's entries that have left
+the window hold the null block (`NULL_BLOCK_ID`), which the kernels never read. So a request
+costs `cdiv(tokens, block_size)` blocks in each full group, and at most
+`cdiv(window, block_size) + 1` in each sliding group once its prompt is computed.
+
+Full groups come first (group 0 is full whenever any layer is), then sliding groups by window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# The block id a table holds where a sliding group has freed a block: never read (the
+# kernels skip blocks wholly left of the window) and never written (no slot maps there).
+NULL_BLOCK_ID = 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers of one attention kind that share a block table.
+
+    `layer_indices[i]` (a layer of the runner's stage, in model order) uses slot i of each of
+    the group's blocks; `sliding_window` None is full attention.
+    """
+
+    sliding_window: int | None
+    layer_indices: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if not self.layer_indices:
+            raise ValueError("a KV cache group needs at least one layer")
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.sliding_window is not None
+
+    def num_skipped_blocks(self, num_computed_tokens: int, block_size: int) -> int:
+        """Leading blocks no query from `num_computed_tokens` on reads: a query at position
+        p >= c reads keys k > p - window >= c - window, so block j is done once
+        `(j + 1) * block_size <= c - window + 1`. Always 0 for full attention."""
+        w = self.sliding_window
+        if w is None or num_computed_tokens < w:
+            return 0
+        return (num_computed_tokens - w + 1) // block_size
+
+    def max_blocks(self, num_tokens: int, block_size: int, num_new_tokens: int = 1) -> int:
+        """The most blocks a request of `num_tokens` tokens holds in this group while it
+        computes `num_new_tokens` tokens a step (1: decoding)."""
+        full = cdiv(num_tokens, block_size)
+        w = self.sliding_window
+        if w is None:
+            return full
+        return min(full, cdiv(w - 1 + num_new_tokens, block_size) + 1)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Every group of the cache (see the module docstring); one group with `sliding_window`
+    None is the plain cache."""
+
+    block_size: int
+    groups: tuple[KVCacheGroupSpec, ...]
+    layers_per_group: int
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.groups:
+            raise ValueError("a KV cache spec needs at least one group")
+        if any(len(g.layer_indices) > self.layers_per_group for g in self.groups):
+            raise ValueError(f"a group has more than layers_per_group={self.layers_per_group}")
+        seen = [i for g in self.groups for i in g.layer_indices]
+        if sorted(seen) != list(range(len(seen))):
+            raise ValueError(f"groups must cover layers 0..n-1 once each, got {seen}")
+
+    @classmethod
+    def full(cls, block_size: int, num_layers: int) -> KVCacheSpec:
+        """The plain cache: one full-attention group of every layer."""
+        return cls(block_size, (KVCacheGroupSpec(None, tuple(range(num_layers))),), num_layers)
+
+    @classmethod
+    def from_layer_windows(
+        cls, block_size: int, windows: Sequence[int | None], hybrid: bool = True
+    ) -> KVCacheSpec:
+        """The spec of layers whose sliding windows are `windows` (None: full attention).
+
+        `hybrid` False (or one kind only) gives one group of every layer that keeps every
+        block: correct for any mix, since a sliding layer's kernel masks by position alone.
+        One kind of sliding layers only is one sliding group. Otherwise each kind is split into
+        groups of `layers_per_group` layers, the fewest layers of any kind (a kind's last group
+        may be short; its missing slots stay unused).
+        """
+        if not windows:
+            raise ValueError("a model without attention layers has no KV cache")
+        kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        if not hybrid or (len(kinds) == 1 and kinds[0] is None):
+            return cls.full(block_size, len(windows))
+        by_kind = {k: tuple(i for i, w in enumerate(windows) if w == k) for k in kinds}
+        size = min(len(layers) for layers in by_kind.values())
+        groups = tuple(
+            KVCacheGroupSpec(kind, layers[i : i + size])
+            for kind, layers in by_kind.items()
+            for i in range(0, len(layers), size)
+        )
+        return cls(block_size, groups, size)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def is_plain(self) -> bool:
+        """One full-attention group: the cache without any per-kind bookkeeping."""
+        return len(self.groups) == 1 and self.groups[0].sliding_window is None
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layer_indices) for g in self.groups)
+
+    def layer_slots(self) -> list[tuple[int, int]]:
+        """(group, slot in a block) of each layer, by layer index."""
+        out = [(0, 0)] * self.num_layers
+        for g, group in enumerate(self.groups):
+            for slot, layer in enumerate(group.layer_indices):
+                out[layer] = (g, slot)
+        return out
+
+    def max_blocks_per_request(self, num_tokens: int, num_new_tokens: int = 1) -> int:
+        """The most blocks one request of `num_tokens` tokens holds over all groups while it
+        computes `num_new_tokens` tokens a step."""
+        bs = self.block_size
+        return sum(g.max_blocks(num_tokens, bs, num_new_tokens) for g in self.groups)
+
+    def max_concurrency(self, num_blocks: int, num_tokens: int) -> float:
+        """How many decoding requests of `num_tokens` tokens `num_blocks` blocks hold at once
+        (vLLM's "maximum concurrency"); each sliding group needs at most
+        `cdiv(window, block_size) + 1` blocks of a request."""
+        return num_blocks / self.max_blocks_per_request(num_tokens)
+
+    def max_tokens(self, num_blocks: int) -> int | None:
+        """The most tokens one decoding request holds in `num_blocks` blocks (vLLM's "KV
+        cache size" in tokens); None when no full-attention group bounds it."""
+        if all(g.sliding_window is not None for g in self.groups):
+            return None
+        lo, hi = 0, num_blocks * self.block_size
+        while lo < hi:  # the largest T with max_blocks_per_request(T) <= num_blocks
+            mid = (lo + hi + 1) // 2
+            if self.max_blocks_per_request(mid) <= num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def describe(self) -> str:
+        """One line for the logs: the groups by kind."""
+        parts = []
+        for g in self.groups:
+            kind = "full" if g.sliding_window is None else f"window {g.sliding_window}"
+            parts.append(f"{kind}: layers {list(g.layer_indices)}")
+        return f"{len(self.groups)} KV cache group(s) of {self.layers_per_group} layer(s) (" + (
+            "; ".join(parts) + ")"
+        )
