@@ -221,7 +221,11 @@ class Gemma3MLP(nn.Module):
     def __init__(self, cfg: Gemma3Shape, ctx: ModelContext, prefix: str) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, False, ctx, f"{prefix}.gate_up_proj"
+            cfg.hidden_size,
+            [cfg.intermediate_size] * 2,
+            False,
+            ctx,
+            prefix=f"{prefix}.gate_up_proj",
         )
         self.down_proj = RowParallelLinear(
             cfg.intermediate_size, cfg.hidden_size, False, ctx, prefix=f"{prefix}.down_proj"

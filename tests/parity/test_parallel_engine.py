@@ -32,16 +32,15 @@ def _params() -> list[SamplingParams]:
 
 def _llm(path: Path, **kwargs: Any) -> LLM:
     # A 16-token budget: the 35-token prompt is chunked beside the others' decodes.
-    return LLM(
-        str(path),
-        device="cpu",
-        dtype="float32",
-        num_gpu_blocks=64,
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-        max_model_len=1024,
-        **kwargs,
-    )
+    defaults: dict[str, Any] = {
+        "device": "cpu",
+        "dtype": "float32",
+        "num_gpu_blocks": 64,
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 4,
+        "max_model_len": 1024,
+    }
+    return LLM(str(path), **{**defaults, **kwargs})
 
 
 def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
@@ -67,8 +66,8 @@ def _assert_same(ours: list[Any], ref: list[Any]) -> None:
         assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < 1e-4
 
 
-def _run(path: Path, **kwargs: Any) -> list[Any]:
-    llm = _llm(path, **kwargs)
+def _run(path: Path, base: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
+    llm = _llm(path, **(base or {}), **kwargs)
     try:
         if kwargs:
             assert isinstance(llm.engine.executor, MultiprocExecutor)
@@ -85,15 +84,19 @@ def _run(path: Path, **kwargs: Any) -> list[Any]:
         ("llama", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]),
         ("qwen2", [{"tensor_parallel_size": 2, "pipeline_parallel_size": 2}]),
         ("llama3", [{"distributed_executor_backend": "mp"}]),
+        # Sliding and global layers: one KV cache group per kind on every rank (a block
+        # holds one group's layers: twice the blocks for the same tokens).
+        ("gemma3", [{"tensor_parallel_size": 2}]),
     ],
 )
 def test_parallel_layouts_equal_one_rank(
     arch: str, layouts: list[dict[str, Any]], tiny_model_path
 ) -> None:
     path = tiny_model_path(arch)
-    ref = _run(path)
+    base = {"num_gpu_blocks": 160} if arch == "gemma3" else None
+    ref = _run(path, base)
     for layout in layouts:
-        _assert_same(_run(path, **layout), ref)
+        _assert_same(_run(path, base, **layout), ref)
 
 
 def test_smollm2_tensor_parallel_equals_one_rank(smollm2_path: Path) -> None:
