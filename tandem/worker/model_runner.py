@@ -51,7 +51,8 @@ from tandem.layers.quantization import resolve_quant_config
 from tandem.layers.quantization.fp8 import check_fp8_device
 from tandem.loader import build_model
 from tandem.models.interface import CausalLM, IntermediateTensors, ModelContext
-from tandem.spec_decode.proposer import build_proposer
+from tandem.spec_decode.model_proposer import ModelProposer
+from tandem.spec_decode.proposer import Proposer, TargetInfo, build_proposer
 from tandem.worker.cpu_threads import cpu_supports_bf16, default_cpu_backend
 from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import InputBatch, StepInputs
@@ -163,9 +164,18 @@ class ModelRunner:
         # after the step's tokens land). Decode graphs assume one token per request: verify
         # steps run as whole mixed graphs, piecewise graphs or eagerly, and each step's
         # output says which (`spec_verify_path`, counted in the engine's stats).
-        self.proposer = build_proposer(config.speculative, self.vocab_size)
-        if self.proposer is not None and self.parallel.pp_size > 1:
+        if config.speculative.enabled and self.parallel.pp_size > 1:
             raise ConfigError("speculative decoding with pipeline parallel is not supported yet")
+        self.proposer = build_proposer(
+            config.speculative,
+            self.vocab_size,
+            TargetInfo(config, self.model, self.model_context, self.kv_dtype, max_model_len),
+        )
+        # EAGLE reads the target's hidden states of every step's token rows (kept from the
+        # forward until the step's `result()`); decode graphs return logits only, so then
+        # every step takes another path.
+        self.proposer_needs_hidden = bool(getattr(self.proposer, "needs_hidden_states", False))
+        self._step_hidden: torch.Tensor | None = None
         self.staging = PinnedStaging(device)
         self.use_cuda_graphs = device.type == "cuda" and not config.device.enforce_eager
         if self.use_cuda_graphs and self.parallel.pp_size > 1:
@@ -177,7 +187,7 @@ class ModelRunner:
         # What a stage hands the next (keys, dtype, width), learned from the model once.
         self._intermediate_template: IntermediateTensors | None = None
         decode_sizes = config.device.cuda_graph_sizes
-        if not self.attn_backend.decode_cuda_graphs:
+        if not self.attn_backend.decode_cuda_graphs or self.proposer_needs_hidden:
             decode_sizes = ()
         self.cuda_graphs = DecodeCudaGraphs(decode_sizes, max_num_seqs, device)
         mode = config.device.cudagraph_mode
@@ -231,8 +241,11 @@ class ModelRunner:
         return (num_blocks, layers, 2, self.block_size, m.num_kv_heads, m.head_size)
 
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block id over every cache it indexes: the target's, and a model
+        proposer's (its KV shares the target's block ids, so the pool is sized on both)."""
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return int(np.prod(self.kv_cache_shape(1))) * elem
+        own = int(np.prod(self.kv_cache_shape(1))) * elem
+        return own + self._proposer_call("kv_bytes_per_block", 0)
 
     def profile_run(self, scratch_kv_cache: torch.Tensor) -> None:
         """One eager forward of `max_num_batched_tokens` tokens (in requests of at most 1024
@@ -298,6 +311,7 @@ class ModelRunner:
         """
         self.kv_cache = kv_cache
         self.kv_caches = [kv_cache[:, i] for i in range(self.num_stage_layers)]
+        self._proposer_call("initialize_kv_cache", None, kv_cache.shape[0])
         best = self.attn_backend.tune(
             self.kv_caches[0],
             num_heads=self.model.num_heads,
@@ -437,6 +451,8 @@ class ModelRunner:
     def _sampled_logits(self, hidden: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         """The logits of the step's sampled rows (the last query row of each; under
         speculation the last k + 1 rows of a request with k drafts)."""
+        if self.proposer_needs_hidden:
+            self._step_hidden = hidden
         if not inp.sampled_rows:
             return hidden[:0]
         idx = self.staging.to_device(inp.logits_indices, torch.int64)
@@ -557,7 +573,7 @@ class ModelRunner:
             states,
             sampled,
             on_done=lambda: self._writes_done(launch),
-            proposer=self.proposer,
+            proposer=self._step_proposer(inp),
             spec_verify_path=path if inp.num_draft is not None else "",
         )
         if self._last_step is not None:
@@ -573,6 +589,24 @@ class ModelRunner:
             step.result()
         self._older_steps.clear()
 
+    # ----------------------------------------------------------------- proposer seam
+
+    def _proposer_call(self, name: str, default: Any, *args: Any) -> Any:
+        """`name(*args)` of a proposer that runs a model (it keeps a KV cache beside the
+        target's); `default` for host proposers and without speculation."""
+        if not isinstance(self.proposer, ModelProposer):
+            return default
+        return getattr(self.proposer, name)(*args)
+
+    def _step_proposer(self, inp: StepInputs) -> Proposer | None:
+        """The proposer `PendingStep.result()` asks for this step's drafts: a model proposer
+        bound to the step's inputs (and the target's hidden states when it reads them)."""
+        if not isinstance(self.proposer, ModelProposer):
+            return self.proposer
+        hidden = self._step_hidden if self.proposer.needs_hidden_states else None
+        self._step_hidden = None
+        return self.proposer.bind_step(inp, hidden)
+
     # ----------------------------------------------------------------- shutdown
 
     def shutdown(self) -> None:
@@ -586,6 +620,7 @@ class ModelRunner:
         self.cuda_graphs.clear()
         self.piecewise_graphs.clear()
         self.mixed_graphs.clear()
+        self._proposer_call("shutdown", None)
         self.kv_caches = []
         self.kv_cache = None
         self._model = None
