@@ -116,7 +116,9 @@ class ModelProposer(ABC):
         """Allocate the proposer's cache: the target's `num_blocks` plus the scratch rows."""
         self.num_blocks = num_blocks
         total = num_blocks + self.max_num_seqs * self.scratch_per_row
-        self.kv_cache = torch.zeros(self.kv_cache_shape(total), dtype=self.kv_dtype, device=self.device)
+        self.kv_cache = torch.zeros(
+            self.kv_cache_shape(total), dtype=self.kv_dtype, device=self.device
+        )
         self.kv_caches = [self.kv_cache[:, i] for i in range(self.num_layers)]
 
     # ----------------------------------------------------------------- one step
@@ -126,15 +128,12 @@ class ModelProposer(ABC):
         return BoundStep(self, inp, hidden_states)
 
     @torch.inference_mode()
-    def propose_step(
-        self, inp: StepInputs, hidden_states: torch.Tensor | None
-    ) -> list[list[int]]:
+    def propose_step(self, inp: StepInputs, hidden_states: torch.Tensor | None) -> list[list[int]]:
         """Drafts for the step's sampled requests (`inp.sampled_rows` order), after their
         tokens were appended to `inp.states` (see the module docstring)."""
         if self.kv_cache is None:
             raise RuntimeError("the proposer has no KV cache (not initialized, or shut down)")
         k = self.num_speculative_tokens
-        bs = self.block_size
         shift = self.input_shift
         sampled = set(inp.sampled_rows)
         qsl = inp.query_start_loc.tolist()

@@ -56,7 +56,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ({"method": "eagle", "num_speculative_tokens": 2}, "unknown method 'eagle'"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "unknown method 'eagle3'"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, '"model"'),
         ({"method": "magic", "num_speculative_tokens": 2}, "unknown method 'magic'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
@@ -106,10 +107,11 @@ def test_draft_model_of_another_vocabulary_is_refused(tiny_model_path, smollm2_p
     }
     with pytest.raises(ConfigError, match="vocabulary of 512 tokens"):
         EngineArgs(model=str(smollm2_path), speculative_config=spec).create_engine_config()
-    # Same vocabulary: accepted by the config, refused at start (no proposer yet).
+    # Same vocabulary: accepted by the config; its proposer runs a model, so only the model
+    # runner builds it (tests/unit/test_spec_model_proposers.py).
     same = EngineArgs(model=str(tiny_model_path("qwen2")), speculative_config=spec)
     config = same.create_engine_config()
-    with pytest.raises(ConfigError, match="not built yet"):
+    with pytest.raises(ConfigError, match="built by the model runner"):
         build_proposer(config.speculative, 512)
 
 
