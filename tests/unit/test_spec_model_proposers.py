@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -124,3 +125,147 @@ def test_draft_kv_cache_shares_the_block_budget(tiny_model_path, other_llama) ->
         shared = llm.engine.scheduler.kv_cache_manager.num_blocks
     assert shared == pytest.approx(plain / 2, abs=1)  # same shape: half the blocks each
     assert np.isfinite(shared)
+
+
+# ---- EAGLE --------------------------------------------------------------------------------
+
+
+def write_tiny_eagle_head(folder: Path, target: Path, seed: int = 0) -> Path:
+    """An EAGLE-1 head for the tiny Llama `target` in the HF layout: config.json (one layer)
+    and model.safetensors (fc with its bias, one decoder layer without input norm)."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    hd = h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    shapes = {
+        "fc.weight": (h, 2 * h),
+        "fc.bias": (h,),
+        "layers.0.self_attn.q_proj.weight": (q, h),
+        "layers.0.self_attn.k_proj.weight": (kv, h),
+        "layers.0.self_attn.v_proj.weight": (kv, h),
+        "layers.0.self_attn.o_proj.weight": (h, q),
+        "layers.0.post_attention_layernorm.weight": (h,),
+        "layers.0.mlp.gate_proj.weight": (inter, h),
+        "layers.0.mlp.up_proj.weight": (inter, h),
+        "layers.0.mlp.down_proj.weight": (h, inter),
+    }
+    gen = torch.Generator().manual_seed(seed)
+    weights = {
+        name: ("norm" in name) + 0.15 * torch.randn(shape, generator=gen)
+        for name, shape in shapes.items()
+    }
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder
+
+
+class EagleReference:
+    """EAGLE-1 drafting from scratch in torch/transformers on the same weights: the target's
+    hidden states of the whole sequence (transformers), the head as a one-layer transformers
+    LlamaModel without its input and final norms, recomputed over every entry per draft."""
+
+    def __init__(self, target: Path, head: Path) -> None:
+        import torch
+        import transformers
+        from safetensors.torch import load_file
+
+        self.torch = torch
+        self.target = transformers.AutoModelForCausalLM.from_pretrained(
+            target, dtype=torch.float32
+        ).eval()
+        weights = load_file(str(head / "model.safetensors"))
+        config = transformers.AutoConfig.from_pretrained(head)
+        self.head = transformers.LlamaModel(config).eval()
+        self.head.layers[0].input_layernorm = torch.nn.Identity()
+        self.head.norm = torch.nn.Identity()
+        state = {k: v for k, v in weights.items() if k.startswith("layers.")}
+        missing = self.head.load_state_dict(state, strict=False).missing_keys
+        assert set(missing) == {"embed_tokens.weight"}
+        self.fc = torch.nn.Linear(2 * config.hidden_size, config.hidden_size)
+        self.fc.load_state_dict({"weight": weights["fc.weight"], "bias": weights["fc.bias"]})
+
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        torch = self.torch
+        with torch.no_grad():
+            ids = torch.tensor([tokens])
+            hidden = self.target.model(ids).last_hidden_state[0]  # after the final norm
+            embed = self.target.model.embed_tokens
+            entries = self.fc(torch.cat([embed(ids[0, 1:]), hidden[:-1]], dim=-1))
+            out: list[int] = []
+            for _ in range(k):
+                n = entries.shape[0]
+                f = self.head(inputs_embeds=entries[None], position_ids=torch.arange(n)[None])
+                last = f.last_hidden_state[0, -1]
+                draft = int(self.target.lm_head(last).argmax())
+                out.append(draft)
+                step = self.fc(torch.cat([embed(torch.tensor([draft])), last[None]], dim=-1))
+                entries = torch.cat([entries, step])
+        return out
+
+
+def test_eagle_head_drafts_as_its_reference_and_keeps_greedy_tokens(
+    tiny_model_path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A saved tiny EAGLE head in the HF layout loads and drafts, at every step, what the
+    from-scratch reference drafts on the same tokens: the target's hidden states reach the
+    head for the accepted positions, and its KV cache follows the target's. A random head's
+    drafts are all rejected, so the drafts handed to the scheduler are replaced by the
+    target's own continuation with every third token wrong (the head's are still checked):
+    verify steps accept some drafts and reject others. Greedy output equals the run without
+    speculation (chunked prefill: the head catches up over every chunk)."""
+    from tandem.spec_decode.eagle import EagleProposer
+
+    path = tiny_model_path("llama")
+    head = write_tiny_eagle_head(tmp_path / "eagle", path)
+    prompts = _repetitive_prompts(512, 3)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref, _ = _run(path, prompts, params)
+    full = [[*p, *o.token_ids] for p, o in zip(prompts, ref, strict=True)]
+    seen: list[tuple[list[int], list[int]]] = []
+    propose_step = EagleProposer.propose_step
+
+    def recording(self: Any, inp: Any, hidden_states: Any) -> list[list[int]]:
+        drafts = propose_step(self, inp, hidden_states)
+        handed = []
+        for row, draft in zip(inp.sampled_rows, drafts, strict=True):
+            tokens = list(inp.states[row].token_ids)
+            seen.append((tokens, draft))
+            truth = next(f for f in full if f[: len(tokens)] == tokens)[len(tokens) :][:3]
+            handed.append(
+                [t if (len(tokens) + j) % 3 else (t + 1) % 512 for j, t in enumerate(truth)]
+            )
+        return handed
+
+    monkeypatch.setattr(EagleProposer, "propose_step", recording)
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
+    got, stats = _run(path, prompts, params, speculative_config=spec, max_num_batched_tokens=12)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    s = stats.spec_decoding
+    assert s is not None and 0 < s.num_accepted_tokens < s.num_draft_tokens
+    reference = EagleReference(path, head)
+    assert len(seen) > 8
+    for tokens, draft in seen:
+        assert draft == reference.drafts(tokens, 3), tokens
+
+
+def test_random_eagle_head_of_the_8b_shape_builds(tmp_path: Path) -> None:
+    """`random:eagle-llama-3.1-8b`: one decoder layer of the 8B's shape and fc, under the
+    HF layout's names (the target's embedding and LM head are shared)."""
+    import torch
+
+    from tandem.loader import load_hf_config, resolve_model_path
+    from tandem.spec_decode.eagle import random_eagle_weights
+
+    folder = resolve_model_path("random:eagle-llama-3.1-8b", tmp_path)
+    config = load_hf_config(folder)
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (1, 4096, 128256)
+    config.hidden_size, config.intermediate_size = 64, 128  # its names, at a small size
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 16
+    names = {n for n, _ in random_eagle_weights(config, torch.float32, torch.device("cpu"))}
+    assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names
+    assert not any("embed" in n or "lm_head" in n or "input_layernorm" in n for n in names)
