@@ -523,7 +523,10 @@ class ModelRunner:
         prev_row_of = self._last_step.row_of if self._last_step is not None else {}
         inp = self.input_batch.prepare(so, req_ids, prev_row_of)
         inp.num_decodes = num_decodes
-        if inp.is_decode_only:
+        # A proposer reading the target's hidden states (EAGLE) takes decode steps through
+        # the mixed-step graphs (or piecewise, or eager): the decode graphs keep logits only.
+        decode_path = inp.is_decode_only and not self.proposer_needs_hidden
+        if decode_path:
             graph_size = self.cuda_graphs.size_for(inp.num_reqs)
             mixed_size = None
         else:
@@ -541,9 +544,7 @@ class ModelRunner:
             )
             logits = self._sampled_logits(hidden, inp)
         else:
-            piecewise_size = (
-                None if inp.is_decode_only else self.piecewise_graphs.size_for(inp.total)
-            )
+            piecewise_size = None if decode_path else self.piecewise_graphs.size_for(inp.total)
             path = "eager" if piecewise_size is None else "piecewise_graph"
             logits = self._run_eager(inp, piecewise_size)
 
