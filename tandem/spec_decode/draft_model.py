@@ -38,6 +38,7 @@ class DraftModelProposer(ModelProposer):
             model.num_kv_heads,
             model.head_size,
         )
+        self.disable_by_batch_size = target.config.speculative.disable_by_batch_size
         self.model: CausalLM | None = model
 
     @classmethod

@@ -128,6 +128,7 @@ class EagleProposer(ModelProposer):
             head.num_kv_heads,
             head.head_size,
         )
+        self.disable_by_batch_size = target.config.speculative.disable_by_batch_size
         self.head: EagleLlamaHead | None = head
         self.target: CausalLM | None = target.model
         own = head.embed_tokens

@@ -67,6 +67,8 @@ class ModelProposer(ABC):
         head_size: int,
     ) -> None:
         self.num_speculative_tokens = num_speculative_tokens
+        # `SpeculativeConfig.disable_by_batch_size` (0: always draft).
+        self.disable_by_batch_size = 0
         self.device = device
         self.kv_dtype = kv_dtype
         self.block_size = block_size
@@ -169,6 +171,10 @@ class ModelProposer(ABC):
         sampled_rows = inp.sampled_rows
         if not sampled_rows:
             return []
+        limit = self.disable_by_batch_size
+        if limit and inp.num_reqs >= limit:
+            # The scheduler takes no drafts while this many requests run: KV only.
+            return [[] for _ in sampled_rows]
         last = self._to_device(qsl_pass[1:][sampled_rows] - 1)
         hidden = out.index_select(0, last)
         drafts = [self.compute_logits(hidden).argmax(dim=-1)]

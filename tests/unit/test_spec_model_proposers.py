@@ -59,6 +59,11 @@ def test_greedy_with_a_draft_model_is_greedy_without(
     assert stats.prefix_cache_hits > 0
     if case == "preemption":
         assert stats.num_preemptions > 0
+    if case == "roomy":  # speculation off by batch size: the draft keeps its KV, drafts nothing
+        off = {**_draft(other_llama), "disable_by_batch_size": 1}
+        got, stats = _run(path, _prompts(), params, speculative_config=off, **extra)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        assert stats.spec_decoding is not None and stats.spec_decoding.num_draft_tokens == 0
     # The same model drafting for itself: every draft is the target's own greedy token.
     if case == "chunked":
         got, stats = _run(path, _prompts(), params, speculative_config=_draft(path), **extra)
