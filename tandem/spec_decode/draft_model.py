@@ -10,8 +10,10 @@ target's tensor parallel size) and keeps a KV cache of its own in step with the 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from tandem.config import ConfigError
@@ -20,6 +22,11 @@ from tandem.layers.quantization import resolve_quant_config
 from tandem.models.interface import CausalLM
 from tandem.spec_decode.model_proposer import ModelProposer
 from tandem.spec_decode.proposer import TargetInfo
+from tandem.worker.cuda_graph import DecodeCudaGraphs
+from tandem.worker.input_batch import StepInputs
+from tandem.worker.staging import PinnedStaging
+
+logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer(ModelProposer):
@@ -40,6 +47,20 @@ class DraftModelProposer(ModelProposer):
         )
         self.disable_by_batch_size = target.config.speculative.disable_by_batch_size
         self.model: CausalLM | None = model
+        # The draft steps (one token per request) as decode CUDA graphs, captured on the
+        # draft's cache in `initialize_kv_cache` (CUDA, unless --enforce-eager).
+        device_config = target.config.device
+        backend = target.model_context.attn_backend
+        self.attn_backend = backend
+        self.max_model_len = target.max_model_len
+        use_graphs = (
+            self.device.type == "cuda"
+            and not device_config.enforce_eager
+            and backend.decode_cuda_graphs
+        )
+        sizes = device_config.cuda_graph_sizes if use_graphs else ()
+        self.graphs = DecodeCudaGraphs(sizes, self.max_num_seqs, self.device)
+        self.staging = PinnedStaging(self.device)
 
     @classmethod
     def build(cls, target: TargetInfo) -> DraftModelProposer:
@@ -60,6 +81,56 @@ class DraftModelProposer(ModelProposer):
         model = build_model(path, ctx, seed=target.config.model.seed, hf_config=hf_config)
         return cls(model, target)
 
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """The cache (see `ModelProposer`), then the decode kernel tuned on it and the draft
+        steps' graphs captured (their block tables reach into the scratch blocks)."""
+        super().initialize_kv_cache(num_blocks)
+        if not self.graphs.sizes:
+            return
+        assert self.model is not None
+        self.attn_backend.tune(
+            self.kv_caches[0],
+            num_heads=self.model.num_heads,
+            max_num_reqs=self.max_num_seqs,
+            max_seq_len=self.max_model_len,
+        )
+        reach = self.max_model_len + (self.scratch_per_row + 1) * self.block_size
+        self.graphs.capture(self.model, self.kv_caches, reach, self.block_size)
+        logger.info("draft model: draft steps as CUDA graphs for sizes %s", self.graphs.sizes)
+
+    def draft_step(
+        self,
+        table: np.ndarray,
+        positions: np.ndarray,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A draft step through the decode graph of its batch size (eager past the largest)."""
+        n = len(positions)
+        size = self.graphs.size_for(n)
+        if size is None:
+            return super().draft_step(table, positions, input_ids, hidden_states)
+        bs = self.block_size
+        slots = table[np.arange(n), positions // bs] * bs + positions % bs
+        inp = StepInputs(
+            num_reqs=n,
+            total=n,
+            input_ids=np.zeros(n, dtype=np.int64),
+            positions=positions,
+            slot_mapping=slots,
+            query_start_loc=np.arange(n + 1),
+            seq_lens=positions + 1,
+            block_table=table,
+            max_query_len=1,
+            sampled_rows=[],
+            states=[],
+        )
+
+        def fill(static_ids: torch.Tensor, _: StepInputs) -> None:
+            static_ids[:n].copy_(input_ids)
+
+        return None, self.graphs.replay(inp, size, self.staging, fill)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -77,6 +148,8 @@ class DraftModelProposer(ModelProposer):
         return self.model.compute_logits(hidden_states)
 
     def shutdown(self) -> None:
+        self.graphs.clear()
+        self.staging.clear()
         super().shutdown()
         self.model = None
 

@@ -180,17 +180,28 @@ class ModelProposer(ABC):
         drafts = [self.compute_logits(hidden).argmax(dim=-1)]
         # Draft steps: one token per sampled request.
         step_table = table[sampled_rows]
-        step_index = np.arange(len(sampled_rows))
         last_pos = end_arr[sampled_rows] - 1
         limit = self.max_position - 1
         for j in range(1, k):
             pos = np.minimum(last_pos + j, limit)
-            meta = self._metadata(
-                step_table, step_index, pos, np.arange(len(sampled_rows) + 1), pos + 1
-            )
-            hidden = self.forward(drafts[-1], self._to_device(pos), hidden, meta)
-            drafts.append(self.compute_logits(hidden).argmax(dim=-1))
+            hidden, logits = self.draft_step(step_table, pos, drafts[-1], hidden)
+            drafts.append(logits.argmax(dim=-1))
         return torch.stack(drafts, dim=1).tolist()
+
+    def draft_step(
+        self,
+        table: np.ndarray,
+        positions: np.ndarray,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One token per request (`table`'s rows) at `positions`: the proposer's output states
+        (what the next step reads as `hidden_states`) and the logits. Eager here; a subclass
+        may replay a CUDA graph."""
+        n = len(positions)
+        meta = self._metadata(table, np.arange(n), positions, np.arange(n + 1), positions + 1)
+        hidden = self.forward(input_ids, self._to_device(positions), hidden_states, meta)
+        return hidden, self.compute_logits(hidden)
 
     def _block_table(self, states: Sequence[Any], reach: np.ndarray) -> np.ndarray:
         """Each request's blocks, then its row's scratch blocks, wide enough for positions
