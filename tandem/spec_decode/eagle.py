@@ -12,10 +12,11 @@ final norm. Its KV cache follows the target's block ids (`model_proposer`, `inpu
 position p's entry reads token p + 1, so the head's computed positions are the target's).
 
 The checkpoint is the head's folder in its Hugging Face layout: config.json (a LlamaConfig of
-the head: `num_hidden_layers` 1) and safetensors named `fc.weight` (`fc.bias` optional),
-`layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.post_attention_layernorm.weight`,
-`layers.{i}.mlp.{gate,up,down}_proj.weight`, and optionally `embed_tokens.weight` /
-`lm_head.weight` (the head's own; else the target's are shared). `random:eagle-llama-3.1-8b`
+the head: `num_hidden_layers` 1) and safetensors (or pytorch_model.bin) named `fc.weight`
+(`fc.bias` optional), `layers.{i}.self_attn.{q,k,v,o}_proj.weight`,
+`layers.{i}.post_attention_layernorm.weight`, `layers.{i}.mlp.{gate,up,down}_proj.weight`, and
+optionally `embed_tokens.weight` / `lm_head.weight` (the head's own; else the target's are
+shared). `random:eagle-llama-3.1-8b`
 is a random head of the 8B's shape, for measuring its cost.
 """
 
@@ -155,8 +156,14 @@ class EagleProposer(ModelProposer):
         ctx = dataclasses.replace(target.model_context, quant_config=None)
         if has_random_weights(Path(path)):
             weights = list(random_eagle_weights(hf_config, ctx.dtype, ctx.device, 0))
-        else:
+        elif any(Path(path).glob("*.safetensors")):
             weights = list(iterate_weights(path))
+        else:  # EAGLE-1 heads are often published as pytorch_model.bin
+            weights = [
+                (name, tensor)
+                for file in sorted(Path(path).glob("*.bin"))
+                for name, tensor in torch.load(file, map_location="cpu", weights_only=True).items()
+            ]
         names = {name for name, _ in weights}
         if "fc.weight" not in names:
             raise ConfigError(

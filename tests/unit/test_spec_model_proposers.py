@@ -283,3 +283,36 @@ def test_random_eagle_head_of_the_8b_shape_builds(tmp_path: Path) -> None:
     names = {n for n, _ in random_eagle_weights(config, torch.float32, torch.device("cpu"))}
     assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names
     assert not any("embed" in n or "lm_head" in n or "input_layernorm" in n for n in names)
+
+
+def test_eagle_head_from_a_bin_with_its_own_embedding(tiny_model_path, tmp_path: Path) -> None:
+    """A head published as pytorch_model.bin with its own `embed_tokens.weight` loads; the
+    head's embedding is used (not the target's) and greedy tokens are unchanged."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tandem.spec_decode.eagle import EagleProposer
+
+    path = tiny_model_path("llama")
+    folder = write_tiny_eagle_head(tmp_path / "st", path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_text((folder / "config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["embed_tokens.weight"] = torch.randn(
+        512, 64, generator=torch.Generator().manual_seed(3)
+    )
+    torch.save(weights, bin_dir / "pytorch_model.bin")
+    prompts = _repetitive_prompts(512, 2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "eagle", "model": str(bin_dir), "num_speculative_tokens": 2}
+    ref, _ = _run(path, prompts, params)
+    kwargs = dict(device="cpu", dtype="float32", num_gpu_blocks=32, max_model_len=256)
+    with LLM(model=str(path), speculative_config=spec, **kwargs) as llm:
+        proposer = llm.engine.executor.driver_worker.model_runner.proposer
+        assert isinstance(proposer, EagleProposer) and proposer.head is not None
+        assert proposer.embed_tokens is proposer.head.embed_tokens
+        got = llm.generate(prompts, params, use_tqdm=False)
+        embed = proposer.head.embed_tokens.weight
+        assert torch.equal(embed.cpu(), weights["embed_tokens.weight"])
+    assert [o.outputs[0].token_ids for o in got] == [o.token_ids for o in ref]
