@@ -639,12 +639,10 @@ class Scheduler:
         limit = self.spec_disable_by_batch_size
         if not proposed or (limit and len(self.running) >= limit):
             return []
-        params = request.sampling_params
-        if request.grammar is not None or params.reads_output_counts:
+        if request.grammar is not None:
             return []
-        k = self.num_spec_tokens
-        if params.max_tokens is not None:
-            k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
+        params = request.sampling_params
+        k = params.max_drafts(len(request.output_token_ids), self.num_spec_tokens)
         return list(proposed[:k]) if k > 0 else []
 
     def _check_stop(self, request: Request, token_id: int) -> bool:

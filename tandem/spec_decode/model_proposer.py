@@ -175,6 +175,29 @@ class ModelProposer(ABC):
         if limit and inp.num_reqs >= limit:
             # The scheduler takes no drafts while this many requests run: KV only.
             return [[] for _ in sampled_rows]
+        # Requests that take no drafts (structured, penalties, max_tokens reached): KV only.
+        drafting = [
+            i
+            for i in sampled_rows
+            if inp.states[i].sampling_params.max_drafts(len(inp.states[i].output_token_ids), k)
+        ]
+        if not drafting:
+            return [[] for _ in sampled_rows]
+        out_drafts = self._draft(drafting, qsl_pass, table, end_arr, out)
+        by_row = dict(zip(drafting, out_drafts, strict=True))
+        return [by_row.get(i, []) for i in sampled_rows]
+
+    def _draft(
+        self,
+        sampled_rows: list[int],
+        qsl_pass: np.ndarray,
+        table: np.ndarray,
+        end_arr: np.ndarray,
+        out: torch.Tensor,
+    ) -> list[list[int]]:
+        """k greedy drafts for the requests of rows `sampled_rows`: the first from their last
+        catch-up row of `out`, then k - 1 one-token draft steps."""
+        k = self.num_speculative_tokens
         last = self._to_device(qsl_pass[1:][sampled_rows] - 1)
         hidden = out.index_select(0, last)
         drafts = [self.compute_logits(hidden).argmax(dim=-1)]

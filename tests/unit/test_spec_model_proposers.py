@@ -247,8 +247,11 @@ def check_eagle_drafts(
         handed = []
         for row, draft in zip(inp.sampled_rows, drafts, strict=True):
             tokens = list(inp.states[row].token_ids)
+            whole = next(f for f in full if f[: len(tokens)] == tokens)
+            # No drafts where max_tokens leaves no room for them (the scheduler drops them).
+            assert bool(draft) == (len(tokens) < len(whole) - 1)
             seen.append((tokens, draft))
-            truth = next(f for f in full if f[: len(tokens)] == tokens)[len(tokens) :][:3]
+            truth = whole[len(tokens) :][:3]
             handed.append(
                 [t if (len(tokens) + j) % 3 else (t + 1) % 512 for j, t in enumerate(truth)]
             )
@@ -262,6 +265,7 @@ def check_eagle_drafts(
     s = stats.spec_decoding
     assert s is not None and 0 < s.num_accepted_tokens < s.num_draft_tokens
     reference = EagleReference(path, head)
+    seen = [(tokens, draft) for tokens, draft in seen if draft]
     assert len(seen) > 8
     same = [draft == reference.drafts(tokens, 3) for tokens, draft in seen]
     return sum(same) / len(same)
