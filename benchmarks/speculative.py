@@ -296,10 +296,10 @@ class ProposerClock:
         original = ModelProposer.propose_step
         clock = self
 
-        def timed(proposer: Any, inp: Any, hidden_states: Any) -> list[list[int]]:
+        def timed(proposer: Any, *args: Any) -> list[list[int]]:
             _sync()
             t0 = time.perf_counter()
-            drafts = original(proposer, inp, hidden_states)
+            drafts = original(proposer, *args)
             _sync()
             clock.seconds += time.perf_counter() - t0
             clock.steps += 1

@@ -57,6 +57,10 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled after a request's known tokens (its
     # last `len(drafts)` scheduled tokens); only requests with at least one draft appear.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding: scheduled requests whose drafts proposed after this step will not
+    # be taken (backing off after rejected drafts): a proposer that runs a model only keeps
+    # its KV cache in step for them.
+    no_draft_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

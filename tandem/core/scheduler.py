@@ -395,6 +395,9 @@ class Scheduler:
         structured = output.structured_req_ids
         spec = output.scheduled_spec_decode_tokens
         for request in scheduled:
+            if request.spec_skip_steps:
+                # Its next proposals are dropped whatever this step's outcome (`_next_drafts`).
+                output.no_draft_req_ids.add(request.request_id)
             request.num_computed_tokens += num_scheduled[request.request_id]
             if request.spec_token_ids:
                 # Drafts consumed: those within this step's tokens are verified by it.

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
 import numpy as np
@@ -125,14 +126,26 @@ class ModelProposer(ABC):
 
     # ----------------------------------------------------------------- one step
 
-    def bind_step(self, inp: StepInputs, hidden_states: torch.Tensor | None) -> BoundStep:
-        """The `Proposer` that `PendingStep.result()` calls for this step's drafts."""
-        return BoundStep(self, inp, hidden_states)
+    def bind_step(
+        self,
+        inp: StepInputs,
+        hidden_states: torch.Tensor | None,
+        no_draft_req_ids: AbstractSet[str] = frozenset(),
+    ) -> BoundStep:
+        """The `Proposer` that `PendingStep.result()` calls for this step's drafts
+        (`no_draft_req_ids`: requests whose drafts the scheduler will not take)."""
+        return BoundStep(self, inp, hidden_states, no_draft_req_ids)
 
     @torch.inference_mode()
-    def propose_step(self, inp: StepInputs, hidden_states: torch.Tensor | None) -> list[list[int]]:
+    def propose_step(
+        self,
+        inp: StepInputs,
+        hidden_states: torch.Tensor | None,
+        no_draft_req_ids: AbstractSet[str] = frozenset(),
+    ) -> list[list[int]]:
         """Drafts for the step's sampled requests (`inp.sampled_rows` order), after their
-        tokens were appended to `inp.states` (see the module docstring)."""
+        tokens were appended to `inp.states` (see the module docstring); none for
+        `no_draft_req_ids` and requests that take none (`SamplingParams.max_drafts`)."""
         if self.kv_cache is None:
             raise RuntimeError("the proposer has no KV cache (not initialized, or shut down)")
         k = self.num_speculative_tokens
@@ -175,11 +188,13 @@ class ModelProposer(ABC):
         if limit and inp.num_reqs >= limit:
             # The scheduler takes no drafts while this many requests run: KV only.
             return [[] for _ in sampled_rows]
-        # Requests that take no drafts (structured, penalties, max_tokens reached): KV only.
+        # Requests that take no drafts (backing off, structured, penalties, max_tokens
+        # reached): KV only.
         drafting = [
             i
             for i in sampled_rows
-            if inp.states[i].sampling_params.max_drafts(len(inp.states[i].output_token_ids), k)
+            if inp.states[i].req_id not in no_draft_req_ids
+            and inp.states[i].sampling_params.max_drafts(len(inp.states[i].output_token_ids), k)
         ]
         if not drafting:
             return [[] for _ in sampled_rows]
@@ -280,14 +295,19 @@ class BoundStep:
     step it was bound to (`states`: the step's sampled requests, already in `inp`)."""
 
     def __init__(
-        self, proposer: ModelProposer, inp: StepInputs, hidden_states: torch.Tensor | None
+        self,
+        proposer: ModelProposer,
+        inp: StepInputs,
+        hidden_states: torch.Tensor | None,
+        no_draft_req_ids: AbstractSet[str],
     ) -> None:
         self.num_speculative_tokens = proposer.num_speculative_tokens
         self._proposer = proposer
         self._inp = inp
         self._hidden_states = hidden_states
+        self._no_draft_req_ids = no_draft_req_ids
 
     def propose(self, states: Sequence[ProposerState]) -> list[list[int]]:
-        drafts = self._proposer.propose_step(self._inp, self._hidden_states)
+        drafts = self._proposer.propose_step(self._inp, self._hidden_states, self._no_draft_req_ids)
         self._hidden_states = None
         return drafts

@@ -522,11 +522,13 @@ def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
     sched.add_request(request)
     so = sched.schedule()
     drafted: list[bool] = []
+    told: list[bool] = []  # the runner told its proposals after this step are dropped
     token = 100
     for step in range(14):
         # Every draft is rejected until step 10, then every draft is accepted.
         drafts = so.scheduled_spec_decode_tokens.get("r", [])
         drafted.append(bool(drafts))
+        told.append("r" in so.no_draft_req_ids)
         emitted = [*drafts, token] if step >= 10 else [token]
         sched.update_from_output(so, ModelRunnerOutput(["r"], [emitted], spec_token_ids=[[1, 2]]))
         assert request.num_computed_tokens == request.num_tokens - 1
@@ -537,6 +539,9 @@ def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
     assert SPEC_BACKOFF_AFTER == 2
     assert drafted[:12] == [False, True, True, False, True, False, False, True] + [False] * 4
     assert drafted[12:] == [True, True]  # accepted again: no more skipping
+    # Steps planned while backing off tell the runner (a model proposer drafts nothing then).
+    assert told == [False] * 5 + [True, False, False, True, True, True] + [False] * 3
+    assert all(not drafted[i + 1] for i in range(13) if told[i])
     sched.finish_requests("r", request.status.FINISHED_ABORTED)
     assert sched.kv_cache_manager.block_pool.is_whole
 

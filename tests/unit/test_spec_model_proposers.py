@@ -73,6 +73,38 @@ def test_greedy_with_a_draft_model_is_greedy_without(
         assert spec.num_accepted_tokens == spec.num_draft_tokens
 
 
+def test_a_draft_that_keeps_failing_stops_drafting(
+    tiny_model_path, other_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another model's drafts are nearly always rejected: requests back off (the scheduler
+    says so in `no_draft_req_ids`) and the proposer then runs no draft steps for them, only
+    its KV catch-up; the tokens are the run without speculation's."""
+    from tandem.spec_decode.model_proposer import ModelProposer
+
+    path = tiny_model_path("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    if "ref" not in _REFS:
+        _REFS["ref"] = _run(path, _prompts(), params)[0]
+    rows = {"sampled": 0, "drafted": 0}
+    propose_step, draft = ModelProposer.propose_step, ModelProposer._draft
+
+    def counting_step(self: Any, inp: Any, *args: Any) -> list[list[int]]:
+        rows["sampled"] += len(inp.sampled_rows)
+        return propose_step(self, inp, *args)
+
+    def counting_draft(self: Any, sampled_rows: list[int], *args: Any) -> list[list[int]]:
+        rows["drafted"] += len(sampled_rows)
+        return draft(self, sampled_rows, *args)
+
+    monkeypatch.setattr(ModelProposer, "propose_step", counting_step)
+    monkeypatch.setattr(ModelProposer, "_draft", counting_draft)
+    got, stats = _run(path, _prompts(), params, speculative_config=_draft(other_llama))
+    assert [o.token_ids for o in got] == [o.token_ids for o in _REFS["ref"]]
+    spec = stats.spec_decoding
+    assert spec is not None and spec.num_accepted_tokens < spec.num_draft_tokens / 4
+    assert 0 < rows["drafted"] < rows["sampled"] / 2
+
+
 def test_seeded_sampling_with_a_draft_model_reproduces(tiny_model_path, other_llama) -> None:
     """Sampling requests verify greedy drafts (q one-hot: the rejection sampler's exact
     rule for them) and reproduce run to run with their seeds."""
@@ -242,8 +274,8 @@ def check_eagle_drafts(
     seen: list[tuple[list[int], list[int]]] = []
     propose_step = EagleProposer.propose_step
 
-    def recording(self: Any, inp: Any, hidden_states: Any) -> list[list[int]]:
-        drafts = propose_step(self, inp, hidden_states)
+    def recording(self: Any, inp: Any, *args: Any) -> list[list[int]]:
+        drafts = propose_step(self, inp, *args)
         handed = []
         for row, draft in zip(inp.sampled_rows, drafts, strict=True):
             tokens = list(inp.states[row].token_ids)
