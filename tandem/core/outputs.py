@@ -29,6 +29,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Of the computed tokens, the last ones whose KV another worker computed (disaggregated
+    # decode); a proposer that runs a model computes its own KV for them.
+    num_external_computed_tokens: int = 0
 
 
 @dataclass(slots=True)

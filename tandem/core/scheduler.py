@@ -290,6 +290,9 @@ class Scheduler:
         """
         request = self.reserved.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
+        request.num_external_computed_tokens = request.num_prompt_tokens - max(
+            request.num_cached_tokens, 0
+        )
         request.append_output_token_ids([first_token_id])
         self._kv_cache_manager.cache_blocks(request, request.num_prompt_tokens)
         seq = next(self._seq_counter)
@@ -493,6 +496,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.num_external_computed_tokens = 0  # recomputed here when it resumes
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.grammar is not None:
@@ -524,8 +528,10 @@ class Scheduler:
                         sampling_params=request.sampling_params,
                         block_ids=[b.block_id for b in blocks],
                         num_computed_tokens=request.num_computed_tokens,
+                        num_external_computed_tokens=request.num_external_computed_tokens,
                     )
                 )
+                request.num_external_computed_tokens = 0
             else:
                 # Most steps add no block: only the tail is converted.
                 cached_reqs.append(

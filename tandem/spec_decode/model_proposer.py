@@ -32,13 +32,14 @@ keep the target's distribution.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from tandem.core.outputs import SchedulerOutput
 from tandem.layers.attention import AttentionMetadata
 from tandem.spec_decode.proposer import ProposerState
 from tandem.worker.input_batch import StepInputs
@@ -127,14 +128,17 @@ class ModelProposer(ABC):
     # ----------------------------------------------------------------- one step
 
     def bind_step(
-        self,
-        inp: StepInputs,
-        hidden_states: torch.Tensor | None,
-        no_draft_req_ids: AbstractSet[str] = frozenset(),
+        self, inp: StepInputs, hidden_states: torch.Tensor | None, so: SchedulerOutput
     ) -> BoundStep:
-        """The `Proposer` that `PendingStep.result()` calls for this step's drafts
-        (`no_draft_req_ids`: requests whose drafts the scheduler will not take)."""
-        return BoundStep(self, inp, hidden_states, no_draft_req_ids)
+        """The `Proposer` that `PendingStep.result()` calls for this step's drafts, with what
+        the scheduler tells of it: requests whose drafts it will not take, and new requests'
+        KV computed by another worker (`NewRequestData.num_external_computed_tokens`)."""
+        external = {
+            r.req_id: r.num_external_computed_tokens
+            for r in so.scheduled_new_reqs
+            if r.num_external_computed_tokens
+        }
+        return BoundStep(self, inp, hidden_states, so.no_draft_req_ids, external)
 
     @torch.inference_mode()
     def propose_step(
@@ -142,10 +146,14 @@ class ModelProposer(ABC):
         inp: StepInputs,
         hidden_states: torch.Tensor | None,
         no_draft_req_ids: AbstractSet[str] = frozenset(),
+        external: Mapping[str, int] | None = None,
     ) -> list[list[int]]:
         """Drafts for the step's sampled requests (`inp.sampled_rows` order), after their
         tokens were appended to `inp.states` (see the module docstring); none for
-        `no_draft_req_ids` and requests that take none (`SamplingParams.max_drafts`)."""
+        `no_draft_req_ids` and requests that take none (`SamplingParams.max_drafts`).
+        `external`: request -> its last computed tokens whose KV another worker wrote: the
+        catch-up starts that many positions earlier (a proposer that reads the target's
+        hidden states cannot: it has none for them, and drafts from what its cache holds)."""
         if self.kv_cache is None:
             raise RuntimeError("the proposer has no KV cache (not initialized, or shut down)")
         k = self.num_speculative_tokens
@@ -162,8 +170,10 @@ class ModelProposer(ABC):
             length = len(state.token_ids)
             end = min(c + n + 1 - shift, length - shift) if i in sampled else c + n
             end = max(end, c)
-            ids.extend(state.token_ids[c + shift : end + shift])
             rows.extend(range(qsl[i], qsl[i] + end - c))
+            if external and not shift:
+                c -= external.get(state.req_id, 0)
+            ids.extend(state.token_ids[c + shift : end + shift])
             starts.append(c)
             ends.append(end)
         start_arr = np.asarray(starts, dtype=np.int64)
@@ -300,14 +310,18 @@ class BoundStep:
         inp: StepInputs,
         hidden_states: torch.Tensor | None,
         no_draft_req_ids: AbstractSet[str],
+        external: Mapping[str, int],
     ) -> None:
         self.num_speculative_tokens = proposer.num_speculative_tokens
         self._proposer = proposer
         self._inp = inp
         self._hidden_states = hidden_states
         self._no_draft_req_ids = no_draft_req_ids
+        self._external = external
 
     def propose(self, states: Sequence[ProposerState]) -> list[list[int]]:
-        drafts = self._proposer.propose_step(self._inp, self._hidden_states, self._no_draft_req_ids)
+        drafts = self._proposer.propose_step(
+            self._inp, self._hidden_states, self._no_draft_req_ids, self._external
+        )
         self._hidden_states = None
         return drafts

@@ -574,7 +574,7 @@ class ModelRunner:
             states,
             sampled,
             on_done=lambda: self._writes_done(launch),
-            proposer=self._step_proposer(inp, so.no_draft_req_ids),
+            proposer=self._step_proposer(inp, so),
             spec_verify_path=path if inp.num_draft is not None else "",
         )
         if self._last_step is not None:
@@ -599,14 +599,14 @@ class ModelRunner:
             return default
         return getattr(self.proposer, name)(*args)
 
-    def _step_proposer(self, inp: StepInputs, no_draft_req_ids: set[str]) -> Proposer | None:
+    def _step_proposer(self, inp: StepInputs, so: SchedulerOutput) -> Proposer | None:
         """The proposer `PendingStep.result()` asks for this step's drafts: a model proposer
         bound to the step's inputs (and the target's hidden states when it reads them)."""
         if not isinstance(self.proposer, ModelProposer):
             return self.proposer
         hidden = self._step_hidden if self.proposer.needs_hidden_states else None
         self._step_hidden = None
-        return self.proposer.bind_step(inp, hidden, no_draft_req_ids)
+        return self.proposer.bind_step(inp, hidden, so)
 
     # ----------------------------------------------------------------- shutdown
 

@@ -352,3 +352,51 @@ def test_eagle_head_from_a_bin_with_its_own_embedding(tiny_model_path, tmp_path:
         embed = proposer.head.embed_tokens.weight
         assert torch.equal(embed.cpu(), weights["embed_tokens.weight"])
     assert [o.outputs[0].token_ids for o in got] == [o.token_ids for o in ref]
+
+
+def test_disaggregated_decode_with_a_draft_model(tiny_model_path) -> None:
+    """The decode worker speculates: prompt KV copied in from a prefill engine is the
+    target's only, so the draft computes its own over those positions on the request's first
+    step (`num_external_computed_tokens`). The tiny Llama drafting for itself then has every
+    draft accepted, and the tokens are the unified engine's."""
+    from tandem.request import EngineCoreRequest
+
+    path = tiny_model_path("llama")
+    kwargs = dict(device="cpu", dtype="float32", num_gpu_blocks=64, max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = _repetitive_prompts(512, 3)
+
+    def drain(engine: Any) -> dict[str, list[int]]:
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return tokens
+
+    ref, _ = _run(path, prompts, params)
+    with (
+        LLM(model=str(path), **kwargs) as prefill,
+        LLM(model=str(path), speculative_config=_draft(path), **kwargs) as decode,
+    ):
+        pe, de = prefill.engine, decode.engine
+        for i, p in enumerate(prompts):
+            req = EngineCoreRequest(f"d{i}", p, params.clone(max_tokens=1))
+            pe.add_request(req, hold_kv=True)
+        first = drain(pe)
+        for i, p in enumerate(prompts):
+            rid = f"d{i}"
+            dst, num_cached = de.reserve(EngineCoreRequest(rid, p, params))
+            src = pe.get_held_block_ids(rid)
+            num_blocks = -(-len(p) // pe.block_size)
+            for s, d in list(zip(src, dst, strict=False))[num_cached // de.block_size : num_blocks]:
+                de.kv_cache[d].copy_(pe.kv_cache[s])
+            pe.release_held(rid)
+            assert de.add_prefilled_request(rid, first[rid][0]) is None
+        rest = drain(de)
+        stats = de.stats().spec_decoding
+        for engine in (pe, de):
+            assert engine.scheduler.kv_cache_manager.block_pool.is_whole
+    for i, o in enumerate(ref):
+        assert first[f"d{i}"] + rest[f"d{i}"] == list(o.token_ids)
+    assert stats is not None and stats.num_draft_tokens > 20
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
