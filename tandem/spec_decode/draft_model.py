@@ -24,6 +24,7 @@ from tandem.spec_decode.model_proposer import ModelProposer
 from tandem.spec_decode.proposer import TargetInfo
 from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import StepInputs
+from tandem.worker.mixed_graph import MixedCudaGraphs
 from tandem.worker.staging import PinnedStaging
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,16 @@ class DraftModelProposer(ModelProposer):
         )
         sizes = device_config.cuda_graph_sizes if use_graphs else ()
         self.graphs = DecodeCudaGraphs(sizes, self.max_num_seqs, self.device)
+        # The catch-up pass as whole mixed-step graphs (cudagraph_mode full, a backend that
+        # runs them): up to the step's token budget plus one token per request.
+        full = use_graphs and device_config.cudagraph_mode == "full" and backend.full_graph_mixed
+        max_tokens = target.config.scheduler.max_num_batched_tokens + self.max_num_seqs
+        self.mixed_graphs = MixedCudaGraphs(
+            device_config.piecewise_cuda_graph_sizes if full else (),
+            max_tokens,
+            self.max_num_seqs,
+            self.device,
+        )
         self.staging = PinnedStaging(self.device)
 
     @classmethod
@@ -85,7 +96,7 @@ class DraftModelProposer(ModelProposer):
         """The cache (see `ModelProposer`), then the decode kernel tuned on it and the draft
         steps' graphs captured (their block tables reach into the scratch blocks)."""
         super().initialize_kv_cache(num_blocks)
-        if not self.graphs.sizes:
+        if not self.graphs.sizes and not self.mixed_graphs.sizes:
             return
         assert self.model is not None
         self.attn_backend.tune(
@@ -96,7 +107,46 @@ class DraftModelProposer(ModelProposer):
         )
         reach = self.max_model_len + (self.scratch_per_row + 1) * self.block_size
         self.graphs.capture(self.model, self.kv_caches, reach, self.block_size)
-        logger.info("draft model: draft steps as CUDA graphs for sizes %s", self.graphs.sizes)
+        self.mixed_graphs.capture(self.model, self.kv_caches, reach, self.block_size)
+        logger.info(
+            "draft model: draft steps as CUDA graphs for sizes %s, catch-up passes for %s tokens",
+            self.graphs.sizes,
+            self.mixed_graphs.sizes,
+        )
+
+    def catch_up(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        table: np.ndarray,
+        req_index: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        hidden_states: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The catch-up pass through the mixed-step graph of its token count (eager past the
+        largest, or with more requests than its slots)."""
+        total, num_reqs = len(input_ids), len(seq_lens)
+        size = self.mixed_graphs.size_for(total, num_reqs)
+        if size is None:
+            return super().catch_up(
+                input_ids, positions, table, req_index, query_start_loc, seq_lens, hidden_states
+            )
+        bs = self.block_size
+        inp = StepInputs(
+            num_reqs=num_reqs,
+            total=total,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=table[req_index, positions // bs] * bs + positions % bs,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=table,
+            max_query_len=int(np.diff(query_start_loc).max()),
+            sampled_rows=[],
+            states=[],
+        )
+        return self.mixed_graphs.replay(inp, size, self.staging, lambda ids, step: None)
 
     def draft_step(
         self,
@@ -149,6 +199,7 @@ class DraftModelProposer(ModelProposer):
 
     def shutdown(self) -> None:
         self.graphs.clear()
+        self.mixed_graphs.clear()
         self.staging.clear()
         super().shutdown()
         self.model = None

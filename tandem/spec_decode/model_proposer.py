@@ -184,12 +184,17 @@ class ModelProposer(ABC):
         np.cumsum(query_lens, out=qsl_pass[1:])
         req_index = np.repeat(np.arange(len(starts)), query_lens)
         positions = start_arr[req_index] + np.arange(int(qsl_pass[-1])) - qsl_pass[req_index]
-        meta = self._metadata(table, req_index, positions, qsl_pass, end_arr)
         hidden_in = None
         if hidden_states is not None:
             hidden_in = hidden_states.index_select(0, self._to_device(np.asarray(rows)))
-        out = self.forward(
-            self._to_device(np.asarray(ids)), self._to_device(positions), hidden_in, meta
+        out = self.catch_up(
+            np.asarray(ids, dtype=np.int64),
+            positions,
+            table,
+            req_index,
+            qsl_pass,
+            end_arr,
+            hidden_in,
         )
         sampled_rows = inp.sampled_rows
         if not sampled_rows:
@@ -235,6 +240,23 @@ class ModelProposer(ABC):
             hidden, logits = self.draft_step(step_table, pos, drafts[-1], hidden)
             drafts.append(logits.argmax(dim=-1))
         return torch.stack(drafts, dim=1).tolist()
+
+    def catch_up(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        table: np.ndarray,
+        req_index: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        hidden_states: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The catch-up pass over a flattened batch (request r: rows `query_start_loc[r]` ..,
+        context `seq_lens[r]`): the proposer's output states of every row. Eager here; a
+        subclass may replay a CUDA graph."""
+        meta = self._metadata(table, req_index, positions, query_start_loc, seq_lens)
+        ids = self._to_device(input_ids)
+        return self.forward(ids, self._to_device(positions), hidden_states, meta)
 
     def draft_step(
         self,
