@@ -32,6 +32,9 @@ def test_smollm2_drafting_for_itself_with_cuda_graphs() -> None:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.engine.stats()
         assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
+        proposer = llm.engine.executor.driver_worker.model_runner.proposer
+        # The draft steps and the catch-up passes ran as CUDA graphs.
+        assert proposer.graphs.graphs and proposer.mixed_graphs.num_replays > 0
     assert got == ref
     s = stats.spec_decoding
     assert s is not None and s.num_draft_tokens > 0
