@@ -23,6 +23,14 @@ the next step's catch-up before anything reads them, like the target's rejected 
 Positions past a request's allocated blocks go to that row's scratch blocks (the scheduler
 allocates no lookahead beyond the drafts it schedules).
 
+Requests whose drafts the scheduler will not take (backing off: `SchedulerOutput.
+no_draft_req_ids`; structured, penalties, max_tokens reached: `SamplingParams.max_drafts`)
+get the catch-up only. KV another worker computed (disaggregated decode:
+`NewRequestData.num_external_computed_tokens`) is the target's only: a draft model's first
+catch-up of such a request starts that many positions earlier (EAGLE has no target hidden
+states for them and drafts from what its cache holds). `catch_up` and `draft_step` run
+eagerly here; the draft model replays CUDA graphs for them (`draft_model`).
+
 Drafts are greedy (argmax), so the draft distribution q is one-hot at the draft: the
 rejection sampler's one-hot rule (draft_probs None: accept with probability p(d), resample
 from p with d removed) is the exact accept / resample rule for them, and sampling requests
