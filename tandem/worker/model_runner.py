@@ -580,6 +580,10 @@ class ModelRunner:
         if self._last_step is not None:
             self._older_steps.append(self._last_step)
         self._last_step = step
+        if isinstance(self.proposer, ModelProposer):
+            # Its drafts run forwards (collectives under TP): every rank runs them now, in
+            # step order, also a rank whose result nobody reads (speculation is synchronous).
+            step.result()
         return step
 
     def _resolve_older_steps(self) -> None:

@@ -400,3 +400,20 @@ def test_disaggregated_decode_with_a_draft_model(tiny_model_path) -> None:
         assert first[f"d{i}"] + rest[f"d{i}"] == list(o.token_ids)
     assert stats is not None and stats.num_draft_tokens > 20
     assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_tensor_parallel_draft_model(tiny_model_path) -> None:
+    """TP = 2 (rank processes, gloo): the draft runs on every rank with the target's TP, its
+    forwards' collectives in step order on every rank (also where nobody reads the step's
+    result); the tiny Llama drafting for itself gives one rank's tokens, every draft
+    accepted."""
+    path = tiny_model_path("llama")
+    prompts = _repetitive_prompts(512, 3)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref, _ = _run(path, prompts, params)
+    spec = _draft(path)
+    got, stats = _run(path, prompts, params, speculative_config=spec, tensor_parallel_size=2)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    s = stats.spec_decoding
+    assert s is not None and s.num_draft_tokens > 20
+    assert s.num_accepted_tokens == s.num_draft_tokens
