@@ -11,11 +11,13 @@ answers copy their input, with the measured acceptance.
 Proposers that run a model (`--draft-models`, `--eagle`): each named draft model (`self`: the
 target drafting for itself, the p = 1 upper bound; e.g. `random:llama-3.2-1b` for the 8B,
 its overhead) and the EAGLE head (e.g. `random:eagle-llama-3.1-8b`, its cost) run at every
-batch size and k, paired with the baseline; `proposer_ms_per_step` is the proposer's own
-time per engine step (its catch-up pass and k - 1 draft steps, the device synchronized around
-it), `proposer_steps` the steps it ran. Random weights reject a random draft's tokens, and
-the scheduler then backs a request off drafting (tandem.core.scheduler), so TPOT there shows
-what speculation costs once it backs off; the per-step cost is the proposer's figure.
+batch size and k, paired with the baseline. The proposer's own time per engine step (the
+device synchronized around it) is split into steps that drafted (`proposer_ms_per_drafting_
+step`: its catch-up pass over the step's tokens and k draft steps) and steps that only kept
+its KV in step (`proposer_ms_per_kv_only_step`: every request backing off). Random weights
+reject a random draft's tokens and the scheduler backs requests off drafting
+(tandem.core.scheduler), so TPOT there shows what speculation costs once it backs off; the
+cost of drafting is the drafting-step figure.
 
 Per batch size B (all requests greedy, ignore_eos, `--output-len` tokens each, started
 together): `tpot_ms` = wall time / the longest output (the batch decodes in lockstep; prefill
@@ -260,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
                             f"TPOT {row['tpot_ms']:8.2f} ms ({row['tpot_vs_no_spec']:.2f}x)  "
                             f"{row['output_tokens_per_s']:9.1f} tok/s "
                             f"({row['throughput_vs_no_spec']:.2f}x)  "
-                            f"proposer {row['proposer_ms_per_step']:.2f} ms/step "
-                            f"({row['proposer_steps']} steps)  "
+                            f"proposer {row['proposer_ms_per_drafting_step']:.2f} ms/drafting "
+                            f"step ({row['proposer_drafting_steps']}), "
+                            f"{row['proposer_ms_per_kv_only_step']:.2f} ms/KV-only step "
+                            f"({row['proposer_steps'] - row['proposer_drafting_steps']})  "
                             f"acc {row['acceptance_rate']:.2f}  same {row['same_tokens']}",
                             flush=True,
                         )
@@ -286,8 +290,9 @@ class ProposerClock:
     and after each call, so the figure is the proposer's own time per engine step)."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self.steps = 0
+        # Steps that drafted for some request, and steps that only kept the KV in step.
+        self.seconds = {True: 0.0, False: 0.0}
+        self.steps = {True: 0, False: 0}
         self._original: Any = None
 
     def __enter__(self) -> ProposerClock:
@@ -301,8 +306,9 @@ class ProposerClock:
             t0 = time.perf_counter()
             drafts = original(proposer, *args)
             _sync()
-            clock.seconds += time.perf_counter() - t0
-            clock.steps += 1
+            drafted = any(drafts)
+            clock.seconds[drafted] += time.perf_counter() - t0
+            clock.steps[drafted] += 1
             return drafts
 
         self._original = original
@@ -315,11 +321,21 @@ class ProposerClock:
         ModelProposer.propose_step = self._original  # type: ignore[method-assign]
 
     def reset(self) -> None:
-        self.seconds, self.steps = 0.0, 0
+        self.seconds = {True: 0.0, False: 0.0}
+        self.steps = {True: 0, False: 0}
 
     def figures(self) -> dict[str, Any]:
-        per_step = 1000 * self.seconds / self.steps if self.steps else 0.0
-        return {"proposer_ms_per_step": per_step, "proposer_steps": self.steps}
+        def ms(seconds: float, steps: int) -> float:
+            return 1000 * seconds / steps if steps else 0.0
+
+        s, n = self.seconds, self.steps
+        return {
+            "proposer_ms_per_step": ms(s[True] + s[False], n[True] + n[False]),
+            "proposer_steps": n[True] + n[False],
+            "proposer_ms_per_drafting_step": ms(s[True], n[True]),
+            "proposer_drafting_steps": n[True],
+            "proposer_ms_per_kv_only_step": ms(s[False], n[False]),
+        }
 
 
 def _sync() -> None:
