@@ -8,6 +8,17 @@ size has its own prompts (so each prompt's record comes from the run of its batc
 With a model that has a tokenizer, `--ngram` also runs n-gram speculation on prompts whose
 answers copy their input, with the measured acceptance.
 
+Proposers that run a model (`--draft-models`, `--eagle`): each named draft model (`self`: the
+target drafting for itself, the p = 1 upper bound; e.g. `random:llama-3.2-1b` for the 8B,
+its overhead) and the EAGLE head (e.g. `random:eagle-llama-3.1-8b`, its cost) run at every
+batch size and k, paired with the baseline. The proposer's own time per engine step (the
+device synchronized around it) is split into steps that drafted (`proposer_ms_per_drafting_
+step`: its catch-up pass over the step's tokens and k draft steps) and steps that only kept
+its KV in step (`proposer_ms_per_kv_only_step`: every request backing off). Random weights
+reject a random draft's tokens and the scheduler backs requests off drafting
+(tandem.core.scheduler), so TPOT there shows what speculation costs once it backs off; the
+cost of drafting is the drafting-step figure.
+
 Per batch size B (all requests greedy, ignore_eos, `--output-len` tokens each, started
 together): `tpot_ms` = wall time / the longest output (the batch decodes in lockstep; prefill
 included), `output_tokens_per_s` = output tokens / wall time; `same_tokens` = the outputs
@@ -16,6 +27,9 @@ equal the run without speculation; acceptance from the engine's stats.
     python -m benchmarks.speculative                        # CPU, embedded model
     python -m benchmarks.speculative --device cuda --model random:llama-3.1-8b \\
         --batch-sizes 1,8,32,128 --ks 2,4 --acceptances 1,0.7,0.4,0
+    python -m benchmarks.speculative --device cuda --model random:llama-3.1-8b \\
+        --batch-sizes 1,8,32 --ks 4 --acceptances '' \\
+        --draft-models random:llama-3.2-1b,self --eagle random:eagle-llama-3.1-8b
 
 Every engine flag applies (`tandem.config`); defaults here: --device cpu, --dtype float32 on
 the CPU and bfloat16 on CUDA, --gpu-memory-utilization 0.4 (two engines are loaded at once:
@@ -31,6 +45,7 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--output-len", type=int, default=64)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--ngram", action="store_true", help="also n-gram on copy prompts")
+    w.add_argument(
+        "--draft-models",
+        default="",
+        help="comma-separated draft models (self: the target drafting for itself)",
+    )
+    w.add_argument("--eagle", default="", help="an EAGLE head (e.g. random:eagle-llama-3.1-8b)")
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
     return p
 
@@ -81,10 +102,14 @@ def _prompts(batch_sizes: list[int], input_len: int, vocab: int, seed: int) -> d
     }
 
 
-def _timed(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, list[list[int]]]:
+def _timed(
+    llm: LLM, prompts: list, params: SamplingParams, after_warmup: Callable[[], None] | None = None
+) -> tuple[float, list[list[int]]]:
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    if after_warmup is not None:
+        after_warmup()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -104,10 +129,14 @@ def _spec_counts(llm: LLM) -> tuple[int, int, list[int], dict[str, int]]:
 
 
 def _row(
-    llm: LLM, prompts: list, params: SamplingParams, ref: list | None
+    llm: LLM,
+    prompts: list,
+    params: SamplingParams,
+    ref: list | None,
+    after_warmup: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], list[list[int]]]:
     d0, a0, pos0, _ = _spec_counts(llm)
-    elapsed, tokens = _timed(llm, prompts, params)
+    elapsed, tokens = _timed(llm, prompts, params, after_warmup)
     d1, a1, pos1, paths = _spec_counts(llm)
     row: dict[str, Any] = {
         "batch": len(prompts),
@@ -140,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_kwargs = engine_kwargs_from(ns)
     batch_sizes = [int(x) for x in ns.batch_sizes.split(",")]
     ks = [int(x) for x in ns.ks.split(",")]
-    acceptances = [float(x) for x in ns.acceptances.split(",")]
+    acceptances = [float(x) for x in ns.acceptances.split(",") if x.strip()]
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     result: dict[str, Any] = {
         "model": ns.model,
@@ -204,6 +233,42 @@ def main(argv: list[str] | None = None) -> int:
                             f"acc {row['acceptance_rate']:.2f}  same {row['same_tokens']}",
                             flush=True,
                         )
+        model_specs = [
+            {"method": "draft_model", "model": ns.model if m == "self" else m}
+            for m in ns.draft_models.split(",")
+            if m.strip()
+        ]
+        if ns.eagle:
+            model_specs.append({"method": "eagle", "model": ns.eagle})
+        for k in ks:
+            for spec in model_specs:
+                spec = {**spec, "num_speculative_tokens": k}
+                with (
+                    LLM(model=ns.model, **{**engine_kwargs, "speculative_config": spec}) as llm,
+                    ProposerClock() as clock,
+                ):
+                    for b in batch_sizes:
+                        base, _ = _row(base_llm, prompts[b], params, None)
+                        row, _ = _row(llm, prompts[b], params, baseline[b], clock.reset)
+                        row.update(clock.figures())
+                        row["no_spec_tpot_ms"] = base["tpot_ms"]
+                        row["tpot_vs_no_spec"] = row["tpot_ms"] / base["tpot_ms"]
+                        row["throughput_vs_no_spec"] = (
+                            row["output_tokens_per_s"] / base["output_tokens_per_s"]
+                        )
+                        result["runs"].append({"speculation": spec, **row})
+                        print(
+                            f"{spec['method']} {spec['model']} k={k}  B={b:4d}  "
+                            f"TPOT {row['tpot_ms']:8.2f} ms ({row['tpot_vs_no_spec']:.2f}x)  "
+                            f"{row['output_tokens_per_s']:9.1f} tok/s "
+                            f"({row['throughput_vs_no_spec']:.2f}x)  "
+                            f"proposer {row['proposer_ms_per_drafting_step']:.2f} ms/drafting "
+                            f"step ({row['proposer_drafting_steps']}), "
+                            f"{row['proposer_ms_per_kv_only_step']:.2f} ms/KV-only step "
+                            f"({row['proposer_steps'] - row['proposer_drafting_steps']})  "
+                            f"acc {row['acceptance_rate']:.2f}  same {row['same_tokens']}",
+                            flush=True,
+                        )
     base_llm.shutdown()
 
     if ns.ngram:
@@ -218,6 +283,64 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+class ProposerClock:
+    """Times every `ModelProposer.propose_step` while active (the device synchronized before
+    and after each call, so the figure is the proposer's own time per engine step)."""
+
+    def __init__(self) -> None:
+        # Steps that drafted for some request, and steps that only kept the KV in step.
+        self.seconds = {True: 0.0, False: 0.0}
+        self.steps = {True: 0, False: 0}
+        self._original: Any = None
+
+    def __enter__(self) -> ProposerClock:
+        from tandem.spec_decode.model_proposer import ModelProposer
+
+        original = ModelProposer.propose_step
+        clock = self
+
+        def timed(proposer: Any, *args: Any) -> list[list[int]]:
+            _sync()
+            t0 = time.perf_counter()
+            drafts = original(proposer, *args)
+            _sync()
+            drafted = any(drafts)
+            clock.seconds[drafted] += time.perf_counter() - t0
+            clock.steps[drafted] += 1
+            return drafts
+
+        self._original = original
+        ModelProposer.propose_step = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from tandem.spec_decode.model_proposer import ModelProposer
+
+        ModelProposer.propose_step = self._original  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        self.seconds = {True: 0.0, False: 0.0}
+        self.steps = {True: 0, False: 0}
+
+    def figures(self) -> dict[str, Any]:
+        def ms(seconds: float, steps: int) -> float:
+            return 1000 * seconds / steps if steps else 0.0
+
+        s, n = self.seconds, self.steps
+        return {
+            "proposer_ms_per_step": ms(s[True] + s[False], n[True] + n[False]),
+            "proposer_steps": n[True] + n[False],
+            "proposer_ms_per_drafting_step": ms(s[True], n[True]),
+            "proposer_drafting_steps": n[True],
+            "proposer_ms_per_kv_only_step": ms(s[False], n[False]),
+        }
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _ngram_copy(ns: argparse.Namespace, engine_kwargs: dict[str, Any], ks: list[int]) -> list:

@@ -618,10 +618,10 @@ class DeviceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-SpecMethod = Literal["ngram", "draft_model", "replay"]
-_SPEC_METHODS = ("ngram", "draft_model", "replay")
+SpecMethod = Literal["ngram", "draft_model", "eagle", "replay"]
+_SPEC_METHODS = ("ngram", "draft_model", "eagle", "replay")
 # Methods vLLM has that are declared in the issue but not built yet: refused by name.
-_SPEC_METHODS_LATER = ("eagle", "eagle3", "medusa", "mlp_speculator")
+_SPEC_METHODS_LATER = ("eagle3", "medusa", "mlp_speculator")
 # The most draft tokens per request per step (1 + k query tokens are verified at once).
 MAX_NUM_SPECULATIVE_TOKENS = 16
 
@@ -651,8 +651,14 @@ class SpeculativeConfig:
     - `ngram`: prompt lookup on the host; the last n tokens (n from `prompt_lookup_max` down
       to `prompt_lookup_min`) are looked up earlier in the request, and the k tokens that
       followed their latest earlier occurrence are the draft.
-    - `draft_model`: a second small model (`model`); its vocabulary must be the target's
-      (checked in `EngineConfig.resolve`). Its proposer is not built yet: refused at start.
+    - `draft_model`: a second small model (`model`, any registered architecture) run by the
+      target's workers, k greedy steps per engine step; its vocabulary must be the target's
+      (checked in `EngineConfig.resolve`); `draft_tensor_parallel_size`, if given, must be
+      the target's (the draft runs on the target's ranks).
+    - `eagle`: an EAGLE-1 head for a Llama-family target (`model`: the head's folder in its
+      HF layout: `fc` over [token embedding, target hidden state], one decoder layer; the
+      target's embedding and LM head unless the head has its own), fed the target's hidden
+      states (tandem.spec_decode.eagle).
     - `replay` (benchmarks only): proposes the continuation recorded in `replay_path` (JSON:
       a list of {"prompt_token_ids": [...], "output_token_ids": [...]}) for a request with
       that prompt, keeping each draft token with probability `replay_acceptance` (a token not
@@ -664,7 +670,7 @@ class SpeculativeConfig:
         metadata=flag(
             "speculative decoding as a JSON object, e.g. "
             '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' '
-            "(methods: ngram, draft_model, replay)",
+            "(methods: ngram, draft_model, eagle, replay)",
             type=speculative_config_arg,
         ),
     )
@@ -673,6 +679,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = field(default=0, metadata=_RESOLVED)
     prompt_lookup_max: int = field(default=0, metadata=_RESOLVED)
     model: str = field(default="", metadata=_RESOLVED)
+    # vLLM's name; a draft runs with the target's TP, so only that value (or 0: unset) is taken.
+    draft_tensor_parallel_size: int = field(default=0, metadata=_RESOLVED)
     replay_path: str = field(default="", metadata=_RESOLVED)
     replay_acceptance: float = field(default=1.0, metadata=_RESOLVED)
     replay_seed: int = field(default=0, metadata=_RESOLVED)
@@ -718,8 +726,8 @@ class SpeculativeConfig:
                 "speculative_config: disable_by_batch_size must be an integer >= 0, "
                 f"got {self.disable_by_batch_size!r}"
             )
-        if self.method == "draft_model" and not self.model:
-            raise ConfigError('speculative_config: method "draft_model" needs "model"')
+        if self.method in ("draft_model", "eagle") and not self.model:
+            raise ConfigError(f'speculative_config: method "{self.method}" needs "model"')
         if self.method == "replay":
             if not self.replay_path:
                 raise ConfigError('speculative_config: method "replay" needs "replay_path"')
@@ -758,8 +766,9 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.method is not None else 0
 
     def resolve(self, cache_dir: str, target_vocab_size: int) -> SpeculativeConfig:
-        """Check a draft model against the target: the same vocabulary (ConfigError else)."""
-        if self.method != "draft_model":
+        """Check a draft model or EAGLE head against the target: the same vocabulary
+        (ConfigError else)."""
+        if self.method not in ("draft_model", "eagle"):
             return self
         from tandem.loader import load_hf_config, resolve_model_path
 

@@ -111,6 +111,9 @@ class Request:
         # scheduler backs off a request whose drafts keep failing).
         self.spec_num_misses = 0
         self.spec_skip_steps = 0
+        # Disaggregated decode: prompt tokens whose KV arrived from another worker, told to
+        # the runner once (a proposer running a model computes its own KV for them).
+        self.num_external_computed_tokens = 0
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -307,6 +307,16 @@ class SamplingParams:
             or self.min_tokens > 0
         )
 
+    def max_drafts(self, num_output_tokens: int, k: int) -> int:
+        """The most draft tokens a request with `num_output_tokens` outputs verifies in its
+        next step (speculative decoding): none for structured outputs or when sampling reads
+        the output counts, none past max_tokens (a step emits up to 1 + drafts tokens)."""
+        if self.structured_outputs is not None or self.reads_output_counts:
+            return 0
+        if self.max_tokens is not None:
+            k = min(k, self.max_tokens - num_output_tokens - 1)
+        return max(k, 0)
+
     @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)

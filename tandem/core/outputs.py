@@ -29,6 +29,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Of the computed tokens, the last ones whose KV another worker computed (disaggregated
+    # decode); a proposer that runs a model computes its own KV for them.
+    num_external_computed_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -57,6 +60,10 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled after a request's known tokens (its
     # last `len(drafts)` scheduled tokens); only requests with at least one draft appear.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding: scheduled requests whose drafts proposed after this step will not
+    # be taken (backing off after rejected drafts): a proposer that runs a model only keeps
+    # its KV cache in step for them.
+    no_draft_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

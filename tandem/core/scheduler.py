@@ -305,6 +305,9 @@ class Scheduler:
         """
         request = self.reserved.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
+        request.num_external_computed_tokens = request.num_prompt_tokens - max(
+            request.num_cached_tokens, 0
+        )
         request.append_output_token_ids([first_token_id])
         self._kv_cache_manager.cache_blocks(request, request.num_prompt_tokens)
         seq = next(self._seq_counter)
@@ -410,6 +413,9 @@ class Scheduler:
         structured = output.structured_req_ids
         spec = output.scheduled_spec_decode_tokens
         for request in scheduled:
+            if request.spec_skip_steps:
+                # Its next proposals are dropped whatever this step's outcome (`_next_drafts`).
+                output.no_draft_req_ids.add(request.request_id)
             request.num_computed_tokens += num_scheduled[request.request_id]
             if request.spec_token_ids:
                 # Drafts consumed: those within this step's tokens are verified by it.
@@ -505,6 +511,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.num_external_computed_tokens = 0  # recomputed here when it resumes
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.grammar is not None:
@@ -536,8 +543,10 @@ class Scheduler:
                         sampling_params=request.sampling_params,
                         block_ids=[b.block_id for b in blocks],
                         num_computed_tokens=request.num_computed_tokens,
+                        num_external_computed_tokens=request.num_external_computed_tokens,
                     )
                 )
+                request.num_external_computed_tokens = 0
             else:
                 # Most steps add no block: only the tail is converted.
                 cached_reqs.append(
@@ -654,12 +663,10 @@ class Scheduler:
         limit = self.spec_disable_by_batch_size
         if not proposed or (limit and len(self.running) >= limit):
             return []
-        params = request.sampling_params
-        if request.grammar is not None or params.reads_output_counts:
+        if request.grammar is not None:
             return []
-        k = self.num_spec_tokens
-        if params.max_tokens is not None:
-            k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
+        params = request.sampling_params
+        k = params.max_drafts(len(request.output_token_ids), self.num_spec_tokens)
         return list(proposed[:k]) if k > 0 else []
 
     def _check_stop(self, request: Request, token_id: int) -> bool:

@@ -215,6 +215,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# An EAGLE-1 head of the 8B's shape (one decoder layer; the target's embedding and LM head),
+# for `speculative_config={"method": "eagle", "model": "random:eagle-llama-3.1-8b"}`: its
+# weights come from tandem.spec_decode.eagle.random_eagle_weights.
+PRESETS["eagle-llama-3.1-8b"] = {**PRESETS["llama-3.1-8b"], "num_hidden_layers": 1}
+
 
 def is_random_model(model: str) -> bool:
     return model.startswith(RANDOM_PREFIX)

@@ -7,6 +7,10 @@ them against the target (the runner's side; the scheduler's side is in tandem.co
 
 - `proposer`: the `Proposer` interface and `build_proposer` (by `SpeculativeConfig.method`);
 - `ngram`: prompt lookup over the request's own tokens (numpy, on the host);
+- `model_proposer`: proposers that run a model on the target's device, their KV cache
+  indexed by the target's block ids (the runner's seam: `ModelRunner._step_proposer`);
+- `draft_model`: a small model of the target's vocabulary, k greedy steps per engine step;
+- `eagle`: an EAGLE-1 head fed the target's hidden states;
 - `replay`: a recorded greedy continuation, each token kept with probability p (benchmarks);
 - `rejection_sampler`: the verification on the device, beside a per-request torch reference.
 """

@@ -54,7 +54,8 @@ from tandem.layers.quantization import resolve_quant_config
 from tandem.layers.quantization.fp8 import check_fp8_device
 from tandem.loader import build_model
 from tandem.models.interface import CausalLM, IntermediateTensors, ModelContext
-from tandem.spec_decode.proposer import build_proposer
+from tandem.spec_decode.model_proposer import ModelProposer
+from tandem.spec_decode.proposer import Proposer, TargetInfo, build_proposer
 from tandem.worker.cpu_threads import cpu_supports_bf16, default_cpu_backend
 from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import InputBatch, StepInputs
@@ -172,9 +173,29 @@ class ModelRunner:
         # after the step's tokens land). Decode graphs assume one token per request: verify
         # steps run as whole mixed graphs, piecewise graphs or eagerly, and each step's
         # output says which (`spec_verify_path`, counted in the engine's stats).
-        self.proposer = build_proposer(config.speculative, self.vocab_size)
-        if self.proposer is not None and self.parallel.pp_size > 1:
+        if config.speculative.enabled and self.parallel.pp_size > 1:
             raise ConfigError("speculative decoding with pipeline parallel is not supported yet")
+        if (
+            config.speculative.method in ("draft_model", "eagle")
+            and self.kv_cache_spec.num_groups > 1
+        ):
+            # A model proposer's cache follows the request's one block table; a hybrid cache
+            # (sliding and full layers) interleaves one table per group.
+            raise ConfigError(
+                f"speculative method {config.speculative.method!r} with a model of several KV "
+                "cache groups (sliding-window layers) is not supported yet; use ngram, or "
+                "--disable-hybrid-kv-cache-manager"
+            )
+        self.proposer = build_proposer(
+            config.speculative,
+            self.vocab_size,
+            TargetInfo(config, self.model, self.model_context, self.kv_dtype, max_model_len),
+        )
+        # EAGLE reads the target's hidden states of every step's token rows (kept from the
+        # forward until the step's `result()`); decode graphs return logits only, so then
+        # every step takes another path.
+        self.proposer_needs_hidden = bool(getattr(self.proposer, "needs_hidden_states", False))
+        self._step_hidden: torch.Tensor | None = None
         self.staging = PinnedStaging(device)
         self.use_cuda_graphs = device.type == "cuda" and not config.device.enforce_eager
         if self.use_cuda_graphs and self.parallel.pp_size > 1:
@@ -187,7 +208,7 @@ class ModelRunner:
         # What a stage hands the next (keys, dtype, width), learned from the model once.
         self._intermediate_template: IntermediateTensors | None = None
         decode_sizes = config.device.cuda_graph_sizes
-        if not self.attn_backend.decode_cuda_graphs:
+        if not self.attn_backend.decode_cuda_graphs or self.proposer_needs_hidden:
             decode_sizes = ()
         self.cuda_graphs = DecodeCudaGraphs(decode_sizes, max_num_seqs, device, num_kv_groups)
         mode = config.device.cudagraph_mode
@@ -273,8 +294,11 @@ class ModelRunner:
         return (num_blocks, layers, 2, self.block_size, m.num_kv_heads, m.head_size)
 
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block id over every cache it indexes: the target's, and a model
+        proposer's (its KV shares the target's block ids, so the pool is sized on both)."""
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return int(np.prod(self.kv_cache_shape(1))) * elem
+        own = int(np.prod(self.kv_cache_shape(1))) * elem
+        return own + self._proposer_call("kv_bytes_per_block", 0)
 
     def profile_run(self, scratch_kv_cache: torch.Tensor) -> None:
         """One eager forward of `max_num_batched_tokens` tokens (in requests of at most 1024
@@ -340,6 +364,7 @@ class ModelRunner:
         """
         self.kv_cache = kv_cache
         self.kv_caches = [kv_cache[:, i] for i in self._layer_slots]
+        self._proposer_call("initialize_kv_cache", None, kv_cache.shape[0])
         best = self.attn_backend.tune(
             self.kv_caches[0],
             num_heads=self.model.num_heads,
@@ -497,6 +522,8 @@ class ModelRunner:
     def _sampled_logits(self, hidden: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         """The logits of the step's sampled rows (the last query row of each; under
         speculation the last k + 1 rows of a request with k drafts)."""
+        if self.proposer_needs_hidden:
+            self._step_hidden = hidden
         if not inp.sampled_rows:
             return hidden[:0]
         idx = self.staging.to_device(inp.logits_indices, torch.int64)
@@ -567,7 +594,10 @@ class ModelRunner:
         prev_row_of = self._last_step.row_of if self._last_step is not None else {}
         inp = self.input_batch.prepare(so, req_ids, prev_row_of)
         inp.num_decodes = num_decodes
-        if inp.is_decode_only:
+        # A proposer reading the target's hidden states (EAGLE) takes decode steps through
+        # the mixed-step graphs (or piecewise, or eager): the decode graphs keep logits only.
+        decode_path = inp.is_decode_only and not self.proposer_needs_hidden
+        if decode_path:
             graph_size = self.cuda_graphs.size_for(inp.num_reqs)
             mixed_size = None
         else:
@@ -585,9 +615,7 @@ class ModelRunner:
             )
             logits = self._sampled_logits(hidden, inp)
         else:
-            piecewise_size = (
-                None if inp.is_decode_only else self.piecewise_graphs.size_for(inp.total)
-            )
+            piecewise_size = None if decode_path else self.piecewise_graphs.size_for(inp.total)
             path = "eager" if piecewise_size is None else "piecewise_graph"
             logits = self._run_eager(inp, piecewise_size)
 
@@ -618,12 +646,16 @@ class ModelRunner:
             states,
             sampled,
             on_done=lambda: self._writes_done(launch),
-            proposer=self.proposer,
+            proposer=self._step_proposer(inp, so),
             spec_verify_path=path if inp.num_draft is not None else "",
         )
         if self._last_step is not None:
             self._older_steps.append(self._last_step)
         self._last_step = step
+        if isinstance(self.proposer, ModelProposer):
+            # Its drafts run forwards (collectives under TP): every rank runs them now, in
+            # step order, also a rank whose result nobody reads (speculation is synchronous).
+            step.result()
         return step
 
     def _resolve_older_steps(self) -> None:
@@ -633,6 +665,24 @@ class ModelRunner:
         for step in self._older_steps:
             step.result()
         self._older_steps.clear()
+
+    # ----------------------------------------------------------------- proposer seam
+
+    def _proposer_call(self, name: str, default: Any, *args: Any) -> Any:
+        """`name(*args)` of a proposer that runs a model (it keeps a KV cache beside the
+        target's); `default` for host proposers and without speculation."""
+        if not isinstance(self.proposer, ModelProposer):
+            return default
+        return getattr(self.proposer, name)(*args)
+
+    def _step_proposer(self, inp: StepInputs, so: SchedulerOutput) -> Proposer | None:
+        """The proposer `PendingStep.result()` asks for this step's drafts: a model proposer
+        bound to the step's inputs (and the target's hidden states when it reads them)."""
+        if not isinstance(self.proposer, ModelProposer):
+            return self.proposer
+        hidden = self._step_hidden if self.proposer.needs_hidden_states else None
+        self._step_hidden = None
+        return self.proposer.bind_step(inp, hidden, so)
 
     # ----------------------------------------------------------------- shutdown
 
@@ -647,6 +697,7 @@ class ModelRunner:
         self.cuda_graphs.clear()
         self.piecewise_graphs.clear()
         self.mixed_graphs.clear()
+        self._proposer_call("shutdown", None)
         self.kv_caches = []
         self.kv_cache = None
         self._model = None

@@ -350,6 +350,10 @@ class PendingStep:
                     self.sampled_rows, self._proposer.propose(self.states), strict=True
                 ):
                     spec_token_ids[row] = draft
+        elif self._proposer is not None and self.req_ids:
+            # No request sampled (prefill chunks only): a model proposer still writes its KV
+            # for the step's tokens.
+            self._proposer.propose([])
         self._sampler_output = None
         self._output = ModelRunnerOutput(
             req_ids=self.req_ids,

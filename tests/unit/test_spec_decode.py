@@ -56,7 +56,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ({"method": "eagle", "num_speculative_tokens": 2}, "unknown method 'eagle'"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "unknown method 'eagle3'"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, '"model"'),
         ({"method": "magic", "num_speculative_tokens": 2}, "unknown method 'magic'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
@@ -106,10 +107,11 @@ def test_draft_model_of_another_vocabulary_is_refused(tiny_model_path, smollm2_p
     }
     with pytest.raises(ConfigError, match="vocabulary of 512 tokens"):
         EngineArgs(model=str(smollm2_path), speculative_config=spec).create_engine_config()
-    # Same vocabulary: accepted by the config, refused at start (no proposer yet).
+    # Same vocabulary: accepted by the config; its proposer runs a model, so only the model
+    # runner builds it (tests/unit/test_spec_model_proposers.py).
     same = EngineArgs(model=str(tiny_model_path("qwen2")), speculative_config=spec)
     config = same.create_engine_config()
-    with pytest.raises(ConfigError, match="not built yet"):
+    with pytest.raises(ConfigError, match="built by the model runner"):
         build_proposer(config.speculative, 512)
 
 
@@ -520,11 +522,13 @@ def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
     sched.add_request(request)
     so = sched.schedule()
     drafted: list[bool] = []
+    told: list[bool] = []  # the runner told its proposals after this step are dropped
     token = 100
     for step in range(14):
         # Every draft is rejected until step 10, then every draft is accepted.
         drafts = so.scheduled_spec_decode_tokens.get("r", [])
         drafted.append(bool(drafts))
+        told.append("r" in so.no_draft_req_ids)
         emitted = [*drafts, token] if step >= 10 else [token]
         sched.update_from_output(so, ModelRunnerOutput(["r"], [emitted], spec_token_ids=[[1, 2]]))
         assert request.num_computed_tokens == request.num_tokens - 1
@@ -535,6 +539,9 @@ def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
     assert SPEC_BACKOFF_AFTER == 2
     assert drafted[:12] == [False, True, True, False, True, False, False, True] + [False] * 4
     assert drafted[12:] == [True, True]  # accepted again: no more skipping
+    # Steps planned while backing off tell the runner (a model proposer drafts nothing then).
+    assert told == [False] * 5 + [True, False, False, True, True, True] + [False] * 3
+    assert all(not drafted[i + 1] for i in range(13) if told[i])
     sched.finish_requests("r", request.status.FINISHED_ABORTED)
     assert sched.kv_cache_manager.block_pool.is_whole
 
