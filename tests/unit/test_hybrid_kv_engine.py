@@ -158,3 +158,12 @@ def test_gemma3_hybrid_cache_with_ngram_speculation(tiny_model_path) -> None:
     # Some drafts accepted, some rolled back.
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert tokens == reference
+
+
+def test_gemma3_hybrid_cache_refuses_a_model_proposer(tiny_model_path) -> None:
+    """A draft model's cache follows one block table: with several groups it is refused at
+    start, naming the way out."""
+    path = tiny_model_path("gemma3")
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="disable-hybrid-kv-cache-manager"):
+        LLM(str(path), device="cpu", dtype="float32", speculative_config=spec)
