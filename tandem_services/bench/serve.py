@@ -20,6 +20,10 @@ plots. Module layout: `workload` (what and when), `client` (gRPC / SSE clients, 
         --random-range-ratio 0.5 --random-output-len 200 --ignore-eos --num-prompts 150 \
         --request-rate 5,15,25,inf --burstiness 1 --seed 0     # the issue-14 load
 
+Before anything is sent, `/v1/models` of the frontend's HTTP address (`--url` with `--backend
+http`, `--ready-url`, or the launched deployment's) is polled until it answers 200, for at most
+`--ready-check-timeout-sec` (ready.py): the frontend answers 503 until a worker serves.
+
 `--compare-offline` runs the same prompts and arrival times through an `EngineCore` stepped in
 this process (no services, no detokenization), then through the services, and reports the
 throughput and TTFT differences.
@@ -56,6 +60,7 @@ from tandem_services.bench.metrics import (
     record_times,
     summarize,
 )
+from tandem_services.bench.ready import NotReadyError, wait_until_serving
 from tandem_services.bench.workload import Workload, arrival_times, file_workload, random_workload
 
 __all__ = ["build_parser", "main", "percentile", "run_offline", "run_paired"]
@@ -243,6 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="frontend address (gRPC host:port, or http://host:port with --backend http)",
     )
     target.add_argument("--launch", action="store_true", help="start `tandem serve` here")
+    target.add_argument(
+        "--ready-url",
+        default="",
+        help="the frontend's HTTP address whose /v1/models is polled until 200 before the load "
+        "(default: --url with --backend http; with --backend grpc only the channel is awaited)",
+    )
+    target.add_argument(
+        "--ready-check-timeout-sec",
+        type=float,
+        default=600.0,
+        help="how long to wait for /v1/models to answer 200 before giving up",
+    )
     target.add_argument("--unified", action="store_true", help="with --launch: unified workers")
     target.add_argument("--backend", choices=["grpc", "http"], default="grpc")
     target.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""))
@@ -501,6 +518,15 @@ def main(argv: list[str]) -> int:
     if ns.backend == "http" and not url.startswith("http"):
         url = f"http://{url}"
     try:
+        ready_url = ns.ready_url or (url if ns.backend == "http" else "")
+        if deployment is not None:
+            ready_url = deployment.http_address
+        if ready_url:
+            try:
+                wait_until_serving(ready_url, ns.ready_check_timeout_sec, ns.api_key)
+            except NotReadyError as exc:
+                print(f"tandem bench serve: {exc}", file=sys.stderr, flush=True)
+                return 1
         target = Target(ns.backend, url, ns.api_key, ns.model, ns.ignore_eos)
 
         def run(wl: Workload, rate: float) -> LoadRun:
