@@ -48,7 +48,7 @@ else
   KERNELS=(--device cpu --dtype float16 --prefill 2x64,1x160 --decode 3x200 --check-rows 16)
   KERNEL_ENV=(TRITON_INTERPRET=1)
   MODEL=${SERVE_MODEL:-default}
-  ENGINE=(--device cpu --max-model-len 512)
+  ENGINE=(--device cpu --max-model-len 512 --max-num-batched-tokens 128)
   LOAD=(--num-prompts 10 --random-input-len 16 --random-output-len 6 --long-input-len 300
     --long-range-ratio 0.3 --long-output-len 4 --long-fraction 0.2)
 fi

@@ -5,7 +5,9 @@ health.py), and clients of vLLM poll it as the readiness signal; so does `tandem
 given `--url` of a running server: it polls `GET /v1/models` until the answer is 200, sleeping
 what Retry-After asks (capped) between tries and retrying refused connections, and gives up
 after `--ready-check-timeout-sec` (vLLM's flag) with a message naming the URL and the last
-answer. Nothing is timed before it returns.
+answer; a 401/403 (a wrong API key) ends the wait at once, a 404 (a server without
+`/v1/models`, e.g. bench's own stream server) is not waited on. Nothing is timed before it
+returns.
 
 With `--backend grpc` the frontend's HTTP address is `--ready-url`: without it only the gRPC
 channel is awaited (a gRPC `Generate` is queued by the scheduler, not refused, until a worker
@@ -73,7 +75,10 @@ def wait_until_serving(
         except urllib.error.HTTPError as exc:
             body = exc.read()[:200].decode("utf-8", "replace")
             last = f"HTTP {exc.code}: {body}"
-            if exc.code in (401, 403, 404):  # waiting will not change these
+            if exc.code == 404:  # not an OpenAI server's /v1/models: nothing to wait for
+                log(f"{target} answered 404: readiness not awaited")
+                return time.monotonic() - t0
+            if exc.code in (401, 403):  # waiting will not change these
                 raise NotReadyError(f"{target} answered {last}") from None
             pause = _retry_after_s(exc.headers.get("retry-after"))
         except (urllib.error.URLError, OSError) as exc:
