@@ -386,16 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                 missing[name] = "CUDA only"
         except Unavailable as exc:
             missing[name] = str(exc)
-    rows = [
-        run_shape("prefill", r, n, backends, dev, dtype, ceilings, ns.check_rows, missing)
-        for r, n in prefill
-    ]
-    rows += [
-        run_shape("decode", r, n, backends, dev, dtype, ceilings, ns.check_rows, missing)
-        for r, n in decode
-    ]
     from tandem_kernels import paged_attention
 
+    rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {
         "benchmark": "attention_kernels",
         "date": dt.datetime.now().isoformat(timespec="seconds"),
@@ -410,18 +403,24 @@ def main(argv: list[str] | None = None) -> int:
             "decode": paged_attention.decode_tuning_log,
         },
         "shapes": rows,
-        "wall_s": time.perf_counter() - t0,
     }
+    for kind, shapes in (("prefill", prefill), ("decode", decode)):
+        for r, n in shapes:
+            rows.append(
+                run_shape(kind, r, n, backends, dev, dtype, ceilings, ns.check_rows, missing)
+            )
+            result["wall_s"] = time.perf_counter() - t0
+            if ns.out:  # after every shape: a run cut short keeps what it measured
+                with open(ns.out, "w") as f:
+                    json.dump(result, f, indent=1)
     mismatched = [
         f"{r['kind']} {r['num_reqs']}x{r['seq_len']} {name}"
         for r in rows
         for name, res in r["backends"].items()
         if res.get("matches_reference") is False
     ]
-    print(f"wall {result['wall_s']:.0f} s; mismatches: {', '.join(mismatched) or 'none'}")
+    print(f"wall {time.perf_counter() - t0:.0f} s; mismatches: {', '.join(mismatched) or 'none'}")
     if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(result, f, indent=1)
         print(f"wrote {ns.out}")
     return 1 if mismatched else 0
 

@@ -485,9 +485,35 @@ def long_context_main(argv: list[str]) -> int:
         p.error(str(exc))
     rates = [math.inf if x.strip() == "inf" else float(x) for x in ns.request_rate.split(",")]
     stem = ns.name or "serving-long-context"
+    rows: list[dict[str, Any]] = []
+    out = Path(ns.out_dir) / f"{stem}.json"
+
+    def write_report() -> None:
+        """The JSON so far (rewritten after every load: a run cut short keeps what it did)."""
+        report = {
+            "benchmark": "serving_long_context",
+            "date": dt.datetime.now().isoformat(timespec="seconds"),
+            "args": {k: v for k, v in vars(ns).items() if isinstance(v, str | int | float | bool)},
+            "workload": {
+                "num_prompts": ns.num_prompts,
+                "num_long": sum(is_long),
+                "long_prompt_tokens": [
+                    len(q) for q, f in zip(mixed.prompts, is_long, strict=True) if f
+                ],
+                "short_prompt_tokens": {
+                    "short-only": sum(len(q) for q in short_only.prompts),
+                    "mixed": sum(
+                        len(q) for q, f in zip(mixed.prompts, is_long, strict=True) if not f
+                    ),
+                },
+            },
+            "runs": rows,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
     set_cpu_threads(ns)
     deployment = launch(ns, stem) if ns.launch else None
-    rows: list[dict[str, Any]] = []
     try:
         if deployment is not None:
             url = deployment.grpc_address if ns.backend == "grpc" else deployment.http_address
@@ -528,6 +554,7 @@ def long_context_main(argv: list[str]) -> int:
                 )
                 summary = class_summary(run.results, flags)
                 rows.append({"rate": rate, "load": load, "duration_s": run.duration_s, **summary})
+                write_report()
                 sh, lg = summary["short"], summary["long"]
 
                 def pair(d: dict[str, float]) -> str:
@@ -542,26 +569,6 @@ def long_context_main(argv: list[str]) -> int:
     finally:
         if deployment is not None:
             deployment.stop()
-    report = {
-        "benchmark": "serving_long_context",
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "args": {k: v for k, v in vars(ns).items() if isinstance(v, str | int | float | bool)},
-        "workload": {
-            "num_prompts": ns.num_prompts,
-            "num_long": sum(is_long),
-            "long_prompt_tokens": [
-                len(q) for q, f in zip(mixed.prompts, is_long, strict=True) if f
-            ],
-            "short_prompt_tokens": {
-                "short-only": sum(len(q) for q in short_only.prompts),
-                "mixed": sum(len(q) for q, f in zip(mixed.prompts, is_long, strict=True) if not f),
-            },
-        },
-        "runs": rows,
-    }
-    out = Path(ns.out_dir) / f"{stem}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {out}")
     failed = [r for r in rows if r["short"]["num_ok"] + r["long"]["num_ok"] == 0]
     return 1 if failed else 0
