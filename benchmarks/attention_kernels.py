@@ -181,9 +181,16 @@ def flash_attn_runs(batch: PagedBatch, decode: bool) -> Run:
     return lambda: varlen(**kwargs)
 
 
+def sdpa_rows(out: torch.Tensor) -> torch.Tensor:
+    """SDPA's `[R, H, new, D]` output as the flattened batch's `[R * new, H, D]` rows (a copy
+    made for the check only: the timed call returns SDPA's own layout)."""
+    return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
+
+
 def sdpa_runs(batch: PagedBatch, decode: bool) -> tuple[Run, str]:
-    """SDPA on dense K/V, and which path: `gqa` (enable_gqa) or `expanded` (K/V heads repeated,
-    for kernels without GQA). On CUDA only memory-safe kernels may run (no math backend)."""
+    """SDPA on dense K/V (its output `[R, H, new, D]`, see `sdpa_rows`), and which path: `gqa`
+    (enable_gqa) or `expanded` (K/V heads repeated, for kernels without GQA). On CUDA only
+    memory-safe kernels may run (no math backend)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     b = batch
@@ -196,10 +203,9 @@ def sdpa_runs(batch: PagedBatch, decode: bool) -> tuple[Run, str]:
 
     def call(kk: torch.Tensor, vv: torch.Tensor, gqa: bool) -> torch.Tensor:
         with sdpa_kernel(backends):
-            o = torch.nn.functional.scaled_dot_product_attention(
+            return torch.nn.functional.scaled_dot_product_attention(
                 q, kk, vv, scale=b.scale, is_causal=causal, enable_gqa=gqa
             )
-        return o.transpose(1, 2).reshape(b.query.shape)
 
     try:
         call(k, v, True)
@@ -301,6 +307,8 @@ def run_shape(
             else:
                 raise ValueError(f"unknown backend {name!r}")
             out = run()
+            if name == "sdpa":
+                out = sdpa_rows(out)
             err = 0.0
             ok = True
             for idx, ref in checks:
