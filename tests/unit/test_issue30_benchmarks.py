@@ -13,9 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.attention_kernels import main as kernels_main
 from benchmarks.attention_kernels import parse_shapes
+from benchmarks.attention_kernels import sdpa_rows as kernels_rows
 from benchmarks.serving import class_summary, long_context_workloads
 from tandem_services.bench.metrics import RequestResult
 from tandem_services.bench.ready import NotReadyError, wait_until_serving
@@ -73,6 +75,19 @@ def test_kernel_table_checks_sdpa_against_the_reference(tmp_path: Path) -> None:
     assert decode["kv_bytes"] == 3 * 50 * 8 * 128 * 2 * 4
     with pytest.raises(ValueError, match="REQUESTSxTOKENS"):
         parse_shapes("8x")
+
+
+def test_kernel_table_reports_a_wrong_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import benchmarks.attention_kernels as kernels
+
+    monkeypatch.setattr(kernels, "sdpa_rows", lambda o: torch.zeros_like(kernels_rows(o)))
+    out = tmp_path / "k.json"
+    argv = ["--device", "cpu", "--dtype", "float32", "--prefill", "1x24", "--decode", ""]
+    assert kernels_main([*argv, "--backends", "sdpa", "--out", str(out)]) == 1
+    (row,) = json.loads(out.read_text())["shapes"]
+    assert row["backends"]["sdpa"]["matches_reference"] is False
 
 
 @contextlib.contextmanager
