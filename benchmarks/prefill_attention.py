@@ -4,6 +4,9 @@ For each shape (requests x new tokens, over cached context tokens), checks the k
 against SDPA, then times SDPA, the kernel's default config and each tile config. Causal
 FLOPs (QK^T and PV over the visible keys) over the median time give TFLOP/s.
 
+`make_paged_batch` and `causal_flops` are shared with `benchmarks.attention_kernels` (the
+issue-30 table of every backend).
+
     python -m benchmarks.prefill_attention --out prefill_attention.json
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,32 +30,96 @@ CONFIGS = [(16, 64, 4, 3), (32, 32, 4, 3), (32, 64, 8, 3), (32, 64, 4, 2), (32, 
            (64, 64, 8, 2), (16, 32, 4, 4)]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class PagedBatch:
+    """`num_reqs` requests of `new` query rows each over `ctx` cached tokens (seq_len = ctx +
+    new), K/V in a paged cache `[num_blocks, 2, block, Hkv, D]` whose blocks are dealt to the
+    requests in a shuffled order (as in a pool after churn)."""
+
+    query: torch.Tensor  # [num_reqs * new, H, D]
+    kv_cache: torch.Tensor
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_table: torch.Tensor  # [num_reqs, blocks per request] int32
+    num_reqs: int
+    new: int
+    ctx: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.ctx + self.new
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.query.shape[-1])
+
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gathered through the block table: two `[R, Hkv, seq_len, D]` tensors."""
+        kv = self.kv_cache[self.block_table.long()]  # [R, blocks, 2, bs, Hkv, D]
+        num_kv_heads, head_size = kv.shape[-2], kv.shape[-1]
+        kv = kv.permute(0, 2, 4, 1, 3, 5).reshape(self.num_reqs, 2, num_kv_heads, -1, head_size)
+        return kv[:, 0, :, : self.seq_len].contiguous(), kv[:, 1, :, : self.seq_len].contiguous()
+
+    def dense_query(self) -> torch.Tensor:
+        """The query as `[R, H, new, D]` (a view)."""
+        heads, head_size = self.query.shape[1:]
+        return self.query.view(self.num_reqs, self.new, heads, head_size).transpose(1, 2)
+
+
+def make_paged_batch(
+    num_reqs: int,
+    new: int,
+    ctx: int,
+    dev: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    num_heads: int = NUM_HEADS,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_size: int = HEAD_SIZE,
+    block_size: int = BLOCK_SIZE,
+    seed: int = 0,
+) -> PagedBatch:
+    """Random query and cache of the given shape on `dev` (see `PagedBatch`)."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    seq = ctx + new
+    blocks_per_req = -(-seq // block_size)
+    num_blocks = num_reqs * blocks_per_req
+    cache = torch.randn(
+        (num_blocks, 2, block_size, num_kv_heads, head_size), generator=gen, device=dev, dtype=dtype
+    )
+    perm = torch.randperm(num_blocks, generator=gen, device=dev)
+    return PagedBatch(
+        query=torch.randn(
+            (num_reqs * new, num_heads, head_size), generator=gen, device=dev, dtype=dtype
+        ),
+        kv_cache=cache,
+        query_start_loc=torch.arange(0, (num_reqs + 1) * new, new, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((num_reqs,), seq, dtype=torch.int32, device=dev),
+        block_table=perm.view(num_reqs, blocks_per_req).to(torch.int32),
+        num_reqs=num_reqs,
+        new=new,
+        ctx=ctx,
+    )
+
+
+def causal_flops(
+    num_reqs: int, new: int, ctx: int, num_heads: int = NUM_HEADS, head_size: int = HEAD_SIZE
+) -> float:
+    """FLOPs of QK^T and PV over the visible keys only: row j of the new tokens sees ctx + j + 1
+    keys (a bottom-right aligned causal mask)."""
+    visible = num_reqs * (new * ctx + new * (new + 1) / 2)
+    return 4 * visible * num_heads * head_size
+
+
 def run_shape(num_reqs: int, new: int, ctx: int, dev: torch.device) -> dict[str, Any]:
     import triton
 
-    gen = torch.Generator(device=dev).manual_seed(0)
-    seq = ctx + new
-    blocks_per_req = -(-seq // BLOCK_SIZE)
-    num_blocks = num_reqs * blocks_per_req
-    cache = torch.randn(
-        (num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE),
-        generator=gen,
-        device=dev,
-        dtype=torch.bfloat16,
-    )
-    perm = torch.randperm(num_blocks, generator=gen, device=dev)
-    block_table = perm.view(num_reqs, blocks_per_req).to(torch.int32)
-    seq_lens = torch.full((num_reqs,), seq, dtype=torch.int32, device=dev)
-    qsl = torch.arange(0, (num_reqs + 1) * new, new, dtype=torch.int32, device=dev)
-    query = torch.randn(
-        (num_reqs * new, NUM_HEADS, HEAD_SIZE), generator=gen, device=dev, dtype=torch.bfloat16
-    )
-    scale = 1.0 / math.sqrt(HEAD_SIZE)
-    # Dense K/V [R, Hkv, seq, D] gathered through the block table.
-    kv = cache[block_table.long()]  # [R, blocks, 2, bs, Hkv, D]
-    kv = kv.permute(0, 2, 4, 1, 3, 5).reshape(num_reqs, 2, NUM_KV_HEADS, -1, HEAD_SIZE)
-    k_dense, v_dense = kv[:, 0, :, :seq].contiguous(), kv[:, 1, :, :seq].contiguous()
-    q_dense = query.view(num_reqs, new, NUM_HEADS, HEAD_SIZE).transpose(1, 2)
+    batch = make_paged_batch(num_reqs, new, ctx, dev)
+    query, cache, qsl = batch.query, batch.kv_cache, batch.query_start_loc
+    seq_lens, block_table, scale = batch.seq_lens, batch.block_table, batch.scale
+    seq = batch.seq_len
+    k_dense, v_dense = batch.dense_kv()
+    q_dense = batch.dense_query()
     # Row j of the new tokens sees keys 0 .. ctx + j: a bottom-right aligned causal mask.
     mask = torch.ones(new, seq, dtype=torch.bool, device=dev).tril(diagonal=ctx)
 
@@ -67,8 +135,7 @@ def run_shape(num_reqs: int, new: int, ctx: int, dev: torch.device) -> dict[str,
         )
 
     ref = sdpa().transpose(1, 2).reshape(num_reqs * new, NUM_HEADS, HEAD_SIZE)
-    visible = num_reqs * (new * ctx + new * (new + 1) / 2)
-    flops = 4 * visible * NUM_HEADS * HEAD_SIZE
+    flops = causal_flops(num_reqs, new, ctx)
     res: dict[str, Any] = {"num_reqs": num_reqs, "new_tokens": new, "context": ctx}
     ms = triton.testing.do_bench(sdpa, return_mode="median")
     res["sdpa_tflops"] = flops / ms / 1e9

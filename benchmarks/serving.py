@@ -15,6 +15,17 @@ flags and seed (one with `--unified`), then merge the two reports, rate by rate,
 
     python -m benchmarks.serving compare DISAGG.json UNIFIED.json --out compare.json
 
+Long prompts beside short chats (issue 30): `--num-prompts` requests at each `--request-rate`,
+twice against one deployment: short prompts only (`tandem bench serve`'s random workload flags),
+then the same arrival times with `--long-fraction` of them (10%) long, `--long-input-len` x
+(1 +- `--long-range-ratio`) tokens (20,000 x (1 +- 0.6): 8k-32k), fresh short prompts (no
+prefix-cache hit carries over). Reports TTFT p50 / p99 of the short and the long requests and
+TPOT p50 / p99 of the short streams in each load (the H200 command: scripts/gpu_issue30.sh):
+
+    python -m benchmarks.serving long-context --launch --unified --model random:llama-3.1-8b \
+        --max-model-len 32832 --random-input-len 1000 --random-range-ratio 0.5 \
+        --random-output-len 200 --num-prompts 120 --request-rate 4 --out-dir /tmp/lc
+
 The load generator's own cost: the issue-14 load (random 500-1,500 token prompts, 100-300
 output tokens, ignore_eos, 150 requests, Poisson at 5, 15, 25 req/s) from `tandem bench
 serve`'s clients against `tandem_services.bench.stream_server` (a real gRPC / SSE server in its own
@@ -29,11 +40,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
 from pathlib import Path
 from typing import Any
 
 from tandem_services.bench.serve import percentile
+from tandem_services.bench.workload import Workload, random_workload
 
 DEFAULTS = ["--launch", "--compare-offline", "--request-rate", "2,4,inf"]
 
@@ -375,9 +388,197 @@ def client_cost_main(argv: list[str]) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- long context
+
+
+def long_context_workloads(
+    num: int,
+    short: tuple[int, int, float],
+    long: tuple[int, int, float],
+    long_fraction: float,
+    vocab: int,
+    seed: int,
+) -> tuple[Workload, Workload, list[bool]]:
+    """The two loads of `long-context`, `num` requests each at the same arrival offsets:
+    short prompts only, and the mixed load where `round(num * long_fraction)` requests at
+    seeded positions are long (`(input_len, output_len, range_ratio)` each, vLLM's random
+    dataset). The two loads' short prompts are drawn apart (no prefix-cache hit carries from
+    one to the other). Returns (short only, mixed, which requests of the mixed load are long)."""
+    if not 0.0 <= long_fraction <= 1.0:
+        raise ValueError(f"--long-fraction must be in [0, 1], got {long_fraction}")
+    num_long = round(num * long_fraction)
+    rng = random.Random(seed + 7)
+    is_long = [False] * num
+    for i in rng.sample(range(num), num_long):
+        is_long[i] = True
+    short_only = random_workload(num, *short, vocab, seed)
+    fresh_short = random_workload(num - num_long, *short, vocab, seed + 1)
+    longs = random_workload(num_long, *long, vocab, seed + 2)
+    prompts, outs = [], []
+    next_short, next_long = iter(range(num - num_long)), iter(range(num_long))
+    for flag in is_long:
+        src, k = (longs, next(next_long)) if flag else (fresh_short, next(next_short))
+        prompts.append(src.prompts[k])
+        outs.append(src.output_lens[k])
+    return short_only, Workload(prompts, outs), is_long
+
+
+def class_summary(results: list[Any], is_long: list[bool]) -> dict[str, Any]:
+    """TTFT (ms, p50 / p99) of the long and the short requests that finished, TPOT (ms, p50 /
+    p99) and output tokens of the short streams, counts."""
+
+    def stats(values: list[float]) -> dict[str, float]:
+        ms = [v * 1000 for v in values]
+        return {"p50": percentile(ms, 50), "p99": percentile(ms, 99)} if ms else {}
+
+    out: dict[str, Any] = {}
+    for name, want in (("short", False), ("long", True)):
+        mine = [r for r, flag in zip(results, is_long, strict=True) if flag == want]
+        ok = [r for r in mine if r.ok]
+        out[name] = {
+            "num": len(mine),
+            "num_ok": len(ok),
+            "ttft_ms": stats([r.ttft_s for r in ok]),
+            "tpot_ms": stats([r.tpot_s for r in ok if r.output_len > 1]),
+            "prompt_tokens": sum(r.prompt_len for r in mine),
+        }
+        errors = sorted({r.error for r in mine if not r.ok and r.error})
+        if errors:
+            out[name]["errors"] = errors[:5]
+    return out
+
+
+def long_context_main(argv: list[str]) -> int:
+    """Long prompts beside short chats against short chats alone, one deployment, one run."""
+    import datetime as dt
+
+    from tandem.loader import load_hf_config, load_tokenizer, resolve_model_path
+    from tandem_services.bench.client import Target, run_load
+    from tandem_services.bench.ready import NotReadyError, wait_until_serving
+    from tandem_services.bench.serve import build_parser, launch, set_cpu_threads
+
+    p = build_parser()
+    p.prog = "python -m benchmarks.serving long-context"
+    g = p.add_argument_group("long context")
+    g.add_argument("--long-fraction", type=float, default=0.1, help="share of long requests")
+    g.add_argument("--long-input-len", type=int, default=20000)
+    g.add_argument("--long-output-len", type=int, default=64)
+    g.add_argument(
+        "--long-range-ratio", type=float, default=0.6, help="20,000 x (1 +- 0.6): 8k-32k"
+    )
+    ns = p.parse_args(argv)
+    if not ns.url and not ns.launch:
+        p.error("give --url of a running frontend or --launch")
+    model_path = resolve_model_path(ns.model, ns.cache_dir or None)
+    tokenizer = load_tokenizer(model_path)
+    vocab = int(getattr(load_hf_config(model_path), "vocab_size", len(tokenizer)))
+    try:
+        short_only, mixed, is_long = long_context_workloads(
+            ns.num_prompts,
+            (ns.input_len, ns.output_len, ns.range_ratio),
+            (ns.long_input_len, ns.long_output_len, ns.long_range_ratio),
+            ns.long_fraction,
+            vocab,
+            ns.seed,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+    rates = [math.inf if x.strip() == "inf" else float(x) for x in ns.request_rate.split(",")]
+    stem = ns.name or "serving-long-context"
+    rows: list[dict[str, Any]] = []
+    out = Path(ns.out_dir) / f"{stem}.json"
+
+    def write_report() -> None:
+        """The JSON so far (rewritten after every load: a run cut short keeps what it did)."""
+        report = {
+            "benchmark": "serving_long_context",
+            "date": dt.datetime.now().isoformat(timespec="seconds"),
+            "args": {k: v for k, v in vars(ns).items() if isinstance(v, str | int | float | bool)},
+            "workload": {
+                "num_prompts": ns.num_prompts,
+                "num_long": sum(is_long),
+                "long_prompt_tokens": [
+                    len(q) for q, f in zip(mixed.prompts, is_long, strict=True) if f
+                ],
+                "short_prompt_tokens": {
+                    "short-only": sum(len(q) for q in short_only.prompts),
+                    "mixed": sum(
+                        len(q) for q, f in zip(mixed.prompts, is_long, strict=True) if not f
+                    ),
+                },
+            },
+            "runs": rows,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+    set_cpu_threads(ns)
+    deployment = launch(ns, stem) if ns.launch else None
+    try:
+        if deployment is not None:
+            url = deployment.grpc_address if ns.backend == "grpc" else deployment.http_address
+            ready_url = deployment.http_address
+        else:
+            url = ns.url
+            ready_url = ns.ready_url or (url if ns.backend == "http" else "")
+        if ns.backend == "http" and not url.startswith("http"):
+            url = f"http://{url}"
+        if ready_url:
+            try:
+                wait_until_serving(ready_url, ns.ready_check_timeout_sec, ns.api_key)
+            except NotReadyError as exc:
+                print(f"long-context: {exc}", file=sys.stderr, flush=True)
+                return 1
+        target = Target(ns.backend, url, ns.api_key, ns.model, ns.ignore_eos)
+        warm_rng = random.Random(ns.seed + 99)
+        warm = Workload([[warm_rng.randrange(100, 1000) for _ in range(16)]] * 2, [4, 4])
+        run_load(target, warm, math.inf, seed=ns.seed)
+        print(
+            f"{'rate':>6} {'load':<12} {'ok':>7} {'TTFT short p50/p99':>20}"
+            f" {'TTFT long p50/p99':>20} {'TPOT short p50/p99':>20}",
+            flush=True,
+        )
+        for rate in rates:
+            for load, workload, flags in (
+                ("short-only", short_only, [False] * short_only.num_requests),
+                ("mixed", mixed, is_long),
+            ):
+                run = run_load(
+                    target,
+                    workload,
+                    rate,
+                    seed=ns.seed,
+                    burstiness=ns.burstiness,
+                    max_concurrency=ns.max_concurrency,
+                    num_procs=ns.num_client_procs,
+                )
+                summary = class_summary(run.results, flags)
+                rows.append({"rate": rate, "load": load, "duration_s": run.duration_s, **summary})
+                write_report()
+                sh, lg = summary["short"], summary["long"]
+
+                def pair(d: dict[str, float]) -> str:
+                    return f"{d['p50']:.1f}/{d['p99']:.1f}" if d else "-"
+
+                print(
+                    f"{rate:>6g} {load:<12} {sh['num_ok'] + lg['num_ok']:>3}/{len(flags):<3}"
+                    f" {pair(sh['ttft_ms']):>20} {pair(lg['ttft_ms']):>20}"
+                    f" {pair(sh['tpot_ms']):>20}",
+                    flush=True,
+                )
+    finally:
+        if deployment is not None:
+            deployment.stop()
+    print(f"wrote {out}")
+    failed = [r for r in rows if r["short"]["num_ok"] + r["long"]["num_ok"] == 0]
+    return 1 if failed else 0
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["compare"]:
         return compare_main(argv[1:])
+    if argv[:1] == ["long-context"]:
+        return long_context_main(argv[1:])
     if argv[:1] == ["client-cost"]:
         return client_cost_main(argv[1:])
     from tandem_services.bench.serve import main as bench_main

@@ -20,6 +20,10 @@ plots. Module layout: `workload` (what and when), `client` (gRPC / SSE clients, 
         --random-range-ratio 0.5 --random-output-len 200 --ignore-eos --num-prompts 150 \
         --request-rate 5,15,25,inf --burstiness 1 --seed 0     # the issue-14 load
 
+Before anything is sent, `/v1/models` of the frontend's HTTP address (`--url` with `--backend
+http`, `--ready-url`, or the launched deployment's) is polled until it answers 200, for at most
+`--ready-check-timeout-sec` (ready.py): the frontend answers 503 until a worker serves.
+
 `--compare-offline` runs the same prompts and arrival times through an `EngineCore` stepped in
 this process (no services, no detokenization), then through the services, and reports the
 throughput and TTFT differences.
@@ -56,9 +60,10 @@ from tandem_services.bench.metrics import (
     record_times,
     summarize,
 )
+from tandem_services.bench.ready import NotReadyError, wait_until_serving
 from tandem_services.bench.workload import Workload, arrival_times, file_workload, random_workload
 
-__all__ = ["build_parser", "main", "percentile", "run_offline", "run_paired"]
+__all__ = ["build_parser", "launch", "main", "percentile", "run_offline", "run_paired"]
 
 
 async def run_paired(
@@ -243,6 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="frontend address (gRPC host:port, or http://host:port with --backend http)",
     )
     target.add_argument("--launch", action="store_true", help="start `tandem serve` here")
+    target.add_argument(
+        "--ready-url",
+        default="",
+        help="the frontend's HTTP address whose /v1/models is polled until 200 before the load "
+        "(default: --url with --backend http; with --backend grpc only the channel is awaited)",
+    )
+    target.add_argument(
+        "--ready-check-timeout-sec",
+        type=float,
+        default=600.0,
+        help="how long to wait for /v1/models to answer 200 before giving up",
+    )
     target.add_argument("--unified", action="store_true", help="with --launch: unified workers")
     target.add_argument("--backend", choices=["grpc", "http"], default="grpc")
     target.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""))
@@ -370,10 +387,46 @@ def goodput_limits(
     return limits
 
 
+def set_cpu_threads(ns: argparse.Namespace) -> int:
+    """On the CPU without --num-threads: the threads per engine of this machine's cores shared
+    by the workers (and the offline engine, which gets the same). Returns the worker count."""
+    from tandem_services.launcher import default_cpu_threads
+
+    num_workers = ns.num_unified_workers if ns.unified else ns.num_prefill_workers + 1
+    if not ns.num_threads and not ns.device.startswith("cuda") and not ns.gpus:
+        ns.num_threads = default_cpu_threads(num_workers)
+    return int(num_workers)
+
+
+def launch(ns: argparse.Namespace, stem: str) -> Any:
+    """Start `tandem serve` as the parsed `build_parser()` flags say (placement, engine flags,
+    logs under --log-dir or a temp dir); returns the running `Deployment`. ValueError: a
+    placement the launcher refuses."""
+    from tandem.config import SERVING_ENGINE_DEFAULTS, engine_argv
+    from tandem_services.launcher import ServeConfig, start_deployment
+
+    if ns.log_dir:
+        Path(ns.log_dir).mkdir(parents=True, exist_ok=True)
+    config = ServeConfig(
+        model=ns.model,
+        http_port=0,
+        grpc_port=0,
+        unified=ns.unified,
+        api_key=ns.api_key,
+        worker_args=tuple(engine_argv(ns, defaults=SERVING_ENGINE_DEFAULTS)),
+        log_dir=ns.log_dir or tempfile.mkdtemp(prefix=f"tandem-bench-{stem}-logs-"),
+        num_prefill_workers=ns.num_prefill_workers,
+        num_unified_workers=ns.num_unified_workers,
+        num_decode_workers=ns.num_decode_workers,
+        gpus=ns.gpus,
+    )
+    print(f"service logs: {config.log_dir}", flush=True)
+    return start_deployment(config)
+
+
 def main(argv: list[str]) -> int:
-    from tandem.config import SERVING_ENGINE_DEFAULTS, EngineArgs, engine_argv, engine_kwargs_from
+    from tandem.config import EngineArgs, engine_kwargs_from
     from tandem.loader import load_hf_config, load_tokenizer, resolve_model_path
-    from tandem_services.launcher import ServeConfig, default_cpu_threads, start_deployment
 
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -388,10 +441,7 @@ def main(argv: list[str]) -> int:
         percentiles = [float(q) for q in ns.metric_percentiles.split(",") if q.strip()]
     except ValueError as exc:
         parser.error(str(exc))
-    num_workers = ns.num_unified_workers if ns.unified else ns.num_prefill_workers + 1
-    if not ns.num_threads and not ns.device.startswith("cuda") and not ns.gpus:
-        # The offline engine and the workers get the same threads per engine.
-        ns.num_threads = default_cpu_threads(num_workers)
+    num_workers = set_cpu_threads(ns)
     engine_kwargs = engine_kwargs_from(ns)
     model_path = resolve_model_path(ns.model, ns.cache_dir or None)
     tokenizer = load_tokenizer(model_path)
@@ -473,26 +523,10 @@ def main(argv: list[str]) -> int:
     system = "serve"
     url = ns.url
     if ns.launch:
-        if ns.log_dir:
-            Path(ns.log_dir).mkdir(parents=True, exist_ok=True)
         try:
-            config = ServeConfig(
-                model=ns.model,
-                http_port=0,
-                grpc_port=0,
-                unified=ns.unified,
-                api_key=ns.api_key,
-                worker_args=tuple(engine_argv(ns, defaults=SERVING_ENGINE_DEFAULTS)),
-                log_dir=ns.log_dir or tempfile.mkdtemp(prefix=f"tandem-bench-{stem}-logs-"),
-                num_prefill_workers=ns.num_prefill_workers,
-                num_unified_workers=ns.num_unified_workers,
-                num_decode_workers=ns.num_decode_workers,
-                gpus=ns.gpus,
-            )
+            deployment = launch(ns, stem)
         except ValueError as exc:
             parser.error(str(exc))
-        print(f"service logs: {config.log_dir}", flush=True)
-        deployment = start_deployment(config)
         url = deployment.grpc_address if ns.backend == "grpc" else deployment.http_address
         system = "serve-unified" if ns.unified else "serve-disaggregated"
         if num_workers > (1 if ns.unified else 2):
@@ -501,6 +535,15 @@ def main(argv: list[str]) -> int:
     if ns.backend == "http" and not url.startswith("http"):
         url = f"http://{url}"
     try:
+        ready_url = ns.ready_url or (url if ns.backend == "http" else "")
+        if deployment is not None:
+            ready_url = deployment.http_address
+        if ready_url:
+            try:
+                wait_until_serving(ready_url, ns.ready_check_timeout_sec, ns.api_key)
+            except NotReadyError as exc:
+                print(f"tandem bench serve: {exc}", file=sys.stderr, flush=True)
+                return 1
         target = Target(ns.backend, url, ns.api_key, ns.model, ns.ignore_eos)
 
         def run(wl: Workload, rate: float) -> LoadRun:

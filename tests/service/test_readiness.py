@@ -1,11 +1,17 @@
 """Readiness the way clients read it: a frontend started before any worker exists answers
 `/v1/models` and the completion endpoints with 503 and Retry-After (raw HTTP and the official
 `openai` client), while `/health` says why; once a worker serves, `/v1/models` answers 200 and
-the first completion after it is served at once."""
+the first completion after it is served at once. `tandem bench serve --url` started before the
+worker waits for that 200 and then runs its load; given too little time it gives up naming the
+last answer."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from tandem_services.bench.ready import NotReadyError, wait_until_serving
 from tandem_services.frontend.health import NOT_READY_RETRY_AFTER_S
 from tandem_services.launcher import (
     Deployment,
@@ -56,6 +63,7 @@ def test_frontend_answers_503_with_retry_after_until_a_worker_serves(
     workdir.mkdir()
     dep = Deployment(config, {}, workdir)
     deadline = time.monotonic() + 300
+    bench: subprocess.Popen[str] | None = None
     try:
         # The scheduler and the frontend start side by side (the frontend keeps trying to
         # reach the scheduler); no worker exists until the refusals are checked.
@@ -108,6 +116,29 @@ def test_frontend_answers_503_with_retry_after_until_a_worker_serves(
                 client.completions.create(model=model, prompt="Hello", max_tokens=2)
             assert refused.value.status_code == 503
 
+            # The bench client's readiness wait: too little time -> a clear refusal.
+            with pytest.raises(NotReadyError, match=r"did not answer 200 within 0.3 s.*HTTP 503"):
+                wait_until_serving(base, 0.3, log=lambda _: None)
+            # Started now, it waits for the worker below, then runs its load.
+            bench = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "tandem.cli", "bench", "serve"),
+                    *("--url", base, "--backend", "http", "--model", model),
+                    *("--num-prompts", "2", "--input-len", "8", "--output-len", "2"),
+                    *("--warmup", "0", "--no-plots", "--name", "bench"),
+                    *("--out-dir", str(tmp_path), "--ready-check-timeout-sec", "240"),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            assert bench.stdout is not None
+            first = ""  # it says it waits before anything is sent
+            while "waiting for" not in first and (line := bench.stdout.readline()):
+                first += line
+            assert "waiting for" in first and "/v1/models" in first, first
+
             (worker,) = worker_commands(config, dep.scheduler_address)
             dep.services[worker.name] = spawn_service(
                 config, worker.name, worker.module, list(worker.args), workdir
@@ -119,8 +150,16 @@ def test_frontend_answers_503_with_retry_after_until_a_worker_serves(
                 lambda: http.get(base + "/v1/models").status_code == 200, 60, "/v1/models 200"
             )
             assert http.get(base + "/health").status_code == 200
+            bench_out, _ = bench.communicate(timeout=240)
+            assert bench.returncode == 0, first + bench_out
+            assert "200 after" in bench_out, bench_out
+            (run,) = json.loads((tmp_path / "bench.json").read_text())["runs"]
+            assert run["summary"]["num_ok"] == 2, run["summary"]
         assert [m.id for m in client.models.list().data] == [model]
         out = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
         assert out.usage is not None and 1 <= out.usage.completion_tokens <= 3
     finally:
+        if bench is not None and bench.poll() is None:
+            bench.kill()
+            bench.wait()
         dep.stop(timeout_s=GRACE_S + 10)
