@@ -37,7 +37,7 @@ from tandem_kernels.fp8 import (
     quantize_per_row,
     quantize_per_tensor,
 )
-from tandem_kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+from tandem_kernels.rms_norm import add_rms_norm_row, fused_add_rms_norm_ref, rms_norm_ref
 
 QuantStrategy = Literal["token", "tensor", "static"]
 
@@ -88,18 +88,11 @@ def _rms_norm_fp8_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN_SIZE
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    io_dtype = x.dtype
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(io_dtype)
-        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / HIDDEN_SIZE
-    rstd = 1.0 / tl.sqrt(var + eps)
-    normed = (xf * rstd).to(io_dtype).to(tl.float32)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (normed * w).to(io_dtype).to(tl.float32)
+    y = add_rms_norm_row(
+        x_ptr + row * stride_x, residual_ptr + row * stride_r,
+        residual_out_ptr + row * stride_ro, weight_ptr, offs, mask, eps, HIDDEN_SIZE,
+        HAS_RESIDUAL,
+    ).to(tl.float32)  # fmt: skip
     _scale_and_store(y, row, q_ptr + row * stride_q, scale_ptr, amax_ptr, offs, mask, MODE)
 
 

@@ -186,30 +186,22 @@ def w8a16_gemm(
     block_m, block_n, block_k, warps, stages = config or _DEFAULT
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
-    scale_stride = 0 if scale.numel() == 1 else 1
     if block_m < 16:
-        _w8a16_gemv_kernel[grid](
-            *args,
-            scale_stride,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0,
-            num_warps=warps,
-            num_stages=stages,
-        )
-        return out
-    _w8a16_kernel[grid](
+        kernel, extra = _w8a16_gemv_kernel, {}
+    else:
+        # fp32 activations: exact products (tf32 would lose digits); ignored for 16-bit.
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        kernel, extra = _w8a16_kernel, {"INPUT_PRECISION": precision}
+    kernel[grid](
         *args,
-        scale_stride,
+        0 if scale.numel() == 1 else 1,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
-        # fp32 activations: exact products (tf32 would lose digits); ignored for 16-bit.
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps,
         num_stages=stages,
+        **extra,
     )
     return out
 

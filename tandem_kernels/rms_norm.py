@@ -14,6 +14,35 @@ import triton.language as tl
 
 
 @triton.jit
+def add_rms_norm_row(
+    x_row,
+    residual_row,
+    residual_out_row,
+    weight_ptr,
+    offs,
+    mask,
+    eps,
+    HIDDEN_SIZE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """One row: (with HAS_RESIDUAL) `x + residual` rounded to the IO dtype and stored to
+    `residual_out_row`, then RMSNorm times the weight, returned in the IO dtype (the rounding
+    of the module docstring). Shared by this module's kernel and the FP8-writing one."""
+    x = tl.load(x_row + offs, mask=mask, other=0.0)
+    io_dtype = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(residual_row + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(io_dtype)
+        tl.store(residual_out_row + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / HIDDEN_SIZE
+    rstd = 1.0 / tl.sqrt(var + eps)
+    normed = (xf * rstd).to(io_dtype).to(tl.float32)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return (normed * w).to(io_dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -32,18 +61,12 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN_SIZE
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    io_dtype = x.dtype
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(io_dtype)
-        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / HIDDEN_SIZE
-    rstd = 1.0 / tl.sqrt(var + eps)
-    normed = (xf * rstd).to(io_dtype).to(tl.float32)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(io_dtype), mask=mask)
+    y = add_rms_norm_row(
+        x_ptr + row * stride_x, residual_ptr + row * stride_r,
+        residual_out_ptr + row * stride_ro, weight_ptr, offs, mask, eps, HIDDEN_SIZE,
+        HAS_RESIDUAL,
+    )  # fmt: skip
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -228,7 +228,6 @@ class Fp8LinearMethod(LinearMethodBase):
         scheme = self.scheme
         rows, cols = sum(output_partition_sizes), input_size_per_partition
         layer.fp8_scheme = scheme
-        layer.fp8_input_dtype = params_dtype
         if scheme.weight_strategy != "block" and (rows % 16 or cols % 16):
             raise ConfigError(
                 f"{layer.prefix}: FP8 GEMMs need both dims multiples of 16, this rank's "
@@ -326,7 +325,7 @@ class Fp8LinearMethod(LinearMethodBase):
             _w8a16().tune_w8a16(
                 layer.weight.data,
                 layer.weight_scale.data,
-                layer.fp8_input_dtype,
+                layer.params_dtype,
                 self._baseline_name,
                 lambda x, w: self._scaled(layer, x, None, x.dtype, w),
             )
