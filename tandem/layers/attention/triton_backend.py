@@ -10,11 +10,21 @@ path is CUDA-graph capturable: its number of splits is a function of `num_reqs`,
 `num_kv_heads` and `metadata.max_seq_len` (a runner capturing a graph should pass the largest
 length the graph will serve, e.g. max_model_len; any value gives correct results, it only
 changes how the work is cut), and it allocates only buffers sized by those ints.
+
+Prefill rows go through the cascade (`tandem_kernels.cascade_attention`) by default on CUDA:
+the new tokens attend to themselves from the dense `key`/`value` this call receives
+(FlashAttention-2 where torch has it, else our Triton kernel; see `default_dense_impl`), then
+to their cached prefix through the paged cache, merged by log-sum-exp in the paged kernel's
+epilogue. `TANDEM_PREFILL_CASCADE=0` forces the all-paged kernel (`paged_prefill_attention`)
+for A/B; `=1` forces the cascade on any device. Layers with a sliding window and FP8 caches
+always take the all-paged kernel (the dense part has no window, and the dense K/V are not
+the fp8-rounded values the cache holds, against which FP8 results are defined).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import ClassVar
 
 import torch
@@ -23,6 +33,11 @@ from tandem.layers.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     register_attention_backend,
+)
+from tandem_kernels.cascade_attention import (
+    dense_causal_attention,
+    paged_context_attention,
+    prefill_cascade_default,
 )
 from tandem_kernels.paged_attention import (
     paged_decode_attention,
@@ -47,6 +62,11 @@ class TritonAttentionBackend(AttentionBackend):
     graph_kv_write: ClassVar[bool] = True
     # The varlen kernel finds each program's request on the device (`_find_request`).
     full_graph_mixed: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        # Prefill rows through the cascade (True) or the all-paged kernel (False); None:
+        # `prefill_cascade_default` for the device of the first prefill (tests and A/B set it).
+        self.prefill_cascade: bool | None = None
 
     def write_kv(
         self,
@@ -99,59 +119,65 @@ class TritonAttentionBackend(AttentionBackend):
         scales = {"k_scale": k_scale, "v_scale": v_scale}
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens], **scales)
         window = {"sliding_window": sliding_window}
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         seq_lens = metadata.seq_lens[:num_reqs]
         block_table = metadata.block_table[:num_reqs]
+        decode = functools.partial(
+            paged_decode_attention, max_seq_len=metadata.max_seq_len, **scales, **window
+        )
         if metadata.is_decode_only:
-            paged_decode_attention(
-                query,
-                kv_cache,
-                seq_lens,
-                block_table,
-                scale,
-                max_seq_len=metadata.max_seq_len,
-                out=out,
-                **scales,
-                **window,
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            decode(query, kv_cache, seq_lens, block_table, scale, out=out)
+            return self._zero_padding(out, num_tokens)
+        # A mixed step's one-token requests (first) go through the split-K decode kernel,
+        # which reads long contexts at full bandwidth; the rest through a prefill path.
+        nd = metadata.num_decodes if 0 < metadata.num_decodes < num_reqs else 0
+        qsl = metadata.query_start_loc[: num_reqs + 1]
+        prefill_qsl = qsl[nd:] - nd if nd else qsl
+        if self._cascade_applies(query, kv_cache, sliding_window):
+            # Part 1 over every row (a leading decode's row, itself alone, is replaced below).
+            out, lse = dense_causal_attention(
+                query, key, value, qsl, scale, max_query_len=metadata.max_query_len
             )
-        elif 0 < metadata.num_decodes < num_reqs:
-            # Mixed step: its one-token requests (first) through the split-K decode kernel,
-            # which reads long contexts at full bandwidth; the rest through the prefill kernel.
-            nd = metadata.num_decodes
-            paged_decode_attention(
-                query[:nd],
-                kv_cache,
-                seq_lens[:nd],
-                block_table[:nd],
-                scale,
-                max_seq_len=metadata.max_seq_len,
-                out=out[:nd],
-                **scales,
-                **window,
-            )
-            paged_prefill_attention(
+            if nd:
+                decode(query[:nd], kv_cache, seq_lens[:nd], block_table[:nd], scale, out=out[:nd])
+            paged_context_attention(
                 query[nd:],
                 kv_cache,
-                metadata.query_start_loc[nd : num_reqs + 1] - nd,
+                prefill_qsl,
                 seq_lens[nd:],
                 block_table[nd:],
                 scale,
-                out=out[nd:],
-                **scales,
-                **window,
+                out[nd:],
+                lse[:, nd:],
             )
-        else:
-            paged_prefill_attention(
-                query,
-                kv_cache,
-                metadata.query_start_loc[: num_reqs + 1],
-                seq_lens,
-                block_table,
-                scale,
-                out=out,
-                **scales,
-                **window,
-            )
-        if query.shape[0] > num_tokens:
+            return self._zero_padding(out, num_tokens)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if nd:
+            decode(query[:nd], kv_cache, seq_lens[:nd], block_table[:nd], scale, out=out[:nd])
+        paged_prefill_attention(
+            query[nd:],
+            kv_cache,
+            prefill_qsl,
+            seq_lens[nd:],
+            block_table[nd:],
+            scale,
+            out=out[nd:],
+            **scales,
+            **window,
+        )
+        return self._zero_padding(out, num_tokens)
+
+    @staticmethod
+    def _zero_padding(out: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        if out.shape[0] > num_tokens:
             out[num_tokens:].zero_()
         return out
+
+    def _cascade_applies(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, sliding_window: int | None
+    ) -> bool:
+        """The cascade runs prefill rows unless it is off (`prefill_cascade`), the cache is
+        FP8 or the layer has a sliding window."""
+        if self.prefill_cascade is None:
+            self.prefill_cascade = prefill_cascade_default(query.device)
+        return self.prefill_cascade and kv_cache.dtype == query.dtype and not sliding_window
