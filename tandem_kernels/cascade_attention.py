@@ -33,6 +33,7 @@ fp8-rounded values the cache holds), sliding windows, decode-only batches.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -41,10 +42,18 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.paged_attention import (
+    _MIN_TUNE_TOKENS,
     _attend_tile,
     _check_common,
     _find_request,
     _input_precision,
+    _key_json,
+    _may_tune,
+    _shape_key,
+    _ShapeKey,
+    _time_config,
+    paged_prefill_attention,
+    prefill_tuning_active,
 )
 
 _LOG2E = 1.4426950408889634
@@ -55,14 +64,15 @@ _NEG_INIT = tl.constexpr(-1.0e30)
 DENSE_IMPLS = ("flash", "triton")
 
 
-def prefill_cascade_default(device: torch.device) -> bool:
-    """Whether a backend runs prefill through the cascade by default: on CUDA, unless
-    TANDEM_PREFILL_CASCADE=0 (A/B against the all-paged kernel); =1 forces it anywhere (the
-    CPU interpreter included)."""
+# How prefill rows are computed: the all-paged kernel, or the cascade with either dense part.
+PREFILL_PATHS = ("paged", "flash", "triton")
+
+
+def prefill_cascade_setting() -> bool | None:
+    """TANDEM_PREFILL_CASCADE: "0" forces the all-paged kernel (A/B), "1" the cascade on any
+    device (the CPU interpreter included); unset: None, the choice is `prefill_path`'s."""
     flag = os.environ.get("TANDEM_PREFILL_CASCADE", "")
-    if flag in ("0", "1"):
-        return flag == "1"
-    return device.type == "cuda"
+    return None if flag not in ("0", "1") else flag == "1"
 
 
 def flash_dense_supported(query: torch.Tensor) -> bool:
@@ -639,6 +649,70 @@ def paged_context_attention(
         num_stages=num_stages,
     )
     return out
+
+
+# --- choosing the path ---------------------------------------------------------------------
+
+# Shape key -> the path start-up timing picked for this attention shape.
+_prefill_paths: dict[_ShapeKey, str] = {}
+prefill_path_log: list[dict[str, object]] = []
+
+
+def prefill_path(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+) -> str:
+    """How this call's prefill rows should run (one of PREFILL_PATHS), for a cache in the
+    query's dtype and no sliding window. On CUDA, the fastest path measured once per shape
+    key (head size, group, dtype, block size), inside `prefill_tuning()` on the first call
+    with at least `_MIN_TUNE_TOKENS` rows (the engine's start-up profile forward, fresh
+    prompts of up to 1,024 tokens), on that call's own inputs: the all-paged kernel (its own
+    config tuned first), the cascade with FlashAttention-2 where it runs, the cascade with our
+    dense kernel. Untimed (no CUDA, TANDEM_TUNE_KERNELS=0, before the profile forward): the
+    rule, the cascade with `default_dense_impl`; on the CPU, the all-paged kernel."""
+    shape = _shape_key(query.shape[1], kv_cache)
+    picked = _prefill_paths.get(shape)
+    if picked is not None:
+        return picked
+    if not query.is_cuda:
+        return "paged"
+    rule = default_dense_impl(query)
+    if (
+        not _may_tune(query)
+        or not prefill_tuning_active()
+        or query.shape[0] < _MIN_TUNE_TOKENS
+        or torch.cuda.is_current_stream_capturing()
+    ):
+        return rule
+    args = (query, kv_cache, query_start_loc, seq_lens, block_table, scale)
+    runs = {"paged": functools.partial(paged_prefill_attention, *args)}
+    for impl in ("flash", "triton") if flash_dense_supported(query) else ("triton",):
+        runs[impl] = functools.partial(
+            cascade_prefill_attention,
+            query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
+            max_query_len=max_query_len, dense_impl=impl,
+        )  # fmt: skip
+    timings = {}
+    for name, run in runs.items():
+        ms = _time_config(run, iters=3)
+        if ms is not None:
+            timings[name] = ms
+    if not timings:
+        return rule
+    best = min(timings, key=lambda name: timings[name])
+    _prefill_paths[shape] = best
+    prefill_path_log.append(
+        {"key": _key_json(shape), "num_tokens": query.shape[0], "ms": timings, "best": best}
+    )
+    return best
 
 
 # --- the whole cascade ----------------------------------------------------------------------

@@ -18,9 +18,13 @@ if not torch.cuda.is_available():
 from tandem.layers.attention.backend import AttentionMetadata  # noqa: E402
 from tandem.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from tandem_kernels.cascade_attention import (  # noqa: E402
+    PREFILL_PATHS,
     cascade_prefill_attention,
     flash_dense_supported,
+    prefill_path,
+    prefill_path_log,
 )
+from tandem_kernels.paged_attention import prefill_tuning  # noqa: E402
 
 DEV = torch.device("cuda")
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
@@ -146,14 +150,40 @@ def _metadata(s: _Scene, max_query_len: int, max_seq_len: int) -> AttentionMetad
     )
 
 
-def test_backend_default_is_the_cascade_and_keeps_decodes_split() -> None:
+@pytest.mark.parametrize("cascade", [None, True, False])
+def test_backend_paths_keep_decodes_split(cascade: bool | None) -> None:
+    """The backend's default (None: `prefill_path`), forced cascade and forced all-paged
+    kernel all match the reference on a mixed step with two leading decodes."""
     s = _Scene([(900, 1), (3000, 1), (0, 1024), (2048, 512)], torch.bfloat16, seed=5)
     backend = TritonAttentionBackend()
+    backend.prefill_cascade = cascade
     meta = _metadata(s, 1024, 3072)
     meta.num_decodes = 2
     out = backend.forward(s.query, s.key, s.value, s.cache, meta, SCALE)
-    assert backend.prefill_cascade  # on CUDA unless TANDEM_PREFILL_CASCADE=0
     s.check(out, torch.bfloat16)
+
+
+def test_prefill_path_is_timed_at_start_up() -> None:
+    """Inside `prefill_tuning()` the first large call times every path once for its shape
+    key and keeps the fastest; later calls return it without timing."""
+    s = _Scene([(0, 1024), (0, 1024)], torch.bfloat16, seed=8)
+    # Block size 16 and this shape may have been timed already in this process (an engine
+    # test): use a view with another block size for a key of its own.
+    cache = s.cache.reshape(s.cache.shape[0] // 2, 2, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    cache = cache.transpose(1, 2).reshape(-1, 2, 2 * BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    assert cache.shape[2] == 32
+    table = torch.arange(64, dtype=torch.int32, device=DEV).view(2, 32)
+    args = (s.query, s.key, s.value, cache, s.qsl, s.lens, table, SCALE)
+    logged = len(prefill_path_log)
+    with prefill_tuning():
+        path = prefill_path(*args, max_query_len=1024)
+    assert path in PREFILL_PATHS
+    if len(prefill_path_log) > logged:  # timed here (not when TANDEM_TUNE_KERNELS=0)
+        entry = prefill_path_log[-1]
+        assert entry["best"] == path and len(entry["ms"]) >= 2
+        assert entry["ms"][path] == min(entry["ms"].values())
+    assert prefill_path(*args, max_query_len=1024) == path
+    assert len(prefill_path_log) <= logged + 1
 
 
 def test_cascade_in_a_cuda_graph() -> None:

@@ -968,91 +968,6 @@ def case_triton_backend_decode_uses_splits() -> None:
     assert torch.equal(cache[blk, 1, 599 % block_size], value[0])
 
 
-# --- runner -------------------------------------------------------------------------------
-
-
-def _selected_cases(request: pytest.FixtureRequest) -> list[str]:
-    module = sys.modules[__name__]
-    names = {
-        item.callspec.params["case"]
-        for item in request.session.items
-        if getattr(item, "module", None) is module and hasattr(item, "callspec")
-    }
-    return sorted(names & _CASES.keys())
-
-
-@pytest.fixture(scope="module")
-def interp_results(request: pytest.FixtureRequest) -> dict[str, str]:
-    """Run the selected cases in one interpreter child; case name -> "ok" or the traceback."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, __file__, *_selected_cases(request)],
-        env=env,
-        cwd=_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(_RESULTS_MARK):
-            return json.loads(line.removeprefix(_RESULTS_MARK))
-    pytest.fail(f"interpreter child failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-
-
-@pytest.mark.parametrize("case", sorted(_CASES))
-def test_kernel_interp(case: str, interp_results: dict[str, str]) -> None:
-    result = interp_results.get(case, "not run")
-    if result != "ok":
-        pytest.fail(f"{case}:\n{result}", pytrace=False)
-
-
-# --- fused MoE -----------------------------------------------------------------------------
-
-
-@_case(
-    *(
-        {"dtype": d, "block_m": m, "other_rank": o}
-        for d, m, o in [
-            (torch.float32, 16, False),
-            (torch.float16, 16, False),
-            (torch.float32, 32, True),
-        ]
-    )
-)
-def case_fused_moe(dtype: torch.dtype, block_m: int, other_rank: bool) -> None:
-    """Tokens routed to 2 of 5 experts (one expert gets none), odd sizes (masks on every
-    dim); `other_rank`: some ids name experts another rank holds (id >= E): they add nothing."""
-    k = _kernels()
-    gen = torch.Generator().manual_seed(3)
-    num_tokens, hidden, inter, num_experts, top_k = 13, 40, 24, 5, 2
-    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
-    w13 = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype)
-    w2 = (0.2 * torch.randn(num_experts, hidden, inter, generator=gen)).to(dtype)
-    scores = torch.randn(num_tokens, num_experts, generator=gen)
-    scores[:, 3] = -1e9  # expert 3 gets no token
-    topk_weights, topk_ids = scores.softmax(-1).topk(top_k, dim=-1)
-    topk_ids = topk_ids.to(torch.int32)
-    if other_rank:
-        topk_ids[::3, 1] = num_experts
-    sorted_ids, expert_ids, num_post = k.fused_moe.moe_align_block_size(
-        topk_ids, block_m, num_experts
-    )
-    # Every pair appears once, in a tile of its own expert.
-    real = sorted_ids[sorted_ids < num_tokens * top_k].long()
-    mine = (topk_ids.reshape(-1) < num_experts).nonzero().reshape(-1)
-    assert torch.equal(real.sort().values, mine)
-    positions = (sorted_ids < num_tokens * top_k).nonzero().reshape(-1)
-    assert torch.equal(expert_ids[positions // block_m].long(), topk_ids.reshape(-1)[real].long())
-    assert int(num_post) % block_m == 0 and int(num_post) <= sorted_ids.shape[0]
-    config = (block_m, 32, 16, 2, 4, 1)
-    out = k.fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, config)
-    ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
-    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
-    assert ref.abs().max() > 0.1
-    torch.testing.assert_close(out, ref, **_tol(dtype))
-
-
 # --- cascade prefill attention ---------------------------------------------------------------
 
 
@@ -1089,11 +1004,7 @@ def _cascade_scene(
 
 
 @_case(
-    *(
-        {"dtype": d, "heads": h, "head_size": hs}
-        for d in DTYPES
-        for h, hs in ((4, 64), (8, 128))
-    ),
+    *({"dtype": d, "heads": h, "head_size": hs} for d in DTYPES for h, hs in ((4, 64), (8, 128))),
     {"dtype": torch.float32, "heads": 2, "head_size": 32},
     {"dtype": torch.float32, "heads": 6, "head_size": 48},
 )
@@ -1201,6 +1112,91 @@ def case_triton_backend_cascade_steps(dtype: torch.dtype) -> None:
         query, cache, qsl, lens, table, scale, sliding_window=window
     )
     torch.testing.assert_close(out[: len(query)], ref, **_tol(dtype))
+
+
+# --- runner -------------------------------------------------------------------------------
+
+
+def _selected_cases(request: pytest.FixtureRequest) -> list[str]:
+    module = sys.modules[__name__]
+    names = {
+        item.callspec.params["case"]
+        for item in request.session.items
+        if getattr(item, "module", None) is module and hasattr(item, "callspec")
+    }
+    return sorted(names & _CASES.keys())
+
+
+@pytest.fixture(scope="module")
+def interp_results(request: pytest.FixtureRequest) -> dict[str, str]:
+    """Run the selected cases in one interpreter child; case name -> "ok" or the traceback."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__, *_selected_cases(request)],
+        env=env,
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(_RESULTS_MARK):
+            return json.loads(line.removeprefix(_RESULTS_MARK))
+    pytest.fail(f"interpreter child failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_kernel_interp(case: str, interp_results: dict[str, str]) -> None:
+    result = interp_results.get(case, "not run")
+    if result != "ok":
+        pytest.fail(f"{case}:\n{result}", pytrace=False)
+
+
+# --- fused MoE -----------------------------------------------------------------------------
+
+
+@_case(
+    *(
+        {"dtype": d, "block_m": m, "other_rank": o}
+        for d, m, o in [
+            (torch.float32, 16, False),
+            (torch.float16, 16, False),
+            (torch.float32, 32, True),
+        ]
+    )
+)
+def case_fused_moe(dtype: torch.dtype, block_m: int, other_rank: bool) -> None:
+    """Tokens routed to 2 of 5 experts (one expert gets none), odd sizes (masks on every
+    dim); `other_rank`: some ids name experts another rank holds (id >= E): they add nothing."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, hidden, inter, num_experts, top_k = 13, 40, 24, 5, 2
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype)
+    w2 = (0.2 * torch.randn(num_experts, hidden, inter, generator=gen)).to(dtype)
+    scores = torch.randn(num_tokens, num_experts, generator=gen)
+    scores[:, 3] = -1e9  # expert 3 gets no token
+    topk_weights, topk_ids = scores.softmax(-1).topk(top_k, dim=-1)
+    topk_ids = topk_ids.to(torch.int32)
+    if other_rank:
+        topk_ids[::3, 1] = num_experts
+    sorted_ids, expert_ids, num_post = k.fused_moe.moe_align_block_size(
+        topk_ids, block_m, num_experts
+    )
+    # Every pair appears once, in a tile of its own expert.
+    real = sorted_ids[sorted_ids < num_tokens * top_k].long()
+    mine = (topk_ids.reshape(-1) < num_experts).nonzero().reshape(-1)
+    assert torch.equal(real.sort().values, mine)
+    positions = (sorted_ids < num_tokens * top_k).nonzero().reshape(-1)
+    assert torch.equal(expert_ids[positions // block_m].long(), topk_ids.reshape(-1)[real].long())
+    assert int(num_post) % block_m == 0 and int(num_post) <= sorted_ids.shape[0]
+    config = (block_m, 32, 16, 2, 4, 1)
+    out = k.fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, config)
+    ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
+    assert ref.abs().max() > 0.1
+    torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
 def _patch_interpreter_for_numpy_2_4() -> None:

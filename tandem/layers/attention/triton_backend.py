@@ -11,14 +11,16 @@ path is CUDA-graph capturable: its number of splits is a function of `num_reqs`,
 length the graph will serve, e.g. max_model_len; any value gives correct results, it only
 changes how the work is cut), and it allocates only buffers sized by those ints.
 
-Prefill rows go through the cascade (`tandem_kernels.cascade_attention`) by default on CUDA:
-the new tokens attend to themselves from the dense `key`/`value` this call receives
-(FlashAttention-2 where torch has it, else our Triton kernel; see `default_dense_impl`), then
-to their cached prefix through the paged cache, merged by log-sum-exp in the paged kernel's
-epilogue. `TANDEM_PREFILL_CASCADE=0` forces the all-paged kernel (`paged_prefill_attention`)
-for A/B; `=1` forces the cascade on any device. Layers with a sliding window and FP8 caches
-always take the all-paged kernel (the dense part has no window, and the dense K/V are not
-the fp8-rounded values the cache holds, against which FP8 results are defined).
+Prefill rows go through the cascade (`tandem_kernels.cascade_attention`) on CUDA when it
+wins: the new tokens attend to themselves from the dense `key`/`value` this call receives
+(torch's FlashAttention-2 or our Triton kernel), then to their cached prefix through the
+paged cache, merged by log-sum-exp in the paged kernel's epilogue. Which path (all-paged,
+cascade with either dense kernel) is timed once per shape in the start-up profile forward
+(`prefill_path`); untimed, the cascade. `TANDEM_PREFILL_CASCADE=0` forces the all-paged
+kernel (`paged_prefill_attention`) for A/B; `=1` forces the cascade on any device. Layers
+with a sliding window and FP8 caches always take the all-paged kernel (the dense part has no
+window, and the dense K/V are not the fp8-rounded values the cache holds, against which FP8
+results are defined).
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ from tandem.layers.attention.backend import (
     register_attention_backend,
 )
 from tandem_kernels.cascade_attention import (
+    default_dense_impl,
     dense_causal_attention,
     paged_context_attention,
-    prefill_cascade_default,
+    prefill_cascade_setting,
+    prefill_path,
 )
 from tandem_kernels.paged_attention import (
     paged_decode_attention,
@@ -64,9 +68,9 @@ class TritonAttentionBackend(AttentionBackend):
     full_graph_mixed: ClassVar[bool] = True
 
     def __init__(self) -> None:
-        # Prefill rows through the cascade (True) or the all-paged kernel (False); None:
-        # `prefill_cascade_default` for the device of the first prefill (tests and A/B set it).
-        self.prefill_cascade: bool | None = None
+        # Prefill rows through the cascade (True) or the all-paged kernel (False); None: as
+        # `prefill_path` picks (measured at start-up on CUDA). TANDEM_PREFILL_CASCADE sets it.
+        self.prefill_cascade: bool | None = prefill_cascade_setting()
 
     def write_kv(
         self,
@@ -133,10 +137,14 @@ class TritonAttentionBackend(AttentionBackend):
         nd = metadata.num_decodes if 0 < metadata.num_decodes < num_reqs else 0
         qsl = metadata.query_start_loc[: num_reqs + 1]
         prefill_qsl = qsl[nd:] - nd if nd else qsl
-        if self._cascade_applies(query, kv_cache, sliding_window):
+        path = self._prefill_path(
+            query, key, value, kv_cache, qsl, seq_lens, block_table, scale, metadata,
+            sliding_window,
+        )  # fmt: skip
+        if path != "paged":
             # Part 1 over every row (a leading decode's row, itself alone, is replaced below).
             out, lse = dense_causal_attention(
-                query, key, value, qsl, scale, max_query_len=metadata.max_query_len
+                query, key, value, qsl, scale, max_query_len=metadata.max_query_len, impl=path
             )
             if nd:
                 decode(query[:nd], kv_cache, seq_lens[:nd], block_table[:nd], scale, out=out[:nd])
@@ -173,11 +181,28 @@ class TritonAttentionBackend(AttentionBackend):
             out[num_tokens:].zero_()
         return out
 
-    def _cascade_applies(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, sliding_window: int | None
-    ) -> bool:
-        """The cascade runs prefill rows unless it is off (`prefill_cascade`), the cache is
-        FP8 or the layer has a sliding window."""
-        if self.prefill_cascade is None:
-            self.prefill_cascade = prefill_cascade_default(query.device)
-        return self.prefill_cascade and kv_cache.dtype == query.dtype and not sliding_window
+    def _prefill_path(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+        sliding_window: int | None,
+    ) -> str:
+        """The prefill rows' path: "paged" (the all-paged kernel), or the cascade's dense
+        kernel ("flash", "triton").
+        FP8 caches and sliding windows always take the all-paged kernel; otherwise
+        `prefill_cascade` forces either way, and None leaves it to `prefill_path`."""
+        if self.prefill_cascade is False or kv_cache.dtype != query.dtype or sliding_window:
+            return "paged"
+        if self.prefill_cascade:
+            return default_dense_impl(query)
+        return prefill_path(
+            query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
+            max_query_len=metadata.max_query_len,
+        )  # fmt: skip
