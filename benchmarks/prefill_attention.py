@@ -217,7 +217,7 @@ def run_shape(
 
     rates: dict[str, float | str] = {"default": timer("cascade default", cascade(None))}
     impls: dict[str, tuple[str, tuple[int, int, int, int] | None]] = {}
-    if flash_dense_supported(query):
+    if flash_dense_supported(query, NUM_KV_HEADS):
         rates["flash"] = timer("cascade flash", cascade("flash"))
         impls["flash"] = ("flash", None)
     for config in DENSE_CONFIGS:

@@ -75,29 +75,52 @@ def prefill_cascade_setting() -> bool | None:
     return None if flag not in ("0", "1") else flag == "1"
 
 
-def flash_dense_supported(query: torch.Tensor) -> bool:
+def flash_dense_supported(query: torch.Tensor, num_kv_heads: int | None = None) -> bool:
     """torch's FlashAttention-2 takes this query: CUDA sm80+, fp16/bf16, head size a multiple
-    of 8 up to 256, and torch built with it."""
+    of 8 up to 256, torch built with it, and a tiny varlen GQA call of this shape ran once
+    (probed eagerly, once per process and shape; assumed to run while a graph is captured)."""
     head_size = query.shape[-1]
-    return (
+    if not (
         query.is_cuda
         and query.dtype in (torch.float16, torch.bfloat16)
         and head_size % 8 == 0
         and head_size <= 256
+        and os.environ.get("TRITON_INTERPRET") != "1"
         and torch.backends.cuda.is_flash_attention_available()
         and torch.cuda.get_device_capability(query.device)[0] >= 8
-        and os.environ.get("TRITON_INTERPRET") != "1"
-    )
+    ):
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    num_heads = query.shape[1]
+    return _flash_runs(query.device, query.dtype, num_heads, num_kv_heads or num_heads, head_size)
 
 
-def default_dense_impl(query: torch.Tensor) -> str:
+@functools.lru_cache(maxsize=32)
+def _flash_runs(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
+) -> bool:
+    """One varlen causal call (two requests of 3 and 5 tokens) runs and returns the LSE in a
+    layout `_dense_flash` reads."""
+    try:
+        q = torch.randn(8, num_heads, head_size, device=device, dtype=dtype)
+        kv = torch.randn(8, num_kv_heads, head_size, device=device, dtype=dtype)
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+        out, lse = _dense_flash(q, kv, kv, cu, 5, head_size**-0.5)
+        torch.cuda.synchronize(device)
+    except Exception:  # a build without this kernel, an unsupported shape
+        return False
+    return out.shape == q.shape and lse.shape == (num_heads, 8)
+
+
+def default_dense_impl(query: torch.Tensor, num_kv_heads: int | None = None) -> str:
     """The dense part's kernel by rule: FlashAttention-2 where it runs (a tuned CUDA kernel,
     the one SDPA dispatches to on dense K/V), else ours. TANDEM_PREFILL_DENSE=triton|flash
     overrides the rule (benchmarks, A/B)."""
     forced = os.environ.get("TANDEM_PREFILL_DENSE", "")
     if forced in DENSE_IMPLS:
         return forced
-    return "flash" if flash_dense_supported(query) else "triton"
+    return "flash" if flash_dense_supported(query, num_kv_heads) else "triton"
 
 
 # --- part 1: dense varlen causal ----------------------------------------------------------
@@ -136,7 +159,8 @@ def _dense_causal_kernel(
     # Heads vary fastest: the QPK programs sharing a KV head run together and share its tiles
     # in L2.
     head = tl.program_id(0)
-    pid = tl.program_id(1)
+    # Last query blocks (the most keys, causal) first: a shorter tail of the launch.
+    pid = tl.num_programs(1) - 1 - tl.program_id(1)
     req = _find_request(cu_seqlens_ptr, num_reqs, pid, BLOCK_M)
     start = tl.load(cu_seqlens_ptr + req)
     q_len = tl.load(cu_seqlens_ptr + req + 1) - start
@@ -331,7 +355,7 @@ def dense_causal_attention(
     assert query.shape[1] % key.shape[1] == 0 and key.shape[2] == query.shape[2]
     assert key.dtype == query.dtype == value.dtype, (query.dtype, key.dtype, value.dtype)
     assert cu_seqlens.dim() == 1 and cu_seqlens.dtype == torch.int32, cu_seqlens.dtype
-    impl = default_dense_impl(query) if impl is None else impl
+    impl = default_dense_impl(query, key.shape[1]) if impl is None else impl
     assert impl in DENSE_IMPLS, impl
     if impl == "flash":
         num_tokens = query.shape[0]
@@ -684,7 +708,7 @@ def prefill_path(
         return picked
     if not query.is_cuda:
         return "paged"
-    rule = default_dense_impl(query)
+    rule = default_dense_impl(query, kv_cache.shape[3])
     if (
         not _may_tune(query)
         or not prefill_tuning_active()
@@ -694,7 +718,8 @@ def prefill_path(
         return rule
     args = (query, kv_cache, query_start_loc, seq_lens, block_table, scale)
     runs = {"paged": functools.partial(paged_prefill_attention, *args)}
-    for impl in ("flash", "triton") if flash_dense_supported(query) else ("triton",):
+    impls = ("flash", "triton") if flash_dense_supported(query, kv_cache.shape[3]) else ("triton",)
+    for impl in impls:
         runs[impl] = functools.partial(
             cascade_prefill_attention,
             query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,

@@ -110,7 +110,7 @@ class _Scene:
 
 def _impls() -> list[str]:
     probe = torch.empty(1, NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=DEV)
-    return ["flash", "triton"] if flash_dense_supported(probe) else ["triton"]
+    return ["flash", "triton"] if flash_dense_supported(probe, NUM_KV_HEADS) else ["triton"]
 
 
 # (context, new tokens) per request: fresh prompts, chunks after a cached prefix, decodes.

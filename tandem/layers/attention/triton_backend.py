@@ -201,7 +201,7 @@ class TritonAttentionBackend(AttentionBackend):
         if self.prefill_cascade is False or kv_cache.dtype != query.dtype or sliding_window:
             return "paged"
         if self.prefill_cascade:
-            return default_dense_impl(query)
+            return default_dense_impl(query, kv_cache.shape[3])
         return prefill_path(
             query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
             max_query_len=metadata.max_query_len,
