@@ -29,6 +29,13 @@ head counts; `max_query_len` (FlashAttention's grid) may be an upper bound.
 
 Not covered (callers use `paged_prefill_attention`): FP8 caches (the dense K/V are not the
 fp8-rounded values the cache holds), sliding windows, decode-only batches.
+
+Which path runs (`prefill_path`): on CUDA, the fastest of the all-paged kernel, the cascade
+with FlashAttention-2 and the cascade with our dense kernel, timed once per attention shape in
+the engine's start-up profile forward; untimed, the cascade with `default_dense_impl` (FA2
+where a probe call of the shape ran and checked out, else ours). TANDEM_PREFILL_CASCADE=0|1
+forces the all-paged kernel or the cascade; TANDEM_PREFILL_DENSE=flash|triton forces the
+dense kernel.
 """
 
 from __future__ import annotations
@@ -57,7 +64,6 @@ from tandem_kernels.paged_attention import (
 )
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 _NEG_INIT = tl.constexpr(-1.0e30)
 
 # Dense-part kernels: "flash" (torch's FlashAttention-2) or "triton" (ours).
@@ -100,17 +106,27 @@ def flash_dense_supported(query: torch.Tensor, num_kv_heads: int | None = None) 
 def _flash_runs(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
 ) -> bool:
-    """One varlen causal call (two requests of 3 and 5 tokens) runs and returns the LSE in a
-    layout `_dense_flash` reads."""
+    """One varlen causal call (two requests of 3 and 5 tokens) runs, and its LSE is in the
+    layout and base this module uses: the first row of each request sees one key, so its
+    LSE is scale * q.k and its output that key's value."""
     try:
         q = torch.randn(8, num_heads, head_size, device=device, dtype=dtype)
         kv = torch.randn(8, num_kv_heads, head_size, device=device, dtype=dtype)
         cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
-        out, lse = _dense_flash(q, kv, kv, cu, 5, head_size**-0.5)
-        torch.cuda.synchronize(device)
+        scale = head_size**-0.5
+        out, lse = _dense_flash(q, kv, kv, cu, 5, scale)
+        group = num_heads // num_kv_heads
+        k = kv.float().repeat_interleave(group, dim=1)[[0, 3]]  # [2, H, D]
+        want = (q.float()[[0, 3]] * k).sum(-1).t() * scale  # [H, 2]
+        ok = (
+            out.shape == q.shape
+            and lse.shape == (num_heads, 8)
+            and torch.allclose(lse[:, [0, 3]], want, atol=0.05, rtol=0.02)
+            and torch.allclose(out[[0, 3]].float(), k, atol=0.05, rtol=0.02)
+        )
     except Exception:  # a build without this kernel, an unsupported shape
         return False
-    return out.shape == q.shape and lse.shape == (num_heads, 8)
+    return bool(ok)
 
 
 def default_dense_impl(query: torch.Tensor, num_kv_heads: int | None = None) -> str:
