@@ -80,6 +80,17 @@ class PagedBatch:
         kv = kv.permute(0, 2, 4, 1, 3, 5).reshape(self.num_reqs, 2, num_kv_heads, -1, head_size)
         return kv[:, 0, :, : self.seq_len].contiguous(), kv[:, 1, :, : self.seq_len].contiguous()
 
+    def new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' K and V as a step's `forward` receives them: two
+        `[num_reqs * new, Hkv, D]` tensors (what the cascade's dense part reads)."""
+        k, v = self.dense_kv()
+        num_kv_heads, head_size = k.shape[1], k.shape[3]
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t[:, :, self.ctx :].transpose(1, 2).reshape(-1, num_kv_heads, head_size)
+
+        return rows(k), rows(v)
+
     def dense_query(self) -> torch.Tensor:
         """The query as `[R, H, new, D]` (a view)."""
         heads, head_size = self.query.shape[1:]
@@ -169,9 +180,7 @@ def run_shape(
     seq = batch.seq_len
     k_dense, v_dense = batch.dense_kv()
     q_dense = batch.dense_query()
-    # The step's own K/V rows as `forward` receives them: [num_reqs * new, Hkv, D].
-    k_new = k_dense[:, :, ctx:].transpose(1, 2).reshape(num_reqs * new, NUM_KV_HEADS, HEAD_SIZE)
-    v_new = v_dense[:, :, ctx:].transpose(1, 2).reshape(num_reqs * new, NUM_KV_HEADS, HEAD_SIZE)
+    k_new, v_new = batch.new_kv()
     # Row j of the new tokens sees keys 0 .. ctx + j: a bottom-right aligned causal mask.
     mask = torch.ones(new, seq, dtype=torch.bool, device=dev).tril(diagonal=ctx)
 
