@@ -186,9 +186,11 @@ def test_prefill_path_is_timed_at_start_up() -> None:
     assert len(prefill_path_log) <= logged + 1
 
 
-def test_cascade_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("impl", _impls())
+def test_cascade_in_a_cuda_graph(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole mixed step captured once (max_query_len an upper bound, as the runner passes)
     and replayed with the same token count split into other requests and lengths."""
+    monkeypatch.setenv("TANDEM_PREFILL_DENSE", impl)
     dtype = torch.bfloat16
     first = _Scene([(0, 512), (1500, 300), (40, 1), (0, 211)], dtype, seed=6)
     second = _Scene([(2000, 1), (0, 700), (600, 323)], dtype, seed=7)
