@@ -96,13 +96,19 @@ def flash_dense_supported(query: torch.Tensor, num_kv_heads: int | None = None) 
         and torch.cuda.get_device_capability(query.device)[0] >= 8
     ):
         return False
-    if torch.cuda.is_current_stream_capturing():
-        return True
     num_heads = query.shape[1]
-    return _flash_runs(query.device, query.dtype, num_heads, num_kv_heads or num_heads, head_size)
+    key = (query.device, query.dtype, num_heads, num_kv_heads or num_heads, head_size)
+    if key not in _flash_probes:
+        if torch.cuda.is_current_stream_capturing():  # no probe here: an eager call probes
+            return True
+        _flash_probes[key] = _flash_runs(*key)
+    return _flash_probes[key]
 
 
-@functools.lru_cache(maxsize=32)
+# (device, dtype, heads, KV heads, head size) -> whether FlashAttention-2 ran it correctly.
+_flash_probes: dict[tuple[torch.device, torch.dtype, int, int, int], bool] = {}
+
+
 def _flash_runs(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
 ) -> bool:
