@@ -6,9 +6,10 @@ Shapes (requests x tokens): causal prefill at 8 x 1,024, 4 x 4,096, 1 x 32,768 a
 32,768 cached tokens).
 
 Backends, each over the same paged cache and block table (blocks dealt in a shuffled order):
-- `triton`: tandem's kernels with their tuned config (the prefill config tuned on the first
-  prefill shape of at least 1,024 rows inside `prefill_tuning()`, as an engine's start-up
-  forward does; decode by `tune_decode_attention` on the decode shape itself);
+- `triton`: tandem's kernels with their tuned config (prefill: the path the Triton backend
+  takes, all-paged kernel or cascade, and the all-paged kernel's config, both timed on the
+  first prefill shape of at least 1,024 rows inside `prefill_tuning()`, as an engine's
+  start-up forward does; decode by `tune_decode_attention` on the decode shape itself);
 - `flashinfer`: FlashInfer's batch prefill / decode wrappers (NHD pages, planned once, the
   plan outside the timing), where `flashinfer-python` imports;
 - `flash_attn`: FlashAttention's varlen kernel with a block table, where vLLM's build imports
@@ -129,6 +130,10 @@ def _probe_flash_attn() -> None:
 
 
 def triton_runs(batch: PagedBatch, decode: bool) -> Run:
+    """Decode: the split-K kernel. Prefill: the path the Triton backend takes
+    (`prefill_path`: the all-paged kernel or the cascade, timed on the first call inside
+    `prefill_tuning()`), from the new tokens' dense K/V and the paged cache."""
+    from tandem_kernels.cascade_attention import cascade_prefill_attention, prefill_path
     from tandem_kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
     b = batch
@@ -138,9 +143,19 @@ def triton_runs(batch: PagedBatch, decode: bool) -> Run:
             b.query, b.kv_cache, b.seq_lens, b.block_table, b.scale, max_seq_len=b.seq_len,
             out=out,
         )  # fmt: skip
-    return lambda: paged_prefill_attention(
-        b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table, b.scale, out=out
-    )
+    key, value = b.new_kv()
+    args = (b.query, key, value, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table)
+
+    def run() -> torch.Tensor:
+        path = prefill_path(*args, b.scale, max_query_len=b.new)
+        if path == "paged":
+            return paged_prefill_attention(
+                b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table, b.scale,
+                out=out,
+            )  # fmt: skip
+        return cascade_prefill_attention(*args, b.scale, max_query_len=b.new, dense_impl=path)
+
+    return run
 
 
 def flashinfer_runs(batch: PagedBatch, decode: bool) -> Run:
@@ -394,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 missing[name] = "CUDA only"
         except Unavailable as exc:
             missing[name] = str(exc)
-    from tandem_kernels import paged_attention
+    from tandem_kernels import cascade_attention, paged_attention
 
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {
@@ -407,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings": ceilings,
         "unavailable": missing,
         "tuning": {
+            "prefill_path": cascade_attention.prefill_path_log,
             "prefill": paged_attention.prefill_tuning_log,
             "decode": paged_attention.decode_tuning_log,
         },

@@ -621,6 +621,11 @@ def prefill_tuning() -> Iterator[None]:
         _tuning_allowed = previous
 
 
+def prefill_tuning_active() -> bool:
+    """True inside `prefill_tuning()` (kernels may time candidates on the call they serve)."""
+    return _tuning_allowed
+
+
 def _tuned_prefill_config(
     query: torch.Tensor,
     kv_cache: torch.Tensor,

@@ -61,6 +61,25 @@ def test_triton_attn_is_the_triton_backend() -> None:
     assert get_attention_backend("triton").name == "triton"
 
 
+@pytest.mark.parametrize(("flag", "setting"), [("0", False), ("1", True), ("", None)])
+def test_prefill_cascade_flag(
+    flag: str, setting: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TANDEM_PREFILL_CASCADE forces the all-paged kernel (0) or the cascade (1); unset, the
+    backend leaves it to `prefill_path`, which keeps the all-paged kernel off CUDA."""
+    from tandem_kernels.cascade_attention import prefill_path
+
+    monkeypatch.setenv("TANDEM_PREFILL_CASCADE", flag)
+    assert get_attention_backend("triton").prefill_cascade is setting
+    cache = torch.zeros(4, 2, 16, 2, 8)
+    query = torch.zeros(3, 4, 8)
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    lens = torch.tensor([3], dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    args = (query, query[:, :2], query[:, :2], cache, qsl, lens, table, 1.0)
+    assert prefill_path(*args, max_query_len=3) == "paged"
+
+
 def test_an_unknown_name_lists_the_known_ones() -> None:
     with pytest.raises(ConfigError, match=r"FLASHINFER.*got 'XFORMERS'"):
         DeviceConfig(attention_backend="XFORMERS")  # type: ignore[arg-type]

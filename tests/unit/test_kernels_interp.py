@@ -52,6 +52,7 @@ def _kernels() -> SimpleNamespace:
     import tandem.layers.attention.triton_backend
     import tandem_kernels.activation
     import tandem_kernels.bitmask
+    import tandem_kernels.cascade_attention
     import tandem_kernels.fused_moe
     import tandem_kernels.moe_ref
     import tandem_kernels.paged_attention
@@ -62,6 +63,7 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(
         activation=tandem_kernels.activation,
         bitmask=tandem_kernels.bitmask,
+        cascade=tandem_kernels.cascade_attention,
         fused_moe=tandem_kernels.fused_moe,
         moe_ref=tandem_kernels.moe_ref,
         paged_attention=tandem_kernels.paged_attention,
@@ -964,6 +966,152 @@ def case_triton_backend_decode_uses_splits() -> None:
     blk = block_table[0, 599 // block_size]
     assert torch.equal(cache[blk, 0, 599 % block_size], key[0])
     assert torch.equal(cache[blk, 1, 599 % block_size], value[0])
+
+
+# --- cascade prefill attention ---------------------------------------------------------------
+
+
+def _cascade_scene(
+    dtype: torch.dtype,
+    seq_lens: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    seed: int,
+) -> tuple[torch.Tensor, ...]:
+    """A paged cache holding every position, shuffled blocks; the query (a strided view);
+    the step's dense K/V (a strided view too): the cache's rows at the new positions."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size = 16
+    num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 2
+    cache = _layer_view(num_blocks, block_size, num_kv_heads, head_size, dtype)
+    table = _block_table(seq_lens, block_size, num_blocks, gen)
+    qsl = _batch(query_lens)
+    n = int(qsl[-1])
+    wide = torch.randn(n, num_heads + 2 * num_kv_heads + 1, head_size, dtype=dtype, generator=gen)
+    query = wide[:, :num_heads]
+    key = wide[:, num_heads : num_heads + num_kv_heads]
+    value = wide[:, num_heads + num_kv_heads : num_heads + 2 * num_kv_heads]
+    for r, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        pos = torch.arange(s - q, s)
+        blocks, offs = table[r, pos // block_size].long(), pos % block_size
+        lo = int(qsl[r])
+        key[lo : lo + q] = cache[blocks, 0, offs]
+        value[lo : lo + q] = cache[blocks, 1, offs]
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return cache, table, qsl, lens, query, key, value
+
+
+@_case(
+    *({"dtype": d, "heads": h, "head_size": hs} for d in DTYPES for h, hs in ((4, 64), (8, 128))),
+    {"dtype": torch.float32, "heads": 2, "head_size": 32},
+    {"dtype": torch.float32, "heads": 6, "head_size": 48},
+)
+def case_cascade_prefill(dtype: torch.dtype, heads: int, head_size: int) -> None:
+    """The cascade against `paged_attention_ref`: requests with a cached prefix (one chunk of
+    21 cached + 19 new, one 48 + 3), a fresh prompt, decodes (one token over 32 and 70) in the
+    middle of the batch; GQA 2:1 and 4:1, MHA, a padded group of 3 and head size 48. Small
+    tiles so each loop (unmasked, masked tail, diagonal) runs; then the default tiles."""
+    k = _kernels()
+    seq_lens, query_lens = [40, 33, 17, 51, 70], [19, 1, 17, 3, 1]
+    cache, table, qsl, lens, query, key, value = _cascade_scene(
+        dtype, seq_lens, query_lens, heads, 2, head_size, seed=31
+    )
+    scale = head_size**-0.5
+    ref = k.paged_attention.paged_attention_ref(query, cache, qsl, lens, table, scale)
+    for dense, ctx in (((16, 16, 4, 1), (2, 16, 4, 1)), (None, None)):
+        out = k.cascade.cascade_prefill_attention(
+            query, key, value, cache, qsl, lens, table, scale, max_query_len=19,
+            dense_config=dense, context_config=ctx,
+        )  # fmt: skip
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_cascade_dense_part_and_lse(dtype: torch.dtype) -> None:
+    """Part 1 alone: causal self-attention of each request's new tokens and its LSE, against
+    torch (the LSE in fp32, natural log, [heads, tokens])."""
+    k = _kernels()
+    query_lens = [37, 1, 16, 5]
+    cache, table, qsl, lens, query, key, value = _cascade_scene(
+        dtype, query_lens, query_lens, 4, 2, 32, seed=32
+    )
+    out, lse = k.cascade.dense_causal_attention(
+        query, key, value, qsl, 0.3, max_query_len=37, impl="triton", block_m=16, block_n=16
+    )
+    ref = k.paged_attention.paged_attention_ref(query, cache, qsl, lens, table, 0.3)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    assert lse.shape == (4, int(qsl[-1])) and lse.dtype == torch.float32
+    for r in range(len(query_lens)):
+        lo, hi = int(qsl[r]), int(qsl[r + 1])
+        want = k.cascade.causal_lse_ref(query[lo:hi], key[lo:hi], 0.3)
+        torch.testing.assert_close(lse[:, lo:hi], want, atol=1e-4, rtol=1e-4)
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_merge_attn_states(dtype: torch.dtype) -> None:
+    """The merge against torch, including rows where one side saw no keys (LSE -inf) and a
+    row where neither did (zeros, LSE -inf); the output may alias an input."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(33)
+    num_tokens, num_heads, head_size = 7, 3, 24
+    out_a = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
+    out_b = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
+    lse_a = 3 * torch.randn(num_heads, num_tokens, generator=gen)
+    lse_b = 3 * torch.randn(num_heads, num_tokens, generator=gen)
+    lse_a[0, 1] = lse_b[1, 2] = float("-inf")
+    lse_a[2, 4] = lse_b[2, 4] = float("-inf")
+    out_b[4, 2] = out_a[4, 2] = 0.0
+    ref_out, ref_lse = k.cascade.merge_attn_states_ref(out_a, lse_a, out_b, lse_b)
+    out, lse = k.cascade.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(out, ref_out, **_tol(dtype))
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[1, 0], out_b[1, 0]) and torch.equal(out[2, 1], out_a[2, 1])
+    assert lse[2, 4] == float("-inf") and not out[4, 2].any()
+    k.cascade.merge_attn_states(out_a, lse_a, out_b, lse_b, out=out_a)
+    torch.testing.assert_close(out_a, ref_out, **_tol(dtype))
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_triton_backend_cascade_steps(dtype: torch.dtype) -> None:
+    """The backend with the cascade forced on (as on CUDA): a mixed step with two leading
+    decodes (split-K kernel) and two prefill chunks (one with a cached prefix), plus two
+    padded rows; then the same step without `num_decodes` (decodes through the cascade, as in
+    a whole-step CUDA graph). Both match the reference over the cache the backend wrote; a
+    sliding-window layer still takes the all-paged kernel."""
+    k = _kernels()
+    seq_lens, query_lens = [50, 23, 60, 30], [1, 1, 20, 30]
+    num_heads, num_kv_heads, head_size = 4, 2, 32
+    cache, table, qsl, lens, query, key, value = _cascade_scene(
+        dtype, seq_lens, query_lens, num_heads, num_kv_heads, head_size, seed=34
+    )
+    positions = [list(range(s - q, s)) for s, q in zip(seq_lens, query_lens, strict=True)]
+    slots = _slots(table, positions, 16)
+    # The backend writes the new K/V itself: start from a cache with garbage at those slots.
+    flat = cache.permute(0, 2, 1, 3, 4)  # [blocks, bs, 2, Hkv, D]
+    flat[slots // 16, slots % 16] = 7.0
+    pad = torch.randn(2, num_heads, head_size, dtype=dtype)
+    query_p = torch.cat([query, pad])
+    key_p = torch.cat([key, pad[:, :num_kv_heads]])
+    value_p = torch.cat([value, pad[:, :num_kv_heads]])
+    backend = k.triton_backend.TritonAttentionBackend()
+    backend.prefill_cascade = True
+    scale = head_size**-0.5
+    for num_decodes in (2, 0):
+        meta = _metadata(query_lens, seq_lens, table, slots)
+        meta.num_decodes = num_decodes
+        out = backend.forward(query_p, key_p, value_p, cache, meta, scale)
+        ref = k.paged_attention.paged_attention_ref(query, cache, qsl, lens, table, scale)
+        torch.testing.assert_close(out[: len(query)], ref, **_tol(dtype))
+        assert torch.equal(out[len(query) :], torch.zeros_like(out[len(query) :]))
+    window = 8
+    meta = _metadata(query_lens, seq_lens, table, slots)
+    out = backend.forward(query_p, key_p, value_p, cache, meta, scale, sliding_window=window)
+    ref = k.paged_attention.paged_attention_ref(
+        query, cache, qsl, lens, table, scale, sliding_window=window
+    )
+    torch.testing.assert_close(out[: len(query)], ref, **_tol(dtype))
 
 
 # --- runner -------------------------------------------------------------------------------

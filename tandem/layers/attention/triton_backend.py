@@ -10,11 +10,23 @@ path is CUDA-graph capturable: its number of splits is a function of `num_reqs`,
 `num_kv_heads` and `metadata.max_seq_len` (a runner capturing a graph should pass the largest
 length the graph will serve, e.g. max_model_len; any value gives correct results, it only
 changes how the work is cut), and it allocates only buffers sized by those ints.
+
+Prefill rows go through the cascade (`tandem_kernels.cascade_attention`) on CUDA when it
+wins: the new tokens attend to themselves from the dense `key`/`value` this call receives
+(torch's FlashAttention-2 or our Triton kernel), then to their cached prefix through the
+paged cache, merged by log-sum-exp in the paged kernel's epilogue. Which path (all-paged,
+cascade with either dense kernel) is timed once per shape in the start-up profile forward
+(`prefill_path`); untimed, the cascade. `TANDEM_PREFILL_CASCADE=0` forces the all-paged
+kernel (`paged_prefill_attention`) for A/B; `=1` forces the cascade on any device. Layers
+with a sliding window and FP8 caches always take the all-paged kernel (the dense part has no
+window, and the dense K/V are not the fp8-rounded values the cache holds, against which FP8
+results are defined).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import ClassVar
 
 import torch
@@ -23,6 +35,13 @@ from tandem.layers.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     register_attention_backend,
+)
+from tandem_kernels.cascade_attention import (
+    default_dense_impl,
+    dense_causal_attention,
+    paged_context_attention,
+    prefill_cascade_setting,
+    prefill_path,
 )
 from tandem_kernels.paged_attention import (
     paged_decode_attention,
@@ -47,6 +66,11 @@ class TritonAttentionBackend(AttentionBackend):
     graph_kv_write: ClassVar[bool] = True
     # The varlen kernel finds each program's request on the device (`_find_request`).
     full_graph_mixed: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        # Prefill rows through the cascade (True) or the all-paged kernel (False); None: as
+        # `prefill_path` picks (measured at start-up on CUDA). TANDEM_PREFILL_CASCADE sets it.
+        self.prefill_cascade: bool | None = prefill_cascade_setting()
 
     def write_kv(
         self,
@@ -99,59 +123,86 @@ class TritonAttentionBackend(AttentionBackend):
         scales = {"k_scale": k_scale, "v_scale": v_scale}
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens], **scales)
         window = {"sliding_window": sliding_window}
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         seq_lens = metadata.seq_lens[:num_reqs]
         block_table = metadata.block_table[:num_reqs]
+        decode = functools.partial(
+            paged_decode_attention, max_seq_len=metadata.max_seq_len, **scales, **window
+        )
         if metadata.is_decode_only:
-            paged_decode_attention(
-                query,
-                kv_cache,
-                seq_lens,
-                block_table,
-                scale,
-                max_seq_len=metadata.max_seq_len,
-                out=out,
-                **scales,
-                **window,
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            decode(query, kv_cache, seq_lens, block_table, scale, out=out)
+            return self._zero_padding(out, num_tokens)
+        # A mixed step's one-token requests (first) go through the split-K decode kernel,
+        # which reads long contexts at full bandwidth; the rest through a prefill path.
+        nd = metadata.num_decodes if 0 < metadata.num_decodes < num_reqs else 0
+        qsl = metadata.query_start_loc[: num_reqs + 1]
+        prefill_qsl = qsl[nd:] - nd if nd else qsl
+        path = self._prefill_path(
+            query, key, value, kv_cache, qsl, seq_lens, block_table, scale, metadata,
+            sliding_window,
+        )  # fmt: skip
+        if path != "paged":
+            # Part 1 over every row (a leading decode's row, itself alone, is replaced below).
+            out, lse = dense_causal_attention(
+                query, key, value, qsl, scale, max_query_len=metadata.max_query_len, impl=path
             )
-        elif 0 < metadata.num_decodes < num_reqs:
-            # Mixed step: its one-token requests (first) through the split-K decode kernel,
-            # which reads long contexts at full bandwidth; the rest through the prefill kernel.
-            nd = metadata.num_decodes
-            paged_decode_attention(
-                query[:nd],
-                kv_cache,
-                seq_lens[:nd],
-                block_table[:nd],
-                scale,
-                max_seq_len=metadata.max_seq_len,
-                out=out[:nd],
-                **scales,
-                **window,
-            )
-            paged_prefill_attention(
+            if nd:
+                decode(query[:nd], kv_cache, seq_lens[:nd], block_table[:nd], scale, out=out[:nd])
+            paged_context_attention(
                 query[nd:],
                 kv_cache,
-                metadata.query_start_loc[nd : num_reqs + 1] - nd,
+                prefill_qsl,
                 seq_lens[nd:],
                 block_table[nd:],
                 scale,
-                out=out[nd:],
-                **scales,
-                **window,
+                out[nd:],
+                lse[:, nd:],
             )
-        else:
-            paged_prefill_attention(
-                query,
-                kv_cache,
-                metadata.query_start_loc[: num_reqs + 1],
-                seq_lens,
-                block_table,
-                scale,
-                out=out,
-                **scales,
-                **window,
-            )
-        if query.shape[0] > num_tokens:
+            return self._zero_padding(out, num_tokens)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if nd:
+            decode(query[:nd], kv_cache, seq_lens[:nd], block_table[:nd], scale, out=out[:nd])
+        paged_prefill_attention(
+            query[nd:],
+            kv_cache,
+            prefill_qsl,
+            seq_lens[nd:],
+            block_table[nd:],
+            scale,
+            out=out[nd:],
+            **scales,
+            **window,
+        )
+        return self._zero_padding(out, num_tokens)
+
+    @staticmethod
+    def _zero_padding(out: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        if out.shape[0] > num_tokens:
             out[num_tokens:].zero_()
         return out
+
+    def _prefill_path(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+        sliding_window: int | None,
+    ) -> str:
+        """The prefill rows' path: "paged" (the all-paged kernel), or the cascade's dense
+        kernel ("flash", "triton").
+        FP8 caches and sliding windows always take the all-paged kernel; otherwise
+        `prefill_cascade` forces either way, and None leaves it to `prefill_path`."""
+        if self.prefill_cascade is False or kv_cache.dtype != query.dtype or sliding_window:
+            return "paged"
+        if self.prefill_cascade:
+            return default_dense_impl(query, kv_cache.shape[3])
+        return prefill_path(
+            query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
+            max_query_len=metadata.max_query_len,
+        )  # fmt: skip

@@ -1,0 +1,827 @@
+"""Cascade prefill attention: a step's new tokens attend to themselves from the step's dense
+K/V, and to their cached prefix through the paged cache; the two results are merged by their
+log-sum-exp.
+
+For request r with `q_len` new tokens (rows `query_start_loc[r]:query_start_loc[r+1]`) and a
+context of `seq_len` tokens, `context_len = seq_len - q_len`:
+
+    key positions  0 ................ context_len - 1 | context_len ........... seq_len - 1
+                   cached prefix, read paged            | this step's K/V, dense (not the cache)
+    part 2:        every new row sees all of it         |
+    part 1:                                             | row j sees keys 0..j (causal)
+
+- Part 1, `dense_causal_attention`: varlen causal self-attention over `key`/`value` as
+  `forward` receives them (`[num_tokens, Hkv, D]`, request r's rows at the same offsets as
+  its queries). Two kernels: torch's built-in FlashAttention-2
+  (`aten._flash_attention_forward`, CUDA, fp16/bf16) and our Triton kernel (any device, the
+  Triton interpreter included). It returns the output and the LSE.
+- Part 2, `paged_context_attention`: one program per (block of query rows, KV head), GQA rows
+  packed as in `paged_prefill_attention`, over keys `[0, context_len)` read through the block
+  table, no causal mask; its epilogue merges its (out, lse) into part 1's output in place.
+  Programs of requests with no cached prefix return at once: their rows keep part 1's result.
+- `merge_attn_states`: the same merge as a kernel of its own (two (out, lse) pairs -> one).
+
+LSE convention: natural log of the sum over visible keys of exp(scale * q.k), fp32, laid out
+`[num_heads, num_tokens]` (FlashAttention's varlen layout); the kernels take its strides.
+
+Capturable in CUDA graphs: no host syncs; grids depend on the token count, `num_reqs` and the
+head counts; `max_query_len` (FlashAttention's grid) may be an upper bound.
+
+Not covered (callers use `paged_prefill_attention`): FP8 caches (the dense K/V are not the
+fp8-rounded values the cache holds), sliding windows, decode-only batches.
+
+Which path runs (`prefill_path`): on CUDA, the fastest of the all-paged kernel, the cascade
+with FlashAttention-2 and the cascade with our dense kernel, timed once per attention shape in
+the engine's start-up profile forward; untimed, the cascade with `default_dense_impl` (FA2
+where a probe call of the shape ran and checked out, else ours). TANDEM_PREFILL_CASCADE=0|1
+forces the all-paged kernel or the cascade; TANDEM_PREFILL_DENSE=flash|triton forces the
+dense kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem_kernels.paged_attention import (
+    _MIN_TUNE_TOKENS,
+    _attend_tile,
+    _check_common,
+    _find_request,
+    _input_precision,
+    _key_json,
+    _may_tune,
+    _shape_key,
+    _ShapeKey,
+    _time_config,
+    paged_prefill_attention,
+    prefill_tuning_active,
+)
+
+_LOG2E = 1.4426950408889634
+_NEG_INIT = tl.constexpr(-1.0e30)
+
+# Dense-part kernels: "flash" (torch's FlashAttention-2) or "triton" (ours).
+DENSE_IMPLS = ("flash", "triton")
+
+
+# How prefill rows are computed: the all-paged kernel, or the cascade with either dense part.
+PREFILL_PATHS = ("paged", "flash", "triton")
+
+
+def prefill_cascade_setting() -> bool | None:
+    """TANDEM_PREFILL_CASCADE: "0" forces the all-paged kernel (A/B), "1" the cascade on any
+    device (the CPU interpreter included); unset: None, the choice is `prefill_path`'s."""
+    flag = os.environ.get("TANDEM_PREFILL_CASCADE", "")
+    return None if flag not in ("0", "1") else flag == "1"
+
+
+def flash_dense_supported(query: torch.Tensor, num_kv_heads: int | None = None) -> bool:
+    """torch's FlashAttention-2 takes this query: CUDA sm80+, fp16/bf16, head size a multiple
+    of 8 up to 256, torch built with it, and a tiny varlen GQA call of this shape ran once
+    (probed eagerly, once per process and shape; assumed to run while a graph is captured)."""
+    head_size = query.shape[-1]
+    if not (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and head_size % 8 == 0
+        and head_size <= 256
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and torch.backends.cuda.is_flash_attention_available()
+        and torch.cuda.get_device_capability(query.device)[0] >= 8
+    ):
+        return False
+    num_heads = query.shape[1]
+    key = (query.device, query.dtype, num_heads, num_kv_heads or num_heads, head_size)
+    if key not in _flash_probes:
+        if torch.cuda.is_current_stream_capturing():  # no probe here: an eager call probes
+            return True
+        _flash_probes[key] = _flash_runs(*key)
+    return _flash_probes[key]
+
+
+# (device, dtype, heads, KV heads, head size) -> whether FlashAttention-2 ran it correctly.
+_flash_probes: dict[tuple[torch.device, torch.dtype, int, int, int], bool] = {}
+
+
+def _flash_runs(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
+) -> bool:
+    """One varlen causal call (two requests of 3 and 5 tokens) runs, and its LSE is in the
+    layout and base this module uses: the first row of each request sees one key, so its
+    LSE is scale * q.k and its output that key's value."""
+    try:
+        q = torch.randn(8, num_heads, head_size, device=device, dtype=dtype)
+        kv = torch.randn(8, num_kv_heads, head_size, device=device, dtype=dtype)
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+        scale = head_size**-0.5
+        out, lse = _dense_flash(q, kv, kv, cu, 5, scale)
+        group = num_heads // num_kv_heads
+        k = kv.float().repeat_interleave(group, dim=1)[[0, 3]]  # [2, H, D]
+        want = (q.float()[[0, 3]] * k).sum(-1).t() * scale  # [H, 2]
+        ok = (
+            out.shape == q.shape
+            and lse.shape == (num_heads, 8)
+            and torch.allclose(lse[:, [0, 3]], want, atol=0.05, rtol=0.02)
+            and torch.allclose(out[[0, 3]].float(), k, atol=0.05, rtol=0.02)
+        )
+    except Exception:  # a build without this kernel, an unsupported shape
+        return False
+    return bool(ok)
+
+
+def default_dense_impl(query: torch.Tensor, num_kv_heads: int | None = None) -> str:
+    """The dense part's kernel by rule: FlashAttention-2 where it runs (a tuned CUDA kernel,
+    the one SDPA dispatches to on dense K/V), else ours. TANDEM_PREFILL_DENSE=triton|flash
+    overrides the rule (benchmarks, A/B)."""
+    forced = os.environ.get("TANDEM_PREFILL_DENSE", "")
+    if forced in DENSE_IMPLS:
+        return forced
+    return "flash" if flash_dense_supported(query, num_kv_heads) else "triton"
+
+
+# --- part 1: dense varlen causal ----------------------------------------------------------
+
+
+@triton.jit(
+    do_not_specialize=["num_reqs"],
+    do_not_specialize_on_alignment=["cu_seqlens_ptr"],
+)
+def _dense_causal_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    cu_seqlens_ptr,
+    scale_log2,
+    num_reqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_lse_head,
+    stride_lse_tok,
+    QPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    # Heads vary fastest: the QPK programs sharing a KV head run together and share its tiles
+    # in L2.
+    head = tl.program_id(0)
+    # Last query blocks (the most keys, causal) first: a shorter tail of the launch.
+    pid = tl.num_programs(1) - 1 - tl.program_id(1)
+    req = _find_request(cu_seqlens_ptr, num_reqs, pid, BLOCK_M)
+    start = tl.load(cu_seqlens_ptr + req)
+    q_len = tl.load(cu_seqlens_ptr + req + 1) - start
+    q_block = pid - (start // BLOCK_M + req)
+    if q_block * BLOCK_M >= q_len:
+        return
+    kv_head = head // QPK
+    q_first = q_block * BLOCK_M
+    offs_m = q_first + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < q_len
+    d_mask = offs_d < HEAD_SIZE
+    tok = start.to(tl.int64) + offs_m
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+        mask=m_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    k_base = k_ptr + start.to(tl.int64) * stride_k_tok + kv_head * stride_k_head
+    v_base = v_ptr + start.to(tl.int64) * stride_v_tok + kv_head * stride_v_head
+
+    m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Tiles wholly below the block's first row: every row sees every key, no mask. Then the
+    # diagonal tiles up to the block's last row: causal mask (and the request's end).
+    full_end = q_first // BLOCK_N * BLOCK_N
+    q_end = tl.minimum(q_first + BLOCK_M, q_len)
+    for start_n in range(0, full_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = d_mask[None, :]
+        k = tl.load(
+            k_base + offs_n[:, None] * stride_k_tok + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_v_tok + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    for start_n in range(full_end, q_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < q_len
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_base + offs_n[:, None] * stride_k_tok + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_v_tok + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
+        keep = (offs_n[None, :] <= offs_m[:, None]) & n_valid[None, :]
+        qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + tok[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_valid[:, None] & d_mask[None, :],
+    )
+    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+    tl.store(lse_ptr + head * stride_lse_head + tok * stride_lse_tok, lse, mask=m_valid)
+
+
+def _dense_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    block_m: int | None,
+    block_n: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads, head_size = query.shape
+    num_reqs = cu_seqlens.shape[0] - 1
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=query.device)
+    if num_tokens == 0 or num_reqs == 0:
+        return out, lse
+    block_d = triton.next_power_of_2(head_size)
+    if block_m is None:
+        block_m = 128 if block_d <= 128 else 64
+    if block_n is None:
+        block_n = 64
+    num_warps = 8 if num_warps is None else num_warps
+    num_stages = 3 if num_stages is None else num_stages
+    grid = (num_heads, num_tokens // block_m + num_reqs)
+    _dense_causal_kernel[grid](
+        query,
+        key,
+        value,
+        out,
+        lse,
+        cu_seqlens,
+        scale * _LOG2E,
+        num_reqs,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        QPK=num_heads // key.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        HEAD_SIZE=head_size,
+        INPUT_PRECISION=_input_precision(query.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out, lse
+
+
+def _dense_flash(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's FlashAttention-2, varlen (`cum_seq_q` = `cum_seq_k`), causal. Its schema is
+    the same in torch 2.11 and 2.13 for the arguments passed here (positional up to
+    `return_debug_mask`, then `scale`)."""
+    out, lse = torch.ops.aten._flash_attention_forward(
+        query,
+        key,
+        value,
+        cu_seqlens,
+        cu_seqlens,
+        max_query_len,
+        max_query_len,
+        0.0,
+        True,
+        False,
+        scale=scale,
+    )[:2]
+    if lse.dim() == 3:  # a build returning the padded [batch, heads, max_q] layout
+        lse = _unpad_lse(lse, cu_seqlens, query.shape[0])
+    return out, lse
+
+
+def _unpad_lse(lse: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """`[batch, heads, max_q]` -> `[heads, num_tokens]`, on the device (no sync)."""
+    tok = torch.arange(num_tokens, device=lse.device, dtype=torch.int32)
+    req = torch.searchsorted(cu_seqlens[1:], tok, right=True).clamp_(max=lse.shape[0] - 1)
+    row = (tok - cu_seqlens[req]).clamp_(min=0, max=lse.shape[2] - 1)
+    return lse[req.long(), :, row.long()].t().contiguous()
+
+
+def dense_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    impl: str | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen causal self-attention over dense K/V: request r's queries, keys and values are
+    rows `cu_seqlens[r]:cu_seqlens[r+1]` of `query [T, H, D]`, `key`/`value [T, Hkv, D]`
+    (last dim contiguous); row j of a request sees its keys 0..j. Returns `(out [T, H, D],
+    lse [H, T] fp32)`; rows past `cu_seqlens[R]` are not written. `max_query_len` (a host int,
+    an upper bound is fine) sizes FlashAttention's grid. `impl`: "flash" or "triton" (None:
+    `default_dense_impl`); the block/warp/stage knobs tune the Triton kernel."""
+    assert query.dim() == 3 and key.dim() == 3 and value.dim() == 3, (query.shape, key.shape)
+    assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+    assert key.shape[0] >= query.shape[0] and key.shape[1:] == value.shape[1:]
+    assert query.shape[1] % key.shape[1] == 0 and key.shape[2] == query.shape[2]
+    assert key.dtype == query.dtype == value.dtype, (query.dtype, key.dtype, value.dtype)
+    assert cu_seqlens.dim() == 1 and cu_seqlens.dtype == torch.int32, cu_seqlens.dtype
+    impl = default_dense_impl(query, key.shape[1]) if impl is None else impl
+    assert impl in DENSE_IMPLS, impl
+    if impl == "flash":
+        num_tokens = query.shape[0]
+        return _dense_flash(
+            query, key[:num_tokens], value[:num_tokens], cu_seqlens, max(max_query_len, 1), scale
+        )
+    return _dense_triton(
+        query, key, value, cu_seqlens, scale, block_m, block_n, num_warps, num_stages
+    )
+
+
+# --- the merge ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _merge(o_a, lse2_a, o_b, lse2_b):
+    """Two normalised partial results over disjoint key sets (LSEs in log2) -> one, and its
+    log2 LSE. A side with LSE -inf (no keys) weighs nothing; both empty gives zeros."""
+    m = tl.maximum(lse2_a, lse2_b)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.exp2(lse2_a - m_safe)
+    w_b = tl.exp2(lse2_b - m_safe)
+    total = w_a + w_b
+    total_safe = tl.where(total > 0.0, total, 1.0)
+    out = (o_a * (w_a / total_safe)[:, None]) + (o_b * (w_b / total_safe)[:, None])
+    lse2 = tl.where(total > 0.0, m_safe + tl.log2(total_safe), float("-inf"))
+    return out, lse2
+
+
+@triton.jit
+def _merge_kernel(
+    out_a_ptr,
+    lse_a_ptr,
+    out_b_ptr,
+    lse_b_ptr,
+    out_ptr,
+    lse_ptr,
+    num_heads,
+    stride_a_tok,
+    stride_a_head,
+    stride_b_tok,
+    stride_b_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_la_head,
+    stride_la_tok,
+    stride_lb_head,
+    stride_lb_tok,
+    stride_lo_head,
+    stride_lo_tok,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_valid = offs_h < num_heads
+    mask = h_valid[:, None] & (offs_d < HEAD_SIZE)[None, :]
+    lse_a = tl.load(
+        lse_a_ptr + offs_h * stride_la_head + tok * stride_la_tok, mask=h_valid, other=0.0
+    )
+    lse_b = tl.load(
+        lse_b_ptr + offs_h * stride_lb_head + tok * stride_lb_tok, mask=h_valid, other=0.0
+    )
+    o_a = tl.load(
+        out_a_ptr + tok * stride_a_tok + offs_h[:, None] * stride_a_head + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    o_b = tl.load(
+        out_b_ptr + tok * stride_b_tok + offs_h[:, None] * stride_b_head + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    out, lse2 = _merge(o_a, lse_a * 1.4426950408889634, o_b, lse_b * 1.4426950408889634)
+    tl.store(
+        out_ptr + tok * stride_o_tok + offs_h[:, None] * stride_o_head + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        lse_ptr + offs_h * stride_lo_head + tok * stride_lo_tok,
+        lse2 * 0.6931471805599453,
+        mask=h_valid,
+    )
+
+
+def merge_attn_states(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over keys A and B (disjoint) from attention over each: `out_* [T, H, D]`
+    (normalised), `lse_* [H, T]` fp32 natural-log LSEs (-inf: no keys). Returns `(out, lse)`;
+    `out` may alias `out_a` or `out_b`."""
+    num_tokens, num_heads, head_size = out_a.shape
+    assert out_b.shape == out_a.shape and lse_a.shape == lse_b.shape == (num_heads, num_tokens)
+    assert out_a.stride(-1) == 1 and out_b.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(out_a)
+    lse = torch.empty_like(lse_a)
+    if num_tokens == 0:
+        return out, lse
+    _merge_kernel[(num_tokens,)](
+        out_a,
+        lse_a,
+        out_b,
+        lse_b,
+        out,
+        lse,
+        num_heads,
+        out_a.stride(0),
+        out_a.stride(1),
+        out_b.stride(0),
+        out_b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse_a.stride(0),
+        lse_a.stride(1),
+        lse_b.stride(0),
+        lse_b.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_size),
+        HEAD_SIZE=head_size,
+        num_warps=4,
+    )
+    return out, lse
+
+
+def merge_attn_states_ref(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of `merge_attn_states` (fp32 math)."""
+    lse = torch.logaddexp(lse_a, lse_b)  # [H, T]
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w_a = torch.exp(lse_a - lse_safe).t()[:, :, None]
+    w_b = torch.exp(lse_b - lse_safe).t()[:, :, None]
+    out = out_a.float() * w_a + out_b.float() * w_b
+    return out.to(out_a.dtype), lse
+
+
+# --- part 2: the cached prefix, paged, merged into part 1 ---------------------------------
+
+
+@triton.jit(
+    do_not_specialize=["num_reqs", "stride_bt"],
+    do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr"],
+)
+def _paged_context_kernel(
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    lse_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    scale_log2,
+    num_reqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_lse_head,
+    stride_lse_tok,
+    stride_c_block,
+    stride_c_kv,
+    stride_c_off,
+    stride_c_head,
+    stride_bt,
+    QPK: tl.constexpr,
+    QPK_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + req)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(seq_lens_ptr + req) - q_len
+    if context_len <= 0:  # no cached prefix: part 1's rows are the answer
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + offs_m // QPK_PAD
+    head_in_group = offs_m % QPK_PAD
+    row_valid = (q_idx < q_len) & (head_in_group < QPK)
+    head = kv_head * QPK + head_in_group
+    tok = (q_start + q_idx).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_SIZE
+    q_mask = row_valid[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    cache_head = cache_ptr + kv_head.to(tl.int64) * stride_c_head
+    # q_pos and window are unused: not causal, no window. Whole tiles, then the tail masked.
+    full_end = context_len // BLOCK_N * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, 0, context_len, q_idx, 0, bt_row, cache_head,
+            scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            HEAD_SIZE, False, False, False, INPUT_PRECISION,
+        )  # fmt: skip
+    for start_n in range(full_end, context_len, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, 0, context_len, q_idx, 0, bt_row, cache_head,
+            scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            HEAD_SIZE, True, False, False, INPUT_PRECISION,
+        )  # fmt: skip
+
+    # Merge with part 1's rows (in place): every row here has context_len > 0 keys.
+    o_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
+    o_dense = tl.load(o_ptrs + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    lse_ptrs = lse_ptr + head * stride_lse_head + tok * stride_lse_tok
+    lse2_dense = tl.load(lse_ptrs, mask=row_valid, other=float("-inf")) * 1.4426950408889634
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    lse2_ctx = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+    out, lse2 = _merge(acc / l_safe[:, None], lse2_ctx, o_dense, lse2_dense)
+    tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=row_valid)
+
+
+def paged_context_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    block_q: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Attention of each request's new rows over its cached prefix (keys
+    `[0, seq_len - q_len)`, paged, no causal mask), merged in place into `out [T, H, D]` /
+    `lse [H, T]`, which hold the rows' attention over the other keys (part 1). Rows of
+    requests with no prefix are left as they are. Returns `out`."""
+    num_heads, num_kv_heads, head_size, block_size = _check_common(
+        query, kv_cache, seq_lens, block_table
+    )
+    assert kv_cache.dtype == query.dtype, "FP8 caches go through paged_prefill_attention"
+    num_reqs = seq_lens.shape[0]
+    assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32
+    assert out.shape == query.shape and out.stride(-1) == 1 and out.dtype == query.dtype
+    num_tokens = query.shape[0]
+    assert lse.shape == (num_heads, num_tokens) and lse.dtype == torch.float32, lse.shape
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    qpk = num_heads // num_kv_heads
+    qpk_pad = triton.next_power_of_2(qpk)
+    block_d = triton.next_power_of_2(head_size)
+    if block_q is None:
+        block_q = max((128 if block_d <= 128 else 64) // qpk_pad, 1)
+    block_m = max(block_q * qpk_pad, 16)
+    block_q = block_m // qpk_pad
+    block_n = 64 if block_n is None else block_n
+    num_warps = 8 if num_warps is None else num_warps
+    num_stages = 3 if num_stages is None else num_stages
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    _paged_context_kernel[grid](
+        query,
+        kv_cache,
+        out,
+        lse,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        scale * _LOG2E,
+        num_reqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        QPK=qpk,
+        QPK_PAD=qpk_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        HEAD_SIZE=head_size,
+        INPUT_PRECISION=_input_precision(query.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+# --- choosing the path ---------------------------------------------------------------------
+
+# Shape key -> the path start-up timing picked for this attention shape.
+_prefill_paths: dict[_ShapeKey, str] = {}
+prefill_path_log: list[dict[str, object]] = []
+
+
+def prefill_path(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+) -> str:
+    """How this call's prefill rows should run (one of PREFILL_PATHS), for a cache in the
+    query's dtype and no sliding window. On CUDA, the fastest path measured once per shape
+    key (head size, group, dtype, block size), inside `prefill_tuning()` on the first call
+    with at least `_MIN_TUNE_TOKENS` rows (the engine's start-up profile forward, fresh
+    prompts of up to 1,024 tokens), on that call's own inputs: the all-paged kernel (its own
+    config tuned first), the cascade with FlashAttention-2 where it runs, the cascade with our
+    dense kernel. Untimed (no CUDA, TANDEM_TUNE_KERNELS=0, before the profile forward): the
+    rule, the cascade with `default_dense_impl`; on the CPU, the all-paged kernel."""
+    shape = _shape_key(query.shape[1], kv_cache)
+    picked = _prefill_paths.get(shape)
+    if picked is not None:
+        return picked
+    if not query.is_cuda:
+        return "paged"
+    rule = default_dense_impl(query, kv_cache.shape[3])
+    if (
+        not _may_tune(query)
+        or not prefill_tuning_active()
+        or query.shape[0] < _MIN_TUNE_TOKENS
+        or torch.cuda.is_current_stream_capturing()
+    ):
+        return rule
+    args = (query, kv_cache, query_start_loc, seq_lens, block_table, scale)
+    runs = {"paged": functools.partial(paged_prefill_attention, *args)}
+    impls = ("flash", "triton") if flash_dense_supported(query, kv_cache.shape[3]) else ("triton",)
+    for impl in impls:
+        runs[impl] = functools.partial(
+            cascade_prefill_attention,
+            query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
+            max_query_len=max_query_len, dense_impl=impl,
+        )  # fmt: skip
+    timings = {}
+    for name, run in runs.items():
+        ms = _time_config(run, iters=3)
+        if ms is not None:
+            timings[name] = ms
+    if not timings:
+        return rule
+    best = min(timings, key=lambda name: timings[name])
+    _prefill_paths[shape] = best
+    prefill_path_log.append(
+        {"key": _key_json(shape), "num_tokens": query.shape[0], "ms": timings, "best": best}
+    )
+    return best
+
+
+# --- the whole cascade ----------------------------------------------------------------------
+
+
+def cascade_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    dense_impl: str | None = None,
+    dense_config: tuple[int | None, int | None, int | None, int | None] | None = None,
+    context_config: tuple[int | None, int | None, int | None, int | None] | None = None,
+) -> torch.Tensor:
+    """Causal attention for a flattened batch, as `paged_prefill_attention` computes it, from
+    the step's dense `key`/`value` (`[>= T, Hkv, D]`, the rows `forward` wrote to the cache)
+    for the new tokens and from the cache for each request's prefix. Returns a new `[T, H, D]`
+    tensor; rows past `query_start_loc[R]` are not written. `dense_config` (block_m, block_n,
+    warps, stages) tunes the Triton dense kernel, `context_config` (block_q, block_n, warps,
+    stages) the paged one."""
+    dense = (None,) * 4 if dense_config is None else dense_config
+    ctx = (None,) * 4 if context_config is None else context_config
+    out, lse = dense_causal_attention(
+        query,
+        key,
+        value,
+        query_start_loc,
+        scale,
+        max_query_len=max_query_len,
+        impl=dense_impl,
+        block_m=dense[0],
+        block_n=dense[1],
+        num_warps=dense[2],
+        num_stages=dense[3],
+    )
+    return paged_context_attention(
+        query,
+        kv_cache,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        scale,
+        out,
+        lse,
+        block_q=ctx[0],
+        block_n=ctx[1],
+        num_warps=ctx[2],
+        num_stages=ctx[3],
+    )
+
+
+def causal_lse_ref(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
+    """LSE `[H, n]` of one request's causal self-attention (fp32), for tests."""
+    qpk = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(qpk, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    n = query.shape[0]
+    mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+    return scores.masked_fill(~mask, -math.inf).logsumexp(-1)
