@@ -228,6 +228,8 @@ class Fp8LinearMethod(LinearMethodBase):
         scheme = self.scheme
         rows, cols = sum(output_partition_sizes), input_size_per_partition
         layer.fp8_scheme = scheme
+        # Split-K W8A16 calls' lock buffer (fp8_w8a16.w8a16_locks), made after loading on CUDA.
+        layer.w8a16_locks = None
         if scheme.weight_strategy != "block" and (rows % 16 or cols % 16):
             raise ConfigError(
                 f"{layer.prefix}: FP8 GEMMs need both dims multiples of 16, this rank's "
@@ -321,6 +323,7 @@ class Fp8LinearMethod(LinearMethodBase):
         if scheme.activation_scheme == "static":
             _replace(layer, "input_scale", layer.input_scale.data.max())
         if layer.weight.is_cuda:
+            layer.w8a16_locks = _w8a16().w8a16_locks(layer.weight.shape[0], layer.weight.device)
             # Small batches: weight-only FP8 where it beats this scheme's own path, measured.
             _w8a16().tune_w8a16(
                 layer.weight.data,
@@ -377,7 +380,9 @@ class Fp8LinearMethod(LinearMethodBase):
             return out.reshape(*shape[:-1], out.shape[-1])
         config = self.w8a16_config(layer, x2)
         if config is not None:
-            out = _w8a16().w8a16_gemm(x2, layer.weight, layer.weight_scale, config)
+            out = _w8a16().w8a16_gemm(
+                x2, layer.weight, layer.weight_scale, config, layer.w8a16_locks
+            )
             if bias is not None:
                 out = out + bias
             return out.reshape(*shape[:-1], out.shape[-1])
