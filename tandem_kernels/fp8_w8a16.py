@@ -43,6 +43,7 @@ Reference: `w8a16_gemm_ref` (dequantize, then matmul in fp32).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -474,12 +475,13 @@ def tune_w8a16(
     (the layer's own path, `baseline(x, weight)`: activation quantization + scaled GEMM) at
     every bucket of `M_BUCKETS`, on random activations and this weight, in CUDA graphs
     (`time_in_graph`); remember the winners for `choose`. The log entry (`tuning_log`) keeps
-    every candidate's time.
+    every candidate's time and the seconds the shape took (`tune_s`, compiles included).
     A no-op off CUDA, under the interpreter, during capture, or with TANDEM_TUNE_KERNELS=0."""
     n, k = weight.shape
     key = (n, k, dtype, baseline_name)
     if key in _choices or not _may_tune(weight) or weight.numel() < _MIN_TUNE_BYTES:
         return _choices.get(key, {})
+    started = time.perf_counter()
     gen = torch.Generator(device=weight.device).manual_seed(0)
     copies = weight_copies(weight)
     locks = w8a16_locks(n, weight.device)
@@ -501,6 +503,7 @@ def tune_w8a16(
             "candidates": {c.name: t for c, t in timed.items()},
         }
     del copies
+    record["tune_s"] = time.perf_counter() - started  # compiles included
     _choices[key] = choices
     tuning_log.append(record)
     return choices
