@@ -128,6 +128,10 @@ _CANDIDATES: dict[int, tuple[Config, ...]] = {
 # M = 16, the scaled GEMM above.
 _DEFAULT = Config(16, 32, 256, 1, 4, 4)
 _DEFAULT_MAX_M = 16
+# Batches up to this many rows may take a SiLU-and-mul's input ungated (`w8a16_gemm(...,
+# gated=True)`): each of the N / BLOCK_N programs recomputes its K slice of it for its rows,
+# hidden under the weight read for a few rows, not for many.
+GATED_MAX_M = 4
 # The narrowest output block of any split-K candidate: `w8a16_locks` holds a lock per tile.
 _MIN_SPLIT_BLOCK_N = 8
 
@@ -143,6 +147,23 @@ def _k_slice(K, pid_k, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_begin = pid_k * per_split
     return k_begin, tl.minimum(k_begin + per_split, K)
+
+
+@triton.jit
+def _load_x(ptrs, mask, GATED: tl.constexpr, up_offset):
+    """x's values at `ptrs`; GATED: `silu(gate) * up` of the gate at `ptrs` and the up value
+    `up_offset` further, rounded as the SiLU-and-mul kernel rounds (tandem_kernels.activation:
+    silu in fp32 to x's dtype, the product in fp32 to x's dtype), so the values are that
+    kernel's output bit for bit."""
+    if GATED:
+        gate = tl.load(ptrs, mask=mask, other=0.0)
+        up = tl.load(ptrs + up_offset, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        x = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
@@ -208,6 +229,7 @@ def _w8a16_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """The tensor-core form: one [BLOCK_M, BLOCK_N] output tile over one K slice."""
@@ -225,11 +247,11 @@ def _w8a16_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            x = _load_x(x_ptrs, m_mask[:, None], GATED, K)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
             k_mask = k0 + offs_k < K
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x = _load_x(x_ptrs, m_mask[:, None] & k_mask[None, :], GATED, K)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K
@@ -261,6 +283,7 @@ def _w8a16_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     """The few-row form: each program reads its BLOCK_N weight rows over one K slice once, in
     BLOCK_K-wide chunks (16 e4m3 per thread and load: the K offsets are contiguous and the
@@ -289,9 +312,9 @@ def _w8a16_gemv_kernel(
             # A row-constant mask (`offs_k * 0` folds away), so x's loads stay 16 bytes wide.
             row_ok = offs_k * 0 + (pid_m * BLOCK_M + i) < M
             if EVEN_K:
-                x = tl.load(x_ptrs + i * stride_xm, mask=row_ok, other=0.0)
+                x = _load_x(x_ptrs + i * stride_xm, row_ok, GATED, K)
             else:
-                x = tl.load(x_ptrs + i * stride_xm, mask=k_mask & row_ok, other=0.0)
+                x = _load_x(x_ptrs + i * stride_xm, k_mask & row_ok, GATED, K)
             part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
             if BLOCK_M == 1:
                 acc += part[None, :]
@@ -320,17 +343,21 @@ def w8a16_gemm(
     scale: torch.Tensor,
     config: Config | None = None,
     locks: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """`x [M, K] @ (weight [N, K] e4m3 * scale)^T` in x's dtype; `scale` float32 `[]`, `[1]`
     or `[N, 1]`. Rows contiguous. One kernel launch (and a fp32 workspace from the caching
     allocator for split-K); reads no device values on the host, so it can be captured in a
     CUDA graph. `locks`: `w8a16_locks(N, ...)`, for a split-K config; without it a zeroed
-    one is made per call (one more memset)."""
-    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+    one is made per call (one more memset).
+    `gated`: x is `[M, 2K]` (gate | up) and the product is that of its SiLU-and-mul, computed
+    as the kernel reads it (the same values as tandem_kernels.activation.silu_and_mul's)."""
+    assert x.dim() == 2 and weight.dim() == 2
+    assert x.shape[1] == weight.shape[1] * (2 if gated else 1), (x.shape, weight.shape, gated)
     assert x.stride(1) == 1 and weight.stride(1) == 1
     assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
+    n, k = weight.shape
     assert scale.numel() in (1, n), (scale.shape, n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -362,6 +389,7 @@ def w8a16_gemm(
         BLOCK_K=c.block_k,
         SPLIT_K=c.split_k,
         EVEN_K=k % (c.block_k * c.split_k) == 0,
+        GATED=gated,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
         **extra,
@@ -369,8 +397,14 @@ def w8a16_gemm(
     return out
 
 
-def w8a16_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Pure-torch reference: the weight dequantized to float32, then the product."""
+def w8a16_gemm_ref(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gated: bool = False
+) -> torch.Tensor:
+    """Pure-torch reference: the weight dequantized to float32, then the product (`gated`: of
+    x's SiLU-and-mul, rounded to x's dtype as the unfused op's output is)."""
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
     w = weight.to(torch.float32) * scale.to(torch.float32).reshape(-1, 1)
     return F.linear(x.to(torch.float32), w).to(x.dtype)
 

@@ -2,12 +2,15 @@
 every tuning candidate for 1..16 rows (GEMV and tensor-core forms, split along K and not)
 against the dequantize-then-matmul reference in bf16 and fp16, per-tensor and per-channel
 scales; split-K calls replayed in a CUDA graph on one lock buffer (same bits every replay,
-locks back at zero); the load-time tuner's pick serving its bucket.
+locks back at zero); the load-time tuner's pick serving its bucket; the SiLU-and-mul computed
+inside the GEMM (`gated`) against the unfused path, alone and as an FP8 model's down_proj.
 
     pytest -q -s -m gpu tests/gpu/test_fp8_w8a16_gpu.py     # -s prints the tuner's picks
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +113,66 @@ def test_the_tuners_pick_serves_its_bucket() -> None:
             x = torch.randn(b, k, device="cuda").to(torch.bfloat16)
             out = w8a16.w8a16_gemm(x, wq, scale, config, w8a16.w8a16_locks(n, "cuda"))
             assert _rel_err(out, w8a16.w8a16_gemm_ref(x, wq, scale)) < 5e-3
+
+
+def test_gated_input_is_the_unfused_path_bit_for_bit() -> None:
+    """down_proj's shape, every candidate of 1..4 rows: the GEMM computing SiLU-and-mul as it
+    reads `gate_up` gives the bits of the SiLU-and-mul kernel followed by the GEMM."""
+    from tandem_kernels.activation import silu_and_mul
+
+    n, k = 4096, 14336
+    wq, scale = _weight(n, k, True, 9)
+    locks = w8a16.w8a16_locks(n, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    for b in (1, 2, 4):
+        gate_up = (torch.randn(b, 2 * k, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+        for config in w8a16.candidates(b):
+            gated = w8a16.w8a16_gemm(gate_up, wq, scale, config, locks, gated=True)
+            unfused = w8a16.w8a16_gemm(silu_and_mul(gate_up), wq, scale, config, locks)
+            assert torch.equal(gated, unfused), (b, config)
+
+
+def test_fp8_model_down_proj_takes_its_input_gated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """random:llama-3.2-1b in FP8 with one W8A16 config for every linear: every down_proj
+    takes its input as a `GatedActivation` (the SiLU-and-mul kernel skipped), and the logits
+    are those of the same model with the activation run on its own, bit for bit."""
+    from tandem.distributed import single_rank_state
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.linear import LinearBase
+    from tandem.layers.quantization import resolve_quant_config
+    from tandem.layers.quantization.input_quant import GatedActivation
+    from tandem.loader import build_model, load_hf_config
+    from tandem.models import ModelContext
+    from tandem.models.presets import write_random_model_folder
+    from tests.unit.test_fp8 import _logits
+
+    monkeypatch.setenv("TANDEM_TUNE_KERNELS", "0")  # no tuning at load: `choose` is fixed
+    config = w8a16.Config(16, 32, 256, 2, 4, 4)
+    monkeypatch.setattr(w8a16, "choose", lambda *args: config)
+    monkeypatch.setattr(w8a16, "GATED_MAX_M", 16)  # the 14-token forward of _logits
+    folder = write_random_model_folder("random:llama-3.2-1b", tmp_path)
+    hf = load_hf_config(folder)
+    device = torch.device("cuda")
+    quant = resolve_quant_config("fp8", hf, device)
+    ctx = ModelContext(
+        torch.bfloat16, device, get_attention_backend("torch"), single_rank_state(device), quant
+    )
+    model = build_model(folder, ctx, hf_config=hf)
+    gated_layers: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            module.register_forward_pre_hook(
+                lambda mod, args, name=name: (
+                    gated_layers.add(name) if isinstance(args[0], GatedActivation) else None
+                )
+            )
+    gated = _logits(model, device)
+    assert len(gated_layers) == hf.num_hidden_layers
+    assert all(name.endswith("down_proj") for name in gated_layers)
+    gated_layers.clear()
+    monkeypatch.setattr(w8a16, "GATED_MAX_M", 0)
+    unfused = _logits(model, device)
+    assert not gated_layers
+    assert torch.equal(gated, unfused)

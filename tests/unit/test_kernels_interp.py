@@ -390,6 +390,36 @@ def case_fp8_w8a16_candidates(dtype: torch.dtype) -> None:
         fp8_w8a16.w8a16_gemm(x, schemes[1][0], schemes[1][1], split, locks[:2])
 
 
+@_case(*({"dtype": d} for d in (torch.float32, torch.float16, torch.bfloat16)))
+def case_fp8_w8a16_gated(dtype: torch.dtype) -> None:
+    """The W8A16 GEMM computing its input's SiLU-and-mul as it reads it (`gated`): the same
+    bits as the SiLU-and-mul kernel followed by the GEMM, in the GEMV form split and not and
+    the split tensor-core form (not in bf16: the interpreter's bf16 dot), and close to the
+    reference; a gated call checks x holds gate | up."""
+    from tandem_kernels import fp8, fp8_w8a16
+    from tandem_kernels.activation import silu_and_mul
+
+    cfg = fp8_w8a16.Config
+    gen = torch.Generator().manual_seed(13)
+    n, k = 24, 1120
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+    wq, scale = fp8.quantize_per_row(w)
+    locks = fp8_w8a16.w8a16_locks(n, "cpu")
+    configs = [(1, cfg(1, 16, 512, 1, 4, 1)), (3, cfg(4, 8, 256, 4, 4, 1))]
+    if dtype != torch.bfloat16:
+        configs.append((2, cfg(16, 16, 256, 2, 4, 3)))
+    for m, config in configs:
+        gate_up = (torch.randn(m, 2 * k, generator=gen) * 2).to(dtype)
+        gated = fp8_w8a16.w8a16_gemm(gate_up, wq, scale, config, locks, gated=True)
+        unfused = fp8_w8a16.w8a16_gemm(silu_and_mul(gate_up), wq, scale, config, locks)
+        assert torch.equal(gated, unfused), config
+        ref = fp8_w8a16.w8a16_gemm_ref(gate_up, wq, scale, gated=True)
+        rel = ((gated.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < (1e-5 if dtype == torch.float32 else 2e-2), (config, rel)
+    with pytest.raises(AssertionError):
+        fp8_w8a16.w8a16_gemm(gate_up[:, :k], wq, scale, configs[0][1], locks, gated=True)
+
+
 def _fp8_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, scales: tuple[float, float]
 ) -> tuple[torch.Tensor, torch.Tensor]:

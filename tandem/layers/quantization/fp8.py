@@ -47,7 +47,11 @@ from tandem.layers.quantization.base import (
     register_quantization_config,
     set_weight_attrs,
 )
-from tandem.layers.quantization.input_quant import ActivationQuantizer, QuantizedActivation
+from tandem.layers.quantization.input_quant import (
+    ActivationQuantizer,
+    GatedActivation,
+    QuantizedActivation,
+)
 from tandem.layers.weight_utils import LoadedWeight, full_weight
 
 WeightStrategy = Literal["tensor", "channel", "block"]
@@ -358,13 +362,20 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(
         self,
         layer: nn.Module,
-        x: torch.Tensor | QuantizedActivation,
+        x: torch.Tensor | QuantizedActivation | GatedActivation,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         scheme = self.scheme
         if isinstance(x, QuantizedActivation):  # quantized by the op before (input_quantizer)
             assert scheme.weight_strategy != "block" and x.data.dim() == 2, x.shape
             return fp8_linear(x.data, layer.weight, x.scale, layer.weight_scale, bias, x.dtype)
+        if isinstance(x, GatedActivation):  # SiLU-and-mul left to the W8A16 GEMM (takes_gated)
+            config = self.w8a16_config(layer, x.gate_up)
+            assert config is not None, "a gated input only where the W8A16 GEMM serves it"
+            out = _w8a16().w8a16_gemm(
+                x.gate_up, layer.weight, layer.weight_scale, config, layer.w8a16_locks, gated=True
+            )
+            return out if bias is None else out + bias
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.stride(-1) != 1:
