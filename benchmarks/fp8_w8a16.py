@@ -10,6 +10,9 @@ of the device's held copy bandwidth of
     new         `fp8_w8a16.candidates(bucket)`, what the tuner picks from at load: best of
                 all, and the best GEMV, split tensor-core and unsplit tensor-core config
 
+and, on down_proj's shape at M = 1, 2, 4 with the best new config: the SiLU-and-mul kernel
+then the GEMM, against the GEMM computing the SiLU-and-mul as it reads (`gated`).
+
 Each timed as the tuner times it (`fp8_w8a16.time_in_graph`): back to back in a CUDA graph over
 weight copies that overflow L2, so every weight comes from HBM as in decode. Every candidate's
 time is kept in the JSON. About two minutes on an H200.
@@ -137,6 +140,45 @@ def bench_shape(n: int, k: int, copy_gbs: float, gen: torch.Generator) -> dict[i
     return out
 
 
+def _silu_then_gemm(
+    gate_up: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, c: Any, locks: torch.Tensor
+) -> torch.Tensor:
+    from tandem_kernels.activation import silu_and_mul
+    from tandem_kernels.fp8_w8a16 import w8a16_gemm
+
+    return w8a16_gemm(silu_and_mul(gate_up), w, ws, c, locks)
+
+
+def bench_gated(
+    n: int, k: int, configs: dict[int, str], gen: torch.Generator
+) -> dict[int, dict[str, Any]]:
+    """down_proj's input: the SiLU-and-mul kernel then the W8A16 GEMM, against the GEMM
+    computing it as it reads `gate_up` (`gated`), with `configs[m]` (a config's name)."""
+    from tandem_kernels import fp8, fp8_w8a16
+
+    dev = torch.device("cuda")
+    w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
+    wq, ws = fp8.quantize_per_tensor(w)
+    copies = fp8_w8a16.weight_copies(wq)
+    locks = fp8_w8a16.w8a16_locks(n, dev)
+    by_name = {c.name: c for b in fp8_w8a16.M_BUCKETS for c in fp8_w8a16.candidates(b)}
+    out: dict[int, dict[str, Any]] = {}
+    for m, name in configs.items():
+        c = by_name[name]
+        gate_up = torch.randn(m, 2 * k, device=dev, generator=gen).to(torch.bfloat16)
+        unfused = fp8_w8a16.time_in_graph(
+            [lambda w=w, x=gate_up, c=c: _silu_then_gemm(x, w, ws, c, locks) for w in copies]
+        )
+        gated = fp8_w8a16.time_in_graph(
+            [
+                lambda w=w, x=gate_up, c=c: fp8_w8a16.w8a16_gemm(x, w, ws, c, locks, gated=True)
+                for w in copies
+            ]
+        )
+        out[m] = {"config": name, "silu_then_gemm_us": unfused, "gated_us": gated}
+    return out
+
+
 def _show(entry: dict[str, Any], key: str) -> str:
     r = entry[key]
     if r["us"] is None:
@@ -167,6 +209,15 @@ def main() -> None:
                 flush=True,
             )
         torch.cuda.empty_cache()
+    n, k = SHAPES_8B["down"]
+    picks = {m: rows[f"down/M={m}"]["new"]["config"] for m in (1, 2, 4)}
+    gated = bench_gated(n, k, {m: c for m, c in picks.items() if c}, gen)
+    for m, g in gated.items():
+        print(
+            f"down    M={m:2d} | SiLU-and-mul + GEMM {g['silu_then_gemm_us'] or 0:6.1f} us | "
+            f"gated GEMM {g['gated_us'] or 0:6.1f} us ({g['config']})",
+            flush=True,
+        )
     result = {
         "benchmark": "fp8_w8a16",
         "device": torch.cuda.get_device_name(),
@@ -174,6 +225,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "ceilings": ceilings,
         "rows": rows,
+        "down_gated": gated,
     }
     if ns.out:
         with open(ns.out, "w") as f:
