@@ -12,12 +12,20 @@ when the weights load (`tune_w8a16`): this module's candidate configs against th
 path the layer would otherwise run, at each bucket of `M_BUCKETS`. Larger batches keep the
 scaled GEMM, whose FP8 tensor cores then pay.
 
-Two kernel forms, one launch (`w8a16_gemm`), chosen by the config's BLOCK_M:
+Three kernel forms, one launch (`w8a16_gemm`), chosen by the config:
 
     BLOCK_M >= 16   tensor-core form: each weight tile widened to x's dtype in registers and
-                    fed to a 16-bit dot (rows padded to 16)
+                    fed to a 16-bit dot, `x W^T` (rows padded to 16)
+      swap_ab       the same as `W x^T`: the 64-128 weight rows the dot's M side (on Hopper a
+                    warpgroup MMA can take the widened weight from registers), the rows its
+                    16-wide N side; transposed once at the end
     BLOCK_M < 16    GEMV form (M = 1..8): the weight tile read with 16-byte loads, widened to
-                    fp32 and reduced against each of the BLOCK_M rows on the CUDA cores
+                    fp32 and reduced against each of the BLOCK_M rows on the CUDA cores (one
+                    row: products summed in place, reduced across K once at the end)
+
+`gated`: x is a SiLU-and-mul's input (gate | up) and the kernels compute the activation as
+they load x, with that kernel's rounding (`GatedActivation`, tandem.layers.quantization.
+input_quant): down_proj at small batches without the SiLU-and-mul launch.
 
 Split-K (both forms): the grid is `[N / BLOCK_N, M / BLOCK_M, SPLIT_K]`; program `k` sums its
 slice of K. A 4096-row weight in 16-row blocks is only 256 programs, too few to keep 132 SMs'
@@ -58,7 +66,8 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class Config(NamedTuple):
     """One W8A16 launch: tile sizes, K slices (`split_k`), Triton's warps and stages.
-    `block_m` < 16 selects the GEMV form."""
+    `block_m` < 16 selects the GEMV form; `swap_ab` the tensor-core form that multiplies
+    `W x^T` (the weight tile the dot's wide side, the few rows its narrow one)."""
 
     block_m: int
     block_n: int
@@ -66,10 +75,11 @@ class Config(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    swap_ab: bool = False
 
     @property
     def name(self) -> str:
-        return "x".join(map(str, self))
+        return "x".join(map(str, self[:6])) + ("s" if self.swap_ab else "")
 
 
 def _gemv(m: int) -> tuple[Config, ...]:
@@ -92,6 +102,13 @@ _DOT_SPLIT: tuple[Config, ...] = (
     Config(16, 32, 512, 2, 4, 3),
     Config(16, 16, 512, 4, 4, 3),
 )
+# `W x^T`, split along K: 64- and 128-row weight tiles as the dot's M side (on Hopper a
+# warpgroup MMA with the widened weight in registers), the rows padded to 16 its N side.
+_DOT_SWAP: tuple[Config, ...] = (
+    Config(16, 64, 128, 8, 4, 3, True),
+    Config(16, 64, 256, 4, 4, 3, True),
+    Config(16, 128, 128, 4, 8, 3, True),
+)
 # Unsplit tensor-core tiles (the winners of the first measurements at M <= 16 first).
 _DOT_16: tuple[Config, ...] = (
     Config(16, 32, 512, 1, 4, 3),
@@ -110,11 +127,11 @@ def _dot(*tiles: tuple[int, int, int, int, int]) -> tuple[Config, ...]:
 
 
 _CANDIDATES: dict[int, tuple[Config, ...]] = {
-    1: _gemv(1) + _DOT_SPLIT + _DOT_16[:1],
-    2: _gemv(2) + _DOT_SPLIT + _DOT_16[:1],
-    4: _gemv(4) + _DOT_SPLIT + _DOT_16[:1],
-    8: _gemv(8) + _DOT_SPLIT + _DOT_16[:3],
-    16: _DOT_SPLIT + _DOT_16,
+    1: _gemv(1) + _DOT_SWAP + _DOT_SPLIT + _DOT_16[:1],
+    2: _gemv(2) + _DOT_SWAP + _DOT_SPLIT + _DOT_16[:1],
+    4: _gemv(4) + _DOT_SWAP + _DOT_SPLIT + _DOT_16[:1],
+    8: _gemv(8) + _DOT_SWAP + _DOT_SPLIT + _DOT_16[:3],
+    16: _DOT_SWAP + _DOT_SPLIT + _DOT_16,
     32: _dot((32, 32, 256, 4, 4), (32, 64, 256, 4, 3), (32, 64, 128, 4, 4), (32, 128, 128, 8, 3)),
     64: _dot((64, 64, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3), (64, 32, 256, 4, 4)),
     128: _dot(
@@ -230,9 +247,11 @@ def _w8a16_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     GATED: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """The tensor-core form: one [BLOCK_M, BLOCK_N] output tile over one K slice."""
+    """The tensor-core form: one [BLOCK_M, BLOCK_N] output tile over one K slice (SWAP_AB:
+    its transpose, `W x^T`, transposed back once at the end)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -244,7 +263,10 @@ def _w8a16_kernel(
     n_mask = offs_n < N
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
             x = _load_x(x_ptrs, m_mask[:, None], GATED, K)
@@ -253,12 +275,16 @@ def _w8a16_kernel(
             k_mask = k0 + offs_k < K
             x = _load_x(x_ptrs, m_mask[:, None] & k_mask[None, :], GATED, K)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=INPUT_PRECISION)
+        if SWAP_AB:
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=INPUT_PRECISION)
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    out = tl.trans(acc) if SWAP_AB else acc
     tile = pid_m * tl.num_programs(0) + pid_n
     _finish(
-        acc, offs_m, offs_n, M, N, s_ptr, stride_s, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
+        out, offs_m, offs_n, M, N, s_ptr, stride_s, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
         pid_k, SPLIT_K,
     )  # fmt: skip
 
@@ -301,6 +327,8 @@ def _w8a16_gemv_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
     x_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k_begin + offs_k
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if BLOCK_M == 1:  # products summed in place, reduced across K once at the end
+        acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_mask = k0 + offs_k < K
         if EVEN_K:
@@ -315,13 +343,15 @@ def _w8a16_gemv_kernel(
                 x = _load_x(x_ptrs + i * stride_xm, row_ok, GATED, K)
             else:
                 x = _load_x(x_ptrs + i * stride_xm, k_mask & row_ok, GATED, K)
-            part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
             if BLOCK_M == 1:
-                acc += part[None, :]
+                acc_k += w * x.to(tl.float32)[None, :]
             else:
+                part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
                 acc = tl.where(rows[:, None] == i, acc + part[None, :], acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if BLOCK_M == 1:
+        acc = tl.sum(acc_k, axis=1)[None, :]
     tile = pid_m * tl.num_programs(0) + pid_n
     _finish(
         acc, offs_m, offs_n, M, N, s_ptr, stride_s, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
@@ -380,7 +410,7 @@ def w8a16_gemm(
     else:
         # fp32 activations: exact products (tf32 would lose digits); ignored for 16-bit.
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        kernel, extra = _w8a16_kernel, {"INPUT_PRECISION": precision}
+        kernel, extra = _w8a16_kernel, {"INPUT_PRECISION": precision, "SWAP_AB": c.swap_ab}
     kernel[grid](
         *args,
         *strides,

@@ -69,6 +69,7 @@ def test_split_k_replays_in_a_cuda_graph() -> None:
         w8a16.Config(1, 16, 512, 4, 4, 1),
         w8a16.Config(4, 8, 1024, 4, 4, 1),  # K = 14 chunks of 1024: a short last slice
         w8a16.Config(16, 32, 256, 4, 4, 4),
+        w8a16.Config(16, 64, 256, 4, 4, 3, True),
     ]
     x = torch.zeros(4, k, device="cuda", dtype=torch.bfloat16)
     for config in configs:  # compile outside the capture

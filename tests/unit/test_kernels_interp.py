@@ -347,11 +347,11 @@ def case_fp8_w8a16_gemm() -> None:
 @_case(*({"dtype": d} for d in (torch.float32, torch.float16, torch.bfloat16)))
 def case_fp8_w8a16_candidates(dtype: torch.dtype) -> None:
     """Every config `tune_w8a16` may pick for 1..8 rows (the GEMV form for each bucket, the
-    split-K and unsplit tensor-core tiles) against the reference, each at a batch of its
-    bucket, M = 1..8 all met, both weight-scale schemes taking turns; K = 1120: splits of
-    whole BLOCK_K chunks end unevenly and some are empty. One lock buffer serves every call
-    (as a layer's does) and is all zeros after each. bf16: the GEMV form only (the
-    interpreter's bf16 dot is wrong)."""
+    split-K `W x^T`, split-K and unsplit `x W^T` tensor-core tiles) against the reference,
+    each at a batch of its bucket, M = 1..8 all met, both weight-scale schemes taking turns;
+    K = 1120: splits of whole BLOCK_K chunks end unevenly and some are empty. One lock buffer
+    serves every call (as a layer's does) and is all zeros after each. bf16: the GEMV form
+    only (the interpreter's bf16 dot is wrong)."""
     from tandem_kernels import fp8, fp8_w8a16
 
     gen = torch.Generator().manual_seed(12)
@@ -394,7 +394,8 @@ def case_fp8_w8a16_candidates(dtype: torch.dtype) -> None:
 def case_fp8_w8a16_gated(dtype: torch.dtype) -> None:
     """The W8A16 GEMM computing its input's SiLU-and-mul as it reads it (`gated`): the same
     bits as the SiLU-and-mul kernel followed by the GEMM, in the GEMV form split and not and
-    the split tensor-core form (not in bf16: the interpreter's bf16 dot), and close to the
+    the split tensor-core forms, `x W^T` and `W x^T` (not in bf16: the interpreter's bf16
+    dot), and close to the
     reference; a gated call checks x holds gate | up."""
     from tandem_kernels import fp8, fp8_w8a16
     from tandem_kernels.activation import silu_and_mul
@@ -407,7 +408,7 @@ def case_fp8_w8a16_gated(dtype: torch.dtype) -> None:
     locks = fp8_w8a16.w8a16_locks(n, "cpu")
     configs = [(1, cfg(1, 16, 512, 1, 4, 1)), (3, cfg(4, 8, 256, 4, 4, 1))]
     if dtype != torch.bfloat16:
-        configs.append((2, cfg(16, 16, 256, 2, 4, 3)))
+        configs += [(2, cfg(16, 16, 256, 2, 4, 3)), (4, cfg(16, 64, 128, 4, 4, 3, True))]
     for m, config in configs:
         gate_up = (torch.randn(m, 2 * k, generator=gen) * 2).to(dtype)
         gated = fp8_w8a16.w8a16_gemm(gate_up, wq, scale, config, locks, gated=True)
