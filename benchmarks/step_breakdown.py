@@ -26,7 +26,7 @@ from benchmarks.offline_throughput import make_prompts
 from tandem.config import add_engine_args, engine_kwargs_from
 
 _KINDS = [
-    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90|sm100", re.I)),
+    ("matmul", re.compile(r"gemm|gemv|w8a16|cutlass|xmma|nvjet|cublas|matmul|sm90|sm100", re.I)),
     ("attention", re.compile(r"attention|attn|paged|decode_kernel|prefill_kernel|reduce_kernel")),
     ("kv_write", re.compile(r"reshape_and_cache|cache_kernel|kv_write", re.I)),
     ("norm_rotary_act", re.compile(r"rms|norm|rotary|rope|silu|act_and_mul|mul_kernel", re.I)),

@@ -1,17 +1,49 @@
 """FP8 weights, 16-bit activations (W8A16) for the small batches of decode.
 
 `y = x @ (W_fp8 * s)^T`, W `[N, K]` e4m3 with a per-tensor (`[]`) or per-output-channel
-(`[N, 1]`) float32 scale, x `[M, K]` in the model's dtype. Each weight tile is widened in
-registers (exact: every e4m3 value is a bf16) and fed to a 16-bit tensor-core dot; the scale is
-applied once to the fp32 accumulator. Activations are not quantized at all.
+(`[N, 1]`) float32 scale, x `[M, K]` in the model's dtype (bf16, fp16; fp32 for tests).
+Activations are not quantized at all; the scale is applied once to the fp32 sum.
 
 Why: at decode batch sizes a linear layer is bound by reading its weight. FP8 halves the bytes,
 but cuBLASLt's e4m3 GEMM (`torch._scaled_mm`) was slower than the bf16 GEMM it replaces at
 M <= 64 on the H200 (qkv of the 8B at M = 1: 2.1 against 2.7 TFLOP/s), before the activation
 quantization pass it also needs. Which path serves which batch size is measured per weight shape
-when the weights load (`tune_w8a16`): this kernel's candidate configs against the scaled-GEMM
+when the weights load (`tune_w8a16`): this module's candidate configs against the scaled-GEMM
 path the layer would otherwise run, at each bucket of `M_BUCKETS`. Larger batches keep the
 scaled GEMM, whose FP8 tensor cores then pay.
+
+Three kernel forms, one launch (`w8a16_gemm`), chosen by the config:
+
+    BLOCK_M >= 16   tensor-core form: each weight tile widened to x's dtype in registers and
+                    fed to a 16-bit dot, `x W^T` (rows padded to 16)
+      swap_ab       the same as `W x^T`: the 64-128 weight rows the dot's M side (on Hopper a
+                    warpgroup MMA can take the widened weight from registers), the rows its
+                    16-wide N side; transposed once at the end
+    BLOCK_M < 16    GEMV form (M = 1..8): the weight tile read with 16-byte loads, widened to
+                    fp32 and reduced against each of the BLOCK_M rows on the CUDA cores (one
+                    row: products summed in place, reduced across K once at the end)
+
+`gated`: x is a SiLU-and-mul's input (gate | up) and the kernels compute the activation as
+they load x, with that kernel's rounding (`GatedActivation`, tandem.layers.quantization.
+input_quant): down_proj at small batches without the SiLU-and-mul launch.
+
+Split-K (both forms): the grid is `[N / BLOCK_N, M / BLOCK_M, SPLIT_K]`; program `k` sums its
+slice of K. A 4096-row weight in 16-row blocks is only 256 programs, too few to keep 132 SMs'
+loads in flight; SPLIT_K = 4 makes 1024. The slices are summed in the same launch, without
+atomics on the output and without zeroing anything per call ("last program reduces"):
+
+    every program      stores its partial sum [BLOCK_M, BLOCK_N] in fp32 to
+                       workspace[k]  (per call, uninitialised, SPLIT_K x M x N)
+                       barrier; then one thread: arrived = atomic_add(lock[tile], 1)
+                       (acq_rel, gpu scope: the partial is visible before the count is)
+    arrived == SPLIT_K - 1 (the last of the tile's programs):
+                       sums workspace[0..SPLIT_K) in order (L2 loads), scales, stores the
+                       output tile, and sets lock[tile] back to 0
+
+Invariant: `locks` (int32, one per output tile) is all zeros between calls, so a lock buffer
+made once (`w8a16_locks`, by the layer after loading, outside any CUDA graph) serves every call
+and every graph replay on its stream. The sum over slices is in a fixed order, so results do
+not depend on which program came last.
 
 Reference: `w8a16_gemm_ref` (dequantize, then matmul in fp32).
 """
@@ -19,7 +51,9 @@ Reference: `w8a16_gemm_ref` (dequantize, then matmul in fp32).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,45 +62,169 @@ import triton.language as tl
 
 # Batch sizes (rows of x) measured at load; a call with M rows uses the smallest bucket >= M.
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Config: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). BLOCK_M >= 16: tensor-core tiles (the
-# rows padded to 16); BLOCK_M < 16: the GEMV form (`_w8a16_gemv_kernel`), for the few rows
-# where a padded dot wastes the loads' parallelism.
-Config = tuple[int, int, int, int, int]
-_DOT_16: tuple[Config, ...] = (
-    (16, 16, 256, 4, 4),
-    (16, 32, 256, 4, 4),
-    (16, 32, 512, 4, 3),
-    (16, 64, 256, 4, 4),
-    (16, 16, 512, 4, 3),
-    (16, 64, 128, 4, 4),
-    (16, 32, 128, 2, 8),
-    (16, 32, 1024, 8, 3),
-)
+
+
+class Config(NamedTuple):
+    """One W8A16 launch: tile sizes, K slices (`split_k`), Triton's warps and stages.
+    `block_m` < 16 selects the GEMV form; `swap_ab` the tensor-core form that multiplies
+    `W x^T` (the weight tile the dot's wide side, the few rows its narrow one)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    swap_ab: bool = False
+
+    @property
+    def name(self) -> str:
+        return "x".join(map(str, self[:6])) + ("s" if self.swap_ab else "")
 
 
 def _gemv(m: int) -> tuple[Config, ...]:
-    return ((m, 8, 512, 4, 1), (m, 16, 512, 4, 1), (m, 16, 1024, 8, 1), (m, 4, 1024, 4, 1))
+    """GEMV candidates for `m` rows: no split for wide N (gate_up's 28672 rows are 1792
+    programs), split-K for N = 4096-6144 (qkv, o, down), 8- to 32-row blocks, 8-16 KB tiles."""
+    return (
+        Config(m, 16, 512, 1, 4, 1),
+        Config(m, 32, 512, 1, 8, 1),
+        Config(m, 16, 512, 4, 4, 1),
+        Config(m, 16, 256, 8, 4, 1),
+        Config(m, 8, 1024, 4, 4, 1),
+    )
+
+
+# The tensor-core form split along K: the same 16-row tiles, 4x the programs for N = 4096.
+_DOT_SPLIT: tuple[Config, ...] = (
+    Config(16, 32, 256, 4, 4, 4),
+    Config(16, 64, 256, 2, 4, 4),
+    Config(16, 32, 512, 2, 4, 3),
+    Config(16, 16, 512, 4, 4, 3),
+)
+# `W x^T`, split along K: 64- and 128-row weight tiles as the dot's M side (on Hopper a
+# warpgroup MMA with the widened weight in registers), the rows padded to 16 its N side.
+_DOT_SWAP: tuple[Config, ...] = (
+    Config(16, 64, 128, 8, 4, 3, True),
+    Config(16, 64, 256, 4, 4, 3, True),
+    Config(16, 128, 128, 4, 8, 3, True),
+)
+# Unsplit tensor-core tiles (the winners of the first measurements at M <= 16 first).
+_DOT_16: tuple[Config, ...] = (
+    Config(16, 32, 512, 1, 4, 3),
+    Config(16, 32, 256, 1, 4, 4),
+    Config(16, 64, 256, 1, 4, 4),
+    Config(16, 16, 256, 1, 4, 4),
+    Config(16, 16, 512, 1, 4, 3),
+    Config(16, 64, 128, 1, 4, 4),
+    Config(16, 32, 128, 1, 2, 8),
+    Config(16, 32, 1024, 1, 8, 3),
+)
+
+
+def _dot(*tiles: tuple[int, int, int, int, int]) -> tuple[Config, ...]:
+    return tuple(Config(bm, bn, bk, 1, w, s) for bm, bn, bk, w, s in tiles)
 
 
 _CANDIDATES: dict[int, tuple[Config, ...]] = {
-    1: _gemv(1) + _DOT_16,
-    2: _gemv(2) + _DOT_16,
-    4: _gemv(4) + _DOT_16,
-    8: _DOT_16,
-    16: _DOT_16,
-    32: ((32, 32, 256, 4, 4), (32, 64, 256, 4, 3), (32, 64, 128, 4, 4), (32, 128, 128, 8, 3)),
-    64: ((64, 64, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3), (64, 32, 256, 4, 4)),
-    128: ((64, 64, 128, 4, 4), (128, 128, 128, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 4, 4)),
-    256: ((128, 128, 128, 8, 3), (128, 64, 128, 4, 4), (64, 128, 128, 8, 3), (128, 256, 64, 8, 3)),
+    1: _gemv(1) + _DOT_SWAP + _DOT_SPLIT + _DOT_16[:1],
+    2: _gemv(2) + _DOT_SWAP + _DOT_SPLIT + _DOT_16[:1],
+    4: _gemv(4) + _DOT_SWAP + _DOT_SPLIT + _DOT_16[:1],
+    8: _gemv(8) + _DOT_SWAP + _DOT_SPLIT + _DOT_16[:3],
+    16: _DOT_SWAP + _DOT_SPLIT + _DOT_16[:4],
+    32: _dot((32, 32, 256, 4, 4), (32, 64, 256, 4, 3), (32, 64, 128, 4, 4), (32, 128, 128, 8, 3)),
+    64: _dot((64, 64, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3), (64, 32, 256, 4, 4)),
+    128: _dot(
+        (64, 64, 128, 4, 4), (128, 128, 128, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 4, 4)
+    ),
+    256: _dot(
+        (128, 128, 128, 8, 3), (128, 64, 128, 4, 4), (64, 128, 128, 8, 3), (128, 256, 64, 8, 3)
+    ),
 }
+# About 45 distinct kernels to compile over all buckets (GEMV: one per row count), the most
+# of an 8B model's tuning at load; the timing itself is ~1-3 s a weight shape.
 # Used without tuning (TANDEM_TUNE_KERNELS=0 on CUDA, the interpreter): this kernel up to
 # M = 16, the scaled GEMM above.
-_DEFAULT: Config = (16, 32, 256, 4, 4)
+_DEFAULT = Config(16, 32, 256, 1, 4, 4)
 _DEFAULT_MAX_M = 16
+# Batches up to this many rows may take a SiLU-and-mul's input ungated (`w8a16_gemm(...,
+# gated=True)`): each of the N / BLOCK_N programs recomputes its K slice of it for its rows,
+# hidden under the weight read for a few rows, not for many.
+GATED_MAX_M = 4
+# The narrowest output block of any split-K candidate: `w8a16_locks` holds a lock per tile.
+_MIN_SPLIT_BLOCK_N = 8
 
 # (N, K, x dtype, baseline name) -> {bucket: config, or None for the baseline}.
 _choices: dict[tuple[int, int, torch.dtype, str], dict[int, Config | None]] = {}
 tuning_log: list[dict[str, object]] = []
+
+
+@triton.jit
+def _k_slice(K, pid_k, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """`[k_begin, k_end)` of slice `pid_k`: whole BLOCK_K chunks, shared out evenly (a slice
+    may be empty when there are fewer chunks than slices)."""
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = pid_k * per_split
+    return k_begin, tl.minimum(k_begin + per_split, K)
+
+
+@triton.jit
+def _load_x(ptrs, mask, GATED: tl.constexpr, up_offset):
+    """x's values at `ptrs`; GATED: `silu(gate) * up` of the gate at `ptrs` and the up value
+    `up_offset` further, rounded as the SiLU-and-mul kernel rounds (tandem_kernels.activation:
+    silu in fp32 to x's dtype, the product in fp32 to x's dtype), so the values are that
+    kernel's output bit for bit."""
+    if GATED:
+        gate = tl.load(ptrs, mask=mask, other=0.0)
+        up = tl.load(ptrs + up_offset, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        x = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _finish(
+    acc,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    s_ptr,
+    stride_s,
+    out_ptr,
+    stride_om,
+    ws_ptr,
+    locks_ptr,
+    tile,
+    pid_k,
+    SPLIT_K: tl.constexpr,
+):
+    """Scale and store the output tile; with SPLIT_K > 1, through the workspace and the last
+    program of the tile (module docstring)."""
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    mask = m_mask[:, None] & n_mask[None, :]
+    scale = tl.load(s_ptr + offs_n * stride_s, mask=n_mask, other=0.0)
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        out = acc * scale[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws = ws_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        slice_stride = M.to(tl.int64) * N
+        tl.store(ws + pid_k * slice_stride, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the one thread's release
+        arrived = tl.atomic_add(locks_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT_K):
+                part = tl.load(ws + s * slice_stride, mask=mask, other=0.0, cache_modifier=".cg")
+                total += part
+            out = total * scale[None, :]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(locks_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -75,6 +233,8 @@ def _w8a16_kernel(
     w_ptr,
     s_ptr,
     out_ptr,
+    ws_ptr,
+    locks_ptr,
     M,
     N,
     K,
@@ -85,34 +245,49 @@ def _w8a16_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
+    """The tensor-core form: one [BLOCK_M, BLOCK_N] output tile over one K slice (SWAP_AB:
+    its transpose, `W x^T`, transposed back once at the end)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    k_begin, k_end = _k_slice(K, pid_k, BLOCK_K, SPLIT_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            x = _load_x(x_ptrs, m_mask[:, None], GATED, K)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
             k_mask = k0 + offs_k < K
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x = _load_x(x_ptrs, m_mask[:, None] & k_mask[None, :], GATED, K)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=INPUT_PRECISION)
+        if SWAP_AB:
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=INPUT_PRECISION)
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    scale = tl.load(s_ptr + offs_n * stride_s, mask=n_mask, other=0.0)
-    out = acc * scale[None, :]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    out = tl.trans(acc) if SWAP_AB else acc
+    tile = pid_m * tl.num_programs(0) + pid_n
+    _finish(
+        out, offs_m, offs_n, M, N, s_ptr, stride_s, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
+        pid_k, SPLIT_K,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -121,6 +296,8 @@ def _w8a16_gemv_kernel(
     w_ptr,
     s_ptr,
     out_ptr,
+    ws_ptr,
+    locks_ptr,
     M,
     N,
     K,
@@ -131,83 +308,134 @@ def _w8a16_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
 ):
-    """The few-row form: each program reads BLOCK_N weight rows once, in BLOCK_K-wide chunks
-    (many programs resident per SM keep the loads in flight), and reduces each of the BLOCK_M
-    activation rows against them on the CUDA cores in fp32."""
+    """The few-row form: each program reads its BLOCK_N weight rows over one K slice once, in
+    BLOCK_K-wide chunks (16 e4m3 per thread and load: the K offsets are contiguous and the
+    row stride a multiple of 16), widens them to fp32 and reduces each of the BLOCK_M
+    activation rows against them on the CUDA cores."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_k = tl.program_id(2)
+    k_begin, k_end = _k_slice(K, pid_k, BLOCK_K, SPLIT_K)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    x_row0 = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
+    x_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k_begin + offs_k
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if BLOCK_M == 1:  # products summed in place, reduced across K once at the end
+        acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         k_mask = k0 + offs_k < K
         if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            w = w.to(tl.float32)
+        w = w.to(tl.float32)
         for i in tl.static_range(BLOCK_M):
+            # A row-constant mask (`offs_k * 0` folds away), so x's loads stay 16 bytes wide.
             row_ok = offs_k * 0 + (pid_m * BLOCK_M + i) < M
-            x = tl.load(x_row0 + i * stride_xm + k0 + offs_k, mask=k_mask & row_ok, other=0.0)
-            part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
-            acc = tl.where(tl.arange(0, BLOCK_M)[:, None] == i, acc + part[None, :], acc)
+            if EVEN_K:
+                x = _load_x(x_ptrs + i * stride_xm, row_ok, GATED, K)
+            else:
+                x = _load_x(x_ptrs + i * stride_xm, k_mask & row_ok, GATED, K)
+            if BLOCK_M == 1:
+                acc_k += w * x.to(tl.float32)[None, :]
+            else:
+                part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+                acc = tl.where(rows[:, None] == i, acc + part[None, :], acc)
         w_ptrs += BLOCK_K
-    scale = tl.load(s_ptr + offs_n * stride_s, mask=n_mask, other=0.0)
-    out = acc * scale[None, :]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(
-        out_ptrs,
-        out.to(out_ptr.dtype.element_ty),
-        mask=(offs_m < M)[:, None] & n_mask[None, :],
-    )
+        x_ptrs += BLOCK_K
+    if BLOCK_M == 1:
+        acc = tl.sum(acc_k, axis=1)[None, :]
+    tile = pid_m * tl.num_programs(0) + pid_n
+    _finish(
+        acc, offs_m, offs_n, M, N, s_ptr, stride_s, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
+        pid_k, SPLIT_K,
+    )  # fmt: skip
+
+
+def w8a16_locks(n: int, device: torch.device | str) -> torch.Tensor:
+    """A zeroed lock buffer for split-K calls on an `[N, K]` weight: one lock per output tile
+    of any candidate, for one block of rows (M <= BLOCK_M, as every split-K candidate is
+    chosen). Make it outside CUDA-graph capture, once per weight and stream; the kernels
+    leave it zeroed."""
+    return torch.zeros(triton.cdiv(n, _MIN_SPLIT_BLOCK_N), dtype=torch.int32, device=device)
 
 
 def w8a16_gemm(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: Config | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    config: Config | None = None,
+    locks: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """`x [M, K] @ (weight [N, K] e4m3 * scale)^T` in x's dtype; `scale` float32 `[]`, `[1]`
-    or `[N, 1]`. Rows contiguous. Launches one kernel; reads no device values on the host, so
-    it can be captured in a CUDA graph."""
-    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+    or `[N, 1]`. Rows contiguous. One kernel launch (and a fp32 workspace from the caching
+    allocator for split-K); reads no device values on the host, so it can be captured in a
+    CUDA graph. `locks`: `w8a16_locks(N, ...)`, for a split-K config; without it a zeroed
+    one is made per call (one more memset).
+    `gated`: x is `[M, 2K]` (gate | up) and the product is that of its SiLU-and-mul, computed
+    as the kernel reads it (the same values as tandem_kernels.activation.silu_and_mul's)."""
+    assert x.dim() == 2 and weight.dim() == 2
+    assert x.shape[1] == weight.shape[1] * (2 if gated else 1), (x.shape, weight.shape, gated)
     assert x.stride(1) == 1 and weight.stride(1) == 1
     assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
+    n, k = weight.shape
     assert scale.numel() in (1, n), (scale.shape, n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m, block_n, block_k, warps, stages = config or _DEFAULT
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
-    if block_m < 16:
+    c = config or _DEFAULT
+    grid = (triton.cdiv(n, c.block_n), triton.cdiv(m, c.block_m), c.split_k)
+    if c.split_k > 1:
+        workspace = torch.empty((c.split_k, m, n), dtype=torch.float32, device=x.device)
+        if locks is None:
+            locks = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+        assert locks.dtype == torch.int32 and locks.numel() >= grid[0] * grid[1], (
+            f"{locks.numel()} locks for {grid[0] * grid[1]} tiles"
+        )
+    else:  # unused by the kernel
+        workspace = locks = out
+    args = (x, weight, scale, out, workspace, locks, m, n, k)
+    strides = (x.stride(0), weight.stride(0), out.stride(0), 0 if scale.numel() == 1 else 1)
+    if c.block_m < 16:
         kernel, extra = _w8a16_gemv_kernel, {}
     else:
         # fp32 activations: exact products (tf32 would lose digits); ignored for 16-bit.
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        kernel, extra = _w8a16_kernel, {"INPUT_PRECISION": precision}
+        kernel, extra = _w8a16_kernel, {"INPUT_PRECISION": precision, "SWAP_AB": c.swap_ab}
     kernel[grid](
         *args,
-        0 if scale.numel() == 1 else 1,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0,
-        num_warps=warps,
-        num_stages=stages,
+        *strides,
+        BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k,
+        SPLIT_K=c.split_k,
+        EVEN_K=k % (c.block_k * c.split_k) == 0,
+        GATED=gated,
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
         **extra,
     )
     return out
 
 
-def w8a16_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Pure-torch reference: the weight dequantized to float32, then the product."""
+def w8a16_gemm_ref(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gated: bool = False
+) -> torch.Tensor:
+    """Pure-torch reference: the weight dequantized to float32, then the product (`gated`: of
+    x's SiLU-and-mul, rounded to x's dtype as the unfused op's output is)."""
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
     w = weight.to(torch.float32) * scale.to(torch.float32).reshape(-1, 1)
     return F.linear(x.to(torch.float32), w).to(x.dtype)
 
@@ -218,6 +446,11 @@ def bucket(m: int) -> int | None:
         if m <= b:
             return b
     return None
+
+
+def candidates(b: int) -> tuple[Config, ...]:
+    """The configs timed at batch bucket `b`."""
+    return _CANDIDATES[b]
 
 
 def choose(m: int, n: int, k: int, dtype: torch.dtype, baseline: str) -> Config | None:
@@ -241,7 +474,7 @@ def _may_tune(weight: torch.Tensor) -> bool:
     )
 
 
-def _time(runs: list[Callable[[], object]], reps: int = 8) -> float | None:
+def time_in_graph(runs: list[Callable[[], object]], reps: int = 8) -> float | None:
     """Microseconds per call, as decode runs it: the calls (`runs`, one per weight copy, so
     that together they overflow L2 and every weight comes from HBM, as each layer's does in a
     forward) captured `reps` times in one CUDA graph, the graph replayed and timed. None when
@@ -277,6 +510,25 @@ _MAX_COPIES = 16
 _MIN_TUNE_BYTES = 1 << 20
 
 
+def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """`weight` and enough clones of it that reading them in turn streams from HBM."""
+    weight_bytes = weight.numel() * weight.element_size()
+    num_copies = min(-(-_STREAM_BYTES // weight_bytes), _MAX_COPIES)
+    return [weight] + [weight.clone() for _ in range(num_copies - 1)]
+
+
+def time_config(
+    x: torch.Tensor,
+    copies: list[torch.Tensor],
+    scale: torch.Tensor,
+    config: Config,
+    locks: torch.Tensor,
+) -> float | None:
+    """`time_in_graph` of `w8a16_gemm` with `config` over the weight `copies` (one lock buffer
+    serves them all: the calls run one after another)."""
+    return time_in_graph([lambda w=w: w8a16_gemm(x, w, scale, config, locks) for w in copies])
+
+
 def tune_w8a16(
     weight: torch.Tensor,
     scale: torch.Tensor,
@@ -287,37 +539,36 @@ def tune_w8a16(
     """Measure, once per (N, K, dtype, baseline), this kernel's candidates against `baseline`
     (the layer's own path, `baseline(x, weight)`: activation quantization + scaled GEMM) at
     every bucket of `M_BUCKETS`, on random activations and this weight, in CUDA graphs
-    (`_time`); remember the winners for `choose`.
+    (`time_in_graph`); remember the winners for `choose`. The log entry (`tuning_log`) keeps
+    every candidate's time and the seconds the shape took (`tune_s`, compiles included).
     A no-op off CUDA, under the interpreter, during capture, or with TANDEM_TUNE_KERNELS=0."""
     n, k = weight.shape
     key = (n, k, dtype, baseline_name)
     if key in _choices or not _may_tune(weight) or weight.numel() < _MIN_TUNE_BYTES:
         return _choices.get(key, {})
+    started = time.perf_counter()
     gen = torch.Generator(device=weight.device).manual_seed(0)
-    weight_bytes = weight.numel() * weight.element_size()
-    num_copies = min(-(-_STREAM_BYTES // weight_bytes), _MAX_COPIES)
-    copies = [weight] + [weight.clone() for _ in range(num_copies - 1)]
+    copies = weight_copies(weight)
+    locks = w8a16_locks(n, weight.device)
     choices: dict[int, Config | None] = {}
     record: dict[str, object] = {"n": n, "k": k, "baseline": baseline_name, "us": {}}
     for b in M_BUCKETS:
         x = torch.randn(b, k, device=weight.device, generator=gen).to(dtype)
-        base_us = _time([lambda x=x, w=w: baseline(x, w) for w in copies])
-        cands = _CANDIDATES[b]
-        timed = {
-            c: _time([lambda x=x, c=c, w=w: w8a16_gemm(x, w, scale, c) for w in copies])
-            for c in cands
-        }
+        base_us = time_in_graph([lambda x=x, w=w: baseline(x, w) for w in copies])
+        timed = {c: time_config(x, copies, scale, c, locks) for c in candidates(b)}
         ok = {c: t for c, t in timed.items() if t is not None}
         best = min(ok, key=ok.__getitem__) if ok else None
         use = best if best is not None and (base_us is None or ok[best] < base_us) else None
         choices[b] = use
         record["us"][str(b)] = {  # type: ignore[index]
             "baseline": base_us,
-            "best": "x".join(map(str, best)) if best else None,
+            "best": best.name if best else None,
             "best_us": ok.get(best) if best else None,
             "use": "w8a16" if use else "baseline",
+            "candidates": {c.name: t for c, t in timed.items()},
         }
     del copies
+    record["tune_s"] = time.perf_counter() - started  # compiles included
     _choices[key] = choices
     tuning_log.append(record)
     return choices

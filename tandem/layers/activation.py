@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.layers.quantization.input_quant import Activation, input_quantizer
+from tandem.layers.quantization.input_quant import Activation, GatedActivation, input_quantizer
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -22,7 +22,9 @@ class SiluAndMul(nn.Module):
 
     `quant_consumer`: the linear layer this activation feeds (down_proj). When its method
     wants quantized input (an FP8 method), 2-D inputs come out as that `QuantizedActivation`,
-    written by the activation's own kernel (input_quant.py); else as usual."""
+    written by the activation's own kernel (input_quant.py); where it computes the activation
+    itself as it reads its input (`takes_gated`), as a `GatedActivation` of the input
+    untouched; else as usual."""
 
     def __init__(self, cpu_kernels: bool = False, quant_consumer: nn.Module | None = None) -> None:
         super().__init__()
@@ -30,13 +32,11 @@ class SiluAndMul(nn.Module):
         self.input_quant = input_quantizer(quant_consumer)
 
     def forward(self, x: torch.Tensor) -> Activation:
-        if (
-            self.input_quant is not None
-            and x.dim() == 2
-            and x.stride(-1) == 1
-            and self.input_quant.takes_quantized(x)
-        ):
-            return self.input_quant.silu_and_mul(x)
+        if self.input_quant is not None and x.dim() == 2 and x.stride(-1) == 1:
+            if self.input_quant.takes_gated(x):
+                return GatedActivation(x)
+            if self.input_quant.takes_quantized(x):
+                return self.input_quant.silu_and_mul(x)
         if x.is_cuda:
             from tandem_kernels.activation import silu_and_mul as silu_and_mul_kernel
 

@@ -580,3 +580,41 @@ def test_row_parallel_input_split_here_stays_plain() -> None:
         quantized = act(part)
         assert quantized.scale.shape == (3, 1)
         assert torch.equal(down(quantized), down(SiluAndMul()(part)))
+
+
+def test_activation_hands_a_gating_consumer_its_input_ungated() -> None:
+    """SiLU-and-mul hands its input untouched (`GatedActivation`) where the consumer asks for
+    it (`takes_gated`, asked first), and runs as before where not; an FP8 consumer asks only
+    on CUDA (its W8A16 GEMM computes the activation as it reads; tests/gpu)."""
+    from tandem.layers.activation import SiluAndMul, silu_and_mul
+    from tandem.layers.quantization.input_quant import ActivationQuantizer, GatedActivation
+
+    class Gating(ActivationQuantizer):
+        def __init__(self, gated: bool) -> None:
+            self.gated = gated
+
+        def takes_gated(self, gate_up: torch.Tensor) -> bool:
+            return self.gated
+
+        def takes_quantized(self, x: torch.Tensor) -> bool:
+            return False
+
+        def rms_norm(self, x, residual, weight, eps):  # type: ignore[no-untyped-def]
+            raise AssertionError("not a norm's consumer")
+
+        def silu_and_mul(self, x):  # type: ignore[no-untyped-def]
+            raise AssertionError("never asked for quantized input")
+
+    x = torch.randn(3, 16)
+    act = SiluAndMul()
+    act.input_quant = Gating(True)
+    out = act(x)
+    assert isinstance(out, GatedActivation) and out.gate_up is x
+    assert out.shape == (3, 8) and out.dtype == x.dtype
+    act.input_quant = Gating(False)
+    assert torch.equal(act(x), silu_and_mul(x))
+    down = RowParallelLinear(64, 32, False, context(PtpcFp8Config()), prefix="down")
+    _load_linear(down, [(torch.randn(32, 64) * 0.1, None)])
+    fp8_act = SiluAndMul(quant_consumer=down)
+    assert not fp8_act.input_quant.takes_gated(torch.randn(1, 128))  # CPU: no W8A16
+    assert not isinstance(fp8_act(torch.randn(1, 128)), GatedActivation)

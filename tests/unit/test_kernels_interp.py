@@ -318,26 +318,109 @@ def case_fp8_block_gemm() -> None:
 
 @_case()
 def case_fp8_w8a16_gemm() -> None:
-    """The small-batch W8A16 GEMM against its reference, in its tensor-core and GEMV forms:
-    fp32 activations, per-tensor and per-channel weight scales, K not a multiple of BLOCK_K
-    (a partial last tile), N not a multiple of BLOCK_N, M of one, of a part of a tile and of
-    several tiles."""
+    """The small-batch W8A16 GEMM against its reference, in its tensor-core and GEMV forms,
+    unsplit and split along K: fp32 activations, per-tensor and per-channel weight scales, K
+    not a multiple of BLOCK_K (a partial last tile), N not a multiple of BLOCK_N, M of one, of
+    a part of a tile and of several tiles."""
     from tandem_kernels import fp8, fp8_w8a16
 
+    cfg = fp8_w8a16.Config
     gen = torch.Generator().manual_seed(11)
     for m, n, k in ((1, 48, 96), (5, 80, 272), (37, 64, 64)):
         w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
         for wq, scale in (fp8.quantize_per_tensor(w), fp8.quantize_per_row(w)):
             x = torch.randn(m, k, generator=gen)
-            configs = [None, (16, 32, 64, 4, 2), (32, 16, 256, 4, 2)]
+            configs = [None, cfg(16, 32, 64, 1, 4, 2), cfg(32, 16, 256, 1, 4, 2)]
+            if m <= 16:  # split-K needs one block of rows
+                configs += [cfg(16, 16, 32, 3, 4, 2)]
             if m <= 5:  # the GEMV form (slow under the interpreter: few rows only)
-                configs += [(1, 8, 64, 4, 1), (2, 16, 128, 4, 1), (4, 4, 64, 4, 1)]
+                configs += [cfg(1, 8, 64, 1, 4, 1), cfg(2, 16, 128, 2, 4, 1)]
+                configs += [cfg(8, 4, 32, 4, 4, 1)]
             for config in configs:
+                if config and config.block_m < m:
+                    continue
                 out = fp8_w8a16.w8a16_gemm(x, wq, scale, config)
                 ref = fp8_w8a16.w8a16_gemm_ref(x, wq, scale)
                 torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
             assert (ref - x @ w.t()).norm() / (x @ w.t()).norm() < 0.05  # e4m3 weights
     assert fp8_w8a16.w8a16_gemm(x[:0], wq, scale).shape == (0, 64)
+
+
+@_case(*({"dtype": d} for d in (torch.float32, torch.float16, torch.bfloat16)))
+def case_fp8_w8a16_candidates(dtype: torch.dtype) -> None:
+    """Every config `tune_w8a16` may pick for 1..8 rows (the GEMV form for each bucket, the
+    split-K `W x^T`, split-K and unsplit `x W^T` tensor-core tiles) against the reference,
+    each at a batch of its bucket, M = 1..8 all met, both weight-scale schemes taking turns;
+    K = 1120: splits of whole BLOCK_K chunks end unevenly and some are empty. One lock buffer
+    serves every call (as a layer's does) and is all zeros after each. bf16: the GEMV form
+    only (the interpreter's bf16 dot is wrong)."""
+    from tandem_kernels import fp8, fp8_w8a16
+
+    gen = torch.Generator().manual_seed(12)
+    n, k = 24, 1120
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+    schemes = (fp8.quantize_per_tensor(w), fp8.quantize_per_row(w))
+    locks = fp8_w8a16.w8a16_locks(n, "cpu")
+    batch_of = {1: [1], 2: [2], 4: [3, 4], 8: [5, 6, 7, 8]}
+    seen_m: set[int] = set()
+    calls = 0
+    dot_rows = iter(range(10**6))
+    for b, batches in batch_of.items():
+        for i, config in enumerate(fp8_w8a16.candidates(b)):
+            gemv = config.block_m < 16
+            if not gemv and (dtype == torch.bfloat16 or b != 8):
+                continue  # the tensor-core candidates repeat in every bucket: once, at 1..8
+            m = batches[i % len(batches)] if gemv else 1 + next(dot_rows) % 8
+            wq, scale = schemes[calls % 2]
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            out = fp8_w8a16.w8a16_gemm(x, wq, scale, config, locks)
+            ref = fp8_w8a16.w8a16_gemm_ref(x, wq, scale)
+            tol = 1e-4 if dtype == torch.float32 else 1.6e-2 if dtype == torch.bfloat16 else 2e-3
+            torch.testing.assert_close(
+                out, ref, atol=tol, rtol=tol, msg=lambda e, c=config: f"{c}: {e}"
+            )
+            assert not locks.any(), config
+            seen_m.add(m)
+            calls += 1
+    assert seen_m == set(range(1, 9)), seen_m
+    split = fp8_w8a16.Config(1, 8, 512, 4, 4, 1)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    first = fp8_w8a16.w8a16_gemm(x, schemes[1][0], schemes[1][1], split, locks)
+    again = fp8_w8a16.w8a16_gemm(x, schemes[1][0], schemes[1][1], split, locks)
+    assert torch.equal(first, again)  # the slices are summed in one order
+    with pytest.raises(AssertionError, match="locks"):
+        fp8_w8a16.w8a16_gemm(x, schemes[1][0], schemes[1][1], split, locks[:2])
+
+
+@_case(*({"dtype": d} for d in (torch.float32, torch.float16, torch.bfloat16)))
+def case_fp8_w8a16_gated(dtype: torch.dtype) -> None:
+    """The W8A16 GEMM computing its input's SiLU-and-mul as it reads it (`gated`): the same
+    bits as the SiLU-and-mul kernel followed by the GEMM, in the GEMV form split and not and
+    the split tensor-core forms, `x W^T` and `W x^T` (not in bf16: the interpreter's bf16
+    dot), and close to the
+    reference; a gated call checks x holds gate | up."""
+    from tandem_kernels import fp8, fp8_w8a16
+    from tandem_kernels.activation import silu_and_mul
+
+    cfg = fp8_w8a16.Config
+    gen = torch.Generator().manual_seed(13)
+    n, k = 24, 1120
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+    wq, scale = fp8.quantize_per_row(w)
+    locks = fp8_w8a16.w8a16_locks(n, "cpu")
+    configs = [(1, cfg(1, 16, 512, 1, 4, 1)), (3, cfg(4, 8, 256, 4, 4, 1))]
+    if dtype != torch.bfloat16:
+        configs += [(2, cfg(16, 16, 256, 2, 4, 3)), (4, cfg(16, 64, 128, 4, 4, 3, True))]
+    for m, config in configs:
+        gate_up = (torch.randn(m, 2 * k, generator=gen) * 2).to(dtype)
+        gated = fp8_w8a16.w8a16_gemm(gate_up, wq, scale, config, locks, gated=True)
+        unfused = fp8_w8a16.w8a16_gemm(silu_and_mul(gate_up), wq, scale, config, locks)
+        assert torch.equal(gated, unfused), config
+        ref = fp8_w8a16.w8a16_gemm_ref(gate_up, wq, scale, gated=True)
+        rel = ((gated.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < (1e-5 if dtype == torch.float32 else 2e-2), (config, rel)
+    with pytest.raises(AssertionError):
+        fp8_w8a16.w8a16_gemm(gate_up[:, :k], wq, scale, configs[0][1], locks, gated=True)
 
 
 def _fp8_cache(

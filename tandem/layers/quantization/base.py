@@ -87,7 +87,8 @@ class LinearMethodBase(QuantizeMethodBase):
     def input_quantizer(self, layer: nn.Module) -> ActivationQuantizer | None:
         """How `layer` wants its input from the op before it (tandem.layers.quantization.
         input_quant): None, plain input (the default); a method that returns a quantizer
-        accepts that quantizer's `QuantizedActivation` in `apply`."""
+        accepts that quantizer's `QuantizedActivation` (and `GatedActivation`, where its
+        `takes_gated` says so) in `apply`."""
         return None
 
 

@@ -47,7 +47,11 @@ from tandem.layers.quantization.base import (
     register_quantization_config,
     set_weight_attrs,
 )
-from tandem.layers.quantization.input_quant import ActivationQuantizer, QuantizedActivation
+from tandem.layers.quantization.input_quant import (
+    ActivationQuantizer,
+    GatedActivation,
+    QuantizedActivation,
+)
 from tandem.layers.weight_utils import LoadedWeight, full_weight
 
 WeightStrategy = Literal["tensor", "channel", "block"]
@@ -228,6 +232,8 @@ class Fp8LinearMethod(LinearMethodBase):
         scheme = self.scheme
         rows, cols = sum(output_partition_sizes), input_size_per_partition
         layer.fp8_scheme = scheme
+        # Split-K W8A16 calls' lock buffer (fp8_w8a16.w8a16_locks), made after loading on CUDA.
+        layer.w8a16_locks = None
         if scheme.weight_strategy != "block" and (rows % 16 or cols % 16):
             raise ConfigError(
                 f"{layer.prefix}: FP8 GEMMs need both dims multiples of 16, this rank's "
@@ -321,6 +327,7 @@ class Fp8LinearMethod(LinearMethodBase):
         if scheme.activation_scheme == "static":
             _replace(layer, "input_scale", layer.input_scale.data.max())
         if layer.weight.is_cuda:
+            layer.w8a16_locks = _w8a16().w8a16_locks(layer.weight.shape[0], layer.weight.device)
             # Small batches: weight-only FP8 where it beats this scheme's own path, measured.
             _w8a16().tune_w8a16(
                 layer.weight.data,
@@ -355,13 +362,20 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(
         self,
         layer: nn.Module,
-        x: torch.Tensor | QuantizedActivation,
+        x: torch.Tensor | QuantizedActivation | GatedActivation,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         scheme = self.scheme
         if isinstance(x, QuantizedActivation):  # quantized by the op before (input_quantizer)
             assert scheme.weight_strategy != "block" and x.data.dim() == 2, x.shape
             return fp8_linear(x.data, layer.weight, x.scale, layer.weight_scale, bias, x.dtype)
+        if isinstance(x, GatedActivation):  # SiLU-and-mul left to the W8A16 GEMM (takes_gated)
+            config = self.w8a16_config(layer, x.gate_up)
+            assert config is not None, "a gated input only where the W8A16 GEMM serves it"
+            out = _w8a16().w8a16_gemm(
+                x.gate_up, layer.weight, layer.weight_scale, config, layer.w8a16_locks, gated=True
+            )
+            return out if bias is None else out + bias
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.stride(-1) != 1:
@@ -377,7 +391,9 @@ class Fp8LinearMethod(LinearMethodBase):
             return out.reshape(*shape[:-1], out.shape[-1])
         config = self.w8a16_config(layer, x2)
         if config is not None:
-            out = _w8a16().w8a16_gemm(x2, layer.weight, layer.weight_scale, config)
+            out = _w8a16().w8a16_gemm(
+                x2, layer.weight, layer.weight_scale, config, layer.w8a16_locks
+            )
             if bias is not None:
                 out = out + bias
             return out.reshape(*shape[:-1], out.shape[-1])

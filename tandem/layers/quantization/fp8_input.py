@@ -48,6 +48,15 @@ class Fp8ActivationQuantizer(ActivationQuantizer):
         """Not where the linear runs its weight-only small-batch GEMM (W8A16, bf16 input)."""
         return self.layer.quant_method.w8a16_config(self.layer, x) is None
 
+    def takes_gated(self, gate_up: torch.Tensor) -> bool:
+        """Where the W8A16 GEMM serves a batch of at most `GATED_MAX_M` rows: it computes the
+        SiLU-and-mul as it reads `gate_up` (tandem_kernels.fp8_w8a16)."""
+        if not gate_up.is_cuda or self.layer.quant_method.w8a16_config(self.layer, gate_up) is None:
+            return False
+        from tandem_kernels.fp8_w8a16 import GATED_MAX_M
+
+        return gate_up.shape[0] <= GATED_MAX_M
+
     def _static_scale(self) -> torch.Tensor | None:
         return self.layer.input_scale if self.strategy == "static" else None
 

@@ -18,8 +18,13 @@ no model code, runner or graph capture knows which form passed (a `QuantizedActi
 tensors made on the device without a host sync, so it is captured in CUDA graphs like any
 activation).
 
-Invariant: a producer hands a `QuantizedActivation` only to the consumer whose quantizer made
-it; that consumer's method, and only it, accepts one.
+A consumer may also take SiLU-and-mul's input ungated (`takes_gated`): the activation then
+returns a `GatedActivation` (its own input, `[T, 2I]`, untouched) and the consumer computes
+`silu(gate) * up` as it reads it (the FP8 method's weight-only small-batch GEMV: one kernel
+instead of two, and no `[T, I]` round trip).
+
+Invariant: a producer hands a `QuantizedActivation` or `GatedActivation` only to the consumer
+whose quantizer asked for it; that consumer's method, and only it, accepts one.
 """
 
 from __future__ import annotations
@@ -46,8 +51,25 @@ class QuantizedActivation:
         return self.data.shape
 
 
-# What a producer (norm, activation) hands the next layer: plain, or quantized for it.
-Activation = torch.Tensor | QuantizedActivation
+@dataclass(frozen=True)
+class GatedActivation:
+    """`silu(gate_up[:, :I]) * gate_up[:, I:]` (`[T, I]`, in gate_up's dtype), not computed:
+    the consumer computes it from `gate_up` `[T, 2I]` (row-major) as it reads its input."""
+
+    gate_up: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.gate_up.shape[0], self.gate_up.shape[1] // 2))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate_up.dtype
+
+
+# What a producer (norm, activation) hands the next layer: plain, quantized for it, or (an
+# activation) its gated input.
+Activation = torch.Tensor | QuantizedActivation | GatedActivation
 
 
 class ActivationQuantizer(ABC):
@@ -60,6 +82,12 @@ class ActivationQuantizer(ABC):
         its shape, device and dtype only, so fixed when a CUDA graph is captured); when not,
         the producer runs its plain op."""
         return True
+
+    def takes_gated(self, gate_up: torch.Tensor) -> bool:
+        """Whether the consumer takes SiLU-and-mul's input `gate_up` `[T, 2I]` ungated (a
+        `GatedActivation`) for this batch (asked first; fixed at capture as
+        `takes_quantized` is)."""
+        return False
 
     @abstractmethod
     def rms_norm(
