@@ -60,7 +60,7 @@ def gemma3_case(
                 print(dep.services[name].log_tail(80))
 
 
-async def _generate(address: str, ids: list[int]) -> list[int]:
+async def generate(address: str, ids: list[int]) -> list[int]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = frontend_pb2_grpc.FrontendStub(channel)
         params = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -75,8 +75,8 @@ def test_gemma3_disaggregated_matches_offline(gemma3_case) -> None:
 
     async def run() -> list[list[int]]:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
-        first = await asyncio.gather(*(_generate(dep.grpc_address, p) for p in prompts[:3]))
-        return first + await asyncio.gather(*(_generate(dep.grpc_address, p) for p in prompts[3:]))
+        first = await asyncio.gather(*(generate(dep.grpc_address, p) for p in prompts[:3]))
+        return first + await asyncio.gather(*(generate(dep.grpc_address, p) for p in prompts[3:]))
 
     for i, ids in enumerate(asyncio.run(run())):
         assert ids == reference[i % len(PROMPTS)], f"prompt {i % len(PROMPTS)}"
