@@ -7,14 +7,16 @@ TCP run on the CPU)."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tandem_services.launcher import Deployment, ServeConfig, start_deployment
 from tests.service.conftest import GRACE_S, SCHEDULER_ARGS, assert_pools_whole
-from tests.service.test_disagg_gemma3 import MAX_TOKENS, PROMPTS, generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -26,6 +28,9 @@ ENGINE_ARGS = {
     "block_size": 16,
     "max_num_batched_tokens": 16,
 }
+MAX_TOKENS = 10
+_rng = random.Random(17)
+PROMPTS = [[_rng.randrange(3, 500) for _ in range(n)] for n in (5, 23, 70)]
 WORKER_ARGS = tuple(a for k, v in ENGINE_ARGS.items() for a in (f"--{k.replace('_', '-')}", str(v)))
 
 
@@ -66,6 +71,16 @@ def deployment(
             if code != 0:
                 print(f"---- {name} log (exit {code}) ----")
                 print(dep.services[name].log_tail(80))
+
+
+async def generate(address: str, ids: list[int]) -> list[int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = frontend_pb2_grpc.FrontendStub(channel)
+        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        request = frontend_pb2.GenerateRequest(
+            token_ids=frontend_pb2.TokenIds(ids=ids), sampling_params=params
+        )
+        return [t async for r in stub.Generate(request) for c in r.choices for t in c.token_ids]
 
 
 def test_gemma3_disaggregated_on_the_gpu_matches_offline(
