@@ -99,6 +99,9 @@ class Admitted:
 
 @dataclass
 class Reserved:
+    """The engine reserved blocks for a request's KV hand-off: those the hand-off writes
+    (`KVCacheSpec.handoff_indices` of the tables), or None when the pool was short."""
+
     request_id: str
     block_ids: list[int] | None
 
