@@ -117,7 +117,8 @@ async def _hand_off(
             reservations[rid] = dst
             src = pe.get_held_block_ids(rid)
             indices = spec.handoff_indices(len(p), num_cached)
-            sliding_sent.append(sum(1 for i in indices if spec.groups[i % 2].is_sliding))
+            G = spec.num_groups
+            sliding_sent.append(sum(1 for k in indices if spec.groups[k % G].is_sliding))
             await sender.send_blocks(
                 rid,
                 [src[i] for i in indices],
