@@ -94,6 +94,23 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             "pad_token_id": 0,
         },
     ),
+    # Gemma 3 as a GGUF file can say it: the score scale is head_dim's (llama.cpp derives it
+    # from the shape), sliding layers rotate with llama.cpp's fixed base 10000.
+    "gemma3_gguf": (
+        "Gemma3TextConfig",
+        {
+            "tie_word_embeddings": True,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "final_logit_softcapping": 30.0,
+            "pad_token_id": 0,
+        },
+    ),
 }
 
 

@@ -27,8 +27,10 @@ reads at the hit point (`get_computed_blocks`); the entries left of the window a
 block freed by the window keeps its hash in the pool (free and evictable, its KV still valid)
 until it is handed out again.
 
-Disaggregation (`delay_caching`, handing a request's blocks to another worker) moves one table
-and is refused here.
+Disaggregation: a prefill worker holds a finished request's tables (`get_block_ids`); a decode
+worker reserves its own with `delay_caching` (hits and the window's blocks at the prompt's
+end; null entries left of it) and registers them with `cache_blocks` once the KV landed.
+`KVCacheSpec.handoff_indices` names the entries that move.
 """
 
 from __future__ import annotations
@@ -190,9 +192,9 @@ class HybridKVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens in every group; return the fresh blocks
         (None, nothing allocated, when the pool is short). Sliding groups first free the
-        blocks that left their window (that is never undone: no later query reads them)."""
-        if delay_caching:
-            raise ValueError("KV hand-off between workers is not supported with mixed attention")
+        blocks that left their window (that is never undone: no later query reads them).
+        `delay_caching` leaves the new full blocks out of the prefix index (KV that another
+        worker writes registers with `cache_blocks` once it landed)."""
         req_id = request.request_id
         G = self.num_groups
         bs = self.block_size
@@ -278,7 +280,7 @@ class HybridKVCacheManager:
                 stats.num_requests += 1
                 stats.num_query_tokens += request.num_tokens
                 stats.num_hit_tokens += num_hit_blocks * bs
-        if self.enable_caching:
+        if self.enable_caching and not delay_caching:
             self._cache_full_blocks(request, min(needed, request.num_tokens))
         return fresh
 

@@ -18,6 +18,22 @@ costs `cdiv(tokens, block_size)` blocks in each full group, and at most
 `cdiv(window, block_size) + 1` in each sliding group once its prompt is computed.
 
 Full groups come first (group 0 is full whenever any layer is), then sliding groups by window.
+
+KV hand-off (prefill worker -> decode worker, both with this spec) moves the entries
+`handoff_indices` names: positions in the interleaved tables (`flat[j * G + g]`, see
+`tandem.core.hybrid_kv_cache_manager`), so the group of each block travels as its position.
+A table's null entries hold block id 0, which a real block may have too: the entries to move
+are told by position, never by id. Of a prompt of P tokens with its first c tokens cached on
+the decode side, they are the logical blocks j in [c // block_size, cdiv(P, block_size)),
+in a sliding group only from its window at P on (the first decode query, at position P,
+reads nothing before; the decode side's reservation holds null entries there, and the prefill
+side, having freed only what a query at its last chunk's start no longer read, still holds
+every block named)::
+
+    P = 40, block 4, window 8, G = 2 (g0 full, g1 sliding), nothing cached:
+    logical block   0 1 2 3 4 5 6 7 8 9
+    g0              x x x x x x x x x x      sliding: skip(40) = (40 - 8 + 1) // 4 = 8
+    g1              . . . . . . . . x x      -> flat indices 0, 2, ..., 18 and 17, 19
 """
 
 from __future__ import annotations
@@ -151,6 +167,17 @@ class KVCacheSpec:
         computes `num_new_tokens` tokens a step."""
         bs = self.block_size
         return sum(g.max_blocks(num_tokens, bs, num_new_tokens) for g in self.groups)
+
+    def handoff_indices(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> list[int]:
+        """Positions in the interleaved block tables (`j * num_groups + g`) whose blocks a KV
+        hand-off of a `num_prompt_tokens`-token prompt moves, the decode side holding its
+        first `num_cached_tokens` already (see the module docstring). In table order."""
+        bs = self.block_size
+        G = self.num_groups
+        first = num_cached_tokens // bs
+        n = cdiv(num_prompt_tokens, bs)
+        skip = [max(first, g.num_skipped_blocks(num_prompt_tokens, bs)) for g in self.groups]
+        return [j * G + g for j in range(first, n) for g in range(G) if j >= skip[g]]
 
     def max_concurrency(self, num_blocks: int, num_tokens: int) -> float:
         """How many decoding requests of `num_tokens` tokens `num_blocks` blocks hold at once

@@ -319,8 +319,6 @@ class EngineCore:
         """Queue a request. Raises InvalidRequestError naming the problem. A structured-output
         spec that does not compile ends the request later, with finish reason "error"."""
         self._validate(req)
-        if hold_kv:
-            self._check_kv_hand_off()
         request = self._new_request(req)
         request.hold_kv = hold_kv
         self.scheduler.add_request(request)
@@ -447,14 +445,6 @@ class EngineCore:
 
     # ----------------------------------------------------------------- disaggregation
 
-    def _check_kv_hand_off(self) -> None:
-        """KV hand-off moves one block table: refused for a cache of several groups."""
-        if not self.kv_cache_spec.is_plain:
-            raise InvalidRequestError(
-                "KV hand-off between workers is not supported for a model with sliding-window "
-                "layers (--disable-hybrid-kv-cache-manager keeps one block table)"
-            )
-
     def get_held_block_ids(self, request_id: str) -> list[int]:
         """Block table of a finished `hold_kv` request (prompt KV in order)."""
         if request_id not in self.scheduler.held:
@@ -468,18 +458,28 @@ class EngineCore:
         """Reserve blocks for a request whose prompt KV another worker computes.
 
         Returns (block ids, leading prompt tokens already cached here) or None when the pool
-        is short. Then write the KV into those blocks and call `add_prefilled_request`.
+        is short: the interleaved tables of a cache of several groups, whose entries the
+        hand-off writes are `kv_cache_spec.handoff_indices` (the others are cached here or
+        null). Then write the KV into those blocks and call `add_prefilled_request`.
         """
         self._validate(req)
-        self._check_kv_hand_off()
         reserved = self.scheduler.reserve(self._new_request(req))
-        if reserved is not None and self.executor.may_write_blocks(reserved[0]):
+        if reserved is not None and self.executor.may_write_blocks(
+            self._handoff_block_ids(len(req.prompt_token_ids), *reserved)
+        ):
             # A step still running writes KV into some of these blocks (freed since it was
             # planned: a request that stopped or was aborted); another process writes the
             # reserved blocks outside this engine's stream order, so let it finish before
             # their ids leave. Otherwise the reservation does not wait for the device.
             self.executor.synchronize()
         return reserved
+
+    def _handoff_block_ids(
+        self, num_prompt_tokens: int, block_ids: list[int], num_cached_tokens: int
+    ) -> list[int]:
+        """The reserved blocks a hand-off writes (a null entry's id 0 may be a real block)."""
+        indices = self.kv_cache_spec.handoff_indices(num_prompt_tokens, num_cached_tokens)
+        return [block_ids[i] for i in indices]
 
     def add_prefilled_request(
         self, request_id: str, first_token_id: int

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tandem.config import ConfigError, EngineConfig
+from tandem.config import EngineConfig
+from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.core.outputs import EngineCoreOutput, FinishReason
 from tandem.engine import serial
 from tandem.engine.core import EngineCore, InvalidRequestError
@@ -83,6 +84,8 @@ class EngineInfo:
     # Rank 0's cache, and every rank's in rank order (one engine of several ranks).
     shared_kv_cache: SharedKVCache | None
     shared_kv_caches: tuple[SharedKVCache, ...] = ()
+    # The cache's groups by attention kind (a KV hand-off moves entries of each group).
+    kv_cache_spec: KVCacheSpec | None = None
 
     @classmethod
     def of(
@@ -99,6 +102,7 @@ class EngineInfo:
             kv_device=engine.executor.device.type,
             shared_kv_cache=shared[0] if shared else None,
             shared_kv_caches=shared or (),
+            kv_cache_spec=engine.kv_cache_spec,
         )
 
 
@@ -108,14 +112,7 @@ class _Stop:
 
 def share_kv_caches(engine: EngineCore) -> tuple[SharedKVCache, ...]:
     """Export every rank's KV cache, in rank order (from the processes they live in); call
-    before the first step. Refused (ConfigError) for a cache of several groups: a KV hand-off
-    moves one block table."""
-    if not engine.kv_cache_spec.is_plain:
-        raise ConfigError(
-            "KV hand-off between workers (prefill and decode roles) is not supported for a "
-            "model with sliding-window layers; run unified workers, or pass "
-            "--disable-hybrid-kv-cache-manager"
-        )
+    before the first step."""
     return engine.executor.export_kv_caches()
 
 

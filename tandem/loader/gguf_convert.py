@@ -2,7 +2,7 @@
 
 The folder holds what `transformers` and tandem both read:
 
-    config.json              LlamaConfig / Qwen2Config fields from the GGUF metadata
+    config.json              LlamaConfig / Qwen2Config / ... fields from the GGUF metadata
     generation_config.json   bos / eos ids
     model.safetensors        every tensor dequantized to float32, under Hugging Face names
     tokenizer.json, tokenizer_config.json, chat_template.jinja
@@ -10,6 +10,7 @@ The folder holds what `transformers` and tandem both read:
 Weights equal what `transformers` itself loads from the same file
 (`from_pretrained(dir, gguf_file=...)`): the same dequantization, and llama-arch Q/K rows
 put back in Hugging Face's rotary order (GGUF conversion interleaves them for llama.cpp).
+Gemma 3 files differ in names, norms and metadata: tandem.loader.gguf_gemma3.
 
 Cache layout: `<cache_dir>/gguf/<stem>-<size>-<hash of the first 8 MiB>-v<FORMAT>/`. The folder
 is built under a temporary name in the same directory and renamed into place, so a reader
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from tandem.loader import gguf_gemma3
 from tandem.loader.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ _GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 # llama.cpp writes Mixtral as a "llama" file with experts.
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -72,6 +75,10 @@ _LAYER_TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# model_type -> its per-layer names that differ from the llama ones above.
+_LAYER_TENSOR_OVERRIDES = {"gemma3_text": gguf_gemma3.GEMMA3_LAYER_TENSOR_NAMES}
+# model_type -> the name transformers' GGUF tokenizer conversion knows the family by.
+_TOKENIZER_ARCHITECTURES = {"gemma3_text": "gemma3"}
 _GLOBAL_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -237,6 +244,15 @@ def _hf_config(gguf: GGUFFile) -> Any:
         fields["mlp_only_layers"] = [
             i for i in layers if f"blk.{i}.ffn_gate_exps.weight" not in gguf.tensors
         ]
+    if model_type == "gemma3_text":
+        try:
+            fields.update(
+                gguf_gemma3.gemma3_config_fields(
+                    lambda key: _meta(gguf, key), fields, str(gguf.path)
+                )
+            )
+        except ValueError as e:
+            raise GGUFConversionError(str(e)) from None
     config_cls = transformers.CONFIG_MAPPING[model_type]
     return config_cls(architectures=[hf_arch], dtype="float32", **fields)
 
@@ -275,7 +291,9 @@ def _save_tokenizer(gguf: GGUFFile, out_dir: Path) -> None:
         if f"tokenizer.{key}" in md
     }
     _, model_type = _hf_architecture(gguf)
-    backend, extra = convert_gguf_tokenizer(model_type, tokenizer_dict)
+    backend, extra = convert_gguf_tokenizer(
+        _TOKENIZER_ARCHITECTURES.get(model_type, model_type), tokenizer_dict
+    )
     kwargs: dict[str, Any] = {
         k: v for k, v in extra.items() if k not in ("bos_token", "eos_token", "unk_token")
     }
@@ -309,15 +327,22 @@ def _save_tokenizer_through_transformers(gguf: GGUFFile, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name for a GGUF tensor name; None for tensors that are skipped."""
+def layer_tensor_names(model_type: str) -> dict[str, str]:
+    """Per-layer GGUF tensor name -> Hugging Face name (after "model.layers.{i}.")."""
+    return {**_LAYER_TENSOR_NAMES, **_LAYER_TENSOR_OVERRIDES.get(model_type, {})}
+
+
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
+    """The Hugging Face name for a GGUF tensor name in a `model_type` file; None for tensors
+    that are skipped."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     if gguf_name in _SKIPPED_TENSORS:
         return None
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSOR_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_TENSOR_NAMES[parts[2]]}.{parts[3]}"
+    names = layer_tensor_names(model_type)
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{int(parts[1])}.{names[parts[2]]}.{parts[3]}"
     raise GGUFConversionError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
 
 
@@ -346,7 +371,7 @@ def _hf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, 
         if len(parts) == 4 and parts[2] in _EXPERT_TENSORS:
             weights.update(_expert_weights(gguf, gguf_name, model_type))
             continue
-        hf_name = hf_tensor_name(gguf_name)
+        hf_name = hf_tensor_name(gguf_name, model_type)
         if hf_name is None:
             continue
         if model_type == "mixtral":
@@ -356,6 +381,8 @@ def _hf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, 
             tensor = unpermute_qk_rows(tensor, num_heads)
         elif permute and ".attn_k." in gguf_name:
             tensor = unpermute_qk_rows(tensor, num_kv_heads)
+        elif model_type == "gemma3_text" and gguf_gemma3.is_shifted_norm(gguf_name):
+            tensor = tensor - gguf_gemma3.NORM_SHIFT
         weights[hf_name] = tensor
     return weights
 

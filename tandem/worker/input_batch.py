@@ -258,9 +258,12 @@ class InputBatch:
         group_slots: np.ndarray | None = None
         G = self.num_kv_groups
         if G > 1:
-            # De-interleave: group g's table is columns g, g + G, ... of the flat one.
-            group_tables = np.ascontiguousarray(
-                block_table.reshape(num_reqs, max_blocks // G, G).transpose(2, 0, 1)
+            # De-interleave: group g's table is columns g, g + G, ... of the flat one. A copy,
+            # not `ascontiguousarray`: that keeps a view numpy deems contiguous because its
+            # odd strides lie on size-1 axes (one request of one block), and a kernel that
+            # checks a table's column stride (the CPU attention's) refuses it.
+            group_tables = (
+                block_table.reshape(num_reqs, max_blocks // G, G).transpose(2, 0, 1).copy()
             )
             ridx = np.arange(num_reqs) if total == num_reqs else req_index
             slot_mapping = group_tables[:, ridx, positions // bs].astype(np.int64)

@@ -199,6 +199,7 @@ async def serve(config: WorkerServiceConfig) -> int:
         config.rpc_timeout_s,
         role,
         config.tls,
+        info.kv_cache_spec,
     )
     holder.append(core)
     core.start()

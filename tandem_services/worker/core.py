@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
 from tandem.engine.ops import EngineOps
@@ -98,6 +99,9 @@ class Admitted:
 
 @dataclass
 class Reserved:
+    """The engine reserved blocks for a request's KV hand-off: those the hand-off writes
+    (`KVCacheSpec.handoff_indices` of the tables), or None when the pool was short."""
+
     request_id: str
     block_ids: list[int] | None
 
@@ -230,12 +234,15 @@ class WorkerCore(Actor[WorkerMessage]):
         rpc_timeout_s: float,
         role: WorkerRole,
         tls: TlsConfig = PLAINTEXT,
+        kv_cache_spec: KVCacheSpec | None = None,
     ) -> None:
         super().__init__(f"worker-core-{worker_id}")
         self.worker_id = worker_id
         self.role = role
         self.engine = engine
         self.block_size = block_size
+        # The engine's KV cache groups: which block-table entries a hand-off moves.
+        self.kv_cache_spec = kv_cache_spec or KVCacheSpec.full(block_size, 1)
         self.max_model_len = max_model_len
         self.destination_timeout_s = destination_timeout_s
         self.rpc_timeout_s = rpc_timeout_s

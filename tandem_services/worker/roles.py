@@ -39,7 +39,7 @@ import grpc
 from tandem.core.outputs import EngineCoreOutput, FinishReason
 from tandem.engine.core_proc import EngineProcOptions
 from tandem.engine.ops import EngineOps
-from tandem.kv_transfer.base import KVDestination, num_prompt_blocks
+from tandem.kv_transfer.base import KVDestination
 from tandem.request import EngineCoreRequest
 from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem_services.common.convert import output_to_proto
@@ -217,15 +217,19 @@ class PrefillRole(WorkerRole):
         handoff = r.handoff
         assert handoff is not None and core.connector is not None
         try:
-            n = num_prompt_blocks(r.num_prompt_tokens, core.block_size)
-            skip = min(handoff.num_cached_tokens // core.block_size, n)
+            # The entries of the tables to move, by position (each group's, the window's
+            # blocks alone in a sliding group): the same on both sides, one spec.
+            indices = core.kv_cache_spec.handoff_indices(
+                r.num_prompt_tokens, handoff.num_cached_tokens
+            )
             dst = KVDestination(
                 handoff.decode_worker_id,
                 handoff.decode_address,
-                tuple(handoff.block_ids[skip:n]),
+                tuple(handoff.block_ids[i] for i in indices),
                 handoff.transport or "tcp",
             )
-            await core.connector.send_blocks(r.request_id, src_block_ids[skip:n], dst)
+            src = [src_block_ids[i] for i in indices]
+            await core.connector.send_blocks(r.request_id, src, dst)
             if r.aborted:
                 core.tell(HandoffDone(r.request_id, "aborted"))
                 return

@@ -189,7 +189,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except ValueError:
                 self.core.tell(m.Untrack(req.request_id))
                 raise
-            self.core.tell(m.Reserved(req.request_id, None if result is None else list(result[0])))
+            writable = None
+            if result is not None:
+                # The receivers accept writes into these alone: not a cached block, nor a
+                # table's null entry (id 0, which a real block may have).
+                block_ids, num_cached_tokens = result
+                spec = self.core.kv_cache_spec
+                indices = spec.handoff_indices(len(req.prompt_token_ids), num_cached_tokens)
+                writable = [block_ids[i] for i in indices]
+            self.core.tell(m.Reserved(req.request_id, writable))
             return result
 
         try:

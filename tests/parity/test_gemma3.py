@@ -1,6 +1,7 @@
 """Gemma 3 against transformers beyond the shared forward checks (test_model_forward.py): the
 window matters at these lengths, the CPU backend's kernel, the whole engine's greedy output, a
-multimodal checkpoint's language model, and the random presets' weight names.
+multimodal checkpoint's language model, the random presets' weight names, and a GGUF file
+written as llama.cpp writes Gemma 3.
 
 The tiny model (TINY_ARCHS["gemma3"]) has an 8-token window on layer 0, so every prompt here
 longer than 8 tokens needs it.
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.config import EngineArgs
+from tandem.loader import convert_gguf, iterate_weights, load_hf_config
 from tandem.models.gemma3 import Gemma3ForCausalLM
 from tandem.models.interface import ModelContext
 from tandem.models.presets import _copy_into_transformers, random_weights
@@ -28,6 +30,7 @@ from tests.parity.test_model_forward import (
     hf_model,
     random_prompts,
 )
+from tests.unit.test_loader import write_tiny_gguf
 
 
 def test_gemma3_cpu_backend_and_the_window_matters(tiny_model_path) -> None:
@@ -107,3 +110,43 @@ def test_gemma3_random_weights_match_transformers_names(tiny_model_path) -> None
     ids = random_prompts(512, [20], seed=41)[0]
     out = PagedRun(model, [len(ids)], seed=42).step([ids], [0])[0]
     assert_logits_close(out, hf_logits(ref_model, ids), "random weights")
+
+
+def test_gemma3_gguf_matches_transformers_on_its_checkpoint(
+    tiny_model_path, tmp_path: Path
+) -> None:
+    """A Gemma 3 GGUF as llama.cpp's converter writes it (norm weights holding `1 + w`,
+    `post_attention_norm` / `ffn_norm` / `post_ffw_norm`, the global rope with its linear
+    scaling, the window, the soft-cap) converts back to the checkpoint it came from, and the
+    model loaded from it gives transformers' logits on that checkpoint, past the window."""
+    hf_folder = tiny_model_path("gemma3_gguf")
+    gguf_path = tmp_path / "tiny-gemma3.gguf"
+    write_tiny_gguf(hf_folder, gguf_path, "gemma3", sliding_window_pattern=2)
+    converted = convert_gguf(gguf_path, tmp_path / "cache")
+
+    original = dict(iterate_weights(hf_folder))
+    ours = dict(iterate_weights(converted))
+    assert set(ours) == set(original)
+    for name, tensor in original.items():
+        if name.endswith("norm.weight"):  # (w + 1) - 1 in float32
+            torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(ours[name], tensor), name
+    config, ref = load_hf_config(converted), load_hf_config(hf_folder)
+    assert config.architectures == ["Gemma3ForCausalLM"]
+    for field in (
+        "layer_types",
+        "sliding_window",
+        "query_pre_attn_scalar",
+        "final_logit_softcapping",
+        "head_dim",
+        "tie_word_embeddings",
+    ):
+        assert getattr(config, field) == getattr(ref, field), field
+    for kind in ("full_attention", "sliding_attention"):
+        assert config.rope_parameters[kind] == ref.rope_parameters[kind], kind
+
+    model = build_cpu_model(converted)
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [8, None]
+    prompts = random_prompts(512, [5, 40], seed=51)
+    check_prefill_then_decode((model, hf_model(hf_folder)), prompts, seed=52)

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from tandem.core.kv_cache_spec import KVCacheSpec
+from tandem.kv_transfer.base import KVDestination
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -24,7 +26,7 @@ from tandem_services.worker.roles import (
     worker_role,
 )
 from tandem_services.worker.servicer import WorkerServicer
-from tandem_services.worker.states import Role
+from tandem_services.worker.states import Phase, Role
 
 DECODE_RPCS = {"Reserve", "ReceiveKV", "ConnectKV", "WriteKV"}
 COMMON_RPCS = {"AddPrefilled", "Abort", "Stats", "StreamOutputs"}
@@ -167,3 +169,45 @@ def test_served_rpcs_pass_the_role_gate() -> None:
     # Decode: Reserve is served; the empty request is then refused for what it is.
     ((code, details),) = asyncio.run(_serve_and_call(DecodeRole(), ["Reserve"])).values()
     assert code == "INVALID_ARGUMENT" and "decode worker" not in details
+
+
+def test_prefill_hand_off_pairs_each_groups_entries_by_position() -> None:
+    """A cache of two groups (full; 8-token window) in 4-token blocks, interleaved tables: the
+    prefill worker sends the entries `KVCacheSpec.handoff_indices` names, source and
+    destination paired by position. An 18-token prompt whose first block the decode side has
+    cached: logical blocks 1..4 of the full group, 2..4 of the sliding one (a query at 18
+    reads keys from 11 on). The reservation's 0s are null entries but one, block 0 itself."""
+    spec = KVCacheSpec.from_layer_windows(4, [8, None])
+    reserved = [50, 0, 51, 0, 0, 52, 53, 54, 55, 56]
+    held = list(range(100, 110))
+    sent: list[tuple[list[int], KVDestination]] = []
+    told: list[m.HandoffDone] = []
+
+    async def run() -> None:
+        engine = None  # never called: the hand-off stops before AddPrefilled
+        core = m.WorkerCore("w", engine, 4, 512, 30.0, 5.0, PrefillRole(), kv_cache_spec=spec)  # type: ignore[arg-type]
+        handoff = worker_pb2.KVHandoff(
+            decode_worker_id="decode-0",
+            decode_address="127.0.0.1:1",
+            block_ids=reserved,
+            num_cached_tokens=4,
+            transport="tcp",
+        )
+        r = m.WorkerRequest("r", "dest", Role.PREFILL, Phase.HANDING_OFF, 18, handoff=handoff)
+
+        class _Connector:
+            async def send_blocks(self, request_id: str, src: list[int], dst: KVDestination) -> int:
+                sent.append((list(src), dst))
+                r.aborted = True  # stop before AddPrefilled: no decode worker here
+                return 0
+
+        core.connector = _Connector()  # type: ignore[assignment]
+        core.tell = told.append  # type: ignore[method-assign,assignment]
+        await PrefillRole()._handoff(core, r, held)
+
+    asyncio.run(run())
+    ((src, dst),) = sent
+    assert spec.handoff_indices(18, 4) == [2, 4, 5, 6, 7, 8, 9]
+    assert src == [102, 104, 105, 106, 107, 108, 109]
+    assert dst.block_ids == (51, 0, 52, 53, 54, 55, 56) and dst.transport == "tcp"
+    assert [t.error for t in told] == ["aborted"]

@@ -103,3 +103,24 @@ def test_kv_groups_de_interleaved_and_copied_into_the_static_inputs() -> None:
         assert group.kv_groups is None
         assert group.block_table[:2, :3].tolist() == inp.group_block_tables[g].tolist()
         assert group.slot_mapping.tolist() == inp.group_slot_mappings[g].tolist() + [-1] * 3
+
+
+def test_kv_group_tables_have_unit_column_strides_for_one_block() -> None:
+    """One request of one block: each group's table `[1, 1]` must still have a column stride
+    of 1 (numpy deems a transposed view with odd strides on size-1 axes contiguous; the CPU
+    attention kernel checks the stride)."""
+    from tandem.core.outputs import NewRequestData, SchedulerOutput
+    from tandem.sampling_params import SamplingParams
+    from tandem.worker.input_batch import InputBatch
+
+    batch = InputBatch(block_size=16, max_num_seqs=4, num_kv_groups=2)
+    batch.add_request(
+        NewRequestData("r0", list(range(5)), [], SamplingParams(), [3, 4], 0), 2, None
+    )
+    so = SchedulerOutput(num_scheduled_tokens={"r0": 5}, total_num_scheduled_tokens=5)
+    inp = batch.prepare(so, ["r0"], {})
+    assert inp.group_block_tables is not None
+    assert inp.group_block_tables.tolist() == [[[3]], [[4]]]
+    tables = torch.from_numpy(inp.group_block_tables)
+    for g in range(2):
+        assert tables[g].stride() == (1, 1), tables[g].stride()

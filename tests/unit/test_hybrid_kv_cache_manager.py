@@ -263,8 +263,12 @@ def test_scheduler_runs_a_hybrid_cache_to_completion() -> None:
     # would need 3 * 30 = 90 and preempt.
     assert sched.num_preemptions == 0
     assert peak <= 3 * (10 + 2 * 3)
-    with pytest.raises(ValueError, match="hand-off"):
-        sched.reserve(make_req([1, 2, 3]))
+    # A reservation for a KV hand-off: a block per group, until it is cancelled.
+    reserved_req = make_req([1, 2, 3])
+    reserved = sched.reserve(reserved_req)
+    assert reserved is not None and reserved[1] == 0
+    assert len(reserved[0]) == sched.kv_cache_manager.num_groups
+    assert sched.cancel_reservation(reserved_req.request_id)
     assert sched.kv_cache_manager.block_pool.is_whole
 
 
@@ -357,3 +361,55 @@ def test_only_token_hashes_are_published() -> None:
     mgr.free(req)
     assert mgr.reset_prefix_cache()
     assert events[-1] == ([], req.block_hashes[:2])
+
+
+def test_handoff_indices_name_each_groups_blocks_the_decode_side_reads() -> None:
+    """A prompt chunked through a prefill manager (its sliding group freeing as it goes) and
+    reserved on a decode manager that has part of it cached: the entries `handoff_indices`
+    names are real blocks on both sides, the decode side's others are its hits or null, and
+    the reservation enters the prefix index only at `cache_blocks`."""
+    spec = KVCacheSpec.from_layer_windows(BS, [8, None])
+    plain = KVCacheSpec.full(BS, 2)
+    assert plain.handoff_indices(40, 8) == list(range(2, 10))
+    # P = 40: the sliding group needs blocks from (40 - 8 + 1) // 4 = 8 on.
+    assert spec.handoff_indices(40) == [*range(0, 16, 2), 16, 17, 18, 19]
+    assert spec.handoff_indices(40, 36) == [18, 19]
+    assert spec.handoff_indices(5) == [0, 1, 2, 3]
+
+    prompt = list(range(40))
+    prefill = hybrid(window=8)
+    src = make_req(prompt, max_tokens=1)
+    for chunk in (12, 12, 16):
+        step(prefill, src, chunk)
+    prefill.check_invariants()
+    src_table = prefill.get_blocks(src.request_id)
+
+    decode = hybrid(window=8)
+    cached = make_req([*prompt[:16], 7, 7, 7, 7], max_tokens=1)
+    admit(decode, cached)
+    decode.free(cached)
+    dst = make_req(prompt, max_tokens=5)
+    hits, num_hit = decode.get_computed_blocks(dst)
+    assert num_hit == 16
+    assert decode.allocate_slots(dst, 0, 40, hits, delay_caching=True) is not None
+    dst_table = decode.get_blocks(dst.request_id)
+    indices = spec.handoff_indices(40, num_hit)
+    assert indices == [8, 10, 12, 14, 16, 17, 18, 19]
+    G = spec.num_groups
+    for i in indices:
+        assert src_table[i] is not NULL_BLOCK and dst_table[i] is not NULL_BLOCK, i
+    # Not sent: the decode side's hits (full group, blocks 0..3) and null sliding entries.
+    for i, block in enumerate(dst_table):
+        if i not in indices:
+            assert block is NULL_BLOCK or (i % G == 0 and i // G < 4), i
+    # The landed KV registers at `cache_blocks` only.
+    probe = make_req([*prompt, 1])
+    assert decode.get_computed_blocks(probe)[1] == 16
+    dst.num_computed_tokens = 40
+    dst.append_output_token_ids([3])
+    decode.cache_blocks(dst, 40)
+    assert decode.get_computed_blocks(probe)[1] == 40
+    for mgr, req in ((prefill, src), (decode, dst)):
+        mgr.free(req)
+        mgr.check_invariants()
+        assert mgr.block_pool.is_whole

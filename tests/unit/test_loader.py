@@ -137,11 +137,12 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-_GGUF_LAYER_NAMES = {v: k for k, v in gguf_convert._LAYER_TENSOR_NAMES.items()}
 _GGUF_GLOBAL_NAMES = {v: k for k, v in gguf_convert._GLOBAL_TENSOR_NAMES.items()}
+# GGUF architecture -> the model_type its tensor names are read as.
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name.startswith("blk."):  # already a GGUF name (stacked experts)
         return hf_name
     if hf_name in _GGUF_GLOBAL_NAMES:
@@ -149,7 +150,9 @@ def _gguf_name(hf_name: str) -> str:
     hf_name = hf_name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+    names = gguf_convert.layer_tensor_names(_GGUF_MODEL_TYPES.get(arch, arch))
+    gguf_module = next(g for g, hf in names.items() if hf == module)
+    return f"blk.{layer}.{gguf_module}.{kind}"
 
 
 def write_tiny_gguf(
@@ -158,10 +161,13 @@ def write_tiny_gguf(
     arch: str,
     quant: dict[str, int] | None = None,
     rope_freq_base: float | None = None,
+    sliding_window_pattern: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Write the HF folder's model as a GGUF of `arch`; `quant` maps a GGUF tensor-name
     fragment to a ggml type. Returns what each GGUF tensor holds once dequantized (in GGUF
-    row order)."""
+    row order). A gemma3 file is written as llama.cpp's converter writes one: norms hold
+    `1 + w`, the global layers' rope and scaling, the window, the final soft-cap (and the
+    sliding-window pattern when given)."""
     import gguf
     from transformers import AutoConfig
 
@@ -178,7 +184,17 @@ def write_tiny_gguf(
     if head_dim:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(rope_freq_base or config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    if arch == "gemma3":
+        rope = rope["full_attention"]
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+        if sliding_window_pattern is not None:
+            writer.add_sliding_window_pattern(sliding_window_pattern)
+    writer.add_rope_freq_base(rope_freq_base or rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     tokens = json.loads((hf_folder / "tokenizer.json").read_text())["model"]["vocab"]
@@ -201,8 +217,10 @@ def write_tiny_gguf(
 
     stored: dict[str, np.ndarray] = {}
     for hf_name, tensor in _stack_experts(iterate_weights(hf_folder)):
-        name = _gguf_name(hf_name)
+        name = _gguf_name(hf_name, arch)
         data = tensor.numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + np.float32(1.0)
         if arch == "llama" and ".attn_q." in name:
             data = _llama_cpp_permute(data, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
@@ -379,6 +397,51 @@ def test_concurrent_conversions_agree(tiny_model_path, tmp_path: Path) -> None:
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in folder.iterdir()
     }
+
+
+def test_gemma3_gguf_layer_kinds_and_scale_follow_llama_cpp() -> None:
+    """Without a pattern key every 6th layer is global (llama.cpp's Gemma 3 default); an
+    int pattern n makes layer i global when i % n == n - 1; a bool array says it per layer.
+    The score scale is head_dim's, hidden / heads for the 62-layer (27B) shape."""
+    from tandem.loader.gguf_gemma3 import layer_types, query_pre_attn_scalar
+
+    full = [i for i, t in enumerate(layer_types(None, 13)) if t == "full_attention"]
+    assert full == [5, 11]
+    assert layer_types(2, 4) == ["sliding_attention", "full_attention"] * 2
+    assert layer_types([True, False, True], 3) == [
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+    ]
+    with pytest.raises(ValueError, match="2 entries for 3 layers"):
+        layer_types([True, False], 3)
+    assert query_pre_attn_scalar(26, 1152, 4, 256) == 256  # gemma-3-1b
+    assert query_pre_attn_scalar(62, 5376, 32, 128) == 168  # gemma-3-27b
+
+
+def test_gemma3_gguf_metadata_refusals_and_defaults() -> None:
+    from tandem.loader.gguf_gemma3 import gemma3_config_fields
+
+    common = {
+        "num_hidden_layers": 6,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "head_dim": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    }
+    fields = gemma3_config_fields({"attention.sliding_window": 512}.get, common, "f.gguf")
+    assert fields["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert fields["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
+    assert fields["rope_parameters"]["full_attention"]["rope_theta"] == 1e6
+    assert fields["final_logit_softcapping"] is None
+    meta = {"attention.sliding_window": 512, "rope.freq_base_swa": 5e4}
+    swa = gemma3_config_fields(meta.get, common, "f.gguf")["rope_parameters"]
+    assert swa["sliding_attention"]["rope_theta"] == 5e4
+    with pytest.raises(ValueError, match=r"gemma3\.attention\.sliding_window is missing"):
+        gemma3_config_fields({}.get, common, "f.gguf")
+    capped = {"attention.sliding_window": 512, "attn_logit_softcapping": 50.0}
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        gemma3_config_fields(capped.get, common, "f.gguf")
 
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
