@@ -28,9 +28,14 @@ rolled back::
     update:  a accepted -> emits a + 1 tokens; num_computed -= k - a  (= L + a, the
              last emitted token's KV is computed next step); the slots past it are reused
 
-Speculation runs with synchronous scheduling only (the engine turns async scheduling off:
-step N+1's drafts come from step N's tokens); requests with structured outputs, penalties
-or min_tokens get no drafts (their sampling reads the output history token by token).
+Async scheduling (k placeholders): a request verifying k drafts in step N has 1 + a tokens
+coming (a unknown until N lands) but counts one placeholder, and its `num_computed_tokens`
+assumes every draft accepted; the engine applies step N before it plans step N+1 whenever N
+verified drafts or N+1 may schedule drafts (`tandem.engine.core`), so no step is ever planned
+on a guessed acceptance. Proposals that arrive while a later step of the request is already
+planned (a plain step N+1 planned before N landed) are stale and dropped: drafts always
+follow the request's last verified token. Requests with structured outputs, penalties or
+min_tokens get no drafts (their sampling reads the output history token by token).
 A request whose drafts were all rejected in `SPEC_BACKOFF_AFTER` verify steps in a row drafts
 nothing for 1, 2, 4, ... (at most `SPEC_BACKOFF_MAX`) steps, until a draft is accepted again:
 drafts that keep failing cost a verify pass each, so a request that gains nothing from them
@@ -627,7 +632,13 @@ class Scheduler:
             lp = logprobs[i] if i < len(logprobs) else None
             finished = request.status >= FIRST_FINISHED
             if spec_token_ids and not finished:
-                request.spec_token_ids = self._next_drafts(request, spec_token_ids[i])
+                # Proposed after this step's tokens: stale when a later step of the request is
+                # already planned (async scheduling), its token in flight after these.
+                request.spec_token_ids = (
+                    []
+                    if request.num_output_placeholders
+                    else self._next_drafts(request, spec_token_ids[i])
+                )
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,

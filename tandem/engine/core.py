@@ -12,8 +12,17 @@ computes::
     step():  schedule(N+1) -> execute_async(N+1) -> update_from_output(N, result(N))
 
 A request that stops at step N has one more token computed in step N+1, which is dropped.
-Speculative decoding turns async scheduling off (a step's drafts come from the previous
-step's tokens; `EngineStats.async_scheduling` says which way the engine runs).
+
+Speculative decoding under async scheduling: a step that verifies drafts emits 1 + a tokens
+per request, a known only when it lands, and a step's drafts are proposed from the previous
+step's tokens. So the engine applies the launched step before planning the next one when
+that step verified drafts, or when the next one may schedule drafts; otherwise (no drafts
+either side: speculation off for this step, by `disable_by_batch_size` or the measured rule)
+steps overlap as above::
+
+    verify step N:  [result(N), update(N): drafts for N+1] -> schedule(N+1) -> launch(N+1)
+                    -> return (the caller's output work overlaps N+1 on the device)
+    plain step N:   schedule(N+1) -> launch(N+1) -> result(N), update(N)   (overlapped)
 A step whose requests sample from their whole output (penalties, min_tokens) waits for the
 previous step first. A step with structured-output rows needs step N's tokens only to sample:
 their grammar bitmask (`tandem.structured_output`) is filled from the matchers advanced by
@@ -96,7 +105,8 @@ class EngineStats:
     num_preemptions: int
     num_held: int
     num_reserved: int
-    # Whether steps are planned while the previous one runs (off under speculation).
+    # Whether steps are planned while the previous one runs (steps next to a verify step
+    # wait for it: see the module docstring).
     async_scheduling: bool = False
     # Speculative decoding (None without): drafts, accepted tokens, acceptance by position,
     # and the verify steps by how they ran (`num_verify_steps`).
@@ -179,11 +189,7 @@ class EngineCore:
             mode == "auto"
             and (self.executor.device.type == "cuda" or config.parallel.pipeline_parallel_size > 1)
         )
-        if num_spec_tokens and self.async_scheduling:
-            # A step's drafts come from the previous step's tokens: speculation plans each
-            # step after the last one's tokens landed (EngineStats.async_scheduling says so).
-            logger.info("speculative decoding: async scheduling is off (synchronous steps)")
-            self.async_scheduling = False
+        self.num_spec_tokens = num_spec_tokens
         # None: the engine has a tokenizer for structured outputs; else why it has none. A
         # random-weight folder has one only when one was made or copied in (serving).
         self._no_tokenizer: str | None = None
@@ -344,6 +350,13 @@ class EngineCore:
         call (see the module docstring)."""
         scheduler_output: SchedulerOutput | None = None
         scheduler = self.scheduler
+        early: list[EngineCoreOutput] = []
+        if self._pending is not None and (
+            self._pending[0].scheduled_spec_decode_tokens or self._may_draft()
+        ):
+            # Speculation: this step's plan needs the launched step's tokens (see the module
+            # docstring).
+            early = self._apply_pending()
         if scheduler.has_unfinished_requests():
             scheduler_output = scheduler.schedule()
             if scheduler_output.is_empty:
@@ -354,7 +367,7 @@ class EngineCore:
                 )
                 scheduler_output = None
         self.last_step_idle = scheduler_output is None and self._pending is None
-        outputs: list[EngineCoreOutput] = scheduler.take_error_outputs()
+        outputs: list[EngineCoreOutput] = early + scheduler.take_error_outputs()
         if scheduler_output is None:
             if self.last_step_idle and not outputs and scheduler.has_unfinished_requests():
                 self.structured.wait_any(_GRAMMAR_WAIT_S)  # all wait for a compile
@@ -384,6 +397,14 @@ class EngineCore:
         if previous is not None:
             outputs += self.scheduler.update_from_output(previous[0], previous[1].result())
         return outputs
+
+    def _may_draft(self) -> bool:
+        """Whether the next step may schedule drafts (then it is planned after the launched
+        step's tokens and drafts landed)."""
+        if not self.num_spec_tokens:
+            return False
+        limit = self.config.speculative.disable_by_batch_size
+        return not (limit and len(self.scheduler.running) >= limit)
 
     def _apply_pending(self) -> list[EngineCoreOutput]:
         """Wait for the launched step's tokens and apply them."""

@@ -654,7 +654,7 @@ class ModelRunner:
         self._last_step = step
         if isinstance(self.proposer, ModelProposer):
             # Its drafts run forwards (collectives under TP): every rank runs them now, in
-            # step order, also a rank whose result nobody reads (speculation is synchronous).
+            # step order, also a rank whose result nobody reads (its steps never overlap).
             step.result()
         return step
 
