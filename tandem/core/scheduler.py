@@ -355,8 +355,14 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step under the token budget (see the module docstring)."""
+    def schedule(
+        self, num_drafts: int | None = None, propose_drafts: bool = True
+    ) -> SchedulerOutput:
+        """Plan one step under the token budget (see the module docstring).
+
+        `num_drafts` caps each request's drafts in this step (None: up to k; the engine's
+        `SpeculationRule` decides it); `propose_drafts` False: nothing is proposed after the
+        step (the next one takes no drafts)."""
         kv = self._kv_cache_manager
         budget = self.scheduler_config.max_num_batched_tokens
         scheduled: list[Request] = []
@@ -371,6 +377,8 @@ class Scheduler:
                 continue  # preempted earlier in this step
             if request.grammar is not None and not self._grammar_ready(request):
                 continue
+            if num_drafts is not None and len(request.spec_token_ids) > num_drafts:
+                request.spec_token_ids = request.spec_token_ids[:num_drafts]
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new == 0:
                 continue
@@ -417,6 +425,9 @@ class Scheduler:
         output = self._build_output(scheduled, num_scheduled, preempted)
         structured = output.structured_req_ids
         spec = output.scheduled_spec_decode_tokens
+        if self.num_spec_tokens and not propose_drafts:
+            output.propose_drafts = False
+            output.no_draft_req_ids.update(num_scheduled)
         for request in scheduled:
             if request.spec_skip_steps:
                 # Its next proposals are dropped whatever this step's outcome (`_next_drafts`).

@@ -52,8 +52,9 @@ from pathlib import Path
 import torch
 
 from tandem.config import EngineConfig
-from tandem.core.outputs import EngineCoreOutput, GrammarBitmask, SchedulerOutput
+from tandem.core.outputs import EngineCoreOutput, GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from tandem.core.scheduler import Scheduler
+from tandem.core.spec_decode_rule import SpecRuleStats, SpeculationRule
 from tandem.core.spec_decode_stats import SpecDecodingStats
 from tandem.executor import Executor, create_executor
 from tandem.executor.base import LaunchedStep
@@ -111,6 +112,8 @@ class EngineStats:
     # Speculative decoding (None without): drafts, accepted tokens, acceptance by position,
     # and the verify steps by how they ran (`num_verify_steps`).
     spec_decoding: SpecDecodingStats | None = None
+    # The measured speculation rule's choices (None without it): steps by drafts per request.
+    spec_decode_rule: SpecRuleStats | None = None
     # MoE models (None without): tokens routed to each expert of each MoE layer since start,
     # `[layers][experts]`, read from the device at most every EXPERT_LOAD_PERIOD_S.
     expert_load: tuple[tuple[int, ...], ...] | None = None
@@ -190,6 +193,15 @@ class EngineCore:
             and (self.executor.device.type == "cuda" or config.parallel.pipeline_parallel_size > 1)
         )
         self.num_spec_tokens = num_spec_tokens
+        # Each step's drafts (0..k) decided from measured step times and acceptance, below
+        # the `disable_by_batch_size` cap (None: every proposed draft is taken).
+        self.spec_rule: SpeculationRule | None = None
+        if num_spec_tokens and config.speculative.speculation_rule == "measured":
+            self.spec_rule = SpeculationRule(num_spec_tokens)
+        # When the last step's result landed (host clock; None after an idle step), and
+        # whether the launched step proposes drafts for the next.
+        self._last_result_at: float | None = None
+        self._pending_proposes = False
         # None: the engine has a tokenizer for structured outputs; else why it has none. A
         # random-weight folder has one only when one was made or copied in (serving).
         self._no_tokenizer: str | None = None
@@ -351,14 +363,17 @@ class EngineCore:
         scheduler_output: SchedulerOutput | None = None
         scheduler = self.scheduler
         early: list[EngineCoreOutput] = []
+        num_drafts, propose = (
+            self._drafts_for_step() if scheduler.has_unfinished_requests() else (None, True)
+        )
         if self._pending is not None and (
-            self._pending[0].scheduled_spec_decode_tokens or self._may_draft()
+            self._pending[0].scheduled_spec_decode_tokens or (num_drafts and self._pending_proposes)
         ):
-            # Speculation: this step's plan needs the launched step's tokens (see the module
-            # docstring).
+            # Speculation: this step's plan needs the launched step's tokens and drafts (see
+            # the module docstring).
             early = self._apply_pending()
         if scheduler.has_unfinished_requests():
-            scheduler_output = scheduler.schedule()
+            scheduler_output = scheduler.schedule(num_drafts, propose)
             if scheduler_output.is_empty:
                 # Nothing runs, but the runner must still forget what finished or was
                 # preempted since the last step (or it would hold their state forever).
@@ -367,6 +382,8 @@ class EngineCore:
                 )
                 scheduler_output = None
         self.last_step_idle = scheduler_output is None and self._pending is None
+        if self.last_step_idle:
+            self._last_result_at = None  # the next interval would time the caller's pause
         outputs: list[EngineCoreOutput] = early + scheduler.take_error_outputs()
         if scheduler_output is None:
             if self.last_step_idle and not outputs and scheduler.has_unfinished_requests():
@@ -385,33 +402,73 @@ class EngineCore:
                 nonlocal previous
                 if previous is not None:
                     (so, launched), previous = previous, None
-                    outputs.extend(scheduler.update_from_output(so, launched.result()))
+                    outputs.extend(self._update(so, launched.result()))
                 return self.structured.fill_bitmask(structured, scheduler.requests)
 
         step = self.executor.execute_async(scheduler_output, source)
+        self._pending_proposes = scheduler_output.propose_drafts
         if structured and previous is not None:  # a step that sampled nothing
-            outputs += self.scheduler.update_from_output(previous[0], previous[1].result())
+            outputs += self._update(previous[0], previous[1].result())
         if not self.async_scheduling:
-            return outputs + self.scheduler.update_from_output(scheduler_output, step.result())
+            return outputs + self._update(scheduler_output, step.result())
         previous, self._pending = self._pending, (scheduler_output, step)
         if previous is not None:
-            outputs += self.scheduler.update_from_output(previous[0], previous[1].result())
+            outputs += self._update(previous[0], previous[1].result())
+        if not scheduler.has_unfinished_requests():
+            # Every request finished (the launched step only computes a dropped token): the
+            # engine is idle once it lands, not one more call later.
+            outputs += self._apply_pending()
         return outputs
 
-    def _may_draft(self) -> bool:
-        """Whether the next step may schedule drafts (then it is planned after the launched
-        step's tokens and drafts landed)."""
+    def _drafts_for_step(self) -> tuple[int | None, bool]:
+        """(drafts per request for the step about to be planned, whether drafts are proposed
+        after it): none at `disable_by_batch_size` running requests or more, else the
+        measured rule's choice (`tandem.core.spec_decode_rule`), or up to k without it."""
         if not self.num_spec_tokens:
-            return False
+            return None, True
+        batch_size = len(self.scheduler.running)
         limit = self.config.speculative.disable_by_batch_size
-        return not (limit and len(self.scheduler.running) >= limit)
+        if limit and batch_size >= limit:
+            return 0, False
+        if self.spec_rule is None:
+            return self.num_spec_tokens, True
+        return self.spec_rule.decide(batch_size), self.spec_rule.propose
+
+    def _update(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply a step's result; the measured rule learns the step's time (since the last
+        result, decode-only steps) and its drafts' acceptance by position."""
+        rule = self.spec_rule
+        if rule is not None:
+            now = time.perf_counter()
+            last, self._last_result_at = self._last_result_at, now
+            spec = so.scheduled_spec_decode_tokens
+            counts = so.num_scheduled_tokens
+            num_drafts = max((len(d) for d in spec.values()), default=0)
+            decode_only = so.total_num_scheduled_tokens == len(counts) + sum(
+                len(d) for d in spec.values()
+            )
+            if last is not None and decode_only and counts:
+                rule.observe_step(len(counts), num_drafts, now - last)
+            if spec:
+                num_requests = 0
+                accepted = [0] * num_drafts
+                for req_id, sampled in zip(result.req_ids, result.sampled_token_ids, strict=True):
+                    if not sampled:
+                        continue
+                    num_requests += 1
+                    drafts = spec.get(req_id)
+                    if drafts:
+                        for j in range(min(len(sampled) - 1, len(drafts))):
+                            accepted[j] += 1
+                rule.observe_acceptance(num_requests, accepted)
+        return self.scheduler.update_from_output(so, result)
 
     def _apply_pending(self) -> list[EngineCoreOutput]:
         """Wait for the launched step's tokens and apply them."""
         if self._pending is None:
             return []
         (scheduler_output, step), self._pending = self._pending, None
-        return self.scheduler.update_from_output(scheduler_output, step.result())
+        return self._update(scheduler_output, step.result())
 
     # ----------------------------------------------------------------- stats
 
@@ -450,6 +507,7 @@ class EngineCore:
             num_reserved=len(self.scheduler.reserved),
             async_scheduling=self.async_scheduling,
             spec_decoding=s.spec_decoding,
+            spec_decode_rule=self.spec_rule.stats.snapshot() if self.spec_rule else None,
             expert_load=self._expert_load(),
         )
 

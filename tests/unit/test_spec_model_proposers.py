@@ -117,8 +117,9 @@ def test_seeded_sampling_with_a_draft_model_reproduces(tiny_model_path, other_ll
     params = [
         SamplingParams(temperature=0.2, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)
     ]
-    a, stats = _run(path, prompts, params, speculative_config=_draft(path, 2))
-    b, _ = _run(path, prompts, params, speculative_config=_draft(path, 2))
+    spec = {**_draft(path, 2), "speculation_rule": "always"}  # see the n-gram test
+    a, stats = _run(path, prompts, params, speculative_config=spec)
+    b, _ = _run(path, prompts, params, speculative_config=spec)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 24 for o in a)
     spec = stats.spec_decoding
@@ -294,7 +295,13 @@ def check_eagle_drafts(
         return handed
 
     monkeypatch.setattr(EagleProposer, "propose_step", recording)
-    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
+    # Every step drafts (the rule that measures would skip some).
+    spec = {
+        "method": "eagle",
+        "model": str(head),
+        "num_speculative_tokens": 3,
+        "speculation_rule": "always",
+    }
     got, stats = _run(path, prompts, params, speculative_config=spec, **engine)
     monkeypatch.undo()
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
