@@ -201,6 +201,7 @@ class EngineCore:
         # When the last step's result landed (host clock; None after an idle step), and
         # whether the launched step proposes drafts for the next.
         self._last_result_at: float | None = None
+        self._last_overlapped = False
         self._pending_proposes = False
         # None: the engine has a tokenizer for structured outputs; else why it has none. A
         # random-weight folder has one only when one was made or copied in (serving).
@@ -402,18 +403,18 @@ class EngineCore:
                 nonlocal previous
                 if previous is not None:
                     (so, launched), previous = previous, None
-                    outputs.extend(self._update(so, launched.result()))
+                    outputs.extend(self._update(so, launched.result(), overlapped=True))
                 return self.structured.fill_bitmask(structured, scheduler.requests)
 
         step = self.executor.execute_async(scheduler_output, source)
         self._pending_proposes = scheduler_output.propose_drafts
         if structured and previous is not None:  # a step that sampled nothing
-            outputs += self._update(previous[0], previous[1].result())
+            outputs += self._update(previous[0], previous[1].result(), overlapped=True)
         if not self.async_scheduling:
             return outputs + self._update(scheduler_output, step.result())
         previous, self._pending = self._pending, (scheduler_output, step)
         if previous is not None:
-            outputs += self._update(previous[0], previous[1].result())
+            outputs += self._update(previous[0], previous[1].result(), overlapped=True)
         if not scheduler.has_unfinished_requests():
             # Every request finished (the launched step only computes a dropped token): the
             # engine is idle once it lands, not one more call later.
@@ -434,13 +435,25 @@ class EngineCore:
             return self.num_spec_tokens, True
         return self.spec_rule.decide(batch_size), self.spec_rule.propose
 
-    def _update(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def _update(
+        self, so: SchedulerOutput, result: ModelRunnerOutput, overlapped: bool = False
+    ) -> list[EngineCoreOutput]:
         """Apply a step's result; the measured rule learns the step's time (since the last
-        result, decode-only steps) and its drafts' acceptance by position."""
+        result, decode-only steps) and its drafts' acceptance by position.
+
+        `overlapped`: applied after the next step was launched (async). The time between two
+        results is a step's cost only when both were applied the same way: a result taken
+        before the next launch (a sync point next to a verify step) right after one taken
+        after it is early by the host's planning of a step, and one taken after it right
+        after one taken before is late by a whole step (a pipeline refill); both are
+        dropped."""
         rule = self.spec_rule
         if rule is not None:
             now = time.perf_counter()
             last, self._last_result_at = self._last_result_at, now
+            if overlapped != self._last_overlapped:
+                last = None
+            self._last_overlapped = overlapped
             spec = so.scheduled_spec_decode_tokens
             counts = so.num_scheduled_tokens
             num_drafts = max((len(d) for d in spec.values()), default=0)
