@@ -664,6 +664,9 @@ class SpeculativeConfig:
       a list of {"prompt_token_ids": [...], "output_token_ids": [...]}) for a request with
       that prompt, keeping each draft token with probability `replay_acceptance` (a token not
       kept is replaced by a wrong one), so acceptance is controlled on random weights.
+
+    Below `disable_by_batch_size` (vLLM's hard cap), `speculation_rule` decides each step's
+    drafts: "measured" (tandem.core.spec_decode_rule) or "always".
     """
 
     speculative_config: str = field(

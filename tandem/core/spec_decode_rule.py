@@ -30,7 +30,7 @@ plain decode (the decode graphs) and a step with drafts a verify step (the mixed
 no graph is captured or dropped by the decision (vLLM's per-request dynamic threshold broke
 full-graph capture). `disable_by_batch_size` stays a hard cap, applied before the rule.
 
-No torch: the engine feeds it floats.
+No torch: the engine feeds it host times and the steps' outputs.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass
@@ -65,10 +67,11 @@ class SpecRuleStats:
 class SpeculationRule:
     """Decides each step's drafts per request, 0..k (see the module docstring).
 
-    Call `decide(batch_size)` once per step before it is planned, `observe_step` when a
-    decode-only step's result lands (with the seconds since the previous result), and
-    `observe_acceptance` for each verify step. `propose` says whether the step just decided
-    should have drafts proposed after it (the next step may use them)."""
+    Call `decide(batch_size)` once per step before it is planned and `observe_output` with
+    each step's result (or, directly: `observe_step` for a decode-only step's seconds since
+    the previous result, `observe_acceptance` for a verify step). `propose` says whether
+    the step just decided should have drafts proposed after it (the next step may use
+    them)."""
 
     def __init__(
         self,
@@ -136,6 +139,33 @@ class SpeculationRule:
             # An outlier (a pause of the caller, a collection) moves the mean a bounded step.
             sample = min(seconds, 3.0 * old)
             times[n] = old + self.smoothing * (sample - old)
+
+    def observe_output(
+        self, so: SchedulerOutput, result: ModelRunnerOutput, seconds: float | None
+    ) -> None:
+        """One step's result, `seconds` after the previous step's (None: not a step's cost):
+        its time if every request decoded (1 + its drafts), its acceptance if it verified."""
+        spec = so.scheduled_spec_decode_tokens
+        counts = so.num_scheduled_tokens
+        num_drafts = max((len(d) for d in spec.values()), default=0)
+        decode_only = so.total_num_scheduled_tokens == len(counts) + sum(
+            len(d) for d in spec.values()
+        )
+        if seconds is not None and decode_only and counts:
+            self.observe_step(len(counts), num_drafts, seconds)
+        if not spec:
+            return
+        num_requests = 0
+        accepted = [0] * num_drafts
+        for req_id, sampled in zip(result.req_ids, result.sampled_token_ids, strict=True):
+            if not sampled:
+                continue
+            num_requests += 1
+            drafts = spec.get(req_id)
+            if drafts:
+                for j in range(min(len(sampled) - 1, len(drafts))):
+                    accepted[j] += 1
+        self.observe_acceptance(num_requests, accepted)
 
     def observe_acceptance(self, num_requests: int, accepted_per_pos: Sequence[int]) -> None:
         """One verify step: of its `num_requests` sampled requests, `accepted_per_pos[j]` had

@@ -433,6 +433,8 @@ class EngineCore:
             return 0, False
         if self.spec_rule is None:
             return self.num_spec_tokens, True
+        if not batch_size:
+            return 0, True  # prefills only: nothing to draft for, nothing to measure
         return self.spec_rule.decide(batch_size), self.spec_rule.propose
 
     def _update(
@@ -454,26 +456,7 @@ class EngineCore:
             if overlapped != self._last_overlapped:
                 last = None
             self._last_overlapped = overlapped
-            spec = so.scheduled_spec_decode_tokens
-            counts = so.num_scheduled_tokens
-            num_drafts = max((len(d) for d in spec.values()), default=0)
-            decode_only = so.total_num_scheduled_tokens == len(counts) + sum(
-                len(d) for d in spec.values()
-            )
-            if last is not None and decode_only and counts:
-                rule.observe_step(len(counts), num_drafts, now - last)
-            if spec:
-                num_requests = 0
-                accepted = [0] * num_drafts
-                for req_id, sampled in zip(result.req_ids, result.sampled_token_ids, strict=True):
-                    if not sampled:
-                        continue
-                    num_requests += 1
-                    drafts = spec.get(req_id)
-                    if drafts:
-                        for j in range(min(len(sampled) - 1, len(drafts))):
-                            accepted[j] += 1
-                rule.observe_acceptance(num_requests, accepted)
+            rule.observe_output(so, result, None if last is None else now - last)
         return self.scheduler.update_from_output(so, result)
 
     def _apply_pending(self) -> list[EngineCoreOutput]:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tandem import SamplingParams
+from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.spec_decode_rule import SpeculationRule
 from tests.unit.test_spec_decode import _run
 
@@ -110,6 +111,26 @@ def test_acceptance_that_falls_turns_speculation_off() -> None:
     assert rule.decide(4) > 0 or rule.decide(4) > 0  # speculating (a probe may run)
     _, chosen = simulate(rule, 4, 0.1, 0.0, 1500)
     assert chosen[0] > 0.9 * sum(chosen)
+
+
+def test_observe_output_reads_times_and_acceptance_from_a_step() -> None:
+    """A verify step of three decodes (drafts 3, 2 and none): its time counts under 3 drafts,
+    acceptance by position over all three requests; a step with a prefill chunk is not timed."""
+    rule = SpeculationRule(3)
+    verify = SchedulerOutput(
+        num_scheduled_tokens={"a": 4, "b": 3, "c": 1},
+        total_num_scheduled_tokens=8,
+        scheduled_spec_decode_tokens={"a": [1, 2, 3], "b": [4, 5]},
+    )
+    # a: 2 accepted (+ its own token), b: 0 accepted, c: its one token.
+    result = ModelRunnerOutput(["a", "b", "c"], [[1, 2, 9], [7], [8]])
+    rule.observe_output(verify, result, 0.02)
+    assert rule.step_time(3, 3) == 0.02 and rule.step_time(3, 0) is None
+    assert rule.acceptance == pytest.approx([1 / 3, 1 / 3, 0.0])
+    assert rule.expected_tokens(3) == pytest.approx(1 + 2 / 3)
+    mixed = SchedulerOutput(num_scheduled_tokens={"a": 1, "d": 40}, total_num_scheduled_tokens=41)
+    rule.observe_output(mixed, ModelRunnerOutput(["a", "d"], [[5], [6]]), 0.5)
+    assert rule.step_time(2, 0) is None  # not a decode-only step: no time
 
 
 def test_bad_arguments_are_refused() -> None:
