@@ -644,10 +644,11 @@ class Scheduler:
             finished = request.status >= FIRST_FINISHED
             if spec_token_ids and not finished:
                 # Proposed after this step's tokens: stale when a later step of the request is
-                # already planned (async scheduling), its token in flight after these.
+                # already planned (async scheduling), its token in flight after these; none
+                # for a request preempted meanwhile (it resumes from its prompt).
                 request.spec_token_ids = (
                     []
-                    if request.num_output_placeholders
+                    if request.num_output_placeholders or not was_running
                     else self._next_drafts(request, spec_token_ids[i])
                 )
             outputs.append(

@@ -151,7 +151,12 @@ def test_gemma3_hybrid_cache_with_ngram_speculation(tiny_model_path) -> None:
         motif = [rng.randrange(3, 500) for _ in range(4 + i)]
         prompts.append((motif * 8)[: 14 + 9 * i])
     reference = [tokens for tokens, _ in hf_greedy(path, prompts, NEW_TOKENS)]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3,
+        "speculation_rule": "always",  # every verify step exercises the hybrid rollback
+    }
     tokens, llm, _, _ = run(path, prompts, 120, speculative_config=spec)
     stats = llm.engine.stats().spec_decoding
     assert stats is not None

@@ -146,11 +146,21 @@ def test_bad_arguments_are_refused() -> None:
 def test_engine_turns_speculation_off_when_every_draft_is_rejected(
     tiny_model_path, tmp_path: Path
 ) -> None:
-    path = tiny_model_path("llama")
+    shares = rule_shares_in_engine(tiny_model_path("llama"), tmp_path)
+    # p = 0: after the first probes, verify steps only as rare probes; p = 1: nearly all.
+    assert shares[0.0] < 0.3
+    assert shares[1.0] > 0.65
+
+
+def rule_shares_in_engine(path: Path, tmp_path: Path, **engine: object) -> dict[float, float]:
+    """The share of steps with drafts under the measured rule, for the replay proposer at
+    p = 0 and p = 1 (async scheduling on); greedy tokens checked against the run without."""
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 512, size=12).tolist() for _ in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    engine = dict(max_num_seqs=4, num_gpu_blocks=128, max_model_len=512, async_scheduling="on")
+    engine = dict(
+        max_num_seqs=4, num_gpu_blocks=128, max_model_len=512, async_scheduling="on", **engine
+    )
     ref, _ = _run(path, prompts, params, **engine)
     record = tmp_path / "replay.json"
     record.write_text(
@@ -178,6 +188,4 @@ def test_engine_turns_speculation_off_when_every_draft_is_rejected(
         assert rule is not None
         steps = rule.steps_by_num_drafts
         shares[p] = 1 - steps[0] / sum(steps)
-    # p = 0: after the first probes, verify steps only as rare probes; p = 1: nearly all.
-    assert shares[0.0] < 0.3
-    assert shares[1.0] > 0.65
+    return shares
