@@ -5,7 +5,11 @@ bucket (powers of two) the rule keeps a running mean of the time between consecu
 results for steps with n drafts per request (n = 0: plain decode; measured by the engine on
 the host), and the running acceptance by draft position `a[j]`: the share of a verify step's
 requests whose draft j was accepted (so `a[j]` already counts requests that had no draft).
-A request in a step with n drafts emits on average::
+Host timings on a shared machine carry one-sided noise (a pause only adds time), so the mean
+follows a faster sample at once and a slower one slowly (`smoothing` down, a quarter of it
+up, a slower sample clipped at twice the mean), and a step with drafts is never estimated
+cheaper than plain decode (it computes strictly more). A request in a step with n drafts
+emits on average::
 
     E(n) = 1 + a[0] + a[1] + ... + a[n-1]        tokens per request-step
 
@@ -78,8 +82,8 @@ class SpeculationRule:
         num_spec_tokens: int,
         *,
         margin: float = 0.02,
-        smoothing: float = 0.25,
-        probe_len: int = 3,
+        smoothing: float = 0.5,
+        probe_len: int = 4,
         min_probe_interval: int = 8,
         max_probe_interval: int = 512,
     ) -> None:
@@ -135,10 +139,11 @@ class SpeculationRule:
         old = times[n]
         if old is None:
             times[n] = seconds
+        elif seconds < old:
+            times[n] = old + self.smoothing * (seconds - old)
         else:
-            # An outlier (a pause of the caller, a collection) moves the mean a bounded step.
-            sample = min(seconds, 3.0 * old)
-            times[n] = old + self.smoothing * (sample - old)
+            # Slower: likely noise (another process, a collection); moves the mean slowly.
+            times[n] = old + 0.25 * self.smoothing * (min(seconds, 2.0 * old) - old)
 
     def observe_output(
         self, so: SchedulerOutput, result: ModelRunnerOutput, seconds: float | None
@@ -184,15 +189,18 @@ class SpeculationRule:
     def step_time(self, batch_size: int, num_drafts: int) -> float | None:
         """T(n) at this batch size: measured, interpolated, or None (unknown)."""
         times = self._bucket(batch_size).times
-        if times[num_drafts] is not None:
-            return times[num_drafts]
         t0 = times[0]
+        if num_drafts == 0:
+            return t0
+        measured = times[num_drafts]
+        if measured is not None:
+            return measured if t0 is None else max(measured, t0)
         top = next((m for m in range(self.k, 0, -1) if times[m] is not None), 0)
-        if t0 is None or not top or num_drafts == 0:
+        if t0 is None or not top:
             return None
         t_top = times[top]
         assert t_top is not None
-        return t0 + (t_top - t0) * num_drafts / top
+        return t0 + max(t_top - t0, 0.0) * num_drafts / top
 
     # ---- the decision ---------------------------------------------------------------------
 

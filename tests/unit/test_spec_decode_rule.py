@@ -113,6 +113,25 @@ def test_acceptance_that_falls_turns_speculation_off() -> None:
     assert chosen[0] > 0.9 * sum(chosen)
 
 
+@pytest.mark.parametrize(("p", "on"), [(0.0, False), (1.0, True)])
+def test_one_sided_timing_noise_does_not_flip_the_decision(p: float, on: bool) -> None:
+    """A shared host: one step in five is slowed by up to 2x (another process), whatever its
+    drafts. At p = 0 speculation stays off (a verify step is never taken as cheaper than a
+    plain one); at p = 1 it stays on."""
+    rng = np.random.default_rng(3)
+    rule = SpeculationRule(4)
+    chosen = [0] * 5
+    for _ in range(3000):
+        n = rule.decide(8)
+        chosen[n] += 1
+        spike = 1 + rng.random() if rng.random() < 0.2 else 1.0
+        rule.observe_step(8, n, step_cost(0.01, 0.1, n) * spike)
+        if n:
+            rule.observe_acceptance(8, [round(8 * p ** (j + 1)) for j in range(n)])
+    share = 1 - chosen[0] / sum(chosen)
+    assert share > 0.9 if on else share < 0.05
+
+
 def test_observe_output_reads_times_and_acceptance_from_a_step() -> None:
     """A verify step of three decodes (drafts 3, 2 and none): its time counts under 3 drafts,
     acceptance by position over all three requests; a step with a prefill chunk is not timed."""
