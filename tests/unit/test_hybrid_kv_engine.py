@@ -53,8 +53,8 @@ def run(path: Path, prompts: list[list[int]], num_gpu_blocks: int, **kwargs: obj
     peak = [0, 0]
     schedule = sched.schedule
 
-    def observed():  # type: ignore[no-untyped-def]
-        out = schedule()
+    def observed(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = schedule(*args, **kwargs)
         peak[0] = max(peak[0], kv.num_blocks - kv.num_free_blocks)
         if isinstance(kv, HybridKVCacheManager):
             G = kv.num_groups
