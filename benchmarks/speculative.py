@@ -19,6 +19,15 @@ reject a random draft's tokens and the scheduler backs requests off drafting
 (tandem.core.scheduler), so TPOT there shows what speculation costs once it backs off; the
 cost of drafting is the drafting-step figure.
 
+Each replay engine runs per `--rules` (the speculative config's `speculation_rule`:
+`measured`, the per-step rule of tandem.core.spec_decode_rule, or `always`) and per
+`--async-modes` (the engine's async scheduling, on / off). Each row says how the engine ran
+(`async_scheduling`) and, under the measured rule, its choices during the timed run
+(`rule_steps_by_num_drafts`: steps by drafts per request, 0 = plain decode; `rule_probes`).
+The measured rule learns per batch size: by default (`--warm-rule`) each speculative row is
+timed after one untimed run of the same batch, so the figure is the rule's steady state (its
+first probes in a bucket are the cost of learning it, paid once per engine).
+
 Per batch size B (all requests greedy, ignore_eos, `--output-len` tokens each, started
 together): `tpot_ms` = wall time / the longest output (the batch decodes in lockstep; prefill
 included), `output_tokens_per_s` = output tokens / wall time; `same_tokens` = the outputs
@@ -26,7 +35,9 @@ equal the run without speculation; acceptance from the engine's stats.
 
     python -m benchmarks.speculative                        # CPU, embedded model
     python -m benchmarks.speculative --device cuda --model random:llama-3.1-8b \\
-        --batch-sizes 1,8,32,128 --ks 2,4 --acceptances 1,0.7,0.4,0
+        --batch-sizes 1,8,32,128 --ks 2,4 --acceptances 1,0.7,0.4,0 --rules measured,always
+    python -m benchmarks.speculative --device cuda --model random:llama-3.1-8b \\
+        --batch-sizes 1,32,128 --ks 4 --acceptances 1,0 --async-modes on,off
     python -m benchmarks.speculative --device cuda --model random:llama-3.1-8b \\
         --batch-sizes 1,8,32 --ks 4 --acceptances '' \\
         --draft-models random:llama-3.2-1b,self --eagle random:eagle-llama-3.1-8b
@@ -90,6 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated draft models (self: the target drafting for itself)",
     )
     w.add_argument("--eagle", default="", help="an EAGLE head (e.g. random:eagle-llama-3.1-8b)")
+    w.add_argument("--rules", default="measured", help="speculation_rule values: measured, always")
+    w.add_argument(
+        "--async-modes",
+        default="",
+        help="async scheduling of the replay engines: on, off (default: --async-scheduling)",
+    )
+    w.add_argument(
+        "--warm-rule",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="an untimed run of the batch before each speculative timing (rule steady state)",
+    )
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
     return p
 
@@ -116,6 +139,22 @@ def _timed(
     return elapsed, [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _rule_counts(llm: LLM) -> tuple[list[int], int]:
+    rule = llm.engine.stats().spec_decode_rule
+    if rule is None:
+        return [], 0
+    return list(rule.steps_by_num_drafts), rule.num_probes
+
+
+def _set_replay_acceptance(llm: LLM, p: float) -> None:
+    """Set the in-process replay proposer's keep probability."""
+    from tandem.spec_decode.replay import ReplayProposer
+
+    proposer = llm.engine.model_runner.proposer
+    assert isinstance(proposer, ReplayProposer), proposer
+    proposer.acceptance = p
+
+
 def _spec_counts(llm: LLM) -> tuple[int, int, list[int], dict[str, int]]:
     spec = llm.engine.stats().spec_decoding
     if spec is None:
@@ -136,10 +175,13 @@ def _row(
     after_warmup: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], list[list[int]]]:
     d0, a0, pos0, _ = _spec_counts(llm)
+    steps0, probes0 = _rule_counts(llm)
     elapsed, tokens = _timed(llm, prompts, params, after_warmup)
     d1, a1, pos1, paths = _spec_counts(llm)
+    steps1, probes1 = _rule_counts(llm)
     row: dict[str, Any] = {
         "batch": len(prompts),
+        "async_scheduling": llm.engine.stats().async_scheduling,
         "elapsed_s": elapsed,
         # The batch decodes in lockstep: its longest output sets the pace.
         "tpot_ms": 1000 * elapsed / max(len(t) for t in tokens),
@@ -157,7 +199,19 @@ def _row(
             ],
             verify_steps_by_path=paths,
         )
+        if steps1:
+            row.update(
+                rule_steps_by_num_drafts=[b - a for a, b in zip(steps0, steps1, strict=True)],
+                rule_probes=probes1 - probes0,
+            )
     return row, tokens
+
+
+def _choices(row: dict[str, Any]) -> str:
+    steps = row.get("rule_steps_by_num_drafts")
+    if not steps:
+        return ""
+    return f"  rule steps by drafts {steps} ({row['rule_probes']} probes)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,16 +261,29 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             )
         )
-        for k in ks:
-            for p in acceptances:
-                spec = {
-                    "method": "replay",
-                    "num_speculative_tokens": k,
-                    "replay_path": str(record),
-                    "replay_acceptance": p,
-                }
-                with LLM(model=ns.model, **{**engine_kwargs, "speculative_config": spec}) as llm:
+        rules = [r for r in ns.rules.split(",") if r.strip()]
+        async_modes = [m for m in ns.async_modes.split(",") if m.strip()] or [None]
+        # One engine per (k, rule, async mode); the replay's p is set between runs (the
+        # proposer is the benchmark's own), so the rule carries its step times over and
+        # relearns the acceptance in the warm-up run.
+        engines = [(k, r, m) for k in ks for r in rules for m in async_modes if acceptances]
+        for k, rule, mode in engines:
+            spec = {
+                "method": "replay",
+                "num_speculative_tokens": k,
+                "replay_path": str(record),
+                "replay_acceptance": acceptances[0],
+                "speculation_rule": rule,
+            }
+            kwargs = {**engine_kwargs, "speculative_config": spec}
+            if mode is not None:
+                kwargs["async_scheduling"] = mode
+            with LLM(model=ns.model, **kwargs) as llm:
+                for p in acceptances:
+                    _set_replay_acceptance(llm, p)
                     for b in batch_sizes:
+                        if ns.warm_rule:
+                            llm.generate(prompts[b], params, use_tqdm=False)
                         base, _ = _row(base_llm, prompts[b], params, None)
                         row, _ = _row(llm, prompts[b], params, baseline[b])
                         row["no_spec_tpot_ms"] = base["tpot_ms"]
@@ -224,13 +291,18 @@ def main(argv: list[str] | None = None) -> int:
                         row["throughput_vs_no_spec"] = (
                             row["output_tokens_per_s"] / base["output_tokens_per_s"]
                         )
-                        result["runs"].append({"speculation": {"k": k, "p": p}, **row})
+                        result["runs"].append(
+                            {"speculation": {"k": k, "p": p, "speculation_rule": rule}, **row}
+                        )
+                        on = "on " if row["async_scheduling"] else "off"
                         print(
-                            f"k={k} p={p:.1f}  B={b:4d}  TPOT {row['tpot_ms']:8.2f} ms "
+                            f"k={k} p={p:.1f} {rule:8s} async {on}"
+                            f"  B={b:4d}  TPOT {row['tpot_ms']:8.2f} ms "
                             f"({row['tpot_vs_no_spec']:.2f}x)  "
                             f"{row['output_tokens_per_s']:9.1f} tok/s "
                             f"({row['throughput_vs_no_spec']:.2f}x)  "
-                            f"acc {row['acceptance_rate']:.2f}  same {row['same_tokens']}",
+                            f"acc {row['acceptance_rate']:.2f}  same {row['same_tokens']}"
+                            + _choices(row),
                             flush=True,
                         )
         model_specs = [

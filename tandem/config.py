@@ -624,6 +624,7 @@ _SPEC_METHODS = ("ngram", "draft_model", "eagle", "replay")
 _SPEC_METHODS_LATER = ("eagle3", "medusa", "mlp_speculator")
 # The most draft tokens per request per step (1 + k query tokens are verified at once).
 MAX_NUM_SPECULATIVE_TOKENS = 16
+SPECULATION_RULES = ("measured", "always")
 
 
 def speculative_config_arg(value: str) -> str:
@@ -663,6 +664,9 @@ class SpeculativeConfig:
       a list of {"prompt_token_ids": [...], "output_token_ids": [...]}) for a request with
       that prompt, keeping each draft token with probability `replay_acceptance` (a token not
       kept is replaced by a wrong one), so acceptance is controlled on random weights.
+
+    Below `disable_by_batch_size` (vLLM's hard cap), `speculation_rule` decides each step's
+    drafts: "measured" (tandem.core.spec_decode_rule) or "always".
     """
 
     speculative_config: str = field(
@@ -688,6 +692,12 @@ class SpeculativeConfig:
     # the step is compute-bound and verifying drafts costs more than it saves. Steps without
     # drafts take the decode CUDA graphs as usual.
     disable_by_batch_size: int = field(default=0, metadata=_RESOLVED)
+    # How many drafts each step takes below that cap: "measured" decides per step, 0..k,
+    # from the measured step times and acceptance (tandem.core.spec_decode_rule); "always"
+    # takes every proposed draft (up to k). Greedy output is the same either way; a seeded
+    # request sampled at temperature > 0 draws its randomness per verified row, so its tokens
+    # reproduce run to run only under "always" (measured choices follow timing).
+    speculation_rule: str = field(default="measured", metadata=_RESOLVED)
 
     def __post_init__(self) -> None:
         raw: Any = self.speculative_config
@@ -725,6 +735,11 @@ class SpeculativeConfig:
             raise ConfigError(
                 "speculative_config: disable_by_batch_size must be an integer >= 0, "
                 f"got {self.disable_by_batch_size!r}"
+            )
+        if self.speculation_rule not in SPECULATION_RULES:
+            raise ConfigError(
+                f"speculative_config: speculation_rule must be one of {list(SPECULATION_RULES)}, "
+                f"got {self.speculation_rule!r}"
             )
         if self.method in ("draft_model", "eagle") and not self.model:
             raise ConfigError(f'speculative_config: method "{self.method}" needs "model"')

@@ -64,6 +64,10 @@ class SchedulerOutput:
     # be taken (backing off after rejected drafts): a proposer that runs a model only keeps
     # its KV cache in step for them.
     no_draft_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: whether drafts are proposed after this step (False when the next
+    # step takes none: `tandem.core.spec_decode_rule`; every request is then in
+    # `no_draft_req_ids`).
+    propose_drafts: bool = True
 
     @property
     def is_empty(self) -> bool:

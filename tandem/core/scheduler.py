@@ -28,9 +28,14 @@ rolled back::
     update:  a accepted -> emits a + 1 tokens; num_computed -= k - a  (= L + a, the
              last emitted token's KV is computed next step); the slots past it are reused
 
-Speculation runs with synchronous scheduling only (the engine turns async scheduling off:
-step N+1's drafts come from step N's tokens); requests with structured outputs, penalties
-or min_tokens get no drafts (their sampling reads the output history token by token).
+Async scheduling (k placeholders): a request verifying k drafts in step N has 1 + a tokens
+coming (a unknown until N lands) but counts one placeholder, and its `num_computed_tokens`
+assumes every draft accepted; the engine applies step N before it plans step N+1 whenever N
+verified drafts or N+1 may schedule drafts (`tandem.engine.core`), so no step is ever planned
+on a guessed acceptance. Proposals that arrive while a later step of the request is already
+planned (a plain step N+1 planned before N landed) are stale and dropped: drafts always
+follow the request's last verified token. Requests with structured outputs, penalties or
+min_tokens get no drafts (their sampling reads the output history token by token).
 A request whose drafts were all rejected in `SPEC_BACKOFF_AFTER` verify steps in a row drafts
 nothing for 1, 2, 4, ... (at most `SPEC_BACKOFF_MAX`) steps, until a draft is accepted again:
 drafts that keep failing cost a verify pass each, so a request that gains nothing from them
@@ -350,8 +355,14 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step under the token budget (see the module docstring)."""
+    def schedule(
+        self, num_drafts: int | None = None, propose_drafts: bool = True
+    ) -> SchedulerOutput:
+        """Plan one step under the token budget (see the module docstring).
+
+        `num_drafts` caps each request's drafts in this step (None: up to k; the engine's
+        `SpeculationRule` decides it); `propose_drafts` False: nothing is proposed after the
+        step (the next one takes no drafts)."""
         kv = self._kv_cache_manager
         budget = self.scheduler_config.max_num_batched_tokens
         scheduled: list[Request] = []
@@ -366,6 +377,8 @@ class Scheduler:
                 continue  # preempted earlier in this step
             if request.grammar is not None and not self._grammar_ready(request):
                 continue
+            if num_drafts is not None and len(request.spec_token_ids) > num_drafts:
+                request.spec_token_ids = request.spec_token_ids[:num_drafts]
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new == 0:
                 continue
@@ -412,6 +425,9 @@ class Scheduler:
         output = self._build_output(scheduled, num_scheduled, preempted)
         structured = output.structured_req_ids
         spec = output.scheduled_spec_decode_tokens
+        if self.num_spec_tokens and not propose_drafts:
+            output.propose_drafts = False
+            output.no_draft_req_ids.update(num_scheduled)
         for request in scheduled:
             if request.spec_skip_steps:
                 # Its next proposals are dropped whatever this step's outcome (`_next_drafts`).
@@ -627,7 +643,14 @@ class Scheduler:
             lp = logprobs[i] if i < len(logprobs) else None
             finished = request.status >= FIRST_FINISHED
             if spec_token_ids and not finished:
-                request.spec_token_ids = self._next_drafts(request, spec_token_ids[i])
+                # Proposed after this step's tokens: stale when a later step of the request is
+                # already planned (async scheduling), its token in flight after these; none
+                # for a request preempted meanwhile (it resumes from its prompt).
+                request.spec_token_ids = (
+                    []
+                    if request.num_output_placeholders or not was_running
+                    else self._next_drafts(request, spec_token_ids[i])
+                )
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,

@@ -12,8 +12,17 @@ computes::
     step():  schedule(N+1) -> execute_async(N+1) -> update_from_output(N, result(N))
 
 A request that stops at step N has one more token computed in step N+1, which is dropped.
-Speculative decoding turns async scheduling off (a step's drafts come from the previous
-step's tokens; `EngineStats.async_scheduling` says which way the engine runs).
+
+Speculative decoding under async scheduling: a step that verifies drafts emits 1 + a tokens
+per request, a known only when it lands, and a step's drafts are proposed from the previous
+step's tokens. So the engine applies the launched step before planning the next one when
+that step verified drafts, or when the next one may schedule drafts; otherwise (no drafts
+either side: speculation off for this step, by `disable_by_batch_size` or the measured rule)
+steps overlap as above::
+
+    verify step N:  [result(N), update(N): drafts for N+1] -> schedule(N+1) -> launch(N+1)
+                    -> return (the caller's output work overlaps N+1 on the device)
+    plain step N:   schedule(N+1) -> launch(N+1) -> result(N), update(N)   (overlapped)
 A step whose requests sample from their whole output (penalties, min_tokens) waits for the
 previous step first. A step with structured-output rows needs step N's tokens only to sample:
 their grammar bitmask (`tandem.structured_output`) is filled from the matchers advanced by
@@ -43,8 +52,9 @@ from pathlib import Path
 import torch
 
 from tandem.config import EngineConfig
-from tandem.core.outputs import EngineCoreOutput, GrammarBitmask, SchedulerOutput
+from tandem.core.outputs import EngineCoreOutput, GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from tandem.core.scheduler import Scheduler
+from tandem.core.spec_decode_rule import SpecRuleStats, SpeculationRule
 from tandem.core.spec_decode_stats import SpecDecodingStats
 from tandem.executor import Executor, create_executor
 from tandem.executor.base import LaunchedStep
@@ -96,11 +106,14 @@ class EngineStats:
     num_preemptions: int
     num_held: int
     num_reserved: int
-    # Whether steps are planned while the previous one runs (off under speculation).
+    # Whether steps are planned while the previous one runs (steps next to a verify step
+    # wait for it: see the module docstring).
     async_scheduling: bool = False
     # Speculative decoding (None without): drafts, accepted tokens, acceptance by position,
     # and the verify steps by how they ran (`num_verify_steps`).
     spec_decoding: SpecDecodingStats | None = None
+    # The measured speculation rule's choices (None without it): steps by drafts per request.
+    spec_decode_rule: SpecRuleStats | None = None
     # MoE models (None without): tokens routed to each expert of each MoE layer since start,
     # `[layers][experts]`, read from the device at most every EXPERT_LOAD_PERIOD_S.
     expert_load: tuple[tuple[int, ...], ...] | None = None
@@ -179,11 +192,17 @@ class EngineCore:
             mode == "auto"
             and (self.executor.device.type == "cuda" or config.parallel.pipeline_parallel_size > 1)
         )
-        if num_spec_tokens and self.async_scheduling:
-            # A step's drafts come from the previous step's tokens: speculation plans each
-            # step after the last one's tokens landed (EngineStats.async_scheduling says so).
-            logger.info("speculative decoding: async scheduling is off (synchronous steps)")
-            self.async_scheduling = False
+        self.num_spec_tokens = num_spec_tokens
+        # Each step's drafts (0..k) decided from measured step times and acceptance, below
+        # the `disable_by_batch_size` cap (None: every proposed draft is taken).
+        self.spec_rule: SpeculationRule | None = None
+        if num_spec_tokens and config.speculative.speculation_rule == "measured":
+            self.spec_rule = SpeculationRule(num_spec_tokens)
+        # When the last step's result landed (host clock; None after an idle step), and
+        # whether the launched step proposes drafts for the next.
+        self._last_result_at: float | None = None
+        self._last_overlapped = False
+        self._pending_proposes = False
         # None: the engine has a tokenizer for structured outputs; else why it has none. A
         # random-weight folder has one only when one was made or copied in (serving).
         self._no_tokenizer: str | None = None
@@ -342,8 +361,18 @@ class EngineCore:
         call (see the module docstring)."""
         scheduler_output: SchedulerOutput | None = None
         scheduler = self.scheduler
+        early: list[EngineCoreOutput] = []
+        num_drafts, propose = (
+            self._drafts_for_step() if scheduler.has_unfinished_requests() else (None, True)
+        )
+        if self._pending is not None and (
+            self._pending[0].scheduled_spec_decode_tokens or (num_drafts and self._pending_proposes)
+        ):
+            # Speculation: this step's plan needs the launched step's tokens and drafts (see
+            # the module docstring).
+            early = self._apply_pending()
         if scheduler.has_unfinished_requests():
-            scheduler_output = scheduler.schedule()
+            scheduler_output = scheduler.schedule(num_drafts, propose)
             if scheduler_output.is_empty:
                 # Nothing runs, but the runner must still forget what finished or was
                 # preempted since the last step (or it would hold their state forever).
@@ -352,7 +381,9 @@ class EngineCore:
                 )
                 scheduler_output = None
         self.last_step_idle = scheduler_output is None and self._pending is None
-        outputs: list[EngineCoreOutput] = scheduler.take_error_outputs()
+        if self.last_step_idle:
+            self._last_result_at = None  # the next interval would time the caller's pause
+        outputs: list[EngineCoreOutput] = early + scheduler.take_error_outputs()
         if scheduler_output is None:
             if self.last_step_idle and not outputs and scheduler.has_unfinished_requests():
                 self.structured.wait_any(_GRAMMAR_WAIT_S)  # all wait for a compile
@@ -370,25 +401,68 @@ class EngineCore:
                 nonlocal previous
                 if previous is not None:
                     (so, launched), previous = previous, None
-                    outputs.extend(scheduler.update_from_output(so, launched.result()))
+                    outputs.extend(self._update(so, launched.result(), overlapped=True))
                 return self.structured.fill_bitmask(structured, scheduler.requests)
 
         step = self.executor.execute_async(scheduler_output, source)
+        self._pending_proposes = scheduler_output.propose_drafts
         if structured and previous is not None:  # a step that sampled nothing
-            outputs += self.scheduler.update_from_output(previous[0], previous[1].result())
+            outputs += self._update(previous[0], previous[1].result(), overlapped=True)
         if not self.async_scheduling:
-            return outputs + self.scheduler.update_from_output(scheduler_output, step.result())
+            return outputs + self._update(scheduler_output, step.result())
         previous, self._pending = self._pending, (scheduler_output, step)
         if previous is not None:
-            outputs += self.scheduler.update_from_output(previous[0], previous[1].result())
+            outputs += self._update(previous[0], previous[1].result(), overlapped=True)
+        if not scheduler.has_unfinished_requests():
+            # Every request finished (the launched step only computes a dropped token): the
+            # engine is idle once it lands, not one more call later.
+            outputs += self._apply_pending()
         return outputs
+
+    def _drafts_for_step(self) -> tuple[int | None, bool]:
+        """(drafts per request for the step about to be planned, whether drafts are proposed
+        after it): none at `disable_by_batch_size` running requests or more, else the
+        measured rule's choice (`tandem.core.spec_decode_rule`), or up to k without it."""
+        if not self.num_spec_tokens:
+            return None, True
+        batch_size = len(self.scheduler.running)
+        limit = self.config.speculative.disable_by_batch_size
+        if limit and batch_size >= limit:
+            return 0, False
+        if self.spec_rule is None:
+            return self.num_spec_tokens, True
+        if not batch_size:
+            return 0, True  # prefills only: nothing to draft for, nothing to measure
+        return self.spec_rule.decide(batch_size), self.spec_rule.propose
+
+    def _update(
+        self, so: SchedulerOutput, result: ModelRunnerOutput, overlapped: bool = False
+    ) -> list[EngineCoreOutput]:
+        """Apply a step's result; the measured rule learns the step's time (since the last
+        result, decode-only steps) and its drafts' acceptance by position.
+
+        `overlapped`: applied after the next step was launched (async). The time between two
+        results is a step's cost only when both were applied the same way: a result taken
+        before the next launch (a sync point next to a verify step) right after one taken
+        after it is early by the host's planning of a step, and one taken after it right
+        after one taken before is late by a whole step (a pipeline refill); both are
+        dropped."""
+        rule = self.spec_rule
+        if rule is not None:
+            now = time.perf_counter()
+            last, self._last_result_at = self._last_result_at, now
+            if overlapped != self._last_overlapped:
+                last = None
+            self._last_overlapped = overlapped
+            rule.observe_output(so, result, None if last is None else now - last)
+        return self.scheduler.update_from_output(so, result)
 
     def _apply_pending(self) -> list[EngineCoreOutput]:
         """Wait for the launched step's tokens and apply them."""
         if self._pending is None:
             return []
         (scheduler_output, step), self._pending = self._pending, None
-        return self.scheduler.update_from_output(scheduler_output, step.result())
+        return self._update(scheduler_output, step.result())
 
     # ----------------------------------------------------------------- stats
 
@@ -427,6 +501,7 @@ class EngineCore:
             num_reserved=len(self.scheduler.reserved),
             async_scheduling=self.async_scheduling,
             spec_decoding=s.spec_decoding,
+            spec_decode_rule=self.spec_rule.stats.snapshot() if self.spec_rule else None,
             expert_load=self._expert_load(),
         )
 

@@ -654,7 +654,7 @@ class ModelRunner:
         self._last_step = step
         if isinstance(self.proposer, ModelProposer):
             # Its drafts run forwards (collectives under TP): every rank runs them now, in
-            # step order, also a rank whose result nobody reads (speculation is synchronous).
+            # step order, also a rank whose result nobody reads (its steps never overlap).
             step.result()
         return step
 
@@ -679,7 +679,8 @@ class ModelRunner:
         """The proposer `PendingStep.result()` asks for this step's drafts: a model proposer
         bound to the step's inputs (and the target's hidden states when it reads them)."""
         if not isinstance(self.proposer, ModelProposer):
-            return self.proposer
+            # A host proposer's drafts the next step would not take are not computed.
+            return self.proposer if so.propose_drafts else None
         hidden = self._step_hidden if self.proposer.needs_hidden_states else None
         self._step_hidden = None
         return self.proposer.bind_step(inp, hidden, so)

@@ -56,8 +56,8 @@ def _engine_figures(**kwargs: object) -> tuple[int, float, int]:
         peak = [0]
         schedule = sched.schedule
 
-        def observed():  # type: ignore[no-untyped-def]
-            out = schedule()
+        def observed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            out = schedule(*args, **kwargs)
             peak[0] = max(peak[0], kv.num_blocks - kv.num_free_blocks)
             return out
 

@@ -41,8 +41,14 @@ PROMPT = "The capital of France is"
 BANANA = " banana"
 
 
-# Drafts from single-token lookups: a forced or biased output repeats its token.
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+# Drafts from single-token lookups: a forced or biased output repeats its token. Every step
+# takes its drafts (the measured rule could pass over a short request's steps).
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "speculation_rule": "always",
+}
 
 
 @pytest.fixture(scope="module", params=["plain", "ngram"])

@@ -50,8 +50,8 @@ def run(path: Path, prompts: list[list[int]], num_gpu_blocks: int, **kwargs: obj
     peak = [0, 0]
     schedule = sched.schedule
 
-    def observed():  # type: ignore[no-untyped-def]
-        out = schedule()
+    def observed(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = schedule(*args, **kwargs)
         peak[0] = max(peak[0], kv.num_blocks - kv.num_free_blocks)
         if isinstance(kv, HybridKVCacheManager):
             G = kv.num_groups
@@ -141,7 +141,12 @@ def test_gemma3_hybrid_cache_with_ngram_speculation(tiny_model_path) -> None:
         motif = [rng.randrange(3, 500) for _ in range(4 + i)]
         prompts.append((motif * 8)[: 14 + 9 * i])
     reference = [tokens for tokens, _ in hf_greedy(path, prompts, NEW_TOKENS)]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3,
+        "speculation_rule": "always",  # every verify step exercises the hybrid rollback
+    }
     tokens, llm, _, _ = run(path, prompts, 120, speculative_config=spec)
     stats = llm.engine.stats().spec_decoding
     assert stats is not None

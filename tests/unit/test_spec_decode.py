@@ -40,7 +40,7 @@ from tandem.config import (
 from tandem.core.outputs import ModelRunnerOutput
 from tandem.core.scheduler import Scheduler
 from tandem.layers.logits_processors import LogitsProcessors
-from tandem.request import Request
+from tandem.request import Request, RequestStatus
 from tandem.spec_decode.ngram import NgramProposer, ngram_draft
 from tandem.spec_decode.proposer import build_proposer
 from tandem.spec_decode.rejection_sampler import rejection_sample, rejection_sample_reference
@@ -344,19 +344,33 @@ def _run(path: Path, prompts: list[list[int]], params: object, **kwargs: object)
 
 # Engine settings beside speculation: each case must give the tokens of the run without it.
 PARITY_CASES: dict[str, dict[str, object]] = {
-    # Drafts mix with prefills; async scheduling asked for is turned off (and says so).
+    # Drafts mix with prefills; async scheduling (steps next to a verify step wait for it).
     "roomy": {"async_scheduling": "on"},
     # Chunked prefill; drafts cut by the budget.
     "chunked": {"max_num_batched_tokens": 8},
     # Forced preemption (recompute) in a tiny pool.
     "preemption": {"num_gpu_blocks": 16},
+    # Async scheduling with chunked prefill and preemption, and speculation off at 3 or more
+    # running requests (`disable_by_batch_size`): plain steps overlap, verify steps do not.
+    "async_mixed": {
+        "async_scheduling": "on",
+        "max_num_batched_tokens": 16,
+        "num_gpu_blocks": 16,
+        "speculative_config": {**NGRAM, "disable_by_batch_size": 3},
+    },
 }
 _GREEDY_REFS: dict[str, list] = {}
 
 
 @pytest.mark.parametrize(
     ("arch", "case"),
-    [("llama", "roomy"), ("llama", "chunked"), ("llama", "preemption"), ("qwen2", "roomy")],
+    [
+        ("llama", "roomy"),
+        ("llama", "chunked"),
+        ("llama", "preemption"),
+        ("qwen2", "roomy"),
+        ("llama", "async_mixed"),
+    ],
 )
 def test_greedy_with_ngram_speculation_is_greedy_without(
     tiny_model_path, arch: str, case: str
@@ -368,19 +382,20 @@ def test_greedy_with_ngram_speculation_is_greedy_without(
     if arch not in _GREEDY_REFS:
         _GREEDY_REFS[arch] = _run(path, prompts, params)[0]
     ref = _GREEDY_REFS[arch]
-    extra = PARITY_CASES[case]
-    got, stats = _run(path, prompts, params, speculative_config=NGRAM, **extra)
+    extra = {"speculative_config": NGRAM, **PARITY_CASES[case]}
+    got, stats = _run(path, prompts, params, **extra)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     for a, b in zip(got, ref, strict=True):
         assert len(a.logprobs) == len(a.token_ids)  # one entry per emitted token
         for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
             assert abs(la[t].logprob - lb[t].logprob) < 1e-4
     spec = stats.spec_decoding
-    assert spec is not None and not stats.async_scheduling
+    assert spec is not None
+    assert stats.async_scheduling == (extra.get("async_scheduling") == "on")
     assert 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
     assert set(spec.num_verify_steps) == {"eager"}  # the CPU runs verify steps eagerly
     assert stats.prefix_cache_hits > 0
-    if case == "preemption":
+    if "num_gpu_blocks" in extra:
         assert stats.num_preemptions > 0
 
 
@@ -397,8 +412,10 @@ def test_seeded_sampling_with_speculation_reproduces(tiny_model_path) -> None:
         SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, repetition_penalty=1.3),
         SamplingParams(temperature=0.0, max_tokens=32, min_tokens=8),
     ]
-    # Sampled text on random weights rarely repeats a 3-gram: look up single tokens.
-    loose = {**NGRAM, "prompt_lookup_min": 1}
+    # Sampled text on random weights rarely repeats a 3-gram: look up single tokens. Verify
+    # rows draw from a request's generator unlike plain rows, and the measured rule's choices
+    # follow timing: seeded runs reproduce under the "always" rule.
+    loose = {**NGRAM, "prompt_lookup_min": 1, "speculation_rule": "always"}
     a, stats = _run(path, prompts, params, speculative_config=loose)
     b, _ = _run(path, prompts, params, speculative_config=loose)
     ref, _ = _run(path, prompts[3:], params[3:])
@@ -418,9 +435,18 @@ def test_smollm2_greedy_with_ngram_speculation(smollm2_path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=32)
     kwargs = dict(max_num_batched_tokens=256, num_gpu_blocks=64, max_model_len=512)
     ref, _ = _run(smollm2_path, [text], params, **kwargs)
-    got, stats = _run(smollm2_path, [text], params, speculative_config=NGRAM, **kwargs)
-    assert got[0].token_ids == ref[0].token_ids
-    assert stats.spec_decoding is not None and stats.spec_decoding.num_accepted_tokens > 0
+    for mode in ("off", "on"):
+        got, stats = _run(
+            smollm2_path,
+            [text],
+            params,
+            speculative_config=NGRAM,
+            async_scheduling=mode,
+            **kwargs,
+        )
+        assert got[0].token_ids == ref[0].token_ids
+        assert stats.spec_decoding is not None and stats.spec_decoding.num_accepted_tokens > 0
+        assert stats.async_scheduling == (mode == "on")
 
 
 def test_replay_proposer_controls_acceptance(tiny_model_path, tmp_path: Path) -> None:
@@ -487,10 +513,13 @@ def test_spec_stats_reach_the_metrics_families() -> None:
     assert samples[(f"{prefix}_num_accepted_tokens_per_pos_total", "1")] == 1
 
 
-def test_structured_rows_beside_drafts_keep_their_grammar(tiny_model_path) -> None:
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_structured_rows_beside_drafts_keep_their_grammar(
+    tiny_model_path, async_scheduling: str
+) -> None:
     """A structured-output request gets no drafts, and in a step where others verify drafts
     its row still samples under its bitmask: the run's tokens are the run without
-    speculation's."""
+    speculation's (with async scheduling too)."""
     from tandem.sampling_params import StructuredOutputsParams
 
     path = tiny_model_path("llama")
@@ -500,10 +529,47 @@ def test_structured_rows_beside_drafts_keep_their_grammar(tiny_model_path) -> No
         SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=choice)
     ]
     ref, _ = _run(path, prompts, params)
-    got, stats = _run(path, prompts, params, speculative_config=NGRAM)
+    got, stats = _run(
+        path, prompts, params, speculative_config=NGRAM, async_scheduling=async_scheduling
+    )
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert got[2].text in choice.choice
+    assert stats.async_scheduling == (async_scheduling == "on")
     assert stats.spec_decoding is not None and stats.spec_decoding.num_draft_tokens > 0
+
+
+def test_async_plans_drop_stale_proposals_and_verify_fresh_ones() -> None:
+    """Async scheduling at the scheduler: proposals that land while a later plain step of the
+    request is planned are dropped (they follow a token no longer the last); once nothing is
+    in flight the proposals are kept, verified, and rejections rolled back exactly."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+        CacheConfig(block_size=4),
+        num_blocks=16,
+        max_model_len=64,
+        speculative_config=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2
+        ),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    request = Request("r", list(range(10, 17)), params)  # 7 prompt tokens
+    sched.add_request(request)
+    s1 = sched.schedule()  # prefill: samples token 7
+    s2 = sched.schedule()  # planned before s1 lands: decodes token 7 from its placeholder
+    assert s2.num_scheduled_tokens == {"r": 1} and request.num_output_placeholders == 2
+    sched.update_from_output(s1, ModelRunnerOutput(["r"], [[100]], spec_token_ids=[[1, 2]]))
+    assert request.spec_token_ids == []  # stale: s2's token comes between
+    sched.update_from_output(s2, ModelRunnerOutput(["r"], [[101]], spec_token_ids=[[5, 6]]))
+    assert request.spec_token_ids == [5, 6] and request.num_output_placeholders == 0
+    s3 = sched.schedule()
+    assert s3.scheduled_spec_decode_tokens == {"r": [5, 6]}
+    assert request.num_computed_tokens == 11  # 9 known + 2 drafts, as if both were right
+    sched.update_from_output(s3, ModelRunnerOutput(["r"], [[5, 60]], spec_token_ids=[[8, 9]]))
+    assert request.output_token_ids == [100, 101, 5, 60]
+    assert request.num_computed_tokens == 10 == request.num_tokens - 1
+    assert request.spec_token_ids == [8, 9]
+    sched.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    assert sched.kv_cache_manager.block_pool.is_whole
 
 
 def test_a_request_whose_drafts_keep_failing_backs_off() -> None:

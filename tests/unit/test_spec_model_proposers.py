@@ -51,13 +51,17 @@ def test_greedy_with_a_draft_model_is_greedy_without(
     if "ref" not in _REFS:
         _REFS["ref"] = _run(path, _prompts(), params)[0]
     ref = _REFS["ref"]
-    extra = PARITY_CASES[case]
-    got, stats = _run(path, _prompts(), params, speculative_config=_draft(other_llama), **extra)
+    extra = dict(PARITY_CASES[case])
+    # The case's disable_by_batch_size, on the draft model.
+    cap = extra.pop("speculative_config", {}).get("disable_by_batch_size", 0)
+    spec_config = {**_draft(other_llama), "disable_by_batch_size": cap}
+    got, stats = _run(path, _prompts(), params, speculative_config=spec_config, **extra)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     spec = stats.spec_decoding
-    assert spec is not None and spec.num_draft_tokens > 0 and not stats.async_scheduling
+    assert spec is not None and spec.num_draft_tokens > 0
+    assert stats.async_scheduling == (extra.get("async_scheduling") == "on")
     assert stats.prefix_cache_hits > 0
-    if case == "preemption":
+    if "num_gpu_blocks" in extra:
         assert stats.num_preemptions > 0
     if case == "roomy":  # speculation off by batch size: the draft keeps its KV, drafts nothing
         off = {**_draft(other_llama), "disable_by_batch_size": 1}
@@ -113,8 +117,9 @@ def test_seeded_sampling_with_a_draft_model_reproduces(tiny_model_path, other_ll
     params = [
         SamplingParams(temperature=0.2, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)
     ]
-    a, stats = _run(path, prompts, params, speculative_config=_draft(path, 2))
-    b, _ = _run(path, prompts, params, speculative_config=_draft(path, 2))
+    spec = {**_draft(path, 2), "speculation_rule": "always"}  # see the n-gram test
+    a, stats = _run(path, prompts, params, speculative_config=spec)
+    b, _ = _run(path, prompts, params, speculative_config=spec)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 24 for o in a)
     spec = stats.spec_decoding
@@ -290,7 +295,13 @@ def check_eagle_drafts(
         return handed
 
     monkeypatch.setattr(EagleProposer, "propose_step", recording)
-    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
+    # Every step drafts (the rule that measures would skip some).
+    spec = {
+        "method": "eagle",
+        "model": str(head),
+        "num_speculative_tokens": 3,
+        "speculation_rule": "always",
+    }
     got, stats = _run(path, prompts, params, speculative_config=spec, **engine)
     monkeypatch.undo()
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]

@@ -1,0 +1,273 @@
+"""Whether to speculate, and with how many drafts, decided per step from measured costs.
+
+Drafts pay when the tokens a step emits grow faster than the step's time. Per batch-size
+bucket (powers of two) the rule keeps a running mean of the time between consecutive step
+results for steps with n drafts per request (n = 0: plain decode; measured by the engine on
+the host), and the running acceptance by draft position `a[j]`: the share of a verify step's
+requests whose draft j was accepted (so `a[j]` already counts requests that had no draft).
+Host timings on a shared machine carry one-sided noise (a pause only adds time), so the mean
+follows a faster sample at once and a slower one slowly (`smoothing` down, a quarter of it
+up, a slower sample clipped at twice the mean), and a step with drafts is never estimated
+cheaper than plain decode (it computes strictly more). A request in a step with n drafts
+emits on average::
+
+    E(n) = 1 + a[0] + a[1] + ... + a[n-1]        tokens per request-step
+
+and the batch's tokens per second are proportional to `E(n) / T(n)`. The rule picks the n in
+0..k with the best rate; an n > 0 must beat plain decode by `margin`. `T(n)` for an n not
+measured in the bucket is interpolated between plain decode and the largest measured n
+(step time grows about linearly in query tokens). Unmeasured acceptance is taken as all
+drafts accepted, so an unknown bucket starts by speculating.
+
+Exploration: the arm not chosen is re-measured every `probe_interval` steps of the bucket,
+for `probe_len` steps (the first sample after a switch is dropped: it pays the other arm's
+pipeline bubble): plain decode when speculating; when not, the best n > 0 by the same rate
+(k until acceptance is known; at p = 0 that is n = 1, the cheapest verify step, which is
+enough: acceptance at a position never exceeds the one before it, so E(n) <= 1 + n a[0]).
+The interval doubles, up to `max_probe_interval`, while probes leave the decision as it was,
+and restarts at `min_probe_interval` when one changes it; so at p = 0 a verify step of one
+draft runs about `probe_len` times per `max_probe_interval` steps. An arm never measured in
+a bucket is probed first.
+
+CUDA graphs: the decision is per step for the whole batch, so a step without drafts is a
+plain decode (the decode graphs) and a step with drafts a verify step (the mixed-step graphs);
+no graph is captured or dropped by the decision (vLLM's per-request dynamic threshold broke
+full-graph capture). `disable_by_batch_size` stays a hard cap, applied before the rule.
+
+No torch: the engine feeds it host times and the steps' outputs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass
+class _Bucket:
+    """What the rule knows at one batch-size bucket."""
+
+    # Running mean of the step time (s) by drafts per request, None until measured.
+    times: list[float | None]
+    best: int = -1  # the last decision outside probes (-1: none yet)
+    steps_since_probe: int = 0
+    probe_interval: int = 0
+
+
+@dataclass
+class SpecRuleStats:
+    """How the rule decided: steps by drafts per request (index n), and probes run."""
+
+    steps_by_num_drafts: list[int] = field(default_factory=list)
+    num_probes: int = 0
+
+    def snapshot(self) -> SpecRuleStats:
+        return SpecRuleStats(list(self.steps_by_num_drafts), self.num_probes)
+
+
+class SpeculationRule:
+    """Decides each step's drafts per request, 0..k (see the module docstring).
+
+    Call `decide(batch_size)` once per step before it is planned and `observe_output` with
+    each step's result (or, directly: `observe_step` for a decode-only step's seconds since
+    the previous result, `observe_acceptance` for a verify step). `propose` says whether
+    the step just decided should have drafts proposed after it (the next step may use
+    them)."""
+
+    def __init__(
+        self,
+        num_spec_tokens: int,
+        *,
+        margin: float = 0.02,
+        smoothing: float = 0.5,
+        probe_len: int = 4,
+        min_probe_interval: int = 8,
+        max_probe_interval: int = 512,
+    ) -> None:
+        if num_spec_tokens < 1:
+            raise ValueError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if probe_len < 2 or not 1 <= min_probe_interval <= max_probe_interval:
+            raise ValueError("need probe_len >= 2 and 1 <= min_probe_interval <= maximum")
+        self.k = num_spec_tokens
+        self.margin = margin
+        self.smoothing = smoothing
+        self.probe_len = probe_len
+        self.min_probe_interval = min_probe_interval
+        self.max_probe_interval = max_probe_interval
+        # Acceptance by draft position (running mean; None: not measured yet).
+        self.acceptance: list[float | None] = [None] * num_spec_tokens
+        self._buckets: dict[int, _Bucket] = {}
+        # Steps planned ahead (a probe), by drafts per request.
+        self._plan: deque[int] = deque()
+        self._plan_bucket = -1
+        # Whether the last observed step had drafts (its successor's sample is dropped on a
+        # switch); None before the first.
+        self._last_kind: bool | None = None
+        self.propose = True
+        self.stats = SpecRuleStats([0] * (num_spec_tokens + 1))
+
+    # ---- measurements ---------------------------------------------------------------------
+
+    @staticmethod
+    def bucket_of(batch_size: int) -> int:
+        """Batch sizes 1, 2, 3-4, 5-8, ... share a bucket."""
+        return max(batch_size - 1, 0).bit_length()
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        key = self.bucket_of(batch_size)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = _Bucket([None] * (self.k + 1), probe_interval=self.min_probe_interval)
+            self._buckets[key] = bucket
+        return bucket
+
+    def observe_step(self, batch_size: int, num_drafts: int, seconds: float) -> None:
+        """A decode-only step of `batch_size` requests with up to `num_drafts` drafts each
+        produced its tokens `seconds` after the previous step's."""
+        kind = num_drafts > 0
+        switched = self._last_kind is not None and kind != self._last_kind
+        self._last_kind = kind
+        if switched or seconds <= 0:
+            return
+        times = self._bucket(batch_size).times
+        n = min(num_drafts, self.k)
+        old = times[n]
+        if old is None:
+            times[n] = seconds
+        elif seconds < old:
+            times[n] = old + self.smoothing * (seconds - old)
+        else:
+            # Slower: likely noise (another process, a collection); moves the mean slowly.
+            times[n] = old + 0.25 * self.smoothing * (min(seconds, 2.0 * old) - old)
+
+    def observe_output(
+        self, so: SchedulerOutput, result: ModelRunnerOutput, seconds: float | None
+    ) -> None:
+        """One step's result, `seconds` after the previous step's (None: not a step's cost):
+        its time if every request decoded (1 + its drafts), its acceptance if it verified."""
+        spec = so.scheduled_spec_decode_tokens
+        counts = so.num_scheduled_tokens
+        num_drafts = max((len(d) for d in spec.values()), default=0)
+        decode_only = so.total_num_scheduled_tokens == len(counts) + sum(
+            len(d) for d in spec.values()
+        )
+        if seconds is not None and decode_only and counts:
+            self.observe_step(len(counts), num_drafts, seconds)
+        if not spec:
+            return
+        num_requests = 0
+        accepted = [0] * num_drafts
+        for req_id, sampled in zip(result.req_ids, result.sampled_token_ids, strict=True):
+            if not sampled:
+                continue
+            num_requests += 1
+            drafts = spec.get(req_id)
+            if drafts:
+                for j in range(min(len(sampled) - 1, len(drafts))):
+                    accepted[j] += 1
+        self.observe_acceptance(num_requests, accepted)
+
+    def observe_acceptance(self, num_requests: int, accepted_per_pos: Sequence[int]) -> None:
+        """One verify step: of its `num_requests` sampled requests, `accepted_per_pos[j]` had
+        draft j accepted (positions past the step's most drafts are left as they were)."""
+        if num_requests <= 0:
+            return
+        for j, accepted in enumerate(accepted_per_pos[: self.k]):
+            rate = accepted / num_requests
+            old = self.acceptance[j]
+            self.acceptance[j] = rate if old is None else old + self.smoothing * (rate - old)
+
+    def expected_tokens(self, num_drafts: int) -> float:
+        """E(n): tokens a request emits in a step with n drafts (unmeasured positions: 1)."""
+        return 1.0 + sum(1.0 if a is None else a for a in self.acceptance[:num_drafts])
+
+    def step_time(self, batch_size: int, num_drafts: int) -> float | None:
+        """T(n) at this batch size: measured, interpolated, or None (unknown)."""
+        times = self._bucket(batch_size).times
+        t0 = times[0]
+        if num_drafts == 0:
+            return t0
+        measured = times[num_drafts]
+        if measured is not None:
+            return measured if t0 is None else max(measured, t0)
+        top = next((m for m in range(self.k, 0, -1) if times[m] is not None), 0)
+        if t0 is None or not top:
+            return None
+        t_top = times[top]
+        assert t_top is not None
+        return t0 + max(t_top - t0, 0.0) * num_drafts / top
+
+    # ---- the decision ---------------------------------------------------------------------
+
+    def best(self, batch_size: int) -> int:
+        """The drafts per request with the best measured rate (-1: not enough measured)."""
+        t0 = self.step_time(batch_size, 0)
+        n = self.best_drafting(batch_size)
+        t = self.step_time(batch_size, n)
+        if t0 is None or t is None:
+            return -1
+        return n if self.expected_tokens(n) / t > (1.0 + self.margin) / t0 else 0
+
+    def best_drafting(self, batch_size: int) -> int:
+        """The n > 0 with the best estimated rate (k while the step times are unknown)."""
+        best, best_rate = self.k, 0.0
+        for n in range(1, self.k + 1):
+            t = self.step_time(batch_size, n)
+            if t is None or t <= 0:
+                return self.k
+            if self.expected_tokens(n) / t > best_rate:
+                best, best_rate = n, self.expected_tokens(n) / t
+        return best
+
+    def decide(self, batch_size: int) -> int:
+        """Drafts per request for the step about to be planned, 0..k."""
+        key = self.bucket_of(batch_size)
+        if self._plan and self._plan_bucket != key:
+            self._plan.clear()  # the batch moved to another bucket: its probe is moot
+        if self._plan:
+            n = self._plan.popleft()
+            # After the probe's last step the bucket's decision resumes.
+            upcoming = self._plan[0] if self._plan else self._bucket(batch_size).best
+        else:
+            n = upcoming = self._choose(batch_size)
+        # Proposals after this step feed the next one: wanted when it may take drafts.
+        self.propose = upcoming > 0
+        self.stats.steps_by_num_drafts[n] += 1
+        return n
+
+    def _choose(self, batch_size: int) -> int:
+        bucket = self._bucket(batch_size)
+        key = self.bucket_of(batch_size)
+        times = bucket.times
+        if times[self.k] is None and all(t is None for t in times[1:]):
+            return self._probe(key, self.k)  # never speculated here: measure it
+        if times[0] is None:
+            return self._probe(key, 0)
+        best = self.best(batch_size)
+        if best != bucket.best:
+            if bucket.best >= 0 and (best > 0) != (bucket.best > 0):
+                bucket.probe_interval = self.min_probe_interval
+            bucket.best = best
+            bucket.steps_since_probe = 0
+        bucket.steps_since_probe += 1
+        if bucket.steps_since_probe >= bucket.probe_interval:
+            bucket.steps_since_probe = 0
+            bucket.probe_interval = min(2 * bucket.probe_interval, self.max_probe_interval)
+            return self._probe(key, 0 if best > 0 else self.best_drafting(batch_size))
+        return best
+
+    def _probe(self, key: int, num_drafts: int) -> int:
+        """Run `probe_len` steps with `num_drafts` (the first of them returned now). A probe
+        of drafts starts with one plain step that proposes them."""
+        self.stats.num_probes += 1
+        self._plan_bucket = key
+        if num_drafts > 0 and self._last_kind is not True:
+            self._plan.extend([num_drafts] * self.probe_len)
+            return 0
+        self._plan.extend([num_drafts] * (self.probe_len - 1))
+        return num_drafts

@@ -1,0 +1,210 @@
+"""The measured speculation rule (tandem.core.spec_decode_rule) on synthetic costs, and in the
+engine with the replay proposer.
+
+Synthetic: a step of n drafts per request costs `t0 * (1 + c * n)` (c small: memory-bound
+decode, large: compute-bound), draft j is accepted with probability p^(j+1). At p = 0 the
+rule must stay within 3% of plain decode's throughput; at high acceptance and cheap drafts
+it must keep speculating and reach the best fixed choice's throughput; in between it picks
+the n with the best E(n) / T(n); batch-size buckets decide apart.
+
+Engine (tiny random model, replay proposer): every draft rejected (p = 0) turns speculation
+off for most steps; every draft right (p = 1) keeps it on; greedy tokens equal the run
+without speculation either way, with async scheduling on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tandem import SamplingParams
+from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.core.spec_decode_rule import SpeculationRule
+from tests.unit.test_spec_decode import _run
+
+
+def step_cost(t0: float, c: float, n: int) -> float:
+    return t0 * (1 + c * n)
+
+
+def simulate(
+    rule: SpeculationRule, batch: int, c: float, p: float, steps: int, t0: float = 0.01
+) -> tuple[float, list[int]]:
+    """Run `steps` steps; returns (tokens per second, steps by drafts per request)."""
+    tokens = 0.0
+    seconds = 0.0
+    chosen = [0] * (rule.k + 1)
+    for _ in range(steps):
+        n = rule.decide(batch)
+        chosen[n] += 1
+        t = step_cost(t0, c, n)
+        accepted = [round(batch * p ** (j + 1)) for j in range(n)]
+        rule.observe_step(batch, n, t)
+        if n:
+            rule.observe_acceptance(batch, accepted)
+        tokens += batch + sum(accepted)
+        seconds += t
+    return tokens / seconds, chosen
+
+
+def best_fixed_rate(batch: int, c: float, p: float, k: int, t0: float = 0.01) -> float:
+    return max(
+        (batch + sum(round(batch * p ** (j + 1)) for j in range(n))) / step_cost(t0, c, n)
+        for n in range(k + 1)
+    )
+
+
+@pytest.mark.parametrize("c", [0.05, 0.3, 1.0])
+@pytest.mark.parametrize("k", [2, 4])
+def test_every_draft_rejected_costs_at_most_three_percent(c: float, k: int) -> None:
+    rule = SpeculationRule(k)
+    rate, chosen = simulate(rule, 32, c, 0.0, 3000)
+    plain = 32 / 0.01
+    assert rate >= 0.97 * plain
+    assert chosen[0] > 0.95 * sum(chosen)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_high_acceptance_keeps_the_full_gain(k: int) -> None:
+    for p in (1.0, 0.9):
+        rule = SpeculationRule(k)
+        rate, chosen = simulate(rule, 8, 0.05, p, 3000)
+        assert chosen[k] > 0.9 * sum(chosen)
+        assert rate >= 0.95 * best_fixed_rate(8, 0.05, p, k)
+
+
+def test_picks_the_drafts_with_the_best_rate() -> None:
+    # p = 0.6, c = 0.25: E(n) / T(n) peaks at n = 2 of 4 (1.6/1.25 < 1.96/1.5 > 2.18/1.75).
+    rule = SpeculationRule(4)
+    rate, chosen = simulate(rule, 16, 0.25, 0.6, 3000)
+    rates = [
+        (16 + sum(round(16 * 0.6 ** (j + 1)) for j in range(n))) / step_cost(0.01, 0.25, n)
+        for n in range(5)
+    ]
+    assert int(np.argmax(rates)) == 2 == int(np.argmax(chosen))
+    assert rate >= 0.95 * max(rates)
+
+
+def test_batch_buckets_decide_apart() -> None:
+    """Small batches (cheap verify) speculate, large ones (compute-bound) do not, at the same
+    acceptance."""
+    rule = SpeculationRule(4)
+    costs = {1: 0.02, 128: 1.2}
+    chosen = {b: [0] * 5 for b in costs}
+    for i in range(4000):
+        batch = 1 if i // 50 % 2 else 128  # the batch size changes every 50 steps
+        n = rule.decide(batch)
+        chosen[batch][n] += 1
+        rule.observe_step(batch, n, step_cost(0.01, costs[batch], n))
+        if n:
+            rule.observe_acceptance(batch, [round(batch * 0.8 ** (j + 1)) for j in range(n)])
+    assert chosen[1][0] < 0.1 * sum(chosen[1])
+    assert chosen[128][0] > 0.9 * sum(chosen[128])
+
+
+def test_acceptance_that_falls_turns_speculation_off() -> None:
+    rule = SpeculationRule(3)
+    simulate(rule, 4, 0.1, 1.0, 500)
+    assert rule.decide(4) > 0 or rule.decide(4) > 0  # speculating (a probe may run)
+    _, chosen = simulate(rule, 4, 0.1, 0.0, 1500)
+    assert chosen[0] > 0.9 * sum(chosen)
+
+
+@pytest.mark.parametrize(("p", "on"), [(0.0, False), (1.0, True)])
+def test_one_sided_timing_noise_does_not_flip_the_decision(p: float, on: bool) -> None:
+    """A shared host: one step in five is slowed by up to 2x (another process), whatever its
+    drafts. At p = 0 speculation stays off (a verify step is never taken as cheaper than a
+    plain one); at p = 1 it stays on."""
+    rng = np.random.default_rng(3)
+    rule = SpeculationRule(4)
+    chosen = [0] * 5
+    for _ in range(3000):
+        n = rule.decide(8)
+        chosen[n] += 1
+        spike = 1 + rng.random() if rng.random() < 0.2 else 1.0
+        rule.observe_step(8, n, step_cost(0.01, 0.1, n) * spike)
+        if n:
+            rule.observe_acceptance(8, [round(8 * p ** (j + 1)) for j in range(n)])
+    share = 1 - chosen[0] / sum(chosen)
+    assert share > 0.9 if on else share < 0.05
+
+
+def test_observe_output_reads_times_and_acceptance_from_a_step() -> None:
+    """A verify step of three decodes (drafts 3, 2 and none): its time counts under 3 drafts,
+    acceptance by position over all three requests; a step with a prefill chunk is not timed."""
+    rule = SpeculationRule(3)
+    verify = SchedulerOutput(
+        num_scheduled_tokens={"a": 4, "b": 3, "c": 1},
+        total_num_scheduled_tokens=8,
+        scheduled_spec_decode_tokens={"a": [1, 2, 3], "b": [4, 5]},
+    )
+    # a: 2 accepted (+ its own token), b: 0 accepted, c: its one token.
+    result = ModelRunnerOutput(["a", "b", "c"], [[1, 2, 9], [7], [8]])
+    rule.observe_output(verify, result, 0.02)
+    assert rule.step_time(3, 3) == 0.02 and rule.step_time(3, 0) is None
+    assert rule.acceptance == pytest.approx([1 / 3, 1 / 3, 0.0])
+    assert rule.expected_tokens(3) == pytest.approx(1 + 2 / 3)
+    mixed = SchedulerOutput(num_scheduled_tokens={"a": 1, "d": 40}, total_num_scheduled_tokens=41)
+    rule.observe_output(mixed, ModelRunnerOutput(["a", "d"], [[5], [6]]), 0.5)
+    assert rule.step_time(2, 0) is None  # not a decode-only step: no time
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="num_spec_tokens"):
+        SpeculationRule(0)
+    with pytest.raises(ValueError, match="smoothing"):
+        SpeculationRule(2, smoothing=0.0)
+
+
+# ---- in the engine ------------------------------------------------------------------------
+
+
+def test_engine_turns_speculation_off_when_every_draft_is_rejected(
+    tiny_model_path, tmp_path: Path
+) -> None:
+    shares = rule_shares_in_engine(tiny_model_path("llama"), tmp_path)
+    # p = 0: after the first probes, verify steps only as rare probes; p = 1: nearly all.
+    assert shares[0.0] < 0.3
+    assert shares[1.0] > 0.65
+
+
+def rule_shares_in_engine(path: Path, tmp_path: Path, **engine: object) -> dict[float, float]:
+    """The share of steps with drafts under the measured rule, for the replay proposer at
+    p = 0 and p = 1 (async scheduling on); greedy tokens checked against the run without."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 512, size=12).tolist() for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine = dict(
+        max_num_seqs=4, num_gpu_blocks=128, max_model_len=512, async_scheduling="on", **engine
+    )
+    ref, _ = _run(path, prompts, params, **engine)
+    record = tmp_path / "replay.json"
+    record.write_text(
+        json.dumps(
+            [
+                {"prompt_token_ids": p, "output_token_ids": list(o.token_ids)}
+                for p, o in zip(prompts, ref, strict=True)
+            ]
+        )
+    )
+    shares = {}
+    # p = 0 runs 100 steps of one token; p = 1 about 40 steps of five.
+    for p, max_tokens in ((0.0, 100), (1.0, 200)):
+        spec = {
+            "method": "replay",
+            "num_speculative_tokens": 4,
+            "replay_path": str(record),
+            "replay_acceptance": p,
+        }
+        run_params = params.clone(max_tokens=max_tokens)
+        got, stats = _run(path, prompts, run_params, speculative_config=spec, **engine)
+        assert [o.token_ids for o in got] == [o.token_ids[:max_tokens] for o in ref]
+        assert stats.async_scheduling
+        rule = stats.spec_decode_rule
+        assert rule is not None
+        steps = rule.steps_by_num_drafts
+        shares[p] = 1 - steps[0] / sum(steps)
+    return shares
