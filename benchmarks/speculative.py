@@ -66,6 +66,7 @@ import tandem  # noqa: F401
 # isort: split
 import torch
 
+from benchmarks.forced_replay import ForceRecorded, forced_params
 from tandem import LLM, SamplingParams
 from tandem.config import add_engine_args, engine_kwargs_from, parse_device
 
@@ -113,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="an untimed run of the batch before each speculative timing (rule steady state)",
     )
+    w.add_argument(
+        "--force-record",
+        action="store_true",
+        help="pin every sampled token to the recorded one (benchmarks/forced_replay.py), in the "
+        "baseline and the replay engines alike, with synchronous steps: p is then the acceptance",
+    )
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
     return p
 
@@ -126,7 +133,10 @@ def _prompts(batch_sizes: list[int], input_len: int, vocab: int, seed: int) -> d
 
 
 def _timed(
-    llm: LLM, prompts: list, params: SamplingParams, after_warmup: Callable[[], None] | None = None
+    llm: LLM,
+    prompts: list,
+    params: SamplingParams | list[SamplingParams],
+    after_warmup: Callable[[], None] | None = None,
 ) -> tuple[float, list[list[int]]]:
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     if torch.cuda.is_available():
@@ -170,7 +180,7 @@ def _spec_counts(llm: LLM) -> tuple[int, int, list[int], dict[str, int]]:
 def _row(
     llm: LLM,
     prompts: list,
-    params: SamplingParams,
+    params: SamplingParams | list[SamplingParams],
     ref: list | None,
     after_warmup: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], list[list[int]]]:
@@ -238,6 +248,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # The engine without speculation stays loaded: each speculative timing is paired with a
     # baseline timing taken just before it, so a busy machine slows both alike.
+    if ns.force_record:
+        engine_kwargs = {
+            **engine_kwargs,
+            "logits_processors": [ForceRecorded],
+            "async_scheduling": "off",
+        }
+        result["forced_record"] = True
     base_llm = LLM(model=ns.model, **engine_kwargs)
     prompts = _prompts(batch_sizes, ns.input_len, base_llm.engine.vocab_size, ns.seed)
     baseline: dict[int, list] = {}
@@ -263,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         rules = [r for r in ns.rules.split(",") if r.strip()]
         async_modes = [m for m in ns.async_modes.split(",") if m.strip()] or [None]
+        if ns.force_record:
+            async_modes = [None]  # engine_kwargs holds async off
+        run_params = {
+            b: forced_params(params, baseline[b]) if ns.force_record else params
+            for b in batch_sizes
+        }
         # One engine per (k, rule, async mode); the replay's p is set between runs (the
         # proposer is the benchmark's own), so the rule carries its step times over and
         # relearns the acceptance in the warm-up run.
@@ -283,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                     _set_replay_acceptance(llm, p)
                     for b in batch_sizes:
                         if ns.warm_rule:
-                            llm.generate(prompts[b], params, use_tqdm=False)
-                        base, _ = _row(base_llm, prompts[b], params, None)
-                        row, _ = _row(llm, prompts[b], params, baseline[b])
+                            llm.generate(prompts[b], run_params[b], use_tqdm=False)
+                        base, _ = _row(base_llm, prompts[b], run_params[b], None)
+                        row, _ = _row(llm, prompts[b], run_params[b], baseline[b])
                         row["no_spec_tpot_ms"] = base["tpot_ms"]
                         row["tpot_vs_no_spec"] = row["tpot_ms"] / base["tpot_ms"]
                         row["throughput_vs_no_spec"] = (
@@ -320,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                     ProposerClock() as clock,
                 ):
                     for b in batch_sizes:
-                        base, _ = _row(base_llm, prompts[b], params, None)
-                        row, _ = _row(llm, prompts[b], params, baseline[b], clock.reset)
+                        base, _ = _row(base_llm, prompts[b], run_params[b], None)
+                        row, _ = _row(llm, prompts[b], run_params[b], baseline[b], clock.reset)
                         row.update(clock.figures())
                         row["no_spec_tpot_ms"] = base["tpot_ms"]
                         row["tpot_vs_no_spec"] = row["tpot_ms"] / base["tpot_ms"]

@@ -353,3 +353,54 @@ def test_bad_input_is_a_clear_error_and_the_engine_keeps_serving(llm: LLM, tiny:
         assert needle in str(info.value) and "logits processor" in str(info.value)
     with pytest.raises(ConfigError, match="neither a class"):
         LLM(str(tiny), logits_processors=[3], **ENGINE_ARGS)
+
+
+def test_forced_replay_pins_the_record_and_makes_p_the_acceptance(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """benchmarks/forced_replay.py: each request samples its record, at every verified row of
+    a speculative step too; so a replay proposer at p = 1 is accepted in full and at p = 0 in
+    nothing, and the outputs are the records."""
+    import json
+
+    from benchmarks.forced_replay import ForceRecorded, forced_params
+
+    rng = random.Random(3)
+    records = [[rng.randrange(200, 400) for _ in range(12)] for _ in PROMPTS]
+    replay = tmp_path / "replay.json"
+    replay.write_text(
+        json.dumps(
+            [
+                {"prompt_token_ids": p, "output_token_ids": r}
+                for p, r in zip(PROMPTS, records, strict=True)
+            ]
+        )
+    )
+    params = forced_params(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), records)
+    plain = LLM(str(tiny), logits_processors=[ForceRecorded], **ENGINE_ARGS)
+    try:
+        assert token_ids(plain, PROMPTS, params) == records
+    finally:
+        plain.shutdown()
+    for p, expected in ((1.0, 1.0), (0.0, 0.0)):
+        spec = {
+            "method": "replay",
+            "num_speculative_tokens": 3,
+            "replay_path": str(replay),
+            "replay_acceptance": p,
+            "speculation_rule": "always",
+        }
+        engine = LLM(
+            str(tiny),
+            logits_processors=[ForceRecorded],
+            speculative_config=spec,
+            async_scheduling="off",
+            **ENGINE_ARGS,
+        )
+        try:
+            assert token_ids(engine, PROMPTS, params) == records
+            stats = engine.engine.stats().spec_decoding
+            assert stats is not None and stats.num_draft_tokens > 0
+            assert stats.num_accepted_tokens / stats.num_draft_tokens == expected
+        finally:
+            engine.shutdown()
