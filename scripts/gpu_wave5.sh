@@ -55,15 +55,18 @@ d)
   # the new kernels: the cascade prefill's table and tests, the split-K W8A16 GEMV's tests and
   # table, batch-1 TPOT in FP8; carries .smol/a to /tmp/smol for PART=e
   mkdir -p /tmp/smol && [ -f .smol/a ] && cp .smol/a /tmp/smol/a
-  step "prefill attention" 150 "$OUT/prefill_attention.log" $PY -m benchmarks.prefill_attention \
+  step "prefill attention" 130 "$OUT/prefill_attention.log" $PY -m benchmarks.prefill_attention \
     --out "$OUT/prefill_attention.json"
   grep -E "SDPA|cascade|old" "$OUT/prefill_attention.log" | tail -n 30 >>"$summary"
-  step "fp8 w8a16" 110 "$OUT/fp8_w8a16.log" $PY -m benchmarks.fp8_w8a16 --out "$OUT/fp8_w8a16.json"
+  step "fp8 w8a16" 100 "$OUT/fp8_w8a16.log" $PY -m benchmarks.fp8_w8a16 --out "$OUT/fp8_w8a16.json"
   tail -n 40 "$OUT/fp8_w8a16.log" >>"$summary"
-  WORKLOADS=b1only offline fp8_b1 100 --quantization fp8
-  step "kernel tests" 140 "$OUT/kernel_tests.log" $PY -m pytest -q -m gpu -p no:cacheprovider \
+  WORKLOADS=b1only offline fp8_b1 80 --quantization fp8
+  step "kernel tests" 110 "$OUT/kernel_tests.log" $PY -m pytest -q -m gpu -p no:cacheprovider \
     tests/gpu/test_cascade_attention_gpu.py tests/gpu/test_fp8_w8a16_gpu.py --tb=short
   tail -n 25 "$OUT/kernel_tests.log" >>"$summary"
+  step "spec forced" 150 "$OUT/spec_forced.log" "${SPEC[@]}" --batch-sizes 1,8,32,128 --ks 4 \
+    --acceptances 1,0.7,0 --rules measured --force-record --out "$OUT/spec_forced.json"
+  tail -n 20 "$OUT/spec_forced.log" >>"$summary"
   ;;
 e)
   # joins .smol/b onto PART=d's half; the speculation rule's sweep, then the GPU tests the
