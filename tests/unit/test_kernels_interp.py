@@ -1197,45 +1197,6 @@ def case_triton_backend_cascade_steps(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out[: len(query)], ref, **_tol(dtype))
 
 
-# --- runner -------------------------------------------------------------------------------
-
-
-def _selected_cases(request: pytest.FixtureRequest) -> list[str]:
-    module = sys.modules[__name__]
-    names = {
-        item.callspec.params["case"]
-        for item in request.session.items
-        if getattr(item, "module", None) is module and hasattr(item, "callspec")
-    }
-    return sorted(names & _CASES.keys())
-
-
-@pytest.fixture(scope="module")
-def interp_results(request: pytest.FixtureRequest) -> dict[str, str]:
-    """Run the selected cases in one interpreter child; case name -> "ok" or the traceback."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, __file__, *_selected_cases(request)],
-        env=env,
-        cwd=_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(_RESULTS_MARK):
-            return json.loads(line.removeprefix(_RESULTS_MARK))
-    pytest.fail(f"interpreter child failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-
-
-@pytest.mark.parametrize("case", sorted(_CASES))
-def test_kernel_interp(case: str, interp_results: dict[str, str]) -> None:
-    result = interp_results.get(case, "not run")
-    if result != "ok":
-        pytest.fail(f"{case}:\n{result}", pytrace=False)
-
-
 # --- fused MoE -----------------------------------------------------------------------------
 
 
@@ -1280,6 +1241,45 @@ def case_fused_moe(dtype: torch.dtype, block_m: int, other_rank: bool) -> None:
     assert out.dtype == dtype and out.shape == (num_tokens, hidden)
     assert ref.abs().max() > 0.1
     torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+# --- runner -------------------------------------------------------------------------------
+
+
+def _selected_cases(request: pytest.FixtureRequest) -> list[str]:
+    module = sys.modules[__name__]
+    names = {
+        item.callspec.params["case"]
+        for item in request.session.items
+        if getattr(item, "module", None) is module and hasattr(item, "callspec")
+    }
+    return sorted(names & _CASES.keys())
+
+
+@pytest.fixture(scope="module")
+def interp_results(request: pytest.FixtureRequest) -> dict[str, str]:
+    """Run the selected cases in one interpreter child; case name -> "ok" or the traceback."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__, *_selected_cases(request)],
+        env=env,
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(_RESULTS_MARK):
+            return json.loads(line.removeprefix(_RESULTS_MARK))
+    pytest.fail(f"interpreter child failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_kernel_interp(case: str, interp_results: dict[str, str]) -> None:
+    result = interp_results.get(case, "not run")
+    if result != "ok":
+        pytest.fail(f"{case}:\n{result}", pytrace=False)
 
 
 def _patch_interpreter_for_numpy_2_4() -> None:
