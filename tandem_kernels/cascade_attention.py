@@ -136,13 +136,15 @@ def _flash_runs(
 
 
 def default_dense_impl(query: torch.Tensor, num_kv_heads: int | None = None) -> str:
-    """The dense part's kernel by rule: FlashAttention-2 where it runs (a tuned CUDA kernel,
-    the one SDPA dispatches to on dense K/V), else ours. TANDEM_PREFILL_DENSE=triton|flash
-    overrides the rule (benchmarks, A/B)."""
+    """The dense part's kernel by rule: ours. Measured on the H200 (torch 2.11,
+    benchmarks/prefill_attention.py), torch's varlen FlashAttention-2 was slower than our
+    kernel at every shape (8 x 1,024: 203 TFLOP/s against 304; 1 x 32,768: 345 against 476),
+    so it is only a candidate of the start-up timing (`prefill_path`).
+    TANDEM_PREFILL_DENSE=triton|flash overrides the rule (benchmarks, A/B)."""
     forced = os.environ.get("TANDEM_PREFILL_DENSE", "")
     if forced in DENSE_IMPLS:
         return forced
-    return "flash" if flash_dense_supported(query, num_kv_heads) else "triton"
+    return "triton"
 
 
 # --- part 1: dense varlen causal ----------------------------------------------------------
@@ -384,6 +386,12 @@ def dense_causal_attention(
         return _dense_flash(
             query, key[:num_tokens], value[:num_tokens], cu_seqlens, max(max_query_len, 1), scale
         )
+    if query.is_cuda and block_m is None and block_n is None and num_warps is None:
+        # Measured on the H200 (bf16, d 128, GQA 4): 64 x 64 tiles, 4 warps lead up to 1k-token
+        # requests (8 x 1,024: 304 TFLOP/s against 272 for 128 x 64 x 8), 128 x 128, 8 warps
+        # past them (2 x 4,096: 416 against 397; 1 x 32,768: 476 against 449).
+        short = max_query_len <= 1024
+        block_m, block_n, num_warps = (64, 64, 4) if short else (128, 128, 8)
     return _dense_triton(
         query, key, value, cu_seqlens, scale, block_m, block_n, num_warps, num_stages
     )
@@ -654,7 +662,11 @@ def paged_context_attention(
     qpk_pad = triton.next_power_of_2(qpk)
     block_d = triton.next_power_of_2(head_size)
     if block_q is None:
-        block_q = max((128 if block_d <= 128 else 64) // qpk_pad, 1)
+        # On the H200 (4 x 1,024 new over 3,072 cached, GQA 4, d 128) 256-row tiles in two
+        # stages ran the cascade at 348 TFLOP/s against 298 with 128-row tiles in three.
+        wide = query.is_cuda and block_d <= 128 and num_stages is None
+        block_q = max((256 if wide else 128 if block_d <= 128 else 64) // qpk_pad, 1)
+        num_stages = 2 if wide else num_stages
     block_m = max(block_q * qpk_pad, 16)
     block_q = block_m // qpk_pad
     block_n = 64 if block_n is None else block_n
