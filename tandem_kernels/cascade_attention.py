@@ -49,18 +49,18 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.paged_attention import (
-    _MIN_TUNE_TOKENS,
-    _attend_tile,
-    _check_common,
-    _find_request,
-    _input_precision,
-    _key_json,
-    _may_tune,
-    _shape_key,
-    _ShapeKey,
-    _time_config,
+    MIN_TUNE_TOKENS,
+    ShapeKey,
+    attend_tile,
+    check_common,
+    find_request,
+    input_precision,
+    key_json,
+    may_tune,
     paged_prefill_attention,
     prefill_tuning_active,
+    shape_key,
+    time_config,
 )
 
 _LOG2E = 1.4426950408889634
@@ -185,7 +185,7 @@ def _dense_causal_kernel(
     head = tl.program_id(0)
     # Last query blocks (the most keys, causal) first: a shorter tail of the launch.
     pid = tl.num_programs(1) - 1 - tl.program_id(1)
-    req = _find_request(cu_seqlens_ptr, num_reqs, pid, BLOCK_M)
+    req = find_request(cu_seqlens_ptr, num_reqs, pid, BLOCK_M)
     start = tl.load(cu_seqlens_ptr + req)
     q_len = tl.load(cu_seqlens_ptr + req + 1) - start
     q_block = pid - (start // BLOCK_M + req)
@@ -309,7 +309,7 @@ def _dense_triton(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         HEAD_SIZE=head_size,
-        INPUT_PRECISION=_input_precision(query.dtype),
+        INPUT_PRECISION=input_precision(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -572,7 +572,7 @@ def _paged_context_kernel(
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q)
+    req = find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     q_block = pid - (q_start // BLOCK_Q + req)
@@ -604,13 +604,13 @@ def _paged_context_kernel(
     # q_pos and window are unused: not causal, no window. Whole tiles, then the tail masked.
     full_end = context_len // BLOCK_N * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
+        m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, 0, context_len, q_idx, 0, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
             HEAD_SIZE, False, False, False, INPUT_PRECISION,
         )  # fmt: skip
     for start_n in range(full_end, context_len, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
+        m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, 0, context_len, q_idx, 0, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
             HEAD_SIZE, True, False, False, INPUT_PRECISION,
@@ -647,7 +647,7 @@ def paged_context_attention(
     `[0, seq_len - q_len)`, paged, no causal mask), merged in place into `out [T, H, D]` /
     `lse [H, T]`, which hold the rows' attention over the other keys (part 1). Rows of
     requests with no prefix are left as they are. Returns `out`."""
-    num_heads, num_kv_heads, head_size, block_size = _check_common(
+    num_heads, num_kv_heads, head_size, block_size = check_common(
         query, kv_cache, seq_lens, block_table
     )
     assert kv_cache.dtype == query.dtype, "FP8 caches go through paged_prefill_attention"
@@ -702,7 +702,7 @@ def paged_context_attention(
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         HEAD_SIZE=head_size,
-        INPUT_PRECISION=_input_precision(query.dtype),
+        INPUT_PRECISION=input_precision(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -712,7 +712,7 @@ def paged_context_attention(
 # --- choosing the path ---------------------------------------------------------------------
 
 # Shape key -> the path start-up timing picked for this attention shape.
-_prefill_paths: dict[_ShapeKey, str] = {}
+_prefill_paths: dict[ShapeKey, str] = {}
 prefill_path_log: list[dict[str, object]] = []
 
 
@@ -731,12 +731,12 @@ def prefill_path(
     """How this call's prefill rows should run (one of PREFILL_PATHS), for a cache in the
     query's dtype and no sliding window. On CUDA, the fastest path measured once per shape
     key (head size, group, dtype, block size), inside `prefill_tuning()` on the first call
-    with at least `_MIN_TUNE_TOKENS` rows (the engine's start-up profile forward, fresh
+    with at least `MIN_TUNE_TOKENS` rows (the engine's start-up profile forward, fresh
     prompts of up to 1,024 tokens), on that call's own inputs: the all-paged kernel (its own
     config tuned first), the cascade with FlashAttention-2 where it runs, the cascade with our
     dense kernel. Untimed (no CUDA, TANDEM_TUNE_KERNELS=0, before the profile forward): the
     rule, the cascade with `default_dense_impl`; on the CPU, the all-paged kernel."""
-    shape = _shape_key(query.shape[1], kv_cache)
+    shape = shape_key(query.shape[1], kv_cache)
     picked = _prefill_paths.get(shape)
     if picked is not None:
         return picked
@@ -744,9 +744,9 @@ def prefill_path(
         return "paged"
     rule = default_dense_impl(query, kv_cache.shape[3])
     if (
-        not _may_tune(query)
+        not may_tune(query)
         or not prefill_tuning_active()
-        or query.shape[0] < _MIN_TUNE_TOKENS
+        or query.shape[0] < MIN_TUNE_TOKENS
         or torch.cuda.is_current_stream_capturing()
     ):
         return rule
@@ -761,7 +761,7 @@ def prefill_path(
         )  # fmt: skip
     timings = {}
     for name, run in runs.items():
-        ms = _time_config(run, iters=3)
+        ms = time_config(run, iters=3)
         if ms is not None:
             timings[name] = ms
     if not timings:
@@ -769,7 +769,7 @@ def prefill_path(
     best = min(timings, key=lambda name: timings[name])
     _prefill_paths[shape] = best
     prefill_path_log.append(
-        {"key": _key_json(shape), "num_tokens": query.shape[0], "ms": timings, "best": best}
+        {"key": key_json(shape), "num_tokens": query.shape[0], "ms": timings, "best": best}
     )
     return best
 

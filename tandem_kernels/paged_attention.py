@@ -66,7 +66,7 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
+def find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     """Largest r with query_start_loc[r] // BLOCK_Q + r <= pid (the request of q-block pid)."""
     lo = pid * 0
     hi = pid * 0 + num_reqs
@@ -81,7 +81,7 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(
+def attend_tile(
     q,
     m_i,
     l_i,
@@ -188,7 +188,7 @@ def _prefill_kernel(
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q)
+    req = find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     q_block = pid - (q_start // BLOCK_Q + req)
@@ -240,19 +240,19 @@ def _prefill_kernel(
     cache_head = cache_ptr + kv_head.to(tl.int64) * stride_c_head
     if SLIDING:
         for start_n in range(key_lo // BLOCK_N * BLOCK_N, left_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc = attend_tile(
                 q, m_i, l_i, acc, start_n, key_lo, num_keys, q_pos, window, bt_row, cache_head,
                 scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D,
                 BLOCK_SIZE, HEAD_SIZE, True, False, True, INPUT_PRECISION,
             )  # fmt: skip
     for start_n in range(left_end, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
+        m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, key_lo, num_keys, q_pos, window, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
             HEAD_SIZE, False, False, False, INPUT_PRECISION,
         )  # fmt: skip
     for start_n in range(tl.maximum(full_end, left_end), num_keys, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
+        m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, key_lo, num_keys, q_pos, window, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
             HEAD_SIZE, True, True, SLIDING, INPUT_PRECISION,
@@ -352,20 +352,20 @@ def _decode_kernel(
     if SLIDING:
         first_full = tl.minimum(tl.maximum(start, tl.cdiv(key_lo, BLOCK_N) * BLOCK_N), end)
         for start_n in range(start, first_full, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc = attend_tile(
                 q, m_i, l_i, acc, start_n, key_lo, end, start, window, bt_row, cache_head,
                 scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D,
                 BLOCK_SIZE, HEAD_SIZE, True, False, False, INPUT_PRECISION,
             )  # fmt: skip
     full_end = first_full + (end - first_full) // BLOCK_N * BLOCK_N
     for start_n in range(first_full, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
+        m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, key_lo, end, start, window, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
             HEAD_SIZE, False, False, False, INPUT_PRECISION,
         )  # fmt: skip
     for start_n in range(full_end, end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
+        m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, key_lo, end, start, window, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
             HEAD_SIZE, True, False, False, INPUT_PRECISION,
@@ -432,9 +432,11 @@ def _decode_reduce_kernel(
     )
 
 
-def _check_common(
+def check_common(
     query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor
 ) -> tuple[int, int, int, int]:
+    """Assert the layouts every paged kernel assumes; `(num_heads, num_kv_heads, head_size,
+    block_size)`."""
     assert query.dim() == 3 and query.stride(-1) == 1, (query.shape, query.stride())
     assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.stride(-1) == 1
     _, num_heads, head_size = query.shape
@@ -466,8 +468,9 @@ def _window(sliding_window: int | None) -> int:
     return sliding_window or 0
 
 
-def _input_precision(dtype: torch.dtype) -> str:
-    # fp32 IO: exact products (tf32 would lose ~3 digits); ignored for 16-bit inputs.
+def input_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s precision for inputs of `dtype`: "ieee" for fp32 (exact products; tf32
+    would lose ~3 digits), else "tf32" (ignored for 16-bit inputs)."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -498,7 +501,7 @@ def paged_prefill_attention(
     them (see `_tuned_prefill_config`). `k_scale` / `v_scale`: an FP8 cache's scales.
     `sliding_window`: each row attends to the last that many positions (0/None: all).
     """
-    num_heads, num_kv_heads, head_size, block_size = _check_common(
+    num_heads, num_kv_heads, head_size, block_size = check_common(
         query, kv_cache, seq_lens, block_table
     )
     _check_kv_scales(kv_cache, k_scale, v_scale)
@@ -559,7 +562,7 @@ def paged_prefill_attention(
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         HEAD_SIZE=head_size,
-        INPUT_PRECISION=_input_precision(query.dtype),
+        INPUT_PRECISION=input_precision(query.dtype),
         SCALE_V=v_scale != 1.0,
         SLIDING=window > 0,
         num_warps=num_warps,
@@ -569,19 +572,21 @@ def paged_prefill_attention(
 
 
 # (head size, query heads per KV head, dtype, block size): what a tuned config is kept for.
-_ShapeKey = tuple[int, int, torch.dtype, int]
+ShapeKey = tuple[int, int, torch.dtype, int]
 
 
-def _shape_key(num_heads: int, kv_cache: torch.Tensor) -> _ShapeKey:
+def shape_key(num_heads: int, kv_cache: torch.Tensor) -> ShapeKey:
+    """The key tuned configs and picked paths are kept under, for this layer's cache."""
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     return (head_size, num_heads // num_kv_heads, kv_cache.dtype, block_size)
 
 
-def _key_json(key: _ShapeKey) -> list[object]:
+def key_json(key: ShapeKey) -> list[object]:
+    """A shape key as JSON values (for the tuning logs)."""
     return [key[0], key[1], str(key[2]), key[3]]
 
 
-def _may_tune(tensor: torch.Tensor) -> bool:
+def may_tune(tensor: torch.Tensor) -> bool:
     """Tuning runs on CUDA only: not on the CPU interpreter, not when TANDEM_TUNE_KERNELS=0."""
     return (
         tensor.is_cuda
@@ -600,10 +605,11 @@ _PREFILL_CANDIDATES = (
     (256, 64, 8, 2),
     (64, 32, 4, 4),
 )
-# Calls with fewer query rows than this run the default config and tune nothing.
-_MIN_TUNE_TOKENS = 1024
-# Shape key (`_shape_key`) -> (block_q, block_n, warps, stages).
-_prefill_configs: dict[_ShapeKey, tuple[int, int, int, int]] = {}
+# Calls with fewer query rows than this run the default config and tune nothing (the prefill
+# paths' timing in cascade_attention follows the same rule).
+MIN_TUNE_TOKENS = 1024
+# Shape key (`shape_key`) -> (block_q, block_n, warps, stages).
+_prefill_configs: dict[ShapeKey, tuple[int, int, int, int]] = {}
 prefill_tuning_log: list[dict[str, object]] = []
 _tuning_allowed = False
 
@@ -638,19 +644,19 @@ def _tuned_prefill_config(
     """The fastest of `_PREFILL_CANDIDATES` for this model's attention shape on this device.
 
     Timed once per shape key, inside `prefill_tuning()` only (an engine's memory-profiling
-    forward at start-up), on the first call with at least `_MIN_TUNE_TOKENS` query rows, on
+    forward at start-up), on the first call with at least `MIN_TUNE_TOKENS` query rows, on
     that call's own inputs; each candidate runs twice untimed (compilation) and three times
     timed. Not on the CPU interpreter, not during CUDA graph capture, not when
     TANDEM_TUNE_KERNELS=0.
     """
-    if not _may_tune(query):
+    if not may_tune(query):
         return None
-    key = _shape_key(query.shape[1], kv_cache)
+    key = shape_key(query.shape[1], kv_cache)
     if key in _prefill_configs:
         return _prefill_configs[key]
     if (
         not _tuning_allowed
-        or query.shape[0] < _MIN_TUNE_TOKENS
+        or query.shape[0] < MIN_TUNE_TOKENS
         or torch.cuda.is_current_stream_capturing()
     ):
         return None
@@ -674,7 +680,7 @@ def _tuned_prefill_config(
             num_warps=warps,
             num_stages=stages,
         )
-        ms = _time_config(run, iters=3)
+        ms = time_config(run, iters=3)
         if ms is not None:
             timings[config] = ms
     if not timings:
@@ -683,7 +689,7 @@ def _tuned_prefill_config(
     _prefill_configs[key] = best
     prefill_tuning_log.append(
         {
-            "key": _key_json(key),
+            "key": key_json(key),
             "num_tokens": query.shape[0],
             "ms": {"x".join(map(str, c)): t for c, t in timings.items()},
             "best": "x".join(map(str, best)),
@@ -692,7 +698,7 @@ def _tuned_prefill_config(
     return best
 
 
-def _time_config(run: Callable[[], object], iters: int) -> float | None:
+def time_config(run: Callable[[], object], iters: int) -> float | None:
     """Milliseconds per call of `run` on the current stream after two untimed calls (which
     compile it); None when this device cannot run the config (shared memory, registers)."""
     try:
@@ -740,8 +746,8 @@ _DECODE_CANDIDATES: tuple[tuple[int, int, int, bool], ...] = (
     (32, 2, 4, True),
     (16, 4, 4, True),
 )
-# Shape key (`_shape_key`) -> (block_n, warps, stages, heads first).
-_decode_configs: dict[_ShapeKey, tuple[int, int, int, bool]] = {}
+# Shape key (`shape_key`) -> (block_n, warps, stages, heads first).
+_decode_configs: dict[ShapeKey, tuple[int, int, int, bool]] = {}
 decode_tuning_log: list[dict[str, object]] = []
 
 
@@ -765,10 +771,10 @@ def tune_decode_attention(
     Call it before capturing CUDA graphs (they keep the config they were captured with).
     Not on the CPU interpreter, not during capture, not when TANDEM_TUNE_KERNELS=0.
     """
-    if not _may_tune(kv_cache) or torch.cuda.is_current_stream_capturing():
+    if not may_tune(kv_cache) or torch.cuda.is_current_stream_capturing():
         return None
     num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    key = _shape_key(num_heads, kv_cache)
+    key = shape_key(num_heads, kv_cache)
     if key in _decode_configs:  # once per process: every engine in it runs the same kernels
         return _decode_configs[key]
     blocks_per_req = -(-seq_len // block_size)
@@ -804,7 +810,7 @@ def tune_decode_attention(
             num_stages=config[2],
             heads_first=config[3],
         )
-        ms = _time_config(run, iters)
+        ms = time_config(run, iters)
         if ms is not None:
             timings[config] = ms
     if not timings:
@@ -814,7 +820,7 @@ def tune_decode_attention(
     kv_bytes = num_reqs * seq_len * num_kv_heads * head_size * 2 * kv_cache.element_size()
     decode_tuning_log.append(
         {
-            "key": _key_json(key),
+            "key": key_json(key),
             "num_reqs": num_reqs,
             "seq_len": seq_len,
             "num_splits": splits,
@@ -860,7 +866,7 @@ def paged_decode_attention(
     `tune_decode_attention` picked for this shape is used, else the default. `k_scale` /
     `v_scale`: an FP8 cache's scales.
     """
-    num_heads, num_kv_heads, head_size, block_size = _check_common(
+    num_heads, num_kv_heads, head_size, block_size = check_common(
         query, kv_cache, seq_lens, block_table
     )
     _check_kv_scales(kv_cache, k_scale, v_scale)
@@ -881,7 +887,7 @@ def paged_decode_attention(
     qpk = num_heads // num_kv_heads
     block_h = max(triton.next_power_of_2(qpk), 16)
     block_d = triton.next_power_of_2(head_size)
-    tuned = _decode_configs.get(_shape_key(num_heads, kv_cache))
+    tuned = _decode_configs.get(shape_key(num_heads, kv_cache))
     if tuned is not None:
         block_n = tuned[0] if block_n is None else block_n
         num_warps = tuned[1] if num_warps is None else num_warps
@@ -934,7 +940,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         HEAD_SIZE=head_size,
         SPLIT=split,
-        INPUT_PRECISION=_input_precision(query.dtype),
+        INPUT_PRECISION=input_precision(query.dtype),
         HEADS_FIRST=heads_first,
         SCALE_V=v_scale != 1.0,
         SLIDING=window > 0,

@@ -64,7 +64,7 @@ class TritonAttentionBackend(AttentionBackend):
     TUNE_MAX_SEQ_LEN: ClassVar[int] = 1024
 
     graph_kv_write: ClassVar[bool] = True
-    # The varlen kernel finds each program's request on the device (`_find_request`).
+    # The varlen kernel finds each program's request on the device (`find_request`).
     full_graph_mixed: ClassVar[bool] = True
 
     def __init__(self) -> None:
