@@ -56,10 +56,12 @@ from tandem_kernels.paged_attention import (
     find_request,
     input_precision,
     key_json,
+    load_q_tile,
     may_tune,
     paged_prefill_attention,
     prefill_tuning_active,
     shape_key,
+    store_out_tile,
     time_config,
 )
 
@@ -145,6 +147,16 @@ def default_dense_impl(query: torch.Tensor, num_kv_heads: int | None = None) -> 
     if forced in DENSE_IMPLS:
         return forced
     return "triton"
+
+
+@triton.jit
+def store_lse(lse_ptr, lse2, head, tok, stride_lse_head, stride_lse_tok, mask):
+    """Store log2 LSEs `lse2` as natural-log LSEs at `lse[head, tok]` (this module's layout)."""
+    tl.store(
+        lse_ptr + head * stride_lse_head + tok * stride_lse_tok,
+        lse2 * 0.6931471805599453,
+        mask=mask,
+    )
 
 
 # --- part 1: dense varlen causal ----------------------------------------------------------
@@ -251,13 +263,11 @@ def _dense_causal_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(
-        out_ptr + tok[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=m_valid[:, None] & d_mask[None, :],
-    )
-    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
-    tl.store(lse_ptr + head * stride_lse_head + tok * stride_lse_tok, lse, mask=m_valid)
+    store_out_tile(
+        out_ptr, out, tok[:, None], head, offs_d, stride_o_tok, stride_o_head,
+        m_valid[:, None] & d_mask[None, :],
+    )  # fmt: skip
+    store_lse(lse_ptr, m_i + tl.log2(l_safe), head, tok, stride_lse_head, stride_lse_tok, m_valid)
 
 
 def _dense_triton(
@@ -462,16 +472,8 @@ def _merge_kernel(
         other=0.0,
     ).to(tl.float32)
     out, lse2 = _merge(o_a, lse_a * 1.4426950408889634, o_b, lse_b * 1.4426950408889634)
-    tl.store(
-        out_ptr + tok * stride_o_tok + offs_h[:, None] * stride_o_head + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
-    tl.store(
-        lse_ptr + offs_h * stride_lo_head + tok * stride_lo_tok,
-        lse2 * 0.6931471805599453,
-        mask=h_valid,
-    )
+    store_out_tile(out_ptr, out, tok, offs_h[:, None], offs_d, stride_o_tok, stride_o_head, mask)
+    store_lse(lse_ptr, lse2, offs_h, tok, stride_lo_head, stride_lo_tok, h_valid)
 
 
 def merge_attn_states(
@@ -582,20 +584,10 @@ def _paged_context_kernel(
     if context_len <= 0:  # no cached prefix: part 1's rows are the answer
         return
 
-    offs_m = tl.arange(0, BLOCK_M)
-    q_idx = q_block * BLOCK_Q + offs_m // QPK_PAD
-    head_in_group = offs_m % QPK_PAD
-    row_valid = (q_idx < q_len) & (head_in_group < QPK)
-    head = kv_head * QPK + head_in_group
-    tok = (q_start + q_idx).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_SIZE
-    q_mask = row_valid[:, None] & d_mask[None, :]
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
-        mask=q_mask,
-        other=0.0,
-    )
+    q, q_idx, head, tok, offs_d, row_valid, q_mask = load_q_tile(
+        q_ptr, q_start, q_len, q_block, kv_head, stride_q_tok, stride_q_head, QPK, QPK_PAD,
+        BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_SIZE,
+    )  # fmt: skip
     m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -624,8 +616,10 @@ def _paged_context_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     lse2_ctx = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
     out, lse2 = _merge(acc / l_safe[:, None], lse2_ctx, o_dense, lse2_dense)
-    tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=row_valid)
+    store_out_tile(
+        out_ptr, out, tok[:, None], head[:, None], offs_d, stride_o_tok, stride_o_head, q_mask
+    )
+    store_lse(lse_ptr, lse2, head, tok, stride_lse_head, stride_lse_tok, row_valid)
 
 
 def paged_context_attention(

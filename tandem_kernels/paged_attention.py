@@ -81,6 +81,56 @@ def find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def load_q_tile(
+    q_ptr,
+    q_start,
+    q_len,
+    q_block,
+    kv_head,
+    stride_q_tok,
+    stride_q_head,
+    QPK: tl.constexpr,
+    QPK_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+):
+    """The query tile of q-block `q_block` of a request (rows from `q_start`, `q_len` of
+    them) for KV head `kv_head`, GQA rows packed: tile row m is query row
+    `q_idx = q_block * BLOCK_Q + m // QPK_PAD` for query head `kv_head * QPK + m % QPK_PAD`
+    (padded heads and rows past `q_len` read 0). Returns `(q, q_idx, head, tok, offs_d,
+    row_valid, q_mask)`: `tok` the rows' int64 token indices, `q_mask` `[BLOCK_M, BLOCK_D]`."""
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + offs_m // QPK_PAD
+    head_in_group = offs_m % QPK_PAD
+    row_valid = (q_idx < q_len) & (head_in_group < QPK)
+    head = kv_head * QPK + head_in_group
+    tok = (q_start + q_idx).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_SIZE
+    q_mask = row_valid[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    return q, q_idx, head, tok, offs_d, row_valid, q_mask
+
+
+@triton.jit
+def store_out_tile(out_ptr, out, tok_rows, head_rows, offs_d, stride_o_tok, stride_o_head, mask):
+    """Store fp32 `out` at `out[tok, head, offs_d]` in the output's dtype: `tok_rows` and
+    `head_rows` are the rows' token and head indices shaped to broadcast against
+    `offs_d[None, :]` (`[M, 1]` columns or scalars)."""
+    tl.store(
+        out_ptr + tok_rows * stride_o_tok + head_rows * stride_o_head + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+@triton.jit
 def attend_tile(
     q,
     m_i,
@@ -198,21 +248,11 @@ def _prefill_kernel(
     context_len = seq_len - q_len
 
     # Row m of the tile: query row q_idx of this request, query head `head`.
-    offs_m = tl.arange(0, BLOCK_M)
-    q_idx = q_block * BLOCK_Q + offs_m // QPK_PAD
-    head_in_group = offs_m % QPK_PAD
-    row_valid = (q_idx < q_len) & (head_in_group < QPK)
+    q, q_idx, head, tok, offs_d, _row_valid, q_mask = load_q_tile(
+        q_ptr, q_start, q_len, q_block, kv_head, stride_q_tok, stride_q_head, QPK, QPK_PAD,
+        BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_SIZE,
+    )  # fmt: skip
     q_pos = context_len + q_idx
-    head = kv_head * QPK + head_in_group
-    tok = (q_start + q_idx).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_SIZE
-    q_mask = row_valid[:, None] & d_mask[None, :]
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
-        mask=q_mask,
-        other=0.0,
-    )
 
     m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -262,10 +302,8 @@ def _prefill_kernel(
     out = acc / l_safe[:, None]
     if SCALE_V:
         out = out * v_scale
-    tl.store(
-        out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=q_mask,
+    store_out_tile(
+        out_ptr, out, tok[:, None], head[:, None], offs_d, stride_o_tok, stride_o_head, q_mask
     )
 
 
@@ -382,14 +420,10 @@ def _decode_kernel(
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
-        tl.store(
-            out_ptr
-            + req.to(tl.int64) * stride_o_tok
-            + head[:, None] * stride_o_head
-            + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=hd_mask,
-        )
+        store_out_tile(
+            out_ptr, out, req.to(tl.int64), head[:, None], offs_d, stride_o_tok, stride_o_head,
+            hd_mask,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits"])
