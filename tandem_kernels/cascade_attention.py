@@ -137,7 +137,7 @@ def _flash_runs(
     return bool(ok)
 
 
-def default_dense_impl(query: torch.Tensor, num_kv_heads: int | None = None) -> str:
+def default_dense_impl() -> str:
     """The dense part's kernel by rule: ours. Measured on the H200 (torch 2.11,
     benchmarks/prefill_attention.py), torch's varlen FlashAttention-2 was slower than our
     kernel at every shape (8 x 1,024: 203 TFLOP/s against 304; 1 x 32,768: 345 against 476),
@@ -389,7 +389,7 @@ def dense_causal_attention(
     assert query.shape[1] % key.shape[1] == 0 and key.shape[2] == query.shape[2]
     assert key.dtype == query.dtype == value.dtype, (query.dtype, key.dtype, value.dtype)
     assert cu_seqlens.dim() == 1 and cu_seqlens.dtype == torch.int32, cu_seqlens.dtype
-    impl = default_dense_impl(query, key.shape[1]) if impl is None else impl
+    impl = default_dense_impl() if impl is None else impl
     assert impl in DENSE_IMPLS, impl
     if impl == "flash":
         num_tokens = query.shape[0]
@@ -729,21 +729,13 @@ def prefill_path(
     prompts of up to 1,024 tokens), on that call's own inputs: the all-paged kernel (its own
     config tuned first), the cascade with FlashAttention-2 where it runs, the cascade with our
     dense kernel. Untimed (no CUDA, TANDEM_TUNE_KERNELS=0, before the profile forward): the
-    rule, the cascade with `default_dense_impl`; on the CPU, the all-paged kernel."""
+    rule, the cascade with `default_dense_impl`; on the CPU, the all-paged kernel
+    (`planned_prefill_path`, which decides all but the timing from host values)."""
     shape = shape_key(query.shape[1], kv_cache)
-    picked = _prefill_paths.get(shape)
-    if picked is not None:
-        return picked
-    if not query.is_cuda:
-        return "paged"
-    rule = default_dense_impl(query, kv_cache.shape[3])
-    if (
-        not may_tune(query)
-        or not prefill_tuning_active()
-        or query.shape[0] < MIN_TUNE_TOKENS
-        or torch.cuda.is_current_stream_capturing()
-    ):
-        return rule
+    planned = planned_prefill_path(query.device, shape, query.shape[0])
+    if planned is not None:
+        return planned
+    rule = default_dense_impl()
     args = (query, kv_cache, query_start_loc, seq_lens, block_table, scale)
     runs = {"paged": functools.partial(paged_prefill_attention, *args)}
     impls = ("flash", "triton") if flash_dense_supported(query, kv_cache.shape[3]) else ("triton",)
@@ -766,6 +758,28 @@ def prefill_path(
         {"key": key_json(shape), "num_tokens": query.shape[0], "ms": timings, "best": best}
     )
     return best
+
+
+def planned_prefill_path(device: torch.device, shape: ShapeKey, num_tokens: int) -> str | None:
+    """The path `prefill_path` gives a call of `num_tokens` query rows of attention shape
+    `shape` on `device`, decided on the host from these values alone: the path timed for
+    the shape, else the all-paged kernel off CUDA, else the rule (`default_dense_impl`).
+    None only when that call is the one to time (CUDA, inside `prefill_tuning()`, at least
+    `MIN_TUNE_TOKENS` rows, the shape untimed, no graph being captured): `prefill_path`
+    times the candidates on the call's own tensors."""
+    picked = _prefill_paths.get(shape)
+    if picked is not None:
+        return picked
+    if device.type != "cuda":
+        return "paged"
+    if (
+        not may_tune(device)
+        or not prefill_tuning_active()
+        or num_tokens < MIN_TUNE_TOKENS
+        or torch.cuda.is_current_stream_capturing()
+    ):
+        return default_dense_impl()
+    return None
 
 
 # --- the whole cascade ----------------------------------------------------------------------

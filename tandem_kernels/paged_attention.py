@@ -612,7 +612,14 @@ ShapeKey = tuple[int, int, torch.dtype, int]
 def shape_key(num_heads: int, kv_cache: torch.Tensor) -> ShapeKey:
     """The key tuned configs and picked paths are kept under, for this layer's cache."""
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    return (head_size, num_heads // num_kv_heads, kv_cache.dtype, block_size)
+    return attention_shape_key(num_heads, num_kv_heads, head_size, kv_cache.dtype, block_size)
+
+
+def attention_shape_key(
+    num_heads: int, num_kv_heads: int, head_size: int, kv_cache_dtype: torch.dtype, block_size: int
+) -> ShapeKey:
+    """`shape_key` from host values (a step's planner has no cache tensor at hand)."""
+    return (head_size, num_heads // num_kv_heads, kv_cache_dtype, block_size)
 
 
 def key_json(key: ShapeKey) -> list[object]:
@@ -620,10 +627,10 @@ def key_json(key: ShapeKey) -> list[object]:
     return [key[0], key[1], str(key[2]), key[3]]
 
 
-def may_tune(tensor: torch.Tensor) -> bool:
+def may_tune(device: torch.device) -> bool:
     """Tuning runs on CUDA only: not on the CPU interpreter, not when TANDEM_TUNE_KERNELS=0."""
     return (
-        tensor.is_cuda
+        device.type == "cuda"
         and os.environ.get("TRITON_INTERPRET") != "1"
         and os.environ.get("TANDEM_TUNE_KERNELS", "1") != "0"
     )
@@ -683,7 +690,7 @@ def _tuned_prefill_config(
     timed. Not on the CPU interpreter, not during CUDA graph capture, not when
     TANDEM_TUNE_KERNELS=0.
     """
-    if not may_tune(query):
+    if not may_tune(query.device):
         return None
     key = shape_key(query.shape[1], kv_cache)
     if key in _prefill_configs:
@@ -805,7 +812,7 @@ def tune_decode_attention(
     Call it before capturing CUDA graphs (they keep the config they were captured with).
     Not on the CPU interpreter, not during capture, not when TANDEM_TUNE_KERNELS=0.
     """
-    if not may_tune(kv_cache) or torch.cuda.is_current_stream_capturing():
+    if not may_tune(kv_cache.device) or torch.cuda.is_current_stream_capturing():
         return None
     num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
     key = shape_key(num_heads, kv_cache)

@@ -34,6 +34,7 @@ import torch
 from tandem.worker.cuda_graph import StaticStepInputs
 
 if TYPE_CHECKING:
+    from tandem.layers.attention import AttentionMetadata
     from tandem.models.interface import CausalLM
     from tandem.worker.input_batch import StepInputs
     from tandem.worker.staging import PinnedStaging
@@ -84,10 +85,13 @@ class MixedCudaGraphs:
         kv_caches: list[torch.Tensor],
         max_model_len: int,
         block_size: int,
+        plan: Callable[[AttentionMetadata], AttentionMetadata] | None = None,
     ) -> None:
         """Capture every bucket's graph, largest first, after two warm-up runs each (Triton
         compiles, the allocator settles). The capture step is one request of `size` tokens
-        whose slots are all -1 (nothing is written to the cache)."""
+        whose slots are all -1 (nothing is written to the cache). `plan` makes the backend's
+        per-step choices on its metadata (the runner's `_plan`), on the host before warm-up
+        and capture: the graph keeps them for every step it replays."""
         if not self.sizes:
             return
         dev = self.device
@@ -114,6 +118,8 @@ class MixedCudaGraphs:
                 inputs.seq_lens.zero_()
                 inputs.seq_lens[0] = size
                 meta = inputs.metadata(size, slots, size, max_model_len)
+                if plan is not None:
+                    meta = plan(meta)
                 args = (inputs.input_ids[:size], inputs.positions[:size], kv_caches, meta)
                 for _ in range(2):
                     model(*args)

@@ -47,7 +47,12 @@ from tandem.config import FP8_KV_CACHE_DTYPES, ConfigError, EngineConfig
 from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.distributed import ParallelState, single_rank_state
-from tandem.layers.attention import AttentionMetadata, get_attention_backend
+from tandem.layers.attention import (
+    AttentionMetadata,
+    AttentionShape,
+    get_attention_backend,
+    plan_step_metadata,
+)
 from tandem.layers.attention.layer import Attention
 from tandem.layers.logits_processors import LogitsProcessors, load_logits_processors
 from tandem.layers.quantization import resolve_quant_config
@@ -153,6 +158,17 @@ class ModelRunner:
         # learns its group and its slot of a block (see `kv_cache_shape`).
         self.kv_cache_spec = self._build_kv_cache_spec()
         self._layer_slots = [slot for _, slot in self.kv_cache_spec.layer_slots()]
+        # What the backend's once-a-step plan reads besides the step (`_plan`).
+        self.attention_shape = AttentionShape(
+            num_heads=self.model.num_heads,
+            num_kv_heads=self.model.num_kv_heads,
+            head_size=self.model.head_size,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_dtype,
+            device=device,
+        )
+        self._group_windows = [g.sliding_window for g in self.kv_cache_spec.groups]
         max_num_seqs = config.scheduler.max_num_seqs
         self.sampler = StepSampler(
             device,
@@ -338,6 +354,7 @@ class ModelRunner:
             seq_lens_cpu=lens,
         )
         with torch.inference_mode(), self.attn_backend.startup_tuning():
+            meta = self._plan(meta)
             ids = torch.zeros(tokens, dtype=torch.long, device=dev) if self.is_first_stage else None
             intermediate = (
                 None if self.is_first_stage else m.make_empty_intermediate_tensors(tokens)
@@ -379,7 +396,7 @@ class ModelRunner:
             )
             self.piecewise_graphs.capture(self.model, self.kv_caches)
             self.mixed_graphs.capture(
-                self.model, self.kv_caches, self.max_model_len, self.block_size
+                self.model, self.kv_caches, self.max_model_len, self.block_size, plan=self._plan
             )
 
     # ----------------------------------------------------------------- state
@@ -418,7 +435,15 @@ class ModelRunner:
         )
         input_ids.index_copy_(0, index[0], prev.index_select(0, index[1]))
 
+    def _plan(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """The step's metadata with the backend's per-step choices made, once for every
+        layer (each KV cache group's with its window): `AttentionBackend.plan_step`."""
+        return plan_step_metadata(
+            self.attn_backend, metadata, self.attention_shape, self._group_windows
+        )
+
     def _metadata(self, inp: StepInputs) -> AttentionMetadata:
+        """The step's attention metadata, planned (`_plan`)."""
         to_device = self.staging.to_device
         tables: torch.Tensor | None = None
         slots: torch.Tensor | None = None
@@ -449,12 +474,12 @@ class ModelRunner:
             num_decodes=inp.num_decodes,
         )
         if tables is None or slots is None:
-            return metadata
+            return self._plan(metadata)
         groups = tuple(
             dataclasses.replace(metadata, block_table=tables[g], slot_mapping=slots[g])
             for g in range(tables.shape[0])
         )
-        return dataclasses.replace(groups[0], kv_groups=groups)
+        return self._plan(dataclasses.replace(groups[0], kv_groups=groups))
 
     def _run_eager(self, inp: StepInputs, piecewise_size: int | None = None) -> torch.Tensor | None:
         """The step's forward eagerly, or (`piecewise_size`) through that bucket of piecewise

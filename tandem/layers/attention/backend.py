@@ -13,12 +13,21 @@ offset s % block_size.
 With several KV cache groups (one per attention kind: tandem.core.kv_cache_spec) the tensor is
 `[num_blocks, layers_per_group, 2, ...]`, a layer's view is its slot of every block, and the
 layer reads its group's block table and slot mapping (`AttentionMetadata.kv_groups`).
+
+Choices that depend only on the step (which kernel path its prefill rows take) are made once
+per step, on the host, where the runner builds the metadata (`plan_step_metadata`, before a
+CUDA graph of the step is captured or replayed), and every layer reads them from it:
+
+    runner: metadata = plan_step_metadata(backend, metadata, shape, windows)   (once a step)
+    layer 0 .. L-1: backend.forward(..., metadata)   reads metadata.prefill_path
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,6 +60,26 @@ class AttentionMetadata:
     # metadata (its own `block_table` and `slot_mapping`, the rest shared), indexed by the
     # `Attention` layer's `kv_cache_group`. None: one group, this metadata is every layer's.
     kv_groups: tuple[AttentionMetadata, ...] | None = None
+    # The step's prefill path, as the backend's `plan_step` chose it for this KV cache group
+    # (the Triton backend: "paged", "flash" or "triton"; see its `_prefill_path`). None: not
+    # planned (metadata built by hand, a proposer's), or chosen by the step's first layer call
+    # (a start-up step timed on that call's tensors), which then keeps it here for the rest.
+    prefill_path: str | None = None
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a step's plan may depend on besides the step: the attention layers' shape on this
+    rank, the KV cache's dtype and block size, the model's dtype and the device (fixed for an
+    engine)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    device: torch.device
 
 
 class AttentionBackend(ABC):
@@ -138,6 +167,19 @@ class AttentionBackend(ABC):
         """Write K/V rows into the paged cache (what `forward` does first)."""
         raise NotImplementedError(f"{self.name} has no separate KV write")
 
+    def plan_step(
+        self,
+        metadata: AttentionMetadata,
+        shape: AttentionShape,
+        sliding_window: int | None = None,
+    ) -> AttentionMetadata:
+        """The step's metadata (one KV cache group's) with the choices this backend's layers
+        read from it made: on the host, from Python values only, once per step, before the
+        step's graph is captured or replayed (a captured graph keeps what was chosen at
+        capture). `sliding_window`: the group's (None: full attention, or a group of mixed
+        layers, whose sliding layers keep their own rule). Default: nothing to choose."""
+        return metadata
+
     def startup_tuning(self) -> contextlib.AbstractContextManager[None]:
         """Context for the engine's start-up profile forward: kernels may tune themselves on
         the shapes they see inside it (and only there)."""
@@ -156,6 +198,23 @@ class AttentionBackend(ABC):
         `max_seq_len` tokens. Returns a description of what was picked, or None when
         nothing was tuned."""
         return None
+
+
+def plan_step_metadata(
+    backend: AttentionBackend,
+    metadata: AttentionMetadata,
+    shape: AttentionShape,
+    group_windows: Sequence[int | None],
+) -> AttentionMetadata:
+    """`backend.plan_step` over a step's metadata and each of its KV cache groups'
+    (`group_windows[g]`: group g's sliding window)."""
+    if metadata.kv_groups is None:
+        return backend.plan_step(metadata, shape, group_windows[0] if group_windows else None)
+    groups = tuple(
+        backend.plan_step(group, shape, group_windows[g])
+        for g, group in enumerate(metadata.kv_groups)
+    )
+    return dataclasses.replace(groups[0], kv_groups=groups)
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}

@@ -16,7 +16,9 @@ wins: the new tokens attend to themselves from the dense `key`/`value` this call
 (torch's FlashAttention-2 or our Triton kernel), then to their cached prefix through the
 paged cache, merged by log-sum-exp in the paged kernel's epilogue. Which path (all-paged,
 cascade with either dense kernel) is timed once per shape in the start-up profile forward
-(`prefill_path`); untimed, the cascade. `TANDEM_PREFILL_CASCADE=0` forces the all-paged
+(`prefill_path`); untimed, the cascade. The path is chosen once per step, by `plan_step`
+where the runner builds the metadata (`AttentionMetadata.prefill_path`), and every layer of
+the step reads it. `TANDEM_PREFILL_CASCADE=0` forces the all-paged
 kernel (`paged_prefill_attention`) for A/B; `=1` forces the cascade on any device. Layers
 with a sliding window and FP8 caches always take the all-paged kernel (the dense part has no
 window, and the dense K/V are not the fp8-rounded values the cache holds, against which FP8
@@ -26,6 +28,7 @@ results are defined).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import ClassVar
 
@@ -34,16 +37,19 @@ import torch
 from tandem.layers.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
+    AttentionShape,
     register_attention_backend,
 )
 from tandem_kernels.cascade_attention import (
     default_dense_impl,
     dense_causal_attention,
     paged_context_attention,
+    planned_prefill_path,
     prefill_cascade_setting,
     prefill_path,
 )
 from tandem_kernels.paged_attention import (
+    attention_shape_key,
     paged_decode_attention,
     paged_prefill_attention,
     prefill_tuning,
@@ -83,6 +89,33 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         """One kernel, no host sync (slots < 0 skipped): capturable."""
         reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+
+    def plan_step(
+        self,
+        metadata: AttentionMetadata,
+        shape: AttentionShape,
+        sliding_window: int | None = None,
+    ) -> AttentionMetadata:
+        """The step's prefill path (`metadata.prefill_path`), for every layer of the group:
+        "paged" for a sliding-window group or an FP8 cache, else as `prefill_cascade` forces
+        it, else `planned_prefill_path` (None on the start-up step whose path is timed: its
+        first layer's call times it). Decode-only steps have no prefill rows."""
+        if metadata.is_decode_only:
+            return metadata
+        if self.prefill_cascade is False or shape.kv_cache_dtype != shape.dtype or sliding_window:
+            path: str | None = "paged"
+        elif self.prefill_cascade:
+            path = default_dense_impl()
+        else:
+            key = attention_shape_key(
+                shape.num_heads,
+                shape.num_kv_heads,
+                shape.head_size,
+                shape.kv_cache_dtype,
+                shape.block_size,
+            )
+            path = planned_prefill_path(shape.device, key, metadata.num_actual_tokens)
+        return dataclasses.replace(metadata, prefill_path=path)
 
     def startup_tuning(self) -> contextlib.AbstractContextManager[None]:
         """The prefill kernel picks its tile config inside (see `prefill_tuning`)."""
@@ -195,14 +228,24 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> str:
         """The prefill rows' path: "paged" (the all-paged kernel), or the cascade's dense
-        kernel ("flash", "triton").
-        FP8 caches and sliding windows always take the all-paged kernel; otherwise
-        `prefill_cascade` forces either way, and None leaves it to `prefill_path`."""
-        if self.prefill_cascade is False or kv_cache.dtype != query.dtype or sliding_window:
+        kernel ("flash", "triton"). A sliding-window layer and an FP8 cache always take the
+        all-paged kernel (the layer's own rule: a KV cache group may hold full and sliding
+        layers); every other layer takes the step's path, `metadata.prefill_path`. Where the
+        step has none (metadata not planned, or the start-up step timed on this call), it is
+        chosen here once, `prefill_cascade` forcing either way and None leaving it to
+        `prefill_path`, and kept in the metadata for the step's other layers."""
+        if sliding_window or kv_cache.dtype != query.dtype:
             return "paged"
-        if self.prefill_cascade:
-            return default_dense_impl(query, kv_cache.shape[3])
-        return prefill_path(
-            query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
-            max_query_len=metadata.max_query_len,
-        )  # fmt: skip
+        if metadata.prefill_path is not None:
+            return metadata.prefill_path
+        if self.prefill_cascade is False:
+            path = "paged"
+        elif self.prefill_cascade:
+            path = default_dense_impl()
+        else:
+            path = prefill_path(
+                query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
+                max_query_len=metadata.max_query_len,
+            )  # fmt: skip
+        metadata.prefill_path = path
+        return path

@@ -1,0 +1,153 @@
+"""The Triton backend's prefill path is chosen once per step, where the runner builds the
+step's attention metadata, and every layer reads it from there (`AttentionBackend.plan_step`).
+
+A ModelRunner with the Triton backend on the CPU runs a tiny two-layer model through real
+scheduler steps (prefill chunks beside decodes). The Triton kernels are stood in for by fakes
+that record which path each layer took (this process runs no Triton), and the host chooser
+(`planned_prefill_path`) is made to answer "triton" (the cascade with our dense kernel, which
+the CPU would never pick by itself): a layer choosing on its own would take another path or
+call the per-call chooser, and the counts below would differ.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tandem.config import EngineArgs
+from tandem.request import Request
+from tandem.sampling_params import SamplingParams
+
+
+def _runner(path: Path) -> Any:
+    from tandem.worker.model_runner import ModelRunner
+
+    config = EngineArgs(
+        model=str(path),
+        device="cpu",
+        dtype="float32",
+        attention_backend="triton",
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        num_gpu_blocks=64,
+        block_size=16,
+        max_model_len=128,
+    ).create_engine_config()
+    m = config.model
+    runner = ModelRunner(
+        config, torch.device("cpu"), m.model_path, m.hf_config, m.max_model_len, None
+    )
+    runner.initialize_kv_cache(torch.zeros(runner.kv_cache_shape(config.cache.num_gpu_blocks)))
+    return config, runner
+
+
+class _Fakes:
+    """Stand-ins for the kernels the backend calls; each records what ran."""
+
+    def __init__(self) -> None:
+        self.planned = 0  # calls of the host chooser (once per step and full-attention group)
+        self.per_call = 0  # calls of the per-call chooser (a layer choosing by itself)
+        self.paths: list[str] = []  # per prefill-path layer call: "paged" or the dense impl
+
+    def planned_prefill_path(self, device: torch.device, shape: Any, num_tokens: int) -> str:
+        assert isinstance(num_tokens, int) and device.type == "cpu"
+        self.planned += 1
+        return "triton"
+
+    def prefill_path(self, *args: Any, **kwargs: Any) -> str:
+        self.per_call += 1
+        return "paged"
+
+    def dense_causal_attention(
+        self, query: torch.Tensor, *args: Any, impl: str, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.paths.append(impl)
+        lse = torch.zeros(query.shape[1], query.shape[0])
+        return torch.zeros_like(query), lse
+
+    def paged_prefill_attention(self, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.paths.append("paged")
+        return kwargs["out"]
+
+    @staticmethod
+    def passthrough_out(*args: Any, **kwargs: Any) -> Any:
+        return kwargs.get("out")
+
+    @staticmethod
+    def context(query: torch.Tensor, kv_cache: Any, qsl: Any, lens: Any, table: Any, scale: Any,
+                out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return out
+
+
+@pytest.mark.parametrize(("arch", "full_layers"), [("llama", 2), ("qwen2_swa", 1)])
+def test_prefill_path_is_planned_once_per_step(
+    arch: str, full_layers: int, tiny_model_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama: one KV cache group of two full layers; qwen2_swa: layer 0 full (group 0),
+    layer 1 sliding (group 1, which keeps the all-paged kernel). Per step with prefill rows:
+    one host choice per full group, none per layer; every full layer runs the planned path
+    and reads it from the metadata; the sliding layer runs the all-paged kernel."""
+    import tandem.layers.attention.triton_backend as tb
+    from tandem.core.scheduler import Scheduler
+
+    monkeypatch.delenv("TANDEM_PREFILL_CASCADE", raising=False)
+    fakes = _Fakes()
+    monkeypatch.setattr(tb, "planned_prefill_path", fakes.planned_prefill_path)
+    monkeypatch.setattr(tb, "prefill_path", fakes.prefill_path)
+    monkeypatch.setattr(tb, "dense_causal_attention", fakes.dense_causal_attention)
+    monkeypatch.setattr(tb, "paged_prefill_attention", fakes.paged_prefill_attention)
+    monkeypatch.setattr(tb, "paged_context_attention", fakes.context)
+    monkeypatch.setattr(tb, "paged_decode_attention", fakes.passthrough_out)
+    monkeypatch.setattr(tb, "reshape_and_cache", fakes.passthrough_out)
+
+    config, runner = _runner(tiny_model_path(arch))
+    backend = runner.attn_backend
+    assert isinstance(backend, tb.TritonAttentionBackend) and backend.prefill_cascade is None
+    # What each layer call found in its metadata before attending.
+    seen: list[tuple[bool, str | None, int | None]] = []
+    forward = backend.forward
+
+    def recording_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        meta = args[4]
+        seen.append((meta.is_decode_only, meta.prefill_path, kwargs.get("sliding_window")))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "forward", recording_forward)
+
+    sched = Scheduler(
+        config.scheduler,
+        config.cache,
+        config.cache.num_gpu_blocks,
+        config.model.max_model_len,
+        kv_cache_spec=runner.kv_cache_spec,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for i, prompt in enumerate([list(range(5, 40)), [7, 8, 9, 10, 11]]):
+        sched.add_request(Request(f"r{i}", prompt, params))
+    prefill_steps = 0
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        calls = len(seen)
+        out = runner.execute(so)
+        sched.update_from_output(so, out)
+        step = seen[calls:]
+        assert len(step) == 2  # one call per layer
+        if not step[0][0]:
+            prefill_steps += 1
+    runner.shutdown()
+
+    assert prefill_steps >= 3  # a 35-token prompt in 16-token chunks
+    assert fakes.per_call == 0
+    assert fakes.planned == prefill_steps  # one full-attention group in both models
+    prefill_calls = [(path, window) for decode, path, window in seen if not decode]
+    assert len(prefill_calls) == 2 * prefill_steps
+    full = [path for path, window in prefill_calls if window is None]
+    sliding = [path for path, window in prefill_calls if window is not None]
+    assert full == ["triton"] * full_layers * prefill_steps
+    assert sliding == ["paged"] * (2 - full_layers) * prefill_steps
+    # The kernels run: the planned cascade for full layers, the all-paged one for sliding.
+    want = ["triton"] * full_layers + ["paged"] * (2 - full_layers)
+    assert fakes.paths == want * prefill_steps
