@@ -267,7 +267,9 @@ def _dense_causal_kernel(
         out_ptr, out, tok[:, None], head, offs_d, stride_o_tok, stride_o_head,
         m_valid[:, None] & d_mask[None, :],
     )  # fmt: skip
-    store_lse(lse_ptr, m_i + tl.log2(l_safe), head, tok, stride_lse_head, stride_lse_tok, m_valid)
+    # Not `store_lse`: the LSE is scaled before its address is formed (as it always was here).
+    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+    tl.store(lse_ptr + head * stride_lse_head + tok * stride_lse_tok, lse, mask=m_valid)
 
 
 def _dense_triton(
@@ -584,9 +586,9 @@ def _paged_context_kernel(
     if context_len <= 0:  # no cached prefix: part 1's rows are the answer
         return
 
-    q, q_idx, head, tok, offs_d, row_valid, q_mask = load_q_tile(
-        q_ptr, q_start, q_len, q_block, kv_head, stride_q_tok, stride_q_head, QPK, QPK_PAD,
-        BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_SIZE,
+    q, q_idx, _q_pos, head, tok, offs_d, row_valid, q_mask = load_q_tile(
+        q_ptr, q_start, q_len, context_len, q_block, kv_head, stride_q_tok, stride_q_head, QPK,
+        QPK_PAD, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_SIZE,
     )  # fmt: skip
     m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -85,6 +85,7 @@ def load_q_tile(
     q_ptr,
     q_start,
     q_len,
+    context_len,
     q_block,
     kv_head,
     stride_q_tok,
@@ -99,12 +100,14 @@ def load_q_tile(
     """The query tile of q-block `q_block` of a request (rows from `q_start`, `q_len` of
     them) for KV head `kv_head`, GQA rows packed: tile row m is query row
     `q_idx = q_block * BLOCK_Q + m // QPK_PAD` for query head `kv_head * QPK + m % QPK_PAD`
-    (padded heads and rows past `q_len` read 0). Returns `(q, q_idx, head, tok, offs_d,
-    row_valid, q_mask)`: `tok` the rows' int64 token indices, `q_mask` `[BLOCK_M, BLOCK_D]`."""
+    (padded heads and rows past `q_len` read 0). Returns `(q, q_idx, q_pos, head, tok, offs_d,
+    row_valid, q_mask)`: `q_pos` the rows' positions (`context_len + q_idx`), `tok` their
+    int64 token indices, `q_mask` `[BLOCK_M, BLOCK_D]`."""
     offs_m = tl.arange(0, BLOCK_M)
     q_idx = q_block * BLOCK_Q + offs_m // QPK_PAD
     head_in_group = offs_m % QPK_PAD
     row_valid = (q_idx < q_len) & (head_in_group < QPK)
+    q_pos = context_len + q_idx
     head = kv_head * QPK + head_in_group
     tok = (q_start + q_idx).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -115,7 +118,7 @@ def load_q_tile(
         mask=q_mask,
         other=0.0,
     )
-    return q, q_idx, head, tok, offs_d, row_valid, q_mask
+    return q, q_idx, q_pos, head, tok, offs_d, row_valid, q_mask
 
 
 @triton.jit
@@ -248,11 +251,10 @@ def _prefill_kernel(
     context_len = seq_len - q_len
 
     # Row m of the tile: query row q_idx of this request, query head `head`.
-    q, q_idx, head, tok, offs_d, _row_valid, q_mask = load_q_tile(
-        q_ptr, q_start, q_len, q_block, kv_head, stride_q_tok, stride_q_head, QPK, QPK_PAD,
-        BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_SIZE,
+    q, _q_idx, q_pos, head, tok, offs_d, _row_valid, q_mask = load_q_tile(
+        q_ptr, q_start, q_len, context_len, q_block, kv_head, stride_q_tok, stride_q_head, QPK,
+        QPK_PAD, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_SIZE,
     )  # fmt: skip
-    q_pos = context_len + q_idx
 
     m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
