@@ -35,7 +35,9 @@ with FlashAttention-2 and the cascade with our dense kernel, timed once per atte
 the engine's start-up profile forward; untimed, the cascade with `default_dense_impl` (FA2
 where a probe call of the shape ran and checked out, else ours). TANDEM_PREFILL_CASCADE=0|1
 forces the all-paged kernel or the cascade; TANDEM_PREFILL_DENSE=flash|triton forces the
-dense kernel.
+dense kernel. `planned_prefill_path` gives the same answer from host values alone (the shape
+key, the device, the token count), so an engine decides it once per step, before any layer
+runs; only the one start-up call that times the candidates needs the tensors.
 """
 
 from __future__ import annotations
