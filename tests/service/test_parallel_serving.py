@@ -13,7 +13,7 @@ import pytest
 from tandem.config import EngineArgs
 from tandem_services.launcher import Deployment
 from tandem_services.worker.config import WorkerConfigError, WorkerServiceConfig
-from tests.service.conftest import GRACE_S, WORKER_ARGS, assert_pools_whole, launch
+from tests.service.conftest import WORKER_ARGS, assert_pools_whole, launched
 from tests.service.test_serving import (  # noqa: F401 (run here against a TP deployment)
     test_grpc_greedy_matches_offline,
     test_grpc_seeded_sampling_matches_offline,
@@ -25,20 +25,12 @@ from tests.service.test_serving import (  # noqa: F401 (run here against a TP de
 def deployment(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
-    logs = tmp_path_factory.mktemp(f"logs-tp3-{request.param}")
-    dep = launch(
-        logs,
+    with launched(
+        tmp_path_factory.mktemp(f"logs-tp3-{request.param}"),
         unified=request.param == "unified",
         worker_args=(*WORKER_ARGS, "--tensor-parallel-size", "3"),
-    )
-    try:
+    ) as dep:
         yield dep
-    finally:
-        codes = dep.stop(timeout_s=GRACE_S + 10)
-        for name, code in codes.items():
-            if code != 0:
-                print(f"---- {name} log (exit {code}) ----")
-                print(dep.services[name].log_tail(80))
 
 
 def test_pools_whole_after_parallel_serving(deployment: Deployment) -> None:

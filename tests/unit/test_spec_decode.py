@@ -28,9 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 from tandem.config import (
-    CacheConfig,
     ConfigError,
     EngineArgs,
     SchedulerConfig,
@@ -38,7 +37,6 @@ from tandem.config import (
     add_engine_args,
 )
 from tandem.core.outputs import ModelRunnerOutput
-from tandem.core.scheduler import Scheduler
 from tandem.layers.logits_processors import LogitsProcessors
 from tandem.request import Request, RequestStatus
 from tandem.spec_decode.ngram import NgramProposer, ngram_draft
@@ -47,8 +45,18 @@ from tandem.spec_decode.rejection_sampler import rejection_sample, rejection_sam
 from tandem.worker.input_batch import CachedRequestState
 from tandem.worker.sampling import StepSampler
 from tests.logits_procs import ForceTokenProcessor
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+from tests.spec_decode_cases import (
+    NGRAM,
+    PARITY_CASES,
+    SMOLLM2_CODE_ENGINE,
+    SMOLLM2_CODE_PARAMS,
+    SMOLLM2_CODE_PROMPT,
+    parity_prompts,
+    repetitive_prompts,
+    run_engine,
+    spec_scheduler,
+    write_replay_record,
+)
 
 # ---- config --------------------------------------------------------------------------------
 
@@ -141,16 +149,7 @@ def test_ngram_draft() -> None:
 
 
 def test_scheduler_schedules_drafts_and_rolls_back_rejections() -> None:
-    block_size = 4
-    sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
-        CacheConfig(block_size=block_size),
-        num_blocks=16,
-        max_model_len=64,
-        speculative_config=SpeculativeConfig(
-            method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2
-        ),
-    )
+    sched = spec_scheduler(3, prompt_lookup_max=2)  # 4-token blocks
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     request = Request("r", list(range(10, 17)), params)  # 7 prompt tokens
     sched.add_request(request)
@@ -314,54 +313,6 @@ def test_rejection_sampling_keeps_the_target_distribution(with_q: bool) -> None:
 # ---- engine -------------------------------------------------------------------------------
 
 
-def _repetitive_prompts(vocab: int, num: int = 6) -> list[list[int]]:
-    rng = np.random.default_rng(3)
-    prompts = []
-    for i in range(num):
-        motif = rng.integers(3, vocab, size=4 + i % 3).tolist()
-        prompts.append((motif * (2 + i % 3))[: 10 + 4 * i] + rng.integers(3, vocab, 2).tolist())
-    return prompts
-
-
-def _run(path: Path, prompts: list[list[int]], params: object, **kwargs: object) -> tuple:
-    defaults: dict[str, object] = dict(
-        device="cpu",
-        dtype="float32",
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        num_gpu_blocks=48,
-        max_model_len=256,
-    )
-    defaults.update(kwargs)
-    with LLM(model=str(path), **defaults) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        pool = llm.engine.scheduler.kv_cache_manager
-        pool.check_invariants()
-        assert pool.block_pool.is_whole and not llm.engine.has_unfinished_requests()
-        stats = llm.engine.stats()
-    return [o.outputs[0] for o in outs], stats
-
-
-# Engine settings beside speculation: each case must give the tokens of the run without it.
-PARITY_CASES: dict[str, dict[str, object]] = {
-    # Drafts mix with prefills; async scheduling (steps next to a verify step wait for it).
-    "roomy": {"async_scheduling": "on"},
-    # Chunked prefill; drafts cut by the budget.
-    "chunked": {"max_num_batched_tokens": 8},
-    # Forced preemption (recompute) in a tiny pool.
-    "preemption": {"num_gpu_blocks": 16},
-    # Async scheduling with chunked prefill and preemption, and speculation off at 3 or more
-    # running requests (`disable_by_batch_size`): plain steps overlap, verify steps do not.
-    "async_mixed": {
-        "async_scheduling": "on",
-        "max_num_batched_tokens": 16,
-        "num_gpu_blocks": 16,
-        "speculative_config": {**NGRAM, "disable_by_batch_size": 3},
-    },
-}
-_GREEDY_REFS: dict[str, list] = {}
-
-
 @pytest.mark.parametrize(
     ("arch", "case"),
     [
@@ -373,17 +324,14 @@ _GREEDY_REFS: dict[str, list] = {}
     ],
 )
 def test_greedy_with_ngram_speculation_is_greedy_without(
-    tiny_model_path, arch: str, case: str
+    tiny_model_path, greedy_reference, arch: str, case: str
 ) -> None:
     path = tiny_model_path(arch)
-    prompts = _repetitive_prompts(512)
-    prompts.append([*prompts[-1][:20], 5, 6, 7])  # a prefix hit on the last prompt's blocks
+    prompts = parity_prompts()  # the last one a prefix hit
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
-    if arch not in _GREEDY_REFS:
-        _GREEDY_REFS[arch] = _run(path, prompts, params)[0]
-    ref = _GREEDY_REFS[arch]
+    ref = greedy_reference(arch, prompts, 48)
     extra = {"speculative_config": NGRAM, **PARITY_CASES[case]}
-    got, stats = _run(path, prompts, params, **extra)
+    got, stats = run_engine(path, prompts, params, **extra)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     for a, b in zip(got, ref, strict=True):
         assert len(a.logprobs) == len(a.token_ids)  # one entry per emitted token
@@ -404,7 +352,7 @@ def test_seeded_sampling_with_speculation_reproduces(tiny_model_path) -> None:
     (penalties, min_tokens) run beside them without drafts, with the tokens they get without
     speculation."""
     path = tiny_model_path("llama")
-    prompts = _repetitive_prompts(512, 5)
+    prompts = repetitive_prompts(512, 5)
     params = [
         SamplingParams(temperature=0.3, top_k=3, seed=i, max_tokens=32, ignore_eos=True)
         for i in range(3)
@@ -416,9 +364,9 @@ def test_seeded_sampling_with_speculation_reproduces(tiny_model_path) -> None:
     # rows draw from a request's generator unlike plain rows, and the measured rule's choices
     # follow timing: seeded runs reproduce under the "always" rule.
     loose = {**NGRAM, "prompt_lookup_min": 1, "speculation_rule": "always"}
-    a, stats = _run(path, prompts, params, speculative_config=loose)
-    b, _ = _run(path, prompts, params, speculative_config=loose)
-    ref, _ = _run(path, prompts[3:], params[3:])
+    a, stats = run_engine(path, prompts, params, speculative_config=loose)
+    b, _ = run_engine(path, prompts, params, speculative_config=loose)
+    ref, _ = run_engine(path, prompts[3:], params[3:])
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 32 for o in a[:4])
     assert [o.token_ids for o in a[3:]] == [o.token_ids for o in ref]
@@ -427,45 +375,32 @@ def test_seeded_sampling_with_speculation_reproduces(tiny_model_path) -> None:
     assert spec is not None and spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0
 
 
-def test_smollm2_greedy_with_ngram_speculation(smollm2_path) -> None:
-    text = (
-        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
-        "Rewrite the code above with type hints.\n"
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=32)
-    kwargs = dict(max_num_batched_tokens=256, num_gpu_blocks=64, max_model_len=512)
-    ref, _ = _run(smollm2_path, [text], params, **kwargs)
+def test_smollm2_greedy_with_ngram_speculation(smollm2_path, smollm2_code_reference) -> None:
     for mode in ("off", "on"):
-        got, stats = _run(
+        got, stats = run_engine(
             smollm2_path,
-            [text],
-            params,
+            [SMOLLM2_CODE_PROMPT],
+            SMOLLM2_CODE_PARAMS,
             speculative_config=NGRAM,
             async_scheduling=mode,
-            **kwargs,
+            **SMOLLM2_CODE_ENGINE,
         )
-        assert got[0].token_ids == ref[0].token_ids
+        assert got[0].token_ids == smollm2_code_reference.token_ids
         assert stats.spec_decoding is not None and stats.spec_decoding.num_accepted_tokens > 0
         assert stats.async_scheduling == (mode == "on")
 
 
-def test_replay_proposer_controls_acceptance(tiny_model_path, tmp_path: Path) -> None:
+def test_replay_proposer_controls_acceptance(
+    tiny_model_path, greedy_reference, tmp_path: Path
+) -> None:
     """p = 1 replays the target's own greedy tokens: every draft accepted; p = 0: none. The
     tokens are the run without speculation's either way."""
     path = tiny_model_path("qwen2")
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (5, 17, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ref, _ = _run(path, prompts, params)
-    record = tmp_path / "replay.json"
-    record.write_text(
-        json.dumps(
-            [
-                {"prompt_token_ids": p, "output_token_ids": list(o.token_ids)}
-                for p, o in zip(prompts, ref, strict=True)
-            ]
-        )
-    )
+    ref = greedy_reference("qwen2", prompts, 24)
+    record = write_replay_record(tmp_path / "replay.json", prompts, ref)
     for p, want_rate in ((1.0, 1.0), (0.0, 0.0)):
         spec = {
             "method": "replay",
@@ -473,7 +408,7 @@ def test_replay_proposer_controls_acceptance(tiny_model_path, tmp_path: Path) ->
             "replay_path": str(record),
             "replay_acceptance": p,
         }
-        got, stats = _run(path, prompts, params, speculative_config=spec)
+        got, stats = run_engine(path, prompts, params, speculative_config=spec)
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
         s = stats.spec_decoding
         assert s is not None and s.num_draft_tokens > 0
@@ -513,27 +448,41 @@ def test_spec_stats_reach_the_metrics_families() -> None:
     assert samples[(f"{prefix}_num_accepted_tokens_per_pos_total", "1")] == 1
 
 
+STRUCTURED_CHOICE = ("alpha beta", "gamma delta epsilon")
+
+
+def _structured_params() -> list[SamplingParams]:
+    """Two plain greedy requests and one held to STRUCTURED_CHOICE."""
+    from tandem.sampling_params import StructuredOutputsParams
+
+    choice = StructuredOutputsParams(choice=STRUCTURED_CHOICE)
+    return [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=choice)
+    ]
+
+
+@pytest.fixture(scope="module")
+def structured_reference(tiny_model_path) -> list:
+    """The tiny Llama's outputs under `_structured_params` without speculation."""
+    return run_engine(tiny_model_path("llama"), repetitive_prompts(512, 3), _structured_params())[0]
+
+
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_structured_rows_beside_drafts_keep_their_grammar(
-    tiny_model_path, async_scheduling: str
+    tiny_model_path, structured_reference: list, async_scheduling: str
 ) -> None:
     """A structured-output request gets no drafts, and in a step where others verify drafts
     its row still samples under its bitmask: the run's tokens are the run without
     speculation's (with async scheduling too)."""
-    from tandem.sampling_params import StructuredOutputsParams
-
     path = tiny_model_path("llama")
-    prompts = _repetitive_prompts(512, 3)
-    choice = StructuredOutputsParams(choice=("alpha beta", "gamma delta epsilon"))
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 2 + [
-        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=choice)
-    ]
-    ref, _ = _run(path, prompts, params)
-    got, stats = _run(
+    prompts = repetitive_prompts(512, 3)
+    params = _structured_params()
+    ref = structured_reference
+    got, stats = run_engine(
         path, prompts, params, speculative_config=NGRAM, async_scheduling=async_scheduling
     )
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    assert got[2].text in choice.choice
+    assert got[2].text in STRUCTURED_CHOICE
     assert stats.async_scheduling == (async_scheduling == "on")
     assert stats.spec_decoding is not None and stats.spec_decoding.num_draft_tokens > 0
 
@@ -542,15 +491,7 @@ def test_async_plans_drop_stale_proposals_and_verify_fresh_ones() -> None:
     """Async scheduling at the scheduler: proposals that land while a later plain step of the
     request is planned are dropped (they follow a token no longer the last); once nothing is
     in flight the proposals are kept, verified, and rejections rolled back exactly."""
-    sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
-        CacheConfig(block_size=4),
-        num_blocks=16,
-        max_model_len=64,
-        speculative_config=SpeculativeConfig(
-            method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2
-        ),
-    )
+    sched = spec_scheduler(2, prompt_lookup_max=2)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     request = Request("r", list(range(10, 17)), params)  # 7 prompt tokens
     sched.add_request(request)
@@ -575,15 +516,7 @@ def test_async_plans_drop_stale_proposals_and_verify_fresh_ones() -> None:
 def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
     from tandem.core.scheduler import SPEC_BACKOFF_AFTER
 
-    sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
-        CacheConfig(block_size=4),
-        num_blocks=32,
-        max_model_len=128,
-        speculative_config=SpeculativeConfig(
-            method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1
-        ),
-    )
+    sched = spec_scheduler(2, prompt_lookup_max=1, num_blocks=32, max_model_len=128)
     request = Request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=60))
     sched.add_request(request)
     so = sched.schedule()
@@ -682,15 +615,7 @@ def check_verify_rows(device: torch.device, temperature: float) -> None:
 def test_requests_with_logits_rules_get_drafts() -> None:
     """Logits rules apply at every verified row: such requests verify drafts; requests whose
     sampling reads their output counts (penalties, min_tokens) still do not."""
-    sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
-        CacheConfig(block_size=4),
-        num_blocks=16,
-        max_model_len=64,
-        speculative_config=SpeculativeConfig(
-            method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2
-        ),
-    )
+    sched = spec_scheduler(3, prompt_lookup_max=2)
     drafted = [
         SamplingParams(max_tokens=8),
         SamplingParams(max_tokens=8, logit_bias={5: 10.0}),
@@ -710,13 +635,13 @@ def test_logits_processors_under_speculation_match_the_run_without(tiny_model_pa
     """With n-gram speculation on: +100 bias forces its token, -100 bans it, allowed_token_ids
     holds, a two-token bad word never appears, the custom processor forces its token; every
     greedy output is the output of the same processors without speculation; the pool is
-    whole (`_run`)."""
+    whole (`run_engine`)."""
     path = tiny_model_path("llama")
-    prompts = _repetitive_prompts(512, 6)
+    prompts = repetitive_prompts(512, 6)
     loose = {**NGRAM, "prompt_lookup_min": 1}
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     procs = {"logits_processors": ["tests.logits_procs:ForceTokenProcessor"]}
-    free, _ = _run(path, prompts, greedy, **procs)
+    free, _ = run_engine(path, prompts, greedy, **procs)
     free_ids = [list(o.token_ids) for o in free]
     # The most frequent bigram of the free output of prompt 4 (repeats: its drafts meet it).
     pairs = list(itertools.pairwise(free_ids[4]))
@@ -730,8 +655,8 @@ def test_logits_processors_under_speculation_match_the_run_without(tiny_model_pa
         greedy.clone(bad_words_token_ids=[list(bad)]),
         greedy.clone(extra_args={"force_token_id": 42}),
     ]
-    ref, _ = _run(path, prompts, params, **procs)
-    got, stats = _run(path, prompts, params, speculative_config=loose, **procs)
+    ref, _ = run_engine(path, prompts, params, **procs)
+    got, stats = run_engine(path, prompts, params, speculative_config=loose, **procs)
     got_ids = [list(o.token_ids) for o in got]
     assert got_ids == [list(o.token_ids) for o in ref]
     assert got_ids[0] == free_ids[0]

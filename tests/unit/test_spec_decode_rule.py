@@ -14,7 +14,6 @@ without speculation either way, with async scheduling on.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import pytest
 from tandem import SamplingParams
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.spec_decode_rule import SpeculationRule
-from tests.unit.test_spec_decode import _run
+from tests.spec_decode_cases import run_engine, write_replay_record
 
 
 def step_cost(t0: float, c: float, n: int) -> float:
@@ -180,16 +179,8 @@ def rule_shares_in_engine(path: Path, tmp_path: Path, **engine: object) -> dict[
     engine = dict(
         max_num_seqs=4, num_gpu_blocks=128, max_model_len=512, async_scheduling="on", **engine
     )
-    ref, _ = _run(path, prompts, params, **engine)
-    record = tmp_path / "replay.json"
-    record.write_text(
-        json.dumps(
-            [
-                {"prompt_token_ids": p, "output_token_ids": list(o.token_ids)}
-                for p, o in zip(prompts, ref, strict=True)
-            ]
-        )
-    )
+    ref, _ = run_engine(path, prompts, params, **engine)
+    record = write_replay_record(tmp_path / "replay.json", prompts, ref)
     shares = {}
     # p = 0 runs 100 steps of one token; p = 1 about 40 steps of five.
     for p, max_tokens in ((0.0, 100), (1.0, 200)):
@@ -200,7 +191,7 @@ def rule_shares_in_engine(path: Path, tmp_path: Path, **engine: object) -> dict[
             "replay_acceptance": p,
         }
         run_params = params.clone(max_tokens=max_tokens)
-        got, stats = _run(path, prompts, run_params, speculative_config=spec, **engine)
+        got, stats = run_engine(path, prompts, run_params, speculative_config=spec, **engine)
         assert [o.token_ids for o in got] == [o.token_ids[:max_tokens] for o in ref]
         assert stats.async_scheduling
         rule = stats.spec_decode_rule

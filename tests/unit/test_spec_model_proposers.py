@@ -4,7 +4,7 @@
   Llama is the output without speculation, with chunked prefill, forced preemption, prefix
   hits and async scheduling asked for (the n-gram tests' cases); a model drafting for itself
   has every draft accepted (tiny Llama: exactly; SmolLM2: > 0.9); seeded sampling reproduces;
-  the pool is whole after each run (`_run`).
+  the pool is whole after each run (`run_engine`).
 - Bad input: a draft of another vocabulary (both sizes named), another TP, k out of range.
 """
 
@@ -20,7 +20,15 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.config import ConfigError, EngineArgs
 from tests.conftest import write_tiny_model
-from tests.unit.test_spec_decode import PARITY_CASES, _repetitive_prompts, _run
+from tests.spec_decode_cases import (
+    PARITY_CASES,
+    SMOLLM2_CODE_ENGINE,
+    SMOLLM2_CODE_PARAMS,
+    SMOLLM2_CODE_PROMPT,
+    parity_prompts,
+    repetitive_prompts,
+    run_engine,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,30 +41,26 @@ def _draft(model: Path | str, k: int = 3) -> dict[str, object]:
     return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
 
 
-_REFS: dict[str, list] = {}
-
-
-def _prompts() -> list[list[int]]:
-    prompts = _repetitive_prompts(512)
-    prompts.append([*prompts[-1][:20], 5, 6, 7])  # a prefix hit on the last prompt's blocks
-    return prompts
+def _parity_reference(greedy_reference: Any) -> list[list[int]]:
+    """The tiny Llama's greedy tokens for parity_prompts(), 40 of them: the first 40 of the
+    n-gram parity cases' 48-token reference (every request runs to max_tokens, so the first
+    40 steps are those of a 40-token run)."""
+    return [list(o.token_ids[:40]) for o in greedy_reference("llama", parity_prompts(), 48)]
 
 
 @pytest.mark.parametrize("case", sorted(PARITY_CASES))
 def test_greedy_with_a_draft_model_is_greedy_without(
-    tiny_model_path, other_llama: Path, case: str
+    tiny_model_path, greedy_reference, other_llama: Path, case: str
 ) -> None:
     path = tiny_model_path("llama")
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    if "ref" not in _REFS:
-        _REFS["ref"] = _run(path, _prompts(), params)[0]
-    ref = _REFS["ref"]
+    ref = _parity_reference(greedy_reference)
     extra = dict(PARITY_CASES[case])
     # The case's disable_by_batch_size, on the draft model.
     cap = extra.pop("speculative_config", {}).get("disable_by_batch_size", 0)
     spec_config = {**_draft(other_llama), "disable_by_batch_size": cap}
-    got, stats = _run(path, _prompts(), params, speculative_config=spec_config, **extra)
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    got, stats = run_engine(path, parity_prompts(), params, speculative_config=spec_config, **extra)
+    assert [list(o.token_ids) for o in got] == ref
     spec = stats.spec_decoding
     assert spec is not None and spec.num_draft_tokens > 0
     assert stats.async_scheduling == (extra.get("async_scheduling") == "on")
@@ -65,20 +69,21 @@ def test_greedy_with_a_draft_model_is_greedy_without(
         assert stats.num_preemptions > 0
     if case == "roomy":  # speculation off by batch size: the draft keeps its KV, drafts nothing
         off = {**_draft(other_llama), "disable_by_batch_size": 1}
-        got, stats = _run(path, _prompts(), params, speculative_config=off, **extra)
-        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        got, stats = run_engine(path, parity_prompts(), params, speculative_config=off, **extra)
+        assert [list(o.token_ids) for o in got] == ref
         assert stats.spec_decoding is not None and stats.spec_decoding.num_draft_tokens == 0
     # The same model drafting for itself: every draft is the target's own greedy token.
     if case == "chunked":
-        got, stats = _run(path, _prompts(), params, speculative_config=_draft(path), **extra)
-        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        draft = _draft(path)
+        got, stats = run_engine(path, parity_prompts(), params, speculative_config=draft, **extra)
+        assert [list(o.token_ids) for o in got] == ref
         spec = stats.spec_decoding
         assert spec is not None and spec.num_draft_tokens > 100
         assert spec.num_accepted_tokens == spec.num_draft_tokens
 
 
 def test_a_draft_that_keeps_failing_stops_drafting(
-    tiny_model_path, other_llama: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_path, greedy_reference, other_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another model's drafts are nearly always rejected: requests back off (the scheduler
     says so in `no_draft_req_ids`) and the proposer then runs no draft steps for them, only
@@ -87,8 +92,7 @@ def test_a_draft_that_keeps_failing_stops_drafting(
 
     path = tiny_model_path("llama")
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    if "ref" not in _REFS:
-        _REFS["ref"] = _run(path, _prompts(), params)[0]
+    ref = _parity_reference(greedy_reference)
     rows = {"sampled": 0, "drafted": 0}
     propose_step, draft = ModelProposer.propose_step, ModelProposer._draft
 
@@ -102,8 +106,8 @@ def test_a_draft_that_keeps_failing_stops_drafting(
 
     monkeypatch.setattr(ModelProposer, "propose_step", counting_step)
     monkeypatch.setattr(ModelProposer, "_draft", counting_draft)
-    got, stats = _run(path, _prompts(), params, speculative_config=_draft(other_llama))
-    assert [o.token_ids for o in got] == [o.token_ids for o in _REFS["ref"]]
+    got, stats = run_engine(path, parity_prompts(), params, speculative_config=_draft(other_llama))
+    assert [list(o.token_ids) for o in got] == ref
     spec = stats.spec_decoding
     assert spec is not None and spec.num_accepted_tokens < spec.num_draft_tokens / 4
     assert 0 < rows["drafted"] < rows["sampled"] / 2
@@ -113,30 +117,31 @@ def test_seeded_sampling_with_a_draft_model_reproduces(tiny_model_path, other_ll
     """Sampling requests verify greedy drafts (q one-hot: the rejection sampler's exact
     rule for them) and reproduce run to run with their seeds."""
     path = tiny_model_path("llama")
-    prompts = _repetitive_prompts(512, 4)
+    prompts = repetitive_prompts(512, 4)
     params = [
         SamplingParams(temperature=0.2, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)
     ]
     spec = {**_draft(path, 2), "speculation_rule": "always"}  # see the n-gram test
-    a, stats = _run(path, prompts, params, speculative_config=spec)
-    b, _ = _run(path, prompts, params, speculative_config=spec)
+    a, stats = run_engine(path, prompts, params, speculative_config=spec)
+    b, _ = run_engine(path, prompts, params, speculative_config=spec)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 24 for o in a)
     spec = stats.spec_decoding
     assert spec is not None and spec.num_accepted_tokens > 0
 
 
-def test_smollm2_drafting_for_itself_accepts_nearly_every_draft(smollm2_path) -> None:
-    text = (
-        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
-        "Rewrite the code above with type hints.\n"
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=32)
-    kwargs = dict(max_num_batched_tokens=256, num_gpu_blocks=64, max_model_len=512)
-    ref, _ = _run(smollm2_path, [text], params, **kwargs)
+def test_smollm2_drafting_for_itself_accepts_nearly_every_draft(
+    smollm2_path, smollm2_code_reference
+) -> None:
     spec = _draft(smollm2_path, 4)
-    got, stats = _run(smollm2_path, [text], params, speculative_config=spec, **kwargs)
-    assert got[0].token_ids == ref[0].token_ids
+    got, stats = run_engine(
+        smollm2_path,
+        [SMOLLM2_CODE_PROMPT],
+        SMOLLM2_CODE_PARAMS,
+        speculative_config=spec,
+        **SMOLLM2_CODE_ENGINE,
+    )
+    assert got[0].token_ids == smollm2_code_reference.token_ids
     s = stats.spec_decoding
     assert s is not None and s.num_draft_tokens > 0
     assert s.acceptance_rate > 0.9
@@ -272,9 +277,9 @@ def check_eagle_drafts(
     from tandem.spec_decode.eagle import EagleProposer
 
     head = write_tiny_eagle_head(tmp_path / "eagle", path)
-    prompts = _repetitive_prompts(512, 3)
+    prompts = repetitive_prompts(512, 3)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    ref, _ = _run(path, prompts, params, **engine)
+    ref, _ = run_engine(path, prompts, params, **engine)
     full = [[*p, *o.token_ids] for p, o in zip(prompts, ref, strict=True)]
     seen: list[tuple[list[int], list[int]]] = []
     propose_step = EagleProposer.propose_step
@@ -302,7 +307,7 @@ def check_eagle_drafts(
         "num_speculative_tokens": 3,
         "speculation_rule": "always",
     }
-    got, stats = _run(path, prompts, params, speculative_config=spec, **engine)
+    got, stats = run_engine(path, prompts, params, speculative_config=spec, **engine)
     monkeypatch.undo()
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     s = stats.spec_decoding
@@ -332,7 +337,9 @@ def test_random_eagle_head_of_the_8b_shape_builds(tmp_path: Path) -> None:
     assert not any("embed" in n or "lm_head" in n or "input_layernorm" in n for n in names)
 
 
-def test_eagle_head_from_a_bin_with_its_own_embedding(tiny_model_path, tmp_path: Path) -> None:
+def test_eagle_head_from_a_bin_with_its_own_embedding(
+    tiny_model_path, greedy_reference, tmp_path: Path
+) -> None:
     """A head published as pytorch_model.bin with its own `embed_tokens.weight` loads; the
     head's embedding is used (not the target's) and greedy tokens are unchanged."""
     import torch
@@ -350,10 +357,10 @@ def test_eagle_head_from_a_bin_with_its_own_embedding(tiny_model_path, tmp_path:
         512, 64, generator=torch.Generator().manual_seed(3)
     )
     torch.save(weights, bin_dir / "pytorch_model.bin")
-    prompts = _repetitive_prompts(512, 2)
+    prompts = repetitive_prompts(512, 2)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     spec = {"method": "eagle", "model": str(bin_dir), "num_speculative_tokens": 2}
-    ref, _ = _run(path, prompts, params)
+    ref = greedy_reference("llama", prompts, 12)
     kwargs = dict(device="cpu", dtype="float32", num_gpu_blocks=32, max_model_len=256)
     with LLM(model=str(path), speculative_config=spec, **kwargs) as llm:
         proposer = llm.engine.executor.driver_worker.model_runner.proposer
@@ -365,7 +372,7 @@ def test_eagle_head_from_a_bin_with_its_own_embedding(tiny_model_path, tmp_path:
     assert [o.outputs[0].token_ids for o in got] == [o.token_ids for o in ref]
 
 
-def test_disaggregated_decode_with_a_draft_model(tiny_model_path) -> None:
+def test_disaggregated_decode_with_a_draft_model(tiny_model_path, greedy_reference) -> None:
     """The decode worker speculates: prompt KV copied in from a prefill engine is the
     target's only, so the draft computes its own over those positions on the request's first
     step (`num_external_computed_tokens`). The tiny Llama drafting for itself then has every
@@ -375,7 +382,7 @@ def test_disaggregated_decode_with_a_draft_model(tiny_model_path) -> None:
     path = tiny_model_path("llama")
     kwargs = dict(device="cpu", dtype="float32", num_gpu_blocks=64, max_model_len=256)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    prompts = _repetitive_prompts(512, 3)
+    prompts = repetitive_prompts(512, 3)
 
     def drain(engine: Any) -> dict[str, list[int]]:
         tokens: dict[str, list[int]] = {}
@@ -384,7 +391,7 @@ def test_disaggregated_decode_with_a_draft_model(tiny_model_path) -> None:
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         return tokens
 
-    ref, _ = _run(path, prompts, params)
+    ref = greedy_reference("llama", prompts, 16)
     with (
         LLM(model=str(path), **kwargs) as prefill,
         LLM(model=str(path), speculative_config=_draft(path), **kwargs) as decode,
@@ -413,17 +420,17 @@ def test_disaggregated_decode_with_a_draft_model(tiny_model_path) -> None:
     assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
-def test_tensor_parallel_draft_model(tiny_model_path) -> None:
+def test_tensor_parallel_draft_model(tiny_model_path, greedy_reference) -> None:
     """TP = 2 (rank processes, gloo): the draft runs on every rank with the target's TP, its
     forwards' collectives in step order on every rank (also where nobody reads the step's
     result); the tiny Llama drafting for itself gives one rank's tokens, every draft
     accepted."""
     path = tiny_model_path("llama")
-    prompts = _repetitive_prompts(512, 3)
+    prompts = repetitive_prompts(512, 3)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    ref, _ = _run(path, prompts, params)
+    ref = greedy_reference("llama", prompts, 16)
     spec = _draft(path)
-    got, stats = _run(path, prompts, params, speculative_config=spec, tensor_parallel_size=2)
+    got, stats = run_engine(path, prompts, params, speculative_config=spec, tensor_parallel_size=2)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     s = stats.spec_decoding
     assert s is not None and s.num_draft_tokens > 20
