@@ -46,14 +46,23 @@ _TOKEN, _STATIC, _AMAX, _FROM_AMAX = 0, 1, 2, 3
 
 
 @triton.jit
+def _abs_max(y, mask):
+    """max |y| over the masked-in lanes, as the unfused quantizers take it (tandem_kernels.fp8:
+    `tl.maximum` onto zeros, which drops NaN lanes): a NaN row (a CUDA graph's padding rows
+    hold whatever their buffers held) neither poisons a per-tensor scale nor differs from
+    the unfused path's."""
+    return tl.max(tl.maximum(tl.zeros_like(y), tl.where(mask, tl.abs(y), 0.0)), axis=0)
+
+
+@triton.jit
 def _scale_and_store(y, row, q_row, scale_ptr, amax_ptr, offs, mask, MODE: tl.constexpr):
     """Quantize the row `y` (fp32 values of the IO dtype) by the mode's scale, or (`_AMAX`)
     only fold its max into `amax_ptr`."""
     if MODE == 2:
-        tl.atomic_max(amax_ptr, tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0))
+        tl.atomic_max(amax_ptr, _abs_max(y, mask))
     else:
         if MODE == 0:
-            amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+            amax = _abs_max(y, mask)
             scale = tl.maximum(amax * INV_FP8_MAX_TL, MIN_SCALE_TL)
             tl.store(scale_ptr + row, scale)
         elif MODE == 1:

@@ -158,3 +158,34 @@ def test_fp8_model_with_fused_inputs_matches_unfused(
     # GEMMs' own run-to-run order; an e4m3 step off anywhere would show as about 1e-2.
     assert rel < 1e-3
     assert (fused.argmax(-1) == unfused.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("strategy", ["token", "tensor"])
+def test_padding_rows_of_nan_and_inf_leave_the_real_rows_as_unfused(
+    strategy: QuantStrategy,
+) -> None:
+    """A CUDA graph's padding rows hold whatever their buffers held (NaN, inf). The fused
+    producers take their maxima as the unfused quantizers do (NaN lanes dropped), so a
+    per-tensor scale is not poisoned and the real rows' bytes equal the unfused path's. At
+    SmolLM2's sizes (hidden 576, intermediate 1536: partial blocks) and the 8B's."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for hidden, inter, m in ((576, 1536, 48), (HIDDEN, INTERMEDIATE[0], 8)):
+        x = (torch.randn(m, hidden, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+        residual = torch.randn(m, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(torch.bfloat16)
+        y = (torch.randn(m, 2 * inter, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+        x[-1], x[-2], residual[-2], y[-1] = float("nan"), float("inf"), float("inf"), float("nan")
+        real = m - 2
+        normed, _ = fused_add_rms_norm(x, residual, weight, 1e-5)
+        for (q, s), (q_ref, s_ref) in (
+            (
+                rms_norm_fp8(x, residual, weight, 1e-5, strategy)[:2],
+                _unfused_quant(normed, strategy),
+            ),
+            (silu_and_mul_fp8(y, strategy), _unfused_quant(silu_and_mul(y), strategy)),
+        ):
+            if strategy == "tensor":
+                assert torch.isfinite(s) and torch.equal(s, s_ref), (hidden, s, s_ref)
+            else:
+                assert torch.equal(s[:real], s_ref[:real])
+            assert torch.equal(q[:real].view(torch.uint8), q_ref[:real].view(torch.uint8))
