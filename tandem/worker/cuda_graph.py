@@ -69,10 +69,17 @@ class StaticStepInputs:
             )
 
     def metadata(
-        self, num_tokens: int, num_reqs: int, max_query_len: int, max_seq_len: int
+        self,
+        num_tokens: int,
+        num_reqs: int,
+        max_query_len: int,
+        max_seq_len: int,
+        graph_padded: bool = False,
     ) -> AttentionMetadata:
         """The metadata of a captured step over the first `num_tokens` rows and `num_reqs`
-        request slots (decode only when they are equal and `max_query_len` is 1)."""
+        request slots (decode only when they are equal and `max_query_len` is 1).
+        `graph_padded`: replays fill fewer rows than `num_tokens` (a whole mixed step), so
+        the backend zeroes the rest of its output (`AttentionMetadata.graph_padded`)."""
         decode_only = max_query_len == 1
         metadata = AttentionMetadata(
             num_actual_tokens=num_tokens,
@@ -87,6 +94,7 @@ class StaticStepInputs:
             seq_lens_cpu=[],
             is_decode_only=decode_only,
             num_decodes=0,
+            graph_padded=graph_padded,
         )
         tables, slots = self.group_block_table, self.group_slot_mapping
         if tables is None or slots is None:

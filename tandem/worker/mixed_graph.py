@@ -117,7 +117,7 @@ class MixedCudaGraphs:
                 inputs.query_start_loc[0] = 0
                 inputs.seq_lens.zero_()
                 inputs.seq_lens[0] = size
-                meta = inputs.metadata(size, slots, size, max_model_len)
+                meta = inputs.metadata(size, slots, size, max_model_len, graph_padded=True)
                 if plan is not None:
                     meta = plan(meta)
                 args = (inputs.input_ids[:size], inputs.positions[:size], kv_caches, meta)

@@ -229,6 +229,76 @@ def test_decode_cuda_graph_replay() -> None:
         assert torch.equal(got, key[0])
 
 
+@pytest.mark.parametrize("cascade", [False, True])
+def test_whole_step_graph_zeroes_its_padding_rows(cascade: bool) -> None:
+    """A mixed step captured at a bucket of 64 rows (`graph_padded` metadata, as
+    tandem.worker.mixed_graph captures) and replayed with fewer real rows: the rows past
+    `query_start_loc[num_reqs]` come out zero although the graph's output memory held NaN
+    before the replay (a per-tensor FP8 scale over every row would take it), and the real
+    rows are attention over the requests, on both prefill paths."""
+    dtype, bucket, slots_per_req = torch.bfloat16, 64, 4
+    gen = torch.Generator().manual_seed(5)
+    max_blocks = 256 // BLOCK_SIZE
+    cache = _cache(slots_per_req * max_blocks, dtype)
+    query = torch.zeros(bucket, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    key = torch.zeros(bucket, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype, device=DEV)
+    value = torch.zeros_like(key)
+    qsl = torch.full((slots_per_req + 1,), bucket, dtype=torch.int32, device=DEV)
+    qsl[0] = 0
+    seq_lens = torch.zeros(slots_per_req, dtype=torch.int32, device=DEV)
+    seq_lens[0] = bucket
+    block_table = torch.arange(slots_per_req * max_blocks, dtype=torch.int32, device=DEV).reshape(
+        slots_per_req, max_blocks
+    )
+    slot_mapping = torch.full((bucket,), -1, dtype=torch.int64, device=DEV)
+    meta = AttentionMetadata(
+        num_actual_tokens=bucket,
+        num_reqs=slots_per_req,
+        max_query_len=bucket,
+        max_seq_len=256,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        query_start_loc_cpu=[],
+        seq_lens_cpu=[],
+        graph_padded=True,
+        prefill_path="triton" if cascade else "paged",
+    )
+    backend = TritonAttentionBackend()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(query, key, value, cache, meta, SCALE)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(query, key, value, cache, meta, SCALE)
+
+    for lens in ([20, 9], [37], [bucket]):
+        n = sum(lens)
+        starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+        qsl.fill_(n)
+        qsl[: len(starts)] = torch.tensor(starts, dtype=torch.int32)
+        seq_lens.zero_()
+        seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32)
+        slot_mapping.fill_(-1)
+        for r, (a, length) in enumerate(zip(starts, lens, strict=False)):
+            base = int(block_table[r, 0]) * BLOCK_SIZE
+            slot_mapping[a : a + length] = torch.arange(base, base + length, device=DEV)
+        for t in (query, key, value):
+            t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out[n:].any() and not out[n:].isnan().any(), (lens, "padding rows")
+        ref = paged_attention_ref(
+            query[:n], cache, qsl[: len(lens) + 1], seq_lens[: len(lens)],
+            block_table[: len(lens)], SCALE,
+        )  # fmt: skip
+        torch.testing.assert_close(out[:n], ref, **_tol(dtype), msg=f"real rows {lens}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm(dtype: torch.dtype) -> None:
     x = torch.randn(2048, 4096, dtype=dtype, device=DEV)

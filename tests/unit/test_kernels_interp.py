@@ -55,6 +55,7 @@ def _kernels() -> SimpleNamespace:
     import tandem_kernels.cascade_attention
     import tandem_kernels.fused_moe
     import tandem_kernels.moe_ref
+    import tandem_kernels.padding
     import tandem_kernels.paged_attention
     import tandem_kernels.reshape_and_cache
     import tandem_kernels.rms_norm
@@ -66,6 +67,7 @@ def _kernels() -> SimpleNamespace:
         cascade=tandem_kernels.cascade_attention,
         fused_moe=tandem_kernels.fused_moe,
         moe_ref=tandem_kernels.moe_ref,
+        padding=tandem_kernels.padding,
         paged_attention=tandem_kernels.paged_attention,
         reshape_and_cache=tandem_kernels.reshape_and_cache,
         rms_norm=tandem_kernels.rms_norm,
@@ -114,6 +116,27 @@ def _batch(query_lens: list[int]) -> torch.Tensor:
 
 
 # --- reshape_and_cache ---------------------------------------------------------------------
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_zero_rows_from(dtype: torch.dtype) -> None:
+    """A graph's padding rows (from a count read on the device) zeroed, NaN and inf among
+    them; the rows before untouched, to the bit. Rows of 3-D `[T, H, D]` (an attention
+    output) and a width past one block."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(3)
+    for shape, start in (((9, 3, 8), 5), ((6, 5000), 2), ((4, 2, 8), 4), ((4, 2, 8), 0)):
+        out = torch.randn(*shape, generator=gen).to(dtype)
+        out[start:].view(-1)[::3] = float("nan")
+        out[start:].view(-1)[1::3] = float("inf")
+        before = out[:start].clone()
+        k.padding.zero_rows_from(out, torch.tensor([start], dtype=torch.int32))
+        assert torch.equal(out[:start], before), shape
+        assert not out[start:].any(), shape
+        expected = torch.randn(*shape, generator=gen).to(dtype)
+        kept = expected[:start].clone()
+        k.padding.zero_rows_from_ref(expected, torch.tensor([start]))
+        assert torch.equal(expected[:start], kept) and not expected[start:].any()
 
 
 @_case(*({"dtype": d} for d in DTYPES))

@@ -151,3 +151,37 @@ def test_prefill_path_is_planned_once_per_step(
     # The kernels run: the planned cascade for full layers, the all-paged one for sliding.
     want = ["triton"] * full_layers + ["paged"] * (2 - full_layers)
     assert fakes.paths == want * prefill_steps
+
+
+def test_whole_step_graph_plans_the_all_paged_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-step graph's metadata (`graph_padded`, as the mixed graphs capture it) plans
+    the all-paged kernel where an eager step of the same shape plans the cascade: the graph's
+    one-token requests would otherwise run through the cascade's prefix tiles. A forced
+    cascade (`TANDEM_PREFILL_CASCADE=1`) still forces it."""
+    import dataclasses
+
+    from tandem.layers.attention import triton_backend as tb
+    from tandem.layers.attention.backend import AttentionMetadata, AttentionShape
+
+    fakes = _Fakes()
+    monkeypatch.setattr(tb, "planned_prefill_path", fakes.planned_prefill_path)
+    backend = tb.TritonAttentionBackend()
+    backend.prefill_cascade = None
+    shape = AttentionShape(4, 2, 16, 16, torch.float32, torch.float32, torch.device("cpu"))
+    meta = AttentionMetadata(
+        num_actual_tokens=8,
+        num_reqs=2,
+        max_query_len=8,
+        max_seq_len=64,
+        query_start_loc=torch.tensor([0, 7, 8], dtype=torch.int32),
+        seq_lens=torch.tensor([7, 30], dtype=torch.int32),
+        block_table=torch.zeros(2, 4, dtype=torch.int32),
+        slot_mapping=torch.zeros(8, dtype=torch.long),
+        query_start_loc_cpu=[],
+        seq_lens_cpu=[],
+    )
+    assert backend.plan_step(meta, shape).prefill_path == "triton"
+    graph = dataclasses.replace(meta, graph_padded=True)
+    assert backend.plan_step(graph, shape).prefill_path == "paged"
+    backend.prefill_cascade = True
+    assert backend.plan_step(graph, shape).prefill_path == tb.default_dense_impl()

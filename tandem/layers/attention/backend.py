@@ -65,6 +65,12 @@ class AttentionMetadata:
     # planned (metadata built by hand, a proposer's), or chosen by the step's first layer call
     # (a start-up step timed on that call's tensors), which then keeps it here for the rest.
     prefill_path: str | None = None
+    # A whole-step CUDA graph's metadata (tandem.worker.mixed_graph): `num_actual_tokens` is
+    # the bucket's row count, and the rows past `query_start_loc[num_reqs]` are padding whose
+    # count only the device knows. A backend zeroes those rows of its output on the device
+    # (tandem_kernels.padding): no request owns them, and their stale memory (NaN, inf) would
+    # reach a per-tensor activation scale taken over every row.
+    graph_padded: bool = False
 
 
 @dataclass(frozen=True)
