@@ -297,7 +297,7 @@ def test_cascade_in_a_cuda_graph(impl: str, monkeypatch: pytest.MonkeyPatch) -> 
 # FP8 scales and sliding windows at the 1k and 8k scenes: a window shorter than the chunks and
 # the prefixes (512), one as long as Mistral's (4,096: shorter than the 8k prompt, longer than
 # the 1k scene's contexts but the 4k one).
-FP8_SCALES = (0.02, 0.01)
+FP8_SCALES = (0.02, 0.02)  # |x| / scale stays below e4m3's 448 for |x| < 8.9
 WINDOW_CASES = [("1k", 512), ("1k", 4096), ("8k", 512), ("8k", 4096)]
 
 
