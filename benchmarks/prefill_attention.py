@@ -10,6 +10,12 @@ against SDPA first:
   (`ctx:BQxBNxWxS`, BQ query rows x 4 heads per tile) after the fastest dense part.
 Causal FLOPs (QK^T and PV over the visible keys) over the median time give TFLOP/s.
 
+Variants (`--variants`, after the shapes): an FP8 KV cache (`fp8:`, e4m3, per-tensor scales)
+and sliding windows (`winW:`, W keys per row), where the engine once had to take the all-paged
+kernel: the all-paged kernel (`old`, default and each tile config; its output is the reference
+here) against the cascade (default, then each dense tile config). A window's FLOPs count the
+keys inside each row's window only.
+
 Bounded: each candidate is timed for about 0.1 s (`do_bench` rep); past `--budget-s` seconds
 the remaining candidates are skipped (recorded as "skipped"); the JSON is rewritten after each
 shape, so a run killed by `timeout` still leaves the shapes it finished. A candidate that
@@ -19,6 +25,7 @@ fails (a config the device cannot run, a wrong result) is recorded with its erro
 issue-30 table of every backend).
 
     timeout 290 python -m benchmarks.prefill_attention --out prefill_attention.json  # H200, < 4 min
+    timeout 290 python -m benchmarks.prefill_attention --shapes '' --out variants.json  # variants
 """
 
 from __future__ import annotations
@@ -34,11 +41,17 @@ from typing import Any
 import torch
 
 from tandem_kernels.cascade_attention import cascade_prefill_attention, flash_dense_supported
-from tandem_kernels.paged_attention import paged_prefill_attention
+from tandem_kernels.paged_attention import FP8_KV_DTYPE, paged_prefill_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 # (requests, new tokens each, cached context tokens each)
 SHAPES = [(8, 1024, 0), (4, 1024, 3072), (16, 512, 0), (2, 4096, 0), (1, 32768, 0)]
+# (kind, requests, new tokens each, cached context tokens each): kind "fp8" (an FP8 cache) or
+# "winW" (a sliding window of W), the cases the cascade newly covers.
+VARIANTS = [("fp8", 8, 1024, 0), ("fp8", 4, 1024, 3072), ("fp8", 1, 32768, 0),
+            ("win1024", 8, 1024, 0), ("win1024", 4, 1024, 3072), ("win4096", 1, 32768, 0),
+            ("win4096", 2, 4096, 8192)]  # fmt: skip
+FP8_SCALES = (0.02, 0.02)
 # (block_q, block_n, warps, stages); block_q counts query rows (x4 heads = the tile's rows).
 CONFIGS = [(16, 64, 4, 3), (32, 32, 4, 3), (32, 64, 8, 3), (32, 64, 4, 2), (32, 128, 8, 2),
            (64, 64, 8, 2), (16, 32, 4, 4)]  # fmt: skip
@@ -139,6 +152,20 @@ def causal_flops(
     """FLOPs of QK^T and PV over the visible keys only: row j of the new tokens sees ctx + j + 1
     keys (a bottom-right aligned causal mask)."""
     visible = num_reqs * (new * ctx + new * (new + 1) / 2)
+    return 4 * visible * num_heads * head_size
+
+
+def window_flops(
+    num_reqs: int,
+    new: int,
+    ctx: int,
+    window: int,
+    num_heads: int = NUM_HEADS,
+    head_size: int = HEAD_SIZE,
+) -> float:
+    """`causal_flops` with a sliding window: the row at position p sees min(p + 1, W) keys."""
+    pos = torch.arange(ctx, ctx + new, dtype=torch.float64)
+    visible = num_reqs * float(torch.clamp(pos + 1, max=window).sum())
     return 4 * visible * num_heads * head_size
 
 
@@ -260,6 +287,68 @@ def run_shape(
     return res
 
 
+def run_variant(
+    kind: str, num_reqs: int, new: int, ctx: int, dev: torch.device, deadline: float
+) -> dict[str, Any]:
+    """One FP8 or sliding-window shape: the all-paged kernel (its default's output the
+    reference) against the cascade (default, then each dense tile config)."""
+    batch = make_paged_batch(num_reqs, new, ctx, dev)
+    query, qsl = batch.query, batch.query_start_loc
+    seq_lens, block_table, scale = batch.seq_lens, batch.block_table, batch.scale
+    k_new, v_new = batch.new_kv()
+    extra: dict[str, Any] = {}
+    cache = batch.kv_cache
+    if kind == "fp8":
+        ks, vs = FP8_SCALES
+        k8 = (cache[:, 0].float() / ks).clamp(-448, 448)
+        v8 = (cache[:, 1].float() / vs).clamp(-448, 448)
+        cache = torch.stack([k8, v8], dim=1).to(FP8_KV_DTYPE)
+        extra = {"k_scale": ks, "v_scale": vs}
+        flops = causal_flops(num_reqs, new, ctx)
+    else:
+        window = int(kind.removeprefix("win"))
+        extra = {"sliding_window": window}
+        flops = window_flops(num_reqs, new, ctx, window)
+
+    def old(config: tuple[int, int, int, int] | None) -> Callable[[], torch.Tensor]:
+        knobs = {} if config is None else dict(
+            block_q=config[0], block_n=config[1], num_warps=config[2], num_stages=config[3]
+        )  # fmt: skip
+        return lambda: paged_prefill_attention(
+            query, cache, qsl, seq_lens, block_table, scale, **knobs, **extra
+        )
+
+    def cascade(dense: tuple[int, int, int, int] | None) -> Callable[[], torch.Tensor]:
+        return lambda: cascade_prefill_attention(
+            query, k_new, v_new, cache, qsl, seq_lens, block_table, scale, max_query_len=new,
+            dense_impl="triton", dense_config=dense, **extra,
+        )  # fmt: skip
+
+    timer = _Timer(flops, old(None)(), deadline)
+    res: dict[str, Any] = {"kind": kind, "num_reqs": num_reqs, "new_tokens": new, "context": ctx}
+    old_rates = {"default": timer("old default", old(None))}
+    for config in CONFIGS:
+        old_rates[_cfg(config)] = timer(f"old {_cfg(config)}", old(config))
+    rates: dict[str, float | str] = {"default": timer("cascade default", cascade(None))}
+    for config in DENSE_CONFIGS:
+        rates[f"triton:{_cfg(config)}"] = timer(f"cascade {_cfg(config)}", cascade(config))
+    res.update(old_tflops=old_rates, old_best=_best(old_rates))
+    res.update(cascade_tflops=rates, cascade_best=_best(rates))
+
+    def show(rate: float | str | None) -> str:
+        return f"{rate:.0f}" if isinstance(rate, float) else str(rate)
+
+    print(
+        f"{kind}: {num_reqs} x {new} new over {ctx} cached: old default "
+        f"{show(old_rates['default'])}, best {res['old_best']} "
+        f"{show(old_rates.get(res['old_best'] or ''))}; cascade default "
+        f"{show(rates['default'])}, best {res['cascade_best']} "
+        f"{show(rates.get(res['cascade_best'] or ''))} TFLOP/s",
+        flush=True,
+    )
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="")
@@ -268,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         "--shapes",
         default=",".join(f"{r}x{n}+{c}" for r, n, c in SHAPES),
         help="REQSxNEW+CACHED list",
+    )
+    ap.add_argument(
+        "--variants",
+        default=",".join(f"{k}:{r}x{n}+{c}" for k, r, n, c in VARIANTS),
+        help="KIND:REQSxNEW+CACHED list, KIND fp8 or winW ('' for none)",
     )
     ns = ap.parse_args(argv)
     deadline = time.monotonic() + ns.budget_s
@@ -282,12 +376,25 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "shapes": [],
+        "variants": [],
     }
-    for num_reqs, new, ctx in shapes:
-        result["shapes"].append(run_shape(num_reqs, new, ctx, dev, deadline))
+
+    def save() -> None:
         if ns.out:
             with open(ns.out, "w") as f:
                 json.dump(result, f, indent=1)
+
+    for num_reqs, new, ctx in shapes:
+        result["shapes"].append(run_shape(num_reqs, new, ctx, dev, deadline))
+        save()
+    for item in filter(None, ns.variants.split(",")):
+        kind, _, spec = item.partition(":")
+        reqs, rest = spec.split("x")
+        new, _, ctx = rest.partition("+")
+        result["variants"].append(
+            run_variant(kind, int(reqs), int(new), int(ctx or 0), dev, deadline)
+        )
+        save()
     return 0
 
 

@@ -9,6 +9,7 @@ context of `seq_len` tokens, `context_len = seq_len - q_len`:
                    cached prefix, read paged            | this step's K/V, dense (not the cache)
     part 2:        every new row sees all of it         |
     part 1:                                             | row j sees keys 0..j (causal)
+    (a sliding window cuts both on the left, per row)
 
 - Part 1, `dense_causal_attention`: varlen causal self-attention over `key`/`value` as
   `forward` receives them (`[num_tokens, Hkv, D]`, request r's rows at the same offsets as
@@ -27,8 +28,22 @@ LSE convention: natural log of the sum over visible keys of exp(scale * q.k), fp
 Capturable in CUDA graphs: no host syncs; grids depend on the token count, `num_reqs` and the
 head counts; `max_query_len` (FlashAttention's grid) may be an upper bound.
 
-Not covered (callers use `paged_prefill_attention`): FP8 caches (the dense K/V are not the
-fp8-rounded values the cache holds), sliding windows, decode-only batches.
+FP8 caches (`float8_e4m3fn`, per-tensor `k_scale` / `v_scale`): part 1 reads the step's K/V
+rounded exactly as `reshape_and_cache` stores them (`fp8_rounded_kv`: that kernel run into a
+scratch of the step's rows), widened to the query's dtype as loaded, `k_scale` folded into the
+softmax scale and `v_scale` into the output, as the all-paged kernel does over the cache; part 2
+reads the cache the same way. The result equals the all-paged kernel's over the FP8 cache up
+to fp32 summation order (and part 1's rows rounded to the query's dtype before the merge).
+FlashAttention-2 is not a dense kernel for FP8 caches.
+
+Sliding windows (`sliding_window` W, transformers' and the all-paged kernel's convention: the
+row at position p sees keys p - W < k <= p): part 1 masks keys j - k >= W and skips tiles
+wholly left of its q-block's window; part 2 reads only the prefix from the window start of its
+q-block's first row (blocks left of it may be the null block: never read), masks per row, and
+returns at once when no prefix key is in sight. FlashAttention-2 is not a dense kernel with a
+window here (`layer_prefill_path` swaps in ours).
+
+Not covered: decode-only batches (the split-K decode kernel).
 
 Which path runs (`prefill_path`): on CUDA, the fastest of the all-paged kernel, the cascade
 with FlashAttention-2 and the cascade with our dense kernel, timed once per attention shape in
@@ -51,10 +66,12 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.paged_attention import (
+    FP8_KV_DTYPE,
     MIN_TUNE_TOKENS,
     ShapeKey,
     attend_tile,
     check_common,
+    check_kv_scales,
     find_request,
     input_precision,
     key_json,
@@ -65,7 +82,9 @@ from tandem_kernels.paged_attention import (
     shape_key,
     store_out_tile,
     time_config,
+    window_arg,
 )
+from tandem_kernels.reshape_and_cache import reshape_and_cache
 
 _LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)
@@ -164,8 +183,62 @@ def store_lse(lse_ptr, lse2, head, tok, stride_lse_head, stride_lse_tok, mask):
 # --- part 1: dense varlen causal ----------------------------------------------------------
 
 
+@triton.jit
+def _dense_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_base,
+    v_base,
+    start_n,
+    offs_m,
+    q_len,
+    window,
+    stride_k_tok,
+    stride_v_tok,
+    offs_d,
+    d_mask,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    DIAGONAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over the request's dense keys start_n .. start_n + BLOCK_N.
+
+    DIAGONAL: keys past the request's end are not loaded and key n is dropped for row m when
+    n > m (causal). WINDOW: key n is dropped for row m when n <= m - window. K/V in FP8 are
+    widened to the query's dtype as they are loaded (their scales are the caller's)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if DIAGONAL:
+        n_valid = offs_n < q_len
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+    else:
+        kv_mask = d_mask[None, :]
+    k = tl.load(k_base + offs_n[:, None] * stride_k_tok + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_v_tok + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
+    if DIAGONAL or WINDOW:
+        if DIAGONAL:
+            keep = (offs_n[None, :] <= offs_m[:, None]) & n_valid[None, :]
+            if WINDOW:
+                keep = keep & (offs_n[None, :] > offs_m[:, None] - window)
+        else:
+            keep = offs_n[None, :] > offs_m[:, None] - window
+        qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(
-    do_not_specialize=["num_reqs"],
+    do_not_specialize=["num_reqs", "window"],
     do_not_specialize_on_alignment=["cu_seqlens_ptr"],
 )
 def _dense_causal_kernel(
@@ -176,7 +249,9 @@ def _dense_causal_kernel(
     lse_ptr,
     cu_seqlens_ptr,
     scale_log2,
+    v_scale,
     num_reqs,
+    window,
     stride_q_tok,
     stride_q_head,
     stride_k_tok,
@@ -193,6 +268,8 @@ def _dense_causal_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SCALE_V: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     # Heads vary fastest: the QPK programs sharing a KV head run together and share its tiles
     # in L2.
@@ -224,47 +301,40 @@ def _dense_causal_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Tiles wholly below the block's first row: every row sees every key, no mask. Then the
-    # diagonal tiles up to the block's last row: causal mask (and the request's end).
+    # diagonal tiles up to the block's last row: causal mask (and the request's end). With a
+    # window, tiles left of the first row's window are skipped, and those from its start to
+    # where every row's window has begun (`left_end`) are a band masked by the window:
+    #
+    #   lo_tile   left_end        full_end   q_end
+    #     |  band   |   unmasked     | diagonal |
     full_end = q_first // BLOCK_N * BLOCK_N
     q_end = tl.minimum(q_first + BLOCK_M, q_len)
-    for start_n in range(0, full_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = d_mask[None, :]
-        k = tl.load(
-            k_base + offs_n[:, None] * stride_k_tok + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            v_base + offs_n[:, None] * stride_v_tok + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+    left_end = full_end * 0
+    if SLIDING:
+        lo_tile = tl.maximum(q_first - window + 1, 0) // BLOCK_N * BLOCK_N
+        left_end = tl.minimum(tl.cdiv(tl.maximum(q_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
+        left_end = tl.maximum(left_end, lo_tile)
+        for start_n in range(lo_tile, left_end, BLOCK_N):
+            m_i, l_i, acc = _dense_tile(
+                q, m_i, l_i, acc, k_base, v_base, start_n, offs_m, q_len, window, stride_k_tok,
+                stride_v_tok, offs_d, d_mask, scale_log2, BLOCK_N, False, True, INPUT_PRECISION,
+            )  # fmt: skip
+    for start_n in range(left_end, full_end, BLOCK_N):
+        m_i, l_i, acc = _dense_tile(
+            q, m_i, l_i, acc, k_base, v_base, start_n, offs_m, q_len, window, stride_k_tok,
+            stride_v_tok, offs_d, d_mask, scale_log2, BLOCK_N, False, False, INPUT_PRECISION,
+        )  # fmt: skip
     for start_n in range(full_end, q_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < q_len
-        kv_mask = n_valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_base + offs_n[:, None] * stride_k_tok + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            v_base + offs_n[:, None] * stride_v_tok + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
-        keep = (offs_n[None, :] <= offs_m[:, None]) & n_valid[None, :]
-        qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _dense_tile(
+            q, m_i, l_i, acc, k_base, v_base, start_n, offs_m, q_len, window, stride_k_tok,
+            stride_v_tok, offs_d, d_mask, scale_log2, BLOCK_N, True, SLIDING, INPUT_PRECISION,
+        )  # fmt: skip
 
+    # Every row sees at least its own key: l_i > 0 for the valid rows.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if SCALE_V:
+        out = out * v_scale
     store_out_tile(
         out_ptr, out, tok[:, None], head, offs_d, stride_o_tok, stride_o_head,
         m_valid[:, None] & d_mask[None, :],
@@ -284,6 +354,8 @@ def _dense_triton(
     block_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
+    v_scale: float,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_heads, head_size = query.shape
     num_reqs = cu_seqlens.shape[0] - 1
@@ -307,7 +379,9 @@ def _dense_triton(
         lse,
         cu_seqlens,
         scale * _LOG2E,
+        v_scale,
         num_reqs,
+        window,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -324,6 +398,8 @@ def _dense_triton(
         BLOCK_D=block_d,
         HEAD_SIZE=head_size,
         INPUT_PRECISION=input_precision(query.dtype),
+        SCALE_V=v_scale != 1.0,
+        SLIDING=window > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -380,22 +456,41 @@ def dense_causal_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen causal self-attention over dense K/V: request r's queries, keys and values are
     rows `cu_seqlens[r]:cu_seqlens[r+1]` of `query [T, H, D]`, `key`/`value [T, Hkv, D]`
-    (last dim contiguous); row j of a request sees its keys 0..j. Returns `(out [T, H, D],
-    lse [H, T] fp32)`; rows past `cu_seqlens[R]` are not written. `max_query_len` (a host int,
-    an upper bound is fine) sizes FlashAttention's grid. `impl`: "flash" or "triton" (None:
-    `default_dense_impl`); the block/warp/stage knobs tune the Triton kernel."""
+    (last dim contiguous); row j of a request sees its keys 0..j, with `sliding_window` W
+    (0/None: off) only keys j - W < k <= j. Returns `(out [T, H, D], lse [H, T] fp32)`; rows
+    past `cu_seqlens[R]` are not written. `max_query_len` (a host int, an upper bound is fine)
+    sizes FlashAttention's grid. `impl`: "flash" or "triton" (None: `default_dense_impl`); the
+    block/warp/stage knobs tune the Triton kernel.
+
+    K/V in FP8 (`fp8_rounded_kv`: as an FP8 cache holds them, `x ~= x_fp8 * scale`) with
+    `k_scale` / `v_scale`: computed as the all-paged kernel computes over an FP8 cache (K/V
+    widened to the query's dtype, `k_scale` folded into the softmax scale, `v_scale` into the
+    output); the LSE is then of `scale * k_scale * q.k_fp8`, the logits over the
+    dequantized keys. FlashAttention takes neither FP8 K/V nor a window ("triton" only)."""
     assert query.dim() == 3 and key.dim() == 3 and value.dim() == 3, (query.shape, key.shape)
     assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
     assert key.shape[0] >= query.shape[0] and key.shape[1:] == value.shape[1:]
     assert query.shape[1] % key.shape[1] == 0 and key.shape[2] == query.shape[2]
-    assert key.dtype == query.dtype == value.dtype, (query.dtype, key.dtype, value.dtype)
+    assert key.dtype == value.dtype and key.dtype in (query.dtype, FP8_KV_DTYPE), (
+        query.dtype,
+        key.dtype,
+        value.dtype,
+    )
+    fp8 = key.dtype == FP8_KV_DTYPE != query.dtype
+    assert fp8 or (k_scale == 1.0 and v_scale == 1.0), (key.dtype, k_scale, v_scale)
+    assert k_scale > 0 and v_scale > 0, (k_scale, v_scale)
     assert cu_seqlens.dim() == 1 and cu_seqlens.dtype == torch.int32, cu_seqlens.dtype
+    window = window_arg(sliding_window)
     impl = default_dense_impl() if impl is None else impl
     assert impl in DENSE_IMPLS, impl
     if impl == "flash":
+        assert not fp8 and not window, "FlashAttention-2 takes no FP8 K/V and no window here"
         num_tokens = query.shape[0]
         return _dense_flash(
             query, key[:num_tokens], value[:num_tokens], cu_seqlens, max(max_query_len, 1), scale
@@ -407,8 +502,32 @@ def dense_causal_attention(
         short = max_query_len <= 1024
         block_m, block_n, num_warps = (64, 64, 4) if short else (128, 128, 8)
     return _dense_triton(
-        query, key, value, cu_seqlens, scale, block_m, block_n, num_warps, num_stages
+        query, key, value, cu_seqlens, scale * k_scale, block_m, block_n, num_warps,
+        num_stages, v_scale, window,
+    )  # fmt: skip
+
+
+def fp8_rounded_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache_dtype: torch.dtype,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's K/V as the cache stores them, for the dense part: unchanged for a cache in
+    their own dtype; for an FP8 cache, `[T, Hkv, D]` FP8 views of one fresh buffer holding
+    exactly what `reshape_and_cache` writes to the cache (the same kernel, into a scratch
+    "cache" of one-token blocks at slots 0..T-1), so the cascade over an FP8 cache reads the
+    values decode reads. One pass over the step's K/V; capturable (no host sync)."""
+    if kv_cache_dtype != FP8_KV_DTYPE or key.dtype == FP8_KV_DTYPE:
+        return key, value
+    num_tokens, num_kv_heads, head_size = key.shape
+    scratch = torch.empty(
+        (num_tokens, 2, 1, num_kv_heads, head_size), dtype=FP8_KV_DTYPE, device=key.device
     )
+    slots = torch.arange(num_tokens, dtype=torch.int64, device=key.device)
+    reshape_and_cache(key, value, scratch, slots, k_scale, v_scale)
+    return scratch[:, 0, 0], scratch[:, 1, 0]
 
 
 # --- the merge ------------------------------------------------------------------------------
@@ -542,7 +661,7 @@ def merge_attn_states_ref(
 
 
 @triton.jit(
-    do_not_specialize=["num_reqs", "stride_bt"],
+    do_not_specialize=["num_reqs", "stride_bt", "window"],
     do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr"],
 )
 def _paged_context_kernel(
@@ -554,7 +673,9 @@ def _paged_context_kernel(
     seq_lens_ptr,
     block_table_ptr,
     scale_log2,
+    v_scale,
     num_reqs,
+    window,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -575,6 +696,8 @@ def _paged_context_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SCALE_V: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -585,10 +708,14 @@ def _paged_context_kernel(
     if q_block * BLOCK_Q >= q_len:
         return
     context_len = tl.load(seq_lens_ptr + req) - q_len
-    if context_len <= 0:  # no cached prefix: part 1's rows are the answer
+    # The keys read: [key_lo, context_len); with a window, from the first row's window start.
+    key_lo = context_len * 0
+    if SLIDING:
+        key_lo = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
+    if context_len <= key_lo:  # no cached prefix in sight: part 1's rows are the answer
         return
 
-    q, q_idx, _q_pos, head, tok, offs_d, row_valid, q_mask = load_q_tile(
+    q, _q_idx, q_pos, head, tok, offs_d, row_valid, q_mask = load_q_tile(
         q_ptr, q_start, q_len, context_len, q_block, kv_head, stride_q_tok, stride_q_head, QPK,
         QPK_PAD, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_SIZE,
     )  # fmt: skip
@@ -597,29 +724,52 @@ def _paged_context_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     cache_head = cache_ptr + kv_head.to(tl.int64) * stride_c_head
-    # q_pos and window are unused: not causal, no window. Whole tiles, then the tail masked.
+    # Not causal (every prefix key precedes every row). Whole tiles unmasked, then the tail
+    # masked at the prefix's end. With a window, tiles left of the first row's window start
+    # (`key_lo`) are not visited (their blocks may be the null block), and the tiles from
+    # there to where every row's window has begun (`left_end`) are a band masked per row:
+    #
+    #   key_lo   left_end          full_end   context_len
+    #     |  band   |    unmasked     |  tail  |
     full_end = context_len // BLOCK_N * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
+    left_end = key_lo
+    if SLIDING:
+        p_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # last row's pos + 1
+        left_end = tl.minimum(
+            tl.cdiv(tl.maximum(p_end - window, 0), BLOCK_N) * BLOCK_N, context_len
+        )
+        left_end = tl.maximum(left_end, key_lo // BLOCK_N * BLOCK_N)
+        for start_n in range(key_lo // BLOCK_N * BLOCK_N, left_end, BLOCK_N):
+            m_i, l_i, acc = attend_tile(
+                q, m_i, l_i, acc, start_n, key_lo, context_len, q_pos, window, bt_row,
+                cache_head, scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N,
+                BLOCK_D, BLOCK_SIZE, HEAD_SIZE, True, False, True, INPUT_PRECISION,
+            )  # fmt: skip
+    for start_n in range(left_end, full_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, start_n, 0, context_len, q_idx, 0, bt_row, cache_head,
+            q, m_i, l_i, acc, start_n, key_lo, context_len, q_pos, window, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
             HEAD_SIZE, False, False, False, INPUT_PRECISION,
         )  # fmt: skip
-    for start_n in range(full_end, context_len, BLOCK_N):
+    for start_n in range(tl.maximum(full_end, left_end), context_len, BLOCK_N):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, start_n, 0, context_len, q_idx, 0, bt_row, cache_head,
+            q, m_i, l_i, acc, start_n, key_lo, context_len, q_pos, window, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
             HEAD_SIZE, True, False, False, INPUT_PRECISION,
         )  # fmt: skip
 
-    # Merge with part 1's rows (in place): every row here has context_len > 0 keys.
+    # Merge with part 1's rows (in place). A row may have seen no prefix key (its window
+    # starts later than the first row's): LSE -inf, part 1's row is kept.
     o_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
     o_dense = tl.load(o_ptrs + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
     lse_ptrs = lse_ptr + head * stride_lse_head + tok * stride_lse_tok
     lse2_dense = tl.load(lse_ptrs, mask=row_valid, other=float("-inf")) * 1.4426950408889634
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     lse2_ctx = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-    out, lse2 = _merge(acc / l_safe[:, None], lse2_ctx, o_dense, lse2_dense)
+    o_ctx = acc / l_safe[:, None]
+    if SCALE_V:  # part 1's rows carry v_scale already
+        o_ctx = o_ctx * v_scale
+    out, lse2 = _merge(o_ctx, lse2_ctx, o_dense, lse2_dense)
     store_out_tile(
         out_ptr, out, tok[:, None], head[:, None], offs_d, stride_o_tok, stride_o_head, q_mask
     )
@@ -640,15 +790,25 @@ def paged_context_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of each request's new rows over its cached prefix (keys
     `[0, seq_len - q_len)`, paged, no causal mask), merged in place into `out [T, H, D]` /
     `lse [H, T]`, which hold the rows' attention over the other keys (part 1). Rows of
-    requests with no prefix are left as they are. Returns `out`."""
+    requests with no prefix are left as they are. Returns `out`.
+
+    `sliding_window` W (0/None: off): the row at position p sees prefix keys k > p - W only;
+    blocks left of the window of a q-block's first row are never read, and rows that see no
+    prefix key keep part 1's result. An FP8 cache (`k_scale` / `v_scale`) is widened as it
+    is loaded, as in `paged_prefill_attention`; part 1 must then have run on
+    `fp8_rounded_kv` with the same scales (its LSE is over the same logits)."""
     num_heads, num_kv_heads, head_size, block_size = check_common(
         query, kv_cache, seq_lens, block_table
     )
-    assert kv_cache.dtype == query.dtype, "FP8 caches go through paged_prefill_attention"
+    check_kv_scales(kv_cache, k_scale, v_scale)
+    window = window_arg(sliding_window)
     num_reqs = seq_lens.shape[0]
     assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32
     assert out.shape == query.shape and out.stride(-1) == 1 and out.dtype == query.dtype
@@ -679,8 +839,10 @@ def paged_context_attention(
         query_start_loc,
         seq_lens,
         block_table,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
+        v_scale,
         num_reqs,
+        window,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -701,6 +863,8 @@ def paged_context_attention(
         BLOCK_SIZE=block_size,
         HEAD_SIZE=head_size,
         INPUT_PRECISION=input_precision(query.dtype),
+        SCALE_V=v_scale != 1.0,
+        SLIDING=window > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -725,29 +889,35 @@ def prefill_path(
     scale: float,
     *,
     max_query_len: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> str:
-    """How this call's prefill rows should run (one of PREFILL_PATHS), for a cache in the
-    query's dtype and no sliding window. On CUDA, the fastest path measured once per shape
-    key (head size, group, dtype, block size), inside `prefill_tuning()` on the first call
-    with at least `MIN_TUNE_TOKENS` rows (the engine's start-up profile forward, fresh
-    prompts of up to 1,024 tokens), on that call's own inputs: the all-paged kernel (its own
-    config tuned first), the cascade with FlashAttention-2 where it runs, the cascade with our
-    dense kernel. Untimed (no CUDA, TANDEM_TUNE_KERNELS=0, before the profile forward): the
-    rule, the cascade with `default_dense_impl`; on the CPU, the all-paged kernel
-    (`planned_prefill_path`, which decides all but the timing from host values)."""
+    """How this call's prefill rows should run (one of PREFILL_PATHS). On CUDA, the fastest
+    path measured once per shape key (head size, group, cache dtype, block size), inside
+    `prefill_tuning()` on the first call with at least `MIN_TUNE_TOKENS` rows (the engine's
+    start-up profile forward, fresh prompts of up to 1,024 tokens), on that call's own inputs
+    (its FP8 scales and window included): the all-paged kernel (its own config tuned first),
+    the cascade with FlashAttention-2 where it runs (not over an FP8 cache, not with a
+    window), the cascade with our dense kernel. Untimed (no CUDA, TANDEM_TUNE_KERNELS=0,
+    before the profile forward): the rule, the cascade with `default_dense_impl`; on the CPU,
+    the all-paged kernel (`planned_prefill_path`, which decides all but the timing from host
+    values). A layer runs the path through `layer_prefill_path`."""
     shape = shape_key(query.shape[1], kv_cache)
+    fp8 = kv_cache.dtype != query.dtype
     planned = planned_prefill_path(query.device, shape, query.shape[0])
     if planned is not None:
-        return planned
+        return layer_prefill_path(planned, fp8, sliding_window)
     rule = default_dense_impl()
     args = (query, kv_cache, query_start_loc, seq_lens, block_table, scale)
-    runs = {"paged": functools.partial(paged_prefill_attention, *args)}
-    impls = ("flash", "triton") if flash_dense_supported(query, kv_cache.shape[3]) else ("triton",)
-    for impl in impls:
+    extra = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": sliding_window}
+    runs = {"paged": functools.partial(paged_prefill_attention, *args, **extra)}
+    flash = not fp8 and not sliding_window and flash_dense_supported(query, kv_cache.shape[3])
+    for impl in ("flash", "triton") if flash else ("triton",):
         runs[impl] = functools.partial(
             cascade_prefill_attention,
             query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
-            max_query_len=max_query_len, dense_impl=impl,
+            max_query_len=max_query_len, dense_impl=impl, **extra,
         )  # fmt: skip
     timings = {}
     for name, run in runs.items():
@@ -755,13 +925,23 @@ def prefill_path(
         if ms is not None:
             timings[name] = ms
     if not timings:
-        return rule
+        return layer_prefill_path(rule, fp8, sliding_window)
     best = min(timings, key=lambda name: timings[name])
     _prefill_paths[shape] = best
     prefill_path_log.append(
         {"key": key_json(shape), "num_tokens": query.shape[0], "ms": timings, "best": best}
     )
     return best
+
+
+def layer_prefill_path(path: str, fp8_cache: bool, sliding_window: int | None) -> str:
+    """The path a layer runs for its step's `path`: the same, but our dense kernel where the
+    step's path is FlashAttention-2 and the layer's cache is FP8 or it has a sliding window
+    (FlashAttention-2 here takes neither; ours ran faster than it as the dense part at every
+    shape measured on the H200, see `default_dense_impl`)."""
+    if path == "flash" and (fp8_cache or sliding_window):
+        return "triton"
+    return path
 
 
 def planned_prefill_path(device: torch.device, shape: ShapeKey, num_tokens: int) -> str | None:
@@ -803,15 +983,27 @@ def cascade_prefill_attention(
     dense_impl: str | None = None,
     dense_config: tuple[int | None, int | None, int | None, int | None] | None = None,
     context_config: tuple[int | None, int | None, int | None, int | None] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch, as `paged_prefill_attention` computes it, from
     the step's dense `key`/`value` (`[>= T, Hkv, D]`, the rows `forward` wrote to the cache)
     for the new tokens and from the cache for each request's prefix. Returns a new `[T, H, D]`
     tensor; rows past `query_start_loc[R]` are not written. `dense_config` (block_m, block_n,
     warps, stages) tunes the Triton dense kernel, `context_config` (block_q, block_n, warps,
-    stages) the paged one."""
+    stages) the paged one. An FP8 cache (`k_scale` / `v_scale`): the dense K/V are rounded
+    as the cache holds them (`fp8_rounded_kv`) and the dense kernel is ours. `sliding_window`:
+    both parts keep each row's last that many positions only."""
     dense = (None,) * 4 if dense_config is None else dense_config
     ctx = (None,) * 4 if context_config is None else context_config
+    fp8 = kv_cache.dtype != query.dtype
+    if dense_impl is not None:
+        dense_impl = layer_prefill_path(dense_impl, fp8, sliding_window)
+    elif fp8 or sliding_window:
+        dense_impl = "triton"
+    key, value = fp8_rounded_kv(key, value, kv_cache.dtype, k_scale, v_scale)
+    scales = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": sliding_window}
     out, lse = dense_causal_attention(
         query,
         key,
@@ -824,6 +1016,7 @@ def cascade_prefill_attention(
         block_n=dense[1],
         num_warps=dense[2],
         num_stages=dense[3],
+        **scales,
     )
     return paged_context_attention(
         query,
@@ -838,6 +1031,7 @@ def cascade_prefill_attention(
         block_n=ctx[1],
         num_warps=ctx[2],
         num_stages=ctx[3],
+        **scales,
     )
 
 

@@ -491,14 +491,14 @@ def check_common(
     return num_heads, num_kv_heads, head_size, block_size
 
 
-def _check_kv_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+def check_kv_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
     """Scales other than 1.0 belong to an FP8 cache only."""
     if kv_cache.dtype != FP8_KV_DTYPE:
         assert k_scale == 1.0 and v_scale == 1.0, (kv_cache.dtype, k_scale, v_scale)
     assert k_scale > 0 and v_scale > 0, (k_scale, v_scale)
 
 
-def _window(sliding_window: int | None) -> int:
+def window_arg(sliding_window: int | None) -> int:
     """The kernels' `window` argument: 0 for full attention."""
     assert sliding_window is None or sliding_window >= 0, sliding_window
     return sliding_window or 0
@@ -540,14 +540,14 @@ def paged_prefill_attention(
     num_heads, num_kv_heads, head_size, block_size = check_common(
         query, kv_cache, seq_lens, block_table
     )
-    _check_kv_scales(kv_cache, k_scale, v_scale)
+    check_kv_scales(kv_cache, k_scale, v_scale)
     num_reqs = seq_lens.shape[0]
     assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     assert out.shape == query.shape and out.stride(-1) == 1 and out.dtype == query.dtype
     num_tokens = query.shape[0]
-    window = _window(sliding_window)
+    window = window_arg(sliding_window)
     if num_tokens == 0 or num_reqs == 0:
         return out
     if block_q is None and block_n is None and num_warps is None and num_stages is None:
@@ -912,7 +912,7 @@ def paged_decode_attention(
     num_heads, num_kv_heads, head_size, block_size = check_common(
         query, kv_cache, seq_lens, block_table
     )
-    _check_kv_scales(kv_cache, k_scale, v_scale)
+    check_kv_scales(kv_cache, k_scale, v_scale)
     num_reqs = seq_lens.shape[0]
     assert query.shape[0] >= num_reqs, (query.shape, num_reqs)
     if out is None:
@@ -920,7 +920,7 @@ def paged_decode_attention(
     assert out.shape == query.shape and out.stride(-1) == 1 and out.dtype == query.dtype
     if num_reqs == 0:
         return out
-    window = _window(sliding_window)
+    window = window_arg(sliding_window)
     if num_splits is None:
         span = min(max_seq_len, window) if window else max_seq_len
         num_splits = decode_num_splits(num_reqs, num_kv_heads, span, _num_sms(query.device))

@@ -1,7 +1,9 @@
 """The cascade prefill attention on a CUDA device at the 8B shape (32 query heads, 8 KV heads,
 head 128, block 16): against an fp32 torch reference at 1k, 8k and 32k tokens (both dense-part
 kernels, bf16 and fp16), through the Triton backend (the default on CUDA), and captured in a
-CUDA graph as a whole mixed step is (replayed with another split of its tokens).
+CUDA graph as a whole mixed step is (replayed with another split of its tokens). Over an FP8
+cache and with sliding windows (1k, 8k): against the reference over the cache dequantized and
+against the all-paged kernel, whose results the cascade's must equal.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from tandem_kernels.cascade_attention import (  # noqa: E402
     prefill_path,
     prefill_path_log,
 )
-from tandem_kernels.paged_attention import prefill_tuning  # noqa: E402
+from tandem_kernels.paged_attention import (  # noqa: E402
+    FP8_KV_DTYPE,
+    paged_prefill_attention,
+    prefill_tuning,
+)
+from tandem_kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
 
 DEV = torch.device("cuda")
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
@@ -81,16 +88,53 @@ class _Scene:
             self.key[starts[r] : starts[r] + q] = k
             self.value[starts[r] : starts[r] + q] = v
 
-    def _kv(self, r: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv(
+        self, r: int, lo: int, hi: int, cache: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.cache if cache is None else cache
         pos = torch.arange(lo, hi, device=DEV)
         blocks = self.block_table[r, pos // BLOCK_SIZE].long()
-        return self.cache[blocks, 0, pos % BLOCK_SIZE], self.cache[blocks, 1, pos % BLOCK_SIZE]
+        return cache[blocks, 0, pos % BLOCK_SIZE], cache[blocks, 1, pos % BLOCK_SIZE]
 
-    def check(self, out: torch.Tensor, dtype: torch.dtype) -> None:
-        """Rows of each request (all of them, or the first, a middle and the last 128 of a
-        long one) against fp32 attention over the cache, 128 rows at a time."""
+    def slots(self) -> torch.Tensor:
+        """The cache slots of the step's new tokens (`slot_mapping`)."""
+        parts = []
         for r, (s, q) in enumerate(zip(self.seq_lens, self.query_lens, strict=True)):
-            k, v = (t.float() for t in self._kv(r, 0, s))
+            pos = torch.arange(s - q, s, device=DEV)
+            parts.append(
+                self.block_table[r, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+            )
+        return torch.cat(parts)
+
+    def fp8_cache(self, k_scale: float, v_scale: float) -> torch.Tensor:
+        """The cache in FP8 (a fresh two-layer buffer's layer 1): the prefix converted by
+        torch, the step's K/V written by `reshape_and_cache` as `forward` writes them."""
+        full = torch.empty(
+            (self.cache.shape[0], 2, *self.cache.shape[1:]), dtype=FP8_KV_DTYPE, device=DEV
+        )
+        cache = full[:, 1]
+        cache[:, 0] = (self.cache[:, 0].float() / k_scale).clamp(-448, 448).to(FP8_KV_DTYPE)
+        cache[:, 1] = (self.cache[:, 1].float() / v_scale).clamp(-448, 448).to(FP8_KV_DTYPE)
+        reshape_and_cache(self.key, self.value, cache, self.slots(), k_scale, v_scale)
+        return cache
+
+    def check(
+        self,
+        out: torch.Tensor,
+        dtype: torch.dtype,
+        *,
+        fp8: tuple[torch.Tensor, float, float] | None = None,
+        window: int | None = None,
+    ) -> None:
+        """Rows of each request (all of them, or the first, a middle and the last 128 of a
+        long one) against fp32 attention over the cache, 128 rows at a time. `fp8`: (the FP8
+        cache, k_scale, v_scale), dequantized for the reference; `window`: sliding."""
+        for r, (s, q) in enumerate(zip(self.seq_lens, self.query_lens, strict=True)):
+            if fp8 is None:
+                k, v = (t.float() for t in self._kv(r, 0, s))
+            else:
+                k, v = (t.float() for t in self._kv(r, 0, s, fp8[0]))
+                k, v = k * fp8[1], v * fp8[2]
             if q <= _ALL_ROWS_UP_TO:
                 rows = list(range(q))
             else:
@@ -103,6 +147,8 @@ class _Scene:
                 q_pos = s - q + idx
                 keys = torch.arange(s, device=DEV)
                 scores.masked_fill_(keys[None, :] > q_pos[:, None], float("-inf"))
+                if window:
+                    scores.masked_fill_(keys[None, :] <= q_pos[:, None] - window, float("-inf"))
                 ref = torch.einsum("kgns,skd->nkgd", scores.softmax(-1), v)
                 got = out[self.starts[r] + idx].float().view_as(ref)
                 torch.testing.assert_close(got, ref, **_tol(dtype))
@@ -246,3 +292,79 @@ def test_cascade_in_a_cuda_graph(impl: str, monkeypatch: pytest.MonkeyPatch) -> 
         torch.cuda.synchronize()
         s.cache = cache[: s.cache.shape[0]]
         s.check(out, dtype)
+
+
+# FP8 scales and sliding windows at the 1k and 8k scenes: a window shorter than the chunks and
+# the prefixes (512), one as long as Mistral's (4,096: shorter than the 8k prompt, longer than
+# the 1k scene's contexts but the 4k one).
+FP8_SCALES = (0.02, 0.02)  # |x| / scale stays below e4m3's 448 for |x| < 8.9
+WINDOW_CASES = [("1k", 512), ("1k", 4096), ("8k", 512), ("8k", 4096)]
+
+
+@pytest.mark.parametrize("scene", ["1k", "8k"])
+def test_cascade_over_fp8_cache(scene: str) -> None:
+    """Over an FP8 cache the cascade (our dense kernel on the step's K/V rounded as the cache
+    holds them) equals the all-paged kernel, and the reference over the dequantized cache."""
+    dtype = torch.bfloat16
+    s = _Scene(SCENES[scene], dtype, seed=20 + len(scene))
+    ks, vs = FP8_SCALES
+    cache = s.fp8_cache(ks, vs)
+    args = (s.query, cache, s.qsl, s.lens, s.block_table, SCALE)
+    paged = paged_prefill_attention(*args, k_scale=ks, v_scale=vs)
+    out = cascade_prefill_attention(
+        s.query, s.key, s.value, cache, s.qsl, s.lens, s.block_table, SCALE,
+        max_query_len=max(s.query_lens), k_scale=ks, v_scale=vs,
+    )  # fmt: skip
+    torch.testing.assert_close(out, paged, **_tol(dtype))
+    s.check(out, dtype, fp8=(cache, ks, vs))
+
+
+@pytest.mark.parametrize(("scene", "window"), WINDOW_CASES)
+def test_cascade_sliding_window(scene: str, window: int) -> None:
+    """With a sliding window the cascade equals the all-paged kernel and the windowed
+    reference; blocks left of each request's first row's window are the null block (0),
+    filled with NaN (a block no request holds), so a read of one shows."""
+    dtype = torch.bfloat16
+    s = _Scene(SCENES[scene], dtype, seed=30 + window)
+    held = {
+        int(b)
+        for r, seq in enumerate(s.seq_lens)
+        for b in s.block_table[r, : math.ceil(seq / BLOCK_SIZE)].tolist()
+    }
+    null = min(set(range(s.cache.shape[0])) - held)  # a block no request holds
+    table = s.block_table.clone()
+    for r, (seq, q) in enumerate(zip(s.seq_lens, s.query_lens, strict=True)):
+        table[r, : max(seq - q - window + 1, 0) // BLOCK_SIZE] = null
+    cache = s.cache.clone()
+    cache[null] = float("nan")
+    args = (s.query, cache, s.qsl, s.lens, table, SCALE)
+    paged = paged_prefill_attention(*args, sliding_window=window)
+    out = cascade_prefill_attention(
+        s.query, s.key, s.value, cache, s.qsl, s.lens, table, SCALE,
+        max_query_len=max(s.query_lens), sliding_window=window,
+    )  # fmt: skip
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, paged, **_tol(dtype))
+    s.check(out, dtype, window=window)
+
+
+@pytest.mark.parametrize("cascade", [None, True])
+def test_backend_fp8_sliding_mixed_step(cascade: bool | None) -> None:
+    """A sliding layer (window 1,024) over an FP8 cache through the backend, as the engine
+    runs it (the step's K/V written by `forward`, two leading decodes): the default path
+    choice and the forced cascade match the all-paged kernel (`prefill_cascade` False)."""
+    dtype = torch.bfloat16
+    s = _Scene([(900, 1), (3000, 1), (0, 1024), (2048, 512)], dtype, seed=9)
+    ks, vs = FP8_SCALES
+    cache = s.fp8_cache(ks, vs)
+    extra = {"k_scale": ks, "v_scale": vs, "sliding_window": 1024}
+    outs = []
+    for setting in (cascade, False):
+        backend = TritonAttentionBackend()
+        backend.prefill_cascade = setting
+        meta = _metadata(s, 1024, 3072)
+        meta.slot_mapping = s.slots()
+        meta.num_decodes = 2
+        outs.append(backend.forward(s.query, s.key, s.value, cache, meta, SCALE, **extra))
+    torch.testing.assert_close(outs[0], outs[1], **_tol(dtype))
+    s.check(outs[0], dtype, fp8=(cache, ks, vs), window=1024)

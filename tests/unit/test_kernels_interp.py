@@ -1184,8 +1184,8 @@ def case_triton_backend_cascade_steps(dtype: torch.dtype) -> None:
     """The backend with the cascade forced on (as on CUDA): a mixed step with two leading
     decodes (split-K kernel) and two prefill chunks (one with a cached prefix), plus two
     padded rows; then the same step without `num_decodes` (decodes through the cascade, as in
-    a whole-step CUDA graph). Both match the reference over the cache the backend wrote; a
-    sliding-window layer still takes the all-paged kernel."""
+    a whole-step CUDA graph). Both match the reference over the cache the backend wrote; so
+    does a sliding-window layer (the cascade with the window)."""
     k = _kernels()
     seq_lens, query_lens = [50, 23, 60, 30], [1, 1, 20, 30]
     num_heads, num_kv_heads, head_size = 4, 2, 32
@@ -1218,6 +1218,159 @@ def case_triton_backend_cascade_steps(dtype: torch.dtype) -> None:
         query, cache, qsl, lens, table, scale, sliding_window=window
     )
     torch.testing.assert_close(out[: len(query)], ref, **_tol(dtype))
+
+
+def _new_kv(
+    cache: torch.Tensor, table: torch.Tensor, seq_lens: list[int], query_lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache's K/V rows at each request's new positions, stacked as `forward` gets them."""
+    rows = [
+        (table[r, pos // 16].long(), pos % 16)
+        for r, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True))
+        for pos in [torch.arange(s - q, s)]
+    ]
+    key = torch.cat([cache[b, 0, o] for b, o in rows])
+    value = torch.cat([cache[b, 1, o] for b, o in rows])
+    return key, value
+
+
+# Small tiles (the dense part 16 x 16, the context part 8 rows x 16 keys: every loop runs),
+# then the defaults.
+_CASCADE_CONFIGS = (((16, 16, 4, 1), (2, 16, 4, 1)), (None, None))
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_cascade_fp8_cache(dtype: torch.dtype) -> None:
+    """The cascade over an FP8 cache (the step's K/V written by `reshape_and_cache`, the
+    prefix random e4m3) equals the all-paged kernel and the reference over the same cache:
+    its dense part reads the K/V rounded as the cache holds them. A chunk over a prefix, a
+    fresh prompt, a short chunk over a long prefix and a decode; GQA 2:1, then 3:1 (padded)."""
+    k = _kernels()
+    pa = k.paged_attention
+    gen = torch.Generator().manual_seed(41)
+    ks, vs = 0.02, 0.5
+    seq_lens, query_lens = [40, 17, 51, 30], [19, 17, 3, 1]
+    for num_heads in (4, 6):
+        num_kv_heads, head_size = 2, 32
+        num_blocks = sum(math.ceil(n / 16) for n in seq_lens) + 2
+        cache, _ = _fp8_cache(num_blocks, 16, num_kv_heads, head_size, (ks, vs))
+        table = _block_table(seq_lens, 16, num_blocks, gen)
+        qsl, lens = _batch(query_lens), torch.tensor(seq_lens, dtype=torch.int32)
+        n = int(qsl[-1])
+        wide = torch.randn(n, num_heads + 2 * num_kv_heads, head_size, generator=gen).to(dtype)
+        query = wide[:, :num_heads]
+        key = wide[:, num_heads : num_heads + num_kv_heads]
+        value = wide[:, num_heads + num_kv_heads :]
+        positions = [list(range(s - q, s)) for s, q in zip(seq_lens, query_lens, strict=True)]
+        slots = _slots(table, positions, 16)
+        k.reshape_and_cache.reshape_and_cache(key, value, cache, slots, ks, vs)
+        scale = head_size**-0.5
+        ref = pa.paged_attention_ref(query, cache, qsl, lens, table, scale, ks, vs)
+        # The check can fail: over the step's K/V unrounded the answer is another one.
+        exact = cache.float()
+        exact[:, 0] *= ks
+        exact[:, 1] *= vs
+        flat = exact.permute(0, 2, 1, 3, 4)  # [blocks, bs, 2, Hkv, D]
+        flat[slots // 16, slots % 16, 0] = key.float()
+        flat[slots // 16, slots % 16, 1] = value.float()
+        unrounded = pa.paged_attention_ref(query.float(), exact, qsl, lens, table, scale)
+        assert (unrounded - ref.float()).abs().max() > 0.02
+        paged = pa.paged_prefill_attention(
+            query, cache, qsl, lens, table, scale, k_scale=ks, v_scale=vs
+        )
+        for dense, ctx in _CASCADE_CONFIGS:
+            out = k.cascade.cascade_prefill_attention(
+                query, key, value, cache, qsl, lens, table, scale, max_query_len=19,
+                dense_config=dense, context_config=ctx, k_scale=ks, v_scale=vs,
+            )  # fmt: skip
+            torch.testing.assert_close(out, ref, **_tol(dtype))
+            torch.testing.assert_close(out, paged, **_tol(dtype))
+
+
+@_case(
+    *({"dtype": torch.float32, "window": w} for w in (1, 16, 45, 1000)),
+    {"dtype": torch.float16, "window": 7},
+)
+def case_cascade_sliding(dtype: torch.dtype, window: int) -> None:
+    """The cascade with a sliding window against the reference and the all-paged kernel:
+    windows shorter than a block, one block, shorter than the prefix but spanning the chunk,
+    longer than every context; a chunk of 40 over 30 cached, a fresh prompt, a decode over
+    99, a chunk of 19 over 32. Blocks left of each first row's window are the null block,
+    filled with NaN: reading one shows."""
+    k = _kernels()
+    pa = k.paged_attention
+    seq_lens, query_lens = [70, 33, 100, 51], [40, 33, 1, 19]
+    cache, table, lens, query = _sliding_scene(dtype, seq_lens, 4, 2, 32, seed=42)
+    qsl = _batch(query_lens)
+    query = query[: int(qsl[-1])]
+    key, value = _new_kv(cache, table, seq_lens, query_lens)
+    scale = 32**-0.5
+    ref = pa.paged_attention_ref(query, cache, qsl, lens, table, scale, sliding_window=window)
+    full = pa.paged_attention_ref(query, cache, qsl, lens, table, scale)
+    assert (window >= 100) == torch.allclose(ref, full), "the window must matter when short"
+    _null_left_of_window(cache, table, seq_lens, query_lens, window, 16)
+    paged = pa.paged_prefill_attention(query, cache, qsl, lens, table, scale, sliding_window=window)
+    for dense, ctx in _CASCADE_CONFIGS:
+        out = k.cascade.cascade_prefill_attention(
+            query, key, value, cache, qsl, lens, table, scale, max_query_len=40,
+            dense_config=dense, context_config=ctx, sliding_window=window,
+        )  # fmt: skip
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+        torch.testing.assert_close(out, paged, **_tol(dtype))
+    # Part 1 alone: each row's windowed causal attention over the new tokens, and its LSE.
+    out, lse = k.cascade.dense_causal_attention(
+        query, key, value, qsl, scale, max_query_len=40, impl="triton", block_m=16,
+        block_n=16, sliding_window=window,
+    )  # fmt: skip
+    for r, q_len in enumerate(query_lens):
+        lo = int(qsl[r])
+        q, kk = query[lo : lo + q_len].float(), key[lo : lo + q_len].float()
+        kk = kk.repeat_interleave(2, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+        j = torch.arange(q_len)
+        seen = (j[None, :] <= j[:, None]) & (j[None, :] > j[:, None] - window)
+        want = scores.masked_fill(~seen, -math.inf).logsumexp(-1)
+        torch.testing.assert_close(lse[:, lo : lo + q_len], want, atol=1e-3, rtol=1e-3)
+
+
+@_case(*({"dtype": d} for d in DTYPES))
+def case_triton_backend_cascade_fp8_sliding(dtype: torch.dtype) -> None:
+    """The backend with the cascade forced on, a sliding-window layer over an FP8 cache: a
+    mixed step (two leading decodes, a chunk over a prefix, a fresh prompt), with and
+    without `num_decodes`, against the reference over the cache the backend wrote and
+    against the all-paged kernel (`TANDEM_PREFILL_CASCADE=0`'s path)."""
+    k = _kernels()
+    pa = k.paged_attention
+    seq_lens, query_lens, window = [50, 23, 60, 30], [1, 1, 20, 30], 24
+    num_heads, num_kv_heads, head_size, ks, vs = 4, 2, 32, 0.05, 0.3
+    gen = torch.Generator().manual_seed(43)
+    num_blocks = sum(math.ceil(n / 16) for n in seq_lens) + 2
+    cache, _ = _fp8_cache(num_blocks, 16, num_kv_heads, head_size, (ks, vs))
+    table = _block_table(seq_lens, 16, num_blocks, gen)
+    positions = [list(range(s - q, s)) for s, q in zip(seq_lens, query_lens, strict=True)]
+    slots = _slots(table, positions, 16)
+    n = sum(query_lens)
+    query = torch.randn(n + 2, num_heads, head_size, generator=gen).to(dtype)  # 2 padded rows
+    key = torch.randn(n + 2, num_kv_heads, head_size, generator=gen).to(dtype)
+    value = torch.randn(n + 2, num_kv_heads, head_size, generator=gen).to(dtype)
+    qsl, lens = _batch(query_lens), torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_size**-0.5
+    cascade = k.triton_backend.TritonAttentionBackend()
+    cascade.prefill_cascade = True
+    paged = k.triton_backend.TritonAttentionBackend()
+    paged.prefill_cascade = False
+    extra = {"k_scale": ks, "v_scale": vs, "sliding_window": window}
+    for num_decodes in (2, 0):
+        meta = _metadata(query_lens, seq_lens, table, slots)
+        meta.num_decodes = num_decodes
+        out = cascade.forward(query, key, value, cache, meta, scale, **extra)
+        ref = pa.paged_attention_ref(query[:n], cache, qsl, lens, table, scale, **extra)
+        torch.testing.assert_close(out[:n], ref, **_tol(dtype))
+        assert not out[n:].any()
+        meta = _metadata(query_lens, seq_lens, table, slots)
+        meta.num_decodes = num_decodes
+        want = paged.forward(query, key, value, cache, meta, scale, **extra)
+        torch.testing.assert_close(out, want, **_tol(dtype))
 
 
 # --- fused MoE -----------------------------------------------------------------------------

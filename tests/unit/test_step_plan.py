@@ -48,7 +48,7 @@ class _Fakes:
     """Stand-ins for the kernels the backend calls; each records what ran."""
 
     def __init__(self) -> None:
-        self.planned = 0  # calls of the host chooser (once per step and full-attention group)
+        self.planned = 0  # calls of the host chooser (once per step and KV cache group)
         self.per_call = 0  # calls of the per-call chooser (a layer choosing by itself)
         self.paths: list[str] = []  # per prefill-path layer call: "paged" or the dense impl
 
@@ -78,7 +78,7 @@ class _Fakes:
 
     @staticmethod
     def context(query: torch.Tensor, kv_cache: Any, qsl: Any, lens: Any, table: Any, scale: Any,
-                out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                out: torch.Tensor, lse: torch.Tensor, **kwargs: Any) -> torch.Tensor:  # fmt: skip
         return out
 
 
@@ -87,9 +87,9 @@ def test_prefill_path_is_planned_once_per_step(
     arch: str, full_layers: int, tiny_model_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """llama: one KV cache group of two full layers; qwen2_swa: layer 0 full (group 0),
-    layer 1 sliding (group 1, which keeps the all-paged kernel). Per step with prefill rows:
-    one host choice per full group, none per layer; every full layer runs the planned path
-    and reads it from the metadata; the sliding layer runs the all-paged kernel."""
+    layer 1 sliding (group 1). Per step with prefill rows: one host choice per group, none
+    per layer; every layer, the sliding one included (the cascade masks its window), runs the
+    planned path and reads it from the metadata."""
     import tandem.layers.attention.triton_backend as tb
     from tandem.core.scheduler import Scheduler
 
@@ -141,16 +141,61 @@ def test_prefill_path_is_planned_once_per_step(
 
     assert prefill_steps >= 3  # a 35-token prompt in 16-token chunks
     assert fakes.per_call == 0
-    assert fakes.planned == prefill_steps  # one full-attention group in both models
+    groups = 1 if full_layers == 2 else 2
+    assert fakes.planned == groups * prefill_steps
     prefill_calls = [(path, window) for decode, path, window in seen if not decode]
     assert len(prefill_calls) == 2 * prefill_steps
     full = [path for path, window in prefill_calls if window is None]
     sliding = [path for path, window in prefill_calls if window is not None]
     assert full == ["triton"] * full_layers * prefill_steps
-    assert sliding == ["paged"] * (2 - full_layers) * prefill_steps
-    # The kernels run: the planned cascade for full layers, the all-paged one for sliding.
-    want = ["triton"] * full_layers + ["paged"] * (2 - full_layers)
-    assert fakes.paths == want * prefill_steps
+    assert sliding == ["triton"] * (2 - full_layers) * prefill_steps
+    # The kernels run: the planned cascade, for full and sliding layers alike.
+    assert fakes.paths == ["triton"] * 2 * prefill_steps
+
+
+def test_fp8_caches_and_sliding_windows_plan_the_cascade(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An FP8 cache or a sliding-window group no longer forces the all-paged kernel: the step
+    plans as any other (here: the cascade forced, with either dense kernel), and a layer that
+    FlashAttention-2 cannot serve (FP8 cache, window) runs our dense kernel in its place;
+    `prefill_cascade=False` (TANDEM_PREFILL_CASCADE=0) still forces the all-paged kernel."""
+    from tandem.layers.attention.backend import AttentionMetadata, AttentionShape
+    from tandem.layers.attention.triton_backend import TritonAttentionBackend
+    from tandem_kernels.cascade_attention import layer_prefill_path
+
+    shape = AttentionShape(
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=32,
+        block_size=16,
+        dtype=torch.bfloat16,
+        kv_cache_dtype=torch.float8_e4m3fn,
+        device=torch.device("cpu"),
+    )
+    ints = torch.zeros(2, dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_actual_tokens=5,
+        num_reqs=1,
+        max_query_len=5,
+        max_seq_len=9,
+        query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+        seq_lens=ints[:1],
+        block_table=ints.view(1, 2),
+        slot_mapping=torch.zeros(5, dtype=torch.int64),
+        query_start_loc_cpu=[0, 5],
+        seq_lens_cpu=[9],
+    )
+    backend = TritonAttentionBackend()
+    for dense in ("triton", "flash"):
+        monkeypatch.setenv("TANDEM_PREFILL_DENSE", dense)
+        backend.prefill_cascade = True
+        assert backend.plan_step(meta, shape, sliding_window=64).prefill_path == dense
+        backend.prefill_cascade = False
+        assert backend.plan_step(meta, shape, sliding_window=64).prefill_path == "paged"
+    assert layer_prefill_path("flash", True, None) == "triton"
+    assert layer_prefill_path("flash", False, 64) == "triton"
+    assert layer_prefill_path("flash", False, None) == "flash"
+    assert layer_prefill_path("triton", True, 64) == "triton"
+    assert layer_prefill_path("paged", True, 64) == "paged"
 
 
 def test_whole_step_graph_plans_the_all_paged_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,9 +20,10 @@ cascade with either dense kernel) is timed once per shape in the start-up profil
 where the runner builds the metadata (`AttentionMetadata.prefill_path`), and every layer of
 the step reads it. `TANDEM_PREFILL_CASCADE=0` forces the all-paged
 kernel (`paged_prefill_attention`) for A/B; `=1` forces the cascade on any device. Layers
-with a sliding window and FP8 caches always take the all-paged kernel (the dense part has no
-window, and the dense K/V are not the fp8-rounded values the cache holds, against which FP8
-results are defined).
+with a sliding window and FP8 caches take the cascade too: the dense part reads the step's K/V
+rounded as the FP8 cache holds them and masks the window, the paged part reads only the
+prefix inside it; FlashAttention-2 takes neither, so such a layer runs our dense kernel where
+the step's path is "flash" (`layer_prefill_path`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from tandem.layers.attention.backend import (
 from tandem_kernels.cascade_attention import (
     default_dense_impl,
     dense_causal_attention,
+    fp8_rounded_kv,
+    layer_prefill_path,
     paged_context_attention,
     planned_prefill_path,
     prefill_cascade_setting,
@@ -97,25 +100,20 @@ class TritonAttentionBackend(AttentionBackend):
         shape: AttentionShape,
         sliding_window: int | None = None,
     ) -> AttentionMetadata:
-        """The step's prefill path (`metadata.prefill_path`), for every layer of the group:
-        "paged" for a sliding-window group or an FP8 cache, else as `prefill_cascade` forces
-        it, else `planned_prefill_path` (None on the start-up step whose path is timed: its
-        first layer's call times it). Decode-only steps have no prefill rows.
+        """The step's prefill path (`metadata.prefill_path`), for every layer of the group
+        (each runs it through `layer_prefill_path`: FP8 caches and sliding windows swap
+        FlashAttention-2 for our dense kernel): as `prefill_cascade` forces it, else
+        `planned_prefill_path` for the cache's dtype (None on the start-up step whose path is
+        timed: its first layer's call times it). Decode-only steps have no prefill rows.
 
         A whole-step graph (`metadata.graph_padded`) takes "paged" unless the cascade is
         forced: its steps' one-token requests, counted only on the device, cannot go to the
         decode kernel, and the cascade's context kernel would give each one a tile sized for
-        long prefixes (H200, 8B, 1,024 x 128/128: 10,649 output tok/s against 17,878 on the
-        all-paged kernel, whose tuned tiles serve them)."""
+        long prefixes."""
+        del sliding_window  # a layer's own window only changes the dense kernel
         if metadata.is_decode_only:
             return metadata
-        paged = (
-            self.prefill_cascade is False
-            or shape.kv_cache_dtype != shape.dtype
-            or sliding_window
-            or (metadata.graph_padded and not self.prefill_cascade)
-        )
-        if paged:
+        if self.prefill_cascade is False or (metadata.graph_padded and not self.prefill_cascade):
             path: str | None = "paged"
         elif self.prefill_cascade:
             path = default_dense_impl()
@@ -185,13 +183,16 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_qsl = qsl[nd:] - nd if nd else qsl
         path = self._prefill_path(
             query, key, value, kv_cache, qsl, seq_lens, block_table, scale, metadata,
-            sliding_window,
+            k_scale, v_scale, sliding_window,
         )  # fmt: skip
         if path != "paged":
-            # Part 1 over every row (a leading decode's row, itself alone, is replaced below).
+            # Part 1 over every row (a leading decode's row, itself alone, is replaced below),
+            # from the K/V as the cache holds them (FP8: rounded).
+            dense_k, dense_v = fp8_rounded_kv(key, value, kv_cache.dtype, k_scale, v_scale)
             out, lse = dense_causal_attention(
-                query, key, value, qsl, scale, max_query_len=metadata.max_query_len, impl=path
-            )
+                query, dense_k, dense_v, qsl, scale, max_query_len=metadata.max_query_len,
+                impl=path, **scales, **window,
+            )  # fmt: skip
             if nd:
                 decode(query[:nd], kv_cache, seq_lens[:nd], block_table[:nd], scale, out=out[:nd])
             paged_context_attention(
@@ -203,6 +204,8 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 out[nd:],
                 lse[:, nd:],
+                **scales,
+                **window,
             )
             return self._zero_padding(out, metadata)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -242,19 +245,21 @@ class TritonAttentionBackend(AttentionBackend):
         block_table: torch.Tensor,
         scale: float,
         metadata: AttentionMetadata,
+        k_scale: float,
+        v_scale: float,
         sliding_window: int | None,
     ) -> str:
         """The prefill rows' path: "paged" (the all-paged kernel), or the cascade's dense
-        kernel ("flash", "triton"). A sliding-window layer and an FP8 cache always take the
-        all-paged kernel (the layer's own rule: a KV cache group may hold full and sliding
-        layers); every other layer takes the step's path, `metadata.prefill_path`. Where the
-        step has none (metadata not planned, or the start-up step timed on this call), it is
-        chosen here once, `prefill_cascade` forcing either way and None leaving it to
-        `prefill_path`, and kept in the metadata for the step's other layers."""
-        if sliding_window or kv_cache.dtype != query.dtype:
-            return "paged"
+        kernel ("flash", "triton"). Every layer takes the step's path,
+        `metadata.prefill_path`, through `layer_prefill_path` (the layer's own rule: a KV
+        cache group may hold full and sliding layers, and FlashAttention-2 takes no window and
+        no FP8 cache). Where the step has none (metadata not planned, or the start-up step
+        timed on this call), it is chosen here once, `prefill_cascade` forcing either way and
+        None leaving it to `prefill_path`, and kept in the metadata for the step's other
+        layers."""
+        fp8 = kv_cache.dtype != query.dtype
         if metadata.prefill_path is not None:
-            return metadata.prefill_path
+            return layer_prefill_path(metadata.prefill_path, fp8, sliding_window)
         if self.prefill_cascade is False:
             path = "paged"
         elif self.prefill_cascade:
@@ -262,7 +267,8 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             path = prefill_path(
                 query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
-                max_query_len=metadata.max_query_len,
+                max_query_len=metadata.max_query_len, k_scale=k_scale, v_scale=v_scale,
+                sliding_window=sliding_window,
             )  # fmt: skip
         metadata.prefill_path = path
-        return path
+        return layer_prefill_path(path, fp8, sliding_window)
