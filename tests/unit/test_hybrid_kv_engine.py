@@ -90,8 +90,13 @@ def test_gemma3_hybrid_cache_matches_transformers_and_the_plain_cache(gemma3_cas
     # Layer-blocks in use at the peak: the sliding layer keeps a window's worth.
     assert peak < 2 * plain_peak
     print(f"peak layer-blocks in use: hybrid {peak}, every block kept {2 * plain_peak}")
-    # Maximum concurrency at 128 tokens from the same memory.
-    assert llm.engine.max_concurrency > plain.engine.max_concurrency
+    # Maximum concurrency at 128 tokens from the same memory, and the tokens of context the
+    # cache holds, as vLLM reports them: a request's peak, a 32-token prefill chunk at the
+    # window's end, takes 32 full blocks and cdiv(8 + 32 - 2, 4) + 1 = 11 sliding ones.
+    assert llm.engine.max_concurrency == pytest.approx(120 / (32 + 11))
+    assert plain.engine.max_concurrency == pytest.approx(60 / 32)
+    assert llm.engine.kv_cache_size_tokens == 120 * 128 // (32 + 11)
+    assert plain.engine.kv_cache_size_tokens == 60 * BS
     # (KV hand-off of these tables between engines: tests/parity/test_disagg_gemma3.py.)
     assert llm.engine.pool_state().empty
 
