@@ -180,7 +180,9 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
     hf = llm.engine.config.model.hf_config
     nums = model_numbers(hf, linear_bytes=1 if fp8_weights else 2, kv_bytes=1 if fp8_kv else 2)
     result["model_numbers"] = nums
-    kv_capacity = llm.engine.num_blocks * llm.engine.block_size
+    # As vLLM logs it ("GPU KV cache size"): for a model with sliding-window layers, a
+    # sliding group counts only its window's blocks.
+    kv_capacity = llm.engine.kv_cache_size_tokens
     result["kv_capacity_tokens"] = kv_capacity
     print(
         f"KV capacity: {kv_capacity} tokens; weights {nums['weight_bytes'] / 1e9:.1f} GB",
@@ -228,7 +230,8 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
         eng.scheduler.kv_cache_manager.reset_prefix_cache()
         # The roofline's batch is what the KV pool allows at full length. tandem runs at most
         # that many too (capped by --max-num-seqs): admitting more only preempts later.
-        batch = min(kv_capacity // (inp + out), n_req)
+        kv_spec = eng.kv_cache_spec
+        batch = min(int(kv_spec.max_concurrency(eng.num_blocks, inp + out)), n_req)
         max_seqs = min(ns.max_num_seqs, max(batch, 1))
         eng.scheduler.scheduler_config = dataclasses.replace(base_config, max_num_seqs=max_seqs)
         preempted_before = eng.stats().num_preemptions

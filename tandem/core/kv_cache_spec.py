@@ -13,9 +13,20 @@ has the same number of layers, `layers_per_group`. A block then holds the KV of
 
 All groups draw from one block pool. A request has one block table per group, all of the
 same length (one entry per `block_size` tokens); a sliding group's entries that have left
-the window hold the null block (`NULL_BLOCK_ID`), which the kernels never read. So a request
-costs `cdiv(tokens, block_size)` blocks in each full group, and at most
-`cdiv(window, block_size) + 1` in each sliding group once its prompt is computed.
+the window hold the null block (`NULL_BLOCK_ID`), which the kernels never read.
+
+What a request costs is `KVCacheSpec.num_blocks_needed`, the one place that counts it (the
+scheduler's checks, the capacity the engine reports, a decode worker's reservation and the
+service scheduler's routing all call it): with its first c tokens computed and slots for n
+more, a full group holds `cdiv(c + n, block_size)` blocks, a sliding group those from the
+first block a query at c reads on (`num_skipped_blocks`)::
+
+    block 4, window 8, c = 13, n = 4: keys > 13 - 8 = 5 are read, block 1 (4..7) on
+    logical block   0 1 2 3 4                  full:    cdiv(17, 4)           = 5
+    sliding         . x x x x                  sliding: 5 - (13 - 8 + 1) // 4 = 4
+
+so a decoding request holds at most `cdiv(window - 1, block_size) + 1` blocks of a sliding
+group, and a prefill chunk of n tokens `cdiv(window + n - 2, block_size) + 1`.
 
 Full groups come first (group 0 is full whenever any layer is), then sliding groups by window.
 
@@ -80,14 +91,13 @@ class KVCacheGroupSpec:
             return 0
         return (num_computed_tokens - w + 1) // block_size
 
-    def max_blocks(self, num_tokens: int, block_size: int, num_new_tokens: int = 1) -> int:
-        """The most blocks a request of `num_tokens` tokens holds in this group while it
-        computes `num_new_tokens` tokens a step (1: decoding)."""
-        full = cdiv(num_tokens, block_size)
-        w = self.sliding_window
-        if w is None:
-            return full
-        return min(full, cdiv(w - 1 + num_new_tokens, block_size) + 1)
+    def num_blocks_needed(
+        self, num_computed_tokens: int, num_new_tokens: int, block_size: int
+    ) -> int:
+        """This group's share of `KVCacheSpec.num_blocks_needed`: the blocks from the first
+        one a query at `num_computed_tokens` reads up to the last new token's."""
+        c = num_computed_tokens
+        return cdiv(c + num_new_tokens, block_size) - self.num_skipped_blocks(c, block_size)
 
 
 @dataclass(frozen=True)
@@ -162,11 +172,50 @@ class KVCacheSpec:
                 out[layer] = (g, slot)
         return out
 
+    @classmethod
+    def from_group_windows(cls, block_size: int, windows: Sequence[int | None]) -> KVCacheSpec:
+        """A spec with one layer per group of windows `windows` (None: full attention): the
+        block arithmetic of a worker's cache, away from its model (the service scheduler
+        learns `group_windows` at registration)."""
+        groups = tuple(KVCacheGroupSpec(w, (i,)) for i, w in enumerate(windows))
+        return cls(block_size, groups, 1)
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """Each group's sliding window, None for full attention (`from_group_windows`)."""
+        return tuple(g.sliding_window for g in self.groups)
+
+    def num_blocks_needed(self, num_computed_tokens: int, num_new_tokens: int = 0) -> int:
+        """The blocks one request holds over all groups once slots for `num_new_tokens`
+        tokens after its first `num_computed_tokens` are allocated (the hybrid manager's
+        `allocate_slots`, nothing shared with another request through a prefix hit). The one
+        count of blocks every estimate uses (see the module docstring):
+
+            a step computing tokens c .. c+n-1         num_blocks_needed(c, n)
+            a KV hand-off's reservation of P tokens    num_blocks_needed(P, 0)
+            ... and its first decoded token            num_blocks_needed(P, 1)
+        """
+        c, n, bs = num_computed_tokens, num_new_tokens, self.block_size
+        return sum(g.num_blocks_needed(c, n, bs) for g in self.groups)
+
     def max_blocks_per_request(self, num_tokens: int, num_new_tokens: int = 1) -> int:
-        """The most blocks one request of `num_tokens` tokens holds over all groups while it
-        computes `num_new_tokens` tokens a step."""
-        bs = self.block_size
-        return sum(g.max_blocks(num_tokens, bs, num_new_tokens) for g in self.groups)
+        """The most blocks a request holds at any step of its life while it grows to
+        `num_tokens` tokens, computing at most `num_new_tokens` a step (1: decoding; the
+        token budget with chunked prefill): the largest `num_blocks_needed(c, n)`.
+
+        A step of n' < n tokens never holds more than one of n tokens ending where it
+        ends, so n = `num_new_tokens` steps alone count, at c in [0, num_tokens - n]. Each
+        group's count at c + block_size is at least that at c (a full group's grows by one,
+        a sliding group's repeats once c is past its window and only grows before), so the
+        largest is at one of the last `block_size` values of c."""
+        if num_tokens <= 0:
+            return 0
+        n = max(1, min(num_new_tokens, num_tokens))
+        last = num_tokens - n
+        if all(g.sliding_window is None for g in self.groups):
+            return self.num_blocks_needed(last, n)
+        first = max(0, last - self.block_size + 1)
+        return max(self.num_blocks_needed(c, n) for c in range(first, last + 1))
 
     def handoff_indices(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> list[int]:
         """Positions in the interleaved block tables (`j * num_groups + g`) whose blocks a KV
@@ -179,25 +228,21 @@ class KVCacheSpec:
         skip = [max(first, g.num_skipped_blocks(num_prompt_tokens, bs)) for g in self.groups]
         return [j * G + g for j in range(first, n) for g in range(G) if j >= skip[g]]
 
-    def max_concurrency(self, num_blocks: int, num_tokens: int) -> float:
-        """How many decoding requests of `num_tokens` tokens `num_blocks` blocks hold at once
-        (vLLM's "maximum concurrency"); each sliding group needs at most
-        `cdiv(window, block_size) + 1` blocks of a request."""
-        return num_blocks / self.max_blocks_per_request(num_tokens)
+    def max_concurrency(self, num_blocks: int, num_tokens: int, num_new_tokens: int = 1) -> float:
+        """How many requests of `num_tokens` tokens, computing at most `num_new_tokens` a
+        step, `num_blocks` blocks hold at once at their peak (vLLM's "maximum concurrency",
+        which counts a prefill chunk of the token budget)."""
+        return num_blocks / self.max_blocks_per_request(num_tokens, num_new_tokens)
 
-    def max_tokens(self, num_blocks: int) -> int | None:
-        """The most tokens one decoding request holds in `num_blocks` blocks (vLLM's "KV
-        cache size" in tokens); None when no full-attention group bounds it."""
-        if all(g.sliding_window is not None for g in self.groups):
-            return None
-        lo, hi = 0, num_blocks * self.block_size
-        while lo < hi:  # the largest T with max_blocks_per_request(T) <= num_blocks
-            mid = (lo + hi + 1) // 2
-            if self.max_blocks_per_request(mid) <= num_blocks:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+    def kv_cache_size_tokens(
+        self, num_blocks: int, max_model_len: int, max_num_batched_tokens: int
+    ) -> int:
+        """The tokens of context `num_blocks` blocks hold at their peak: `max_concurrency`
+        times `max_model_len`, as vLLM reports "GPU KV cache size: N tokens" (so a sliding
+        group counts only its window's blocks; one full-attention group gives
+        `num_blocks * block_size` when `max_model_len` is a whole number of blocks)."""
+        per_request = self.max_blocks_per_request(max_model_len, max_num_batched_tokens)
+        return num_blocks * max_model_len // per_request
 
     def describe(self) -> str:
         """One line for the logs: the groups by kind."""

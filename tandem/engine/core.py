@@ -230,26 +230,35 @@ class EngineCore:
         self.last_step_idle = True
         self._shut_down = False
         _raise_gc_threshold()
-        max_tokens = self.kv_cache_spec.max_tokens(num_blocks)
         logger.info(
-            "engine ready: %s on %s, %d KV blocks of %d tokens (%s), max_model_len %d, "
-            "maximum concurrency for %d tokens per request: %.2fx (%.1fs)",
+            "engine ready: %s on %s, %d KV blocks of %d tokens, KV cache size: %d tokens, "
+            "maximum concurrency for %d tokens per request: %.2fx (decoding: %.2fx) (%.1fs)",
             self.model_path.name,
             self.executor.device,
             num_blocks,
             self.block_size,
-            "sliding windows only" if max_tokens is None else f"{max_tokens} tokens",
-            max_len,
+            self.kv_cache_size_tokens,
             max_len,
             self.max_concurrency,
+            self.kv_cache_spec.max_concurrency(num_blocks, max_len),
             time.perf_counter() - t0,
         )
 
     @property
     def max_concurrency(self) -> float:
-        """How many decoding requests of `max_model_len` tokens the KV cache holds at once
-        (sliding-window groups count at most `cdiv(window, block_size) + 1` blocks each)."""
-        return self.kv_cache_spec.max_concurrency(self.num_blocks, self.max_model_len)
+        """How many requests of `max_model_len` tokens the KV cache holds at once at their
+        peak, a prefill chunk of the token budget included (vLLM's "maximum concurrency";
+        a sliding-window group counts only the blocks its window reads)."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        return self.kv_cache_spec.max_concurrency(self.num_blocks, self.max_model_len, budget)
+
+    @property
+    def kv_cache_size_tokens(self) -> int:
+        """The tokens of context the KV cache holds: `max_concurrency` times
+        `max_model_len`, what vLLM logs as "GPU KV cache size" (for a model without sliding
+        windows, every block's tokens)."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        return self.kv_cache_spec.kv_cache_size_tokens(self.num_blocks, self.max_model_len, budget)
 
     @property
     def kv_cache(self) -> torch.Tensor:

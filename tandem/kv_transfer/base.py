@@ -166,11 +166,6 @@ def check_runs(runs: Sequence[tuple[int, int]], reserved: Sequence[int], request
     return total
 
 
-def num_prompt_blocks(num_prompt_tokens: int, block_size: int) -> int:
-    """Blocks holding a prompt's KV (the last one may be partly filled)."""
-    return -(-num_prompt_tokens // block_size)
-
-
 class EngineHandle(Protocol):
     """What a connector needs from the engine's client (an AsyncMPClient): the block
     allocation calls, and how other processes open the engine's KV cache."""

@@ -27,7 +27,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/scheduler.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"O\n\rSubmitRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.EngineRequest\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\"[\n\x0eSubmitResponse\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x14\n\x0cqueue_time_s\x18\x03 \x01(\x01\")\n\x12WatchEventsRequest\x12\x13\n\x0b\x64\x65stination\x18\x01 \x01(\t\"\xb4\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12#\n\x04role\x18\x03 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12%\n\x05stats\x18\x06 \x01(\x0b\x32\x16.tandem.v1.WorkerStats\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"3\n\tWorkerSet\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.tandem.v1.WorkerInfo\"D\n\x0eRequestsFailed\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"o\n\x0eSchedulerEvent\x12\'\n\x07workers\x18\x01 \x01(\x0b\x32\x14.tandem.v1.WorkerSetH\x00\x12+\n\x06\x66\x61iled\x18\x02 \x01(\x0b\x32\x19.tandem.v1.RequestsFailedH\x00\x42\x07\n\x05\x65vent\"\xfd\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12#\n\x04role\x18\x03 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x15\n\rkv_transports\x18\x08 \x03(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x12\n\nprocess_id\x18\n \x01(\x03\x12\x11\n\tkv_device\x18\x0b \x01(\t\"3\n\x16RegisterWorkerResponse\x12\x19\n\x11report_interval_s\x18\x01 \x01(\x01\"d\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x05stats\x18\x02 \x01(\x0b\x32\x16.tandem.v1.WorkerStats\x12\x1c\n\x14\x66inished_request_ids\x18\x03 \x03(\t\"\x14\n\x12ReportLoadResponse\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"\x14\n\x12ListWorkersRequest\"g\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.tandem.v1.WorkerInfo\x12\x12\n\nnum_queued\x18\x02 \x01(\x05\x12\x14\n\x0cnum_inflight\x18\x03 \x01(\x05\x32\x99\x04\n\tScheduler\x12=\n\x06Submit\x12\x18.tandem.v1.SubmitRequest\x1a\x19.tandem.v1.SubmitResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12I\n\x0bWatchEvents\x12\x1d.tandem.v1.WatchEventsRequest\x1a\x19.tandem.v1.SchedulerEvent0\x01\x12U\n\x0eRegisterWorker\x12 .tandem.v1.RegisterWorkerRequest\x1a!.tandem.v1.RegisterWorkerResponse\x12\x44\n\nReportLoad\x12\x15.tandem.v1.LoadReport\x1a\x1d.tandem.v1.ReportLoadResponse(\x01\x12[\n\x10\x44\x65registerWorker\x12\".tandem.v1.DeregisterWorkerRequest\x1a#.tandem.v1.DeregisterWorkerResponse\x12L\n\x0bListWorkers\x12\x1d.tandem.v1.ListWorkersRequest\x1a\x1e.tandem.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/scheduler.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"O\n\rSubmitRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.EngineRequest\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\"[\n\x0eSubmitResponse\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x14\n\x0cqueue_time_s\x18\x03 \x01(\x01\")\n\x12WatchEventsRequest\x12\x13\n\x0b\x64\x65stination\x18\x01 \x01(\t\"\xb4\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12#\n\x04role\x18\x03 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12%\n\x05stats\x18\x06 \x01(\x0b\x32\x16.tandem.v1.WorkerStats\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"3\n\tWorkerSet\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.tandem.v1.WorkerInfo\"D\n\x0eRequestsFailed\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"o\n\x0eSchedulerEvent\x12\'\n\x07workers\x18\x01 \x01(\x0b\x32\x14.tandem.v1.WorkerSetH\x00\x12+\n\x06\x66\x61iled\x18\x02 \x01(\x0b\x32\x19.tandem.v1.RequestsFailedH\x00\x42\x07\n\x05\x65vent\"\x9d\x02\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12#\n\x04role\x18\x03 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x15\n\rkv_transports\x18\x08 \x03(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x12\n\nprocess_id\x18\n \x01(\x03\x12\x11\n\tkv_device\x18\x0b \x01(\t\x12\x1e\n\x16kv_cache_group_windows\x18\x0c \x03(\x05\"3\n\x16RegisterWorkerResponse\x12\x19\n\x11report_interval_s\x18\x01 \x01(\x01\"d\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x05stats\x18\x02 \x01(\x0b\x32\x16.tandem.v1.WorkerStats\x12\x1c\n\x14\x66inished_request_ids\x18\x03 \x03(\t\"\x14\n\x12ReportLoadResponse\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"\x14\n\x12ListWorkersRequest\"g\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.tandem.v1.WorkerInfo\x12\x12\n\nnum_queued\x18\x02 \x01(\x05\x12\x14\n\x0cnum_inflight\x18\x03 \x01(\x05\x32\x99\x04\n\tScheduler\x12=\n\x06Submit\x12\x18.tandem.v1.SubmitRequest\x1a\x19.tandem.v1.SubmitResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12I\n\x0bWatchEvents\x12\x1d.tandem.v1.WatchEventsRequest\x1a\x19.tandem.v1.SchedulerEvent0\x01\x12U\n\x0eRegisterWorker\x12 .tandem.v1.RegisterWorkerRequest\x1a!.tandem.v1.RegisterWorkerResponse\x12\x44\n\nReportLoad\x12\x15.tandem.v1.LoadReport\x1a\x1d.tandem.v1.ReportLoadResponse(\x01\x12[\n\x10\x44\x65registerWorker\x12\".tandem.v1.DeregisterWorkerRequest\x1a#.tandem.v1.DeregisterWorkerResponse\x12L\n\x0bListWorkers\x12\x1d.tandem.v1.ListWorkersRequest\x1a\x1e.tandem.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,21 +49,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULEREVENT']._serialized_start=587
   _globals['_SCHEDULEREVENT']._serialized_end=698
   _globals['_REGISTERWORKERREQUEST']._serialized_start=701
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=954
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=956
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1007
-  _globals['_LOADREPORT']._serialized_start=1009
-  _globals['_LOADREPORT']._serialized_end=1109
-  _globals['_REPORTLOADRESPONSE']._serialized_start=1111
-  _globals['_REPORTLOADRESPONSE']._serialized_end=1131
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1133
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1177
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1179
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1205
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1207
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1227
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1229
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1332
-  _globals['_SCHEDULER']._serialized_start=1335
-  _globals['_SCHEDULER']._serialized_end=1872
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=986
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=988
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1039
+  _globals['_LOADREPORT']._serialized_start=1041
+  _globals['_LOADREPORT']._serialized_end=1141
+  _globals['_REPORTLOADRESPONSE']._serialized_start=1143
+  _globals['_REPORTLOADRESPONSE']._serialized_end=1163
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1165
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1209
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1211
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1237
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1239
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1259
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1261
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1364
+  _globals['_SCHEDULER']._serialized_start=1367
+  _globals['_SCHEDULER']._serialized_end=1904
 # @@protoc_insertion_point(module_scope)

@@ -76,7 +76,7 @@ class SchedulerEvent(_message.Message):
     def __init__(self, workers: _Optional[_Union[WorkerSet, _Mapping]] = ..., failed: _Optional[_Union[RequestsFailed, _Mapping]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "model", "max_model_len", "block_size", "num_blocks", "kv_transports", "host_id", "process_id", "kv_device")
+    __slots__ = ("worker_id", "address", "role", "model", "max_model_len", "block_size", "num_blocks", "kv_transports", "host_id", "process_id", "kv_device", "kv_cache_group_windows")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class RegisterWorkerRequest(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: _common_pb2.WorkerRole
@@ -99,7 +100,8 @@ class RegisterWorkerRequest(_message.Message):
     host_id: str
     process_id: int
     kv_device: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[int] = ..., kv_device: _Optional[str] = ...) -> None: ...
+    kv_cache_group_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., process_id: _Optional[int] = ..., kv_device: _Optional[str] = ..., kv_cache_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("report_interval_s",)

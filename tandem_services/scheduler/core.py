@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.kv_transfer.placement import (
     NoKVTransportError,
     WorkerPlacement,
@@ -235,6 +236,16 @@ SchedulerMessage = (
 # ----------------------------------------------------------------------------- state
 
 
+def worker_kv_cache_spec(info: scheduler_pb2.RegisterWorkerRequest) -> KVCacheSpec:
+    """The KV cache groups a worker registered (`kv_cache_group_windows`; none: one
+    full-attention group, a worker from before hybrid caches)."""
+    block_size = info.block_size or 16
+    windows = [w or None for w in info.kv_cache_group_windows]
+    if not windows:
+        return KVCacheSpec.full(block_size, 1)
+    return KVCacheSpec.from_group_windows(block_size, windows)
+
+
 @dataclass
 class WorkerEntry:
     info: scheduler_pb2.RegisterWorkerRequest
@@ -250,6 +261,11 @@ class WorkerEntry:
     inflight: set[str] = field(default_factory=set)
     # Set when it is dropped: RPCs still waiting on it are moot (it is gone).
     lost: asyncio.Event = field(default_factory=asyncio.Event)
+    # Its KV cache groups as it registered them: what a reservation there takes.
+    kv_cache_spec: KVCacheSpec = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kv_cache_spec = worker_kv_cache_spec(self.info)
 
     @property
     def worker_id(self) -> str:
@@ -550,9 +566,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
             if decode is not None:
                 workers.add(decode.worker_id)
                 decode.inflight.add(rid)
-                decode.reserved_since_report += routing_req.blocks_needed(
-                    decode.info.block_size or 16
-                )
+                decode.reserved_since_report += routing_req.blocks_needed(decode.kv_cache_spec)
             self.inflight[rid] = Inflight(
                 request_id=rid,
                 destination=queued.submit.destination,
@@ -590,6 +604,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
                     block_size=w.info.block_size or 16,
                     max_model_len=w.info.max_model_len,
                     queued_prefill_tokens=queued_tokens.get(w.worker_id, 0),
+                    kv_cache_spec=w.kv_cache_spec,
                 )
             )
         return views

@@ -247,6 +247,7 @@ async def serve(config: WorkerServiceConfig) -> int:
                 host_id=host_id(),
                 process_id=os.getpid(),
                 kv_device=info.kv_device,
+                kv_cache_group_windows=[w or 0 for w in core.kv_cache_spec.group_windows],
             ),
             core,
             client,

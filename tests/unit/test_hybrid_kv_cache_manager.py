@@ -86,10 +86,14 @@ def test_capacity_counts_a_sliding_group_at_window_blocks_plus_one() -> None:
     # The same cache memory with the hybrid manager off: blocks 6x the bytes, 512 a request.
     off = KVCacheSpec.from_layer_windows(16, windows, hybrid=False)
     assert off.max_concurrency(677 * 4 // 6, 8192) < 1.0
-    # One request's most tokens: 1000 blocks less 5 * 33 sliding ones, 16 tokens each.
-    assert spec.max_tokens(1000) == (1000 - 5 * 33) * 16
-    assert off.max_tokens(1000) == 16000
-    assert KVCacheSpec.from_layer_windows(16, [64, 64]).max_tokens(10) is None
+    # The tokens of context the cache holds (vLLM's "KV cache size"): concurrency times
+    # max_model_len, a prefill chunk of the token budget (here 16) counted.
+    per_request = 512 + 5 * (-(-(512 + 16 - 2) // 16) + 1)
+    assert spec.kv_cache_size_tokens(1000, 8192, 16) == 1000 * 8192 // per_request
+    assert off.kv_cache_size_tokens(1000, 8192, 16) == 16000
+    assert KVCacheSpec.from_layer_windows(16, [64, 64]).kv_cache_size_tokens(10, 8192, 1) == (
+        10 * 8192 // (-(-63 // 16) + 1)
+    )
 
 
 def test_sliding_group_frees_blocks_as_the_window_moves() -> None:

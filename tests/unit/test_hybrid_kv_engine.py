@@ -14,6 +14,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.config import ConfigError
 from tandem.core.hybrid_kv_cache_manager import NULL_BLOCK, HybridKVCacheManager
+from tandem.request import EngineCoreRequest
 from tests.parity.test_engine_parity import hf_greedy
 
 BS = 4
@@ -90,10 +91,42 @@ def test_gemma3_hybrid_cache_matches_transformers_and_the_plain_cache(gemma3_cas
     # Layer-blocks in use at the peak: the sliding layer keeps a window's worth.
     assert peak < 2 * plain_peak
     print(f"peak layer-blocks in use: hybrid {peak}, every block kept {2 * plain_peak}")
-    # Maximum concurrency at 128 tokens from the same memory.
-    assert llm.engine.max_concurrency > plain.engine.max_concurrency
+    # Maximum concurrency at 128 tokens from the same memory, and the tokens of context the
+    # cache holds, as vLLM reports them: a request's peak, a 32-token prefill chunk at the
+    # window's end, takes 32 full blocks and cdiv(8 + 32 - 2, 4) + 1 = 11 sliding ones.
+    assert llm.engine.max_concurrency == pytest.approx(120 / (32 + 11))
+    assert plain.engine.max_concurrency == pytest.approx(60 / 32)
+    assert llm.engine.kv_cache_size_tokens == 120 * 128 // (32 + 11)
+    assert plain.engine.kv_cache_size_tokens == 60 * BS
     # (KV hand-off of these tables between engines: tests/parity/test_disagg_gemma3.py.)
     assert llm.engine.pool_state().empty
+    check_reservations(llm)
+
+
+def check_reservations(llm: LLM) -> None:
+    """A decode engine's reservations for KV hand-offs take `num_blocks_needed(P, 0)` blocks
+    (prompts around the window's and the blocks' ends; none cached here) until the pool is
+    short; the one that does not fit is refused and leaves the pool as it was."""
+    engine = llm.engine
+    spec = engine.kv_cache_spec
+    kv = engine.scheduler.kv_cache_manager
+    params = SamplingParams(max_tokens=4)
+    ids = []
+    for i, n in enumerate([7, 8, 9, 12, 13, 20, 21, *[101] * 8]):
+        prompt = [497 + (i + j) % 3 for j in range(n)]  # no block of it is cached here
+        free = kv.num_free_blocks
+        reserved = engine.reserve(EngineCoreRequest(f"rsv{i}", prompt, params, eos_token_id=None))
+        if free < spec.num_blocks_needed(n, 0):
+            assert reserved is None and kv.num_free_blocks == free
+            break
+        assert reserved is not None and reserved[1] == 0
+        assert free - kv.num_free_blocks == spec.num_blocks_needed(n, 0)
+        ids.append(f"rsv{i}")
+    else:
+        raise AssertionError("the pool never ran short")
+    kv.check_invariants()
+    engine.abort_requests(ids)
+    assert engine.pool_state().empty
 
 
 def test_gemma3_hybrid_cache_under_preemption(gemma3_case) -> None:

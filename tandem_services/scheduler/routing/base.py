@@ -21,6 +21,7 @@ from typing import ClassVar
 
 from prometheus_client.metrics_core import Metric
 
+from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem_protos.v1 import common_pb2
 from tandem_services.common.metrics import gauge
 
@@ -51,9 +52,11 @@ class RoutingRequest:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def blocks_needed(self, block_size: int) -> int:
-        """Blocks for the prompt and the first output token."""
-        return -(-(self.num_prompt_tokens + 1) // block_size)
+    def blocks_needed(self, kv_cache_spec: KVCacheSpec) -> int:
+        """Blocks a decode worker with `kv_cache_spec` holds for this request once its
+        prompt is reserved and its first output token has a slot, over every KV cache group
+        (a sliding group's window alone; no prefix hit assumed there)."""
+        return kv_cache_spec.num_blocks_needed(self.num_prompt_tokens, 1)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,13 @@ class WorkerView:
     block_size: int
     max_model_len: int
     queued_prefill_tokens: int = 0
+    # Its KV cache groups (None: one full-attention group of `block_size` blocks).
+    kv_cache_spec: KVCacheSpec | None = None
+
+    @property
+    def cache_spec(self) -> KVCacheSpec:
+        """`kv_cache_spec`, or the plain cache's when it is None."""
+        return self.kv_cache_spec or KVCacheSpec.full(self.block_size, 1)
 
 
 @dataclass(frozen=True)
@@ -159,7 +169,7 @@ def candidates(
             w
             for w in decode
             if w.num_inflight < max_inflight_per_worker
-            and w.num_free_blocks >= request.blocks_needed(w.block_size)
+            and w.num_free_blocks >= request.blocks_needed(w.cache_spec)
             and request.num_prompt_tokens < w.max_model_len
         ]
         prefill_ok = [
