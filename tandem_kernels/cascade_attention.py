@@ -237,8 +237,13 @@ def _dense_tile(
     return m_new, l_i, acc
 
 
+# Arguments that change from step to step are not specialized on (Triton otherwise compiles a
+# variant per value class: equal to 1, divisible by 16, a 16-byte-aligned pointer), so what the
+# start-up forward compiled serves every step and nothing compiles while serving: the LSE's
+# head stride is the step's token count, and a mixed step's context part starts its LSE at
+# column `num_decodes`.
 @triton.jit(
-    do_not_specialize=["num_reqs", "window"],
+    do_not_specialize=["num_reqs", "window", "stride_lse_head"],
     do_not_specialize_on_alignment=["cu_seqlens_ptr"],
 )
 def _dense_causal_kernel(
@@ -661,8 +666,13 @@ def merge_attn_states_ref(
 
 
 @triton.jit(
-    do_not_specialize=["num_reqs", "stride_bt", "window"],
-    do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr"],
+    do_not_specialize=["num_reqs", "stride_bt", "window", "stride_lse_head"],
+    do_not_specialize_on_alignment=[
+        "query_start_loc_ptr",
+        "seq_lens_ptr",
+        "block_table_ptr",
+        "lse_ptr",
+    ],
 )
 def _paged_context_kernel(
     q_ptr,
