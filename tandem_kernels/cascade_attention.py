@@ -77,6 +77,7 @@ from tandem_kernels.paged_attention import (
     key_json,
     load_q_tile,
     may_tune,
+    online_softmax_step,
     paged_prefill_attention,
     prefill_tuning_active,
     shape_key,
@@ -229,12 +230,7 @@ def _dense_tile(
         else:
             keep = offs_n[None, :] > offs_m[:, None] - window
         qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return m_new, l_i, acc
+    return online_softmax_step(m_i, l_i, acc, qk, v, INPUT_PRECISION)
 
 
 # Arguments that change from step to step are not specialized on (Triton otherwise compiles a

@@ -134,6 +134,19 @@ def store_out_tile(out_ptr, out, tok_rows, head_rows, offs_d, stride_o_tok, stri
 
 
 @triton.jit
+def online_softmax_step(m_i, l_i, acc, qk, v, INPUT_PRECISION: tl.constexpr):
+    """One key tile into a row block's running max `m_i`, sum `l_i` and output `acc`
+    (unnormalised): `qk` the tile's scores in log2 units, -inf where masked; `v` its values.
+    Shared by every attention kernel here and in tandem_kernels.cascade_attention."""
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def attend_tile(
     q,
     m_i,
@@ -191,12 +204,7 @@ def attend_tile(
         qk = tl.where(keep, qk, float("-inf"))
     elif MASK_KEYS:
         qk = tl.where(n_valid[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return m_new, l_i, acc
+    return online_softmax_step(m_i, l_i, acc, qk, v, INPUT_PRECISION)
 
 
 # Ints that change from step to step are not specialised on (divisibility by 16, == 1):

@@ -172,6 +172,27 @@ def test_decode_every_tuning_candidate_and_the_tuned_config() -> None:
         pa._decode_configs.update(saved)
 
 
+def _captured_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """The Triton backend's forward over these buffers captured in a CUDA graph (run once on
+    a side stream first, so its kernels compile outside the capture), and its output."""
+    backend = TritonAttentionBackend()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(query, key, value, cache, meta, SCALE)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(query, key, value, cache, meta, SCALE)
+    return graph, out
+
+
 def test_decode_cuda_graph_replay() -> None:
     """Capture the backend's decode step once (splits fixed by max_seq_len=4096), then replay
     with other lengths, block tables and slots written into the same buffers."""
@@ -199,15 +220,7 @@ def test_decode_cuda_graph_replay() -> None:
         is_decode_only=True,
     )
     assert decode_num_splits(batch, NUM_KV_HEADS, 4096, 132) > 1
-    backend = TritonAttentionBackend()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backend.forward(query, key, value, cache, meta, SCALE)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(query, key, value, cache, meta, SCALE)
+    graph, out = _captured_forward(query, key, value, cache, meta)
 
     for trial in range(2):
         lens = torch.randint(1, 4097, (batch,), generator=gen).tolist()
@@ -265,15 +278,7 @@ def test_whole_step_graph_zeroes_its_padding_rows(cascade: bool) -> None:
         graph_padded=True,
         prefill_path="triton" if cascade else "paged",
     )
-    backend = TritonAttentionBackend()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backend.forward(query, key, value, cache, meta, SCALE)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(query, key, value, cache, meta, SCALE)
+    graph, out = _captured_forward(query, key, value, cache, meta)
 
     for lens in ([20, 9], [37], [bucket]):
         n = sum(lens)
