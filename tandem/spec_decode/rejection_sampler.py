@@ -51,6 +51,8 @@ def rejection_sample(
     num_rows = sum(num_draft) + num_reqs
     assert draft_token_ids.shape == (num_rows - num_reqs,), "one draft id per draft"
     assert target_argmax.shape == (num_rows,), "one target row per draft, plus the bonus row"
+    if target_probs is None and num_reqs and min(num_draft) == max_k:
+        return _greedy_uniform(num_reqs, max_k, draft_token_ids, target_argmax)
     k = torch.tensor(list(num_draft), dtype=torch.int64).to(device, non_blocking=True)
     row_start = torch.cumsum(k + 1, 0) - (k + 1)
     draft_start = row_start - torch.arange(num_reqs, device=device)
@@ -99,6 +101,20 @@ def rejection_sample(
     out = torch.cat([out, torch.full((num_reqs, 1), PLACEHOLDER, device=device)], dim=1)
     out.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return out
+
+
+def _greedy_uniform(
+    num_reqs: int, k: int, draft_token_ids: torch.Tensor, target_argmax: torch.Tensor
+) -> torch.Tensor:
+    """`rejection_sample` where every row is greedy and every request has k drafts (a step
+    the rule gave k drafts to all): the rows are a `[B, k + 1]` view, and since an accepted
+    draft equals its row's argmax, request b emits its rows' argmaxes 0..a_b, then -1. A
+    handful of device ops instead of the general path's index arithmetic."""
+    target = target_argmax.view(num_reqs, k + 1)
+    accepted = target[:, :k] == draft_token_ids.view(num_reqs, k)
+    num_accepted = accepted.cumprod(dim=1).sum(dim=1, keepdim=True)
+    cols = torch.arange(k + 1, device=target_argmax.device)
+    return torch.where(cols <= num_accepted, target, PLACEHOLDER)
 
 
 def rejection_sample_reference(
