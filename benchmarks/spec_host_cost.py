@@ -20,6 +20,7 @@ the GPU when a verify step waits for its tokens, all host work adds to the step)
     python -m benchmarks.spec_host_cost --batch-sizes 1,8 --k 4 --profile
     python -m benchmarks.spec_host_cost --device cuda --model random:llama-3.1-8b \\
         --batch-sizes 1,8 --k 4 --input-len 64 --output-len 64 --max-model-len 4096
+    TANDEM_PREFILL_CASCADE=0 python -m benchmarks.spec_host_cost --device cuda ...  # A/B
 """
 
 from __future__ import annotations
@@ -206,6 +207,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true", help="cProfile both runs' loops")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--device-steps", type=int, default=8, help="CUDA: steps profiled")
+    p.add_argument(
+        "--engine-json",
+        default="{}",
+        help="more engine arguments, e.g. '{\"piecewise_cuda_graph_sizes\": [8, 16, 32, 64]}'",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     ns = p.parse_args(argv)
     cuda = ns.device.startswith("cuda")
@@ -231,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
                 engine["gpu_memory_utilization"] = 0.4
             else:
                 engine["num_gpu_blocks"] = max(64, batch * 32)
+            engine.update(json.loads(ns.engine_json))
             row: dict[str, Any] = {"batch": batch, "k": ns.k}
             with LLM(model=model, **engine) as llm:
                 llm.generate(prompts, params, use_tqdm=False)  # warm-up
