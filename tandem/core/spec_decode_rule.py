@@ -38,7 +38,7 @@ for each estimate to stand alone):
   accepted. A request scheduled with fewer drafts than its step's n counts as rejected at
   its first missing draft (a proposer with nothing to offer). `c[j]` is shrunk toward the
   pooled rate over all positions (`prior_weight` pseudo-trials), and the pooled rate toward
-  1 by one pseudo-trial, so an unknown position takes its neighbours' rate and nothing
+  1 by half a pseudo-trial, so an unknown position takes its neighbours' rate and nothing
   measured means every draft accepted (an unknown bucket starts by speculating). Counts
   decay by `decay` per verify step, so a change of acceptance shows within tens of steps.
 
@@ -247,8 +247,8 @@ class SpeculationRule:
 
     def conditional_acceptance(self) -> list[float]:
         """c[j]: draft j's acceptance given drafts 0..j-1 accepted, shrunk toward the pooled
-        rate (which is shrunk toward 1 by one pseudo-trial)."""
-        pooled = (sum(self.accepted) + 1.0) / (sum(self.trials) + 1.0)
+        rate (which is shrunk toward 1 by half a pseudo-trial)."""
+        pooled = (sum(self.accepted) + 0.5) / (sum(self.trials) + 0.5)
         m = self.prior_weight
         return [(a + m * pooled) / (t + m) for a, t in zip(self.accepted, self.trials, strict=True)]
 

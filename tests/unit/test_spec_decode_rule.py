@@ -169,9 +169,9 @@ def test_estimates_share_strength() -> None:
     for _ in range(20):  # two drafts, the first accepted 3 times in 4, the second never
         rule.observe_acceptance(4, [3, 0])
     c = rule.conditional_acceptance()
-    # Positions 2 and 3 never ran: the pooled rate (3 of 7 trials, and one pseudo-trial of 1).
+    # Positions 2 and 3 never ran: the pooled rate (3 of 7 trials, and half a pseudo-trial of 1).
     assert rule.accepted[0] / rule.trials[0] == pytest.approx(0.75)
-    pooled = (sum(rule.accepted) + 1) / (sum(rule.trials) + 1)
+    pooled = (sum(rule.accepted) + 0.5) / (sum(rule.trials) + 0.5)
     assert pooled == pytest.approx(3 / 7, abs=0.01)
     assert c[2] == c[3] == pytest.approx(pooled)
     # Measured positions: their own rate, shrunk toward the pooled one by 8 pseudo-trials.
