@@ -1,33 +1,56 @@
 """Whether to speculate, and with how many drafts, decided per step from measured costs.
 
-Drafts pay when the tokens a step emits grow faster than the step's time. Per batch-size
-bucket (powers of two) the rule keeps a running mean of the time between consecutive step
-results for steps with n drafts per request (n = 0: plain decode; measured by the engine on
-the host), and the running acceptance by draft position `a[j]`: the share of a verify step's
-requests whose draft j was accepted (so `a[j]` already counts requests that had no draft).
-Host timings on a shared machine carry one-sided noise (a pause only adds time), so the mean
-follows a faster sample at once and a slower one slowly (`smoothing` down, a quarter of it
-up, a slower sample clipped at twice the mean), and a step with drafts is never estimated
-cheaper than plain decode (it computes strictly more). A request in a step with n drafts
-emits on average::
+Drafts pay when the tokens a step emits grow faster than the step's time. A request in a
+step with n drafts emits on average::
 
-    E(n) = 1 + a[0] + a[1] + ... + a[n-1]        tokens per request-step
+    E(n) = 1 + A(1) + ... + A(n),   A(j) = c[0] * c[1] * ... * c[j-1]
 
-and the batch's tokens per second are proportional to `E(n) / T(n)`. The rule picks the n in
-0..k with the best rate; an n > 0 must beat plain decode by `margin`. `T(n)` for an n not
-measured in the bucket is interpolated between plain decode and the largest measured n
-(step time grows about linearly in query tokens). Unmeasured acceptance is taken as all
-drafts accepted, so an unknown bucket starts by speculating.
+where `c[j]` is the conditional acceptance of draft j (accepted, given that drafts 0..j-1
+were); the batch's tokens per second are proportional to `E(n) / T(n)`, `T(n)` the time of
+a decode-only step with n drafts per request at this batch size. The rule picks the n in
+0..k with the best rate; an n > 0 must beat plain decode by `margin`.
+
+Few samples, shared strength (a 64-token run gives a batch of one a few dozen steps, too few
+for each estimate to stand alone):
+
+* Step time, per batch-size bucket (powers of two). Each n keeps a running mean of the
+  time between consecutive step results (measured by the engine on the host) and its
+  sample count. Host timings on a shared machine carry one-sided noise (a pause only adds
+  time), so a mean follows a faster sample at once and a slower one slowly (`smoothing`
+  down, a quarter of it up, a slower sample clipped at twice the mean). Verify steps
+  (n > 0) share one line ``T(n) = a + b n``, a least-squares fit over the measured n > 0
+  weighted by their samples (up to `max_time_weight` each), so an n never run has an
+  estimate from its neighbours. With one n > 0 measured, the line goes through it and
+  plain decode (a verify step grows about linearly in query tokens). Plain decode (n = 0)
+  stands apart: it runs other graphs, and a verify step may cost a fixed amount more than
+  the line down to n = 0 says. A verify step is never estimated cheaper than plain decode,
+  and the slope never below zero.
+
+      T ^                 x  measured verify arms (fitted: a + b n)
+        |           x--x  o  plain decode (its own mean)
+        |     x--x
+        |  o
+        +--+--+--+--+--+-> n
+           0  1  2  3  4
+
+* Acceptance, over all buckets: per position j, decayed counts of the requests that
+  reached it (drafts 0..j-1 accepted, draft j scheduled) and of those whose draft j was
+  accepted. A request scheduled with fewer drafts than its step's n counts as rejected at
+  its first missing draft (a proposer with nothing to offer). `c[j]` is shrunk toward the
+  pooled rate over all positions (`prior_weight` pseudo-trials), and the pooled rate toward
+  1 by half a pseudo-trial, so an unknown position takes its neighbours' rate and nothing
+  measured means every draft accepted (an unknown bucket starts by speculating). Counts
+  decay by `decay` per verify step, so a change of acceptance shows within tens of steps.
 
 Exploration: the arm not chosen is re-measured every `probe_interval` steps of the bucket,
 for `probe_len` steps (the first sample after a switch is dropped: it pays the other arm's
 pipeline bubble): plain decode when speculating; when not, the best n > 0 by the same rate
-(k until acceptance is known; at p = 0 that is n = 1, the cheapest verify step, which is
-enough: acceptance at a position never exceeds the one before it, so E(n) <= 1 + n a[0]).
-The interval doubles, up to `max_probe_interval`, while probes leave the decision as it was,
-and restarts at `min_probe_interval` when one changes it; so at p = 0 a verify step of one
-draft runs about `probe_len` times per `max_probe_interval` steps. An arm never measured in
-a bucket is probed first.
+(at p = 0 that is n = 1, the cheapest verify step, which is enough: acceptance at a
+position never exceeds the one before it, so E(n) <= 1 + n A(1)). The interval doubles, up
+to `max_probe_interval`, while probes leave the decision as it was, and restarts at
+`min_probe_interval` when one changes it. An untried n > 0 needs no probe of its own: it
+has an estimate from the line, and running it once chosen measures it. A bucket that never
+speculated is probed with k drafts first, one that never ran plain decode with none.
 
 CUDA graphs: the decision is per step for the whole batch, so a step without drafts is a
 plain decode (the decode graphs) and a step with drafts a verify step (the mixed-step graphs);
@@ -50,8 +73,10 @@ from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 class _Bucket:
     """What the rule knows at one batch-size bucket."""
 
-    # Running mean of the step time (s) by drafts per request, None until measured.
+    # Running mean of the step time (s) by drafts per request, None until measured, and the
+    # samples behind each.
     times: list[float | None]
+    counts: list[int]
     best: int = -1  # the last decision outside probes (-1: none yet)
     steps_since_probe: int = 0
     probe_interval: int = 0
@@ -66,6 +91,21 @@ class SpecRuleStats:
 
     def snapshot(self) -> SpecRuleStats:
         return SpecRuleStats(list(self.steps_by_num_drafts), self.num_probes)
+
+
+def fit_line(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, b) of the weighted least-squares line y = a + b x through `points` (x, y, weight),
+    the slope clipped at zero (then a is the weighted mean). One point: the flat line."""
+    sw = sum(w for _, _, w in points)
+    mx = sum(w * x for x, _, w in points) / sw
+    my = sum(w * y for _, y, w in points) / sw
+    sxx = sum(w * (x - mx) ** 2 for x, _, w in points)
+    if sxx <= 0:
+        return my, 0.0
+    b = sum(w * (x - mx) * (y - my) for x, y, w in points) / sxx
+    if b <= 0:
+        return my, 0.0
+    return my - b * mx, b
 
 
 class SpeculationRule:
@@ -86,11 +126,19 @@ class SpeculationRule:
         probe_len: int = 4,
         min_probe_interval: int = 8,
         max_probe_interval: int = 512,
+        prior_weight: float = 8.0,
+        decay: float = 0.97,
+        max_time_weight: int = 8,
+        skip_probe_gain: float = 0.25,
     ) -> None:
         if num_spec_tokens < 1:
             raise ValueError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if prior_weight < 0 or max_time_weight < 1:
+            raise ValueError("need prior_weight >= 0 and max_time_weight >= 1")
         if probe_len < 2 or not 1 <= min_probe_interval <= max_probe_interval:
             raise ValueError("need probe_len >= 2 and 1 <= min_probe_interval <= maximum")
         self.k = num_spec_tokens
@@ -99,8 +147,13 @@ class SpeculationRule:
         self.probe_len = probe_len
         self.min_probe_interval = min_probe_interval
         self.max_probe_interval = max_probe_interval
-        # Acceptance by draft position (running mean; None: not measured yet).
-        self.acceptance: list[float | None] = [None] * num_spec_tokens
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.max_time_weight = max_time_weight
+        self.skip_probe_gain = skip_probe_gain
+        # Decayed counts by draft position: requests that reached it, and of those, accepted.
+        self.trials = [0.0] * num_spec_tokens
+        self.accepted = [0.0] * num_spec_tokens
         self._buckets: dict[int, _Bucket] = {}
         # Steps planned ahead (a probe), by drafts per request.
         self._plan: deque[int] = deque()
@@ -122,7 +175,9 @@ class SpeculationRule:
         key = self.bucket_of(batch_size)
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = _Bucket([None] * (self.k + 1), probe_interval=self.min_probe_interval)
+            bucket = _Bucket(
+                [None] * (self.k + 1), [0] * (self.k + 1), probe_interval=self.min_probe_interval
+            )
             self._buckets[key] = bucket
         return bucket
 
@@ -134,8 +189,10 @@ class SpeculationRule:
         self._last_kind = kind
         if switched or seconds <= 0:
             return
-        times = self._bucket(batch_size).times
+        bucket = self._bucket(batch_size)
+        times = bucket.times
         n = min(num_drafts, self.k)
+        bucket.counts[n] += 1
         old = times[n]
         if old is None:
             times[n] = seconds
@@ -174,38 +231,62 @@ class SpeculationRule:
 
     def observe_acceptance(self, num_requests: int, accepted_per_pos: Sequence[int]) -> None:
         """One verify step: of its `num_requests` sampled requests, `accepted_per_pos[j]` had
-        draft j accepted (positions past the step's most drafts are left as they were)."""
+        drafts 0..j accepted (so it never exceeds the entry before it); positions past the
+        step's most drafts are not trials."""
         if num_requests <= 0:
             return
+        for j in range(self.k):
+            self.trials[j] *= self.decay
+            self.accepted[j] *= self.decay
+        reached = float(num_requests)
         for j, accepted in enumerate(accepted_per_pos[: self.k]):
-            rate = accepted / num_requests
-            old = self.acceptance[j]
-            self.acceptance[j] = rate if old is None else old + self.smoothing * (rate - old)
+            accepted = min(float(accepted), reached)
+            self.trials[j] += reached
+            self.accepted[j] += accepted
+            reached = accepted
+
+    def conditional_acceptance(self) -> list[float]:
+        """c[j]: draft j's acceptance given drafts 0..j-1 accepted, shrunk toward the pooled
+        rate (which is shrunk toward 1 by half a pseudo-trial)."""
+        pooled = (sum(self.accepted) + 0.5) / (sum(self.trials) + 0.5)
+        m = self.prior_weight
+        return [(a + m * pooled) / (t + m) for a, t in zip(self.accepted, self.trials, strict=True)]
 
     def expected_tokens(self, num_drafts: int) -> float:
-        """E(n): tokens a request emits in a step with n drafts (unmeasured positions: 1)."""
-        return 1.0 + sum(1.0 if a is None else a for a in self.acceptance[:num_drafts])
+        """E(n): tokens a request emits in a step with n drafts."""
+        total, reach = 1.0, 1.0
+        for c in self.conditional_acceptance()[:num_drafts]:
+            reach *= c
+            total += reach
+        return total
 
     def step_time(self, batch_size: int, num_drafts: int) -> float | None:
-        """T(n) at this batch size: measured, interpolated, or None (unknown)."""
-        times = self._bucket(batch_size).times
+        """T(n) at this batch size: plain decode's mean for n = 0, else the verify line at n
+        (None: not enough measured)."""
+        bucket = self._bucket(batch_size)
+        times = bucket.times
         t0 = times[0]
         if num_drafts == 0:
             return t0
-        measured = times[num_drafts]
-        if measured is not None:
-            return measured if t0 is None else max(measured, t0)
-        top = next((m for m in range(self.k, 0, -1) if times[m] is not None), 0)
-        if t0 is None or not top:
+        points = [
+            (float(n), t, float(min(bucket.counts[n], self.max_time_weight)))
+            for n, t in enumerate(times)
+            if n and t is not None
+        ]
+        if not points:
             return None
-        t_top = times[top]
-        assert t_top is not None
-        return t0 + max(t_top - t0, 0.0) * num_drafts / top
+        if len(points) == 1:
+            if t0 is None:
+                return points[0][1] if points[0][0] == num_drafts else None
+            points.append((0.0, t0, 1.0))
+        a, b = fit_line(points)
+        t = a + b * num_drafts
+        return t if t0 is None else max(t, t0)
 
     # ---- the decision ---------------------------------------------------------------------
 
     def best(self, batch_size: int) -> int:
-        """The drafts per request with the best measured rate (-1: not enough measured)."""
+        """The drafts per request with the best estimated rate (-1: not enough measured)."""
         t0 = self.step_time(batch_size, 0)
         n = self.best_drafting(batch_size)
         t = self.step_time(batch_size, n)
@@ -220,8 +301,9 @@ class SpeculationRule:
             t = self.step_time(batch_size, n)
             if t is None or t <= 0:
                 return self.k
-            if self.expected_tokens(n) / t > best_rate:
-                best, best_rate = n, self.expected_tokens(n) / t
+            rate = self.expected_tokens(n) / t
+            if rate > best_rate:
+                best, best_rate = n, rate
         return best
 
     def decide(self, batch_size: int) -> int:
@@ -244,7 +326,7 @@ class SpeculationRule:
         bucket = self._bucket(batch_size)
         key = self.bucket_of(batch_size)
         times = bucket.times
-        if times[self.k] is None and all(t is None for t in times[1:]):
+        if all(t is None for t in times[1:]):
             return self._probe(key, self.k)  # never speculated here: measure it
         if times[0] is None:
             return self._probe(key, 0)
@@ -258,8 +340,19 @@ class SpeculationRule:
         if bucket.steps_since_probe >= bucket.probe_interval:
             bucket.steps_since_probe = 0
             bucket.probe_interval = min(2 * bucket.probe_interval, self.max_probe_interval)
+            if best > 0 and self._far_ahead(batch_size, best):
+                return best  # plain decode well measured and far behind: no probe needed
             return self._probe(key, 0 if best > 0 else self.best_drafting(batch_size))
         return best
+
+    def _far_ahead(self, batch_size: int, num_drafts: int) -> bool:
+        """Whether n drafts beat plain decode by `skip_probe_gain` or more, with plain
+        decode's time from `probe_len - 1` samples or more (one probe's worth)."""
+        bucket = self._bucket(batch_size)
+        t0, t = bucket.times[0], self.step_time(batch_size, num_drafts)
+        if t0 is None or t is None or bucket.counts[0] < self.probe_len - 1:
+            return False
+        return self.expected_tokens(num_drafts) / t >= (1.0 + self.skip_probe_gain) / t0
 
     def _probe(self, key: int, num_drafts: int) -> int:
         """Run `probe_len` steps with `num_drafts` (the first of them returned now). A probe

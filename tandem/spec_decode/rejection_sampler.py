@@ -51,6 +51,15 @@ def rejection_sample(
     num_rows = sum(num_draft) + num_reqs
     assert draft_token_ids.shape == (num_rows - num_reqs,), "one draft id per draft"
     assert target_argmax.shape == (num_rows,), "one target row per draft, plus the bonus row"
+    if num_reqs and min(num_draft) == max_k:
+        if target_probs is None:
+            return _greedy_uniform(num_reqs, max_k, draft_token_ids, target_argmax)
+        if max_k:
+            assert uniform is not None and noise is not None
+            return _random_uniform(
+                max_k, draft_token_ids, target_probs, target_argmax, is_greedy, uniform, noise,
+                draft_probs,
+            )  # fmt: skip
     k = torch.tensor(list(num_draft), dtype=torch.int64).to(device, non_blocking=True)
     row_start = torch.cumsum(k + 1, 0) - (k + 1)
     draft_start = row_start - torch.arange(num_reqs, device=device)
@@ -99,6 +108,73 @@ def rejection_sample(
     out = torch.cat([out, torch.full((num_reqs, 1), PLACEHOLDER, device=device)], dim=1)
     out.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return out
+
+
+def _greedy_uniform(
+    num_reqs: int, k: int, draft_token_ids: torch.Tensor, target_argmax: torch.Tensor
+) -> torch.Tensor:
+    """`rejection_sample` where every row is greedy and every request has k drafts (a step
+    the rule gave k drafts to all): the rows are a `[B, k + 1]` view, and since an accepted
+    draft equals its row's argmax, request b emits its rows' argmaxes 0..a_b, then -1. A
+    handful of device ops instead of the general path's index arithmetic."""
+    target = target_argmax.view(num_reqs, k + 1)
+    accepted = target[:, :k] == draft_token_ids.view(num_reqs, k)
+    num_accepted = accepted.cumprod(dim=1).sum(dim=1, keepdim=True)
+    cols = torch.arange(k + 1, device=target_argmax.device)
+    return torch.where(cols <= num_accepted, target, PLACEHOLDER)
+
+
+def _random_uniform(
+    k: int,
+    draft_token_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    is_greedy: torch.Tensor | None,
+    uniform: torch.Tensor,
+    noise: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+) -> torch.Tensor:
+    """`rejection_sample` with random rows where every request has k >= 1 drafts: the same
+    rule on `[B, k + 1]` views, without the general path's index arithmetic."""
+    num_reqs = draft_token_ids.shape[0] // k
+    vocab = target_probs.shape[1]
+    device = target_argmax.device
+    drafts = draft_token_ids.view(num_reqs, k)
+    at_drafts = drafts.unsqueeze(2)
+    p_d = target_probs.view(num_reqs, k + 1, vocab)[:, :k].gather(2, at_drafts).squeeze(2)
+    u = uniform.view(num_reqs, k)
+    if draft_probs is not None:
+        q_drafts = draft_probs.view(num_reqs, k, vocab)
+        random_ok = u * q_drafts.gather(2, at_drafts).squeeze(2) <= p_d
+    else:
+        random_ok = u <= p_d  # one-hot drafts: q(d) = 1
+    target = target_argmax.view(num_reqs, k + 1)
+    accepted = (
+        random_ok
+        if is_greedy is None
+        else torch.where(is_greedy.unsqueeze(1), target[:, :k] == drafts, random_ok)
+    )
+    num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # [B]
+    final_row = torch.arange(num_reqs, device=device) * (k + 1) + num_accepted
+    p = target_probs[final_row]  # [B, V]
+    # The first rejected draft (a request that accepted all k takes p: `rejected` below).
+    at = num_accepted.clamp_max(k - 1).unsqueeze(1)
+    if draft_probs is not None:
+        q = q_drafts.gather(1, at.unsqueeze(2).expand(-1, 1, vocab)).squeeze(1)
+    else:
+        q = torch.zeros_like(p).scatter_(1, drafts.gather(1, at), 1.0)
+    residual = (p - q).clamp_min_(0.0)
+    # Rounding can leave no mass where p and q nearly agree: fall back to p.
+    residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p)
+    weights = torch.where((num_accepted < k).unsqueeze(1), residual, p)
+    sampled = (weights / noise[final_row].clamp_min(torch.finfo(noise.dtype).tiny)).argmax(1)
+    final = (
+        sampled if is_greedy is None else torch.where(is_greedy, target_argmax[final_row], sampled)
+    )
+    cols = torch.arange(k + 1, device=device)
+    num_accepted = num_accepted.unsqueeze(1)
+    out = torch.where(cols < num_accepted, torch.nn.functional.pad(drafts, (0, 1)), PLACEHOLDER)
+    return out.scatter_(1, num_accepted, final.unsqueeze(1))
 
 
 def rejection_sample_reference(

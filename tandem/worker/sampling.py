@@ -34,6 +34,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.core.outputs import GrammarBitmask, Logprobs, ModelRunnerOutput
@@ -190,9 +191,15 @@ class StepSampler:
         if meta.max_num_logprobs is not None:
             # Each row's token: the one emitted at that position (rows past the last emitted
             # one are never read).
-            req = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(reps))
-            col = torch.cat([torch.arange(n) for n in reps])
-            row_tokens = sampled[req.to(self.device), col.to(self.device)].clamp_min(0)
+            # (request, column) of each row, built on the host, copied asynchronously (a
+            # blocking copy from pageable memory syncs the stream: the host would wait here
+            # for the step's forward).
+            req = np.repeat(np.arange(len(states)), reps)
+            col = np.arange(len(req)) - np.repeat(np.cumsum(reps) - reps, reps)
+            index = torch.from_numpy(np.stack([req, col]))
+            if self.device.type == "cuda":
+                index = index.pin_memory().to(self.device, non_blocking=True)
+            row_tokens = sampled[index[0], index[1]].clamp_min(0)
             raw = torch.log_softmax(logits, dim=-1)
             out = gather_logprobs(raw, row_tokens, meta.max_num_logprobs)
         step = self._to_host(sampled.flatten(), out)

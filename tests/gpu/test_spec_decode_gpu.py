@@ -18,14 +18,30 @@ from tests.unit.test_spec_decode import check_verify_rows
 pytestmark = pytest.mark.gpu
 
 
-def test_rejection_sampler_on_cuda_matches_the_reference() -> None:
+@pytest.mark.parametrize(
+    ("num_draft", "greedy"),
+    [
+        ([4, 0, 3, 4, 1, 2, 4, 4] * 8, False),
+        ([4] * 64, False),  # the same drafts for every request: the [B, k + 1] view path
+        ([4] * 64, True),  # and every row greedy: its own path
+    ],
+)
+def test_rejection_sampler_on_cuda_matches_the_reference(
+    num_draft: list[int], greedy: bool
+) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    vocab, num_draft = 128_256, [4, 0, 3, 4, 1, 2, 4, 4] * 8
+    vocab = 128_256
     rows, drafts = sum(num_draft) + len(num_draft), sum(num_draft)
     logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 4
     probs = torch.softmax(logits, dim=-1)
     draft_ids = torch.randint(0, vocab, (drafts,), device="cuda", generator=gen)
     argmax = probs.argmax(dim=-1)
+    if len(set(num_draft)) == 1:
+        # Two drafts in three right (the target's argmax), so acceptance runs vary.
+        k = num_draft[0]
+        b, j = torch.meshgrid(torch.arange(len(num_draft)), torch.arange(k), indexing="ij")
+        right = ((b + j) % 3 != 0).flatten().cuda()
+        draft_ids = torch.where(right, argmax.view(-1, k + 1)[:, :k].flatten(), draft_ids)
     case = dict(
         num_draft=num_draft,
         draft_token_ids=draft_ids,
@@ -35,6 +51,8 @@ def test_rejection_sampler_on_cuda_matches_the_reference() -> None:
         uniform=torch.rand(drafts, device="cuda", generator=gen),
         noise=torch.empty(rows, vocab, device="cuda").exponential_(generator=gen),
     )
+    if greedy:
+        case.update(target_probs=None, is_greedy=None)
     got = rejection_sample(**case)
     want = rejection_sample_reference(
         **{k: v.cpu() if torch.is_tensor(v) else v for k, v in case.items()}

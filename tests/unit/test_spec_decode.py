@@ -234,13 +234,18 @@ def _random_case(
     )
 
 
+@pytest.mark.parametrize("uniform", [False, True])
 @pytest.mark.parametrize("with_q", [False, True])
 @pytest.mark.parametrize("greedy", ["all", "none", "mixed"])
-def test_rejection_sampler_matches_its_reference(greedy: str, with_q: bool) -> None:
+def test_rejection_sampler_matches_its_reference(greedy: str, with_q: bool, uniform: bool) -> None:
+    """Random draft counts, and (`uniform`) every request with the same count, 1 to 4 (all
+    greedy: its own fast path)."""
     gen = torch.Generator().manual_seed(0)
     for trial in range(20):
         num_draft = [int(x) for x in torch.randint(0, 5, (6,), generator=gen)]
-        if not any(num_draft):
+        if uniform:
+            num_draft = [trial % 4 + 1] * 6
+        elif not any(num_draft):
             num_draft[0] = 2
         flags = {
             "all": [True] * 6,

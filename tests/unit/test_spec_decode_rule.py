@@ -133,8 +133,9 @@ def test_one_sided_timing_noise_does_not_flip_the_decision(p: float, on: bool) -
 
 def test_observe_output_reads_times_and_acceptance_from_a_step() -> None:
     """A verify step of three decodes (drafts 3, 2 and none): its time counts under 3 drafts,
-    acceptance by position over all three requests; a step with a prefill chunk is not timed."""
-    rule = SpeculationRule(3)
+    acceptance by position over the requests that reached each position (a request without
+    a draft there counts as rejected); a step with a prefill chunk is not timed."""
+    rule = SpeculationRule(3, prior_weight=0.0)
     verify = SchedulerOutput(
         num_scheduled_tokens={"a": 4, "b": 3, "c": 1},
         total_num_scheduled_tokens=8,
@@ -144,11 +145,128 @@ def test_observe_output_reads_times_and_acceptance_from_a_step() -> None:
     result = ModelRunnerOutput(["a", "b", "c"], [[1, 2, 9], [7], [8]])
     rule.observe_output(verify, result, 0.02)
     assert rule.step_time(3, 3) == 0.02 and rule.step_time(3, 0) is None
-    assert rule.acceptance == pytest.approx([1 / 3, 1 / 3, 0.0])
+    assert rule.trials == pytest.approx([3, 1, 1]) and rule.accepted == pytest.approx([1, 1, 0])
+    assert rule.conditional_acceptance() == pytest.approx([1 / 3, 1.0, 0.0])
     assert rule.expected_tokens(3) == pytest.approx(1 + 2 / 3)
     mixed = SchedulerOutput(num_scheduled_tokens={"a": 1, "d": 40}, total_num_scheduled_tokens=41)
     rule.observe_output(mixed, ModelRunnerOutput(["a", "d"], [[5], [6]]), 0.5)
     assert rule.step_time(2, 0) is None  # not a decode-only step: no time
+
+
+def test_estimates_share_strength() -> None:
+    """An unmeasured draft count has a step time from the line through the measured ones
+    (through plain decode when only one is measured); an unseen position takes the pooled
+    acceptance; with nothing seen every draft counts as accepted."""
+    rule = SpeculationRule(4)
+    assert rule.expected_tokens(4) == pytest.approx(5.0)
+    for n, t in ((0, 5.0), (4, 7.0), (4, 7.0)):  # the first after a switch is dropped
+        rule.observe_step(1, n, t)
+    assert rule.step_time(1, 2) == pytest.approx(6.0)
+    rule.observe_step(1, 2, 6.6)
+    # Line through (2, 6.6) and (4, 7.0): 6.2 + 0.2 n, above plain decode's 5.0.
+    assert rule.step_time(1, 1) == pytest.approx(6.4)
+    assert rule.step_time(1, 3) == pytest.approx(6.8)
+    for _ in range(20):  # two drafts, the first accepted 3 times in 4, the second never
+        rule.observe_acceptance(4, [3, 0])
+    c = rule.conditional_acceptance()
+    # Positions 2 and 3 never ran: the pooled rate (3 of 7 trials, and half a pseudo-trial of 1).
+    assert rule.accepted[0] / rule.trials[0] == pytest.approx(0.75)
+    pooled = (sum(rule.accepted) + 0.5) / (sum(rule.trials) + 0.5)
+    assert pooled == pytest.approx(3 / 7, abs=0.01)
+    assert c[2] == c[3] == pytest.approx(pooled)
+    # Measured positions: their own rate, shrunk toward the pooled one by 8 pseudo-trials.
+    assert c[0] == pytest.approx((rule.accepted[0] + 8 * pooled) / (rule.trials[0] + 8))
+    assert 0.7 < c[0] < 0.75 and c[1] < 0.1
+
+
+# ---- the H200's costs (8B, batch 1 and 128; benchmarks/results/speculative_forced_h200_*) ----
+
+# Batch 1: plain decode 5.06 ms, a verify step 6.5 ms at 2 drafts and 7.3 ms at 4.
+H200_B1 = [5.06e-3] + [5.7e-3 + 0.4e-3 * n for n in range(1, 5)]
+# Batch 128, compute-bound: a step's time grows with its rows (1 + n per request), so that a
+# verify step of n drafts costs (1 + 0.8 n) plain steps.
+H200_B128 = [10.2e-3 * (1 + 0.8 * n) for n in range(5)]
+
+
+def simulate_random(
+    rule: SpeculationRule, batch: int, costs: list[float], p: float, steps: int, seed: int
+) -> tuple[float, list[int]]:
+    """Steps with each draft kept with probability p until the first rejected one (the replay
+    proposer's acceptance): returns (tokens per second, drafts per request by step)."""
+    rng = np.random.default_rng(seed)
+    tokens = seconds = 0.0
+    chosen = []
+    for _ in range(steps):
+        n = rule.decide(batch)
+        chosen.append(n)
+        run = (rng.random((batch, n)) < p).cumprod(axis=1)  # drafts accepted, per request
+        accepted = run.sum(axis=0).tolist()
+        rule.observe_step(batch, n, costs[n])
+        if n:
+            rule.observe_acceptance(batch, accepted)
+        tokens += batch + sum(accepted)
+        seconds += costs[n]
+    return tokens / seconds, chosen
+
+
+def h200_rate(batch: int, costs: list[float], p: float, n: int) -> float:
+    return batch * sum(p**j for j in range(n + 1)) / costs[n]
+
+
+def test_h200_batch_one_at_p07_takes_four_drafts() -> None:
+    """p = 0.7: E(4) = 2.77 tokens per 7.3 ms beats E(2) = 2.19 per 6.5 ms (and E(3) = 2.53
+    per 6.9 ms, by 3%: a near tie that a few dozen draws at batch 1 cannot always settle).
+    Over 20 runs of 30 steps (a 64-token run), the rule settles on 4 in nearly every run and
+    after its first 10 steps takes 4 in most drafting steps, 1 or 2 almost never."""
+    settled = 0
+    shares_four = []
+    shares_few = []
+    for seed in range(20):
+        rule = SpeculationRule(4)
+        _, chosen = simulate_random(rule, 1, H200_B1, 0.7, 30, seed)
+        settled += rule.best(1) == 4
+        drafting = [n for n in chosen[10:] if n]
+        shares_four.append(drafting.count(4) / len(drafting))
+        shares_few.append(sum(n <= 2 for n in drafting) / len(drafting))
+    assert settled >= 17
+    assert np.mean(shares_four) >= 0.8
+    assert np.mean(shares_few) < 0.05
+
+
+def test_h200_batch_one_rates() -> None:
+    """Over long runs the rule reaches the best fixed choice's rate at p = 1, 0.7 and 0
+    (k, 4 and none)."""
+    for p, n_best in ((1.0, 4), (0.7, 4), (0.0, 0)):
+        best = h200_rate(1, H200_B1, p, n_best)
+        assert best == max(h200_rate(1, H200_B1, p, n) for n in range(5))
+        rule = SpeculationRule(4)
+        rate, _ = simulate_random(rule, 1, H200_B1, p, 400, seed=1)
+        assert rate >= 0.95 * best
+        assert rule.best(1) == n_best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_h200_batch_one_at_p0_stops_quickly(seed: int) -> None:
+    rule = SpeculationRule(4)
+    _, chosen = simulate_random(rule, 1, H200_B1, 0.0, 64, seed)
+    # The first probe (a plain step, then 4 verify steps) tells, or at most two steps more:
+    # plain decode after it, but for probes of 4 steps at doubling intervals (8, 16, ...).
+    assert rule.best(1) == 0
+    assert 0 in chosen[5:7]
+    assert sum(1 for n in chosen[7:] if n) <= 8
+
+
+@pytest.mark.parametrize("p", [1.0, 0.7])
+def test_h200_batch_128_compute_bound_does_not_speculate(p: float) -> None:
+    """Where a verify step costs more plain steps than it emits tokens (p = 0.7: 1.7 tokens
+    for 1.8 steps at 1 draft, 2.77 for 4.2 at 4; p = 1: 5 for 4.2 at 4 pays), the rule stops
+    speculating (p = 0.7) or keeps k (p = 1)."""
+    rule = SpeculationRule(4)
+    rate, _ = simulate_random(rule, 128, H200_B128, p, 400, seed=2)
+    best_n = max(range(5), key=lambda n: h200_rate(128, H200_B128, p, n))
+    assert best_n == (0 if p < 1 else 4)
+    assert rule.best(128) == best_n
+    assert rate >= 0.95 * h200_rate(128, H200_B128, p, best_n)
 
 
 def test_bad_arguments_are_refused() -> None:
