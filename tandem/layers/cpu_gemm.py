@@ -187,16 +187,12 @@ class TokenClass:
 TOKEN_CLASSES: tuple[TokenClass, ...] = (
     TokenClass("single", 1, 1),  # one decode row: a matrix-vector product, memory bound
     TokenClass("decode", 128, 64),  # a decode batch
-    # Prompt chunks, big batches (a step's chunk is up to max_num_batched_tokens rows). Probed
-    # at 512 rows, not fewer: on a Zen 4 core MKL's generic kernels keep up with oneDNN at 128
-    # rows of the embedded model's down_proj (2.5 ms each) and fall 10-25% behind it at 512 to
-    # 2048 (8.2 vs 10.9 ms, 33 vs 38-46 ms), the rows a prefill chunk has.
-    TokenClass("prefill", 1 << 62, 512),
+    TokenClass("prefill", 1 << 62, 128),  # prompt chunks, big batches
 )
 
-# The most floating-point operations one probe product may take (about 10 ms on one core):
-# larger weights' probes run fewer rows than the class's (the LM head's classes share one).
-_PROBE_FLOPS = 1 << 30
+# The most floating-point operations one probe product may take (about 5 ms on one core): the
+# LM head's probes run fewer rows than the class's (and its classes share one probe).
+_PROBE_FLOPS = 1 << 29
 # Each probe times every candidate in turn, round after round, for at least `_PROBE_MIN_S`
 # and `_PROBE_MIN_REPS` rounds, and stops at `_PROBE_MAX_REPS` rounds or past `_PROBE_MAX_S`
 # (one round at least); the minimum counts, the product least disturbed by other processes.
@@ -298,11 +294,7 @@ def pick_kernels(timings: tuple[dict[str, float], ...]) -> tuple[str, ...]:
     a kernel a larger class already took. Classes are settled largest first (their products
     are most of the work). So a weight holds at most one packed copy unless a second one is
     worth more than `_NEAR`, and a near tie measured on a busy machine does not flip the
-    choice from one process to the next.
-
-    Then each class takes the fastest of the kernels held in the end: a copy a smaller class
-    made is free to a larger one too (a prefill chunk that near-tied `torch` with oneDNN at
-    its probe takes oneDNN when the decode class holds oneDNN's copy anyway)."""
+    choice from one process to the next."""
     chosen: list[str] = [""] * len(timings)
     held: set[str] = {"torch"}
     for i in reversed(range(len(timings))):
@@ -312,10 +304,7 @@ def pick_kernels(timings: tuple[dict[str, float], ...]) -> tuple[str, ...]:
         cheap = [name for name in near if name in held]
         chosen[i] = min(cheap, key=times.__getitem__) if cheap else fastest
         held.add(chosen[i])
-    final = set(chosen)
-    return tuple(
-        min((name for name in times if name in final), key=times.__getitem__) for times in timings
-    )
+    return tuple(chosen)
 
 
 def _probe(
