@@ -316,61 +316,96 @@ class ModelRunner:
         own = int(np.prod(self.kv_cache_shape(1))) * elem
         return own + self._proposer_call("kv_bytes_per_block", 0)
 
+    def profile_steps(self) -> list[list[tuple[int, int]]]:
+        """The eager steps of `profile_run`, each a list of requests as (query tokens, tokens
+        already in the cache before them), decodes first as the input batch orders them.
+
+        1. The largest step: `max_num_batched_tokens` fresh tokens in requests of at most 1,024
+           and `max_model_len` (the prefill kernels time their paths on it): the memory peak.
+        2. One fresh request past 1,024 tokens, when the limits allow one: the dense
+           kernel's long-request tiles.
+        3. A mixed step: a few decodes beside a chunk that continues a cached prefix (chunked
+           prefill, prefix hits): the context kernel, the merge, decode rows in an eager step.
+
+        2 and 3 compile on start-up the kernel variants that served traffic would otherwise
+        compile inside its first requests' time to first token."""
+        tokens = self.config.scheduler.max_num_batched_tokens
+        max_len = self.max_model_len
+        per_req = min(tokens, 1024, max_len)
+        steps = [[(min(per_req, tokens - i), 0) for i in range(0, tokens, per_req)]]
+        long_len = min(tokens, max_len, 2048)
+        if long_len > 1024:
+            steps.append([(long_len, 0)])
+        num_decodes = min(4, self.config.scheduler.max_num_seqs - 1, tokens - 1)
+        chunk = min(512, tokens - num_decodes, max_len // 2)
+        context = min(1024, max_len - chunk)
+        if num_decodes >= 0 and chunk >= 1 and context >= 1:
+            decode_context = min(context, max_len - 1)
+            steps.append([(1, decode_context)] * num_decodes + [(chunk, context)])
+        return steps
+
     def profile_run(self, scratch_kv_cache: torch.Tensor) -> None:
-        """One eager forward of `max_num_batched_tokens` tokens (in requests of at most 1024
-        tokens) through `scratch_kv_cache`, plus the logits of `max_num_sampled_rows` rows: the
-        largest step this engine runs. Inside the backend's `startup_tuning` (the prefill
-        kernel may pick its tile config here). The caller measures the memory it takes."""
-        sched = self.config.scheduler
+        """The eager forwards of `profile_steps` through `scratch_kv_cache` (whatever it
+        holds: the outputs are discarded), the first with the logits of
+        `max_num_sampled_rows` rows: the largest step this engine runs. Inside the backend's
+        `startup_tuning` (the prefill kernel may pick its path and tile config on the first).
+        The caller measures the memory it takes."""
         m = self.model
+        with torch.inference_mode(), self.attn_backend.startup_tuning():
+            for i, reqs in enumerate(self.profile_steps()):
+                meta, positions = self._profile_metadata(reqs)
+                tokens = meta.num_actual_tokens
+                ids, intermediate = None, None
+                if self.is_first_stage:
+                    ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+                else:
+                    intermediate = m.make_empty_intermediate_tensors(tokens)
+                caches = [scratch_kv_cache[:, j] for j in self._layer_slots]
+                out = m(ids, positions, caches, meta, intermediate)
+                if self.is_last_stage and i == 0:
+                    assert isinstance(out, torch.Tensor)
+                    logits = m.compute_logits(out[: min(self.max_num_sampled_rows, tokens)])
+                    del logits
+                del out, intermediate
+
+    def _profile_metadata(
+        self, reqs: list[tuple[int, int]]
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Planned metadata and positions of one `profile_steps` step over consecutive block
+        ids from 0 (the scratch cache's)."""
         bs = self.block_size
         dev = self.device
-        tokens = sched.max_num_batched_tokens
-        per_req = min(tokens, 1024)
-        num_reqs = -(-tokens // per_req)
-        caches = [scratch_kv_cache[:, i] for i in self._layer_slots]
-        qsl = [min(i * per_req, tokens) for i in range(num_reqs + 1)]
-        lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
-        bpr = -(-per_req // bs)
-        table = torch.arange(num_reqs * bpr, dtype=torch.int32, device=dev).view(num_reqs, bpr)
-        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-        slots = torch.cat(
-            [
-                (table[i].long() * bs).repeat_interleave(bs)[: lens[i]]
-                + torch.arange(lens[i], device=dev) % bs
-                for i in range(num_reqs)
-            ]
-        )
+        lens = [q for q, _ in reqs]
+        seq_lens = [q + c for q, c in reqs]
+        qsl = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        blocks = [-(-n // bs) for n in seq_lens]
+        width = max(blocks)
+        table = torch.zeros(len(reqs), width, dtype=torch.int32)
+        first_block = 0
+        for r, n in enumerate(blocks):
+            table[r, :n] = torch.arange(first_block, first_block + n, dtype=torch.int32)
+            first_block += n
+        pos = torch.cat([torch.arange(c, c + q) for q, c in reqs])
+        req = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(lens))
+        slots = table[req, pos // bs].long() * bs + pos % bs
         meta = AttentionMetadata(
-            num_actual_tokens=tokens,
-            num_reqs=num_reqs,
+            num_actual_tokens=int(qsl[-1]),
+            num_reqs=len(reqs),
             max_query_len=max(lens),
-            max_seq_len=max(lens),
+            max_seq_len=max(seq_lens),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_table=table,
-            slot_mapping=slots,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=table.to(dev),
+            slot_mapping=slots.to(dev),
             query_start_loc_cpu=qsl,
-            seq_lens_cpu=lens,
+            seq_lens_cpu=seq_lens,
         )
-        with torch.inference_mode(), self.attn_backend.startup_tuning():
-            meta = self._plan(meta)
-            ids = torch.zeros(tokens, dtype=torch.long, device=dev) if self.is_first_stage else None
-            intermediate = (
-                None if self.is_first_stage else m.make_empty_intermediate_tensors(tokens)
-            )
-            out = m(ids, positions, caches, meta, intermediate)
-            if self.is_last_stage:
-                assert isinstance(out, torch.Tensor)
-                logits = m.compute_logits(out[: min(self.max_num_sampled_rows, tokens)])
-                del logits
-            del out, intermediate
+        return self._plan(meta), pos.to(dev)
 
     def profile_num_blocks(self) -> int:
-        """Blocks of the scratch cache `profile_run` needs."""
-        tokens = self.config.scheduler.max_num_batched_tokens
-        per_req = min(tokens, 1024)
-        return -(-tokens // per_req) * -(-per_req // self.block_size)
+        """Blocks of the scratch cache `profile_run` needs: its largest step's."""
+        bs = self.block_size
+        return max(sum(-(-(q + c) // bs) for q, c in reqs) for reqs in self.profile_steps())
 
     def initialize_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Take the engine's KV cache (`kv_cache_shape`), tune the attention kernels on it

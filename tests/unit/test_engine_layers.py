@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
+import shutil
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +76,54 @@ def test_kv_sizing_on_cpu_follows_kv_cache_memory_gb(tiny_llama: Path) -> None:
     per_block = worker.model_runner.kv_bytes_per_block()
     assert per_block == 4 * int(np.prod(worker.model_runner.kv_cache_shape(1)))
     assert worker.determine_num_blocks() == max(int(0.001 * (1 << 30) // per_block), 1) > 1
+    worker.shutdown()
+
+
+def test_profile_run_compiles_long_and_continued_prefills_on_start_up(
+    tiny_model_path, tmp_path: Path
+) -> None:
+    """Beside the largest step, the start-up forwards run one fresh request past 1,024 tokens
+    and decodes beside a chunk continuing a cached prefix, so their kernels do not compile in
+    a served request's time to first token; each forward writes only blocks of its scratch
+    cache, whose size `profile_num_blocks` gives, and the outputs stay finite."""
+    path = tmp_path / "tiny-llama-4k"
+    shutil.copytree(tiny_model_path("llama"), path)
+    hf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(hf, max_position_embeddings=4096)))
+    args = dict(ENGINE_ARGS, max_model_len=4096, max_num_batched_tokens=1536)
+    config = EngineArgs(model=str(path), **args).create_engine_config()
+    worker = Worker(config, path, load_hf_config(path), 4096, None)
+    runner = worker.model_runner
+    planned: list[list[tuple[int, int]]] = []
+    plan_step = runner.attn_backend.plan_step
+
+    def recording_plan_step(metadata, *args, **kwargs):  # type: ignore[no-untyped-def]
+        qsl = metadata.query_start_loc_cpu
+        queries = [qsl[i + 1] - qsl[i] for i in range(metadata.num_reqs)]
+        planned.append(list(zip(queries, metadata.seq_lens_cpu, strict=True)))
+        return plan_step(metadata, *args, **kwargs)
+
+    runner.attn_backend.plan_step = recording_plan_step  # type: ignore[method-assign]
+    steps = runner.profile_steps()
+    assert steps[0] == [(1024, 0), (512, 0)]
+    assert steps[1] == [(1536, 0)]
+    assert steps[2] == [(1, 1024)] * 4 + [(512, 1024)]
+    blocks = runner.profile_num_blocks()
+    bs = runner.block_size
+    assert blocks == max(sum(-(-(q + c) // bs) for q, c in reqs) for reqs in steps)
+    scratch = torch.zeros(runner.kv_cache_shape(blocks + 1))
+    scratch[blocks].fill_(float("nan"))  # one block past the scratch: never read or written
+    runner.profile_run(scratch)
+    assert planned == [[(q, q + c) for q, c in reqs] for reqs in steps]
+    assert torch.isfinite(scratch[:blocks]).all()
+    assert torch.isnan(scratch[blocks]).all()
+    # Small limits: no request past them, the mixed step fits the budget and the model length.
+    small = EngineArgs(model=str(path), **ENGINE_ARGS).create_engine_config()
+    small_runner = Worker(small, path, load_hf_config(path), 256, None).model_runner
+    for reqs in small_runner.profile_steps():
+        assert sum(q for q, _ in reqs) <= small.scheduler.max_num_batched_tokens
+        assert len(reqs) <= small.scheduler.max_num_seqs
+        assert all(q + c <= 256 for q, c in reqs)
     worker.shutdown()
 
 
