@@ -399,6 +399,8 @@ class ModelRunner:
             slot_mapping=slots.to(dev),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
+            # A mixed step's leading one-token requests, as `execute_model` orders them.
+            num_decodes=next((i for i, q in enumerate(lens) if q > 1), 0),
         )
         return self._plan(meta), pos.to(dev)
 
