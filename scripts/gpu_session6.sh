@@ -6,8 +6,8 @@
 #            (issue 28's "served FP8 against bf16, same run") -> $OUT/served_{bf16,fp8}/;
 #   PART=a:  carries .whl and .smol/a: the GPU test files that do not need SmolLM2 (A_TESTS);
 #   PART=b:  carries .whl2 and .smol/b, right after PART=a on the same warm machine: joins
-#            SmolLM2, its GPU test files (scripts/gpu_session5.sh's SMOL_FILES), then the forced
-#            speculation benchmark at p=0.7, k=4 (B_SPEC=1).
+#            SmolLM2, its GPU test files (scripts/gpu_session5.sh's SMOL_FILES), then (B_SERVED=1)
+#            the bf16 served table again (after the start-up compile change).
 #
 #   OUT=/some/dir PART=s bash scripts/gpu_session6.sh
 set -u
@@ -26,6 +26,12 @@ a)
     bash scripts/gpu_session5.sh
   ;;
 b)
-  PART=v2 TESTS_LIMIT_S=${TESTS_LIMIT_S:-330} BUDGET_S=575 bash scripts/gpu_session5.sh
+  T0=$SECONDS
+  PART=v2 TESTS_LIMIT_S=${TESTS_LIMIT_S:-330} BUDGET_S=${B_TESTS_BUDGET_S:-340} \
+    bash scripts/gpu_session5.sh
+  if [ "${B_SERVED:-1}" = 1 ]; then
+    RUNS=unified OFFLINE=none RATES=${RATES:-5,15,25,inf} OUT="$OUT/served_bf16" \
+      BUDGET_S=$((${TOTAL_S:-575} - (SECONDS - T0))) bash scripts/gpu_issue14.sh
+  fi
   ;;
 esac
