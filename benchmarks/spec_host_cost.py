@@ -187,10 +187,9 @@ def print_device(name: str, d: dict[str, Any]) -> None:
         f"{d['kernels_per_step']:.0f} kernels/step, wall (profiled) "
         f"{d['wall_ms_per_step_profiled']:.3f} ms/step, steps {d['steps']}"
     )
-    for kind, ms in d["by_kind_ms_per_step"].items():
-        print(f"      {kind:16s} {ms:8.3f} ms")
-    for k in d["top_kernels"][:8]:
-        print(f"      {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<5.1f} {k['name'][:90]}")
+    from benchmarks.step_breakdown import print_kernel_table
+
+    print_kernel_table(d, indent="      ")
 
 
 def main(argv: list[str] | None = None) -> None:

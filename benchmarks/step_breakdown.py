@@ -69,6 +69,15 @@ def device_profile(engine: Any, num_steps: int) -> dict[str, Any]:
     }
 
 
+def print_kernel_table(profile: dict[str, Any], indent: str = "    ") -> None:
+    """A `device_profile`'s kinds, then its eight costliest kernels (calls a step or in all)."""
+    for kind, ms in profile["by_kind_ms_per_step"].items():
+        print(f"{indent}{kind:16s} {ms:8.3f} ms")
+    for k in profile["top_kernels"][:8]:
+        calls = k.get("calls_per_step", k.get("calls", 0))
+        print(f"{indent}{k['ms_per_step']:8.3f} ms  x{calls:<5.1f} {k['name'][:90]}")
+
+
 def timed_steps(engine: Any, num_steps: int) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -161,10 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{phase}: wall {r['wall_ms_per_step']:.2f} ms/step, device "
             f"{r['device_ms_per_step']:.2f} ms/step ({100 * r['device_busy']:.0f}% busy)"
         )
-        for kind, ms in r["by_kind_ms_per_step"].items():
-            print(f"    {kind:16s} {ms:8.3f} ms")
-        for k in r["top_kernels"][:8]:
-            print(f"    {k['ms_per_step']:8.3f} ms  x{k['calls']:<5d} {k['name'][:90]}")
+        print_kernel_table(r)
     if ns.out:
         Path(ns.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
