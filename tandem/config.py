@@ -577,8 +577,8 @@ class DeviceConfig:
         default="auto",
         metadata=flag(
             "CPU engine: the GEMM of the linear layers (auto: a fixed rule by dtype, shape "
-            "and CPU, the same in every process: float32 on tandem's AVX-512 panel kernel, "
-            "bf16 on onednn; or force torch, mkl, onednn or panel)"
+            "and CPU, the same in every process: float32 decode batches on tandem's AVX-512 "
+            "panel kernel, prefill and bf16 on onednn; or force torch, mkl, onednn or panel)"
         ),
     )
     cpu_adaptive_threads: bool = field(

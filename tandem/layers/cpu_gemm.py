@@ -19,15 +19,17 @@ cores; weights cold as in a step: a loop over 30 copies of each), 64 rows at Smo
 shapes, ms per product, panel / onednn / mkl / torch: qkv 0.35 / 0.48 / 0.68 / 0.69, o 0.22 /
 0.30 / 0.43 / 0.41, gate_up 1.15 / 1.17 / 1.97 / 1.75, down 0.58 / 0.68 / 0.96 / 0.81 (about
 200 GFLOP/s for panel, near the two cores' peak). With the weight in cache (one thread, 64 to
-2048 rows) panel and onednn both run at 102-112 GFLOP/s, within 3% of each other.
+2048 rows) panel and onednn both run at 102-112 GFLOP/s, within 3% of each other; in the
+engine, prefill chunks (2048 rows, two threads) ran 5-8% faster on onednn, and so did the
+113 MB LM head at decode (18.2 ms against 20.2): those stay on onednn.
 
-The choice is a fixed rule of the weight's dtype and shape and of what this build and CPU
-have (`rule_cpu_gemm`), never a timing: every process on a machine (a prefill worker, a
-decode worker, an offline reference) multiplies the same weights by the same kernel and gets
-the same numbers. Timing at load was tried and dropped: a choice that differed between
-processes gave a disaggregated service a greedy flip against the offline engine. Float32
-takes `panel` at every row count, so a row's product does not depend on the batch either
-(each output sums k in a fixed order, whatever the rows and threads).
+The choice is a fixed rule of the weight's dtype and shape, the token class and what this
+build and CPU have (`rule_cpu_gemm`), never a timing: every process on a machine (a prefill
+worker, a decode worker, an offline reference) multiplies the same weights by the same kernel
+and gets the same numbers. Timing at load was tried and dropped: a choice that differed
+between processes gave a disaggregated service a greedy flip against the offline engine.
+(`panel`'s own result for a row does not depend on the other rows or the thread count: each
+output sums k in a fixed order.)
 
     load:  CpuPackedLinearMethod.process_weights_after_loading
              -> CpuGemmPlan(weight, has_bias) -> rule_cpu_gemm(weight) per token class
@@ -241,18 +243,32 @@ def token_class_index(rows: int) -> int:
     return len(TOKEN_CLASSES) - 1
 
 
+# The largest float32 weight `panel` takes (bytes): above it (an LM head over a large
+# vocabulary) every class stays on oneDNN, measured faster there (SmolLM2's 113 MB tied LM
+# head at a 64-row decode step: 18.2 ms against 20.2 in the engine).
+_PANEL_MAX_BYTES = 64 << 20
+
+
 def rule_cpu_gemm(weight: torch.Tensor) -> tuple[str, ...]:
     """The kernel of each token class for `weight` (see the module doc): a function of its
     dtype and shape and of what this build and CPU support, the same in every process.
 
-    Float32: `panel` for every row count where it is built (AVX-512) and the weight has a
-    multiple of 32 output features (then a row's result does not depend on the batch it is
-    in), else `onednn`, `mkl` where oneDNN is missing, `torch` where both are. Bf16: `onednn`
-    where it runs bf16 natively, else `torch`. Other dtypes: `torch`."""
+    Float32: single rows and decode batches on `panel` where it is built (AVX-512), the
+    weight has a multiple of 32 output features and is at most `_PANEL_MAX_BYTES`; prefill
+    chunks (and the rest) on `onednn`, `mkl` where oneDNN is missing, `torch` where both
+    are. Bf16: `onednn` where it runs bf16 natively, else `torch`. Other dtypes: `torch`."""
     supported = {name for name, g in CPU_GEMMS.items() if g.supports(weight)}
-    order = ("panel", "onednn", "mkl") if weight.dtype == torch.float32 else ("onednn",)
-    name = next((n for n in order if n in supported), "torch")
-    return (name,) * len(TOKEN_CLASSES)
+
+    def first(*names: str) -> str:
+        return next((n for n in names if n in supported), "torch")
+
+    if weight.dtype != torch.float32:
+        return (first("onednn"),) * len(TOKEN_CLASSES)
+    large = first("onednn", "mkl")
+    if weight.numel() * weight.element_size() > _PANEL_MAX_BYTES:
+        return (large,) * len(TOKEN_CLASSES)
+    small = first("panel", "onednn", "mkl")
+    return (small, small, large)
 
 
 # ---------------------------------------------------------------------------- per weight
