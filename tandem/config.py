@@ -573,11 +573,12 @@ class DeviceConfig:
             "process, none for an engine on the caller's thread); --num-threads caps the count"
         ),
     )
-    cpu_gemm: Literal["auto", "torch", "mkl", "onednn"] = field(
+    cpu_gemm: Literal["auto", "torch", "mkl", "onednn", "panel"] = field(
         default="auto",
         metadata=flag(
-            "CPU engine: the GEMM of the linear layers (auto: per weight shape and token "
-            "count, the fastest of torch, mkl (packed sgemm) and onednn, measured at load)"
+            "CPU engine: the GEMM of the linear layers (auto: a fixed rule by dtype, shape "
+            "and CPU, the same in every process: float32 decode batches on tandem's AVX-512 "
+            "panel kernel, prefill and bf16 on onednn; or force torch, mkl, onednn or panel)"
         ),
     )
     cpu_adaptive_threads: bool = field(
@@ -591,8 +592,10 @@ class DeviceConfig:
     def __post_init__(self) -> None:
         parse_device(self.device)
         attention_backend_name(self.attention_backend)
-        if self.cpu_gemm not in ("auto", "torch", "mkl", "onednn"):
-            raise ConfigError(f"cpu_gemm must be auto, torch, mkl or onednn, got {self.cpu_gemm}")
+        if self.cpu_gemm not in ("auto", "torch", "mkl", "onednn", "panel"):
+            raise ConfigError(
+                f"cpu_gemm must be auto, torch, mkl, onednn or panel, got {self.cpu_gemm}"
+            )
         if self.cpu_cores not in ("auto", "all", "none"):
             parse_core_list(self.cpu_cores)
         if any(s < 1 for s in self.cuda_graph_sizes):

@@ -1,26 +1,38 @@
-"""The CPU step path's GEMMs, picked per weight shape and token count by measurement.
+"""The CPU step path's GEMMs, picked per weight by a fixed rule (the same in every process).
 
-A CPU linear layer's product can go through several libraries, and which is fastest depends
-on the CPU, the weight's shape and the number of rows:
+A CPU linear layer's product can go through several kernels, and which is fastest depends on
+the CPU, the weight's shape and the number of rows:
 
 - `torch`: `F.linear` (MKL's sgemm for float32 on x86 wheels; it repacks the weight on every
   call, most of a decode-sized product's time);
 - `mkl`: MKL's packed sgemm, the weight packed once (float32; tandem_kernels.cpu);
 - `onednn`: oneDNN's inner product over a weight reordered once into its blocked layout
   (torch's `mkldnn._reorder_linear_weight` / `_linear_pointwise`; float32, and bf16 where
-  oneDNN does bf16 natively: avx512_bf16 or AMX). Float32 stays float32 (no bf16 inside).
+  oneDNN does bf16 natively: avx512_bf16 or AMX). Float32 stays float32 (no bf16 inside);
+- `panel`: tandem's own AVX-512 float32 kernel (tandem_kernels.cpu `panel_linear`): the
+  weight packed once in panels of 32 output features, the next panel prefetched while one is
+  computed.
 
-MKL dispatches by CPU vendor: on AMD it runs its generic AVX2 kernels, at 60-90 GFLOP/s a Zen 4
-core at the embedded model's shapes, where oneDNN's AVX-512 brgemm kernels reach 95-110; on
-Intel MKL runs its own AVX-512 / AMX kernels. So no fixed choice serves both, and each process
-measures (`choose_cpu_gemm`): for each weight shape and each token class (`TOKEN_CLASSES`: one
-row, a decode batch, a prefill chunk) every candidate runs a few products, on one thread, at
-the class's probe row count on random data of the weight's shape; the fastest wins. Choices
-are cached for the process by (shape, dtype, bias), so the 30 layers of one shape measure
-once, and logged. `CpuGemmPlan` holds one weight's choices and the packed copies they need.
+At a decode batch every weight is read once per step from DRAM (the model's weights are many
+times the L3), and the libraries' kernels stall on it. Measured on an AMD EPYC (Zen 4, 2
+cores; weights cold as in a step: a loop over 30 copies of each), 64 rows at SmolLM2-135M's
+shapes, ms per product, panel / onednn / mkl / torch: qkv 0.35 / 0.48 / 0.68 / 0.69, o 0.22 /
+0.30 / 0.43 / 0.41, gate_up 1.15 / 1.17 / 1.97 / 1.75, down 0.58 / 0.68 / 0.96 / 0.81 (about
+200 GFLOP/s for panel, near the two cores' peak). With the weight in cache (one thread, 64 to
+2048 rows) panel and onednn both run at 102-112 GFLOP/s, within 3% of each other; in the
+engine, prefill chunks (2048 rows, two threads) ran 5-8% faster on onednn, and so did the
+113 MB LM head at decode (18.2 ms against 20.2): those stay on onednn.
+
+The choice is a fixed rule of the weight's dtype and shape, the token class and what this
+build and CPU have (`rule_cpu_gemm`), never a timing: every process on a machine (a prefill
+worker, a decode worker, an offline reference) multiplies the same weights by the same kernel
+and gets the same numbers. Timing at load was tried and dropped: a choice that differed
+between processes gave a disaggregated service a greedy flip against the offline engine.
+(`panel`'s own result for a row does not depend on the other rows or the thread count: each
+output sums k in a fixed order.)
 
     load:  CpuPackedLinearMethod.process_weights_after_loading
-             -> CpuGemmPlan(weight, has_bias)  -> choose_cpu_gemm(N, K, dtype, ...)   (cached)
+             -> CpuGemmPlan(weight, has_bias) -> rule_cpu_gemm(weight) per token class
              -> pack the weight once per chosen kernel
     step:  plan.linear(x, weight, bias) -> the kernel of x's token class (F.linear where the
            kernel cannot read x's layout)
@@ -30,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -40,8 +51,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-# What `--cpu-gemm` may name: "auto" measures; a kernel name forces it where it applies.
-CPU_GEMM_CHOICES = ("auto", "torch", "mkl", "onednn")
+# What `--cpu-gemm` may name: "auto" is the rule; a kernel name forces it where it applies.
+CPU_GEMM_CHOICES = ("auto", "torch", "mkl", "onednn", "panel")
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -160,7 +171,42 @@ class OneDnnGemm(CpuGemm):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-CPU_GEMMS: dict[str, CpuGemm] = {g.name: g for g in (TorchGemm(), MklPackedGemm(), OneDnnGemm())}
+class PanelGemm(CpuGemm):
+    """tandem's AVX-512 float32 panel kernel (decode-sized batches; see the module doc)."""
+
+    name = "panel"
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[0] % 32:
+            return False
+        from tandem_kernels import cpu
+
+        return cpu.has_panel_gemm()
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        from tandem_kernels import cpu
+
+        return cpu.panel_pack_weight(weight.detach())
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.stride(-1) == 1
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        packed: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from tandem_kernels import cpu
+
+        assert packed is not None
+        return cpu.panel_linear(x, packed, bias)
+
+
+CPU_GEMMS: dict[str, CpuGemm] = {
+    g.name: g for g in (TorchGemm(), MklPackedGemm(), OneDnnGemm(), PanelGemm())
+}
 
 
 @functools.cache
@@ -171,37 +217,22 @@ def onednn_bf16() -> bool:
     )
 
 
-# ---------------------------------------------------------------------------- measurement
+# ---------------------------------------------------------------------------- the rule
 
 
 @dataclass(frozen=True)
 class TokenClass:
-    """Products of at most `max_rows` rows (and more than the previous class's), measured at
-    `probe_rows` rows (fewer where one probe product would pass `_PROBE_FLOPS`)."""
+    """Products of at most `max_rows` rows (and more than the previous class's)."""
 
     name: str
     max_rows: int
-    probe_rows: int
 
 
 TOKEN_CLASSES: tuple[TokenClass, ...] = (
-    TokenClass("single", 1, 1),  # one decode row: a matrix-vector product, memory bound
-    TokenClass("decode", 128, 64),  # a decode batch
-    TokenClass("prefill", 1 << 62, 128),  # prompt chunks, big batches
+    TokenClass("single", 1),  # one decode row: a matrix-vector product, memory bound
+    TokenClass("decode", 128),  # a decode batch: the weight read once, from DRAM
+    TokenClass("prefill", 1 << 62),  # prompt chunks, big batches: the weight reused from cache
 )
-
-# The most floating-point operations one probe product may take (about 5 ms on one core): the
-# LM head's probes run fewer rows than the class's (and its classes share one probe).
-_PROBE_FLOPS = 1 << 29
-# Each probe times every candidate in turn, round after round, for at least `_PROBE_MIN_S`
-# and `_PROBE_MIN_REPS` rounds, and stops at `_PROBE_MAX_REPS` rounds or past `_PROBE_MAX_S`
-# (one round at least); the minimum counts, the product least disturbed by other processes.
-_PROBE_MIN_REPS = 3
-# A kernel within this factor of a class's fastest counts as as fast (see `pick_kernels`).
-_NEAR = 1.1
-_PROBE_MAX_REPS = 20
-_PROBE_MIN_S = 0.02
-_PROBE_MAX_S = 0.1
 
 
 def token_class_index(rows: int) -> int:
@@ -212,146 +243,50 @@ def token_class_index(rows: int) -> int:
     return len(TOKEN_CLASSES) - 1
 
 
-@dataclass(frozen=True)
-class GemmChoice:
-    """The kernel each token class takes for one weight shape, and what was measured:
-    `timings[i]` maps kernel name -> seconds per product at `probe_rows[i]` rows."""
-
-    out_features: int
-    in_features: int
-    dtype: torch.dtype
-    kernels: tuple[str, ...]
-    timings: tuple[dict[str, float], ...]
-    probe_rows: tuple[int, ...]
-
-    def describe(self) -> str:
-        parts = []
-        for cls, kernel, rows, times in zip(
-            TOKEN_CLASSES, self.kernels, self.probe_rows, self.timings, strict=True
-        ):
-            measured = ", ".join(f"{k} {t * 1e3:.3f}" for k, t in sorted(times.items()))
-            parts.append(f"{cls.name} ({rows} rows): {kernel} [{measured} ms]")
-        return "; ".join(parts)
+# The largest float32 weight `panel` takes (bytes): above it (an LM head over a large
+# vocabulary) every class stays on oneDNN, measured faster there (SmolLM2's 113 MB tied LM
+# head at a 64-row decode step: 18.2 ms against 20.2 in the engine).
+_PANEL_MAX_BYTES = 64 << 20
 
 
-def probe_rows(cls: TokenClass, out_features: int, in_features: int) -> int:
-    """The row count `cls` is measured at for an `[out_features, in_features]` weight."""
-    cap = _PROBE_FLOPS // max(1, 2 * out_features * in_features)
-    return max(1, min(cls.probe_rows, cap))
+def rule_cpu_gemm(weight: torch.Tensor) -> tuple[str, ...]:
+    """The kernel of each token class for `weight` (see the module doc): a function of its
+    dtype and shape and of what this build and CPU support, the same in every process.
 
+    Float32: single rows and decode batches on `panel` where it is built (AVX-512), the
+    weight has a multiple of 32 output features and is at most `_PANEL_MAX_BYTES`; prefill
+    chunks (and the rest) on `onednn`, `mkl` where oneDNN is missing, `torch` where both
+    are. Bf16: `onednn` where it runs bf16 natively, else `torch`. Other dtypes: `torch`."""
+    supported = {name for name, g in CPU_GEMMS.items() if g.supports(weight)}
 
-@functools.cache
-def choose_cpu_gemm(
-    out_features: int, in_features: int, dtype: torch.dtype, has_bias: bool
-) -> GemmChoice:
-    """Measure every kernel that supports an `[out_features, in_features]` weight of `dtype`
-    at each token class's probe rows and pick the fastest per class. Cached per process.
+    def first(*names: str) -> str:
+        return next((n for n in names if n in supported), "torch")
 
-    Measured on one thread: what differs between the libraries is their kernels' speed on
-    this CPU's cores, and a product split over threads waits at its barrier for a thread
-    another process has descheduled, which on a busy machine decides more than the kernel
-    (measured: 25-90 ms for a 0.5 ms product at a load average of 10 on two cores); on one
-    thread the product's CPU time is its own, descheduled or not. The data is random (a
-    private generator: the global RNG is not drawn from); the candidates run in turn, round
-    after round, so what other processes do to the caches falls on all of them."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.empty(out_features, in_features).uniform_(-0.05, 0.05, generator=gen)
-    weight = weight.to(dtype)
-    bias = torch.empty(out_features).uniform_(-1, 1, generator=gen).to(dtype) if has_bias else None
-    kernels = [g for g in CPU_GEMMS.values() if g.supports(weight)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        packed = {g.name: g.pack(weight) for g in kernels}
-        by_rows: dict[int, dict[str, float]] = {}
-        for cls in TOKEN_CLASSES:
-            rows = probe_rows(cls, out_features, in_features)
-            if rows not in by_rows:
-                x = torch.empty(rows, in_features).uniform_(-1, 1, generator=gen).to(dtype)
-                by_rows[rows] = _probe(kernels, x, weight, packed, bias)
-    finally:
-        torch.set_num_threads(threads)
-    rows_measured = tuple(probe_rows(c, out_features, in_features) for c in TOKEN_CLASSES)
-    timings = tuple(by_rows[r] for r in rows_measured)
-    chosen = pick_kernels(timings)
-    choice = GemmChoice(out_features, in_features, dtype, chosen, timings, rows_measured)
-    logger.info(
-        "CPU GEMM [%d, %d] %s%s: %s",
-        out_features,
-        in_features,
-        str(dtype).removeprefix("torch."),
-        " + bias" if has_bias else "",
-        choice.describe(),
-    )
-    return choice
-
-
-def pick_kernels(timings: tuple[dict[str, float], ...]) -> tuple[str, ...]:
-    """The kernel of each token class from its measured `timings` (kernel -> seconds).
-
-    Each class takes its fastest kernel, except that a kernel within `_NEAR` of the fastest
-    is taken instead when it costs no extra copy of the weight: `torch` (the plain weight) or
-    a kernel a larger class already took. Classes are settled largest first (their products
-    are most of the work). So a weight holds at most one packed copy unless a second one is
-    worth more than `_NEAR`, and a near tie measured on a busy machine does not flip the
-    choice from one process to the next."""
-    chosen: list[str] = [""] * len(timings)
-    held: set[str] = {"torch"}
-    for i in reversed(range(len(timings))):
-        times = timings[i]
-        fastest = min(times, key=lambda name: (times[name], name != "torch"))
-        near = [name for name in times if times[name] <= times[fastest] * _NEAR]
-        cheap = [name for name in near if name in held]
-        chosen[i] = min(cheap, key=times.__getitem__) if cheap else fastest
-        held.add(chosen[i])
-    return tuple(chosen)
-
-
-def _probe(
-    kernels: list[CpuGemm],
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    packed: dict[str, torch.Tensor | None],
-    bias: torch.Tensor | None,
-) -> dict[str, float]:
-    """Seconds per product of each kernel on `x` (the least of its timed runs), in this
-    thread's CPU time: on one thread that is the product's own time, whatever else runs."""
-    best = {g.name: float("inf") for g in kernels}
-    for g in kernels:  # untimed: primitive creation, first touch of the packed weight
-        g.linear(x, weight, packed[g.name], bias)
-    start = time.perf_counter()
-    for rep in range(_PROBE_MAX_REPS):
-        elapsed = time.perf_counter() - start
-        if rep > 0 and elapsed > _PROBE_MAX_S:
-            break
-        if rep >= _PROBE_MIN_REPS and elapsed > _PROBE_MIN_S:
-            break
-        for g in kernels:
-            t0 = time.thread_time()
-            g.linear(x, weight, packed[g.name], bias)
-            best[g.name] = min(best[g.name], time.thread_time() - t0)
-    return best
+    if weight.dtype != torch.float32:
+        return (first("onednn"),) * len(TOKEN_CLASSES)
+    large = first("onednn", "mkl")
+    if weight.numel() * weight.element_size() > _PANEL_MAX_BYTES:
+        return (large,) * len(TOKEN_CLASSES)
+    small = first("panel", "onednn", "mkl")
+    return (small, small, large)
 
 
 # ---------------------------------------------------------------------------- per weight
 
 
 class CpuGemmPlan:
-    """One CPU weight's product: the kernel per token class (measured, `choose_cpu_gemm`, or
-    forced by `cpu_gemm`) and the packed copies those kernels read. Made after loading; the
-    weight itself is passed at each call (the plan keeps only packed copies)."""
+    """One CPU weight's product: the kernel per token class (`rule_cpu_gemm`, or forced by
+    `cpu_gemm`) and the packed copies those kernels read. Made after loading; the weight
+    itself is passed at each call (the plan keeps only packed copies)."""
 
     def __init__(self, weight: torch.Tensor, has_bias: bool, cpu_gemm: str = "auto") -> None:
         if cpu_gemm not in CPU_GEMM_CHOICES:
             raise ValueError(f"unknown CPU GEMM {cpu_gemm!r}; known: {CPU_GEMM_CHOICES}")
-        self.choice: GemmChoice | None = None
         names: tuple[str, ...]
-        supported = [g for g in CPU_GEMMS.values() if g.supports(weight)]
-        if weight.device.type != "cpu" or weight.dim() != 2 or len(supported) == 1:
-            names = ("torch",) * len(TOKEN_CLASSES)  # nothing to measure
+        if weight.device.type != "cpu" or weight.dim() != 2:
+            names = ("torch",) * len(TOKEN_CLASSES)
         elif cpu_gemm == "auto":
-            self.choice = choose_cpu_gemm(weight.shape[0], weight.shape[1], weight.dtype, has_bias)
-            names = self.choice.kernels
+            names = rule_cpu_gemm(weight)
         else:
             forced = cpu_gemm if CPU_GEMMS[cpu_gemm].supports(weight) else "torch"
             names = (forced,) * len(TOKEN_CLASSES)
@@ -359,6 +294,13 @@ class CpuGemmPlan:
         self.packed: dict[str, torch.Tensor | None] = {
             g.name: g.pack(weight) for g in {g.name: g for g in self.kernels}.values()
         }
+        logger.debug(
+            "CPU GEMM %s %s%s: %s",
+            list(weight.shape),
+            str(weight.dtype).removeprefix("torch."),
+            " + bias" if has_bias else "",
+            ", ".join(f"{c.name} {n}" for c, n in zip(TOKEN_CLASSES, names, strict=True)),
+        )
 
     @property
     def kernel_names(self) -> tuple[str, ...]:

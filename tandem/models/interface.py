@@ -39,7 +39,7 @@ class ModelContext:
     quant_config: Any = None
     # MoE layers: experts spread whole over the EP group (else split like the MLPs over TP).
     enable_expert_parallel: bool = False
-    # The CPU step path's GEMM (`--cpu-gemm`, tandem.layers.cpu_gemm): "auto" measures.
+    # The CPU step path's GEMM (`--cpu-gemm`, tandem.layers.cpu_gemm): "auto" is a fixed rule.
     cpu_gemm: str = "auto"
 
     @staticmethod

@@ -142,6 +142,23 @@ def packed_linear(
     return _ops().packed_linear(x, packed, bias, out_features)
 
 
+def has_panel_gemm() -> bool:
+    """Whether the panel GEMM (`panel_linear`, AVX-512) was built for this CPU."""
+    return available() and bool(_ops().has_panel_gemm())
+
+
+def panel_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (float32 `[N, K]`, N a multiple of 32) as `[N / 32, K, 32]` panels of 32 output
+    features, the layout `panel_linear` reads."""
+    return _ops().panel_pack_weight(weight)
+
+
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for float32 `x [M, K]` (rows contiguous), `packed` made by
+    `panel_pack_weight(weight)`: each output one multiply-add chain over k in order."""
+    return _ops().panel_linear(x, packed, bias)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(x[:, :d]) * x[:, d:]` for `x [T, 2 d]` with rows contiguous, one pass."""
     return _ops().silu_and_mul(x)

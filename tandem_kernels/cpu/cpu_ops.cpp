@@ -1052,6 +1052,164 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
+// ---------------------------------------------------------------------------- panel GEMM
+// A float32 GEMM for decode-sized batches (a few to ~128 rows) whose weights stream from
+// memory: at such row counts a step reads every weight once, from DRAM (the model's weights
+// are many times the L3), and the libraries' kernels wait on it. The weight [N, K] is packed
+// once into panels of 32 output features, [N / 32][K][32]; each thread takes a contiguous run
+// of panels; a panel's products for all rows run 8 rows at a time (16 accumulators: 8 rows x
+// 32 features), the panel read from L2 after the first tile, while the thread's next panel is
+// prefetched into L2 a few lines per 4 k-steps. Each output sums k in blocks of
+// `kPanelKBlock`, each block one float32 multiply-add chain in k order added to the running
+// sum (bias first): the same result whatever the thread count or row count.
+
+constexpr int64_t kPanel = 32;
+constexpr int kPanelRows = 8;  // 8 rows x 32 features: 16 accumulators
+// k-steps summed in one chain before being added to the output (blocked summation).
+constexpr int64_t kPanelKBlock = 64;
+
+bool has_panel_gemm() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// weight [N, K] float32, N % 32 == 0 -> [N / 32, K, 32]: panel p, row k holds
+// weight[32 p .. 32 p + 31][k].
+at::Tensor panel_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "panel_pack_weight: weight must be float32 [N, K]");
+  TORCH_CHECK(weight.size(0) % kPanel == 0, "panel_pack_weight: N must be a multiple of 32");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  return weight.reshape({n / kPanel, kPanel, k}).transpose(1, 2).contiguous();
+}
+
+#if defined(__AVX512F__)
+// y[r][0..31] = bias + sum_k x[r][k] * panel[k][0..31] for MR rows; `pf`, `pf_end`: lines of
+// the next panel to prefetch, `pf_per4` of them every 4 k-steps.
+template <int MR>
+inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k_total,
+                       const float* bias, float* y, int64_t ldy, const char*& pf,
+                       const char* pf_end, int64_t pf_per4) {
+  // Blocked summation: each block of kPanelKBlock k-steps is its own chain, added to y.
+  for (int64_t kb = 0; kb < k_total; kb += kPanelKBlock) {
+    const int64_t ke = std::min(k_total, kb + kPanelKBlock);
+    __m512 acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    int64_t k = kb;
+    for (; k + 4 <= ke; k += 4) {
+      for (int64_t i = 0; i < pf_per4 && pf < pf_end; ++i, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+      for (int kk = 0; kk < 4; ++kk) {
+        const float* w = panel + (k + kk) * kPanel;
+        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+        for (int r = 0; r < MR; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[r * ldx + k + kk]);
+          acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+        }
+      }
+    }
+    for (; k < ke; ++k) {
+      const float* w = panel + k * kPanel;
+      const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+        acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      float* yr = y + r * ldy;
+      if (kb == 0) {
+        const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+        const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+        _mm512_storeu_ps(yr, _mm512_add_ps(b0, acc[r][0]));
+        _mm512_storeu_ps(yr + 16, _mm512_add_ps(b1, acc[r][1]));
+      } else {
+        _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), acc[r][0]));
+        _mm512_storeu_ps(yr + 16, _mm512_add_ps(_mm512_loadu_ps(yr + 16), acc[r][1]));
+      }
+    }
+  }
+}
+
+template <int MR>
+inline void panel_rows(int64_t rows, const float* x, int64_t ldx, const float* panel,
+                       int64_t k_total, const float* bias, float* y, int64_t ldy, const char*& pf,
+                       const char* pf_end, int64_t pf_per4) {
+  if constexpr (MR > 0) {
+    if (rows == MR) {
+      panel_tile<MR>(x, ldx, panel, k_total, bias, y, ldy, pf, pf_end, pf_per4);
+    } else {
+      panel_rows<MR - 1>(rows, x, ldx, panel, k_total, bias, y, ldy, pf, pf_end, pf_per4);
+    }
+  }
+}
+#endif
+
+// x [M, K] (rows contiguous) @ weight^T (+ bias) -> [M, N] float32, `packed` from
+// `panel_pack_weight(weight)`.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "panel_linear: x must be float32 [M, K], rows contiguous");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kFloat && packed.size(1) == x.size(1),
+              "panel_linear: packed weight [N / 32, K, 32] float32 of x's K");
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), n = panels * kPanel;
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(),
+                "panel_linear: bias [N] float32");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+#if defined(__AVX512F__)
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), panel_floats = k * kPanel;
+  // Rows are taken a block at a time, each block's x (about 512 KB, at least 128 rows: a
+  // decode batch passes over the weight once) staying near while the thread's panels pass
+  // over it (a prefill chunk's x is megabytes).
+  const int64_t row_block =
+      std::max<int64_t>(128, (int64_t{1} << 19) / (4 * k) / kPanelRows * kPanelRows);
+  const int64_t tiles = (std::min(m, row_block) + kPanelRows - 1) / kPanelRows;
+  // Lines of the next panel per 4 k-steps, so that it is asked for over this panel's tiles.
+  const int64_t panel_lines = panel_floats * 4 / 64;
+  const int64_t steps = tiles * std::max<int64_t>(1, k / 4);
+  const int64_t pf_per4 = std::max<int64_t>(1, (panel_lines + steps - 1) / steps);
+  const int nthreads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), panels));
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+    for (int64_t rb = 0; rb < m; rb += row_block) {
+      const int64_t rb_end = std::min(m, rb + row_block);
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* panel = wp + p * panel_floats;
+        const char* pf =
+            p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_floats) : nullptr;
+        const char* pf_end = pf ? pf + panel_floats * 4 : nullptr;
+        const float* b = bias_ptr ? bias_ptr + p * kPanel : nullptr;
+        for (int64_t r0 = rb; r0 < rb_end; r0 += kPanelRows) {
+          const int64_t rows = std::min<int64_t>(kPanelRows, rb_end - r0);
+          panel_rows<kPanelRows>(rows, xp + r0 * ldx, ldx, panel, k, b,
+                                 yp + r0 * n + p * kPanel, n, pf, pf_end, pf_per4);
+        }
+      }
+    }
+  }
+#else
+  TORCH_CHECK(false, "panel_linear: built without AVX-512");
+#endif
+  return out;
+}
+
 // x [T, 2 D] (rows contiguous; [gate | up]) -> silu(gate) * up [T, D], one pass. Each step
 // rounds to the dtype as the torch ops (F.silu, then the product) do; silu(g) = g / (1 + e^-g)
 // in float32 as ATen's CPU kernel computes it.
@@ -1181,6 +1339,9 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("has_packed_sgemm() -> bool", &has_packed_sgemm);
   m.def("sgemm_pack_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("has_panel_gemm() -> bool", &has_panel_gemm);
+  m.def("panel_pack_weight(Tensor weight) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("bind_threads(int[] cores) -> int[]", [](c10::IntArrayRef cores) {
@@ -1195,6 +1356,8 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("sgemm_pack_weight", &sgemm_pack_weight);
   m.impl("packed_linear", &packed_linear);
+  m.impl("panel_pack_weight", &panel_pack_weight);
+  m.impl("panel_linear", &panel_linear);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
 }

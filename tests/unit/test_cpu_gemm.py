@@ -1,11 +1,11 @@
 """The CPU step path's GEMMs (tandem.layers.cpu_gemm): every candidate equals `F.linear` at
-the embedded model's shapes, the measured choice is made once per shape and reused, and the
-CPU linear method routes each product to its token class's kernel."""
+the embedded model's shapes, the panel kernel's result does not depend on the thread count or
+the batch, the choice is a fixed rule, and the CPU linear method routes each product to its
+token class's kernel."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import pytest
 import torch
@@ -17,10 +17,8 @@ from tandem.layers.cpu_gemm import (
     CPU_GEMMS,
     TOKEN_CLASSES,
     CpuGemmPlan,
-    GemmChoice,
-    choose_cpu_gemm,
     onednn_bf16,
-    pick_kernels,
+    rule_cpu_gemm,
     token_class_index,
 )
 from tandem_kernels import cpu
@@ -71,40 +69,58 @@ def test_every_gemm_equals_f_linear_at_model_shapes(shape: tuple[int, int]) -> N
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
 
 
-def test_choice_is_measured_once_per_shape_and_reused(caplog: pytest.LogCaptureFixture) -> None:
-    weight = torch.randn(72, 40)
+@pytest.mark.skipif(not cpu.has_panel_gemm(), reason="no AVX-512 panel kernel on this CPU")
+def test_panel_gemm_is_the_same_whatever_the_threads_and_the_batch() -> None:
+    # Each output row depends on its own input row only (blocked k order, no split of k across
+    # threads): a request's numbers do not change with what it is batched with.
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.empty(96, 200).uniform_(-0.05, 0.05, generator=gen)
+    bias = torch.empty(96).uniform_(-1, 1, generator=gen)
+    packed = cpu.panel_pack_weight(weight)
+    assert packed.shape == (3, 200, 32)
+    x = torch.empty(67, 200).uniform_(-1, 1, generator=gen)
+    full = cpu.panel_linear(x, packed, bias)
+    torch.testing.assert_close(full, F.linear(x, weight, bias), rtol=1e-5, atol=2e-5)
     threads = torch.get_num_threads()
-    misses = choose_cpu_gemm.cache_info().misses
-    with caplog.at_level(logging.INFO, logger=cpu_gemm.__name__):
-        first = CpuGemmPlan(weight, has_bias=False)
-        second = CpuGemmPlan(torch.randn(72, 40), has_bias=False)
-    assert choose_cpu_gemm.cache_info().misses == misses + 1  # the second plan reused it
-    assert first.choice is second.choice
-    choice = first.choice
-    assert isinstance(choice, GemmChoice)
-    supported = {g.name for g in CPU_GEMMS.values() if g.supports(weight)}
-    assert len(choice.kernels) == len(TOKEN_CLASSES) == len(choice.timings)
-    for kernel, times in zip(choice.kernels, choice.timings, strict=True):
-        assert set(times) == supported and all(t > 0 for t in times.values())
-        assert times[kernel] <= min(times.values()) * 1.1  # the fastest, or as good as it
-    assert first.kernel_names == choice.kernels
-    assert set(first.packed) == set(choice.kernels)  # only the chosen kernels' copies
-    logged = [r.getMessage() for r in caplog.records if "CPU GEMM [72, 40]" in r.getMessage()]
-    assert len(logged) == 1 and all(cls.name in logged[0] for cls in TOKEN_CLASSES)
-    assert torch.get_num_threads() == threads  # measured on one thread, then restored
-    # A bias is another key.
-    assert choose_cpu_gemm(72, 40, torch.float32, True) is not first.choice
+    try:
+        torch.set_num_threads(1)
+        one_thread = cpu.panel_linear(x, packed, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, full)
+    for lo, hi in ((0, 1), (5, 6), (3, 12), (40, 67)):
+        assert torch.equal(cpu.panel_linear(x[lo:hi], packed, bias), full[lo:hi])
+    strided = torch.empty(67, 400).uniform_(-1, 1, generator=gen)[:, :200]
+    torch.testing.assert_close(
+        cpu.panel_linear(strided, packed, None), F.linear(strided, weight), rtol=1e-5, atol=2e-5
+    )
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu.panel_pack_weight(torch.randn(90, 200))
+
+
+def test_rule_is_a_fixed_function_of_dtype_shape_and_cpu() -> None:
+    fp32 = torch.randn(96, 40)
+    small = "panel" if cpu.has_panel_gemm() else "onednn"
+    assert rule_cpu_gemm(fp32) == (small, small, "onednn")
+    # A weight past the panel's size (a large LM head) stays on oneDNN.
+    assert rule_cpu_gemm(torch.empty(32 * 1024, 640)) == ("onednn",) * len(TOKEN_CLASSES)
+    assert CpuGemmPlan(fp32, has_bias=False).kernel_names == rule_cpu_gemm(torch.randn(96, 40))
+    # No panel for a weight whose outputs are not whole panels of 32.
+    assert rule_cpu_gemm(torch.randn(90, 40)) == ("onednn",) * len(TOKEN_CLASSES)
+    bf16 = "onednn" if onednn_bf16() else "torch"
+    assert rule_cpu_gemm(torch.randn(96, 40).bfloat16()) == (bf16,) * len(TOKEN_CLASSES)
+    assert rule_cpu_gemm(torch.randn(96, 40).half()) == ("torch",) * len(TOKEN_CLASSES)
 
 
 def test_plan_routes_each_token_class_to_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [token_class_index(r) for r in (0, 1, 2, 64, 128, 129, 4096)] == [0, 0, 1, 1, 1, 2, 2]
     names = ("mkl", "onednn", "torch") if cpu.has_packed_sgemm() else ("onednn", "torch", "torch")
-    fixed = GemmChoice(96, 40, torch.float32, names, ({}, {}, {}), (1, 64, 256))
-    monkeypatch.setattr(cpu_gemm, "choose_cpu_gemm", lambda *args: fixed)
+    monkeypatch.setattr(cpu_gemm, "rule_cpu_gemm", lambda weight: names)
     gen = torch.Generator().manual_seed(4)
     weight, bias = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
     plan = CpuGemmPlan(weight, has_bias=True)
     assert [plan.kernel_for(r).name for r in (1, 64, 1000)] == list(names)
+    assert set(plan.packed) == set(names)  # only the chosen kernels' copies
     calls: list[str] = []
     for g in CPU_GEMMS.values():
         monkeypatch.setattr(
@@ -122,32 +138,7 @@ def test_plan_routes_each_token_class_to_its_kernel(monkeypatch: pytest.MonkeyPa
     torch.testing.assert_close(plan.linear(x3, weight, None), F.linear(x3, weight))
 
 
-def test_pick_kernels_prefers_a_copy_already_held() -> None:
-    def ms(torch_: float, mkl: float, onednn: float) -> dict[str, float]:
-        return {"torch": torch_ * 1e-3, "mkl": mkl * 1e-3, "onednn": onednn * 1e-3}
-
-    # Clear winners each keep their own kernel.
-    assert pick_kernels((ms(1, 2, 3), ms(3, 1, 2), ms(3, 2, 1))) == ("torch", "mkl", "onednn")
-    # A near tie (within 10%) goes to the plain weight or a copy a larger class holds...
-    assert pick_kernels((ms(1.05, 1.0, 1.08), ms(2, 2, 1), ms(4, 4, 2))) == (
-        "torch",
-        "onednn",
-        "onednn",
-    )
-    assert pick_kernels((ms(1.3, 1.0, 1.08), ms(2, 2, 1), ms(4, 4, 2))) == (
-        "onednn",
-        "onednn",
-        "onednn",
-    )
-    # ...but a second copy that is worth more than that is made.
-    assert pick_kernels((ms(1.3, 1.0, 1.2), ms(2, 2, 1), ms(4, 4, 2))) == (
-        "mkl",
-        "onednn",
-        "onednn",
-    )
-
-
-@pytest.mark.parametrize("gemm", ["auto", "torch", "mkl", "onednn"])
+@pytest.mark.parametrize("gemm", ["auto", "torch", "mkl", "onednn", "panel"])
 def test_cpu_linear_method_equals_f_linear(gemm: str) -> None:
     layer = cpu_linear(40, 96, True, torch.float32, gemm)
     torch.nn.init.normal_(layer.weight)
@@ -158,7 +149,10 @@ def test_cpu_linear_method_equals_f_linear(gemm: str) -> None:
     layer.quant_method.process_weights_after_loading(layer)
     plan = layer.cpu_gemm_plan
     if gemm != "auto":
-        expected = "torch" if gemm == "mkl" and not cpu.has_packed_sgemm() else gemm
+        missing = (gemm == "mkl" and not cpu.has_packed_sgemm()) or (
+            gemm == "panel" and not cpu.has_panel_gemm()
+        )
+        expected = "torch" if missing else gemm
         assert plan.kernel_names == (expected,) * len(TOKEN_CLASSES)
     for rows in (0, 1, 15, 16, 100, 300):
         x = torch.randn(rows, 40)

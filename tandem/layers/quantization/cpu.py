@@ -1,6 +1,6 @@
 """The CPU step path's linear method: the unquantized weight plus a GEMM plan for it
-(tandem.layers.cpu_gemm: per token class, the kernel measured fastest for the weight's shape on
-this CPU, with the packed copy it reads), made once after loading and used for every product."""
+(tandem.layers.cpu_gemm: per token class, the kernel a fixed rule gives the weight on this CPU,
+with the packed copy it reads), made once after loading and used for every product."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
 
 class CpuPackedLinearMethod(UnquantizedLinearMethod):
     """As unquantized, with `layer.cpu_gemm_plan` made after loading (until then, and for
-    inputs no kernel reads, `F.linear`). `cpu_gemm` is `--cpu-gemm`: "auto" measures, a
+    inputs no kernel reads, `F.linear`). `cpu_gemm` is `--cpu-gemm`: "auto" is the rule, a
     kernel name forces that kernel where it supports the weight."""
 
     def __init__(self, cpu_gemm: str = "auto") -> None:
