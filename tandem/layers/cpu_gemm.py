@@ -21,7 +21,10 @@ shapes, ms per product, panel / onednn / mkl / torch: qkv 0.35 / 0.48 / 0.68 / 0
 200 GFLOP/s for panel, near the two cores' peak). With the weight in cache (one thread, 64 to
 2048 rows) panel and onednn both run at 102-112 GFLOP/s, within 3% of each other; in the
 engine, prefill chunks (2048 rows, two threads) ran 5-8% faster on onednn, and so did the
-113 MB LM head at decode (18.2 ms against 20.2): those stay on onednn.
+113 MB LM head at decode (18.2 ms against 20.2). The LM head stays on onednn; prefill chunks
+take panel all the same: with them on onednn, a prompt prefilled by a disaggregated prefill
+worker in small batches (panel) and by the offline engine in one large batch (onednn) got
+different bits, and a service test saw an early greedy flip against the offline reference.
 
 The choice is a fixed rule of the weight's dtype and shape, the token class and what this
 build and CPU have (`rule_cpu_gemm`), never a timing: every process on a machine (a prefill
@@ -253,10 +256,12 @@ def rule_cpu_gemm(weight: torch.Tensor) -> tuple[str, ...]:
     """The kernel of each token class for `weight` (see the module doc): a function of its
     dtype and shape and of what this build and CPU support, the same in every process.
 
-    Float32: single rows and decode batches on `panel` where it is built (AVX-512), the
-    weight has a multiple of 32 output features and is at most `_PANEL_MAX_BYTES`; prefill
-    chunks (and the rest) on `onednn`, `mkl` where oneDNN is missing, `torch` where both
-    are. Bf16: `onednn` where it runs bf16 natively, else `torch`. Other dtypes: `torch`."""
+    Float32: every class on `panel` where it is built (AVX-512), the weight has a multiple
+    of 32 output features and is at most `_PANEL_MAX_BYTES`, so a row's product is the same
+    whatever it is batched with (a prompt computed by a prefill worker and by the offline
+    engine, in different batches, gives the same bits); the rest on `onednn`, `mkl` where
+    oneDNN is missing, `torch` where both are. Bf16: `onednn` where it runs bf16 natively,
+    else `torch`. Other dtypes: `torch`."""
     supported = {name for name, g in CPU_GEMMS.items() if g.supports(weight)}
 
     def first(*names: str) -> str:
@@ -267,8 +272,7 @@ def rule_cpu_gemm(weight: torch.Tensor) -> tuple[str, ...]:
     large = first("onednn", "mkl")
     if weight.numel() * weight.element_size() > _PANEL_MAX_BYTES:
         return (large,) * len(TOKEN_CLASSES)
-    small = first("panel", "onednn", "mkl")
-    return (small, small, large)
+    return (first("panel", "onednn", "mkl"),) * len(TOKEN_CLASSES)
 
 
 # ---------------------------------------------------------------------------- per weight
