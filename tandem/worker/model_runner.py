@@ -339,9 +339,8 @@ class ModelRunner:
         num_decodes = min(4, self.config.scheduler.max_num_seqs - 1, tokens - 1)
         chunk = min(512, tokens - num_decodes, max_len // 2)
         context = min(1024, max_len - chunk)
-        if num_decodes >= 0 and chunk >= 1 and context >= 1:
-            decode_context = min(context, max_len - 1)
-            steps.append([(1, decode_context)] * num_decodes + [(chunk, context)])
+        if chunk >= 1 and context >= 1:  # decodes see the chunk's context (< max_len)
+            steps.append([(1, context)] * num_decodes + [(chunk, context)])
         return steps
 
     def profile_run(self, scratch_kv_cache: torch.Tensor) -> None:
@@ -351,6 +350,7 @@ class ModelRunner:
         `startup_tuning` (the prefill kernel may pick its path and tile config on the first).
         The caller measures the memory it takes."""
         m = self.model
+        caches = [scratch_kv_cache[:, j] for j in self._layer_slots]
         with torch.inference_mode(), self.attn_backend.startup_tuning():
             for i, reqs in enumerate(self.profile_steps()):
                 meta, positions = self._profile_metadata(reqs)
@@ -360,7 +360,6 @@ class ModelRunner:
                     ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
                 else:
                     intermediate = m.make_empty_intermediate_tensors(tokens)
-                caches = [scratch_kv_cache[:, j] for j in self._layer_slots]
                 out = m(ids, positions, caches, meta, intermediate)
                 if self.is_last_stage and i == 0:
                     assert isinstance(out, torch.Tensor)
