@@ -749,19 +749,19 @@ def _paged_context_kernel(
             m_i, l_i, acc = attend_tile(
                 q, m_i, l_i, acc, start_n, key_lo, context_len, q_pos, window, bt_row,
                 cache_head, scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N,
-                BLOCK_D, BLOCK_SIZE, HEAD_SIZE, True, False, True, INPUT_PRECISION,
+                BLOCK_D, BLOCK_SIZE, HEAD_SIZE, True, True, False, True, INPUT_PRECISION,
             )  # fmt: skip
     for start_n in range(left_end, full_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, key_lo, context_len, q_pos, window, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-            HEAD_SIZE, False, False, False, INPUT_PRECISION,
+            HEAD_SIZE, False, False, False, False, INPUT_PRECISION,
         )  # fmt: skip
     for start_n in range(tl.maximum(full_end, left_end), context_len, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, key_lo, context_len, q_pos, window, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-            HEAD_SIZE, True, False, False, INPUT_PRECISION,
+            HEAD_SIZE, True, SLIDING, False, False, INPUT_PRECISION,
         )  # fmt: skip
 
     # Merge with part 1's rows (in place). A row may have seen no prefix key (its window

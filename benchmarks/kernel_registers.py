@@ -1,0 +1,130 @@
+"""Registers and spills of the paged decode kernel per tile config, compiled for the H200
+(sm_90a) on any machine: no GPU needed, only Triton and the ptxas its wheel carries.
+
+A kernel whose ptxas allocation spills runs slower on the device without any change to its
+loops: an extra compare in the masked tail tile (the sliding-window lower bound, checked for
+every layer) made the FP8 decode kernel's 128-key config spill 12 KB a thread, and it ran 20%
+slower on the H200 (0.479 -> 0.586 ms for 512 x 1,024 tokens). This prints, for each decode
+candidate (`paged_attention._DECODE_CANDIDATES`) and cache dtype, the registers per thread and
+the spill bytes, so such a change shows before a device session.
+
+    python -m benchmarks.kernel_registers --out kernel_registers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tandem_kernels import paged_attention as pa
+
+# The 8B shape: 32 query heads over 8 KV heads (QPK 4), head size 128, 16-token blocks.
+QPK, HEAD_SIZE, BLOCK_SIZE = 4, 128, 16
+CACHE_TYPES = {"fp8": "*fp8e4nv", "bf16": "*bf16"}
+
+
+def _signature(cache_type: str) -> dict[str, str]:
+    sig: dict[str, str] = {}
+    for name in pa._decode_kernel.arg_names:
+        if name.isupper():
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16"
+        elif name in ("scale_log2", "v_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    sig["cache_ptr"] = cache_type
+    for name in ("part_out_ptr", "part_m_ptr", "part_l_ptr"):
+        sig[name] = "*fp32"
+    sig["seq_lens_ptr"] = sig["block_table_ptr"] = "*i32"
+    return sig
+
+
+def decode_kernel_ptx(
+    cache_type: str, block_n: int, warps: int, stages: int, heads_first: bool, sliding: bool
+) -> str:
+    """PTX of `_decode_kernel` for sm_90a at one config (no split, a bf16 query)."""
+    constants = {
+        "QPK": QPK,
+        "BLOCK_H": max(triton.next_power_of_2(QPK), 16),
+        "BLOCK_N": block_n,
+        "BLOCK_D": triton.next_power_of_2(HEAD_SIZE),
+        "BLOCK_SIZE": BLOCK_SIZE,
+        "HEAD_SIZE": HEAD_SIZE,
+        "SPLIT": False,
+        "INPUT_PRECISION": "tf32",
+        "HEADS_FIRST": heads_first,
+        "SCALE_V": True,
+        "SLIDING": sliding,
+    }
+    src = ASTSource(pa._decode_kernel, _signature(cache_type), constants)
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
+    )
+    return kernel.asm["ptx"]
+
+
+def ptxas_usage(ptx: str) -> dict[str, int]:
+    """Registers per thread and spill bytes, as a ptxas in Triton's wheel reports them (the
+    first that takes this PTX version: the wheel carries one per CUDA release it targets)."""
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    text = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        for ptxas in sorted(bin_dir.glob("ptxas*")):
+            res = subprocess.run(
+                [str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "k.o")],
+                capture_output=True,
+                text=True,
+            )
+            text = res.stdout + res.stderr
+            if res.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"no ptxas in {bin_dir} took the PTX: {text[-300:]}")
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    return {
+        "registers": int(regs.group(1)) if regs else -1,
+        "spill_bytes": int(spill.group(1)) if spill else 0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--out", default="")
+    ap.add_argument("--sliding", action="store_true", help="the sliding-window variant")
+    ns = ap.parse_args()
+    rows: list[dict[str, Any]] = []
+    for kind, cache_type in CACHE_TYPES.items():
+        for block_n, warps, stages, heads_first in pa._DECODE_CANDIDATES:
+            ptx = decode_kernel_ptx(cache_type, block_n, warps, stages, heads_first, ns.sliding)
+            usage = ptxas_usage(ptx)
+            name = pa._config_name((block_n, warps, stages, heads_first))
+            rows.append({"cache": kind, "config": name, **usage})
+            print(
+                f"{kind:5s} {name:22s} {usage['registers']:4d} registers "
+                f"{usage['spill_bytes']:6d} bytes spilled",
+                flush=True,
+            )
+    if ns.out:
+        Path(ns.out).write_text(
+            json.dumps(
+                {"triton": triton.__version__, "sliding": ns.sliding, "rows": rows}, indent=1
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
