@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import tempfile
@@ -50,6 +51,18 @@ def _signature(cache_type: str) -> dict[str, str]:
     return sig
 
 
+# What a real launch specializes on (16-byte aligned tensors, ints divisible by 16), less the
+# arguments the kernel is told not to specialize: without these, loads are not vectorized.
+_ALIGNED = ("q_ptr", "cache_ptr", "out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr",
+            "num_heads", "stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head",
+            "stride_c_block", "stride_c_kv", "stride_c_off", "stride_c_head")  # fmt: skip
+
+
+def _attrs() -> dict[tuple[int, ...], list[list[Any]]]:
+    names = pa._decode_kernel.arg_names
+    return {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED}
+
+
 def decode_kernel_ptx(
     cache_type: str, block_n: int, warps: int, stages: int, heads_first: bool, sliding: bool
 ) -> str:
@@ -66,8 +79,9 @@ def decode_kernel_ptx(
         "HEADS_FIRST": heads_first,
         "SCALE_V": True,
         "SLIDING": sliding,
+        "FP16_DOT": os.environ.get("FP16_DOT") == "1",
     }
-    src = ASTSource(pa._decode_kernel, _signature(cache_type), constants)
+    src = ASTSource(pa._decode_kernel, _signature(cache_type), constants, _attrs())
     kernel = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
     )

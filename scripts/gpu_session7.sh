@@ -13,6 +13,8 @@
 #   PART=v:  after the decode kernel's register fix (attend_tile's MASK_BELOW): the attention GPU
 #            tests (V_TESTS), the offline table in FP8 + FP8 KV, bf16 at 1000/1000 (carries .whl
 #            and .whl2);
+#   PART=f:  the FP8 decode kernel in fp16 (widen_kv's paired e4m3 -> fp16 conversion): its
+#            GPU tests, then FP8 + FP8 KV offline at 512/256 (decode tuning's GB/s in the log);
 #   PART=sp: speculation at batch 1 and 32 (p = 0.7 and 0, k = 4), forced record, and the verify
 #            step's device cost (scripts/gpu_session6.sh PART=sp).
 #
@@ -71,6 +73,16 @@ v)
   # shellcheck disable=SC2086
   offline fp8_fp8kv 210 --quantization fp8 --kv-cache-dtype fp8
   WORKLOADS=1000/1000 offline bf16_1000 150
+  finish
+  ;;
+f)
+  ISSUE=session7 BUDGET_S=${BUDGET_S:-180}
+  . scripts/device_lib.sh
+  step "fp8 decode GPU tests" 60 "$OUT/gpu_tests_fp8_decode.log" $PY -m pytest -q -m gpu \
+    --timeout=55 "tests/gpu/test_fp8_gpu.py::test_attention_over_fp8_cache_at_real_sizes" \
+    tests/gpu/test_kernels_gpu.py -k "fp8_cache or decode"
+  # shellcheck disable=SC2086
+  WORKLOADS=512/256 offline fp8_fp8kv_512 110 --quantization fp8 --kv-cache-dtype fp8
   finish
   ;;
 sp)

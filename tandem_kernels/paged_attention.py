@@ -147,6 +147,31 @@ def online_softmax_step(m_i, l_i, acc, qk, v, INPUT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def widen_kv(x, dtype: tl.constexpr, HW_FP8: tl.constexpr):
+    """A K or V tile in the dtype of the query it meets. With HW_FP8 (the launcher's word: CUDA
+    sm_89 or later, not the interpreter), an FP8 (e4m3) tile meeting an fp16 query is widened
+    by the hardware's paired conversion (`cvt.rn.f16x2.e4m3x2`, sm_89 and
+    later: one instruction per two values, exact, since e4m3 is a subset of fp16); Triton's
+    own FP8 -> bf16 path is about six integer instructions a value, which held the FP8 decode
+    kernel at half the bf16 kernel's bytes per second on the H200. Any other pair: `.to`."""
+    if HW_FP8 and x.dtype == tl.float8e4nv and dtype == tl.float16:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            mov.b32 {lo, hi}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""",
+            constraints="=r,=r,r",
+            args=[x],
+            dtype=tl.float16,
+            is_pure=True,
+            pack=4,
+        )
+    return x.to(dtype)
+
+
+@triton.jit
 def attend_tile(
     q,
     m_i,
@@ -172,6 +197,7 @@ def attend_tile(
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    HW_FP8: tl.constexpr = False,
 ):
     """One online-softmax step over keys start_n .. start_n + BLOCK_N of the paged context.
 
@@ -196,9 +222,10 @@ def attend_tile(
         kv_mask = d_mask[None, :]
     kv_row = cache_head + blk * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_off
     # An FP8 cache is widened to the query's dtype here (a no-op for a cache in that dtype).
-    k = tl.load(kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    k = tl.load(kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = widen_kv(k, q.dtype, HW_FP8)
     v = tl.load(kv_row[:, None] + stride_c_kv + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = v.to(q.dtype)
+    v = widen_kv(v, q.dtype, HW_FP8)
 
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
     if CAUSAL or WINDOW:
@@ -361,6 +388,7 @@ def _decode_kernel(
     HEADS_FIRST: tl.constexpr,
     SCALE_V: tl.constexpr,
     SLIDING: tl.constexpr,
+    FP16_DOT: tl.constexpr,
 ):
     # HEADS_FIRST: the KV heads of one request are neighbouring programs, so the programs in
     # flight together read whole token rows of the cache (all heads) rather than one head's
@@ -394,6 +422,8 @@ def _decode_kernel(
         mask=hd_mask,
         other=0.0,
     )
+    if FP16_DOT:  # an FP8 cache: fp16 products (see widen_kv); q kept inside fp16's range
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_H], _NEG_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -409,20 +439,20 @@ def _decode_kernel(
             m_i, l_i, acc = attend_tile(
                 q, m_i, l_i, acc, start_n, key_lo, end, start, window, bt_row, cache_head,
                 scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D,
-                BLOCK_SIZE, HEAD_SIZE, True, True, False, False, INPUT_PRECISION,
+                BLOCK_SIZE, HEAD_SIZE, True, True, False, False, INPUT_PRECISION, FP16_DOT,
             )  # fmt: skip
     full_end = first_full + (end - first_full) // BLOCK_N * BLOCK_N
     for start_n in range(first_full, full_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, key_lo, end, start, window, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-            HEAD_SIZE, False, False, False, False, INPUT_PRECISION,
+            HEAD_SIZE, False, False, False, False, INPUT_PRECISION, FP16_DOT,
         )  # fmt: skip
     for start_n in range(full_end, end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, start_n, key_lo, end, start, window, bt_row, cache_head,
             scale_log2, stride_c_block, stride_c_kv, stride_c_off, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-            HEAD_SIZE, True, SLIDING, False, False, INPUT_PRECISION,
+            HEAD_SIZE, True, SLIDING, False, False, INPUT_PRECISION, FP16_DOT,
         )  # fmt: skip
 
     if SCALE_V:  # the merge is linear in each partition's accumulator
@@ -967,6 +997,14 @@ def paged_decode_attention(
     else:
         part_out = part_m = part_l = out  # unused
     grid = (num_kv_heads, num_reqs) if heads_first else (num_reqs, num_kv_heads)
+    # An FP8 cache on CUDA (sm_89+: the paired e4m3 -> fp16 conversion) is read in fp16
+    # (`widen_kv`); the interpreter has no inline assembly and keeps the query's dtype.
+    fp16_dot = (
+        kv_cache.dtype == FP8_KV_DTYPE
+        and query.is_cuda
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and torch.cuda.get_device_capability(query.device) >= (8, 9)
+    )
     _decode_kernel[(*grid, num_splits)](
         query,
         kv_cache,
@@ -1001,6 +1039,7 @@ def paged_decode_attention(
         HEADS_FIRST=heads_first,
         SCALE_V=v_scale != 1.0,
         SLIDING=window > 0,
+        FP16_DOT=fp16_dot,
         num_warps=num_warps,
         num_stages=num_stages,
     )
