@@ -1,12 +1,15 @@
-"""Registers and spills of the paged decode kernel per tile config, compiled for the H200
-(sm_90a) on any machine: no GPU needed, only Triton and the ptxas its wheel carries.
+"""Registers, shared memory and occupancy of the paged decode kernel per tile config, compiled
+for the H200 (sm_90a) on any machine: no GPU needed, only Triton and the ptxas its wheel carries.
 
-A kernel whose ptxas allocation spills runs slower on the device without any change to its
-loops: an extra compare in the masked tail tile (the sliding-window lower bound, checked for
-every layer) made the FP8 decode kernel's 128-key config spill 12 KB a thread, and it ran 20%
-slower on the H200 (0.479 -> 0.586 ms for 512 x 1,024 tokens). This prints, for each decode
-candidate (`paged_attention._DECODE_CANDIDATES`) and cache dtype, the registers per thread and
-the spill bytes, so such a change shows before a device session.
+A kernel whose register count crosses an occupancy step runs slower on the device without any
+change to its loops: a lower-bound compare added to the masked tail tile (the sliding-window
+edge, checked for every layer) took the FP8 decode kernel's 128-key config from 168 to 182
+registers a thread under Triton 3.6, so 2 blocks of 4 warps fit an SM instead of 3, and it ran
+20% slower on the H200 (0.479 -> 0.586 ms for 512 x 1,024 tokens). This prints, for each decode
+candidate (`paged_attention._DECODE_CANDIDATES`) and cache dtype, the registers a thread, spill
+bytes, shared memory a block and the blocks an SM holds by each, so such a change shows before a
+device session. It compiles with what a real launch specializes on (aligned tensors, strides
+divisible by 16): without that, loads are not vectorized and the counts mean nothing.
 
     python -m benchmarks.kernel_registers --out kernel_registers.json
 """
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import tempfile
@@ -64,9 +66,16 @@ def _attrs() -> dict[tuple[int, ...], list[list[Any]]]:
 
 
 def decode_kernel_ptx(
-    cache_type: str, block_n: int, warps: int, stages: int, heads_first: bool, sliding: bool
-) -> str:
-    """PTX of `_decode_kernel` for sm_90a at one config (no split, a bf16 query)."""
+    cache_type: str,
+    block_n: int,
+    warps: int,
+    stages: int,
+    heads_first: bool,
+    sliding: bool,
+    fp16_dot: bool,
+) -> tuple[str, int]:
+    """PTX of `_decode_kernel` for sm_90a at one config (no split, a bf16 query) and the
+    shared memory a block takes (bytes). `fp16_dot`: an FP8 cache read in fp16 (sm_89+ launches)."""
     constants = {
         "QPK": QPK,
         "BLOCK_H": max(triton.next_power_of_2(QPK), 16),
@@ -79,13 +88,13 @@ def decode_kernel_ptx(
         "HEADS_FIRST": heads_first,
         "SCALE_V": True,
         "SLIDING": sliding,
-        "FP16_DOT": os.environ.get("FP16_DOT") == "1",
+        "FP16_DOT": fp16_dot,
     }
     src = ASTSource(pa._decode_kernel, _signature(cache_type), constants, _attrs())
     kernel = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
     )
-    return kernel.asm["ptx"]
+    return kernel.asm["ptx"], int(kernel.metadata.shared)
 
 
 def ptxas_usage(ptx: str) -> dict[str, int]:
@@ -115,6 +124,23 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
     }
 
 
+# sm_90 per SM: 64K 32-bit registers (allocated per warp in 256s), 228 KB of shared memory
+# (1 KB of it reserved per block), at most 64 warps and 32 blocks.
+_SM_REGISTERS, _SM_SHARED, _SM_WARPS, _SM_BLOCKS = 65536, 233472, 64, 32
+
+
+def blocks_per_sm(registers: int, shared: int, warps: int) -> dict[str, int]:
+    """How many blocks of `warps` warps one SM holds by registers, by shared memory, and both."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = _SM_REGISTERS // (per_warp * warps)
+    by_shared = _SM_SHARED // (shared + 1024) if shared else _SM_BLOCKS
+    return {
+        "blocks_by_registers": by_regs,
+        "blocks_by_shared": by_shared,
+        "blocks_per_sm": min(by_regs, by_shared, _SM_WARPS // warps, _SM_BLOCKS),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--out", default="")
@@ -123,21 +149,22 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for kind, cache_type in CACHE_TYPES.items():
         for block_n, warps, stages, heads_first in pa._DECODE_CANDIDATES:
-            ptx = decode_kernel_ptx(cache_type, block_n, warps, stages, heads_first, ns.sliding)
+            ptx, shared = decode_kernel_ptx(
+                cache_type, block_n, warps, stages, heads_first, ns.sliding, kind == "fp8"
+            )
             usage = ptxas_usage(ptx)
+            occupancy = blocks_per_sm(usage["registers"], shared, warps)
             name = pa._config_name((block_n, warps, stages, heads_first))
-            rows.append({"cache": kind, "config": name, **usage})
+            rows.append({"cache": kind, "config": name, **usage, "shared": shared, **occupancy})
             print(
                 f"{kind:5s} {name:22s} {usage['registers']:4d} registers "
-                f"{usage['spill_bytes']:6d} bytes spilled",
+                f"{usage['spill_bytes']:5d} B spilled {shared:6d} B shared  "
+                f"{occupancy['blocks_per_sm']} blocks/SM",
                 flush=True,
             )
     if ns.out:
-        Path(ns.out).write_text(
-            json.dumps(
-                {"triton": triton.__version__, "sliding": ns.sliding, "rows": rows}, indent=1
-            )
-        )
+        result = {"triton": triton.__version__, "sliding": ns.sliding, "rows": rows}
+        Path(ns.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

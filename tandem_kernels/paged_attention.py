@@ -203,8 +203,9 @@ def attend_tile(
 
     MASK_KEYS: keys at or past key_end are neither loaded nor used (else the whole tile is
     valid); MASK_BELOW: nor are keys below key_start (a sliding window's left edge). Only
-    callers with a window set MASK_BELOW: its second compare costs the FP8 decode kernel's
-    register allocation (ptxas spilled 12 KB a thread, the kernel ran 20% slower on the H200).
+    callers with a window set MASK_BELOW: its second compare took the FP8 decode kernel's
+    128-key config from 168 to 182 registers a thread (Triton 3.6, sm_90a), two blocks an SM
+    instead of three, and it ran 20% slower on the H200 (benchmarks/kernel_registers.py).
     CAUSAL: key n is dropped for row m when n > q_pos[m]. WINDOW: key n is dropped for row m
     when n <= q_pos[m] - window.
     """
