@@ -73,6 +73,7 @@ def decode_kernel_ptx(
     heads_first: bool,
     sliding: bool,
     fp16_dot: bool,
+    max_registers: int = 0,
 ) -> tuple[str, int]:
     """PTX of `_decode_kernel` for sm_90a at one config (no split, a bf16 query) and the
     shared memory a block takes (bytes). `fp16_dot`: an FP8 cache read in fp16 (sm_89+ launches)."""
@@ -91,9 +92,10 @@ def decode_kernel_ptx(
         "FP16_DOT": fp16_dot,
     }
     src = ASTSource(pa._decode_kernel, _signature(cache_type), constants, _attrs())
-    kernel = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
-    )
+    options: dict[str, int] = {"num_warps": warps, "num_stages": stages}
+    if max_registers:
+        options["maxnreg"] = max_registers
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return kernel.asm["ptx"], int(kernel.metadata.shared)
 
 
@@ -148,13 +150,13 @@ def main() -> None:
     ns = ap.parse_args()
     rows: list[dict[str, Any]] = []
     for kind, cache_type in CACHE_TYPES.items():
-        for block_n, warps, stages, heads_first in pa._DECODE_CANDIDATES:
+        for block_n, warps, stages, heads_first, cap in pa._DECODE_CANDIDATES:
             ptx, shared = decode_kernel_ptx(
-                cache_type, block_n, warps, stages, heads_first, ns.sliding, kind == "fp8"
+                cache_type, block_n, warps, stages, heads_first, ns.sliding, kind == "fp8", cap
             )
             usage = ptxas_usage(ptx)
             occupancy = blocks_per_sm(usage["registers"], shared, warps)
-            name = pa._config_name((block_n, warps, stages, heads_first))
+            name = pa._config_name((block_n, warps, stages, heads_first, cap))
             rows.append({"cache": kind, "config": name, **usage, "shared": shared, **occupancy})
             print(
                 f"{kind:5s} {name:22s} {usage['registers']:4d} registers "

@@ -823,19 +823,25 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 
 # Decode configurations tried on CUDA: (keys per tile BLOCK_N, warps, pipeline stages, heads
-# first). The first is the untuned default.
-_DECODE_CANDIDATES: tuple[tuple[int, int, int, bool], ...] = (
-    (64, 4, 3, False),
-    (64, 4, 3, True),
-    (32, 4, 4, True),
-    (128, 4, 3, True),
-    (64, 8, 3, True),
-    (128, 8, 2, True),
-    (32, 2, 4, True),
-    (16, 4, 4, True),
+# first, register cap a thread or 0 for none). The first is the untuned default. The capped
+# ones: uncapped under Triton 3.6 the 128-key config reading an FP8 cache in fp16 takes 196
+# registers a thread (two blocks of 4 warps an SM); ptxas fits it in 168 (three) and 128
+# (four) with no or 68 bytes of spill (benchmarks/kernel_registers.py). Results do not depend
+# on the cap, only speed.
+_DECODE_CANDIDATES: tuple[tuple[int, int, int, bool, int], ...] = (
+    (64, 4, 3, False, 0),
+    (64, 4, 3, True, 0),
+    (32, 4, 4, True, 0),
+    (128, 4, 3, True, 0),
+    (64, 8, 3, True, 0),
+    (128, 8, 2, True, 0),
+    (32, 2, 4, True, 0),
+    (16, 4, 4, True, 0),
+    (128, 4, 3, True, 168),
+    (128, 4, 3, True, 128),
 )
-# Shape key (`shape_key`) -> (block_n, warps, stages, heads first).
-_decode_configs: dict[ShapeKey, tuple[int, int, int, bool]] = {}
+# Shape key (`shape_key`) -> (block_n, warps, stages, heads first, register cap).
+_decode_configs: dict[ShapeKey, tuple[int, int, int, bool, int]] = {}
 decode_tuning_log: list[dict[str, object]] = []
 
 
@@ -845,9 +851,9 @@ def tune_decode_attention(
     *,
     num_reqs: int,
     seq_len: int,
-    candidates: tuple[tuple[int, int, int, bool], ...] = _DECODE_CANDIDATES,
+    candidates: tuple[tuple[int, int, int, bool, int], ...] = _DECODE_CANDIDATES,
     iters: int = 5,
-) -> tuple[int, int, int, bool] | None:
+) -> tuple[int, int, int, bool, int] | None:
     """Pick the fastest decode config for this attention shape on this device, once per
     process (a later call returns the config already picked).
 
@@ -881,7 +887,7 @@ def tune_decode_attention(
     )
     out = torch.empty_like(query)
     splits = decode_num_splits(num_reqs, num_kv_heads, seq_len, _num_sms(dev))
-    timings: dict[tuple[int, int, int, bool], float] = {}
+    timings: dict[tuple[int, int, int, bool, int], float] = {}
     for config in candidates:
         run = functools.partial(
             paged_decode_attention,
@@ -897,6 +903,7 @@ def tune_decode_attention(
             num_warps=config[1],
             num_stages=config[2],
             heads_first=config[3],
+            max_registers=config[4],
         )
         ms = time_config(run, iters)
         if ms is not None:
@@ -920,8 +927,9 @@ def tune_decode_attention(
     return best
 
 
-def _config_name(config: tuple[int, int, int, bool]) -> str:
-    return "x".join(map(str, config[:3])) + ("/heads-first" if config[3] else "")
+def _config_name(config: tuple[int, int, int, bool, int]) -> str:
+    cap = f"/maxnreg{config[4]}" if config[4] else ""
+    return "x".join(map(str, config[:3])) + ("/heads-first" if config[3] else "") + cap
 
 
 def paged_decode_attention(
@@ -938,6 +946,7 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     heads_first: bool | None = None,
+    max_registers: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sliding_window: int | None = None,
@@ -950,7 +959,8 @@ def paged_decode_attention(
     an upper bound is fine) only picks `num_splits` when it is not given; results do not
     depend on it. Requests with seq_len 0 produce zeros. Allocations depend only on R, H, D
     and num_splits, so the call can be captured in a CUDA graph. `block_n`, `num_warps`,
-    `num_stages` and `heads_first` (program order) are tuning knobs; left unset, the config
+    `num_stages`, `heads_first` (program order) and `max_registers` (a register cap a thread,
+    0: none; ptxas's `maxnreg`) are tuning knobs; left unset, the config
     `tune_decode_attention` picked for this shape is used, else the default. `k_scale` /
     `v_scale`: an FP8 cache's scales.
     """
@@ -981,11 +991,14 @@ def paged_decode_attention(
         num_warps = tuned[1] if num_warps is None else num_warps
         num_stages = tuned[2] if num_stages is None else num_stages
         heads_first = tuned[3] if heads_first is None else heads_first
+        max_registers = tuned[4] if max_registers is None else max_registers
     if block_n is None:
         block_n = 64 if block_d <= 128 else 32
     num_warps = 4 if num_warps is None else num_warps
     num_stages = 3 if num_stages is None else num_stages
     heads_first = False if heads_first is None else heads_first
+    # Only a set cap is passed: Triton keys its compiled kernels on the options given.
+    cap = {"maxnreg": max_registers} if max_registers else {}
     split = num_splits > 1
     if split:
         part_out = torch.empty(
@@ -1043,6 +1056,7 @@ def paged_decode_attention(
         FP16_DOT=fp16_dot,
         num_warps=num_warps,
         num_stages=num_stages,
+        **cap,
     )
     if split:
         _decode_reduce_kernel[(num_reqs, num_heads)](

@@ -148,11 +148,12 @@ def test_decode_every_tuning_candidate_and_the_tuned_config() -> None:
     gen = torch.Generator().manual_seed(11)
     seq_lens = torch.randint(1, 3000, (batch,), generator=gen).tolist()
     query, cache, lens, block_table, ref = _decode_case(seq_lens, dtype, gen)
-    for block_n, warps, stages, heads_first in pa._DECODE_CANDIDATES:
+    for block_n, warps, stages, heads_first, cap in pa._DECODE_CANDIDATES:
         for splits in (1, 4):
             out = paged_decode_attention(
                 query, cache, lens, block_table, SCALE, max_seq_len=3000, num_splits=splits,
                 block_n=block_n, num_warps=warps, num_stages=stages, heads_first=heads_first,
+                max_registers=cap,
             )  # fmt: skip
             torch.testing.assert_close(out, ref, **_tol(dtype))
     saved = dict(pa._decode_configs)
