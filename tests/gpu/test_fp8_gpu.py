@@ -112,6 +112,49 @@ def test_attention_over_fp8_cache_at_real_sizes() -> None:
         torch.testing.assert_close(got, dref, atol=2e-2, rtol=2e-2)
 
 
+def test_fp8_decode_reads_the_cache_exactly_and_survives_large_queries() -> None:
+    """The decode kernel reads an FP8 cache in fp16 (`widen_kv`: e4m3 is a subset of fp16, so
+    the read is exact, as a bf16 read is; the probabilities are rounded to fp16, finer than
+    bf16): against the fp32 reference over the same cache, every tuning candidate (register
+    caps included) is within the output's bf16 rounding and the probabilities' fp16 rounding.
+    A query past fp16's range is clamped into it: the output stays finite."""
+    from tandem_kernels import paged_attention as pa
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    heads, kv_heads, head, bs, blocks = 32, 8, 128, 16, 512
+    cache = (torch.randn(blocks, 2, bs, kv_heads, head, device="cuda", generator=gen) * 8).to(
+        torch.float8_e4m3fn
+    )
+    seq_lens = [1, 17, 300, 2048, 777, 4096]
+    per = [-(-n // bs) for n in seq_lens]
+    perm = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32, device="cuda")
+    used = 0
+    for r, n in enumerate(per):
+        table[r, :n] = perm[used : used + n]
+        used += n
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    query = (torch.randn(len(seq_lens), heads, head, device="cuda", generator=gen) * 0.1).to(
+        torch.bfloat16
+    )
+    rows = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device="cuda")
+    scale = head**-0.5
+    ref = pa.paged_attention_ref(query.float(), cache.float(), rows, lens, table, scale)
+    for block_n, warps, stages, heads_first, cap in pa._DECODE_CANDIDATES:
+        for splits in (1, 8):
+            got = pa.paged_decode_attention(
+                query, cache, lens, table, scale, max_seq_len=4096, num_splits=splits,
+                block_n=block_n, num_warps=warps, num_stages=stages, heads_first=heads_first,
+                max_registers=cap,
+            )  # fmt: skip
+            # |v| < 64 here: bf16 output rounding <= 0.13, fp16 probabilities <= 0.03.
+            torch.testing.assert_close(got.float(), ref, atol=0.1, rtol=1e-2)
+    big = query.clone()
+    big[2, 5] = 1.0e6  # beyond fp16's 65,504
+    out = pa.paged_decode_attention(big, cache, lens, table, scale, max_seq_len=4096)
+    assert torch.isfinite(out).all()
+
+
 # ----------------------------------------------------------------------------- engine
 
 
