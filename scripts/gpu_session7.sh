@@ -15,6 +15,10 @@
 #            and .whl2);
 #   PART=f:  the FP8 decode kernel in fp16 (widen_kv's paired e4m3 -> fp16 conversion): its
 #            GPU tests, then FP8 + FP8 KV offline at 512/256 (decode tuning's GB/s in the log);
+#   PART=n:  left for the next device session: the FP8 decode tests (the fp16 read against the
+#            fp32 reference, every candidate with the register caps), then FP8 + FP8 KV offline
+#            at all three workloads and batch 1 (the capped candidates' first timing: decode
+#            tuning's GB/s in the log), then PART=sp;
 #   PART=sp: speculation at batch 1 and 32 (p = 0.7 and 0, k = 4), forced record, and the verify
 #            step's device cost (scripts/gpu_session6.sh PART=sp).
 #
@@ -83,6 +87,16 @@ f)
     tests/gpu/test_kernels_gpu.py -k "fp8_cache or decode"
   # shellcheck disable=SC2086
   WORKLOADS=512/256 offline fp8_fp8kv_512 110 --quantization fp8 --kv-cache-dtype fp8
+  finish
+  ;;
+n)
+  ISSUE=session7 BUDGET_S=${BUDGET_S:-300}
+  . scripts/device_lib.sh
+  step "fp8 decode GPU tests" 90 "$OUT/gpu_tests_fp8_decode.log" $PY -m pytest -q -m gpu \
+    --timeout=85 tests/gpu/test_fp8_gpu.py -k "decode or fp8_cache" \
+    "tests/gpu/test_kernels_gpu.py::test_decode_every_tuning_candidate_and_the_tuned_config"
+  # shellcheck disable=SC2086
+  offline fp8_fp8kv 210 --quantization fp8 --kv-cache-dtype fp8
   finish
   ;;
 sp)
