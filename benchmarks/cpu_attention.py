@@ -10,6 +10,7 @@ PV over the visible keys), and the cache bytes read per ms for decode (it is bou
 bandwidth there), and writes JSON.
 
     python -m benchmarks.cpu_attention --out benchmarks/results/cpu_attention.json
+    python -m benchmarks.cpu_attention --dtypes float32 --layers 30 --iters 60  # as the engine
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
+from tandem.worker.cpu_memory import huge_page_empty
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
 # (name, requests, new tokens each, context tokens each, including the new ones)
@@ -67,15 +69,20 @@ def metadata(query_len: int, seq_len: int, tables: list[list[int]]) -> Attention
 
 
 def run_shape(
-    num_reqs: int, query_len: int, seq_len: int, dtype: torch.dtype, iters: int
+    num_reqs: int, query_len: int, seq_len: int, dtype: torch.dtype, iters: int, layers: int = 1
 ) -> dict[str, Any]:
+    """One shape's timings; with `layers` > 1 the cache is the engine's `[num_blocks, layers,
+    2, ...]` on huge pages and call i reads layer i % layers (at 30 layers, from DRAM)."""
     per_req = -(-seq_len // BLOCK_SIZE)
     ids = list(range(num_reqs * per_req + 1))
     random.Random(0).shuffle(ids)
     tables = [ids[i * per_req : (i + 1) * per_req] for i in range(num_reqs)]
     gen = torch.Generator().manual_seed(0)
-    shape = (len(ids), 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-    cache = torch.randn(shape, generator=gen).to(dtype)
+    shape = (len(ids), layers, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    full = huge_page_empty(shape, dtype)
+    full.copy_(torch.randn(shape, generator=gen))
+    views = [full[:, i] for i in range(layers)]
+    cache = views[0]
     md = metadata(query_len, seq_len, tables)
     t = num_reqs * query_len
     q = torch.randn(t, NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
@@ -97,8 +104,8 @@ def run_shape(
         for _ in range(2):
             backend.forward(q, k, v, cache, md, scale)
         t0 = time.perf_counter()
-        for _ in range(iters):
-            backend.forward(q, k, v, cache, md, scale)
+        for i in range(iters):
+            backend.forward(q, k, v, views[i % layers], md, scale)
         ms = (time.perf_counter() - t0) / iters * 1e3
         row[f"{name}_ms"] = ms
         row[f"{name}_gflops"] = flops / ms / 1e6
@@ -115,6 +122,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument(
+        "--layers", type=int, default=1, help="layers in the cache, read in turn (30: from DRAM)"
+    )
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
     ns = p.parse_args()
     from tandem_kernels import cpu
@@ -125,7 +135,7 @@ def main() -> int:
     for dname in ns.dtypes.split(","):
         dtype = getattr(torch, dname)
         for label, r, ql, sl in SHAPES:
-            row = {"shape": label, **run_shape(r, ql, sl, dtype, ns.iters)}
+            row = {"shape": label, **run_shape(r, ql, sl, dtype, ns.iters, ns.layers)}
             rows.append(row)
             extra = (
                 f"  cache read {row['cpu_cache_gb_per_s']:.1f} GB/s"
@@ -145,6 +155,7 @@ def main() -> int:
         "load_average": os.getloadavg(),
         "heads": [NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE],
         "block_size": BLOCK_SIZE,
+        "layers": ns.layers,
         "rows": rows,
     }
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")

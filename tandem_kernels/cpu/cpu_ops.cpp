@@ -601,13 +601,20 @@ struct PrefetchCursor {
   const int32_t* blocks = nullptr;
   int64_t blk_stride = 0, kv_stride = 0, block_bytes = 0, total_bytes = 0;
   int64_t done = 0;  // bytes of K (and as many of V) asked for
+  // The block of `done` and the offset in it, kept as `done` moves (no division a line).
+  int64_t block = 0, off = 0;
 
   void step(int64_t lines) {
+    const int64_t v_off = kv_stride * static_cast<int64_t>(sizeof(C));
     for (; lines > 0 && done < total_bytes; --lines, done += 64) {
-      const int64_t b = done / block_bytes, off = done % block_bytes;
-      const char* k = reinterpret_cast<const char*>(cache + blocks[b] * blk_stride) + off;
+      const char* k = reinterpret_cast<const char*>(cache + blocks[block] * blk_stride) + off;
       _mm_prefetch(k, _MM_HINT_T1);
-      _mm_prefetch(k + kv_stride * static_cast<int64_t>(sizeof(C)), _MM_HINT_T1);
+      _mm_prefetch(k + v_off, _MM_HINT_T1);
+      off += 64;
+      if (off >= block_bytes) {
+        off -= block_bytes;
+        ++block;
+      }
     }
   }
 };
@@ -665,6 +672,47 @@ inline void qk_rows(const float* q, int64_t nq, int64_t d, const float* kt, floa
     for (; nq >= NV; nq -= NV, q += NV * d, s += NV * s_stride)
       qk_block<NV>(q, d, kt, s, s_stride);
     if (nq > 0) qk_rows<NV - 1>(q, nq, d, kt, s, s_stride);
+  }
+}
+
+// The 16 lane sums of a[0..15] as one vector: lane t <- sum of a[t]'s lanes (a is clobbered).
+// A tree of 15 pairwise steps (unpack, then 128-bit lane shuffles, each with one add): about
+// half the shuffles of transposing the 16 rows.
+inline __m512 lane_sums16(__m512* a) {
+  for (int t = 0; t < 8; ++t)  // lane quads hold (a[2t], a[2t + 1], a[2t], a[2t + 1])
+    a[t] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * t], a[2 * t + 1]),
+                         _mm512_unpackhi_ps(a[2 * t], a[2 * t + 1]));
+  for (int t = 0; t < 4; ++t) {  // lane quads hold (a[4t] .. a[4t + 3]) of the input
+    const __m512d x = _mm512_castps_pd(a[2 * t]), y = _mm512_castps_pd(a[2 * t + 1]);
+    a[t] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int t = 0; t < 2; ++t)  // 128-bit lanes (a[2t] quads 0+2, 1+3, a[2t+1] quads 0+2, 1+3)
+    a[t] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * t], a[2 * t + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * t], a[2 * t + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x88),
+                       _mm512_shuffle_f32x4(a[0], a[1], 0xDD));
+}
+
+// s[k * s_stride + t] <- q[k] . rows[t][off .. off + 16 DV) for k < nq, t < n (n <= 16; the
+// scores of positions t >= n are 0): each K row read as it lies (no transpose), each score one
+// 16-lane multiply-add chain over the head's DV vectors, then its lanes summed (lane_sums16).
+// For decode (one query row: the GQA group's few vectors), where transposing K cost more than
+// the products.
+template <typename C, int DV>
+inline void qk_direct(const float* q, int64_t nq, const C* const* rows, int64_t off, int64_t n,
+                      float* s, int64_t s_stride) {
+  for (int64_t k = 0; k < nq; ++k) {
+    __m512 qv[DV];
+    for (int j = 0; j < DV; ++j) qv[j] = _mm512_loadu_ps(q + k * DV * 16 + 16 * j);
+    __m512 a[16];
+    load_tile16(a, n, [&](int t) {
+      const C* kr = rows[t] + off;
+      __m512 acc = _mm512_mul_ps(qv[0], load16<C>(kr));
+      for (int j = 1; j < DV; ++j) acc = _mm512_fmadd_ps(qv[j], load16<C>(kr + 16 * j), acc);
+      return acc;
+    });
+    _mm512_storeu_ps(s + k * s_stride, lane_sums16(a));
   }
 }
 
@@ -876,6 +924,11 @@ void paged_attention_simd(at::Tensor& out, const at::Tensor& query, const at::Te
           for (int64_t p0 = 0; p0 < ctx_max; p0 += 16) {
             const int64_t n = std::min<int64_t>(16, ctx_max - p0);
             ahead(kvh);
+            if (qlen == 1) {  // decode: K rows as they lie (qk_direct)
+              qk_direct<C, DV>(qf.data(), nq, rows.data() + p0, koff, n, scores.data() + p0,
+                               cpad);
+              continue;
+            }
             for (int j = 0; j < DV; ++j) {
               __m512 r[16];
               load_rows16<C>(r, rows.data() + p0, koff + 16 * j, n);

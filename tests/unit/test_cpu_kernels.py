@@ -62,6 +62,46 @@ def test_cpu_attention_decode_ignores_unused_block_table_entries() -> None:
     torch.testing.assert_close(out, scene.reference(query, [1] * 4, 0.3), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4)])
+def test_cpu_attention_decode_rows_equal_reference(
+    heads: int, kv_heads: int, head_size: int
+) -> None:
+    # A decode-only step (each request one new row: K read as it lies, lane sums) over
+    # contexts around the 16-position tiles and the blocks; the first a one-token prompt.
+    seq_lens = [1, 2, 15, 16, 17, 31, 33, 64, 100, 129]
+    scene = PagedScene(seq_lens, heads, kv_heads, head_size, block_size=16, seed=head_size)
+    out, ref, dense = _both(scene, [1] * len(seq_lens), head_size**-0.5)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_cpu_attention_decode_rows_16bit_cache_under_float32(cache_dtype: torch.dtype) -> None:
+    # --kv-cache-dtype under a float32 model: the same as the float32 cache of those values.
+    seq_lens = [5, 16, 47, 80]
+    scene = PagedScene(seq_lens, 9, 3, 64, block_size=16, seed=4)
+    query, key, value, md = scene.step([1] * 4)
+    cache16 = scene.kv_cache.to(cache_dtype)
+    attend = get_attention_backend("cpu").attend
+    out = attend(query, key, value, cache16, md, 0.125)
+    ref = attend(query, key, value, cache16.float(), md, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_cpu_attention_decode_rows_sliding_window(window: int) -> None:
+    seq_lens = [3, 17, 50, 90]
+    scene = PagedScene(seq_lens, 9, 3, 64, block_size=16, seed=window)
+    query, key, value, md = scene.step([1] * 4)
+    backend = get_attention_backend("cpu")
+    out = backend.forward(query, key, value, scene.kv_cache, md, 0.125, sliding_window=window)
+    ref = TorchAttentionBackend().forward(
+        query, key, value, scene.kv_cache.clone(), md, 0.125, sliding_window=window
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("d", [16, 64])
 def test_cpu_attention_chunked_prefill_equals_one_shot(d: int) -> None:
     # One 37-token prompt in chunks of 10: each chunk attends over the cache the earlier
