@@ -70,6 +70,20 @@ def test_fp8_kv_write_is_bit_exact() -> None:
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
 
+def _block_table(
+    seq_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Distinct blocks for each request, dealt in a shuffled order (a pool after churn)."""
+    per = [-(-n // block_size) for n in seq_lens]
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32, device="cuda")
+    used = 0
+    for r, n in enumerate(per):
+        table[r, :n] = perm[used : used + n]
+        used += n
+    return table
+
+
 def test_attention_over_fp8_cache_at_real_sizes() -> None:
     from tandem_kernels import paged_attention as pa
 
@@ -85,13 +99,7 @@ def test_attention_over_fp8_cache_at_real_sizes() -> None:
     deq[:, 1] *= vs
     deq = deq.to(torch.bfloat16)
     seq_lens, q_lens = [2000, 1, 700, 1500], [2000, 1, 64, 1]
-    per = [-(-n // bs) for n in seq_lens]
-    perm = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
-    table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32, device="cuda")
-    used = 0
-    for r, n in enumerate(per):
-        table[r, :n] = perm[used : used + n]
-        used += n
+    table = _block_table(seq_lens, bs, blocks, gen)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     qsl = qsl.cuda()
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
@@ -126,13 +134,7 @@ def test_fp8_decode_reads_the_cache_exactly_and_survives_large_queries() -> None
         torch.float8_e4m3fn
     )
     seq_lens = [1, 17, 300, 2048, 777, 4096]
-    per = [-(-n // bs) for n in seq_lens]
-    perm = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
-    table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32, device="cuda")
-    used = 0
-    for r, n in enumerate(per):
-        table[r, :n] = perm[used : used + n]
-        used += n
+    table = _block_table(seq_lens, bs, blocks, gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     query = (torch.randn(len(seq_lens), heads, head, device="cuda", generator=gen) * 0.1).to(
         torch.bfloat16
