@@ -191,6 +191,14 @@ def run_rank(rank: int, world: int, store: Path, paths: dict[str, Path], layers:
     else:  # TP = 4: the QKV layer's replicated KV heads
         check_qkv(rank, world, one, tp, torch.Generator().manual_seed(10), 4, 2)
     check_models(world, tp, one, paths)
+    # Leave together: a rank that exits with gloo's threads still running can abort
+    # ("terminate called without an active exception"; seen once in CI at TP = 4).
+    import torch.distributed as dist
+
+    from tandem.distributed.init import destroy_parallel_state
+
+    dist.barrier()
+    destroy_parallel_state()
 
 
 def spawn(world: int, tmp_path: Path, paths: dict[str, Path], layers: bool) -> None:
