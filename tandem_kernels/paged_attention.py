@@ -150,8 +150,8 @@ def online_softmax_step(m_i, l_i, acc, qk, v, INPUT_PRECISION: tl.constexpr):
 def widen_kv(x, dtype: tl.constexpr, HW_FP8: tl.constexpr):
     """A K or V tile in the dtype of the query it meets. With HW_FP8 (the launcher's word: CUDA
     sm_89 or later, not the interpreter), an FP8 (e4m3) tile meeting an fp16 query is widened
-    by the hardware's paired conversion (`cvt.rn.f16x2.e4m3x2`, sm_89 and
-    later: one instruction per two values, exact, since e4m3 is a subset of fp16); Triton's
+    by the hardware's paired conversion (`cvt.rn.f16x2.e4m3x2`: one instruction per two
+    values, exact, since e4m3 is a subset of fp16); Triton's
     own FP8 -> bf16 path is about six integer instructions a value, which held the FP8 decode
     kernel at half the bf16 kernel's bytes per second on the H200. Any other pair: `.to`."""
     if HW_FP8 and x.dtype == tl.float8e4nv and dtype == tl.float16:
@@ -804,6 +804,13 @@ def time_config(run: Callable[[], object], iters: int) -> float | None:
 
 
 @functools.lru_cache(maxsize=16)
+def _converts_fp8_in_hardware(device: torch.device) -> bool:
+    """Whether `device` has the paired e4m3 -> fp16 conversion `widen_kv` uses (CUDA sm_89+).
+    Cached: the decode launcher asks on every call."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
@@ -1011,13 +1018,12 @@ def paged_decode_attention(
     else:
         part_out = part_m = part_l = out  # unused
     grid = (num_kv_heads, num_reqs) if heads_first else (num_reqs, num_kv_heads)
-    # An FP8 cache on CUDA (sm_89+: the paired e4m3 -> fp16 conversion) is read in fp16
-    # (`widen_kv`); the interpreter has no inline assembly and keeps the query's dtype.
+    # An FP8 cache on CUDA sm_89+ is read in fp16 (`widen_kv`); the interpreter has no
+    # inline assembly and keeps the query's dtype.
     fp16_dot = (
         kv_cache.dtype == FP8_KV_DTYPE
-        and query.is_cuda
         and query.dtype in (torch.bfloat16, torch.float16)
-        and torch.cuda.get_device_capability(query.device) >= (8, 9)
+        and _converts_fp8_in_hardware(query.device)
     )
     _decode_kernel[(*grid, num_splits)](
         query,
