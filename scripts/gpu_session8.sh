@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Wave 3, eighth session's H200 runs, each part one device call (from the repository root,
+# carrying .whl):
+#
+#   PART=n:  the FP8 decode tests (the fp16 read against the fp32 reference, every candidate
+#            with the register caps), FP8 + FP8 KV offline at all three workloads and batch 1
+#            (the capped candidates' first timing: decode tuning's GB/s in the log), then the
+#            step breakdown of FP8 + FP8 KV at batch 1 (where the 3.2 ms go);
+#   PART=sp: speculation at batch 1 and 32 (p = 0.7 and 0, k = 4), forced record, and the verify
+#            step's device cost (scripts/gpu_session6.sh PART=sp).
+#
+#   OUT=/some/dir PART=n bash scripts/gpu_session8.sh
+set -u
+case "${PART:-n}" in
+n)
+  ISSUE=session8 BUDGET_S=${BUDGET_S:-480}
+  . scripts/device_lib.sh
+  step "fp8 decode GPU tests" 90 "$OUT/gpu_tests_fp8_decode.log" $PY -m pytest -q -m gpu \
+    --timeout=85 tests/gpu/test_fp8_gpu.py::test_attention_over_fp8_cache_at_real_sizes \
+    tests/gpu/test_fp8_gpu.py::test_fp8_decode_reads_the_cache_exactly_and_survives_large_queries \
+    "tests/gpu/test_kernels_gpu.py::test_decode_every_tuning_candidate_and_the_tuned_config"
+  # shellcheck disable=SC2086
+  offline fp8_fp8kv 220 --quantization fp8 --kv-cache-dtype fp8
+  step "step breakdown fp8+fp8kv batch 1" 90 "$OUT/breakdown_b1.log" \
+    $PY -m benchmarks.step_breakdown --model random:llama-3.1-8b --device cuda \
+    --quantization fp8 --kv-cache-dtype fp8 --num-prompts 1 --input-len 512 --steps 64 \
+    --out "$OUT/breakdown_b1.json"
+  finish
+  ;;
+sp)
+  PART=sp bash scripts/gpu_session6.sh
+  ;;
+esac
