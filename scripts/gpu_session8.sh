@@ -6,8 +6,8 @@
 #            with the register caps), FP8 + FP8 KV offline at all three workloads and batch 1
 #            (the capped candidates' first timing: decode tuning's GB/s in the log), then the
 #            step breakdown of FP8 + FP8 KV at batch 1 (where the 3.2 ms go);
-#   PART=sp: speculation at batch 1 and 32 (p = 0.7 and 0, k = 4), forced record, and the verify
-#            step's device cost (scripts/gpu_session6.sh PART=sp).
+#   PART=sp: speculation at batch 1 and 32 (p = 0.7 and 0, k = 4), forced record, then the
+#            verify step's host and device cost against a plain decode step (spec_host_cost).
 #
 #   OUT=/some/dir PART=n bash scripts/gpu_session8.sh
 set -u
@@ -28,6 +28,15 @@ n)
   finish
   ;;
 sp)
-  PART=sp bash scripts/gpu_session6.sh
+  ISSUE=session8 BUDGET_S=${BUDGET_S:-470}
+  . scripts/device_lib.sh
+  step "speculative forced" 300 "$OUT/speculative_forced.log" $PY -m benchmarks.speculative \
+    --device cuda --model random:llama-3.1-8b --input-len 64 --output-len 256 \
+    --max-model-len 4096 --batch-sizes 1,32 --ks 4 --acceptances 0.7,0 --rules measured \
+    --force-record --out "$OUT/speculative_forced.json"
+  step "spec host cost" 150 "$OUT/spec_host_cost.log" $PY -m benchmarks.spec_host_cost \
+    --device cuda --model random:llama-3.1-8b --batch-sizes 1,8 --k 4 --input-len 64 \
+    --output-len 64 --max-model-len 4096 --out "$OUT/spec_host_cost.json"
+  finish
   ;;
 esac
