@@ -111,6 +111,8 @@ class Request:
         # scheduler backs off a request whose drafts keep failing).
         self.spec_num_misses = 0
         self.spec_skip_steps = 0
+        # Whether its drafts for the next step were dropped by that backoff.
+        self.spec_backed_off = False
         # Disaggregated decode: prompt tokens whose KV arrived from another worker, told to
         # the runner once (a proposer running a model computes its own KV for them).
         self.num_external_computed_tokens = 0

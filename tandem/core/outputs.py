@@ -64,6 +64,11 @@ class SchedulerOutput:
     # be taken (backing off after rejected drafts): a proposer that runs a model only keeps
     # its KV cache in step for them.
     no_draft_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: scheduled requests that take no drafts in this step because they
+    # are backing off, in a step that allowed drafts: each counts as a rejected first draft
+    # for the measured rule (`tandem.core.spec_decode_rule`), which otherwise would not see
+    # the rejections that made them back off.
+    spec_backoff_req_ids: set[str] = field(default_factory=set)
     # Speculative decoding: whether drafts are proposed after this step (False when the next
     # step takes none: `tandem.core.spec_decode_rule`; every request is then in
     # `no_draft_req_ids`).

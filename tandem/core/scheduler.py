@@ -425,6 +425,7 @@ class Scheduler:
         output = self._build_output(scheduled, num_scheduled, preempted)
         structured = output.structured_req_ids
         spec = output.scheduled_spec_decode_tokens
+        backoff_counts = bool(self.num_spec_tokens) and num_drafts != 0
         if self.num_spec_tokens and not propose_drafts:
             output.propose_drafts = False
             output.no_draft_req_ids.update(num_scheduled)
@@ -433,6 +434,8 @@ class Scheduler:
                 # Its next proposals are dropped whatever this step's outcome (`_next_drafts`).
                 output.no_draft_req_ids.add(request.request_id)
             request.num_computed_tokens += num_scheduled[request.request_id]
+            if backoff_counts and request.spec_backed_off and not request.spec_token_ids:
+                output.spec_backoff_req_ids.add(request.request_id)
             if request.spec_token_ids:
                 # Drafts consumed: those within this step's tokens are verified by it.
                 num_drafts = request.num_computed_tokens - request.num_tokens_with_placeholders
@@ -527,6 +530,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.spec_backed_off = False
         request.num_external_computed_tokens = 0  # recomputed here when it resumes
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -680,6 +684,7 @@ class Scheduler:
         verified position (tandem.layers.logits_processors.speculative)."""
         if not self.num_spec_tokens:
             return []
+        request.spec_backed_off = bool(request.spec_skip_steps)
         if request.spec_skip_steps:
             request.spec_skip_steps -= 1
             return []

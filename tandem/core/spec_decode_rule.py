@@ -36,11 +36,15 @@ for each estimate to stand alone):
 * Acceptance, over all buckets: per position j, decayed counts of the requests that
   reached it (drafts 0..j-1 accepted, draft j scheduled) and of those whose draft j was
   accepted. A request scheduled with fewer drafts than its step's n counts as rejected at
-  its first missing draft (a proposer with nothing to offer). `c[j]` is shrunk toward the
-  pooled rate over all positions (`prior_weight` pseudo-trials), and the pooled rate toward
-  1 by half a pseudo-trial, so an unknown position takes its neighbours' rate and nothing
-  measured means every draft accepted (an unknown bucket starts by speculating). Counts
-  decay by `decay` per verify step, so a change of acceptance shows within tens of steps.
+  its first missing draft (a proposer with nothing to offer), and so does a request the
+  scheduler holds back from drafting after its drafts kept failing, even in a step where no
+  request drafted (at p = 0 the backoff would otherwise hide the rejections, and the rule
+  kept deciding drafts nobody proposed while the proposer ran every step). `c[j]` is shrunk
+  toward the pooled rate over all positions (`prior_weight` pseudo-trials), and the pooled
+  rate toward 1 by half a pseudo-trial, so an unknown position takes its neighbours' rate
+  and nothing measured means every draft accepted (an unknown bucket starts by
+  speculating). Counts decay by `decay` per step that observes acceptance, so a change of
+  acceptance shows within tens of steps.
 
 Exploration: the arm not chosen is re-measured every `probe_interval` steps of the bucket,
 for `probe_len` steps (the first sample after a switch is dropped: it pays the other arm's
@@ -206,7 +210,10 @@ class SpeculationRule:
         self, so: SchedulerOutput, result: ModelRunnerOutput, seconds: float | None
     ) -> None:
         """One step's result, `seconds` after the previous step's (None: not a step's cost):
-        its time if every request decoded (1 + its drafts), its acceptance if it verified."""
+        its time if every request decoded (1 + its drafts), its acceptance if it verified.
+        A request the scheduler held back from drafting (`spec_backoff_req_ids`: its drafts
+        kept failing) counts as a rejected first draft, in a verify step or a plain one: the
+        backoff hides exactly the rejections that tell the rule to stop."""
         spec = so.scheduled_spec_decode_tokens
         counts = so.num_scheduled_tokens
         num_drafts = max((len(d) for d in spec.values()), default=0)
@@ -215,12 +222,13 @@ class SpeculationRule:
         )
         if seconds is not None and decode_only and counts:
             self.observe_step(len(counts), num_drafts, seconds)
-        if not spec:
+        backoff = so.spec_backoff_req_ids
+        if not spec and not backoff:
             return
         num_requests = 0
-        accepted = [0] * num_drafts
+        accepted = [0] * max(num_drafts, 1)
         for req_id, sampled in zip(result.req_ids, result.sampled_token_ids, strict=True):
-            if not sampled:
+            if not sampled or (not spec and req_id not in backoff):
                 continue
             num_requests += 1
             drafts = spec.get(req_id)

@@ -527,12 +527,14 @@ def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
     so = sched.schedule()
     drafted: list[bool] = []
     told: list[bool] = []  # the runner told its proposals after this step are dropped
+    backed: list[bool] = []  # reported to the measured rule as held back from drafting
     token = 100
     for step in range(14):
         # Every draft is rejected until step 10, then every draft is accepted.
         drafts = so.scheduled_spec_decode_tokens.get("r", [])
         drafted.append(bool(drafts))
         told.append("r" in so.no_draft_req_ids)
+        backed.append("r" in so.spec_backoff_req_ids)
         emitted = [*drafts, token] if step >= 10 else [token]
         sched.update_from_output(so, ModelRunnerOutput(["r"], [emitted], spec_token_ids=[[1, 2]]))
         assert request.num_computed_tokens == request.num_tokens - 1
@@ -546,6 +548,11 @@ def test_a_request_whose_drafts_keep_failing_backs_off() -> None:
     # Steps planned while backing off tell the runner (a model proposer drafts nothing then).
     assert told == [False] * 5 + [True, False, False, True, True, True] + [False] * 3
     assert all(not drafted[i + 1] for i in range(13) if told[i])
+    # Each step without drafts after the prefill is a backoff skip, and says so.
+    assert backed == [i > 0 and not d for i, d in enumerate(drafted)]
+    # A step that allows no drafts (the measured rule's plain decode) reports none.
+    request.spec_backed_off = True
+    assert sched.schedule(num_drafts=0).spec_backoff_req_ids == set()
     sched.finish_requests("r", request.status.FINISHED_ABORTED)
     assert sched.kv_cache_manager.block_pool.is_whole
 

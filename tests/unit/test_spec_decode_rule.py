@@ -22,7 +22,7 @@ import pytest
 from tandem import SamplingParams
 from tandem.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.core.spec_decode_rule import SpeculationRule
-from tests.spec_decode_cases import run_engine, write_replay_record
+from tests.spec_decode_cases import RUN_DEFAULTS, run_engine, write_replay_record
 
 
 def step_cost(t0: float, c: float, n: int) -> float:
@@ -151,6 +151,33 @@ def test_observe_output_reads_times_and_acceptance_from_a_step() -> None:
     mixed = SchedulerOutput(num_scheduled_tokens={"a": 1, "d": 40}, total_num_scheduled_tokens=41)
     rule.observe_output(mixed, ModelRunnerOutput(["a", "d"], [[5], [6]]), 0.5)
     assert rule.step_time(2, 0) is None  # not a decode-only step: no time
+
+
+def test_backed_off_requests_count_as_rejected_first_drafts() -> None:
+    """A plain step in which a request was held back from drafting (its drafts kept failing)
+    is a rejected first draft for that request; the other requests of a plain step are not
+    trials; in a verify step the backed-off request counts once, as any request without
+    drafts does."""
+    rule = SpeculationRule(2, prior_weight=0.0, decay=1.0)
+    plain = SchedulerOutput(
+        num_scheduled_tokens={"a": 1, "b": 1},
+        total_num_scheduled_tokens=2,
+        spec_backoff_req_ids={"a"},
+    )
+    rule.observe_output(plain, ModelRunnerOutput(["a", "b"], [[3], [4]]), 0.01)
+    assert rule.trials == pytest.approx([1, 0]) and rule.accepted == pytest.approx([0, 0])
+    assert rule.step_time(2, 0) == 0.01  # still a plain step's time
+    verify = SchedulerOutput(
+        num_scheduled_tokens={"a": 1, "b": 3},
+        total_num_scheduled_tokens=4,
+        scheduled_spec_decode_tokens={"b": [7, 8]},
+        spec_backoff_req_ids={"a"},
+    )
+    rule.observe_output(verify, ModelRunnerOutput(["a", "b"], [[5], [7, 8, 9]]), None)
+    assert rule.trials == pytest.approx([3, 1]) and rule.accepted == pytest.approx([1, 1])
+    none = SchedulerOutput(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
+    rule.observe_output(none, ModelRunnerOutput(["a"], [[6]]), 0.01)
+    assert rule.trials == pytest.approx([3, 1])  # nothing drafted, nothing held back
 
 
 def test_estimates_share_strength() -> None:
@@ -317,3 +344,42 @@ def rule_shares_in_engine(path: Path, tmp_path: Path, **engine: object) -> dict[
         steps = rule.steps_by_num_drafts
         shares[p] = 1 - steps[0] / sum(steps)
     return shares
+
+
+def test_rule_sees_backoff_when_acceptance_falls_to_zero(tiny_model_path, tmp_path: Path) -> None:
+    """One engine, the replay proposer's p moved from 1 to 0 between two batches (as the
+    speculation benchmark does): at p = 0 every request soon backs off, so most steps carry
+    no drafts; the rule must learn the rejections from the backoff and stop deciding drafts
+    (it used to keep deciding them for the whole batch, the proposer running every step)."""
+    from tandem import LLM
+    from tandem.spec_decode.replay import ReplayProposer
+
+    path = tiny_model_path("llama")
+    rng = np.random.default_rng(5)
+    first, prompt = (rng.integers(3, 512, size=12).tolist() for _ in range(2))
+    params = SamplingParams(temperature=0.0, max_tokens=320, ignore_eos=True)
+    engine = dict(max_num_seqs=2, num_gpu_blocks=128, max_model_len=512, async_scheduling="off")
+    ref, _ = run_engine(path, [first, prompt], params, **engine)
+    record = write_replay_record(tmp_path / "replay.json", [first, prompt], ref)
+    spec = {
+        "method": "replay",
+        "num_speculative_tokens": 4,
+        "replay_path": str(record),
+        "replay_acceptance": 1.0,
+    }
+    settings = {**RUN_DEFAULTS, **engine}
+    with LLM(model=str(path), speculative_config=spec, **settings) as llm:
+        llm.generate([first], params.clone(max_tokens=60), use_tqdm=False)
+        before = list(llm.engine.stats().spec_decode_rule.steps_by_num_drafts)
+        proposer = llm.engine.model_runner.proposer
+        assert isinstance(proposer, ReplayProposer)
+        proposer.acceptance = 0.0
+        out = llm.generate([prompt], params, use_tqdm=False)
+        after = list(llm.engine.stats().spec_decode_rule.steps_by_num_drafts)
+        assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
+    assert out[0].outputs[0].token_ids == ref[1].token_ids
+    steps = [b - a for a, b in zip(before, after, strict=True)]
+    # p = 1 first: the rule starts this batch believing in drafts; the backoff's rejections
+    # turn it off within about 60 steps (the acceptance counts decay by 0.97 a step), then
+    # only probes draft. Before the backoff was reported: [0, 0, 0, 0, 321].
+    assert 1 - steps[0] / sum(steps) < 0.4, steps
