@@ -130,9 +130,11 @@ def _moe_decode_gate_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """`act[p, n] = silu(gate) * up` for pair p (program 0) and BLOCK_N of its expert's I
-    rows (program 1): one GEMV per pair over x's row; pairs of absent experts write nothing."""
+    rows (program 1): one GEMV per pair over x's row; pairs of absent experts write nothing.
+    NUM_STAGES > 1 prefetches the next steps' tiles (cp.async into shared memory)."""
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     if expert >= num_experts:
@@ -145,7 +147,7 @@ def _moe_decode_gate_up_kernel(
     up_rows = gate_rows + inter * stride_wn
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+    for k in tl.range(0, tl.cdiv(hidden, BLOCK_K), num_stages=NUM_STAGES):
         cols = k * BLOCK_K + offs_k
         k_mask = cols < hidden
         x = tl.load(x_row + cols, mask=k_mask, other=0.0).to(tl.float32)[None, :]
@@ -175,33 +177,32 @@ def _moe_decode_down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """`out[t, n] = sum_j weight[t, j] * act[t * k + j] . w2[e_j, n]` for token t (program 0)
     and BLOCK_N of the H outputs (program 1), summed over top_k in registers, stored once;
-    pairs of absent experts (id >= E) are masked out."""
+    pairs of absent experts (id >= E) are masked out. One loop over (expert j, column block),
+    so that NUM_STAGES > 1 prefetches across the experts too."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
+    row_offs = offs_n.to(tl.int64)[:, None] * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
+    num_k = tl.cdiv(inter, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
+    for step in tl.range(0, TOP_K * num_k, num_stages=NUM_STAGES):
+        j = step // num_k
         pair = token * TOP_K + j
         expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
         # An absent expert's pair reads no column (nothing to add).
         num_cols = tl.where(expert < num_experts, inter, 0)
         weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
-        rows = (
-            w2_ptr
-            + tl.minimum(expert, num_experts - 1) * stride_we
-            + offs_n.to(tl.int64)[:, None] * stride_wn
-        )
-        act_row = act_ptr + pair * inter
-        for k in range(0, tl.cdiv(inter, BLOCK_K)):
-            cols = k * BLOCK_K + offs_k
-            k_mask = cols < num_cols
-            act = tl.load(act_row + cols, mask=k_mask, other=0.0) * weight
-            w = tl.load(rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * act[None, :]
+        cols = (step - j * num_k) * BLOCK_K + offs_k
+        k_mask = cols < num_cols
+        act = tl.load(act_ptr + pair * inter + cols, mask=k_mask, other=0.0) * weight
+        rows = w2_ptr + tl.minimum(expert, num_experts - 1) * stride_we + row_offs
+        w = tl.load(rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * act[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -243,34 +244,41 @@ MoEConfig = tuple[int, int, int, int, int, int]
 
 class DecodeConfig(NamedTuple):
     """Tiles of the decode path (see the module docstring): kernel 1 computes `block_n1` of a
-    pair's I outputs (gate and up rows) over `block_k1` columns of H per step; kernel 2
-    `block_n2` of a token's H outputs over `block_k2` columns of I per step."""
+    pair's I outputs (gate and up rows) over `block_k1` columns of H per step, with
+    `num_stages1` steps in flight (1: plain loads; more: cp.async prefetch into shared memory);
+    kernel 2 `block_n2` of a token's H outputs over `block_k2` columns of I per step."""
 
     block_n1: int
     block_k1: int
+    num_stages1: int
     block_n2: int
     block_k2: int
+    num_stages2: int
     num_warps: int
 
 
 FusedMoEConfig = MoEConfig | DecodeConfig
 # Decode path tiles. Each program streams a [block_n, block_k] tile a step (kernel 1: two, gate
-# and up); a step's loads are what a program has in flight, so tiles of 8-16K elements (16-32 KB
-# of bf16) with a few programs per SM keep the ~30 KB per SM in flight that H200's bandwidth
-# needs. Kernel 1 at Qwen3-30B-A3B T=1 (8 pairs, I 768): block_n1 16 gives 384 programs on 132
-# SMs; Mixtral (2 pairs, I 14336): 1792. Kernel 2's grid is (T, H / block_n2), so its tiles are
-# narrow and long (H 2048 at 8 rows: 256 programs at T=1).
+# and up): with plain loads a step's tiles are what a program has in flight, so tiles of 8-16K
+# elements (16-32 KB of bf16) with a few programs per SM keep the ~30 KB per SM in flight that
+# H200's bandwidth needs; num_stages > 1 keeps that many steps in flight (cp.async, 25-50 KB of
+# shared memory). Kernel 1 at Qwen3-30B-A3B T=1 (8 pairs, I 768): block_n1 16 gives 384
+# programs on 132 SMs; Mixtral (2 pairs, I 14336): 1792. Kernel 2's grid is (T, H / block_n2),
+# so its tiles are narrow and long (H 2048 at 8 rows: 256 programs at T=1). All compile for
+# sm_90 without spills (registers 64-138 a thread).
 _DECODE_CANDIDATES: tuple[DecodeConfig, ...] = (
-    DecodeConfig(16, 256, 8, 1024, 4),
-    DecodeConfig(8, 512, 8, 1024, 4),
-    DecodeConfig(16, 512, 8, 1024, 8),
-    DecodeConfig(32, 256, 4, 2048, 8),
-    DecodeConfig(16, 256, 16, 512, 4),
-    DecodeConfig(8, 256, 8, 512, 4),
-    DecodeConfig(32, 128, 4, 1024, 4),
-    DecodeConfig(16, 256, 16, 1024, 8),
+    DecodeConfig(16, 256, 1, 8, 1024, 1, 4),
+    DecodeConfig(16, 256, 3, 8, 1024, 3, 4),
+    DecodeConfig(8, 512, 3, 8, 512, 4, 4),
+    DecodeConfig(16, 512, 1, 8, 1024, 1, 8),
+    DecodeConfig(32, 256, 1, 4, 2048, 1, 8),
+    DecodeConfig(16, 256, 4, 16, 512, 3, 4),
+    DecodeConfig(8, 256, 1, 8, 512, 1, 4),
+    DecodeConfig(32, 128, 3, 4, 1024, 3, 4),
+    DecodeConfig(16, 256, 1, 16, 1024, 1, 8),
 )
-_DEFAULT_DECODE = DecodeConfig(16, 256, 8, 1024, 4)
+# Untuned: plain loads (the pipelined candidates are measured before they run).
+_DEFAULT_DECODE = DecodeConfig(16, 256, 1, 8, 1024, 1, 4)
 # The decode path reads an expert's weights once per pair routed to it (the grouped path once
 # per expert) but runs 2 kernels instead of the alignment's ~15 small ops, the zeros and the
 # sum: at H200 T=1 those dominate (Qwen3-30B-A3B 0.65 ms eager for 75 MB of weights, 18 us of
@@ -403,6 +411,7 @@ def _fused_moe_decode(
         TOP_K=top_k,
         BLOCK_N=config.block_n1,
         BLOCK_K=config.block_k1,
+        NUM_STAGES=config.num_stages1,
         num_warps=config.num_warps,
     )
     _moe_decode_down_kernel[(num_tokens, triton.cdiv(hidden, config.block_n2))](
@@ -420,6 +429,7 @@ def _fused_moe_decode(
         TOP_K=top_k,
         BLOCK_N=config.block_n2,
         BLOCK_K=config.block_k2,
+        NUM_STAGES=config.num_stages2,
         num_warps=config.num_warps,
     )
 
@@ -555,8 +565,8 @@ def tune_fused_moe(
 
 
 def config_name(config: FusedMoEConfig) -> str:
-    """`16x64x64x1x4x3` for a grouped-path config, `decode:16x256x8x256x4` for the decode
-    path's (the tuning log's names)."""
+    """`16x64x64x1x4x3` for a grouped-path config, `decode:16x256x1x8x1024x1x4` for the
+    decode path's (the tuning log's names)."""
     name = "x".join(map(str, config))
     return f"decode:{name}" if isinstance(config, DecodeConfig) else name
 

@@ -1454,7 +1454,7 @@ def case_fused_moe_decode(dtype: torch.dtype, num_tokens: int, other_rank: bool)
     assert isinstance(default, fm.DecodeConfig) == (num_tokens <= 3)
     ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
     assert ref.abs().max() > 0.1
-    for config in (fm.DecodeConfig(8, 16, 16, 16, 4), fm._DEFAULT_DECODE):
+    for config in (fm.DecodeConfig(8, 16, 1, 16, 16, 2, 4), fm._DEFAULT_DECODE):
         for ids in (topk_ids, topk_ids.long()):
             out = fm.fused_moe(x, w13, w2, topk_weights, ids, config)
             assert out.dtype == dtype and out.shape == (num_tokens, hidden)
