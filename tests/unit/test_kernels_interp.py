@@ -1424,6 +1424,7 @@ def case_fused_moe(dtype: torch.dtype, block_m: int, other_rank: bool) -> None:
         {"dtype": d, "num_tokens": t, "other_rank": o}
         for d, t, o in [
             (torch.float32, 1, False),
+            (torch.float32, 1, True),
             (torch.float32, 3, True),
             (torch.float32, 8, True),
             (torch.float16, 8, False),
@@ -1435,7 +1436,8 @@ def case_fused_moe_decode(dtype: torch.dtype, num_tokens: int, other_rank: bool)
     """The decode path (no sorting: a GEMV per pair, then one per token over its top_k)
     against the reference: tokens routed to 3 of 5 experts, odd sizes (masks on every dim,
     tiles smaller and larger than them); `other_rank`: ids >= E (experts another rank holds)
-    add nothing, a token with all its experts elsewhere gets zeros."""
+    add nothing (every other token's second; with more than one token, all of the last one's:
+    it gets zeros)."""
     k = _kernels()
     fm = k.fused_moe
     gen = torch.Generator().manual_seed(num_tokens)
@@ -1448,7 +1450,8 @@ def case_fused_moe_decode(dtype: torch.dtype, num_tokens: int, other_rank: bool)
     topk_ids = topk_ids.to(torch.int32)
     if other_rank:
         topk_ids[::2, 1] = num_experts
-        topk_ids[-1] = num_experts + 1
+        if num_tokens > 1:
+            topk_ids[-1] = num_experts + 1
     # Untuned, the decode path runs up to 2 expected rows per expert (here T <= 3).
     default = fm.default_config(num_tokens, top_k, num_experts)
     assert isinstance(default, fm.DecodeConfig) == (num_tokens <= 3)
@@ -1459,7 +1462,7 @@ def case_fused_moe_decode(dtype: torch.dtype, num_tokens: int, other_rank: bool)
             out = fm.fused_moe(x, w13, w2, topk_weights, ids, config)
             assert out.dtype == dtype and out.shape == (num_tokens, hidden)
             torch.testing.assert_close(out, ref, **_tol(dtype))
-            if other_rank:
+            if other_rank and num_tokens > 1:
                 assert torch.equal(out[-1], torch.zeros_like(out[-1]))
     # The same call by default (untuned on the CPU: `default`).
     torch.testing.assert_close(fm.fused_moe(x, w13, w2, topk_weights, topk_ids), ref, **_tol(dtype))
