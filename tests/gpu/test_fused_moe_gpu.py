@@ -160,14 +160,15 @@ def test_tuner_times_the_decode_path_for_small_buckets_in_a_graph() -> None:
         assert entry["best"] == fm.config_name(tuned[bucket])
 
 
+@pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_decode_path_in_a_cuda_graph(shape: str) -> None:
-    """Captured with one routing, replayed on another (ids of absent experts included): the
-    decode path reads the routing on the device only."""
+def test_decode_path_in_a_cuda_graph(shape: str, stages: int) -> None:
+    """Captured with one routing, replayed on others (ids of absent experts included): the
+    decode path reads the routing on the device only; plain loads and cp.async prefetch."""
     w13, w2 = _weights(shape, torch.bfloat16)
     x, weights, ids = _routing(shape, 4, seed=5)
     x = x.to(torch.bfloat16)
-    config = fm._DEFAULT_DECODE
+    config = fm._DEFAULT_DECODE._replace(num_stages1=stages, num_stages2=stages)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -185,3 +186,5 @@ def test_decode_path_in_a_cuda_graph(shape: str) -> None:
         ids.copy_(ids2)
         graph.replay()
         _assert_close(out, fused_moe_ref(x, w13, w2, weights, ids))
+        if seed == 7:
+            assert torch.equal(out[-1], torch.zeros_like(out[-1]))
