@@ -276,6 +276,8 @@ _DECODE_CANDIDATES: tuple[DecodeConfig, ...] = (
     DecodeConfig(8, 256, 1, 8, 512, 1, 4),
     DecodeConfig(32, 128, 3, 4, 1024, 3, 4),
     DecodeConfig(16, 256, 1, 16, 1024, 1, 8),
+    DecodeConfig(16, 256, 3, 8, 256, 4, 4),
+    DecodeConfig(8, 512, 1, 4, 1024, 1, 4),
 )
 # Untuned: plain loads (the pipelined candidates are measured before they run).
 _DEFAULT_DECODE = DecodeConfig(16, 256, 1, 8, 1024, 1, 4)
