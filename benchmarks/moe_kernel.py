@@ -6,6 +6,12 @@ it touched per ms (GB/s, what bounds decode), and a dense reference: one bf16 GE
 expert on its rows (the same flops as separate matmuls) and the 8192^3 ceiling and device copy
 bandwidth measured in the same run. Configs are tuned first (as at engine start-up).
 
+Each call is timed twice: eagerly (`ms`: with the host's launches and the routing's small
+torch ops) and replayed from a CUDA graph as the engine's decode runs it (`graph_ms`: the
+kernels' own rate). The graph holds `GRAPH_CALLS` calls, each on its own routing (as the
+layers of a forward: the experts of one call are mostly not in L2 from the one before), and
+its GB/s count the experts each call touched.
+
     python -m benchmarks.moe_kernel --tokens 1 8 64 512 4096 16384 --out moe.json
 """
 
@@ -19,6 +25,8 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_throughput import device_ms
+
+GRAPH_CALLS = 8
 
 SHAPES = {
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -41,6 +49,35 @@ def _ceiling_tflops(iters: int) -> float:
     return 2 * 8192**3 * iters / (ms / 1e3) / 1e12
 
 
+def _routing(
+    tokens: int, hidden: int, num_experts: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    scores = torch.rand(tokens, num_experts, device="cuda")
+    weights, ids = scores.topk(top_k, dim=-1)
+    return x, weights, ids.to(torch.int32)
+
+
+def _graph_ms(
+    w13: torch.Tensor, w2: torch.Tensor, routings: list[tuple[torch.Tensor, ...]], iters: int
+) -> float:
+    """Device ms per call: one call per routing captured in a CUDA graph, replayed."""
+    from tandem_kernels.fused_moe import fused_moe
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for x, weights, ids in routings:
+            fused_moe(x, w13, w2, weights, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x, weights, ids in routings:
+            fused_moe(x, w13, w2, weights, ids)
+    graph.replay()
+    return device_ms(graph.replay, iters) / iters / len(routings)
+
+
 def _measure(
     w13: torch.Tensor, w2: torch.Tensor, top_k: int, tokens: int, iters: int
 ) -> dict[str, Any]:
@@ -48,15 +85,17 @@ def _measure(
 
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    scores = torch.rand(tokens, num_experts, device="cuda")
-    weights, ids = scores.topk(top_k, dim=-1)
-    ids = ids.to(torch.int32)
+    routings = [_routing(tokens, hidden, num_experts, top_k) for _ in range(GRAPH_CALLS)]
+    x, weights, ids = routings[0]
     fused_moe(x, w13, w2, weights, ids)
     ms = device_ms(lambda: fused_moe(x, w13, w2, weights, ids), iters) / iters
+    graph_ms = _graph_ms(w13, w2, routings, iters)
     flops = 2 * tokens * top_k * 3 * hidden * inter
+    expert_bytes = 3 * hidden * inter * w13.element_size()
     touched = int(torch.unique(ids).numel())
-    weight_bytes = touched * 3 * hidden * inter * w13.element_size()
+    weight_bytes = touched * expert_bytes
+    graph_bytes = sum(int(torch.unique(r[2]).numel()) for r in routings) / len(routings)
+    graph_bytes *= expert_bytes
     # Dense reference: one GEMM per touched expert over its rows (the same flops).
     counts = torch.bincount(ids.reshape(-1).long(), minlength=num_experts).tolist()
     xs = [torch.randn(c, hidden, device="cuda", dtype=torch.bfloat16) for c in counts]
@@ -74,13 +113,16 @@ def _measure(
         "tflops": flops / (ms / 1e3) / 1e12,
         "weight_GBps": weight_bytes / (ms / 1e3) / 1e9,
         "experts_touched": touched,
+        "graph_ms": graph_ms,
+        "graph_tflops": flops / (graph_ms / 1e3) / 1e12,
+        "graph_weight_GBps": graph_bytes / (graph_ms / 1e3) / 1e9,
         "dense_per_expert_ms": dense_ms,
         "dense_per_expert_tflops": flops / (dense_ms / 1e3) / 1e12,
     }
 
 
 def main() -> None:
-    from tandem_kernels.fused_moe import tune_fused_moe, tuning_log
+    from tandem_kernels.fused_moe import config_name, token_bucket, tune_fused_moe, tuning_log
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096, 16384])
@@ -103,16 +145,23 @@ def main() -> None:
         num_experts, top_k, hidden, inter = SHAPES[name]
         w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16)
         w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=torch.bfloat16)
-        tune_fused_moe(w13, w2, top_k, max_tokens=max(ns.tokens))
+        tuned = tune_fused_moe(w13, w2, top_k, max_tokens=max(ns.tokens))
         rows: dict[str, Any] = {}
         for tokens in ns.tokens:
             r = _measure(w13, w2, top_k, tokens, ns.iters)
+            chosen = tuned.get(token_bucket(tokens))
+            r["config"] = "untuned" if chosen is None else config_name(chosen)
             rows[str(tokens)] = r
+            copy = result["copy_GBps"]
             print(
-                f"{name} T={tokens}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s "
+                f"{name} T={tokens} [{r['config']}]: eager {r['ms']:.3f} ms, "
+                f"{r['tflops']:.0f} TFLOP/s "
                 f"({100 * r['tflops'] / result['ceiling_8192_tflops']:.0f}% of ceiling), "
                 f"{r['weight_GBps']:.0f} GB/s of weights "
-                f"({100 * r['weight_GBps'] / result['copy_GBps']:.0f}% of copy); "
+                f"({100 * r['weight_GBps'] / copy:.0f}% of copy); "
+                f"graph {r['graph_ms']:.3f} ms, {r['graph_weight_GBps']:.0f} GB/s "
+                f"({100 * r['graph_weight_GBps'] / copy:.0f}% of copy), "
+                f"{r['graph_tflops']:.0f} TFLOP/s; "
                 f"dense per-expert {r['dense_per_expert_tflops']:.0f} TFLOP/s",
                 flush=True,
             )

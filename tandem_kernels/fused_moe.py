@@ -19,10 +19,20 @@ real length stays on the device: no host sync, so a call can be captured in a CU
 Tiles past the real length exit at once. Ids >= E (experts of another rank) are never
 computed and add nothing.
 
-Tile configs (BLOCK_M/N/K, GROUP_M, warps, stages) are tuned per shape and per token-count
-bucket on the device the first time a shape runs outside graph capture (an engine's start-up
-profile forward: every bucket up to its token count at once), as the attention kernels are;
-`fused_moe_ref` (moe_ref.py) is the torch reference.
+Decode path (a `DecodeConfig`): with few pairs, no sorting or padding, two GEMVs:
+
+    kernel 1  grid (T * k, I / BLOCK_N1)   act[p, n] = silu(x[p // k] . w13[e_p, n])
+                                                       * (x[p // k] . w13[e_p, I + n])
+    kernel 2  grid (T, H / BLOCK_N2)       out[t, n] = sum_j w[t, j] * act[t * k + j] . w2[e_j, n]
+
+(e_p: pair p's expert id, w: topk_weights; act is float32.) Kernel 1 skips pairs whose id is
+>= E; kernel 2 masks their rows (they add nothing) and writes each output element once, summed
+over the token's top_k in registers (fp32). No host sync either.
+
+Tile configs (BLOCK_M/N/K, GROUP_M, warps, stages, or a `DecodeConfig`) are tuned per shape
+and per token-count bucket on the device the first time a shape runs outside graph capture
+(an engine's start-up profile forward: every bucket up to its token count at once), as the
+attention kernels are; `fused_moe_ref` (moe_ref.py) is the torch reference.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -104,6 +115,98 @@ def _fused_moe_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _moe_decode_gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    act_ptr,
+    topk_ids_ptr,
+    num_experts,
+    hidden,
+    inter,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """`act[p, n] = silu(gate) * up` for pair p (program 0) and BLOCK_N of its expert's I
+    rows (program 1): one GEMV per pair over x's row; pairs of absent experts write nothing.
+    NUM_STAGES > 1 prefetches the next steps' tiles (cp.async into shared memory)."""
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    if expert >= num_experts:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + (pair // TOP_K) * stride_xm
+    gate_rows = w13_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_rows = gate_rows + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(hidden, BLOCK_K), num_stages=NUM_STAGES):
+        cols = k * BLOCK_K + offs_k
+        k_mask = cols < hidden
+        x = tl.load(x_row + cols, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        mask = n_mask[:, None] & k_mask[None, :]
+        gate = tl.load(gate_rows + cols[None, :], mask=mask, other=0.0)
+        up = tl.load(up_rows + cols[None, :], mask=mask, other=0.0)
+        acc_gate += gate.to(tl.float32) * x
+        acc_up += up.to(tl.float32) * x
+    gate = tl.sum(acc_gate, axis=1)
+    act = gate * tl.sigmoid(gate) * tl.sum(acc_up, axis=1)
+    tl.store(act_ptr + pair * inter + offs_n, act, mask=n_mask)
+
+
+@triton.jit
+def _moe_decode_down_kernel(
+    act_ptr,
+    w2_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    topk_ids_ptr,
+    num_experts,
+    hidden,
+    inter,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """`out[t, n] = sum_j weight[t, j] * act[t * k + j] . w2[e_j, n]` for token t (program 0)
+    and BLOCK_N of the H outputs (program 1), summed over top_k in registers, stored once;
+    pairs of absent experts (id >= E) are masked out. One loop over (expert j, column block),
+    so that NUM_STAGES > 1 prefetches across the experts too."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    row_offs = offs_n.to(tl.int64)[:, None] * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    num_k = tl.cdiv(inter, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for step in tl.range(0, TOP_K * num_k, num_stages=NUM_STAGES):
+        j = step // num_k
+        pair = token * TOP_K + j
+        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+        # An absent expert's pair reads no column (nothing to add).
+        num_cols = tl.where(expert < num_experts, inter, 0)
+        weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
+        cols = (step - j * num_k) * BLOCK_K + offs_k
+        k_mask = cols < num_cols
+        act = tl.load(act_ptr + pair * inter + cols, mask=k_mask, other=0.0) * weight
+        rows = w2_ptr + tl.minimum(expert, num_experts - 1) * stride_we + row_offs
+        w = tl.load(rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * act[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,6 +240,56 @@ def moe_align_block_size(
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
 MoEConfig = tuple[int, int, int, int, int, int]
+
+
+class DecodeConfig(NamedTuple):
+    """Tiles of the decode path (see the module docstring): kernel 1 computes `block_n1` of a
+    pair's I outputs (gate and up rows) over `block_k1` columns of H per step, with
+    `num_stages1` steps in flight (1: plain loads; more: cp.async prefetch into shared memory);
+    kernel 2 `block_n2` of a token's H outputs over `block_k2` columns of I per step."""
+
+    block_n1: int
+    block_k1: int
+    num_stages1: int
+    block_n2: int
+    block_k2: int
+    num_stages2: int
+    num_warps: int
+
+
+FusedMoEConfig = MoEConfig | DecodeConfig
+# Decode path tiles. Each program streams a [block_n, block_k] tile a step (kernel 1: two, gate
+# and up): with plain loads a step's tiles are what a program has in flight, so tiles of 8-16K
+# elements (16-32 KB of bf16) with a few programs per SM keep the ~30 KB per SM in flight that
+# H200's bandwidth needs; num_stages > 1 keeps that many steps in flight (cp.async, 25-50 KB of
+# shared memory). Kernel 1 at Qwen3-30B-A3B T=1 (8 pairs, I 768): block_n1 16 gives 384
+# programs on 132 SMs; Mixtral (2 pairs, I 14336): 1792. Kernel 2's grid is (T, H / block_n2),
+# so its tiles are narrow and long (H 2048 at 8 rows: 256 programs at T=1). All compile for
+# sm_90 without spills (registers 64-138 a thread).
+_DECODE_CANDIDATES: tuple[DecodeConfig, ...] = (
+    DecodeConfig(16, 256, 1, 8, 1024, 1, 4),
+    DecodeConfig(16, 256, 3, 8, 1024, 3, 4),
+    DecodeConfig(8, 512, 3, 8, 512, 4, 4),
+    DecodeConfig(16, 512, 1, 8, 1024, 1, 8),
+    DecodeConfig(32, 256, 1, 4, 2048, 1, 8),
+    DecodeConfig(16, 256, 4, 16, 512, 3, 4),
+    DecodeConfig(8, 256, 1, 8, 512, 1, 4),
+    DecodeConfig(32, 128, 3, 4, 1024, 3, 4),
+    DecodeConfig(16, 256, 1, 16, 1024, 1, 8),
+    DecodeConfig(16, 256, 3, 8, 256, 4, 4),
+    DecodeConfig(8, 512, 1, 4, 1024, 1, 4),
+)
+# Untuned: plain loads (the pipelined candidates are measured before they run).
+_DEFAULT_DECODE = DecodeConfig(16, 256, 1, 8, 1024, 1, 4)
+# The decode path reads an expert's weights once per pair routed to it (the grouped path once
+# per expert) but runs 2 kernels instead of the alignment's ~15 small ops, the zeros and the
+# sum: at H200 T=1 those dominate (Qwen3-30B-A3B 0.65 ms eager for 75 MB of weights, 18 us of
+# reads). Pairs are the fastest grid axis, so pairs of one expert read the same rows at about
+# the same time and repeats mostly hit L2. Untuned, it runs up to 2 expected rows per expert
+# (Qwen3-30B-A3B: T <= 32, Mixtral: T <= 8): at most twice the grouped path's weight bytes.
+# The tuner times it up to 8 rows per expert and keeps whichever path is faster.
+_DECODE_DEFAULT_MAX_ROWS = 2
+_DECODE_TUNE_MAX_ROWS = 8
 _CANDIDATES: tuple[MoEConfig, ...] = (
     (16, 64, 128, 1, 4, 3),
     (16, 128, 128, 1, 4, 3),
@@ -155,13 +308,16 @@ _CANDIDATES: tuple[MoEConfig, ...] = (
 )
 # (E, 2I, H, top_k, dtype) of a layer; with the token bucket, what a tuned config is kept for.
 _ShapeKey = tuple[int, int, int, int, torch.dtype]
-_configs: dict[tuple[_ShapeKey, int], MoEConfig] = {}
+_configs: dict[tuple[_ShapeKey, int], FusedMoEConfig] = {}
 tuning_log: list[dict[str, object]] = []
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
-    """The untuned config: small tiles when each expert sees few rows."""
+def default_config(num_tokens: int, top_k: int, num_experts: int) -> FusedMoEConfig:
+    """The untuned config: the decode path when each expert sees at most
+    `_DECODE_DEFAULT_MAX_ROWS` rows on average, then small tiles when it sees few."""
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    if rows_per_expert <= _DECODE_DEFAULT_MAX_ROWS:
+        return _DEFAULT_DECODE
     if rows_per_expert <= 16:
         return (16, 64, 64, 1, 4, 3)
     if rows_per_expert <= 64:
@@ -191,12 +347,13 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    config: MoEConfig | None = None,
+    config: FusedMoEConfig | None = None,
 ) -> torch.Tensor:
     """`[T, H]`: `sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])` (fused_moe_ref's
     result). hidden_states `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]` (contiguous, one dtype),
     topk_weights `[T, k]` float32, topk_ids `[T, k]` int. `config` unset: the tuned one for
-    this shape and token bucket (tuning it now when allowed, see the module docstring)."""
+    this shape and token bucket (tuning it now when allowed, see the module docstring); a
+    `DecodeConfig` runs the decode path."""
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
@@ -208,6 +365,9 @@ def fused_moe(
         config = _config_for(hidden_states, w13, w2, top_k)
     out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     if num_tokens == 0:
+        return out
+    if isinstance(config, DecodeConfig):
+        _fused_moe_decode(hidden_states, w13, w2, topk_weights, topk_ids, config, out)
         return out
     block_m = config[0]
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, num_experts)
@@ -222,6 +382,58 @@ def fused_moe(
     down = torch.zeros(num_pairs, hidden, dtype=dtype, device=dev)
     _launch(act, w2, down, *routing, 1, True, config)
     return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
+
+
+def _fused_moe_decode(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: DecodeConfig,
+    out: torch.Tensor,
+) -> None:
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_inter, _ = w13.shape
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty(num_tokens * top_k, inter, dtype=torch.float32, device=out.device)
+    _moe_decode_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, config.block_n1))](
+        hidden_states,
+        w13,
+        act,
+        ids,
+        num_experts,
+        hidden,
+        inter,
+        hidden_states.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        TOP_K=top_k,
+        BLOCK_N=config.block_n1,
+        BLOCK_K=config.block_k1,
+        NUM_STAGES=config.num_stages1,
+        num_warps=config.num_warps,
+    )
+    _moe_decode_down_kernel[(num_tokens, triton.cdiv(hidden, config.block_n2))](
+        act,
+        w2,
+        out,
+        weights,
+        ids,
+        num_experts,
+        hidden,
+        inter,
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK_N=config.block_n2,
+        BLOCK_K=config.block_k2,
+        NUM_STAGES=config.num_stages2,
+        num_warps=config.num_warps,
+    )
 
 
 def _launch(
@@ -278,7 +490,7 @@ def _shape_key(w13: torch.Tensor, top_k: int) -> _ShapeKey:
 
 def _config_for(
     hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int
-) -> MoEConfig:
+) -> FusedMoEConfig:
     num_tokens = hidden_states.shape[0]
     key = _shape_key(w13, top_k)
     bucket = token_bucket(num_tokens)
@@ -300,10 +512,18 @@ def tune_fused_moe(
     max_tokens: int,
     candidates: tuple[MoEConfig, ...] = _CANDIDATES,
     iters: int = 3,
-) -> dict[int, MoEConfig]:
+    decode_candidates: tuple[DecodeConfig, ...] = _DECODE_CANDIDATES,
+) -> dict[int, FusedMoEConfig]:
     """Time `candidates` for every token bucket up to `max_tokens` not tuned yet for this
     layer shape (on these weights, uniformly random routing, seeded) and keep the fastest;
-    returns bucket -> config for the shape. Once per shape and bucket per process."""
+    returns bucket -> config for the shape. Once per shape and bucket per process.
+
+    Buckets of at most `_DECODE_TUNE_MAX_ROWS` rows per expert also time `decode_candidates`
+    (the decode path), and there every candidate's whole call is timed replayed from a CUDA
+    graph, as decode runs it (eager, the alignment's launches would decide); larger buckets
+    are timed eagerly."""
+    from tandem_kernels.fp8_w8a16 import time_in_graph
+
     key = _shape_key(w13, top_k)
     num_experts, _, hidden = w13.shape
     dev = w13.device
@@ -315,12 +535,19 @@ def tune_fused_moe(
             scores = torch.rand(bucket, num_experts, generator=gen)
             topk_weights, topk_ids = scores.topk(top_k, dim=-1)
             topk_weights, topk_ids = topk_weights.to(dev), topk_ids.to(dev, torch.int32)
-            timings: dict[MoEConfig, float] = {}
-            for config in candidates:
-                if config[0] > 2 * max(bucket * top_k // num_experts, 16):
+            decode = bucket * top_k <= _DECODE_TUNE_MAX_ROWS * num_experts
+            timings: dict[FusedMoEConfig, float] = {}
+            for config in candidates + (decode_candidates if decode else ()):
+                if not isinstance(config, DecodeConfig) and config[0] > 2 * max(
+                    bucket * top_k // num_experts, 16
+                ):
                     continue  # tiles far taller than an expert's rows: padding only
                 run = functools.partial(fused_moe, x, w13, w2, topk_weights, topk_ids, config)
-                ms = _time_config(run, iters)
+                if decode:
+                    us = time_in_graph([run])
+                    ms = None if us is None else us / 1e3
+                else:
+                    ms = _time_config(run, iters)
                 if ms is not None:
                     timings[config] = ms
             if timings:
@@ -330,12 +557,20 @@ def tune_fused_moe(
                     {
                         "key": [key[0], key[1], key[2], key[3], str(key[4])],
                         "num_tokens": bucket,
-                        "ms": {"x".join(map(str, c)): t for c, t in timings.items()},
-                        "best": "x".join(map(str, best)),
+                        "timed_in_graph": decode,
+                        "ms": {config_name(c): t for c, t in timings.items()},
+                        "best": config_name(best),
                     }
                 )
         bucket *= 2
     return {b: c for (k, b), c in _configs.items() if k == key}
+
+
+def config_name(config: FusedMoEConfig) -> str:
+    """`16x64x64x1x4x3` for a grouped-path config, `decode:16x256x1x8x1024x1x4` for the
+    decode path's (the tuning log's names)."""
+    name = "x".join(map(str, config))
+    return f"decode:{name}" if isinstance(config, DecodeConfig) else name
 
 
 def _time_config(run: Callable[[], object], iters: int) -> float | None:

@@ -1,7 +1,8 @@
 """The fused MoE kernel against its torch reference on a CUDA device, at the real layer shapes
 of Qwen3-30B-A3B (128 experts, top 8, H 2048, I 768) and Mixtral-8x7B (8 experts, top 2,
 H 4096, I 14336), bf16, decode to prefill token counts; its per-shape tuning; and a call
-captured in a CUDA graph and replayed on new routing (no host sync inside)."""
+captured in a CUDA graph and replayed on new routing (no host sync inside). The decode path
+(a GEMV per pair, no sorting) the same way, with ids of experts another rank holds."""
 
 from __future__ import annotations
 
@@ -99,3 +100,91 @@ def test_fused_moe_in_a_cuda_graph() -> None:
     ids.copy_(ids2)
     graph.replay()
     _assert_close(out, fused_moe_ref(x, w13, w2, weights, ids))
+
+
+def _drop_to_other_rank(ids: torch.Tensor, num_experts: int) -> None:
+    """Expert parallel: some pairs name experts another rank holds (ids >= E): every third
+    token's last; with more than one token, all of the last token's."""
+    ids[::3, -1] = num_experts
+    if ids.shape[0] > 1:
+        ids[-1] = num_experts + 3
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 4, 16])
+def test_decode_path_matches_reference_bf16(shape: str, num_tokens: int) -> None:
+    w13, w2 = _weights(shape, torch.bfloat16)
+    x, weights, ids = _routing(shape, num_tokens, seed=10 + num_tokens)
+    x = x.to(torch.bfloat16)
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    ep_ids = ids.clone()
+    _drop_to_other_rank(ep_ids, w13.shape[0])
+    ep_ref = fused_moe_ref(x, w13, w2, weights, ep_ids)
+    assert ep_ref.abs().max() > 0
+    assert num_tokens == 1 or ep_ref[-1].abs().max() == 0
+    for config in fm._DECODE_CANDIDATES:
+        out = fm.fused_moe(x, w13, w2, weights, ids, config)
+        assert out.shape == ref.shape and out.dtype == torch.bfloat16
+        _assert_close(out, ref)
+        out = fm.fused_moe(x, w13, w2, weights, ep_ids, config)
+        _assert_close(out, ep_ref)
+        if num_tokens > 1:
+            assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+def test_decode_path_fp32_exact_products() -> None:
+    shape = "qwen3-30b-a3b"
+    w13, w2 = _weights(shape, torch.float32)
+    x, weights, ids = _routing(shape, 5, seed=4)
+    out = fm.fused_moe(x, w13, w2, weights, ids, fm._DEFAULT_DECODE)
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
+
+
+def test_tuner_times_the_decode_path_for_small_buckets_in_a_graph() -> None:
+    """Buckets of at most _DECODE_TUNE_MAX_ROWS rows per expert time the decode candidates
+    (replayed from a graph) beside the grouped ones; larger buckets do not."""
+    w13, w2 = _weights("mixtral-8x7b", torch.bfloat16)
+    tuned = fm.tune_fused_moe(w13, w2, 2, max_tokens=64)
+    key = fm._shape_key(w13, 2)
+    logs = {
+        e["num_tokens"]: e
+        for e in fm.tuning_log
+        if e["key"] == [*key[:4], str(key[4])] and e["num_tokens"] <= 64
+    }
+    assert sorted(logs) == [1, 2, 4, 8, 16, 32, 64] and set(tuned) >= set(logs)
+    for bucket, entry in logs.items():
+        decode_timed = [n for n in entry["ms"] if n.startswith("decode:")]
+        small = bucket * 2 <= fm._DECODE_TUNE_MAX_ROWS * 8
+        assert entry["timed_in_graph"] == small
+        assert len(decode_timed) == (len(fm._DECODE_CANDIDATES) if small else 0), entry
+        assert entry["best"] == fm.config_name(tuned[bucket])
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_decode_path_in_a_cuda_graph(shape: str, stages: int) -> None:
+    """Captured with one routing, replayed on others (ids of absent experts included): the
+    decode path reads the routing on the device only; plain loads and cp.async prefetch."""
+    w13, w2 = _weights(shape, torch.bfloat16)
+    x, weights, ids = _routing(shape, 4, seed=5)
+    x = x.to(torch.bfloat16)
+    config = fm._DEFAULT_DECODE._replace(num_stages1=stages, num_stages2=stages)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fm.fused_moe(x, w13, w2, weights, ids, config)  # compiles
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(x, w13, w2, weights, ids, config)
+    for seed in (6, 7):
+        x2, weights2, ids2 = _routing(shape, 4, seed=seed)
+        if seed == 7:
+            _drop_to_other_rank(ids2, w13.shape[0])
+        x.copy_(x2)
+        weights.copy_(weights2)
+        ids.copy_(ids2)
+        graph.replay()
+        _assert_close(out, fused_moe_ref(x, w13, w2, weights, ids))
+        if seed == 7:
+            assert torch.equal(out[-1], torch.zeros_like(out[-1]))

@@ -1419,6 +1419,55 @@ def case_fused_moe(dtype: torch.dtype, block_m: int, other_rank: bool) -> None:
     torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
+@_case(
+    *(
+        {"dtype": d, "num_tokens": t, "other_rank": o}
+        for d, t, o in [
+            (torch.float32, 1, False),
+            (torch.float32, 1, True),
+            (torch.float32, 3, True),
+            (torch.float32, 8, True),
+            (torch.float16, 8, False),
+            (torch.float16, 3, True),
+        ]
+    )
+)
+def case_fused_moe_decode(dtype: torch.dtype, num_tokens: int, other_rank: bool) -> None:
+    """The decode path (no sorting: a GEMV per pair, then one per token over its top_k)
+    against the reference: tokens routed to 3 of 5 experts, odd sizes (masks on every dim,
+    tiles smaller and larger than them); `other_rank`: ids >= E (experts another rank holds)
+    add nothing (every other token's second; with more than one token, all of the last one's:
+    it gets zeros)."""
+    k = _kernels()
+    fm = k.fused_moe
+    gen = torch.Generator().manual_seed(num_tokens)
+    hidden, inter, num_experts, top_k = 40, 24, 5, 3
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype)
+    w2 = (0.2 * torch.randn(num_experts, hidden, inter, generator=gen)).to(dtype)
+    scores = torch.randn(num_tokens, num_experts, generator=gen)
+    topk_weights, topk_ids = scores.softmax(-1).topk(top_k, dim=-1)
+    topk_ids = topk_ids.to(torch.int32)
+    if other_rank:
+        topk_ids[::2, 1] = num_experts
+        if num_tokens > 1:
+            topk_ids[-1] = num_experts + 1
+    # Untuned, the decode path runs up to 2 expected rows per expert (here T <= 3).
+    default = fm.default_config(num_tokens, top_k, num_experts)
+    assert isinstance(default, fm.DecodeConfig) == (num_tokens <= 3)
+    ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    assert ref.abs().max() > 0.1
+    for config in (fm.DecodeConfig(8, 16, 1, 16, 16, 2, 4), fm._DEFAULT_DECODE):
+        for ids in (topk_ids, topk_ids.long()):
+            out = fm.fused_moe(x, w13, w2, topk_weights, ids, config)
+            assert out.dtype == dtype and out.shape == (num_tokens, hidden)
+            torch.testing.assert_close(out, ref, **_tol(dtype))
+            if other_rank and num_tokens > 1:
+                assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    # The same call by default (untuned on the CPU: `default`).
+    torch.testing.assert_close(fm.fused_moe(x, w13, w2, topk_weights, topk_ids), ref, **_tol(dtype))
+
+
 # --- runner -------------------------------------------------------------------------------
 
 
