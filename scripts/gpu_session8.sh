@@ -9,6 +9,11 @@
 #   PART=sp: speculation at batch 1 and 32 (p = 0.7 and 0, k = 4), forced record, then the
 #            verify step's host and device cost against a plain decode step (spec_host_cost).
 #
+#   PART=moe: the fused MoE decode path (tandem_kernels/fused_moe.py): its GPU tests and the MoE
+#            families' engine tests, the kernel benchmark eager and from a CUDA graph
+#            (benchmarks/moe_kernel.py), then the Qwen3-30B-A3B and Mixtral-8x7B shapes offline
+#            in bf16 at 1000/1000 and batch 1 (issue 32's benchmark; Mixtral at 512 requests).
+#
 #   OUT=/some/dir PART=n bash scripts/gpu_session8.sh
 set -u
 case "${PART:-n}" in
@@ -25,6 +30,23 @@ n)
     $PY -m benchmarks.step_breakdown --model random:llama-3.1-8b --device cuda \
     --quantization fp8 --kv-cache-dtype fp8 --num-prompts 1 --input-len 512 --steps 64 \
     --out "$OUT/breakdown_b1.json"
+  finish
+  ;;
+moe)
+  ISSUE=session8 BUDGET_S=${BUDGET_S:-470}
+  . scripts/device_lib.sh
+  step "MoE GPU tests" 150 "$OUT/gpu_tests_moe.log" $PY -m pytest -q -m gpu -x --timeout=140 \
+    tests/gpu/test_fused_moe_gpu.py tests/gpu/test_gpu_models.py -k "moe or mixtral or fused"
+  step "MoE kernel" 100 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel \
+    --tokens 1 2 4 8 16 64 512 4096 --out "$OUT/moe_kernel.json"
+  for model in qwen3-30b-a3b mixtral-8x7b; do
+    n=1024
+    [ $model = mixtral-8x7b ] && n=512
+    step "offline $model" 130 "$OUT/offline_$model.log" $PY -m benchmarks.offline_throughput \
+      --model random:$model --device cuda --skip-peer --workloads 1000/1000 --max-requests $n \
+      --out "$OUT/offline_$model.json"
+    grep -E "tok/s|TPOT" "$OUT/offline_$model.log" | tail -n 3 >>"$summary"
+  done
   finish
   ;;
 sp)
