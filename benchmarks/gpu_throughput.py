@@ -93,22 +93,36 @@ def model_numbers(
     hf: Any, dtype_bytes: int = 2, linear_bytes: int | None = None, kv_bytes: int | None = None
 ) -> dict[str, float]:
     """FLOP and byte counts of the model: the layers' linear weights at `linear_bytes` per
-    value (1 in FP8), the embedding and LM head at `dtype_bytes` (they stay bf16), the KV
-    cache at `kv_bytes` (1 with an FP8 cache)."""
+    value (1 in FP8), the LM head at `dtype_bytes` (it stays bf16; the embedding table is not
+    read by a step beyond its tokens' rows, so it is not counted: until 2026-12-04 it was,
+    which put the 8B's weight read at 9.1 GB instead of 8.0), the KV cache at `kv_bytes` (1
+    with an FP8 cache).
+
+    Mixtures of experts (Qwen3-MoE's `num_experts` / `moe_intermediate_size`, Mixtral's
+    `num_local_experts`): `matmul_params` counts what one token runs through (its top-k
+    experts and the router), `weight_bytes` what a large batch reads (every expert), and
+    `active_weight_bytes` what one token reads (batch 1); dense models have both equal."""
     linear_bytes = dtype_bytes if linear_bytes is None else linear_bytes
     kv_bytes = dtype_bytes if kv_bytes is None else kv_bytes
     h, inter, layers = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers
     heads, kvh = hf.num_attention_heads, hf.num_key_value_heads
     hd = getattr(hf, "head_dim", None) or h // heads
-    per_layer = h * (heads * hd) + 2 * h * (kvh * hd) + (heads * hd) * h + 3 * h * inter
-    matmul_params = layers * per_layer + hf.vocab_size * h  # + lm_head
-    weight_bytes = (
-        layers * per_layer * linear_bytes
-        + hf.vocab_size * h * (1 if hf.tie_word_embeddings else 2) * dtype_bytes
-    )
+    attn = h * (heads * hd) + 2 * h * (kvh * hd) + (heads * hd) * h
+    num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+    if num_experts:
+        top_k = hf.num_experts_per_tok
+        expert_inter = getattr(hf, "moe_intermediate_size", None) or inter
+        router = h * num_experts
+        per_layer_all = attn + router + num_experts * 3 * h * expert_inter
+        per_layer_active = attn + router + top_k * 3 * h * expert_inter
+    else:
+        per_layer_all = per_layer_active = attn + 3 * h * inter
+    matmul_params = layers * per_layer_active + hf.vocab_size * h  # + lm_head
+    head_bytes = hf.vocab_size * h * dtype_bytes
     return {
         "matmul_params": float(matmul_params),
-        "weight_bytes": float(weight_bytes),
+        "weight_bytes": float(layers * per_layer_all * linear_bytes + head_bytes),
+        "active_weight_bytes": float(layers * per_layer_active * linear_bytes + head_bytes),
         "kv_bytes_per_token": float(layers * 2 * kvh * hd * kv_bytes),
         "attn_flops_per_token_ctx": float(layers * 4 * heads * hd),  # QK^T and PV per ctx pos
     }
@@ -185,7 +199,8 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
     kv_capacity = llm.engine.kv_cache_size_tokens
     result["kv_capacity_tokens"] = kv_capacity
     print(
-        f"KV capacity: {kv_capacity} tokens; weights {nums['weight_bytes'] / 1e9:.1f} GB",
+        f"KV capacity: {kv_capacity} tokens; weights read a step {nums['weight_bytes'] / 1e9:.1f}"
+        f" GB ({nums['active_weight_bytes'] / 1e9:.1f} GB by one token)",
         flush=True,
     )
     vocab = hf.vocab_size
@@ -206,7 +221,7 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
     tpot = (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
     # Bytes moved per second as the copy counts them; the faster of the two copy figures, so
     # the held ceilings never make this ratio look better.
-    weight_read = nums["weight_bytes"] / max(bw, bw_burst)
+    weight_read = nums["active_weight_bytes"] / max(bw, bw_burst)
     result["batch1"] = {
         "tpot_ms": tpot * 1e3,
         "weight_read_ms": weight_read * 1e3,
