@@ -1376,6 +1376,23 @@ def case_triton_backend_cascade_fp8_sliding(dtype: torch.dtype) -> None:
 # --- fused MoE -----------------------------------------------------------------------------
 
 
+def _moe_problem(
+    seed: int, num_tokens: int, top_k: int, dtype: torch.dtype, no_token: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    """x [T, 40], w13 [5, 48, 40], w2 [5, 40, 24] (odd sizes: masks on every dim), and the
+    softmax top-k routing (weights, int32 ids); expert `no_token`, if given, gets no token."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, num_experts = 40, 24, 5
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype)
+    w2 = (0.2 * torch.randn(num_experts, hidden, inter, generator=gen)).to(dtype)
+    scores = torch.randn(num_tokens, num_experts, generator=gen)
+    if no_token is not None:
+        scores[:, no_token] = -1e9
+    topk_weights, topk_ids = scores.softmax(-1).topk(top_k, dim=-1)
+    return x, w13, w2, topk_weights, topk_ids.to(torch.int32)
+
+
 @_case(
     *(
         {"dtype": d, "block_m": m, "other_rank": o}
@@ -1390,15 +1407,8 @@ def case_fused_moe(dtype: torch.dtype, block_m: int, other_rank: bool) -> None:
     """Tokens routed to 2 of 5 experts (one expert gets none), odd sizes (masks on every
     dim); `other_rank`: some ids name experts another rank holds (id >= E): they add nothing."""
     k = _kernels()
-    gen = torch.Generator().manual_seed(3)
-    num_tokens, hidden, inter, num_experts, top_k = 13, 40, 24, 5, 2
-    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
-    w13 = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype)
-    w2 = (0.2 * torch.randn(num_experts, hidden, inter, generator=gen)).to(dtype)
-    scores = torch.randn(num_tokens, num_experts, generator=gen)
-    scores[:, 3] = -1e9  # expert 3 gets no token
-    topk_weights, topk_ids = scores.softmax(-1).topk(top_k, dim=-1)
-    topk_ids = topk_ids.to(torch.int32)
+    num_tokens, hidden, num_experts, top_k = 13, 40, 5, 2
+    x, w13, w2, topk_weights, topk_ids = _moe_problem(3, num_tokens, top_k, dtype, no_token=3)
     if other_rank:
         topk_ids[::3, 1] = num_experts
     sorted_ids, expert_ids, num_post = k.fused_moe.moe_align_block_size(
@@ -1440,14 +1450,8 @@ def case_fused_moe_decode(dtype: torch.dtype, num_tokens: int, other_rank: bool)
     it gets zeros)."""
     k = _kernels()
     fm = k.fused_moe
-    gen = torch.Generator().manual_seed(num_tokens)
-    hidden, inter, num_experts, top_k = 40, 24, 5, 3
-    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
-    w13 = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype)
-    w2 = (0.2 * torch.randn(num_experts, hidden, inter, generator=gen)).to(dtype)
-    scores = torch.randn(num_tokens, num_experts, generator=gen)
-    topk_weights, topk_ids = scores.softmax(-1).topk(top_k, dim=-1)
-    topk_ids = topk_ids.to(torch.int32)
+    hidden, num_experts, top_k = 40, 5, 3
+    x, w13, w2, topk_weights, topk_ids = _moe_problem(num_tokens, num_tokens, top_k, dtype)
     if other_rank:
         topk_ids[::2, 1] = num_experts
         if num_tokens > 1:
