@@ -67,13 +67,13 @@ def hopper_config_name(config: HopperConfig) -> str:
 
 
 def default_hopper_config(max_query_len: int, head_size: int) -> HopperConfig:
-    """The untimed config, by the old dense kernel's measurements (its 64 x 64 tiles, 4 warps
-    led up to 1k-token requests, 128 x 128, 8 warps past them): 64 x 64 x 4 in three stages
-    up to 1,024 tokens, 128 x 128 x 8 in two past them; 64 x 64 in two stages for head sizes
-    past 128 (larger K/V tiles leave no room for more)."""
-    if head_size > 128:
+    """The untimed config, by the first dense kernel's measurements (its 64 x 64 tiles, 4 warps
+    led up to 1k-token requests, 128 x 128, 8 warps past them): 64 x 64 x 4 up to 1,024
+    tokens, 128 x 128 x 8 past them, both in two stages (64 x 64 in three takes 32 bytes
+    of shared memory too many for two blocks an SM at d 128); 64 x 64 for head sizes past 128."""
+    if head_size > 128 or max_query_len <= 1024:
         return (64, 64, 4, 2, 0)
-    return (128, 128, 8, 2, 0) if max_query_len > 1024 else (64, 64, 4, 3, 0)
+    return (128, 128, 8, 2, 0)
 
 
 @triton.jit
