@@ -21,9 +21,15 @@ cu_seqlens[r+1]` of `query [T, H, D]` and `key`/`value [>= T, Hkv, D]`:
     row block rows                              | q_first ... q_end - 1
                         unmasked, pipelined     | diagonal: key n > row m masked
 
-A diagonal tile may reach past the request's end into the next request's rows (or rows past
-`cu_seqlens[R]` that nobody wrote): those keys are masked and their values zeroed before the
-product (a NaN there would otherwise survive `0 * NaN`).
+A diagonal tile may reach past the request's end: into the next request's rows, into the
+batch's padding rows `cu_seqlens[R]:T` (`T = query.shape[0]`), or past T. Its keys there are
+masked for the request's rows by the causal mask alone (rows past the end are never stored),
+but their values enter the product with weight 0, and `0 * NaN` is NaN: so values past T
+read 0 (TMA's bound is T; pointer loads mask the request's end), and **the padding rows'
+K/V must be finite** (a padded batch's rows are computed by the model, never NaN; the
+first dense kernel does not read them at all). Masking the diagonal tiles' values in
+registers instead cost 24-35 registers a thread (ptxas, Triton 3.6: 64 x 64 x 4 warps 167 ->
+202, which is three blocks an SM -> two).
 
 LSE: natural log, fp32, `[H, T]`. Head sizes 16-256 (a power of two for TMA; others are padded
 and loaded through pointers). K/V in the query's dtype (16-bit on the device; fp32 too under
@@ -77,35 +83,38 @@ def default_hopper_config(max_query_len: int, head_size: int) -> HopperConfig:
 
 
 @triton.jit
-def _load_kv_tile(src, tok0, start_n, kv_head, stride_tok, stride_head, offs_d,
+def _load_kv_tile(src, tok0, start_n, q_len, kv_head, stride_tok, stride_head, offs_d,
                   BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-                  TMA: tl.constexpr):  # fmt: skip
-    """Rows `tok0 + start_n ...` (BLOCK_N of them) of K or V for `kv_head`: through the
-    tensor descriptor `src` with TMA, else from the pointer `src` (head dims past HEAD_SIZE
-    read 0)."""
+                  TMA: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
+    """Keys `start_n ...` (BLOCK_N of them) of the request whose rows start at `tok0`, K or V
+    of `kv_head`: through the tensor descriptor `src` with TMA (rows past the batch's T read
+    0), else from the pointer `src` (head dims past HEAD_SIZE read 0; with MASK, keys past
+    `q_len` read 0 and are not loaded)."""
     if TMA:
         tile = src.load([tok0 + start_n, kv_head * HEAD_SIZE])
     else:
-        offs_n = (tok0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask = (offs_d < HEAD_SIZE)[None, :]
+        if MASK:
+            mask = mask & (offs_n < q_len)[:, None]
+        rows = tok0.to(tl.int64) + offs_n
         tile = tl.load(
-            src + offs_n[:, None] * stride_tok + kv_head * stride_head + offs_d[None, :],
-            mask=(offs_d < HEAD_SIZE)[None, :],
+            src + rows[:, None] * stride_tok + kv_head * stride_head + offs_d[None, :],
+            mask=mask,
             other=0.0,
         )
     return tile
 
 
 @triton.jit
-def _softmax_tile(q, k, v, m_i, l_i, acc, offs_m, offs_n, q_len, scale_log2,
+def _softmax_tile(q, k, v, m_i, l_i, acc, offs_m, offs_n, scale_log2,
                   MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr):  # fmt: skip
     """One key tile into the running max `m_i` (log2 units, scaled), sum `l_i` and the
-    unnormalised output `acc`. MASK: key n is dropped for row m when n > m or n >= q_len,
-    and the values of keys past q_len are zeroed."""
+    unnormalised output `acc`. MASK: key n is dropped for row m when n > m (for a row of the
+    request, so are the keys past its end; rows past it are never stored)."""
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     if MASK:
-        keep = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < q_len)[None, :]
-        qk = tl.where(keep, qk, float("-inf"))
-        v = tl.where((offs_n < q_len)[:, None], v, tl.zeros_like(v))
+        qk = tl.where(offs_n[None, :] <= offs_m[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2)
     p = tl.exp2(qk * scale_log2 - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -175,21 +184,21 @@ def _dense_hopper_kernel(
     full_end = q_first // BLOCK_N * BLOCK_N
     q_end = tl.minimum(q_first + BLOCK_M, q_len)
     for start_n in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
-        k = _load_kv_tile(k_src, start, start_n, kv_head, stride_k_tok, stride_k_head, offs_d,
-                          BLOCK_N, HEAD_SIZE, BLOCK_D, TMA)  # fmt: skip
-        v = _load_kv_tile(v_src, start, start_n, kv_head, stride_v_tok, stride_v_head, offs_d,
-                          BLOCK_N, HEAD_SIZE, BLOCK_D, TMA)  # fmt: skip
+        k = _load_kv_tile(k_src, start, start_n, q_len, kv_head, stride_k_tok, stride_k_head,
+                          offs_d, BLOCK_N, HEAD_SIZE, BLOCK_D, TMA, False)  # fmt: skip
+        v = _load_kv_tile(v_src, start, start_n, q_len, kv_head, stride_v_tok, stride_v_head,
+                          offs_d, BLOCK_N, HEAD_SIZE, BLOCK_D, TMA, False)  # fmt: skip
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _softmax_tile(q, k, v, m_i, l_i, acc, offs_m, offs_n, q_len,
-                                      scale_log2, False, INPUT_PRECISION)  # fmt: skip
+        m_i, l_i, acc = _softmax_tile(q, k, v, m_i, l_i, acc, offs_m, offs_n, scale_log2,
+                                      False, INPUT_PRECISION)  # fmt: skip
     for start_n in range(full_end, q_end, BLOCK_N):
-        k = _load_kv_tile(k_src, start, start_n, kv_head, stride_k_tok, stride_k_head, offs_d,
-                          BLOCK_N, HEAD_SIZE, BLOCK_D, TMA)  # fmt: skip
-        v = _load_kv_tile(v_src, start, start_n, kv_head, stride_v_tok, stride_v_head, offs_d,
-                          BLOCK_N, HEAD_SIZE, BLOCK_D, TMA)  # fmt: skip
+        k = _load_kv_tile(k_src, start, start_n, q_len, kv_head, stride_k_tok, stride_k_head,
+                          offs_d, BLOCK_N, HEAD_SIZE, BLOCK_D, TMA, True)  # fmt: skip
+        v = _load_kv_tile(v_src, start, start_n, q_len, kv_head, stride_v_tok, stride_v_head,
+                          offs_d, BLOCK_N, HEAD_SIZE, BLOCK_D, TMA, True)  # fmt: skip
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _softmax_tile(q, k, v, m_i, l_i, acc, offs_m, offs_n, q_len,
-                                      scale_log2, True, INPUT_PRECISION)  # fmt: skip
+        m_i, l_i, acc = _softmax_tile(q, k, v, m_i, l_i, acc, offs_m, offs_n, scale_log2,
+                                      True, INPUT_PRECISION)  # fmt: skip
 
     # Every row sees at least its own key: l_i >= 1 for the valid rows.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -203,14 +212,14 @@ def _dense_hopper_kernel(
 
 
 def _kv_source(
-    x: torch.Tensor, block_n: int, block_d: int, tma: bool
+    x: torch.Tensor, num_tokens: int, block_n: int, block_d: int, tma: bool
 ) -> torch.Tensor | TensorDescriptor:
-    """K or V for the kernel: a descriptor over its `[rows, Hkv * D]` view with TMA, else
-    the tensor."""
+    """K or V for the kernel: with TMA, a descriptor over the `[num_tokens, Hkv * D]` view of
+    its first `num_tokens` rows (rows past them read 0), else the tensor."""
     if not tma:
         return x
-    rows, num_kv_heads, head_size = x.shape
-    view = x.as_strided((rows, num_kv_heads * head_size), (x.stride(0), 1))
+    _, num_kv_heads, head_size = x.shape
+    view = x.as_strided((num_tokens, num_kv_heads * head_size), (x.stride(0), 1))
     return TensorDescriptor.from_tensor(view, [block_n, block_d])
 
 
@@ -248,7 +257,8 @@ def dense_hopper_attention(
     """Varlen causal self-attention (`cascade_attention.dense_causal_attention`'s contract,
     without FP8 K/V or a window): `query [T, H, D]`, `key`/`value [>= T, Hkv, D]` in the
     query's dtype, `cu_seqlens [R + 1]` int32. Returns `(out [T, H, D], lse [H, T] fp32)`;
-    rows past `cu_seqlens[R]` are not written. `config`: (BLOCK_M, BLOCK_N, warps, stages,
+    rows past `cu_seqlens[R]` are not written; K/V rows `cu_seqlens[R]:T` must be finite
+    (see the module docstring). `config`: (BLOCK_M, BLOCK_N, warps, stages,
     register cap or 0); `tma` None: TMA where `tma_usable`."""
     assert query.dim() == 3 and key.dim() == 3 and value.dim() == 3, (query.shape, key.shape)
     assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
@@ -269,8 +279,8 @@ def dense_hopper_attention(
     grid = (num_heads, num_tokens // block_m + num_reqs)
     _dense_hopper_kernel[grid](
         query,
-        _kv_source(key, block_n, block_d, use_tma),
-        _kv_source(value, block_n, block_d, use_tma),
+        _kv_source(key, num_tokens, block_n, block_d, use_tma),
+        _kv_source(value, num_tokens, block_n, block_d, use_tma),
         out,
         lse,
         cu_seqlens,

@@ -1168,41 +1168,45 @@ def case_dense_hopper(dtype: torch.dtype, tma: bool, heads: int, head_size: int)
     """The Hopper dense kernel against `dense_causal_ref` (output and LSE): requests of 37, 1,
     16, 70, 5 and 33 tokens (past and short of whole tiles, one of a single token), GQA 4:1 and
     2:1 (a group of 3 and head size 48 through pointer loads), K/V as views of a wider
-    projection with rows past the batch's end NaN (a diagonal tile reads them: they must not
-    show), K/V through TMA descriptors and through pointers; tile configs where the diagonal
-    spans one tile, two tiles, and 64 x 64 (the default's shape); then through
-    `dense_causal_attention` with its knobs and unset (the default config)."""
+    projection, K/V through TMA descriptors and through pointers. The batch is padded as a
+    captured step's is: 3 rows past the last request with large finite K/V (its diagonal
+    tile reads them: they must weigh nothing), and the buffer's rows past those NaN (never
+    to be read). Tile configs where the diagonal spans one tile, two tiles, and 64 x 64 (the
+    default's shape); then through `dense_causal_attention` with its knobs and unset."""
     from tandem_kernels import dense_attention_hopper as dh
 
     k = _kernels()
     query_lens = [37, 1, 16, 70, 5, 33]
     num_kv_heads = 2
     qsl = _batch(query_lens)
-    num_tokens = int(qsl[-1])
+    num_real = int(qsl[-1])
+    num_tokens = num_real + 3
     gen = torch.Generator().manual_seed(51)
     query = torch.randn(num_tokens, heads, head_size, generator=gen).to(dtype)
     width = heads + 2 * num_kv_heads
     wide = torch.randn(num_tokens + 7, width, head_size, generator=gen).to(dtype)
+    wide[num_real:num_tokens] = 300.0
     wide[num_tokens:] = float("nan")
     key = wide[:, heads : heads + num_kv_heads]
     value = wide[:, heads + num_kv_heads :]
     assert not key.is_contiguous()
     assert dh.tma_usable(query, key, value) == (head_size & (head_size - 1) == 0)
     ref_out, ref_lse = k.cascade.dense_causal_ref(query, key, value, qsl, 0.3)
+    ref_out, ref_lse = ref_out[:num_real], ref_lse[:, :num_real]
     tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else _tol(dtype)
     use_tma = tma and head_size & (head_size - 1) == 0
     for config in ((16, 16, 4, 1, 0), (32, 16, 4, 2, 0), (16, 32, 4, 2, 0), (64, 64, 4, 2, 0)):
         out, lse = dh.dense_hopper_attention(
             query, key, value, qsl, 0.3, config=config, tma=use_tma
         )
-        torch.testing.assert_close(out, ref_out, **tol)
-        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[:num_real], ref_out, **tol)
+        torch.testing.assert_close(lse[:, :num_real], ref_lse, atol=1e-4, rtol=1e-4)
     for knobs in ({"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2}, {}):
         out, lse = k.cascade.dense_causal_attention(
             query, key, value, qsl, 0.3, max_query_len=70, impl="triton_hopper", **knobs
         )
-        torch.testing.assert_close(out, ref_out, **tol)
-        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[:num_real], ref_out, **tol)
+        torch.testing.assert_close(lse[:, :num_real], ref_lse, atol=1e-4, rtol=1e-4)
 
 
 @_case()
