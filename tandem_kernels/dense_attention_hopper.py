@@ -52,17 +52,18 @@ _NEG_INIT = tl.constexpr(-1.0e30)
 # register cap a thread, ptxas maxnreg; 0: none). 8 warps over 128 rows is two warpgroups
 # of 64 rows each.
 HopperConfig = tuple[int, int, int, int, int]
-# Under Triton 3.6 for sm_90a (bf16, d 128; `benchmarks/kernel_registers.py --dense`): 128 x 128
-# takes 255 registers (one block an SM, as FlashAttention-3's two consumer warpgroups),
-# 128 x 64 202 (one; two with the 128 cap, 68 B spilled), 64 x 64 202-203 (two), 64 x 32 167
-# (three).
+# Under Triton 3.6 for sm_90a (bf16, d 128, K/V through TMA; `python -m
+# benchmarks.kernel_registers --dense`), registers a thread and blocks an SM: 128 x 128 x 8
+# 226, one (two consumer warpgroups of 64 rows, as FlashAttention-3 runs d 128); 128 x 64 x 8
+# 180, one; capped at 128, two (36 B spilled); 64 x 64 x 4 161, two (by shared memory, in two
+# stages or three); 64 x 32 x 4 128, four. None spills uncapped.
 HOPPER_CONFIGS: tuple[HopperConfig, ...] = (
     (128, 128, 8, 2, 0),
     (128, 64, 8, 2, 0),
     (128, 64, 8, 2, 128),
     (64, 64, 4, 2, 0),
     (64, 64, 4, 3, 0),
-    (64, 32, 4, 3, 0),
+    (64, 32, 4, 2, 0),
 )
 
 
@@ -74,12 +75,12 @@ def hopper_config_name(config: HopperConfig) -> str:
 
 def default_hopper_config(max_query_len: int, head_size: int) -> HopperConfig:
     """The untimed config, by the first dense kernel's measurements (its 64 x 64 tiles, 4 warps
-    led up to 1k-token requests, 128 x 128, 8 warps past them): 64 x 64 x 4 up to 1,024
-    tokens, 128 x 128 x 8 past them, both in two stages (64 x 64 in three takes 32 bytes
-    of shared memory too many for two blocks an SM at d 128); 64 x 64 for head sizes past 128."""
-    if head_size > 128 or max_query_len <= 1024:
+    in three stages led up to 1k-token requests, 128 x 128, 8 warps past them): the same
+    shapes here, 128 x 128 in two stages (three take 230 KB of shared memory); 64 x 64 in two
+    stages for head sizes past 128 (larger K/V tiles)."""
+    if head_size > 128:
         return (64, 64, 4, 2, 0)
-    return (128, 128, 8, 2, 0)
+    return (64, 64, 4, 3, 0) if max_query_len <= 1024 else (128, 128, 8, 2, 0)
 
 
 @triton.jit
