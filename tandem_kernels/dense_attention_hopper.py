@@ -7,10 +7,12 @@ interface and output/LSE convention, written for what sm_90 offers:
   (16-byte aligned base and row stride, heads contiguous), else through pointer loads;
 - the softmax scale is applied inside the exponent as one multiply-add (`qk * s - m`), with the
   running max kept in log2 units: no separate pass scaling the score tile;
-- the key tiles wholly left of a row block's first row run in a loop with no mask (pipelined
-  over `NUM_STAGES`), then the one or two diagonal tiles masked. (Triton 3.6's
-  `warp_specialize` does not specialize this loop for sm_90: no producer warps, no register
-  split, the same PTX; so it is not used.)
+- the one or two diagonal tiles first, masked, then the key tiles wholly left of the row
+  block's first row in a loop with no mask (pipelined over `NUM_STAGES`). In this order the
+  mask's values are dead before the long loop: ptxas (Triton 3.6) gives 64 x 64 x 4 warps
+  139 registers a thread against 161 with the diagonal last, 128 x 128 x 8 216 against 226.
+  (Triton 3.6's `warp_specialize` does not specialize this loop for sm_90: no producer warps,
+  no register split, the same PTX; so it is not used.)
 
 One program per (query head, block of BLOCK_M rows of one request); heads vary fastest, so the
 programs sharing a KV head run together and find its tiles in L2; the last row blocks (the most
@@ -19,7 +21,7 @@ cu_seqlens[r+1]` of `query [T, H, D]` and `key`/`value [>= T, Hkv, D]`:
 
     keys of request r   0 ............ full_end | full_end ...... q_end
     row block rows                              | q_first ... q_end - 1
-                        unmasked, pipelined     | diagonal: key n > row m masked
+                        2nd: unmasked, pipelined | 1st: diagonal, key n > row m masked
 
 A diagonal tile may reach past the request's end: into the next request's rows, into the
 batch's padding rows `cu_seqlens[R]:T` (`T = query.shape[0]`), or past T. Its keys there are
@@ -54,8 +56,8 @@ _NEG_INIT = tl.constexpr(-1.0e30)
 HopperConfig = tuple[int, int, int, int, int]
 # Under Triton 3.6 for sm_90a (bf16, d 128, K/V through TMA; `python -m
 # benchmarks.kernel_registers --dense`), registers a thread and blocks an SM: 128 x 128 x 8
-# 226, one (two consumer warpgroups of 64 rows, as FlashAttention-3 runs d 128); 128 x 64 x 8
-# 180, one; capped at 128, two (36 B spilled); 64 x 64 x 4 161, two (by shared memory, in two
+# 216, one (two consumer warpgroups of 64 rows, as FlashAttention-3 runs d 128); 128 x 64 x 8
+# 178, one; capped at 128, two (4 B spilled); 64 x 64 x 4 139, two (by shared memory, in two
 # stages or three); 64 x 32 x 4 128, four. None spills uncapped.
 HOPPER_CONFIGS: tuple[HopperConfig, ...] = (
     (128, 128, 8, 2, 0),
@@ -184,14 +186,8 @@ def _dense_hopper_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_end = q_first // BLOCK_N * BLOCK_N
     q_end = tl.minimum(q_first + BLOCK_M, q_len)
-    for start_n in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
-        k = _load_kv_tile(k_src, start, start_n, q_len, kv_head, stride_k_tok, stride_k_head,
-                          offs_d, BLOCK_N, HEAD_SIZE, BLOCK_D, TMA, False)  # fmt: skip
-        v = _load_kv_tile(v_src, start, start_n, q_len, kv_head, stride_v_tok, stride_v_head,
-                          offs_d, BLOCK_N, HEAD_SIZE, BLOCK_D, TMA, False)  # fmt: skip
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _softmax_tile(q, k, v, m_i, l_i, acc, offs_m, offs_n, scale_log2,
-                                      False, INPUT_PRECISION)  # fmt: skip
+    # The diagonal first: each row sees its key full_end <= q_first there, so m_i is finite
+    # after it.
     for start_n in range(full_end, q_end, BLOCK_N):
         k = _load_kv_tile(k_src, start, start_n, q_len, kv_head, stride_k_tok, stride_k_head,
                           offs_d, BLOCK_N, HEAD_SIZE, BLOCK_D, TMA, True)  # fmt: skip
@@ -201,6 +197,14 @@ def _dense_hopper_kernel(
         m_i, l_i, acc = _softmax_tile(q, k, v, m_i, l_i, acc, offs_m, offs_n, scale_log2,
                                       True, INPUT_PRECISION)  # fmt: skip
 
+    for start_n in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+        k = _load_kv_tile(k_src, start, start_n, q_len, kv_head, stride_k_tok, stride_k_head,
+                          offs_d, BLOCK_N, HEAD_SIZE, BLOCK_D, TMA, False)  # fmt: skip
+        v = _load_kv_tile(v_src, start, start_n, q_len, kv_head, stride_v_tok, stride_v_head,
+                          offs_d, BLOCK_N, HEAD_SIZE, BLOCK_D, TMA, False)  # fmt: skip
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = _softmax_tile(q, k, v, m_i, l_i, acc, offs_m, offs_n, scale_log2,
+                                      False, INPUT_PRECISION)  # fmt: skip
     # Every row sees at least its own key: l_i >= 1 for the valid rows.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
