@@ -539,8 +539,9 @@ def dense_causal_attention(
     past `cu_seqlens[R]` are not written. `max_query_len` (a host int, an upper bound is fine)
     sizes FlashAttention's grid and picks the Hopper kernel's config class. `impl`: "flash",
     "triton" or "triton_hopper" (None: `default_dense_impl`); the block/warp/stage knobs tune
-    the Triton kernels (the Hopper one: all four or none; unset, its timed config or
-    `default_hopper_config`). "triton_hopper" with FP8 K/V or a window runs "triton".
+    the Triton kernels (the Hopper one: unset, its timed config or `default_hopper_config`;
+    those given replace the default's). "triton_hopper" with FP8 K/V or a window runs
+    "triton".
 
     K/V in FP8 (`fp8_rounded_kv`: as an FP8 cache holds them, `x ~= x_fp8 * scale`) with
     `k_scale` / `v_scale`: computed as the all-paged kernel computes over an FP8 cache (K/V
@@ -564,12 +565,17 @@ def dense_causal_attention(
     impl = default_dense_impl() if impl is None else impl
     assert impl in DENSE_IMPLS, impl
     if impl == "triton_hopper" and not (fp8 or window):
-        knobs = (block_m, block_n, num_warps, num_stages)
-        if all(x is None for x in knobs):
-            config = hopper_config(query, key, max_query_len)
-        else:
-            assert all(x is not None for x in knobs), knobs
-            config = (block_m, block_n, num_warps, num_stages, 0)
+        config = hopper_config(query, key, max_query_len)
+        if (block_m, block_n, num_warps, num_stages) != (None,) * 4:
+            # The knobs given, the default config's for the rest, no register cap.
+            bm, bn, warps, stages, _ = default_hopper_config(max_query_len, query.shape[2])
+            config = (
+                bm if block_m is None else block_m,
+                bn if block_n is None else block_n,
+                warps if num_warps is None else num_warps,
+                stages if num_stages is None else num_stages,
+                0,
+            )
         return dense_hopper_attention(query, key, value, cu_seqlens, scale, config=config)
     impl = "triton" if impl == "triton_hopper" else impl
     if impl == "flash":

@@ -1172,7 +1172,8 @@ def case_dense_hopper(dtype: torch.dtype, tma: bool, heads: int, head_size: int)
     captured step's is: 3 rows past the last request with large finite K/V (its diagonal
     tile reads them: they must weigh nothing), and the buffer's rows past those NaN (never
     to be read). Tile configs where the diagonal spans one tile, two tiles, and 64 x 64 (the
-    default's shape); then through `dense_causal_attention` with its knobs and unset."""
+    default's shape); then through `dense_causal_attention` with its knobs, one of them, and
+    none (the default config)."""
     from tandem_kernels import dense_attention_hopper as dh
 
     k = _kernels()
@@ -1201,7 +1202,8 @@ def case_dense_hopper(dtype: torch.dtype, tma: bool, heads: int, head_size: int)
         )
         torch.testing.assert_close(out[:num_real], ref_out, **tol)
         torch.testing.assert_close(lse[:, :num_real], ref_lse, atol=1e-4, rtol=1e-4)
-    for knobs in ({"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2}, {}):
+    for knobs in ({"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2},
+                  {"block_n": 16}, {}):  # fmt: skip
         out, lse = k.cascade.dense_causal_attention(
             query, key, value, qsl, 0.3, max_query_len=70, impl="triton_hopper", **knobs
         )
