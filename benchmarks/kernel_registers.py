@@ -219,7 +219,8 @@ def main() -> None:
     if ns.dense:
         rows = dense_rows()
         if ns.out:
-            Path(ns.out).write_text(json.dumps({"triton": triton.__version__, "rows": rows}))
+            result = {"triton": triton.__version__, "kernel": "dense_hopper", "rows": rows}
+            Path(ns.out).write_text(json.dumps(result, indent=1))
         return
     rows: list[dict[str, Any]] = []
     for kind, cache_type in CACHE_TYPES.items():
