@@ -8,7 +8,10 @@ Triton dense kernel (output and LSE) and times it (`do_bench` median), printing 
 - `cudnn_varlen[:rep]`: `aten._cudnn_attention_forward` with `cum_seq_q`/`cum_seq_k` on the
   packed `[T, H, D]` rows (`:rep`: K/V repeated to H heads first, timed without the repeat);
 - `flash_varlen`: `aten._flash_attention_forward`, varlen (the cascade's "flash" candidate);
-- `triton[:BMxBNxWxS]`: our dense kernel, default and tuned.
+- `triton[:BMxBNxWxS]`: our dense kernel, default and tuned;
+- `hopper[:BMxBNxWxS[rN]]`: our Hopper dense kernel (`dense_attention_hopper`, sm_90 only), its
+  untimed default and every start-up config (`HOPPER_CONFIGS`), on K/V as `forward` gets them
+  (views of one qkv tensor, read through TMA).
 
     timeout 200 python -m benchmarks.dense_attention_probe --out dense_probe.json
 """
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tandem_kernels import dense_attention_hopper as dh
 from tandem_kernels.cascade_attention import dense_causal_attention
 
 H, HKV, D = 32, 8, 128
@@ -127,6 +131,18 @@ def probe_shape(num_reqs: int, n: int) -> dict[str, float | str]:
     run("triton", ours(), check_pair)
     for config in TRITON_CONFIGS:
         run("triton:" + "x".join(map(str, config)), ours(*config), check_pair)
+
+    if torch.cuda.get_device_capability(dev)[0] == 9:
+        # K/V as the engine's `forward` gets them: strided views of one qkv projection.
+        qkv = torch.cat([q, k, v], dim=1)
+        hq, hk, hv = qkv[:, :H], qkv[:, H : H + HKV], qkv[:, H + HKV :]
+
+        def hopper(config: dh.HopperConfig) -> Callable[[], Any]:
+            return lambda: dh.dense_hopper_attention(hq, hk, hv, cu, scale, config=config)
+
+        run("hopper", hopper(dh.default_hopper_config(n, D)), check_pair)
+        for config in dh.HOPPER_CONFIGS:
+            run("hopper:" + dh.hopper_config_name(config), hopper(config), check_pair)
     return rates
 
 

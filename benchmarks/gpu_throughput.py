@@ -285,10 +285,19 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
         )
     result["tandem"] = runs
     eng.scheduler.scheduler_config = base_config
+    from tandem_kernels.cascade_attention import prefill_path_log
     from tandem_kernels.paged_attention import decode_tuning_log, prefill_tuning_log
 
     result["prefill_attention_tuning"] = prefill_tuning_log
+    result["prefill_path_timing"] = prefill_path_log
     result["decode_attention_tuning"] = decode_tuning_log
+    for path_entry in prefill_path_log:
+        print(
+            f"prefill paths at {path_entry['num_tokens']} tokens (ms): {path_entry['ms']}; "
+            f"Hopper dense configs: {path_entry.get('hopper_dense_ms', '-')}; "
+            f"using {path_entry['best']}",
+            flush=True,
+        )
     for entry in decode_tuning_log:
         rates = entry["kv_read_GBps"]
         assert isinstance(rates, dict)

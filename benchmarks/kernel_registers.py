@@ -12,6 +12,9 @@ device session. It compiles with what a real launch specializes on (aligned tens
 divisible by 16): without that, loads are not vectorized and the counts mean nothing.
 
     python -m benchmarks.kernel_registers --out kernel_registers.json
+
+`--dense` prints the same for the Hopper dense prefill kernel's configs
+(`dense_attention_hopper.HOPPER_CONFIGS`, bf16, K/V through TMA or pointer loads) instead.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from tandem_kernels import dense_attention_hopper as dh
 from tandem_kernels import paged_attention as pa
 
 # The 8B shape: 32 query heads over 8 KV heads (QPK 4), head size 128, 16-token blocks.
@@ -126,6 +130,69 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
     }
 
 
+def dense_hopper_ptx(config: dh.HopperConfig, tma: bool) -> tuple[str, int]:
+    """PTX of `_dense_hopper_kernel` for sm_90a at `config` (bf16, the 8B shape) and the shared
+    memory a block takes (bytes); `tma`: K/V through tensor descriptors, else pointers."""
+    block_m, block_n, warps, stages, max_registers = config
+    kernel = dh._dense_hopper_kernel
+    sig: dict[str, str] = {}
+    for name in kernel.arg_names:
+        if name.isupper():
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr") or name.endswith("_src"):
+            sig[name] = "*bf16"
+        else:
+            sig[name] = "fp32" if name == "scale_log2" else "i32"
+    sig["lse_ptr"], sig["cu_seqlens_ptr"] = "*fp32", "*i32"
+    if tma:
+        sig["k_src"] = sig["v_src"] = f"tensordesc<bf16[{block_n}, {HEAD_SIZE}]>"
+    constants = {
+        "QPK": QPK,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_D": HEAD_SIZE,
+        "HEAD_SIZE": HEAD_SIZE,
+        "INPUT_PRECISION": "tf32",
+        "TMA": tma,
+        "NUM_STAGES": stages,
+    }
+    # As a launch specializes: aligned tensors, strides divisible by 16 (the LSE's head stride
+    # and the sequence offsets are not specialized on).
+    aligned = [n for n in kernel.arg_names if n.startswith("stride_") or n.endswith("_ptr")]
+    aligned = [n for n in aligned if n not in ("stride_lse_head", "cu_seqlens_ptr")]
+    if not tma:
+        aligned += ["k_src", "v_src"]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    index = kernel.arg_names.index
+    src = ASTSource(kernel, sig, {(index(n),): v for n, v in constants.items()}, attrs)
+    options: dict[str, int] = {"num_warps": warps, "num_stages": stages}
+    if max_registers:
+        options["maxnreg"] = max_registers
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled.asm["ptx"], int(compiled.metadata.shared)
+
+
+def dense_rows(configs: tuple[dh.HopperConfig, ...] = dh.HOPPER_CONFIGS) -> list[dict[str, Any]]:
+    """Registers, spills, shared memory and blocks an SM of the Hopper dense kernel's configs,
+    with TMA and with pointer loads, printed as they compile."""
+    rows: list[dict[str, Any]] = []
+    for config in configs:
+        for tma in (True, False):
+            ptx, shared = dense_hopper_ptx(config, tma)
+            usage = ptxas_usage(ptx)
+            occupancy = blocks_per_sm(usage["registers"], shared, config[2])
+            name = dh.hopper_config_name(config)
+            loads = "tma" if tma else "ptr"
+            rows.append({"config": name, "loads": loads, **usage, "shared": shared, **occupancy})
+            print(
+                f"{name:14s} {loads} {usage['registers']:4d} registers "
+                f"{usage['spill_bytes']:5d} B spilled {shared:6d} B shared  "
+                f"{occupancy['blocks_per_sm']} blocks/SM",
+                flush=True,
+            )
+    return rows
+
+
 # sm_90 per SM: 64K 32-bit registers (allocated per warp in 256s), 228 KB of shared memory
 # (1 KB of it reserved per block), at most 64 warps and 32 blocks.
 _SM_REGISTERS, _SM_SHARED, _SM_WARPS, _SM_BLOCKS = 65536, 233472, 64, 32
@@ -147,7 +214,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--out", default="")
     ap.add_argument("--sliding", action="store_true", help="the sliding-window variant")
+    ap.add_argument("--dense", action="store_true", help="the Hopper dense prefill kernel")
     ns = ap.parse_args()
+    if ns.dense:
+        rows = dense_rows()
+        if ns.out:
+            result = {"triton": triton.__version__, "kernel": "dense_hopper", "rows": rows}
+            Path(ns.out).write_text(json.dumps(result, indent=1))
+        return
     rows: list[dict[str, Any]] = []
     for kind, cache_type in CACHE_TYPES.items():
         for block_n, warps, stages, heads_first, cap in pa._DECODE_CANDIDATES:

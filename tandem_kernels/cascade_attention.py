@@ -13,9 +13,11 @@ context of `seq_len` tokens, `context_len = seq_len - q_len`:
 
 - Part 1, `dense_causal_attention`: varlen causal self-attention over `key`/`value` as
   `forward` receives them (`[num_tokens, Hkv, D]`, request r's rows at the same offsets as
-  its queries). Two kernels: torch's built-in FlashAttention-2
-  (`aten._flash_attention_forward`, CUDA, fp16/bf16) and our Triton kernel (any device, the
-  Triton interpreter included). It returns the output and the LSE.
+  its queries). Three kernels: torch's built-in FlashAttention-2
+  (`aten._flash_attention_forward`, CUDA, fp16/bf16), our Triton kernel (any device, the
+  Triton interpreter included) and our Hopper one (`tandem_kernels.dense_attention_hopper`:
+  TMA loads, scale inside the exponent; 16-bit K/V without a window; a candidate on sm_90
+  only). It returns the output and the LSE.
 - Part 2, `paged_context_attention`: one program per (block of query rows, KV head), GQA rows
   packed as in `paged_prefill_attention`, over keys `[0, context_len)` read through the block
   table, no causal mask; its epilogue merges its (out, lse) into part 1's output in place.
@@ -46,18 +48,20 @@ window here (`layer_prefill_path` swaps in ours).
 Not covered: decode-only batches (the split-K decode kernel).
 
 Which path runs (`prefill_path`): on CUDA, the fastest of the all-paged kernel, the cascade
-with FlashAttention-2 and the cascade with our dense kernel, timed once per attention shape in
-the engine's start-up profile forward; untimed, the cascade with `default_dense_impl` (FA2
-where a probe call of the shape ran and checked out, else ours). TANDEM_PREFILL_CASCADE=0|1
-forces the all-paged kernel or the cascade; TANDEM_PREFILL_DENSE=flash|triton forces the
-dense kernel. `planned_prefill_path` gives the same answer from host values alone (the shape
-key, the device, the token count), so an engine decides it once per step, before any layer
-runs; only the one start-up call that times the candidates needs the tensors.
+with FlashAttention-2, the cascade with our dense kernel and, on sm_90, the cascade with our
+Hopper dense kernel (its config timed first), timed once per attention shape in the engine's
+start-up profile forward; untimed, the cascade with `default_dense_impl`.
+TANDEM_PREFILL_CASCADE=0|1 forces the all-paged kernel or the cascade;
+TANDEM_PREFILL_DENSE=flash|triton|triton_hopper forces the dense kernel.
+`planned_prefill_path` gives the same answer from host values alone (the shape key, the
+device, the token count), so an engine decides it once per step, before any layer runs; only
+the one start-up call that times the candidates needs the tensors.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 
@@ -65,6 +69,13 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem_kernels.dense_attention_hopper import (
+    HOPPER_CONFIGS,
+    HopperConfig,
+    default_hopper_config,
+    dense_hopper_attention,
+    hopper_config_name,
+)
 from tandem_kernels.paged_attention import (
     FP8_KV_DTYPE,
     MIN_TUNE_TOKENS,
@@ -90,12 +101,13 @@ from tandem_kernels.reshape_and_cache import reshape_and_cache
 _LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)
 
-# Dense-part kernels: "flash" (torch's FlashAttention-2) or "triton" (ours).
-DENSE_IMPLS = ("flash", "triton")
+# Dense-part kernels: "flash" (torch's FlashAttention-2), "triton" (ours), "triton_hopper"
+# (ours for sm_90, `dense_attention_hopper`).
+DENSE_IMPLS = ("flash", "triton", "triton_hopper")
 
 
-# How prefill rows are computed: the all-paged kernel, or the cascade with either dense part.
-PREFILL_PATHS = ("paged", "flash", "triton")
+# How prefill rows are computed: the all-paged kernel, or the cascade with a dense part.
+PREFILL_PATHS = ("paged", "flash", "triton", "triton_hopper")
 
 
 def prefill_cascade_setting() -> bool | None:
@@ -159,12 +171,71 @@ def _flash_runs(
     return bool(ok)
 
 
+def hopper_dense_supported(query: torch.Tensor, key: torch.Tensor, window: int = 0) -> bool:
+    """Our Hopper dense kernel is a start-up candidate for this call: CUDA sm_90 (9.x), a
+    16-bit query with K/V in its dtype (not FP8), no sliding window, a power-of-two head size
+    of 16-256 (its TMA tiles), not the interpreter."""
+    head_size = query.shape[-1]
+    return (
+        query.is_cuda
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and key.dtype == query.dtype
+        and not window
+        and head_size & (head_size - 1) == 0
+        and 16 <= head_size <= 256
+        and torch.cuda.get_device_capability(query.device)[0] == 9
+    )
+
+
+# (head size, query heads per KV head, dtype, long requests: max_query_len > 1,024) -> the
+# Hopper dense config start-up timing found fastest.
+_HopperKey = tuple[int, int, torch.dtype, bool]
+_hopper_configs: dict[_HopperKey, HopperConfig] = {}
+
+
+def _hopper_key(query: torch.Tensor, key: torch.Tensor, max_query_len: int) -> _HopperKey:
+    return (query.shape[2], query.shape[1] // key.shape[1], query.dtype, max_query_len > 1024)
+
+
+def hopper_config(query: torch.Tensor, key: torch.Tensor, max_query_len: int) -> HopperConfig:
+    """The Hopper dense kernel's config for a call: the one start-up timing picked for its
+    shape and request length class, else `default_hopper_config`."""
+    timed = _hopper_configs.get(_hopper_key(query, key, max_query_len))
+    return timed or default_hopper_config(max_query_len, query.shape[2])
+
+
+def tune_hopper_config(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> dict[str, float]:
+    """Time every `HOPPER_CONFIGS` entry on this dense call (two untimed calls compile it, three
+    timed) and keep the fastest for the shape and length class (`hopper_config`). Returns
+    each config's milliseconds (configs that fail to run on this device left out)."""
+    timings: dict[HopperConfig, float] = {}
+    for config in HOPPER_CONFIGS:
+        run = functools.partial(
+            dense_hopper_attention, query, key, value, cu_seqlens, scale, config=config
+        )
+        ms = time_config(run, iters=3)
+        if ms is not None:
+            timings[config] = ms
+    if timings:
+        best = min(timings, key=lambda c: timings[c])
+        _hopper_configs[_hopper_key(query, key, max_query_len)] = best
+    return {hopper_config_name(c): ms for c, ms in timings.items()}
+
+
 def default_dense_impl() -> str:
     """The dense part's kernel by rule: ours. Measured on the H200 (torch 2.11,
     benchmarks/prefill_attention.py), torch's varlen FlashAttention-2 was slower than our
     kernel at every shape (8 x 1,024: 203 TFLOP/s against 304; 1 x 32,768: 345 against 476),
-    so it is only a candidate of the start-up timing (`prefill_path`).
-    TANDEM_PREFILL_DENSE=triton|flash overrides the rule (benchmarks, A/B)."""
+    so it is only a candidate of the start-up timing (`prefill_path`), as is the Hopper kernel.
+    TANDEM_PREFILL_DENSE=triton|flash|triton_hopper overrides the rule (benchmarks, A/B)."""
     forced = os.environ.get("TANDEM_PREFILL_DENSE", "")
     if forced in DENSE_IMPLS:
         return forced
@@ -466,8 +537,11 @@ def dense_causal_attention(
     (last dim contiguous); row j of a request sees its keys 0..j, with `sliding_window` W
     (0/None: off) only keys j - W < k <= j. Returns `(out [T, H, D], lse [H, T] fp32)`; rows
     past `cu_seqlens[R]` are not written. `max_query_len` (a host int, an upper bound is fine)
-    sizes FlashAttention's grid. `impl`: "flash" or "triton" (None: `default_dense_impl`); the
-    block/warp/stage knobs tune the Triton kernel.
+    sizes FlashAttention's grid and picks the Hopper kernel's config class. `impl`: "flash",
+    "triton" or "triton_hopper" (None: `default_dense_impl`); the block/warp/stage knobs tune
+    the Triton kernels (the Hopper one: unset, its timed config or `default_hopper_config`;
+    those given replace the default's). "triton_hopper" with FP8 K/V or a window runs
+    "triton".
 
     K/V in FP8 (`fp8_rounded_kv`: as an FP8 cache holds them, `x ~= x_fp8 * scale`) with
     `k_scale` / `v_scale`: computed as the all-paged kernel computes over an FP8 cache (K/V
@@ -490,6 +564,20 @@ def dense_causal_attention(
     window = window_arg(sliding_window)
     impl = default_dense_impl() if impl is None else impl
     assert impl in DENSE_IMPLS, impl
+    if impl == "triton_hopper" and not (fp8 or window):
+        config = hopper_config(query, key, max_query_len)
+        if (block_m, block_n, num_warps, num_stages) != (None,) * 4:
+            # The knobs given, the default config's for the rest, no register cap.
+            bm, bn, warps, stages, _ = default_hopper_config(max_query_len, query.shape[2])
+            config = (
+                bm if block_m is None else block_m,
+                bn if block_n is None else block_n,
+                warps if num_warps is None else num_warps,
+                stages if num_stages is None else num_stages,
+                0,
+            )
+        return dense_hopper_attention(query, key, value, cu_seqlens, scale, config=config)
+    impl = "triton" if impl == "triton_hopper" else impl
     if impl == "flash":
         assert not fp8 and not window, "FlashAttention-2 takes no FP8 K/V and no window here"
         num_tokens = query.shape[0]
@@ -905,10 +993,12 @@ def prefill_path(
     start-up profile forward, fresh prompts of up to 1,024 tokens), on that call's own inputs
     (its FP8 scales and window included): the all-paged kernel (its own config tuned first),
     the cascade with FlashAttention-2 where it runs (not over an FP8 cache, not with a
-    window), the cascade with our dense kernel. Untimed (no CUDA, TANDEM_TUNE_KERNELS=0,
-    before the profile forward): the rule, the cascade with `default_dense_impl`; on the CPU,
-    the all-paged kernel (`planned_prefill_path`, which decides all but the timing from host
-    values). A layer runs the path through `layer_prefill_path`."""
+    window), the cascade with our dense kernel, and on sm_90 (16-bit cache, no window) the
+    cascade with our Hopper dense kernel at the config `tune_hopper_config` timed fastest.
+    Untimed (no CUDA, TANDEM_TUNE_KERNELS=0, before the profile forward): the rule, the
+    cascade with `default_dense_impl`; on the CPU, the all-paged kernel
+    (`planned_prefill_path`, which decides all but the timing from host values). A layer runs
+    the path through `layer_prefill_path`."""
     shape = shape_key(query.shape[1], kv_cache)
     fp8 = kv_cache.dtype != query.dtype
     planned = planned_prefill_path(query.device, shape, query.shape[0])
@@ -919,7 +1009,13 @@ def prefill_path(
     extra = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": sliding_window}
     runs = {"paged": functools.partial(paged_prefill_attention, *args, **extra)}
     flash = not fp8 and not sliding_window and flash_dense_supported(query, kv_cache.shape[3])
-    for impl in ("flash", "triton") if flash else ("triton",):
+    impls = ["flash", "triton"] if flash else ["triton"]
+    hopper_ms: dict[str, float] = {}
+    if not fp8 and hopper_dense_supported(query, key, window_arg(sliding_window)):
+        # Its own config first, timed on this call's dense part alone.
+        hopper_ms = tune_hopper_config(query, key, value, query_start_loc, scale, max_query_len)
+        impls += ["triton_hopper"] if hopper_ms else []
+    for impl in impls:
         runs[impl] = functools.partial(
             cascade_prefill_attention,
             query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
@@ -934,18 +1030,19 @@ def prefill_path(
         return layer_prefill_path(rule, fp8, sliding_window)
     best = min(timings, key=lambda name: timings[name])
     _prefill_paths[shape] = best
-    prefill_path_log.append(
-        {"key": key_json(shape), "num_tokens": query.shape[0], "ms": timings, "best": best}
-    )
+    entry = {"key": key_json(shape), "num_tokens": query.shape[0], "ms": timings, "best": best}
+    if hopper_ms:
+        entry["hopper_dense_ms"] = hopper_ms
+    prefill_path_log.append(entry)
     return best
 
 
 def layer_prefill_path(path: str, fp8_cache: bool, sliding_window: int | None) -> str:
     """The path a layer runs for its step's `path`: the same, but our dense kernel where the
-    step's path is FlashAttention-2 and the layer's cache is FP8 or it has a sliding window
-    (FlashAttention-2 here takes neither; ours ran faster than it as the dense part at every
-    shape measured on the H200, see `default_dense_impl`)."""
-    if path == "flash" and (fp8_cache or sliding_window):
+    step's path is FlashAttention-2 or our Hopper kernel and the layer's cache is FP8 or it has
+    a sliding window (neither takes them; ours ran faster than FlashAttention-2 as the dense
+    part at every shape measured on the H200, see `default_dense_impl`)."""
+    if path in ("flash", "triton_hopper") and (fp8_cache or sliding_window):
         return "triton"
     return path
 
@@ -1049,3 +1146,31 @@ def causal_lse_ref(query: torch.Tensor, key: torch.Tensor, scale: float) -> torc
     n = query.shape[0]
     mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
     return scores.masked_fill(~mask, -math.inf).logsumexp(-1)
+
+
+def dense_causal_ref(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of `dense_causal_attention` without FP8 or a window (fp32 math):
+    `(out [T, H, D]` in the query's dtype, `lse [H, T]` fp32); rows past `cu_seqlens[R]`
+    are zero in `out` and -inf in `lse`."""
+    num_tokens, num_heads, _ = query.shape
+    qpk = num_heads // key.shape[1]
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+    lse = torch.full((num_heads, num_tokens), -math.inf, device=query.device)
+    bounds = cu_seqlens.tolist()
+    for lo, hi in itertools.pairwise(bounds):
+        if hi == lo:
+            continue
+        k = key[lo:hi].float().repeat_interleave(qpk, dim=1)
+        v = value[lo:hi].float().repeat_interleave(qpk, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[lo:hi].float(), k) * scale
+        mask = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~mask, -math.inf)
+        lse[:, lo:hi] = scores.logsumexp(-1)
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out, lse

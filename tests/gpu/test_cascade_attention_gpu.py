@@ -1,7 +1,8 @@
 """The cascade prefill attention on a CUDA device at the 8B shape (32 query heads, 8 KV heads,
-head 128, block 16): against an fp32 torch reference at 1k, 8k and 32k tokens (both dense-part
-kernels, bf16 and fp16), through the Triton backend (the default on CUDA), and captured in a
-CUDA graph as a whole mixed step is (replayed with another split of its tokens). Over an FP8
+head 128, block 16): against an fp32 torch reference at 1k, 8k and 32k tokens (every dense-part
+kernel: FlashAttention-2, ours, on sm_90 our Hopper one; bf16 and fp16), through the Triton
+backend (the default on CUDA), and captured in a CUDA graph as a whole mixed step is (replayed
+with another split of its tokens). Over an FP8
 cache and with sliding windows (1k, 8k): against the reference over the cache dequantized and
 against the all-paged kernel, whose results the cascade's must equal.
 """
@@ -23,6 +24,7 @@ from tandem_kernels.cascade_attention import (  # noqa: E402
     PREFILL_PATHS,
     cascade_prefill_attention,
     flash_dense_supported,
+    hopper_dense_supported,
     prefill_path,
     prefill_path_log,
 )
@@ -156,7 +158,10 @@ class _Scene:
 
 def _impls() -> list[str]:
     probe = torch.empty(1, NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=DEV)
-    return ["flash", "triton"] if flash_dense_supported(probe, NUM_KV_HEADS) else ["triton"]
+    impls = ["flash", "triton"] if flash_dense_supported(probe, NUM_KV_HEADS) else ["triton"]
+    if hopper_dense_supported(probe, probe):
+        impls.append("triton_hopper")
+    return impls
 
 
 # (context, new tokens) per request: fresh prompts, chunks after a cached prefix, decodes.

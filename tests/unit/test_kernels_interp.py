@@ -1155,6 +1155,87 @@ def case_cascade_dense_part_and_lse(dtype: torch.dtype) -> None:
         torch.testing.assert_close(lse[:, lo:hi], want, atol=1e-4, rtol=1e-4)
 
 
+@_case(
+    *(
+        {"dtype": d, "tma": t, "heads": h, "head_size": hs}
+        for d in DTYPES
+        for t in (True, False)
+        for h, hs in ((8, 32), (4, 64))
+    ),
+    {"dtype": torch.float32, "tma": False, "heads": 6, "head_size": 48},
+)
+def case_dense_hopper(dtype: torch.dtype, tma: bool, heads: int, head_size: int) -> None:
+    """The Hopper dense kernel against `dense_causal_ref` (output and LSE): requests of 37, 1,
+    16, 70, 5 and 33 tokens (past and short of whole tiles, one of a single token), GQA 4:1 and
+    2:1 (a group of 3 and head size 48 through pointer loads), K/V as views of a wider
+    projection, K/V through TMA descriptors and through pointers. The batch is padded as a
+    captured step's is: 3 rows past the last request with large finite K/V (its diagonal
+    tile reads them: they must weigh nothing), and the buffer's rows past those NaN (never
+    to be read). Tile configs where the diagonal spans one tile, two tiles, and 64 x 64 (the
+    default's shape); then through `dense_causal_attention` with its knobs, one of them, and
+    none (the default config)."""
+    from tandem_kernels import dense_attention_hopper as dh
+
+    k = _kernels()
+    query_lens = [37, 1, 16, 70, 5, 33]
+    num_kv_heads = 2
+    qsl = _batch(query_lens)
+    num_real = int(qsl[-1])
+    num_tokens = num_real + 3
+    gen = torch.Generator().manual_seed(51)
+    query = torch.randn(num_tokens, heads, head_size, generator=gen).to(dtype)
+    width = heads + 2 * num_kv_heads
+    wide = torch.randn(num_tokens + 7, width, head_size, generator=gen).to(dtype)
+    wide[num_real:num_tokens] = 300.0
+    wide[num_tokens:] = float("nan")
+    key = wide[:, heads : heads + num_kv_heads]
+    value = wide[:, heads + num_kv_heads :]
+    assert not key.is_contiguous()
+    assert dh.tma_usable(query, key, value) == (head_size & (head_size - 1) == 0)
+    ref_out, ref_lse = k.cascade.dense_causal_ref(query, key, value, qsl, 0.3)
+    ref_out, ref_lse = ref_out[:num_real], ref_lse[:, :num_real]
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else _tol(dtype)
+    use_tma = tma and head_size & (head_size - 1) == 0
+    for config in ((16, 16, 4, 1, 0), (32, 16, 4, 2, 0), (16, 32, 4, 2, 0), (64, 64, 4, 2, 0)):
+        out, lse = dh.dense_hopper_attention(
+            query, key, value, qsl, 0.3, config=config, tma=use_tma
+        )
+        torch.testing.assert_close(out[:num_real], ref_out, **tol)
+        torch.testing.assert_close(lse[:, :num_real], ref_lse, atol=1e-4, rtol=1e-4)
+    for knobs in ({"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2},
+                  {"block_n": 16}, {}):  # fmt: skip
+        out, lse = k.cascade.dense_causal_attention(
+            query, key, value, qsl, 0.3, max_query_len=70, impl="triton_hopper", **knobs
+        )
+        torch.testing.assert_close(out[:num_real], ref_out, **tol)
+        torch.testing.assert_close(lse[:, :num_real], ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@_case()
+def case_dense_hopper_falls_back() -> None:
+    """ "triton_hopper" with a sliding window runs our first dense kernel (the Hopper one takes
+    none): the same result as impl "triton", bit for bit; the layer rule swaps it for FP8
+    caches and windows, as it does FlashAttention-2."""
+    k = _kernels()
+    qsl = _batch([20, 9])
+    gen = torch.Generator().manual_seed(52)
+    query = torch.randn(29, 4, 32, generator=gen)
+    key, value = torch.randn(2, 29, 2, 32, generator=gen)
+    kwargs = {"max_query_len": 20, "sliding_window": 6, "block_m": 16, "block_n": 16}
+    hopper = k.cascade.dense_causal_attention(
+        query, key, value, qsl, 0.2, impl="triton_hopper", **kwargs
+    )
+    triton = k.cascade.dense_causal_attention(query, key, value, qsl, 0.2, impl="triton", **kwargs)
+    full = k.cascade.dense_causal_attention(query, key, value, qsl, 0.2, impl="triton_hopper",
+                                            max_query_len=20, block_m=16, block_n=16,
+                                            num_warps=4, num_stages=1)  # fmt: skip
+    assert torch.equal(hopper[0], triton[0]) and torch.equal(hopper[1], triton[1])
+    assert not torch.allclose(full[1], triton[1]), "the window must matter"
+    assert k.cascade.layer_prefill_path("triton_hopper", True, None) == "triton"
+    assert k.cascade.layer_prefill_path("triton_hopper", False, 8) == "triton"
+    assert k.cascade.layer_prefill_path("triton_hopper", False, None) == "triton_hopper"
+
+
 @_case(*({"dtype": d} for d in DTYPES))
 def case_merge_attn_states(dtype: torch.dtype) -> None:
     """The merge against torch, including rows where one side saw no keys (LSE -inf) and a

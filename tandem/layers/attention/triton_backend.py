@@ -22,8 +22,9 @@ the step reads it. `TANDEM_PREFILL_CASCADE=0` forces the all-paged
 kernel (`paged_prefill_attention`) for A/B; `=1` forces the cascade on any device. Layers
 with a sliding window and FP8 caches take the cascade too: the dense part reads the step's K/V
 rounded as the FP8 cache holds them and masks the window, the paged part reads only the
-prefix inside it; FlashAttention-2 takes neither, so such a layer runs our dense kernel where
-the step's path is "flash" (`layer_prefill_path`).
+prefix inside it; FlashAttention-2 and our Hopper dense kernel take neither, so such a layer
+runs our first dense kernel where the step's path is "flash" or "triton_hopper"
+(`layer_prefill_path`).
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> AttentionMetadata:
         """The step's prefill path (`metadata.prefill_path`), for every layer of the group
         (each runs it through `layer_prefill_path`: FP8 caches and sliding windows swap
-        FlashAttention-2 for our dense kernel): as `prefill_cascade` forces it, else
-        `planned_prefill_path` for the cache's dtype (None on the start-up step whose path is
-        timed: its first layer's call times it). Decode-only steps have no prefill rows.
+        FlashAttention-2 and the Hopper kernel for our first dense kernel): as
+        `prefill_cascade` forces it, else `planned_prefill_path` for the cache's dtype (None
+        on the start-up step whose path is timed: its first layer's call times it).
+        Decode-only steps have no prefill rows.
 
         A whole-step graph (`metadata.graph_padded`) takes "paged" unless the cascade is
         forced: its steps' one-token requests, counted only on the device, cannot go to the
@@ -250,7 +252,7 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> str:
         """The prefill rows' path: "paged" (the all-paged kernel), or the cascade's dense
-        kernel ("flash", "triton"). Every layer takes the step's path,
+        kernel ("flash", "triton", "triton_hopper"). Every layer takes the step's path,
         `metadata.prefill_path`, through `layer_prefill_path` (the layer's own rule: a KV
         cache group may hold full and sliding layers, and FlashAttention-2 takes no window and
         no FP8 cache). Where the step has none (metadata not planned, or the start-up step
