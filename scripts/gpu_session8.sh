@@ -14,6 +14,12 @@
 #            (benchmarks/moe_kernel.py), then the Qwen3-30B-A3B and Mixtral-8x7B shapes offline
 #            in bf16 at 1000/1000 and batch 1 (issue 32's benchmark; Mixtral at 512 requests).
 #
+#   PART=f:  the last call: the Hopper dense kernel's GPU tests and the dense-attention probe
+#            (scripts/gpu_dense8.sh PART=t's first half; if its tests fail, the rest runs with
+#            the cascade forced on our first dense kernel), speculation forced at batch 1 and 32
+#            after the rule learned the backoff, then Qwen3-30B-A3B offline at 1000/1000 (512
+#            requests).
+#
 #   OUT=/some/dir PART=n bash scripts/gpu_session8.sh
 set -u
 case "${PART:-n}" in
@@ -47,6 +53,28 @@ moe)
       --out "$OUT/offline_$model.json"
     grep -E "tok/s|TPOT" "$OUT/offline_$model.log" | tail -n 3 >>"$summary"
   done
+  finish
+  ;;
+f)
+  ISSUE=session8 BUDGET_S=${BUDGET_S:-575}
+  . scripts/device_lib.sh
+  step "hopper dense GPU tests" 150 "$OUT/gpu_tests_dense_hopper.log" $PY -m pytest -q -m gpu \
+    --timeout=140 -rs tests/gpu/test_dense_hopper_gpu.py
+  if ! grep -q " passed" "$OUT/gpu_tests_dense_hopper.log" \
+    || grep -qE "[0-9]+ (failed|error)" "$OUT/gpu_tests_dense_hopper.log"; then
+    echo "hopper dense tests not clean: the rest with TANDEM_PREFILL_DENSE=triton" | tee -a "$summary"
+    export TANDEM_PREFILL_CASCADE=1 TANDEM_PREFILL_DENSE=triton
+  fi
+  step "dense attention probe" 150 "$OUT/dense_probe.log" $PY -m benchmarks.dense_attention_probe \
+    --out "$OUT/dense_attention_probe.json"
+  step "speculative forced" 100 "$OUT/speculative_forced.log" $PY -m benchmarks.speculative \
+    --device cuda --model random:llama-3.1-8b --input-len 64 --output-len 256 \
+    --max-model-len 4096 --batch-sizes 1,32 --ks 4 --acceptances 0.7,0 --rules measured \
+    --force-record --out "$OUT/speculative_forced.json"
+  step "offline qwen3-30b-a3b" 170 "$OUT/offline_qwen3-30b-a3b.log" \
+    $PY -m benchmarks.offline_throughput --model random:qwen3-30b-a3b --device cuda --skip-peer \
+    --workloads 1000/1000 --max-requests 512 --out "$OUT/offline_qwen3-30b-a3b.json"
+  grep -E "tok/s|TPOT" "$OUT/offline_qwen3-30b-a3b.log" | tail -n 3 >>"$summary"
   finish
   ;;
 sp)
