@@ -17,6 +17,10 @@ the GPU when a verify step waits for its tokens, all host work adds to the step)
   step by kernel kind (the kinds of benchmarks.step_breakdown), kernels per step and the
   top kernels, so a verify step's extra device time is located.
 
+On CUDA every sampled token is pinned to the plain run's (`--force-record`, the default there:
+bf16 verify and decode steps round apart, and unpinned the greedy tokens drift within a few
+tokens on random weights, which failed this benchmark's token check on the H200).
+
     python -m benchmarks.spec_host_cost --batch-sizes 1,8 --k 4 --profile
     python -m benchmarks.spec_host_cost --device cuda --model random:llama-3.1-8b \\
         --batch-sizes 1,8 --k 4 --input-len 64 --output-len 64 --max-model-len 4096
@@ -39,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.forced_replay import ForceRecorded, forced_params
 from tandem import LLM, SamplingParams
 
 # The default model: what it computes per token is small next to the host's work.
@@ -94,7 +99,10 @@ class StepKinds:
 
 
 def timed_generate(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams, profile: bool
+    llm: LLM,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    profile: bool,
 ) -> tuple[list[Any], dict[str, list[float]], pstats.Stats | None]:
     """Generate; returns (outputs, decode-only step seconds by kind, the loop's profile). A
     step's seconds: from its `get_output` call to the next one's (sync: one step each)."""
@@ -129,7 +137,10 @@ def timed_generate(
 
 
 def device_profile(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams, num_steps: int
+    llm: LLM,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    num_steps: int,
 ) -> dict[str, Any]:
     """Device time of `num_steps` steady steps (after the prefill and 3 decode steps) of
     `prompts`, by kernel kind; the steps' kinds as planned."""
@@ -140,8 +151,9 @@ def device_profile(
 
     engine = llm.engine
     ids = [f"devprof{i}" for i in range(len(prompts))]
-    for rid, q in zip(ids, prompts, strict=True):
-        engine.add_request(EngineCoreRequest(rid, q, params, eos_token_id=None))
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    for rid, q, sp in zip(ids, prompts, each, strict=True):
+        engine.add_request(EngineCoreRequest(rid, q, sp, eos_token_id=None))
     with StepKinds(llm) as kinds:
         while "other" in kinds.kinds[-1:] or len(kinds.kinds) < 4:
             engine.step()
@@ -211,9 +223,17 @@ def main(argv: list[str] | None = None) -> None:
         default="{}",
         help="more engine arguments, e.g. '{\"piecewise_cuda_graph_sizes\": [8, 16, 32, 64]}'",
     )
+    p.add_argument(
+        "--force-record",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pin every sampled token to the plain run's (benchmarks/forced_replay.py; default: "
+        "on CUDA, where bf16 verify and decode steps round apart and the greedy tokens drift)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     ns = p.parse_args(argv)
     cuda = ns.device.startswith("cuda")
+    force = cuda if ns.force_record is None else ns.force_record
     if not cuda:
         torch.set_num_threads(1)
     rows: list[dict[str, Any]] = []
@@ -237,17 +257,24 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 engine["num_gpu_blocks"] = max(64, batch * 32)
             engine.update(json.loads(ns.engine_json))
-            row: dict[str, Any] = {"batch": batch, "k": ns.k}
+            if force:
+                engine["logits_processors"] = [ForceRecorded]
+            row: dict[str, Any] = {"batch": batch, "k": ns.k, "forced_record": force}
             with LLM(model=model, **engine) as llm:
-                llm.generate(prompts, params, use_tqdm=False)  # warm-up
+                warm = llm.generate(prompts, params, use_tqdm=False)  # warm-up, the record
+                run_params: SamplingParams | list[SamplingParams] = (
+                    forced_params(params, [list(o.outputs[0].token_ids) for o in warm])
+                    if force
+                    else params
+                )
                 plain = []
                 for i in range(ns.repeats):
                     ref, times, plain_stats = timed_generate(
-                        llm, prompts, params, ns.profile and i == ns.repeats - 1
+                        llm, prompts, run_params, ns.profile and i == ns.repeats - 1
                     )
                     plain.append(statistics.median(times["plain"]))
                 if cuda:
-                    row["plain_device"] = device_profile(llm, prompts, params, ns.device_steps)
+                    row["plain_device"] = device_profile(llm, prompts, run_params, ns.device_steps)
             record = Path(tmp) / f"replay_{batch}.json"
             record.write_text(
                 json.dumps(
@@ -265,18 +292,18 @@ def main(argv: list[str] | None = None) -> None:
                 "speculation_rule": "always",
             }
             with LLM(model=model, speculative_config=spec, **engine) as llm:
-                llm.generate(prompts, params, use_tqdm=False)
+                llm.generate(prompts, run_params, use_tqdm=False)
                 verify = []
                 for i in range(ns.repeats):
                     got, times, stats = timed_generate(
-                        llm, prompts, params, ns.profile and i == ns.repeats - 1
+                        llm, prompts, run_params, ns.profile and i == ns.repeats - 1
                     )
                     assert [o.outputs[0].token_ids for o in got] == [
                         o.outputs[0].token_ids for o in ref
                     ], "speculation changed the greedy tokens"
                     verify.append(statistics.median(times["verify"]))
                 if cuda:
-                    row["verify_device"] = device_profile(llm, prompts, params, ns.device_steps)
+                    row["verify_device"] = device_profile(llm, prompts, run_params, ns.device_steps)
             row["plain_step_ms"] = 1e3 * min(plain)
             row["verify_step_ms"] = 1e3 * min(verify)
             row["verify_over_plain"] = row["verify_step_ms"] / row["plain_step_ms"]
