@@ -62,9 +62,9 @@ class AttentionMetadata:
     kv_groups: tuple[AttentionMetadata, ...] | None = None
     # The step's prefill path, as the backend's `plan_step` chose it for this KV cache group
     # (the Triton backend: "paged", "flash", "triton" or "triton_hopper"; see its
-    # `_prefill_path`). None: not
-    # planned (metadata built by hand, a proposer's), or chosen by the step's first layer call
-    # (a start-up step timed on that call's tensors), which then keeps it here for the rest.
+    # `_prefill_path`). None: not planned (metadata built by hand, a proposer's), or chosen by
+    # the step's first layer call (a start-up step timed on that call's tensors), which then
+    # keeps it here for the rest.
     prefill_path: str | None = None
     # A whole-step CUDA graph's metadata (tandem.worker.mixed_graph): `num_actual_tokens` is
     # the bucket's row count, and the rows past `query_start_loc[num_reqs]` are padding whose
