@@ -260,7 +260,7 @@ class RequestTracker(Actor[TrackerMessage]):
             req = self.requests.get(request_id)
             if req is None:
                 continue
-            event = StepEvent(deltas=batch)
+            event = StepEvent(deltas=_one_per_choice(batch))
             if req.finished:
                 event.usage = Usage(
                     req.num_prompt_tokens,
@@ -413,3 +413,17 @@ class RequestTracker(Actor[TrackerMessage]):
         self.requests.pop(req.request_id, None)
         for c in req.choices:
             self.by_engine_id.pop(c.request_id, None)
+
+
+def _one_per_choice(batch: list[ChoiceDelta]) -> list[ChoiceDelta]:
+    """One delta per choice, in the order choices first appear: an output that arrived ahead
+    of its turn (`_Choice.pending`) is applied right after the one it waited for, and their
+    deltas are joined (`ChoiceDelta.then`). Two entries of one choice in a single chunk (a
+    stream's `choices` list) are not what OpenAI clients expect: one reading `choices[0]`
+    lost the first entry's text (a stream read " and I a professional" for " and I'm a
+    professional", CI 2026-12-04)."""
+    merged: dict[int, ChoiceDelta] = {}
+    for d in batch:
+        before = merged.get(d.index)
+        merged[d.index] = d if before is None else before.then(d)
+    return list(merged.values())

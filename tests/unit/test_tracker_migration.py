@@ -209,3 +209,28 @@ def test_a_dispatch_attempt_feeds_its_choice_and_older_attempts_are_dropped() ->
             await tracker.stop()
 
     asyncio.run(main())
+
+
+def test_an_output_ahead_of_its_turn_joins_the_one_it_waited_for() -> None:
+    """The decode worker's tokens can reach the tracker before the prefill worker's first
+    one: held in `pending`, they are applied right after it, in the same event, as one delta
+    for the choice (two entries of one choice in a chunk lost the first's text for a client
+    reading `choices[0]`)."""
+
+    async def main() -> None:
+        params = SamplingParams(max_tokens=4, temperature=0)
+        tracker, _, _, request = _setup(0, params)
+        tracker.start()
+        try:
+            queue = await tracker.ask(Register("r", [7, 7], [("r", params)], (request,)))
+            tracker.tell(_out("r", 1, [1, 2]))  # ahead: waits for index 0
+            tracker.tell(_out("r", 0, [0]))
+            (event,) = await _drain(queue, 1)
+            assert [(d.index, d.text, d.token_ids) for d in event.deltas] == [(0, "abc", [0, 1, 2])]
+            tracker.tell(_out("r", 3, [3], common_pb2.FINISH_REASON_LENGTH))
+            (last,) = await _drain(queue, 1)
+            assert [(d.text, d.finish_reason is not None) for d in last.deltas] == [("d", True)]
+        finally:
+            await tracker.stop()
+
+    asyncio.run(main())
