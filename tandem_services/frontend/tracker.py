@@ -422,6 +422,8 @@ def _one_per_choice(batch: list[ChoiceDelta]) -> list[ChoiceDelta]:
     stream's `choices` list) are not what OpenAI clients expect: one reading `choices[0]`
     lost the first entry's text (a stream read " and I a professional" for " and I'm a
     professional", CI 2026-12-04)."""
+    if len(batch) == 1:
+        return batch  # the usual case: one output per request a step
     merged: dict[int, ChoiceDelta] = {}
     for d in batch:
         before = merged.get(d.index)
