@@ -26,7 +26,9 @@ Each replay engine runs per `--rules` (the speculative config's `speculation_rul
 (`rule_steps_by_num_drafts`: steps by drafts per request, 0 = plain decode; `rule_probes`).
 The measured rule learns per batch size: by default (`--warm-rule`) each speculative row is
 timed after one untimed run of the same batch, so the figure is the rule's steady state (its
-first probes in a bucket are the cost of learning it, paid once per engine).
+first probes in a bucket are the cost of learning it, paid once per engine). `--repeats N`
+times N interleaved (no spec, spec) pairs per row and reports the medians: a ratio near 1
+(p = 0) is then not one pair's drift.
 
 Per batch size B (all requests greedy, ignore_eos, `--output-len` tokens each, started
 together): `tpot_ms` = wall time / the longest output (the batch decodes in lockstep; prefill
@@ -54,6 +56,7 @@ import argparse
 import datetime as dt
 import json
 import random
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -119,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="pin every sampled token to the recorded one (benchmarks/forced_replay.py), in the "
         "baseline and the replay engines alike, with synchronous steps: p is then the acceptance",
+    )
+    w.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed (no spec, spec) pairs per replay row, interleaved; the row reports the "
+        "medians and each pair's ratio (a GPU's step times drift by a few percent run to run)",
     )
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
     return p
@@ -217,6 +227,39 @@ def _row(
     return row, tokens
 
 
+def _paired_row(
+    base_llm: LLM,
+    llm: LLM,
+    prompts: list,
+    params: SamplingParams | list[SamplingParams],
+    ref: list,
+    repeats: int,
+) -> dict[str, Any]:
+    """`repeats` timings of the engine without speculation, each right before one of `llm`:
+    the speculative row of the last pair with every pair's figures (`pairs`), the medians of
+    the TPOTs and throughputs, and the ratios as the median of the pairs' ratios. Counts
+    (drafts, acceptance, the rule's steps) are the last pair's."""
+    pairs: list[dict[str, float]] = []
+    row: dict[str, Any] = {}
+    for _ in range(max(repeats, 1)):
+        base, _ = _row(base_llm, prompts, params, None)
+        row, _ = _row(llm, prompts, params, ref)
+        pairs.append(
+            {
+                "no_spec_tpot_ms": base["tpot_ms"],
+                "tpot_ms": row["tpot_ms"],
+                "tpot_vs_no_spec": row["tpot_ms"] / base["tpot_ms"],
+                "throughput_vs_no_spec": row["output_tokens_per_s"] / base["output_tokens_per_s"],
+                "output_tokens_per_s": row["output_tokens_per_s"],
+            }
+        )
+    for key in pairs[0]:
+        row[key] = statistics.median(p[key] for p in pairs)
+    if len(pairs) > 1:
+        row["pairs"] = pairs
+    return row
+
+
 def _choices(row: dict[str, Any]) -> str:
     steps = row.get("rule_steps_by_num_drafts")
     if not steps:
@@ -307,12 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                     for b in batch_sizes:
                         if ns.warm_rule:
                             llm.generate(prompts[b], run_params[b], use_tqdm=False)
-                        base, _ = _row(base_llm, prompts[b], run_params[b], None)
-                        row, _ = _row(llm, prompts[b], run_params[b], baseline[b])
-                        row["no_spec_tpot_ms"] = base["tpot_ms"]
-                        row["tpot_vs_no_spec"] = row["tpot_ms"] / base["tpot_ms"]
-                        row["throughput_vs_no_spec"] = (
-                            row["output_tokens_per_s"] / base["output_tokens_per_s"]
+                        row = _paired_row(
+                            base_llm, llm, prompts[b], run_params[b], baseline[b], ns.repeats
                         )
                         result["runs"].append(
                             {"speculation": {"k": k, "p": p, "speculation_rule": rule}, **row}
