@@ -32,7 +32,10 @@ over the token's top_k in registers (fp32). No host sync either.
 Tile configs (BLOCK_M/N/K, GROUP_M, warps, stages, or a `DecodeConfig`) are tuned per shape
 and per token-count bucket on the device the first time a shape runs outside graph capture
 (an engine's start-up profile forward: every bucket up to its token count at once), as the
-attention kernels are; `fused_moe_ref` (moe_ref.py) is the torch reference.
+attention kernels are. Layers whose experts weigh under `_MIN_TUNE_BYTES` (test-sized models)
+take the default rule untimed: their calls cost their launches, whatever the tiles. (On the
+H200 the tiny Qwen3-MoE engine test took 20 s untuned; tuned, it once ran past 140 s.)
+`fused_moe_ref` (moe_ref.py) is the torch reference.
 """
 
 from __future__ import annotations
@@ -289,6 +292,8 @@ _DEFAULT_DECODE = DecodeConfig(16, 256, 1, 8, 1024, 1, 4)
 # (Qwen3-30B-A3B: T <= 32, Mixtral: T <= 8): at most twice the grouped path's weight bytes.
 # The tuner times it up to 8 rows per expert and keeps whichever path is faster.
 _DECODE_DEFAULT_MAX_ROWS = 2
+# A layer's expert weights below this are not tuned (see the module docstring).
+_MIN_TUNE_BYTES = 4 << 20
 _DECODE_TUNE_MAX_ROWS = 8
 _CANDIDATES: tuple[MoEConfig, ...] = (
     (16, 64, 128, 1, 4, 3),
@@ -497,7 +502,8 @@ def _config_for(
     found = _configs.get((key, bucket))
     if found is not None:
         return found
-    if _may_tune(hidden_states) and num_tokens > 0:
+    weight_bytes = (w13.numel() + w2.numel()) * w13.element_size()
+    if _may_tune(hidden_states) and num_tokens > 0 and weight_bytes >= _MIN_TUNE_BYTES:
         tune_fused_moe(w13, w2, top_k, max_tokens=num_tokens)
         found = _configs.get((key, bucket))
         if found is not None:

@@ -188,3 +188,18 @@ def test_decode_path_in_a_cuda_graph(shape: str, stages: int) -> None:
         _assert_close(out, fused_moe_ref(x, w13, w2, weights, ids))
         if seed == 7:
             assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+def test_tiny_layers_take_the_default_rule_untuned() -> None:
+    """Expert weights under _MIN_TUNE_BYTES (test-sized models) are not timed: the call runs
+    the default rule and leaves no tuning entry; a real layer's shape is tuned (above)."""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    w13 = torch.randn(8, 96, 64, device=DEV, generator=gen)
+    w2 = torch.randn(8, 64, 48, device=DEV, generator=gen)
+    assert (w13.numel() + w2.numel()) * 4 < fm._MIN_TUNE_BYTES
+    x = torch.randn(8, 64, device=DEV, generator=gen)
+    weights, ids = select_experts(torch.randn(8, 8, device=DEV, generator=gen), 2, True)
+    before = len(fm.tuning_log)
+    out = fm.fused_moe(x, w13, w2, weights, ids)
+    assert len(fm.tuning_log) == before
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
