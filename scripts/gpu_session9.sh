@@ -14,6 +14,9 @@
 #            cut after its first failure), speculation at p = 0 with five interleaved pairs
 #            per row (batch 32 and 128, k = 4 and 2).
 #
+#   PART=d: the EAGLE head's draft steps as CUDA graphs (its GPU tests, its cost per step at
+#            batch 1 / 8 / 32), the tiny MoE layers untuned (their tests' time).
+#
 #   OUT=/some/dir PART=a bash scripts/gpu_session9.sh
 set -u
 case "${PART:-a}" in
@@ -59,6 +62,20 @@ c)
     --device cuda --model random:llama-3.1-8b --input-len 64 --output-len 256 \
     --max-model-len 4096 --batch-sizes 32,128 --ks 4,2 --acceptances 0 --rules measured \
     --force-record --repeats 5 --out "$OUT/speculative_p0.json"
+  finish
+  ;;
+d)
+  ISSUE=session9 BUDGET_S=${BUDGET_S:-470}
+  . scripts/device_lib.sh
+  step "EAGLE graphs + tiny MoE GPU tests" 200 "$OUT/gpu_tests_eagle_moe.log" $PY -m pytest -q \
+    -m gpu --timeout=150 -rs --tb=short --durations=8 \
+    -k "eagle or random_8b or tiny_layers or new_families" tests/gpu/test_spec_model_proposers_gpu.py \
+    tests/gpu/test_fused_moe_gpu.py::test_tiny_layers_take_the_default_rule_untuned \
+    "tests/gpu/test_gpu_models.py::test_new_families_greedy_match_on_cuda"
+  step "speculative EAGLE" 150 "$OUT/speculative_eagle.log" $PY -m benchmarks.speculative \
+    --device cuda --model random:llama-3.1-8b --input-len 64 --output-len 256 \
+    --max-model-len 4096 --batch-sizes 1,8,32 --ks 4 --acceptances '' \
+    --eagle random:eagle-llama-3.1-8b --out "$OUT/speculative_eagle.json"
   finish
   ;;
 esac

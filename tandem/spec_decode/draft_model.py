@@ -54,12 +54,8 @@ class DraftModelProposer(ModelProposer):
         backend = target.model_context.attn_backend
         self.attn_backend = backend
         self.max_model_len = target.max_model_len
-        use_graphs = (
-            self.device.type == "cuda"
-            and not device_config.enforce_eager
-            and backend.decode_cuda_graphs
-        )
-        sizes = device_config.cuda_graph_sizes if use_graphs else ()
+        sizes = decode_graph_sizes(target)
+        use_graphs = bool(sizes)
         self.graphs = DecodeCudaGraphs(sizes, self.max_num_seqs, self.device)
         # The catch-up pass as whole mixed-step graphs (cudagraph_mode full, a backend that
         # runs them): up to the step's token budget plus one token per request.
@@ -203,6 +199,19 @@ class DraftModelProposer(ModelProposer):
         self.staging.clear()
         super().shutdown()
         self.model = None
+
+
+def decode_graph_sizes(target: TargetInfo) -> tuple[int, ...]:
+    """The batch sizes whose draft steps a proposer replays as decode CUDA graphs: the
+    target's `cuda_graph_sizes` on CUDA, unless --enforce-eager or the attention backend runs
+    no decode graphs (then none: every draft step is eager)."""
+    device_config = target.config.device
+    use_graphs = (
+        target.model_context.device.type == "cuda"
+        and not device_config.enforce_eager
+        and target.model_context.attn_backend.decode_cuda_graphs
+    )
+    return tuple(device_config.cuda_graph_sizes) if use_graphs else ()
 
 
 def check_draft_config(hf_config: Any, target: TargetInfo) -> None:

@@ -29,7 +29,8 @@ get the catch-up only. KV another worker computed (disaggregated decode:
 `NewRequestData.num_external_computed_tokens`) is the target's only: a draft model's first
 catch-up of such a request starts that many positions earlier (EAGLE has no target hidden
 states for them and drafts from what its cache holds). `catch_up` and `draft_step` run
-eagerly here; the draft model replays CUDA graphs for them (`draft_model`).
+eagerly here; the draft model replays CUDA graphs for both (`draft_model`), the EAGLE head
+for its draft steps (`eagle`).
 
 Drafts are greedy (argmax), so the draft distribution q is one-hot at the draft: the
 rejection sampler's one-hot rule (draft_probs None: accept with probability p(d), resample

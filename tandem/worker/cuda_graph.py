@@ -15,18 +15,32 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from tandem.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from tandem.models.interface import CausalLM
     from tandem.worker.input_batch import StepInputs
     from tandem.worker.staging import PinnedStaging
 
 logger = logging.getLogger(__name__)
+
+
+class DecodeStepModel(Protocol):
+    """What a decode graph runs: a forward over one token per row, called as a module is
+    (a `CausalLM`; a proposer's step adapter), and the logits of its output rows."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> Any: ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
 
 
 class StaticStepInputs:
@@ -168,7 +182,7 @@ class DecodeCudaGraphs:
 
     def capture(
         self,
-        model: CausalLM,
+        model: DecodeStepModel,
         kv_caches: list[torch.Tensor],
         max_model_len: int,
         block_size: int,

@@ -31,11 +31,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.worker.cuda_graph import StaticStepInputs
+from tandem.worker.cuda_graph import DecodeStepModel, StaticStepInputs
 
 if TYPE_CHECKING:
     from tandem.layers.attention import AttentionMetadata
-    from tandem.models.interface import CausalLM
     from tandem.worker.input_batch import StepInputs
     from tandem.worker.staging import PinnedStaging
 
@@ -81,7 +80,7 @@ class MixedCudaGraphs:
 
     def capture(
         self,
-        model: CausalLM,
+        model: DecodeStepModel,
         kv_caches: list[torch.Tensor],
         max_model_len: int,
         block_size: int,

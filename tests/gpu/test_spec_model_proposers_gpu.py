@@ -2,7 +2,8 @@
 so batch shapes do not flip near-ties): SmolLM2 drafting for itself keeps the greedy tokens
 and has nearly every draft accepted; a tiny EAGLE head drafts what its CPU reference drafts
 and keeps the greedy tokens; the random 8B target with the random 1B draft and the random
-EAGLE head of its shape runs (bf16), with the pool whole after."""
+EAGLE head of its shape runs (bf16), draft steps replayed as CUDA graphs, with the pool whole
+after."""
 
 from __future__ import annotations
 
@@ -69,6 +70,12 @@ def test_random_8b_with_model_proposers_runs(spec: dict) -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.engine.stats()
         assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
+        proposer = llm.engine.executor.driver_worker.model_runner.proposer
+        # Both proposers' draft steps replay decode graphs (8 requests: a captured size).
+        assert proposer.graphs.graphs
+        if spec["method"] == "eagle":
+            assert proposer.num_graph_draft_steps > 0 and proposer.num_eager_draft_steps == 0
+            assert proposer.mixed_graphs.num_replays > 0  # the catch-up passes
     assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
     s = stats.spec_decoding
     assert s is not None and s.num_draft_tokens > 0
