@@ -84,6 +84,9 @@ class _Bucket:
     best: int = -1  # the last decision outside probes (-1: none yet)
     steps_since_probe: int = 0
     probe_interval: int = 0
+    # T(n) for n = 0..k as `step_time` estimates it; None: a time changed since (recomputed
+    # once per decision, not once per n asked).
+    estimates: list[float | None] | None = None
 
 
 @dataclass
@@ -158,6 +161,9 @@ class SpeculationRule:
         # Decayed counts by draft position: requests that reached it, and of those, accepted.
         self.trials = [0.0] * num_spec_tokens
         self.accepted = [0.0] * num_spec_tokens
+        # E(n) for n = 0..k and the conditional acceptance behind it; None: counts changed.
+        self._expected: list[float] | None = None
+        self._conditional: list[float] | None = None
         self._buckets: dict[int, _Bucket] = {}
         # Steps planned ahead (a probe), by drafts per request.
         self._plan: deque[int] = deque()
@@ -197,6 +203,7 @@ class SpeculationRule:
         times = bucket.times
         n = min(num_drafts, self.k)
         bucket.counts[n] += 1
+        bucket.estimates = None
         old = times[n]
         if old is None:
             times[n] = seconds
@@ -243,6 +250,7 @@ class SpeculationRule:
         step's most drafts are not trials."""
         if num_requests <= 0:
             return
+        self._expected = self._conditional = None
         for j in range(self.k):
             self.trials[j] *= self.decay
             self.accepted[j] *= self.decay
@@ -256,40 +264,52 @@ class SpeculationRule:
     def conditional_acceptance(self) -> list[float]:
         """c[j]: draft j's acceptance given drafts 0..j-1 accepted, shrunk toward the pooled
         rate (which is shrunk toward 1 by half a pseudo-trial)."""
-        pooled = (sum(self.accepted) + 0.5) / (sum(self.trials) + 0.5)
-        m = self.prior_weight
-        return [(a + m * pooled) / (t + m) for a, t in zip(self.accepted, self.trials, strict=True)]
+        if self._conditional is None:
+            pooled = (sum(self.accepted) + 0.5) / (sum(self.trials) + 0.5)
+            m = self.prior_weight
+            self._conditional = [
+                (a + m * pooled) / (t + m) for a, t in zip(self.accepted, self.trials, strict=True)
+            ]
+        return list(self._conditional)
 
     def expected_tokens(self, num_drafts: int) -> float:
         """E(n): tokens a request emits in a step with n drafts."""
-        total, reach = 1.0, 1.0
-        for c in self.conditional_acceptance()[:num_drafts]:
-            reach *= c
-            total += reach
-        return total
+        if self._expected is None:
+            expected, total, reach = [1.0], 1.0, 1.0
+            for c in self.conditional_acceptance():
+                reach *= c
+                total += reach
+                expected.append(total)
+            self._expected = expected
+        return self._expected[min(num_drafts, self.k)]
 
     def step_time(self, batch_size: int, num_drafts: int) -> float | None:
         """T(n) at this batch size: plain decode's mean for n = 0, else the verify line at n
         (None: not enough measured)."""
         bucket = self._bucket(batch_size)
+        if bucket.estimates is None:
+            bucket.estimates = self._estimate_times(bucket)
+        return bucket.estimates[min(num_drafts, self.k)]
+
+    def _estimate_times(self, bucket: _Bucket) -> list[float | None]:
+        """`step_time` for n = 0..k at `bucket` (see the module docstring): one line fit."""
         times = bucket.times
         t0 = times[0]
-        if num_drafts == 0:
-            return t0
         points = [
             (float(n), t, float(min(bucket.counts[n], self.max_time_weight)))
             for n, t in enumerate(times)
             if n and t is not None
         ]
         if not points:
-            return None
+            return [t0] + [None] * self.k
+        if len(points) == 1 and t0 is None:
+            only = int(points[0][0])
+            return [None] + [points[0][1] if n == only else None for n in range(1, self.k + 1)]
         if len(points) == 1:
-            if t0 is None:
-                return points[0][1] if points[0][0] == num_drafts else None
             points.append((0.0, t0, 1.0))
         a, b = fit_line(points)
-        t = a + b * num_drafts
-        return t if t0 is None else max(t, t0)
+        line = [a + b * n for n in range(1, self.k + 1)]
+        return [t0] + (line if t0 is None else [max(t, t0) for t in line])
 
     # ---- the decision ---------------------------------------------------------------------
 

@@ -679,3 +679,26 @@ def test_logits_processors_under_speculation_match_the_run_without(tiny_model_pa
     assert got_ids[5] == [42] * 24
     spec = stats.spec_decoding
     assert spec is not None and spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0
+
+
+def test_replay_proposer_keeps_each_draft_with_probability_p() -> None:
+    """The replay proposer (benchmarks only) proposes the record's continuation, each token
+    kept with probability p and otherwise the record's + 1; nothing off the record, shorter
+    drafts near its end."""
+    from types import SimpleNamespace
+
+    from tandem.spec_decode.replay import ReplayProposer
+
+    record = list(range(10, 40))
+    prompts = [[1, 2, i] for i in range(200)]
+    proposer = ReplayProposer({tuple(p): record for p in prompts}, 4, 0.7, 1000, seed=3)
+    states = [SimpleNamespace(prompt_token_ids=p, output_token_ids=record[:5]) for p in prompts]
+    drafts = proposer.propose(states)
+    pairs = [list(zip(draft, record[5:9], strict=True)) for draft in drafts]
+    kept = np.array([[d == t for d, t in row] for row in pairs])
+    assert all(d in (t, t + 1) for row in pairs for d, t in row)
+    assert 0.6 < kept.mean() < 0.8  # 800 draws at p = 0.7
+    off = SimpleNamespace(prompt_token_ids=prompts[0], output_token_ids=[99])
+    near_end = SimpleNamespace(prompt_token_ids=prompts[0], output_token_ids=record[:28])
+    proposer.acceptance = 1.0
+    assert proposer.propose([off, near_end]) == [[], record[28:]]
