@@ -10,7 +10,6 @@ target's tensor parallel size) and keeps a KV cache of its own in step with the 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import numpy as np
@@ -20,14 +19,10 @@ from tandem.config import ConfigError
 from tandem.layers.attention import AttentionMetadata
 from tandem.layers.quantization import resolve_quant_config
 from tandem.models.interface import CausalLM
-from tandem.spec_decode.model_proposer import ModelProposer
+from tandem.spec_decode.model_proposer import CatchUpPass, ModelProposer
 from tandem.spec_decode.proposer import TargetInfo
-from tandem.worker.cuda_graph import DecodeCudaGraphs
+from tandem.spec_decode.proposer_graphs import ProposerGraphs
 from tandem.worker.input_batch import StepInputs
-from tandem.worker.mixed_graph import MixedCudaGraphs
-from tandem.worker.staging import PinnedStaging
-
-logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer(ModelProposer):
@@ -48,26 +43,9 @@ class DraftModelProposer(ModelProposer):
         )
         self.disable_by_batch_size = target.config.speculative.disable_by_batch_size
         self.model: CausalLM | None = model
-        # The draft steps (one token per request) as decode CUDA graphs, captured on the
-        # draft's cache in `initialize_kv_cache` (CUDA, unless --enforce-eager).
-        device_config = target.config.device
-        backend = target.model_context.attn_backend
-        self.attn_backend = backend
-        self.max_model_len = target.max_model_len
-        sizes = decode_graph_sizes(target)
-        use_graphs = bool(sizes)
-        self.graphs = DecodeCudaGraphs(sizes, self.max_num_seqs, self.device)
-        # The catch-up pass as whole mixed-step graphs (cudagraph_mode full, a backend that
-        # runs them): up to the step's token budget plus one token per request.
-        full = use_graphs and device_config.cudagraph_mode == "full" and backend.full_graph_mixed
-        max_tokens = target.config.scheduler.max_num_batched_tokens + self.max_num_seqs
-        self.mixed_graphs = MixedCudaGraphs(
-            device_config.piecewise_cuda_graph_sizes if full else (),
-            max_tokens,
-            self.max_num_seqs,
-            self.device,
-        )
-        self.staging = PinnedStaging(self.device)
+        # The draft steps and the catch-up pass as CUDA graphs, captured on the draft's
+        # cache in `initialize_kv_cache` (tandem.spec_decode.proposer_graphs).
+        self.graphs = ProposerGraphs(target, self.max_num_seqs, self.block_size)
 
     @classmethod
     def build(cls, target: TargetInfo) -> DraftModelProposer:
@@ -89,60 +67,19 @@ class DraftModelProposer(ModelProposer):
         return cls(model, target)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """The cache (see `ModelProposer`), then the decode kernel tuned on it and the draft
-        steps' graphs captured (their block tables reach into the scratch blocks)."""
+        """The cache (see `ModelProposer`), then the graphs captured on it."""
         super().initialize_kv_cache(num_blocks)
-        if not self.graphs.sizes and not self.mixed_graphs.sizes:
-            return
-        assert self.model is not None
-        self.attn_backend.tune(
-            self.kv_caches[0],
-            num_heads=self.model.num_heads,
-            max_num_reqs=self.max_num_seqs,
-            max_seq_len=self.max_model_len,
-        )
-        reach = self.max_model_len + (self.scratch_per_row + 1) * self.block_size
-        self.graphs.capture(self.model, self.kv_caches, reach, self.block_size)
-        self.mixed_graphs.capture(self.model, self.kv_caches, reach, self.block_size)
-        logger.info(
-            "draft model: draft steps as CUDA graphs for sizes %s, catch-up passes for %s tokens",
-            self.graphs.sizes,
-            self.mixed_graphs.sizes,
+        model = self.model
+        assert model is not None
+        self.graphs.capture(
+            model, model, self.kv_caches, model.num_heads, self.scratch_per_row, "draft model"
         )
 
-    def catch_up(
-        self,
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        table: np.ndarray,
-        req_index: np.ndarray,
-        query_start_loc: np.ndarray,
-        seq_lens: np.ndarray,
-        hidden_states: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def catch_up(self, catch_up: CatchUpPass, hidden_states: torch.Tensor | None) -> torch.Tensor:
         """The catch-up pass through the mixed-step graph of its token count (eager past the
         largest, or with more requests than its slots)."""
-        total, num_reqs = len(input_ids), len(seq_lens)
-        size = self.mixed_graphs.size_for(total, num_reqs)
-        if size is None:
-            return super().catch_up(
-                input_ids, positions, table, req_index, query_start_loc, seq_lens, hidden_states
-            )
-        bs = self.block_size
-        inp = StepInputs(
-            num_reqs=num_reqs,
-            total=total,
-            input_ids=input_ids,
-            positions=positions,
-            slot_mapping=table[req_index, positions // bs] * bs + positions % bs,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=table,
-            max_query_len=int(np.diff(query_start_loc).max()),
-            sampled_rows=[],
-            states=[],
-        )
-        return self.mixed_graphs.replay(inp, size, self.staging, lambda ids, step: None)
+        out = self.graphs.catch_up(catch_up, lambda ids, step: None)
+        return super().catch_up(catch_up, hidden_states) if out is None else out
 
     def draft_step(
         self,
@@ -153,29 +90,14 @@ class DraftModelProposer(ModelProposer):
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """A draft step through the decode graph of its batch size (eager past the largest)."""
         n = len(positions)
-        size = self.graphs.size_for(n)
-        if size is None:
-            return super().draft_step(table, positions, input_ids, hidden_states)
-        bs = self.block_size
-        slots = table[np.arange(n), positions // bs] * bs + positions % bs
-        inp = StepInputs(
-            num_reqs=n,
-            total=n,
-            input_ids=np.zeros(n, dtype=np.int64),
-            positions=positions,
-            slot_mapping=slots,
-            query_start_loc=np.arange(n + 1),
-            seq_lens=positions + 1,
-            block_table=table,
-            max_query_len=1,
-            sampled_rows=[],
-            states=[],
-        )
 
         def fill(static_ids: torch.Tensor, _: StepInputs) -> None:
             static_ids[:n].copy_(input_ids)
 
-        return None, self.graphs.replay(inp, size, self.staging, fill)
+        replayed = self.graphs.draft_step(table, positions, fill)
+        if replayed is None:
+            return super().draft_step(table, positions, input_ids, hidden_states)
+        return None, replayed[1]
 
     def forward(
         self,
@@ -195,23 +117,8 @@ class DraftModelProposer(ModelProposer):
 
     def shutdown(self) -> None:
         self.graphs.clear()
-        self.mixed_graphs.clear()
-        self.staging.clear()
         super().shutdown()
         self.model = None
-
-
-def decode_graph_sizes(target: TargetInfo) -> tuple[int, ...]:
-    """The batch sizes whose draft steps a proposer replays as decode CUDA graphs: the
-    target's `cuda_graph_sizes` on CUDA, unless --enforce-eager or the attention backend runs
-    no decode graphs (then none: every draft step is eager)."""
-    device_config = target.config.device
-    use_graphs = (
-        target.model_context.device.type == "cuda"
-        and not device_config.enforce_eager
-        and target.model_context.attn_backend.decode_cuda_graphs
-    )
-    return tuple(device_config.cuda_graph_sizes) if use_graphs else ()
 
 
 def check_draft_config(hf_config: Any, target: TargetInfo) -> None:

@@ -40,13 +40,11 @@ from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from tandem.models.interface import CausalLM, ModelContext
 from tandem.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaShape
 from tandem.models.utils import STACKED_PARAMS, load_checkpoint
-from tandem.spec_decode.draft_model import check_draft_config, decode_graph_sizes
-from tandem.spec_decode.model_proposer import ModelProposer
+from tandem.spec_decode.draft_model import check_draft_config
+from tandem.spec_decode.model_proposer import CatchUpPass, ModelProposer
 from tandem.spec_decode.proposer import TargetInfo
-from tandem.worker.cuda_graph import DecodeCudaGraphs
+from tandem.spec_decode.proposer_graphs import ProposerGraphs
 from tandem.worker.input_batch import StepInputs
-from tandem.worker.mixed_graph import MixedCudaGraphs
-from tandem.worker.staging import PinnedStaging
 
 logger = logging.getLogger(__name__)
 
@@ -139,29 +137,14 @@ class EagleProposer(ModelProposer):
         self.target: CausalLM | None = target.model
         own = head.embed_tokens
         self.embed_tokens: nn.Module | None = own if own is not None else target_embedding(target)
-        # As the draft model's: the draft steps as decode CUDA graphs, each reading the
-        # previous step's states from a static buffer; the catch-up pass as whole mixed-step
-        # graphs (cudagraph_mode full), reading the target's states of the step's token rows
-        # from another.
-        backend = target.model_context.attn_backend
-        self.attn_backend = backend
-        self.max_model_len = target.max_model_len
-        sizes = decode_graph_sizes(target)
-        dtype = target.model_context.dtype
-        self.graphs = DecodeCudaGraphs(sizes, self.max_num_seqs, self.device)
-        self.graph_step = _EagleGraphStep(self, max(sizes, default=0), head.hidden_size, dtype)
-        full = (
-            bool(sizes)
-            and target.config.device.cudagraph_mode == "full"
-            and backend.full_graph_mixed
-        )
-        mixed_sizes = target.config.device.piecewise_cuda_graph_sizes if full else ()
-        max_tokens = target.config.scheduler.max_num_batched_tokens + self.max_num_seqs
-        self.mixed_graphs = MixedCudaGraphs(mixed_sizes, max_tokens, self.max_num_seqs, self.device)
-        self.catch_up_step = _EagleGraphStep(
-            self, max(self.mixed_graphs.sizes, default=0), head.hidden_size, dtype
-        )
-        self.staging = PinnedStaging(self.device)
+        # As the draft model's (tandem.spec_decode.proposer_graphs): the draft steps read the
+        # previous step's states, the catch-up pass the target's, from static buffers.
+        self.graphs = ProposerGraphs(target, self.max_num_seqs, self.block_size)
+        dtype, hidden = target.model_context.dtype, head.hidden_size
+        decode_rows = max(self.graphs.decode.sizes, default=0)
+        self.graph_step = _EagleGraphStep(self, decode_rows, hidden, dtype)
+        catch_up_rows = max(self.graphs.mixed.sizes, default=0)
+        self.catch_up_step = _EagleGraphStep(self, catch_up_rows, hidden, dtype)
         self.num_graph_draft_steps = 0
         self.num_eager_draft_steps = 0
 
@@ -214,66 +197,29 @@ class EagleProposer(ModelProposer):
         return cls(head.eval(), hf_config, target)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """The cache (see `ModelProposer`), then the decode kernel tuned on it and the draft
-        steps' graphs captured (their block tables reach into the scratch blocks)."""
+        """The cache (see `ModelProposer`), then the graphs captured on it."""
         super().initialize_kv_cache(num_blocks)
-        if not self.graphs.sizes and not self.mixed_graphs.sizes:
-            return
         assert self.head is not None
-        self.attn_backend.tune(
-            self.kv_caches[0],
-            num_heads=self.head.layers[0].self_attn.attn.num_heads,
-            max_num_reqs=self.max_num_seqs,
-            max_seq_len=self.max_model_len,
-        )
-        reach = self.max_model_len + (self.scratch_per_row + 1) * self.block_size
-        self.graphs.capture(self.graph_step, self.kv_caches, reach, self.block_size)
-        self.mixed_graphs.capture(self.catch_up_step, self.kv_caches, reach, self.block_size)
-        logger.info(
-            "EAGLE head: draft steps as CUDA graphs for sizes %s, catch-up passes for %s tokens",
-            self.graphs.sizes,
-            self.mixed_graphs.sizes,
+        self.graphs.capture(
+            self.graph_step,
+            self.catch_up_step,
+            self.kv_caches,
+            self.head.layers[0].self_attn.attn.num_heads,
+            self.scratch_per_row,
+            "EAGLE head",
         )
 
-    def catch_up(
-        self,
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        table: np.ndarray,
-        req_index: np.ndarray,
-        query_start_loc: np.ndarray,
-        seq_lens: np.ndarray,
-        hidden_states: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def catch_up(self, catch_up: CatchUpPass, hidden_states: torch.Tensor | None) -> torch.Tensor:
         """The catch-up pass through the mixed-step graph of its token count (eager past the
         largest, or with more requests than its slots)."""
-        total, num_reqs = len(input_ids), len(seq_lens)
-        size = self.mixed_graphs.size_for(total, num_reqs)
-        if size is None:
-            return super().catch_up(
-                input_ids, positions, table, req_index, query_start_loc, seq_lens, hidden_states
-            )
         assert hidden_states is not None
-        bs = self.block_size
-        inp = StepInputs(
-            num_reqs=num_reqs,
-            total=total,
-            input_ids=input_ids,
-            positions=positions,
-            slot_mapping=table[req_index, positions // bs] * bs + positions % bs,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=table,
-            max_query_len=int(np.diff(query_start_loc).max()),
-            sampled_rows=[],
-            states=[],
-        )
-        step = self.catch_up_step
+        step, total = self.catch_up_step, len(catch_up.input_ids)
 
         def fill(_: torch.Tensor, __: StepInputs) -> None:
             step.hidden_in[:total].copy_(hidden_states)
 
-        return self.mixed_graphs.replay(inp, size, self.staging, fill)
+        out = self.graphs.catch_up(catch_up, fill)
+        return super().catch_up(catch_up, hidden_states) if out is None else out
 
     def draft_step(
         self,
@@ -285,34 +231,19 @@ class EagleProposer(ModelProposer):
         """A draft step through the decode graph of its batch size (eager past the largest):
         the head's states (a view of the graph's output, valid until its next replay) and
         the logits."""
-        n = len(positions)
-        size = self.graphs.size_for(n)
-        if size is None:
-            self.num_eager_draft_steps += 1
-            return super().draft_step(table, positions, input_ids, hidden_states)
         assert hidden_states is not None
-        self.num_graph_draft_steps += 1
-        bs = self.block_size
-        inp = StepInputs(
-            num_reqs=n,
-            total=n,
-            input_ids=np.zeros(n, dtype=np.int64),
-            positions=positions,
-            slot_mapping=table[np.arange(n), positions // bs] * bs + positions % bs,
-            query_start_loc=np.arange(n + 1),
-            seq_lens=positions + 1,
-            block_table=table,
-            max_query_len=1,
-            sampled_rows=[],
-            states=[],
-        )
-        step = self.graph_step
+        step, n = self.graph_step, len(positions)
 
         def fill(static_ids: torch.Tensor, _: StepInputs) -> None:
             static_ids[:n].copy_(input_ids)
             step.hidden_in[:n].copy_(hidden_states)
 
-        logits = self.graphs.replay(inp, size, self.staging, fill)
+        replayed = self.graphs.draft_step(table, positions, fill)
+        if replayed is None:
+            self.num_eager_draft_steps += 1
+            return super().draft_step(table, positions, input_ids, hidden_states)
+        self.num_graph_draft_steps += 1
+        size, logits = replayed
         return step.outputs[size][:n], logits
 
     def forward(
@@ -335,10 +266,8 @@ class EagleProposer(ModelProposer):
 
     def shutdown(self) -> None:
         self.graphs.clear()
-        self.mixed_graphs.clear()
         self.graph_step.outputs.clear()
         self.catch_up_step.outputs.clear()
-        self.staging.clear()
         super().shutdown()
         self.head = self.target = self.embed_tokens = None
 

@@ -29,8 +29,7 @@ get the catch-up only. KV another worker computed (disaggregated decode:
 `NewRequestData.num_external_computed_tokens`) is the target's only: a draft model's first
 catch-up of such a request starts that many positions earlier (EAGLE has no target hidden
 states for them and drafts from what its cache holds). `catch_up` and `draft_step` run
-eagerly here; the draft model replays CUDA graphs for both (`draft_model`), the EAGLE head
-for its draft steps (`eagle`).
+eagerly here; on CUDA both proposers replay graphs for them (`proposer_graphs`).
 
 Drafts are greedy (argmax), so the draft distribution q is one-hot at the draft: the
 rejection sampler's one-hot rule (draft_probs None: accept with probability p(d), resample
@@ -43,6 +42,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,6 +52,20 @@ from tandem.core.outputs import SchedulerOutput
 from tandem.layers.attention import AttentionMetadata
 from tandem.spec_decode.proposer import ProposerState
 from tandem.worker.input_batch import StepInputs
+
+
+@dataclass(frozen=True)
+class CatchUpPass:
+    """A catch-up pass over a flattened batch: request r's rows are `query_start_loc[r]` ..
+    `query_start_loc[r + 1]`, its context `seq_lens[r]` tokens; row i is token `input_ids[i]`
+    at `positions[i]` of request `req_index[i]`, whose blocks are `table[req_index[i]]`."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    table: np.ndarray
+    req_index: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
 
 
 class ModelProposer(ABC):
@@ -196,15 +210,10 @@ class ModelProposer(ABC):
         hidden_in = None
         if hidden_states is not None:
             hidden_in = hidden_states.index_select(0, self._to_device(np.asarray(rows)))
-        out = self.catch_up(
-            np.asarray(ids, dtype=np.int64),
-            positions,
-            table,
-            req_index,
-            qsl_pass,
-            end_arr,
-            hidden_in,
+        catch_up = CatchUpPass(
+            np.asarray(ids, dtype=np.int64), positions, table, req_index, qsl_pass, end_arr
         )
+        out = self.catch_up(catch_up, hidden_in)
         sampled_rows = inp.sampled_rows
         if not sampled_rows:
             return []
@@ -250,22 +259,13 @@ class ModelProposer(ABC):
             drafts.append(logits.argmax(dim=-1))
         return torch.stack(drafts, dim=1).tolist()
 
-    def catch_up(
-        self,
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        table: np.ndarray,
-        req_index: np.ndarray,
-        query_start_loc: np.ndarray,
-        seq_lens: np.ndarray,
-        hidden_states: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The catch-up pass over a flattened batch (request r: rows `query_start_loc[r]` ..,
-        context `seq_lens[r]`): the proposer's output states of every row. Eager here; a
+    def catch_up(self, catch_up: CatchUpPass, hidden_states: torch.Tensor | None) -> torch.Tensor:
+        """The catch-up pass: the proposer's output states of every row. Eager here; a
         subclass may replay a CUDA graph."""
-        meta = self._metadata(table, req_index, positions, query_start_loc, seq_lens)
-        ids = self._to_device(input_ids)
-        return self.forward(ids, self._to_device(positions), hidden_states, meta)
+        c = catch_up
+        meta = self._metadata(c.table, c.req_index, c.positions, c.query_start_loc, c.seq_lens)
+        ids = self._to_device(c.input_ids)
+        return self.forward(ids, self._to_device(c.positions), hidden_states, meta)
 
     def draft_step(
         self,

@@ -35,7 +35,7 @@ def test_smollm2_drafting_for_itself_with_cuda_graphs() -> None:
         assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
         proposer = llm.engine.executor.driver_worker.model_runner.proposer
         # The draft steps and the catch-up passes ran as CUDA graphs.
-        assert proposer.graphs.graphs and proposer.mixed_graphs.num_replays > 0
+        assert proposer.graphs.decode.graphs and proposer.graphs.mixed.num_replays > 0
     assert got == ref
     s = stats.spec_decoding
     assert s is not None and s.num_draft_tokens > 0
@@ -72,10 +72,9 @@ def test_random_8b_with_model_proposers_runs(spec: dict) -> None:
         assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
         proposer = llm.engine.executor.driver_worker.model_runner.proposer
         # Both proposers' draft steps replay decode graphs (8 requests: a captured size).
-        assert proposer.graphs.graphs
+        assert proposer.graphs.decode.graphs and proposer.graphs.mixed.num_replays > 0
         if spec["method"] == "eagle":
             assert proposer.num_graph_draft_steps > 0 and proposer.num_eager_draft_steps == 0
-            assert proposer.mixed_graphs.num_replays > 0  # the catch-up passes
     assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
     s = stats.spec_decoding
     assert s is not None and s.num_draft_tokens > 0
