@@ -11,7 +11,7 @@ import torch
 
 from tandem.config import EngineArgs
 from tandem.loader import load_hf_config
-from tandem.worker.cpu_memory import HUGE_PAGE, huge_page_empty
+from tandem.worker.cpu_memory import HUGE_PAGE, huge_page_empty, layer_major_kv_cache
 from tandem.worker.worker import Worker
 
 
@@ -73,3 +73,17 @@ def test_cpu_kv_cache_is_zeroed_and_on_huge_pages(tiny_model_path) -> None:
     assert int(torch.count_nonzero(cache)) == 0
     if HUGE_OK:
         assert anon_huge_kb(cache) >= (cache.nbytes - 2 * HUGE_PAGE) // 1024
+
+
+def test_layer_major_kv_cache_indexes_as_block_major() -> None:
+    shape = (5, 3, 2, 4, 2, 8)  # blocks, layers, K/V, block size, KV heads, head size
+    cache = layer_major_kv_cache(shape, torch.float32)
+    assert tuple(cache.shape) == shape and int(torch.count_nonzero(cache)) == 0
+    ref = torch.randn(shape)
+    cache.copy_(ref)
+    assert torch.equal(cache, ref)
+    assert torch.equal(cache[3, 1], ref[3, 1])
+    # The memory is [layers, blocks, ...]: layer 1's blocks follow layer 0's.
+    flat = cache.transpose(0, 1).reshape(-1)
+    assert flat.data_ptr() == cache.data_ptr()
+    assert torch.equal(flat[: ref[:, 0].numel()], ref[:, 0].reshape(-1))
