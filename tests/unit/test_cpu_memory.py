@@ -1,6 +1,7 @@
 """The CPU engine's KV cache on 2 MiB pages (tandem/worker/cpu_memory.py): a fresh mapping
 advised before its first touch, which the kernel backs with huge pages where transparent huge
-pages are `always` or `madvise`, and the cache is zeroed as before."""
+pages are `always` or `madvise`, and the cache is zeroed as before. It is stored layer-major:
+each layer's view is one contiguous span."""
 
 from __future__ import annotations
 
@@ -73,6 +74,10 @@ def test_cpu_kv_cache_is_zeroed_and_on_huge_pages(tiny_model_path) -> None:
     assert int(torch.count_nonzero(cache)) == 0
     if HUGE_OK:
         assert anon_huge_kb(cache) >= (cache.nbytes - 2 * HUGE_PAGE) // 1024
+    # Layer-major: every layer's view (what the attention kernels read) is one span.
+    assert cache.shape[1] > 1
+    assert all(cache[:, i].is_contiguous() for i in range(cache.shape[1]))
+    assert cache.stride(0) < cache.stride(1)
 
 
 def test_layer_major_kv_cache_indexes_as_block_major() -> None:
