@@ -11,6 +11,10 @@ bandwidth there), and writes JSON.
 
     python -m benchmarks.cpu_attention --out benchmarks/results/cpu_attention.json
     python -m benchmarks.cpu_attention --dtypes float32 --layers 30 --iters 60  # as the engine
+    python -m benchmarks.cpu_attention --dtypes float32 --layers 30 --kv-layout block
+
+`--kv-layout layer` (the default) stores the cache as the CPU engine does (layer-major:
+`tandem.worker.cpu_memory.layer_major_kv_cache`), `block` block-major (as before it).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 
 from tandem.layers.attention import AttentionMetadata, get_attention_backend
-from tandem.worker.cpu_memory import huge_page_empty
+from tandem.worker.cpu_memory import huge_page_empty, layer_major_kv_cache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
 # (name, requests, new tokens each, context tokens each, including the new ones)
@@ -69,17 +73,28 @@ def metadata(query_len: int, seq_len: int, tables: list[list[int]]) -> Attention
 
 
 def run_shape(
-    num_reqs: int, query_len: int, seq_len: int, dtype: torch.dtype, iters: int, layers: int = 1
+    num_reqs: int,
+    query_len: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    iters: int,
+    layers: int = 1,
+    kv_layout: str = "layer",
 ) -> dict[str, Any]:
     """One shape's timings; with `layers` > 1 the cache is the engine's `[num_blocks, layers,
-    2, ...]` on huge pages and call i reads layer i % layers (at 30 layers, from DRAM)."""
+    2, ...]` on huge pages, stored layer-major (`kv_layout` "layer", as the CPU engine) or
+    block-major ("block"), and call i reads layer i % layers (at 30 layers, from DRAM)."""
     per_req = -(-seq_len // BLOCK_SIZE)
     ids = list(range(num_reqs * per_req + 1))
     random.Random(0).shuffle(ids)
     tables = [ids[i * per_req : (i + 1) * per_req] for i in range(num_reqs)]
     gen = torch.Generator().manual_seed(0)
     shape = (len(ids), layers, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-    full = huge_page_empty(shape, dtype)
+    full = (
+        layer_major_kv_cache(shape, dtype)
+        if kv_layout == "layer"
+        else huge_page_empty(shape, dtype)
+    )
     full.copy_(torch.randn(shape, generator=gen))
     views = [full[:, i] for i in range(layers)]
     cache = views[0]
@@ -125,6 +140,12 @@ def main() -> int:
     p.add_argument(
         "--layers", type=int, default=1, help="layers in the cache, read in turn (30: from DRAM)"
     )
+    p.add_argument(
+        "--kv-layout",
+        choices=("layer", "block"),
+        default="layer",
+        help="cache memory layer-major (the CPU engine's) or block-major",
+    )
     p.add_argument("--out", default="", help="JSON path (default: benchmarks/results/...)")
     ns = p.parse_args()
     from tandem_kernels import cpu
@@ -135,7 +156,7 @@ def main() -> int:
     for dname in ns.dtypes.split(","):
         dtype = getattr(torch, dname)
         for label, r, ql, sl in SHAPES:
-            row = {"shape": label, **run_shape(r, ql, sl, dtype, ns.iters, ns.layers)}
+            row = {"shape": label, **run_shape(r, ql, sl, dtype, ns.iters, ns.layers, ns.kv_layout)}
             rows.append(row)
             extra = (
                 f"  cache read {row['cpu_cache_gb_per_s']:.1f} GB/s"
@@ -156,6 +177,7 @@ def main() -> int:
         "heads": [NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE],
         "block_size": BLOCK_SIZE,
         "layers": ns.layers,
+        "kv_layout": ns.kv_layout,
         "rows": rows,
     }
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")

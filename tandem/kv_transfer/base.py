@@ -1,9 +1,13 @@
 """The KV connector interface and the block-run arithmetic every transport shares.
 
-The KV cache is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]`, so one
-block's KV over all layers is one contiguous span and a run of consecutive block ids is one
-contiguous span too. A transfer copies the prompt's blocks of the prefill engine, in block
-table order, into the blocks the decode engine reserved::
+The KV cache is indexed `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]`.
+On a GPU it is stored so: one block's KV over all layers is one contiguous span, and so is a
+run of consecutive block ids. The CPU engine stores it layer-major (the tensor is a transposed
+view, `tandem.worker.cpu_memory.layer_major_kv_cache`): a block is one piece per layer, and
+what moves blocks gathers and scatters them. On the wire a block is always its
+`KVLayout.block_shape` in C order, whatever the storage. A transfer copies the prompt's
+blocks of the prefill engine, in block table order, into the blocks the decode engine
+reserved::
 
     prefill block table   [ 7  3  4 12 ]      (held after the prefill finished)
     decode reservation    [20 21 22 30 ]      -> runs (20, 3 blocks) and (30, 1 block)
@@ -229,16 +233,19 @@ class KVCacheView:
 
 
 class _RankView:
-    """One rank's cache: its blocks' bytes."""
+    """One rank's cache: its blocks' bytes, each block its `block_shape` in C order whatever
+    the cache's strides (a layer-major CPU cache's block is gathered on read, scattered on
+    write)."""
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
         self.kv_cache = kv_cache
         self.layout = layout
         self.num_blocks = kv_cache.shape[0]
+        # On the host: the cache's own memory as bytes, `[num_blocks, ..., head_size *
+        # itemsize]` with the cache's strides. Never reshaped: numpy's reshape of a
+        # non-contiguous array is a copy, and writes into it would be lost.
         self._bytes: np.ndarray | None = (
-            kv_cache.view(torch.uint8).numpy().reshape(self.num_blocks, -1)
-            if kv_cache.device.type == "cpu"
-            else None
+            kv_cache.view(torch.uint8).numpy() if kv_cache.device.type == "cpu" else None
         )
 
     def read(self, block_ids: Sequence[int]) -> bytes:
@@ -252,10 +259,11 @@ class _RankView:
         return blocks.view(torch.uint8).numpy().tobytes()
 
     def write(self, first_block_id: int, num_blocks: int, data: bytes | memoryview) -> None:
-        src = np.frombuffer(data, dtype=np.uint8).reshape(num_blocks, -1)
         if self._bytes is not None:
-            self._bytes[first_block_id : first_block_id + num_blocks] = src
+            dst = self._bytes[first_block_id : first_block_id + num_blocks]
+            dst[...] = np.frombuffer(data, dtype=np.uint8).reshape(dst.shape)
             return
+        src = np.frombuffer(data, dtype=np.uint8).reshape(num_blocks, -1)
         host = torch.from_numpy(src.copy()).view(self.kv_cache.dtype)
         self.kv_cache[first_block_id : first_block_id + num_blocks].copy_(
             host.view(num_blocks, *self.layout.block_shape)

@@ -230,13 +230,22 @@ class NcclMover(KVMover[Pair]):
         group = self._pair_group(pair)
         cache = self.cache.kv_cache
         with self._on_stream(pair):
-            # Raw bytes: any cache dtype (an FP8 cache too) travels as uint8.
-            works = [
-                group.recv([_as_bytes(cache[first : first + n])], PREFILL_RANK, 0)
-                for first, n in runs
+            # Raw bytes: any cache dtype (an FP8 cache too) travels as uint8. A run that is not
+            # one span of the cache (a layer-major CPU cache) lands in a buffer first and is
+            # scattered into its blocks once received.
+            dsts = [cache[first : first + n] for first, n in runs]
+            bufs = [
+                d
+                if d.is_contiguous()
+                else torch.empty_like(d, memory_format=torch.contiguous_format)
+                for d in dsts
             ]
+            works = [group.recv([_as_bytes(b)], PREFILL_RANK, 0) for b in bufs]
             for work in works:
                 work.wait()
+            for d, b in zip(dsts, bufs, strict=True):
+                if b is not d:
+                    d.copy_(b)
             self._sync(pair)
 
     async def end_receive(self, receipt: tuple[Pair, concurrent.futures.Future[None]]) -> None:
@@ -309,8 +318,8 @@ class NcclMover(KVMover[Pair]):
             tensors = []
             for pos, _first, n in runs:
                 ids = src[pos : pos + n]
-                if consecutive(ids):
-                    tensors.append(cache[ids[0] : ids[0] + n])
+                if consecutive(ids):  # one span of a block-major cache: sent in place
+                    tensors.append(cache[ids[0] : ids[0] + n].contiguous())
                 else:
                     tensors.append(cache.index_select(0, torch.tensor(ids, device=self.device)))
             works = [group.send([_as_bytes(t)], DECODE_RANK, 0) for t in tensors]

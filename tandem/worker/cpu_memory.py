@@ -1,11 +1,23 @@
-"""Host memory for the CPU engine's large tensors: backed by 2 MiB pages where the kernel can.
+"""Host memory for the CPU engine's large tensors: backed by 2 MiB pages where the kernel can,
+and the KV cache laid out layer-major.
 
 A step reads the KV cache a layer at a time: for each request's blocks, one layer's K and V
-(24 KB at the embedded model's shape), at a stride of a whole block over all layers (`kv_cache`
-is `[num_blocks, num_layers, ...]`). With 4 KiB pages every such piece is pages no other piece
-shares, and a decode step of 64 requests walks thousands of page-table entries a layer, far
-past what the TLB holds: attention then waits on page walks as well as on memory. Backed by
-2 MiB pages, a layer's pieces of neighbouring blocks share one page.
+(24 KB at the embedded model's shape). The engine indexes the cache as
+`[num_blocks, num_layers, ...]` (a block id names the same slot in every layer); stored that
+way, one layer's pieces of neighbouring blocks sit a whole block over all layers apart
+(720 KB), and a decode step's reads are scattered. `layer_major_kv_cache` stores it
+`[num_layers, num_blocks, ...]` and hands back the transposed view: the same shape and
+indexing, but each layer's view `kv_cache[:, i]` is one contiguous span::
+
+    storage   [ layer 0: block 0 | block 1 | ... ][ layer 1: block 0 | block 1 | ... ] ...
+    engine    kv_cache[b, i] = storage[i, b]      (kv_cache.stride(0) < kv_cache.stride(1))
+
+so a block's KV over all layers (`kv_cache[b]`) is no longer one contiguous span: whatever
+moves whole blocks as bytes gathers and scatters them (`tandem.kv_transfer`).
+
+With 4 KiB pages every piece a step reads is pages no other piece shares, and a decode step
+of 64 requests walks thousands of page-table entries a layer, far past what the TLB holds.
+Backed by 2 MiB pages, neighbouring pieces share one page.
 
 Linux backs anonymous memory with huge pages where `transparent_hugepage` is `always`, or
 `madvise` and the range was advised `MADV_HUGEPAGE` before it was touched. `huge_page_empty`
@@ -40,3 +52,13 @@ def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> 
     with contextlib.suppress(OSError):  # refused: plain pages
         buf.madvise(advice)
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(tuple(shape))
+
+
+def layer_major_kv_cache(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed KV cache of `shape` `[num_blocks, num_layers, ...]` whose memory is
+    `[num_layers, num_blocks, ...]` (on `huge_page_empty`'s pages): the transposed view, so
+    each layer's `kv_cache[:, i]` is contiguous and a block's `kv_cache[b]` is not (see the
+    module docstring)."""
+    num_blocks, num_layers, *rest = shape
+    storage = huge_page_empty((num_layers, num_blocks, *rest), dtype).zero_()
+    return storage.transpose(0, 1)

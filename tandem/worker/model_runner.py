@@ -412,8 +412,11 @@ class ModelRunner:
         """Take the engine's KV cache (`kv_cache_shape`), tune the attention kernels on it
         (through the backend's `tune` hook), then capture the decode CUDA graphs.
 
-        A block's KV over all layers is the contiguous span `kv_cache[b]`, so a run of
-        consecutive block ids moves as one copy; each layer sees a strided view.
+        Each layer sees the view `kv_cache[:, i]`. On a GPU the cache is block-major: a
+        block's KV over all layers is the contiguous span `kv_cache[b]` (a run of consecutive
+        block ids moves as one copy) and each layer's view is strided. On the CPU it is
+        layer-major (`tandem.worker.cpu_memory.layer_major_kv_cache`): each layer's view is
+        contiguous, for the decode step's reads.
         """
         self.kv_cache = kv_cache
         self.kv_caches = [kv_cache[:, i] for i in self._layer_slots]

@@ -28,7 +28,7 @@ from tandem.config import EngineConfig
 from tandem.core.outputs import GrammarBitmaskSource, SchedulerOutput
 from tandem.distributed import ParallelState
 from tandem.distributed.init import DistributedInit, init_parallel_state
-from tandem.worker.cpu_memory import huge_page_empty
+from tandem.worker.cpu_memory import layer_major_kv_cache
 from tandem.worker.cpu_threads import (
     CpuThreadGovernor,
     make_cpu_thread_governor,
@@ -152,11 +152,14 @@ class Worker:
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """The engine's KV cache: one zeroed tensor of the runner's `kv_cache_shape` on this
-        rank's device. The only place the engine's cache is allocated."""
+        rank's device. The only place the engine's cache is allocated. On the CPU it is stored
+        layer-major (`tandem.worker.cpu_memory.layer_major_kv_cache`: each layer's view is
+        contiguous, a block is not); on a GPU, block-major (a block over all layers is one
+        contiguous span)."""
         runner = self.model_runner
         shape = runner.kv_cache_shape(num_blocks)
         if self.device.type == "cpu":
-            return huge_page_empty(shape, runner.kv_dtype).zero_()
+            return layer_major_kv_cache(shape, runner.kv_dtype)
         return torch.zeros(shape, dtype=runner.kv_dtype, device=self.device)
 
     def export_kv_cache(self) -> SharedKVCache:

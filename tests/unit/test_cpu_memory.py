@@ -1,6 +1,7 @@
 """The CPU engine's KV cache on 2 MiB pages (tandem/worker/cpu_memory.py): a fresh mapping
 advised before its first touch, which the kernel backs with huge pages where transparent huge
-pages are `always` or `madvise`, and the cache is zeroed as before."""
+pages are `always` or `madvise`, and the cache is zeroed as before. It is stored layer-major:
+each layer's view is one contiguous span."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from tandem.config import EngineArgs
 from tandem.loader import load_hf_config
-from tandem.worker.cpu_memory import HUGE_PAGE, huge_page_empty
+from tandem.worker.cpu_memory import HUGE_PAGE, huge_page_empty, layer_major_kv_cache
 from tandem.worker.worker import Worker
 
 
@@ -73,3 +74,21 @@ def test_cpu_kv_cache_is_zeroed_and_on_huge_pages(tiny_model_path) -> None:
     assert int(torch.count_nonzero(cache)) == 0
     if HUGE_OK:
         assert anon_huge_kb(cache) >= (cache.nbytes - 2 * HUGE_PAGE) // 1024
+    # Layer-major: every layer's view (what the attention kernels read) is one span.
+    assert cache.shape[1] > 1
+    assert all(cache[:, i].is_contiguous() for i in range(cache.shape[1]))
+    assert cache.stride(0) < cache.stride(1)
+
+
+def test_layer_major_kv_cache_indexes_as_block_major() -> None:
+    shape = (5, 3, 2, 4, 2, 8)  # blocks, layers, K/V, block size, KV heads, head size
+    cache = layer_major_kv_cache(shape, torch.float32)
+    assert tuple(cache.shape) == shape and int(torch.count_nonzero(cache)) == 0
+    ref = torch.randn(shape)
+    cache.copy_(ref)
+    assert torch.equal(cache, ref)
+    assert torch.equal(cache[3, 1], ref[3, 1])
+    # The memory is [layers, blocks, ...]: layer 1's blocks follow layer 0's.
+    flat = cache.transpose(0, 1).reshape(-1)
+    assert flat.data_ptr() == cache.data_ptr()
+    assert torch.equal(flat[: ref[:, 0].numel()], ref[:, 0].reshape(-1))

@@ -588,3 +588,26 @@ def test_ranked_cache_view_moves_each_ranks_share_to_the_same_rank() -> None:
         recv.write(0, 1, data)
     with pytest.raises(ValueError, match="ranks' KV caches differ"):
         KVCacheView([torch.zeros(shape), torch.zeros((6, 1, 2, 4, 1, 8))])
+
+
+def test_cache_view_reads_and_writes_a_layer_major_cpu_cache_in_place() -> None:
+    """The CPU engine's cache is a transposed view (layer-major memory): whole-block reads and
+    writes reach its memory (not a copy of it), and a block's bytes are the same as from a
+    block-major cache (the wire format does not depend on the layout)."""
+    from tandem.kv_transfer.base import KVCacheView
+    from tandem.worker.cpu_memory import layer_major_kv_cache
+
+    shape = (6, 3, 2, 4, 2, 8)  # blocks, layers, K/V, block size, KV heads, head size
+    cache = layer_major_kv_cache(shape, torch.bfloat16)
+    assert not cache.is_contiguous()
+    src = torch.randn(shape).to(torch.bfloat16)  # block-major
+    view = KVCacheView(cache)
+    view.write(1, 3, KVCacheView(src).read([5, 0, 2]))
+    for dst_block, src_block in ((1, 5), (2, 0), (3, 2)):
+        assert torch.equal(cache[dst_block], src[src_block])
+    assert not cache[[0, 4, 5]].view(torch.int16).any(), "blocks outside the run changed"
+    # What the engine writes into its cache is what a read sends.
+    cache[4].copy_(src[3])
+    assert view.read([4]) == KVCacheView(src).read([3])
+    assert view.read([2, 4, 1]) == KVCacheView(src).read([0, 3, 5])
+    assert view.read([1, 2]) == KVCacheView(src).read([5, 0])

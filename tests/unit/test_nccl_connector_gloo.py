@@ -5,12 +5,14 @@ reservations; a prefill process sends shuffled, non-contiguous blocks of a rando
 cache (`--kv-cache-dtype fp8`; the mover moves its bytes) for several requests (one alone,
 three at once, bad requests, a session abandoned after READY, one more after reconnecting).
 The parent checks every destination block bit for bit, that no other block changed, and that
-every "being written" mark was cleared.
+every "being written" mark was cleared. Both caches block-major, and both layer-major (the
+CPU engine's: a block is not one span, so the mover gathers and scatters).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from multiprocessing.connection import Connection
@@ -32,9 +34,10 @@ GROUP_TIMEOUT_S = 5.0
 Job = tuple[list[int], list[int]]
 
 
-def source_cache() -> torch.Tensor:
+def source_cache(layer_major: bool = False) -> torch.Tensor:
     gen = torch.Generator().manual_seed(SEED)
-    return torch.randn(SHAPE, generator=gen).to(DTYPE)
+    cache = torch.randn(SHAPE, generator=gen).to(DTYPE)
+    return cache.transpose(0, 1).contiguous().transpose(0, 1) if layer_major else cache
 
 
 def make_jobs() -> dict[str, Job]:
@@ -58,11 +61,15 @@ def make_jobs() -> dict[str, Job]:
 # ----------------------------------------------------------------------------- processes
 
 
-def decode_main(conn: Connection, reservations: dict[str, list[int]], out: str) -> None:
-    asyncio.run(_decode(conn, reservations, out))
+def decode_main(
+    conn: Connection, reservations: dict[str, list[int]], out: str, layer_major: bool = False
+) -> None:
+    asyncio.run(_decode(conn, reservations, out, layer_major))
 
 
-async def _decode(conn: Connection, reservations: dict[str, list[int]], out: str) -> None:
+async def _decode(
+    conn: Connection, reservations: dict[str, list[int]], out: str, layer_major: bool
+) -> None:
     from tandem.kv_transfer.base import DirectEngine
     from tandem.kv_transfer.nccl import NcclMover
     from tandem.kv_transfer.placement import NCCL
@@ -72,6 +79,8 @@ async def _decode(conn: Connection, reservations: dict[str, list[int]], out: str
 
     torch.set_num_threads(1)
     cache = torch.zeros(SHAPE, dtype=DTYPE)
+    if layer_major:
+        cache = cache.transpose(0, 1).contiguous().transpose(0, 1)
     mover = NcclMover(
         cache, DirectEngine(), "decode-0", backend="gloo", group_timeout_s=GROUP_TIMEOUT_S
     )
@@ -90,11 +99,13 @@ async def _decode(conn: Connection, reservations: dict[str, list[int]], out: str
     await transports.close()
 
 
-def prefill_main(conn: Connection, address: str, jobs: dict[str, Job]) -> None:
-    conn.send(asyncio.run(_prefill(address, jobs)))
+def prefill_main(
+    conn: Connection, address: str, jobs: dict[str, Job], layer_major: bool = False
+) -> None:
+    conn.send(asyncio.run(_prefill(address, jobs, layer_major)))
 
 
-async def _prefill(address: str, jobs: dict[str, Job]) -> dict[str, Any]:
+async def _prefill(address: str, jobs: dict[str, Job], layer_major: bool) -> dict[str, Any]:
     from tandem.kv_transfer.base import DirectEngine, KVDestination, KVTransferError
     from tandem.kv_transfer.nccl import NcclMover
     from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
@@ -102,7 +113,11 @@ async def _prefill(address: str, jobs: dict[str, Job]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     mover = NcclMover(
-        source_cache(), DirectEngine(), "prefill-0", backend="gloo", group_timeout_s=5.0
+        source_cache(layer_major),
+        DirectEngine(),
+        "prefill-0",
+        backend="gloo",
+        group_timeout_s=5.0,
     )
     connector = RemoteKVConnector(mover, 20.0)
 
@@ -154,14 +169,15 @@ async def _prefill(address: str, jobs: dict[str, Job]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- test
 
 
-def test_gloo_pair_moves_blocks_byte_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layer_major", [False, True], ids=["block_major", "layer_major"])
+def test_gloo_pair_moves_blocks_byte_exact(tmp_path: Path, layer_major: bool) -> None:
     jobs = make_jobs()
     reservations = {rid: dst for rid, (_, dst) in jobs.items() if rid != "ghost"}
     reservations["abandoned"] = list(jobs["after"][1])  # the same blocks, later reused
     out = tmp_path / "decode_cache.pt"
     result, decode_report = run_kv_pair(
-        decode_main,
-        prefill_main,
+        functools.partial(decode_main, layer_major=layer_major),
+        functools.partial(prefill_main, layer_major=layer_major),
         reservations,
         jobs,
         out,
@@ -171,6 +187,7 @@ def test_gloo_pair_moves_blocks_byte_exact(tmp_path: Path) -> None:
 
     src = source_cache()
     dst = torch.load(out)
+    assert dst.is_contiguous() != layer_major
     bytes_per_block = src[0].numel() * src.element_size()
     good = ("alone", "c0", "c1", "c2", "seq_src", "after")
     assert set(result["bytes"]) == set(good), result["errors"]
