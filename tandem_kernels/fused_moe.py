@@ -503,7 +503,7 @@ def _config_for(
     if found is not None:
         return found
     weight_bytes = (w13.numel() + w2.numel()) * w13.element_size()
-    if _may_tune(hidden_states) and num_tokens > 0 and weight_bytes >= _MIN_TUNE_BYTES:
+    if weight_bytes >= _MIN_TUNE_BYTES and num_tokens > 0 and _may_tune(hidden_states):
         tune_fused_moe(w13, w2, top_k, max_tokens=num_tokens)
         found = _configs.get((key, bucket))
         if found is not None:

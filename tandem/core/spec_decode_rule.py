@@ -161,9 +161,8 @@ class SpeculationRule:
         # Decayed counts by draft position: requests that reached it, and of those, accepted.
         self.trials = [0.0] * num_spec_tokens
         self.accepted = [0.0] * num_spec_tokens
-        # E(n) for n = 0..k and the conditional acceptance behind it; None: counts changed.
+        # E(n) for n = 0..k; None: the counts changed since.
         self._expected: list[float] | None = None
-        self._conditional: list[float] | None = None
         self._buckets: dict[int, _Bucket] = {}
         # Steps planned ahead (a probe), by drafts per request.
         self._plan: deque[int] = deque()
@@ -250,7 +249,7 @@ class SpeculationRule:
         step's most drafts are not trials."""
         if num_requests <= 0:
             return
-        self._expected = self._conditional = None
+        self._expected = None
         for j in range(self.k):
             self.trials[j] *= self.decay
             self.accepted[j] *= self.decay
@@ -264,13 +263,9 @@ class SpeculationRule:
     def conditional_acceptance(self) -> list[float]:
         """c[j]: draft j's acceptance given drafts 0..j-1 accepted, shrunk toward the pooled
         rate (which is shrunk toward 1 by half a pseudo-trial)."""
-        if self._conditional is None:
-            pooled = (sum(self.accepted) + 0.5) / (sum(self.trials) + 0.5)
-            m = self.prior_weight
-            self._conditional = [
-                (a + m * pooled) / (t + m) for a, t in zip(self.accepted, self.trials, strict=True)
-            ]
-        return list(self._conditional)
+        pooled = (sum(self.accepted) + 0.5) / (sum(self.trials) + 0.5)
+        m = self.prior_weight
+        return [(a + m * pooled) / (t + m) for a, t in zip(self.accepted, self.trials, strict=True)]
 
     def expected_tokens(self, num_drafts: int) -> float:
         """E(n): tokens a request emits in a step with n drafts."""
