@@ -216,18 +216,23 @@ class SpeculationRule:
         self, so: SchedulerOutput, result: ModelRunnerOutput, seconds: float | None
     ) -> None:
         """One step's result, `seconds` after the previous step's (None: not a step's cost):
-        its time if every request decoded (1 + its drafts), its acceptance if it verified.
+        its time if every request decoded (1 + its drafts; timed under the drafts a request
+        had on average, rounded, at least 1 in a verify step), its acceptance if it verified.
         A request the scheduler held back from drafting (`spec_backoff_req_ids`: its drafts
         kept failing) counts as a rejected first draft, in a verify step or a plain one: the
         backoff hides exactly the rejections that tell the rule to stop."""
         spec = so.scheduled_spec_decode_tokens
         counts = so.num_scheduled_tokens
         num_drafts = max((len(d) for d in spec.values()), default=0)
-        decode_only = so.total_num_scheduled_tokens == len(counts) + sum(
-            len(d) for d in spec.values()
-        )
+        total_drafts = sum(len(d) for d in spec.values())
+        decode_only = so.total_num_scheduled_tokens == len(counts) + total_drafts
         if seconds is not None and decode_only and counts:
-            self.observe_step(len(counts), num_drafts, seconds)
+            # Timed under the drafts a request had on average (a verify step's cost follows
+            # its query tokens), at least one: requests held back or short of proposals
+            # carry fewer than the step's n, and timing such a step under n flattened the
+            # line (at p = 0 the probes then took k drafts, not the cheapest one).
+            timed = max(1, round(total_drafts / len(counts))) if total_drafts else 0
+            self.observe_step(len(counts), timed, seconds)
         backoff = so.spec_backoff_req_ids
         if not spec and not backoff:
             return

@@ -132,9 +132,10 @@ def test_one_sided_timing_noise_does_not_flip_the_decision(p: float, on: bool) -
 
 
 def test_observe_output_reads_times_and_acceptance_from_a_step() -> None:
-    """A verify step of three decodes (drafts 3, 2 and none): its time counts under 3 drafts,
-    acceptance by position over the requests that reached each position (a request without
-    a draft there counts as rejected); a step with a prefill chunk is not timed."""
+    """A verify step of three decodes (drafts 3, 2 and none): its time counts under the
+    drafts a request had on average (5 / 3, rounded: 2), acceptance by position over the
+    requests that reached each position (a request without a draft there counts as
+    rejected); a step with a prefill chunk is not timed."""
     rule = SpeculationRule(3, prior_weight=0.0)
     verify = SchedulerOutput(
         num_scheduled_tokens={"a": 4, "b": 3, "c": 1},
@@ -144,13 +145,44 @@ def test_observe_output_reads_times_and_acceptance_from_a_step() -> None:
     # a: 2 accepted (+ its own token), b: 0 accepted, c: its one token.
     result = ModelRunnerOutput(["a", "b", "c"], [[1, 2, 9], [7], [8]])
     rule.observe_output(verify, result, 0.02)
-    assert rule.step_time(3, 3) == 0.02 and rule.step_time(3, 0) is None
+    assert rule._bucket(3).times == [None, None, 0.02, None]
+    assert rule.step_time(3, 2) == 0.02 and rule.step_time(3, 0) is None
     assert rule.trials == pytest.approx([3, 1, 1]) and rule.accepted == pytest.approx([1, 1, 0])
     assert rule.conditional_acceptance() == pytest.approx([1 / 3, 1.0, 0.0])
     assert rule.expected_tokens(3) == pytest.approx(1 + 2 / 3)
     mixed = SchedulerOutput(num_scheduled_tokens={"a": 1, "d": 40}, total_num_scheduled_tokens=41)
     rule.observe_output(mixed, ModelRunnerOutput(["a", "d"], [[5], [6]]), 0.5)
     assert rule.step_time(2, 0) is None  # not a decode-only step: no time
+
+
+def test_a_verify_step_is_timed_under_its_drafts_per_request() -> None:
+    """A step decided with 4 drafts in which one request of 8 drafted (the others backed off)
+    costs about a plain step: it is timed under 1 draft, so the verify line keeps its slope
+    and, with nothing accepted, the cheapest drafting arm (1) is the one a probe would take."""
+    rule = SpeculationRule(4)
+    reqs = [f"r{i}" for i in range(8)]
+    plain = SchedulerOutput(
+        num_scheduled_tokens=dict.fromkeys(reqs, 1), total_num_scheduled_tokens=8
+    )
+    for _ in range(3):
+        rule.observe_output(plain, ModelRunnerOutput(reqs, [[1]] * 8), 0.010)
+    full = SchedulerOutput(
+        num_scheduled_tokens=dict.fromkeys(reqs, 5),
+        total_num_scheduled_tokens=40,
+        scheduled_spec_decode_tokens={r: [1, 2, 3, 4] for r in reqs},
+    )
+    rule.observe_output(full, ModelRunnerOutput(reqs, [[9]] * 8), 0.02)  # the switch: dropped
+    rule.observe_output(full, ModelRunnerOutput(reqs, [[9]] * 8), 0.014)
+    one = SchedulerOutput(
+        num_scheduled_tokens={**dict.fromkeys(reqs, 1), "r0": 5},
+        total_num_scheduled_tokens=12,
+        scheduled_spec_decode_tokens={"r0": [1, 2, 3, 4]},
+        spec_backoff_req_ids=set(reqs[1:]),
+    )
+    rule.observe_output(one, ModelRunnerOutput(reqs, [[9]] * 8), 0.0105)
+    assert rule._bucket(8).times == [0.010, 0.0105, None, None, 0.014]
+    assert rule.step_time(8, 1) < rule.step_time(8, 2) < rule.step_time(8, 4)
+    assert rule.best(8) == 0 and rule.best_drafting(8) == 1
 
 
 def test_backed_off_requests_count_as_rejected_first_drafts() -> None:
