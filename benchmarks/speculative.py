@@ -479,7 +479,8 @@ def _sync() -> None:
 
 def _ngram_copy(ns: argparse.Namespace, engine_kwargs: dict[str, Any], ks: list[int]) -> list:
     """N-gram speculation on prompts whose answers copy their input (needs a tokenizer);
-    each timing paired with the engine without speculation's, taken just before."""
+    each timing paired with the engine without speculation's, taken just before (`--repeats`
+    pairs, medians; after one untimed run with `--warm-rule`, as the replay rows)."""
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len)
     rows: list[dict[str, Any]] = []
     with LLM(model=ns.model, **engine_kwargs) as base_llm:
@@ -500,11 +501,11 @@ def _ngram_copy(ns: argparse.Namespace, engine_kwargs: dict[str, Any], ks: list[
                 "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2,
             }
+            _, ref = _row(base_llm, prompts, params, None)
             with LLM(model=ns.model, **{**engine_kwargs, "speculative_config": spec}) as llm:
-                base, ref = _row(base_llm, prompts, params, None)
-                row, _ = _row(llm, prompts, params, ref)
-            row["no_spec_tpot_ms"] = base["tpot_ms"]
-            row["tpot_vs_no_spec"] = row["tpot_ms"] / base["tpot_ms"]
+                if ns.warm_rule:
+                    llm.generate(prompts, params, use_tqdm=False)
+                row = _paired_row(base_llm, llm, prompts, params, ref, ns.repeats)
             rows.append({"speculation": spec, **row})
             print(
                 f"n-gram k={k}  TPOT {row['tpot_ms']:8.2f} ms ({row['tpot_vs_no_spec']:.2f}x)  "
