@@ -15,9 +15,13 @@ for each estimate to stand alone):
 
 * Step time, per batch-size bucket (powers of two). Each n keeps a running mean of the
   time between consecutive step results (measured by the engine on the host) and its
-  sample count. Host timings on a shared machine carry one-sided noise (a pause only adds
-  time), so a mean follows a faster sample at once and a slower one slowly (`smoothing`
-  down, a quarter of it up, a slower sample clipped at twice the mean). Verify steps
+  sample count. A verify step counts under the drafts its requests carried on average
+  (rounded, at least 1), not the step's n: the scheduler holds requests whose drafts keep
+  failing back from drafting, and a proposer may have fewer than n to offer, so a step
+  decided with n drafts can cost much less than n's. Host timings on a shared machine
+  carry one-sided noise (a pause only adds time), so a mean follows a faster sample at
+  once and a slower one slowly (`smoothing` down, a quarter of it up, a slower sample
+  clipped at twice the mean). Verify steps
   (n > 0) share one line ``T(n) = a + b n``, a least-squares fit over the measured n > 0
   weighted by their samples (up to `max_time_weight` each), so an n never run has an
   estimate from its neighbours. With one n > 0 measured, the line goes through it and
