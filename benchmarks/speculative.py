@@ -23,7 +23,9 @@ Each replay engine runs per `--rules` (the speculative config's `speculation_rul
 `measured`, the per-step rule of tandem.core.spec_decode_rule, or `always`) and per
 `--async-modes` (the engine's async scheduling, on / off). Each row says how the engine ran
 (`async_scheduling`) and, under the measured rule, its choices during the timed run
-(`rule_steps_by_num_drafts`: steps by drafts per request, 0 = plain decode; `rule_probes`).
+(`rule_steps_by_num_drafts`: steps by drafts per request, 0 = plain decode; `rule_probes`;
+counted over the timed generate only, since session 10: before, they included the 4-token
+warm-up at batch 1 that precedes it).
 The measured rule learns per batch size: by default (`--warm-rule`) each speculative row is
 timed after one untimed run of the same batch, so the figure is the rule's steady state (its
 first probes in a bucket are the cost of learning it, paid once per engine). `--repeats N`
@@ -194,9 +196,16 @@ def _row(
     ref: list | None,
     after_warmup: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], list[list[int]]]:
-    d0, a0, pos0, _ = _spec_counts(llm)
-    steps0, probes0 = _rule_counts(llm)
-    elapsed, tokens = _timed(llm, prompts, params, after_warmup)
+    before: dict[str, Any] = {}
+
+    def mark() -> None:  # the counts start after the untimed warm-up generate
+        before["spec"], before["rule"] = _spec_counts(llm), _rule_counts(llm)
+        if after_warmup is not None:
+            after_warmup()
+
+    elapsed, tokens = _timed(llm, prompts, params, mark)
+    d0, a0, pos0, _ = before["spec"]
+    steps0, probes0 = before["rule"]
     d1, a1, pos1, paths = _spec_counts(llm)
     steps1, probes1 = _rule_counts(llm)
     row: dict[str, Any] = {
