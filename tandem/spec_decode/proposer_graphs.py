@@ -114,23 +114,18 @@ class ProposerGraphs:
         """The catch-up pass through the mixed-step graph of its token count: the output
         states of its rows; None when no graph holds it (run it eagerly)."""
         c = catch_up
-        total, num_reqs = len(c.input_ids), len(c.seq_lens)
-        size = self.mixed.size_for(total, num_reqs)
+        size = self.mixed.size_for(len(c.input_ids), len(c.seq_lens))
         if size is None:
             return None
-        bs = self.block_size
-        inp = StepInputs(
-            num_reqs=num_reqs,
-            total=total,
-            input_ids=c.input_ids,
-            positions=c.positions,
-            slot_mapping=c.table[c.req_index, c.positions // bs] * bs + c.positions % bs,
-            query_start_loc=c.query_start_loc,
-            seq_lens=c.seq_lens,
-            block_table=c.table,
-            max_query_len=int(np.diff(c.query_start_loc).max()),
-            sampled_rows=[],
-            states=[],
+        max_query_len = int(np.diff(c.query_start_loc).max())
+        inp = self._inputs(
+            c.table,
+            c.req_index,
+            c.positions,
+            c.input_ids,
+            c.query_start_loc,
+            c.seq_lens,
+            max_query_len,
         )
         return self.mixed.replay(inp, size, self.staging, fill)
 
@@ -144,21 +139,38 @@ class ProposerGraphs:
         size = self.decode.size_for(n)
         if size is None:
             return None
+        rows = np.arange(n)
+        inp = self._inputs(
+            table, rows, positions, np.zeros(n, dtype=np.int64), np.arange(n + 1), positions + 1, 1
+        )
+        return size, self.decode.replay(inp, size, self.staging, fill)
+
+    def _inputs(
+        self,
+        table: np.ndarray,
+        req_index: np.ndarray,
+        positions: np.ndarray,
+        input_ids: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        max_query_len: int,
+    ) -> StepInputs:
+        """A replay's host arrays: token rows (each of request `req_index[i]` at
+        `positions[i]`, its slot from `table`) and request rows."""
         bs = self.block_size
-        inp = StepInputs(
-            num_reqs=n,
-            total=n,
-            input_ids=np.zeros(n, dtype=np.int64),
+        return StepInputs(
+            num_reqs=len(seq_lens),
+            total=len(positions),
+            input_ids=input_ids,
             positions=positions,
-            slot_mapping=table[np.arange(n), positions // bs] * bs + positions % bs,
-            query_start_loc=np.arange(n + 1),
-            seq_lens=positions + 1,
+            slot_mapping=table[req_index, positions // bs] * bs + positions % bs,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
             block_table=table,
-            max_query_len=1,
+            max_query_len=max_query_len,
             sampled_rows=[],
             states=[],
         )
-        return size, self.decode.replay(inp, size, self.staging, fill)
 
     def clear(self) -> None:
         self.decode.clear()
