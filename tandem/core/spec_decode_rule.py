@@ -13,22 +13,21 @@ a decode-only step with n drafts per request at this batch size. The rule picks 
 Few samples, shared strength (a 64-token run gives a batch of one a few dozen steps, too few
 for each estimate to stand alone):
 
-* Step time, per batch-size bucket (powers of two). Each n keeps a running mean of the
-  time between consecutive step results (measured by the engine on the host) and its
-  sample count. A verify step counts under the drafts its requests carried on average
-  (rounded, at least 1), not the step's n: the scheduler holds requests whose drafts keep
-  failing back from drafting, and a proposer may have fewer than n to offer, so a step
-  decided with n drafts can cost much less than n's. Host timings on a shared machine
-  carry one-sided noise (a pause only adds time), so a mean follows a faster sample at
-  once and a slower one slowly (`smoothing` down, a quarter of it up, a slower sample
-  clipped at twice the mean). Verify steps
-  (n > 0) share one line ``T(n) = a + b n``, a least-squares fit over the measured n > 0
-  weighted by their samples (up to `max_time_weight` each), so an n never run has an
-  estimate from its neighbours. With one n > 0 measured, the line goes through it and
-  plain decode (a verify step grows about linearly in query tokens). Plain decode (n = 0)
-  stands apart: it runs other graphs, and a verify step may cost a fixed amount more than
-  the line down to n = 0 says. A verify step is never estimated cheaper than plain decode,
-  and the slope never below zero.
+* Step time, per batch-size bucket (powers of two). Each n keeps a running mean of the time
+  between consecutive step results (measured by the engine on the host) and its sample
+  count. A verify step counts under the drafts its requests carried on average (rounded, at
+  least 1), not the step's n: the scheduler holds requests whose drafts keep failing back
+  from drafting, and a proposer may have fewer than n to offer, so a step decided with n
+  drafts can cost much less than n's. Host timings on a shared machine carry one-sided
+  noise (a pause only adds time), so a mean follows a faster sample at once and a slower
+  one slowly (`smoothing` down, a quarter of it up, a slower sample clipped at twice the
+  mean). Verify steps (n > 0) share one line ``T(n) = a + b n``, a least-squares fit over
+  the measured n > 0 weighted by their samples (up to `max_time_weight` each), so an n
+  never run has an estimate from its neighbours. With one n > 0 measured, the line goes
+  through it and plain decode (a verify step grows about linearly in query tokens). Plain
+  decode (n = 0) stands apart: it runs other graphs, and a verify step may cost a fixed
+  amount more than the line down to n = 0 says. A verify step is never estimated cheaper
+  than plain decode, and the slope never below zero.
 
       T ^                 x  measured verify arms (fitted: a + b n)
         |           x--x  o  plain decode (its own mean)
@@ -231,10 +230,7 @@ class SpeculationRule:
         total_drafts = sum(len(d) for d in spec.values())
         decode_only = so.total_num_scheduled_tokens == len(counts) + total_drafts
         if seconds is not None and decode_only and counts:
-            # Timed under the drafts a request had on average (a verify step's cost follows
-            # its query tokens), at least one: requests held back or short of proposals
-            # carry fewer than the step's n, and timing such a step under n flattened the
-            # line (at p = 0 the probes then took k drafts, not the cheapest one).
+            # A verify step's cost follows its query tokens (see the module docstring).
             timed = max(1, round(total_drafts / len(counts))) if total_drafts else 0
             self.observe_step(len(counts), timed, seconds)
         backoff = so.spec_backoff_req_ids
