@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.layers.quantization.input_quant import Activation, GatedActivation, input_quantizer
+
+if TYPE_CHECKING:
+    from tandem.layers.linear import MergedColumnParallelLinear
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -24,7 +29,9 @@ class SiluAndMul(nn.Module):
     wants quantized input (an FP8 method), 2-D inputs come out as that `QuantizedActivation`,
     written by the activation's own kernel (input_quant.py); where it computes the activation
     itself as it reads its input (`takes_gated`), as a `GatedActivation` of the input
-    untouched; else as usual."""
+    untouched; else as usual. `of(gate_up_proj, x)` is `self(gate_up_proj(x))`, from the
+    projection's own kernel where it applies the activation as it stores its product (the
+    CPU panel GEMM)."""
 
     def __init__(self, cpu_kernels: bool = False, quant_consumer: nn.Module | None = None) -> None:
         super().__init__()
@@ -46,6 +53,15 @@ class SiluAndMul(nn.Module):
 
             return cpu.silu_and_mul(x)
         return silu_and_mul(x)
+
+    def of(self, gate_up_proj: MergedColumnParallelLinear, x: torch.Tensor) -> Activation:
+        """`self(gate_up_proj(x))`; on the CPU step path, with plain input wanted by the
+        consumer, in one kernel where the projection's method has one (the same bits)."""
+        if self.cpu_kernels and self.input_quant is None:
+            fused = gate_up_proj.forward_silu_mul(x)
+            if fused is not None:
+                return fused
+        return self(gate_up_proj(x))
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

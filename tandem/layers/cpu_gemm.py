@@ -38,7 +38,10 @@ output sums k in a fixed order.)
              -> CpuGemmPlan(weight, has_bias) -> rule_cpu_gemm(weight) per token class
              -> pack the weight once per chosen kernel
     step:  plan.linear(x, weight, bias) -> the kernel of x's token class (F.linear where the
-           kernel cannot read x's layout)
+           kernel cannot read x's layout); for an MLP's [gate | up] weight,
+           plan.linear_silu_mul(x, weight, bias) -> silu(gate) * up from the kernel's fused
+           form (`panel`: the two ops' bits, the [M, 2 d] product never written), None where
+           it has none
 """
 
 from __future__ import annotations
@@ -88,6 +91,17 @@ class CpuGemm(ABC):
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """`F.linear(x, weight, bias)`, `packed` being `self.pack(weight)`."""
+
+    def linear_silu_mul(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        packed: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """`silu_and_mul(self.linear(...))` for a `[gate | up]` weight, bit for bit, in one
+        kernel; None where this kernel has no such form (the caller runs the two)."""
+        return None
 
 
 class TorchGemm(CpuGemm):
@@ -205,6 +219,20 @@ class PanelGemm(CpuGemm):
 
         assert packed is not None
         return cpu.panel_linear(x, packed, bias)
+
+    def linear_silu_mul(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        packed: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        from tandem_kernels import cpu
+
+        assert packed is not None
+        if weight.shape[0] % 64:  # gate and up each a whole number of panels
+            return None
+        return cpu.panel_linear_silu_mul(x, packed, bias)
 
 
 CPU_GEMMS: dict[str, CpuGemm] = {
@@ -325,3 +353,16 @@ class CpuGemmPlan:
         if not kernel.takes(x):
             return F.linear(x, weight, bias)
         return kernel.linear(x, weight, self.packed[kernel.name], bias)
+
+    def linear_silu_mul(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """`silu_and_mul(self.linear(x, weight, bias))` for a `[gate | up]` weight in one
+        kernel, where the kernel of `x`'s token class has that form (`panel`: the same bits
+        as the two ops, without the `[M, 2 d]` product); None elsewhere."""
+        if x.dim() != 2 or x.device.type != "cpu" or x.dtype != weight.dtype:
+            return None
+        kernel = self.kernels[token_class_index(x.shape[0])]
+        if not kernel.takes(x):
+            return None
+        return kernel.linear_silu_mul(x, weight, self.packed[kernel.name], bias)

@@ -196,6 +196,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             input_size, sum(output_sizes), bias, ctx, gather_output, output_sizes, prefix
         )
 
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`silu_and_mul(self(x))` for a `[gate | up]` layer in one kernel, where this
+        layer's method has one for `x` (`apply_silu_mul`); None: the caller runs the two."""
+        if self.gather_output and self.tp_size > 1:
+            return None
+        return self.quant_method.apply_silu_mul(self, x, self.bias)
+
     def _shard_rows(self, shard_id: Any) -> tuple[int, int, int, int]:
         """`(offset in the parameter, rows, start in the checkpoint part, the part's full
         rows)` of a part."""

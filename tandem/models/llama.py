@@ -191,7 +191,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul(cpu_kernels=ctx.cpu_kernels, quant_consumer=self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn.of(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -17,6 +17,9 @@ and says whether it can be used; without a C++ compiler the engine keeps the pur
   weight on every call, most of a decode-sized product's time); `has_packed_sgemm()` says
   whether this torch build exports MKL's packed API (x86 wheels do);
 - `silu_and_mul(x [T, 2 D])`: `silu(gate) * up` in one pass, as `tandem.layers.activation`;
+- `panel_pack_weight(weight)`, `panel_linear(x, packed, bias)`: the AVX-512 float32 panel
+  GEMM (tandem.layers.cpu_gemm); `panel_linear_silu_mul(x, packed, bias)`: a `[gate | up]`
+  weight's product with `silu_and_mul` applied as it is stored (bit for bit the two ops);
 - `argmax_rows(x [N, V] float32)`: `torch.argmax(x, -1)` (first maximum; first NaN), rows
   split among the threads;
 - `bind_threads(cores)`: one OpenMP thread per core, thread i bound to `cores[i]`.
@@ -157,6 +160,15 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     """`F.linear(x, weight, bias)` for float32 `x [M, K]` (rows contiguous), `packed` made by
     `panel_pack_weight(weight)`: each output one multiply-add chain over k in order."""
     return _ops().panel_linear(x, packed, bias)
+
+
+def panel_linear_silu_mul(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`silu_and_mul(panel_linear(x, packed, bias))` bit for bit, in one pass that never writes
+    the `[M, 2 d]` product: `packed` is a `[gate | up]` weight `[2 d, K]` (d a multiple of 32)
+    made by `panel_pack_weight`."""
+    return _ops().panel_linear_silu_mul(x, packed, bias)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

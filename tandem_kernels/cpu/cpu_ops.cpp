@@ -1202,23 +1202,48 @@ inline void panel_rows(int64_t rows, const float* x, int64_t ldx, const float* p
 }
 #endif
 
+// How a panel product of m rows over k is scheduled: rows are taken a block at a time, each
+// block's x (about 512 KB, at least 128 rows: a decode batch passes over the weight once)
+// staying near while the thread's panels pass over it (a prefill chunk's x is megabytes); the
+// next panel's lines are asked for `pf_per4` at a time every 4 k-steps, so that the whole of
+// it is asked for over one panel's tiles of a block.
+struct PanelSchedule {
+  int64_t row_block;
+  int64_t pf_per4;
+};
+
+inline PanelSchedule panel_schedule(int64_t m, int64_t k) {
+  const int64_t row_block =
+      std::max<int64_t>(128, (int64_t{1} << 19) / (4 * k) / kPanelRows * kPanelRows);
+  const int64_t tiles = (std::min(m, row_block) + kPanelRows - 1) / kPanelRows;
+  const int64_t panel_lines = k * kPanel * 4 / 64;
+  const int64_t steps = tiles * std::max<int64_t>(1, k / 4);
+  return {row_block, std::max<int64_t>(1, (panel_lines + steps - 1) / steps)};
+}
+
+void check_panel_args(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias, const float*& bias_ptr) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, op,
+              ": x must be float32 [M, K], rows contiguous");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kFloat && packed.size(1) == x.size(1),
+              op, ": packed weight [N / 32, K, 32] float32 of x's K");
+  bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == packed.size(0) * kPanel && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(),
+                op, ": bias [N] float32");
+    bias_ptr = bias->data_ptr<float>();
+  }
+}
+
 // x [M, K] (rows contiguous) @ weight^T (+ bias) -> [M, N] float32, `packed` from
 // `panel_pack_weight(weight)`.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed,
                         const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
-              "panel_linear: x must be float32 [M, K], rows contiguous");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kFloat && packed.size(1) == x.size(1),
-              "panel_linear: packed weight [N / 32, K, 32] float32 of x's K");
+  const float* bias_ptr;
+  check_panel_args("panel_linear", x, packed, bias, bias_ptr);
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), n = panels * kPanel;
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(),
-                "panel_linear: bias [N] float32");
-    bias_ptr = bias->data_ptr<float>();
-  }
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
 #if defined(__AVX512F__)
@@ -1226,23 +1251,14 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* wp = packed.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), panel_floats = k * kPanel;
-  // Rows are taken a block at a time, each block's x (about 512 KB, at least 128 rows: a
-  // decode batch passes over the weight once) staying near while the thread's panels pass
-  // over it (a prefill chunk's x is megabytes).
-  const int64_t row_block =
-      std::max<int64_t>(128, (int64_t{1} << 19) / (4 * k) / kPanelRows * kPanelRows);
-  const int64_t tiles = (std::min(m, row_block) + kPanelRows - 1) / kPanelRows;
-  // Lines of the next panel per 4 k-steps, so that it is asked for over this panel's tiles.
-  const int64_t panel_lines = panel_floats * 4 / 64;
-  const int64_t steps = tiles * std::max<int64_t>(1, k / 4);
-  const int64_t pf_per4 = std::max<int64_t>(1, (panel_lines + steps - 1) / steps);
+  const PanelSchedule sched = panel_schedule(m, k);
   const int nthreads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), panels));
 #pragma omp parallel num_threads(nthreads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-    for (int64_t rb = 0; rb < m; rb += row_block) {
-      const int64_t rb_end = std::min(m, rb + row_block);
+    for (int64_t rb = 0; rb < m; rb += sched.row_block) {
+      const int64_t rb_end = std::min(m, rb + sched.row_block);
       for (int64_t p = p0; p < p1; ++p) {
         const float* panel = wp + p * panel_floats;
         const char* pf =
@@ -1252,13 +1268,98 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed,
         for (int64_t r0 = rb; r0 < rb_end; r0 += kPanelRows) {
           const int64_t rows = std::min<int64_t>(kPanelRows, rb_end - r0);
           panel_rows<kPanelRows>(rows, xp + r0 * ldx, ldx, panel, k, b,
-                                 yp + r0 * n + p * kPanel, n, pf, pf_end, pf_per4);
+                                 yp + r0 * n + p * kPanel, n, pf, pf_end, sched.pf_per4);
         }
       }
     }
   }
 #else
   TORCH_CHECK(false, "panel_linear: built without AVX-512");
+#endif
+  return out;
+}
+
+#if defined(__AVX512F__)
+// out[r][j] = silu(g[r][j]) * u[r][j] for `rows` rows of 32 (g, u: [rows][32]); silu_and_mul's
+// arithmetic, bit for bit (SLEEF's exp where silu_and_mul takes it, else std::exp).
+inline void silu_mul_tile(int64_t rows, const float* g, const float* u, float* out,
+                          int64_t ldo) {
+  if (Sleef_expf16_u10 != nullptr) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < kPanel; j += 16) {
+        const __m512 v = _mm512_loadu_ps(g + r * kPanel + j);
+        const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        const __m512 a = _mm512_div_ps(v, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(out + r * ldo + j, _mm512_mul_ps(a, _mm512_loadu_ps(u + r * kPanel + j)));
+      }
+    }
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < kPanel; ++j) {
+      const float v = g[r * kPanel + j];
+      out[r * ldo + j] = v / (1.f + std::exp(-v)) * u[r * kPanel + j];
+    }
+  }
+}
+#endif
+
+// silu(x @ gate^T + b_gate) * (x @ up^T + b_up) -> [M, D] float32: `silu_and_mul(panel_linear(x,
+// packed, bias))` bit for bit, without the [M, 2 D] product. `packed` is a [gate | up] weight
+// [2 D, K] packed by `panel_pack_weight` (gate panels 0 .. D / 32 - 1, then up's), bias [2 D].
+// Each thread takes a contiguous run of the D / 32 (gate, up) panel pairs; per tile of 8 rows
+// the gate sums and the up sums (panel_tile's, the same chains) go to two buffers on the stack
+// and their product is stored. While a pair is computed, the gate tiles ask for the next gate
+// panel and the up tiles for the next up panel.
+at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
+                                 const std::optional<at::Tensor>& bias) {
+  const float* bias_ptr;
+  check_panel_args("panel_linear_silu_mul", x, packed, bias, bias_ptr);
+  TORCH_CHECK(packed.size(0) % 2 == 0,
+              "panel_linear_silu_mul: a [gate | up] weight of 2 D rows, D a multiple of 32");
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(0) / 2, d = pairs * kPanel;
+  auto out = at::empty({m, d}, x.options());
+  if (m == 0) return out;
+#if defined(__AVX512F__)
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), panel_floats = k * kPanel;
+  const PanelSchedule sched = panel_schedule(m, k);
+  const int nthreads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), pairs));
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+    alignas(64) float gate_sums[kPanelRows * kPanel];
+    alignas(64) float up_sums[kPanelRows * kPanel];
+    for (int64_t rb = 0; rb < m; rb += sched.row_block) {
+      const int64_t rb_end = std::min(m, rb + sched.row_block);
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* gate = wp + p * panel_floats;
+        const float* up = wp + (pairs + p) * panel_floats;
+        const bool next = p + 1 < p1;
+        const char* pf_gate = next ? reinterpret_cast<const char*>(gate + panel_floats) : nullptr;
+        const char* pf_up = next ? reinterpret_cast<const char*>(up + panel_floats) : nullptr;
+        const char* pf_gate_end = pf_gate ? pf_gate + panel_floats * 4 : nullptr;
+        const char* pf_up_end = pf_up ? pf_up + panel_floats * 4 : nullptr;
+        const float* b_gate = bias_ptr ? bias_ptr + p * kPanel : nullptr;
+        const float* b_up = bias_ptr ? bias_ptr + d + p * kPanel : nullptr;
+        for (int64_t r0 = rb; r0 < rb_end; r0 += kPanelRows) {
+          const int64_t rows = std::min<int64_t>(kPanelRows, rb_end - r0);
+          const float* xr = xp + r0 * ldx;
+          panel_rows<kPanelRows>(rows, xr, ldx, gate, k, b_gate, gate_sums, kPanel, pf_gate,
+                                 pf_gate_end, sched.pf_per4);
+          panel_rows<kPanelRows>(rows, xr, ldx, up, k, b_up, up_sums, kPanel, pf_up, pf_up_end,
+                                 sched.pf_per4);
+          silu_mul_tile(rows, gate_sums, up_sums, yp + r0 * d + p * kPanel, d);
+        }
+      }
+    }
+  }
+#else
+  TORCH_CHECK(false, "panel_linear_silu_mul: built without AVX-512");
 #endif
   return out;
 }
@@ -1395,6 +1496,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("has_panel_gemm() -> bool", &has_panel_gemm);
   m.def("panel_pack_weight(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("panel_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("bind_threads(int[] cores) -> int[]", [](c10::IntArrayRef cores) {
@@ -1411,6 +1513,7 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("panel_pack_weight", &panel_pack_weight);
   m.impl("panel_linear", &panel_linear);
+  m.impl("panel_linear_silu_mul", &panel_linear_silu_mul);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
 }

@@ -98,6 +98,76 @@ def test_panel_gemm_is_the_same_whatever_the_threads_and_the_batch() -> None:
         cpu.panel_pack_weight(torch.randn(90, 200))
 
 
+@pytest.mark.skipif(not cpu.has_panel_gemm(), reason="no AVX-512 panel kernel on this CPU")
+@pytest.mark.parametrize(
+    ("rows", "d", "k", "bias"),
+    [(1, 32, 40, True), (64, 1536, 576, False), (13, 96, 577, True), (300, 64, 4096, False)],
+)
+def test_panel_gate_up_with_silu_mul_is_the_two_ops_bit_for_bit(
+    rows: int, d: int, k: int, bias: bool
+) -> None:
+    # The fused form stores silu(gate) * up from the same sums the plain product writes: the
+    # same bits, so a process that fuses and one that does not agree (300 rows over k = 4096:
+    # more than one row block; 64 x 1536 x 576: SmolLM2's MLP at a decode step).
+    gen = torch.Generator().manual_seed(rows + d)
+    weight = torch.empty(2 * d, k).uniform_(-0.05, 0.05, generator=gen)
+    b = torch.empty(2 * d).uniform_(-1, 1, generator=gen) if bias else None
+    x = torch.empty(rows, k).uniform_(-1, 1, generator=gen)
+    packed = cpu.panel_pack_weight(weight)
+    fused = cpu.panel_linear_silu_mul(x, packed, b)
+    assert fused.shape == (rows, d)
+    assert torch.equal(fused, cpu.silu_and_mul(cpu.panel_linear(x, packed, b)))
+    ref = F.linear(x, weight, b)
+    torch.testing.assert_close(fused, F.silu(ref[:, :d]) * ref[:, d:], rtol=1e-5, atol=2e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu.panel_linear_silu_mul(x, packed, b), fused)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(cpu.panel_linear_silu_mul(x[rows // 2 :], packed, b), fused[rows // 2 :])
+    with pytest.raises(RuntimeError, match="gate \\| up"):
+        cpu.panel_linear_silu_mul(x, cpu.panel_pack_weight(torch.randn(96, k)), None)
+
+
+def test_gate_up_layer_fuses_the_activation_where_its_kernel_can(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tandem.layers.activation import SiluAndMul
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.linear import MergedColumnParallelLinear
+    from tandem.models.interface import ModelContext
+
+    calls: list[str] = []
+    real = cpu.panel_linear_silu_mul
+    monkeypatch.setattr(cpu, "panel_linear_silu_mul", lambda *a: calls.append("fused") or real(*a))
+    gen = torch.Generator().manual_seed(5)
+    for gemm in ("auto", "onednn"):
+        single = ModelContext.single(
+            torch.float32, torch.device("cpu"), get_attention_backend("cpu")
+        )
+        ctx = dataclasses.replace(single, cpu_gemm=gemm)
+        gate_up = MergedColumnParallelLinear(40, [64, 64], False, ctx)
+        with torch.no_grad():
+            gate_up.weight.uniform_(-0.1, 0.1, generator=gen)
+        act = SiluAndMul(cpu_kernels=True)
+        x = torch.empty(7, 40).uniform_(-1, 1, generator=gen)
+        plain = F.linear(x, gate_up.weight)
+        expected = F.silu(plain[:, :64]) * plain[:, 64:]
+        torch.testing.assert_close(act.of(gate_up, x), expected)  # before loading: no plan
+        gate_up.quant_method.process_weights_after_loading(gate_up)
+        calls.clear()
+        out = act.of(gate_up, x)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-5)
+        fuses = gemm == "auto" and cpu.has_panel_gemm()
+        assert calls == (["fused"] if fuses else [])
+        assert torch.equal(out, act(gate_up(x)))  # the same bits as the two steps
+        # Without the CPU kernels the activation runs after the projection, as before.
+        calls.clear()
+        torch.testing.assert_close(SiluAndMul().of(gate_up, x), expected, rtol=1e-5, atol=2e-5)
+        assert calls == []
+
+
 def test_rule_is_a_fixed_function_of_dtype_shape_and_cpu() -> None:
     fp32 = torch.randn(96, 40)
     small = "panel" if cpu.has_panel_gemm() else "onednn"

@@ -91,6 +91,14 @@ class LinearMethodBase(QuantizeMethodBase):
         `takes_gated` says so) in `apply`."""
         return None
 
+    def apply_silu_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """`silu_and_mul(self.apply(layer, x, bias))` for a `[gate | up]` layer, in one kernel
+        where this method has one for `x` (giving the two ops' bits); None: the caller runs
+        `apply` and the activation."""
+        return None
+
 
 class QuantizationConfig(ABC):
     """A checkpoint's quantization scheme: which method each layer gets."""

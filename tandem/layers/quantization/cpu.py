@@ -31,3 +31,11 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
         if plan is None:
             return super().apply(layer, x, bias)
         return plan.linear(x, layer.weight, bias)
+
+    def apply_silu_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        plan: CpuGemmPlan | None = getattr(layer, "cpu_gemm_plan", None)
+        if plan is None:
+            return None
+        return plan.linear_silu_mul(x, layer.weight, bias)
