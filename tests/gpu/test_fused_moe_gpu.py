@@ -2,9 +2,12 @@
 of Qwen3-30B-A3B (128 experts, top 8, H 2048, I 768) and Mixtral-8x7B (8 experts, top 2,
 H 4096, I 14336), bf16, decode to prefill token counts; its per-shape tuning; and a call
 captured in a CUDA graph and replayed on new routing (no host sync inside). The decode path
-(a GEMV per pair, no sorting) the same way, with ids of experts another rank holds."""
+(a GEMV per pair, no sorting) the same way, with ids of experts another rank holds. Every
+grouped candidate, SiLU in GEMM 1's epilogue or not, and the tuner's choice between the two."""
 
 from __future__ import annotations
+
+import unittest.mock
 
 import pytest
 import torch
@@ -203,3 +206,57 @@ def test_tiny_layers_take_the_default_rule_untuned() -> None:
     out = fm.fused_moe(x, w13, w2, weights, ids)
     assert len(fm.tuning_log) == before
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("num_tokens", [64, 4096])
+def test_every_grouped_candidate_matches_reference_bf16(shape: str, num_tokens: int) -> None:
+    """Each of `_CANDIDATES` (both SiLU forms) against the reference, on all-local ids and on
+    ids with experts another rank holds (those pairs add nothing; the last token gets zeros)."""
+    w13, w2 = _weights(shape, torch.bfloat16)
+    x, weights, ids = _routing(shape, num_tokens, seed=20 + num_tokens)
+    x = x.to(torch.bfloat16)
+    ep_ids = ids.clone()
+    _drop_to_other_rank(ep_ids, w13.shape[0])
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    ep_ref = fused_moe_ref(x, w13, w2, weights, ep_ids)
+    forms = {c.silu_in_epilogue for c in fm._CANDIDATES}
+    assert forms == {False, True}
+    for config in fm._CANDIDATES:
+        out = fm.fused_moe(x, w13, w2, weights, ids, config)
+        assert out.dtype == torch.bfloat16
+        _assert_close(out, ref)
+        out = fm.fused_moe(x, w13, w2, weights, ep_ids, config)
+        _assert_close(out, ep_ref)
+        assert torch.equal(out[-1], torch.zeros_like(out[-1])), fm.config_name(config)
+
+
+def test_tuner_times_both_silu_forms_and_may_keep_the_epilogue_one() -> None:
+    """A grouped bucket times the unfused and the SiLU-epilogue candidates side by side and
+    keeps the fastest of all; given only epilogue candidates, it keeps one, and a call with
+    no config runs it (no separate SiLU pass). Qwen3-30B-A3B's weights under top_k 6 and 5:
+    keys no other test tunes."""
+    w13, w2 = _weights("qwen3-30b-a3b", torch.bfloat16)
+    num_experts = w13.shape[0]
+    tuned = fm.tune_fused_moe(w13, w2, 6, max_tokens=4096)
+    key = fm._shape_key(w13, 6)
+    (entry,) = [
+        e for e in fm.tuning_log if e["key"] == [*key[:4], str(key[4])] and e["num_tokens"] == 4096
+    ]
+    timed = set(entry["ms"])
+    for config in fm._CANDIDATES:  # 192 rows an expert: no tile is too tall to be timed
+        assert fm.config_name(config) in timed, fm.config_name(config)
+    assert entry["best"] == min(entry["ms"], key=entry["ms"].get)
+    assert entry["best"] == fm.config_name(tuned[4096])
+
+    epilogue_only = fm.tune_fused_moe(
+        w13, w2, 5, 4096, candidates=fm._SILU_EPILOGUE_CANDIDATES, decode_candidates=()
+    )
+    assert epilogue_only[4096].silu_in_epilogue
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    x = torch.randn(3000, w13.shape[2], device=DEV, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(3000, num_experts, device=DEV, generator=gen)
+    weights, ids = select_experts(logits, 5, True)
+    with unittest.mock.patch.object(fm, "silu_and_mul", side_effect=AssertionError):
+        out = fm.fused_moe(x, w13, w2, weights, ids)
+    _assert_close(out, fused_moe_ref(x, w13, w2, weights, ids))

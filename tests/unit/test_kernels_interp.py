@@ -9,6 +9,7 @@ Small shapes only; fp32 and fp16 (the interpreter's bf16 dot is wrong).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -16,10 +17,11 @@ import os
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+import unittest.mock
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -1502,12 +1504,67 @@ def case_fused_moe(dtype: torch.dtype, block_m: int, other_rank: bool) -> None:
     positions = (sorted_ids < num_tokens * top_k).nonzero().reshape(-1)
     assert torch.equal(expert_ids[positions // block_m].long(), topk_ids.reshape(-1)[real].long())
     assert int(num_post) % block_m == 0 and int(num_post) <= sorted_ids.shape[0]
-    config = (block_m, 32, 16, 2, 4, 1)
+    config = k.fused_moe.MoEConfig(block_m, 32, 16, 2, 4, 1)
     out = k.fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, config)
     ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
     assert out.dtype == dtype and out.shape == (num_tokens, hidden)
     assert ref.abs().max() > 0.1
     torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@contextlib.contextmanager
+def _nan_filled_empty() -> Iterator[None]:
+    """`torch.empty` hands out float tensors full of NaN: a kernel that reads memory nobody
+    wrote, or counts on it being zero, gives NaN."""
+    empty = torch.empty
+
+    def nan_filled(*args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor = empty(*args, **kwargs)
+        if tensor.is_floating_point():
+            tensor.fill_(math.nan)
+        return tensor
+
+    with unittest.mock.patch.object(torch, "empty", nan_filled):
+        yield
+
+
+@_case(
+    *(
+        {"dtype": d, "block_m": m, "block_n": n}
+        for d, m, n in [(torch.float32, 16, 16), (torch.float16, 16, 16), (torch.float32, 32, 32)]
+    )
+)
+def case_fused_moe_silu_epilogue(dtype: torch.dtype, block_m: int, block_n: int) -> None:
+    """GEMM 1 with SiLU in its epilogue (no gate_up buffer, no separate SiLU pass) against the
+    reference and against the unfused form with the same tiles: absent experts' pairs (ids
+    >= E) mixed in, padding rows in the tiles, I = 24 not a multiple of block_n (16: a
+    partial second tile; 32: one tile wider than I). Buffers start as NaN, so an unmasked
+    read of an unwritten row shows."""
+    k = _kernels()
+    fm = k.fused_moe
+    num_tokens, hidden, inter, num_experts, top_k = 13, 40, 24, 5, 2
+    x, w13, w2, topk_weights, topk_ids = _moe_problem(5, num_tokens, top_k, dtype, no_token=1)
+    topk_ids[::4, 0] = num_experts
+    topk_ids[5] = num_experts + 2
+    assert inter % block_n != 0
+    _, _, num_post = fm.moe_align_block_size(topk_ids, block_m, num_experts)
+    assert int(num_post) > int((topk_ids < num_experts).sum()), "no padding rows"
+    fused = fm.MoEConfig(block_m, block_n, 16, 2, 4, 1, silu_in_epilogue=True)
+    unfused = fused._replace(silu_in_epilogue=False)
+    ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    assert ref.abs().max() > 0.1 and torch.equal(ref[5], torch.zeros_like(ref[5]))
+    with _nan_filled_empty():
+        expected = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, unfused)
+        with unittest.mock.patch.object(fm, "silu_and_mul", side_effect=AssertionError):
+            out = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, fused)
+    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    # Gate and up are rounded as the unfused form stores them: the same values, bit for bit
+    # (the interpreter's dot is numpy's matmul on tiles of the same shapes in both forms).
+    assert torch.equal(out, expected)
+    assert torch.equal(out[5], torch.zeros_like(out[5]))
+    assert fm.config_name(fused) == f"silu-epilogue:{block_m}x{block_n}x16x2x4x1"
+    assert fm.config_name(unfused) == f"{block_m}x{block_n}x16x2x4x1"
 
 
 @_case(
