@@ -30,7 +30,9 @@ two accumulators: the tuner times both forms (see Tile configs) and keeps the fa
 The padded length EM = T * k + E * (BLOCK_M - 1) is an upper bound known on the host, and the
 real length stays on the device: no host sync, so a call can be captured in a CUDA graph.
 Tiles past the real length exit at once. Ids >= E (experts of another rank) are never
-computed and add nothing.
+computed and add nothing: their rows of C2 are never written, so C2 starts as zeros, unless
+the caller passes `all_experts_local=True` (every id < E, as without expert parallel, or in an
+exact expert-parallel dispatch: every row of C2 is written, and the fill is skipped).
 
 Decode path (a `DecodeConfig`): with few pairs, no sorting or padding, two GEMVs:
 
@@ -413,12 +415,19 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: FusedMoEConfig | None = None,
+    *,
+    all_experts_local: bool = False,
 ) -> torch.Tensor:
     """`[T, H]`: `sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])` (fused_moe_ref's
     result). hidden_states `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]` (contiguous, one dtype),
     topk_weights `[T, k]` float32, topk_ids `[T, k]` int. `config` unset: the tuned one for
     this shape and token bucket (tuning it now when allowed, see the module docstring); a
-    `DecodeConfig` runs the decode path."""
+    `DecodeConfig` runs the decode path.
+
+    `all_experts_local`: the caller vouches that every id is < E (no pair names another
+    rank's expert), so GEMM 2 writes every pair's row and the grouped path skips zero-filling
+    them first. Not checked (that would cost a host sync): set with ids >= E, the output is
+    garbage. The default is right for any ids; the decode path never fills."""
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
@@ -447,8 +456,10 @@ def fused_moe(
         gate_up = torch.empty(num_pairs, two_inter, dtype=dtype, device=dev)
         _launch(hidden_states, w13, gate_up, *routing, top_k, None, config)
         act = silu_and_mul(gate_up)
-    # Rows of other ranks' experts are never written: they must add nothing.
-    down = torch.zeros(num_pairs, hidden, dtype=dtype, device=dev)
+    # Rows of other ranks' experts are never written: unless there are none, they must read
+    # as zeros in the sum.
+    alloc = torch.empty if all_experts_local else torch.zeros
+    down = alloc(num_pairs, hidden, dtype=dtype, device=dev)
     _launch(act, w2, down, *routing, 1, "routed_weight", config)
     return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
 
@@ -617,7 +628,10 @@ def tune_fused_moe(
                     bucket * top_k // num_experts, 16
                 ):
                     continue  # tiles far taller than an expert's rows: padding only
-                run = functools.partial(fused_moe, x, w13, w2, topk_weights, topk_ids, config)
+                # Every id is < E here, as in a layer without expert parallel.
+                run = functools.partial(
+                    fused_moe, x, w13, w2, topk_weights, topk_ids, config, all_experts_local=True
+                )
                 if decode:
                     us = time_in_graph([run])
                     ms = None if us is None else us / 1e3

@@ -3,7 +3,8 @@ of Qwen3-30B-A3B (128 experts, top 8, H 2048, I 768) and Mixtral-8x7B (8 experts
 H 4096, I 14336), bf16, decode to prefill token counts; its per-shape tuning; and a call
 captured in a CUDA graph and replayed on new routing (no host sync inside). The decode path
 (a GEMV per pair, no sorting) the same way, with ids of experts another rank holds. Every
-grouped candidate, SiLU in GEMM 1's epilogue or not, and the tuner's choice between the two."""
+grouped candidate, SiLU in GEMM 1's epilogue or not, and the tuner's choice between the two;
+the zero fill of GEMM 2's output skipped only when the caller vouches every expert is local."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ if not torch.cuda.is_available():
 import tandem_kernels.fused_moe as fm  # noqa: E402
 from tandem.layers.moe import select_experts  # noqa: E402
 from tandem_kernels.moe_ref import fused_moe_ref  # noqa: E402
+from tests.uninitialized import nan_filled_empty  # noqa: E402
 
 DEV = torch.device("cuda")
 # name -> (experts, top_k, hidden, intermediate, renormalize)
@@ -260,3 +262,26 @@ def test_tuner_times_both_silu_forms_and_may_keep_the_epilogue_one() -> None:
     with unittest.mock.patch.object(fm, "silu_and_mul", side_effect=AssertionError):
         out = fm.fused_moe(x, w13, w2, weights, ids)
     _assert_close(out, fused_moe_ref(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("silu_in_epilogue", [False, True])
+def test_zero_fill_is_skipped_only_when_every_expert_is_local(silu_in_epilogue: bool) -> None:
+    """With every buffer handed out full of NaN: `all_experts_local=True` on local ids
+    matches the reference (every down row written); ids >= E by default match theirs (the
+    fill taken); ids >= E under the keyword give NaN in exactly the tokens with such a pair
+    (the fill skipped)."""
+    shape = "qwen3-30b-a3b"
+    w13, w2 = _weights(shape, torch.bfloat16)
+    x, weights, ids = _routing(shape, 600, seed=30)
+    x = x.to(torch.bfloat16)
+    ep_ids = ids.clone()
+    _drop_to_other_rank(ep_ids, w13.shape[0])
+    config = fm.MoEConfig(64, 64, 64, 8, 4, 4, silu_in_epilogue)
+    with nan_filled_empty():
+        local = fm.fused_moe(x, w13, w2, weights, ids, config, all_experts_local=True)
+        ep = fm.fused_moe(x, w13, w2, weights, ep_ids, config)
+        broken = fm.fused_moe(x, w13, w2, weights, ep_ids, config, all_experts_local=True)
+    _assert_close(local, fused_moe_ref(x, w13, w2, weights, ids))
+    _assert_close(ep, fused_moe_ref(x, w13, w2, weights, ep_ids))
+    has_absent = (ep_ids >= w13.shape[0]).any(dim=1)
+    assert torch.equal(broken.isnan().any(dim=1), has_absent)

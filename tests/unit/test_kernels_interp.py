@@ -9,7 +9,6 @@ Small shapes only; fp32 and fp16 (the interpreter's bf16 dot is wrong).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -18,13 +17,15 @@ import subprocess
 import sys
 import traceback
 import unittest.mock
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+from tests.uninitialized import nan_filled_empty
 
 if TYPE_CHECKING:
     from tandem.layers.attention.backend import AttentionMetadata
@@ -1512,22 +1513,6 @@ def case_fused_moe(dtype: torch.dtype, block_m: int, other_rank: bool) -> None:
     torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
-@contextlib.contextmanager
-def _nan_filled_empty() -> Iterator[None]:
-    """`torch.empty` hands out float tensors full of NaN: a kernel that reads memory nobody
-    wrote, or counts on it being zero, gives NaN."""
-    empty = torch.empty
-
-    def nan_filled(*args: Any, **kwargs: Any) -> torch.Tensor:
-        tensor = empty(*args, **kwargs)
-        if tensor.is_floating_point():
-            tensor.fill_(math.nan)
-        return tensor
-
-    with unittest.mock.patch.object(torch, "empty", nan_filled):
-        yield
-
-
 @_case(
     *(
         {"dtype": d, "block_m": m, "block_n": n}
@@ -1553,7 +1538,7 @@ def case_fused_moe_silu_epilogue(dtype: torch.dtype, block_m: int, block_n: int)
     unfused = fused._replace(silu_in_epilogue=False)
     ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
     assert ref.abs().max() > 0.1 and torch.equal(ref[5], torch.zeros_like(ref[5]))
-    with _nan_filled_empty():
+    with nan_filled_empty():
         expected = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, unfused)
         with unittest.mock.patch.object(fm, "silu_and_mul", side_effect=AssertionError):
             out = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, fused)
@@ -1565,6 +1550,35 @@ def case_fused_moe_silu_epilogue(dtype: torch.dtype, block_m: int, block_n: int)
     assert torch.equal(out[5], torch.zeros_like(out[5]))
     assert fm.config_name(fused) == f"silu-epilogue:{block_m}x{block_n}x16x2x4x1"
     assert fm.config_name(unfused) == f"{block_m}x{block_n}x16x2x4x1"
+
+
+@_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))
+def case_fused_moe_zero_fill(dtype: torch.dtype, silu_in_epilogue: bool) -> None:
+    """The down rows start as zeros only where some pair may name another rank's expert:
+    `all_experts_local=True` on local ids equals the reference with every buffer handed out
+    full of NaN (every row is written); ids >= E by default are still right and finite (the
+    fill is taken); and ids >= E under the keyword (a caller's broken promise) give NaN
+    exactly in the tokens with such a pair, which shows the fill was skipped."""
+    k = _kernels()
+    fm = k.fused_moe
+    num_tokens, num_experts, top_k = 11, 5, 2
+    x, w13, w2, topk_weights, topk_ids = _moe_problem(7, num_tokens, top_k, dtype)
+    ep_ids = topk_ids.clone()
+    ep_ids[::3, 1] = num_experts
+    ep_ids[4] = num_experts + 1
+    config = fm.MoEConfig(16, 16, 16, 2, 4, 1, silu_in_epilogue)
+    ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    ep_ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, ep_ids)
+    with nan_filled_empty():
+        local = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, config, all_experts_local=True)
+        ep = fm.fused_moe(x, w13, w2, topk_weights, ep_ids, config)
+        broken = fm.fused_moe(x, w13, w2, topk_weights, ep_ids, config, all_experts_local=True)
+    torch.testing.assert_close(local, ref, **_tol(dtype))
+    torch.testing.assert_close(ep, ep_ref, **_tol(dtype))
+    assert torch.equal(ep[4], torch.zeros_like(ep[4]))
+    has_absent = (ep_ids >= num_experts).any(dim=1)
+    assert torch.equal(broken.isnan().all(dim=1), has_absent)
+    assert torch.equal(broken.isnan().any(dim=1), has_absent)
 
 
 @_case(
