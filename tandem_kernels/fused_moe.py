@@ -665,6 +665,17 @@ def config_name(config: FusedMoEConfig) -> str:
     return f"silu-epilogue:{name}" if config.silu_in_epilogue else name
 
 
+def config_from_name(name: str) -> FusedMoEConfig:
+    """The config `config_name` gave this name (a tuning log's entries back to configs)."""
+    form, _, tiles = name.rpartition(":")
+    values = [int(v) for v in tiles.split("x")]
+    if form == "decode":
+        return DecodeConfig(*values)
+    if form not in ("", "silu-epilogue") or len(values) != 6:
+        raise ValueError(f"not a fused MoE config name: {name!r}")
+    return MoEConfig(*values, silu_in_epilogue=form == "silu-epilogue")
+
+
 def _time_config(run: Callable[[], object], iters: int) -> float | None:
     """Milliseconds per call after two untimed calls (compilation); None when the device
     cannot run the config (shared memory, registers)."""

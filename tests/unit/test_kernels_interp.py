@@ -1550,6 +1550,9 @@ def case_fused_moe_silu_epilogue(dtype: torch.dtype, block_m: int, block_n: int)
     assert torch.equal(out[5], torch.zeros_like(out[5]))
     assert fm.config_name(fused) == f"silu-epilogue:{block_m}x{block_n}x16x2x4x1"
     assert fm.config_name(unfused) == f"{block_m}x{block_n}x16x2x4x1"
+    for config in (fused, unfused, *fm._CANDIDATES, *fm._DECODE_CANDIDATES):
+        back = fm.config_from_name(fm.config_name(config))
+        assert back == config and type(back) is type(config)
 
 
 @_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))
