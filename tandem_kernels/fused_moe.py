@@ -44,13 +44,13 @@ Decode path (a `DecodeConfig`): with few pairs, no sorting or padding, two GEMVs
 >= E; kernel 2 masks their rows (they add nothing) and writes each output element once, summed
 over the token's top_k in registers (fp32). No host sync either.
 
-Tile configs (a `MoEConfig`: BLOCK_M/N/K, GROUP_M, warps, stages and the SiLU form; or a
-`DecodeConfig`) are tuned per shape and per token-count bucket on the device the first time a
-shape runs outside graph capture (an engine's start-up profile forward: every bucket up to its
-token count at once), as the attention kernels are. Layers whose experts weigh under
-`_MIN_TUNE_BYTES` (test-sized models) take the default rule untimed (the unfused form): their
-calls cost their launches, whatever the tiles. (On the H200 the tiny Qwen3-MoE engine test took
-20 s untuned; tuned, it once ran past 140 s.) `fused_moe_ref` (moe_ref.py) is the torch
+Tile configs (a `MoEConfig`: BLOCK_M/N/K, GROUP_M, warps, stages, the SiLU form and GEMM 2's own
+tiles but BLOCK_M, if any; or a `DecodeConfig`) are tuned per shape and per token-count bucket on
+the device the first time a shape runs outside graph capture (an engine's start-up profile forward:
+every bucket up to its token count at once), as the attention kernels are. Layers whose experts
+weigh under `_MIN_TUNE_BYTES` (test-sized models) take the default rule untimed (the unfused form):
+their calls cost their launches, whatever the tiles. (On the H200 the tiny Qwen3-MoE engine test
+took 20 s untuned; tuned, it once ran past 140 s.) `fused_moe_ref` (moe_ref.py) is the torch
 reference.
 """
 
@@ -273,12 +273,24 @@ def moe_align_block_size(
     return sorted_ids[:max_padded], expert_ids, padded_end[-1:].to(torch.int32)
 
 
+class GemmTiles(NamedTuple):
+    """One grouped GEMM's tiles but BLOCK_M: `block_n` output columns over `block_k` columns
+    of K a step, `group_m` row tiles side by side (they share B tiles in L2), `num_warps`,
+    `num_stages` (software pipelining)."""
+
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
 class MoEConfig(NamedTuple):
-    """Tiles of the grouped path (see the module docstring), the same for both GEMMs:
-    `[block_m, block_n]` output tiles over `block_k` columns of K a step, `group_m` row tiles
-    side by side (they share B tiles in L2), `num_warps`, `num_stages` (software pipelining).
-    `silu_in_epilogue`: GEMM 1 stores `silu(gate) * up` (block_n of the I act columns a tile,
-    two accumulators) instead of gate_up for a separate SiLU-and-mul pass."""
+    """Tiles of the grouped path (see the module docstring): `[block_m, block_n]` output
+    tiles of GEMM 1 (the rest as in `GemmTiles`). `silu_in_epilogue`: GEMM 1 stores
+    `silu(gate) * up` (block_n of the I act columns a tile, two accumulators) instead of
+    gate_up for a separate SiLU-and-mul pass. `down`: GEMM 2's own tiles (K is I, N is H),
+    None for GEMM 1's; block_m is shared, since the alignment pads each expert's rows to it."""
 
     block_m: int
     block_n: int
@@ -287,6 +299,17 @@ class MoEConfig(NamedTuple):
     num_warps: int
     num_stages: int
     silu_in_epilogue: bool = False
+    down: GemmTiles | None = None
+
+    @property
+    def gate_up_tiles(self) -> GemmTiles:
+        """GEMM 1's tiles but BLOCK_M."""
+        return GemmTiles(*self[1:6])
+
+    @property
+    def down_tiles(self) -> GemmTiles:
+        """GEMM 2's tiles but BLOCK_M: `down`, or GEMM 1's."""
+        return self.gate_up_tiles if self.down is None else self.down
 
 
 class DecodeConfig(NamedTuple):
@@ -372,6 +395,18 @@ _SILU_EPILOGUE_CANDIDATES: tuple[MoEConfig, ...] = (
 )
 # The tuner times both forms; which is faster is the device's to say.
 _CANDIDATES = _UNFUSED_CANDIDATES + _SILU_EPILOGUE_CANDIDATES
+# GEMM 2's own tiles, timed on the fastest config of each SiLU form (GEMM 1 and BLOCK_M kept).
+# GEMM 2 is long in N (H: 2048, 4096) and short in K (I: 768 at Qwen3-30B-A3B), while an
+# epilogue config's block_n is narrow for GEMM 1's two accumulators. One accumulator; shared
+# memory at block_m 128 at most ~200 KB.
+_DOWN_CANDIDATES: tuple[GemmTiles, ...] = (
+    GemmTiles(64, 64, 8, 4, 4),
+    GemmTiles(128, 64, 8, 4, 3),
+    GemmTiles(128, 64, 8, 8, 4),
+    GemmTiles(128, 128, 8, 8, 3),
+    GemmTiles(256, 64, 8, 8, 3),
+    GemmTiles(64, 128, 8, 4, 3),
+)
 # (E, 2I, H, top_k, dtype) of a layer; with the token bucket, what a tuned config is kept for.
 _ShapeKey = tuple[int, int, int, int, torch.dtype]
 _configs: dict[tuple[_ShapeKey, int], FusedMoEConfig] = {}
@@ -443,24 +478,25 @@ def fused_moe(
     if isinstance(config, DecodeConfig):
         _fused_moe_decode(hidden_states, w13, w2, topk_weights, topk_ids, config, out)
         return out
-    block_m = config[0]
+    block_m = config.block_m
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, num_experts)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     num_pairs = num_tokens * top_k
     dev, dtype = hidden_states.device, hidden_states.dtype
     routing = (weights, sorted_ids, expert_ids, num_post)
+    gate_up_tiles = config.gate_up_tiles
     if config.silu_in_epilogue:
         act = torch.empty(num_pairs, two_inter // 2, dtype=dtype, device=dev)
-        _launch(hidden_states, w13, act, *routing, top_k, "silu_and_mul", config)
+        _launch(hidden_states, w13, act, *routing, top_k, "silu_and_mul", block_m, gate_up_tiles)
     else:
         gate_up = torch.empty(num_pairs, two_inter, dtype=dtype, device=dev)
-        _launch(hidden_states, w13, gate_up, *routing, top_k, None, config)
+        _launch(hidden_states, w13, gate_up, *routing, top_k, None, block_m, gate_up_tiles)
         act = silu_and_mul(gate_up)
     # Rows of other ranks' experts are never written: unless there are none, they must read
     # as zeros in the sum.
     alloc = torch.empty if all_experts_local else torch.zeros
     down = alloc(num_pairs, hidden, dtype=dtype, device=dev)
-    _launch(act, w2, down, *routing, 1, "routed_weight", config)
+    _launch(act, w2, down, *routing, 1, "routed_weight", block_m, config.down_tiles)
     return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
 
 
@@ -526,7 +562,8 @@ def _launch(
     num_post: torch.Tensor,
     a_row_div: int,
     epilogue: Epilogue,
-    config: MoEConfig,
+    block_m: int,
+    tiles: GemmTiles,
 ) -> None:
     """`c = a @ b^T` over the sorted pairs (`_fused_moe_kernel`); "silu_and_mul": b holds
     gate then up rows and c gets `silu(gate) * up` (half b's rows wide)."""
@@ -534,7 +571,7 @@ def _launch(
     silu = epilogue == "silu_and_mul"
     n, k = b.shape[1] // 2 if silu else b.shape[1], b.shape[2]
     assert c.shape[1] == n
-    grid = (triton.cdiv(em, config.block_m) * triton.cdiv(n, config.block_n),)
+    grid = (triton.cdiv(em, block_m) * triton.cdiv(n, tiles.block_n),)
     _fused_moe_kernel[grid](
         a,
         b,
@@ -557,13 +594,13 @@ def _launch(
         A_ROW_DIV=a_row_div,
         MUL_ROUTED_WEIGHT=epilogue == "routed_weight",
         SILU_AND_MUL=silu,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
+        BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m,
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
 
 
@@ -598,6 +635,7 @@ def tune_fused_moe(
     candidates: tuple[MoEConfig, ...] = _CANDIDATES,
     iters: int = 3,
     decode_candidates: tuple[DecodeConfig, ...] = _DECODE_CANDIDATES,
+    down_candidates: tuple[GemmTiles, ...] = _DOWN_CANDIDATES,
 ) -> dict[int, FusedMoEConfig]:
     """Time `candidates` for every token bucket up to `max_tokens` not tuned yet for this
     layer shape (on these weights, uniformly random routing, seeded) and keep the fastest;
@@ -606,9 +644,9 @@ def tune_fused_moe(
     Buckets of at most `_DECODE_TUNE_MAX_ROWS` rows per expert also time `decode_candidates`
     (the decode path), and there every candidate's whole call is timed replayed from a CUDA
     graph, as decode runs it (eager, the alignment's launches would decide); larger buckets
-    are timed eagerly."""
-    from tandem_kernels.fp8_w8a16 import time_in_graph
-
+    are timed eagerly. Then the fastest grouped config of each SiLU form is timed again with
+    each of `down_candidates` as GEMM 2's tiles (`MoEConfig.down`), and the fastest of all
+    is kept: a second step, not the product of the two lists."""
     key = _shape_key(w13, top_k)
     num_experts, _, hidden = w13.shape
     dev = w13.device
@@ -621,24 +659,31 @@ def tune_fused_moe(
             topk_weights, topk_ids = scores.topk(top_k, dim=-1)
             topk_weights, topk_ids = topk_weights.to(dev), topk_ids.to(dev, torch.int32)
             decode = bucket * top_k <= _DECODE_TUNE_MAX_ROWS * num_experts
-            # A list, not a dict: a DecodeConfig and a MoEConfig may be equal tuples.
+            problem = (x, w13, w2, topk_weights, topk_ids)
             timings: list[tuple[FusedMoEConfig, float]] = []
             for config in candidates + (decode_candidates if decode else ()):
                 if not isinstance(config, DecodeConfig) and config.block_m > 2 * max(
                     bucket * top_k // num_experts, 16
                 ):
                     continue  # tiles far taller than an expert's rows: padding only
-                # Every id is < E here, as in a layer without expert parallel.
-                run = functools.partial(
-                    fused_moe, x, w13, w2, topk_weights, topk_ids, config, all_experts_local=True
-                )
-                if decode:
-                    us = time_in_graph([run])
-                    ms = None if us is None else us / 1e3
-                else:
-                    ms = _time_config(run, iters)
+                ms = _time_call(problem, config, decode, iters)
                 if ms is not None:
                     timings.append((config, ms))
+            for silu in (False, True):
+                form = [
+                    timed
+                    for timed in timings
+                    if isinstance(timed[0], MoEConfig) and timed[0].silu_in_epilogue == silu
+                ]
+                if not form:
+                    continue
+                base = min(form, key=lambda timed: timed[1])[0]
+                for down in down_candidates:
+                    if down != base.gate_up_tiles:  # else base itself
+                        config = base._replace(down=down)
+                        ms = _time_call(problem, config, decode, iters)
+                        if ms is not None:
+                            timings.append((config, ms))
             if timings:
                 best = min(timings, key=lambda timed: timed[1])[0]
                 _configs[(key, bucket)] = best
@@ -657,23 +702,47 @@ def tune_fused_moe(
 
 def config_name(config: FusedMoEConfig) -> str:
     """`16x64x64x1x4x3` for a grouped-path config, `silu-epilogue:16x64x64x1x4x3` for one
-    with SiLU in GEMM 1's epilogue, `decode:16x256x1x8x1024x1x4` for the decode path's (the
-    tuning log's names)."""
+    with SiLU in GEMM 1's epilogue, either followed by `/down:128x64x8x4x3` where GEMM 2 has
+    its own tiles; `decode:16x256x1x8x1024x1x4` for the decode path's (the tuning log's
+    names)."""
     if isinstance(config, DecodeConfig):
-        return "decode:" + "x".join(map(str, config))
-    name = "x".join(map(str, config[:6]))
-    return f"silu-epilogue:{name}" if config.silu_in_epilogue else name
+        return "decode:" + _join(config)
+    name = _join(config[:6])
+    if config.silu_in_epilogue:
+        name = f"silu-epilogue:{name}"
+    return name if config.down is None else f"{name}/down:{_join(config.down)}"
 
 
 def config_from_name(name: str) -> FusedMoEConfig:
     """The config `config_name` gave this name (a tuning log's entries back to configs)."""
-    form, _, tiles = name.rpartition(":")
+    head, _, down = name.partition("/down:")
+    form, _, tiles = head.rpartition(":")
     values = [int(v) for v in tiles.split("x")]
-    if form == "decode":
+    if form == "decode" and not down:
         return DecodeConfig(*values)
     if form not in ("", "silu-epilogue") or len(values) != 6:
         raise ValueError(f"not a fused MoE config name: {name!r}")
-    return MoEConfig(*values, silu_in_epilogue=form == "silu-epilogue")
+    down_tiles = GemmTiles(*(int(v) for v in down.split("x"))) if down else None
+    return MoEConfig(*values, silu_in_epilogue=form == "silu-epilogue", down=down_tiles)
+
+
+def _join(values: tuple[int, ...]) -> str:
+    return "x".join(map(str, values))
+
+
+def _time_call(
+    problem: tuple[torch.Tensor, ...], config: FusedMoEConfig, in_graph: bool, iters: int
+) -> float | None:
+    """Milliseconds per `fused_moe(*problem, config)` (every id < E, as in a layer without
+    expert parallel): replayed from a CUDA graph, or eagerly; None when the device cannot
+    run the config."""
+    from tandem_kernels.fp8_w8a16 import time_in_graph
+
+    run = functools.partial(fused_moe, *problem, config, all_experts_local=True)
+    if in_graph:
+        us = time_in_graph([run])
+        return None if us is None else us / 1e3
+    return _time_config(run, iters)
 
 
 def _time_config(run: Callable[[], object], iters: int) -> float | None:

@@ -213,8 +213,10 @@ def test_tiny_layers_take_the_default_rule_untuned() -> None:
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("num_tokens", [64, 4096])
 def test_every_grouped_candidate_matches_reference_bf16(shape: str, num_tokens: int) -> None:
-    """Each of `_CANDIDATES` (both SiLU forms) against the reference, on all-local ids and on
-    ids with experts another rank holds (those pairs add nothing; the last token gets zeros)."""
+    """Each of `_CANDIDATES` (both SiLU forms), and each of `_DOWN_CANDIDATES` as GEMM 2's
+    tiles under a config of each form at block_m 64 and 128, against the reference, on
+    all-local ids and on ids with experts another rank holds (those pairs add nothing; the
+    last token gets zeros)."""
     w13, w2 = _weights(shape, torch.bfloat16)
     x, weights, ids = _routing(shape, num_tokens, seed=20 + num_tokens)
     x = x.to(torch.bfloat16)
@@ -224,7 +226,9 @@ def test_every_grouped_candidate_matches_reference_bf16(shape: str, num_tokens: 
     ep_ref = fused_moe_ref(x, w13, w2, weights, ep_ids)
     forms = {c.silu_in_epilogue for c in fm._CANDIDATES}
     assert forms == {False, True}
-    for config in fm._CANDIDATES:
+    bases = (fm.MoEConfig(64, 128, 64, 8, 8, 3), fm.MoEConfig(128, 64, 64, 8, 4, 4, True))
+    with_down = tuple(b._replace(down=d) for b in bases for d in fm._DOWN_CANDIDATES)
+    for config in fm._CANDIDATES + with_down:
         out = fm.fused_moe(x, w13, w2, weights, ids, config)
         assert out.dtype == torch.bfloat16
         _assert_close(out, ref)
@@ -234,10 +238,10 @@ def test_every_grouped_candidate_matches_reference_bf16(shape: str, num_tokens: 
 
 
 def test_tuner_times_both_silu_forms_and_may_keep_the_epilogue_one() -> None:
-    """A grouped bucket times the unfused and the SiLU-epilogue candidates side by side and
-    keeps the fastest of all; given only epilogue candidates, it keeps one, and a call with
-    no config runs it (no separate SiLU pass). Qwen3-30B-A3B's weights under top_k 6 and 5:
-    keys no other test tunes."""
+    """A grouped bucket times the unfused and the SiLU-epilogue candidates side by side, then
+    GEMM 2's tiles on the fastest of each form, and keeps the fastest of all; given only
+    epilogue candidates, it keeps one, and a call with no config runs it (no separate SiLU
+    pass). Qwen3-30B-A3B's weights under top_k 6 and 5: keys no other test tunes."""
     w13, w2 = _weights("qwen3-30b-a3b", torch.bfloat16)
     num_experts = w13.shape[0]
     tuned = fm.tune_fused_moe(w13, w2, 6, max_tokens=4096)
@@ -248,6 +252,8 @@ def test_tuner_times_both_silu_forms_and_may_keep_the_epilogue_one() -> None:
     timed = set(entry["ms"])
     for config in fm._CANDIDATES:  # 192 rows an expert: no tile is too tall to be timed
         assert fm.config_name(config) in timed, fm.config_name(config)
+    with_down = [fm.config_from_name(n) for n in timed if "/down:" in n]
+    assert {c.silu_in_epilogue for c in with_down} == {False, True}
     assert entry["best"] == min(entry["ms"], key=entry["ms"].get)
     assert entry["best"] == fm.config_name(tuned[4096])
 

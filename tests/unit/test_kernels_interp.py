@@ -1550,9 +1550,35 @@ def case_fused_moe_silu_epilogue(dtype: torch.dtype, block_m: int, block_n: int)
     assert torch.equal(out[5], torch.zeros_like(out[5]))
     assert fm.config_name(fused) == f"silu-epilogue:{block_m}x{block_n}x16x2x4x1"
     assert fm.config_name(unfused) == f"{block_m}x{block_n}x16x2x4x1"
-    for config in (fused, unfused, *fm._CANDIDATES, *fm._DECODE_CANDIDATES):
+    down = fused._replace(down=fm.GemmTiles(32, 8, 1, 4, 1))
+    assert fm.config_name(down) == f"silu-epilogue:{block_m}x{block_n}x16x2x4x1/down:32x8x1x4x1"
+    for config in (fused, unfused, down, *fm._CANDIDATES, *fm._DECODE_CANDIDATES):
         back = fm.config_from_name(fm.config_name(config))
         assert back == config and type(back) is type(config)
+
+
+@_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))
+def case_fused_moe_down_tiles(dtype: torch.dtype, silu_in_epilogue: bool) -> None:
+    """GEMM 2 with tiles of its own (`MoEConfig.down`; block_m shared): block_n 32 over H 40
+    (a partial tile), block_k 8 over I 24, against the reference, absent experts mixed in;
+    GEMM 1 keeps the config's own tiles."""
+    k = _kernels()
+    fm = k.fused_moe
+    num_tokens, num_experts, top_k = 13, 5, 2
+    x, w13, w2, topk_weights, topk_ids = _moe_problem(9, num_tokens, top_k, dtype)
+    topk_ids[1::4, 1] = num_experts
+    down = fm.GemmTiles(32, 8, 1, 4, 1)
+    config = fm.MoEConfig(16, 16, 16, 2, 4, 1, silu_in_epilogue, down=down)
+    assert config.down_tiles == down and config.gate_up_tiles == fm.GemmTiles(16, 16, 2, 4, 1)
+    assert config._replace(down=None).down_tiles == config.gate_up_tiles
+    ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    with (
+        nan_filled_empty(),
+        unittest.mock.patch.object(fm, "_launch", wraps=fm._launch) as launch,
+    ):
+        out = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, config)
+    assert [c.args[-2:] for c in launch.call_args_list] == [(16, config.gate_up_tiles), (16, down)]
+    torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
 @_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))

@@ -114,6 +114,65 @@ def test_layer_without_expert_parallel_vouches_its_experts_are_all_local() -> No
     torch.testing.assert_close(out, expected)
 
 
+def test_moe_tuner_times_both_silu_forms_then_down_tiles_on_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused kernel's tuner under a fake clock (no kernel runs): every candidate of both
+    SiLU forms is timed, then the fastest of each form again with each GEMM 2 tile set (not
+    the one equal to its own, nor on the slower configs), and the fastest of all is kept,
+    here an epilogue config with its own down tiles; configs the device cannot run (None)
+    are left out."""
+    import tandem_kernels.fused_moe as fm
+
+    unfused = fm.MoEConfig(16, 64, 64, 1, 4, 3)
+    fused = unfused._replace(silu_in_epilogue=True)
+    slower_fused = fm.MoEConfig(16, 32, 64, 1, 4, 3, True)
+    down = fm.GemmTiles(128, 64, 8, 4, 3)
+    clock = {
+        unfused: 2.0,
+        fused: 1.5,
+        slower_fused: 1.8,
+        unfused._replace(down=down): 1.2,
+        fused._replace(down=down): 1.0,
+    }
+    timed: list[fm.FusedMoEConfig] = []
+
+    def fake_time_call(
+        problem: tuple[torch.Tensor, ...], config: fm.FusedMoEConfig, in_graph: bool, iters: int
+    ) -> float | None:
+        timed.append(config)
+        return clock.get(config)
+
+    monkeypatch.setattr(fm, "_time_call", fake_time_call)
+    monkeypatch.setattr(fm, "_configs", {})
+    monkeypatch.setattr(fm, "tuning_log", [])
+    w13, w2 = torch.zeros(4, 16, 8), torch.zeros(4, 8, 8)
+    tuned = fm.tune_fused_moe(
+        w13,
+        w2,
+        2,
+        max_tokens=4,
+        candidates=(unfused, fused, slower_fused),
+        decode_candidates=(),
+        down_candidates=(down, unfused.gate_up_tiles, fm.GemmTiles(32, 32, 1, 4, 2)),
+    )
+    best = fused._replace(down=down)
+    assert tuned == {1: best, 2: best, 4: best}
+    per_bucket = [
+        unfused,
+        fused,
+        slower_fused,
+        unfused._replace(down=down),
+        unfused._replace(down=fm.GemmTiles(32, 32, 1, 4, 2)),
+        fused._replace(down=down),
+        fused._replace(down=fm.GemmTiles(32, 32, 1, 4, 2)),
+    ]
+    assert timed == per_bucket * 3
+    assert [e["best"] for e in fm.tuning_log] == [fm.config_name(best)] * 3
+    assert fm.config_name(best) == "silu-epilogue:16x64x64x1x4x3/down:128x64x8x4x3"
+    assert len(fm.tuning_log[0]["ms"]) == len(clock)
+
+
 def test_expert_load_is_counted_per_layer_and_reset(tiny_model_path) -> None:
     from tandem.layers.moe import take_expert_load
 
