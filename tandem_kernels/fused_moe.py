@@ -381,8 +381,9 @@ _UNFUSED_CANDIDATES: tuple[MoEConfig, ...] = (
     MoEConfig(128, 128, 32, 8, 4, 4),
 )
 # SiLU in GEMM 1's epilogue: two accumulators and two B tiles a step, so block_n is about half
-# an unfused tile's for the same registers (fp32 accumulators at most 128 a thread) and shared
-# memory (a stage's A and two B tiles, at most ~200 KB of H200's 227 KB in all stages).
+# an unfused tile's for the same registers and shared memory. All compile for sm_90a without
+# spills (benchmarks/kernel_registers.py --moe, Triton 3.9): GEMM 1 takes 108-216 registers a
+# thread and 72-192 KB of shared memory (H200: 227 KB a block).
 _SILU_EPILOGUE_CANDIDATES: tuple[MoEConfig, ...] = (
     MoEConfig(16, 64, 128, 1, 4, 3, True),
     MoEConfig(16, 128, 64, 1, 4, 4, True),
@@ -397,8 +398,8 @@ _SILU_EPILOGUE_CANDIDATES: tuple[MoEConfig, ...] = (
 _CANDIDATES = _UNFUSED_CANDIDATES + _SILU_EPILOGUE_CANDIDATES
 # GEMM 2's own tiles, timed on the fastest config of each SiLU form (GEMM 1 and BLOCK_M kept).
 # GEMM 2 is long in N (H: 2048, 4096) and short in K (I: 768 at Qwen3-30B-A3B), while an
-# epilogue config's block_n is narrow for GEMM 1's two accumulators. One accumulator; shared
-# memory at block_m 128 at most ~200 KB.
+# epilogue config's block_n is narrow for GEMM 1's two accumulators. At every block_m of the
+# candidates they compile for sm_90a without spills, at most 192 KB of shared memory.
 _DOWN_CANDIDATES: tuple[GemmTiles, ...] = (
     GemmTiles(64, 64, 8, 4, 4),
     GemmTiles(128, 64, 8, 4, 3),
