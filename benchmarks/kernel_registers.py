@@ -14,7 +14,10 @@ divisible by 16): without that, loads are not vectorized and the counts mean not
     python -m benchmarks.kernel_registers --out kernel_registers.json
 
 `--dense` prints the same for the Hopper dense prefill kernel's configs
-(`dense_attention_hopper.HOPPER_CONFIGS`, bf16, K/V through TMA or pointer loads) instead.
+(`dense_attention_hopper.HOPPER_CONFIGS`, bf16, K/V through TMA or pointer loads) instead;
+`--moe` for the fused MoE kernel's grouped GEMMs (bf16): GEMM 1 and GEMM 2 of every grouped
+candidate (`fused_moe._CANDIDATES`, SiLU in GEMM 1's epilogue or not), then GEMM 2 under each
+of its own tile sets (`fused_moe._DOWN_CANDIDATES`) at every block_m the candidates use.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tandem_kernels import dense_attention_hopper as dh
+from tandem_kernels import fused_moe as fm
 from tandem_kernels import paged_attention as pa
 
 # The 8B shape: 32 query heads over 8 KV heads (QPK 4), head size 128, 16-token blocks.
@@ -193,6 +197,75 @@ def dense_rows(configs: tuple[dh.HopperConfig, ...] = dh.HOPPER_CONFIGS) -> list
     return rows
 
 
+def moe_gemm_ptx(block_m: int, tiles: fm.GemmTiles, epilogue: fm.Epilogue) -> tuple[str, int]:
+    """PTX of `_fused_moe_kernel` for sm_90a (bf16) at one block_m and GEMM's tiles, with
+    GEMM 1's epilogue (None or "silu_and_mul": rows of x read by pair // 8) or GEMM 2's
+    ("routed_weight"), and the shared memory a block takes (bytes)."""
+    kernel = fm._fused_moe_kernel
+    constexpr = {p.name for p in kernel.params if p.is_constexpr}
+    unit_strides = ("stride_ak", "stride_bk", "stride_cn")  # a launch specializes 1s away
+    sig: dict[str, str] = {}
+    for name in kernel.arg_names:
+        if name in constexpr or name in unit_strides:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16"
+        else:
+            sig[name] = "i32"
+    sig["topk_weights_ptr"] = "*fp32"
+    for name in ("sorted_token_ids_ptr", "expert_ids_ptr", "num_tokens_post_padded_ptr"):
+        sig[name] = "*i32"
+    constants: dict[str, Any] = {
+        "A_ROW_DIV": 1 if epilogue == "routed_weight" else 8,
+        "MUL_ROUTED_WEIGHT": epilogue == "routed_weight",
+        "SILU_AND_MUL": epilogue == "silu_and_mul",
+        "BLOCK_M": block_m,
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_K": tiles.block_k,
+        "GROUP_M": tiles.group_m,
+        "INPUT_PRECISION": "tf32",
+        **dict.fromkeys(unit_strides, 1),
+    }
+    # As a launch at the real shapes specializes: aligned tensors, sizes and strides divisible
+    # by 16 (the real length's one-element tensor is not specialized on).
+    aligned = [n for n in kernel.arg_names if sig[n] != "constexpr"]
+    aligned.remove("num_tokens_post_padded_ptr")
+    index = kernel.arg_names.index
+    attrs = {(index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(kernel, sig, {(index(n),): v for n, v in constants.items()}, attrs)
+    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled.asm["ptx"], int(compiled.metadata.shared)
+
+
+def moe_rows() -> list[dict[str, Any]]:
+    """Registers, spills, shared memory and blocks an SM of the fused MoE kernel's GEMMs at
+    every grouped candidate and GEMM 2 tile set, printed as they compile."""
+    runs: list[tuple[str, str, int, fm.GemmTiles, fm.Epilogue]] = []
+    for config in fm._CANDIDATES:
+        gate_up: fm.Epilogue = "silu_and_mul" if config.silu_in_epilogue else None
+        name = fm.config_name(config)
+        runs.append((name, "gemm1", config.block_m, config.gate_up_tiles, gate_up))
+        runs.append((name, "gemm2", config.block_m, config.down_tiles, "routed_weight"))
+    for block_m in sorted({c.block_m for c in fm._CANDIDATES}):
+        for down in fm._DOWN_CANDIDATES:
+            name = f"{block_m}/down:{'x'.join(map(str, down))}"
+            runs.append((name, "gemm2", block_m, down, "routed_weight"))
+    rows: list[dict[str, Any]] = []
+    for name, gemm, block_m, tiles, epilogue in runs:
+        ptx, shared = moe_gemm_ptx(block_m, tiles, epilogue)
+        usage = ptxas_usage(ptx)
+        occupancy = blocks_per_sm(usage["registers"], shared, tiles.num_warps)
+        rows.append({"config": name, "gemm": gemm, **usage, "shared": shared, **occupancy})
+        print(
+            f"{name:40s} {gemm} {usage['registers']:4d} registers "
+            f"{usage['spill_bytes']:5d} B spilled {shared:6d} B shared  "
+            f"{occupancy['blocks_per_sm']} blocks/SM",
+            flush=True,
+        )
+    return rows
+
+
 # sm_90 per SM: 64K 32-bit registers (allocated per warp in 256s), 228 KB of shared memory
 # (1 KB of it reserved per block), at most 64 warps and 32 blocks.
 _SM_REGISTERS, _SM_SHARED, _SM_WARPS, _SM_BLOCKS = 65536, 233472, 64, 32
@@ -215,7 +288,14 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--sliding", action="store_true", help="the sliding-window variant")
     ap.add_argument("--dense", action="store_true", help="the Hopper dense prefill kernel")
+    ap.add_argument("--moe", action="store_true", help="the fused MoE kernel's grouped GEMMs")
     ns = ap.parse_args()
+    if ns.moe:
+        rows = moe_rows()
+        if ns.out:
+            result = {"triton": triton.__version__, "kernel": "fused_moe", "rows": rows}
+            Path(ns.out).write_text(json.dumps(result, indent=1))
+        return
     if ns.dense:
         rows = dense_rows()
         if ns.out:

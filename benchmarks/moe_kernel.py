@@ -10,7 +10,13 @@ Each call is timed twice: eagerly (`ms`: with the host's launches and the routin
 torch ops) and replayed from a CUDA graph as the engine's decode runs it (`graph_ms`: the
 kernels' own rate). The graph holds `GRAPH_CALLS` calls, each on its own routing (as the
 layers of a forward: the experts of one call are mostly not in L2 from the one before), and
-its GB/s count the experts each call touched.
+its GB/s count the experts each call touched. Calls vouch every expert is local
+(`all_experts_local=True`, as the layer without expert parallel does: no zero fill).
+
+Where the grouped path serves a token count (a `MoEConfig` was tuned for its bucket), the two
+forms of GEMM 1 are timed side by side (`forms`, eager): the fastest unfused and the fastest
+SiLU-epilogue config of the tuner's timings for that bucket, and the tuned pick with the zero
+fill of GEMM 2's output (`zero_fill`, what it cost before the keyword).
 
     python -m benchmarks.moe_kernel --tokens 1 8 64 512 4096 16384 --out moe.json
 """
@@ -20,11 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from benchmarks.gpu_throughput import device_ms
+
+if TYPE_CHECKING:
+    from tandem_kernels.fused_moe import FusedMoEConfig
 
 GRAPH_CALLS = 8
 
@@ -68,12 +77,12 @@ def _graph_ms(
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for x, weights, ids in routings:
-            fused_moe(x, w13, w2, weights, ids)
+            fused_moe(x, w13, w2, weights, ids, all_experts_local=True)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for x, weights, ids in routings:
-            fused_moe(x, w13, w2, weights, ids)
+            fused_moe(x, w13, w2, weights, ids, all_experts_local=True)
     graph.replay()
     return device_ms(graph.replay, iters) / iters / len(routings)
 
@@ -87,8 +96,9 @@ def _measure(
     inter = two_inter // 2
     routings = [_routing(tokens, hidden, num_experts, top_k) for _ in range(GRAPH_CALLS)]
     x, weights, ids = routings[0]
-    fused_moe(x, w13, w2, weights, ids)
-    ms = device_ms(lambda: fused_moe(x, w13, w2, weights, ids), iters) / iters
+    fused_moe(x, w13, w2, weights, ids, all_experts_local=True)
+    ms = device_ms(lambda: fused_moe(x, w13, w2, weights, ids, all_experts_local=True), iters)
+    ms /= iters
     graph_ms = _graph_ms(w13, w2, routings, iters)
     flops = 2 * tokens * top_k * 3 * hidden * inter
     expert_bytes = 3 * hidden * inter * w13.element_size()
@@ -119,6 +129,59 @@ def _measure(
         "dense_per_expert_ms": dense_ms,
         "dense_per_expert_tflops": flops / (dense_ms / 1e3) / 1e12,
     }
+
+
+def _forms(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    tokens: int,
+    iters: int,
+    tuned: FusedMoEConfig | None,
+) -> dict[str, Any]:
+    """Eager ms and TFLOP/s of the fastest unfused and SiLU-epilogue configs the tuner timed
+    for this token count's bucket, and of the tuned pick with the zero fill; {} where the
+    bucket is not on the grouped path or has no tuning entry."""
+    from tandem_kernels.fused_moe import (
+        MoEConfig,
+        config_from_name,
+        config_name,
+        fused_moe,
+        token_bucket,
+        tuning_log,
+    )
+
+    if not isinstance(tuned, MoEConfig):
+        return {}
+    num_experts, two_inter, hidden = w13.shape
+    key = [num_experts, two_inter, hidden, top_k, str(w13.dtype)]
+    bucket = token_bucket(tokens)
+    entry = next((e for e in tuning_log if e["key"] == key and e["num_tokens"] == bucket), None)
+    if entry is None:
+        return {}
+    ms_of: dict[str, float] = entry["ms"]
+    timed = {n: config_from_name(n) for n in ms_of}
+    x, weights, ids = _routing(tokens, hidden, num_experts, top_k)
+    flops = 2 * tokens * top_k * 3 * hidden * (two_inter // 2)
+
+    def rate(config: MoEConfig, all_experts_local: bool) -> dict[str, Any]:
+        def run() -> None:
+            fused_moe(x, w13, w2, weights, ids, config, all_experts_local=all_experts_local)
+
+        run()
+        ms = device_ms(run, iters) / iters
+        return {"config": config_name(config), "ms": ms, "tflops": flops / (ms / 1e3) / 1e12}
+
+    forms: dict[str, Any] = {}
+    for form, silu in (("unfused", False), ("silu_epilogue", True)):
+        names = [
+            n for n, c in timed.items() if isinstance(c, MoEConfig) and c.silu_in_epilogue == silu
+        ]
+        if names:
+            best = min(names, key=ms_of.__getitem__)
+            forms[form] = rate(timed[best], all_experts_local=True)
+    forms["zero_fill"] = rate(tuned, all_experts_local=False)
+    return forms
 
 
 def main() -> None:
@@ -165,6 +228,19 @@ def main() -> None:
                 f"dense per-expert {r['dense_per_expert_tflops']:.0f} TFLOP/s",
                 flush=True,
             )
+            forms = _forms(w13, w2, top_k, tokens, ns.iters, chosen)
+            if forms:
+                r["forms"] = forms
+                ceiling = result["ceiling_8192_tflops"]
+                print(
+                    f"  {name} T={tokens} forms (eager): "
+                    + "; ".join(
+                        f"{form} [{f['config']}] {f['ms']:.3f} ms, {f['tflops']:.0f} TFLOP/s "
+                        f"({100 * f['tflops'] / ceiling:.0f}%)"
+                        for form, f in forms.items()
+                    ),
+                    flush=True,
+                )
         result["shapes"][name] = rows
     result["tuning"] = tuning_log
     if ns.out:

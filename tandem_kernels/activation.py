@@ -13,6 +13,16 @@ import triton.language as tl
 
 
 @triton.jit
+def silu_and_mul_tile(gate, up):
+    """`silu(gate) * up` in fp32 of gate and up tiles in the IO dtype, rounded as the module
+    docstring says (silu rounded to the IO dtype before the product); the caller rounds the
+    product as it stores it. Kernels that fuse this step call it to keep the same values."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return act.to(tl.float32) * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,
     out_ptr,
@@ -26,9 +36,7 @@ def _silu_and_mul_kernel(
     mask = offs < INTERMEDIATE_SIZE
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + INTERMEDIATE_SIZE + offs, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    out = act.to(tl.float32) * up.to(tl.float32)
+    out = silu_and_mul_tile(gate, up)
     tl.store(out_ptr + row * stride_o + offs, out.to(gate.dtype), mask=mask)
 
 

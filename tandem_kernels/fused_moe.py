@@ -14,10 +14,25 @@
     GEMM 2   C2[p] = act[p] @ w2[e]^T * weight[p]    [T * k, H]
     sum      out[t] = sum_j C2[t * k + j]            [T, H]
 
+With SiLU in GEMM 1's epilogue (`MoEConfig.silu_in_epilogue`), GEMM 1 writes act itself and
+C1 is never stored: a program holds the tile of gate columns n and the tile of up columns
+I + n of one expert, both accumulated over the same tiles of x, and stores their product:
+
+              .-- @ w13[e, n]^T      gate [BLOCK_M, BLOCK_N] fp32 --.
+    x[p // k] |                                                      +--> act[p, n]  [T * k, I]
+              '-- @ w13[e, I + n]^T  up   [BLOCK_M, BLOCK_N] fp32 --'     silu(gate) * up
+
+(gate and up are rounded to the input dtype first, as C1 is stored, then silu and the
+product as `silu_and_mul` rounds them: the same values as the unfused form for the same
+accumulators.) This saves C1's write and read ([T * k, 2I]) and a launch, but a tile carries
+two accumulators: the tuner times both forms (see Tile configs) and keeps the faster.
+
 The padded length EM = T * k + E * (BLOCK_M - 1) is an upper bound known on the host, and the
 real length stays on the device: no host sync, so a call can be captured in a CUDA graph.
 Tiles past the real length exit at once. Ids >= E (experts of another rank) are never
-computed and add nothing.
+computed and add nothing: their rows of C2 are never written, so C2 starts as zeros, unless
+the caller passes `all_experts_local=True` (every id < E, as without expert parallel, or in an
+exact expert-parallel dispatch: every row of C2 is written, and the fill is skipped).
 
 Decode path (a `DecodeConfig`): with few pairs, no sorting or padding, two GEMVs:
 
@@ -29,13 +44,14 @@ Decode path (a `DecodeConfig`): with few pairs, no sorting or padding, two GEMVs
 >= E; kernel 2 masks their rows (they add nothing) and writes each output element once, summed
 over the token's top_k in registers (fp32). No host sync either.
 
-Tile configs (BLOCK_M/N/K, GROUP_M, warps, stages, or a `DecodeConfig`) are tuned per shape
-and per token-count bucket on the device the first time a shape runs outside graph capture
-(an engine's start-up profile forward: every bucket up to its token count at once), as the
-attention kernels are. Layers whose experts weigh under `_MIN_TUNE_BYTES` (test-sized models)
-take the default rule untimed: their calls cost their launches, whatever the tiles. (On the
-H200 the tiny Qwen3-MoE engine test took 20 s untuned; tuned, it once ran past 140 s.)
-`fused_moe_ref` (moe_ref.py) is the torch reference.
+Tile configs (a `MoEConfig`: BLOCK_M/N/K, GROUP_M, warps, stages, the SiLU form and GEMM 2's own
+tiles but BLOCK_M, if any; or a `DecodeConfig`) are tuned per shape and per token-count bucket on
+the device the first time a shape runs outside graph capture (an engine's start-up profile forward:
+every bucket up to its token count at once), as the attention kernels are. Layers whose experts
+weigh under `_MIN_TUNE_BYTES` (test-sized models) take the default rule untimed (the unfused form):
+their calls cost their launches, whatever the tiles. (On the H200 the tiny Qwen3-MoE engine test
+took 20 s untuned; tuned, it once ran past 140 s.) `fused_moe_ref` (moe_ref.py) is the torch
+reference.
 """
 
 from __future__ import annotations
@@ -43,13 +59,13 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels.activation import silu_and_mul
+from tandem_kernels.activation import silu_and_mul, silu_and_mul_tile
 
 
 @triton.jit
@@ -74,6 +90,7 @@ def _fused_moe_kernel(
     stride_cn,
     A_ROW_DIV: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -81,7 +98,13 @@ def _fused_moe_kernel(
     INPUT_PRECISION: tl.constexpr,
 ):
     """One `[BLOCK_M, BLOCK_N]` tile of `C[p] = A[p // A_ROW_DIV] @ B[expert]^T` over the
-    sorted pairs of one expert (times the pair's routing weight when MUL_ROUTED_WEIGHT)."""
+    sorted pairs of one expert (times the pair's routing weight when MUL_ROUTED_WEIGHT).
+
+    SILU_AND_MUL (GEMM 1 with SiLU in its epilogue): B has 2N rows, gate then up; the tile
+    of gate columns n and the tile of up columns N + n accumulate over the same A tiles, and
+    C (`[P, N]`) gets `silu(gate) * up`, with gate and up rounded to C's dtype first as the
+    unfused path stores them (silu_and_mul_tile: the same values as silu_and_mul's)."""
+    tl.static_assert(not (SILU_AND_MUL and MUL_ROUTED_WEIGHT))
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -104,16 +127,25 @@ def _fused_moe_kernel(
     a_ptrs = a_ptr + (offs_pair[:, None] // A_ROW_DIV) * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SILU_AND_MUL:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if SILU_AND_MUL:
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + offs_pair, mask=pair_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
+    if SILU_AND_MUL:
+        gate = acc.to(c_ptr.dtype.element_ty)
+        acc = silu_and_mul_tile(gate, acc_up.to(c_ptr.dtype.element_ty))
     c_ptrs = c_ptr + offs_pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
 
@@ -241,8 +273,43 @@ def moe_align_block_size(
     return sorted_ids[:max_padded], expert_ids, padded_end[-1:].to(torch.int32)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
-MoEConfig = tuple[int, int, int, int, int, int]
+class GemmTiles(NamedTuple):
+    """One grouped GEMM's tiles but BLOCK_M: `block_n` output columns over `block_k` columns
+    of K a step, `group_m` row tiles side by side (they share B tiles in L2), `num_warps`,
+    `num_stages` (software pipelining)."""
+
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+class MoEConfig(NamedTuple):
+    """Tiles of the grouped path (see the module docstring): `[block_m, block_n]` output
+    tiles of GEMM 1 (the rest as in `GemmTiles`). `silu_in_epilogue`: GEMM 1 stores
+    `silu(gate) * up` (block_n of the I act columns a tile, two accumulators) instead of
+    gate_up for a separate SiLU-and-mul pass. `down`: GEMM 2's own tiles (K is I, N is H),
+    None for GEMM 1's; block_m is shared, since the alignment pads each expert's rows to it."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    silu_in_epilogue: bool = False
+    down: GemmTiles | None = None
+
+    @property
+    def gate_up_tiles(self) -> GemmTiles:
+        """GEMM 1's tiles but BLOCK_M."""
+        return GemmTiles(*self[1:6])
+
+    @property
+    def down_tiles(self) -> GemmTiles:
+        """GEMM 2's tiles but BLOCK_M: `down`, or GEMM 1's."""
+        return self.gate_up_tiles if self.down is None else self.down
 
 
 class DecodeConfig(NamedTuple):
@@ -261,6 +328,8 @@ class DecodeConfig(NamedTuple):
 
 
 FusedMoEConfig = MoEConfig | DecodeConfig
+# What a grouped GEMM does to its fp32 tile before storing it (None: nothing).
+Epilogue = Literal["silu_and_mul", "routed_weight"] | None
 # Decode path tiles. Each program streams a [block_n, block_k] tile a step (kernel 1: two, gate
 # and up): with plain loads a step's tiles are what a program has in flight, so tiles of 8-16K
 # elements (16-32 KB of bf16) with a few programs per SM keep the ~30 KB per SM in flight that
@@ -295,21 +364,49 @@ _DECODE_DEFAULT_MAX_ROWS = 2
 # A layer's expert weights below this are not tuned (see the module docstring).
 _MIN_TUNE_BYTES = 4 << 20
 _DECODE_TUNE_MAX_ROWS = 8
-_CANDIDATES: tuple[MoEConfig, ...] = (
-    (16, 64, 128, 1, 4, 3),
-    (16, 128, 128, 1, 4, 3),
-    (16, 64, 64, 1, 4, 4),
-    (16, 128, 64, 1, 4, 4),
-    (16, 256, 64, 1, 8, 3),
-    (32, 64, 128, 8, 4, 3),
-    (32, 128, 64, 8, 4, 4),
-    (64, 64, 64, 8, 4, 4),
-    (64, 128, 64, 8, 4, 3),
-    (64, 128, 64, 8, 8, 3),
-    (64, 256, 64, 8, 8, 3),
-    (128, 128, 64, 8, 8, 3),
-    (128, 256, 64, 8, 8, 3),
-    (128, 128, 32, 8, 4, 4),
+_UNFUSED_CANDIDATES: tuple[MoEConfig, ...] = (
+    MoEConfig(16, 64, 128, 1, 4, 3),
+    MoEConfig(16, 128, 128, 1, 4, 3),
+    MoEConfig(16, 64, 64, 1, 4, 4),
+    MoEConfig(16, 128, 64, 1, 4, 4),
+    MoEConfig(16, 256, 64, 1, 8, 3),
+    MoEConfig(32, 64, 128, 8, 4, 3),
+    MoEConfig(32, 128, 64, 8, 4, 4),
+    MoEConfig(64, 64, 64, 8, 4, 4),
+    MoEConfig(64, 128, 64, 8, 4, 3),
+    MoEConfig(64, 128, 64, 8, 8, 3),
+    MoEConfig(64, 256, 64, 8, 8, 3),
+    MoEConfig(128, 128, 64, 8, 8, 3),
+    MoEConfig(128, 256, 64, 8, 8, 3),
+    MoEConfig(128, 128, 32, 8, 4, 4),
+)
+# SiLU in GEMM 1's epilogue: two accumulators and two B tiles a step, so block_n is about half
+# an unfused tile's for the same registers and shared memory. All compile for sm_90a without
+# spills (benchmarks/kernel_registers.py --moe, Triton 3.9): GEMM 1 takes 108-216 registers a
+# thread and 72-192 KB of shared memory (H200: 227 KB a block).
+_SILU_EPILOGUE_CANDIDATES: tuple[MoEConfig, ...] = (
+    MoEConfig(16, 64, 128, 1, 4, 3, True),
+    MoEConfig(16, 128, 64, 1, 4, 4, True),
+    MoEConfig(32, 64, 128, 8, 4, 3, True),
+    MoEConfig(64, 64, 64, 8, 4, 4, True),
+    MoEConfig(64, 128, 64, 8, 8, 3, True),
+    MoEConfig(128, 64, 64, 8, 4, 4, True),
+    MoEConfig(128, 128, 64, 8, 8, 3, True),
+    MoEConfig(128, 128, 64, 8, 8, 4, True),
+)
+# The tuner times both forms; which is faster is the device's to say.
+_CANDIDATES = _UNFUSED_CANDIDATES + _SILU_EPILOGUE_CANDIDATES
+# GEMM 2's own tiles, timed on the fastest config of each SiLU form (GEMM 1 and BLOCK_M kept).
+# GEMM 2 is long in N (H: 2048, 4096) and short in K (I: 768 at Qwen3-30B-A3B), while an
+# epilogue config's block_n is narrow for GEMM 1's two accumulators. At every block_m of the
+# candidates they compile for sm_90a without spills, at most 192 KB of shared memory.
+_DOWN_CANDIDATES: tuple[GemmTiles, ...] = (
+    GemmTiles(64, 64, 8, 4, 4),
+    GemmTiles(128, 64, 8, 4, 3),
+    GemmTiles(128, 64, 8, 8, 4),
+    GemmTiles(128, 128, 8, 8, 3),
+    GemmTiles(256, 64, 8, 8, 3),
+    GemmTiles(64, 128, 8, 4, 3),
 )
 # (E, 2I, H, top_k, dtype) of a layer; with the token bucket, what a tuned config is kept for.
 _ShapeKey = tuple[int, int, int, int, torch.dtype]
@@ -319,15 +416,16 @@ tuning_log: list[dict[str, object]] = []
 
 def default_config(num_tokens: int, top_k: int, num_experts: int) -> FusedMoEConfig:
     """The untuned config: the decode path when each expert sees at most
-    `_DECODE_DEFAULT_MAX_ROWS` rows on average, then small tiles when it sees few."""
+    `_DECODE_DEFAULT_MAX_ROWS` rows on average, then small tiles when it sees few; the
+    grouped path unfused (SiLU in the epilogue runs only where the tuner timed it faster)."""
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     if rows_per_expert <= _DECODE_DEFAULT_MAX_ROWS:
         return _DEFAULT_DECODE
     if rows_per_expert <= 16:
-        return (16, 64, 64, 1, 4, 3)
+        return MoEConfig(16, 64, 64, 1, 4, 3)
     if rows_per_expert <= 64:
-        return (32, 64, 64, 8, 4, 3)
-    return (64, 128, 64, 8, 8, 3)
+        return MoEConfig(32, 64, 64, 8, 4, 3)
+    return MoEConfig(64, 128, 64, 8, 8, 3)
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -353,12 +451,19 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: FusedMoEConfig | None = None,
+    *,
+    all_experts_local: bool = False,
 ) -> torch.Tensor:
     """`[T, H]`: `sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])` (fused_moe_ref's
     result). hidden_states `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]` (contiguous, one dtype),
     topk_weights `[T, k]` float32, topk_ids `[T, k]` int. `config` unset: the tuned one for
     this shape and token bucket (tuning it now when allowed, see the module docstring); a
-    `DecodeConfig` runs the decode path."""
+    `DecodeConfig` runs the decode path.
+
+    `all_experts_local`: the caller vouches that every id is < E (no pair names another
+    rank's expert), so GEMM 2 writes every pair's row and the grouped path skips zero-filling
+    them first. Not checked (that would cost a host sync): set with ids >= E, the output is
+    garbage. The default is right for any ids; the decode path never fills."""
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
@@ -374,18 +479,25 @@ def fused_moe(
     if isinstance(config, DecodeConfig):
         _fused_moe_decode(hidden_states, w13, w2, topk_weights, topk_ids, config, out)
         return out
-    block_m = config[0]
+    block_m = config.block_m
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, num_experts)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     num_pairs = num_tokens * top_k
     dev, dtype = hidden_states.device, hidden_states.dtype
-    gate_up = torch.empty(num_pairs, two_inter, dtype=dtype, device=dev)
     routing = (weights, sorted_ids, expert_ids, num_post)
-    _launch(hidden_states, w13, gate_up, *routing, top_k, False, config)
-    act = silu_and_mul(gate_up)
-    # Rows of other ranks' experts are never written: they must add nothing.
-    down = torch.zeros(num_pairs, hidden, dtype=dtype, device=dev)
-    _launch(act, w2, down, *routing, 1, True, config)
+    gate_up_tiles = config.gate_up_tiles
+    if config.silu_in_epilogue:
+        act = torch.empty(num_pairs, two_inter // 2, dtype=dtype, device=dev)
+        _launch(hidden_states, w13, act, *routing, top_k, "silu_and_mul", block_m, gate_up_tiles)
+    else:
+        gate_up = torch.empty(num_pairs, two_inter, dtype=dtype, device=dev)
+        _launch(hidden_states, w13, gate_up, *routing, top_k, None, block_m, gate_up_tiles)
+        act = silu_and_mul(gate_up)
+    # Rows of other ranks' experts are never written: unless there are none, they must read
+    # as zeros in the sum.
+    alloc = torch.empty if all_experts_local else torch.zeros
+    down = alloc(num_pairs, hidden, dtype=dtype, device=dev)
+    _launch(act, w2, down, *routing, 1, "routed_weight", block_m, config.down_tiles)
     return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
 
 
@@ -450,13 +562,17 @@ def _launch(
     expert_ids: torch.Tensor,
     num_post: torch.Tensor,
     a_row_div: int,
-    mul_routed_weight: bool,
-    config: MoEConfig,
+    epilogue: Epilogue,
+    block_m: int,
+    tiles: GemmTiles,
 ) -> None:
-    block_m, block_n, block_k, group_m, warps, stages = config
+    """`c = a @ b^T` over the sorted pairs (`_fused_moe_kernel`); "silu_and_mul": b holds
+    gate then up rows and c gets `silu(gate) * up` (half b's rows wide)."""
     em = sorted_ids.shape[0]
-    n, k = b.shape[1], b.shape[2]
-    grid = (triton.cdiv(em, block_m) * triton.cdiv(n, block_n),)
+    silu = epilogue == "silu_and_mul"
+    n, k = b.shape[1] // 2 if silu else b.shape[1], b.shape[2]
+    assert c.shape[1] == n
+    grid = (triton.cdiv(em, block_m) * triton.cdiv(n, tiles.block_n),)
     _fused_moe_kernel[grid](
         a,
         b,
@@ -477,14 +593,15 @@ def _launch(
         c.stride(0),
         c.stride(1),
         A_ROW_DIV=a_row_div,
-        MUL_ROUTED_WEIGHT=mul_routed_weight,
+        MUL_ROUTED_WEIGHT=epilogue == "routed_weight",
+        SILU_AND_MUL=silu,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        GROUP_M=group_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m,
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=warps,
-        num_stages=stages,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
 
 
@@ -519,6 +636,7 @@ def tune_fused_moe(
     candidates: tuple[MoEConfig, ...] = _CANDIDATES,
     iters: int = 3,
     decode_candidates: tuple[DecodeConfig, ...] = _DECODE_CANDIDATES,
+    down_candidates: tuple[GemmTiles, ...] = _DOWN_CANDIDATES,
 ) -> dict[int, FusedMoEConfig]:
     """Time `candidates` for every token bucket up to `max_tokens` not tuned yet for this
     layer shape (on these weights, uniformly random routing, seeded) and keep the fastest;
@@ -527,9 +645,9 @@ def tune_fused_moe(
     Buckets of at most `_DECODE_TUNE_MAX_ROWS` rows per expert also time `decode_candidates`
     (the decode path), and there every candidate's whole call is timed replayed from a CUDA
     graph, as decode runs it (eager, the alignment's launches would decide); larger buckets
-    are timed eagerly."""
-    from tandem_kernels.fp8_w8a16 import time_in_graph
-
+    are timed eagerly. Then the fastest grouped config of each SiLU form is timed again with
+    each of `down_candidates` as GEMM 2's tiles (`MoEConfig.down`), and the fastest of all
+    is kept: a second step, not the product of the two lists."""
     key = _shape_key(w13, top_k)
     num_experts, _, hidden = w13.shape
     dev = w13.device
@@ -542,29 +660,40 @@ def tune_fused_moe(
             topk_weights, topk_ids = scores.topk(top_k, dim=-1)
             topk_weights, topk_ids = topk_weights.to(dev), topk_ids.to(dev, torch.int32)
             decode = bucket * top_k <= _DECODE_TUNE_MAX_ROWS * num_experts
-            timings: dict[FusedMoEConfig, float] = {}
+            problem = (x, w13, w2, topk_weights, topk_ids)
+            timings: list[tuple[FusedMoEConfig, float]] = []
             for config in candidates + (decode_candidates if decode else ()):
-                if not isinstance(config, DecodeConfig) and config[0] > 2 * max(
+                if not isinstance(config, DecodeConfig) and config.block_m > 2 * max(
                     bucket * top_k // num_experts, 16
                 ):
                     continue  # tiles far taller than an expert's rows: padding only
-                run = functools.partial(fused_moe, x, w13, w2, topk_weights, topk_ids, config)
-                if decode:
-                    us = time_in_graph([run])
-                    ms = None if us is None else us / 1e3
-                else:
-                    ms = _time_config(run, iters)
+                ms = _time_call(problem, config, decode, iters)
                 if ms is not None:
-                    timings[config] = ms
+                    timings.append((config, ms))
+            for silu in (False, True):
+                form = [
+                    timed
+                    for timed in timings
+                    if isinstance(timed[0], MoEConfig) and timed[0].silu_in_epilogue == silu
+                ]
+                if not form:
+                    continue
+                base = min(form, key=lambda timed: timed[1])[0]
+                for down in down_candidates:
+                    if down != base.gate_up_tiles:  # else base itself
+                        config = base._replace(down=down)
+                        ms = _time_call(problem, config, decode, iters)
+                        if ms is not None:
+                            timings.append((config, ms))
             if timings:
-                best = min(timings, key=lambda c: timings[c])
+                best = min(timings, key=lambda timed: timed[1])[0]
                 _configs[(key, bucket)] = best
                 tuning_log.append(
                     {
                         "key": [key[0], key[1], key[2], key[3], str(key[4])],
                         "num_tokens": bucket,
                         "timed_in_graph": decode,
-                        "ms": {config_name(c): t for c, t in timings.items()},
+                        "ms": {config_name(c): t for c, t in timings},
                         "best": config_name(best),
                     }
                 )
@@ -573,10 +702,48 @@ def tune_fused_moe(
 
 
 def config_name(config: FusedMoEConfig) -> str:
-    """`16x64x64x1x4x3` for a grouped-path config, `decode:16x256x1x8x1024x1x4` for the
-    decode path's (the tuning log's names)."""
-    name = "x".join(map(str, config))
-    return f"decode:{name}" if isinstance(config, DecodeConfig) else name
+    """`16x64x64x1x4x3` for a grouped-path config, `silu-epilogue:16x64x64x1x4x3` for one
+    with SiLU in GEMM 1's epilogue, either followed by `/down:128x64x8x4x3` where GEMM 2 has
+    its own tiles; `decode:16x256x1x8x1024x1x4` for the decode path's (the tuning log's
+    names)."""
+    if isinstance(config, DecodeConfig):
+        return "decode:" + _join(config)
+    name = _join(config[:6])
+    if config.silu_in_epilogue:
+        name = f"silu-epilogue:{name}"
+    return name if config.down is None else f"{name}/down:{_join(config.down)}"
+
+
+def config_from_name(name: str) -> FusedMoEConfig:
+    """The config `config_name` gave this name (a tuning log's entries back to configs)."""
+    head, _, down = name.partition("/down:")
+    form, _, tiles = head.rpartition(":")
+    values = [int(v) for v in tiles.split("x")]
+    if form == "decode" and not down:
+        return DecodeConfig(*values)
+    if form not in ("", "silu-epilogue") or len(values) != 6:
+        raise ValueError(f"not a fused MoE config name: {name!r}")
+    down_tiles = GemmTiles(*(int(v) for v in down.split("x"))) if down else None
+    return MoEConfig(*values, silu_in_epilogue=form == "silu-epilogue", down=down_tiles)
+
+
+def _join(values: tuple[int, ...]) -> str:
+    return "x".join(map(str, values))
+
+
+def _time_call(
+    problem: tuple[torch.Tensor, ...], config: FusedMoEConfig, in_graph: bool, iters: int
+) -> float | None:
+    """Milliseconds per `fused_moe(*problem, config)` (every id < E, as in a layer without
+    expert parallel): replayed from a CUDA graph, or eagerly; None when the device cannot
+    run the config."""
+    from tandem_kernels.fp8_w8a16 import time_in_graph
+
+    run = functools.partial(fused_moe, *problem, config, all_experts_local=True)
+    if in_graph:
+        us = time_in_graph([run])
+        return None if us is None else us / 1e3
+    return _time_config(run, iters)
 
 
 def _time_config(run: Callable[[], object], iters: int) -> float | None:

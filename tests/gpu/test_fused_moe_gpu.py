@@ -2,9 +2,13 @@
 of Qwen3-30B-A3B (128 experts, top 8, H 2048, I 768) and Mixtral-8x7B (8 experts, top 2,
 H 4096, I 14336), bf16, decode to prefill token counts; its per-shape tuning; and a call
 captured in a CUDA graph and replayed on new routing (no host sync inside). The decode path
-(a GEMV per pair, no sorting) the same way, with ids of experts another rank holds."""
+(a GEMV per pair, no sorting) the same way, with ids of experts another rank holds. Every
+grouped candidate, SiLU in GEMM 1's epilogue or not, and the tuner's choice between the two;
+the zero fill of GEMM 2's output skipped only when the caller vouches every expert is local."""
 
 from __future__ import annotations
+
+import unittest.mock
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ if not torch.cuda.is_available():
 import tandem_kernels.fused_moe as fm  # noqa: E402
 from tandem.layers.moe import select_experts  # noqa: E402
 from tandem_kernels.moe_ref import fused_moe_ref  # noqa: E402
+from tests.uninitialized import nan_filled_empty  # noqa: E402
 
 DEV = torch.device("cuda")
 # name -> (experts, top_k, hidden, intermediate, renormalize)
@@ -203,3 +208,86 @@ def test_tiny_layers_take_the_default_rule_untuned() -> None:
     out = fm.fused_moe(x, w13, w2, weights, ids)
     assert len(fm.tuning_log) == before
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("num_tokens", [64, 4096])
+def test_every_grouped_candidate_matches_reference_bf16(shape: str, num_tokens: int) -> None:
+    """Each of `_CANDIDATES` (both SiLU forms), and each of `_DOWN_CANDIDATES` as GEMM 2's
+    tiles under a config of each form at block_m 64 and 128, against the reference, on
+    all-local ids and on ids with experts another rank holds (those pairs add nothing; the
+    last token gets zeros)."""
+    w13, w2 = _weights(shape, torch.bfloat16)
+    x, weights, ids = _routing(shape, num_tokens, seed=20 + num_tokens)
+    x = x.to(torch.bfloat16)
+    ep_ids = ids.clone()
+    _drop_to_other_rank(ep_ids, w13.shape[0])
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    ep_ref = fused_moe_ref(x, w13, w2, weights, ep_ids)
+    forms = {c.silu_in_epilogue for c in fm._CANDIDATES}
+    assert forms == {False, True}
+    bases = (fm.MoEConfig(64, 128, 64, 8, 8, 3), fm.MoEConfig(128, 64, 64, 8, 4, 4, True))
+    with_down = tuple(b._replace(down=d) for b in bases for d in fm._DOWN_CANDIDATES)
+    for config in fm._CANDIDATES + with_down:
+        out = fm.fused_moe(x, w13, w2, weights, ids, config)
+        assert out.dtype == torch.bfloat16
+        _assert_close(out, ref)
+        out = fm.fused_moe(x, w13, w2, weights, ep_ids, config)
+        _assert_close(out, ep_ref)
+        assert torch.equal(out[-1], torch.zeros_like(out[-1])), fm.config_name(config)
+
+
+def test_tuner_times_both_silu_forms_and_may_keep_the_epilogue_one() -> None:
+    """A grouped bucket times the unfused and the SiLU-epilogue candidates side by side, then
+    GEMM 2's tiles on the fastest of each form, and keeps the fastest of all; given only
+    epilogue candidates, it keeps one, and a call with no config runs it (no separate SiLU
+    pass). Qwen3-30B-A3B's weights under top_k 6 and 5: keys no other test tunes."""
+    w13, w2 = _weights("qwen3-30b-a3b", torch.bfloat16)
+    num_experts = w13.shape[0]
+    tuned = fm.tune_fused_moe(w13, w2, 6, max_tokens=4096)
+    key = fm._shape_key(w13, 6)
+    (entry,) = [
+        e for e in fm.tuning_log if e["key"] == [*key[:4], str(key[4])] and e["num_tokens"] == 4096
+    ]
+    timed = set(entry["ms"])
+    for config in fm._CANDIDATES:  # 192 rows an expert: no tile is too tall to be timed
+        assert fm.config_name(config) in timed, fm.config_name(config)
+    with_down = [fm.config_from_name(n) for n in timed if "/down:" in n]
+    assert {c.silu_in_epilogue for c in with_down} == {False, True}
+    assert entry["best"] == min(entry["ms"], key=entry["ms"].get)
+    assert entry["best"] == fm.config_name(tuned[4096])
+
+    epilogue_only = fm.tune_fused_moe(
+        w13, w2, 5, 4096, candidates=fm._SILU_EPILOGUE_CANDIDATES, decode_candidates=()
+    )
+    assert epilogue_only[4096].silu_in_epilogue
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    x = torch.randn(3000, w13.shape[2], device=DEV, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(3000, num_experts, device=DEV, generator=gen)
+    weights, ids = select_experts(logits, 5, True)
+    with unittest.mock.patch.object(fm, "silu_and_mul", side_effect=AssertionError):
+        out = fm.fused_moe(x, w13, w2, weights, ids)
+    _assert_close(out, fused_moe_ref(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("silu_in_epilogue", [False, True])
+def test_zero_fill_is_skipped_only_when_every_expert_is_local(silu_in_epilogue: bool) -> None:
+    """With every buffer handed out full of NaN: `all_experts_local=True` on local ids
+    matches the reference (every down row written); ids >= E by default match theirs (the
+    fill taken); ids >= E under the keyword give NaN in exactly the tokens with such a pair
+    (the fill skipped)."""
+    shape = "qwen3-30b-a3b"
+    w13, w2 = _weights(shape, torch.bfloat16)
+    x, weights, ids = _routing(shape, 600, seed=30)
+    x = x.to(torch.bfloat16)
+    ep_ids = ids.clone()
+    _drop_to_other_rank(ep_ids, w13.shape[0])
+    config = fm.MoEConfig(64, 64, 64, 8, 4, 4, silu_in_epilogue)
+    with nan_filled_empty():
+        local = fm.fused_moe(x, w13, w2, weights, ids, config, all_experts_local=True)
+        ep = fm.fused_moe(x, w13, w2, weights, ep_ids, config)
+        broken = fm.fused_moe(x, w13, w2, weights, ep_ids, config, all_experts_local=True)
+    _assert_close(local, fused_moe_ref(x, w13, w2, weights, ids))
+    _assert_close(ep, fused_moe_ref(x, w13, w2, weights, ep_ids))
+    has_absent = (ep_ids >= w13.shape[0]).any(dim=1)
+    assert torch.equal(broken.isnan().any(dim=1), has_absent)

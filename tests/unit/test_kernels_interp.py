@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import traceback
+import unittest.mock
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+from tests.uninitialized import nan_filled_empty
 
 if TYPE_CHECKING:
     from tandem.layers.attention.backend import AttentionMetadata
@@ -1502,12 +1505,109 @@ def case_fused_moe(dtype: torch.dtype, block_m: int, other_rank: bool) -> None:
     positions = (sorted_ids < num_tokens * top_k).nonzero().reshape(-1)
     assert torch.equal(expert_ids[positions // block_m].long(), topk_ids.reshape(-1)[real].long())
     assert int(num_post) % block_m == 0 and int(num_post) <= sorted_ids.shape[0]
-    config = (block_m, 32, 16, 2, 4, 1)
+    config = k.fused_moe.MoEConfig(block_m, 32, 16, 2, 4, 1)
     out = k.fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, config)
     ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
     assert out.dtype == dtype and out.shape == (num_tokens, hidden)
     assert ref.abs().max() > 0.1
     torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@_case(
+    *(
+        {"dtype": d, "block_m": m, "block_n": n}
+        for d, m, n in [(torch.float32, 16, 16), (torch.float16, 16, 16), (torch.float32, 32, 32)]
+    )
+)
+def case_fused_moe_silu_epilogue(dtype: torch.dtype, block_m: int, block_n: int) -> None:
+    """GEMM 1 with SiLU in its epilogue (no gate_up buffer, no separate SiLU pass) against the
+    reference and against the unfused form with the same tiles: absent experts' pairs (ids
+    >= E) mixed in, padding rows in the tiles, I = 24 not a multiple of block_n (16: a
+    partial second tile; 32: one tile wider than I). Buffers start as NaN, so an unmasked
+    read of an unwritten row shows."""
+    k = _kernels()
+    fm = k.fused_moe
+    num_tokens, hidden, inter, num_experts, top_k = 13, 40, 24, 5, 2
+    x, w13, w2, topk_weights, topk_ids = _moe_problem(5, num_tokens, top_k, dtype, no_token=1)
+    topk_ids[::4, 0] = num_experts
+    topk_ids[5] = num_experts + 2
+    assert inter % block_n != 0
+    _, _, num_post = fm.moe_align_block_size(topk_ids, block_m, num_experts)
+    assert int(num_post) > int((topk_ids < num_experts).sum()), "no padding rows"
+    fused = fm.MoEConfig(block_m, block_n, 16, 2, 4, 1, silu_in_epilogue=True)
+    unfused = fused._replace(silu_in_epilogue=False)
+    ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    assert ref.abs().max() > 0.1 and torch.equal(ref[5], torch.zeros_like(ref[5]))
+    with nan_filled_empty():
+        expected = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, unfused)
+        with unittest.mock.patch.object(fm, "silu_and_mul", side_effect=AssertionError):
+            out = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, fused)
+    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    # Gate and up are rounded as the unfused form stores them: the same values, bit for bit
+    # (the interpreter's dot is numpy's matmul on tiles of the same shapes in both forms).
+    assert torch.equal(out, expected)
+    assert torch.equal(out[5], torch.zeros_like(out[5]))
+    assert fm.config_name(fused) == f"silu-epilogue:{block_m}x{block_n}x16x2x4x1"
+    assert fm.config_name(unfused) == f"{block_m}x{block_n}x16x2x4x1"
+    down = fused._replace(down=fm.GemmTiles(32, 8, 1, 4, 1))
+    assert fm.config_name(down) == f"silu-epilogue:{block_m}x{block_n}x16x2x4x1/down:32x8x1x4x1"
+    for config in (fused, unfused, down, *fm._CANDIDATES, *fm._DECODE_CANDIDATES):
+        back = fm.config_from_name(fm.config_name(config))
+        assert back == config and type(back) is type(config)
+
+
+@_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))
+def case_fused_moe_down_tiles(dtype: torch.dtype, silu_in_epilogue: bool) -> None:
+    """GEMM 2 with tiles of its own (`MoEConfig.down`; block_m shared): block_n 32 over H 40
+    (a partial tile), block_k 8 over I 24, against the reference, absent experts mixed in;
+    GEMM 1 keeps the config's own tiles."""
+    k = _kernels()
+    fm = k.fused_moe
+    num_tokens, num_experts, top_k = 13, 5, 2
+    x, w13, w2, topk_weights, topk_ids = _moe_problem(9, num_tokens, top_k, dtype)
+    topk_ids[1::4, 1] = num_experts
+    down = fm.GemmTiles(32, 8, 1, 4, 1)
+    config = fm.MoEConfig(16, 16, 16, 2, 4, 1, silu_in_epilogue, down=down)
+    assert config.down_tiles == down and config.gate_up_tiles == fm.GemmTiles(16, 16, 2, 4, 1)
+    assert config._replace(down=None).down_tiles == config.gate_up_tiles
+    ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    with (
+        nan_filled_empty(),
+        unittest.mock.patch.object(fm, "_launch", wraps=fm._launch) as launch,
+    ):
+        out = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, config)
+    assert [c.args[-2:] for c in launch.call_args_list] == [(16, config.gate_up_tiles), (16, down)]
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))
+def case_fused_moe_zero_fill(dtype: torch.dtype, silu_in_epilogue: bool) -> None:
+    """The down rows start as zeros only where some pair may name another rank's expert:
+    `all_experts_local=True` on local ids equals the reference with every buffer handed out
+    full of NaN (every row is written); ids >= E by default are still right and finite (the
+    fill is taken); and ids >= E under the keyword (a caller's broken promise) give NaN
+    exactly in the tokens with such a pair, which shows the fill was skipped."""
+    k = _kernels()
+    fm = k.fused_moe
+    num_tokens, num_experts, top_k = 11, 5, 2
+    x, w13, w2, topk_weights, topk_ids = _moe_problem(7, num_tokens, top_k, dtype)
+    ep_ids = topk_ids.clone()
+    ep_ids[::3, 1] = num_experts
+    ep_ids[4] = num_experts + 1
+    config = fm.MoEConfig(16, 16, 16, 2, 4, 1, silu_in_epilogue)
+    ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    ep_ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, ep_ids)
+    with nan_filled_empty():
+        local = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, config, all_experts_local=True)
+        ep = fm.fused_moe(x, w13, w2, topk_weights, ep_ids, config)
+        broken = fm.fused_moe(x, w13, w2, topk_weights, ep_ids, config, all_experts_local=True)
+    torch.testing.assert_close(local, ref, **_tol(dtype))
+    torch.testing.assert_close(ep, ep_ref, **_tol(dtype))
+    assert torch.equal(ep[4], torch.zeros_like(ep[4]))
+    has_absent = (ep_ids >= num_experts).any(dim=1)
+    assert torch.equal(broken.isnan().all(dim=1), has_absent)
+    assert torch.equal(broken.isnan().any(dim=1), has_absent)
 
 
 @_case(

@@ -5,7 +5,10 @@ tests/unit/test_parallel_layers.py's gloo processes: `check_expert_parallel`).""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import unittest.mock
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,35 @@ def test_router_top_k_and_renormalisation() -> None:
         select_experts(logits, 5, renormalize=True)
 
 
+@contextlib.contextmanager
+def _checked_local_promise() -> Iterator[list[bool]]:
+    """The layer's `run_experts` wrapped: each call's `all_experts_local` is listed, and
+    checked true of its ids when set (the kernel then skips the zero fill that ids >= E
+    need)."""
+    from tandem.layers.moe import layer as moe_layer
+
+    run_experts = moe_layer.run_experts
+    promises: list[bool] = []
+
+    def checked(
+        hidden_states: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        all_experts_local: bool = False,
+    ) -> torch.Tensor:
+        assert not all_experts_local or bool((topk_ids < w13.shape[0]).all())
+        promises.append(all_experts_local)
+        return run_experts(
+            hidden_states, w13, w2, topk_weights, topk_ids, all_experts_local=all_experts_local
+        )
+
+    with unittest.mock.patch.object(moe_layer, "run_experts", checked):
+        yield promises
+
+
 def _context(tp_rank: int = 0, tp_size: int = 1, ep: bool = False) -> ModelContext:
     state = fake_parallel_state(tp_rank, tp_size)
     return ModelContext(
@@ -64,6 +96,81 @@ def test_experts_load_by_shard(arch: str, tiny_model_path) -> None:
         assert ep.use_ep and ep.num_local_experts == full.num_experts // 2
         assert torch.equal(ep.w13_weight, full.w13_weight[experts])
         assert torch.equal(ep.w2_weight, full.w2_weight[experts])
+
+
+def test_layer_without_expert_parallel_vouches_its_experts_are_all_local() -> None:
+    """Every id the router picks names an expert this rank holds: the layer says so (the
+    fused kernel then skips its zero fill); expert parallel is checked in the gloo ranks."""
+    gen = torch.Generator().manual_seed(5)
+    layer = FusedMoE(6, 2, 16, 12, True, _context())
+    layer.w13_weight.data.copy_(torch.randn(6, 24, 16, generator=gen) * 0.3)
+    layer.w2_weight.data.copy_(torch.randn(6, 16, 12, generator=gen) * 0.3)
+    x, logits = torch.randn(9, 16, generator=gen), torch.randn(9, 6, generator=gen)
+    with _checked_local_promise() as promises:
+        out = layer(x, logits)
+    assert promises == [True]
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    expected = fused_moe_ref(x, layer.w13_weight, layer.w2_weight, weights, ids)
+    torch.testing.assert_close(out, expected)
+
+
+def test_moe_tuner_times_both_silu_forms_then_down_tiles_on_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused kernel's tuner under a fake clock (no kernel runs): every candidate of both
+    SiLU forms is timed, then the fastest of each form again with each GEMM 2 tile set (not
+    the one equal to its own, nor on the slower configs), and the fastest of all is kept,
+    here an epilogue config with its own down tiles; configs the device cannot run (None)
+    are left out."""
+    import tandem_kernels.fused_moe as fm
+
+    unfused = fm.MoEConfig(16, 64, 64, 1, 4, 3)
+    fused = unfused._replace(silu_in_epilogue=True)
+    slower_fused = fm.MoEConfig(16, 32, 64, 1, 4, 3, True)
+    down = fm.GemmTiles(128, 64, 8, 4, 3)
+    clock = {
+        unfused: 2.0,
+        fused: 1.5,
+        slower_fused: 1.8,
+        unfused._replace(down=down): 1.2,
+        fused._replace(down=down): 1.0,
+    }
+    timed: list[fm.FusedMoEConfig] = []
+
+    def fake_time_call(
+        problem: tuple[torch.Tensor, ...], config: fm.FusedMoEConfig, in_graph: bool, iters: int
+    ) -> float | None:
+        timed.append(config)
+        return clock.get(config)
+
+    monkeypatch.setattr(fm, "_time_call", fake_time_call)
+    monkeypatch.setattr(fm, "_configs", {})
+    monkeypatch.setattr(fm, "tuning_log", [])
+    w13, w2 = torch.zeros(4, 16, 8), torch.zeros(4, 8, 8)
+    tuned = fm.tune_fused_moe(
+        w13,
+        w2,
+        2,
+        max_tokens=4,
+        candidates=(unfused, fused, slower_fused),
+        decode_candidates=(),
+        down_candidates=(down, unfused.gate_up_tiles, fm.GemmTiles(32, 32, 1, 4, 2)),
+    )
+    best = fused._replace(down=down)
+    assert tuned == {1: best, 2: best, 4: best}
+    per_bucket = [
+        unfused,
+        fused,
+        slower_fused,
+        unfused._replace(down=down),
+        unfused._replace(down=fm.GemmTiles(32, 32, 1, 4, 2)),
+        fused._replace(down=down),
+        fused._replace(down=fm.GemmTiles(32, 32, 1, 4, 2)),
+    ]
+    assert timed == per_bucket * 3
+    assert [e["best"] for e in fm.tuning_log] == [fm.config_name(best)] * 3
+    assert fm.config_name(best) == "silu-epilogue:16x64x64x1x4x3/down:128x64x8x4x3"
+    assert len(fm.tuning_log[0]["ms"]) == len(clock)
 
 
 def test_expert_load_is_counted_per_layer_and_reset(tiny_model_path) -> None:
@@ -120,7 +227,11 @@ def _check_layer_ep(rank: int, world: int, ep_ctx: ModelContext) -> None:
         expected = fused_moe_ref(x, w13, w2, weights, ids)
         for sync_free in (False, True):  # exact splits; fixed capacity (CUDA graphs)
             layer.ep_sync_free = sync_free
-            torch.testing.assert_close(layer(x, logits), expected, rtol=1e-5, atol=1e-6)
+            with _checked_local_promise() as promises:
+                out = layer(x, logits)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+            # Only the exact dispatch vouches (the fixed capacity pads with id E_local).
+            assert promises == [not sync_free]
 
 
 def _prefill_logits(model: Any) -> torch.Tensor:

@@ -45,13 +45,18 @@ def run_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    all_experts_local: bool = False,
 ) -> torch.Tensor:
     """`sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`: the fused kernel on CUDA,
-    the torch reference elsewhere."""
+    the torch reference elsewhere. `all_experts_local`: every id is < E (no pair names an
+    expert this rank lacks), which spares the kernel a zero fill; leave it False otherwise."""
     if hidden_states.is_cuda:
         from tandem_kernels.fused_moe import fused_moe
 
-        return fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+        return fused_moe(
+            hidden_states, w13, w2, topk_weights, topk_ids, all_experts_local=all_experts_local
+        )
     from tandem_kernels.moe_ref import fused_moe_ref
 
     return fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids)
@@ -158,7 +163,15 @@ class FusedMoE(nn.Module):
         self.expert_load.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         if self.use_ep:
             return self._forward_expert_parallel(hidden_states, topk_weights, topk_ids)
-        out = run_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        # Without expert parallel this rank holds every expert the router can pick.
+        out = run_experts(
+            hidden_states,
+            self.w13_weight,
+            self.w2_weight,
+            topk_weights,
+            topk_ids,
+            all_experts_local=True,
+        )
         if self.tp_size > 1:
             out = self.tp_group.all_reduce(out)
         return out
@@ -194,7 +207,7 @@ class FusedMoE(nn.Module):
             send, recv = send_counts.tolist(), recv_counts.tolist()
             rows = group.all_to_all(rows_out, recv, send)
             local_ids = group.all_to_all(ids_out, recv, send)
-            y = self._run_local(rows, local_ids)
+            y = self._run_local(rows, local_ids, all_experts_local=True)
             back = group.all_to_all(y, send, recv)
         pairs = torch.empty_like(back)
         pairs[order] = back
@@ -203,10 +216,17 @@ class FusedMoE(nn.Module):
         padded[: hi - lo] = mine.to(hidden_states.dtype)
         return group.all_gather(padded, dim=0)[:num_tokens]
 
-    def _run_local(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """Each received row through its one local expert (weight 1; id E_local: none)."""
+    def _run_local(
+        self, rows: torch.Tensor, local_ids: torch.Tensor, all_experts_local: bool
+    ) -> torch.Tensor:
+        """Each received row through its one local expert (weight 1; id E_local: none).
+        `all_experts_local`: no row names E_local (the exact dispatch sends only pairs of
+        this rank's experts; the sync-free one pads with E_local)."""
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
-        return run_experts(rows, self.w13_weight, self.w2_weight, ones, local_ids.view(-1, 1))
+        ids = local_ids.view(-1, 1)
+        return run_experts(
+            rows, self.w13_weight, self.w2_weight, ones, ids, all_experts_local=all_experts_local
+        )
 
     def _exchange_padded(
         self, rows: torch.Tensor, local_ids: torch.Tensor, dest: torch.Tensor, capacity: int
@@ -224,7 +244,9 @@ class FusedMoE(nn.Module):
         )
         send[slot] = rows
         send_ids[slot] = local_ids
-        y = self._run_local(group.all_to_all(send), group.all_to_all(send_ids))
+        y = self._run_local(
+            group.all_to_all(send), group.all_to_all(send_ids), all_experts_local=False
+        )
         return group.all_to_all(y)[slot]
 
     def extra_repr(self) -> str:
