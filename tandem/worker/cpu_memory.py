@@ -42,16 +42,22 @@ HUGE_PAGE = 2 << 20
 def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor like `torch.empty(shape, dtype=dtype)`, on its own anonymous
     mapping advised `MADV_HUGEPAGE` (Linux, at least one huge page's worth; otherwise
-    `torch.empty`). The mapping lives as long as the tensor (and its views) do."""
+    `torch.empty`), starting at a huge page's boundary: the kernel backs only whole aligned
+    2 MiB spans with huge pages and a mapping starts on any 4 KiB boundary, so the spans at
+    its ends were plain pages (a 7 MiB tensor got two huge pages of three). The mapping (a
+    huge page longer; the untouched rest takes no memory) lives as long as the tensor and its
+    views do."""
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if not sys.platform.startswith("linux") or advice is None or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # refused: plain pages
         buf.madvise(advice)
-    return torch.frombuffer(buf, dtype=dtype, count=numel).view(tuple(shape))
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start : start + nbytes].view(dtype).view(tuple(shape))
 
 
 def layer_major_kv_cache(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:

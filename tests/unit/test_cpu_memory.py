@@ -48,9 +48,14 @@ def test_huge_page_empty_is_backed_by_huge_pages() -> None:
     assert t.shape == (16 << 20,) and t.dtype == torch.float32
     t.fill_(1.5)
     assert float(t[-1]) == 1.5
+    # It starts on a huge page's boundary: every whole 2 MiB span of it can be one huge page.
+    assert t.data_ptr() % HUGE_PAGE == 0
     if HUGE_OK:
-        # All of it bar the ends of the mapping that miss a 2 MiB boundary.
-        assert anon_huge_kb(t) >= (t.numel() * 4 - 2 * HUGE_PAGE) // 1024
+        assert anon_huge_kb(t) >= t.numel() * 4 // 1024
+        # A weight-sized one (SmolLM2's packed gate_up, 7 MiB): its three whole spans too.
+        w = huge_page_empty((3072, 576), torch.float32).fill_(1.0)
+        assert w.data_ptr() % HUGE_PAGE == 0
+        assert anon_huge_kb(w) >= 3 * HUGE_PAGE // 1024
     # Views keep the mapping; writes through them land in it.
     v = t.view(4, -1)[1:3]
     del t
