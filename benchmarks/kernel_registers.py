@@ -183,17 +183,10 @@ def dense_rows(configs: tuple[dh.HopperConfig, ...] = dh.HOPPER_CONFIGS) -> list
     for config in configs:
         for tma in (True, False):
             ptx, shared = dense_hopper_ptx(config, tma)
-            usage = ptxas_usage(ptx)
-            occupancy = blocks_per_sm(usage["registers"], shared, config[2])
             name = dh.hopper_config_name(config)
             loads = "tma" if tma else "ptr"
-            rows.append({"config": name, "loads": loads, **usage, "shared": shared, **occupancy})
-            print(
-                f"{name:14s} {loads} {usage['registers']:4d} registers "
-                f"{usage['spill_bytes']:5d} B spilled {shared:6d} B shared  "
-                f"{occupancy['blocks_per_sm']} blocks/SM",
-                flush=True,
-            )
+            usage = compiled_usage(f"{name:14s} {loads}", ptx, shared, config[2])
+            rows.append({"config": name, "loads": loads, **usage})
     return rows
 
 
@@ -254,21 +247,27 @@ def moe_rows() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name, gemm, block_m, tiles, epilogue in runs:
         ptx, shared = moe_gemm_ptx(block_m, tiles, epilogue)
-        usage = ptxas_usage(ptx)
-        occupancy = blocks_per_sm(usage["registers"], shared, tiles.num_warps)
-        rows.append({"config": name, "gemm": gemm, **usage, "shared": shared, **occupancy})
-        print(
-            f"{name:40s} {gemm} {usage['registers']:4d} registers "
-            f"{usage['spill_bytes']:5d} B spilled {shared:6d} B shared  "
-            f"{occupancy['blocks_per_sm']} blocks/SM",
-            flush=True,
-        )
+        usage = compiled_usage(f"{name:40s} {gemm}", ptx, shared, tiles.num_warps)
+        rows.append({"config": name, "gemm": gemm, **usage})
     return rows
 
 
 # sm_90 per SM: 64K 32-bit registers (allocated per warp in 256s), 228 KB of shared memory
 # (1 KB of it reserved per block), at most 64 warps and 32 blocks.
 _SM_REGISTERS, _SM_SHARED, _SM_WARPS, _SM_BLOCKS = 65536, 233472, 64, 32
+
+
+def compiled_usage(label: str, ptx: str, shared: int, warps: int) -> dict[str, Any]:
+    """ptxas's registers and spills of `ptx`, its `shared` bytes and the blocks of `warps`
+    warps an SM holds, printed as one line after `label`."""
+    usage = ptxas_usage(ptx)
+    occupancy = blocks_per_sm(usage["registers"], shared, warps)
+    print(
+        f"{label} {usage['registers']:4d} registers {usage['spill_bytes']:5d} B spilled "
+        f"{shared:6d} B shared  {occupancy['blocks_per_sm']} blocks/SM",
+        flush=True,
+    )
+    return {**usage, "shared": shared, **occupancy}
 
 
 def blocks_per_sm(registers: int, shared: int, warps: int) -> dict[str, int]:
@@ -290,16 +289,10 @@ def main() -> None:
     ap.add_argument("--dense", action="store_true", help="the Hopper dense prefill kernel")
     ap.add_argument("--moe", action="store_true", help="the fused MoE kernel's grouped GEMMs")
     ns = ap.parse_args()
-    if ns.moe:
-        rows = moe_rows()
+    if ns.moe or ns.dense:
+        kernel, rows = ("fused_moe", moe_rows()) if ns.moe else ("dense_hopper", dense_rows())
         if ns.out:
-            result = {"triton": triton.__version__, "kernel": "fused_moe", "rows": rows}
-            Path(ns.out).write_text(json.dumps(result, indent=1))
-        return
-    if ns.dense:
-        rows = dense_rows()
-        if ns.out:
-            result = {"triton": triton.__version__, "kernel": "dense_hopper", "rows": rows}
+            result = {"triton": triton.__version__, "kernel": kernel, "rows": rows}
             Path(ns.out).write_text(json.dumps(result, indent=1))
         return
     rows: list[dict[str, Any]] = []
@@ -308,16 +301,9 @@ def main() -> None:
             ptx, shared = decode_kernel_ptx(
                 cache_type, block_n, warps, stages, heads_first, ns.sliding, kind == "fp8", cap
             )
-            usage = ptxas_usage(ptx)
-            occupancy = blocks_per_sm(usage["registers"], shared, warps)
             name = pa._config_name((block_n, warps, stages, heads_first, cap))
-            rows.append({"cache": kind, "config": name, **usage, "shared": shared, **occupancy})
-            print(
-                f"{kind:5s} {name:22s} {usage['registers']:4d} registers "
-                f"{usage['spill_bytes']:5d} B spilled {shared:6d} B shared  "
-                f"{occupancy['blocks_per_sm']} blocks/SM",
-                flush=True,
-            )
+            usage = compiled_usage(f"{kind:5s} {name:22s}", ptx, shared, warps)
+            rows.append({"cache": kind, "config": name, **usage})
     if ns.out:
         result = {"triton": triton.__version__, "sliding": ns.sliding, "rows": rows}
         Path(ns.out).write_text(json.dumps(result, indent=1))

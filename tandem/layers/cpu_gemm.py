@@ -347,10 +347,8 @@ class CpuGemmPlan:
     ) -> torch.Tensor:
         """`F.linear(x, weight, bias)` through the kernel of `x`'s token class; `F.linear`
         where `x` is not 2-D CPU rows of the weight's dtype in a layout the kernel reads."""
-        if x.dim() != 2 or x.device.type != "cpu" or x.dtype != weight.dtype:
-            return F.linear(x, weight, bias)
-        kernel = self.kernels[token_class_index(x.shape[0])]
-        if not kernel.takes(x):
+        kernel = self._kernel_taking(x, weight)
+        if kernel is None:
             return F.linear(x, weight, bias)
         return kernel.linear(x, weight, self.packed[kernel.name], bias)
 
@@ -360,9 +358,15 @@ class CpuGemmPlan:
         """`silu_and_mul(self.linear(x, weight, bias))` for a `[gate | up]` weight in one
         kernel, where the kernel of `x`'s token class has that form (`panel`: the same bits
         as the two ops, without the `[M, 2 d]` product); None elsewhere."""
+        kernel = self._kernel_taking(x, weight)
+        if kernel is None:
+            return None
+        return kernel.linear_silu_mul(x, weight, self.packed[kernel.name], bias)
+
+    def _kernel_taking(self, x: torch.Tensor, weight: torch.Tensor) -> CpuGemm | None:
+        """The kernel of `x`'s token class, if `x` is 2-D CPU rows of the weight's dtype in a
+        layout it reads; None otherwise."""
         if x.dim() != 2 or x.device.type != "cpu" or x.dtype != weight.dtype:
             return None
         kernel = self.kernels[token_class_index(x.shape[0])]
-        if not kernel.takes(x):
-            return None
-        return kernel.linear_silu_mul(x, weight, self.packed[kernel.name], bias)
+        return kernel if kernel.takes(x) else None

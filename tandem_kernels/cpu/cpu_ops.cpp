@@ -22,6 +22,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // MKL's packed sgemm (a weight packed once into MKL's blocked layout, then multiplied by any
@@ -1237,6 +1238,35 @@ void check_panel_args(const char* op, const at::Tensor& x, const at::Tensor& pac
   }
 }
 
+#if defined(__AVX512F__)
+// The threads and row blocks of a panel product of m rows over k: each thread takes a
+// contiguous run of the `units` (a unit: one output panel, or a gate / up pair) and, a block
+// of rows at a time (`panel_schedule`), calls `unit(u, has_next, rb, rb_end)` for each of its
+// units; `has_next`: the thread computes unit u + 1 after this one (its panels are worth
+// prefetching).
+template <typename Unit>
+void for_panel_units(int64_t m, int64_t units, int64_t row_block, const Unit& unit) {
+  const int nthreads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), units));
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+    for (int64_t rb = 0; rb < m; rb += row_block) {
+      const int64_t rb_end = std::min(m, rb + row_block);
+      for (int64_t u = u0; u < u1; ++u) unit(u, u + 1 < u1, rb, rb_end);
+    }
+  }
+}
+
+// The prefetch range of the panel after `panel` (nothing when there is none to compute).
+inline std::pair<const char*, const char*> next_panel_lines(const float* panel,
+                                                            int64_t panel_floats, bool has_next) {
+  if (!has_next) return {nullptr, nullptr};
+  const char* begin = reinterpret_cast<const char*>(panel + panel_floats);
+  return {begin, begin + panel_floats * 4};
+}
+#endif
+
 // x [M, K] (rows contiguous) @ weight^T (+ bias) -> [M, N] float32, `packed` from
 // `panel_pack_weight(weight)`.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -1252,66 +1282,31 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed,
   float* yp = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), panel_floats = k * kPanel;
   const PanelSchedule sched = panel_schedule(m, k);
-  const int nthreads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), panels));
-#pragma omp parallel num_threads(nthreads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-    for (int64_t rb = 0; rb < m; rb += sched.row_block) {
-      const int64_t rb_end = std::min(m, rb + sched.row_block);
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* panel = wp + p * panel_floats;
-        const char* pf =
-            p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_floats) : nullptr;
-        const char* pf_end = pf ? pf + panel_floats * 4 : nullptr;
-        const float* b = bias_ptr ? bias_ptr + p * kPanel : nullptr;
-        for (int64_t r0 = rb; r0 < rb_end; r0 += kPanelRows) {
-          const int64_t rows = std::min<int64_t>(kPanelRows, rb_end - r0);
-          panel_rows<kPanelRows>(rows, xp + r0 * ldx, ldx, panel, k, b,
-                                 yp + r0 * n + p * kPanel, n, pf, pf_end, sched.pf_per4);
-        }
-      }
+  for_panel_units(m, panels, sched.row_block, [&](int64_t p, bool has_next, int64_t rb,
+                                                  int64_t rb_end) {
+    const float* panel = wp + p * panel_floats;
+    auto [pf, pf_end] = next_panel_lines(panel, panel_floats, has_next);
+    const float* b = bias_ptr ? bias_ptr + p * kPanel : nullptr;
+    for (int64_t r0 = rb; r0 < rb_end; r0 += kPanelRows) {
+      const int64_t rows = std::min<int64_t>(kPanelRows, rb_end - r0);
+      panel_rows<kPanelRows>(rows, xp + r0 * ldx, ldx, panel, k, b, yp + r0 * n + p * kPanel,
+                             n, pf, pf_end, sched.pf_per4);
     }
-  }
+  });
 #else
   TORCH_CHECK(false, "panel_linear: built without AVX-512");
 #endif
   return out;
 }
 
-#if defined(__AVX512F__)
-// out[r][j] = silu(g[r][j]) * u[r][j] for `rows` rows of 32 (g, u: [rows][32]); silu_and_mul's
-// arithmetic, bit for bit (SLEEF's exp where silu_and_mul takes it, else std::exp).
-inline void silu_mul_tile(int64_t rows, const float* g, const float* u, float* out,
-                          int64_t ldo) {
-  if (Sleef_expf16_u10 != nullptr) {
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t j = 0; j < kPanel; j += 16) {
-        const __m512 v = _mm512_loadu_ps(g + r * kPanel + j);
-        const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), v));
-        const __m512 a = _mm512_div_ps(v, _mm512_add_ps(one, e));
-        _mm512_storeu_ps(out + r * ldo + j, _mm512_mul_ps(a, _mm512_loadu_ps(u + r * kPanel + j)));
-      }
-    }
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < kPanel; ++j) {
-      const float v = g[r * kPanel + j];
-      out[r * ldo + j] = v / (1.f + std::exp(-v)) * u[r * kPanel + j];
-    }
-  }
-}
-#endif
-
 // silu(x @ gate^T + b_gate) * (x @ up^T + b_up) -> [M, D] float32: `silu_and_mul(panel_linear(x,
 // packed, bias))` bit for bit, without the [M, 2 D] product. `packed` is a [gate | up] weight
 // [2 D, K] packed by `panel_pack_weight` (gate panels 0 .. D / 32 - 1, then up's), bias [2 D].
 // Each thread takes a contiguous run of the D / 32 (gate, up) panel pairs; per tile of 8 rows
-// the gate sums and the up sums (panel_tile's, the same chains) go to two buffers on the stack
-// and their product is stored. While a pair is computed, the gate tiles ask for the next gate
-// panel and the up tiles for the next up panel.
+// the gate sums and the up sums (panel_tile's, the same chains) go to two buffers on the stack,
+// the gate sums through `silu_inplace` (silu_and_mul's arithmetic), and their product is
+// stored. While a pair is computed, the gate tiles ask for the next gate panel and the up
+// tiles for the next up panel.
 at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
                                  const std::optional<at::Tensor>& bias) {
   const float* bias_ptr;
@@ -1327,37 +1322,31 @@ at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
   float* yp = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), panel_floats = k * kPanel;
   const PanelSchedule sched = panel_schedule(m, k);
-  const int nthreads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), pairs));
-#pragma omp parallel num_threads(nthreads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+  for_panel_units(m, pairs, sched.row_block, [&](int64_t p, bool has_next, int64_t rb,
+                                                 int64_t rb_end) {
+    const float* gate = wp + p * panel_floats;
+    const float* up = wp + (pairs + p) * panel_floats;
+    auto [pf_gate, pf_gate_end] = next_panel_lines(gate, panel_floats, has_next);
+    auto [pf_up, pf_up_end] = next_panel_lines(up, panel_floats, has_next);
+    const float* b_gate = bias_ptr ? bias_ptr + p * kPanel : nullptr;
+    const float* b_up = bias_ptr ? bias_ptr + d + p * kPanel : nullptr;
     alignas(64) float gate_sums[kPanelRows * kPanel];
     alignas(64) float up_sums[kPanelRows * kPanel];
-    for (int64_t rb = 0; rb < m; rb += sched.row_block) {
-      const int64_t rb_end = std::min(m, rb + sched.row_block);
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* gate = wp + p * panel_floats;
-        const float* up = wp + (pairs + p) * panel_floats;
-        const bool next = p + 1 < p1;
-        const char* pf_gate = next ? reinterpret_cast<const char*>(gate + panel_floats) : nullptr;
-        const char* pf_up = next ? reinterpret_cast<const char*>(up + panel_floats) : nullptr;
-        const char* pf_gate_end = pf_gate ? pf_gate + panel_floats * 4 : nullptr;
-        const char* pf_up_end = pf_up ? pf_up + panel_floats * 4 : nullptr;
-        const float* b_gate = bias_ptr ? bias_ptr + p * kPanel : nullptr;
-        const float* b_up = bias_ptr ? bias_ptr + d + p * kPanel : nullptr;
-        for (int64_t r0 = rb; r0 < rb_end; r0 += kPanelRows) {
-          const int64_t rows = std::min<int64_t>(kPanelRows, rb_end - r0);
-          const float* xr = xp + r0 * ldx;
-          panel_rows<kPanelRows>(rows, xr, ldx, gate, k, b_gate, gate_sums, kPanel, pf_gate,
-                                 pf_gate_end, sched.pf_per4);
-          panel_rows<kPanelRows>(rows, xr, ldx, up, k, b_up, up_sums, kPanel, pf_up, pf_up_end,
-                                 sched.pf_per4);
-          silu_mul_tile(rows, gate_sums, up_sums, yp + r0 * d + p * kPanel, d);
-        }
-      }
+    for (int64_t r0 = rb; r0 < rb_end; r0 += kPanelRows) {
+      const int64_t rows = std::min<int64_t>(kPanelRows, rb_end - r0);
+      const float* xr = xp + r0 * ldx;
+      panel_rows<kPanelRows>(rows, xr, ldx, gate, k, b_gate, gate_sums, kPanel, pf_gate,
+                             pf_gate_end, sched.pf_per4);
+      panel_rows<kPanelRows>(rows, xr, ldx, up, k, b_up, up_sums, kPanel, pf_up, pf_up_end,
+                             sched.pf_per4);
+      silu_inplace(gate_sums, rows * kPanel);
+      float* y = yp + r0 * d + p * kPanel;
+      for (int64_t r = 0; r < rows; ++r)
+#pragma omp simd
+        for (int64_t j = 0; j < kPanel; ++j)
+          y[r * d + j] = gate_sums[r * kPanel + j] * up_sums[r * kPanel + j];
     }
-  }
+  });
 #else
   TORCH_CHECK(false, "panel_linear_silu_mul: built without AVX-512");
 #endif
