@@ -176,6 +176,33 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def settle(
+    max_wait_s: float, busy_below: float = 0.1, interval_s: float = 0.25
+) -> dict[str, float]:
+    """Wait until the machine is quiet before a system is timed: at most `max_wait_s`, until
+    an `interval_s` window in which every process together kept fewer than `busy_below` of a
+    core busy (`/proc/stat`). A system's run can leave threads behind that still spin for a
+    while (vLLM-CPU's processes keep about one core busy for a second after its generate
+    returns); timing the next system then would charge it for them, and tandem's
+    `CpuThreadGovernor` would even give a step's core up to them. Returns the seconds waited
+    and the busy cores of the last window."""
+    from tandem.worker.cpu_threads import read_busy_core_seconds
+
+    cores = frozenset(range(os.cpu_count() or 1))
+    start = time.perf_counter()
+    busy = float("nan")
+    last = read_busy_core_seconds(cores) if max_wait_s > 0 else None
+    while last is not None:
+        time.sleep(interval_s)
+        now = read_busy_core_seconds(cores)
+        assert now is not None
+        busy = (now - last) / interval_s
+        last = now
+        if busy < busy_below or time.perf_counter() - start >= max_wait_s:
+            break
+    return {"waited_s": time.perf_counter() - start, "busy_cores": busy}
+
+
 def peer_binds(ns: argparse.Namespace) -> dict[str, str]:
     """`--peer-binds` as {label: VLLM_CPU_OMP_THREADS_BIND}: "bound" is every core this process
     may use ("0,1" here), "default" leaves vLLM's own choice, anything else is passed as is."""
@@ -261,6 +288,7 @@ def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
             row: dict[str, Any] = {"load_average": os.getloadavg()}
             for label, llm in engines.items():
                 llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
+                quiet = settle(ns.settle_s)
                 t0 = time.perf_counter()
                 outs = llm.generate(requests, params, use_tqdm=False)
                 elapsed = time.perf_counter() - t0
@@ -272,14 +300,19 @@ def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
                     "elapsed_s": elapsed,
                     "output_tokens": n_out,
                     "output_tokens_per_s": n_out / elapsed,
+                    "settle": quiet,
                 }
                 print(f"[{r}] tandem {label}: {n_out / elapsed:8.1f} output tok/s", flush=True)
             if hf_model is not None:
+                quiet = settle(ns.settle_s)
                 row["transformers_float32"] = _transformers_run(hf_model, prompts, ns.output_len)
+                row["transformers_float32"]["settle"] = quiet
                 tps = row["transformers_float32"]["output_tokens_per_s"]
                 print(f"[{r}] transformers float32: {tps:8.1f} output tok/s", flush=True)
             for name, peer in peers.items():
+                quiet = settle(ns.settle_s)
                 out = peer.run()
+                out["settle"] = quiet
                 ids = out.pop("token_ids")
                 peer_dtype = name.split("_")[2]
                 if peer_dtype in tandem_ids:
@@ -375,6 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="one tandem engine per entry, e.g. auto,mkl (--cpu-gemm), timed in turn: the A/B",
     )
     c.add_argument("--rounds", type=int, default=3, help="timed rounds, systems interleaved")
+    c.add_argument(
+        "--settle-s",
+        type=float,
+        default=10.0,
+        help="before each timed run, wait up to this long for the machine to go quiet (0: no wait)",
+    )
     c.add_argument(
         "--peer-dir",
         default="",
