@@ -10,6 +10,13 @@
 #            issue 32's 60%-of-the-held-ceiling bar at 4,096 and 16,384 tokens), then
 #            Qwen3-30B-A3B offline at 1000/1000 (512 requests) against session 8's 6,501.
 #
+#   PART=suite1, PART=suite2: the whole GPU suite (`make test-gpu`, never run as one: it is
+#            longer than one device call) in two calls by file, the engine / model / attention
+#            files first, then FP8, MoE, speculation, processors, structured outputs and
+#            disaggregation (test_two_gpus.py skips on one GPU; it is the two-GPU issue's).
+#            Every GPU-facing change since the last full run (the dense SiLU kernel's jit
+#            helper, the MoE layer's all_experts_local) is covered by one of them.
+#
 #   OUT=/some/dir PART=moe bash scripts/gpu_session11.sh
 set -u
 case "${PART:-moe}" in
@@ -26,6 +33,28 @@ moe)
     $PY -m benchmarks.offline_throughput --model random:qwen3-30b-a3b --device cuda \
     --skip-peer --workloads 1000/1000 --max-requests 512 --out "$OUT/offline_qwen3-30b-a3b.json"
   grep -E "tok/s|TPOT" "$OUT/offline_qwen3-30b-a3b.log" | tail -n 3 >>"$summary"
+  finish
+  ;;
+suite1 | suite2)
+  ISSUE=session11 BUDGET_S=${BUDGET_S:-570}
+  . scripts/device_lib.sh
+  if [ "$PART" = suite1 ]; then
+    files="test_gpu_engine.py test_gpu_models.py test_kernels_gpu.py
+      test_attention_backends_gpu.py test_block_copy_gpu.py test_cascade_attention_gpu.py
+      test_cuda_ipc.py test_dense_hopper_gpu.py test_long_context_gpu.py
+      test_sliding_window_gpu.py test_hybrid_kv_gpu.py"
+  else
+    files="test_fp8_gpu.py test_fp8_fused_gpu.py test_fp8_w8a16_gpu.py test_fused_moe_gpu.py
+      test_spec_decode_gpu.py test_spec_decode_rule_gpu.py test_spec_model_proposers_gpu.py
+      test_logits_processors_gpu.py test_structured_gpu.py test_disagg_gemma3_gpu.py
+      test_two_gpus.py"
+  fi
+  paths=""
+  for f in $files; do paths="$paths tests/gpu/$f"; done
+  # shellcheck disable=SC2086  # one path a word
+  step "GPU suite ($PART)" 550 "$OUT/gpu_tests_$PART.log" $PY -m pytest -q -m gpu \
+    --timeout=300 -rs --tb=short --durations=15 $paths
+  grep -E "passed|failed|error|skipped" "$OUT/gpu_tests_$PART.log" | tail -n 3 >>"$summary"
   finish
   ;;
 *)
