@@ -1239,6 +1239,24 @@ void check_panel_args(const char* op, const at::Tensor& x, const at::Tensor& pac
 }
 
 #if defined(__AVX512F__)
+// What both panel ops read of their tensors: x's rows, the packed panels, the output, and the
+// schedule of an m x k product.
+struct PanelOperands {
+  const float* x;
+  int64_t ldx;
+  const float* w;
+  float* y;
+  int64_t k, panel_floats;
+  PanelSchedule sched;
+};
+
+inline PanelOperands panel_operands(const at::Tensor& x, const at::Tensor& packed,
+                                    at::Tensor& out) {
+  const int64_t k = x.size(1);
+  return {x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), out.data_ptr<float>(),
+          k, k * kPanel, panel_schedule(x.size(0), k)};
+}
+
 // The threads and row blocks of a panel product of m rows over k: each thread takes a
 // contiguous run of the `units` (a unit: one output panel, or a gate / up pair) and, a block
 // of rows at a time (`panel_schedule`), calls `unit(u, has_next, rb, rb_end)` for each of its
@@ -1273,24 +1291,20 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed,
                         const std::optional<at::Tensor>& bias) {
   const float* bias_ptr;
   check_panel_args("panel_linear", x, packed, bias, bias_ptr);
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), n = panels * kPanel;
+  const int64_t m = x.size(0), panels = packed.size(0), n = panels * kPanel;
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
 #if defined(__AVX512F__)
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0), panel_floats = k * kPanel;
-  const PanelSchedule sched = panel_schedule(m, k);
-  for_panel_units(m, panels, sched.row_block, [&](int64_t p, bool has_next, int64_t rb,
-                                                  int64_t rb_end) {
-    const float* panel = wp + p * panel_floats;
-    auto [pf, pf_end] = next_panel_lines(panel, panel_floats, has_next);
+  const PanelOperands a = panel_operands(x, packed, out);
+  for_panel_units(m, panels, a.sched.row_block, [&](int64_t p, bool has_next, int64_t rb,
+                                                    int64_t rb_end) {
+    const float* panel = a.w + p * a.panel_floats;
+    auto [pf, pf_end] = next_panel_lines(panel, a.panel_floats, has_next);
     const float* b = bias_ptr ? bias_ptr + p * kPanel : nullptr;
     for (int64_t r0 = rb; r0 < rb_end; r0 += kPanelRows) {
       const int64_t rows = std::min<int64_t>(kPanelRows, rb_end - r0);
-      panel_rows<kPanelRows>(rows, xp + r0 * ldx, ldx, panel, k, b, yp + r0 * n + p * kPanel,
-                             n, pf, pf_end, sched.pf_per4);
+      panel_rows<kPanelRows>(rows, a.x + r0 * a.ldx, a.ldx, panel, a.k, b,
+                             a.y + r0 * n + p * kPanel, n, pf, pf_end, a.sched.pf_per4);
     }
   });
 #else
@@ -1313,34 +1327,30 @@ at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
   check_panel_args("panel_linear_silu_mul", x, packed, bias, bias_ptr);
   TORCH_CHECK(packed.size(0) % 2 == 0,
               "panel_linear_silu_mul: a [gate | up] weight of 2 D rows, D a multiple of 32");
-  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(0) / 2, d = pairs * kPanel;
+  const int64_t m = x.size(0), pairs = packed.size(0) / 2, d = pairs * kPanel;
   auto out = at::empty({m, d}, x.options());
   if (m == 0) return out;
 #if defined(__AVX512F__)
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0), panel_floats = k * kPanel;
-  const PanelSchedule sched = panel_schedule(m, k);
-  for_panel_units(m, pairs, sched.row_block, [&](int64_t p, bool has_next, int64_t rb,
-                                                 int64_t rb_end) {
-    const float* gate = wp + p * panel_floats;
-    const float* up = wp + (pairs + p) * panel_floats;
-    auto [pf_gate, pf_gate_end] = next_panel_lines(gate, panel_floats, has_next);
-    auto [pf_up, pf_up_end] = next_panel_lines(up, panel_floats, has_next);
+  const PanelOperands a = panel_operands(x, packed, out);
+  for_panel_units(m, pairs, a.sched.row_block, [&](int64_t p, bool has_next, int64_t rb,
+                                                   int64_t rb_end) {
+    const float* gate = a.w + p * a.panel_floats;
+    const float* up = a.w + (pairs + p) * a.panel_floats;
+    auto [pf_gate, pf_gate_end] = next_panel_lines(gate, a.panel_floats, has_next);
+    auto [pf_up, pf_up_end] = next_panel_lines(up, a.panel_floats, has_next);
     const float* b_gate = bias_ptr ? bias_ptr + p * kPanel : nullptr;
     const float* b_up = bias_ptr ? bias_ptr + d + p * kPanel : nullptr;
     alignas(64) float gate_sums[kPanelRows * kPanel];
     alignas(64) float up_sums[kPanelRows * kPanel];
     for (int64_t r0 = rb; r0 < rb_end; r0 += kPanelRows) {
       const int64_t rows = std::min<int64_t>(kPanelRows, rb_end - r0);
-      const float* xr = xp + r0 * ldx;
-      panel_rows<kPanelRows>(rows, xr, ldx, gate, k, b_gate, gate_sums, kPanel, pf_gate,
-                             pf_gate_end, sched.pf_per4);
-      panel_rows<kPanelRows>(rows, xr, ldx, up, k, b_up, up_sums, kPanel, pf_up, pf_up_end,
-                             sched.pf_per4);
+      const float* xr = a.x + r0 * a.ldx;
+      panel_rows<kPanelRows>(rows, xr, a.ldx, gate, a.k, b_gate, gate_sums, kPanel, pf_gate,
+                             pf_gate_end, a.sched.pf_per4);
+      panel_rows<kPanelRows>(rows, xr, a.ldx, up, a.k, b_up, up_sums, kPanel, pf_up, pf_up_end,
+                             a.sched.pf_per4);
       silu_inplace(gate_sums, rows * kPanel);
-      float* y = yp + r0 * d + p * kPanel;
+      float* y = a.y + r0 * d + p * kPanel;
       for (int64_t r = 0; r < rows; ++r)
 #pragma omp simd
         for (int64_t j = 0; j < kPanel; ++j)
