@@ -23,7 +23,7 @@ attention (qwen3.py), Qwen3-MoE and Mixtral their MLP for a mixture of experts
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -42,6 +42,7 @@ from tandem.layers.rotary import (
 )
 from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.weight_utils import LoadedWeight
+from tandem.models.cpu_stack import CpuDecoderStack
 from tandem.models.interface import IntermediateTensors, ModelContext
 from tandem.models.utils import (
     STACKED_PARAMS,
@@ -271,6 +272,12 @@ class LlamaModel(nn.Module):
             else PPMissingLayer()
         )
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        # The CPU step path's decoder stack (tandem.models.cpu_stack), looked for at the first
+        # forward (the loader has made the GEMM plans by then): None until then, False where
+        # the layers are not its plain form. `use_cpu_decoder_stack` False keeps the modules.
+        self.cpu_kernels = ctx.cpu_kernels
+        self.use_cpu_decoder_stack = True
+        self._cpu_stack: CpuDecoderStack | bool | None = None
 
     def forward(
         self,
@@ -289,15 +296,32 @@ class LlamaModel(nn.Module):
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
         layers = self.layers[self.start_layer : self.end_layer]
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            hidden_states, residual = layer(
-                positions, hidden_states, residual, kv_cache, attn_metadata
-            )
+        stack = self._decoder_stack(layers)
+        stacked = (
+            stack.run(positions, hidden_states, residual, kv_caches, attn_metadata)
+            if stack is not None and len(kv_caches) == len(layers)
+            else None
+        )
+        if stacked is not None:
+            hidden_states, residual = stacked
+        else:
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+                hidden_states, residual = layer(
+                    positions, hidden_states, residual, kv_cache, attn_metadata
+                )
         assert residual is not None  # every stage holds at least one layer
         if not self.is_last_stage:
             return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def _decoder_stack(self, layers: Sequence[nn.Module]) -> CpuDecoderStack | None:
+        """This stage's CPU decoder stack, built at the first forward on the CPU step path."""
+        if not self.cpu_kernels or not self.use_cpu_decoder_stack or self._cpu_stack is False:
+            return None
+        if self._cpu_stack is None:
+            self._cpu_stack = CpuDecoderStack.build(layers) or False
+        return self._cpu_stack or None
 
 
 class LlamaForCausalLM(nn.Module):

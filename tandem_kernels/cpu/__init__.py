@@ -31,6 +31,7 @@ import functools
 import hashlib
 import logging
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -179,6 +180,51 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(x, dim=-1)` (int64 `[N]`) for float32 `x [N, V]`, rows contiguous."""
     return _ops().argmax_rows(x)
+
+
+@dataclass(frozen=True)
+class DecoderStackWeights:
+    """What `decoder_stack` reads of each layer, one entry per layer: the two norms' weights,
+    and the panel-packed (`panel_pack_weight`) bias-free projections (`gate_up` a
+    `[gate | up]` weight); `cos_cache` / `sin_cache` float32 `[P, D / 2]`."""
+
+    input_norms: list[torch.Tensor]
+    qkv: list[torch.Tensor]
+    o: list[torch.Tensor]
+    post_norms: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    eps: float
+    scale: float
+
+
+def decoder_stack(
+    w: DecoderStackWeights,
+    hidden: torch.Tensor,  # [T, hidden] float32, rows contiguous
+    residual: torch.Tensor | None,  # None before the first layer (it is then `hidden`)
+    positions: torch.Tensor,  # [T] int64
+    kv_caches: list[torch.Tensor],  # one [num_blocks, 2, block_size, KVH, D] per layer
+    slot_mapping: torch.Tensor,  # [>= T] int64
+    block_table: torch.Tensor,  # [R, max_blocks] int32
+    seq_lens: torch.Tensor,  # [R] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32, its last entry T
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama decoder layers (norm, fused QKV, rotary and K/V write, paged attention, output
+    projection, add and norm, gate/up with SiLU, down) in one call: the same kernels, in the
+    order and with the arguments the layer modules give them, so the same bits, without the
+    Python between them. Returns `(hidden, residual)` after the last layer; `residual` is
+    updated in place as `fused_add_rms_norm` does."""
+    out = _ops().decoder_stack(
+        hidden, residual, positions, w.cos_cache, w.sin_cache, w.input_norms, w.qkv, w.o,
+        w.post_norms, w.gate_up, w.down, kv_caches, slot_mapping, block_table, seq_lens,
+        query_start_loc, w.num_heads, w.num_kv_heads, w.head_size, w.eps, w.scale,
+    )  # fmt: skip
+    return out[0], out[1]
 
 
 def bind_threads(cores: list[int]) -> list[int]:

@@ -1453,6 +1453,53 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// ---------------------------------------------------------------------------- decoder stack
+
+// A run of Llama decoder layers in one call, each the ops the layer modules run on the CPU step
+// path, in their order and with their arguments (so the same bits):
+//   x = residual is none ? (residual = hidden, rms_norm(hidden)) : fused_add_rms_norm(hidden)
+//   q = rotary_qkv_cache(panel_linear(x, qkv)) (K/V written at slot_mapping)
+//   hidden = panel_linear(paged_attention(q), o)
+//   x = fused_add_rms_norm(hidden)          (residual += hidden)
+//   hidden = panel_linear(panel_linear_silu_mul(x, gate_up), down)
+// Weights are the panel-packed ones, no biases; every list holds one entry per layer. A decode
+// step of a small model spends several milliseconds in the Python between these ops; here
+// there is none. Returns [hidden, residual].
+std::vector<at::Tensor> decoder_stack(
+    at::Tensor hidden, const std::optional<at::Tensor>& residual_in, const at::Tensor& positions,
+    const at::Tensor& cos_cache, const at::Tensor& sin_cache, at::TensorList input_norms,
+    at::TensorList qkv, at::TensorList o, at::TensorList post_norms, at::TensorList gate_up,
+    at::TensorList down, at::TensorList kv_caches, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+    int64_t nh, int64_t nkv, int64_t d, double eps, double scale) {
+  const size_t layers = qkv.size();
+  TORCH_CHECK(input_norms.size() == layers && o.size() == layers &&
+                  post_norms.size() == layers && gate_up.size() == layers &&
+                  down.size() == layers && kv_caches.size() == layers,
+              "decoder_stack: one norm, weight and KV cache of each kind per layer");
+  at::Tensor residual = residual_in.has_value() ? *residual_in : at::Tensor();
+  const int64_t tokens = hidden.size(0);
+  for (size_t i = 0; i < layers; ++i) {
+    at::Tensor x;
+    if (!residual.defined()) {
+      residual = hidden;
+      x = rms_norm(hidden, input_norms[i], eps);
+    } else {
+      x = fused_add_rms_norm(hidden, residual, input_norms[i], eps);
+    }
+    const auto qkv_rows = panel_linear(x, qkv[i], std::nullopt);
+    const auto q = rotary_qkv_cache(qkv_rows, positions, cos_cache, sin_cache, kv_caches[i],
+                                    slot_mapping, nh, nkv, d)[0];
+    const auto attn =
+        paged_attention(q, kv_caches[i], block_table, seq_lens, query_start_loc, scale, 0);
+    hidden = panel_linear(attn.reshape({tokens, nh * d}), o[i], std::nullopt);
+    x = fused_add_rms_norm(hidden, residual, post_norms[i], eps);
+    hidden = panel_linear(panel_linear_silu_mul(x, gate_up[i], std::nullopt), down[i],
+                          std::nullopt);
+  }
+  return {hidden, residual};
+}
+
 // ---------------------------------------------------------------------------- threads
 
 // Bind OpenMP thread i of this process's pool to cores[i]; sets the pool to len(cores) threads.
@@ -1498,6 +1545,12 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("panel_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def(
+      "decoder_stack(Tensor hidden, Tensor? residual, Tensor positions, Tensor cos_cache, "
+      "Tensor sin_cache, Tensor[] input_norms, Tensor[] qkv, Tensor[] o, Tensor[] post_norms, "
+      "Tensor[] gate_up, Tensor[] down, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
+      "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, int num_heads, "
+      "int num_kv_heads, int head_size, float eps, float scale) -> Tensor[]");
   m.def("bind_threads(int[] cores) -> int[]", [](c10::IntArrayRef cores) {
     return bind_threads(std::vector<int64_t>(cores.begin(), cores.end()));
   });
@@ -1515,4 +1568,5 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("panel_linear_silu_mul", &panel_linear_silu_mul);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("decoder_stack", &decoder_stack);
 }
