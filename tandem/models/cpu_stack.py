@@ -20,6 +20,7 @@ every row a real token. Where any of it fails it returns None and the modules ru
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,8 @@ from torch import nn
 from tandem.layers.attention.backend import AttentionMetadata
 from tandem.layers.quantization.cpu import CpuPackedLinearMethod
 from tandem_kernels.cpu import DecoderStackWeights
+
+logger = logging.getLogger(__name__)
 
 
 def _panel_weight(linear: nn.Module) -> torch.Tensor | None:
@@ -119,6 +122,7 @@ class CpuDecoderStack:
         if cos.dtype != torch.float32 or cos.shape[-1] * 2 != first_attn.attn.head_size:
             return None
         inner = first_attn.attn
+        logger.info("CPU decoder stack: %d layers in one call", len(layers))
         return cls(
             DecoderStackWeights(
                 **lists,

@@ -4,6 +4,7 @@ only where every layer is the plain form it knows."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,7 @@ pytestmark = pytest.mark.skipif(
 def _model(path: Path, cpu_gemm: str = "auto") -> Any:
     backend = get_attention_backend("cpu")
     ctx = ModelContext.single(torch.float32, CPU, backend)
-    if cpu_gemm != "auto":
-        import dataclasses
-
-        ctx = dataclasses.replace(ctx, cpu_gemm=cpu_gemm)
-    return build_model(path, ctx)
+    return build_model(path, dataclasses.replace(ctx, cpu_gemm=cpu_gemm))
 
 
 def _steps(model: Any, stacked: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -40,7 +37,7 @@ def _steps(model: Any, stacked: bool) -> tuple[list[torch.Tensor], torch.Tensor]
     first's first block, a prefix hit), then a mixed step (one decode, one chunk), then two
     decodes. The hidden states of each step and the cache afterwards."""
     model.model.use_cpu_decoder_stack = stacked
-    layers = model.num_layers if hasattr(model, "num_layers") else 2
+    layers = len(model.model.layers)
     kv = torch.zeros(16, layers, 2, BLOCK_SIZE, model.num_kv_heads, model.head_size)
     tables = [[0, 1, 2, 3], [0, 4, 5, 6]]
     gen = torch.Generator().manual_seed(3)
