@@ -183,8 +183,8 @@ def worker_args(ns: argparse.Namespace) -> tuple[str, ...]:
 
 
 def run_mode(mode: str, ns: argparse.Namespace, workload: Workload, redis_url: str) -> dict:
-    from tandem.directory import DirectoryConfig
     from tandem_services.bench.serve import percentile
+    from tandem_services.directory import DirectoryConfig
     from tandem_services.launcher import ServeConfig, start_deployment
 
     logs = tempfile.mkdtemp(prefix=f"tandem-bench-prefix-{mode}-")

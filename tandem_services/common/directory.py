@@ -32,9 +32,9 @@ from collections.abc import Iterator
 
 from prometheus_client.metrics_core import Metric
 
-from tandem.directory import DirectoryConfig, DirectoryPublisher
 from tandem_services.common.metrics import counter, gauge
 from tandem_services.common.server import env_default
+from tandem_services.directory import DirectoryConfig, DirectoryPublisher
 
 _TRUE = ("1", "true", "yes", "on")
 

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.channels import PLAINTEXT, TlsConfig, sync_channel
 from tandem.config import world_size_from_argv
+from tandem_services.common.channels import PLAINTEXT, TlsConfig, sync_channel
 from tandem_services.common.tls import add_tls_args, tls_config_from
 
 SERVICES = {

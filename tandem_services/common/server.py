@@ -1,5 +1,5 @@
 """gRPC server set-up shared by every service: health, reflection, message limits, signals;
-the channel options and pool (`tandem.channels`)."""
+the channel options and pool (`tandem_services.common.channels`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 # The one set of channel / server options and the channel pool (defined beside the KV movers,
 # which the library keeps and which cannot import the services).
-from tandem.channels import (
+from tandem_services.common.channels import (
     CHANNEL_OPTIONS,
     MAX_MESSAGE_BYTES,
     PLAINTEXT,
@@ -63,7 +63,7 @@ def setup_logging(level: str) -> None:
 
 class GrpcServer:
     """A grpc.aio server with the health service and reflection for `service_names`; TLS (and
-    mutual TLS) when `tls` says so (`tandem.channels.TlsConfig`)."""
+    mutual TLS) when `tls` says so (`tandem_services.common.channels.TlsConfig`)."""
 
     def __init__(self, service_names: Iterable[str], tls: TlsConfig = PLAINTEXT) -> None:
         self.tls = tls

@@ -1,12 +1,12 @@
 """The TLS flags of every service, declared once: `--tls-cert`, `--tls-key`, `--tls-ca`,
 `--tls-server-name` (environment TANDEM_TLS_CERT, ... : the same for every container of a
-deployment). What they mean: `tandem.channels.TlsConfig`."""
+deployment). What they mean: `tandem_services.common.channels.TlsConfig`."""
 
 from __future__ import annotations
 
 import argparse
 
-from tandem.channels import TlsConfig
+from tandem_services.common.channels import TlsConfig
 from tandem_services.common.server import env_default
 
 _FLAGS = {

@@ -7,9 +7,9 @@ import os
 import socket
 from dataclasses import dataclass
 
-from tandem.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem.config import DEFAULT_MODEL, add_engine_args
 from tandem.sampling_params import MAX_LOGPROBS
+from tandem_services.common.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem_services.common.server import env_default
 from tandem_services.common.tls import add_tls_args, tls_config_from
 from tandem_services.frontend.limits import RequestLimits
@@ -58,7 +58,8 @@ class FrontendConfig:
     metrics_port: int = -1
     ready_file: str = ""
     log_level: str = "info"
-    # TLS to the scheduler and workers, and on the frontend's gRPC port (tandem.channels).
+    # TLS to the scheduler and workers, and on the frontend's gRPC port
+    # (tandem_services/common/channels.py).
     tls: TlsConfig = PLAINTEXT
     # Per-request limits, checked before a request is queued (limits.py).
     max_n: int = RequestLimits.max_n

@@ -21,9 +21,9 @@ import sys
 import time
 
 from tandem.config import SERVING_ENGINE_DEFAULTS, EngineArgs, add_engine_args, engine_argv
-from tandem.directory.factory import require_redis
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.tls import add_tls_args, tls_config_from
+from tandem_services.directory.factory import require_redis
 from tandem_services.launcher.deployment import LaunchError, ServeConfig, start_deployment
 from tandem_services.launcher.supervisor import RestartPolicy, Supervisor
 

@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from tandem.channels import PLAINTEXT, TlsConfig
 from tandem.config import world_size_from_argv
-from tandem.directory.factory import DirectoryConfig
+from tandem_services.common.channels import PLAINTEXT, TlsConfig
 from tandem_services.common.tls import tls_argv
+from tandem_services.directory.factory import DirectoryConfig
 
 _STOP_ORDER = ("frontend", "prefill", "decode", "unified", "scheduler")
 
@@ -83,7 +83,7 @@ class ServeConfig:
     directory: DirectoryConfig = field(default_factory=DirectoryConfig)
     # The scheduler's --routing ("": its default, prefix-aware).
     routing: str = ""
-    # TLS between the services, passed to each as --tls-* flags (tandem.channels).
+    # TLS between the services, passed to each as --tls-* flags (tandem_services.common.channels).
     tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from tandem.channels import PLAINTEXT, TlsConfig, TlsConfigError
-from tandem.directory import DirectoryConfig
 from tandem.kv_transfer.placement import CONNECTOR_CHOICES
+from tandem_services.common.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.server import env_default
 from tandem_services.common.tls import TLS_DESTS, add_tls_args, tls_config_from
+from tandem_services.directory import DirectoryConfig
 from tandem_services.scheduler.admission import AdmissionConfigError, AdmissionLimits
 from tandem_services.scheduler.routing import ROUTING_CHOICES, RoutingWeights
 
@@ -62,7 +62,7 @@ class SchedulerServiceConfig:
     ready_file: str = ""
     log_level: str = "info"
     # TLS on the scheduler's port (mutual: workers and frontends need client certificates)
-    # and to the workers (tandem.channels).
+    # and to the workers (tandem_services.common.channels).
     tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:

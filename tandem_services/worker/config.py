@@ -7,17 +7,17 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from tandem.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem.config import (
     SERVING_ENGINE_DEFAULTS,
     EngineArgs,
     EngineConfig,
     add_engine_args,
 )
-from tandem.directory import DirectoryConfig
+from tandem_services.common.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.server import env_default
 from tandem_services.common.tls import add_tls_args, tls_config_from
+from tandem_services.directory import DirectoryConfig
 from tandem_services.worker.states import Role
 
 
@@ -55,7 +55,7 @@ class WorkerServiceConfig:
     ready_file: str = ""
     log_level: str = "info"
     # TLS on the worker's port and to the scheduler and peers, KV hand-off streams included
-    # (tandem.channels).
+    # (tandem_services.common.channels).
     tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:

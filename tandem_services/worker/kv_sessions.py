@@ -60,7 +60,6 @@ from typing import Any, Generic
 
 import grpc
 
-from tandem.channels import PLAINTEXT, ChannelPool, TlsConfig
 from tandem.kv_transfer.base import (
     KVConnector,
     KVDestination,
@@ -73,6 +72,7 @@ from tandem.kv_transfer.cuda_ipc import CudaIpcHandle
 from tandem.kv_transfer.mover import DstRun, KVMover, P, Run
 from tandem.kv_transfer.nccl import NcclRendezvous
 from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
+from tandem_services.common.channels import PLAINTEXT, ChannelPool, TlsConfig
 from tandem_services.worker.kv_tcp import layout_from_proto, layout_to_proto
 
 logger = logging.getLogger(__name__)

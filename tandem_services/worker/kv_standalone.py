@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from tandem.channels import SERVER_OPTIONS
 from tandem.kv_transfer.base import KVTransferError
 from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
+from tandem_services.common.channels import SERVER_OPTIONS
 from tandem_services.worker.kv_transports import KVTransports
 
 

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
-from tandem.channels import PLAINTEXT, ChannelPool, TlsConfig
 from tandem.kv_transfer.base import (
     DEFAULT_MAX_MESSAGE_BYTES,
     BlockRun,
@@ -36,6 +35,7 @@ from tandem.kv_transfer.base import (
     check_fits,
 )
 from tandem_protos.v1 import worker_pb2, worker_pb2_grpc
+from tandem_services.common.channels import PLAINTEXT, ChannelPool, TlsConfig
 
 # Copies at least this large run on the connector's threads (see the module docstring).
 COPY_OFF_LOOP_BYTES = 256 * 1024

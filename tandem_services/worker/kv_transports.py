@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from tandem.channels import PLAINTEXT, TlsConfig
 from tandem.kv_transfer.base import (
     EngineHandle,
     KVConnector,
@@ -21,6 +20,7 @@ from tandem.kv_transfer.base import (
 )
 from tandem.kv_transfer.placement import TCP
 from tandem.kv_transfer.transports import worker_movers
+from tandem_services.common.channels import PLAINTEXT, TlsConfig
 from tandem_services.worker.kv_sessions import RemoteKVConnector
 
 

@@ -28,9 +28,9 @@ import logging
 
 from prometheus_client import CollectorRegistry
 
-from tandem.directory import DirectoryPublisher, make_directory
 from tandem_services.common.directory import publisher_metrics
 from tandem_services.common.metrics import ScrapeCollector
+from tandem_services.directory import DirectoryPublisher, make_directory
 from tandem_services.worker.config import WorkerServiceConfig
 from tandem_services.worker.roles import worker_role
 

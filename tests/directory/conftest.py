@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.directory.memory import InMemoryDirectory
+from tandem_services.directory.memory import InMemoryDirectory
 from tests.directory.helpers import DirectoryFactory
 
 
@@ -16,7 +16,7 @@ def make_directory(request: pytest.FixtureRequest) -> DirectoryFactory:
     """
     if request.param == "memory":
         return InMemoryDirectory
-    from tandem.directory.redis_directory import RedisDirectory
+    from tandem_services.directory.redis_directory import RedisDirectory
 
     server = request.getfixturevalue("redis_server")
     prefix = request.getfixturevalue("redis_key_prefix")

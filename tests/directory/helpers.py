@@ -7,7 +7,7 @@ import hashlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from tandem.directory.base import PrefixDirectory
+from tandem_services.directory.base import PrefixDirectory
 
 T = TypeVar("T")
 DirectoryFactory = Callable[..., PrefixDirectory]

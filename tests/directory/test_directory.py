@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tandem.directory.base import PrefixDirectory
+from tandem_services.directory.base import PrefixDirectory
 from tests.directory.helpers import DirectoryFactory, chain, run_with
 
 A, B, C, D = "prefill-a", "prefill-b", "prefill-c", "prefill-d"

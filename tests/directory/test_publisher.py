@@ -7,9 +7,9 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
-from tandem.directory.base import PrefixDirectory
-from tandem.directory.publisher import DirectoryPublisher
-from tandem.directory.redis_directory import RedisDirectory
+from tandem_services.directory.base import PrefixDirectory
+from tandem_services.directory.publisher import DirectoryPublisher
+from tandem_services.directory.redis_directory import RedisDirectory
 from tests.directory.helpers import DirectoryFactory, chain, run_with
 from tests.redis_server import RedisServer
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tandem.directory.base import DirectoryUnavailable
-from tandem.directory.factory import DirectoryConfig, make_directory
-from tandem.directory.memory import InMemoryDirectory
-from tandem.directory.redis_directory import RedisDirectory, redact_url
+from tandem_services.directory.base import DirectoryUnavailable
+from tandem_services.directory.factory import DirectoryConfig, make_directory
+from tandem_services.directory.memory import InMemoryDirectory
+from tandem_services.directory.redis_directory import RedisDirectory, redact_url
 from tests.directory.helpers import chain
 from tests.redis_server import RedisServer
 

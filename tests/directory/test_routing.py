@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tandem.directory.memory import InMemoryDirectory
-from tandem.directory.redis_directory import RedisDirectory
+from tandem_services.directory.memory import InMemoryDirectory
+from tandem_services.directory.redis_directory import RedisDirectory
 from tandem_services.scheduler.routing.cost import (
     CostModelChooser,
     RoundRobinChooser,
@@ -167,7 +167,7 @@ def test_package_imports_neither_torch_nor_redis() -> None:
     import sys
 
     code = (
-        "import sys, tandem.directory, tandem_services.scheduler.routing.cost; "
+        "import sys, tandem_services.directory, tandem_services.scheduler.routing.cost; "
         "bad = [m for m in ('torch', 'redis') if m in sys.modules]; "
         "assert not bad, bad"
     )

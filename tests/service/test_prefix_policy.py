@@ -9,12 +9,12 @@ from collections.abc import Sequence
 import pytest
 
 from tandem.core.kv_cache_utils import compute_block_hashes
-from tandem.directory import (
+from tandem_protos.v1 import common_pb2
+from tandem_services.directory import (
     DirectoryConfig,
     DirectoryUnavailable,
     InMemoryDirectory,
 )
-from tandem_protos.v1 import common_pb2
 from tandem_services.scheduler.config import SchedulerConfigError, config_from_args
 from tandem_services.scheduler.routing import (
     ROUTING_CHOICES,

@@ -28,9 +28,9 @@ import grpc
 import pytest
 
 from tandem.core.kv_cache_utils import compute_block_hashes
-from tandem.directory import DirectoryConfig
-from tandem.directory.redis_directory import RedisDirectory
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+from tandem_services.directory import DirectoryConfig
+from tandem_services.directory.redis_directory import RedisDirectory
 from tandem_services.launcher import Deployment, ServeConfig, start_deployment, stop_process
 from tests.redis_server import RedisServer
 from tests.service.conftest import list_workers, wait_until, worker_stats

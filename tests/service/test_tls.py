@@ -18,7 +18,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.channels import TlsConfig, TlsConfigError, sync_channel
 from tandem_protos.v1 import (
     common_pb2,
     frontend_pb2,
@@ -26,6 +25,7 @@ from tandem_protos.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from tandem_services.common.channels import TlsConfig, TlsConfigError, sync_channel
 from tandem_services.common.entrypoint import health
 from tandem_services.common.tls import tls_argv
 from tandem_services.launcher import (

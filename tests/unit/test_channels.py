@@ -1,5 +1,5 @@
-"""One channel pool with one set of options (tandem.channels), used by the services and the KV
-movers, against a real gRPC server on 127.0.0.1."""
+"""One channel pool with one set of options (tandem_services/common/channels.py), used by the
+services and the KV movers, against a real gRPC server on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tandem import channels
+from tandem_services.common import channels
 from tandem_services.common import server as common_server
 
 

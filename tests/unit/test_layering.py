@@ -1,6 +1,6 @@
-"""The house rules on imports, checked on the source: `tandem/` never imports `tandem_services/`, a
-service never imports another service, `tandem_kernels/` imports only torch and triton (and the
-standard library)."""
+"""The house rules on imports, checked on the source: `tandem/` never imports `tandem_services/`
+and speaks no gRPC, protobuf or Redis, a service never imports another service,
+`tandem_kernels/` imports only torch and triton (and the standard library)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {p.name for p in (ROOT / "tandem_services").iterdir() if (p / "__init__.py").exists()}
-# Shared service code and the programs that start services (by design they import them).
-SHARED = {"common", "worker", "launcher", "bench"}
+# Shared service code (the prefix-cache directory among it) and the programs that start
+# services (by design they import them).
+SHARED = {"common", "directory", "worker", "launcher", "bench"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -30,6 +31,17 @@ def test_tandem_never_imports_services() -> None:
         str(p.relative_to(ROOT)): sorted(
             n for n in _imports(p) if n.split(".")[0] == "tandem_services"
         )
+        for p in (ROOT / "tandem").rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_tandem_knows_no_grpc_protos_or_redis() -> None:
+    """The engine library is transport-free: channels, protos and the Redis directory are the
+    services' (`tandem_services/common/channels.py`, `tandem_services/directory/`)."""
+    wire = ("grpc", "grpc_health", "tandem_protos", "redis")
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.split(".")[0] in wire)
         for p in (ROOT / "tandem").rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}

@@ -58,8 +58,8 @@ def test_every_service_starts_up_without_the_extras() -> None:
 
 def test_a_missing_extra_is_one_line_naming_it() -> None:
     code = (
-        "from tandem.directory import DirectoryConfig\n"
-        "from tandem.directory.factory import make_directory\n"
+        "from tandem_services.directory import DirectoryConfig\n"
+        "from tandem_services.directory.factory import make_directory\n"
         "from tandem.extras import MissingExtraError\n"
         "try:\n"
         "    make_directory(DirectoryConfig(redis_url='redis://127.0.0.1:1'))\n"

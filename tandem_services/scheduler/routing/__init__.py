@@ -9,7 +9,7 @@
     directory_lookup.py  PrefixRouter: the directory asked for cached prefixes, never failing
     factory.py           make_routing_policy (from the flags), routing_metrics
 
-tandem/directory/ keeps the directory itself (Redis, in-memory) and the workers' publisher.
+tandem_services/directory/ keeps the directory itself (Redis, in-memory) and the workers' publisher.
 """
 
 from __future__ import annotations

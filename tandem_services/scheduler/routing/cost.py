@@ -1,5 +1,5 @@
 """The routing cost model: choosing a prefill worker, cached prefix against load. Pure
-Python, no I/O (moved here from tandem/directory/: it is routing policy, not the directory).
+Python, no I/O (it is routing policy, not the directory: tandem_services/directory/).
 
 For each candidate worker the cost of sending it a prompt is
 

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from tandem.directory.base import DirectoryUnavailable, PrefixDirectory
+from tandem_services.directory.base import DirectoryUnavailable, PrefixDirectory
 from tandem_services.scheduler.routing.cost import (
     CostModelChooser,
     PrefillChooser,

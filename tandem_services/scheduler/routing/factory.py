@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from prometheus_client.metrics_core import Metric
 
-from tandem.directory import DirectoryConfig, make_directory
+from tandem_services.directory import DirectoryConfig, make_directory
 from tandem_services.scheduler.routing.base import RoutingPolicy
 from tandem_services.scheduler.routing.cost import RoutingWeights
 from tandem_services.scheduler.routing.directory_lookup import PrefixRouter

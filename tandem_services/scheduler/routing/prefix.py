@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client.metrics_core import Metric
 
 from tandem.core.kv_cache_utils import compute_block_hashes
-from tandem.directory import DirectoryUnavailable, PrefixDirectory
 from tandem_services.common.metrics import counter, gauge
+from tandem_services.directory import DirectoryUnavailable, PrefixDirectory
 from tandem_services.scheduler.routing.base import (
     PrefixLookup,
     Route,

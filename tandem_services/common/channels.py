@@ -1,11 +1,10 @@
 """gRPC channels and servers: one set of options for every tandem process, one channel pool,
 and one transport security setting (`TlsConfig`).
 
-The services (through `tandem_services.common.server`, which re-exports this) and the library's KV
-movers (`tandem/kv_transfer/`) dial each other with the same limits and keepalive, so a KV
-block run that one side may send the other may receive, and a server permits the pings its
-clients send. (The definition lives in `tandem/` because the library cannot import
-`tandem_services/`.)
+The services (through `tandem_services.common.server`, which re-exports this) and the workers'
+KV movers (`tandem_services/worker/kv_*.py`) dial each other with the same limits and
+keepalive, so a KV block run that one side may send the other may receive, and a server
+permits the pings its clients send.
 
 Transport security, the same `TlsConfig` on both ends of every link::
 

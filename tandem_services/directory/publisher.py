@@ -27,7 +27,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from tandem.directory.base import DirectoryUnavailable, PrefixDirectory
+from tandem_services.directory.base import DirectoryUnavailable, PrefixDirectory
 
 logger = logging.getLogger(__name__)
 

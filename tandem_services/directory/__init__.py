@@ -4,15 +4,15 @@ Routing on it (the cost model, the policies, the lookup that never fails) is the
 service's: tandem_services/scheduler/routing/.
 
 Importing this package does not import redis; `RedisDirectory` lives in
-`tandem.directory.redis_directory` and `make_directory` imports it only when a URL is set.
+`tandem_services.directory.redis_directory` and `make_directory` imports it only when a URL is set.
 """
 
 from __future__ import annotations
 
-from tandem.directory.base import DirectoryUnavailable, PrefixDirectory
-from tandem.directory.factory import DirectoryConfig, make_directory
-from tandem.directory.memory import InMemoryDirectory
-from tandem.directory.publisher import DirectoryPublisher
+from tandem_services.directory.base import DirectoryUnavailable, PrefixDirectory
+from tandem_services.directory.factory import DirectoryConfig, make_directory
+from tandem_services.directory.memory import InMemoryDirectory
+from tandem_services.directory.publisher import DirectoryPublisher
 
 __all__ = [
     "DirectoryConfig",

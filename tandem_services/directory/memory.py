@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from tandem.directory.base import (
+from tandem_services.directory.base import (
     DEFAULT_WORKER_TTL_S,
     PrefixDirectory,
     check_block_hashes,

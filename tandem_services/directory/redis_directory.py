@@ -41,7 +41,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
-from tandem.directory.base import (
+from tandem_services.directory.base import (
     DEFAULT_WORKER_TTL_S,
     DirectoryUnavailable,
     PrefixDirectory,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.directory.base import DEFAULT_WORKER_TTL_S, PrefixDirectory
-from tandem.directory.memory import InMemoryDirectory
 from tandem.extras import require
+from tandem_services.directory.base import DEFAULT_WORKER_TTL_S, PrefixDirectory
+from tandem_services.directory.memory import InMemoryDirectory
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def make_directory(config: DirectoryConfig) -> PrefixDirectory:
     if not config.uses_redis:
         return InMemoryDirectory(worker_ttl_s=config.worker_ttl_s)
     require_redis()
-    from tandem.directory.redis_directory import RedisDirectory
+    from tandem_services.directory.redis_directory import RedisDirectory
 
     return RedisDirectory(
         config.redis_url,
