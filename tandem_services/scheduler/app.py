@@ -11,7 +11,8 @@ from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tandem_services.common.metrics import ScrapeCollector, start_metrics_server
 from tandem_services.common.server import GrpcServer, shutdown_event, write_ready_file
 from tandem_services.scheduler.config import SchedulerServiceConfig
-from tandem_services.scheduler.core import BeginShutdown, CountDispatching, SchedulerCore, Tick
+from tandem_services.scheduler.core import SchedulerCore
+from tandem_services.scheduler.messages import BeginShutdown, CountDispatching, Tick
 from tandem_services.scheduler.metrics import MeteredSchedulerServicer, SchedulerMetrics
 from tandem_services.scheduler.routing import make_routing_policy, routing_metrics
 

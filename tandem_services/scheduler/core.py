@@ -1,4 +1,6 @@
-"""The scheduler's state and its one owner, `SchedulerCore`.
+"""`SchedulerCore`: the one owner of the scheduler's state (the worker registry, the admission
+queue, the requests in flight), an actor handling the messages of `messages.py`. A request's
+records and states are in `request_state.py`, a worker's in `workers.py`.
 
     Submit ─▶ admission queue (bounded, by priority then arrival)
                  │  pump: routing policy picks workers among those with room
@@ -43,335 +45,51 @@ in `backing_off`, where an abort still finds it), within `max_dispatch_attempts`
 from __future__ import annotations
 
 import asyncio
-import enum
 import heapq
 import itertools
 import logging
 import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import grpc
 
-from tandem.core.kv_cache_spec import KVCacheSpec
-from tandem.kv_transfer.placement import (
-    NoKVTransportError,
-    WorkerPlacement,
-    choose_transport,
-)
-from tandem_protos.v1 import (
-    common_pb2,
-    scheduler_pb2,
-    worker_pb2,
-    worker_pb2_grpc,
-)
-from tandem_services.common.actor import Actor, Ask
-from tandem_services.common.request_ids import dispatch_request_id, split_dispatch_request_id
+from tandem.kv_transfer.placement import NoKVTransportError, choose_transport
+from tandem_protos.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
+from tandem_services.common.actor import Actor
+from tandem_services.common.request_ids import split_dispatch_request_id
 from tandem_services.common.server import channel as grpc_channel
 from tandem_services.scheduler import admission
 from tandem_services.scheduler.config import SchedulerServiceConfig
-from tandem_services.scheduler.routing import (
-    PrefixLookup,
-    RoutingPolicy,
-    RoutingRequest,
-    WorkerView,
+from tandem_services.scheduler.messages import (
+    Abort,
+    BeginShutdown,
+    CountDispatching,
+    Deregister,
+    DispatchOutcome,
+    DispatchResult,
+    ListWorkers,
+    PrefixLookedUp,
+    Register,
+    Report,
+    ReportStreamClosed,
+    RetryDue,
+    SchedulerMessage,
+    Submit,
+    SubmitError,
+    Tick,
+    Unwatch,
+    Watch,
+    Withdraw,
 )
+from tandem_services.scheduler.request_state import Inflight, Queued, RequestStatus
+from tandem_services.scheduler.routing import RoutingPolicy, RoutingRequest, WorkerView
+from tandem_services.scheduler.workers import WorkerEntry
 
 logger = logging.getLogger(__name__)
 
 # The dispatch may or may not have reached the worker: retried after its abort is answered.
 _RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-class SubmitError(Exception):
-    """A request the scheduler refuses or could not start; maps onto a gRPC status."""
-
-    def __init__(
-        self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        # RESOURCE_EXHAUSTED: when to come back (admission.py), sent as trailing metadata.
-        self.retry_after_s = retry_after_s
-
-
-# ----------------------------------------------------------------------------- messages
-
-
-@dataclass
-class Submit(Ask[scheduler_pb2.SubmitResponse]):
-    request: common_pb2.EngineRequest
-    destination: str
-
-
-@dataclass
-class Withdraw:
-    """The Submit call went away (client cancelled) before it was answered."""
-
-    request_id: str
-
-
-@dataclass
-class Abort(Ask[int]):
-    request_ids: list[str]
-
-
-@dataclass
-class Register(Ask[float]):
-    info: scheduler_pb2.RegisterWorkerRequest
-
-
-@dataclass
-class Report(Ask["int | None"]):
-    """A load report; `generation` is None on a stream's first report. Answer: the worker's
-    registration generation, or None when the worker is unknown (it must register again)."""
-
-    report: scheduler_pb2.LoadReport
-    generation: int | None
-
-
-@dataclass
-class ReportStreamClosed:
-    worker_id: str
-    generation: int
-
-
-@dataclass
-class Deregister(Ask[None]):
-    worker_id: str
-
-
-@dataclass
-class Watch(Ask["asyncio.Queue[scheduler_pb2.SchedulerEvent | None]"]):
-    destination: str
-
-
-@dataclass
-class Unwatch:
-    destination: str
-    queue: asyncio.Queue[scheduler_pb2.SchedulerEvent | None]
-
-
-@dataclass
-class ListWorkers(Ask[scheduler_pb2.ListWorkersResponse]):
-    pass
-
-
-@dataclass
-class Tick:
-    pass
-
-
-class DispatchResult(enum.Enum):
-    """How one dispatch attempt ended, as its task reports it (`DispatchOutcome`)."""
-
-    # Every worker took it: the request runs.
-    OK = "ok"
-    # The decode worker's Reserve found no room (and forgot it): back to the queue head.
-    POOL_SHORT = "pool_short"
-    # An RPC failed or no KV transport fits: retried after aborts, or failed.
-    ERROR = "error"
-
-
-@dataclass
-class DispatchOutcome:
-    request_id: str
-    # `Inflight.dispatch_id` of the attempt it reports on (a later attempt ignores it).
-    dispatch_id: int
-    result: DispatchResult
-    worker_id: str = ""
-    code: grpc.StatusCode = grpc.StatusCode.OK
-    message: str = ""
-
-
-@dataclass
-class RetryDue:
-    """A failed dispatch's aborts are answered and its back-off is over: queue it again."""
-
-    request_id: str
-    queued: Queued
-
-
-@dataclass
-class PrefixLookedUp:
-    """A queued request's prefix lookup is back (None: it failed; route without it)."""
-
-    request_id: str
-    seq: int
-    prefix: PrefixLookup | None
-
-
-@dataclass
-class BeginShutdown(Ask[None]):
-    pass
-
-
-@dataclass
-class CountDispatching(Ask[int]):
-    pass
-
-
-SchedulerMessage = (
-    Submit
-    | Withdraw
-    | Abort
-    | Register
-    | Report
-    | ReportStreamClosed
-    | Deregister
-    | Watch
-    | Unwatch
-    | ListWorkers
-    | Tick
-    | DispatchOutcome
-    | RetryDue
-    | PrefixLookedUp
-    | BeginShutdown
-    | CountDispatching
-)
-
-
-# ----------------------------------------------------------------------------- state
-
-
-def worker_kv_cache_spec(info: scheduler_pb2.RegisterWorkerRequest) -> KVCacheSpec:
-    """The KV cache groups a worker registered (`kv_cache_group_windows`; none: one
-    full-attention group, a worker from before hybrid caches)."""
-    block_size = info.block_size or 16
-    windows = [w or None for w in info.kv_cache_group_windows]
-    if not windows:
-        return KVCacheSpec.full(block_size, 1)
-    return KVCacheSpec.from_group_windows(block_size, windows)
-
-
-@dataclass
-class WorkerEntry:
-    info: scheduler_pb2.RegisterWorkerRequest
-    generation: int
-    channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.WorkerStub
-    stats: common_pb2.WorkerStats
-    last_report: float
-    draining: bool = False
-    # Decode Reserve said the pool is short: no more reservations until the next report.
-    full: bool = False
-    reserved_since_report: int = 0
-    inflight: set[str] = field(default_factory=set)
-    # Set when it is dropped: RPCs still waiting on it are moot (it is gone).
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
-    # Its KV cache groups as it registered them: what a reservation there takes.
-    kv_cache_spec: KVCacheSpec = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.kv_cache_spec = worker_kv_cache_spec(self.info)
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
-
-    def to_info(self) -> scheduler_pb2.WorkerInfo:
-        return scheduler_pb2.WorkerInfo(
-            worker_id=self.info.worker_id,
-            address=self.info.address,
-            role=self.info.role,
-            model=self.info.model,
-            max_model_len=self.info.max_model_len,
-            stats=self.stats,
-            draining=self.draining,
-        )
-
-
-class RequestStatus(enum.Enum):
-    """Where a submitted request stands in the scheduler. Transitions: `REQUEST_TRANSITIONS`.
-
-    LOOKING_UP ─▶ QUEUED ─▶ DISPATCHING ─▶ RUNNING
-                    ▲  ▲        │  │
-                    │  └────────┘  │ pool short            (any state may also end: aborted,
-                    │              ▼                        failed, timed out, finished)
-                    └──────── BACKING_OFF    retriable failure: aborts answered, back-off over
-    """
-
-    # Its routing lookup (prefix directory) is awaited; it is routed once it is back.
-    LOOKING_UP = "looking_up"
-    # In the admission queue (`SchedulerCore.queued`).
-    QUEUED = "queued"
-    # Routed; Reserve / Prefill RPCs under way (`SchedulerCore.inflight`, Submit unanswered).
-    DISPATCHING = "dispatching"
-    # A failed attempt is being aborted on its workers, then backs off (`backing_off`).
-    BACKING_OFF = "backing_off"
-    # On its workers (`inflight`, Submit answered) until they report it finished.
-    RUNNING = "running"
-
-
-REQUEST_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    RequestStatus.LOOKING_UP: frozenset({RequestStatus.QUEUED}),
-    RequestStatus.QUEUED: frozenset({RequestStatus.DISPATCHING}),
-    RequestStatus.DISPATCHING: frozenset(
-        {RequestStatus.RUNNING, RequestStatus.QUEUED, RequestStatus.BACKING_OFF}
-    ),
-    RequestStatus.BACKING_OFF: frozenset({RequestStatus.QUEUED}),
-    RequestStatus.RUNNING: frozenset(),
-}
-
-
-@dataclass
-class Queued:
-    """A request from its Submit until it runs (or ends)."""
-
-    submit: Submit
-    seq: int
-    enqueued_at: float
-    # Failed dispatch attempts (the limit is max_dispatch_attempts).
-    attempts: int = 0
-    # Earlier attempts that may have reached a worker (failed retriably, or their worker was
-    # lost): the next one runs under `dispatch_request_id(request_id, dispatch_attempt)`.
-    dispatch_attempt: int = 0
-    # Prefix-aware routing: the directory's answer.
-    prefix: PrefixLookup | None = None
-    status: RequestStatus = RequestStatus.QUEUED
-
-    @property
-    def engine_request_id(self) -> str:
-        """The id the next dispatch attempt runs under on the workers."""
-        return dispatch_request_id(self.submit.request.request_id, self.dispatch_attempt)
-
-    def move(self, status: RequestStatus) -> None:
-        """The one place a request's status changes; refuses a transition not in the table."""
-        if status not in REQUEST_TRANSITIONS[self.status]:
-            raise RuntimeError(
-                f"request {self.submit.request.request_id!r}: {self.status} -> {status}"
-            )
-        self.status = status
-
-
-@dataclass
-class Inflight:
-    request_id: str
-    destination: str
-    workers: set[str]
-    prefill_worker_id: str
-    decode_worker_id: str | None
-    submit: Submit | None  # set while dispatching
-    queued: Queued | None  # set while dispatching (to requeue)
-    aborted: bool = False
-    # Prompt tokens the prefill (or unified) worker computes: not cached there, as
-    # estimated when routing.
-    num_prefill_tokens: int = 0
-    # Which dispatch attempt this is (outcomes of an earlier attempt of the id are stale).
-    dispatch_id: int = 0
-    # The id this attempt runs under on its workers ("": `request_id`; see request_ids.py).
-    engine_request_id: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.engine_request_id:
-            self.engine_request_id = self.request_id
-
-    @property
-    def status(self) -> RequestStatus:
-        """DISPATCHING until its Submit is answered, then RUNNING."""
-        return RequestStatus.RUNNING if self.queued is None else self.queued.status
 
 
 class SchedulerCore(Actor[SchedulerMessage]):
@@ -680,9 +398,7 @@ class SchedulerCore(Actor[SchedulerMessage]):
     def _kv_transport(self, prefill: WorkerEntry, decode: WorkerEntry) -> str:
         """The pair's KV transport, from where the two workers are (or the --kv-connector
         flag). Raises NoKVTransportError."""
-        transport = choose_transport(
-            _placement(prefill.info), _placement(decode.info), self.config.kv_connector
-        )
+        transport = choose_transport(prefill.placement, decode.placement, self.config.kv_connector)
         key = (prefill.worker_id, prefill.generation, decode.worker_id, decode.generation)
         if key not in self._kv_pairs_logged:
             self._kv_pairs_logged.add(key)
@@ -1057,9 +773,3 @@ class SchedulerCore(Actor[SchedulerMessage]):
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def _placement(info: scheduler_pb2.RegisterWorkerRequest) -> WorkerPlacement:
-    return WorkerPlacement(
-        info.host_id, info.process_id, info.kv_device or "cpu", tuple(info.kv_transports)
-    )

@@ -25,7 +25,7 @@ from prometheus_client.metrics_core import Metric
 
 from tandem_protos.v1 import common_pb2, scheduler_pb2
 from tandem_services.common.metrics import LATENCY_BUCKETS_S, ScrapeCollector, gauge
-from tandem_services.scheduler import core as m
+from tandem_services.scheduler.core import SchedulerCore
 from tandem_services.scheduler.servicer import SchedulerServicer
 
 _ROLES = {
@@ -36,7 +36,7 @@ _ROLES = {
 
 
 class SchedulerMetrics:
-    def __init__(self, core: m.SchedulerCore, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, core: SchedulerCore, registry: CollectorRegistry | None = None) -> None:
         self.core = core
         self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
@@ -98,7 +98,7 @@ def _labelled(name: str, doc: str, values: dict[tuple[str, str], int]) -> Metric
 class MeteredSchedulerServicer(SchedulerServicer):
     """`SchedulerServicer` that counts every Submit's outcome and its queue time."""
 
-    def __init__(self, core: m.SchedulerCore, metrics: SchedulerMetrics) -> None:
+    def __init__(self, core: SchedulerCore, metrics: SchedulerMetrics) -> None:
         super().__init__(core)
         self.metrics = metrics
 

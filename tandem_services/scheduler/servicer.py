@@ -10,13 +10,14 @@ import grpc
 
 from tandem_protos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tandem_services.common.server import RETRY_AFTER_KEY
-from tandem_services.scheduler import core as m
+from tandem_services.scheduler import messages as m
+from tandem_services.scheduler.core import SchedulerCore
 
 logger = logging.getLogger(__name__)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, core: m.SchedulerCore) -> None:
+    def __init__(self, core: SchedulerCore) -> None:
         self.core = core
 
     async def Submit(

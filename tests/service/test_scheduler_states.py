@@ -1,5 +1,5 @@
 """The scheduler's request status and dispatch results: enums, with every transition in one
-table (tandem_services/scheduler/core.py)."""
+table (tandem_services/scheduler/request_state.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import asyncio
 import pytest
 
 from tandem_protos.v1 import common_pb2
-from tandem_services.scheduler.core import (
+from tandem_services.scheduler.messages import DispatchResult, Submit
+from tandem_services.scheduler.request_state import (
     REQUEST_TRANSITIONS,
-    DispatchResult,
     Inflight,
     Queued,
     RequestStatus,
-    Submit,
 )
 
 S = RequestStatus

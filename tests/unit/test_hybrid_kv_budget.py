@@ -18,8 +18,8 @@ from tandem.core.scheduler import Scheduler
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, scheduler_pb2
-from tandem_services.scheduler.core import worker_kv_cache_spec
 from tandem_services.scheduler.routing import LoadBasedRouting, RoutingRequest, WorkerView
+from tandem_services.scheduler.workers import worker_kv_cache_spec
 
 BS = 4
 _ids = itertools.count()
