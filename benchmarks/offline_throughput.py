@@ -203,6 +203,23 @@ def settle(
     return {"waited_s": time.perf_counter() - start, "busy_cores": busy}
 
 
+def cpu_identity() -> dict[str, Any]:
+    """Which CPU kind the figures are from (they compare only within one run, one kind): the
+    model name, family and model numbers, and the flags that pick the fp32 / bf16 paths."""
+    info: dict[str, Any] = {}
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    for line in lines:
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key in ("model name", "cpu family", "model") and key not in info:
+            info[key] = value
+        elif key == "flags":
+            flags = set(value.split())
+            info["flags"] = sorted(flags & {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+            break
+    return info
+
+
 def peer_binds(ns: argparse.Namespace) -> dict[str, str]:
     """`--peer-binds` as {label: VLLM_CPU_OMP_THREADS_BIND}: "bound" is every core this process
     may use ("0,1" here), "default" leaves vLLM's own choice, anything else is passed as is."""
@@ -232,6 +249,7 @@ def cpu_main(ns: argparse.Namespace) -> dict[str, Any]:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "device": "cpu",
         "machine": platform.processor() or platform.machine(),
+        "cpu": cpu_identity(),
         "cpu_count": os.cpu_count(),
         "allowed_cores": sorted(os.sched_getaffinity(0)),
         "load_average_at_start": os.getloadavg(),
