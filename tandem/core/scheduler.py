@@ -170,7 +170,10 @@ class Scheduler:
         max_model_len: int,
         speculative_config: SpeculativeConfig | None = None,
         kv_cache_spec: KVCacheSpec | None = None,
+        max_concurrent_batches: int = 1,
     ) -> None:
+        if max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches must be >= 1, got {max_concurrent_batches}")
         spec = kv_cache_spec
         if spec is None:
             spec = KVCacheSpec.full(cache_config.block_size, 1)
@@ -190,6 +193,11 @@ class Scheduler:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
+        # Steps in flight at once with disjoint requests (pipeline parallel: one per stage).
+        # Above 1, a request whose sampled token is still in flight waits for it, and a step
+        # takes at most its share of the running requests, so consecutive steps hold
+        # different requests and a stage can start one while the next stage runs the other.
+        self.max_concurrent_batches = max_concurrent_batches
         self.kv_cache_spec = spec
         self._kv_cache_manager = build_kv_cache_manager(
             spec,
@@ -370,11 +378,15 @@ class Scheduler:
         preempted: list[Request] = []
 
         # 1. Running requests: decodes and continuing chunked prefills.
+        concurrent = self.max_concurrent_batches
+        share = -(-len(self.running) // concurrent)
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status != RUNNING:
                 continue  # preempted earlier in this step
+            if concurrent > 1 and (request.num_output_placeholders or len(scheduled) >= share):
+                continue  # its token is in flight, or this step has its share (see __init__)
             if request.grammar is not None and not self._grammar_ready(request):
                 continue
             if num_drafts is not None and len(request.spec_token_ids) > num_drafts:

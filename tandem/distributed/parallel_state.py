@@ -20,11 +20,15 @@ Sources and destinations (`src`, `dst`) are ranks *in the group*.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+def _nothing() -> None:
+    """The wait of a collective that had nothing to do (a group of one)."""
 
 
 def rank_layout(tp_size: int, pp_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -145,6 +149,17 @@ class GroupCoordinator:
 
         dist.broadcast(x, src=self._global(src), group=self.device_group)
         return x
+
+    def broadcast_async(self, x: torch.Tensor, src: int = 0) -> Callable[[], None]:
+        """`broadcast` posted without waiting: `x` holds rank `src`'s values once the returned
+        call has returned. Collectives of the group run in the order they were posted."""
+        if self.world_size == 1:
+            return _nothing
+        import torch.distributed as dist
+
+        work = dist.broadcast(x, src=self._global(src), group=self.device_group, async_op=True)
+        assert work is not None
+        return work.wait
 
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """A picklable object of rank `src` on every rank (over the CPU group)."""

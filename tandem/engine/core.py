@@ -177,6 +177,14 @@ class EngineCore:
         self.block_size = config.cache.block_size
         num_spec_tokens = config.speculative.k
         self.kv_cache_spec = self.executor.kv_cache_spec
+        mode = config.scheduler.async_scheduling
+        pp_size = config.parallel.pipeline_parallel_size
+        # auto: on CUDA (the host plans while the device runs), and under pipeline parallel
+        # (a second step in flight keeps every stage busy).
+        self.async_scheduling = mode == "on" or (
+            mode == "auto" and (self.executor.device.type == "cuda" or pp_size > 1)
+        )
+        concurrent_stages = self.async_scheduling and self.executor.device.type == "cpu"
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -184,13 +192,12 @@ class EngineCore:
             max_len,
             config.speculative,
             kv_cache_spec=self.kv_cache_spec,
-        )
-        mode = config.scheduler.async_scheduling
-        # auto: on CUDA (the host plans while the device runs), and under pipeline parallel
-        # (a second step in flight keeps every stage busy).
-        self.async_scheduling = mode == "on" or (
-            mode == "auto"
-            and (self.executor.device.type == "cuda" or config.parallel.pipeline_parallel_size > 1)
+            # Under pipeline parallel on the CPU the step in flight and the one planned hold
+            # different requests, so the first stage runs the new one while the last runs the
+            # other (a stage receives the sampled ids while it runs on: model_runner.py). On
+            # CUDA a stage's stream still waits for the last stage's ids at each step's end,
+            # so half batches would only cost there: one batch, as before.
+            max_concurrent_batches=pp_size if concurrent_stages else 1,
         )
         self.num_spec_tokens = num_spec_tokens
         # Each step's drafts (0..k) decided from measured step times and acceptance, below

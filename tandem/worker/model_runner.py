@@ -229,7 +229,7 @@ class ModelRunner:
         self.cuda_graphs = DecodeCudaGraphs(decode_sizes, max_num_seqs, device, num_kv_groups)
         mode = config.device.cudagraph_mode
         full = mode == "full" and self.attn_backend.full_graph_mixed
-        if mode == "full" and not full:
+        if mode == "full" and not full and self.use_cuda_graphs:
             logger.info(
                 "cudagraph_mode full: the %s attention backend cannot run mixed steps in a "
                 "whole graph; they run piecewise",
@@ -464,6 +464,7 @@ class ModelRunner:
         if not inp.fill_dst:
             return
         assert self._last_step is not None and self._last_step.sampled is not None
+        self._last_step.wait_sampled()
         prev = self._last_step.sampled
         k = len(inp.fill_dst)
         if inp.fill_dst == list(range(k)) and inp.fill_src == list(range(k)):
@@ -580,8 +581,18 @@ class ModelRunner:
             pp.broadcast(sampled.sampled, src=last)
             return sampled
         ids = torch.empty(num_rows, dtype=torch.int64, device=self.device)
-        pp.broadcast(ids, src=last)
-        return self.sampler.received(ids)
+        if self.device.type != "cpu":
+            pp.broadcast(ids, src=last)
+            return self.sampler.received(ids)
+        # On the CPU (gloo) the ids arrive while this stage runs its next step: with the
+        # scheduler's disjoint batches (`max_concurrent_batches`) that step needs none of
+        # them, so the first stage starts it while the last one still runs this one. One
+        # receive at a time: the previous step's completes first.
+        if self._last_step is not None:
+            self._last_step.wait_sampled()
+        step = self.sampler.received(ids)
+        step.wait = pp.broadcast_async(ids, src=last)
+        return step
 
     def _sampled_logits(self, hidden: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         """The logits of the step's sampled rows (the last query row of each; under

@@ -70,6 +70,8 @@ class SampledStep:
     sampler_output: SamplerOutput | None
     # Speculation: drafts verified per sampled request (None: one token per request).
     num_draft: list[int] | None = None
+    # A pipeline stage's receive of the ids still under way (CPU): call before reading them.
+    wait: Callable[[], None] | None = None
 
 
 class StepSampler:
@@ -312,6 +314,7 @@ class PendingStep:
         self._num_logprobs = [s.sampling_params.logprobs for s in states]
         self._on_done = on_done
         self._num_draft = sampled.num_draft if sampled is not None else None
+        self._wait = sampled.wait if sampled is not None else None
         self._proposer = proposer
         self._spec_verify_path = spec_verify_path
         self._output: ModelRunnerOutput | None = None
@@ -328,7 +331,16 @@ class PendingStep:
 
     def is_ready(self) -> bool:
         """Whether `result()` would return without waiting for the device."""
-        return self._output is not None or self._event is None or self._event.query()
+        if self._output is not None:
+            return True
+        return self._wait is None and (self._event is None or self._event.query())
+
+    def wait_sampled(self) -> None:
+        """Wait until `sampled` holds the step's ids (a pipeline stage receives them from the
+        last stage while it runs its next step)."""
+        if self._wait is not None:
+            wait, self._wait = self._wait, None
+            wait()
 
     def result(self) -> ModelRunnerOutput:
         if self._output is not None:
@@ -344,6 +356,7 @@ class PendingStep:
                 tokens = self._host_sampled.tolist()
             else:
                 assert self.sampled is not None
+                self.wait_sampled()
                 tokens = self.sampled.flatten().tolist()
             if self._on_done is not None:
                 self._on_done()

@@ -247,3 +247,45 @@ def test_runner_forgets_requests_finished_before_an_empty_step(tiny_llama: Path)
     assert set(batch.requests) <= {"2"}
     assert len(batch.free_rows) + len(batch.requests) == batch.block_table_rows.shape[0]
     assert_pool_whole(llm)
+
+
+def test_concurrent_batches_hold_disjoint_requests() -> None:
+    """Pipeline parallel (`max_concurrent_batches` 2): a step takes only requests whose token
+    is not in flight and at most half the running ones, so consecutive steps alternate between
+    two disjoint halves; each request's tokens still come out in order."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+        CacheConfig(block_size=4),
+        32,
+        128,
+        max_concurrent_batches=2,
+    )
+    for rid in "abcd":
+        sched.add_request(req(rid, 4, max_tokens=4))
+    s1 = sched.schedule()  # all four prefills (none was running)
+    assert set(s1.num_scheduled_tokens) == set("abcd")
+    assert sched.schedule().is_empty  # every token in flight: nothing to plan
+    sched.update_from_output(s1, sampled_for(s1, dict.fromkeys("abcd", 1)))
+    s2 = sched.schedule()
+    s3 = sched.schedule()
+    first, second = set(s2.num_scheduled_tokens), set(s3.num_scheduled_tokens)
+    assert len(first) == 2 and len(second) == 2 and first.isdisjoint(second)
+    assert sched.schedule().is_empty
+    sched.update_from_output(s2, sampled_for(s2, dict.fromkeys(first, 2)))
+    s4 = sched.schedule()  # the first half again, while the second is in flight
+    assert set(s4.num_scheduled_tokens) == first
+    sched.update_from_output(s3, sampled_for(s3, dict.fromkeys(second, 2)))
+    sched.update_from_output(s4, sampled_for(s4, dict.fromkeys(first, 3)))
+    assert all(sched.requests[r].output_token_ids == [1, 2, 3] for r in first)
+    assert all(sched.requests[r].output_token_ids == [1, 2] for r in second)
+    # One step in flight at a time (the default) plans every running request again.
+    plain = make_sched()
+    for rid in "ab":
+        plain.add_request(req(rid, 4))
+    p1 = plain.schedule()
+    assert set(plain.schedule().num_scheduled_tokens) == set(p1.num_scheduled_tokens)
+
+
+def test_concurrent_batches_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_concurrent_batches"):
+        Scheduler(SchedulerConfig(), CacheConfig(), 16, 64, max_concurrent_batches=0)
