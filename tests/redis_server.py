@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from tests.ports import free_port
+
 SEARCH_DIRS = ("/usr/bin", "/usr/sbin", "/usr/local/bin")
 
 
@@ -46,10 +48,8 @@ def find_redis_server() -> str | None:
 
 
 def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on right now (tests/ports.py)."""
+    return free_port()
 
 
 def _die_with_parent() -> None:

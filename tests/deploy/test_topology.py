@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -37,6 +36,7 @@ from tandem_protos.v1 import (
     worker_pb2_grpc,
 )
 from tests.deploy.compose_local import CPU_COMPOSE_FILES, ROOT, LocalService, local_service
+from tests.ports import free_port
 from tests.redis_server import RedisServer
 
 ENV = {
@@ -66,12 +66,6 @@ SHARED_PREFIX = (
     "You are a careful assistant. Answer briefly and precisely, in one sentence, and never "
     "make anything up. Question: "
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

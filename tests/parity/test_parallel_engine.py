@@ -17,6 +17,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.config import ConfigError
 from tandem.executor.multiproc import MultiprocExecutor, RankFailedError
+from tests.ports import free_port
 
 PROMPTS = [[5, 9, 33, 7, 100, 41, 8], list(range(40, 75)), [300, 2, 3, 17]]
 MAX_TOKENS = 10
@@ -169,15 +170,12 @@ def test_more_gpu_ranks_than_devices_is_refused(tiny_model_path) -> None:
 def test_two_hosts_meet_at_the_rendezvous(tiny_model_path) -> None:
     """Node 1's ranks run in a process tree of their own (`tandem rank-host`), as on another
     host; they meet node 0's executor at the c10d rendezvous."""
-    import socket
     import subprocess
     import sys
 
     path = tiny_model_path("llama")
     ref = _run(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     flags = ["--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32"]
     flags += ["--num-gpu-blocks", "64", "--max-num-batched-tokens", "16", "--max-num-seqs", "4"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from tandem.config import EngineArgs
 from tandem.distributed import GroupCoordinator, ParallelState
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
+from tests.ports import free_port
 
 PROMPTS = [[5, 9, 33, 7, 100, 41, 8], list(range(40, 75)), [300, 2, 3]]
 MAX_TOKENS = 12
@@ -132,9 +132,7 @@ def _stage_main(rank: int, port: int, path: Path, results: Any) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
