@@ -47,11 +47,6 @@ def find_redis_server() -> str | None:
     return None
 
 
-def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (tests/ports.py)."""
-    return free_port()
-
-
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL it when the test process dies (Linux only)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -99,7 +94,7 @@ class RedisServer:
         self.extra_args = extra_args
         self.tls_cert = tls_cert
         self._fixed_port = port is not None
-        self.port = port if port is not None else free_loopback_port()
+        self.port = port if port is not None else free_port()
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -120,7 +115,7 @@ class RedisServer:
         attempts = 1 if self._fixed_port else 3
         for attempt in range(attempts):
             if attempt:
-                self.port = free_loopback_port()
+                self.port = free_port()
             if self._spawn(timeout_s):
                 return self
         raise RedisServerError(f"redis-server did not start on port {self.port}: {self._log()}")

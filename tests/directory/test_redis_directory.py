@@ -169,10 +169,10 @@ def test_restart_between_calls_is_invisible(
 
 
 def test_nothing_listening_fails_fast() -> None:
-    from tests.redis_server import free_loopback_port
+    from tests.ports import free_port
 
     async def main() -> None:
-        d = RedisDirectory(f"redis://127.0.0.1:{free_loopback_port()}/0")
+        d = RedisDirectory(f"redis://127.0.0.1:{free_port()}/0")
         try:
             start = time.monotonic()
             with pytest.raises(DirectoryUnavailable):

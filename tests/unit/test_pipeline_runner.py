@@ -131,10 +131,6 @@ def _stage_main(rank: int, port: int, path: Path, results: Any) -> None:
         results.put((rank, {"error": traceback.format_exc()}))
 
 
-def _free_port() -> int:
-    return free_port()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_two_stages_equal_one_rank(arch: str, tiny_model_path) -> None:
     path = tiny_model_path(arch)
@@ -143,7 +139,7 @@ def test_two_stages_equal_one_rank(arch: str, tiny_model_path) -> None:
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_stage_main, args=(r, port, path, results)) for r in (0, 1)]
     for p in procs:
         p.start()
