@@ -35,6 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tandem_kernels import dense_attention_hopper as dh
+from tandem_kernels import fp8_w8a16 as w8
 from tandem_kernels import fused_moe as fm
 from tandem_kernels import paged_attention as pa
 
@@ -82,9 +83,11 @@ def decode_kernel_ptx(
     sliding: bool,
     fp16_dot: bool,
     max_registers: int = 0,
+    use_pdl: bool = False,
 ) -> tuple[str, int]:
     """PTX of `_decode_kernel` for sm_90a at one config (no split, a bf16 query) and the
-    shared memory a block takes (bytes). `fp16_dot`: an FP8 cache read in fp16 (sm_89+ launches)."""
+    shared memory a block takes (bytes). `fp16_dot`: an FP8 cache read in fp16 (sm_89+
+    launches); `use_pdl`: launched with programmatic dependent launch (tandem_kernels.pdl)."""
     constants = {
         "QPK": QPK,
         "BLOCK_H": max(triton.next_power_of_2(QPK), 16),
@@ -98,11 +101,14 @@ def decode_kernel_ptx(
         "SCALE_V": True,
         "SLIDING": sliding,
         "FP16_DOT": fp16_dot,
+        "USE_PDL": use_pdl,
     }
     src = ASTSource(pa._decode_kernel, _signature(cache_type), constants, _attrs())
     options: dict[str, int] = {"num_warps": warps, "num_stages": stages}
     if max_registers:
         options["maxnreg"] = max_registers
+    if use_pdl:
+        options["launch_pdl"] = True
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return kernel.asm["ptx"], int(kernel.metadata.shared)
 
@@ -252,6 +258,78 @@ def moe_rows() -> list[dict[str, Any]]:
     return rows
 
 
+# The 8B's linear layers at batch sizes the W8A16 kernels serve: (name, N, K, gated input).
+W8A16_SHAPES = (
+    ("qkv", 6144, 4096, False),
+    ("o", 4096, 4096, False),
+    ("gate_up", 28672, 4096, False),
+    ("down", 4096, 14336, True),
+)
+
+
+def w8a16_ptx(config: w8.Config, n: int, k: int, gated: bool, use_pdl: bool) -> tuple[str, int]:
+    """PTX of the W8A16 kernel `config` selects (the GEMV form below 16 rows, else the
+    tensor-core form) for sm_90a at an `[N, K]` e4m3 weight and a bf16 x, and the shared
+    memory a block takes (bytes). `use_pdl`: launched with programmatic dependent launch."""
+    gemv = config.block_m < 16
+    kernel = w8._w8a16_gemv_kernel if gemv else w8._w8a16_kernel
+    constexpr = {p.name for p in kernel.params if p.is_constexpr}
+    sig: dict[str, str] = {}
+    for name in kernel.arg_names:
+        if name in constexpr:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16"
+        else:
+            sig[name] = "i32"
+    sig["w_ptr"], sig["s_ptr"], sig["ws_ptr"], sig["locks_ptr"] = (
+        "*fp8e4nv", "*fp32", "*fp32", "*i32",
+    )  # fmt: skip
+    constants: dict[str, Any] = {
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "SPLIT_K": config.split_k,
+        "EVEN_K": k % (config.block_k * config.split_k) == 0,
+        "GATED": gated,
+        "USE_PDL": use_pdl,
+    }
+    if gemv:
+        constants["EARLY_WEIGHT"] = use_pdl
+    else:
+        constants.update(SWAP_AB=config.swap_ab, INPUT_PRECISION="tf32")
+    # As a launch specializes: aligned tensors and N, K, strides divisible by 16 (M and the
+    # per-tensor scale's stride 0 are not).
+    aligned = [n_ for n_ in kernel.arg_names if sig[n_] != "constexpr"]
+    aligned = [n_ for n_ in aligned if n_ not in ("M", "stride_s")]
+    index = kernel.arg_names.index
+    attrs = {(index(n_),): [["tt.divisibility", 16]] for n_ in aligned}
+    src = ASTSource(kernel, sig, {(index(n_),): v for n_, v in constants.items()}, attrs)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if use_pdl:
+        options["launch_pdl"] = True
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled.asm["ptx"], int(compiled.metadata.shared)
+
+
+def w8a16_rows(use_pdl: bool) -> list[dict[str, Any]]:
+    """Registers, spills, shared memory and blocks an SM of every W8A16 candidate up to 16
+    rows at the 8B's four linear shapes, printed as they compile."""
+    rows: list[dict[str, Any]] = []
+    seen: set[tuple[w8.Config, str]] = set()
+    for bucket in (b for b in w8.M_BUCKETS if b <= 16):
+        for config in w8.candidates(bucket):
+            for shape, n, k, gated in W8A16_SHAPES:
+                if (gated and bucket > w8.GATED_MAX_M) or (config, shape) in seen:
+                    continue
+                seen.add((config, shape))
+                ptx, shared = w8a16_ptx(config, n, k, gated, use_pdl)
+                label = f"{config.name:18s} {shape:8s}"
+                usage = compiled_usage(label, ptx, shared, config.num_warps)
+                rows.append({"config": config.name, "shape": shape, **usage})
+    return rows
+
+
 # sm_90 per SM: 64K 32-bit registers (allocated per warp in 256s), 228 KB of shared memory
 # (1 KB of it reserved per block), at most 64 warps and 32 blocks.
 _SM_REGISTERS, _SM_SHARED, _SM_WARPS, _SM_BLOCKS = 65536, 233472, 64, 32
@@ -288,7 +366,19 @@ def main() -> None:
     ap.add_argument("--sliding", action="store_true", help="the sliding-window variant")
     ap.add_argument("--dense", action="store_true", help="the Hopper dense prefill kernel")
     ap.add_argument("--moe", action="store_true", help="the fused MoE kernel's grouped GEMMs")
+    ap.add_argument("--w8a16", action="store_true", help="the W8A16 kernels (GEMV and tiles)")
+    ap.add_argument(
+        "--pdl", action="store_true", help="decode / W8A16 kernels as launched with PDL"
+    )
     ns = ap.parse_args()
+    if ns.w8a16:
+        if ns.out:
+            result = {"triton": triton.__version__, "kernel": "w8a16", "pdl": ns.pdl}
+            result["rows"] = w8a16_rows(ns.pdl)
+            Path(ns.out).write_text(json.dumps(result, indent=1))
+        else:
+            w8a16_rows(ns.pdl)
+        return
     if ns.moe or ns.dense:
         kernel, rows = ("fused_moe", moe_rows()) if ns.moe else ("dense_hopper", dense_rows())
         if ns.out:
@@ -299,13 +389,22 @@ def main() -> None:
     for kind, cache_type in CACHE_TYPES.items():
         for block_n, warps, stages, heads_first, cap in pa._DECODE_CANDIDATES:
             ptx, shared = decode_kernel_ptx(
-                cache_type, block_n, warps, stages, heads_first, ns.sliding, kind == "fp8", cap
+                cache_type,
+                block_n,
+                warps,
+                stages,
+                heads_first,
+                ns.sliding,
+                kind == "fp8",
+                cap,
+                ns.pdl,
             )
             name = pa._config_name((block_n, warps, stages, heads_first, cap))
             usage = compiled_usage(f"{kind:5s} {name:22s}", ptx, shared, warps)
             rows.append({"cache": kind, "config": name, **usage})
     if ns.out:
-        result = {"triton": triton.__version__, "sliding": ns.sliding, "rows": rows}
+        result = {"triton": triton.__version__, "sliding": ns.sliding, "pdl": ns.pdl}
+        result["rows"] = rows
         Path(ns.out).write_text(json.dumps(result, indent=1))
 
 

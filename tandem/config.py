@@ -545,6 +545,14 @@ class DeviceConfig:
         ),
     )
     enforce_eager: bool = field(default=False, metadata=flag("no CUDA graphs"))
+    enable_pdl: bool = field(
+        default=False,
+        metadata=flag(
+            "CUDA compute capability 9.0+: launch the decode chain's Triton kernels (RMSNorm, "
+            "W8A16 GEMV, rotary, KV write, decode attention) with programmatic dependent "
+            "launch, each starting while the one before finishes (tandem_kernels.pdl)"
+        ),
+    )
     cuda_graph_sizes: tuple[int, ...] = field(
         default=_CUDA_GRAPH_SIZES, metadata=flag("decode batch sizes captured as CUDA graphs")
     )

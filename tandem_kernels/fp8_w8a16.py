@@ -60,6 +60,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
+
 # Batch sizes (rows of x) measured at load; a call with M rows uses the smallest bucket >= M.
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -251,9 +253,11 @@ def _w8a16_kernel(
     GATED: tl.constexpr,
     SWAP_AB: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The tensor-core form: one [BLOCK_M, BLOCK_N] output tile over one K slice (SWAP_AB:
     its transpose, `W x^T`, transposed back once at the end)."""
+    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -291,6 +295,42 @@ def _w8a16_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _gemv_chunk(
+    w,
+    x_ptrs,
+    k_mask,
+    acc,
+    acc_k,
+    row0,
+    M,
+    K,
+    stride_xm,
+    rows,
+    offs_k,
+    BLOCK_M: tl.constexpr,
+    MASK_K: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    """One BLOCK_K chunk of the GEMV form: the weight chunk `w` `[BLOCK_N, BLOCK_K]` (e4m3)
+    widened to fp32 and reduced against rows `row0 ..` of x (`k_mask` on x's loads with
+    MASK_K); returns `(acc, acc_k)` (`acc_k`: the in-place products of a one-row block)."""
+    w = w.to(tl.float32)
+    for i in tl.static_range(BLOCK_M):
+        # A row-constant mask (`offs_k * 0` folds away), so x's loads stay 16 bytes wide.
+        row_ok = offs_k * 0 + (row0 + i) < M
+        if MASK_K:
+            x = _load_x(x_ptrs + i * stride_xm, k_mask & row_ok, GATED, K)
+        else:
+            x = _load_x(x_ptrs + i * stride_xm, row_ok, GATED, K)
+        if BLOCK_M == 1:
+            acc_k += w * x.to(tl.float32)[None, :]
+        else:
+            part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+            acc = tl.where(rows[:, None] == i, acc + part[None, :], acc)
+    return acc, acc_k
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_gemv_kernel(
     x_ptr,
@@ -312,11 +352,15 @@ def _w8a16_gemv_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     GATED: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    EARLY_WEIGHT: tl.constexpr,
 ):
     """The few-row form: each program reads its BLOCK_N weight rows over one K slice once, in
     BLOCK_K-wide chunks (16 e4m3 per thread and load: the K offsets are contiguous and the
     row stride a multiple of 16), widens them to fp32 and reduces each of the BLOCK_M
-    activation rows against them on the CUDA cores."""
+    activation rows against them on the CUDA cores. EARLY_WEIGHT (set with USE_PDL) reads
+    the slice's first weight chunk before the wait for the kernels before
+    (tandem_kernels.pdl): weights are the one input no kernel writes."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -329,27 +373,35 @@ def _w8a16_gemv_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
     x_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k_begin + offs_k
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if BLOCK_M == 1:  # products summed in place, reduced across K once at the end
-        acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    # BLOCK_M == 1: products summed in place, reduced across K once at the end.
+    acc_k = tl.zeros([BLOCK_N, BLOCK_K] if BLOCK_M == 1 else [1, 1], dtype=tl.float32)
+    row0 = pid_m * BLOCK_M
+    loop_begin = k_begin
+    if EARLY_WEIGHT:  # the slice's first chunk read before the wait (none for an empty slice)
+        if EVEN_K:  # masks constant along K keep the loads 16 bytes wide
+            first_k = offs_k * 0 + k_begin < k_end
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & first_k[None, :], other=0.0)
+        else:
+            first_k = k_begin + offs_k < k_end
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & first_k[None, :], other=0.0)
+        pdl_wait(USE_PDL)
+        acc, acc_k = _gemv_chunk(
+            w, x_ptrs, first_k, acc, acc_k, row0, M, K, stride_xm, rows, offs_k, BLOCK_M,
+            True, GATED,
+        )  # fmt: skip
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        loop_begin += BLOCK_K
+    for k0 in range(loop_begin, k_end, BLOCK_K):
         k_mask = k0 + offs_k < K
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        w = w.to(tl.float32)
-        for i in tl.static_range(BLOCK_M):
-            # A row-constant mask (`offs_k * 0` folds away), so x's loads stay 16 bytes wide.
-            row_ok = offs_k * 0 + (pid_m * BLOCK_M + i) < M
-            if EVEN_K:
-                x = _load_x(x_ptrs + i * stride_xm, row_ok, GATED, K)
-            else:
-                x = _load_x(x_ptrs + i * stride_xm, k_mask & row_ok, GATED, K)
-            if BLOCK_M == 1:
-                acc_k += w * x.to(tl.float32)[None, :]
-            else:
-                part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
-                acc = tl.where(rows[:, None] == i, acc + part[None, :], acc)
+        acc, acc_k = _gemv_chunk(
+            w, x_ptrs, k_mask, acc, acc_k, row0, M, K, stride_xm, rows, offs_k, BLOCK_M,
+            not EVEN_K, GATED,
+        )  # fmt: skip
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if BLOCK_M == 1:
@@ -376,6 +428,7 @@ def w8a16_gemm(
     config: Config | None = None,
     locks: torch.Tensor | None = None,
     gated: bool = False,
+    early_weight: bool | None = None,
 ) -> torch.Tensor:
     """`x [M, K] @ (weight [N, K] e4m3 * scale)^T` in x's dtype; `scale` float32 `[]`, `[1]`
     or `[N, 1]`. Rows contiguous. One kernel launch (and a fp32 workspace from the caching
@@ -383,7 +436,9 @@ def w8a16_gemm(
     CUDA graph. `locks`: `w8a16_locks(N, ...)`, for a split-K config; without it a zeroed
     one is made per call (one more memset).
     `gated`: x is `[M, 2K]` (gate | up) and the product is that of its SiLU-and-mul, computed
-    as the kernel reads it (the same values as tandem_kernels.activation.silu_and_mul's)."""
+    as the kernel reads it (the same values as tandem_kernels.activation.silu_and_mul's).
+    `early_weight`: the GEMV form reads its first weight chunk ahead of the rest, as it does
+    when launched with PDL (None: exactly then); the values are the same either way."""
     assert x.dim() == 2 and weight.dim() == 2
     assert x.shape[1] == weight.shape[1] * (2 if gated else 1), (x.shape, weight.shape, gated)
     assert x.stride(1) == 1 and weight.stride(1) == 1
@@ -407,8 +462,10 @@ def w8a16_gemm(
         workspace = locks = out
     args = (x, weight, scale, out, workspace, locks, m, n, k)
     strides = (x.stride(0), weight.stride(0), out.stride(0), 0 if scale.numel() == 1 else 1)
+    use_pdl = pdl_launch(x.device)
     if c.block_m < 16:
-        kernel, extra = _w8a16_gemv_kernel, {}
+        early = use_pdl if early_weight is None else early_weight
+        kernel, extra = _w8a16_gemv_kernel, {"EARLY_WEIGHT": early}
     else:
         # fp32 activations: exact products (tf32 would lose digits); ignored for 16-bit.
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -422,9 +479,11 @@ def w8a16_gemm(
         SPLIT_K=c.split_k,
         EVEN_K=k % (c.block_k * c.split_k) == 0,
         GATED=gated,
+        USE_PDL=use_pdl,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
         **extra,
+        **launch_options(use_pdl),
     )
     return out
 

@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
+
 _LOG2E = 1.4426950408889634
 # Below this many context tokens per partition a split costs more than it brings.
 MIN_TOKENS_PER_SPLIT = 256
@@ -390,7 +392,9 @@ def _decode_kernel(
     SCALE_V: tl.constexpr,
     SLIDING: tl.constexpr,
     FP16_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     # HEADS_FIRST: the KV heads of one request are neighbouring programs, so the programs in
     # flight together read whole token rows of the cache (all heads) rather than one head's
     # slice of many requests' rows.
@@ -486,7 +490,9 @@ def _decode_reduce_kernel(
     HEAD_SIZE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -1025,6 +1031,7 @@ def paged_decode_attention(
         and query.dtype in (torch.bfloat16, torch.float16)
         and _converts_fp8_in_hardware(query.device)
     )
+    use_pdl = pdl_launch(query.device)
     _decode_kernel[(*grid, num_splits)](
         query,
         kv_cache,
@@ -1060,9 +1067,11 @@ def paged_decode_attention(
         SCALE_V=v_scale != 1.0,
         SLIDING=window > 0,
         FP16_DOT=fp16_dot,
+        USE_PDL=use_pdl,
         num_warps=num_warps,
         num_stages=num_stages,
         **cap,
+        **launch_options(use_pdl),
     )
     if split:
         _decode_reduce_kernel[(num_reqs, num_heads)](
@@ -1078,7 +1087,9 @@ def paged_decode_attention(
             # One variant for every split count (no compile when a new count appears).
             BLOCK_S=triton.next_power_of_2(MAX_NUM_SPLITS),
             BLOCK_D=block_d,
+            USE_PDL=use_pdl,
             num_warps=4,
+            **launch_options(use_pdl),
         )
     return out
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
+
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = tl.constexpr(448.0)
 
@@ -44,7 +46,9 @@ def _reshape_and_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -106,6 +110,7 @@ def reshape_and_cache(
     assert key.device == kv_cache.device == slot_mapping.device
     if num_tokens == 0:
         return
+    use_pdl = pdl_launch(key.device)
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
@@ -127,7 +132,9 @@ def reshape_and_cache(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_size),
         FP8=fp8,
+        USE_PDL=use_pdl,
         num_warps=4,
+        **launch_options(use_pdl),
     )
 
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
+
 
 @triton.jit
 def add_rms_norm_row(
@@ -57,7 +59,9 @@ def _rms_norm_kernel(
     HIDDEN_SIZE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN_SIZE
@@ -90,6 +94,7 @@ def _launch(
     block = triton.next_power_of_2(hidden_size)
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else out
+    use_pdl = pdl_launch(x.device)
     _rms_norm_kernel[(num_tokens,)](
         x,
         r,
@@ -104,7 +109,9 @@ def _launch(
         HIDDEN_SIZE=hidden_size,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        USE_PDL=use_pdl,
         num_warps=min(max(block // 256, 1), 16),
+        **launch_options(use_pdl),
     )
 
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
+
 
 @triton.jit
 def _rotate_heads(
@@ -70,7 +72,9 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -146,6 +150,7 @@ def rotary_embedding(
     if num_tokens == 0:
         return q_out, k_out
     num_kv_heads = key.shape[1]
+    use_pdl = pdl_launch(query.device)
     _rotary_kernel[(num_tokens,)](
         positions,
         query,
@@ -170,7 +175,9 @@ def rotary_embedding(
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
+        USE_PDL=use_pdl,
         num_warps=4,
+        **launch_options(use_pdl),
     )
     return q_out, k_out
 

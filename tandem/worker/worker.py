@@ -19,6 +19,7 @@ where `activations` is the profiled peak of the largest step plus the sampler's 
 from __future__ import annotations
 
 import gc
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from tandem.worker.cpu_threads import (
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampling import PendingStep
 from tandem.worker.shared_kv import SharedKVCache, export_kv_cache
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
@@ -91,6 +94,12 @@ class Worker:
             torch.set_num_threads(config.num_threads)
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
+        if device.type == "cuda":
+            from tandem_kernels.pdl import device_supports_pdl, enable_pdl
+
+            enable_pdl(config.enable_pdl)
+            if config.enable_pdl and not device_supports_pdl(device):
+                logger.warning("--enable-pdl: %s is below compute capability 9.0; off", device)
         return device
 
     def init_distributed(self, dist_init: DistributedInit | None) -> ParallelState | None:

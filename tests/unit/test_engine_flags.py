@@ -56,6 +56,7 @@ NON_DEFAULT: dict[str, Any] = {
     "device": "cpu",
     "attention_backend": "torch",
     "enforce_eager": True,
+    "enable_pdl": True,
     "cuda_graph_sizes": (1, 3),
     "cudagraph_mode": "full_decode_only",
     "piecewise_cuda_graph_sizes": (8, 24),

@@ -28,8 +28,9 @@ _POINTERS = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "ws_ptr", "locks_ptr")
 _INTS = ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_s")
 
 
-def _compile(config: w8a16.Config, gated: bool = False) -> tuple[str, int]:
-    """(PTX, bytes of local-memory stack per thread) of `config` for bf16 activations."""
+def _compile(config: w8a16.Config, gated: bool = False, use_pdl: bool = False) -> tuple[str, int]:
+    """(PTX, bytes of local-memory stack per thread) of `config` for bf16 activations;
+    `use_pdl`: as launched with programmatic dependent launch (tandem_kernels.pdl)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -42,8 +43,11 @@ def _compile(config: w8a16.Config, gated: bool = False) -> tuple[str, int]:
         "SPLIT_K": config.split_k,
         "EVEN_K": True,
         "GATED": gated,
+        "USE_PDL": use_pdl,
     }
-    if not gemv:
+    if gemv:
+        consts["EARLY_WEIGHT"] = use_pdl
+    else:
         consts |= {"SWAP_AB": config.swap_ab, "INPUT_PRECISION": "tf32"}
     types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16"}
     types |= {"ws_ptr": "*fp32", "locks_ptr": "*i32"}
@@ -57,7 +61,9 @@ def _compile(config: w8a16.Config, gated: bool = False) -> tuple[str, int]:
         constexprs={(index(n),): v for n, v in consts.items()},
         attrs={(index(n),): [["tt.divisibility", 16]] for n in aligned},
     )
-    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    options: dict[str, Any] = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if use_pdl:
+        options["launch_pdl"] = True
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -96,3 +102,30 @@ def test_swapped_form_is_a_warpgroup_mma_with_the_weight_in_registers() -> None:
     # m64n16k16: 64 weight rows by 16 (padded) activation rows; A as registers ({...}).
     assert _count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16 \{[^}]+\}, \{")
     assert stack == 0
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gemv_with_pdl_reads_only_its_first_weight_chunk_before_the_wait(rows: int) -> None:
+    """Launched with PDL the GEMV may run beside the kernel before it: until
+    `griddepcontrol.wait` it touches nothing but its weight (the one input no kernel writes),
+    one 16-byte load per piece of its first chunk, and it still spills nothing."""
+    config = w8a16.Config(rows, 16, 512, 4, 4, 1)
+    ptx, stack = _compile(config, gated=rows == 1, use_pdl=True)
+    before, wait, after = ptx.partition("griddepcontrol.wait")
+    assert wait, "no griddepcontrol.wait in a PDL launch"
+    threads = 32 * config.num_warps
+    assert _count(before, r"ld\.global") == config.block_n * config.block_k // threads // 16
+    assert _count(before, r"ld\.global\.v4\.b32") == _count(before, r"ld\.global")
+    assert _count(before, r"st\.global|atom\.|red\.") == 0
+    assert _count(after, r"griddepcontrol\.launch_dependents") == 1
+    assert _count(after, r"ld\.global") > 0  # x and the rest of the weight
+    assert stack == 0
+    # The same kernel without PDL has no grid dependency control at all.
+    plain, _ = _compile(config, gated=rows == 1)
+    assert "griddepcontrol" not in plain
+
+
+def test_tensor_core_form_with_pdl_waits_before_any_memory_access() -> None:
+    ptx, _ = _compile(w8a16.Config(16, 64, 256, 4, 4, 3, True), use_pdl=True)
+    before, wait, _ = ptx.partition("griddepcontrol.wait")
+    assert wait and _count(before, r"ld\.global|st\.global|cp\.async|atom\.|red\.") == 0

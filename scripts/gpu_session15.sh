@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Wave 3, fifteenth session's H200 plan (no device was lent in session 15: written for the next
+# session that has one), each part one device call from the repository root, carrying .whl:
+#
+#   PART=pdl_tests: programmatic dependent launch (tandem_kernels/pdl.py, `--enable-pdl`),
+#            which has never run on a GPU: its GPU tests (the 8B decode chain launched with PDL
+#            in a CUDA graph against plain launches, bit for bit, replay after replay; the FP8
+#            engine's greedy tokens with PDL on and off), then the kernel files whose launchers
+#            changed (W8A16, RMSNorm, rotary, KV write, decode attention).
+#   PART=pdl_bench: issue 28's batch 1 (FP8 weights + FP8 KV cache, random llama-3.1-8b)
+#            without and with `--enable-pdl` in one call, 512/256 beside it; then the batch-1
+#            step breakdown with PDL (the W8A16 GEMV's 2.35 ms of 3.14 in session 8).
+#
+#   OUT=/some/dir PART=pdl_tests bash scripts/gpu_session15.sh
+set -u
+case "${PART:-pdl_tests}" in
+pdl_tests)
+  ISSUE=session15 BUDGET_S=${BUDGET_S:-560}
+  . scripts/device_lib.sh
+  step "PDL GPU tests" 300 "$OUT/gpu_tests_pdl.log" $PY -m pytest -q -m gpu --timeout=280 \
+    -rs --tb=short --durations=8 tests/gpu/test_pdl_gpu.py tests/gpu/test_fp8_w8a16_gpu.py
+  step "kernel GPU tests" 240 "$OUT/gpu_tests_pdl_kernels.log" $PY -m pytest -q -m gpu \
+    --timeout=230 -rs --tb=short --durations=8 tests/gpu/test_kernels_gpu.py \
+    -k "rms or rotary or reshape or decode or paged"
+  grep -hE "passed|failed|error" "$OUT"/gpu_tests_pdl*.log | tail -n 4 >>"$summary"
+  finish
+  ;;
+pdl_bench)
+  ISSUE=session15 BUDGET_S=${BUDGET_S:-570}
+  . scripts/device_lib.sh
+  WORKLOADS=512/256 offline fp8_fp8kv 250 --quantization fp8 --kv-cache-dtype fp8
+  WORKLOADS=512/256 offline fp8_fp8kv_pdl 250 --quantization fp8 --kv-cache-dtype fp8 \
+    --enable-pdl
+  step "batch-1 breakdown, PDL" 60 "$OUT/step_breakdown_b1_pdl.log" $PY -m benchmarks.step_breakdown \
+    --model random:llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 --enable-pdl \
+    --num-prompts 1 --input-len 512 --out "$OUT/step_breakdown_b1_pdl.json"
+  finish
+  ;;
+*)
+  echo "unknown PART=${PART}" >&2
+  exit 2
+  ;;
+esac
