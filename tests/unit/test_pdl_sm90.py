@@ -9,6 +9,7 @@ grid dependency control at all. The switch itself: on only where asked and suppo
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,11 @@ triton = pytest.importorskip("triton")
 
 from tandem_kernels import paged_attention, pdl, reshape_and_cache, rms_norm, rotary  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+pytestmark = [
+    pytest.mark.skipif(not (_BIN / "ptxas").exists(), reason="triton without its bundled ptxas"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
 _MEMORY = r"ld\.global|st\.global|cp\.async|atom\.|red\."
 
 
