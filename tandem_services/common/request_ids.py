@@ -12,7 +12,7 @@ taken for the next run's:
 
 `~m<k>`: the frontend's k-th migration of the choice (a new engine request: a longer prompt,
 fewer tokens to go; frontend/tracker.py). `~d<k>`: the scheduler's k-th dispatch again of the
-same engine request (same prompt, same outputs expected; scheduler/core.py). Workers only ever
+same engine request (same prompt, same outputs expected; scheduler/dispatcher.py). Workers only ever
 see the full id; the scheduler maps a worker's report of `cmpl-7~d2` back to `cmpl-7`, and the
 frontend maps its outputs to the choice, dropping those of an attempt older than the newest.
 

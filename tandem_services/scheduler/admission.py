@@ -1,7 +1,7 @@
 """Admission control: whether the scheduler's queue takes one more request, and if not, when
 to come back.
 
-The admission queue (`SchedulerCore.queued`) is bounded twice, by requests waiting and by their
+The admission queue (`Dispatcher.queued`) is bounded twice, by requests waiting and by their
 prompt tokens waiting, so a burst far above capacity costs the scheduler a bounded amount of
 memory and leaves the latency of the requests it admitted alone: the excess is refused at once
 with RESOURCE_EXHAUSTED, which the frontend answers as HTTP 429. The refusal carries a retry

@@ -11,7 +11,7 @@ from tandem_protos.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tandem_services.common.metrics import ScrapeCollector, start_metrics_server
 from tandem_services.common.server import GrpcServer, shutdown_event, write_ready_file
 from tandem_services.scheduler.config import SchedulerServiceConfig
-from tandem_services.scheduler.core import SchedulerCore
+from tandem_services.scheduler.dispatcher import Dispatcher
 from tandem_services.scheduler.messages import BeginShutdown, CountDispatching, Tick
 from tandem_services.scheduler.metrics import MeteredSchedulerServicer, SchedulerMetrics
 from tandem_services.scheduler.routing import make_routing_policy, routing_metrics
@@ -19,10 +19,10 @@ from tandem_services.scheduler.routing import make_routing_policy, routing_metri
 logger = logging.getLogger(__name__)
 
 
-async def _ticker(core: SchedulerCore, interval_s: float) -> None:
+async def _ticker(dispatcher: Dispatcher, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        core.tell(Tick())
+        dispatcher.tell(Tick())
 
 
 async def serve(config: SchedulerServiceConfig) -> int:
@@ -41,18 +41,18 @@ async def serve(config: SchedulerServiceConfig) -> int:
         else "no prefix directory (routing on the scheduler's own dispatch record)"
     )
     logger.info("routing: %s; %s", config.routing, directory)
-    core = SchedulerCore(config, policy)
-    core.start()
+    dispatcher = Dispatcher(config, policy)
+    dispatcher.start()
     server = GrpcServer(
         [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], tls=config.tls
     )
-    metrics = SchedulerMetrics(core)
+    metrics = SchedulerMetrics(dispatcher)
     metrics.registry.register(ScrapeCollector(lambda: routing_metrics(policy)))
-    servicer = MeteredSchedulerServicer(core, metrics)
+    servicer = MeteredSchedulerServicer(dispatcher, metrics)
     server.add(lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s))
     port = await server.start(config.host, config.port)
     metrics_server = await start_metrics_server(metrics.registry, config.host, config.metrics_port)
-    ticker = asyncio.create_task(_ticker(core, min(config.report_interval_s, 0.5)))
+    ticker = asyncio.create_task(_ticker(dispatcher, min(config.report_interval_s, 0.5)))
     address = f"{config.host}:{port}"
     logger.info("scheduler serving on %s", address)
     ready = [f"grpc={address}"]
@@ -62,15 +62,15 @@ async def serve(config: SchedulerServiceConfig) -> int:
 
     await stop.wait()
     # Stop taking work; queued requests fail with UNAVAILABLE; let dispatches finish.
-    await core.ask(BeginShutdown())
+    await dispatcher.ask(BeginShutdown())
     deadline = time.monotonic() + config.grace_period_s
-    while time.monotonic() < deadline and await core.ask(CountDispatching()):
+    while time.monotonic() < deadline and await dispatcher.ask(CountDispatching()):
         await asyncio.sleep(0.05)
     await server.stop(grace_s=max(0.0, min(1.0, deadline - time.monotonic())))
     ticker.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await ticker
-    await core.close()
+    await dispatcher.close()
     if metrics_server is not None:
         await metrics_server.close()
     logger.info("scheduler stopped")

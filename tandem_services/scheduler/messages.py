@@ -1,4 +1,4 @@
-"""The messages `SchedulerCore` handles, one at a time: the servicer's asks and tells, the
+"""The messages `Dispatcher` handles, one at a time: the servicer's asks and tells, the
 ticker's `Tick`, and what its own tasks report back (`DispatchOutcome`, `RetryDue`,
 `PrefixLookedUp`). `SchedulerMessage` is their union; `SubmitError` is how a Submit fails."""
 

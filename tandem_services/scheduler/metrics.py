@@ -8,7 +8,7 @@
     tandem_scheduler_workers{role,state}            registered workers (ready | draining)
     tandem_scheduler_kv_cache_blocks{role,state}    KV blocks (used | free) summed per role
 
-The gauges are read from `SchedulerCore` at scrape time (on its event loop, between two
+The gauges are read from `Dispatcher` at scrape time (on its event loop, between two
 messages), so they are exact and cost nothing between scrapes.
 """
 
@@ -25,7 +25,7 @@ from prometheus_client.metrics_core import Metric
 
 from tandem_protos.v1 import common_pb2, scheduler_pb2
 from tandem_services.common.metrics import LATENCY_BUCKETS_S, ScrapeCollector, gauge
-from tandem_services.scheduler.core import SchedulerCore
+from tandem_services.scheduler.dispatcher import Dispatcher
 from tandem_services.scheduler.servicer import SchedulerServicer
 
 _ROLES = {
@@ -36,8 +36,8 @@ _ROLES = {
 
 
 class SchedulerMetrics:
-    def __init__(self, core: SchedulerCore, registry: CollectorRegistry | None = None) -> None:
-        self.core = core
+    def __init__(self, dispatcher: Dispatcher, registry: CollectorRegistry | None = None) -> None:
+        self.dispatcher = dispatcher
         self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
             "tandem_scheduler_requests",
@@ -54,17 +54,17 @@ class SchedulerMetrics:
         self.registry.register(ScrapeCollector(self._collect))
 
     def _collect(self) -> Iterator[Metric]:
-        core = self.core
-        yield gauge("tandem_scheduler_queued_requests", "Requests waiting.", len(core.queued))
+        dispatcher = self.dispatcher
+        yield gauge("tandem_scheduler_queued_requests", "Requests waiting.", len(dispatcher.queued))
         yield gauge(
             "tandem_scheduler_queued_prefill_tokens",
             "Prompt tokens of the requests waiting.",
-            sum(len(q.submit.request.prompt_token_ids) for q in core.queued.values()),
+            sum(len(q.submit.request.prompt_token_ids) for q in dispatcher.queued.values()),
         )
         yield gauge(
             "tandem_scheduler_inflight_requests",
             "Requests dispatched and not yet finished.",
-            len(core.inflight),
+            len(dispatcher.inflight),
         )
         workers: dict[tuple[str, str], int] = defaultdict(int)
         blocks: dict[tuple[str, str], int] = defaultdict(int)
@@ -73,7 +73,7 @@ class SchedulerMetrics:
                 workers[role, state] = 0
             for state in ("used", "free"):
                 blocks[role, state] = 0
-        for w in core.workers.values():
+        for w in dispatcher.workers.values():
             role = _ROLES.get(w.info.role, "unspecified")
             workers[role, "draining" if w.draining else "ready"] += 1
             blocks[role, "free"] += w.stats.num_free_blocks
@@ -98,8 +98,8 @@ def _labelled(name: str, doc: str, values: dict[tuple[str, str], int]) -> Metric
 class MeteredSchedulerServicer(SchedulerServicer):
     """`SchedulerServicer` that counts every Submit's outcome and its queue time."""
 
-    def __init__(self, core: SchedulerCore, metrics: SchedulerMetrics) -> None:
-        super().__init__(core)
+    def __init__(self, dispatcher: Dispatcher, metrics: SchedulerMetrics) -> None:
+        super().__init__(dispatcher)
         self.metrics = metrics
 
     async def Submit(

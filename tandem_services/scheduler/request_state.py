@@ -24,9 +24,9 @@ class RequestStatus(enum.Enum):
 
     # Its routing lookup (prefix directory) is awaited; it is routed once it is back.
     LOOKING_UP = "looking_up"
-    # In the admission queue (`SchedulerCore.queued`).
+    # In the admission queue (`Dispatcher.queued`).
     QUEUED = "queued"
-    # Routed; Reserve / Prefill RPCs under way (`SchedulerCore.inflight`, Submit unanswered).
+    # Routed; Reserve / Prefill RPCs under way (`Dispatcher.inflight`, Submit unanswered).
     DISPATCHING = "dispatching"
     # A failed attempt is being aborted on its workers, then backs off (`backing_off`).
     BACKING_OFF = "backing_off"

@@ -86,7 +86,7 @@ def fake_scheduler_metrics() -> SchedulerMetrics:
             draining=draining,
         )
 
-    core = SimpleNamespace(
+    dispatcher = SimpleNamespace(
         queued={"q1": queued(30), "q2": queued(12)},
         inflight={"r1": object()},
         workers={
@@ -95,7 +95,7 @@ def fake_scheduler_metrics() -> SchedulerMetrics:
             "d2": worker(common_pb2.WORKER_ROLE_DECODE, 50, draining=True),
         },
     )
-    return SchedulerMetrics(core)  # type: ignore[arg-type]
+    return SchedulerMetrics(dispatcher)  # type: ignore[arg-type]
 
 
 def exported_sample_names() -> set[str]:

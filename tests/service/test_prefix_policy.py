@@ -234,7 +234,7 @@ def test_flags_build_the_policy() -> None:
 
 def test_one_policy_interface_with_defaults() -> None:
     """Every policy the flags build is a `RoutingPolicy`; a policy that writes only `route`
-    gets every other hook the scheduler core calls from the base class."""
+    gets every other hook the dispatcher calls from the base class."""
 
     class FirstWorker(RoutingPolicy):
         name = "first"

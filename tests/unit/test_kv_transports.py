@@ -369,7 +369,7 @@ def test_the_scheduler_side_imports_no_torch() -> None:
 
     code = (
         "import sys\n"
-        "import tandem.kv_transfer.placement, tandem_services.scheduler.core\n"
+        "import tandem.kv_transfer.placement, tandem_services.scheduler.dispatcher\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,13 +1,14 @@
 """The routing-policy interface and what it is handed: which workers run a request.
 
-The scheduler core hands a policy a snapshot of the workers that may take work and the
-request's size; the policy answers with a `Route` or None (nobody can take it now; the request
-waits in the admission queue). `route` is plain synchronous code run by the scheduler's core:
-a policy that needs I/O first (the prefix-aware one asks the directory which workers hold
-the prompt's prefix) says so with `uses_lookup` and does it in `lookup`, which the core awaits
-once per request, before routing it, and hands over as `RoutingRequest.prefix`.
+The scheduler's `Dispatcher` hands a policy a snapshot of the workers that may take work and
+the request's size; the policy answers with a `Route` or None (nobody can take it now; the
+request waits in the admission queue). `route` is plain synchronous code run by the
+dispatcher: a policy that needs I/O first (the prefix-aware one asks the directory which
+workers hold the prompt's prefix) says so with `uses_lookup` and does it in `lookup`, which
+the dispatcher awaits once per request, before routing it, and hands over as
+`RoutingRequest.prefix`.
 
-Every hook the core calls is declared on `RoutingPolicy`, with a default there; a policy
+Every hook the dispatcher calls is declared on `RoutingPolicy`, with a default there; a policy
 overrides what it needs. All policies share `candidates`: the same caps and fit rules decide
 who *may* take a request.
 """
@@ -98,16 +99,16 @@ class Route:
 
 
 class RoutingPolicy(abc.ABC):
-    """What the scheduler core asks of a routing policy; the one interface every policy
-    implements. Only `route` is required; every other hook has a do-nothing default.
+    """What the scheduler's `Dispatcher` asks of a routing policy; the one interface every
+    policy implements. Only `route` is required; every other hook has a do-nothing default.
 
-    Called on the scheduler core's event loop, one message at a time: `route` and
+    Called on the dispatcher's event loop, one message at a time: `route` and
     `forget_worker` synchronously, `lookup`, `leave_directory` and `close` awaited in tasks.
     """
 
     # The `--routing` value that selects the policy (also the `policy` metric label).
     name: ClassVar[str]
-    # True: the core awaits `lookup` for every request before routing it (when more than
+    # True: the dispatcher awaits `lookup` for every request before routing it (when more than
     # one worker could take its prompt).
     uses_lookup: ClassVar[bool] = False
 

@@ -1,6 +1,6 @@
 """KV-aware routing: send a prompt where its prefix is cached, weighed against load.
 
-Per request, before it is routed (`lookup`, awaited once by the core):
+Per request, before it is routed (`lookup`, awaited once by the dispatcher):
 
     prompt token ids ──compute_block_hashes(block size of the workers, cache salt)──▶ chain
     chain ──PrefixRouter──▶ directory: worker -> leading blocks it holds   (None: unreachable)

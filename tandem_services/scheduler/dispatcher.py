@@ -1,6 +1,15 @@
-"""`SchedulerCore`: the one owner of the scheduler's state (the worker registry, the admission
-queue, the requests in flight), an actor handling the messages of `messages.py`. A request's
-records and states are in `request_state.py`, a worker's in `workers.py`.
+"""`Dispatcher`: the one owner of the scheduler service's state (the worker registry, the
+admission queue, the requests in flight), an actor handling the messages of `messages.py`. A
+request's records and states are in `request_state.py`, a worker's in `workers.py`.
+
+Named for what it does with all of that: it admits requests and dispatches each to its
+workers (dispatch attempts, `DispatchOutcome`, `dispatch_request_id`), as a cluster-level
+router or dispatcher does in disaggregated serving. It is not the engine's step `Scheduler`
+(`tandem.core.scheduler`, which plans one engine's batches) nor an engine core
+(`tandem.engine.core`). "Scheduler" stays in the service's names that follow its public
+surfaces: the `tandem.v1.Scheduler` proto service (`SchedulerServicer`), the `scheduler`
+process, its flags and its `tandem_scheduler_*` metrics (`SchedulerServiceConfig`,
+`SchedulerMetrics`).
 
     Submit ─▶ admission queue (bounded, by priority then arrival)
                  │  pump: routing policy picks workers among those with room
@@ -92,11 +101,11 @@ logger = logging.getLogger(__name__)
 _RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-class SchedulerCore(Actor[SchedulerMessage]):
+class Dispatcher(Actor[SchedulerMessage]):
     """Owns the worker registry, the admission queue and the in-flight requests."""
 
     def __init__(self, config: SchedulerServiceConfig, policy: RoutingPolicy) -> None:
-        super().__init__("scheduler-core")
+        super().__init__("dispatcher")
         self.config = config
         self.policy = policy
         self.workers: dict[str, WorkerEntry] = {}
