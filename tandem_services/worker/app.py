@@ -34,7 +34,7 @@ from tandem_services.common.server import (
     shutdown_event,
     write_ready_file,
 )
-from tandem_services.worker import core as m
+from tandem_services.worker import engine_host as m
 from tandem_services.worker.config import WorkerServiceConfig
 from tandem_services.worker.kv_tcp import TcpKVConnector
 from tandem_services.worker.kv_transports import KVTransports, worker_transports
@@ -61,13 +61,13 @@ class SchedulerLink:
         self,
         config: WorkerServiceConfig,
         register: scheduler_pb2.RegisterWorkerRequest,
-        core: m.WorkerCore,
+        host: m.EngineHost,
         engine: AsyncMPClient,
         max_model_len: int,
     ) -> None:
         self.config = config
         self.register_request = register
-        self.core = core
+        self.host = host
         self.engine = engine
         self.max_model_len = max_model_len
         self.registered = asyncio.Event()
@@ -93,9 +93,9 @@ class SchedulerLink:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     # The scheduler dropped this worker (it missed reports) and failed its
                     # requests: stop working on them.
-                    ids = await self.core.ask(m.Inflight())
+                    ids = await self.host.ask(m.Inflight())
                     if ids:
-                        await self.core.ask(
+                        await self.host.ask(
                             m.Abort(ids, notify_error="the scheduler dropped this worker")
                         )
             had_stream = False
@@ -106,7 +106,7 @@ class SchedulerLink:
         while True:
             # A stalled engine: no reports, so the scheduler drops this worker.
             await self.engine_running.wait()
-            finished, num_inflight = await self.core.ask(m.TakeFinished())
+            finished, num_inflight = await self.host.ask(m.TakeFinished())
             # The latest snapshot, not a fresh read: a report must not wait for a long step.
             stats = self.engine.latest_stats
             yield scheduler_pb2.LoadReport(
@@ -134,15 +134,15 @@ class SchedulerLink:
         await self._channel.close()
 
 
-async def _ticker(core: m.WorkerCore) -> None:
+async def _ticker(host: m.EngineHost) -> None:
     while True:
         await asyncio.sleep(1.0)
-        core.tell(m.Tick())
+        host.tell(m.Tick())
 
 
 async def serve(config: WorkerServiceConfig) -> int:
     stop = shutdown_event()
-    holder: list[m.WorkerCore] = []
+    holder: list[m.EngineHost] = []
     role = worker_role(config.role)
     metrics = WorkerMetrics(config.role)
 
@@ -190,7 +190,7 @@ async def serve(config: WorkerServiceConfig) -> int:
     )
     info = await client.start()
     logger.info("engine-core process %s ready", info.pid)
-    core = m.WorkerCore(
+    host = m.EngineHost(
         config.worker_id,
         client,
         info.block_size,
@@ -201,8 +201,8 @@ async def serve(config: WorkerServiceConfig) -> int:
         config.tls,
         info.kv_cache_spec,
     )
-    holder.append(core)
-    core.start()
+    holder.append(host)
+    host.start()
     connector = None
     if role.has_kv_connector:
         kv_caches = client.kv_caches()
@@ -220,17 +220,17 @@ async def serve(config: WorkerServiceConfig) -> int:
             )
         )
         connector = MeteredKVTransports(transports, metrics)
-        core.connector = connector
+        host.connector = connector
 
-    servicer = WorkerServicer(role, config.worker_id, core, client, info.eos_token_id, connector)
+    servicer = WorkerServicer(role, config.worker_id, host, client, info.eos_token_id, connector)
     server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     port = await server.start(config.host, config.port)
-    metrics.bind(core, client)
+    metrics.bind(host, client)
     metrics_server = await start_metrics_server(metrics.registry, config.host, config.metrics_port)
     # Prefix-cache directory feed (prefill / unified workers, when a server is configured).
     publisher = await start_prefix_publishing(config, mirror, metrics.registry)
     address = config.advertise_address or reachable_address(config.host, port)
-    tasks = [asyncio.create_task(_ticker(core))]
+    tasks = [asyncio.create_task(_ticker(host))]
 
     if config.scheduler_address:
         link = SchedulerLink(
@@ -247,9 +247,9 @@ async def serve(config: WorkerServiceConfig) -> int:
                 host_id=host_id(),
                 process_id=os.getpid(),
                 kv_device=info.kv_device,
-                kv_cache_group_windows=[w or 0 for w in core.kv_cache_spec.group_windows],
+                kv_cache_group_windows=[w or 0 for w in host.kv_cache_spec.group_windows],
             ),
-            core,
+            host,
             client,
             info.max_model_len,
         )
@@ -276,24 +276,24 @@ async def serve(config: WorkerServiceConfig) -> int:
         logger.error("worker %s: %s; stopping", config.worker_id, client.dead_reason)
 
     # Drain: no new work, let in-flight requests finish within the grace period.
-    await core.ask(m.SetDraining())
+    await host.ask(m.SetDraining())
     await server.set_serving(False)
     if link is not None:
         await link.deregister()
     await stop_prefix_publishing(publisher)
     deadline = time.monotonic() + config.grace_period_s
-    while client.alive and time.monotonic() < deadline and await core.ask(m.Inflight()):
+    while client.alive and time.monotonic() < deadline and await host.ask(m.Inflight()):
         await asyncio.sleep(0.05)
-    remaining = await core.ask(m.Inflight())
+    remaining = await host.ask(m.Inflight())
     if remaining:
         logger.warning("grace period over: handing back %d requests", len(remaining))
         reason = "the worker is shutting down" if client.alive else "the engine failed"
-        await core.ask(m.Abort(remaining, notify_error=reason))
+        await host.ask(m.Abort(remaining, notify_error=reason))
     # Let the streams carry the last outputs, then end them.
     flush_deadline = time.monotonic() + 1.0
-    while time.monotonic() < flush_deadline and await core.ask(m.HasPendingOutputs()):
+    while time.monotonic() < flush_deadline and await host.ask(m.HasPendingOutputs()):
         await asyncio.sleep(0.02)
-    await core.ask(m.CloseStreams())
+    await host.ask(m.CloseStreams())
     for task in tasks:
         task.cancel()
     for task in tasks:
@@ -301,7 +301,7 @@ async def serve(config: WorkerServiceConfig) -> int:
             await task
     await server.stop(grace_s=1.0)
     await client.shutdown()
-    await core.close()
+    await host.close()
     if connector is not None:
         await connector.close()
     if link is not None:

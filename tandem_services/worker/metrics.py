@@ -40,7 +40,7 @@ from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVDestination
 from tandem.kv_transfer.placement import TCP
 from tandem_services.common.metrics import TRANSFER_BUCKETS_S, ScrapeCollector, counter, gauge
-from tandem_services.worker import core as m
+from tandem_services.worker import engine_host as m
 from tandem_services.worker.kv_transports import KVTransports
 from tandem_services.worker.states import Phase, Role
 
@@ -69,12 +69,12 @@ class WorkerMetrics:
             buckets=TRANSFER_BUCKETS_S,
             registry=r,
         )
-        self._core: m.WorkerCore | None = None
+        self._host: m.EngineHost | None = None
         self._engine: AsyncMPClient | None = None
 
-    def bind(self, core: m.WorkerCore, engine: AsyncMPClient) -> None:
-        """Start reporting the state of `core` and `engine` at scrape time."""
-        self._core, self._engine = core, engine
+    def bind(self, host: m.EngineHost, engine: AsyncMPClient) -> None:
+        """Start reporting the state of `host` and `engine` at scrape time."""
+        self._host, self._engine = host, engine
         self.registry.register(ScrapeCollector(self._collect))
 
     def on_transfer(self, direction: str, transport: str, num_bytes: int, seconds: float) -> None:
@@ -88,13 +88,13 @@ class WorkerMetrics:
         self.generated_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
 
     def _collect(self) -> Iterator[Metric]:
-        assert self._core is not None and self._engine is not None
+        assert self._host is not None and self._engine is not None
         labels = {"role": self.role}
-        requests = self._core.requests.values()
+        requests = self._host.requests.values()
         yield gauge(
             "tandem_worker_inflight_requests",
             "Requests this worker is responsible for.",
-            len(self._core.requests),
+            len(self._host.requests),
             labels,
         )
         yield gauge(

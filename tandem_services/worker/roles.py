@@ -1,6 +1,6 @@
 """One strategy object per worker role: everything a worker does differently by role.
 
-`worker_role(config.role)` is called once, in `app.serve`; the servicer and `WorkerCore` ask
+`worker_role(config.role)` is called once, in `app.serve`; the servicer and `EngineHost` ask
 the object and never test the role themselves. What a role decides:
 
 ===================  ===========================  ==========================  ================
@@ -25,8 +25,8 @@ worker). A role-specific RPC on the wrong role is refused with FAILED_PRECONDITI
 text of `WorkerRole.refusal`.
 
 The prefill hand-off (send the blocks, then AddPrefilled at the decode worker, releasing the
-held blocks in every case) belongs to `PrefillRole`; its methods run on `WorkerCore`'s event
-loop, inside the core's message handling, and change the core's state through it.
+held blocks in every case) belongs to `PrefillRole`; its methods run on `EngineHost`'s event
+loop, inside the engine host's message handling, and change its state through it.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from tandem.kv_transfer.base import KVDestination
 from tandem.request import EngineCoreRequest
 from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem_services.common.convert import output_to_proto
-from tandem_services.worker.core import HandoffDone, WorkerCore, WorkerRequest, abort_output
+from tandem_services.worker.engine_host import EngineHost, HandoffDone, WorkerRequest, abort_output
 from tandem_services.worker.states import Phase, Role, move
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class WorkerRole:
     # ------------------------------------------------------------------ requests in flight
 
     def on_output(
-        self, core: WorkerCore, r: WorkerRequest, out: EngineCoreOutput,
+        self, host: EngineHost, r: WorkerRequest, out: EngineCoreOutput,
         held: dict[str, list[int]], batches: Batches,
     ) -> None:  # fmt: skip
         """One step's output for `r` (tracked, not aborted): emit it to `r`'s destination.
@@ -122,12 +122,12 @@ class WorkerRole:
         batches[r.destination].append(output_to_proto(out, r.num_emitted))
         r.num_emitted += len(out.new_token_ids)
         if out.finished:
-            core.finish(r)
+            host.finish(r)
 
-    def on_aborted(self, core: WorkerCore, r: WorkerRequest) -> None:
+    def on_aborted(self, host: EngineHost, r: WorkerRequest) -> None:
         """`r` was aborted and has left the engine: what else its abort must do."""
 
-    def on_handoff_done(self, core: WorkerCore, msg: HandoffDone) -> None:
+    def on_handoff_done(self, host: EngineHost, msg: HandoffDone) -> None:
         """A KV hand-off ended (only a prefill worker starts them)."""
 
 
@@ -169,7 +169,7 @@ class PrefillRole(WorkerRole):
         return req
 
     def on_output(
-        self, core: WorkerCore, r: WorkerRequest, out: EngineCoreOutput,
+        self, host: EngineHost, r: WorkerRequest, out: EngineCoreOutput,
         held: dict[str, list[int]], batches: Batches,
     ) -> None:  # fmt: skip
         if out.finish_reason == FinishReason.ABORT or not out.new_token_ids:
@@ -178,21 +178,21 @@ class PrefillRole(WorkerRole):
                 failed = out.finish_reason == FinishReason.ERROR
                 error = "" if failed else "aborted by the prefill engine"
                 batches[r.destination].append(output_to_proto(out, r.num_emitted, error))
-                core.finish(r)
-                self.abort_remote_reservation(core, r)
+                host.finish(r)
+                self.abort_remote_reservation(host, r)
             return
         # The prefill ran with max_tokens=1, so it always finishes here. It ends the request
         # for real on a stop (eos, stop token), at the caller's max_tokens, or at the context.
         really_done = (
             out.finish_reason == FinishReason.STOP
             or r.max_tokens == 1
-            or r.num_prompt_tokens + 1 >= core.max_model_len
+            or r.num_prompt_tokens + 1 >= host.max_model_len
         )
         if really_done:
             batches[r.destination].append(output_to_proto(out, 0))
-            core.finish(r)
-            core.engine.tell(EngineOps.release_held, r.request_id)
-            self.abort_remote_reservation(core, r)
+            host.finish(r)
+            host.engine.tell(EngineOps.release_held, r.request_id)
+            self.abort_remote_reservation(host, r)
             return
         first = EngineCoreOutput(
             out.request_id,
@@ -206,20 +206,20 @@ class PrefillRole(WorkerRole):
         move(r, Phase.HANDING_OFF)
         src = held.get(r.request_id)
         if src is None:
-            self.on_handoff_done(core, HandoffDone(r.request_id, "the prefill engine kept no KV"))
+            self.on_handoff_done(host, HandoffDone(r.request_id, "the prefill engine kept no KV"))
             return
-        core.spawn(self._handoff(core, r, src))
+        host.spawn(self._handoff(host, r, src))
 
-    def on_aborted(self, core: WorkerCore, r: WorkerRequest) -> None:
-        self.abort_remote_reservation(core, r)
+    def on_aborted(self, host: EngineHost, r: WorkerRequest) -> None:
+        self.abort_remote_reservation(host, r)
 
-    async def _handoff(self, core: WorkerCore, r: WorkerRequest, src_block_ids: list[int]) -> None:
+    async def _handoff(self, host: EngineHost, r: WorkerRequest, src_block_ids: list[int]) -> None:
         handoff = r.handoff
-        assert handoff is not None and core.connector is not None
+        assert handoff is not None and host.connector is not None
         try:
             # The entries of the tables to move, by position (each group's, the window's
             # blocks alone in a sliding group): the same on both sides, one spec.
-            indices = core.kv_cache_spec.handoff_indices(
+            indices = host.kv_cache_spec.handoff_indices(
                 r.num_prompt_tokens, handoff.num_cached_tokens
             )
             dst = KVDestination(
@@ -229,49 +229,49 @@ class PrefillRole(WorkerRole):
                 handoff.transport or "tcp",
             )
             src = [src_block_ids[i] for i in indices]
-            await core.connector.send_blocks(r.request_id, src, dst)
+            await host.connector.send_blocks(r.request_id, src, dst)
             if r.aborted:
-                core.tell(HandoffDone(r.request_id, "aborted"))
+                host.tell(HandoffDone(r.request_id, "aborted"))
                 return
-            stub = worker_pb2_grpc.WorkerStub(core.channel(handoff.decode_address))
+            stub = worker_pb2_grpc.WorkerStub(host.channel(handoff.decode_address))
             await stub.AddPrefilled(
                 worker_pb2.AddPrefilledRequest(
                     request_id=r.request_id, first_token_id=r.first_token_id
                 ),
-                timeout=core.rpc_timeout_s,
+                timeout=host.rpc_timeout_s,
             )
-            core.tell(HandoffDone(r.request_id))
+            host.tell(HandoffDone(r.request_id))
         except Exception as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            core.tell(
+            host.tell(
                 HandoffDone(
                     r.request_id,
                     f"KV hand-off to {handoff.decode_worker_id} failed: {detail}",
                 )
             )
 
-    def on_handoff_done(self, core: WorkerCore, msg: HandoffDone) -> None:
-        r = core.requests.get(msg.request_id)
+    def on_handoff_done(self, host: EngineHost, msg: HandoffDone) -> None:
+        r = host.requests.get(msg.request_id)
         if r is None or r.phase != Phase.HANDING_OFF:
             return
-        core.finish(r)
-        core.engine.tell(EngineOps.release_held, r.request_id)
+        host.finish(r)
+        host.engine.tell(EngineOps.release_held, r.request_id)
         if msg.error or r.aborted:
-            self.abort_remote_reservation(core, r)
+            self.abort_remote_reservation(host, r)
         if msg.error and not r.aborted:
             logger.warning("%s: %s", r.request_id, msg.error)
-            core.emit({r.destination: [abort_output(r, msg.error)]})
+            host.emit({r.destination: [abort_output(r, msg.error)]})
 
-    def abort_remote_reservation(self, core: WorkerCore, r: WorkerRequest) -> None:
+    def abort_remote_reservation(self, host: EngineHost, r: WorkerRequest) -> None:
         """Free the blocks the decode worker reserved for `r` (no-op without a hand-off)."""
         if r.handoff is not None:
-            core.spawn(self._remote_abort(core, r.handoff.decode_address, r.request_id))
+            host.spawn(self._remote_abort(host, r.handoff.decode_address, r.request_id))
 
-    async def _remote_abort(self, core: WorkerCore, address: str, request_id: str) -> None:
-        stub = worker_pb2_grpc.WorkerStub(core.channel(address))
+    async def _remote_abort(self, host: EngineHost, address: str, request_id: str) -> None:
+        stub = worker_pb2_grpc.WorkerStub(host.channel(address))
         try:
             await stub.Abort(
-                common_pb2.AbortRequest(request_ids=[request_id]), timeout=core.rpc_timeout_s
+                common_pb2.AbortRequest(request_ids=[request_id]), timeout=host.rpc_timeout_s
             )
         except grpc.aio.AioRpcError as exc:
             logger.warning("abort of %s on %s failed: %s", request_id, address, exc.code().name)

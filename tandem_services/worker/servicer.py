@@ -1,5 +1,5 @@
 """gRPC edge of a worker: converts protos, then passes messages to the engine thread (engine
-state) and to `WorkerCore` (everything else)."""
+state) and to `EngineHost` (everything else)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tandem.kv_transfer.base import KVTransferError
 from tandem.request import EngineCoreRequest
 from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem_services.common.convert import engine_request_from_proto
-from tandem_services.worker import core as m
+from tandem_services.worker import engine_host as m
 from tandem_services.worker.kv_transports import KVTransports
 from tandem_services.worker.roles import ROLE_TO_PROTO, WorkerRole
 from tandem_services.worker.states import Phase, Role
@@ -32,7 +32,7 @@ _orphans: set[asyncio.Task[Any]] = set()
 
 async def _to_the_end(coro: Coroutine[Any, Any, T]) -> T:
     """Await `coro` in its own task, which a cancelled caller (an RPC past its deadline) does
-    not cancel: an engine command and the worker core's record of its result stay paired."""
+    not cancel: an engine command and the engine host's record of its result stay paired."""
     task = asyncio.ensure_future(coro)
     try:
         return await asyncio.shield(task)
@@ -75,14 +75,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self,
         role: WorkerRole,
         worker_id: str,
-        core: m.WorkerCore,
+        host: m.EngineHost,
         engine: AsyncMPClient,
         eos_token_id: int | None,
         connector: KVTransports | None,
     ) -> None:
         self.role = role
         self.worker_id = worker_id
-        self.core = core
+        self.host = host
         self.engine = engine
         self.eos_token_id = eos_token_id
         self.connector = connector
@@ -96,7 +96,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _request(
         self, msg: common_pb2.EngineRequest, context: grpc.aio.ServicerContext
     ) -> EngineCoreRequest:
-        if self.core.draining:
+        if self.host.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         try:
             req = engine_request_from_proto(msg)
@@ -126,7 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         req = await self._request(request.request, context)
         params = req.sampling_params
         req = self.role.admit(req)
-        tracked = await self.core.ask(
+        tracked = await self.host.ask(
             m.Track(
                 m.WorkerRequest(
                     request_id=req.request_id,
@@ -150,9 +150,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 await self.engine.add_request(req, hold_kv=hold_kv)
             except ValueError:
-                self.core.tell(m.Untrack(req.request_id))
+                self.host.tell(m.Untrack(req.request_id))
                 raise
-            self.core.tell(m.Admitted(req.request_id))
+            self.host.tell(m.Admitted(req.request_id))
 
         try:
             await _to_the_end(admit())
@@ -165,7 +165,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.ReserveResponse:
         await self._refuse_wrong_role("Reserve", context)
         req = await self._request(request.request, context)
-        tracked = await self.core.ask(
+        tracked = await self.host.ask(
             m.Track(
                 m.WorkerRequest(
                     request_id=req.request_id,
@@ -187,17 +187,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 result = await self.engine.reserve(req)
             except ValueError:
-                self.core.tell(m.Untrack(req.request_id))
+                self.host.tell(m.Untrack(req.request_id))
                 raise
             writable = None
             if result is not None:
                 # The receivers accept writes into these alone: not a cached block, nor a
                 # table's null entry (id 0, which a real block may have).
                 block_ids, num_cached_tokens = result
-                spec = self.core.kv_cache_spec
+                spec = self.host.kv_cache_spec
                 indices = spec.handoff_indices(len(req.prompt_token_ids), num_cached_tokens)
                 writable = [block_ids[i] for i in indices]
-            self.core.tell(m.Reserved(req.request_id, writable))
+            self.host.tell(m.Reserved(req.request_id, writable))
             return result
 
         try:
@@ -220,7 +220,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         async def reserved_for(request_id: str) -> list[int] | None:
             started.append(request_id)
-            (reserved,) = await self.core.ask(m.BeginReceive([request_id]))
+            (reserved,) = await self.host.ask(m.BeginReceive([request_id]))
             if reserved is None:
                 started.remove(request_id)
             return reserved
@@ -232,7 +232,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise  # not reached
         finally:
             if started:
-                self.core.tell(m.EndReceive(started))
+                self.host.tell(m.EndReceive(started))
 
     # ------------------------------------------------------------------ CUDA IPC / NCCL KV
 
@@ -255,13 +255,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._refuse_wrong_role("WriteKV", context)
         assert self.connector is not None
         # Requests whose BeginReceive may have marked them; each gets one EndReceive. One ask
-        # of the core per session (not per request): a burst of sessions does not queue one
-        # round trip through the core's inbox per request behind the others.
+        # of the engine host per session (not per request): a burst of sessions does not queue one
+        # round trip through the engine host's inbox per request behind the others.
         started: set[str] = set()
 
         async def begin(request_ids: list[str]) -> list[list[int] | None]:
             started.update(request_ids)
-            found = await self.core.ask(m.BeginReceive(request_ids))
+            found = await self.host.ask(m.BeginReceive(request_ids))
             started.difference_update(
                 rid for rid, r in zip(request_ids, found, strict=True) if r is None
             )
@@ -271,7 +271,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             ended = [rid for rid in request_ids if rid in started]
             if ended:
                 started.difference_update(ended)
-                self.core.tell(m.EndReceive(ended))
+                self.host.tell(m.EndReceive(ended))
 
         try:
             async with contextlib.aclosing(
@@ -288,7 +288,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.AddPrefilledRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.AddPrefilledResponse:
         rid, token = request.request_id, request.first_token_id
-        if not await self.core.ask(m.BeginAddPrefilled(rid)):
+        if not await self.host.ask(m.BeginAddPrefilled(rid)):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"request {rid!r} has no reservation with its KV here (aborted?)",
@@ -297,30 +297,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             out = await self.engine.add_prefilled_request(rid, token)
         except Exception as exc:
             logger.exception("add_prefilled_request(%s) failed", rid)
-            self.core.tell(m.Abort([rid], notify_error=f"decode worker failed: {exc}"))
+            self.host.tell(m.Abort([rid], notify_error=f"decode worker failed: {exc}"))
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         if out is not None:
-            self.core.tell(m.Step([out]))
+            self.host.tell(m.Step([out]))
         return worker_pb2.AddPrefilledResponse()
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        n = await self.core.ask(m.Abort(list(request.request_ids)))
+        n = await self.host.ask(m.Abort(list(request.request_ids)))
         return common_pb2.AbortResponse(num_aborted=n)
 
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerStats:
         stats = await self.engine.stats()
-        inflight = await self.core.ask(m.Inflight())
+        inflight = await self.host.ask(m.Inflight())
         return stats_to_proto(
             stats,
             self.worker_id,
             self.role.role,
             len(inflight),
-            self.core.block_size,
-            self.core.max_model_len,
+            self.host.block_size,
+            self.host.max_model_len,
         )
 
     async def StreamOutputs(
@@ -328,7 +328,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.StepOutputs]:
         if not request.destination:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "destination is empty")
-        queue = await self.core.ask(m.Connect(request.destination))
+        queue = await self.host.ask(m.Connect(request.destination))
         try:
             while True:
                 item = await queue.get()
@@ -343,4 +343,4 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     item.outputs.extend(more.outputs)
                 yield item
         finally:
-            self.core.tell(m.Disconnect(request.destination, queue))
+            self.host.tell(m.Disconnect(request.destination, queue))

@@ -1,9 +1,9 @@
 """A worker's bookkeeping stays paired with its engine when an abort overtakes an admission.
 
-The servicer tracks a request in `WorkerCore`, then asks the engine thread to add (prefill) or
+The servicer tracks a request in `EngineHost`, then asks the engine thread to add (prefill) or
 reserve (decode) it. An abort handled between the two used to reach the engine first (a no-op
 there), after which the add or reserve ran and its blocks were never freed. These tests play
-that order on a real engine-core process with the SmolLM2 model and a real `WorkerCore`, and check
+that order on a real engine-core process with the SmolLM2 model and a real `EngineHost`, and check
 that the engine ends with no request and a whole block pool.
 """
 
@@ -18,12 +18,12 @@ from tandem.engine.core_client import AsyncMPClient
 from tandem.engine.serial import Piggyback
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
-from tandem_services.worker import core as m
+from tandem_services.worker import engine_host as m
 from tandem_services.worker.roles import worker_role
 
 
-async def _worker(model: Path, role: str) -> tuple[AsyncMPClient, m.WorkerCore]:
-    holder: list[m.WorkerCore] = []
+async def _worker(model: Path, role: str) -> tuple[AsyncMPClient, m.EngineHost]:
+    holder: list[m.EngineHost] = []
 
     def on_step(outputs: list[EngineCoreOutput], pig: Piggyback) -> None:
         holder[0].tell(m.Step(outputs, pig.held_block_ids))
@@ -39,12 +39,12 @@ async def _worker(model: Path, role: str) -> tuple[AsyncMPClient, m.WorkerCore]:
         name=f"engine-{role}",
     )
     engine = await thread.start()
-    core = m.WorkerCore(
+    host = m.EngineHost(
         f"w-{role}", thread, engine.block_size, engine.max_model_len, 30.0, 5.0, worker_role(role)
     )
-    holder.append(core)
-    core.start()
-    return thread, core
+    holder.append(host)
+    host.start()
+    return thread, host
 
 
 async def _engine_is_empty(thread: AsyncMPClient) -> bool:
@@ -61,10 +61,10 @@ def _request(rid: str, max_tokens: int) -> EngineCoreRequest:
 
 
 async def _abort_before_add(model: Path, role: str) -> None:
-    thread, core = await _worker(model, role)
+    thread, host = await _worker(model, role)
     try:
         rid = f"{role}-1"
-        tracked = await core.ask(
+        tracked = await host.ask(
             m.Track(
                 m.WorkerRequest(
                     rid, "frontend", role, "running", num_prompt_tokens=80, max_tokens=4,
@@ -74,14 +74,14 @@ async def _abort_before_add(model: Path, role: str) -> None:
         )  # fmt: skip
         assert tracked
         # The abort overtakes the servicer's engine call.
-        assert await core.ask(m.Abort([rid])) == 1
+        assert await host.ask(m.Abort([rid])) == 1
         req = _request(rid, 1 if role == "prefill" else 4)
         await thread.add_request(req, hold_kv=role == "prefill")
-        core.tell(m.Admitted(rid))
+        host.tell(m.Admitted(rid))
         assert await _engine_is_empty(thread), "the aborted request kept engine state or blocks"
-        assert await core.ask(m.Inflight()) == []
+        assert await host.ask(m.Inflight()) == []
     finally:
-        await core.close()
+        await host.close()
         await thread.shutdown()
 
 
@@ -94,10 +94,10 @@ def test_abort_before_unified_admission_frees_everything(smollm2_path: Path) -> 
 
 
 async def _abort_before_reserve(model: Path) -> None:
-    thread, core = await _worker(model, "decode")
+    thread, host = await _worker(model, "decode")
     try:
         rid = "decode-1"
-        tracked = await core.ask(
+        tracked = await host.ask(
             m.Track(
                 m.WorkerRequest(
                     rid, "frontend", "decode", "reserving", num_prompt_tokens=80, max_tokens=4,
@@ -106,15 +106,15 @@ async def _abort_before_reserve(model: Path) -> None:
             )
         )  # fmt: skip
         assert tracked
-        assert await core.ask(m.Abort([rid])) == 1
+        assert await host.ask(m.Abort([rid])) == 1
         req = _request(rid, 4)
         result = await thread.reserve(req)
         assert result is not None
-        core.tell(m.Reserved(rid, list(result[0])))
+        host.tell(m.Reserved(rid, list(result[0])))
         assert await _engine_is_empty(thread), "the aborted reservation kept its blocks"
-        assert await core.ask(m.Inflight()) == []
+        assert await host.ask(m.Inflight()) == []
     finally:
-        await core.close()
+        await host.close()
         await thread.shutdown()
 
 

@@ -16,7 +16,7 @@ from tandem.kv_transfer.base import KVDestination
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tandem_services.worker import core as m
+from tandem_services.worker import engine_host as m
 from tandem_services.worker.roles import (
     ROLE_SPECIFIC_RPCS,
     DecodeRole,
@@ -136,9 +136,9 @@ async def _code_and_details(stub: worker_pb2_grpc.WorkerStub, rpc: str) -> tuple
 
 
 async def _serve_and_call(role: WorkerRole, rpcs: list[str]) -> dict[str, tuple[str, str]]:
-    # An unstarted core: these calls read only its `draining` flag.
-    core = m.WorkerCore("w", None, 16, 512, 30.0, 5.0, role)  # type: ignore[arg-type]
-    servicer = WorkerServicer(role, "w", core, None, None, None)  # type: ignore[arg-type]
+    # An unstarted engine host: these calls read only its `draining` flag.
+    host = m.EngineHost("w", None, 16, 512, 30.0, 5.0, role)  # type: ignore[arg-type]
+    servicer = WorkerServicer(role, "w", host, None, None, None)  # type: ignore[arg-type]
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -185,7 +185,7 @@ def test_prefill_hand_off_pairs_each_groups_entries_by_position() -> None:
 
     async def run() -> None:
         engine = None  # never called: the hand-off stops before AddPrefilled
-        core = m.WorkerCore("w", engine, 4, 512, 30.0, 5.0, PrefillRole(), kv_cache_spec=spec)  # type: ignore[arg-type]
+        host = m.EngineHost("w", engine, 4, 512, 30.0, 5.0, PrefillRole(), kv_cache_spec=spec)  # type: ignore[arg-type]
         handoff = worker_pb2.KVHandoff(
             decode_worker_id="decode-0",
             decode_address="127.0.0.1:1",
@@ -201,9 +201,9 @@ def test_prefill_hand_off_pairs_each_groups_entries_by_position() -> None:
                 r.aborted = True  # stop before AddPrefilled: no decode worker here
                 return 0
 
-        core.connector = _Connector()  # type: ignore[assignment]
-        core.tell = told.append  # type: ignore[method-assign,assignment]
-        await PrefillRole()._handoff(core, r, held)
+        host.connector = _Connector()  # type: ignore[assignment]
+        host.tell = told.append  # type: ignore[method-assign,assignment]
+        await PrefillRole()._handoff(host, r, held)
 
     asyncio.run(run())
     ((src, dst),) = sent

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem_services.worker.core import WorkerRequest
+from tandem_services.worker.engine_host import WorkerRequest
 from tandem_services.worker.states import TRANSITIONS, Phase, PhaseError, Role, move
 
 

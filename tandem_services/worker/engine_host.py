@@ -1,8 +1,17 @@
-"""A worker's request state and its one owner, `WorkerCore`.
+"""A worker's request state and its one owner, `EngineHost`.
 
 The engine runs in its own process (an EngineCoreProc behind an AsyncMPClient); everything
 else a worker knows of its requests (where outputs go, what phase a hand-off is in, which
-blocks are reserved) belongs to `WorkerCore`, which handles one message at a time on the event loop.
+blocks are reserved) belongs to `EngineHost`, which handles one message at a time on the event
+loop.
+
+Named for its place: it is the worker service's side of one engine, the host that takes the
+engine's step outputs to their destinations and keeps the requests' service state around
+them. It is not an engine core (`EngineCore`, `EngineCoreProc` and `tandem/core/` keep that
+word) nor the engine's device `Worker` (`tandem.worker.worker`). The worker service's own
+classes keep "Worker" only qualified: `WorkerServicer` (after the `tandem.v1.Worker` proto
+service), `WorkerServiceConfig`, `WorkerRole`, and `WorkerRequest` (a request as this service
+tracks it, beside the engine's `EngineCoreRequest`).
 
 Request phases by role::
 
@@ -12,8 +21,8 @@ Request phases by role::
     decode:   reserving ─▶ reserved ─▶ receiving ─▶ reserved ─ AddPrefilled ─▶ decoding ─▶ ...
 
 What a request's role changes (its step outputs, the prefill hand-off, what an abort also
-does) is decided by the worker's role object (`tandem_services/worker/roles.py`), which the core
-asks; the core itself keeps the phases, the destinations and the abort protocol.
+does) is decided by the worker's role object (`tandem_services/worker/roles.py`), which the host
+asks; the host itself keeps the phases, the destinations and the abort protocol.
 
 Blocks whose bytes are being moved are never freed under the transfer: an abort during
 `handing_off` (prefill) or `receiving` (decode) is deferred until the transfer ends.
@@ -217,11 +226,11 @@ class _Destination:
     disconnected_since: float = field(default_factory=time.monotonic)
 
 
-class WorkerCore(Actor[WorkerMessage]):
+class EngineHost(Actor[WorkerMessage]):
     """Owns the worker's requests, output destinations and hand-offs.
 
     What differs by role (a step's output, what an abort also does, the hand-off) is asked of
-    `role`; the methods it calls back (`finish`, `emit`, `spawn`, `channel`) run on the core's
+    `role`; the methods it calls back (`finish`, `emit`, `spawn`, `channel`) run on the host's
     event loop, inside its message handling."""
 
     def __init__(
@@ -236,7 +245,7 @@ class WorkerCore(Actor[WorkerMessage]):
         tls: TlsConfig = PLAINTEXT,
         kv_cache_spec: KVCacheSpec | None = None,
     ) -> None:
-        super().__init__(f"worker-core-{worker_id}")
+        super().__init__(f"engine-host-{worker_id}")
         self.worker_id = worker_id
         self.role = role
         self.engine = engine
@@ -453,7 +462,7 @@ class WorkerCore(Actor[WorkerMessage]):
         return self._channels.get(address)
 
     def spawn(self, coro: Any) -> None:
-        """Run `coro` in a task the core cancels on `close`."""
+        """Run `coro` in a task the host cancels on `close`."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
