@@ -15,8 +15,8 @@ from tandem_services.scheduler.admission import AdmissionConfigError, AdmissionL
 from tandem_services.scheduler.routing import ROUTING_CHOICES, RoutingWeights
 
 
-class SchedulerConfigError(ValueError):
-    pass
+class SchedulerServiceConfigError(ValueError):
+    """A `SchedulerServiceConfig` that cannot run: a flag or environment value is wrong."""
 
 
 @dataclass(frozen=True)
@@ -67,45 +67,45 @@ class SchedulerServiceConfig:
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_CHOICES:
-            raise SchedulerConfigError(
+            raise SchedulerServiceConfigError(
                 f"routing must be one of {', '.join(ROUTING_CHOICES)}, got {self.routing!r}"
             )
         if not (0 <= self.port < 65536):
-            raise SchedulerConfigError(f"port must be in [0, 65535], got {self.port}")
+            raise SchedulerServiceConfigError(f"port must be in [0, 65535], got {self.port}")
         if not (-1 <= self.metrics_port < 65536):
-            raise SchedulerConfigError(
+            raise SchedulerServiceConfigError(
                 f"metrics_port must be in [-1, 65535], got {self.metrics_port}"
             )
         if self.kv_connector not in CONNECTOR_CHOICES:
-            raise SchedulerConfigError(
+            raise SchedulerServiceConfigError(
                 f"kv_connector must be one of {', '.join(CONNECTOR_CHOICES)}, "
                 f"got {self.kv_connector!r}"
             )
         try:
             self.admission_limits  # noqa: B018 (validates)
         except AdmissionConfigError as exc:
-            raise SchedulerConfigError(str(exc)) from None
+            raise SchedulerServiceConfigError(str(exc)) from None
         if self.report_interval_s <= 0 or self.dead_after_s <= self.report_interval_s:
-            raise SchedulerConfigError(
+            raise SchedulerServiceConfigError(
                 "dead_after_s must exceed report_interval_s, both > 0; got "
                 f"{self.dead_after_s} and {self.report_interval_s}"
             )
         for name in ("queue_timeout_s", "rpc_timeout_s", "orphan_timeout_s"):
             if getattr(self, name) <= 0:
-                raise SchedulerConfigError(f"{name} must be > 0")
+                raise SchedulerServiceConfigError(f"{name} must be > 0")
         if self.grace_period_s < 0:
-            raise SchedulerConfigError("grace_period_s must be >= 0")
+            raise SchedulerServiceConfigError("grace_period_s must be >= 0")
         if self.max_dispatch_attempts < 1:
-            raise SchedulerConfigError(
+            raise SchedulerServiceConfigError(
                 f"max_dispatch_attempts must be >= 1, got {self.max_dispatch_attempts}"
             )
         if not (0 <= self.dispatch_backoff_s <= self.dispatch_backoff_max_s):
-            raise SchedulerConfigError(
+            raise SchedulerServiceConfigError(
                 "need 0 <= dispatch_backoff_s <= dispatch_backoff_max_s; got "
                 f"{self.dispatch_backoff_s} and {self.dispatch_backoff_max_s}"
             )
         if self.max_inflight_per_worker < 1 or self.max_inflight_prefills < 1:
-            raise SchedulerConfigError("max_inflight_per_worker and _prefills must be >= 1")
+            raise SchedulerServiceConfigError("max_inflight_per_worker and _prefills must be >= 1")
 
     @property
     def admission_limits(self) -> AdmissionLimits:
@@ -271,7 +271,7 @@ def config_from_args(argv: list[str]) -> SchedulerServiceConfig:
         weights = RoutingWeights(**{f: values.pop(k) for k, f in _WEIGHT_FLAGS.items()})
         directory = directory_config_from(ns)
     except ValueError as exc:
-        raise SchedulerConfigError(str(exc)) from exc
+        raise SchedulerServiceConfigError(str(exc)) from exc
     for k in (*_DIRECTORY_FLAGS, *TLS_DESTS):
         values.pop(k)
     return SchedulerServiceConfig(**values, routing_weights=weights, directory=directory, tls=tls)

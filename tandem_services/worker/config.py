@@ -21,8 +21,8 @@ from tandem_services.directory import DirectoryConfig
 from tandem_services.worker.states import Role
 
 
-class WorkerConfigError(ValueError):
-    pass
+class WorkerServiceConfigError(ValueError):
+    """A `WorkerServiceConfig` that cannot run: a flag or environment value is wrong."""
 
 
 @dataclass(frozen=True)
@@ -60,21 +60,25 @@ class WorkerServiceConfig:
 
     def __post_init__(self) -> None:
         if self.directory_publish_delay_s < 0:
-            raise WorkerConfigError("directory_publish_delay_s must be >= 0")
+            raise WorkerServiceConfigError("directory_publish_delay_s must be >= 0")
         if self.role not in ("prefill", "decode", "unified"):
-            raise WorkerConfigError(f"role must be prefill, decode or unified, got {self.role}")
+            raise WorkerServiceConfigError(
+                f"role must be prefill, decode or unified, got {self.role}"
+            )
         if not (0 <= self.port < 65536):
-            raise WorkerConfigError(f"port must be in [0, 65535], got {self.port}")
+            raise WorkerServiceConfigError(f"port must be in [0, 65535], got {self.port}")
         if not (-1 <= self.metrics_port < 65536):
-            raise WorkerConfigError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
+            raise WorkerServiceConfigError(
+                f"metrics_port must be in [-1, 65535], got {self.metrics_port}"
+            )
         if self.grace_period_s < 0 or self.destination_timeout_s <= 0:
-            raise WorkerConfigError("grace_period_s must be >= 0, destination_timeout_s > 0")
+            raise WorkerServiceConfigError("grace_period_s must be >= 0, destination_timeout_s > 0")
         if self.engine_stall_timeout_s < 0:
-            raise WorkerConfigError("engine_stall_timeout_s must be >= 0")
+            raise WorkerServiceConfigError("engine_stall_timeout_s must be >= 0")
         if self.kv_max_message_bytes < 1024:
-            raise WorkerConfigError("kv_max_message_bytes must be >= 1024")
+            raise WorkerServiceConfigError("kv_max_message_bytes must be >= 1024")
         if self.engine.parallel.nnodes > 1 and self.role != "unified":
-            raise WorkerConfigError(
+            raise WorkerServiceConfigError(
                 f"a {self.role} worker hands KV over from its ranks' caches, which must be on "
                 f"its host; nnodes {self.engine.parallel.nnodes} runs --unified workers only"
             )

@@ -12,7 +12,7 @@ import pytest
 
 from tandem.config import EngineArgs
 from tandem_services.launcher import Deployment
-from tandem_services.worker.config import WorkerConfigError, WorkerServiceConfig
+from tandem_services.worker.config import WorkerServiceConfig, WorkerServiceConfigError
 from tests.service.conftest import WORKER_ARGS, assert_pools_whole, launched
 from tests.service.test_serving import (  # noqa: F401 (run here against a TP deployment)
     test_grpc_greedy_matches_offline,
@@ -42,5 +42,7 @@ def test_disaggregated_workers_across_hosts_are_refused(role: str) -> None:
     engine = EngineArgs(
         model="default", tensor_parallel_size=3, nnodes=3, master_port=29500
     ).create_engine_config(resolve=False)
-    with pytest.raises(WorkerConfigError, match=f"a {role} worker .* --unified workers only"):
+    with pytest.raises(
+        WorkerServiceConfigError, match=f"a {role} worker .* --unified workers only"
+    ):
         WorkerServiceConfig(role=role, engine=engine)  # type: ignore[arg-type]

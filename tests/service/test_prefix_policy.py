@@ -15,7 +15,7 @@ from tandem_services.directory import (
     DirectoryUnavailable,
     InMemoryDirectory,
 )
-from tandem_services.scheduler.config import SchedulerConfigError, config_from_args
+from tandem_services.scheduler.config import SchedulerServiceConfigError, config_from_args
 from tandem_services.scheduler.routing import (
     ROUTING_CHOICES,
     DispatchedPrefixes,
@@ -226,7 +226,7 @@ def test_flags_build_the_policy() -> None:
         RoundRobinRouting,
     )
     assert config_from_args([]).routing == "prefix"
-    with pytest.raises(SchedulerConfigError):
+    with pytest.raises(SchedulerServiceConfigError):
         config_from_args(["--routing-running-request-weight", "-1"])
     with pytest.raises(SystemExit):
         config_from_args(["--routing", "random"])
