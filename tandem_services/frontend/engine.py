@@ -32,6 +32,7 @@ from tandem_services.common.server import (
     channel,
 )
 from tandem_services.frontend.health import Readiness, readiness
+from tandem_services.frontend.limits import RequestLimits, check_prompt_work
 from tandem_services.frontend.tool_parsers import render_tool_calls
 from tandem_services.frontend.tracker import (
     Cancel,
@@ -210,28 +211,58 @@ class FrontendEngine:
             raise invalid(f"the chat template cannot render these messages: {exc}") from exc
         return text, await self.encode(text, add_special_tokens=False)
 
-    def check_logits_params(self, params: SamplingParams, prefix: str = "") -> SamplingParams:
-        """`params` with its bad words tokenized (a copy when there are any), every token id of
-        its logits processors checked against the tokenizer's vocabulary (400 naming the field,
-        `prefix` + its name)."""
+    def inputs(
+        self,
+        prompts: Sequence[tuple[list[int], str | None]],
+        params: SamplingParams,
+        max_tokens: int | None,
+        limits: RequestLimits,
+        *,
+        kind: str,
+        priority: int = 0,
+        param_prefix: str = "",
+    ) -> list[GenerateInput]:
+        """The engine-facing inputs of a request whose fields passed their one-pass check
+        (openai_protocol.py, grpc_api.py), one per tokenized prompt (ids, text); what needs
+        the tokens is checked here, once, in this order (400 naming the field):
+
+        - prompt tokens x n, summed over the prompts, against the limit (limits.py);
+        - the logits processors' token ids against the vocabulary (`param_prefix` + the
+          field), their bad words tokenized;
+        - each prompt: not empty, its ids in the vocabulary, shorter than the context, and
+          with `max_tokens` (None: the rest of the context, when it is known) within it.
+        """
+        check_prompt_work(limits, [len(ids) for ids, _ in prompts], params.n)
         if params.bad_words:
             params = params.clone(bad_words_token_ids=None)
             params.update_from_tokenizer(self.tokenizer)
+        vocab = len(self.tokenizer)
         try:
-            params.check_vocab(len(self.tokenizer))
+            params.check_vocab(vocab)
         except SamplingParamsError as exc:
-            raise invalid(str(exc), prefix + str(exc).split(":", 1)[0]) from None
-        return params
+            raise invalid(str(exc), param_prefix + str(exc).split(":", 1)[0]) from None
+        return [
+            GenerateInput(
+                self.new_request_id(kind),
+                ids,
+                params.clone(max_tokens=self._max_tokens(ids, max_tokens, vocab)),
+                text,
+                priority,
+            )
+            for ids, text in prompts
+        ]
 
-    def check_prompt(self, token_ids: Sequence[int], max_tokens: int | None) -> int | None:
-        """Validates a prompt's length against the context; returns max_tokens, filled in to
-        the rest of the context when it was None (and the context is known)."""
+    def _max_tokens(
+        self, token_ids: Sequence[int], max_tokens: int | None, vocab: int
+    ) -> int | None:
+        """A prompt's ids against the vocabulary and its length against the context; returns
+        max_tokens, filled in to the rest of the context when it was None (and the context
+        is known)."""
         if not token_ids:
             raise invalid("prompt is empty", "prompt")
-        limit = self.cluster.max_model_len
-        vocab = len(self.tokenizer)
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise invalid(f"prompt token ids must be in [0, {vocab})", "prompt")
+        limit = self.cluster.max_model_len
         if not limit:
             return max_tokens
         n = len(token_ids)

@@ -1,9 +1,16 @@
-"""The frontend's gRPC API (`tandem.v1.Frontend`)."""
+"""The frontend's gRPC API (`tandem.v1.Frontend`).
+
+A Generate request is checked in one pass at the edge (`parse_generate`: the limits, the
+sampling parameters' values, a structured-output spec's schema, the prompt's shape and chat
+messages) into `GenerateArgs`; what needs its tokens is checked once they exist
+(`FrontendEngine.inputs`). Every refusal is INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -19,16 +26,15 @@ from tandem_services.frontend.auth import api_key_matches
 from tandem_services.frontend.engine import FrontendEngine
 from tandem_services.frontend.limits import (
     RequestLimits,
+    check_at_most,
     check_messages,
-    check_prompt_work,
-    check_sampling,
+    check_stop,
 )
 from tandem_services.frontend.openai_protocol import ChoiceAccumulator
 from tandem_services.frontend.structured import check_structured
 from tandem_services.frontend.types import (
     ChoiceDelta,
     FrontendError,
-    GenerateInput,
     StepEvent,
     Usage,
     invalid,
@@ -83,6 +89,56 @@ def stream_response(
     return step_response(request_id, choices, num_prompt_tokens, event.usage)
 
 
+# The gRPC sampling fields a limit bounds, with the limit (limits.py); stop has its own.
+_BOUNDED = (("n", "max_n"), ("logprobs", "max_logprobs"))
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """A Generate request whose fields passed their one-pass check (`parse_generate`).
+
+    `prompt` is the oneof's kind: "text" (`text`), "token_ids" (`token_ids`) or "chat"
+    (`messages`, checked for the chat template). `max_tokens` is None when the request left it
+    out (the rest of the context)."""
+
+    params: SamplingParams
+    max_tokens: int | None
+    prompt: str
+    text: str = ""
+    token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+def parse_generate(request: frontend_pb2.GenerateRequest, limits: RequestLimits) -> GenerateArgs:
+    """The one pass over a Generate request's fields; FrontendError (INVALID_ARGUMENT) naming
+    the first problem."""
+    sp = request.sampling_params
+    try:
+        kwargs = sampling_params_kwargs(sp)
+        for field, limit in _BOUNDED:
+            if field in kwargs:
+                check_at_most(limits, field, kwargs[field], limit)
+        check_stop(limits, kwargs["stop"])
+        params = SamplingParams(**kwargs)
+    except SamplingParamsError as exc:
+        raise invalid(str(exc)) from None
+    check_structured(params.structured_outputs, "sampling_params.structured_outputs")
+    max_tokens = params.max_tokens if sp.HasField("max_tokens") else None
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return GenerateArgs(params, max_tokens, kind, text=request.text)
+    if kind == "token_ids":
+        return GenerateArgs(params, max_tokens, kind, token_ids=list(request.token_ids.ids))
+    if kind == "chat":
+        if not request.chat.messages:
+            raise invalid("chat.messages is empty", "chat")
+        messages = check_messages(
+            [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        )
+        return GenerateArgs(params, max_tokens, kind, messages=messages)
+    raise invalid("a prompt (text, token_ids or chat) is required", "prompt")
+
+
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     def __init__(
         self,
@@ -112,49 +168,34 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 f"model {model!r} is not served here; available: {', '.join(self.model_ids)}",
             )
 
-    async def _prompt(self, request: frontend_pb2.GenerateRequest) -> tuple[list[int], str | None]:
-        kind = request.WhichOneof("prompt")
-        if kind == "text":
-            return await self.engine.encode(request.text), request.text
-        if kind == "token_ids":
-            return list(request.token_ids.ids), None
-        if kind == "chat":
-            if not request.chat.messages:
-                raise invalid("chat.messages is empty", "chat")
-            messages = check_messages(
-                [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            )
-            text, ids = await self.engine.encode_chat(messages)
-            return ids, text
-        raise invalid("a prompt (text, token_ids or chat) is required", "prompt")
+    async def _tokenized(self, args: GenerateArgs) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and its text (None for token ids)."""
+        if args.prompt == "text":
+            return await self.engine.encode(args.text), args.text
+        if args.prompt == "token_ids":
+            assert args.token_ids is not None
+            return args.token_ids, None
+        assert args.messages is not None
+        text, ids = await self.engine.encode_chat(args.messages)
+        return ids, text
 
     async def Generate(
         self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         await self._check(request.model, context)
         try:
-            try:
-                kwargs = sampling_params_kwargs(request.sampling_params)
-                check_sampling(
-                    self.limits,
-                    n=kwargs.get("n"),
-                    logprobs=kwargs.get("logprobs"),
-                    stop=kwargs["stop"],
-                )
-                params = SamplingParams(**kwargs)
-            except SamplingParamsError as exc:
-                raise invalid(str(exc)) from None
-            check_structured(params.structured_outputs, "sampling_params.structured_outputs")
-            params = self.engine.check_logits_params(params, "sampling_params.")
-            ids, text = await self._prompt(request)
-            check_prompt_work(self.limits, [len(ids)], params.n)
-            given = request.sampling_params.HasField("max_tokens")
-            max_tokens = self.engine.check_prompt(ids, params.max_tokens if given else None)
-            rid = self.engine.new_request_id("grpc")
-            inp = GenerateInput(
-                rid, ids, params.clone(max_tokens=max_tokens), text, request.priority
+            args = parse_generate(request, self.limits)
+            ids, text = await self._tokenized(args)
+            (inp,) = self.engine.inputs(
+                [(ids, text)],
+                args.params,
+                args.max_tokens,
+                self.limits,
+                kind="grpc",
+                priority=request.priority,
+                param_prefix="sampling_params.",
             )
-            shown_id = request.request_id or rid
+            shown_id = request.request_id or inp.request_id
             final_only = request.output_kind == frontend_pb2.OUTPUT_KIND_FINAL_ONLY
             acc: dict[int, ChoiceAccumulator] = {}
             async for event in self.engine.generate(inp):

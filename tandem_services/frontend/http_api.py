@@ -24,7 +24,7 @@ from tandem_protos.v1 import scheduler_pb2
 from tandem_services.frontend.auth import api_key_matches
 from tandem_services.frontend.engine import FrontendEngine
 from tandem_services.frontend.health import readiness, require_serving
-from tandem_services.frontend.limits import RequestLimits, check_prompt_work
+from tandem_services.frontend.limits import RequestLimits
 from tandem_services.frontend.openai_protocol import (
     ChoiceAccumulator,
     TokenText,
@@ -289,20 +289,14 @@ class HttpApi:
                 encoded.append((await self.engine.encode(prompt), prompt))
             else:
                 encoded.append((prompt, None))
-        check_prompt_work(self.limits, [len(ids) for ids, _ in encoded], body.params.n)
-        params = self.engine.check_logits_params(body.params)
-        inputs = []
-        for ids, text in encoded:
-            max_tokens = self.engine.check_prompt(ids, params.max_tokens)
-            inputs.append(
-                GenerateInput(
-                    self.engine.new_request_id("cmpl"),
-                    ids,
-                    params.clone(max_tokens=max_tokens),
-                    text,
-                    body.priority,
-                )
-            )
+        inputs = self.engine.inputs(
+            encoded,
+            body.params,
+            body.params.max_tokens,
+            self.limits,
+            kind="cmpl",
+            priority=body.priority,
+        )
         stream = CompletionStream(
             f"cmpl-{uuid.uuid4().hex}",
             int(time.time()),
@@ -338,23 +332,18 @@ class HttpApi:
         body = parse_chat(await self._read_json(request), self.limits, self.tool_call_parser)
         model = self._check_model(body.model)
         text, ids = await self.engine.encode_chat(body.messages, body.tools, self.tool_call_parser)
-        check_prompt_work(self.limits, [len(ids)], body.params.n)
-        max_tokens = self.engine.check_prompt(
-            ids, body.params.max_tokens if body.max_tokens_given else None
-        )
-        changes: dict[str, Any] = {"max_tokens": max_tokens}
+        params = body.params
         auto = body.tool_calling is not None and body.tool_calling.mode == "auto"
         if auto and self.keep_tool_tags:
-            changes["skip_special_tokens"] = False
-        inputs = [
-            GenerateInput(
-                self.engine.new_request_id("chat"),
-                ids,
-                self.engine.check_logits_params(body.params.clone(**changes)),
-                text,
-                body.priority,
-            )
-        ]
+            params = params.clone(skip_special_tokens=False)
+        inputs = self.engine.inputs(
+            [(ids, text)],
+            params,
+            params.max_tokens,
+            self.limits,
+            kind="chat",
+            priority=body.priority,
+        )
         stream = ChatStream(
             f"chatcmpl-{uuid.uuid4().hex}",
             int(time.time()),

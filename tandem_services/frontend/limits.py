@@ -1,16 +1,13 @@
-"""Request bounds and the request fields tandem implements, checked at the frontend.
+"""Request bounds and the shape of chat messages: the checks a request's declared fields
+name (openai_protocol.py's request models, grpc_api.py's `parse_generate`).
 
-Everything here runs on the parsed JSON body (or the gRPC message) before anything is queued
-or sent to the scheduler, so a request refused here costs nothing downstream. Each refusal is
-a `FrontendError` with INVALID_ARGUMENT (HTTP 400) whose `param` names the field and whose
-message names the field, the value and the limit (with the flag that sets it).
+Nothing here walks a request: each check is called once, by the one pass that reads the field
+it belongs to (or, for `check_prompt_work`, once the prompts are tokenized), before anything
+is queued or sent to the scheduler, so a request refused here costs nothing downstream. Each
+refusal is a `FrontendError` with INVALID_ARGUMENT (HTTP 400) whose `param` names the field and
+whose message names the field, the value and the limit (with the flag that sets it).
 
-Invariants:
-- a value equal to its limit is accepted; limit + 1 is refused;
-- a field tandem does not implement is refused by name, never silently dropped; a field is
-  accepted only where it is implemented or where its value is the one tandem's behaviour
-  already matches (e.g. `echo: false`, `suffix: ""`). Structured outputs and tools are
-  parsed (and their specs checked) in structured.py.
+Invariant: a value equal to its limit is accepted; limit + 1 is refused.
 """
 
 from __future__ import annotations
@@ -58,22 +55,16 @@ def over_limit(
     return invalid(f"{head} is {value}; the limit is {limit} (--{flag})", field)
 
 
-def check_sampling(
-    limits: RequestLimits,
-    *,
-    n: int | None,
-    best_of: int | None = None,
-    logprobs: int | None = None,
-    logprobs_field: str = "logprobs",
-    stop: Sequence[str] = (),
-) -> None:
-    """n, best_of, logprobs and the stop list against their limits (types already checked)."""
-    if n is not None and n > limits.max_n:
-        raise over_limit("n", n, limits.max_n, "max-n")
-    if best_of is not None and best_of > limits.max_best_of:
-        raise over_limit("best_of", best_of, limits.max_best_of, "max-best-of")
-    if logprobs is not None and logprobs > limits.max_logprobs:
-        raise over_limit(logprobs_field, logprobs, limits.max_logprobs, "max-logprobs")
+def check_at_most(limits: RequestLimits, field: str, value: int, limit: str) -> None:
+    """`field`'s `value` against the limit named `limit` (a `RequestLimits` field, set by the
+    flag of the same name: `max_n` -> `--max-n`)."""
+    bound = getattr(limits, limit)
+    if value > bound:
+        raise over_limit(field, value, bound, limit.replace("_", "-"))
+
+
+def check_stop(limits: RequestLimits, stop: Sequence[str]) -> None:
+    """The stop list's length and each stop string's length against their limits."""
     if len(stop) > limits.max_stop_sequences:
         raise over_limit(
             "stop",
@@ -128,166 +119,6 @@ def check_tools(limits: RequestLimits, tools: Any) -> None:
                 "max-tool-schema-bytes",
                 what=f"the size of tools[{i}] (bytes of JSON)",
             )
-
-
-# ----------------------------------------------------------------------------- fields
-
-# Fields both endpoints implement (tandem's SamplingParams and the OpenAI basics).
-_COMMON = frozenset(
-    {
-        "model",
-        "n",
-        "best_of",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "max_tokens",
-        "min_tokens",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "logprobs",
-        "skip_special_tokens",
-        "stream",
-        "stream_options",
-        "priority",
-        # An end-user id for abuse monitoring: nothing to do with the output.
-        "user",
-        # Logits processors (OpenAI's logit_bias; vLLM's extra-body fields).
-        "logit_bias",
-        "allowed_token_ids",
-        "bad_words",
-        "vllm_xargs",
-    }
-)
-# Structured outputs (structured.py), on both endpoints.
-_STRUCTURED = frozenset({"response_format", "structured_outputs"})
-COMPLETION_FIELDS = _COMMON | _STRUCTURED | {"prompt"}
-CHAT_FIELDS = (
-    _COMMON
-    | _STRUCTURED
-    | {
-        "messages",
-        "max_completion_tokens",
-        "top_logprobs",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-    }
-)
-
-
-def _is_absent(v: Any) -> bool:
-    return v is None
-
-
-# Known fields tandem does not implement, accepted only with the value it already matches
-# (a predicate), with the reason given when refused. Anything else unknown is refused too.
-_NO_OP_VALUES: dict[str, tuple[Any, str]] = {
-    # Tool calling is a chat feature: on /v1/completions only the no-op values pass.
-    "tools": (
-        lambda v: v is None or v == [],
-        "tools (tool calling) are for /v1/chat/completions only",
-    ),
-    "tool_choice": (
-        lambda v: v is None or v == "none",
-        "tool_choice (tool calling) is for /v1/chat/completions only",
-    ),
-    "parallel_tool_calls": (
-        lambda v: v is None or isinstance(v, bool),
-        "parallel_tool_calls must be true or false",
-    ),
-    "functions": (_is_absent, "functions (function calling) are not implemented"),
-    "function_call": (
-        lambda v: v is None or v == "none",
-        "function_call (function calling) is not implemented",
-    ),
-    "suffix": (lambda v: v is None or v == "", "suffix is not implemented"),
-    "echo": (lambda v: v is None or v is False, "echo is not implemented"),
-    "use_beam_search": (lambda v: v is None or v is False, "use_beam_search is not implemented"),
-    "add_generation_prompt": (
-        lambda v: v is None or v is True,
-        "add_generation_prompt: false is not implemented (the generation prompt is always added)",
-    ),
-    "continue_final_message": (
-        lambda v: v is None or v is False,
-        "continue_final_message is not implemented",
-    ),
-    "store": (lambda v: v is None or v is False, "store (stored completions) is not implemented"),
-    "metadata": (_is_absent, "metadata (stored completions) is not implemented"),
-    "modalities": (
-        lambda v: v is None or v == ["text"],
-        'modalities other than ["text"] are not implemented',
-    ),
-}
-
-# Known fields (OpenAI's and vLLM's) refused whenever present, with what they are.
-_UNIMPLEMENTED: dict[str, str] = {
-    # vLLM's older guided-decoding fields (structured_outputs replaced them).
-    "guided_json": "guided decoding; use structured_outputs.json",
-    "guided_regex": "guided decoding; use structured_outputs.regex",
-    "guided_choice": "guided decoding; use structured_outputs.choice",
-    "guided_grammar": "guided decoding; use structured_outputs.grammar",
-    "guided_decoding_backend": "guided decoding backends",
-    "guided_whitespace_pattern": "guided decoding whitespace patterns",
-    # OpenAI.
-    "audio": "audio output",
-    "prediction": "predicted outputs",
-    "web_search_options": "web search",
-    "reasoning_effort": "reasoning models' options",
-    "verbosity": "verbosity",
-    "service_tier": "service tiers",
-    "prompt_cache_key": "prompt cache keys",
-    "safety_identifier": "safety identifiers",
-    # vLLM's extensions.
-    "length_penalty": "beam search",
-    "early_stopping": "beam search",
-    "prompt_logprobs": "prompt logprobs",
-    "truncate_prompt_tokens": "prompt truncation",
-    "spaces_between_special_tokens": "spaces_between_special_tokens",
-    "add_special_tokens": "add_special_tokens",
-    "chat_template": "a per-request chat template",
-    "chat_template_kwargs": "chat template arguments",
-    "documents": "documents (RAG chat templates)",
-    "mm_processor_kwargs": "multimodal inputs",
-    "prompt_embeds": "prompt embeddings",
-    "request_id": "client-chosen request ids",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
-    "return_token_ids": "return_token_ids",
-    "cache_salt": "cache_salt",
-    "kv_transfer_params": "client KV-transfer parameters",
-    "logits_processors": "per-request logits processors (the engine's --logits-processors "
-    "are applied to every request; pass their arguments in vllm_xargs)",
-    "response_format_schema": "response_format_schema; use response_format",
-    "thinking": "reasoning options",
-    "include_reasoning": "reasoning options",
-}
-
-
-def reject_unimplemented(body: dict[str, Any], implemented: frozenset[str]) -> None:
-    """Refuses (400, naming it) every field of `body` tandem does not implement."""
-    for name, value in body.items():
-        if name in implemented:
-            continue
-        if name in _NO_OP_VALUES:
-            ok, reason = _NO_OP_VALUES[name]
-            if ok(value):
-                continue
-            raise invalid(f"{reason} (got {name}={_short(value)})", name)
-        if name in _UNIMPLEMENTED:
-            raise invalid(f"{name} ({_UNIMPLEMENTED[name]}) is not implemented by tandem", name)
-        raise invalid(f"unknown field {name!r} (tandem does not implement it)", name)
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    s = json.dumps(value, default=str)
-    return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
 # ----------------------------------------------------------------------------- chat messages

@@ -1,28 +1,39 @@
-"""OpenAI-compatible request parsing and response shapes (completions and chat completions).
+"""OpenAI-compatible request models and response shapes (completions and chat completions).
 
-Parsing turns a JSON body into `SamplingParams` (structured outputs included) and prompts,
-and raises `FrontendError` (HTTP 400) naming the offending field for anything malformed or
-unsupported. A chat body's tools come out as the template's `tools` and a `ToolCalling` plan
-(structured.py); its output is parsed for calls by tool_parsers.py.
+Each endpoint's request is declared once, as a `RequestModel`: a table of its fields, each with
+its reader (the JSON value -> the typed value, a 400 naming the field for a wrong type or a
+value over its limit, limits.py) and, for a sampling parameter, the `SamplingParams` keyword it
+fills. A body is validated in one pass:
+
+    body --RequestModel.read: each field by its declared reader; a field not declared is
+    |     refused by name, unless its value is the one tandem already behaves as-->
+    values --the rules across fields (best_of = n, one output constraint, tool_choice with
+    |     tools, logprobs with top_logprobs)-->
+    SamplingParams (its own value ranges) --> CompletionBody / ChatBody
+
+What needs the prompt's tokens (prompt tokens x n, the context, token ids in the vocabulary)
+is checked once they exist, in one place (`FrontendEngine.inputs`), which makes the
+engine-facing `GenerateInput`s. A chat body's tools come out as the template's `tools` and a
+`ToolCalling` plan (structured.py); its output is parsed for calls by tool_parsers.py.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.core.outputs import FinishReason, Logprobs
 from tandem.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from tandem_services.frontend.limits import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
     RequestLimits,
+    check_at_most,
     check_messages,
-    check_sampling,
+    check_stop,
     check_tools,
-    reject_unimplemented,
 )
 from tandem_services.frontend.structured import (
     ToolCalling,
@@ -33,158 +44,363 @@ from tandem_services.frontend.structured import (
 )
 from tandem_services.frontend.types import ChoiceDelta, ToolCallDelta, Usage, invalid
 
+# A field's reader: (the field's name, its JSON value, never null, the limits) -> its value.
+Reader = Callable[[str, Any, RequestLimits], Any]
 
-class Fields:
-    """Typed access to a JSON object's fields; errors name the field."""
 
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One declared request field. `param`: the `SamplingParams` keyword its value fills (left
+    out of the body: SamplingParams' default); `missing`: the refusal when it is left out or
+    null (a required field)."""
 
-    def _get(self, name: str) -> Any:
-        return self.body.get(name)
+    read: Reader
+    param: str | None = None
+    missing: str | None = None
 
-    def int_(self, name: str, default: int | None = None) -> int | None:
-        v = self._get(name)
-        if v is None:
-            return default
+
+class RequestModel:
+    """A request body declared as its fields. `read` is the one pass over a body."""
+
+    def __init__(self, fields: dict[str, Field]) -> None:
+        self.fields = fields
+        self._required = tuple((n, f.missing) for n, f in fields.items() if f.missing)
+
+    def read(
+        self, body: dict[str, Any], limits: RequestLimits
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the sampling keywords, the other fields' values) of the fields `body` gives, each
+        read by its reader; null is left out. A field not declared is refused by name (400)
+        unless its value is the one tandem already behaves as."""
+        kwargs: dict[str, Any] = {}
+        values: dict[str, Any] = {}
+        for name, value in body.items():
+            f = self.fields.get(name)
+            if f is None:
+                _refuse_undeclared(name, value)
+            elif value is not None:
+                typed = f.read(name, value, limits)
+                if f.param is None:
+                    values[name] = typed
+                else:
+                    kwargs[f.param] = typed
+        for name, missing in self._required:
+            if name not in values:
+                raise invalid(missing, name)
+        return kwargs, values
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+def _int(limit: str | None = None) -> Reader:
+    """An integer, at most the `RequestLimits` field `limit` if given."""
+
+    def read(name: str, v: Any, limits: RequestLimits) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
             raise invalid(f"{name} must be an integer, got {v!r}", name)
+        if limit is not None:
+            check_at_most(limits, name, v, limit)
         return v
 
-    def float_(self, name: str, default: float | None = None) -> float | None:
-        v = self._get(name)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise invalid(f"{name} must be a number, got {v!r}", name)
-        return float(v)
-
-    def bool_(self, name: str, default: bool = False) -> bool:
-        v = self._get(name)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise invalid(f"{name} must be true or false, got {v!r}", name)
-        return v
-
-    def str_(self, name: str, default: str | None = None) -> str | None:
-        v = self._get(name)
-        if v is None:
-            return default
-        if not isinstance(v, str):
-            raise invalid(f"{name} must be a string, got {type(v).__name__}", name)
-        return v
-
-    def stop(self) -> list[str]:
-        v = self._get("stop")
-        if v is None:
-            return []
-        if isinstance(v, str):
-            v = [v]
-        if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
-            raise invalid("stop must be a non-empty string or a list of them", "stop")
-        return v
-
-    def int_list(self, name: str) -> list[int]:
-        v = self._get(name)
-        if v is None:
-            return []
-        if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
-            raise invalid(f"{name} must be a list of integers", name)
-        return v
-
-    def logit_bias(self) -> dict[int, float] | None:
-        """OpenAI's map of token id (a JSON key: a string) to a bias."""
-        v = self._get("logit_bias")
-        if v is None or v == {}:
-            return None
-        if not isinstance(v, dict):
-            raise invalid("logit_bias must be an object of token id to bias", "logit_bias")
-        bias: dict[int, float] = {}
-        for key, value in v.items():
-            try:
-                token = int(key)
-            except (TypeError, ValueError):
-                raise invalid(
-                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
-                ) from None
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise invalid(f"logit_bias[{key}] must be a number, got {value!r}", "logit_bias")
-            bias[token] = float(value)
-        return bias
-
-    def str_list(self, name: str) -> list[str] | None:
-        v = self._get(name)
-        if v is None:
-            return None
-        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            raise invalid(f"{name} must be a list of strings", name)
-        return v
-
-    def object_(self, name: str) -> dict[str, Any] | None:
-        v = self._get(name)
-        if v is None:
-            return None
-        if not isinstance(v, dict):
-            raise invalid(f"{name} must be an object", name)
-        return v
-
-    def stream_include_usage(self) -> bool:
-        opts = self._get("stream_options")
-        if opts is None:
-            return False
-        if not isinstance(opts, dict):
-            raise invalid("stream_options must be an object", "stream_options")
-        v = opts.get("include_usage", False)
-        if not isinstance(v, bool):
-            raise invalid("stream_options.include_usage must be true or false", "stream_options")
-        return v
+    return read
 
 
-def sampling_params(
-    f: Fields,
-    max_tokens: int | None,
-    logprobs: int | None,
-    limits: RequestLimits,
-    logprobs_field: str = "logprobs",
-    structured_outputs: StructuredOutputsParams | None = None,
-) -> SamplingParams:
-    """Sampling parameters shared by both endpoints (vLLM-style extensions included), checked
-    against `limits` before they are built."""
-    n = f.int_("n", 1)
-    best_of = f.int_("best_of")
-    stop = f.stop()
-    check_sampling(
-        limits, n=n, best_of=best_of, logprobs=logprobs, logprobs_field=logprobs_field, stop=stop
+def _float(name: str, v: Any, limits: RequestLimits) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise invalid(f"{name} must be a number, got {v!r}", name)
+    return float(v)
+
+
+def _bool(name: str, v: Any, limits: RequestLimits) -> bool:
+    if not isinstance(v, bool):
+        raise invalid(f"{name} must be true or false, got {v!r}", name)
+    return v
+
+
+def _str(name: str, v: Any, limits: RequestLimits) -> str:
+    if not isinstance(v, str):
+        raise invalid(f"{name} must be a string, got {type(v).__name__}", name)
+    return v
+
+
+def _any(name: str, v: Any, limits: RequestLimits) -> Any:
+    return v
+
+
+def _object(name: str, v: Any, limits: RequestLimits) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise invalid(f"{name} must be an object", name)
+    return v
+
+
+def _int_list(name: str, v: Any, limits: RequestLimits) -> list[int]:
+    if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
+        raise invalid(f"{name} must be a list of integers", name)
+    return v
+
+
+def _str_list(name: str, v: Any, limits: RequestLimits) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise invalid(f"{name} must be a list of strings", name)
+    return v
+
+
+def _stop(name: str, v: Any, limits: RequestLimits) -> list[str]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise invalid("stop must be a non-empty string or a list of them", "stop")
+    check_stop(limits, v)
+    return v
+
+
+def _logit_bias(name: str, v: Any, limits: RequestLimits) -> dict[int, float] | None:
+    """OpenAI's map of token id (a JSON key: a string) to a bias; {} is none."""
+    if v == {}:
+        return None
+    if not isinstance(v, dict):
+        raise invalid("logit_bias must be an object of token id to bias", "logit_bias")
+    bias: dict[int, float] = {}
+    for key, value in v.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise invalid(f"logit_bias[{key}] must be a number, got {value!r}", "logit_bias")
+        bias[token] = float(value)
+    return bias
+
+
+def _include_usage(name: str, v: Any, limits: RequestLimits) -> bool:
+    """`stream_options`: whether the stream ends with a usage chunk."""
+    if not isinstance(v, dict):
+        raise invalid("stream_options must be an object", "stream_options")
+    include = v.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise invalid("stream_options.include_usage must be true or false", "stream_options")
+    return include
+
+
+def _is_ids(p: Any) -> bool:
+    return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def _prompt(name: str, v: Any, limits: RequestLimits) -> list[str | list[int]]:
+    """Completions' prompt: text, texts, token ids, or token id lists; one entry each."""
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and v:
+        if all(isinstance(p, str) for p in v):
+            return list(v)
+        if _is_ids(v):
+            return [list(v)]
+        if all(_is_ids(p) for p in v):
+            return [list(p) for p in v]
+    raise invalid(
+        "prompt must be a string, a list of strings, a list of token ids, or a list of "
+        "token id lists",
+        "prompt",
     )
-    if best_of is not None and best_of != n:
-        raise invalid("best_of must equal n (or be left out)", "best_of")
-    kwargs: dict[str, Any] = {
-        "n": n,
-        "temperature": f.float_("temperature", 1.0),
-        "top_p": f.float_("top_p", 1.0),
-        "top_k": f.int_("top_k", -1),
-        "min_p": f.float_("min_p", 0.0),
-        "seed": f.int_("seed"),
-        "presence_penalty": f.float_("presence_penalty", 0.0),
-        "frequency_penalty": f.float_("frequency_penalty", 0.0),
-        "repetition_penalty": f.float_("repetition_penalty", 1.0),
-        "max_tokens": max_tokens,
-        "min_tokens": f.int_("min_tokens", 0),
-        "stop": stop,
-        "stop_token_ids": f.int_list("stop_token_ids"),
-        "ignore_eos": f.bool_("ignore_eos"),
-        "include_stop_str_in_output": f.bool_("include_stop_str_in_output"),
-        "logprobs": logprobs,
-        "skip_special_tokens": f.bool_("skip_special_tokens", True),
-        "structured_outputs": structured_outputs,
-        "logit_bias": f.logit_bias(),
-        "allowed_token_ids": f.int_list("allowed_token_ids")
-        if f.body.get("allowed_token_ids") is not None
-        else None,
-        "bad_words": f.str_list("bad_words"),
-        "extra_args": f.object_("vllm_xargs"),
+
+
+def _messages(name: str, v: Any, limits: RequestLimits) -> list[dict[str, Any]]:
+    return check_messages(v)
+
+
+def _tools(
+    name: str, v: Any, limits: RequestLimits
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(the tools as given, each tool's name -> its parameter schema); their number and
+    size are checked before each tool is (a huge list is refused for its size)."""
+    check_tools(limits, v)
+    return list(v), parse_tools(v)
+
+
+def _response_format(name: str, v: Any, limits: RequestLimits) -> StructuredOutputsParams | None:
+    return parse_response_format(v)
+
+
+def _structured_outputs(name: str, v: Any, limits: RequestLimits) -> StructuredOutputsParams | None:
+    return parse_structured_outputs(v)
+
+
+# ----------------------------------------------------------------------------- the models
+
+# Fields both endpoints implement: tandem's SamplingParams and the OpenAI basics.
+_COMMON: dict[str, Field] = {
+    "model": Field(_str),
+    "n": Field(_int("max_n"), "n"),
+    "best_of": Field(_int("max_best_of")),
+    "temperature": Field(_float, "temperature"),
+    "top_p": Field(_float, "top_p"),
+    "top_k": Field(_int(), "top_k"),
+    "min_p": Field(_float, "min_p"),
+    "seed": Field(_int(), "seed"),
+    "presence_penalty": Field(_float, "presence_penalty"),
+    "frequency_penalty": Field(_float, "frequency_penalty"),
+    "repetition_penalty": Field(_float, "repetition_penalty"),
+    "min_tokens": Field(_int(), "min_tokens"),
+    "stop": Field(_stop, "stop"),
+    "stop_token_ids": Field(_int_list, "stop_token_ids"),
+    "ignore_eos": Field(_bool, "ignore_eos"),
+    "include_stop_str_in_output": Field(_bool, "include_stop_str_in_output"),
+    "skip_special_tokens": Field(_bool, "skip_special_tokens"),
+    "stream": Field(_bool),
+    "stream_options": Field(_include_usage),
+    "priority": Field(_int()),
+    # An end-user id for abuse monitoring: nothing to do with the output.
+    "user": Field(_any),
+    # Logits processors (OpenAI's logit_bias; vLLM's extra-body fields).
+    "logit_bias": Field(_logit_bias, "logit_bias"),
+    "allowed_token_ids": Field(_int_list, "allowed_token_ids"),
+    "bad_words": Field(_str_list, "bad_words"),
+    "vllm_xargs": Field(_object, "extra_args"),
+    # Structured outputs (structured.py): at most one of the two.
+    "response_format": Field(_response_format),
+    "structured_outputs": Field(_structured_outputs),
+}
+
+COMPLETION = RequestModel(
+    {
+        "prompt": Field(_prompt, missing="prompt is required"),
+        **_COMMON,
+        "max_tokens": Field(_int(), "max_tokens"),
+        "logprobs": Field(_int("max_logprobs"), "logprobs"),
     }
+)
+
+CHAT = RequestModel(
+    {
+        "messages": Field(_messages, missing="messages must be a non-empty list"),
+        **_COMMON,
+        # max_completion_tokens, else max_tokens, else the rest of the context.
+        "max_tokens": Field(_int()),
+        "max_completion_tokens": Field(_int()),
+        "logprobs": Field(_bool),
+        "top_logprobs": Field(_int("max_logprobs")),
+        "tools": Field(_tools),
+        "tool_choice": Field(_any),
+        "parallel_tool_calls": Field(_any),
+    }
+)
+
+
+def _is_absent(v: Any) -> bool:
+    return v is None
+
+
+# Known fields tandem does not implement, accepted only with the value it already matches
+# (a predicate), with the reason given when refused. Anything else unknown is refused too.
+_NO_OP_VALUES: dict[str, tuple[Any, str]] = {
+    # Tool calling is a chat feature: on /v1/completions only the no-op values pass.
+    "tools": (
+        lambda v: v is None or v == [],
+        "tools (tool calling) are for /v1/chat/completions only",
+    ),
+    "tool_choice": (
+        lambda v: v is None or v == "none",
+        "tool_choice (tool calling) is for /v1/chat/completions only",
+    ),
+    "parallel_tool_calls": (
+        lambda v: v is None or isinstance(v, bool),
+        "parallel_tool_calls must be true or false",
+    ),
+    "functions": (_is_absent, "functions (function calling) are not implemented"),
+    "function_call": (
+        lambda v: v is None or v == "none",
+        "function_call (function calling) is not implemented",
+    ),
+    "suffix": (lambda v: v is None or v == "", "suffix is not implemented"),
+    "echo": (lambda v: v is None or v is False, "echo is not implemented"),
+    "use_beam_search": (lambda v: v is None or v is False, "use_beam_search is not implemented"),
+    "add_generation_prompt": (
+        lambda v: v is None or v is True,
+        "add_generation_prompt: false is not implemented (the generation prompt is always added)",
+    ),
+    "continue_final_message": (
+        lambda v: v is None or v is False,
+        "continue_final_message is not implemented",
+    ),
+    "store": (lambda v: v is None or v is False, "store (stored completions) is not implemented"),
+    "metadata": (_is_absent, "metadata (stored completions) is not implemented"),
+    "modalities": (
+        lambda v: v is None or v == ["text"],
+        'modalities other than ["text"] are not implemented',
+    ),
+}
+
+# Known fields (OpenAI's and vLLM's) refused whenever present, with what they are.
+_UNIMPLEMENTED: dict[str, str] = {
+    # vLLM's older guided-decoding fields (structured_outputs replaced them).
+    "guided_json": "guided decoding; use structured_outputs.json",
+    "guided_regex": "guided decoding; use structured_outputs.regex",
+    "guided_choice": "guided decoding; use structured_outputs.choice",
+    "guided_grammar": "guided decoding; use structured_outputs.grammar",
+    "guided_decoding_backend": "guided decoding backends",
+    "guided_whitespace_pattern": "guided decoding whitespace patterns",
+    # OpenAI.
+    "audio": "audio output",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "reasoning_effort": "reasoning models' options",
+    "verbosity": "verbosity",
+    "service_tier": "service tiers",
+    "prompt_cache_key": "prompt cache keys",
+    "safety_identifier": "safety identifiers",
+    # vLLM's extensions.
+    "length_penalty": "beam search",
+    "early_stopping": "beam search",
+    "prompt_logprobs": "prompt logprobs",
+    "truncate_prompt_tokens": "prompt truncation",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "add_special_tokens": "add_special_tokens",
+    "chat_template": "a per-request chat template",
+    "chat_template_kwargs": "chat template arguments",
+    "documents": "documents (RAG chat templates)",
+    "mm_processor_kwargs": "multimodal inputs",
+    "prompt_embeds": "prompt embeddings",
+    "request_id": "client-chosen request ids",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+    "return_token_ids": "return_token_ids",
+    "cache_salt": "cache_salt",
+    "kv_transfer_params": "client KV-transfer parameters",
+    "logits_processors": "per-request logits processors (the engine's --logits-processors "
+    "are applied to every request; pass their arguments in vllm_xargs)",
+    "response_format_schema": "response_format_schema; use response_format",
+    "thinking": "reasoning options",
+    "include_reasoning": "reasoning options",
+}
+
+
+def _refuse_undeclared(name: str, value: Any) -> None:
+    """Refuses (400, naming it) a field the request model does not declare, unless its value
+    is the one tandem already behaves as."""
+    if name in _NO_OP_VALUES:
+        ok, reason = _NO_OP_VALUES[name]
+        if ok(value):
+            return
+        raise invalid(f"{reason} (got {name}={_short(value)})", name)
+    if name in _UNIMPLEMENTED:
+        raise invalid(f"{name} ({_UNIMPLEMENTED[name]}) is not implemented by tandem", name)
+    raise invalid(f"unknown field {name!r} (tandem does not implement it)", name)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    s = json.dumps(value, default=str)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------- across fields
+
+
+def _sampling_params(kwargs: dict[str, Any], values: dict[str, Any]) -> SamplingParams:
+    """The rules across the sampling fields, then SamplingParams' own value checks (a 400
+    naming the field its message starts with)."""
+    best_of = values.get("best_of")
+    if best_of is not None and best_of != kwargs.get("n", 1):
+        raise invalid("best_of must equal n (or be left out)", "best_of")
     try:
         return SamplingParams(**kwargs)
     except SamplingParamsError as exc:
@@ -193,11 +409,13 @@ def sampling_params(
         raise invalid(message, field.group(0) if field else None) from None
 
 
-def structured_field(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
+def _output_constraint(
+    values: dict[str, Any],
+) -> tuple[StructuredOutputsParams | None, str | None]:
     """The body's output constraint (`response_format` or `structured_outputs`, at most one)
     and the field it came from."""
-    rf = parse_response_format(body.get("response_format"))
-    so = parse_structured_outputs(body.get("structured_outputs"))
+    rf = values.get("response_format")
+    so = values.get("structured_outputs")
     if rf is not None and so is not None:
         raise invalid(
             "response_format and structured_outputs both constrain the output; give one",
@@ -224,51 +442,18 @@ class CompletionBody:
 
 
 def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) -> CompletionBody:
-    """A /v1/completions body; 400 naming the field for anything malformed, unimplemented or
-    over a limit."""
-    limits = limits or RequestLimits()
-    reject_unimplemented(body, COMPLETION_FIELDS)
-    f = Fields(body)
-    prompt = body.get("prompt")
-    prompts: list[str | list[int]]
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        prompts = [list(prompt)]
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and all(
-            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-            for p in prompt
-        )
-    ):
-        prompts = [list(p) for p in prompt]
-    elif prompt is None:
-        raise invalid("prompt is required", "prompt")
-    else:
-        raise invalid(
-            "prompt must be a string, a list of strings, a list of token ids, or a list of "
-            "token id lists",
-            "prompt",
-        )
-    logprobs = f.int_("logprobs")
-    structured, structured_param = structured_field(body)
+    """A /v1/completions body, validated in one pass (`COMPLETION`); 400 naming the field for
+    anything malformed, unimplemented or over a limit."""
+    kwargs, values = COMPLETION.read(body, limits or RequestLimits())
+    structured, structured_param = _output_constraint(values)
+    kwargs["structured_outputs"] = structured
     return CompletionBody(
-        model=f.str_("model"),
-        prompts=prompts,
-        params=sampling_params(
-            f, f.int_("max_tokens", 16), logprobs, limits, structured_outputs=structured
-        ),
-        stream=f.bool_("stream"),
-        include_usage=f.stream_include_usage(),
-        priority=f.int_("priority", 0) or 0,
+        model=values.get("model"),
+        prompts=values["prompt"],
+        params=_sampling_params(kwargs, values),
+        stream=values.get("stream", False),
+        include_usage=values.get("stream_options", False),
+        priority=values.get("priority", 0),
         structured_param=structured_param,
     )
 
@@ -281,8 +466,6 @@ class ChatBody:
     stream: bool
     include_usage: bool
     priority: int
-    # max_tokens was left out: the frontend fills in the rest of the context.
-    max_tokens_given: bool
     # The request's tools as given (for the chat template), and how they are used (None:
     # tool_choice "none", or no tools).
     tools: list[dict[str, Any]] | None = None
@@ -296,20 +479,16 @@ def parse_chat(
     limits: RequestLimits | None = None,
     auto_tool_parser: str | None = None,
 ) -> ChatBody:
-    """A /v1/chat/completions body; 400 naming the field for anything malformed,
-    unimplemented or over a limit. `auto_tool_parser` is the frontend's --tool-call-parser
-    when started with --enable-auto-tool-choice (tool_choice "auto" needs it)."""
-    limits = limits or RequestLimits()
-    # The tools' number and size first (a huge list is refused for its size).
-    check_tools(limits, body.get("tools"))
-    reject_unimplemented(body, CHAT_FIELDS)
-    f = Fields(body)
-    messages = check_messages(body.get("messages"))
-    tools = parse_tools(body.get("tools"))
+    """A /v1/chat/completions body, validated in one pass (`CHAT`); 400 naming the field for
+    anything malformed, unimplemented or over a limit. `auto_tool_parser` is the frontend's
+    --tool-call-parser when started with --enable-auto-tool-choice (tool_choice "auto" needs
+    it)."""
+    kwargs, values = CHAT.read(body, limits or RequestLimits())
+    tools, parameters = values.get("tools", (None, {}))
     calling = parse_tool_choice(
-        tools, body.get("tool_choice"), body.get("parallel_tool_calls"), auto_tool_parser
+        parameters, values.get("tool_choice"), values.get("parallel_tool_calls"), auto_tool_parser
     )
-    structured, structured_param = structured_field(body)
+    structured, structured_param = _output_constraint(values)
     if calling is not None and calling.mode != "auto":
         if structured is not None:
             raise invalid(
@@ -318,24 +497,22 @@ def parse_chat(
                 structured_param,
             )
         structured, structured_param = calling.structured_outputs(), "tools"
-    max_tokens = f.int_("max_completion_tokens", f.int_("max_tokens"))
-    logprobs = None
-    top = f.int_("top_logprobs")
-    if f.bool_("logprobs"):
-        logprobs = top or 0
+    kwargs["structured_outputs"] = structured
+    # None (neither given): the frontend fills in the rest of the context.
+    kwargs["max_tokens"] = values.get("max_completion_tokens", values.get("max_tokens"))
+    top = values.get("top_logprobs")
+    if values.get("logprobs", False):
+        kwargs["logprobs"] = top or 0
     elif top is not None:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     return ChatBody(
-        model=f.str_("model"),
-        messages=messages,
-        params=sampling_params(
-            f, max_tokens, logprobs, limits, "top_logprobs", structured_outputs=structured
-        ),
-        stream=f.bool_("stream"),
-        include_usage=f.stream_include_usage(),
-        priority=f.int_("priority", 0) or 0,
-        max_tokens_given=max_tokens is not None,
-        tools=list(body["tools"]) if tools else None,
+        model=values.get("model"),
+        messages=values["messages"],
+        params=_sampling_params(kwargs, values),
+        stream=values.get("stream", False),
+        include_usage=values.get("stream_options", False),
+        priority=values.get("priority", 0),
+        tools=tools if parameters else None,
         tool_calling=calling,
         structured_param=structured_param,
     )
