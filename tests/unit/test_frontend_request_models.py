@@ -1,0 +1,172 @@
+"""The frontend's declared request models (openai_protocol.py: COMPLETION, CHAT; grpc_api.py:
+parse_generate): every declared field, given a bad value, is refused by its one-pass check
+with a 400 naming that field; null is as if left out; a Generate request's fields are checked
+before anything needs its tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from tandem_protos.v1 import common_pb2, frontend_pb2
+from tandem_services.frontend.grpc_api import parse_generate
+from tandem_services.frontend.limits import RequestLimits
+from tandem_services.frontend.openai_protocol import (
+    CHAT,
+    COMPLETION,
+    RequestModel,
+    parse_chat,
+    parse_completion,
+)
+from tandem_services.frontend.types import FrontendError
+
+LIMITS = RequestLimits(max_n=4, max_logprobs=5, max_stop_sequences=2)
+COMPLETION_BODY: dict[str, Any] = {"prompt": "hi"}
+CHAT_BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+
+# A bad value of each declared field (wrong type or shape, or over its limit).
+BAD: dict[str, Any] = {
+    "prompt": 5,
+    "messages": [],
+    "model": 1,
+    "n": "2",
+    "best_of": 1.5,
+    "temperature": "hot",
+    "top_p": True,
+    "top_k": 1.5,
+    "min_p": "x",
+    "seed": "x",
+    "presence_penalty": "x",
+    "frequency_penalty": [],
+    "repetition_penalty": {},
+    "max_tokens": "ten",
+    "max_completion_tokens": "ten",
+    "min_tokens": "x",
+    "stop": 5,
+    "stop_token_ids": ["a"],
+    "ignore_eos": 1,
+    "include_stop_str_in_output": "yes",
+    "skip_special_tokens": 0,
+    "stream": "yes",
+    "stream_options": {"include_usage": 1},
+    "priority": 1.5,
+    "logit_bias": [7],
+    "allowed_token_ids": "x",
+    "bad_words": "word",
+    "vllm_xargs": [1],
+    "response_format": {"type": "xml"},
+    "structured_outputs": {"regex": ""},
+    "top_logprobs": 6,
+    "tools": {"a": 1},
+    "tool_choice": "sometimes",
+    "parallel_tool_calls": "yes",
+}
+# Per endpoint where the field's bad value differs.
+BAD_COMPLETION = {"logprobs": 6}
+BAD_CHAT = {"logprobs": 1}
+# Declared to be accepted whatever it is (an end-user id).
+ANY_VALUE = {"user"}
+
+
+def _cases(model: RequestModel, bad: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [(name, bad.get(name, BAD.get(name))) for name in model.fields if name not in ANY_VALUE]
+
+
+def test_every_declared_field_has_a_bad_case() -> None:
+    """A newly declared field gets its bad case here (or is declared to take anything)."""
+    for model, bad in ((COMPLETION, BAD_COMPLETION), (CHAT, BAD_CHAT)):
+        missing = [n for n, v in _cases(model, bad) if v is None]
+        assert missing == []
+
+
+def _refused(parse: Any, body: dict[str, Any]) -> FrontendError:
+    with pytest.raises(FrontendError) as info:
+        parse(body, LIMITS)
+    assert info.value.http_status == 400
+    return info.value
+
+
+@pytest.mark.parametrize(("name", "value"), _cases(COMPLETION, BAD_COMPLETION))
+def test_completion_bad_field_is_named(name: str, value: Any) -> None:
+    err = _refused(parse_completion, {**COMPLETION_BODY, name: value})
+    assert err.param == name, err.message
+
+
+@pytest.mark.parametrize(("name", "value"), _cases(CHAT, BAD_CHAT))
+def test_chat_bad_field_is_named(name: str, value: Any) -> None:
+    err = _refused(parse_chat, {**CHAT_BODY, name: value})
+    assert err.param == name, err.message
+
+
+def test_null_is_left_out_and_required_fields_are_named() -> None:
+    nulls = {name: None for name in COMPLETION.fields if name != "prompt"}
+    body = parse_completion({**COMPLETION_BODY, **nulls}, LIMITS)
+    assert body.params.n == 1 and body.params.max_tokens == 16 and body.params.stop == []
+    assert not body.stream and not body.include_usage and body.priority == 0
+    nulls = {name: None for name in CHAT.fields if name != "messages"}
+    chat = parse_chat({**CHAT_BODY, **nulls}, LIMITS)
+    assert chat.params.max_tokens is None and chat.tools is None and chat.tool_calling is None
+    assert _refused(parse_completion, {"prompt": None}).message == "prompt is required"
+    assert _refused(parse_chat, {}).param == "messages"
+
+
+def test_fields_of_the_other_endpoint_are_refused_by_name() -> None:
+    assert _refused(parse_completion, {**COMPLETION_BODY, "top_logprobs": 1}).param == (
+        "top_logprobs"
+    )
+    assert _refused(parse_chat, {**CHAT_BODY, "prompt": "x"}).param == "prompt"
+
+
+# ----------------------------------------------------------------------------- gRPC Generate
+
+
+def _generate(**kwargs: Any) -> frontend_pb2.GenerateRequest:
+    prompt = kwargs.pop("prompt", {"text": "hi"})
+    return frontend_pb2.GenerateRequest(
+        sampling_params=common_pb2.SamplingParams(**kwargs), **prompt
+    )
+
+
+def test_generate_args() -> None:
+    args = parse_generate(_generate(n=4, logprobs=5, stop=["a", "b"]), LIMITS)
+    assert (args.prompt, args.text, args.max_tokens, args.params.n) == ("text", "hi", None, 4)
+    ids = frontend_pb2.TokenIds(ids=[1, 2])
+    args = parse_generate(_generate(max_tokens=3, prompt={"token_ids": ids}), LIMITS)
+    assert (args.prompt, args.token_ids, args.max_tokens) == ("token_ids", [1, 2], 3)
+    chat = frontend_pb2.Chat(messages=[frontend_pb2.ChatMessage(role="user", content="hi")])
+    args = parse_generate(_generate(prompt={"chat": chat}), LIMITS)
+    assert args.messages == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("request_", "needle"),
+    [
+        (_generate(n=5), "--max-n"),
+        (_generate(logprobs=6), "--max-logprobs"),
+        (_generate(stop=["a", "b", "c"]), "--max-stop-sequences"),
+        (_generate(temperature=-1), "temperature"),
+        (
+            _generate(structured_outputs=common_pb2.StructuredOutputs(json='{"type": 5}')),
+            "not a valid JSON schema",
+        ),
+        (_generate(prompt={"chat": frontend_pb2.Chat()}), "chat.messages is empty"),
+        (
+            _generate(
+                prompt={
+                    "chat": frontend_pb2.Chat(messages=[frontend_pb2.ChatMessage(role="wizard")])
+                }
+            ),
+            "wizard",
+        ),
+        (_generate(prompt={}), "a prompt"),
+    ],
+)
+def test_generate_refusals_are_invalid_argument(
+    request_: frontend_pb2.GenerateRequest, needle: str
+) -> None:
+    with pytest.raises(FrontendError) as info:
+        parse_generate(request_, LIMITS)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in info.value.message
