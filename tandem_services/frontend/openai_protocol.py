@@ -430,6 +430,8 @@ def _output_constraint(
 
 @dataclass(frozen=True)
 class CompletionBody:
+    """A /v1/completions request after its one-pass check (`parse_completion`)."""
+
     model: str | None
     # Each entry: text, or token ids.
     prompts: list[str | list[int]]
@@ -460,6 +462,10 @@ def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) 
 
 @dataclass(frozen=True)
 class ChatBody:
+    """A /v1/chat/completions request after its one-pass check (`parse_chat`); its
+    `params.max_tokens` is None when the body gave neither max_completion_tokens nor
+    max_tokens (the frontend fills in the rest of the context)."""
+
     model: str | None
     messages: list[dict[str, Any]]
     params: SamplingParams
