@@ -23,7 +23,7 @@ an error, a failure event) matches no choice and is dropped; the `ChoiceOutput` 
 stop strings, token counts) carries on across attempts, so no token is repeated or missing.
 
 Dispatch attempts. The scheduler may dispatch one engine request again before it runs (its
-first dispatch failed or its worker was lost before it started; scheduler/core.py), under
+first dispatch failed or its worker was lost before it started; scheduler/dispatcher.py), under
 `cmpl-7~d1`, `cmpl-7~d2`, ... (common/request_ids.py): the same prompt and output indices.
 Outputs of such an id belong to the choice of `cmpl-7` (or of `cmpl-7~m1`); once one of a
 newer attempt has come, those of older attempts are dropped (the scheduler aborted them, but

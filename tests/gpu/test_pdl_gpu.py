@@ -145,7 +145,9 @@ def test_fp8_engine_greedy_tokens_same_with_pdl_on_and_off() -> None:
     second engine (PDL on) reuses the first's tuned kernel configs (kept per process), so the
     two run the same kernels and differ only in how they launch."""
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [100 + 37 * i + j for j in range(40 + 9 * i)]} for i in range(8)]
+    prompts = [
+        {"prompt_token_ids": [100 + 37 * i + j for j in range(40 + 9 * i)]} for i in range(8)
+    ]
     results = []
     for enable_pdl in (False, True):
         with LLM(
