@@ -69,7 +69,9 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class Config(NamedTuple):
     """One W8A16 launch: tile sizes, K slices (`split_k`), Triton's warps and stages.
     `block_m` < 16 selects the GEMV form; `swap_ab` the tensor-core form that multiplies
-    `W x^T` (the weight tile the dot's wide side, the few rows its narrow one)."""
+    `W x^T` (the weight tile the dot's wide side, the few rows its narrow one); `prefetch`
+    the GEMV form that loads the next weight chunk before it sums the current one (twice the
+    bytes in flight a program, for more registers)."""
 
     block_m: int
     block_n: int
@@ -78,22 +80,40 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     swap_ab: bool = False
+    prefetch: bool = False
 
     @property
     def name(self) -> str:
-        return "x".join(map(str, self[:6])) + ("s" if self.swap_ab else "")
+        return (
+            "x".join(map(str, self[:6]))
+            + ("s" if self.swap_ab else "")
+            + ("p" if self.prefetch else "")
+        )
 
 
 def _gemv(m: int) -> tuple[Config, ...]:
     """GEMV candidates for `m` rows: no split for wide N (gate_up's 28672 rows are 1792
-    programs), split-K for N = 4096-6144 (qkv, o, down), 8- to 32-row blocks, 8-16 KB tiles."""
-    return (
+    programs), split-K for N = 4096-6144 (qkv, o, down), 8- to 32-row blocks, 8-16 KB tiles.
+    One and two rows also try the prefetching loop (`Config.prefetch`) on the 4- and 8-KB
+    tiles of 4 warps: sm_90a, 3-5 blocks an SM of 126-168 registers (`python -m
+    benchmarks.kernel_registers --w8a16`), 40-48 KB of weight in flight an SM against 28-32
+    without it."""
+    plain = (
         Config(m, 16, 512, 1, 4, 1),
         Config(m, 32, 512, 1, 8, 1),
         Config(m, 16, 512, 4, 4, 1),
         Config(m, 16, 256, 8, 4, 1),
         Config(m, 8, 1024, 4, 4, 1),
     )
+    if m > 2:
+        return plain
+    prefetching = (
+        Config(m, 16, 512, 1, 4, 1, prefetch=True),
+        Config(m, 16, 512, 4, 4, 1, prefetch=True),
+        Config(m, 16, 256, 8, 4, 1, prefetch=True),
+        Config(m, 8, 512, 4, 4, 1, prefetch=True),
+    )
+    return plain + prefetching
 
 
 # The tensor-core form split along K: the same 16-row tiles, 4x the programs for N = 4096.
@@ -142,7 +162,7 @@ _CANDIDATES: dict[int, tuple[Config, ...]] = {
         (128, 128, 128, 8, 3), (128, 64, 128, 4, 4), (64, 128, 128, 8, 3), (128, 256, 64, 8, 3)
     ),
 }
-# About 45 distinct kernels to compile over all buckets (GEMV: one per row count), the most
+# About 53 distinct kernels to compile over all buckets (GEMV: one per row count), the most
 # of an 8B model's tuning at load; the timing itself is ~1-3 s a weight shape.
 # Used without tuning (TANDEM_TUNE_KERNELS=0 on CUDA, the interpreter): this kernel up to
 # M = 16, the scaled GEMM above.
@@ -354,13 +374,15 @@ def _w8a16_gemv_kernel(
     GATED: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_WEIGHT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """The few-row form: each program reads its BLOCK_N weight rows over one K slice once, in
     BLOCK_K-wide chunks (16 e4m3 per thread and load: the K offsets are contiguous and the
     row stride a multiple of 16), widens them to fp32 and reduces each of the BLOCK_M
     activation rows against them on the CUDA cores. EARLY_WEIGHT (set with USE_PDL) reads
     the slice's first weight chunk before the wait for the kernels before
-    (tandem_kernels.pdl): weights are the one input no kernel writes."""
+    (tandem_kernels.pdl): weights are the one input no kernel writes. PREFETCH: each chunk's
+    loads are issued before the chunk before it is summed (the first before the wait)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -376,34 +398,50 @@ def _w8a16_gemv_kernel(
     # BLOCK_M == 1: products summed in place, reduced across K once at the end.
     acc_k = tl.zeros([BLOCK_N, BLOCK_K] if BLOCK_M == 1 else [1, 1], dtype=tl.float32)
     row0 = pid_m * BLOCK_M
-    loop_begin = k_begin
-    if EARLY_WEIGHT:  # the slice's first chunk read before the wait (none for an empty slice)
-        if EVEN_K:  # masks constant along K keep the loads 16 bytes wide
-            first_k = offs_k * 0 + k_begin < k_end
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & first_k[None, :], other=0.0)
-        else:
-            first_k = k_begin + offs_k < k_end
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & first_k[None, :], other=0.0)
+    # The slice's first chunk (nothing for an empty slice): masks constant along K keep the
+    # loads 16 bytes wide.
+    first_k = offs_k * 0 + k_begin < k_end if EVEN_K else k_begin + offs_k < k_end
+    if PREFETCH:
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & first_k[None, :], other=0.0)
         pdl_wait(USE_PDL)
-        acc, acc_k = _gemv_chunk(
-            w, x_ptrs, first_k, acc, acc_k, row0, M, K, stride_xm, rows, offs_k, BLOCK_M,
-            True, GATED,
-        )  # fmt: skip
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        loop_begin += BLOCK_K
-    for k0 in range(loop_begin, k_end, BLOCK_K):
-        k_mask = k0 + offs_k < K
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            k_next = k0 + BLOCK_K
+            next_k = offs_k * 0 + k_next < k_end if EVEN_K else k_next + offs_k < k_end
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=n_mask[:, None] & next_k[None, :], other=0.0)
+            k_mask = k0 + offs_k < K
+            acc, acc_k = _gemv_chunk(
+                w, x_ptrs, k_mask, acc, acc_k, row0, M, K, stride_xm, rows, offs_k, BLOCK_M,
+                not EVEN_K, GATED,
+            )  # fmt: skip
+            w = w_next
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    else:
+        loop_begin = k_begin
+        if EARLY_WEIGHT:  # the first chunk read before the wait (none for an empty slice)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & first_k[None, :], other=0.0)
+            pdl_wait(USE_PDL)
+            acc, acc_k = _gemv_chunk(
+                w, x_ptrs, first_k, acc, acc_k, row0, M, K, stride_xm, rows, offs_k, BLOCK_M,
+                True, GATED,
+            )  # fmt: skip
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            loop_begin += BLOCK_K
         else:
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc, acc_k = _gemv_chunk(
-            w, x_ptrs, k_mask, acc, acc_k, row0, M, K, stride_xm, rows, offs_k, BLOCK_M,
-            not EVEN_K, GATED,
-        )  # fmt: skip
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+            pdl_wait(USE_PDL)
+        for k0 in range(loop_begin, k_end, BLOCK_K):
+            k_mask = k0 + offs_k < K
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc, acc_k = _gemv_chunk(
+                w, x_ptrs, k_mask, acc, acc_k, row0, M, K, stride_xm, rows, offs_k, BLOCK_M,
+                not EVEN_K, GATED,
+            )  # fmt: skip
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     if BLOCK_M == 1:
         acc = tl.sum(acc_k, axis=1)[None, :]
     tile = pid_m * tl.num_programs(0) + pid_n
@@ -465,7 +503,8 @@ def w8a16_gemm(
     use_pdl = pdl_launch(x.device)
     if c.block_m < 16:
         early = use_pdl if early_weight is None else early_weight
-        kernel, extra = _w8a16_gemv_kernel, {"EARLY_WEIGHT": early}
+        extra = {"EARLY_WEIGHT": early, "PREFETCH": c.prefetch}
+        kernel = _w8a16_gemv_kernel
     else:
         # fp32 activations: exact products (tf32 would lose digits); ignored for 16-bit.
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
