@@ -421,9 +421,10 @@ def case_fp8_w8a16_candidates(dtype: torch.dtype) -> None:
 @_case(*({"dtype": d} for d in (torch.float32, torch.bfloat16)))
 def case_fp8_w8a16_early_weight(dtype: torch.dtype) -> None:
     """The GEMV form reading its first weight chunk ahead of the wait, as it does when
-    launched with PDL (`early_weight`), gives the same bits as the plain loop: every GEMV
-    candidate of 1..4 rows, gated and not, at K = 1120 (uneven and empty slices) and K = 2048
-    (whole chunks: the loads unmasked along K)."""
+    launched with PDL (`early_weight`), and the loop that loads a chunk ahead
+    (`Config.prefetch`) give the same bits as the plain loop: every GEMV candidate of 1..4
+    rows, gated and not, at K = 1120 (uneven and empty slices) and K = 2048 (whole chunks:
+    the loads unmasked along K)."""
     from tandem_kernels import fp8, fp8_w8a16
 
     gen = torch.Generator().manual_seed(14)
@@ -442,6 +443,10 @@ def case_fp8_w8a16_early_weight(dtype: torch.dtype) -> None:
                         x, wq, scale, config, locks, gated=gated, early_weight=True
                     )
                     assert torch.equal(plain, early), (k, config, gated)
+                    if config.prefetch:  # the loop a chunk ahead sums in the same order
+                        twin = config._replace(prefetch=False)
+                        unfetched = fp8_w8a16.w8a16_gemm(x, wq, scale, twin, locks, gated=gated)
+                        assert torch.equal(unfetched, early), (k, config, gated)
                     if dtype == torch.float32:  # (the plain loop's bf16 error: other cases)
                         ref = fp8_w8a16.w8a16_gemm_ref(x, wq, scale, gated=gated)
                         torch.testing.assert_close(early, ref, atol=1e-4, rtol=1e-4)
