@@ -51,8 +51,8 @@ suite1 | suite1b | suite2)
       test_sliding_window_gpu.py test_hybrid_kv_gpu.py"
   else
     [ -f .smol/b ] && join_smollm2
-    files="test_fp8_gpu.py test_fp8_fused_gpu.py test_fp8_w8a16_gpu.py test_pdl_gpu.py test_fused_moe_gpu.py
-      test_spec_decode_gpu.py test_spec_decode_rule_gpu.py test_spec_model_proposers_gpu.py
+    files="test_fp8_gpu.py test_fp8_fused_gpu.py test_fp8_w8a16_gpu.py test_pdl_gpu.py
+      test_fused_moe_gpu.py test_spec_decode_gpu.py test_spec_decode_rule_gpu.py test_spec_model_proposers_gpu.py
       test_logits_processors_gpu.py test_structured_gpu.py test_disagg_gemma3_gpu.py
       test_two_gpus.py"
   fi
