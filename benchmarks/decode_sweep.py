@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.offline_throughput import make_prompts
+from benchmarks.offline_workload import make_prompts
 from benchmarks.step_breakdown import device_profile
 from tandem.config import EngineArgs, add_engine_args
 from tandem.engine.core import EngineCore

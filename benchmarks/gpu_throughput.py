@@ -158,7 +158,7 @@ def roofline_seconds(
 
 
 def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.offline_throughput import make_prompts, run_transformers
+    from benchmarks.offline_workload import make_prompts, run_transformers
     from tandem import LLM, SamplingParams
     from tandem.config import engine_kwargs_from
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from benchmarks.offline_throughput import make_prompts
+from benchmarks.offline_workload import make_prompts
 from tandem import LLM, SamplingParams
 from tandem.config import add_engine_args, engine_kwargs_from
 

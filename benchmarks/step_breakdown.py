@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.offline_throughput import make_prompts
+from benchmarks.offline_workload import make_prompts
 from tandem.config import add_engine_args, engine_kwargs_from
 
 _KINDS = [

@@ -58,7 +58,7 @@ def summarise(plans: list[tuple[int, int, int]], stamps: list[float]) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.offline_throughput import make_prompts
+    from benchmarks.offline_workload import make_prompts
     from tandem import LLM, SamplingParams
     from tandem.request import EngineCoreRequest
 

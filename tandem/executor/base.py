@@ -135,21 +135,3 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Free every rank's KV cache, graphs and weights (idempotent)."""
-
-
-def create_executor(
-    config: EngineConfig,
-    model_path: Path,
-    hf_config: Any,
-    max_model_len: int,
-    eos_token_id: int | None,
-) -> Executor:
-    """The executor for this configuration: a `MultiprocExecutor` (one process per rank) when
-    `ParallelConfig.uses_multiproc`, else the in-process `UniprocExecutor`."""
-    if config.parallel.uses_multiproc:
-        from tandem.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config, model_path, hf_config, max_model_len, eos_token_id)
-    from tandem.executor.uniproc import UniprocExecutor
-
-    return UniprocExecutor(config, model_path, hf_config, max_model_len, eos_token_id)

@@ -5,7 +5,8 @@ them against the target (the runner's side; the scheduler's side is in tandem.co
               rejection_sampler -> 1 + a tokens (a drafts accepted, then the target's own)
     host:     proposer.propose(request states) -> drafts for step N + 1
 
-- `proposer`: the `Proposer` interface and `build_proposer` (by `SpeculativeConfig.method`);
+- `proposer`: the `Proposer` interface; `factory`: `build_proposer` (by
+  `SpeculativeConfig.method`);
 - `ngram`: prompt lookup over the request's own tokens (numpy, on the host);
 - `model_proposer`: proposers that run a model on the target's device, their KV cache
   indexed by the target's block ids (the runner's seam: `ModelRunner._step_proposer`);

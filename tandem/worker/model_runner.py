@@ -59,8 +59,9 @@ from tandem.layers.quantization import resolve_quant_config
 from tandem.layers.quantization.fp8 import check_fp8_device
 from tandem.loader import build_model
 from tandem.models.interface import CausalLM, IntermediateTensors, ModelContext
+from tandem.spec_decode.factory import build_proposer
 from tandem.spec_decode.model_proposer import ModelProposer
-from tandem.spec_decode.proposer import Proposer, TargetInfo, build_proposer
+from tandem.spec_decode.proposer import Proposer, TargetInfo
 from tandem.worker.cpu_threads import cpu_supports_bf16, default_cpu_backend
 from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import InputBatch, StepInputs

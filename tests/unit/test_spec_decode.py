@@ -39,8 +39,8 @@ from tandem.config import (
 from tandem.core.outputs import ModelRunnerOutput
 from tandem.layers.logits_processors import LogitsProcessors
 from tandem.request import Request, RequestStatus
+from tandem.spec_decode.factory import build_proposer
 from tandem.spec_decode.ngram import NgramProposer, ngram_draft
-from tandem.spec_decode.proposer import build_proposer
 from tandem.spec_decode.rejection_sampler import rejection_sample, rejection_sample_reference
 from tandem.worker.input_batch import CachedRequestState
 from tandem.worker.sampling import StepSampler
