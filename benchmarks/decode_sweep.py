@@ -22,8 +22,9 @@ import torch
 
 from benchmarks.offline_workload import make_prompts
 from benchmarks.step_breakdown import device_profile
-from tandem.config import EngineArgs, add_engine_args
+from tandem.config import add_engine_args
 from tandem.engine.core import EngineCore
+from tandem.engine_args import EngineArgs
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
 

@@ -27,8 +27,9 @@ import math
 import time
 from typing import Any
 
-from tandem.config import EngineArgs, add_engine_args
+from tandem.config import add_engine_args
 from tandem.engine.core import EngineCore
+from tandem.engine_args import EngineArgs
 from tandem.loader import load_hf_config, load_tokenizer, resolve_model_path
 from tandem_services.bench.serve import (
     Workload,

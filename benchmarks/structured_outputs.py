@@ -197,8 +197,8 @@ def main() -> None:
     parser.add_argument("--out", default="", help="JSON path (default: benchmarks/results/)")
     ns = parser.parse_args()
 
-    from tandem.config import EngineArgs
     from tandem.engine.core import EngineCore
+    from tandem.engine_args import EngineArgs
     from tandem.loader import load_tokenizer, resolve_model_path
 
     gpu = ns.device == "cuda"

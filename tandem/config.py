@@ -1,19 +1,21 @@
 """The engine's configuration: one small frozen dataclass per concern, each engine flag declared
 once on its field, resolved once.
 
-    flags, LLM(**kwargs) --> EngineArgs (flat) --create_engine_config()--> EngineConfig (resolved):
-                                                                           model, cache, scheduler,
-                                                                           parallel, device, ...
+    flags, LLM(**kwargs) --> EngineArgs (flat, tandem.engine_args) --create_engine_config()-->
+        EngineConfig: model, cache, scheduler, parallel, device, ...  (resolved by
+        tandem.loader.resolve)
 
 - Every user-settable field of the config classes below is a field of `EngineArgs` (generated
   from them: there is no second list). A field whose metadata carries a `Flag` is a command-line
   flag; `add_engine_args` builds every entry point's parser from those declarations, and
   `engine_argv` turns values back into flags for a child process (the launcher's workers).
-- Resolution happens once, in `EngineConfig.resolve()` (which `create_engine_config` calls): the
-  model path is resolved (converting GGUF once), the HF config is loaded once, and
-  `max_model_len` is decided once (the model's `max_position_embeddings`, or the user's value
-  checked against it), then copied into `SchedulerConfig.max_model_len`. Everything downstream
-  reads `config.model.hf_config` / `config.model.max_model_len`; nothing loads or patches them.
+- Resolution happens once, in `tandem.loader.resolve.resolve_engine_config` (which
+  `create_engine_config` and the engine call): the model path is resolved (converting GGUF
+  once), the HF config is loaded once, and `max_model_len` is decided once (the model's
+  `max_position_embeddings`, or the user's value checked against it), then copied into
+  `SchedulerConfig.max_model_len`. Everything downstream reads `config.model.hf_config` /
+  `config.model.max_model_len`; nothing loads or patches them. This module is plain data and
+  flags: it imports no other part of tandem.
 - Nothing here imports torch at module level (tandem.core imports this module), nor reads the
   environment except where a caller builds a parser (`add_engine_args(environ=...)`).
 - An `EngineConfig`, resolved or not, pickles (it is sent to an engine child process).
@@ -109,8 +111,9 @@ class ModelConfig:
     `model` is a Hugging Face folder, a `.gguf` file, a named random-weight shape
     (`random:llama-3.2-1b`) or "default" (the embedded SmolLM2-135M-Instruct).
     `max_model_len` 0 means "from the model's config" until resolution decides it.
-    After `resolve()`: `model_path` is the local HF folder, `hf_config` its loaded config and
-    `max_model_len` the context every part of the engine uses.
+    After resolution (`resolve_engine_config`): `model_path` is the local HF folder,
+    `hf_config` its loaded config and `max_model_len` the context every part of the engine
+    uses.
     """
 
     model: str = field(
@@ -153,30 +156,6 @@ class ModelConfig:
     @property
     def is_resolved(self) -> bool:
         return self.hf_config is not None
-
-    def resolve(self) -> ModelConfig:
-        """This config with the model path, HF config and max_model_len decided (itself when
-        already resolved). Raises ConfigError when the model's architecture, a variant or an
-        option of its config is unsupported, or `max_model_len` exceeds its context."""
-        if self.is_resolved:
-            return self
-        from tandem.loader import load_hf_config, resolve_model_path
-        from tandem.models import check_model_config
-
-        model_path = resolve_model_path(self.model, self.cache_dir or None)
-        hf_config = load_hf_config(model_path)
-        try:
-            check_model_config(hf_config)
-        except ValueError as exc:  # an architecture, variant or option tandem cannot run
-            raise ConfigError(f"model {self.model}: {exc}") from None
-        text = getattr(hf_config, "text_config", None) or hf_config  # a multimodal config's
-        model_max = int(getattr(text, "max_position_embeddings", 0) or 0)
-        max_len = self.max_model_len or model_max
-        if model_max and max_len > model_max:
-            raise ConfigError(f"max_model_len {max_len} exceeds the model's context ({model_max})")
-        return dataclasses.replace(
-            self, model_path=model_path, hf_config=hf_config, max_model_len=max_len
-        )
 
 
 @dataclass(frozen=True)
@@ -665,7 +644,7 @@ class SpeculativeConfig:
       followed their latest earlier occurrence are the draft.
     - `draft_model`: a second small model (`model`, any registered architecture) run by the
       target's workers, k greedy steps per engine step; its vocabulary must be the target's
-      (checked in `EngineConfig.resolve`); `draft_tensor_parallel_size`, if given, must be
+      (checked by `resolve_engine_config`); `draft_tensor_parallel_size`, if given, must be
       the target's (the draft runs on the target's ranks).
     - `eagle`: an EAGLE-1 head for a Llama-family target (`model`: the head's folder in its
       HF layout: `fc` over [token embedding, target hidden state], one decoder layer; the
@@ -791,22 +770,6 @@ class SpeculativeConfig:
         """Draft tokens per request per step (0 without speculation)."""
         return self.num_speculative_tokens if self.method is not None else 0
 
-    def resolve(self, cache_dir: str, target_vocab_size: int) -> SpeculativeConfig:
-        """Check a draft model or EAGLE head against the target: the same vocabulary
-        (ConfigError else)."""
-        if self.method not in ("draft_model", "eagle"):
-            return self
-        from tandem.loader import load_hf_config, resolve_model_path
-
-        draft = load_hf_config(resolve_model_path(self.model, cache_dir or None))
-        draft_vocab = int(getattr(draft, "vocab_size", 0) or 0)
-        if draft_vocab != target_vocab_size:
-            raise ConfigError(
-                f"speculative_config: the draft model {self.model!r} has a vocabulary of "
-                f"{draft_vocab} tokens, the target's has {target_vocab_size}"
-            )
-        return self
-
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
@@ -919,7 +882,8 @@ class QuantizationConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     """Every config of one engine. Build it with `EngineArgs.create_engine_config()` (resolved);
-    an engine given an unresolved one resolves it itself (`resolve()` is idempotent)."""
+    an engine given an unresolved one resolves it itself (`resolve_engine_config` is
+    idempotent)."""
 
     model: ModelConfig
     cache: CacheConfig
@@ -935,20 +899,9 @@ class EngineConfig:
     def is_resolved(self) -> bool:
         return self.model.is_resolved
 
-    def resolve(self) -> EngineConfig:
-        """The one resolution step (see the module docstring); itself when already resolved."""
-        if self.is_resolved:
-            return self
-        model = self.model.resolve()
-        self.parallel.check_model(model.hf_config)
-        scheduler = dataclasses.replace(self.scheduler, max_model_len=model.max_model_len)
-        vocab = int(getattr(model.hf_config, "vocab_size", 0) or 0)
-        speculative = self.speculative.resolve(model.cache_dir, vocab)
-        return dataclasses.replace(self, model=model, scheduler=scheduler, speculative=speculative)
-
 
 # The sections of EngineConfig whose user-settable fields make up EngineArgs, in flag order.
-_SECTIONS: dict[str, type] = {
+ENGINE_SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
@@ -961,70 +914,8 @@ _SECTIONS: dict[str, type] = {
 }
 
 
-def _settable_fields(cls: type) -> list[dataclasses.Field[Any]]:
+def settable_fields(cls: type) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(cls) if f.init and not f.metadata.get("resolved")]
-
-
-# ----------------------------------------------------------------------------- EngineArgs
-
-
-class _EngineArgsMethods:
-    """Behaviour of `EngineArgs` (its fields are generated from the config classes)."""
-
-    def create_engine_config(self, resolve: bool = True) -> EngineConfig:
-        """The config tree, validated; resolved (model path, HF config, max_model_len) unless
-        `resolve` is False (a launcher checking its flags without loading anything)."""
-        sections = {
-            name: cls(**{f.name: getattr(self, f.name) for f in _settable_fields(cls)})
-            for name, cls in _SECTIONS.items()
-        }
-        config = EngineConfig(**sections)
-        return config.resolve() if resolve else config
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-
-    @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
-        """The engine arguments of a namespace parsed by a parser with `add_engine_args`."""
-        return EngineArgs(model=ns.model, **engine_kwargs_from(ns))
-
-
-def _engine_args_class() -> type:
-    specs: list[tuple[str, Any, Any]] = []
-    seen: set[str] = set()
-    for cls in _SECTIONS.values():
-        for f in _settable_fields(cls):
-            if f.name in seen:
-                raise TypeError(f"config field {f.name!r} is declared twice")
-            seen.add(f.name)
-            default = (
-                field(default_factory=f.default_factory)
-                if f.default_factory is not dataclasses.MISSING
-                else field(default=f.default, metadata=f.metadata)
-            )
-            specs.append((f.name, f.type, default))
-    made = dataclasses.make_dataclass("EngineArgs", specs, bases=(_EngineArgsMethods,))
-    made.__module__ = __name__
-    made.__doc__ = (
-        "Flat engine arguments, as the CLI and `LLM(...)` take them: every settable field of "
-        "ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig, "
-        "StructuredOutputsConfig, SamplerConfig, QuantizationConfig and SpeculativeConfig "
-        "(one JSON flag), same names and "
-        "defaults. `create_engine_config()` builds and resolves the config tree."
-    )
-    return made
-
-
-if typing.TYPE_CHECKING:
-
-    class EngineArgs(_EngineArgsMethods):
-        def __init__(self, **kwargs: Any) -> None: ...
-        def __getattr__(self, name: str) -> Any: ...
-
-else:
-    EngineArgs = _engine_args_class()
 
 
 # ----------------------------------------------------------------------------- argparse
@@ -1055,9 +946,9 @@ class EngineFlag:
 def engine_flags() -> list[EngineFlag]:
     """Every engine flag, in declaration order (the one definition every parser uses)."""
     flags = []
-    for cls in _SECTIONS.values():
+    for cls in ENGINE_SECTIONS.values():
         hints = typing.get_type_hints(cls)
-        for f in _settable_fields(cls):
+        for f in settable_fields(cls):
             declared = f.metadata.get("flag")
             if declared is not None:
                 flags.append(EngineFlag(f.name, hints[f.name], f.default, declared))
@@ -1154,11 +1045,12 @@ def engine_kwargs_from(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_argv(
-    values: EngineArgs | argparse.Namespace | Mapping[str, Any],
+    values: Any,
     exclude: Iterable[str] = ("model",),
     defaults: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """Command-line arguments that give a child process these engine values: one flag for each
+    """Command-line arguments that give a child process these engine `values` (an
+    `EngineArgs`, a parsed namespace or a mapping): one flag for each
     value that differs from the child's default (a launcher forwarding its flags to workers):
     its field's default, or `defaults[name]` where given (the child's parser got the same
     `defaults`)."""

@@ -61,6 +61,7 @@ from tandem.executor.base import LaunchedStep
 from tandem.layers.logits_processors import load_logits_processors
 from tandem.layers.logits_processors.interface import processor_name
 from tandem.loader import get_eos_token_ids, has_tokenizer_files, load_tokenizer
+from tandem.loader.resolve import resolve_engine_config
 from tandem.models.presets import has_random_weights
 from tandem.request import EngineCoreRequest, Request, RequestStatus
 from tandem.sampling_params import SamplingParamsError
@@ -150,7 +151,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         # Resolved once (a no-op when EngineArgs.create_engine_config() did it): model path,
         # HF config and max_model_len are read from it, never loaded or patched here.
-        config = config.resolve()
+        config = resolve_engine_config(config)
         self.config = config
         assert config.model.model_path is not None
         self.model_path: Path = config.model.model_path

@@ -9,11 +9,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from tandem.config import EngineArgs
 from tandem.core.outputs import FinishReason
 from tandem.engine.core import EngineCore, InvalidRequestError
 from tandem.engine.core_client import InprocClient
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
+from tandem.engine_args import EngineArgs
 from tandem.loader import load_tokenizer
 from tandem.models.presets import has_random_weights
 from tandem.request import EngineCoreRequest

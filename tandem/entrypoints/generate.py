@@ -6,7 +6,8 @@ import argparse
 import sys
 import time
 
-from tandem.config import EngineArgs, add_engine_args
+from tandem.config import add_engine_args
+from tandem.engine_args import EngineArgs
 
 
 def build_parser() -> argparse.ArgumentParser:

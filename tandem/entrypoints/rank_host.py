@@ -13,7 +13,8 @@ import argparse
 import logging
 import sys
 
-from tandem.config import ConfigError, EngineArgs, add_engine_args
+from tandem.config import ConfigError, add_engine_args
+from tandem.engine_args import EngineArgs
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -555,7 +555,9 @@ def serve_rank_host(config: EngineConfig) -> int:
     par = config.parallel
     if par.node_rank == 0:
         raise ValueError("node 0 runs the engine itself; rank-host is for --node-rank >= 1")
-    config = config.resolve()
+    from tandem.loader.resolve import resolve_engine_config
+
+    config = resolve_engine_config(config)
     store = connect_store(par.master_addr, par.master_port, _START_TIMEOUT_S)
     host, port = store.get(_CHANNEL_KEY).decode().rsplit(":", 1)
     authkey = bytes.fromhex(store.get(_AUTHKEY_KEY).decode())

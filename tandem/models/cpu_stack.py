@@ -9,7 +9,8 @@ call: the same bits, without that Python.
 `CpuDecoderStack.build` takes the layers when every one of them is the plain form that call
 knows, and returns None otherwise (the modules then run as before):
 - a `LlamaDecoderLayer` with a `LlamaAttention` and a `LlamaMLP` (exactly: Qwen3's q/k norms,
-  an MoE block, Gemma's layers are other classes);
+  an MoE block, Gemma's layers are other classes): the Llama model checks that before it asks
+  (`tandem.models.llama._is_plain_llama_layer`), so this module needs no model class;
 - float32 norms on the CPU kernels, feeding unquantized input;
 - every projection on `CpuPackedLinearMethod` with the `panel` kernel for every token class,
   without bias, on one tensor-parallel rank;
@@ -57,8 +58,7 @@ class CpuDecoderStack:
     @classmethod
     def build(cls, layers: Sequence[nn.Module]) -> CpuDecoderStack | None:
         """The stack of `layers` (see the module doc), or None where any layer is not the
-        plain form."""
-        from tandem.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+        plain form (the layer classes checked by the caller)."""
         from tandem_kernels import cpu
 
         if not layers or not cpu.available():
@@ -68,11 +68,7 @@ class CpuDecoderStack:
         }
         first_attn = None
         for layer in layers:
-            if type(layer) is not LlamaDecoderLayer or layer.mlp_name != "mlp":
-                return None
             attn, mlp = layer.self_attn, layer.mlp
-            if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
-                return None
             inner = attn.attn
             if inner.backend.name != "cpu" or inner.sliding_window:
                 return None

@@ -320,8 +320,21 @@ class LlamaModel(nn.Module):
         if not self.cpu_kernels or not self.use_cpu_decoder_stack or self._cpu_stack is False:
             return None
         if self._cpu_stack is None:
-            self._cpu_stack = CpuDecoderStack.build(layers) or False
+            plain = all(_is_plain_llama_layer(layer) for layer in layers)
+            self._cpu_stack = (plain and CpuDecoderStack.build(layers)) or False
         return self._cpu_stack or None
+
+
+def _is_plain_llama_layer(layer: nn.Module) -> bool:
+    """Exactly the layer form the CPU decoder stack knows: a `LlamaDecoderLayer` with a
+    `LlamaAttention` and a `LlamaMLP` (Qwen3's q/k norms, an MoE block and Gemma's layers are
+    other classes)."""
+    return (
+        type(layer) is LlamaDecoderLayer
+        and layer.mlp_name == "mlp"
+        and type(layer.self_attn) is LlamaAttention
+        and type(layer.mlp) is LlamaMLP
+    )
 
 
 class LlamaForCausalLM(nn.Module):

@@ -425,7 +425,8 @@ def launch(ns: argparse.Namespace, stem: str) -> Any:
 
 
 def main(argv: list[str]) -> int:
-    from tandem.config import EngineArgs, engine_kwargs_from
+    from tandem.config import engine_kwargs_from
+    from tandem.engine_args import EngineArgs
     from tandem.loader import load_hf_config, load_tokenizer, resolve_model_path
 
     parser = build_parser()

@@ -20,7 +20,8 @@ import signal
 import sys
 import time
 
-from tandem.config import SERVING_ENGINE_DEFAULTS, EngineArgs, add_engine_args, engine_argv
+from tandem.config import SERVING_ENGINE_DEFAULTS, add_engine_args, engine_argv
+from tandem.engine_args import EngineArgs
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.tls import add_tls_args, tls_config_from
 from tandem_services.directory.factory import require_redis

@@ -7,12 +7,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from tandem.config import (
-    SERVING_ENGINE_DEFAULTS,
-    EngineArgs,
-    EngineConfig,
-    add_engine_args,
-)
+from tandem.config import SERVING_ENGINE_DEFAULTS, EngineConfig, add_engine_args
+from tandem.engine_args import EngineArgs
 from tandem_services.common.channels import PLAINTEXT, TlsConfig, TlsConfigError
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.server import env_default

@@ -373,7 +373,7 @@ def test_multihost_worker_spans_two_pods_meeting_at_pod_zero(
     assert leader[-2:] == ["--node-rank", "0"]
     assert follower[2:4] == ["tandem.cli", "rank-host"] and follower[-2:] == ["--node-rank", "1"]
     # The worker's own flags reach rank-host too: it keeps the engine flags, ignores the rest.
-    from tandem.config import EngineArgs
+    from tandem.engine_args import EngineArgs
     from tandem.entrypoints.rank_host import build_parser
 
     # $(VAR) references are the kubelet's to expand: stand in values for them.

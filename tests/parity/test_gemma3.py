@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.config import EngineArgs
+from tandem.engine_args import EngineArgs
 from tandem.loader import convert_gguf, iterate_weights, load_hf_config
 from tandem.models.gemma3 import Gemma3ForCausalLM
 from tandem.models.interface import ModelContext

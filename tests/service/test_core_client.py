@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tandem.config import EngineArgs, EngineConfig
+from tandem.config import EngineConfig
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core import InvalidRequestError
 from tandem.engine.core_client import (
@@ -30,6 +30,7 @@ from tandem.engine.core_client import (
 )
 from tandem.engine.core_proc import EngineProcOptions
 from tandem.engine.serial import Piggyback
+from tandem.engine_args import EngineArgs
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
 

@@ -19,10 +19,10 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.config import EngineArgs
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
 from tandem.engine.serial import Piggyback
+from tandem.engine_args import EngineArgs
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, scheduler_pb2

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tandem.config import EngineArgs
+from tandem.engine_args import EngineArgs
 from tandem_services.launcher import Deployment
 from tandem_services.worker.config import WorkerServiceConfig, WorkerServiceConfigError
 from tests.service.conftest import WORKER_ARGS, assert_pools_whole, launched

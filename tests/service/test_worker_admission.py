@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from tandem.config import EngineArgs
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
 from tandem.engine.serial import Piggyback
+from tandem.engine_args import EngineArgs
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
 from tandem_services.worker import engine_host as m

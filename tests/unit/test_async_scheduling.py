@@ -213,13 +213,8 @@ def test_abort_while_a_step_is_in_flight(tiny_llama: Path) -> None:
 def test_async_scheduling_flag_reaches_the_engine_config() -> None:
     import argparse
 
-    from tandem.config import (
-        ConfigError,
-        EngineArgs,
-        SchedulerConfig,
-        add_engine_args,
-        engine_kwargs_from,
-    )
+    from tandem.config import ConfigError, SchedulerConfig, add_engine_args, engine_kwargs_from
+    from tandem.engine_args import EngineArgs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

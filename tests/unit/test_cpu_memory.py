@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import EngineArgs
+from tandem.engine_args import EngineArgs
 from tandem.loader import load_hf_config
 from tandem.worker.cpu_memory import HUGE_PAGE, huge_page_empty, layer_major_kv_cache
 from tandem.worker.worker import Worker

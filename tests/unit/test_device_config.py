@@ -9,11 +9,11 @@ import pytest
 from tandem.config import (
     ConfigError,
     DeviceConfig,
-    EngineArgs,
     add_engine_args,
     engine_kwargs_from,
     parse_device,
 )
+from tandem.engine_args import EngineArgs
 
 
 @pytest.mark.parametrize(

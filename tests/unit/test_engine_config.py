@@ -1,6 +1,6 @@
 """The config set, resolved once: the model path, its HF config and max_model_len are decided
-in `EngineConfig.resolve()` (called by `EngineArgs.create_engine_config()`), and the engine
-reads them instead of loading or patching its own."""
+in `tandem.loader.resolve` (called by `EngineArgs.create_engine_config()` and the engine), and
+the engine reads them instead of loading or patching its own."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from tandem.config import (
     CacheConfig,
     ConfigError,
     DeviceConfig,
-    EngineArgs,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -24,6 +23,8 @@ from tandem.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from tandem.engine_args import EngineArgs
+from tandem.loader.resolve import resolve_engine_config, resolve_model_config
 
 CONTEXT = 512
 
@@ -80,9 +81,9 @@ def test_resolution_happens_once(config_only_model: Path) -> None:
     unresolved = EngineArgs(model=str(config_only_model)).create_engine_config(resolve=False)
     assert not unresolved.is_resolved and unresolved.model.hf_config is None
     assert unresolved.model.max_model_len == 0 and unresolved.scheduler.max_model_len == 0
-    resolved = unresolved.resolve()
-    assert resolved.resolve() is resolved
-    assert resolved.model.resolve() is resolved.model
+    resolved = resolve_engine_config(unresolved)
+    assert resolve_engine_config(resolved) is resolved
+    assert resolve_model_config(resolved.model) is resolved.model
 
 
 def test_resolved_config_pickles(config_only_model: Path) -> None:
@@ -90,7 +91,7 @@ def test_resolved_config_pickles(config_only_model: Path) -> None:
     back = pickle.loads(pickle.dumps(config))
     assert back == config and back.is_resolved
     assert back.model.hf_config.to_dict() == config.model.hf_config.to_dict()
-    assert back.resolve() is back  # nothing is loaded again on the other side
+    assert resolve_engine_config(back) is back  # nothing is loaded again on the other side
 
 
 def test_parallel_config_sizes_backends_and_hosts() -> None:

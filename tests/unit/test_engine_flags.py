@@ -20,12 +20,12 @@ import pytest
 from benchmarks import offline_throughput, prefix_routing, profile_step, step_breakdown
 from tandem.config import (
     SERVING_ENGINE_DEFAULTS,
-    EngineArgs,
     EngineConfig,
     add_engine_args,
     engine_argv,
     engine_flags,
 )
+from tandem.engine_args import EngineArgs
 from tandem.entrypoints.generate import build_parser as generate_parser
 from tandem_services.bench.serve import build_parser as bench_parser
 from tandem_services.launcher import ServeConfig, worker_commands

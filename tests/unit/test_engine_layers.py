@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.config import EngineArgs
 from tandem.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.engine.core import EngineCore
+from tandem.engine_args import EngineArgs
 from tandem.executor import UniprocExecutor
 from tandem.layers.attention.torch_backend import TorchAttentionBackend
 from tandem.loader import load_hf_config

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tandem.config import ConfigError, EngineArgs
+from tandem.config import ConfigError
+from tandem.engine_args import EngineArgs
 from tandem.layers.attention import get_attention_backend
 from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.quantization import (

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from tandem.config import ConfigError, EngineArgs
+from tandem.config import ConfigError
+from tandem.engine_args import EngineArgs
 
 
 def _variant(src: Path, dst: Path, **changes: Any) -> Path:

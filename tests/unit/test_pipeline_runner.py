@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.config import EngineArgs
 from tandem.distributed import GroupCoordinator, ParallelState
+from tandem.engine_args import EngineArgs
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 from tests.ports import free_port

@@ -8,13 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tandem.config import (
-    SERVING_ENGINE_DEFAULTS,
-    EngineArgs,
-    SchedulerConfig,
-    add_engine_args,
-    engine_argv,
-)
+from tandem.config import SERVING_ENGINE_DEFAULTS, SchedulerConfig, add_engine_args, engine_argv
+from tandem.engine_args import EngineArgs
 from tandem_services.launcher.cli import build_parser as serve_parser
 from tandem_services.worker.config import build_parser as worker_parser
 from tandem_services.worker.states import Role

@@ -29,14 +29,9 @@ import pytest
 import torch
 
 from tandem import SamplingParams
-from tandem.config import (
-    ConfigError,
-    EngineArgs,
-    SchedulerConfig,
-    SpeculativeConfig,
-    add_engine_args,
-)
+from tandem.config import ConfigError, SchedulerConfig, SpeculativeConfig, add_engine_args
 from tandem.core.outputs import ModelRunnerOutput
+from tandem.engine_args import EngineArgs
 from tandem.layers.logits_processors import LogitsProcessors
 from tandem.request import Request, RequestStatus
 from tandem.spec_decode.factory import build_proposer

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.config import ConfigError, EngineArgs
+from tandem.config import ConfigError
+from tandem.engine_args import EngineArgs
 from tests.conftest import write_tiny_model
 from tests.spec_decode_cases import (
     PARITY_CASES,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.config import EngineArgs
+from tandem.engine_args import EngineArgs
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 
