@@ -1,6 +1,7 @@
 """The house rules on imports, checked on the source: `tandem/` never imports `tandem_services/`
 and speaks no gRPC, protobuf or Redis, a service never imports another service,
-`tandem_kernels/` imports only torch and triton (and the standard library)."""
+`tandem_kernels/` imports only torch and triton (and the standard library), `tandem/config.py`
+imports no other part of tandem."""
 
 from __future__ import annotations
 
@@ -113,3 +114,11 @@ def test_no_model_names_an_attention_backend() -> None:
         for p in (ROOT / "tandem" / "models").rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_config_is_plain_data() -> None:
+    """`tandem/config.py` imports no other part of tandem (lazily neither): the resolution that
+    reads a checkpoint lives in `tandem/loader/resolve.py`, `EngineArgs` in
+    `tandem/engine_args.py`, so no layer that reads its config imports its own loader back."""
+    names = _imports(ROOT / "tandem" / "config.py")
+    assert sorted(n for n in names if n.split(".")[0] in ("tandem", "tandem_kernels")) == []
