@@ -327,3 +327,34 @@ def test_auto_tool_choice_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_FRONTEND_ENABLE_AUTO_TOOL_CHOICE", "true")
     monkeypatch.setenv("TANDEM_FRONTEND_TOOL_CALL_PARSER", "qwen")
     assert config_from_args([]).auto_tool_parser == "qwen"
+
+
+def test_a_schema_is_checked_against_its_meta_schema_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The meta-schema check of a schema that passed is remembered by the schema's content
+    (key order aside); a bad schema is refused every time it comes."""
+    from tandem_services.frontend import structured
+
+    checks: list[dict[str, Any]] = []
+    original = jsonschema.Draft202012Validator.check_schema
+
+    def counting(schema: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        checks.append(schema)
+        original(schema, *args, **kwargs)
+
+    monkeypatch.setattr(jsonschema.Draft202012Validator, "check_schema", counting)
+    monkeypatch.setattr(structured, "_CHECKED_SCHEMAS", type(structured._CHECKED_SCHEMAS)())
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    same = {"required": ["a"], "properties": {"a": {"type": "integer"}}, "type": "object"}
+    for body in (schema, same, json.dumps(schema)):
+        assert structured.check_json_schema(body, "json", "json") == schema
+    assert len(checks) == 1
+    bad = {"type": "object", "properties": {"a": {"type": 7}}}
+    for _ in range(2):
+        with pytest.raises(FrontendError, match="not a valid JSON schema"):
+            structured.check_json_schema(bad, "json", "json")
+    assert len(checks) == 3
+    monkeypatch.setattr(structured, "_CHECKED_SCHEMAS_MAX", 1)
+    other = {"type": "string"}
+    structured.check_json_schema(other, "json", "json")  # evicts `schema`
+    structured.check_json_schema(schema, "json", "json")
+    assert len(checks) == 5
