@@ -4,7 +4,9 @@ outputs and tools; the token-count checks come later, in `FrontendEngine.inputs`
 
 Bodies: a minimal one, a typical one (sampling parameters, stop strings, logprobs, a
 stream) and a heavy one (a JSON schema, or tools with `tool_choice`). Each is parsed `--reps`
-times in a row, `--rounds` times; the figure is the median round's time per parse.
+times in a row, `--rounds` times; the figure is the median round's time per parse. The same
+body again and again, as a client with one schema sends it; `schema_fresh` gives every
+request a schema never seen before.
 
     python -m benchmarks.request_parse --out request_parse.json
 
@@ -114,6 +116,20 @@ def main() -> None:
         )
     for name, body in CHAT_BODIES.items():
         rows[f"chat/{name}"] = time_parse(lambda b=body: parse_chat(b, limits), ns.reps, ns.rounds)
+    # A schema never seen before in every request (a property named by a counter).
+    fresh = iter(range(10**9))
+
+    def fresh_schema() -> object:
+        schema = {**_SCHEMA, "properties": {f"p{next(fresh)}": {"type": "string"}}}
+        body = {**COMPLETION_BODIES["schema"]}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": schema, "strict": False},
+        }
+        body["response_format"]["json_schema"]["schema"]["required"] = []
+        return parse_completion(body, limits)
+
+    rows["completion/schema_fresh"] = time_parse(fresh_schema, max(ns.reps // 10, 1), ns.rounds)
     for key, row in rows.items():
         print(f"{key:20s} {row['median_us']:8.2f} us  ({row['min_us']:.2f}-{row['max_us']:.2f})")
     if ns.out:
