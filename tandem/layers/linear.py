@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tandem.layers.quantization import get_quant_method, set_weight_attrs
+from tandem.layers.quantization.base import set_weight_attrs
+from tandem.layers.quantization.factory import get_quant_method
 from tandem.layers.weight_utils import LoadedWeight, copy_weight, full_weight, narrow_weight
 
 if TYPE_CHECKING:

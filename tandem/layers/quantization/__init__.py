@@ -5,7 +5,6 @@ from tandem.layers.quantization.base import (
     LinearMethodBase,
     QuantizationConfig,
     QuantizeMethodBase,
-    get_quant_method,
     get_quantization_config,
     process_weights_after_loading,
     register_quantization_config,
@@ -14,6 +13,7 @@ from tandem.layers.quantization.base import (
 )
 from tandem.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from tandem.layers.quantization.cpu import CpuPackedLinearMethod
+from tandem.layers.quantization.factory import get_quant_method
 from tandem.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod, PtpcFp8Config
 from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
 

@@ -21,7 +21,8 @@ and `load_weights` then accepts their checkpoint names with no change.
 
 A `QuantizationConfig` (the engine's, on `ModelContext.quant_config`) picks a method per
 layer; configs register by name (`register_quantization_config`) so the FP8 issue adds its
-own module here.
+own module here. `factory.get_quant_method` gives a layer its method: the config's, else the
+CPU step path's packed one, else unquantized.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from torch import nn
 
 if TYPE_CHECKING:
     from tandem.layers.quantization.input_quant import ActivationQuantizer
-    from tandem.models.interface import ModelContext
 
 # `weight_loader(param, loaded_weight, shard_id=None)`: copies this rank's part of a
 # checkpoint tensor into `param`.
@@ -175,24 +175,6 @@ def resolve_quant_config(
     if check_device:
         config.verify_device(device)
     return config
-
-
-def get_quant_method(ctx: ModelContext, layer: nn.Module, prefix: str = "") -> LinearMethodBase:
-    """The method for a linear layer: the context's quantization config first, then the CPU
-    step path's packed method (`ctx.cpu_kernels`), else unquantized."""
-    if ctx.quant_config is not None:
-        method = ctx.quant_config.get_quant_method(layer, prefix)
-        if method is not None:
-            if not isinstance(method, LinearMethodBase):
-                raise TypeError(f"{type(method).__name__} is not a linear method ({prefix})")
-            return method
-    if ctx.cpu_kernels:
-        from tandem.layers.quantization.cpu import CpuPackedLinearMethod
-
-        return CpuPackedLinearMethod(ctx.cpu_gemm)
-    from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
-
-    return UnquantizedLinearMethod()
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
