@@ -232,7 +232,9 @@ def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBac
     return cls
 
 
+# Each backend's module, imported when it is asked for (importing it registers its class).
 _MODULES = {
+    "torch": "tandem.layers.attention.torch_backend",
     "cpu": "tandem.layers.attention.cpu_backend",
     "triton": "tandem.layers.attention.triton_backend",
     "flashinfer": "tandem.layers.attention.flashinfer_backend",
@@ -247,9 +249,6 @@ def get_attention_backend(name: str) -> AttentionBackend:
     import importlib
 
     from tandem.config import attention_backend_name
-
-    # Importing the modules registers their classes.
-    from tandem.layers.attention import torch_backend  # noqa: F401
 
     resolved = attention_backend_name(name)
     if resolved in _MODULES:
