@@ -450,14 +450,22 @@ def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) 
     structured, structured_param = _output_constraint(values)
     kwargs["structured_outputs"] = structured
     return CompletionBody(
-        model=values.get("model"),
         prompts=values["prompt"],
         params=_sampling_params(kwargs, values),
-        stream=values.get("stream", False),
-        include_usage=values.get("stream_options", False),
-        priority=values.get("priority", 0),
         structured_param=structured_param,
+        **_envelope(values),
     )
+
+
+def _envelope(values: dict[str, Any]) -> dict[str, Any]:
+    """The fields both bodies carry beside the prompt and the sampling: the model named, the
+    stream's options and the priority."""
+    return {
+        "model": values.get("model"),
+        "stream": values.get("stream", False),
+        "include_usage": values.get("stream_options", False),
+        "priority": values.get("priority", 0),
+    }
 
 
 @dataclass(frozen=True)
@@ -512,15 +520,12 @@ def parse_chat(
     elif top is not None:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     return ChatBody(
-        model=values.get("model"),
         messages=values["messages"],
         params=_sampling_params(kwargs, values),
-        stream=values.get("stream", False),
-        include_usage=values.get("stream_options", False),
-        priority=values.get("priority", 0),
         tools=tools if parameters else None,
         tool_calling=calling,
         structured_param=structured_param,
+        **_envelope(values),
     )
 
 
