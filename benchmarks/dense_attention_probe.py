@@ -11,7 +11,9 @@ Triton dense kernel (output and LSE) and times it (`do_bench` median), printing 
 - `triton[:BMxBNxWxS]`: our dense kernel, default and tuned;
 - `hopper[:BMxBNxWxS[rN]]`: our Hopper dense kernel (`dense_attention_hopper`, sm_90 only), its
   untimed default and every start-up config (`HOPPER_CONFIGS`), on K/V as `forward` gets them
-  (views of one qkv tensor, read through TMA).
+  (views of one qkv tensor, read through TMA);
+- `tandem_cudnn`: the cascade's "cudnn" dense part (`dense_causal_attention(impl="cudnn")`:
+  cuDNN attention over `[R, H, L, D]` views of one qkv tensor, output and LSE copied back).
 
     timeout 200 python -m benchmarks.dense_attention_probe --out dense_probe.json
 """
@@ -143,6 +145,15 @@ def probe_shape(num_reqs: int, n: int) -> dict[str, float | str]:
         run("hopper", hopper(dh.default_hopper_config(n, D)), check_pair)
         for config in dh.HOPPER_CONFIGS:
             run("hopper:" + dh.hopper_config_name(config), hopper(config), check_pair)
+    # The cascade's "cudnn" dense part as the engine calls it: views of one qkv tensor in,
+    # the output and LSE copied to this module's layouts.
+    qkv = torch.cat([q, k, v], dim=1)
+    vq, vk, vv = qkv[:, :H], qkv[:, H : H + HKV], qkv[:, H + HKV :]
+    run(
+        "tandem_cudnn",
+        lambda: dense_causal_attention(vq, vk, vv, cu, scale, max_query_len=n, impl="cudnn"),
+        check_pair,
+    )
     return rates
 
 

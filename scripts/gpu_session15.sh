@@ -11,6 +11,12 @@
 #            without and with `--enable-pdl` in one call, 512/256 beside it; then the batch-1
 #            step breakdown with PDL (the W8A16 GEMV's 2.35 ms of 3.14 in session 8).
 #
+#   PART=cudnn: the cascade's "cudnn" dense part (torch's cuDNN attention for prefill steps whose
+#            requests share one length), never run on a GPU: the cascade GPU tests (its probe,
+#            the "equal" scene through it, the other scenes falling back), then the dense probe
+#            (`tandem_cudnn` beside SDPA's cuDNN and our kernels), then issue 30's kernel table
+#            (prefill at 8 x 1,024 to 1 x 131,072: the engine's path, timed at start-up).
+#
 #   OUT=/some/dir PART=pdl_tests bash scripts/gpu_session15.sh
 set -u
 case "${PART:-pdl_tests}" in
@@ -34,6 +40,19 @@ pdl_bench)
   step "batch-1 breakdown, PDL" 60 "$OUT/step_breakdown_b1_pdl.log" $PY -m benchmarks.step_breakdown \
     --model random:llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 --enable-pdl \
     --num-prompts 1 --input-len 512 --out "$OUT/step_breakdown_b1_pdl.json"
+  finish
+  ;;
+cudnn)
+  ISSUE=session15 BUDGET_S=${BUDGET_S:-570}
+  . scripts/device_lib.sh
+  step "cascade GPU tests" 240 "$OUT/gpu_tests_cascade.log" $PY -m pytest -q -m gpu \
+    --timeout=230 -rs --tb=short --durations=8 tests/gpu/test_cascade_attention_gpu.py
+  step "dense probe" 150 "$OUT/dense_attention_probe.log" $PY -m benchmarks.dense_attention_probe \
+    --out "$OUT/dense_attention_probe.json"
+  step "kernel table" 170 "$OUT/attention_kernels.log" $PY -m benchmarks.attention_kernels \
+    --out "$OUT/attention_kernels.json"
+  grep -hE "passed|failed|tandem_cudnn|CUDNN" "$OUT"/gpu_tests_cascade.log \
+    "$OUT"/dense_attention_probe.log | tail -n 12 >>"$summary"
   finish
   ;;
 *)

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import os
 
@@ -98,16 +99,23 @@ from tandem_kernels.paged_attention import (
 )
 from tandem_kernels.reshape_and_cache import reshape_and_cache
 
+logger = logging.getLogger(__name__)
+
 _LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)
 
 # Dense-part kernels: "flash" (torch's FlashAttention-2), "triton" (ours), "triton_hopper"
-# (ours for sm_90, `dense_attention_hopper`).
-DENSE_IMPLS = ("flash", "triton", "triton_hopper")
+# (ours for sm_90, `dense_attention_hopper`), "cudnn" (torch's cuDNN attention, for steps whose
+# prefill requests all have one length; `_dense_cudnn`).
+DENSE_IMPLS = ("flash", "triton", "triton_hopper", "cudnn")
+
+
+# The "cudnn" dense part takes requests of one length that is a multiple of this.
+CUDNN_LENGTH_MULTIPLE = 256
 
 
 # How prefill rows are computed: the all-paged kernel, or the cascade with a dense part.
-PREFILL_PATHS = ("paged", "flash", "triton", "triton_hopper")
+PREFILL_PATHS = ("paged", "flash", "triton", "triton_hopper", "cudnn")
 
 
 def prefill_cascade_setting() -> bool | None:
@@ -169,6 +177,97 @@ def _flash_runs(
     except Exception:  # a build without this kernel, an unsupported shape
         return False
     return bool(ok)
+
+
+def cudnn_dense_supported(query: torch.Tensor, key: torch.Tensor, window: int = 0) -> bool:
+    """torch's cuDNN attention is a start-up candidate for this call: CUDA sm80+, a 16-bit
+    query with K/V in its dtype (not FP8), no sliding window, cuDNN present, not the
+    interpreter, and a tiny call of this shape, K/V as strided views of one qkv tensor as
+    the engine's are, gave the right output and LSE (probed once per process and shape)."""
+    if not (
+        query.is_cuda
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and key.dtype == query.dtype
+        and not window
+        and torch.backends.cudnn.is_available()
+        and torch.cuda.get_device_capability(query.device)[0] >= 8
+    ):
+        return False
+    probe = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[2])
+    if probe not in _cudnn_probes:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _cudnn_probes[probe] = _cudnn_runs(*probe)
+    return _cudnn_probes[probe]
+
+
+# (device, dtype, heads, KV heads, head size) -> whether cuDNN attention ran it correctly.
+_cudnn_probes: dict[tuple[torch.device, torch.dtype, int, int, int], bool] = {}
+
+
+def _cudnn_runs(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
+) -> bool:
+    """Two requests of 4 tokens through `_dense_cudnn`, Q/K/V views of one qkv tensor: the
+    first row of each request sees one key, so its LSE is scale * q.k and its output that
+    key's value (the layout and base this module uses)."""
+    try:
+        width = num_heads + 2 * num_kv_heads
+        qkv = torch.randn(8, width, head_size, device=device, dtype=dtype)
+        q, k = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+        v = qkv[:, num_heads + num_kv_heads :]
+        scale = head_size**-0.5
+        out, lse = _dense_cudnn(q, k, v, 2, 4, scale)
+        group = num_heads // num_kv_heads
+        kk = k.float().repeat_interleave(group, dim=1)[[0, 4]]  # [2, H, D]
+        vv = v.float().repeat_interleave(group, dim=1)[[0, 4]]
+        want = (q.float()[[0, 4]] * kk).sum(-1).t() * scale  # [H, 2]
+        ok = (
+            out.shape == q.shape
+            and lse.shape == (num_heads, 8)
+            and torch.allclose(lse[:, [0, 4]], want, atol=0.05, rtol=0.02)
+            and torch.allclose(out[[0, 4]].float(), vv, atol=0.05, rtol=0.02)
+        )
+    except Exception:  # a build without it, an unsupported shape or layout
+        return False
+    return bool(ok)
+
+
+def _dense_cudnn(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    num_reqs: int,
+    seq_len: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of `num_reqs` requests of `seq_len` tokens each (rows r * seq_len ..
+    of `query [T, H, D]`, `key`/`value [T, Hkv, D]`) through torch's cuDNN attention: the
+    batch as `[R, H, L, D]` views (no copy in), the output copied back to `[T, H, D]` and
+    the LSE (natural log, `[R, H, L]`) to `[H, T]` fp32. cuDNN builds a graph per shape and
+    keeps it, so a step of a new length pays one build."""
+    t = num_reqs * seq_len
+    h, d = query.shape[1], query.shape[2]
+    hkv = key.shape[1]
+    q = query[:t].view(num_reqs, seq_len, h, d).transpose(1, 2)
+    k = key[:t].view(num_reqs, seq_len, hkv, d).transpose(1, 2)
+    v = value[:t].view(num_reqs, seq_len, hkv, d).transpose(1, 2)
+    out, lse = _cudnn_sdpa(q, k, v, scale)
+    out = out.transpose(1, 2).reshape(t, h, d)
+    lse = lse.reshape(num_reqs, h, seq_len).permute(1, 0, 2).reshape(h, t).float()
+    return out, lse
+
+
+def _cudnn_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's cuDNN attention, causal, with its LSE: `(out [R, H, L, D], lse [R, H, L(, 1)])`
+    for `q [R, H, L, D]`, `k`/`v [R, Hkv, L, D]` (GQA taken as is)."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale
+    )[:2]
+    return out, lse
 
 
 def hopper_dense_supported(query: torch.Tensor, key: torch.Tensor, window: int = 0) -> bool:
@@ -564,6 +663,23 @@ def dense_causal_attention(
     window = window_arg(sliding_window)
     impl = default_dense_impl() if impl is None else impl
     assert impl in DENSE_IMPLS, impl
+    if impl == "cudnn":
+        num_reqs = cu_seqlens.shape[0] - 1
+        # One length for every request: the rows are exactly R x max_query_len (a host check,
+        # so never inside a graph capture, whose replays may split the rows otherwise). And a
+        # length of whole CUDNN_LENGTH_MULTIPLE tiles: cuDNN builds a graph per shape (kept),
+        # so lengths are held to few (budget-sized chunks, benchmark prompts); a served
+        # prompt of any other length runs ours without paying a build in its TTFT.
+        equal = num_reqs > 0 and query.shape[0] == num_reqs * max_query_len
+        equal = equal and max_query_len % CUDNN_LENGTH_MULTIPLE == 0
+        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        if equal and not (fp8 or window or capturing):
+            try:
+                return _dense_cudnn(query, key, value, num_reqs, max_query_len, scale)
+            except RuntimeError as exc:  # a shape cuDNN refuses: ours below
+                _warn_cudnn_fallback(exc)
+        hopper = hopper_dense_supported(query, key, window)
+        impl = "triton_hopper" if hopper and not fp8 else "triton"
     if impl == "triton_hopper" and not (fp8 or window):
         config = hopper_config(query, key, max_query_len)
         if (block_m, block_n, num_warps, num_stages) != (None,) * 4:
@@ -594,6 +710,16 @@ def dense_causal_attention(
         query, key, value, cu_seqlens, scale * k_scale, block_m, block_n, num_warps,
         num_stages, v_scale, window,
     )  # fmt: skip
+
+
+_cudnn_warned = False
+
+
+def _warn_cudnn_fallback(exc: Exception) -> None:
+    global _cudnn_warned
+    if not _cudnn_warned:
+        _cudnn_warned = True
+        logger.warning("cuDNN attention refused a prefill shape (%s); ours runs it", exc)
 
 
 def fp8_rounded_kv(
@@ -1015,6 +1141,8 @@ def prefill_path(
         # Its own config first, timed on this call's dense part alone.
         hopper_ms = tune_hopper_config(query, key, value, query_start_loc, scale, max_query_len)
         impls += ["triton_hopper"] if hopper_ms else []
+    if not fp8 and cudnn_dense_supported(query, key, window_arg(sliding_window)):
+        impls += ["cudnn"]
     for impl in impls:
         runs[impl] = functools.partial(
             cascade_prefill_attention,
@@ -1042,7 +1170,7 @@ def layer_prefill_path(path: str, fp8_cache: bool, sliding_window: int | None) -
     step's path is FlashAttention-2 or our Hopper kernel and the layer's cache is FP8 or it has
     a sliding window (neither takes them; ours ran faster than FlashAttention-2 as the dense
     part at every shape measured on the H200, see `default_dense_impl`)."""
-    if path in ("flash", "triton_hopper") and (fp8_cache or sliding_window):
+    if path in ("flash", "triton_hopper", "cudnn") and (fp8_cache or sliding_window):
         return "triton"
     return path
 

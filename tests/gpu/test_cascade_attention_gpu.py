@@ -23,6 +23,7 @@ from tandem.layers.attention.triton_backend import TritonAttentionBackend  # noq
 from tandem_kernels.cascade_attention import (  # noqa: E402
     PREFILL_PATHS,
     cascade_prefill_attention,
+    cudnn_dense_supported,
     flash_dense_supported,
     hopper_dense_supported,
     prefill_path,
@@ -161,6 +162,9 @@ def _impls() -> list[str]:
     impls = ["flash", "triton"] if flash_dense_supported(probe, NUM_KV_HEADS) else ["triton"]
     if hopper_dense_supported(probe, probe):
         impls.append("triton_hopper")
+    kv_probe = torch.empty(1, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=DEV)
+    if cudnn_dense_supported(probe, kv_probe):
+        impls.append("cudnn")
     return impls
 
 
@@ -169,6 +173,8 @@ SCENES = {
     "1k": [(0, 1024)] * 4 + [(3072, 1024), (0, 1), (2000, 1), (700, 300)],
     "8k": [(0, 8192), (6144, 2048), (100, 1)],
     "32k": [(0, 32768), (28672, 4096)],
+    # One query length for every request: the "cudnn" dense part runs (others fall back).
+    "equal": [(0, 2048), (1024, 2048), (4096, 2048)],
 }
 
 
@@ -373,3 +379,13 @@ def test_backend_fp8_sliding_mixed_step(cascade: bool | None) -> None:
         outs.append(backend.forward(s.query, s.key, s.value, cache, meta, SCALE, **extra))
     torch.testing.assert_close(outs[0], outs[1], **_tol(dtype))
     s.check(outs[0], dtype, fp8=(cache, ks, vs), window=1024)
+
+
+def test_cudnn_dense_part_is_probed_on_hopper() -> None:
+    """On sm_90 with cuDNN present the "cudnn" dense part passes its probe (the layout and
+    base of its output and LSE), so the start-up timing can pick it."""
+    if torch.cuda.get_device_capability(DEV)[0] != 9 or not torch.backends.cudnn.is_available():
+        pytest.skip("the probe's expectation is for sm_90 with cuDNN")
+    q = torch.empty(1, NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=DEV)
+    k = torch.empty(1, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=DEV)
+    assert cudnn_dense_supported(q, k)

@@ -1274,6 +1274,74 @@ def case_dense_hopper_falls_back() -> None:
     assert k.cascade.layer_prefill_path("triton_hopper", False, None) == "triton_hopper"
 
 
+@_case(*({"dtype": d} for d in (torch.float32, torch.float16)))
+def case_dense_cudnn_layouts(dtype: torch.dtype) -> None:
+    """The "cudnn" dense part's layouts, with cuDNN's call replaced by torch returning what
+    cuDNN returns (`[R, H, L, D]` output, `[R, H, L, 1]` natural-log LSE): requests of one
+    length go through it, from Q/K/V views of one qkv tensor, and match our kernel's output
+    and LSE; unequal lengths, a window, a length off the multiple and a refused shape run our
+    kernel, bit for bit."""
+    k = _kernels()
+    cascade = k.cascade
+    calls: list[tuple[int, ...]] = []
+
+    def fake_cudnn(
+        q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(tuple(q.shape))
+        group = q.shape[1] // kk.shape[1]
+        kf, vf = (t.float().repeat_interleave(group, 1) for t in (kk, vv))
+        scores = q.float() @ kf.transpose(-1, -2) * scale
+        causal = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out = torch.softmax(scores, -1) @ vf
+        return out.to(q.dtype), torch.logsumexp(scores, -1)[..., None]
+
+    def refused(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("cuDNN: no engine for this shape")
+
+    gen = torch.Generator().manual_seed(61)
+    original, multiple = cascade._cudnn_sdpa, cascade.CUDNN_LENGTH_MULTIPLE
+    try:
+        cascade._cudnn_sdpa = fake_cudnn
+        cascade.CUDNN_LENGTH_MULTIPLE = 16  # the test's lengths (256 in the engine)
+        qkv = torch.randn(48, 4 + 2 * 2, 32, generator=gen).to(dtype)
+        query, key, value = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+        qsl = _batch([16, 16, 16])
+        out, lse = cascade.dense_causal_attention(
+            query, key, value, qsl, 0.3, max_query_len=16, impl="cudnn"
+        )
+        assert calls == [(3, 4, 16, 32)], calls
+        ours, ours_lse = cascade.dense_causal_attention(
+            query, key, value, qsl, 0.3, max_query_len=16, impl="triton"
+        )
+        torch.testing.assert_close(out, ours, **_tol(dtype))
+        torch.testing.assert_close(lse, ours_lse, atol=1e-4, rtol=1e-4)
+        for lens, max_len, window in (([20, 9], 20, None), ([16, 16], 16, 5), ([8] * 4, 8, None)):
+            qsl = _batch(lens)
+            n = sum(lens)
+            args = (query[:n], key[:n], value[:n], qsl, 0.3)
+            got = cascade.dense_causal_attention(
+                *args, max_query_len=max_len, impl="cudnn", sliding_window=window
+            )
+            want = cascade.dense_causal_attention(
+                *args, max_query_len=max_len, impl="triton", sliding_window=window
+            )
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), lens
+        assert len(calls) == 1
+        cascade._cudnn_sdpa = refused
+        got = cascade.dense_causal_attention(
+            query, key, value, _batch([16, 16, 16]), 0.3, max_query_len=16, impl="cudnn"
+        )
+        assert torch.equal(got[0], ours) and torch.equal(got[1], ours_lse)
+    finally:
+        cascade._cudnn_sdpa, cascade.CUDNN_LENGTH_MULTIPLE = original, multiple
+    assert cascade.layer_prefill_path("cudnn", True, None) == "triton"
+    assert cascade.layer_prefill_path("cudnn", False, 8) == "triton"
+    assert cascade.layer_prefill_path("cudnn", False, None) == "cudnn"
+    assert not cascade.cudnn_dense_supported(query, key)  # not on this device
+
+
 @_case(*({"dtype": d} for d in DTYPES))
 def case_merge_attn_states(dtype: torch.dtype) -> None:
     """The merge against torch, including rows where one side saw no keys (LSE -inf) and a
