@@ -61,7 +61,7 @@ class AttentionMetadata:
     # `Attention` layer's `kv_cache_group`. None: one group, this metadata is every layer's.
     kv_groups: tuple[AttentionMetadata, ...] | None = None
     # The step's prefill path, as the backend's `plan_step` chose it for this KV cache group
-    # (the Triton backend: "paged", "flash", "triton" or "triton_hopper"; see its
+    # (the Triton backend: "paged", "flash", "triton", "triton_hopper" or "cudnn"; see its
     # `_prefill_path`). None: not planned (metadata built by hand, a proposer's), or chosen by
     # the step's first layer call (a start-up step timed on that call's tensors), which then
     # keeps it here for the rest.

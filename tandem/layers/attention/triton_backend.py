@@ -22,8 +22,8 @@ the step reads it. `TANDEM_PREFILL_CASCADE=0` forces the all-paged
 kernel (`paged_prefill_attention`) for A/B; `=1` forces the cascade on any device. Layers
 with a sliding window and FP8 caches take the cascade too: the dense part reads the step's K/V
 rounded as the FP8 cache holds them and masks the window, the paged part reads only the
-prefix inside it; FlashAttention-2 and our Hopper dense kernel take neither, so such a layer
-runs our first dense kernel where the step's path is "flash" or "triton_hopper"
+prefix inside it; FlashAttention-2, our Hopper dense kernel and cuDNN take neither, so such a
+layer runs our first dense kernel where the step's path is "flash", "triton_hopper" or "cudnn"
 (`layer_prefill_path`).
 """
 
@@ -252,7 +252,7 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> str:
         """The prefill rows' path: "paged" (the all-paged kernel), or the cascade's dense
-        kernel ("flash", "triton", "triton_hopper"). Every layer takes the step's path,
+        kernel ("flash", "triton", "triton_hopper", "cudnn"). Every layer takes the step's path,
         `metadata.prefill_path`, through `layer_prefill_path` (the layer's own rule: a KV
         cache group may hold full and sliding layers, and FlashAttention-2 takes no window and
         no FP8 cache). Where the step has none (metadata not planned, or the start-up step
