@@ -295,7 +295,7 @@ def w8a16_ptx(config: w8.Config, n: int, k: int, gated: bool, use_pdl: bool) -> 
         "USE_PDL": use_pdl,
     }
     if gemv:
-        constants.update(EARLY_WEIGHT=use_pdl, PREFETCH=config.prefetch)
+        constants.update(EARLY_WEIGHT=use_pdl, PREFETCH=config.prefetch, IN_PLACE=config.in_place)
     else:
         constants.update(SWAP_AB=config.swap_ab, INPUT_PRECISION="tf32")
     # As a launch specializes: aligned tensors and N, K, strides divisible by 16 (M and the

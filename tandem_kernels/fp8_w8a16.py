@@ -71,7 +71,7 @@ class Config(NamedTuple):
     `block_m` < 16 selects the GEMV form; `swap_ab` the tensor-core form that multiplies
     `W x^T` (the weight tile the dot's wide side, the few rows its narrow one); `prefetch`
     the GEMV form that loads the next weight chunk before it sums the current one (twice the
-    bytes in flight a program, for more registers)."""
+    bytes in flight a program, for more registers); `reduce_each` (see `in_place`)."""
 
     block_m: int
     block_n: int
@@ -81,23 +81,30 @@ class Config(NamedTuple):
     num_stages: int
     swap_ab: bool = False
     prefetch: bool = False
+    reduce_each: bool = False
 
     @property
     def name(self) -> str:
-        return (
-            "x".join(map(str, self[:6]))
-            + ("s" if self.swap_ab else "")
-            + ("p" if self.prefetch else "")
-        )
+        flags = ("s" if self.swap_ab else "") + ("p" if self.prefetch else "")
+        return "x".join(map(str, self[:6])) + flags + ("r" if self.reduce_each else "")
+
+    @property
+    def in_place(self) -> bool:
+        """The one-row GEMV's products summed in place, `[BLOCK_N, BLOCK_K]` fp32, and reduced
+        across K once at the end; `reduce_each`: each chunk reduced as it comes (no such
+        accumulator: fewer registers, a warp reduction a chunk)."""
+        return self.block_m == 1 and not self.reduce_each
 
 
 def _gemv(m: int) -> tuple[Config, ...]:
     """GEMV candidates for `m` rows: no split for wide N (gate_up's 28672 rows are 1792
     programs), split-K for N = 4096-6144 (qkv, o, down), 8- to 32-row blocks, 8-16 KB tiles.
     One and two rows also try the prefetching loop (`Config.prefetch`) on the 4- and 8-KB
-    tiles of 4 warps: sm_90a, 3-5 blocks an SM of 126-168 registers (`python -m
-    benchmarks.kernel_registers --w8a16`), 40-48 KB of weight in flight an SM against 28-32
-    without it."""
+    tiles of 4 warps, and one row the loop that reduces each chunk as it comes
+    (`Config.reduce_each`). On sm_90a (`python -m benchmarks.kernel_registers --w8a16`) the
+    one-row plain loop's best configs hold 28-32 KB of weight in flight an SM (126 registers,
+    4 blocks of 4 warps); prefetching, 40-48 KB; reducing each chunk, 40-96 KB (47-96
+    registers, 5-10 blocks)."""
     plain = (
         Config(m, 16, 512, 1, 4, 1),
         Config(m, 32, 512, 1, 8, 1),
@@ -113,7 +120,17 @@ def _gemv(m: int) -> tuple[Config, ...]:
         Config(m, 16, 256, 8, 4, 1, prefetch=True),
         Config(m, 8, 512, 4, 4, 1, prefetch=True),
     )
-    return plain + prefetching
+    if m > 1:
+        return plain + prefetching
+    reducing = (
+        Config(1, 16, 512, 4, 4, 1, reduce_each=True),
+        Config(1, 16, 512, 4, 4, 1, prefetch=True, reduce_each=True),
+        Config(1, 16, 256, 8, 4, 1, reduce_each=True),
+        Config(1, 32, 512, 1, 8, 1, reduce_each=True),
+        Config(1, 16, 512, 1, 4, 1, prefetch=True, reduce_each=True),
+        Config(1, 32, 512, 4, 4, 1, reduce_each=True),
+    )
+    return plain + prefetching + reducing
 
 
 # The tensor-core form split along K: the same 16-row tiles, 4x the programs for N = 4096.
@@ -162,7 +179,7 @@ _CANDIDATES: dict[int, tuple[Config, ...]] = {
         (128, 128, 128, 8, 3), (128, 64, 128, 4, 4), (64, 128, 128, 8, 3), (128, 256, 64, 8, 3)
     ),
 }
-# About 53 distinct kernels to compile over all buckets (GEMV: one per row count), the most
+# About 59 distinct kernels to compile over all buckets (GEMV: one per row count), the most
 # of an 8B model's tuning at load; the timing itself is ~1-3 s a weight shape.
 # Used without tuning (TANDEM_TUNE_KERNELS=0 on CUDA, the interpreter): this kernel up to
 # M = 16, the scaled GEMM above.
@@ -331,10 +348,12 @@ def _gemv_chunk(
     BLOCK_M: tl.constexpr,
     MASK_K: tl.constexpr,
     GATED: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
     """One BLOCK_K chunk of the GEMV form: the weight chunk `w` `[BLOCK_N, BLOCK_K]` (e4m3)
     widened to fp32 and reduced against rows `row0 ..` of x (`k_mask` on x's loads with
-    MASK_K); returns `(acc, acc_k)` (`acc_k`: the in-place products of a one-row block)."""
+    MASK_K); returns `(acc, acc_k)` (`acc_k`: the in-place products of a one-row block,
+    IN_PLACE; else each row's chunk is reduced into `acc` here)."""
     w = w.to(tl.float32)
     for i in tl.static_range(BLOCK_M):
         # A row-constant mask (`offs_k * 0` folds away), so x's loads stay 16 bytes wide.
@@ -343,7 +362,7 @@ def _gemv_chunk(
             x = _load_x(x_ptrs + i * stride_xm, k_mask & row_ok, GATED, K)
         else:
             x = _load_x(x_ptrs + i * stride_xm, row_ok, GATED, K)
-        if BLOCK_M == 1:
+        if IN_PLACE:
             acc_k += w * x.to(tl.float32)[None, :]
         else:
             part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
@@ -375,6 +394,7 @@ def _w8a16_gemv_kernel(
     USE_PDL: tl.constexpr,
     EARLY_WEIGHT: tl.constexpr,
     PREFETCH: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
     """The few-row form: each program reads its BLOCK_N weight rows over one K slice once, in
     BLOCK_K-wide chunks (16 e4m3 per thread and load: the K offsets are contiguous and the
@@ -395,8 +415,9 @@ def _w8a16_gemv_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
     x_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k_begin + offs_k
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # BLOCK_M == 1: products summed in place, reduced across K once at the end.
-    acc_k = tl.zeros([BLOCK_N, BLOCK_K] if BLOCK_M == 1 else [1, 1], dtype=tl.float32)
+    # IN_PLACE (one row, `Config.in_place`): products summed in place, reduced across K once
+    # at the end.
+    acc_k = tl.zeros([BLOCK_N, BLOCK_K] if IN_PLACE else [1, 1], dtype=tl.float32)
     row0 = pid_m * BLOCK_M
     # The slice's first chunk (nothing for an empty slice): masks constant along K keep the
     # loads 16 bytes wide.
@@ -411,7 +432,7 @@ def _w8a16_gemv_kernel(
             k_mask = k0 + offs_k < K
             acc, acc_k = _gemv_chunk(
                 w, x_ptrs, k_mask, acc, acc_k, row0, M, K, stride_xm, rows, offs_k, BLOCK_M,
-                not EVEN_K, GATED,
+                not EVEN_K, GATED, IN_PLACE,
             )  # fmt: skip
             w = w_next
             w_ptrs += BLOCK_K
@@ -423,7 +444,7 @@ def _w8a16_gemv_kernel(
             pdl_wait(USE_PDL)
             acc, acc_k = _gemv_chunk(
                 w, x_ptrs, first_k, acc, acc_k, row0, M, K, stride_xm, rows, offs_k, BLOCK_M,
-                True, GATED,
+                True, GATED, IN_PLACE,
             )  # fmt: skip
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -438,11 +459,11 @@ def _w8a16_gemv_kernel(
                 w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             acc, acc_k = _gemv_chunk(
                 w, x_ptrs, k_mask, acc, acc_k, row0, M, K, stride_xm, rows, offs_k, BLOCK_M,
-                not EVEN_K, GATED,
+                not EVEN_K, GATED, IN_PLACE,
             )  # fmt: skip
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-    if BLOCK_M == 1:
+    if IN_PLACE:
         acc = tl.sum(acc_k, axis=1)[None, :]
     tile = pid_m * tl.num_programs(0) + pid_n
     _finish(
@@ -503,7 +524,7 @@ def w8a16_gemm(
     use_pdl = pdl_launch(x.device)
     if c.block_m < 16:
         early = use_pdl if early_weight is None else early_weight
-        extra = {"EARLY_WEIGHT": early, "PREFETCH": c.prefetch}
+        extra = {"EARLY_WEIGHT": early, "PREFETCH": c.prefetch, "IN_PLACE": c.in_place}
         kernel = _w8a16_gemv_kernel
     else:
         # fp32 activations: exact products (tf32 would lose digits); ignored for 16-bit.

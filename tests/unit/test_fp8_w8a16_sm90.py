@@ -47,6 +47,7 @@ def _compile(config: w8a16.Config, gated: bool = False, use_pdl: bool = False) -
     }
     if gemv:
         consts |= {"EARLY_WEIGHT": use_pdl, "PREFETCH": config.prefetch}
+        consts["IN_PLACE"] = config.in_place
     else:
         consts |= {"SWAP_AB": config.swap_ab, "INPUT_PRECISION": "tf32"}
     types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16"}
@@ -82,13 +83,29 @@ def _count(ptx: str, pattern: str) -> int:
     return len(re.findall(pattern, ptx))
 
 
+_FORMS = {  # the GEMV loop's forms: (prefetch, reduce_each)
+    "plain": (False, False),
+    "prefetch": (True, False),
+    "reduce_each": (False, True),
+    "prefetch_reduce_each": (True, True),
+}
+
+
 @pytest.mark.parametrize(
-    ("rows", "prefetch"), [(1, False), (8, False), (1, True), (2, True)], ids=str
+    ("rows", "form"),
+    [
+        (1, "plain"),
+        (8, "plain"),
+        (1, "prefetch"),
+        (2, "prefetch"),
+        (1, "reduce_each"),
+        (1, "prefetch_reduce_each"),
+    ],
+    ids=str,
 )
-def test_gemv_reads_its_weight_16_bytes_a_load_and_hands_off_split_k(
-    rows: int, prefetch: bool
-) -> None:
-    config = w8a16.Config(rows, 16, 512, 4, 4, 1, prefetch=prefetch)
+def test_gemv_reads_its_weight_16_bytes_a_load_and_hands_off_split_k(rows: int, form: str) -> None:
+    prefetch, reduce_each = _FORMS[form]
+    config = w8a16.Config(rows, 16, 512, 4, 4, 1, prefetch=prefetch, reduce_each=reduce_each)
     ptx, stack = _compile(config, gated=rows == 1)
     threads = 32 * config.num_warps
     # The [16, 512] e4m3 tile: 8 KB over 128 threads, four 16-byte loads each; none narrower.
@@ -108,16 +125,18 @@ def test_swapped_form_is_a_warpgroup_mma_with_the_weight_in_registers() -> None:
     assert stack == 0
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("form", list(_FORMS))
 @pytest.mark.parametrize("rows", [1, 2])
 def test_gemv_with_pdl_reads_only_its_first_weight_chunk_before_the_wait(
-    rows: int, prefetch: bool
+    rows: int, form: str
 ) -> None:
     """Launched with PDL the GEMV may run beside the kernel before it: until
     `griddepcontrol.wait` it touches nothing but its weight (the one input no kernel writes),
     one 16-byte load per piece of its first chunk, and it still spills nothing; the same for
-    the loop that loads a chunk ahead (`Config.prefetch`)."""
-    config = w8a16.Config(rows, 16, 512, 4, 4, 1, prefetch=prefetch)
+    the loop that loads a chunk ahead (`Config.prefetch`) and the one that reduces each chunk
+    (`Config.reduce_each`)."""
+    prefetch, reduce_each = _FORMS[form]
+    config = w8a16.Config(rows, 16, 512, 4, 4, 1, prefetch=prefetch, reduce_each=reduce_each)
     ptx, stack = _compile(config, gated=rows == 1, use_pdl=True)
     before, wait, after = ptx.partition("griddepcontrol.wait")
     assert wait, "no griddepcontrol.wait in a PDL launch"
