@@ -165,18 +165,33 @@ def _flash_runs(
         cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
         scale = head_size**-0.5
         out, lse = _dense_flash(q, kv, kv, cu, 5, scale)
-        group = num_heads // num_kv_heads
-        k = kv.float().repeat_interleave(group, dim=1)[[0, 3]]  # [2, H, D]
-        want = (q.float()[[0, 3]] * k).sum(-1).t() * scale  # [H, 2]
-        ok = (
-            out.shape == q.shape
-            and lse.shape == (num_heads, 8)
-            and torch.allclose(lse[:, [0, 3]], want, atol=0.05, rtol=0.02)
-            and torch.allclose(out[[0, 3]].float(), k, atol=0.05, rtol=0.02)
-        )
+        return _first_rows_right(q, kv, kv, out, lse, [0, 3], scale)
     except Exception:  # a build without this kernel, an unsupported shape
         return False
-    return bool(ok)
+
+
+def _first_rows_right(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    firsts: list[int],
+    scale: float,
+) -> bool:
+    """A dense probe's answer is in this module's layout and base: `out [T, H, D]`, `lse
+    [H, T]`, and at each request's first row (`firsts`), which sees one key, the LSE is
+    scale * q.k and the output that key's value."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.float().repeat_interleave(group, dim=1)[firsts]  # [R, H, D]
+    vv = v.float().repeat_interleave(group, dim=1)[firsts]
+    want = (q.float()[firsts] * kk).sum(-1).t() * scale  # [H, R]
+    return bool(
+        out.shape == q.shape
+        and lse.shape == (q.shape[1], q.shape[0])
+        and torch.allclose(lse[:, firsts], want, atol=0.05, rtol=0.02)
+        and torch.allclose(out[firsts].float(), vv, atol=0.05, rtol=0.02)
+    )
 
 
 def cudnn_dense_supported(query: torch.Tensor, key: torch.Tensor, window: int = 0) -> bool:
@@ -219,19 +234,9 @@ def _cudnn_runs(
         v = qkv[:, num_heads + num_kv_heads :]
         scale = head_size**-0.5
         out, lse = _dense_cudnn(q, k, v, 2, 4, scale)
-        group = num_heads // num_kv_heads
-        kk = k.float().repeat_interleave(group, dim=1)[[0, 4]]  # [2, H, D]
-        vv = v.float().repeat_interleave(group, dim=1)[[0, 4]]
-        want = (q.float()[[0, 4]] * kk).sum(-1).t() * scale  # [H, 2]
-        ok = (
-            out.shape == q.shape
-            and lse.shape == (num_heads, 8)
-            and torch.allclose(lse[:, [0, 4]], want, atol=0.05, rtol=0.02)
-            and torch.allclose(out[[0, 4]].float(), vv, atol=0.05, rtol=0.02)
-        )
+        return _first_rows_right(q, k, v, out, lse, [0, 4], scale)
     except Exception:  # a build without it, an unsupported shape or layout
         return False
-    return bool(ok)
 
 
 def _dense_cudnn(
