@@ -140,9 +140,11 @@ def _forms(
     tuned: FusedMoEConfig | None,
 ) -> dict[str, Any]:
     """Eager ms and TFLOP/s of the fastest unfused and SiLU-epilogue configs the tuner timed
-    for this token count's bucket, and of the tuned pick with the zero fill; {} where the
-    bucket is not on the grouped path or has no tuning entry."""
+    for this token count's bucket, of the torch grouped-GEMM path where it was timed, and of
+    the tuned pick with the zero fill; {} where the bucket is on the decode path or has no
+    tuning entry."""
     from tandem_kernels.fused_moe import (
+        GroupedMMConfig,
         MoEConfig,
         config_from_name,
         config_name,
@@ -151,7 +153,7 @@ def _forms(
         tuning_log,
     )
 
-    if not isinstance(tuned, MoEConfig):
+    if not isinstance(tuned, MoEConfig | GroupedMMConfig):
         return {}
     num_experts, two_inter, hidden = w13.shape
     key = [num_experts, two_inter, hidden, top_k, str(w13.dtype)]
@@ -164,7 +166,7 @@ def _forms(
     x, weights, ids = _routing(tokens, hidden, num_experts, top_k)
     flops = 2 * tokens * top_k * 3 * hidden * (two_inter // 2)
 
-    def rate(config: MoEConfig, all_experts_local: bool) -> dict[str, Any]:
+    def rate(config: FusedMoEConfig, all_experts_local: bool) -> dict[str, Any]:
         def run() -> None:
             fused_moe(x, w13, w2, weights, ids, config, all_experts_local=all_experts_local)
 
@@ -180,6 +182,8 @@ def _forms(
         if names:
             best = min(names, key=ms_of.__getitem__)
             forms[form] = rate(timed[best], all_experts_local=True)
+    if any(isinstance(c, GroupedMMConfig) for c in timed.values()):
+        forms["grouped_mm"] = rate(GroupedMMConfig(), all_experts_local=True)
     forms["zero_fill"] = rate(tuned, all_experts_local=False)
     return forms
 

@@ -44,6 +44,23 @@ Decode path (a `DecodeConfig`): with few pairs, no sorting or padding, two GEMVs
 >= E; kernel 2 masks their rows (they add nothing) and writes each output element once, summed
 over the token's top_k in registers (fp32). No host sync either.
 
+Torch grouped-GEMM path (a `GroupedMMConfig`): the same two GEMMs through torch's grouped GEMM
+(`torch._grouped_mm`: CUTLASS kernels with TMA loads on sm_90, which the Triton tiles' gathered
+rows of x cannot use), on pairs copied into expert order first:
+
+    order    = argsort(ids)                  pairs by expert (ids >= E last); offs[e]: the end
+                                             of expert e's rows (searchsorted, on the device)
+    GEMM 1   C1 = grouped_mm(x[order // k], w13^T, offs)            [T * k, 2I]
+    act      silu(C1[:, :I]) * C1[:, I:] * weight[order]            [T * k, I]
+    GEMM 2   C2 = grouped_mm(act, w2^T, offs)                       [T * k, H]
+    sum      out[t] = sum_j C2[inverse[t * k + j]]                  [T, H]
+
+(the routed weight scales act's rows, since GEMM 2 is linear in them). Rows past offs[E - 1]
+(another rank's experts) are left unwritten by the GEMMs and zeroed before the sum, unless the
+caller vouches there are none. No host sync: it can be captured in a CUDA graph. bf16 only
+(torch's grouped GEMM), H and I multiples of 8 (16-byte strides); the tuner times it beside the
+Triton configs for token counts past the decode path's and keeps it only where it is faster.
+
 Tile configs (a `MoEConfig`: BLOCK_M/N/K, GROUP_M, warps, stages, the SiLU form and GEMM 2's own
 tiles but BLOCK_M, if any; or a `DecodeConfig`) are tuned per shape and per token-count bucket on
 the device the first time a shape runs outside graph capture (an engine's start-up profile forward:
@@ -65,7 +82,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels.activation import silu_and_mul, silu_and_mul_tile
+from tandem_kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_tile
 
 
 @triton.jit
@@ -327,7 +344,12 @@ class DecodeConfig(NamedTuple):
     num_warps: int
 
 
-FusedMoEConfig = MoEConfig | DecodeConfig
+class GroupedMMConfig(NamedTuple):
+    """The torch grouped-GEMM path (see the module docstring): no tiles of ours, CUTLASS picks
+    its own."""
+
+
+FusedMoEConfig = MoEConfig | DecodeConfig | GroupedMMConfig
 # What a grouped GEMM does to its fp32 tile before storing it (None: nothing).
 Epilogue = Literal["silu_and_mul", "routed_weight"] | None
 # Decode path tiles. Each program streams a [block_n, block_k] tile a step (kernel 1: two, gate
@@ -479,6 +501,11 @@ def fused_moe(
     if isinstance(config, DecodeConfig):
         _fused_moe_decode(hidden_states, w13, w2, topk_weights, topk_ids, config, out)
         return out
+    if isinstance(config, GroupedMMConfig):
+        _fused_moe_grouped_mm(
+            hidden_states, w13, w2, topk_weights, topk_ids, out, all_experts_local
+        )
+        return out
     block_m = config.block_m
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, num_experts)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -499,6 +526,50 @@ def fused_moe(
     down = alloc(num_pairs, hidden, dtype=dtype, device=dev)
     _launch(act, w2, down, *routing, 1, "routed_weight", block_m, config.down_tiles)
     return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
+
+
+def grouped_mm_supported(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the torch grouped-GEMM path can run these weights: torch has the op, bf16,
+    H and I multiples of 8 (its operands' strides must be multiples of 16 bytes)."""
+    inter, hidden = w2.shape[2], w2.shape[1]
+    return (
+        hasattr(torch, "_grouped_mm")
+        and w13.dtype == w2.dtype == torch.bfloat16
+        and hidden % 8 == 0
+        and inter % 8 == 0
+    )
+
+
+def _fused_moe_grouped_mm(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
+    all_experts_local: bool,
+) -> None:
+    num_tokens, hidden = hidden_states.shape
+    num_experts = w13.shape[0]
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    # offs[e]: pairs with an id <= e, the end of expert e's rows (ids >= E sort past them).
+    bounds = torch.arange(1, num_experts + 1, device=flat_ids.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+    x = hidden_states.index_select(0, order // top_k)
+    gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
+    act = silu_and_mul(gate_up) if gate_up.is_cuda else silu_and_mul_ref(gate_up)
+    pair_weights = topk_weights.reshape(-1).index_select(0, order)
+    act.mul_(pair_weights.unsqueeze(1).to(act.dtype))
+    down = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    if not all_experts_local:
+        # Another rank's pairs: rows past offs[E - 1] that neither GEMM wrote.
+        down.masked_fill_((sorted_ids >= num_experts).unsqueeze(1), 0)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    per_token = down.index_select(0, inverse).view(num_tokens, top_k, hidden)
+    torch.sum(per_token, dim=1, out=out)
 
 
 def _fused_moe_decode(
@@ -637,6 +708,7 @@ def tune_fused_moe(
     iters: int = 3,
     decode_candidates: tuple[DecodeConfig, ...] = _DECODE_CANDIDATES,
     down_candidates: tuple[GemmTiles, ...] = _DOWN_CANDIDATES,
+    grouped_mm: bool | None = None,
 ) -> dict[int, FusedMoEConfig]:
     """Time `candidates` for every token bucket up to `max_tokens` not tuned yet for this
     layer shape (on these weights, uniformly random routing, seeded) and keep the fastest;
@@ -647,7 +719,11 @@ def tune_fused_moe(
     graph, as decode runs it (eager, the alignment's launches would decide); larger buckets
     are timed eagerly. Then the fastest grouped config of each SiLU form is timed again with
     each of `down_candidates` as GEMM 2's tiles (`MoEConfig.down`), and the fastest of all
-    is kept: a second step, not the product of the two lists."""
+    is kept: a second step, not the product of the two lists. `grouped_mm` (None: where
+    `grouped_mm_supported`): buckets past the decode path's also time the torch grouped-GEMM
+    path (`GroupedMMConfig`)."""
+    if grouped_mm is None:
+        grouped_mm = grouped_mm_supported(w13, w2)
     key = _shape_key(w13, top_k)
     num_experts, _, hidden = w13.shape
     dev = w13.device
@@ -662,8 +738,11 @@ def tune_fused_moe(
             decode = bucket * top_k <= _DECODE_TUNE_MAX_ROWS * num_experts
             problem = (x, w13, w2, topk_weights, topk_ids)
             timings: list[tuple[FusedMoEConfig, float]] = []
-            for config in candidates + (decode_candidates if decode else ()):
-                if not isinstance(config, DecodeConfig) and config.block_m > 2 * max(
+            others: tuple[FusedMoEConfig, ...] = (
+                decode_candidates if decode else (GroupedMMConfig(),) if grouped_mm else ()
+            )
+            for config in candidates + others:
+                if isinstance(config, MoEConfig) and config.block_m > 2 * max(
                     bucket * top_k // num_experts, 16
                 ):
                     continue  # tiles far taller than an expert's rows: padding only
@@ -704,10 +783,12 @@ def tune_fused_moe(
 def config_name(config: FusedMoEConfig) -> str:
     """`16x64x64x1x4x3` for a grouped-path config, `silu-epilogue:16x64x64x1x4x3` for one
     with SiLU in GEMM 1's epilogue, either followed by `/down:128x64x8x4x3` where GEMM 2 has
-    its own tiles; `decode:16x256x1x8x1024x1x4` for the decode path's (the tuning log's
-    names)."""
+    its own tiles; `decode:16x256x1x8x1024x1x4` for the decode path's, `grouped-mm` for the
+    torch grouped-GEMM path (the tuning log's names)."""
     if isinstance(config, DecodeConfig):
         return "decode:" + _join(config)
+    if isinstance(config, GroupedMMConfig):
+        return _GROUPED_MM_NAME
     name = _join(config[:6])
     if config.silu_in_epilogue:
         name = f"silu-epilogue:{name}"
@@ -716,6 +797,8 @@ def config_name(config: FusedMoEConfig) -> str:
 
 def config_from_name(name: str) -> FusedMoEConfig:
     """The config `config_name` gave this name (a tuning log's entries back to configs)."""
+    if name == _GROUPED_MM_NAME:
+        return GroupedMMConfig()
     head, _, down = name.partition("/down:")
     form, _, tiles = head.rpartition(":")
     values = [int(v) for v in tiles.split("x")]
@@ -725,6 +808,9 @@ def config_from_name(name: str) -> FusedMoEConfig:
         raise ValueError(f"not a fused MoE config name: {name!r}")
     down_tiles = GemmTiles(*(int(v) for v in down.split("x"))) if down else None
     return MoEConfig(*values, silu_in_epilogue=form == "silu-epilogue", down=down_tiles)
+
+
+_GROUPED_MM_NAME = "grouped-mm"
 
 
 def _join(values: tuple[int, ...]) -> str:

@@ -281,3 +281,79 @@ def test_random_weights_equal_in_transformers(arch: str, tiny_model_path, tmp_pa
         logits = ours.compute_logits(ours(ids, torch.arange(13), [kv[:, 0], kv[:, 1]], md))
         ref = hf(ids[None]).logits[0].float()
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_mm_path_matches_reference_with_other_ranks_experts() -> None:
+    """The torch grouped-GEMM path of the fused MoE (torch._grouped_mm, here its CPU kernel)
+    against the reference, bf16: every id local, and pairs naming another rank's experts
+    (ids >= E), whose rows add nothing."""
+    import tandem_kernels.fused_moe as fm
+
+    gen = torch.Generator().manual_seed(7)
+    num_experts, top_k, hidden, inter, num_tokens = 8, 2, 64, 32, 37
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5).bfloat16()
+    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    assert fm.grouped_mm_supported(w13, w2)
+    assert not fm.grouped_mm_supported(w13.float(), w2.float())
+    ep_ids = ids.clone()
+    ep_ids[::3, -1] = num_experts
+    ep_ids[-1] = num_experts + 3
+    for route, local in ((ids, True), (ids, False), (ep_ids, False)):
+        out = fm.fused_moe(
+            x, w13, w2, weights, route, fm.GroupedMMConfig(), all_experts_local=local
+        )
+        ref = fused_moe_ref(x, w13, w2, weights, route)
+        assert not out.isnan().any()
+        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < 0.01, rel
+    # Another rank's pairs change the result (the test above is not vacuous).
+    assert not torch.equal(fused_moe_ref(x, w13, w2, weights, ep_ids), ref.new_zeros(ref.shape))
+    assert fm.config_from_name(fm.config_name(fm.GroupedMMConfig())) == fm.GroupedMMConfig()
+
+
+def test_moe_tuner_times_the_grouped_mm_path_only_past_the_decode_buckets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under a fake clock: buckets that time the decode path leave the grouped-GEMM path out;
+    the larger ones time it and keep it where it is fastest; `grouped_mm=False` never times
+    it."""
+    import tandem_kernels.fused_moe as fm
+
+    tiles = fm.MoEConfig(16, 64, 64, 1, 4, 3)
+    decode = fm.DecodeConfig(16, 256, 1, 8, 1024, 1, 4)
+    clock = {tiles: 2.0, decode: 1.0, fm.GroupedMMConfig(): 1.5}
+    timed: list[tuple[int, fm.FusedMoEConfig]] = []
+
+    def fake_time_call(
+        problem: tuple[torch.Tensor, ...], config: fm.FusedMoEConfig, in_graph: bool, iters: int
+    ) -> float | None:
+        timed.append((problem[0].shape[0], config))
+        return clock.get(config)
+
+    monkeypatch.setattr(fm, "_time_call", fake_time_call)
+    monkeypatch.setattr(fm, "tuning_log", [])
+    w13, w2 = (
+        torch.zeros(4, 16, 8, dtype=torch.bfloat16),
+        torch.zeros(4, 8, 8, dtype=torch.bfloat16),
+    )
+    for grouped_mm in (True, False):
+        monkeypatch.setattr(fm, "_configs", {})
+        timed.clear()
+        # E = 4, top 2: the decode path is timed up to 8 rows an expert, 16 tokens.
+        tuned = fm.tune_fused_moe(
+            w13,
+            w2,
+            2,
+            max_tokens=64,
+            candidates=(tiles,),
+            decode_candidates=(decode,),
+            down_candidates=(),
+            grouped_mm=grouped_mm,
+        )
+        grouped = {n for n, config in timed if isinstance(config, fm.GroupedMMConfig)}
+        assert grouped == ({32, 64} if grouped_mm else set())
+        assert tuned[16] == decode
+        assert tuned[64] == (fm.GroupedMMConfig() if grouped_mm else tiles)
