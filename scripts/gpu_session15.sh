@@ -31,6 +31,25 @@ pdl_tests)
   grep -hE "passed|failed|error" "$OUT"/gpu_tests_pdl*.log | tail -n 4 >>"$summary"
   finish
   ;;
+combo)
+  # The most wanted of each part in one call, for a session that may get one: the PDL GPU
+  # tests, batch 1 without and with --enable-pdl, the MoE grouped-GEMM path's GPU tests and
+  # Qwen3-30B-A3B's MoE kernel table (issue 32's 4,096 tokens).
+  ISSUE=session15 BUDGET_S=${BUDGET_S:-570}
+  . scripts/device_lib.sh
+  step "PDL GPU tests" 150 "$OUT/gpu_tests_pdl.log" $PY -m pytest -q -m gpu --timeout=140 \
+    -rs --tb=short --durations=8 tests/gpu/test_pdl_gpu.py
+  WORKLOADS=none offline fp8_fp8kv_b1 120 --quantization fp8 --kv-cache-dtype fp8
+  WORKLOADS=none offline fp8_fp8kv_b1_pdl 100 --quantization fp8 --kv-cache-dtype fp8 \
+    --enable-pdl
+  step "MoE GPU tests" 90 "$OUT/gpu_tests_moe.log" $PY -m pytest -q -m gpu --timeout=80 \
+    -rs --tb=short --durations=8 tests/gpu/test_fused_moe_gpu.py -k "grouped_mm"
+  step "MoE kernel" 100 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel \
+    --shapes qwen3-30b-a3b --tokens 4096 16384 --out "$OUT/moe_kernel.json"
+  grep -hE "passed|failed|error" "$OUT"/gpu_tests_*.log | tail -n 4 >>"$summary"
+  grep -E "forms|TFLOP" "$OUT/moe_kernel.log" | tail -n 6 >>"$summary"
+  finish
+  ;;
 pdl_quick)
   # Both PDL parts in one call: the PDL GPU tests, batch 1 without and with --enable-pdl
   # (WORKLOADS=none: only the batch-1 TPOT), then the batch-1 breakdown with PDL.
