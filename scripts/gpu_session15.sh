@@ -49,6 +49,9 @@ combo)
   grep -hE "passed|failed|error" "$OUT"/gpu_tests_*.log | tail -n 4 >>"$summary"
   grep -E "forms|TFLOP" "$OUT/moe_kernel.log" | tail -n 6 >>"$summary"
   finish
+  # Over 8 files do not come back: all but the summary in one archive.
+  (cd "$OUT" && tar -czf results.tar.gz --exclude=summary.txt --exclude=results.tar.gz ./* \
+    && find . -type f ! -name summary.txt ! -name results.tar.gz -delete)
   ;;
 pdl_quick)
   # Both PDL parts in one call: the PDL GPU tests, batch 1 without and with --enable-pdl
