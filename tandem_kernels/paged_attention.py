@@ -809,6 +809,33 @@ def time_config(run: Callable[[], object], iters: int) -> float | None:
     return start.elapsed_time(end) / iters
 
 
+# Clock cycles of the sleep kernel `time_device` queues before its timed calls: about 5 ms at
+# Hopper's clocks, more than a few calls' host work (the calls it times are long steps' pieces).
+DEVICE_TIMING_LEAD_CYCLES = 10_000_000
+
+
+def time_device(run: Callable[[], object], iters: int) -> float | None:
+    """Milliseconds of device time per call of `run`, as `time_config` but with the host's
+    work left out: a sleep kernel queued first keeps the stream busy while the host enqueues
+    the timed calls, so a call whose host side (op dispatch, a library's plan lookup) takes
+    longer than its kernels is not charged for it. For paths that run in eager steps with
+    many layers queued ahead, where the device, not the host, sets the pace."""
+    try:
+        run()
+        run()
+    except Exception:
+        return None
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(DEVICE_TIMING_LEAD_CYCLES)
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 @functools.lru_cache(maxsize=16)
 def _converts_fp8_in_hardware(device: torch.device) -> bool:
     """Whether `device` has the paired e4m3 -> fp16 conversion `widen_kv` uses (CUDA sm_89+).

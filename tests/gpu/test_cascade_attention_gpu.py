@@ -10,6 +10,7 @@ against the all-paged kernel, whose results the cascade's must equal.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -33,6 +34,8 @@ from tandem_kernels.paged_attention import (  # noqa: E402
     FP8_KV_DTYPE,
     paged_prefill_attention,
     prefill_tuning,
+    time_config,
+    time_device,
 )
 from tandem_kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
 
@@ -389,3 +392,20 @@ def test_cudnn_dense_part_is_probed_on_hopper() -> None:
     q = torch.empty(1, NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=DEV)
     k = torch.empty(1, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=DEV)
     assert cudnn_dense_supported(q, k)
+
+
+def test_device_timing_leaves_the_host_side_out() -> None:
+    """`time_device` (the prefill path's timer) charges a call for its kernels alone: a call
+    that spends 1 ms on the host before a tiny kernel takes about 1 ms under `time_config`
+    and well under it under `time_device`."""
+    x = torch.zeros(1024, device=DEV)
+
+    def run() -> None:
+        time.sleep(0.001)
+        x.add_(1.0)
+
+    with_host = time_config(run, iters=3)
+    device_only = time_device(run, iters=3)
+    assert with_host is not None and device_only is not None
+    assert with_host >= 0.9, with_host
+    assert device_only < 0.3, device_only
