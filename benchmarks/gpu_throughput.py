@@ -26,6 +26,14 @@ import torch
 WORKLOADS = [(128, 128, 2048), (512, 256, 2048), (1000, 1000, 1024)]
 
 
+def _w8a16_pick(pick: dict[str, Any]) -> str:
+    """One row bucket of the W8A16 tuner's log: what runs and its time."""
+    w8a16 = pick["use"] == "w8a16"
+    us = pick["best_us"] if w8a16 else pick["baseline"]
+    name = pick["best"] if w8a16 else "baseline"
+    return f"{name} {us:.1f} us" if us is not None else f"{name} -"
+
+
 def device_ms(fn: Any, iters: int) -> float:
     """Device milliseconds of `iters` back-to-back calls of `fn` (CUDA events; no warm-up)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -291,6 +299,18 @@ def cuda_main(ns: argparse.Namespace) -> dict[str, Any]:
     result["prefill_attention_tuning"] = prefill_tuning_log
     result["prefill_path_timing"] = prefill_path_log
     result["decode_attention_tuning"] = decode_tuning_log
+    from tandem_kernels.fp8_w8a16 import tuning_log as w8a16_tuning_log
+
+    # The W8A16 GEMV's picks per weight shape and row bucket (FP8 weights; empty otherwise).
+    result["w8a16_tuning"] = w8a16_tuning_log
+    for record in w8a16_tuning_log:
+        picks = record["us"]
+        assert isinstance(picks, dict)
+        print(
+            f"w8a16 {record['n']}x{record['k']}: "
+            + ", ".join(f"M={m} {_w8a16_pick(p)}" for m, p in picks.items()),
+            flush=True,
+        )
     for path_entry in prefill_path_log:
         print(
             f"prefill paths at {path_entry['num_tokens']} tokens (ms): {path_entry['ms']}; "
