@@ -53,22 +53,6 @@ combo)
   (cd "$OUT" && tar -czf results.tar.gz --exclude=summary.txt --exclude=results.tar.gz ./* \
     && find . -type f ! -name summary.txt ! -name results.tar.gz -delete)
   ;;
-pdl_quick)
-  # Both PDL parts in one call: the PDL GPU tests, batch 1 without and with --enable-pdl
-  # (WORKLOADS=none: only the batch-1 TPOT), then the batch-1 breakdown with PDL.
-  ISSUE=session15 BUDGET_S=${BUDGET_S:-560}
-  . scripts/device_lib.sh
-  step "PDL GPU tests" 200 "$OUT/gpu_tests_pdl.log" $PY -m pytest -q -m gpu --timeout=190 \
-    -rs --tb=short --durations=8 tests/gpu/test_pdl_gpu.py
-  grep -hE "passed|failed|error" "$OUT"/gpu_tests_pdl.log | tail -n 2 >>"$summary"
-  WORKLOADS=none offline fp8_fp8kv_b1 130 --quantization fp8 --kv-cache-dtype fp8
-  WORKLOADS=none offline fp8_fp8kv_b1_pdl 130 --quantization fp8 --kv-cache-dtype fp8 \
-    --enable-pdl
-  step "batch-1 breakdown, PDL" 80 "$OUT/step_breakdown_b1_pdl.log" $PY -m benchmarks.step_breakdown \
-    --model random:llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 --enable-pdl \
-    --num-prompts 1 --input-len 512 --out "$OUT/step_breakdown_b1_pdl.json"
-  finish
-  ;;
 pdl_bench)
   ISSUE=session15 BUDGET_S=${BUDGET_S:-570}
   . scripts/device_lib.sh
@@ -78,25 +62,6 @@ pdl_bench)
   step "batch-1 breakdown, PDL" 60 "$OUT/step_breakdown_b1_pdl.log" $PY -m benchmarks.step_breakdown \
     --model random:llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 --enable-pdl \
     --num-prompts 1 --input-len 512 --out "$OUT/step_breakdown_b1_pdl.json"
-  finish
-  ;;
-cudnn_moe)
-  # The cascade's cuDNN dense part (as PART=cudnn, without the long kernel table), then the
-  # fused MoE's torch grouped-GEMM path: its GPU tests and the MoE kernel table at the two
-  # shapes (issue 32's 4,096 tokens).
-  ISSUE=session15 BUDGET_S=${BUDGET_S:-570}
-  . scripts/device_lib.sh
-  step "cascade GPU tests" 200 "$OUT/gpu_tests_cascade.log" $PY -m pytest -q -m gpu \
-    --timeout=190 -rs --tb=short --durations=8 tests/gpu/test_cascade_attention_gpu.py
-  step "dense probe" 120 "$OUT/dense_attention_probe.log" $PY -m benchmarks.dense_attention_probe \
-    --out "$OUT/dense_attention_probe.json"
-  step "MoE GPU tests" 130 "$OUT/gpu_tests_moe.log" $PY -m pytest -q -m gpu --timeout=120 \
-    -rs --tb=short --durations=8 tests/gpu/test_fused_moe_gpu.py -k "grouped_mm"
-  step "MoE kernel" 110 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel \
-    --tokens 512 4096 16384 --out "$OUT/moe_kernel.json"
-  grep -hE "passed|failed|tandem_cudnn|CUDNN" "$OUT"/gpu_tests_cascade.log \
-    "$OUT"/dense_attention_probe.log "$OUT"/gpu_tests_moe.log | tail -n 12 >>"$summary"
-  grep -E "forms|TFLOP" "$OUT/moe_kernel.log" | tail -n 12 >>"$summary"
   finish
   ;;
 cudnn)

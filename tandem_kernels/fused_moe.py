@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
@@ -824,26 +823,10 @@ def _time_call(
     expert parallel): replayed from a CUDA graph, or eagerly; None when the device cannot
     run the config."""
     from tandem_kernels.fp8_w8a16 import time_in_graph
+    from tandem_kernels.paged_attention import time_config
 
     run = functools.partial(fused_moe, *problem, config, all_experts_local=True)
     if in_graph:
         us = time_in_graph([run])
         return None if us is None else us / 1e3
-    return _time_config(run, iters)
-
-
-def _time_config(run: Callable[[], object], iters: int) -> float | None:
-    """Milliseconds per call after two untimed calls (compilation); None when the device
-    cannot run the config (shared memory, registers)."""
-    try:
-        run()
-        run()
-    except Exception:
-        return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    return time_config(run, iters)

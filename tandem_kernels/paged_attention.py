@@ -792,15 +792,19 @@ def _tuned_prefill_config(
     return best
 
 
-def time_config(run: Callable[[], object], iters: int) -> float | None:
+def time_config(run: Callable[[], object], iters: int, lead_cycles: int = 0) -> float | None:
     """Milliseconds per call of `run` on the current stream after two untimed calls (which
-    compile it); None when this device cannot run the config (shared memory, registers)."""
+    compile it); None when this device cannot run the config (shared memory, registers).
+    `lead_cycles`: a sleep kernel of that many clock cycles is queued before the timed calls,
+    keeping the stream busy while the host enqueues them (see `time_device`)."""
     try:
         run()
         run()
     except Exception:
         return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if lead_cycles:
+        torch.cuda._sleep(lead_cycles)
     start.record()
     for _ in range(iters):
         run()
@@ -815,25 +819,11 @@ DEVICE_TIMING_LEAD_CYCLES = 10_000_000
 
 
 def time_device(run: Callable[[], object], iters: int) -> float | None:
-    """Milliseconds of device time per call of `run`, as `time_config` but with the host's
-    work left out: a sleep kernel queued first keeps the stream busy while the host enqueues
-    the timed calls, so a call whose host side (op dispatch, a library's plan lookup) takes
-    longer than its kernels is not charged for it. For paths that run in eager steps with
-    many layers queued ahead, where the device, not the host, sets the pace."""
-    try:
-        run()
-        run()
-    except Exception:
-        return None
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(DEVICE_TIMING_LEAD_CYCLES)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    """Milliseconds of device time per call of `run`: `time_config` with the host's work left
+    out, since a call whose host side (op dispatch, a library's plan lookup) takes longer than
+    its kernels is not charged for it. For paths that run in eager steps with many layers
+    queued ahead, where the device, not the host, sets the pace."""
+    return time_config(run, iters, DEVICE_TIMING_LEAD_CYCLES)
 
 
 @functools.lru_cache(maxsize=16)

@@ -9,6 +9,7 @@ the zero fill of GEMM 2's output skipped only when the caller vouches every expe
 from __future__ import annotations
 
 import unittest.mock
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -59,6 +60,26 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= 0.05 * ref.abs().max().item(), f"max error {err}"
 
 
+def _captured(run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`run` called once on a side stream (compiles, warms the allocator), then captured:
+    the graph and its output tensor, which each replay rewrites from the inputs' storage."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
+def _copy_into(statics: tuple[torch.Tensor, ...], fresh: tuple[torch.Tensor, ...]) -> None:
+    """A captured call's inputs take new values in place (new routing for its replay)."""
+    for static, new in zip(statics, fresh, strict=True):
+        static.copy_(new)
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 600, 4096])
 def test_fused_moe_matches_reference_bf16(shape: str, num_tokens: int) -> None:
@@ -91,18 +112,8 @@ def test_fused_moe_in_a_cuda_graph() -> None:
     x, weights, ids = _routing(shape, 16, seed=2)
     x = x.to(torch.bfloat16)
     fm.fused_moe(x, w13, w2, weights, ids)  # tunes, compiles
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fm.fused_moe(x, w13, w2, weights, ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fm.fused_moe(x, w13, w2, weights, ids)
-    x2, weights2, ids2 = _routing(shape, 16, seed=3)
-    x.copy_(x2)
-    weights.copy_(weights2)
-    ids.copy_(ids2)
+    graph, out = _captured(lambda: fm.fused_moe(x, w13, w2, weights, ids))
+    _copy_into((x, weights, ids), _routing(shape, 16, seed=3))
     graph.replay()
     _assert_close(out, fused_moe_ref(x, w13, w2, weights, ids))
 
@@ -174,21 +185,12 @@ def test_decode_path_in_a_cuda_graph(shape: str, stages: int) -> None:
     x, weights, ids = _routing(shape, 4, seed=5)
     x = x.to(torch.bfloat16)
     config = fm._DEFAULT_DECODE._replace(num_stages1=stages, num_stages2=stages)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fm.fused_moe(x, w13, w2, weights, ids, config)  # compiles
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fm.fused_moe(x, w13, w2, weights, ids, config)
+    graph, out = _captured(lambda: fm.fused_moe(x, w13, w2, weights, ids, config))
     for seed in (6, 7):
         x2, weights2, ids2 = _routing(shape, 4, seed=seed)
         if seed == 7:
             _drop_to_other_rank(ids2, w13.shape[0])
-        x.copy_(x2)
-        weights.copy_(weights2)
-        ids.copy_(ids2)
+        _copy_into((x, weights, ids), (x2, weights2, ids2))
         graph.replay()
         _assert_close(out, fused_moe_ref(x, w13, w2, weights, ids))
         if seed == 7:
@@ -311,19 +313,10 @@ def test_grouped_mm_path_matches_reference_bf16(shape: str, num_tokens: int) -> 
         ep = fm.fused_moe(x, w13, w2, weights, ep_ids, config)
     _assert_close(local, fused_moe_ref(x, w13, w2, weights, ids))
     _assert_close(ep, fused_moe_ref(x, w13, w2, weights, ep_ids))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fm.fused_moe(x, w13, w2, weights, ep_ids, config)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fm.fused_moe(x, w13, w2, weights, ep_ids, config)
+    graph, out = _captured(lambda: fm.fused_moe(x, w13, w2, weights, ep_ids, config))
     x2, weights2, ids2 = _routing(shape, num_tokens, seed=41 + num_tokens)
     _drop_to_other_rank(ids2, w13.shape[0])
-    x.copy_(x2)
-    weights.copy_(weights2)
-    ep_ids.copy_(ids2)
+    _copy_into((x, weights, ep_ids), (x2, weights2, ids2))
     graph.replay()
     _assert_close(out, fused_moe_ref(x, w13, w2, weights, ep_ids))
 
