@@ -145,15 +145,20 @@ def triton_runs(batch: PagedBatch, decode: bool) -> Run:
         )  # fmt: skip
     key, value = b.new_kv()
     args = (b.query, key, value, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table)
+    # As the engine's step plan knows it from its host lists: no cached prefix, no context
+    # part in the cascade.
+    has_context = b.ctx > 0
 
     def run() -> torch.Tensor:
-        path = prefill_path(*args, b.scale, max_query_len=b.new)
+        path = prefill_path(*args, b.scale, max_query_len=b.new, has_context=has_context)
         if path == "paged":
             return paged_prefill_attention(
                 b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table, b.scale,
                 out=out,
             )  # fmt: skip
-        return cascade_prefill_attention(*args, b.scale, max_query_len=b.new, dense_impl=path)
+        return cascade_prefill_attention(
+            *args, b.scale, max_query_len=b.new, dense_impl=path, has_context=has_context
+        )
 
     return run
 

@@ -1118,14 +1118,16 @@ def prefill_path(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sliding_window: int | None = None,
+    has_context: bool = True,
 ) -> str:
     """How this call's prefill rows should run (one of PREFILL_PATHS). On CUDA, the fastest
     path measured once per shape key (head size, group, cache dtype, block size), inside
     `prefill_tuning()` on the first call with at least `MIN_TUNE_TOKENS` rows (the engine's
     start-up profile forward, fresh prompts of up to 1,024 tokens), on that call's own inputs
-    (its FP8 scales and window included): the all-paged kernel (its own config tuned first),
-    the cascade with FlashAttention-2 where it runs (not over an FP8 cache, not with a
-    window), the cascade with our dense kernel, and on sm_90 (16-bit cache, no window) the
+    (its FP8 scales and window included, and `has_context`: the cascades timed without their
+    context part where the caller knows there is none): the all-paged kernel (its own config
+    tuned first), the cascade with FlashAttention-2 where it runs (not over an FP8 cache, not
+    with a window), the cascade with our dense kernel, and on sm_90 (16-bit cache, no window) the
     cascade with our Hopper dense kernel at the config `tune_hopper_config` timed fastest.
     Untimed (no CUDA, TANDEM_TUNE_KERNELS=0, before the profile forward): the rule, the
     cascade with `default_dense_impl`; on the CPU, the all-paged kernel
@@ -1140,6 +1142,7 @@ def prefill_path(
     args = (query, kv_cache, query_start_loc, seq_lens, block_table, scale)
     extra = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": sliding_window}
     runs = {"paged": functools.partial(paged_prefill_attention, *args, **extra)}
+    cascade_extra = {**extra, "has_context": has_context}
     flash = not fp8 and not sliding_window and flash_dense_supported(query, kv_cache.shape[3])
     impls = ["flash", "triton"] if flash else ["triton"]
     hopper_ms: dict[str, float] = {}
@@ -1153,7 +1156,7 @@ def prefill_path(
         runs[impl] = functools.partial(
             cascade_prefill_attention,
             query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
-            max_query_len=max_query_len, dense_impl=impl, **extra,
+            max_query_len=max_query_len, dense_impl=impl, **cascade_extra,
         )  # fmt: skip
     timings = {}
     for name, run in runs.items():
@@ -1228,6 +1231,7 @@ def cascade_prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sliding_window: int | None = None,
+    has_context: bool = True,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch, as `paged_prefill_attention` computes it, from
     the step's dense `key`/`value` (`[>= T, Hkv, D]`, the rows `forward` wrote to the cache)
@@ -1236,7 +1240,9 @@ def cascade_prefill_attention(
     warps, stages) tunes the Triton dense kernel, `context_config` (block_q, block_n, warps,
     stages) the paged one. An FP8 cache (`k_scale` / `v_scale`): the dense K/V are rounded
     as the cache holds them (`fp8_rounded_kv`) and the dense kernel is ours. `sliding_window`:
-    both parts keep each row's last that many positions only."""
+    both parts keep each row's last that many positions only. `has_context` False (the caller
+    knows from host values that no request has cached tokens before its new ones): the dense
+    part alone, no context launch."""
     dense = (None,) * 4 if dense_config is None else dense_config
     ctx = (None,) * 4 if context_config is None else context_config
     fp8 = kv_cache.dtype != query.dtype
@@ -1260,6 +1266,8 @@ def cascade_prefill_attention(
         num_stages=dense[3],
         **scales,
     )
+    if not has_context:
+        return out
     return paged_context_attention(
         query,
         kv_cache,

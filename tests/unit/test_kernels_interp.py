@@ -1193,6 +1193,30 @@ def case_cascade_dense_part_and_lse(dtype: torch.dtype) -> None:
         torch.testing.assert_close(lse[:, lo:hi], want, atol=1e-4, rtol=1e-4)
 
 
+@_case(*({"dtype": d} for d in DTYPES))
+def case_cascade_without_context(dtype: torch.dtype) -> None:
+    """`has_context=False` (the step plan knows no request has a cached prefix): fresh prompts
+    give the reference's output with the dense part alone; a batch where one request has a
+    prefix gives a different output (the context part really is skipped)."""
+    k = _kernels()
+    scale = 0.3
+    for seq_lens, query_lens in (([37, 16, 5], [37, 16, 5]), ([37, 40], [37, 19])):
+        cache, table, qsl, lens, query, key, value = _cascade_scene(
+            dtype, seq_lens, query_lens, 4, 2, 32, seed=33
+        )
+        ref = k.paged_attention.paged_attention_ref(query, cache, qsl, lens, table, scale)
+        out = k.cascade.cascade_prefill_attention(
+            query, key, value, cache, qsl, lens, table, scale, max_query_len=37,
+            dense_config=(16, 16, 4, 1), has_context=False,
+        )  # fmt: skip
+        if seq_lens == query_lens:
+            torch.testing.assert_close(out, ref, **_tol(dtype))
+        else:
+            prefixed = slice(int(qsl[1]), int(qsl[2]))
+            torch.testing.assert_close(out[: int(qsl[1])], ref[: int(qsl[1])], **_tol(dtype))
+            assert not torch.allclose(out[prefixed].float(), ref[prefixed].float(), atol=1e-2)
+
+
 @_case(
     *(
         {"dtype": d, "tma": t, "heads": h, "head_size": hs}

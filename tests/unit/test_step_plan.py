@@ -51,6 +51,7 @@ class _Fakes:
         self.planned = 0  # calls of the host chooser (once per step and KV cache group)
         self.per_call = 0  # calls of the per-call chooser (a layer choosing by itself)
         self.paths: list[str] = []  # per prefill-path layer call: "paged" or the dense impl
+        self.context_calls = 0  # the cascade's context part, launched
 
     def planned_prefill_path(self, device: torch.device, shape: Any, num_tokens: int) -> str:
         assert isinstance(num_tokens, int) and device.type == "cpu"
@@ -76,9 +77,9 @@ class _Fakes:
     def passthrough_out(*args: Any, **kwargs: Any) -> Any:
         return kwargs.get("out")
 
-    @staticmethod
-    def context(query: torch.Tensor, kv_cache: Any, qsl: Any, lens: Any, table: Any, scale: Any,
-                out: torch.Tensor, lse: torch.Tensor, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    def context(self, query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = args[5]  # kv_cache, qsl, lens, table, scale, out, lse
+        self.context_calls += 1
         return out
 
 
@@ -108,11 +109,14 @@ def test_prefill_path_is_planned_once_per_step(
     assert isinstance(backend, tb.TritonAttentionBackend) and backend.prefill_cascade is None
     # What each layer call found in its metadata before attending.
     seen: list[tuple[bool, str | None, int | None]] = []
+    has_context: list[bool] = []  # per prefill step, as planned
     forward = backend.forward
 
     def recording_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         meta = args[4]
         seen.append((meta.is_decode_only, meta.prefill_path, kwargs.get("sliding_window")))
+        if not meta.is_decode_only:
+            has_context.append(meta.prefill_has_context)
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(backend, "forward", recording_forward)
@@ -151,6 +155,13 @@ def test_prefill_path_is_planned_once_per_step(
     assert sliding == ["triton"] * (2 - full_layers) * prefill_steps
     # The kernels run: the planned cascade, for full and sliding layers alike.
     assert fakes.paths == ["triton"] * 2 * prefill_steps
+    # The first step's prompts have nothing cached: the cascade runs its dense part alone.
+    # Each later chunk of the long prompt attends to its earlier chunks: the context part
+    # runs, once per layer.
+    per_step = has_context[::2]
+    assert has_context[1::2] == per_step  # one plan per step, both layers
+    assert per_step[0] is False and all(per_step[1:]), per_step
+    assert fakes.context_calls == 2 * (prefill_steps - 1)
 
 
 def test_fp8_caches_and_sliding_windows_plan_the_cascade(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,12 +66,29 @@ class AttentionMetadata:
     # the step's first layer call (a start-up step timed on that call's tensors), which then
     # keeps it here for the rest.
     prefill_path: str | None = None
+    # False when, by the host lists, no prefill request of the step (rows past the leading
+    # decodes) has cached tokens before its new ones: the cascade then skips its context part
+    # (a launch whose programs all find no prefix). Set by the backend's `plan_step`; True
+    # (run it) where unplanned and in whole-step graphs, whose replays the lists don't show.
+    prefill_has_context: bool = True
     # A whole-step CUDA graph's metadata (tandem.worker.mixed_graph): `num_actual_tokens` is
     # the bucket's row count, and the rows past `query_start_loc[num_reqs]` are padding whose
     # count only the device knows. A backend zeroes those rows of its output on the device
     # (tandem_kernels.padding): no request owns them, and their stale memory (NaN, inf) would
     # reach a per-tensor activation scale taken over every row.
     graph_padded: bool = False
+
+
+def prefill_rows_have_context(metadata: AttentionMetadata) -> bool:
+    """Whether a request past the step's leading decodes (`num_decodes`, run by the decode
+    path when the step also has longer requests) has cached tokens before its new ones, by the
+    host lists: `seq_len > query length`. True where the lists don't cover the step's
+    requests (metadata made for a graph's capture leaves them empty)."""
+    qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    if len(seq_lens) < metadata.num_reqs or len(qsl) < metadata.num_reqs + 1:
+        return True
+    nd = metadata.num_decodes if 0 < metadata.num_decodes < metadata.num_reqs else 0
+    return any(seq_lens[r] > qsl[r + 1] - qsl[r] for r in range(nd, metadata.num_reqs))
 
 
 @dataclass(frozen=True)

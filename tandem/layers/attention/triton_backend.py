@@ -40,6 +40,7 @@ from tandem.layers.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     AttentionShape,
+    prefill_rows_have_context,
     register_attention_backend,
 )
 from tandem_kernels.cascade_attention import (
@@ -128,7 +129,8 @@ class TritonAttentionBackend(AttentionBackend):
                 shape.block_size,
             )
             path = planned_prefill_path(shape.device, key, metadata.num_actual_tokens)
-        return dataclasses.replace(metadata, prefill_path=path)
+        has_context = metadata.graph_padded or prefill_rows_have_context(metadata)
+        return dataclasses.replace(metadata, prefill_path=path, prefill_has_context=has_context)
 
     def startup_tuning(self) -> contextlib.AbstractContextManager[None]:
         """The prefill kernel picks its tile config inside (see `prefill_tuning`)."""
@@ -197,6 +199,8 @@ class TritonAttentionBackend(AttentionBackend):
             )  # fmt: skip
             if nd:
                 decode(query[:nd], kv_cache, seq_lens[:nd], block_table[:nd], scale, out=out[:nd])
+            if not metadata.prefill_has_context:
+                return self._zero_padding(out, metadata)
             paged_context_attention(
                 query[nd:],
                 kv_cache,
@@ -270,7 +274,7 @@ class TritonAttentionBackend(AttentionBackend):
             path = prefill_path(
                 query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
                 max_query_len=metadata.max_query_len, k_scale=k_scale, v_scale=v_scale,
-                sliding_window=sliding_window,
+                sliding_window=sliding_window, has_context=metadata.prefill_has_context,
             )  # fmt: skip
         metadata.prefill_path = path
         return layer_prefill_path(path, fp8, sliding_window)
