@@ -442,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
             if ns.out:  # after every shape: a run cut short keeps what it measured
                 with open(ns.out, "w") as f:
                     json.dump(result, f, indent=1)
+    for entry in cascade_attention.prefill_path_log:
+        timed: dict[str, float] = entry["ms"]  # type: ignore[assignment]
+        times = ", ".join(f"{name} {ms:.3f}" for name, ms in timed.items())
+        long = "long" if entry.get("long") else "short"
+        print(f"path timing ({long}, {entry['num_tokens']} rows, ms): {times}; {entry['best']}")
     mismatched = [
         f"{r['kind']} {r['num_reqs']}x{r['seq_len']} {name}"
         for r in rows

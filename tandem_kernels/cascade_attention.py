@@ -1099,9 +1099,22 @@ def paged_context_attention(
 
 # --- choosing the path ---------------------------------------------------------------------
 
-# Shape key -> the path start-up timing picked for this attention shape.
-_prefill_paths: dict[ShapeKey, str] = {}
+# Steps whose longest prefill request has more new rows than this are "long": their path is
+# chosen apart from short steps' (the Hopper kernel's config class splits at the same length).
+# On the H200 at 8 x 1,024 our Hopper kernel and cuDNN's were close, while at 2 x 4,096 and
+# 1 x 32,768 cuDNN led by 14-18% (session 16): one path for every length lost the long ones.
+LONG_QUERY_LEN = 1024
+# The other class's stand-in batch, timed at start-up beside the call's own: (requests, rows).
+_CLASS_SHAPES = {False: (8, 1024), True: (1, 8192)}
+
+# (shape key, long) -> the path start-up timing picked for this attention shape and class.
+_prefill_paths: dict[tuple[ShapeKey, bool], str] = {}
 prefill_path_log: list[dict[str, object]] = []
+
+
+def is_long_step(max_query_len: int) -> bool:
+    """Whether a step of this longest prefill request takes the long class's path."""
+    return max_query_len > LONG_QUERY_LEN
 
 
 def prefill_path(
@@ -1121,7 +1134,9 @@ def prefill_path(
     has_context: bool = True,
 ) -> str:
     """How this call's prefill rows should run (one of PREFILL_PATHS). On CUDA, the fastest
-    path measured once per shape key (head size, group, cache dtype, block size), inside
+    path measured once per shape key (head size, group, cache dtype, block size) and length
+    class (`is_long_step`; the class the call is not of: its dense parts timed on a stand-in
+    batch, `_time_dense_class`, unless the all-paged kernel won), inside
     `prefill_tuning()` on the first call with at least `MIN_TUNE_TOKENS` rows (the engine's
     start-up profile forward, fresh prompts of up to 1,024 tokens), on that call's own inputs
     (its FP8 scales and window included, and `has_context`: the cascades timed without their
@@ -1135,7 +1150,8 @@ def prefill_path(
     the path through `layer_prefill_path`."""
     shape = shape_key(query.shape[1], kv_cache)
     fp8 = kv_cache.dtype != query.dtype
-    planned = planned_prefill_path(query.device, shape, query.shape[0])
+    long = is_long_step(max_query_len)
+    planned = planned_prefill_path(query.device, shape, query.shape[0], max_query_len)
     if planned is not None:
         return layer_prefill_path(planned, fp8, sliding_window)
     rule = default_dense_impl()
@@ -1171,8 +1187,60 @@ def prefill_path(
     if not timings:
         return layer_prefill_path(rule, fp8, sliding_window)
     best = min(timings, key=lambda name: timings[name])
-    _prefill_paths[shape] = best
-    entry = {"key": key_json(shape), "num_tokens": query.shape[0], "ms": timings, "best": best}
+    _prefill_paths[(shape, long)] = best
+    entry = {
+        "key": key_json(shape),
+        "long": long,
+        "num_tokens": query.shape[0],
+        "ms": timings,
+        "best": best,
+    }
+    if hopper_ms:
+        entry["hopper_dense_ms"] = hopper_ms
+    prefill_path_log.append(entry)
+    # The other length class: the same path where the all-paged kernel won (or no dense part
+    # has a choice), else its dense parts timed on a stand-in batch of that class.
+    dense = [impl for impl in impls if impl in timings]
+    other = best
+    if best != "paged" and len(dense) > 1:
+        other = _time_dense_class(query, key, scale, not long, dense) or best
+    _prefill_paths.setdefault((shape, not long), other)
+    return best
+
+
+def _time_dense_class(
+    query: torch.Tensor, key: torch.Tensor, scale: float, long: bool, impls: list[str]
+) -> str | None:
+    """The fastest of `impls` as the dense part of fresh prompts of the `long` class
+    (`_CLASS_SHAPES`: random Q/K/V of the call's heads, head size and dtype, K/V as views of
+    one qkv tensor as the engine's are; the Hopper kernel's config for that class tuned
+    first), in device time; logged in `prefill_path_log`. None when none ran."""
+    num_reqs, length = _CLASS_SHAPES[long]
+    num_tokens = num_reqs * length
+    heads, kv_heads, head_size = query.shape[1], key.shape[1], query.shape[2]
+    qkv = torch.randn(
+        num_tokens, heads + 2 * kv_heads, head_size, device=query.device, dtype=query.dtype
+    )
+    q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+    v = qkv[:, heads + kv_heads :]
+    cu = torch.arange(0, num_tokens + 1, length, device=query.device, dtype=torch.int32)
+    hopper_ms: dict[str, float] = {}
+    if "triton_hopper" in impls:
+        hopper_ms = tune_hopper_config(q, k, v, cu, scale, length)
+    timings = {}
+    for impl in impls:
+        run = functools.partial(
+            dense_causal_attention, q, k, v, cu, scale, max_query_len=length, impl=impl
+        )
+        ms = time_device(run, iters=3)
+        if ms is not None:
+            timings[impl] = ms
+    if not timings:
+        return None
+    best = min(timings, key=lambda name: timings[name])
+    entry: dict[str, object] = {
+        "key": "stand-in", "long": long, "num_tokens": num_tokens, "ms": timings, "best": best,
+    }  # fmt: skip
     if hopper_ms:
         entry["hopper_dense_ms"] = hopper_ms
     prefill_path_log.append(entry)
@@ -1189,14 +1257,17 @@ def layer_prefill_path(path: str, fp8_cache: bool, sliding_window: int | None) -
     return path
 
 
-def planned_prefill_path(device: torch.device, shape: ShapeKey, num_tokens: int) -> str | None:
+def planned_prefill_path(
+    device: torch.device, shape: ShapeKey, num_tokens: int, max_query_len: int
+) -> str | None:
     """The path `prefill_path` gives a call of `num_tokens` query rows of attention shape
     `shape` on `device`, decided on the host from these values alone: the path timed for
-    the shape, else the all-paged kernel off CUDA, else the rule (`default_dense_impl`).
+    the shape and the step's length class (`is_long_step(max_query_len)`), else the
+    all-paged kernel off CUDA, else the rule (`default_dense_impl`).
     None only when that call is the one to time (CUDA, inside `prefill_tuning()`, at least
     `MIN_TUNE_TOKENS` rows, the shape untimed, no graph being captured): `prefill_path`
     times the candidates on the call's own tensors."""
-    picked = _prefill_paths.get(shape)
+    picked = _prefill_paths.get((shape, is_long_step(max_query_len)))
     if picked is not None:
         return picked
     if device.type != "cuda":

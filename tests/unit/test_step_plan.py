@@ -53,8 +53,11 @@ class _Fakes:
         self.paths: list[str] = []  # per prefill-path layer call: "paged" or the dense impl
         self.context_calls = 0  # the cascade's context part, launched
 
-    def planned_prefill_path(self, device: torch.device, shape: Any, num_tokens: int) -> str:
-        assert isinstance(num_tokens, int) and device.type == "cpu"
+    def planned_prefill_path(
+        self, device: torch.device, shape: Any, num_tokens: int, max_query_len: int
+    ) -> str:
+        assert isinstance(num_tokens, int) and isinstance(max_query_len, int)
+        assert device.type == "cpu"
         self.planned += 1
         return "triton"
 

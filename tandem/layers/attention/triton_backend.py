@@ -128,7 +128,9 @@ class TritonAttentionBackend(AttentionBackend):
                 shape.kv_cache_dtype,
                 shape.block_size,
             )
-            path = planned_prefill_path(shape.device, key, metadata.num_actual_tokens)
+            path = planned_prefill_path(
+                shape.device, key, metadata.num_actual_tokens, metadata.max_query_len
+            )
         has_context = metadata.graph_padded or prefill_rows_have_context(metadata)
         return dataclasses.replace(metadata, prefill_path=path, prefill_has_context=has_context)
 
