@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Wave 3, seventeenth session's device plan, each part one device call from the repository
+# root, carrying .whl (see scripts/device_lib.sh), results under $OUT:
+#
+#   PART=prefill: issue 30's kernel table after three changes none of which ran on a GPU:
+#            `prefill_path` timed in device time (session 16), the cascade without its context
+#            launch when no request has a cached prefix (`has_context`), and a path per length
+#            class (steps of more than 1,024 rows a request: `is_long_step`, the other class
+#            timed on a stand-in batch). Their GPU tests, the MoE GPU tests (session 16's
+#            shared helpers), then the kernel table (which path each class took: "path
+#            timing" lines), then one 1,536-token prefill broken down in bf16 and in FP8
+#            weights + cache (session 16's served FP8 reached the first token later than bf16).
+#   PART=served: issue 30's served table at the defaults (bf16, 5 / 15 / 25 req/s), then FP8
+#            weights + cache without PDL at 5 and 15 (session 16's FP8 run had PDL on).
+#   PART=w8a16: batch 1 in FP8 with the W8A16 tuner's picks printed, 512/256 beside it.
+#
+#   OUT=/some/dir PART=prefill bash scripts/gpu_session17.sh
+set -u
+case "${PART:-prefill}" in
+prefill)
+  ISSUE=session17 BUDGET_S=${BUDGET_S:-565}
+  . scripts/device_lib.sh
+  step "prefill path + MoE tests" 200 "$OUT/gpu_tests_prefill_path.log" $PY -m pytest -q -m gpu \
+    --timeout=180 -rs --tb=short tests/gpu/test_cascade_attention_gpu.py \
+    tests/gpu/test_dense_hopper_gpu.py tests/gpu/test_fused_moe_gpu.py \
+    -k "device_timing or prefill_path or cudnn or start_up or (moe and (graph or grouped_mm))"
+  step "kernel table" 170 "$OUT/attention_kernels.log" $PY -m benchmarks.attention_kernels \
+    --out "$OUT/attention_kernels.json"
+  for flags in "bf16:" "fp8:--quantization fp8 --kv-cache-dtype fp8"; do
+    name=${flags%%:*}
+    read -r -a extra <<<"${flags#*:}"
+    step "prefill breakdown $name" 70 "$LOGS/breakdown_$name.log" $PY -m benchmarks.step_breakdown \
+      --model random:llama-3.1-8b "${extra[@]}" --num-prompts 1 --input-len 1536 --steps 2 \
+      --out "$LOGS/breakdown_$name.json"
+    grep -m1 "^prefill" "$LOGS/breakdown_$name.log" | sed "s/^/$name /" >>"$summary"
+  done
+  grep -hE "passed|failed" "$OUT/gpu_tests_prefill_path.log" | tail -n 2 >>"$summary"
+  grep -E "^prefill|^path timing" "$OUT/attention_kernels.log" >>"$summary"
+  finish
+  ;;
+served)
+  # bf16 at the three rates (~170 s with its start-up), then FP8 without PDL at two (~130 s).
+  mkdir -p "$OUT/bf16" "$OUT/fp8"
+  OUT="$OUT/bf16" RUNS=unified OFFLINE=none RATES=5,15,25 BUDGET_S=260 \
+    bash scripts/gpu_issue14.sh 2>&1 | grep -E "^\| unified|answered|total"
+  OUT="$OUT/fp8" RUNS=unified OFFLINE=none RATES=5,15 BUDGET_S=220 \
+    ENGINE_EXTRA="--quantization fp8 --kv-cache-dtype fp8" \
+    bash scripts/gpu_issue14.sh 2>&1 | grep -E "^\| unified|answered|total"
+  rm -f "$OUT"/*/issue14.png
+  ;;
+w8a16)
+  ISSUE=session17 BUDGET_S=${BUDGET_S:-400}
+  . scripts/device_lib.sh
+  WORKLOADS=512/256 offline fp8_fp8kv 250 --quantization fp8 --kv-cache-dtype fp8
+  grep -E "^w8a16" "$OUT/offline_fp8_fp8kv.log" >>"$summary"
+  finish
+  ;;
+*)
+  echo "unknown PART=${PART}" >&2
+  exit 2
+  ;;
+esac
