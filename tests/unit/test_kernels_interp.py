@@ -1396,7 +1396,12 @@ def case_triton_backend_cascade_steps(dtype: torch.dtype) -> None:
     decodes (split-K kernel) and two prefill chunks (one with a cached prefix), plus two
     padded rows; then the same step without `num_decodes` (decodes through the cascade, as in
     a whole-step CUDA graph). Both match the reference over the cache the backend wrote; so
-    does a sliding-window layer (the cascade with the window)."""
+    does a sliding-window layer (the cascade with the window). Then a step of fresh prompts
+    after two decodes: the host lists show no prefix past the decodes
+    (`prefill_rows_have_context`), and the backend's dense part alone (no context launch)
+    matches the reference."""
+    from tandem.layers.attention.backend import prefill_rows_have_context
+
     k = _kernels()
     seq_lens, query_lens = [50, 23, 60, 30], [1, 1, 20, 30]
     num_heads, num_kv_heads, head_size = 4, 2, 32
@@ -1429,6 +1434,20 @@ def case_triton_backend_cascade_steps(dtype: torch.dtype) -> None:
         query, cache, qsl, lens, table, scale, sliding_window=window
     )
     torch.testing.assert_close(out[: len(query)], ref, **_tol(dtype))
+    meta.num_decodes = 2
+    assert prefill_rows_have_context(meta)  # the 20-row chunk has 40 cached tokens
+    fresh_seq, fresh_q = [50, 23, 20, 30], [1, 1, 20, 30]
+    cache, table, qsl, lens, query, key, value = _cascade_scene(
+        dtype, fresh_seq, fresh_q, num_heads, num_kv_heads, head_size, seed=35
+    )
+    positions = [list(range(s - q, s)) for s, q in zip(fresh_seq, fresh_q, strict=True)]
+    meta = _metadata(fresh_q, fresh_seq, table, _slots(table, positions, 16))
+    meta.num_decodes = 2
+    assert not prefill_rows_have_context(meta)
+    meta.prefill_has_context = False
+    out = backend.forward(query, key, value, cache, meta, scale)
+    ref = k.paged_attention.paged_attention_ref(query, cache, qsl, lens, table, scale)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
 def _new_kv(
