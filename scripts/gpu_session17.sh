@@ -13,6 +13,7 @@
 #   PART=served: issue 30's served table at the defaults (bf16, 5 / 15 / 25 req/s), then FP8
 #            weights + cache without PDL at 5 and 15 (session 16's FP8 run had PDL on).
 #   PART=w8a16: batch 1 in FP8 with the W8A16 tuner's picks printed, 512/256 beside it.
+#   PART=tests: the engine-level GPU files, then a full-budget prefill step in bf16 and FP8.
 #
 #   OUT=/some/dir PART=prefill bash scripts/gpu_session17.sh
 set -u
@@ -47,6 +48,32 @@ served)
     ENGINE_EXTRA="--quantization fp8 --kv-cache-dtype fp8" \
     bash scripts/gpu_issue14.sh 2>&1 | grep -E "^\| unified|answered|total"
   rm -f "$OUT"/*/issue14.png
+  ;;
+tests)
+  # The engine-level GPU files (the engine now takes the cuDNN dense part when its timing
+  # says so, and skips the context launch on fresh prompts), FP8 W8A16, windowed layers; then
+  # a full-budget prefill step (8,192 rows of 1,536-token prompts) broken down in bf16 and
+  # in FP8 weights + cache (PART=prefill's one-prompt breakdown profiled decode steps only).
+  ISSUE=session17 BUDGET_S=${BUDGET_S:-560}
+  . scripts/device_lib.sh
+  files="test_gpu_engine.py test_gpu_models.py test_attention_backends_gpu.py
+    test_long_context_gpu.py test_fp8_w8a16_gpu.py test_sliding_window_gpu.py
+    test_hybrid_kv_gpu.py"
+  paths=""
+  for f in $files; do paths="$paths tests/gpu/$f"; done
+  # shellcheck disable=SC2086  # one path a word
+  step "GPU engine-level files" 330 "$OUT/gpu_tests_engine.log" $PY -m pytest -q -m gpu \
+    --timeout=300 -rs --tb=short --durations=10 $paths
+  grep -E "passed|failed|error" "$OUT/gpu_tests_engine.log" | tail -n 2 >>"$summary"
+  for flags in "bf16:" "fp8:--quantization fp8 --kv-cache-dtype fp8"; do
+    name=${flags%%:*}
+    read -r -a extra <<<"${flags#*:}"
+    step "prefill step $name" 90 "$OUT/breakdown_$name.log" $PY -m benchmarks.step_breakdown \
+      --model random:llama-3.1-8b "${extra[@]}" --num-prompts 32 --input-len 1536 --steps 2 \
+      --out "$LOGS/breakdown_$name.json"
+    grep -m1 "^prefill" "$OUT/breakdown_$name.log" | sed "s/^/$name /" >>"$summary"
+  done
+  finish
   ;;
 w8a16)
   ISSUE=session17 BUDGET_S=${BUDGET_S:-400}
