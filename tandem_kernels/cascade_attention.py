@@ -709,9 +709,15 @@ def dense_causal_attention(
     if query.is_cuda and block_m is None and block_n is None and num_warps is None:
         # Measured on the H200 (bf16, d 128, GQA 4): 64 x 64 tiles, 4 warps lead up to 1k-token
         # requests (8 x 1,024: 304 TFLOP/s against 272 for 128 x 64 x 8), 128 x 128, 8 warps
-        # past them (2 x 4,096: 416 against 397; 1 x 32,768: 476 against 449).
+        # past them (2 x 4,096: 416 against 397; 1 x 32,768: 476 against 449). Past head size
+        # 128 (Gemma 3's 256) 64 x 64 in two stages: the long tiles in three asked 448 KB of
+        # shared memory (H200: 227 KB), the short ones 229 KB.
         short = max_query_len <= 1024
-        block_m, block_n, num_warps = (64, 64, 4) if short else (128, 128, 8)
+        if query.shape[2] > 128:
+            block_m, block_n, num_warps = 64, 64, 4
+            num_stages = 2 if num_stages is None else num_stages
+        else:
+            block_m, block_n, num_warps = (64, 64, 4) if short else (128, 128, 8)
     return _dense_triton(
         query, key, value, cu_seqlens, scale * k_scale, block_m, block_n, num_warps,
         num_stages, v_scale, window,
