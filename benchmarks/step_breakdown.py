@@ -25,9 +25,18 @@ import torch
 from benchmarks.offline_workload import make_prompts
 from tandem.config import add_engine_args, engine_kwargs_from
 
+# First match wins: attention before matmul, since cuDNN's attention kernels carry "sm90" in
+# their names (and our dense prefill kernels match neither otherwise).
 _KINDS = [
+    (
+        "attention",
+        re.compile(
+            r"attention|attn|paged|_decode_kernel|_decode_reduce|prefill_kernel|dense_hopper"
+            r"|dense_causal|fmha|sdpa|flash_fwd",
+            re.I,
+        ),
+    ),
     ("matmul", re.compile(r"gemm|gemv|w8a16|cutlass|xmma|nvjet|cublas|matmul|sm90|sm100", re.I)),
-    ("attention", re.compile(r"attention|attn|paged|decode_kernel|prefill_kernel|reduce_kernel")),
     ("kv_write", re.compile(r"reshape_and_cache|cache_kernel|kv_write", re.I)),
     ("norm_rotary_act", re.compile(r"rms|norm|rotary|rope|silu|act_and_mul|mul_kernel", re.I)),
     ("sampling", re.compile(r"argmax|sort|softmax|exponential|topk|max_kernel", re.I)),
