@@ -247,31 +247,35 @@ def _dense_cudnn(
     num_reqs: int,
     seq_len: int,
     scale: float,
+    need_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of `num_reqs` requests of `seq_len` tokens each (rows r * seq_len ..
     of `query [T, H, D]`, `key`/`value [T, Hkv, D]`) through torch's cuDNN attention: the
     batch as `[R, H, L, D]` views (no copy in), the output copied back to `[T, H, D]` and
-    the LSE (natural log, `[R, H, L]`) to `[H, T]` fp32. cuDNN builds a graph per shape and
-    keeps it, so a step of a new length pays one build."""
+    the LSE (natural log, `[R, H, L]`) to `[H, T]` fp32; without `need_lse` cuDNN writes no
+    LSE and an empty `[H, 0]` stands in. cuDNN builds a graph per shape and keeps it, so a
+    step of a new length pays one build."""
     t = num_reqs * seq_len
     h, d = query.shape[1], query.shape[2]
     hkv = key.shape[1]
     q = query[:t].view(num_reqs, seq_len, h, d).transpose(1, 2)
     k = key[:t].view(num_reqs, seq_len, hkv, d).transpose(1, 2)
     v = value[:t].view(num_reqs, seq_len, hkv, d).transpose(1, 2)
-    out, lse = _cudnn_sdpa(q, k, v, scale)
+    out, lse = _cudnn_sdpa(q, k, v, scale, need_lse)
     out = out.transpose(1, 2).reshape(t, h, d)
+    if not need_lse:
+        return out, torch.empty((h, 0), dtype=torch.float32, device=query.device)
     lse = lse.reshape(num_reqs, h, seq_len).permute(1, 0, 2).reshape(h, t).float()
     return out, lse
 
 
 def _cudnn_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, need_lse: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's cuDNN attention, causal, with its LSE: `(out [R, H, L, D], lse [R, H, L(, 1)])`
-    for `q [R, H, L, D]`, `k`/`v [R, Hkv, L, D]` (GQA taken as is)."""
+    """torch's cuDNN attention, causal, with its LSE where `need_lse`: `(out [R, H, L, D],
+    lse [R, H, L(, 1)])` for `q [R, H, L, D]`, `k`/`v [R, Hkv, L, D]` (GQA taken as is)."""
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, True, False, scale=scale
+        q, k, v, None, need_lse, 0.0, True, False, scale=scale
     )[:2]
     return out, lse
 
@@ -636,11 +640,13 @@ def dense_causal_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sliding_window: int | None = None,
+    need_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen causal self-attention over dense K/V: request r's queries, keys and values are
     rows `cu_seqlens[r]:cu_seqlens[r+1]` of `query [T, H, D]`, `key`/`value [T, Hkv, D]`
     (last dim contiguous); row j of a request sees its keys 0..j, with `sliding_window` W
-    (0/None: off) only keys j - W < k <= j. Returns `(out [T, H, D], lse [H, T] fp32)`; rows
+    (0/None: off) only keys j - W < k <= j. Returns `(out [T, H, D], lse [H, T] fp32)` (the
+    "cudnn" part without `need_lse`, the caller merging nothing into it: an empty LSE); rows
     past `cu_seqlens[R]` are not written. `max_query_len` (a host int, an upper bound is fine)
     sizes FlashAttention's grid and picks the Hopper kernel's config class. `impl`: "flash",
     "triton" or "triton_hopper" (None: `default_dense_impl`); the block/warp/stage knobs tune
@@ -681,7 +687,7 @@ def dense_causal_attention(
         capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
         if equal and not (fp8 or window or capturing):
             try:
-                return _dense_cudnn(query, key, value, num_reqs, max_query_len, scale)
+                return _dense_cudnn(query, key, value, num_reqs, max_query_len, scale, need_lse)
             except RuntimeError as exc:  # a shape cuDNN refuses: ours below
                 _warn_cudnn_fallback(exc)
         hopper = hopper_dense_supported(query, key, window)
@@ -1341,6 +1347,7 @@ def cascade_prefill_attention(
         block_n=dense[1],
         num_warps=dense[2],
         num_stages=dense[3],
+        need_lse=has_context,
         **scales,
     )
     if not has_context:

@@ -1303,16 +1303,19 @@ def case_dense_cudnn_layouts(dtype: torch.dtype) -> None:
     """The "cudnn" dense part's layouts, with cuDNN's call replaced by torch returning what
     cuDNN returns (`[R, H, L, D]` output, `[R, H, L, 1]` natural-log LSE): requests of one
     length go through it, from Q/K/V views of one qkv tensor, and match our kernel's output
-    and LSE; unequal lengths, a window, a length off the multiple and a refused shape run our
+    and LSE (without `need_lse`: the same output, cuDNN asked for no LSE, an empty one
+    back); unequal lengths, a window, a length off the multiple and a refused shape run our
     kernel, bit for bit."""
     k = _kernels()
     cascade = k.cascade
     calls: list[tuple[int, ...]] = []
+    lse_asked: list[bool] = []
 
     def fake_cudnn(
-        q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, scale: float
+        q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, scale: float, need_lse: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append(tuple(q.shape))
+        lse_asked.append(need_lse)
         group = q.shape[1] // kk.shape[1]
         kf, vf = (t.float().repeat_interleave(group, 1) for t in (kk, vv))
         scores = q.float() @ kf.transpose(-1, -2) * scale
@@ -1341,6 +1344,12 @@ def case_dense_cudnn_layouts(dtype: torch.dtype) -> None:
         )
         torch.testing.assert_close(out, ours, **_tol(dtype))
         torch.testing.assert_close(lse, ours_lse, atol=1e-4, rtol=1e-4)
+        bare, no_lse = cascade.dense_causal_attention(
+            query, key, value, qsl, 0.3, max_query_len=16, impl="cudnn", need_lse=False
+        )
+        assert torch.equal(bare, out) and no_lse.shape == (4, 0)
+        assert lse_asked == [True, False]
+        calls.pop()
         for lens, max_len, window in (([20, 9], 20, None), ([16, 16], 16, 5), ([8] * 4, 8, None)):
             qsl = _batch(lens)
             n = sum(lens)

@@ -197,7 +197,7 @@ class TritonAttentionBackend(AttentionBackend):
             dense_k, dense_v = fp8_rounded_kv(key, value, kv_cache.dtype, k_scale, v_scale)
             out, lse = dense_causal_attention(
                 query, dense_k, dense_v, qsl, scale, max_query_len=metadata.max_query_len,
-                impl=path, **scales, **window,
+                impl=path, need_lse=metadata.prefill_has_context, **scales, **window,
             )  # fmt: skip
             if nd:
                 decode(query[:nd], kv_cache, seq_lens[:nd], block_table[:nd], scale, out=out[:nd])
