@@ -8,8 +8,8 @@
 #            class (steps of more than 1,024 rows a request: `is_long_step`, the other class
 #            timed on a stand-in batch). Their GPU tests, the MoE GPU tests (session 16's
 #            shared helpers), then the kernel table (which path each class took: "path
-#            timing" lines), then one 1,536-token prefill broken down in bf16 and in FP8
-#            weights + cache (session 16's served FP8 reached the first token later than bf16).
+#            timing" lines). (As run in session 17 it also broke down a one-prompt prefill,
+#            which profiled decode steps only: PART=tests breaks down full-budget steps.)
 #   PART=served: issue 30's served table at the defaults (bf16, 5 / 15 / 25 req/s), then FP8
 #            weights + cache without PDL at 5 and 15 (session 16's FP8 run had PDL on).
 #   PART=w8a16: batch 1 in FP8 with the W8A16 tuner's picks printed, 512/256 beside it.
@@ -27,14 +27,6 @@ prefill)
     -k "device_timing or prefill_path or cudnn or start_up or (moe and (graph or grouped_mm))"
   step "kernel table" 170 "$OUT/attention_kernels.log" $PY -m benchmarks.attention_kernels \
     --out "$OUT/attention_kernels.json"
-  for flags in "bf16:" "fp8:--quantization fp8 --kv-cache-dtype fp8"; do
-    name=${flags%%:*}
-    read -r -a extra <<<"${flags#*:}"
-    step "prefill breakdown $name" 70 "$LOGS/breakdown_$name.log" $PY -m benchmarks.step_breakdown \
-      --model random:llama-3.1-8b "${extra[@]}" --num-prompts 1 --input-len 1536 --steps 2 \
-      --out "$LOGS/breakdown_$name.json"
-    grep -m1 "^prefill" "$LOGS/breakdown_$name.log" | sed "s/^/$name /" >>"$summary"
-  done
   grep -hE "passed|failed" "$OUT/gpu_tests_prefill_path.log" | tail -n 2 >>"$summary"
   grep -E "^prefill|^path timing" "$OUT/attention_kernels.log" >>"$summary"
   finish
@@ -56,14 +48,11 @@ tests)
   # in FP8 weights + cache (PART=prefill's one-prompt breakdown profiled decode steps only).
   ISSUE=session17 BUDGET_S=${BUDGET_S:-560}
   . scripts/device_lib.sh
-  files="test_gpu_engine.py test_gpu_models.py test_attention_backends_gpu.py
+  files=(test_gpu_engine.py test_gpu_models.py test_attention_backends_gpu.py
     test_long_context_gpu.py test_fp8_w8a16_gpu.py test_sliding_window_gpu.py
-    test_hybrid_kv_gpu.py"
-  paths=""
-  for f in $files; do paths="$paths tests/gpu/$f"; done
-  # shellcheck disable=SC2086  # one path a word
+    test_hybrid_kv_gpu.py)
   step "GPU engine-level files" 330 "$OUT/gpu_tests_engine.log" $PY -m pytest -q -m gpu \
-    --timeout=300 -rs --tb=short --durations=10 $paths
+    --timeout=300 -rs --tb=short --durations=10 "${files[@]/#/tests/gpu/}"
   grep -E "passed|failed|error" "$OUT/gpu_tests_engine.log" | tail -n 2 >>"$summary"
   for flags in "bf16:" "fp8:--quantization fp8 --kv-cache-dtype fp8"; do
     name=${flags%%:*}

@@ -65,6 +65,7 @@ import itertools
 import logging
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -1193,30 +1194,11 @@ def prefill_path(
             query, key, value, kv_cache, query_start_loc, seq_lens, block_table, scale,
             max_query_len=max_query_len, dense_impl=impl, **cascade_extra,
         )  # fmt: skip
-    timings = {}
-    for name, run in runs.items():
-        # Device time, not the host's: eager prefill steps queue many layers ahead of the
-        # device. Timed with the host's work in (session 16, H200, 8 x 1,024), the cuDNN
-        # candidate lost (0.257 ms against the Hopper kernel's 0.225) though its dense part
-        # alone beats it (432 against 359 TFLOP/s); its host side (op dispatch, cuDNN's plan
-        # lookup) is the likely difference, not yet measured apart.
-        ms = time_device(run, iters=3)
-        if ms is not None:
-            timings[name] = ms
-    if not timings:
+    timed = _fastest_path(runs, key_json(shape), long, query.shape[0], hopper_ms)
+    if timed is None:
         return layer_prefill_path(rule, fp8, sliding_window)
-    best = min(timings, key=lambda name: timings[name])
+    best, timings = timed
     _prefill_paths[(shape, long)] = best
-    entry = {
-        "key": key_json(shape),
-        "long": long,
-        "num_tokens": query.shape[0],
-        "ms": timings,
-        "best": best,
-    }
-    if hopper_ms:
-        entry["hopper_dense_ms"] = hopper_ms
-    prefill_path_log.append(entry)
     # The other length class: the same path where the all-paged kernel won (or no dense part
     # has a choice), else its dense parts timed on a stand-in batch of that class.
     dense = [impl for impl in impls if impl in timings]
@@ -1246,24 +1228,46 @@ def _time_dense_class(
     hopper_ms: dict[str, float] = {}
     if "triton_hopper" in impls:
         hopper_ms = tune_hopper_config(q, k, v, cu, scale, length)
-    timings = {}
-    for impl in impls:
-        run = functools.partial(
+    runs = {
+        impl: functools.partial(
             dense_causal_attention, q, k, v, cu, scale, max_query_len=length, impl=impl
         )
+        for impl in impls
+    }
+    timed = _fastest_path(runs, "stand-in", long, num_tokens, hopper_ms)
+    return None if timed is None else timed[0]
+
+
+def _fastest_path(
+    runs: dict[str, Callable[[], object]],
+    key: object,
+    long: bool,
+    num_tokens: int,
+    hopper_ms: dict[str, float],
+) -> tuple[str, dict[str, float]] | None:
+    """Each candidate of `runs` timed in device time (candidates that fail to run left out),
+    logged in `prefill_path_log` with the Hopper kernel's config times where it was tuned:
+    `(fastest, times)`, None when none ran.
+
+    Device time, not the host's: eager prefill steps queue many layers ahead of the device.
+    Timed with the host's work in (session 16, H200, 8 x 1,024), the cuDNN candidate lost
+    (0.257 ms against the Hopper kernel's 0.225) though its dense part alone beats it (432
+    against 359 TFLOP/s); in device time it won (session 17: 0.156 against 0.192)."""
+    timings: dict[str, float] = {}
+    for name, run in runs.items():
         ms = time_device(run, iters=3)
         if ms is not None:
-            timings[impl] = ms
+            timings[name] = ms
     if not timings:
         return None
-    best = min(timings, key=lambda name: timings[name])
+    best = min(timings, key=timings.__getitem__)
     entry: dict[str, object] = {
-        "key": "stand-in", "long": long, "num_tokens": num_tokens, "ms": timings, "best": best,
+        "key": key, "long": long, "num_tokens": num_tokens, "ms": timings, "best": best,
     }  # fmt: skip
     if hopper_ms:
         entry["hopper_dense_ms"] = hopper_ms
     prefill_path_log.append(entry)
-    return best
+    return best, timings
 
 
 def layer_prefill_path(path: str, fp8_cache: bool, sliding_window: int | None) -> str:
