@@ -15,8 +15,10 @@ its GB/s count the experts each call touched. Calls vouch every expert is local
 
 Where the grouped path serves a token count (a `MoEConfig` was tuned for its bucket), the two
 forms of GEMM 1 are timed side by side (`forms`, eager): the fastest unfused and the fastest
-SiLU-epilogue config of the tuner's timings for that bucket, and the tuned pick with the zero
-fill of GEMM 2's output (`zero_fill`, what it cost before the keyword).
+SiLU-epilogue config of the tuner's timings for that bucket (weights through pointers), the
+fastest with the weights through TMA (`b_tma`), and the tuned pick with the zero fill of GEMM
+2's output (`zero_fill`, what it cost before the keyword). `--breakdown` adds each call's
+device time by kernel (torch.profiler).
 
     python -m benchmarks.moe_kernel --tokens 1 8 64 512 4096 16384 --out moe.json
 """
@@ -177,15 +179,45 @@ def _forms(
     forms: dict[str, Any] = {}
     for form, silu in (("unfused", False), ("silu_epilogue", True)):
         names = [
-            n for n, c in timed.items() if isinstance(c, MoEConfig) and c.silu_in_epilogue == silu
+            n
+            for n, c in timed.items()
+            if isinstance(c, MoEConfig) and c.silu_in_epilogue == silu and not c.b_tma
         ]
         if names:
             best = min(names, key=ms_of.__getitem__)
             forms[form] = rate(timed[best], all_experts_local=True)
+    tma = [n for n, c in timed.items() if isinstance(c, MoEConfig) and c.b_tma]
+    if tma:
+        forms["b_tma"] = rate(timed[min(tma, key=ms_of.__getitem__)], all_experts_local=True)
     if any(isinstance(c, GroupedMMConfig) for c in timed.values()):
         forms["grouped_mm"] = rate(GroupedMMConfig(), all_experts_local=True)
     forms["zero_fill"] = rate(tuned, all_experts_local=False)
     return forms
+
+
+def _breakdown(
+    w13: torch.Tensor, w2: torch.Tensor, top_k: int, tokens: int, calls: int = 10
+) -> list[dict[str, Any]]:
+    """Device microseconds a call by kernel (torch.profiler over `calls` eager calls of the
+    tuned config), costliest first: where a call's time goes (alignment, GEMMs, SiLU, sum)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tandem_kernels.fused_moe import fused_moe
+
+    num_experts, _, hidden = w13.shape
+    x, weights, ids = _routing(tokens, hidden, num_experts, top_k)
+    fused_moe(x, w13, w2, weights, ids, all_experts_local=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fused_moe(x, w13, w2, weights, ids, all_experts_local=True)
+        torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages():
+        t = getattr(evt, "self_device_time_total", 0.0) or getattr(evt, "self_cuda_time_total", 0.0)
+        if t > 0 and evt.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append({"kernel": evt.key[:100], "us": t / calls, "launches": evt.count / calls})
+    return sorted(rows, key=lambda r: -r["us"])
 
 
 def main() -> None:
@@ -196,6 +228,9 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=sorted(SHAPES))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default="")
+    p.add_argument(
+        "--breakdown", action="store_true", help="device time a call by kernel (torch.profiler)"
+    )
     ns = p.parse_args()
     result: dict[str, Any] = {
         "benchmark": "moe_kernel",
@@ -232,6 +267,12 @@ def main() -> None:
                 f"dense per-expert {r['dense_per_expert_tflops']:.0f} TFLOP/s",
                 flush=True,
             )
+            if ns.breakdown:
+                r["breakdown"] = _breakdown(w13, w2, top_k, tokens)
+                total = sum(b["us"] for b in r["breakdown"])
+                print(f"  {name} T={tokens} device {total:.1f} us a call by kernel:", flush=True)
+                for b in r["breakdown"][:12]:
+                    print(f"    {b['us']:8.1f} us  x{b['launches']:.0f}  {b['kernel']}")
             forms = _forms(w13, w2, top_k, tokens, ns.iters, chosen)
             if forms:
                 r["forms"] = forms

@@ -80,8 +80,10 @@ from typing import Literal, NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tandem_kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_tile
+from tandem_kernels.moe_align import moe_align_block_size
 
 
 @triton.jit
@@ -104,6 +106,7 @@ def _fused_moe_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
+    B_ROWS,
     A_ROW_DIV: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
@@ -112,6 +115,7 @@ def _fused_moe_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    B_TMA: tl.constexpr,
 ):
     """One `[BLOCK_M, BLOCK_N]` tile of `C[p] = A[p // A_ROW_DIV] @ B[expert]^T` over the
     sorted pairs of one expert (times the pair's routing weight when MUL_ROUTED_WEIGHT).
@@ -119,7 +123,12 @@ def _fused_moe_kernel(
     SILU_AND_MUL (GEMM 1 with SiLU in its epilogue): B has 2N rows, gate then up; the tile
     of gate columns n and the tile of up columns N + n accumulate over the same A tiles, and
     C (`[P, N]`) gets `silu(gate) * up`, with gate and up rounded to C's dtype first as the
-    unfused path stores them (silu_and_mul_tile: the same values as silu_and_mul's)."""
+    unfused path stores them (silu_and_mul_tile: the same values as silu_and_mul's).
+
+    B_TMA: `b_ptr` is a tensor descriptor over B's `[E * B_ROWS, K]` view (`[BLOCK_N,
+    BLOCK_K]` blocks) and B's tiles come through TMA; a tile past an expert's N rows reads the
+    next expert's rows (or zeros past the end) into columns the store masks, and columns past
+    K read zeros. Else B is read through pointers with its strides."""
     tl.static_assert(not (SILU_AND_MUL and MUL_ROUTED_WEIGHT))
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
@@ -141,21 +150,33 @@ def _fused_moe_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (offs_pair[:, None] // A_ROW_DIV) * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    if B_TMA:
+        b_row = (expert * B_ROWS + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        b_ptrs = (
+            b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU_AND_MUL:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
-        b_mask = k_mask[:, None] & n_mask[None, :]
-        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        if B_TMA:
+            b = b_ptr.load([b_row, k * BLOCK_K]).T
+        else:
+            b_mask = k_mask[:, None] & n_mask[None, :]
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if SILU_AND_MUL:
-            b_up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
+            if B_TMA:
+                b_up = b_ptr.load([b_row + N, k * BLOCK_K]).T
+            else:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        if not B_TMA:
+            b_ptrs += BLOCK_K * stride_bk
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + offs_pair, mask=pair_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
@@ -258,37 +279,6 @@ def _moe_decode_down_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def moe_align_block_size(
-    topk_ids: torch.Tensor, block_m: int, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(sorted_token_ids [EM] int32, expert_ids [EM / block_m] int32, num_tokens_post_padded
-    [1] int32)` for `topk_ids [T, k]` (see the module docstring). Device ops only, no sync."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    num_pairs = flat.numel()
-    dev = flat.device
-    capped = flat.clamp(max=num_experts)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, capped, torch.ones_like(capped))
-    counts = counts[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    padded_start = padded_end - padded
-    unpadded_start = counts.cumsum(0) - counts
-    order = torch.argsort(capped, stable=True)
-    sorted_experts = capped[order]
-    valid = sorted_experts < num_experts
-    expert_of = sorted_experts.clamp(max=num_experts - 1)
-    rank = torch.arange(num_pairs, device=dev) - unpadded_start[expert_of]
-    max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-    # Pairs of other ranks' experts land in one scratch slot past the end.
-    pos = torch.where(valid, padded_start[expert_of] + rank, max_padded)
-    sorted_ids = torch.full((max_padded + 1,), num_pairs, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, pos, order.to(torch.int32))
-    block_starts = torch.arange(0, max_padded, block_m, device=dev)
-    expert_ids = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
-    return sorted_ids[:max_padded], expert_ids, padded_end[-1:].to(torch.int32)
-
-
 class GemmTiles(NamedTuple):
     """One grouped GEMM's tiles but BLOCK_M: `block_n` output columns over `block_k` columns
     of K a step, `group_m` row tiles side by side (they share B tiles in L2), `num_warps`,
@@ -306,7 +296,9 @@ class MoEConfig(NamedTuple):
     tiles of GEMM 1 (the rest as in `GemmTiles`). `silu_in_epilogue`: GEMM 1 stores
     `silu(gate) * up` (block_n of the I act columns a tile, two accumulators) instead of
     gate_up for a separate SiLU-and-mul pass. `down`: GEMM 2's own tiles (K is I, N is H),
-    None for GEMM 1's; block_m is shared, since the alignment pads each expert's rows to it."""
+    None for GEMM 1's; block_m is shared, since the alignment pads each expert's rows to it.
+    `b_tma`: both GEMMs read the expert weights through TMA tensor descriptors (sm_90 and
+    later, `b_tma_usable`), the gathered rows of x and act through pointers as ever."""
 
     block_m: int
     block_n: int
@@ -316,6 +308,7 @@ class MoEConfig(NamedTuple):
     num_stages: int
     silu_in_epilogue: bool = False
     down: GemmTiles | None = None
+    b_tma: bool = False
 
     @property
     def gate_up_tiles(self) -> GemmTiles:
@@ -511,19 +504,21 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     dev, dtype = hidden_states.device, hidden_states.dtype
     routing = (weights, sorted_ids, expert_ids, num_post)
-    gate_up_tiles = config.gate_up_tiles
+    gate_up_tiles, tma = config.gate_up_tiles, config.b_tma
     if config.silu_in_epilogue:
         act = torch.empty(num_pairs, two_inter // 2, dtype=dtype, device=dev)
-        _launch(hidden_states, w13, act, *routing, top_k, "silu_and_mul", block_m, gate_up_tiles)
+        _launch(
+            hidden_states, w13, act, *routing, top_k, "silu_and_mul", block_m, gate_up_tiles, tma
+        )
     else:
         gate_up = torch.empty(num_pairs, two_inter, dtype=dtype, device=dev)
-        _launch(hidden_states, w13, gate_up, *routing, top_k, None, block_m, gate_up_tiles)
+        _launch(hidden_states, w13, gate_up, *routing, top_k, None, block_m, gate_up_tiles, tma)
         act = silu_and_mul(gate_up)
     # Rows of other ranks' experts are never written: unless there are none, they must read
     # as zeros in the sum.
     alloc = torch.empty if all_experts_local else torch.zeros
     down = alloc(num_pairs, hidden, dtype=dtype, device=dev)
-    _launch(act, w2, down, *routing, 1, "routed_weight", block_m, config.down_tiles)
+    _launch(act, w2, down, *routing, 1, "routed_weight", block_m, config.down_tiles, tma)
     return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
 
 
@@ -536,6 +531,24 @@ def grouped_mm_supported(w13: torch.Tensor, w2: torch.Tensor) -> bool:
         and w13.dtype == w2.dtype == torch.bfloat16
         and hidden % 8 == 0
         and inter % 8 == 0
+    )
+
+
+def b_tma_usable(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the grouped path can read these expert weights through TMA descriptors
+    (`MoEConfig.b_tma`): a CUDA sm_90+ device or the interpreter, 16-byte aligned bases and
+    rows (H and I times the element size multiples of 16 bytes)."""
+    if w13.is_cuda:
+        if torch.cuda.get_device_capability(w13.device)[0] < 9:
+            return False
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    inter, hidden, size = w2.shape[2], w2.shape[1], w2.element_size()
+    return (
+        (hidden * size) % 16 == 0
+        and (inter * size) % 16 == 0
+        and w13.data_ptr() % 16 == 0
+        and w2.data_ptr() % 16 == 0
     )
 
 
@@ -635,17 +648,22 @@ def _launch(
     epilogue: Epilogue,
     block_m: int,
     tiles: GemmTiles,
+    b_tma: bool = False,
 ) -> None:
     """`c = a @ b^T` over the sorted pairs (`_fused_moe_kernel`); "silu_and_mul": b holds
-    gate then up rows and c gets `silu(gate) * up` (half b's rows wide)."""
+    gate then up rows and c gets `silu(gate) * up` (half b's rows wide). `b_tma`: b's tiles
+    through a TMA descriptor over its `[E * rows, K]` view."""
     em = sorted_ids.shape[0]
     silu = epilogue == "silu_and_mul"
     n, k = b.shape[1] // 2 if silu else b.shape[1], b.shape[2]
     assert c.shape[1] == n
     grid = (triton.cdiv(em, block_m) * triton.cdiv(n, tiles.block_n),)
+    b_arg: torch.Tensor | TensorDescriptor = b
+    if b_tma:
+        b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [tiles.block_n, tiles.block_k])
     _fused_moe_kernel[grid](
         a,
-        b,
+        b_arg,
         c,
         weights,
         sorted_ids,
@@ -662,6 +680,7 @@ def _launch(
         b.stride(2),
         c.stride(0),
         c.stride(1),
+        b.shape[1],
         A_ROW_DIV=a_row_div,
         MUL_ROUTED_WEIGHT=epilogue == "routed_weight",
         SILU_AND_MUL=silu,
@@ -670,6 +689,7 @@ def _launch(
         BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m,
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        B_TMA=b_tma,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -708,6 +728,7 @@ def tune_fused_moe(
     decode_candidates: tuple[DecodeConfig, ...] = _DECODE_CANDIDATES,
     down_candidates: tuple[GemmTiles, ...] = _DOWN_CANDIDATES,
     grouped_mm: bool | None = None,
+    b_tma: bool | None = None,
 ) -> dict[int, FusedMoEConfig]:
     """Time `candidates` for every token bucket up to `max_tokens` not tuned yet for this
     layer shape (on these weights, uniformly random routing, seeded) and keep the fastest;
@@ -720,9 +741,13 @@ def tune_fused_moe(
     each of `down_candidates` as GEMM 2's tiles (`MoEConfig.down`), and the fastest of all
     is kept: a second step, not the product of the two lists. `grouped_mm` (None: where
     `grouped_mm_supported`): buckets past the decode path's also time the torch grouped-GEMM
-    path (`GroupedMMConfig`)."""
+    path (`GroupedMMConfig`). `b_tma` (None: where `b_tma_usable`): last, the fastest config
+    of each SiLU form (its down tiles included) is timed again with the weights through TMA
+    (`MoEConfig.b_tma`)."""
     if grouped_mm is None:
         grouped_mm = grouped_mm_supported(w13, w2)
+    if b_tma is None:
+        b_tma = b_tma_usable(w13, w2)
     key = _shape_key(w13, top_k)
     num_experts, _, hidden = w13.shape
     dev = w13.device
@@ -749,20 +774,20 @@ def tune_fused_moe(
                 if ms is not None:
                     timings.append((config, ms))
             for silu in (False, True):
-                form = [
-                    timed
-                    for timed in timings
-                    if isinstance(timed[0], MoEConfig) and timed[0].silu_in_epilogue == silu
-                ]
-                if not form:
-                    continue
-                base = min(form, key=lambda timed: timed[1])[0]
-                for down in down_candidates:
+                base = _fastest_of_form(timings, silu)
+                for down in down_candidates if base is not None else ():
                     if down != base.gate_up_tiles:  # else base itself
                         config = base._replace(down=down)
                         ms = _time_call(problem, config, decode, iters)
                         if ms is not None:
                             timings.append((config, ms))
+            for silu in (False, True) if b_tma else ():
+                base = _fastest_of_form(timings, silu)
+                if base is not None:
+                    config = base._replace(b_tma=True)
+                    ms = _time_call(problem, config, decode, iters)
+                    if ms is not None:
+                        timings.append((config, ms))
             if timings:
                 best = min(timings, key=lambda timed: timed[1])[0]
                 _configs[(key, bucket)] = best
@@ -779,11 +804,28 @@ def tune_fused_moe(
     return {b: c for (k, b), c in _configs.items() if k == key}
 
 
+def _fastest_of_form(
+    timings: list[tuple[FusedMoEConfig, float]], silu_in_epilogue: bool
+) -> MoEConfig | None:
+    """The fastest grouped-path config timed so far with this SiLU form, if any."""
+    form = [
+        (config, ms)
+        for config, ms in timings
+        if isinstance(config, MoEConfig) and config.silu_in_epilogue == silu_in_epilogue
+    ]
+    if not form:
+        return None
+    best = min(form, key=lambda timed: timed[1])[0]
+    assert isinstance(best, MoEConfig)
+    return best
+
+
 def config_name(config: FusedMoEConfig) -> str:
     """`16x64x64x1x4x3` for a grouped-path config, `silu-epilogue:16x64x64x1x4x3` for one
     with SiLU in GEMM 1's epilogue, either followed by `/down:128x64x8x4x3` where GEMM 2 has
-    its own tiles; `decode:16x256x1x8x1024x1x4` for the decode path's, `grouped-mm` for the
-    torch grouped-GEMM path (the tuning log's names)."""
+    its own tiles, then `+tma` where the weights come through TMA (`MoEConfig.b_tma`);
+    `decode:16x256x1x8x1024x1x4` for the decode path's, `grouped-mm` for the torch
+    grouped-GEMM path (the tuning log's names)."""
     if isinstance(config, DecodeConfig):
         return "decode:" + _join(config)
     if isinstance(config, GroupedMMConfig):
@@ -791,25 +833,32 @@ def config_name(config: FusedMoEConfig) -> str:
     name = _join(config[:6])
     if config.silu_in_epilogue:
         name = f"silu-epilogue:{name}"
-    return name if config.down is None else f"{name}/down:{_join(config.down)}"
+    if config.down is not None:
+        name = f"{name}/down:{_join(config.down)}"
+    return name + _TMA_SUFFIX if config.b_tma else name
 
 
 def config_from_name(name: str) -> FusedMoEConfig:
     """The config `config_name` gave this name (a tuning log's entries back to configs)."""
     if name == _GROUPED_MM_NAME:
         return GroupedMMConfig()
+    b_tma = name.endswith(_TMA_SUFFIX)
+    name = name.removesuffix(_TMA_SUFFIX)
     head, _, down = name.partition("/down:")
     form, _, tiles = head.rpartition(":")
     values = [int(v) for v in tiles.split("x")]
-    if form == "decode" and not down:
+    if form == "decode" and not down and not b_tma:
         return DecodeConfig(*values)
     if form not in ("", "silu-epilogue") or len(values) != 6:
         raise ValueError(f"not a fused MoE config name: {name!r}")
     down_tiles = GemmTiles(*(int(v) for v in down.split("x"))) if down else None
-    return MoEConfig(*values, silu_in_epilogue=form == "silu-epilogue", down=down_tiles)
+    return MoEConfig(
+        *values, silu_in_epilogue=form == "silu-epilogue", down=down_tiles, b_tma=b_tma
+    )
 
 
 _GROUPED_MM_NAME = "grouped-mm"
+_TMA_SUFFIX = "+tma"
 
 
 def _join(values: tuple[int, ...]) -> str:

@@ -100,9 +100,9 @@ def test_every_config_matches_sdpa(scene: str, config: dh.HopperConfig) -> None:
 def test_other_head_sizes_match_sdpa(head_size: int, config: dh.HopperConfig) -> None:
     """Head sizes of other models (64: Llama 3.2 1B; 256: Gemma 3) at the varlen scene, K/V
     as views of one qkv tensor, output and LSE against the dense reference. A config may not
-    fit this device's shared memory at a head size (start-up timing then leaves it out): it
-    must say so by raising, never run wrong."""
-    from triton.runtime.errors import OutOfResources
+    fit this device's shared memory or registers at a head size (start-up timing then leaves
+    it out): it must say so by raising, never run wrong."""
+    from triton.runtime.errors import OutOfResources, PTXASError
 
     from tandem_kernels.cascade_attention import dense_causal_ref
 
@@ -117,7 +117,7 @@ def test_other_head_sizes_match_sdpa(head_size: int, config: dh.HopperConfig) ->
     scale = head_size**-0.5
     try:
         out, lse = dh.dense_hopper_attention(query, key, value, cu, scale, config=config)
-    except OutOfResources:
+    except (OutOfResources, PTXASError):
         assert head_size > 128, "every config fits at head sizes up to 128"
         return
     ref_out, ref_lse = dense_causal_ref(query, key, value, cu, scale)

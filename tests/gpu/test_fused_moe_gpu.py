@@ -197,6 +197,27 @@ def test_decode_path_in_a_cuda_graph(shape: str, stages: int) -> None:
             assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 64, 4096, 16384])
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_alignment_kernels_equal_the_torch_reference(
+    shape: str, num_tokens: int, block_m: int
+) -> None:
+    """The three-launch alignment (`tandem_kernels/moe_align.py`) gives the torch reference's
+    sorted ids, expert ids and padded length exactly, at the real shapes' routing, with some
+    ids naming another rank's experts."""
+    from tandem_kernels import moe_align
+
+    num_experts = SHAPES[shape][0]
+    _, _, ids = _routing(shape, num_tokens, seed=num_tokens + block_m)
+    ids = ids.to(torch.int32)
+    _drop_to_other_rank(ids, num_experts)
+    got = moe_align.moe_align_block_size(ids, block_m, num_experts)
+    want = moe_align.moe_align_block_size_ref(ids, block_m, num_experts)
+    for name, g, w in zip(("sorted_token_ids", "expert_ids", "num_post"), got, want, strict=True):
+        assert torch.equal(g, w.to(torch.int32)), name
+
+
 def test_tiny_layers_take_the_default_rule_untuned() -> None:
     """Expert weights under _MIN_TUNE_BYTES (test-sized models) are not timed: the call runs
     the default rule and leaves no tuning entry; a real layer's shape is tuned (above)."""
@@ -216,9 +237,9 @@ def test_tiny_layers_take_the_default_rule_untuned() -> None:
 @pytest.mark.parametrize("num_tokens", [64, 4096])
 def test_every_grouped_candidate_matches_reference_bf16(shape: str, num_tokens: int) -> None:
     """Each of `_CANDIDATES` (both SiLU forms), and each of `_DOWN_CANDIDATES` as GEMM 2's
-    tiles under a config of each form at block_m 64 and 128, against the reference, on
-    all-local ids and on ids with experts another rank holds (those pairs add nothing; the
-    last token gets zeros)."""
+    tiles under a config of each form at block_m 64 and 128, and every candidate with the
+    weights through TMA (`b_tma`), against the reference, on all-local ids and on ids with
+    experts another rank holds (those pairs add nothing; the last token gets zeros)."""
     w13, w2 = _weights(shape, torch.bfloat16)
     x, weights, ids = _routing(shape, num_tokens, seed=20 + num_tokens)
     x = x.to(torch.bfloat16)
@@ -230,7 +251,9 @@ def test_every_grouped_candidate_matches_reference_bf16(shape: str, num_tokens: 
     assert forms == {False, True}
     bases = (fm.MoEConfig(64, 128, 64, 8, 8, 3), fm.MoEConfig(128, 64, 64, 8, 4, 4, True))
     with_down = tuple(b._replace(down=d) for b in bases for d in fm._DOWN_CANDIDATES)
-    for config in fm._CANDIDATES + with_down:
+    assert fm.b_tma_usable(w13, w2)
+    with_tma = tuple(c._replace(b_tma=True) for c in fm._CANDIDATES + with_down)
+    for config in fm._CANDIDATES + with_down + with_tma:
         out = fm.fused_moe(x, w13, w2, weights, ids, config)
         assert out.dtype == torch.bfloat16
         _assert_close(out, ref)
@@ -256,11 +279,19 @@ def test_tuner_times_both_silu_forms_and_may_keep_the_epilogue_one() -> None:
         assert fm.config_name(config) in timed, fm.config_name(config)
     with_down = [fm.config_from_name(n) for n in timed if "/down:" in n]
     assert {c.silu_in_epilogue for c in with_down} == {False, True}
+    with_tma = [fm.config_from_name(n) for n in timed if n.endswith("+tma")]
+    assert sorted(c.silu_in_epilogue for c in with_tma) == [False, True]
     assert entry["best"] == min(entry["ms"], key=entry["ms"].get)
     assert entry["best"] == fm.config_name(tuned[4096])
 
     epilogue_only = fm.tune_fused_moe(
-        w13, w2, 5, 4096, candidates=fm._SILU_EPILOGUE_CANDIDATES, decode_candidates=()
+        w13,
+        w2,
+        5,
+        4096,
+        candidates=fm._SILU_EPILOGUE_CANDIDATES,
+        decode_candidates=(),
+        grouped_mm=False,
     )
     assert epilogue_only[4096].silu_in_epilogue
     gen = torch.Generator(device=DEV).manual_seed(21)

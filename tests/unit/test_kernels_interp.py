@@ -1634,6 +1634,29 @@ def _moe_problem(
 
 @_case(
     *(
+        {"num_experts": e, "num_tokens": t, "top_k": k, "block_m": m}
+        for e, t, k, m in [(5, 13, 2, 16), (128, 100, 8, 16), (128, 70, 8, 64), (8, 300, 2, 128)]
+    )
+)
+def case_moe_align_block_size(num_experts: int, num_tokens: int, top_k: int, block_m: int) -> None:
+    """The three-launch alignment (`tandem_kernels/moe_align.py`) against its torch reference,
+    every output equal: pairs over several chunks (128 experts: 128 pairs a chunk), experts
+    with no pair, ids of another rank's experts (>= E) left out, tiles of 16 to 128 rows."""
+    from tandem_kernels import moe_align
+
+    gen = torch.Generator().manual_seed(num_experts + num_tokens)
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    scores[:, 1] = -1.0  # expert 1 gets no pair
+    topk_ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
+    topk_ids[::7, -1] = num_experts + 3
+    got = moe_align.moe_align_block_size(topk_ids, block_m, num_experts)
+    want = moe_align.moe_align_block_size_ref(topk_ids, block_m, num_experts)
+    for name, g, w in zip(("sorted_token_ids", "expert_ids", "num_post"), got, want, strict=True):
+        assert g.dtype == torch.int32 and torch.equal(g, w.to(torch.int32)), name
+
+
+@_case(
+    *(
         {"dtype": d, "block_m": m, "other_rank": o}
         for d, m, o in [
             (torch.float32, 16, False),
@@ -1713,6 +1736,31 @@ def case_fused_moe_silu_epilogue(dtype: torch.dtype, block_m: int, block_n: int)
 
 
 @_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))
+def case_fused_moe_b_tma(dtype: torch.dtype, silu_in_epilogue: bool) -> None:
+    """The weights through TMA descriptors (`MoEConfig.b_tma`) against the reference and
+    against the pointer loads with the same tiles, bit for bit: I = 24 over block_n 16 (GEMM
+    1's last tile reads past an expert's rows into the next's, or past the end: masked at
+    the store), K = 40 over block_k 16 (columns past K read zeros), H = 40 over GEMM 2's
+    block_n 32, absent experts' pairs mixed in, buffers handed out full of NaN."""
+    k = _kernels()
+    fm = k.fused_moe
+    num_tokens, num_experts, top_k = 13, 5, 2
+    x, w13, w2, topk_weights, topk_ids = _moe_problem(11, num_tokens, top_k, dtype)
+    topk_ids[2::5, 0] = num_experts
+    assert fm.b_tma_usable(w13, w2)
+    plain = fm.MoEConfig(16, 16, 16, 2, 4, 1, silu_in_epilogue, fm.GemmTiles(32, 16, 1, 4, 1))
+    tma = plain._replace(b_tma=True)
+    ref = k.moe_ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    with nan_filled_empty():
+        expected = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, plain)
+        out = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, tma)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    assert torch.equal(out, expected)
+    assert fm.config_name(tma) == fm.config_name(plain) + "+tma"
+    assert fm.config_from_name(fm.config_name(tma)) == tma
+
+
+@_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))
 def case_fused_moe_down_tiles(dtype: torch.dtype, silu_in_epilogue: bool) -> None:
     """GEMM 2 with tiles of its own (`MoEConfig.down`; block_m shared): block_n 32 over H 40
     (a partial tile), block_k 8 over I 24, against the reference, absent experts mixed in;
@@ -1732,7 +1780,8 @@ def case_fused_moe_down_tiles(dtype: torch.dtype, silu_in_epilogue: bool) -> Non
         unittest.mock.patch.object(fm, "_launch", wraps=fm._launch) as launch,
     ):
         out = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, config)
-    assert [c.args[-2:] for c in launch.call_args_list] == [(16, config.gate_up_tiles), (16, down)]
+    calls = [c.args[-3:] for c in launch.call_args_list]
+    assert calls == [(16, config.gate_up_tiles, False), (16, down, False)]
     torch.testing.assert_close(out, ref, **_tol(dtype))
 
 

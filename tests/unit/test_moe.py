@@ -173,6 +173,57 @@ def test_moe_tuner_times_both_silu_forms_then_down_tiles_on_each(
     assert len(fm.tuning_log[0]["ms"]) == len(clock)
 
 
+def test_moe_tuner_times_the_fastest_of_each_form_again_through_tma(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With `b_tma`, after the down tiles the fastest config of each SiLU form (its down
+    tiles included) is timed once more with the weights through TMA, and kept when fastest;
+    without it (as on the CPU), nothing through TMA is timed."""
+    import tandem_kernels.fused_moe as fm
+
+    unfused = fm.MoEConfig(16, 64, 64, 1, 4, 3)
+    fused = unfused._replace(silu_in_epilogue=True)
+    down = fm.GemmTiles(128, 64, 8, 4, 3)
+    clock = {
+        unfused: 2.0,
+        fused: 1.5,
+        unfused._replace(down=down): 1.2,
+        fused._replace(down=down): 1.8,
+    }
+    clock[unfused._replace(down=down, b_tma=True)] = 1.1
+    clock[fused._replace(b_tma=True)] = 1.6
+    timed: list[fm.FusedMoEConfig] = []
+
+    def fake_time_call(
+        problem: tuple[torch.Tensor, ...], config: fm.FusedMoEConfig, in_graph: bool, iters: int
+    ) -> float | None:
+        timed.append(config)
+        return clock.get(config)
+
+    monkeypatch.setattr(fm, "_time_call", fake_time_call)
+    w13, w2 = torch.zeros(4, 16, 8), torch.zeros(4, 8, 8)
+    assert not fm.b_tma_usable(w13, w2)
+    kwargs = {"candidates": (unfused, fused), "decode_candidates": (), "down_candidates": (down,)}
+    for b_tma, best in (
+        (True, unfused._replace(down=down, b_tma=True)),
+        (None, unfused._replace(down=down)),
+    ):
+        monkeypatch.setattr(fm, "_configs", {})
+        monkeypatch.setattr(fm, "tuning_log", [])
+        timed.clear()
+        tuned = fm.tune_fused_moe(w13, w2, 2, max_tokens=1, b_tma=b_tma, **kwargs)
+        assert tuned == {1: best}
+        through_tma = [c for c in timed if isinstance(c, fm.MoEConfig) and c.b_tma]
+        if b_tma:
+            assert through_tma == [
+                unfused._replace(down=down, b_tma=True),
+                fused._replace(b_tma=True),
+            ]
+            assert fm.tuning_log[0]["best"] == "16x64x64x1x4x3/down:128x64x8x4x3+tma"
+        else:
+            assert through_tma == []
+
+
 def test_expert_load_is_counted_per_layer_and_reset(tiny_model_path) -> None:
     from tandem.layers.moe import take_expert_load
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Wave 3, eighteenth session's device plan, each part one device call from the repository
+# root, carrying .whl (see scripts/device_lib.sh), results under $OUT:
+#
+#   PART=moe: the fused MoE kernel with the expert weights through TMA descriptors
+#            (`MoEConfig.b_tma`, timed by the tuner on the fastest config of each SiLU form):
+#            its GPU tests, then the kernel table for both shapes with each call's device time
+#            by kernel (`--breakdown`: where issue 32's 4,096 tokens spend it), then the Hopper
+#            dense kernel at head sizes 64 and 256 (`HOPPER_HEAD_SIZES` widened to them) and
+#            Gemma 3 4B's engine tests (head size 256) on it.
+#
+#   PART=align: the alignment in three Triton launches (`tandem_kernels/moe_align.py`,
+#            replacing an argsort and ~15 small torch kernels: ~100 us of PART=moe's 967 at
+#            Qwen3-30B-A3B 4,096 tokens on an H100): its GPU tests and the MoE file's other
+#            tests that run the grouped path, then the kernel table with its breakdown again.
+#
+#   OUT=/some/dir PART=moe bash scripts/gpu_session18.sh
+set -u
+case "${PART:-moe}" in
+moe)
+  ISSUE=session18 BUDGET_S=${BUDGET_S:-570}
+  . scripts/device_lib.sh
+  step "MoE GPU tests" 200 "$OUT/gpu_tests_moe.log" $PY -m pytest -q -m gpu --timeout=190 \
+    -rs --tb=short --durations=5 tests/gpu/test_fused_moe_gpu.py \
+    -k "grouped_candidate or tuner_times"
+  grep -E "passed|failed" "$OUT/gpu_tests_moe.log" | tail -n 1 | sed "s/^/moe tests: /" >>"$summary"
+  step "MoE kernel" 200 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel --breakdown \
+    --tokens 1 64 512 4096 16384 --out "$OUT/moe_kernel.json"
+  grep -E "forms|TFLOP|^ceiling" "$OUT/moe_kernel.log" >>"$summary"
+  step "hopper heads + gemma" 150 "$OUT/gpu_tests_heads.log" $PY -m pytest -q -m gpu \
+    --timeout=140 -rs --tb=short tests/gpu/test_dense_hopper_gpu.py \
+    tests/gpu/test_sliding_window_gpu.py tests/gpu/test_hybrid_kv_gpu.py -k "head_sizes or 4b"
+  grep -E "passed|failed" "$OUT/gpu_tests_heads.log" | tail -n 1 | sed "s/^/heads: /" >>"$summary"
+  finish
+  ;;
+align)
+  ISSUE=session18 BUDGET_S=${BUDGET_S:-500}
+  . scripts/device_lib.sh
+  step "MoE GPU tests" 220 "$OUT/gpu_tests_align.log" $PY -m pytest -q -m gpu --timeout=200 \
+    -rs --tb=short --durations=5 tests/gpu/test_fused_moe_gpu.py \
+    -k "alignment or grouped_candidate or tuner_times or graph or expert_parallel"
+  grep -E "passed|failed" "$OUT/gpu_tests_align.log" | tail -n 1 | sed "s/^/moe tests: /" >>"$summary"
+  step "MoE kernel" 200 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel --breakdown \
+    --tokens 1 64 512 4096 16384 --out "$OUT/moe_kernel.json"
+  grep -E "forms|TFLOP|^ceiling" "$OUT/moe_kernel.log" >>"$summary"
+  finish
+  ;;
+*)
+  echo "unknown PART=${PART}" >&2
+  exit 2
+  ;;
+esac
