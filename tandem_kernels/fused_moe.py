@@ -28,7 +28,10 @@ accumulators.) This saves C1's write and read ([T * k, 2I]) and a launch, but a 
 two accumulators: the tuner times both forms (see Tile configs) and keeps the faster.
 
 The padded length EM = T * k + E * (BLOCK_M - 1) is an upper bound known on the host, and the
-real length stays on the device: no host sync, so a call can be captured in a CUDA graph.
+real length stays on the device: no host sync, so a call can be captured in a CUDA graph. The
+alignment is three Triton launches (tandem_kernels/moe_align.py; its torch reference beside
+it runs on the CPU). With `MoEConfig.b_tma` (sm_90+) both GEMMs read the expert weights
+through TMA tensor descriptors; the gathered rows of x and act are always pointer loads.
 Tiles past the real length exit at once. Ids >= E (experts of another rank) are never
 computed and add nothing: their rows of C2 are never written, so C2 starts as zeros, unless
 the caller passes `all_experts_local=True` (every id < E, as without expert parallel, or in an

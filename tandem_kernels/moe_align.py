@@ -5,12 +5,12 @@
 (see tandem_kernels/fused_moe.py for the layout). Pairs are cut into chunks of `CHUNK` ids;
 three launches, no host sync (a call can be captured in a CUDA graph):
 
-    count    grid (chunks,)  counts[c, e]  = pairs of chunk c routed to expert e
+    count    grid (chunks,)  counts[c, e]  = pairs of chunk c routed to expert e; a share
+                             of sorted_token_ids filled with the no-pair id T * k
     offsets  grid (1,)       base[c, e]    = padded_start[e] + pairs of e in chunks before c;
-                             expert_ids, num_tokens_post_padded; sorted_token_ids filled
-                             with the no-pair id T * k
+                             padded_end[e], num_tokens_post_padded
     place    grid (chunks,)  sorted_token_ids[base[c, e_p] + rank of p among chunk c's
-                             pairs of e_p] = p
+                             pairs of e_p] = p; a share of expert_ids
 
 A chunk counts and ranks its pairs with a one-hot `[CHUNK, E_PAD]` tile (its column sums, its
 running sums down the rows), so within an expert the pairs keep their order, as a stable sort
@@ -39,17 +39,25 @@ def _one_hot(ids_ptr, chunk, num_pairs, num_experts, CHUNK: tl.constexpr, E_PAD:
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts,
-                  CHUNK: tl.constexpr, E_PAD: tl.constexpr):  # fmt: skip
+def _count_kernel(ids_ptr, counts_ptr, sorted_ptr, num_pairs, num_experts, num_slots, slots_per,
+                  CHUNK: tl.constexpr, E_PAD: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+    """Chunk c's counts per expert; and its share of the sorted ids filled with "no pair"
+    (the place kernel, two launches later, writes the real ones)."""
     chunk = tl.program_id(0)
     hot, _, _ = _one_hot(ids_ptr, chunk, num_pairs, num_experts, CHUNK, E_PAD)
     tl.store(counts_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.sum(hot, axis=0))
+    end = tl.minimum((chunk + 1) * slots_per, num_slots)
+    for s0 in range(chunk * slots_per, end, FILL):
+        slots = s0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + slots, tl.full((FILL,), 0, dtype=tl.int32) + num_pairs,
+                 mask=slots < end)  # fmt: skip
 
 
 @triton.jit
-def _offsets_kernel(counts_ptr, base_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                    num_chunks, num_pairs, num_experts, num_blocks, block_m,
-                    E_PAD: tl.constexpr, ROWS: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+def _offsets_kernel(counts_ptr, base_ptr, padded_end_ptr, num_post_ptr, num_chunks, block_m,
+                    E_PAD: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """One program: each expert's padded run (its end into `padded_end`, the sum into
+    num_post) and `base[c, e]`, where chunk c's first pair of expert e goes."""
     experts = tl.arange(0, E_PAD)
     # Each expert's pairs: the column sums of counts, ROWS chunks a step.
     totals = tl.zeros((E_PAD,), dtype=tl.int32)
@@ -63,10 +71,9 @@ def _offsets_kernel(counts_ptr, base_ptr, sorted_ptr, expert_ids_ptr, num_post_p
         totals += tl.sum(tile, axis=0)
     padded = (totals + block_m - 1) // block_m * block_m
     padded_end = tl.cumsum(padded, axis=0)
-    padded_start = padded_end - padded
+    tl.store(padded_end_ptr + experts, padded_end)
     tl.store(num_post_ptr, tl.sum(padded, axis=0))
-    # base[c, e]: where chunk c's first pair of expert e goes.
-    carry = padded_start
+    carry = padded_end - padded
     for c0 in range(0, num_chunks, ROWS):
         rows = c0 + tl.arange(0, ROWS)
         mask = (rows < num_chunks)[:, None]
@@ -75,29 +82,28 @@ def _offsets_kernel(counts_ptr, base_ptr, sorted_ptr, expert_ids_ptr, num_post_p
         tl.store(base_ptr + rows[:, None] * E_PAD + experts[None, :],
                  carry[None, :] + running - tile, mask=mask)  # fmt: skip
         carry += tl.sum(tile, axis=0)
-    # Block j belongs to the expert whose padded run holds row j * block_m: the number of
-    # runs ending at or before it (E past the last run).
-    for j0 in range(0, num_blocks, FILL):
-        blocks = j0 + tl.arange(0, FILL)
-        ended = padded_end[None, :] <= (blocks * block_m)[:, None]
-        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), num_experts)
-        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
-    # Every slot starts as "no pair"; the place kernel writes the real ones.
-    for s0 in range(0, num_blocks * block_m, FILL):
-        slots = s0 + tl.arange(0, FILL)
-        no_pair = tl.full((FILL,), 0, dtype=tl.int32) + num_pairs
-        tl.store(sorted_ptr + slots, no_pair, mask=slots < num_blocks * block_m)
 
 
 @triton.jit
-def _place_kernel(ids_ptr, base_ptr, sorted_ptr, num_pairs, num_experts,
-                  CHUNK: tl.constexpr, E_PAD: tl.constexpr):  # fmt: skip
+def _place_kernel(ids_ptr, base_ptr, padded_end_ptr, sorted_ptr, expert_ids_ptr, num_pairs,
+                  num_experts, num_blocks, blocks_per, block_m,
+                  CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+    """Chunk c's pairs into their slots; and its share of `expert_ids`: block j belongs to
+    the expert whose padded run holds row j * block_m, the number of runs ending at or
+    before it (E past the last run)."""
     chunk = tl.program_id(0)
     hot, ids, offs = _one_hot(ids_ptr, chunk, num_pairs, num_experts, CHUNK, E_PAD)
     rank = tl.sum(tl.cumsum(hot, axis=0) * hot, axis=1) - 1
     valid = (offs < num_pairs) & (ids < num_experts)
     base = tl.load(base_ptr + chunk * E_PAD + ids, mask=valid, other=0)
     tl.store(sorted_ptr + base + rank, offs.to(tl.int32), mask=valid)
+    padded_end = tl.load(padded_end_ptr + tl.arange(0, E_PAD))
+    end = tl.minimum((chunk + 1) * blocks_per, num_blocks)
+    for j0 in range(chunk * blocks_per, end, BLOCKS):
+        blocks = j0 + tl.arange(0, BLOCKS)
+        ended = padded_end[None, :] <= (blocks * block_m)[:, None]
+        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), num_experts)
+        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < end)
 
 
 def _tiles(num_experts: int) -> tuple[int, int]:
@@ -128,20 +134,25 @@ def moe_align_block_size(
     num_blocks = max_padded // block_m
     counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=dev)
     base = torch.empty_like(counts)
+    padded_end = torch.empty(e_pad, dtype=torch.int32, device=dev)
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     warps = 8 if chunk * e_pad >= 8192 else 4
     _count_kernel[(num_chunks,)](
-        ids, counts, num_pairs, num_experts, CHUNK=chunk, E_PAD=e_pad, num_warps=warps
-    )
+        ids, counts, sorted_ids, num_pairs, num_experts, max_padded,
+        triton.cdiv(max_padded, num_chunks), CHUNK=chunk, E_PAD=e_pad, FILL=1024,
+        num_warps=warps,
+    )  # fmt: skip
     _offsets_kernel[(1,)](
-        counts, base, sorted_ids, expert_ids, num_post, num_chunks, num_pairs, num_experts,
-        num_blocks, block_m, E_PAD=e_pad, ROWS=max(1, 4096 // e_pad), FILL=1024, num_warps=8,
+        counts, base, padded_end, num_post, num_chunks, block_m, E_PAD=e_pad,
+        ROWS=max(1, 4096 // e_pad), num_warps=8,
     )  # fmt: skip
     _place_kernel[(num_chunks,)](
-        ids, base, sorted_ids, num_pairs, num_experts, CHUNK=chunk, E_PAD=e_pad, num_warps=warps
-    )
+        ids, base, padded_end, sorted_ids, expert_ids, num_pairs, num_experts, num_blocks,
+        triton.cdiv(num_blocks, num_chunks), block_m, CHUNK=chunk, E_PAD=e_pad,
+        BLOCKS=max(16, 4096 // e_pad), num_warps=warps,
+    )  # fmt: skip
     return sorted_ids, expert_ids, num_post
 
 
