@@ -26,10 +26,12 @@ def silu_and_mul_tile(gate, up):
 def _silu_and_mul_kernel(
     x_ptr,
     out_ptr,
+    scale_ptr,
     stride_x,
     stride_o,
     INTERMEDIATE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -37,14 +39,21 @@ def _silu_and_mul_kernel(
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + INTERMEDIATE_SIZE + offs, mask=mask, other=0.0)
     out = silu_and_mul_tile(gate, up)
+    if ROW_SCALE:
+        # As `act.mul_(scale.to(act.dtype))` after the unscaled kernel: both rounded first.
+        scale = tl.load(scale_ptr + row).to(gate.dtype).to(tl.float32)
+        out = out.to(gate.dtype).to(tl.float32) * scale
     tl.store(out_ptr + row * stride_o + offs, out.to(gate.dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """`silu(x[:, :I]) * x[:, I:]` for `x` `[T, 2*I]`; returns a new `[T, I]` tensor."""
+def silu_and_mul(x: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu(x[:, :I]) * x[:, I:]` for `x` `[T, 2*I]`; returns a new `[T, I]` tensor.
+    `row_scale` `[T]`: each row also times its scale, rounded as `silu_and_mul(x) *
+    row_scale.to(x.dtype)` would round (the MoE's routed weights, in one pass)."""
     assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(-1) == 1, (x.shape, x.stride())
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     num_tokens, intermediate_size = x.shape[0], x.shape[1] // 2
+    assert row_scale is None or row_scale.shape == (num_tokens,), row_scale.shape
     out = torch.empty((num_tokens, intermediate_size), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
@@ -53,16 +62,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[grid](
         x,
         out,
+        x if row_scale is None else row_scale.contiguous(),
         x.stride(0),
         out.stride(0),
         INTERMEDIATE_SIZE=intermediate_size,
         BLOCK=block,
+        ROW_SCALE=row_scale is not None,
         num_warps=4,
     )
     return out
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_ref(x: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch reference of `silu_and_mul`."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    out = F.silu(gate) * up
+    return out if row_scale is None else out * row_scale.to(out.dtype).unsqueeze(1)

@@ -54,7 +54,7 @@ rows of x cannot use), on pairs copied into expert order first:
     order    = argsort(ids)                  pairs by expert (ids >= E last); offs[e]: the end
                                              of expert e's rows (searchsorted, on the device)
     GEMM 1   C1 = grouped_mm(x[order // k], w13^T, offs)            [T * k, 2I]
-    act      silu(C1[:, :I]) * C1[:, I:] * weight[order]            [T * k, I]
+    act      silu(C1[:, :I]) * C1[:, I:] * weight[order]            [T * k, I]  (one pass)
     GEMM 2   C2 = grouped_mm(act, w2^T, offs)                       [T * k, H]
     sum      out[t] = sum_j C2[inverse[t * k + j]]                  [T, H]
 
@@ -574,9 +574,9 @@ def _fused_moe_grouped_mm(
     offs = torch.searchsorted(sorted_ids, bounds, out_int32=True)
     x = hidden_states.index_select(0, order // top_k)
     gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
-    act = silu_and_mul(gate_up) if gate_up.is_cuda else silu_and_mul_ref(gate_up)
     pair_weights = topk_weights.reshape(-1).index_select(0, order)
-    act.mul_(pair_weights.unsqueeze(1).to(act.dtype))
+    silu = silu_and_mul if gate_up.is_cuda else silu_and_mul_ref
+    act = silu(gate_up, row_scale=pair_weights)
     down = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
     if not all_experts_local:
         # Another rank's pairs: rows past offs[E - 1] that neither GEMM wrote.

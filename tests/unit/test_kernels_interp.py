@@ -970,6 +970,12 @@ def case_silu_and_mul(dtype: torch.dtype) -> None:
     assert out.shape == (6, 1100)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
     torch.testing.assert_close(out, k.activation.silu_and_mul_ref(x), **tol)
+    # A scale a row (the MoE's routed weights) rounds as the unscaled kernel, then a multiply.
+    scale = torch.rand(6, generator=gen) + 0.1
+    scaled = k.activation.silu_and_mul(x, row_scale=scale)
+    assert torch.equal(scaled, out * scale.to(dtype).unsqueeze(1))
+    ref = k.activation.silu_and_mul_ref(x, row_scale=scale)
+    torch.testing.assert_close(scaled, ref, **tol)
 
 
 # --- the Triton attention backend -------------------------------------------------------------
