@@ -12,7 +12,9 @@
 #   PART=align: the alignment in three Triton launches (`tandem_kernels/moe_align.py`,
 #            replacing an argsort and ~15 small torch kernels: ~100 us of PART=moe's 967 at
 #            Qwen3-30B-A3B 4,096 tokens on an H100): its GPU tests and the MoE file's other
-#            tests that run the grouped path, then the kernel table with its breakdown again.
+#            tests that run the grouped path (and the grouped-GEMM path, whose routed weights
+#            now ride in the SiLU pass), the kernel table with its breakdown again, then
+#            Qwen3-30B-A3B offline at 1000/1000 (512 requests; session 13: 6,321 out tok/s).
 #
 #   OUT=/some/dir PART=moe bash scripts/gpu_session18.sh
 set -u
@@ -38,11 +40,15 @@ align)
   . scripts/device_lib.sh
   step "MoE GPU tests" 220 "$OUT/gpu_tests_align.log" $PY -m pytest -q -m gpu --timeout=200 \
     -rs --tb=short --durations=5 tests/gpu/test_fused_moe_gpu.py \
-    -k "alignment or grouped_candidate or tuner_times or graph or expert_parallel"
+    -k "alignment or grouped_candidate or tuner_times or graph or expert_parallel or grouped_mm"
   grep -E "passed|failed" "$OUT/gpu_tests_align.log" | tail -n 1 | sed "s/^/moe tests: /" >>"$summary"
   step "MoE kernel" 200 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel --breakdown \
     --tokens 1 64 512 4096 16384 --out "$OUT/moe_kernel.json"
   grep -E "forms|TFLOP|^ceiling" "$OUT/moe_kernel.log" >>"$summary"
+  step "offline qwen3-30b-a3b" 150 "$OUT/offline_qwen3-30b-a3b.log" \
+    $PY -m benchmarks.offline_throughput --model random:qwen3-30b-a3b --device cuda \
+    --skip-peer --workloads 1000/1000 --max-requests 512 --out "$OUT/offline_qwen3-30b-a3b.json"
+  grep -E "tok/s|TPOT" "$OUT/offline_qwen3-30b-a3b.log" | tail -n 3 >>"$summary"
   finish
   ;;
 *)
