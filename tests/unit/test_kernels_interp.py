@@ -1640,22 +1640,35 @@ def _moe_problem(
 
 @_case(
     *(
-        {"num_experts": e, "num_tokens": t, "top_k": k, "block_m": m}
-        for e, t, k, m in [(5, 13, 2, 16), (128, 100, 8, 16), (128, 70, 8, 64), (8, 300, 2, 128)]
+        {"num_experts": e, "num_tokens": t, "top_k": k, "block_m": m, "programs": p}
+        for e, t, k, m, p in [
+            (5, 13, 2, 16, 128),
+            (128, 100, 8, 16, 128),
+            (128, 100, 8, 16, 3),
+            (128, 70, 8, 64, 2),
+            (8, 300, 2, 128, 2),
+        ]
     )
 )
-def case_moe_align_block_size(num_experts: int, num_tokens: int, top_k: int, block_m: int) -> None:
+def case_moe_align_block_size(
+    num_experts: int, num_tokens: int, top_k: int, block_m: int, programs: int
+) -> None:
     """The three-launch alignment (`tandem_kernels/moe_align.py`) against its torch reference,
-    every output equal: pairs over several chunks (128 experts: 128 pairs a chunk), experts
-    with no pair, ids of another rank's experts (>= E) left out, tiles of 16 to 128 rows."""
+    every output equal: pairs over several chunks (128 experts: 128 pairs a chunk), a program
+    taking one chunk or several (`_PROGRAMS` lowered), experts with no pair, ids of another
+    rank's experts (>= E) left out, tiles of 16 to 128 rows."""
     from tandem_kernels import moe_align
 
+    saved, moe_align._PROGRAMS = moe_align._PROGRAMS, programs
     gen = torch.Generator().manual_seed(num_experts + num_tokens)
     scores = torch.rand(num_tokens, num_experts, generator=gen)
     scores[:, 1] = -1.0  # expert 1 gets no pair
     topk_ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
     topk_ids[::7, -1] = num_experts + 3
-    got = moe_align.moe_align_block_size(topk_ids, block_m, num_experts)
+    try:
+        got = moe_align.moe_align_block_size(topk_ids, block_m, num_experts)
+    finally:
+        moe_align._PROGRAMS = saved
     want = moe_align.moe_align_block_size_ref(topk_ids, block_m, num_experts)
     for name, g, w in zip(("sorted_token_ids", "expert_ids", "num_post"), got, want, strict=True):
         assert g.dtype == torch.int32 and torch.equal(g, w.to(torch.int32)), name
