@@ -16,6 +16,9 @@
 #            now ride in the SiLU pass), the kernel table with its breakdown again, then
 #            Qwen3-30B-A3B offline at 1000/1000 (512 requests; session 13: 6,321 out tok/s).
 #
+#   PART=align2: the alignment with about one program an SM (PART=align's one-program offsets
+#            kernel took 35 us at 4,096 tokens): its GPU tests, Qwen3-30B-A3B's kernel table.
+#
 #   OUT=/some/dir PART=moe bash scripts/gpu_session18.sh
 set -u
 case "${PART:-moe}" in
@@ -49,6 +52,17 @@ align)
     $PY -m benchmarks.offline_throughput --model random:qwen3-30b-a3b --device cuda \
     --skip-peer --workloads 1000/1000 --max-requests 512 --out "$OUT/offline_qwen3-30b-a3b.json"
   grep -E "tok/s|TPOT" "$OUT/offline_qwen3-30b-a3b.log" | tail -n 3 >>"$summary"
+  finish
+  ;;
+align2)
+  ISSUE=session18 BUDGET_S=${BUDGET_S:-180}
+  . scripts/device_lib.sh
+  step "alignment tests" 60 "$OUT/gpu_tests_align2.log" $PY -m pytest -q -m gpu --timeout=50 \
+    -rs --tb=short tests/gpu/test_fused_moe_gpu.py -k "alignment"
+  grep -E "passed|failed" "$OUT/gpu_tests_align2.log" | tail -n 1 | sed "s/^/align: /" >>"$summary"
+  step "MoE kernel" 100 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel --breakdown \
+    --shapes qwen3-30b-a3b --tokens 64 512 4096 16384 --out "$OUT/moe_kernel.json"
+  grep -E "forms|TFLOP|^ceiling" "$OUT/moe_kernel.log" >>"$summary"
   finish
   ;;
 *)
