@@ -94,6 +94,7 @@ def _fused_moe_kernel(
     a_ptr,
     b_ptr,
     c_ptr,
+    b_scale_ptr,
     topk_weights_ptr,
     sorted_token_ids_ptr,
     expert_ids_ptr,
@@ -110,6 +111,7 @@ def _fused_moe_kernel(
     stride_cm,
     stride_cn,
     B_ROWS,
+    stride_bse,
     A_ROW_DIV: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
@@ -119,6 +121,7 @@ def _fused_moe_kernel(
     GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     B_TMA: tl.constexpr,
+    B_SCALE: tl.constexpr,
 ):
     """One `[BLOCK_M, BLOCK_N]` tile of `C[p] = A[p // A_ROW_DIV] @ B[expert]^T` over the
     sorted pairs of one expert (times the pair's routing weight when MUL_ROUTED_WEIGHT).
@@ -131,7 +134,12 @@ def _fused_moe_kernel(
     B_TMA: `b_ptr` is a tensor descriptor over B's `[E * B_ROWS, K]` view (`[BLOCK_N,
     BLOCK_K]` blocks) and B's tiles come through TMA; a tile past an expert's N rows reads the
     next expert's rows (or zeros past the end) into columns the store masks, and columns past
-    K read zeros. Else B is read through pointers with its strides."""
+    K read zeros. Else B is read through pointers with its strides.
+
+    B_SCALE: B is FP8 (e4m3) with one scale per expert and row (`b_scale[e * stride_bse +
+    n]`, gate then up under SILU_AND_MUL): its tiles widen to A's dtype (exactly) for the dot
+    and the accumulators take the row scales before the epilogue (a row's scale factors out
+    of its sum over K)."""
     tl.static_assert(not (SILU_AND_MUL and MUL_ROUTED_WEIGHT))
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
@@ -170,16 +178,25 @@ def _fused_moe_kernel(
         else:
             b_mask = k_mask[:, None] & n_mask[None, :]
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        if B_SCALE:
+            b = b.to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if SILU_AND_MUL:
             if B_TMA:
                 b_up = b_ptr.load([b_row + N, k * BLOCK_K]).T
             else:
                 b_up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
+            if B_SCALE:
+                b_up = b_up.to(a.dtype)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         if not B_TMA:
             b_ptrs += BLOCK_K * stride_bk
+    if B_SCALE:
+        scales = b_scale_ptr + expert * stride_bse + offs_n
+        acc = acc * tl.load(scales, mask=n_mask, other=0.0)[None, :]
+        if SILU_AND_MUL:
+            acc_up = acc_up * tl.load(scales + N, mask=n_mask, other=0.0)[None, :]
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + offs_pair, mask=pair_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
@@ -196,6 +213,7 @@ def _moe_decode_gate_up_kernel(
     w13_ptr,
     act_ptr,
     topk_ids_ptr,
+    w13_scale_ptr,
     num_experts,
     hidden,
     inter,
@@ -206,10 +224,12 @@ def _moe_decode_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    W_SCALE: tl.constexpr,
 ):
     """`act[p, n] = silu(gate) * up` for pair p (program 0) and BLOCK_N of its expert's I
     rows (program 1): one GEMV per pair over x's row; pairs of absent experts write nothing.
-    NUM_STAGES > 1 prefetches the next steps' tiles (cp.async into shared memory)."""
+    NUM_STAGES > 1 prefetches the next steps' tiles (cp.async into shared memory). W_SCALE:
+    w13 is FP8 with a scale per expert and row (`[E, 2I]`), applied to the row sums."""
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     if expert >= num_experts:
@@ -232,7 +252,12 @@ def _moe_decode_gate_up_kernel(
         acc_gate += gate.to(tl.float32) * x
         acc_up += up.to(tl.float32) * x
     gate = tl.sum(acc_gate, axis=1)
-    act = gate * tl.sigmoid(gate) * tl.sum(acc_up, axis=1)
+    up = tl.sum(acc_up, axis=1)
+    if W_SCALE:
+        scales = w13_scale_ptr + expert * 2 * inter + offs_n
+        gate = gate * tl.load(scales, mask=n_mask, other=0.0)
+        up = up * tl.load(scales + inter, mask=n_mask, other=0.0)
+    act = gate * tl.sigmoid(gate) * up
     tl.store(act_ptr + pair * inter + offs_n, act, mask=n_mask)
 
 
@@ -243,6 +268,7 @@ def _moe_decode_down_kernel(
     out_ptr,
     topk_weights_ptr,
     topk_ids_ptr,
+    w2_scale_ptr,
     num_experts,
     hidden,
     inter,
@@ -253,11 +279,14 @@ def _moe_decode_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    W_SCALE: tl.constexpr,
 ):
     """`out[t, n] = sum_j weight[t, j] * act[t * k + j] . w2[e_j, n]` for token t (program 0)
     and BLOCK_N of the H outputs (program 1), summed over top_k in registers, stored once;
     pairs of absent experts (id >= E) are masked out. One loop over (expert j, column block),
-    so that NUM_STAGES > 1 prefetches across the experts too."""
+    so that NUM_STAGES > 1 prefetches across the experts too. W_SCALE: w2 is FP8 with a scale
+    per expert and row (`[E, H]`), taken into each product (it differs from expert to
+    expert, so it cannot wait for the sum)."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
@@ -275,9 +304,13 @@ def _moe_decode_down_kernel(
         cols = (step - j * num_k) * BLOCK_K + offs_k
         k_mask = cols < num_cols
         act = tl.load(act_ptr + pair * inter + cols, mask=k_mask, other=0.0) * weight
-        rows = w2_ptr + tl.minimum(expert, num_experts - 1) * stride_we + row_offs
+        local = tl.minimum(expert, num_experts - 1)
+        rows = w2_ptr + local * stride_we + row_offs
         w = tl.load(rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * act[None, :]
+        w = w.to(tl.float32)
+        if W_SCALE:
+            w = w * tl.load(w2_scale_ptr + local * hidden + offs_n, mask=n_mask, other=0.0)[:, None]
+        acc += w * act[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -470,6 +503,8 @@ def fused_moe(
     config: FusedMoEConfig | None = None,
     *,
     all_experts_local: bool = False,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[T, H]`: `sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])` (fused_moe_ref's
     result). hidden_states `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]` (contiguous, one dtype),
@@ -480,21 +515,30 @@ def fused_moe(
     `all_experts_local`: the caller vouches that every id is < E (no pair names another
     rank's expert), so GEMM 2 writes every pair's row and the grouped path skips zero-filling
     them first. Not checked (that would cost a host sync): set with ids >= E, the output is
-    garbage. The default is right for any ids; the decode path never fills."""
+    garbage. The default is right for any ids; the decode path never fills.
+
+    `w13_scale` `[E, 2I]` and `w2_scale` `[E, H]` (float32, both or neither): the weights are
+    FP8 (e4m3) with a scale per expert and output row, and the activations stay in
+    hidden_states' dtype (weight-only FP8: the Triton paths widen the weight tiles; the torch
+    grouped-GEMM path is bf16-only and is not taken)."""
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
     assert w13.is_contiguous() and w2.is_contiguous() and hidden_states.stride(-1) == 1
-    assert hidden_states.dtype == w13.dtype == w2.dtype
+    scaled = _check_scales(hidden_states, w13, w2, w13_scale, w2_scale)
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
     top_k = topk_ids.shape[1]
     if config is None:
-        config = _config_for(hidden_states, w13, w2, top_k)
+        config = _config_for(hidden_states, w13, w2, top_k, w13_scale, w2_scale)
+    if scaled and isinstance(config, GroupedMMConfig):
+        raise ValueError("the torch grouped-GEMM path takes bf16 weights, not FP8 ones")
     out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     if num_tokens == 0:
         return out
     if isinstance(config, DecodeConfig):
-        _fused_moe_decode(hidden_states, w13, w2, topk_weights, topk_ids, config, out)
+        _fused_moe_decode(
+            hidden_states, w13, w2, topk_weights, topk_ids, config, out, w13_scale, w2_scale
+        )
         return out
     if isinstance(config, GroupedMMConfig):
         _fused_moe_grouped_mm(
@@ -511,18 +555,42 @@ def fused_moe(
     if config.silu_in_epilogue:
         act = torch.empty(num_pairs, two_inter // 2, dtype=dtype, device=dev)
         _launch(
-            hidden_states, w13, act, *routing, top_k, "silu_and_mul", block_m, gate_up_tiles, tma
-        )
+            hidden_states, w13, act, *routing, top_k, "silu_and_mul", block_m, gate_up_tiles,
+            tma, w13_scale,
+        )  # fmt: skip
     else:
         gate_up = torch.empty(num_pairs, two_inter, dtype=dtype, device=dev)
-        _launch(hidden_states, w13, gate_up, *routing, top_k, None, block_m, gate_up_tiles, tma)
+        _launch(
+            hidden_states, w13, gate_up, *routing, top_k, None, block_m, gate_up_tiles, tma,
+            w13_scale,
+        )  # fmt: skip
         act = silu_and_mul(gate_up)
     # Rows of other ranks' experts are never written: unless there are none, they must read
     # as zeros in the sum.
     alloc = torch.empty if all_experts_local else torch.zeros
     down = alloc(num_pairs, hidden, dtype=dtype, device=dev)
-    _launch(act, w2, down, *routing, 1, "routed_weight", block_m, config.down_tiles, tma)
+    _launch(act, w2, down, *routing, 1, "routed_weight", block_m, config.down_tiles, tma, w2_scale)
     return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
+
+
+def _check_scales(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+) -> bool:
+    """Whether the weights are FP8 with row scales (asserting the shapes and dtypes agree);
+    else the weights are in hidden_states' dtype."""
+    if w13_scale is None and w2_scale is None:
+        assert hidden_states.dtype == w13.dtype == w2.dtype, (hidden_states.dtype, w13.dtype)
+        return False
+    assert w13_scale is not None and w2_scale is not None, "w13_scale and w2_scale go together"
+    assert w13.dtype == w2.dtype == torch.float8_e4m3fn, (w13.dtype, w2.dtype)
+    assert w13_scale.shape == w13.shape[:2] and w2_scale.shape == w2.shape[:2]
+    assert w13_scale.dtype == w2_scale.dtype == torch.float32
+    assert w13_scale.is_contiguous() and w2_scale.is_contiguous()
+    return True
 
 
 def grouped_mm_supported(w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -595,6 +663,8 @@ def _fused_moe_decode(
     topk_ids: torch.Tensor,
     config: DecodeConfig,
     out: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> None:
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = w13.shape
@@ -607,6 +677,7 @@ def _fused_moe_decode(
         w13,
         act,
         ids,
+        w13 if w13_scale is None else w13_scale,
         num_experts,
         hidden,
         inter,
@@ -617,6 +688,7 @@ def _fused_moe_decode(
         BLOCK_N=config.block_n1,
         BLOCK_K=config.block_k1,
         NUM_STAGES=config.num_stages1,
+        W_SCALE=w13_scale is not None,
         num_warps=config.num_warps,
     )
     _moe_decode_down_kernel[(num_tokens, triton.cdiv(hidden, config.block_n2))](
@@ -625,6 +697,7 @@ def _fused_moe_decode(
         out,
         weights,
         ids,
+        w2 if w2_scale is None else w2_scale,
         num_experts,
         hidden,
         inter,
@@ -635,6 +708,7 @@ def _fused_moe_decode(
         BLOCK_N=config.block_n2,
         BLOCK_K=config.block_k2,
         NUM_STAGES=config.num_stages2,
+        W_SCALE=w2_scale is not None,
         num_warps=config.num_warps,
     )
 
@@ -652,10 +726,12 @@ def _launch(
     block_m: int,
     tiles: GemmTiles,
     b_tma: bool = False,
+    b_scale: torch.Tensor | None = None,
 ) -> None:
     """`c = a @ b^T` over the sorted pairs (`_fused_moe_kernel`); "silu_and_mul": b holds
     gate then up rows and c gets `silu(gate) * up` (half b's rows wide). `b_tma`: b's tiles
-    through a TMA descriptor over its `[E * rows, K]` view."""
+    through a TMA descriptor over its `[E * rows, K]` view. `b_scale` `[E, rows]`: b is FP8
+    with a scale per expert and row."""
     em = sorted_ids.shape[0]
     silu = epilogue == "silu_and_mul"
     n, k = b.shape[1] // 2 if silu else b.shape[1], b.shape[2]
@@ -668,6 +744,7 @@ def _launch(
         a,
         b_arg,
         c,
+        c if b_scale is None else b_scale,
         weights,
         sorted_ids,
         expert_ids,
@@ -684,6 +761,7 @@ def _launch(
         c.stride(0),
         c.stride(1),
         b.shape[1],
+        b.shape[1],
         A_ROW_DIV=a_row_div,
         MUL_ROUTED_WEIGHT=epilogue == "routed_weight",
         SILU_AND_MUL=silu,
@@ -693,6 +771,7 @@ def _launch(
         GROUP_M=tiles.group_m,
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         B_TMA=b_tma,
+        B_SCALE=b_scale is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -704,7 +783,12 @@ def _shape_key(w13: torch.Tensor, top_k: int) -> _ShapeKey:
 
 
 def _config_for(
-    hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> FusedMoEConfig:
     num_tokens = hidden_states.shape[0]
     key = _shape_key(w13, top_k)
@@ -714,7 +798,15 @@ def _config_for(
         return found
     weight_bytes = (w13.numel() + w2.numel()) * w13.element_size()
     if weight_bytes >= _MIN_TUNE_BYTES and num_tokens > 0 and _may_tune(hidden_states):
-        tune_fused_moe(w13, w2, top_k, max_tokens=num_tokens)
+        tune_fused_moe(
+            w13,
+            w2,
+            top_k,
+            max_tokens=num_tokens,
+            w13_scale=w13_scale,
+            w2_scale=w2_scale,
+            dtype=hidden_states.dtype,
+        )
         found = _configs.get((key, bucket))
         if found is not None:
             return found
@@ -732,6 +824,9 @@ def tune_fused_moe(
     down_candidates: tuple[GemmTiles, ...] = _DOWN_CANDIDATES,
     grouped_mm: bool | None = None,
     b_tma: bool | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> dict[int, FusedMoEConfig]:
     """Time `candidates` for every token bucket up to `max_tokens` not tuned yet for this
     layer shape (on these weights, uniformly random routing, seeded) and keep the fastest;
@@ -746,7 +841,10 @@ def tune_fused_moe(
     `grouped_mm_supported`): buckets past the decode path's also time the torch grouped-GEMM
     path (`GroupedMMConfig`). `b_tma` (None: where `b_tma_usable`): last, the fastest config
     of each SiLU form (its down tiles included) is timed again with the weights through TMA
-    (`MoEConfig.b_tma`)."""
+    (`MoEConfig.b_tma`). `w13_scale` / `w2_scale`: FP8 weights (see `fused_moe`), timed on
+    activations of `dtype` (None: the weights' dtype, bf16 for FP8 ones)."""
+    if dtype is None:
+        dtype = torch.bfloat16 if w13_scale is not None else w13.dtype
     if grouped_mm is None:
         grouped_mm = grouped_mm_supported(w13, w2)
     if b_tma is None:
@@ -758,12 +856,12 @@ def tune_fused_moe(
     bucket = 1
     while bucket <= token_bucket(max_tokens):
         if (key, bucket) not in _configs:
-            x = torch.randn(bucket, hidden, generator=gen).to(device=dev, dtype=w13.dtype)
+            x = torch.randn(bucket, hidden, generator=gen).to(device=dev, dtype=dtype)
             scores = torch.rand(bucket, num_experts, generator=gen)
             topk_weights, topk_ids = scores.topk(top_k, dim=-1)
             topk_weights, topk_ids = topk_weights.to(dev), topk_ids.to(dev, torch.int32)
             decode = bucket * top_k <= _DECODE_TUNE_MAX_ROWS * num_experts
-            problem = (x, w13, w2, topk_weights, topk_ids)
+            problem = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
             timings: list[tuple[FusedMoEConfig, float]] = []
             others: tuple[FusedMoEConfig, ...] = (
                 decode_candidates if decode else (GroupedMMConfig(),) if grouped_mm else ()
@@ -871,13 +969,21 @@ def _join(values: tuple[int, ...]) -> str:
 def _time_call(
     problem: tuple[torch.Tensor, ...], config: FusedMoEConfig, in_graph: bool, iters: int
 ) -> float | None:
-    """Milliseconds per `fused_moe(*problem, config)` (every id < E, as in a layer without
-    expert parallel): replayed from a CUDA graph, or eagerly; None when the device cannot
-    run the config."""
+    """Milliseconds per `fused_moe` of `problem` (x, w13, w2, topk_weights, topk_ids,
+    w13_scale, w2_scale) with `config` (every id < E, as in a layer without expert parallel):
+    replayed from a CUDA graph, or eagerly; None when the device cannot run the config."""
     from tandem_kernels.fp8_w8a16 import time_in_graph
     from tandem_kernels.paged_attention import time_config
 
-    run = functools.partial(fused_moe, *problem, config, all_experts_local=True)
+    *tensors, w13_scale, w2_scale = problem
+    run = functools.partial(
+        fused_moe,
+        *tensors,
+        config,
+        all_experts_local=True,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
+    )
     if in_graph:
         us = time_in_graph([run])
         return None if us is None else us / 1e3

@@ -22,9 +22,16 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[T, H]` in the input dtype (see the module docstring). Tokens are grouped by expert
-    and each expert runs once on its rows; the weighted sum accumulates in float32."""
+    and each expert runs once on its rows; the weighted sum accumulates in float32.
+    `w13_scale` `[E, 2I]` / `w2_scale` `[E, H]`: FP8 weights with a scale per expert and
+    row, dequantized to the input dtype first."""
+    if w13_scale is not None and w2_scale is not None:
+        w13 = dequantize_expert_rows(w13, w13_scale, hidden_states.dtype)
+        w2 = dequantize_expert_rows(w2, w2_scale, hidden_states.dtype)
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, hidden_w = w13.shape
     assert hidden_w == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
@@ -48,3 +55,20 @@ def fused_moe_ref(
         weight = topk_weights.reshape(-1)[pairs].float().unsqueeze(1)
         out.index_add_(0, tokens, y.float() * weight)
     return out.to(hidden_states.dtype)
+
+
+def quantize_expert_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(e4m3 [E, R, K], float32 scale [E, R])`: one scale per expert and output row (its
+    largest magnitude over 448, the e4m3 maximum), as the FP8 MoE method quantizes experts."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    amax = weight.abs().amax(dim=2).float()
+    scale = (amax / fp8_max).clamp(min=1e-12)
+    q = (weight.float() / scale.unsqueeze(2)).clamp(-fp8_max, fp8_max)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_expert_rows(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """FP8 expert weights `[E, R, K]` with scales `[E, R]` back to `dtype`."""
+    return (weight.float() * scale.unsqueeze(2)).to(dtype)

@@ -1754,6 +1754,42 @@ def case_fused_moe_silu_epilogue(dtype: torch.dtype, block_m: int, block_n: int)
         assert back == config and type(back) is type(config)
 
 
+@_case(*({"dtype": d} for d in DTYPES))
+def case_fused_moe_fp8_weights(dtype: torch.dtype) -> None:
+    """FP8 (e4m3) expert weights with a scale per expert and row (`w13_scale`, `w2_scale`),
+    activations in `dtype`, against the reference on the same weights dequantized, through
+    the grouped path (unfused, SiLU in the epilogue, GEMM 2's own tiles) and the decode
+    path, absent experts mixed in, buffers handed out full of NaN."""
+    k = _kernels()
+    fm = k.fused_moe
+    num_tokens, num_experts, top_k = 13, 5, 2
+    x, w13, w2, topk_weights, topk_ids = _moe_problem(13, num_tokens, top_k, dtype)
+    topk_ids[3::5, 1] = num_experts
+    q13, s13 = k.moe_ref.quantize_expert_rows(w13)
+    q2, s2 = k.moe_ref.quantize_expert_rows(w2)
+    assert q13.dtype == torch.float8_e4m3fn and s13.shape == (num_experts, 48)
+    deq13 = k.moe_ref.dequantize_expert_rows(q13, s13, dtype)
+    assert (deq13.float() - w13.float()).abs().max() <= 0.07 * w13.float().abs().max()
+    ref = k.moe_ref.fused_moe_ref(x, q13, q2, topk_weights, topk_ids, s13, s2)
+    assert ref.abs().max() > 0.1
+    unfused = fm.MoEConfig(16, 16, 16, 2, 4, 1)
+    configs = (
+        unfused,
+        unfused._replace(silu_in_epilogue=True),
+        unfused._replace(silu_in_epilogue=True, down=fm.GemmTiles(32, 16, 1, 4, 1)),
+        fm.DecodeConfig(16, 16, 1, 16, 16, 1, 4),
+    )
+    # H = 40 and I = 24 bytes a row in e4m3: no TMA (16-byte rows); the GPU test takes it.
+    assert not fm.b_tma_usable(q13, q2)
+    for config in configs:
+        with nan_filled_empty():
+            out = fm.fused_moe(
+                x, q13, q2, topk_weights, topk_ids, config, w13_scale=s13, w2_scale=s2
+            )
+        assert out.dtype == dtype and not out.isnan().any(), config
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
 @_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))
 def case_fused_moe_b_tma(dtype: torch.dtype, silu_in_epilogue: bool) -> None:
     """The weights through TMA descriptors (`MoEConfig.b_tma`) against the reference and
@@ -1799,7 +1835,7 @@ def case_fused_moe_down_tiles(dtype: torch.dtype, silu_in_epilogue: bool) -> Non
         unittest.mock.patch.object(fm, "_launch", wraps=fm._launch) as launch,
     ):
         out = fm.fused_moe(x, w13, w2, topk_weights, topk_ids, config)
-    calls = [c.args[-3:] for c in launch.call_args_list]
+    calls = [c.args[9:12] for c in launch.call_args_list]  # block_m, tiles, b_tma
     assert calls == [(16, config.gate_up_tiles, False), (16, down, False)]
     torch.testing.assert_close(out, ref, **_tol(dtype))
 
