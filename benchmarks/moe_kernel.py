@@ -21,6 +21,9 @@ fastest with the weights through TMA (`b_tma`), and the tuned pick with the zero
 device time by kernel (torch.profiler).
 
     python -m benchmarks.moe_kernel --tokens 1 8 64 512 4096 16384 --out moe.json
+
+`--weights fp8` runs the experts as weight-only FP8 (e4m3, a scale per expert and row, as
+`--quantization fp8` holds them): its GB/s count one byte a weight.
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ SHAPES = {
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "mixtral-8x7b": (8, 2, 4096, 14336),
 }
+
+
+# FP8 experts' scales by their w13's address (`--weights fp8`): `_scales(w13)` gives the
+# keywords every fused_moe call of those weights takes.
+_FP8_SCALES: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def _scales(w13: torch.Tensor) -> dict[str, torch.Tensor]:
+    return _FP8_SCALES.get(w13.data_ptr(), {})
 
 
 def _copy_gbps(iters: int) -> float:
@@ -79,12 +91,12 @@ def _graph_ms(
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for x, weights, ids in routings:
-            fused_moe(x, w13, w2, weights, ids, all_experts_local=True)
+            fused_moe(x, w13, w2, weights, ids, all_experts_local=True, **_scales(w13))
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for x, weights, ids in routings:
-            fused_moe(x, w13, w2, weights, ids, all_experts_local=True)
+            fused_moe(x, w13, w2, weights, ids, all_experts_local=True, **_scales(w13))
     graph.replay()
     return device_ms(graph.replay, iters) / iters / len(routings)
 
@@ -98,8 +110,10 @@ def _measure(
     inter = two_inter // 2
     routings = [_routing(tokens, hidden, num_experts, top_k) for _ in range(GRAPH_CALLS)]
     x, weights, ids = routings[0]
-    fused_moe(x, w13, w2, weights, ids, all_experts_local=True)
-    ms = device_ms(lambda: fused_moe(x, w13, w2, weights, ids, all_experts_local=True), iters)
+    fused_moe(x, w13, w2, weights, ids, all_experts_local=True, **_scales(w13))
+    ms = device_ms(
+        lambda: fused_moe(x, w13, w2, weights, ids, all_experts_local=True, **_scales(w13)), iters
+    )
     ms /= iters
     graph_ms = _graph_ms(w13, w2, routings, iters)
     flops = 2 * tokens * top_k * 3 * hidden * inter
@@ -108,15 +122,23 @@ def _measure(
     weight_bytes = touched * expert_bytes
     graph_bytes = sum(int(torch.unique(r[2]).numel()) for r in routings) / len(routings)
     graph_bytes *= expert_bytes
-    # Dense reference: one GEMM per touched expert over its rows (the same flops).
+    # Dense reference: one bf16 GEMM per touched expert over its rows (the same flops; FP8
+    # experts' dequantized weights).
     counts = torch.bincount(ids.reshape(-1).long(), minlength=num_experts).tolist()
     xs = [torch.randn(c, hidden, device="cuda", dtype=torch.bfloat16) for c in counts]
+    dense_w13, dense_w2 = w13, w2
+    if _scales(w13):
+        from tandem_kernels.moe_ref import dequantize_expert_rows
+
+        scales = _scales(w13)
+        dense_w13 = dequantize_expert_rows(w13, scales["w13_scale"], torch.bfloat16)
+        dense_w2 = dequantize_expert_rows(w2, scales["w2_scale"], torch.bfloat16)
 
     def dense() -> None:
         for e, xe in enumerate(xs):
             if xe.shape[0]:
-                h = torch.nn.functional.linear(xe, w13[e])
-                torch.nn.functional.linear(h[:, :inter], w2[e])
+                h = torch.nn.functional.linear(xe, dense_w13[e])
+                torch.nn.functional.linear(h[:, :inter], dense_w2[e])
 
     dense()
     dense_ms = device_ms(dense, iters) / iters
@@ -170,7 +192,16 @@ def _forms(
 
     def rate(config: FusedMoEConfig, all_experts_local: bool) -> dict[str, Any]:
         def run() -> None:
-            fused_moe(x, w13, w2, weights, ids, config, all_experts_local=all_experts_local)
+            fused_moe(
+                x,
+                w13,
+                w2,
+                weights,
+                ids,
+                config,
+                all_experts_local=all_experts_local,
+                **_scales(w13),
+            )
 
         run()
         ms = device_ms(run, iters) / iters
@@ -206,11 +237,11 @@ def _breakdown(
 
     num_experts, _, hidden = w13.shape
     x, weights, ids = _routing(tokens, hidden, num_experts, top_k)
-    fused_moe(x, w13, w2, weights, ids, all_experts_local=True)
+    fused_moe(x, w13, w2, weights, ids, all_experts_local=True, **_scales(w13))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            fused_moe(x, w13, w2, weights, ids, all_experts_local=True)
+            fused_moe(x, w13, w2, weights, ids, all_experts_local=True, **_scales(w13))
         torch.cuda.synchronize()
     rows = []
     for evt in prof.key_averages():
@@ -229,12 +260,19 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default="")
     p.add_argument(
+        "--weights",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="fp8: experts in e4m3 with a scale per expert and row (bf16 activations)",
+    )
+    p.add_argument(
         "--breakdown", action="store_true", help="device time a call by kernel (torch.profiler)"
     )
     ns = p.parse_args()
     result: dict[str, Any] = {
         "benchmark": "moe_kernel",
         "device": torch.cuda.get_device_name(),
+        "weights": ns.weights,
         "ceiling_8192_tflops": _ceiling_tflops(ns.iters),
         "copy_GBps": _copy_gbps(ns.iters),
         "shapes": {},
@@ -247,7 +285,12 @@ def main() -> None:
         num_experts, top_k, hidden, inter = SHAPES[name]
         w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16)
         w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=torch.bfloat16)
-        tuned = tune_fused_moe(w13, w2, top_k, max_tokens=max(ns.tokens))
+        if ns.weights == "fp8":
+            from tandem_kernels.moe_ref import quantize_expert_rows
+
+            (w13, s13), (w2, s2) = quantize_expert_rows(w13), quantize_expert_rows(w2)
+            _FP8_SCALES[w13.data_ptr()] = {"w13_scale": s13, "w2_scale": s2}
+        tuned = tune_fused_moe(w13, w2, top_k, max_tokens=max(ns.tokens), **_scales(w13))
         rows: dict[str, Any] = {}
         for tokens in ns.tokens:
             r = _measure(w13, w2, top_k, tokens, ns.iters)

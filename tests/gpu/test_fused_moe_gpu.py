@@ -218,6 +218,43 @@ def test_alignment_kernels_equal_the_torch_reference(
         assert torch.equal(g, w.to(torch.int32)), name
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 64, 4096])
+def test_fp8_expert_weights_match_the_dequantized_reference(shape: str, num_tokens: int) -> None:
+    """FP8 (e4m3) experts with a scale per expert and row (`Fp8MoEMethod`'s layout), bf16
+    activations, at the real shapes: a few grouped configs of both SiLU forms, through
+    pointers and through TMA, the decode path at one token, then the tuned call, each
+    against the reference on the dequantized weights; the tuner never offers the bf16-only
+    torch grouped-GEMM path for them."""
+    from tandem_kernels.moe_ref import quantize_expert_rows
+
+    w13, w2 = _weights(shape, torch.bfloat16)
+    q13, s13 = quantize_expert_rows(w13)
+    q2, s2 = quantize_expert_rows(w2)
+    x, weights, ids = _routing(shape, num_tokens, seed=50 + num_tokens)
+    x = x.to(torch.bfloat16)
+    ref = fused_moe_ref(x, q13, q2, weights, ids, s13, s2)
+    assert fm.b_tma_usable(q13, q2)
+    base = fm.MoEConfig(64, 128, 64, 8, 8, 3)
+    configs = [
+        base,
+        base._replace(b_tma=True),
+        fm.MoEConfig(128, 64, 64, 8, 4, 4, True),
+        fm.MoEConfig(128, 64, 64, 8, 4, 4, True, b_tma=True),
+        fm.MoEConfig(16, 64, 128, 1, 4, 3, True, down=fm.GemmTiles(128, 64, 8, 4, 3)),
+    ]
+    if num_tokens == 1:
+        configs += list(fm._DECODE_CANDIDATES[:3])
+    for config in configs:
+        out = fm.fused_moe(x, q13, q2, weights, ids, config, w13_scale=s13, w2_scale=s2)
+        _assert_close(out, ref)
+    tuned = fm.fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    _assert_close(tuned, ref)
+    key = fm._shape_key(q13, ids.shape[1])
+    entries = [e for e in fm.tuning_log if e["key"] == [*key[:4], str(key[4])]]
+    assert entries and all(fm._GROUPED_MM_NAME not in e["ms"] for e in entries)
+
+
 def test_tiny_layers_take_the_default_rule_untuned() -> None:
     """Expert weights under _MIN_TUNE_BYTES (test-sized models) are not timed: the call runs
     the default rule and leaves no tuning entry; a real layer's shape is tuned (above)."""

@@ -27,6 +27,37 @@ def test_new_families_greedy_match_on_cuda(arch: str, tiny_model_path) -> None:
     assert_matches(outs, reference)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_fp8_moe_model_against_its_bf16_self(arch: str, tiny_model_path) -> None:
+    """`--quantization fp8` on a MoE model: the linear layers in FP8, the experts weight-only
+    FP8 (`Fp8MoEMethod`: e4m3 with a scale per expert and row), CUDA graphs on; greedy against
+    the same model in bf16: identical, or at the first difference each side's token in the
+    other's top 5 (test_fp8_gpu's rule)."""
+    from tandem.layers.moe import FusedMoE
+    from tests.gpu.test_fp8_gpu import _compare
+
+    path = tiny_model_path(arch)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(512, seed=5)[:16]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=20)
+    runs = {}
+    for quantization in (None, "fp8"):
+        with LLM(
+            model=str(path),
+            dtype="bfloat16",
+            device="cuda",
+            gpu_memory_utilization=0.3,
+            quantization=quantization,
+        ) as llm:
+            model = llm.engine.model_runner.model
+            experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+            want = torch.bfloat16 if quantization is None else torch.float8_e4m3fn
+            assert experts and all(m.w13_weight.dtype == want for m in experts)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
+            runs[quantization] = [o.outputs[0] for o in outs]
+    assert _compare(f"{arch} --quantization fp8", runs[None], runs["fp8"]) < 0.5
+
+
 def test_qwen3_30b_a3b_shape_serves_and_tunes_its_moe_kernel() -> None:
     import tandem_kernels.fused_moe as fm
 

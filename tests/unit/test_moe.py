@@ -58,11 +58,18 @@ def _checked_local_promise() -> Iterator[list[bool]]:
         topk_ids: torch.Tensor,
         *,
         all_experts_local: bool = False,
+        **scales: torch.Tensor | None,
     ) -> torch.Tensor:
         assert not all_experts_local or bool((topk_ids < w13.shape[0]).all())
         promises.append(all_experts_local)
         return run_experts(
-            hidden_states, w13, w2, topk_weights, topk_ids, all_experts_local=all_experts_local
+            hidden_states,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            all_experts_local=all_experts_local,
+            **scales,
         )
 
     with unittest.mock.patch.object(moe_layer, "run_experts", checked):
@@ -112,6 +119,52 @@ def test_layer_without_expert_parallel_vouches_its_experts_are_all_local() -> No
     weights, ids = select_experts(logits, 2, renormalize=True)
     expected = fused_moe_ref(x, layer.w13_weight, layer.w2_weight, weights, ids)
     torch.testing.assert_close(out, expected)
+
+
+def test_fp8_experts_quantized_at_load(tiny_model_path) -> None:
+    """`--quantization fp8` on a MoE checkpoint: every expert layer gets the weight-only FP8
+    method; after loading its weights are e4m3 with a scale per expert and row (half the
+    bytes), the router stays in the model's dtype, and the layer's output equals the
+    reference on the dequantized weights and stays within FP8's error of the unquantized
+    layer. A checkpoint storing FP8 experts is refused, naming the layer."""
+    from tandem.config import ConfigError
+    from tandem.layers.quantization import Fp8Config, Fp8MoEMethod
+    from tandem_kernels.moe_ref import dequantize_expert_rows
+
+    path = tiny_model_path("qwen3_moe")
+    plain = build_model(path, _context())
+    ctx = dataclasses.replace(_context(), quant_config=Fp8Config())
+    with unittest.mock.patch("tandem.loader.model_loader.process_weights_after_loading") as after:
+        fp8 = build_model(path, ctx)  # the linear layers' FP8 GEMMs need CUDA: experts only
+    assert after.called
+    layers = [m for m in fp8.modules() if isinstance(m, FusedMoE)]
+    assert layers and all(isinstance(m.quant_method, Fp8MoEMethod) for m in layers)
+    for layer in layers:
+        layer.quant_method.process_weights_after_loading(layer)
+    first = layers[0]
+    base = next(m for m in plain.modules() if isinstance(m, FusedMoE))
+    assert first.w13_weight.dtype == first.w2_weight.dtype == torch.float8_e4m3fn
+    assert first.w13_scale.shape == first.w13_weight.shape[:2]
+    assert first.w2_scale.shape == first.w2_weight.shape[:2]
+    assert first.w13_weight.element_size() * 4 == base.w13_weight.element_size()
+    router = fp8.get_submodule("model.layers.0.mlp.gate")
+    assert router.weight.dtype == torch.float32
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(11, first.hidden_size, generator=gen)
+    logits = torch.randn(11, first.num_experts, generator=gen)
+    out = first(x, logits)
+    weights, ids = select_experts(logits, first.top_k, first.renormalize)
+    deq13 = dequantize_expert_rows(first.w13_weight, first.w13_scale, torch.float32)
+    deq2 = dequantize_expert_rows(first.w2_weight, first.w2_scale, torch.float32)
+    torch.testing.assert_close(out, fused_moe_ref(x, deq13, deq2, weights, ids))
+    unquantized = base(x, logits)
+    rel = (out - unquantized).norm() / unquantized.norm()
+    assert 0 < rel < 0.05, rel
+    assert "float8_e4m3fn" in repr(first)
+
+    stored = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(ConfigError, match=r"mlp\.experts: FP8 expert weights stored"):
+        build_model(path, dataclasses.replace(_context(), quant_config=stored))
 
 
 def test_moe_tuner_times_both_silu_forms_then_down_tiles_on_each(

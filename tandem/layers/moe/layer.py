@@ -47,19 +47,29 @@ def run_experts(
     topk_ids: torch.Tensor,
     *,
     all_experts_local: bool = False,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`: the fused kernel on CUDA,
     the torch reference elsewhere. `all_experts_local`: every id is < E (no pair names an
-    expert this rank lacks), which spares the kernel a zero fill; leave it False otherwise."""
+    expert this rank lacks), which spares the kernel a zero fill; leave it False otherwise.
+    `w13_scale` / `w2_scale`: FP8 weights' scales per expert and row (`Fp8MoEMethod`)."""
     if hidden_states.is_cuda:
         from tandem_kernels.fused_moe import fused_moe
 
         return fused_moe(
-            hidden_states, w13, w2, topk_weights, topk_ids, all_experts_local=all_experts_local
+            hidden_states,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            all_experts_local=all_experts_local,
+            w13_scale=w13_scale,
+            w2_scale=w2_scale,
         )
     from tandem_kernels.moe_ref import fused_moe_ref
 
-    return fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
 class FusedMoE(nn.Module):
@@ -112,6 +122,13 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(
             torch.empty(local, hidden_size, inter, dtype=ctx.dtype, device=ctx.device),
             requires_grad=False,
+        )
+        # FP8 experts' scales per expert and row, set after loading by the quantization
+        # config's experts method (`quant_method`; None: experts in the model's dtype).
+        self.register_buffer("w13_scale", None, persistent=False)
+        self.register_buffer("w2_scale", None, persistent=False)
+        self.quant_method = (
+            None if ctx.quant_config is None else ctx.quant_config.get_experts_method(self, prefix)
         )
         # Expert parallel's dispatch: None picks the sync-free one only in CUDA graph capture.
         self.ep_sync_free: bool | None = None
@@ -171,6 +188,8 @@ class FusedMoE(nn.Module):
             topk_weights,
             topk_ids,
             all_experts_local=True,
+            w13_scale=self.w13_scale,
+            w2_scale=self.w2_scale,
         )
         if self.tp_size > 1:
             out = self.tp_group.all_reduce(out)
@@ -225,7 +244,14 @@ class FusedMoE(nn.Module):
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         ids = local_ids.view(-1, 1)
         return run_experts(
-            rows, self.w13_weight, self.w2_weight, ones, ids, all_experts_local=all_experts_local
+            rows,
+            self.w13_weight,
+            self.w2_weight,
+            ones,
+            ids,
+            all_experts_local=all_experts_local,
+            w13_scale=self.w13_scale,
+            w2_scale=self.w2_scale,
         )
 
     def _exchange_padded(
@@ -252,7 +278,8 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"experts={self.num_local_experts}/{self.num_experts}, top_k={self.top_k}, "
-            f"hidden={self.hidden_size}, inter={self.intermediate_per_rank}, ep={self.use_ep}"
+            f"hidden={self.hidden_size}, inter={self.intermediate_per_rank}, ep={self.use_ep}, "
+            f"dtype={self.w13_weight.dtype}"
         )
 
 

@@ -2,6 +2,7 @@
 
 from tandem.layers.quantization.base import (
     QUANTIZATION_CONFIGS,
+    ExpertsMethodBase,
     LinearMethodBase,
     QuantizationConfig,
     QuantizeMethodBase,
@@ -14,15 +15,22 @@ from tandem.layers.quantization.base import (
 from tandem.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from tandem.layers.quantization.cpu import CpuPackedLinearMethod
 from tandem.layers.quantization.factory import get_quant_method
-from tandem.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod, PtpcFp8Config
+from tandem.layers.quantization.fp8 import (
+    Fp8Config,
+    Fp8LinearMethod,
+    Fp8MoEMethod,
+    PtpcFp8Config,
+)
 from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
 
 __all__ = [
     "QUANTIZATION_CONFIGS",
     "CompressedTensorsConfig",
     "CpuPackedLinearMethod",
+    "ExpertsMethodBase",
     "Fp8Config",
     "Fp8LinearMethod",
+    "Fp8MoEMethod",
     "LinearMethodBase",
     "PtpcFp8Config",
     "QuantizationConfig",

@@ -100,6 +100,18 @@ class LinearMethodBase(QuantizeMethodBase):
         return None
 
 
+class ExpertsMethodBase(ABC):
+    """How a mixture-of-experts layer's expert weights are held for its kernel. The layer
+    (`FusedMoE`) makes `w13_weight` and `w2_weight` in the model's dtype and loads them;
+    after loading, `process_weights_after_loading(layer)` may replace them and set the
+    layer's `w13_scale` / `w2_scale` buffers (FP8 with a scale per expert and row), which
+    the layer hands its kernel (`tandem_kernels.fused_moe`)."""
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once every checkpoint tensor is loaded."""
+
+
 class QuantizationConfig(ABC):
     """A checkpoint's quantization scheme: which method each layer gets."""
 
@@ -109,6 +121,11 @@ class QuantizationConfig(ABC):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for `layer` (named `prefix` in the checkpoint), or None for the
         default (unquantized) one."""
+
+    def get_experts_method(self, layer: nn.Module, prefix: str) -> ExpertsMethodBase | None:
+        """The method for a mixture-of-experts layer's experts, or None: kept in the
+        model's dtype."""
+        return None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
@@ -182,5 +199,5 @@ def process_weights_after_loading(model: nn.Module) -> None:
     checkpoint is loaded: the loader calls it after `load_weights`."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, QuantizeMethodBase):
+        if isinstance(method, QuantizeMethodBase | ExpertsMethodBase):
             method.process_weights_after_loading(module)

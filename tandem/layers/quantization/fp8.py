@@ -41,6 +41,7 @@ from torch import nn
 
 from tandem.config import ConfigError
 from tandem.layers.quantization.base import (
+    ExpertsMethodBase,
     LinearMethodBase,
     QuantizationConfig,
     QuantizeMethodBase,
@@ -165,6 +166,20 @@ class Fp8Config(QuantizationConfig):
         if not isinstance(layer, LinearBase) or self.is_ignored(prefix):
             return None  # the LM head, embeddings and ignored layers stay unquantized
         return Fp8LinearMethod(self.scheme)
+
+    def get_experts_method(self, layer: nn.Module, prefix: str) -> ExpertsMethodBase | None:
+        """Experts quantized at load: weight-only FP8 with a scale per expert and row
+        (`Fp8MoEMethod`), whatever the scheme of the linear layers. A checkpoint that stores
+        its experts in FP8 is refused: loading them as stored is not implemented."""
+        if self.is_ignored(prefix):
+            return None
+        if self.scheme.is_checkpoint_fp8_serialized:
+            raise ConfigError(
+                f"{prefix or 'a mixture-of-experts layer'}: FP8 expert weights stored in the "
+                "checkpoint are not implemented; quantize a bf16 checkpoint at load "
+                "(--quantization fp8)"
+            )
+        return Fp8MoEMethod()
 
     def verify_device(self, device: torch.device) -> None:
         check_fp8_device(device, f"--quantization {self.name}")
@@ -472,6 +487,27 @@ def _requantize_to_max(
         out[start : start + size] = _fp8_ops().quantize_fp8(_fp8_ops().dequantize(part, scale), top)
         start += size
     return out, top
+
+
+class Fp8MoEMethod(ExpertsMethodBase):
+    """A mixture-of-experts layer's experts as weight-only FP8: after loading, `w13_weight`
+    and `w2_weight` become e4m3 with a float32 scale per expert and output row (`w13_scale`
+    `[E, 2I]`, `w2_scale` `[E, H]`); the fused kernel widens the weight tiles and scales its
+    row sums, the activations stay in the model's dtype. Half the bytes of bf16 experts to
+    hold and, at decode sizes, to read. Quantized one expert at a time (one expert's float32
+    copy at most)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        from tandem_kernels.moe_ref import quantize_expert_rows
+
+        for name in ("w13", "w2"):
+            weight = getattr(layer, f"{name}_weight").data
+            q = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
+            scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+            for e in range(weight.shape[0]):
+                q[e : e + 1], scale[e : e + 1] = quantize_expert_rows(weight[e : e + 1])
+            _replace(layer, f"{name}_weight", q)
+            setattr(layer, f"{name}_scale", scale)
 
 
 def _replace(layer: nn.Module, name: str, value: torch.Tensor) -> None:
