@@ -19,6 +19,13 @@
 #   PART=align2: the alignment with about one program an SM (PART=align's one-program offsets
 #            kernel took 35 us at 4,096 tokens): its GPU tests, Qwen3-30B-A3B's kernel table.
 #
+#   PART=fp8moe (not run in session 18: its device budget was spent): FP8 MoE experts
+#            (`--quantization fp8` now reaches them: weight-only e4m3 with a scale per expert
+#            and row, and W8A8 twins the tuner times) and PART=align2's alignment: the MoE GPU
+#            tests for both, the FP8 MoE models against their bf16 selves, the kernel table
+#            with FP8 experts, then Qwen3-30B-A3B offline in bf16 and FP8 (batch 1, 1000/1000
+#            at 512 requests).
+#
 #   OUT=/some/dir PART=moe bash scripts/gpu_session18.sh
 set -u
 case "${PART:-moe}" in
@@ -63,6 +70,27 @@ align2)
   step "MoE kernel" 100 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel --breakdown \
     --shapes qwen3-30b-a3b --tokens 64 512 4096 16384 --out "$OUT/moe_kernel.json"
   grep -E "forms|TFLOP|^ceiling" "$OUT/moe_kernel.log" >>"$summary"
+  finish
+  ;;
+fp8moe)
+  ISSUE=session18 BUDGET_S=${BUDGET_S:-580}
+  . scripts/device_lib.sh
+  step "MoE GPU tests" 200 "$OUT/gpu_tests_fp8moe.log" $PY -m pytest -q -m gpu --timeout=190 \
+    -rs --tb=short --durations=5 tests/gpu/test_fused_moe_gpu.py tests/gpu/test_gpu_models.py \
+    -k "alignment or fp8"
+  grep -E "passed|failed" "$OUT/gpu_tests_fp8moe.log" | tail -n 1 | sed "s/^/tests: /" >>"$summary"
+  step "MoE kernel fp8" 120 "$OUT/moe_kernel_fp8.log" $PY -m benchmarks.moe_kernel --breakdown \
+    --weights fp8 --tokens 1 64 512 4096 16384 --out "$OUT/moe_kernel_fp8.json"
+  grep -E "forms|TFLOP|^ceiling" "$OUT/moe_kernel_fp8.log" >>"$summary"
+  for flags in "bf16:" "fp8:--quantization fp8"; do
+    name=${flags%%:*}
+    read -r -a extra <<<"${flags#*:}"
+    step "offline qwen3-30b-a3b $name" 120 "$OUT/offline_qwen3_$name.log" \
+      $PY -m benchmarks.offline_throughput --model random:qwen3-30b-a3b --device cuda \
+      --skip-peer --workloads 1000/1000 --max-requests 512 "${extra[@]}" \
+      --out "$OUT/offline_qwen3_$name.json"
+    grep -E "tok/s|TPOT" "$OUT/offline_qwen3_$name.log" | tail -n 3 | sed "s/^/$name /" >>"$summary"
+  done
   finish
   ;;
 *)

@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import triton
@@ -95,6 +95,7 @@ def _fused_moe_kernel(
     b_ptr,
     c_ptr,
     b_scale_ptr,
+    a_scale_ptr,
     topk_weights_ptr,
     sorted_token_ids_ptr,
     expert_ids_ptr,
@@ -122,6 +123,7 @@ def _fused_moe_kernel(
     INPUT_PRECISION: tl.constexpr,
     B_TMA: tl.constexpr,
     B_SCALE: tl.constexpr,
+    A_SCALE: tl.constexpr,
 ):
     """One `[BLOCK_M, BLOCK_N]` tile of `C[p] = A[p // A_ROW_DIV] @ B[expert]^T` over the
     sorted pairs of one expert (times the pair's routing weight when MUL_ROUTED_WEIGHT).
@@ -139,7 +141,9 @@ def _fused_moe_kernel(
     B_SCALE: B is FP8 (e4m3) with one scale per expert and row (`b_scale[e * stride_bse +
     n]`, gate then up under SILU_AND_MUL): its tiles widen to A's dtype (exactly) for the dot
     and the accumulators take the row scales before the epilogue (a row's scale factors out
-    of its sum over K)."""
+    of its sum over K). A_SCALE: A is FP8 too, with one scale per row of A (`a_scale[p //
+    A_ROW_DIV]`, per token): the dot runs on e4m3 operands and the accumulators take the
+    row scales as well."""
     tl.static_assert(not (SILU_AND_MUL and MUL_ROUTED_WEIGHT))
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
@@ -197,6 +201,11 @@ def _fused_moe_kernel(
         acc = acc * tl.load(scales, mask=n_mask, other=0.0)[None, :]
         if SILU_AND_MUL:
             acc_up = acc_up * tl.load(scales + N, mask=n_mask, other=0.0)[None, :]
+    if A_SCALE:
+        row_scale = tl.load(a_scale_ptr + offs_pair // A_ROW_DIV, mask=pair_mask, other=0.0)
+        acc = acc * row_scale[:, None]
+        if SILU_AND_MUL:
+            acc_up = acc_up * row_scale[:, None]
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + offs_pair, mask=pair_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
@@ -334,7 +343,10 @@ class MoEConfig(NamedTuple):
     gate_up for a separate SiLU-and-mul pass. `down`: GEMM 2's own tiles (K is I, N is H),
     None for GEMM 1's; block_m is shared, since the alignment pads each expert's rows to it.
     `b_tma`: both GEMMs read the expert weights through TMA tensor descriptors (sm_90 and
-    later, `b_tma_usable`), the gathered rows of x and act through pointers as ever."""
+    later, `b_tma_usable`), the gathered rows of x and act through pointers as ever.
+    `fp8_act` (FP8 weights only): both GEMMs' inputs are quantized to e4m3 per token first
+    (x, then act), so the dots run on FP8 tensor cores (W8A8); else the weight tiles widen to
+    the activations' dtype (W8A16)."""
 
     block_m: int
     block_n: int
@@ -345,6 +357,7 @@ class MoEConfig(NamedTuple):
     silu_in_epilogue: bool = False
     down: GemmTiles | None = None
     b_tma: bool = False
+    fp8_act: bool = False
 
     @property
     def gate_up_tiles(self) -> GemmTiles:
@@ -532,6 +545,8 @@ def fused_moe(
         config = _config_for(hidden_states, w13, w2, top_k, w13_scale, w2_scale)
     if scaled and isinstance(config, GroupedMMConfig):
         raise ValueError("the torch grouped-GEMM path takes bf16 weights, not FP8 ones")
+    if isinstance(config, MoEConfig) and config.fp8_act and not scaled:
+        raise ValueError("FP8 activations (MoEConfig.fp8_act) need FP8 weights")
     out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     if num_tokens == 0:
         return out
@@ -552,25 +567,51 @@ def fused_moe(
     dev, dtype = hidden_states.device, hidden_states.dtype
     routing = (weights, sorted_ids, expert_ids, num_post)
     gate_up_tiles, tma = config.gate_up_tiles, config.b_tma
+    x, x_scale = hidden_states, None
+    if config.fp8_act:
+        x, x_scale = _fp8().dynamic_quant_per_token(hidden_states)
+    act_scale = None
     if config.silu_in_epilogue:
         act = torch.empty(num_pairs, two_inter // 2, dtype=dtype, device=dev)
         _launch(
-            hidden_states, w13, act, *routing, top_k, "silu_and_mul", block_m, gate_up_tiles,
-            tma, w13_scale,
+            x, w13, act, *routing, top_k, "silu_and_mul", block_m, gate_up_tiles, tma,
+            w13_scale, x_scale,
         )  # fmt: skip
+        if config.fp8_act:
+            act, act_scale = _fp8().dynamic_quant_per_token(act)
     else:
         gate_up = torch.empty(num_pairs, two_inter, dtype=dtype, device=dev)
         _launch(
-            hidden_states, w13, gate_up, *routing, top_k, None, block_m, gate_up_tiles, tma,
-            w13_scale,
+            x, w13, gate_up, *routing, top_k, None, block_m, gate_up_tiles, tma, w13_scale,
+            x_scale,
         )  # fmt: skip
-        act = silu_and_mul(gate_up)
+        if config.fp8_act:
+            act, act_scale = _fp8_fused().silu_and_mul_fp8(gate_up, "token")
+        else:
+            act = silu_and_mul(gate_up)
     # Rows of other ranks' experts are never written: unless there are none, they must read
     # as zeros in the sum.
     alloc = torch.empty if all_experts_local else torch.zeros
     down = alloc(num_pairs, hidden, dtype=dtype, device=dev)
-    _launch(act, w2, down, *routing, 1, "routed_weight", block_m, config.down_tiles, tma, w2_scale)
+    _launch(
+        act, w2, down, *routing, 1, "routed_weight", block_m, config.down_tiles, tma, w2_scale,
+        act_scale,
+    )  # fmt: skip
     return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
+
+
+def _fp8() -> Any:
+    """tandem_kernels.fp8 (per-token activation quantization), imported where used."""
+    from tandem_kernels import fp8
+
+    return fp8
+
+
+def _fp8_fused() -> Any:
+    """tandem_kernels.fp8_fused (SiLU-and-mul writing e4m3 per token), imported where used."""
+    from tandem_kernels import fp8_fused
+
+    return fp8_fused
 
 
 def _check_scales(
@@ -727,11 +768,13 @@ def _launch(
     tiles: GemmTiles,
     b_tma: bool = False,
     b_scale: torch.Tensor | None = None,
+    a_scale: torch.Tensor | None = None,
 ) -> None:
     """`c = a @ b^T` over the sorted pairs (`_fused_moe_kernel`); "silu_and_mul": b holds
     gate then up rows and c gets `silu(gate) * up` (half b's rows wide). `b_tma`: b's tiles
     through a TMA descriptor over its `[E * rows, K]` view. `b_scale` `[E, rows]`: b is FP8
-    with a scale per expert and row."""
+    with a scale per expert and row; `a_scale` `[rows of a, 1]`: a is FP8 too, a scale per
+    row."""
     em = sorted_ids.shape[0]
     silu = epilogue == "silu_and_mul"
     n, k = b.shape[1] // 2 if silu else b.shape[1], b.shape[2]
@@ -745,6 +788,7 @@ def _launch(
         b_arg,
         c,
         c if b_scale is None else b_scale,
+        c if a_scale is None else a_scale,
         weights,
         sorted_ids,
         expert_ids,
@@ -772,6 +816,7 @@ def _launch(
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         B_TMA=b_tma,
         B_SCALE=b_scale is not None,
+        A_SCALE=a_scale is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -827,6 +872,7 @@ def tune_fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    fp8_act: bool | None = None,
 ) -> dict[int, FusedMoEConfig]:
     """Time `candidates` for every token bucket up to `max_tokens` not tuned yet for this
     layer shape (on these weights, uniformly random routing, seeded) and keep the fastest;
@@ -842,7 +888,11 @@ def tune_fused_moe(
     path (`GroupedMMConfig`). `b_tma` (None: where `b_tma_usable`): last, the fastest config
     of each SiLU form (its down tiles included) is timed again with the weights through TMA
     (`MoEConfig.b_tma`). `w13_scale` / `w2_scale`: FP8 weights (see `fused_moe`), timed on
-    activations of `dtype` (None: the weights' dtype, bf16 for FP8 ones)."""
+    activations of `dtype` (None: the weights' dtype, bf16 for FP8 ones). `fp8_act` (None:
+    with FP8 weights): last, the fastest config of each SiLU form is timed again with FP8
+    activations (`MoEConfig.fp8_act`, W8A8)."""
+    if fp8_act is None:
+        fp8_act = w13_scale is not None
     if dtype is None:
         dtype = torch.bfloat16 if w13_scale is not None else w13.dtype
     if grouped_mm is None:
@@ -889,6 +939,13 @@ def tune_fused_moe(
                     ms = _time_call(problem, config, decode, iters)
                     if ms is not None:
                         timings.append((config, ms))
+            for silu in (False, True) if fp8_act else ():
+                base = _fastest_of_form(timings, silu)
+                if base is not None:
+                    config = base._replace(fp8_act=True)
+                    ms = _time_call(problem, config, decode, iters)
+                    if ms is not None:
+                        timings.append((config, ms))
             if timings:
                 best = min(timings, key=lambda timed: timed[1])[0]
                 _configs[(key, bucket)] = best
@@ -924,7 +981,8 @@ def _fastest_of_form(
 def config_name(config: FusedMoEConfig) -> str:
     """`16x64x64x1x4x3` for a grouped-path config, `silu-epilogue:16x64x64x1x4x3` for one
     with SiLU in GEMM 1's epilogue, either followed by `/down:128x64x8x4x3` where GEMM 2 has
-    its own tiles, then `+tma` where the weights come through TMA (`MoEConfig.b_tma`);
+    its own tiles, then `+tma` where the weights come through TMA (`MoEConfig.b_tma`) and
+    `+a8` where the activations are FP8 too (`MoEConfig.fp8_act`);
     `decode:16x256x1x8x1024x1x4` for the decode path's, `grouped-mm` for the torch
     grouped-GEMM path (the tuning log's names)."""
     if isinstance(config, DecodeConfig):
@@ -936,30 +994,39 @@ def config_name(config: FusedMoEConfig) -> str:
         name = f"silu-epilogue:{name}"
     if config.down is not None:
         name = f"{name}/down:{_join(config.down)}"
-    return name + _TMA_SUFFIX if config.b_tma else name
+    if config.b_tma:
+        name += _TMA_SUFFIX
+    return name + _FP8_ACT_SUFFIX if config.fp8_act else name
 
 
 def config_from_name(name: str) -> FusedMoEConfig:
     """The config `config_name` gave this name (a tuning log's entries back to configs)."""
     if name == _GROUPED_MM_NAME:
         return GroupedMMConfig()
+    fp8_act = name.endswith(_FP8_ACT_SUFFIX)
+    name = name.removesuffix(_FP8_ACT_SUFFIX)
     b_tma = name.endswith(_TMA_SUFFIX)
     name = name.removesuffix(_TMA_SUFFIX)
     head, _, down = name.partition("/down:")
     form, _, tiles = head.rpartition(":")
     values = [int(v) for v in tiles.split("x")]
-    if form == "decode" and not down and not b_tma:
+    if form == "decode" and not down and not b_tma and not fp8_act:
         return DecodeConfig(*values)
     if form not in ("", "silu-epilogue") or len(values) != 6:
         raise ValueError(f"not a fused MoE config name: {name!r}")
     down_tiles = GemmTiles(*(int(v) for v in down.split("x"))) if down else None
     return MoEConfig(
-        *values, silu_in_epilogue=form == "silu-epilogue", down=down_tiles, b_tma=b_tma
+        *values,
+        silu_in_epilogue=form == "silu-epilogue",
+        down=down_tiles,
+        b_tma=b_tma,
+        fp8_act=fp8_act,
     )
 
 
 _GROUPED_MM_NAME = "grouped-mm"
 _TMA_SUFFIX = "+tma"
+_FP8_ACT_SUFFIX = "+a8"
 
 
 def _join(values: tuple[int, ...]) -> str:

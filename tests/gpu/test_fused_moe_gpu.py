@@ -223,9 +223,10 @@ def test_alignment_kernels_equal_the_torch_reference(
 def test_fp8_expert_weights_match_the_dequantized_reference(shape: str, num_tokens: int) -> None:
     """FP8 (e4m3) experts with a scale per expert and row (`Fp8MoEMethod`'s layout), bf16
     activations, at the real shapes: a few grouped configs of both SiLU forms, through
-    pointers and through TMA, the decode path at one token, then the tuned call, each
-    against the reference on the dequantized weights; the tuner never offers the bf16-only
-    torch grouped-GEMM path for them."""
+    pointers and through TMA, the decode path at one token, each against the reference on
+    the dequantized weights; with FP8 activations too (W8A8) and the tuned call, within
+    FP8's error of it. The tuner times W8A8 twins and never offers the bf16-only torch
+    grouped-GEMM path for FP8 weights."""
     from tandem_kernels.moe_ref import quantize_expert_rows
 
     w13, w2 = _weights(shape, torch.bfloat16)
@@ -248,11 +249,19 @@ def test_fp8_expert_weights_match_the_dequantized_reference(shape: str, num_toke
     for config in configs:
         out = fm.fused_moe(x, q13, q2, weights, ids, config, w13_scale=s13, w2_scale=s2)
         _assert_close(out, ref)
+    # W8A8 (`fp8_act`): x and act in e4m3 per token too, within FP8's error of the reference.
+    for config in (base._replace(fp8_act=True), configs[3]._replace(fp8_act=True)):
+        out = fm.fused_moe(x, q13, q2, weights, ids, config, w13_scale=s13, w2_scale=s2)
+        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < 0.06, (fm.config_name(config), rel)
     tuned = fm.fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
-    _assert_close(tuned, ref)
+    rel = ((tuned.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 0.06, rel
     key = fm._shape_key(q13, ids.shape[1])
     entries = [e for e in fm.tuning_log if e["key"] == [*key[:4], str(key[4])]]
     assert entries and all(fm._GROUPED_MM_NAME not in e["ms"] for e in entries)
+    grouped = [e for e in entries if not e["timed_in_graph"]]
+    assert all(any(n.endswith("+a8") for n in e["ms"]) for e in grouped)
 
 
 def test_tiny_layers_take_the_default_rule_untuned() -> None:

@@ -1788,6 +1788,38 @@ def case_fused_moe_fp8_weights(dtype: torch.dtype) -> None:
             )
         assert out.dtype == dtype and not out.isnan().any(), config
         torch.testing.assert_close(out, ref, **_tol(dtype))
+    # W8A8 (`fp8_act`): x and act quantized per token, e4m3 dots; against the same steps
+    # one pair at a time (x quantized per row by the activation quantizer the layers use,
+    # each pair's gate and up rounded to dtype, SiLU-and-mul, act quantized per row, the
+    # routed weight, the sum over the token's pairs).
+    from tandem_kernels import fp8
+
+    xq, xs = fp8.dynamic_quant_per_token(x)
+    x8 = xq.float() * xs
+    deq2 = k.moe_ref.dequantize_expert_rows(q2, s2, torch.float32)
+    emulated = torch.zeros(num_tokens, x.shape[1])
+    for pair, expert in enumerate(topk_ids.reshape(-1).tolist()):
+        if expert >= num_experts:
+            continue
+        token = pair // top_k
+        gate_up = (x8[token] @ deq13[expert].float().T).to(dtype)
+        act = k.activation.silu_and_mul_ref(gate_up.unsqueeze(0))
+        aq, a_s = fp8.dynamic_quant_per_token(act)
+        y = (aq.float() * a_s) @ deq2[expert].T * topk_weights[token, pair % top_k]
+        emulated[token] += y[0].to(dtype).float()
+    for silu in (False, True):
+        config = unfused._replace(silu_in_epilogue=silu, fp8_act=True)
+        assert fm.config_from_name(fm.config_name(config)) == config
+        assert fm.config_name(config).endswith("+a8")
+        with nan_filled_empty():
+            out = fm.fused_moe(
+                x, q13, q2, topk_weights, topk_ids, config, w13_scale=s13, w2_scale=s2
+            )
+        assert out.dtype == dtype and not out.isnan().any(), config
+        tol = 1e-4 if dtype == torch.float32 else 2e-2  # fp16: act's one rounding apart
+        torch.testing.assert_close(out.float(), emulated, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="need FP8 weights"):
+        fm.fused_moe(x, w13, w2, topk_weights, topk_ids, unfused._replace(fp8_act=True))
 
 
 @_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))

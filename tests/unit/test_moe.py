@@ -275,6 +275,17 @@ def test_moe_tuner_times_the_fastest_of_each_form_again_through_tma(
             assert fm.tuning_log[0]["best"] == "16x64x64x1x4x3/down:128x64x8x4x3+tma"
         else:
             assert through_tma == []
+        assert not any(isinstance(c, fm.MoEConfig) and c.fp8_act for c in timed)
+    # FP8 weights (`fp8_act` on): the fastest of each form is timed once more with FP8
+    # activations, after the TMA twins.
+    monkeypatch.setattr(fm, "_configs", {})
+    timed.clear()
+    fm.tune_fused_moe(w13, w2, 2, max_tokens=1, b_tma=True, fp8_act=True, **kwargs)
+    a8 = [c for c in timed if isinstance(c, fm.MoEConfig) and c.fp8_act]
+    assert a8 == [
+        unfused._replace(down=down, b_tma=True, fp8_act=True),
+        fused._replace(fp8_act=True),
+    ]
 
 
 def test_expert_load_is_counted_per_layer_and_reset(tiny_model_path) -> None:
