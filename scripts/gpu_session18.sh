@@ -28,17 +28,41 @@
 #
 #   OUT=/some/dir PART=moe bash scripts/gpu_session18.sh
 set -u
+ISSUE=session18
+
+moe_tests() {  # moe_tests LOG K FILE...: the MoE GPU tests selected by K, their tally summed up
+  local log=$1 k=$2
+  shift 2
+  step "MoE GPU tests" 220 "$OUT/$log" $PY -m pytest -q -m gpu --timeout=200 -rs --tb=short \
+    --durations=5 "$@" -k "$k"
+  grep -E "passed|failed" "$OUT/$log" | tail -n 1 | sed "s/^/tests: /" >>"$summary"
+}
+
+moe_table() {  # moe_table NAME ARG...: benchmarks.moe_kernel --breakdown, its rates summed up
+  local name=$1
+  shift
+  step "MoE kernel" 200 "$OUT/$name.log" $PY -m benchmarks.moe_kernel --breakdown "$@" \
+    --out "$OUT/$name.json"
+  grep -E "forms|TFLOP|^ceiling" "$OUT/$name.log" >>"$summary"
+}
+
+offline_qwen3() {  # offline_qwen3 NAME FLAG...: Qwen3-30B-A3B at 1000/1000, 512 requests
+  local name=$1
+  shift
+  step "offline qwen3-30b-a3b $name" 150 "$OUT/offline_qwen3_$name.log" \
+    $PY -m benchmarks.offline_throughput --model random:qwen3-30b-a3b --device cuda \
+    --skip-peer --workloads 1000/1000 --max-requests 512 "$@" --out "$OUT/offline_qwen3_$name.json"
+  grep -E "tok/s|TPOT" "$OUT/offline_qwen3_$name.log" | tail -n 3 | sed "s/^/$name /" >>"$summary"
+}
+
+MOE_FILE=tests/gpu/test_fused_moe_gpu.py
+ALL_TOKENS=(--tokens 1 64 512 4096 16384)
 case "${PART:-moe}" in
 moe)
-  ISSUE=session18 BUDGET_S=${BUDGET_S:-570}
+  BUDGET_S=${BUDGET_S:-570}
   . scripts/device_lib.sh
-  step "MoE GPU tests" 200 "$OUT/gpu_tests_moe.log" $PY -m pytest -q -m gpu --timeout=190 \
-    -rs --tb=short --durations=5 tests/gpu/test_fused_moe_gpu.py \
-    -k "grouped_candidate or tuner_times"
-  grep -E "passed|failed" "$OUT/gpu_tests_moe.log" | tail -n 1 | sed "s/^/moe tests: /" >>"$summary"
-  step "MoE kernel" 200 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel --breakdown \
-    --tokens 1 64 512 4096 16384 --out "$OUT/moe_kernel.json"
-  grep -E "forms|TFLOP|^ceiling" "$OUT/moe_kernel.log" >>"$summary"
+  moe_tests gpu_tests_moe.log "grouped_candidate or tuner_times" $MOE_FILE
+  moe_table moe_kernel "${ALL_TOKENS[@]}"
   step "hopper heads + gemma" 150 "$OUT/gpu_tests_heads.log" $PY -m pytest -q -m gpu \
     --timeout=140 -rs --tb=short tests/gpu/test_dense_hopper_gpu.py \
     tests/gpu/test_sliding_window_gpu.py tests/gpu/test_hybrid_kv_gpu.py -k "head_sizes or 4b"
@@ -46,51 +70,29 @@ moe)
   finish
   ;;
 align)
-  ISSUE=session18 BUDGET_S=${BUDGET_S:-500}
+  BUDGET_S=${BUDGET_S:-500}
   . scripts/device_lib.sh
-  step "MoE GPU tests" 220 "$OUT/gpu_tests_align.log" $PY -m pytest -q -m gpu --timeout=200 \
-    -rs --tb=short --durations=5 tests/gpu/test_fused_moe_gpu.py \
-    -k "alignment or grouped_candidate or tuner_times or graph or expert_parallel or grouped_mm"
-  grep -E "passed|failed" "$OUT/gpu_tests_align.log" | tail -n 1 | sed "s/^/moe tests: /" >>"$summary"
-  step "MoE kernel" 200 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel --breakdown \
-    --tokens 1 64 512 4096 16384 --out "$OUT/moe_kernel.json"
-  grep -E "forms|TFLOP|^ceiling" "$OUT/moe_kernel.log" >>"$summary"
-  step "offline qwen3-30b-a3b" 150 "$OUT/offline_qwen3-30b-a3b.log" \
-    $PY -m benchmarks.offline_throughput --model random:qwen3-30b-a3b --device cuda \
-    --skip-peer --workloads 1000/1000 --max-requests 512 --out "$OUT/offline_qwen3-30b-a3b.json"
-  grep -E "tok/s|TPOT" "$OUT/offline_qwen3-30b-a3b.log" | tail -n 3 >>"$summary"
+  moe_tests gpu_tests_align.log \
+    "alignment or grouped_candidate or tuner_times or graph or expert_parallel or grouped_mm" \
+    $MOE_FILE
+  moe_table moe_kernel "${ALL_TOKENS[@]}"
+  offline_qwen3 bf16
   finish
   ;;
 align2)
-  ISSUE=session18 BUDGET_S=${BUDGET_S:-180}
+  BUDGET_S=${BUDGET_S:-180}
   . scripts/device_lib.sh
-  step "alignment tests" 60 "$OUT/gpu_tests_align2.log" $PY -m pytest -q -m gpu --timeout=50 \
-    -rs --tb=short tests/gpu/test_fused_moe_gpu.py -k "alignment"
-  grep -E "passed|failed" "$OUT/gpu_tests_align2.log" | tail -n 1 | sed "s/^/align: /" >>"$summary"
-  step "MoE kernel" 100 "$OUT/moe_kernel.log" $PY -m benchmarks.moe_kernel --breakdown \
-    --shapes qwen3-30b-a3b --tokens 64 512 4096 16384 --out "$OUT/moe_kernel.json"
-  grep -E "forms|TFLOP|^ceiling" "$OUT/moe_kernel.log" >>"$summary"
+  moe_tests gpu_tests_align2.log alignment $MOE_FILE
+  moe_table moe_kernel --shapes qwen3-30b-a3b --tokens 64 512 4096 16384
   finish
   ;;
 fp8moe)
-  ISSUE=session18 BUDGET_S=${BUDGET_S:-580}
+  BUDGET_S=${BUDGET_S:-580}
   . scripts/device_lib.sh
-  step "MoE GPU tests" 200 "$OUT/gpu_tests_fp8moe.log" $PY -m pytest -q -m gpu --timeout=190 \
-    -rs --tb=short --durations=5 tests/gpu/test_fused_moe_gpu.py tests/gpu/test_gpu_models.py \
-    -k "alignment or fp8"
-  grep -E "passed|failed" "$OUT/gpu_tests_fp8moe.log" | tail -n 1 | sed "s/^/tests: /" >>"$summary"
-  step "MoE kernel fp8" 120 "$OUT/moe_kernel_fp8.log" $PY -m benchmarks.moe_kernel --breakdown \
-    --weights fp8 --tokens 1 64 512 4096 16384 --out "$OUT/moe_kernel_fp8.json"
-  grep -E "forms|TFLOP|^ceiling" "$OUT/moe_kernel_fp8.log" >>"$summary"
-  for flags in "bf16:" "fp8:--quantization fp8"; do
-    name=${flags%%:*}
-    read -r -a extra <<<"${flags#*:}"
-    step "offline qwen3-30b-a3b $name" 120 "$OUT/offline_qwen3_$name.log" \
-      $PY -m benchmarks.offline_throughput --model random:qwen3-30b-a3b --device cuda \
-      --skip-peer --workloads 1000/1000 --max-requests 512 "${extra[@]}" \
-      --out "$OUT/offline_qwen3_$name.json"
-    grep -E "tok/s|TPOT" "$OUT/offline_qwen3_$name.log" | tail -n 3 | sed "s/^/$name /" >>"$summary"
-  done
+  moe_tests gpu_tests_fp8moe.log "alignment or fp8" $MOE_FILE tests/gpu/test_gpu_models.py
+  moe_table moe_kernel_fp8 --weights fp8 "${ALL_TOKENS[@]}"
+  offline_qwen3 bf16
+  offline_qwen3 fp8 --quantization fp8
   finish
   ;;
 *)

@@ -932,20 +932,15 @@ def tune_fused_moe(
                         ms = _time_call(problem, config, decode, iters)
                         if ms is not None:
                             timings.append((config, ms))
-            for silu in (False, True) if b_tma else ():
-                base = _fastest_of_form(timings, silu)
-                if base is not None:
-                    config = base._replace(b_tma=True)
-                    ms = _time_call(problem, config, decode, iters)
-                    if ms is not None:
-                        timings.append((config, ms))
-            for silu in (False, True) if fp8_act else ():
-                base = _fastest_of_form(timings, silu)
-                if base is not None:
-                    config = base._replace(fp8_act=True)
-                    ms = _time_call(problem, config, decode, iters)
-                    if ms is not None:
-                        timings.append((config, ms))
+            # Twins of each form's fastest so far: weights through TMA, then FP8 activations.
+            for twin in [name for name, on in (("b_tma", b_tma), ("fp8_act", fp8_act)) if on]:
+                for silu in (False, True):
+                    base = _fastest_of_form(timings, silu)
+                    if base is not None:
+                        config = base._replace(**{twin: True})
+                        ms = _time_call(problem, config, decode, iters)
+                        if ms is not None:
+                            timings.append((config, ms))
             if timings:
                 best = min(timings, key=lambda timed: timed[1])[0]
                 _configs[(key, bucket)] = best

@@ -167,6 +167,23 @@ def test_fp8_experts_quantized_at_load(tiny_model_path) -> None:
         build_model(path, dataclasses.replace(_context(), quant_config=stored))
 
 
+def _fake_clock(monkeypatch: pytest.MonkeyPatch, clock: dict[Any, float]) -> list[Any]:
+    """The fused MoE tuner's timer replaced by `clock` (a config's milliseconds; absent: the
+    device cannot run it): returns the list the timed configs are appended to, in order."""
+    import tandem_kernels.fused_moe as fm
+
+    timed: list[Any] = []
+
+    def fake_time_call(
+        problem: tuple[torch.Tensor, ...], config: Any, in_graph: bool, iters: int
+    ) -> float | None:
+        timed.append(config)
+        return clock.get(config)
+
+    monkeypatch.setattr(fm, "_time_call", fake_time_call)
+    return timed
+
+
 def test_moe_tuner_times_both_silu_forms_then_down_tiles_on_each(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -188,15 +205,7 @@ def test_moe_tuner_times_both_silu_forms_then_down_tiles_on_each(
         unfused._replace(down=down): 1.2,
         fused._replace(down=down): 1.0,
     }
-    timed: list[fm.FusedMoEConfig] = []
-
-    def fake_time_call(
-        problem: tuple[torch.Tensor, ...], config: fm.FusedMoEConfig, in_graph: bool, iters: int
-    ) -> float | None:
-        timed.append(config)
-        return clock.get(config)
-
-    monkeypatch.setattr(fm, "_time_call", fake_time_call)
+    timed = _fake_clock(monkeypatch, clock)
     monkeypatch.setattr(fm, "_configs", {})
     monkeypatch.setattr(fm, "tuning_log", [])
     w13, w2 = torch.zeros(4, 16, 8), torch.zeros(4, 8, 8)
@@ -245,15 +254,7 @@ def test_moe_tuner_times_the_fastest_of_each_form_again_through_tma(
     }
     clock[unfused._replace(down=down, b_tma=True)] = 1.1
     clock[fused._replace(b_tma=True)] = 1.6
-    timed: list[fm.FusedMoEConfig] = []
-
-    def fake_time_call(
-        problem: tuple[torch.Tensor, ...], config: fm.FusedMoEConfig, in_graph: bool, iters: int
-    ) -> float | None:
-        timed.append(config)
-        return clock.get(config)
-
-    monkeypatch.setattr(fm, "_time_call", fake_time_call)
+    timed = _fake_clock(monkeypatch, clock)
     w13, w2 = torch.zeros(4, 16, 8), torch.zeros(4, 8, 8)
     assert not fm.b_tma_usable(w13, w2)
     kwargs = {"candidates": (unfused, fused), "decode_candidates": (), "down_candidates": (down,)}
