@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import triton
@@ -86,6 +86,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tandem_kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_tile
+from tandem_kernels.fp8 import dynamic_quant_per_token
+from tandem_kernels.fp8_fused import silu_and_mul_fp8
 from tandem_kernels.moe_align import moe_align_block_size
 
 
@@ -569,7 +571,7 @@ def fused_moe(
     gate_up_tiles, tma = config.gate_up_tiles, config.b_tma
     x, x_scale = hidden_states, None
     if config.fp8_act:
-        x, x_scale = _fp8().dynamic_quant_per_token(hidden_states)
+        x, x_scale = dynamic_quant_per_token(hidden_states)
     act_scale = None
     if config.silu_in_epilogue:
         act = torch.empty(num_pairs, two_inter // 2, dtype=dtype, device=dev)
@@ -578,7 +580,7 @@ def fused_moe(
             w13_scale, x_scale,
         )  # fmt: skip
         if config.fp8_act:
-            act, act_scale = _fp8().dynamic_quant_per_token(act)
+            act, act_scale = dynamic_quant_per_token(act)
     else:
         gate_up = torch.empty(num_pairs, two_inter, dtype=dtype, device=dev)
         _launch(
@@ -586,7 +588,7 @@ def fused_moe(
             x_scale,
         )  # fmt: skip
         if config.fp8_act:
-            act, act_scale = _fp8_fused().silu_and_mul_fp8(gate_up, "token")
+            act, act_scale = silu_and_mul_fp8(gate_up, "token")
         else:
             act = silu_and_mul(gate_up)
     # Rows of other ranks' experts are never written: unless there are none, they must read
@@ -598,20 +600,6 @@ def fused_moe(
         act_scale,
     )  # fmt: skip
     return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
-
-
-def _fp8() -> Any:
-    """tandem_kernels.fp8 (per-token activation quantization), imported where used."""
-    from tandem_kernels import fp8
-
-    return fp8
-
-
-def _fp8_fused() -> Any:
-    """tandem_kernels.fp8_fused (SiLU-and-mul writing e4m3 per token), imported where used."""
-    from tandem_kernels import fp8_fused
-
-    return fp8_fused
 
 
 def _check_scales(
