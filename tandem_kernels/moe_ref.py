@@ -57,13 +57,19 @@ def fused_moe_ref(
     return out.to(hidden_states.dtype)
 
 
+# e4m3's largest value and the dynamic-scale convention of tandem_kernels.fp8 (which needs
+# Triton; this module must not): a scale is amax times 1/448, floored, so experts quantized
+# here equal a channel-scaled FP8 checkpoint written by tandem_kernels.fp8.quantize_per_row.
+_FP8_MAX = 448.0
+_MIN_SCALE = 1.0 / (_FP8_MAX * 512.0)
+
+
 def quantize_expert_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(e4m3 [E, R, K], float32 scale [E, R])`: one scale per expert and output row (its
     largest magnitude over 448, the e4m3 maximum), as the FP8 MoE method quantizes experts."""
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
-    amax = weight.abs().amax(dim=2).float()
-    scale = (amax / fp8_max).clamp(min=1e-12)
-    q = (weight.float() / scale.unsqueeze(2)).clamp(-fp8_max, fp8_max)
+    amax = weight.abs().amax(dim=2).to(torch.float32)
+    scale = (amax * (1.0 / _FP8_MAX)).clamp_(min=_MIN_SCALE)
+    q = (weight.to(torch.float32) / scale.unsqueeze(2)).clamp_(-_FP8_MAX, _FP8_MAX)
     return q.to(torch.float8_e4m3fn), scale
 
 

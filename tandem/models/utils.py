@@ -76,7 +76,9 @@ _SHARDS_OF = {".qkv_proj": {"q", "k", "v"}, ".gate_up_proj": {0, 1}}
 
 # An expert's checkpoint tensor: `<moe>.experts.<i>.<proj>.weight`, Mixtral's w1/w2/w3 or
 # Qwen-MoE's gate/up/down projections, -> the MoE layer's fused parameter and shard.
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_NAME = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|weight_scale)$"
+)
 _EXPERT_SHARDS = {
     "w1": "w1",
     "gate_proj": "w1",
@@ -90,13 +92,14 @@ _EXPERT_SHARDS = {
 def expert_param(name: str) -> tuple[str, str, int] | None:
     """`(parameter name, shard id, expert id)` of an expert's checkpoint tensor, else None:
     gate (w1) and up (w3) go into `<moe>.experts.w13_weight`, down (w2) into
-    `<moe>.experts.w2_weight` (tandem.layers.moe.FusedMoE)."""
+    `<moe>.experts.w2_weight` (tandem.layers.moe.FusedMoE); an FP8 checkpoint's
+    `weight_scale` into `w13_weight_scale` / `w2_weight_scale` (Fp8MoEMethod's)."""
     match = _EXPERT_NAME.match(name)
     if match is None:
         return None
-    prefix, expert_id, proj = match.groups()
+    prefix, expert_id, proj, kind = match.groups()
     shard = _EXPERT_SHARDS[proj]
-    param = "w2_weight" if shard == "w2" else "w13_weight"
+    param = ("w2_" if shard == "w2" else "w13_") + kind
     return f"{prefix}.{param}", shard, int(expert_id)
 
 

@@ -33,7 +33,7 @@ from torch import nn
 from tandem.layers.linear import ReplicatedLinear, check_full_size, divide
 from tandem.layers.moe.router import select_experts
 from tandem.layers.quantization import set_weight_attrs
-from tandem.layers.weight_utils import LoadedWeight, copy_weight, narrow_weight
+from tandem.layers.weight_utils import LoadedWeight, copy_weight, full_weight, narrow_weight
 
 if TYPE_CHECKING:
     from tandem.models.interface import ModelContext
@@ -123,13 +123,6 @@ class FusedMoE(nn.Module):
             torch.empty(local, hidden_size, inter, dtype=ctx.dtype, device=ctx.device),
             requires_grad=False,
         )
-        # FP8 experts' scales per expert and row, set after loading by the quantization
-        # config's experts method (`quant_method`; None: experts in the model's dtype).
-        self.register_buffer("w13_scale", None, persistent=False)
-        self.register_buffer("w2_scale", None, persistent=False)
-        self.quant_method = (
-            None if ctx.quant_config is None else ctx.quant_config.get_experts_method(self, prefix)
-        )
         # Expert parallel's dispatch: None picks the sync-free one only in CUDA graph capture.
         self.ep_sync_free: bool | None = None
         # Tokens routed to each expert since the last `take_expert_load` (every rank sees
@@ -151,6 +144,15 @@ class FusedMoE(nn.Module):
             self.w2_weight,
             {"weight_loader": self.weight_loader, "required_shards": {("w2", e) for e in experts}},
         )
+        # FP8 experts' scales per expert and row, set after loading by the quantization
+        # config's experts method (`quant_method`; None: experts in the model's dtype).
+        self.register_buffer("w13_scale", None, persistent=False)
+        self.register_buffer("w2_scale", None, persistent=False)
+        self.quant_method = (
+            None if ctx.quant_config is None else ctx.quant_config.get_experts_method(self, prefix)
+        )
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: str, expert_id: int
@@ -173,6 +175,35 @@ class FusedMoE(nn.Module):
             copy_weight(param.data[local], narrow_weight(loaded_weight, 1, start, inter), what)
         else:
             raise ValueError(f"{what}: shard_id must be w1, w2 or w3")
+
+    def scale_loader(
+        self, param: nn.Parameter, loaded_scale: LoadedWeight, shard_id: str, expert_id: int
+    ) -> None:
+        """One expert's FP8 checkpoint scale of a projection (`weight_scale`: per channel
+        `[rows, 1]`, or per tensor, one value) into `param` `[E_local, rows]` (a scale per
+        row: `w13_weight_scale`, `w2_weight_scale`): this rank's rows of gate / up (all of
+        down's, whose rows are H), a per-tensor value on every row."""
+        local = expert_id - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return
+        what = f"{self.prefix or 'FusedMoE'} expert {expert_id} {shard_id} scale"
+        scale = full_weight(loaded_scale).to(torch.float32)
+        inter = self.intermediate_per_rank
+        if shard_id in ("w1", "w3"):
+            target = param.data[local].narrow(0, 0 if shard_id == "w1" else inter, inter)
+            full_rows, start = self.intermediate_size, self.tp_rank * inter
+        elif shard_id == "w2":
+            target, full_rows, start = param.data[local], self.hidden_size, 0
+        else:
+            raise ValueError(f"{what}: shard_id must be w1, w2 or w3")
+        if scale.numel() == 1:
+            target.fill_(scale.reshape(()))
+        elif scale.numel() == full_rows:
+            target.copy_(scale.reshape(full_rows)[start : start + target.shape[0]])
+        else:
+            raise ValueError(
+                f"{what}: {tuple(scale.shape)} is neither one scale nor one per row ({full_rows})"
+            )
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)

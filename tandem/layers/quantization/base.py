@@ -102,10 +102,15 @@ class LinearMethodBase(QuantizeMethodBase):
 
 class ExpertsMethodBase(ABC):
     """How a mixture-of-experts layer's expert weights are held for its kernel. The layer
-    (`FusedMoE`) makes `w13_weight` and `w2_weight` in the model's dtype and loads them;
-    after loading, `process_weights_after_loading(layer)` may replace them and set the
-    layer's `w13_scale` / `w2_scale` buffers (FP8 with a scale per expert and row), which
-    the layer hands its kernel (`tandem_kernels.fused_moe`)."""
+    (`FusedMoE`) makes `w13_weight` and `w2_weight` in the model's dtype, each with its
+    `weight_loader`, then calls `create_weights(layer)`, which may remake them (another dtype,
+    same loaders) and add parameters of its own (a stored checkpoint's scales); after
+    loading, `process_weights_after_loading(layer)` may replace them and set the layer's
+    `w13_scale` / `w2_scale` buffers (FP8 with a scale per expert and row), which the layer
+    hands its kernel (`tandem_kernels.fused_moe`)."""
+
+    def create_weights(self, layer: nn.Module) -> None:  # noqa: B027
+        """Called once the layer has made its parameters (default: keep them)."""
 
     @abstractmethod
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -173,13 +173,21 @@ class Fp8Config(QuantizationConfig):
         its experts in FP8 is refused: loading them as stored is not implemented."""
         if self.is_ignored(prefix):
             return None
-        if self.scheme.is_checkpoint_fp8_serialized:
-            raise ConfigError(
-                f"{prefix or 'a mixture-of-experts layer'}: FP8 expert weights stored in the "
-                "checkpoint are not implemented; quantize a bf16 checkpoint at load "
-                "(--quantization fp8)"
-            )
-        return Fp8MoEMethod()
+        scheme = self.scheme
+        if scheme.is_checkpoint_fp8_serialized:
+            what = prefix or "a mixture-of-experts layer"
+            if scheme.weight_strategy == "block":
+                raise ConfigError(
+                    f"{what}: block-scaled FP8 experts in a checkpoint are not implemented "
+                    "(per-tensor and per-channel are); quantize a bf16 checkpoint at load "
+                    "(--quantization fp8)"
+                )
+            if scheme.activation_scheme == "static":
+                raise ConfigError(
+                    f"{what}: static FP8 activation scales for experts are not implemented "
+                    "(dynamic ones are)"
+                )
+        return Fp8MoEMethod(stored=scheme.is_checkpoint_fp8_serialized)
 
     def verify_device(self, device: torch.device) -> None:
         check_fp8_device(device, f"--quantization {self.name}")
@@ -490,15 +498,48 @@ def _requantize_to_max(
 
 
 class Fp8MoEMethod(ExpertsMethodBase):
-    """A mixture-of-experts layer's experts as weight-only FP8: after loading, `w13_weight`
-    and `w2_weight` become e4m3 with a float32 scale per expert and output row (`w13_scale`
+    """A mixture-of-experts layer's experts in FP8: after loading, `w13_weight` and
+    `w2_weight` are e4m3 with a float32 scale per expert and output row (`w13_scale`
     `[E, 2I]`, `w2_scale` `[E, H]`); the fused kernel widens the weight tiles and scales its
-    row sums, the activations stay in the model's dtype. Half the bytes of bf16 experts to
-    hold and, at decode sizes, to read. Quantized one expert at a time (one expert's float32
-    copy at most)."""
+    row sums (or, where it times faster, quantizes its inputs per token: W8A8). Half the
+    bytes of bf16 experts to hold and, at decode sizes, to read.
+
+    Quantized at load (`stored` False): one expert at a time (one expert's float32 copy at
+    most). Loaded as stored (`stored`, a per-tensor or per-channel FP8 checkpoint): the
+    weights are made e4m3 before loading and each projection's `weight_scale` fills
+    `w13_weight_scale` / `w2_weight_scale` a row each (`FusedMoE.scale_loader`: a per-tensor
+    scale on every row of its projection), which become the kernel's scales."""
+
+    def __init__(self, stored: bool = False) -> None:
+        self.stored = stored
+
+    def create_weights(self, layer: nn.Module) -> None:
+        if not self.stored:
+            return
+        for name in ("w13", "w2"):
+            made = getattr(layer, f"{name}_weight")
+            attrs = {"weight_loader": made.weight_loader, "required_shards": made.required_shards}
+            weight = nn.Parameter(
+                torch.empty(made.shape, dtype=torch.float8_e4m3fn, device=made.device),
+                requires_grad=False,
+            )
+            set_weight_attrs(weight, attrs)
+            setattr(layer, f"{name}_weight", weight)
+            scale = nn.Parameter(
+                torch.empty(made.shape[:2], dtype=torch.float32, device=made.device),
+                requires_grad=False,
+            )
+            set_weight_attrs(scale, {**attrs, "weight_loader": layer.scale_loader})
+            layer.register_parameter(f"{name}_weight_scale", scale)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         from tandem_kernels.moe_ref import quantize_expert_rows
+
+        if self.stored:
+            for name in ("w13", "w2"):
+                setattr(layer, f"{name}_scale", getattr(layer, f"{name}_weight_scale").data)
+                delattr(layer, f"{name}_weight_scale")
+            return
 
         for name in ("w13", "w2"):
             weight = getattr(layer, f"{name}_weight").data
