@@ -58,6 +58,48 @@ def test_fp8_moe_model_against_its_bf16_self(arch: str, tiny_model_path) -> None
     assert _compare(f"{arch} --quantization fp8", runs[None], runs["fp8"]) < 0.5
 
 
+@pytest.mark.parametrize("kind", ["ct_channel", "ct_tensor"])
+def test_fp8_moe_checkpoint_on_the_gpu_matches_the_cpu_reference(kind, tiny_model_path, tmp_path):
+    """A saved FP8 checkpoint of a MoE model (tests/unit/test_fp8.py writes it; its experts
+    per channel or per tensor) loaded as stored on both devices: every expert layer given the
+    same fp32 input and router logits, the fused kernel on CUDA against the CPU's dequantized
+    reference."""
+    from tandem.distributed import single_rank_state
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.moe import FusedMoE
+    from tandem.layers.quantization import resolve_quant_config
+    from tandem.loader import build_model, load_hf_config
+    from tandem.models import ModelContext
+    from tests.unit.test_fp8 import _write_fp8_checkpoint
+
+    folder = _write_fp8_checkpoint(tiny_model_path("qwen3_moe"), tmp_path / kind, kind)
+    hf = load_hf_config(folder)
+    models = {}
+    for dev in ("cpu", "cuda"):
+        device = torch.device(dev)
+        quant = resolve_quant_config("auto", hf, device, check_device=dev == "cuda")
+        ctx = ModelContext(
+            torch.float32, device, get_attention_backend("torch"), single_rank_state(device),
+            quant,
+        )  # fmt: skip
+        models[dev] = build_model(folder, ctx, hf_config=hf)
+    cpu_layers = dict(models["cpu"].named_modules())
+    gen = torch.Generator().manual_seed(11)
+    checked = 0
+    for name, layer in models["cuda"].named_modules():
+        if not isinstance(layer, FusedMoE):
+            continue
+        assert layer.w13_weight.dtype == torch.float8_e4m3fn and layer.w13_scale.is_cuda
+        x = torch.randn(37, layer.hidden_size, generator=gen)
+        logits = torch.randn(37, layer.num_experts, generator=gen)
+        with torch.inference_mode():
+            got = layer(x.cuda(), logits.cuda()).cpu()
+            want = cpu_layers[name](x, logits)
+        assert ((got - want).norm() / want.norm()).item() < 1e-4, name
+        checked += 1
+    assert checked > 0
+
+
 def test_qwen3_30b_a3b_shape_serves_and_tunes_its_moe_kernel() -> None:
     import tandem_kernels.fused_moe as fm
 
