@@ -392,6 +392,28 @@ def _check_layer_ep(rank: int, world: int, ep_ctx: ModelContext) -> None:
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
             # Only the exact dispatch vouches (the fixed capacity pads with id E_local).
             assert promises == [not sync_free]
+    # FP8 experts (`--quantization fp8`): each rank quantizes the experts it holds, a scale
+    # a row, as one rank quantizes them all; their scales travel with them to the kernel.
+    from tandem.layers.quantization import Fp8Config
+    from tandem_kernels.moe_ref import quantize_expert_rows
+
+    fp8_layer = FusedMoE(
+        num_experts, 2, hidden, inter, True, dataclasses.replace(ep_ctx, quant_config=Fp8Config())
+    )
+    for e in range(num_experts):
+        for shard, tensor in (("w1", w1[e]), ("w3", w3[e])):
+            fp8_layer.weight_loader(fp8_layer.w13_weight, tensor, shard, e)
+        fp8_layer.weight_loader(fp8_layer.w2_weight, w2[e], "w2", e)
+    fp8_layer.quant_method.process_weights_after_loading(fp8_layer)
+    assert fp8_layer.w13_scale.shape[0] == num_experts // world
+    (q13, s13), (q2, s2) = quantize_expert_rows(w13), quantize_expert_rows(w2)
+    x = torch.randn(9, hidden, generator=gen)
+    logits = torch.randn(9, num_experts, generator=gen)
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    expected = fused_moe_ref(x, q13, q2, weights, ids, s13, s2)
+    for sync_free in (False, True):
+        fp8_layer.ep_sync_free = sync_free
+        torch.testing.assert_close(fp8_layer(x, logits), expected, rtol=1e-5, atol=1e-6)
 
 
 def _prefill_logits(model: Any) -> torch.Tensor:
