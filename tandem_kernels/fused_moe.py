@@ -549,6 +549,9 @@ def fused_moe(
         raise ValueError("the torch grouped-GEMM path takes bf16 weights, not FP8 ones")
     if isinstance(config, MoEConfig) and config.fp8_act and not scaled:
         raise ValueError("FP8 activations (MoEConfig.fp8_act) need FP8 weights")
+    if isinstance(config, MoEConfig) and config.b_tma and not b_tma_usable(w13, w2):
+        # Tuned on one layer's weights: another's may not meet TMA's alignment.
+        config = config._replace(b_tma=False)
     out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     if num_tokens == 0:
         return out
@@ -634,12 +637,17 @@ def grouped_mm_supported(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     )
 
 
+@functools.cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def b_tma_usable(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the grouped path can read these expert weights through TMA descriptors
     (`MoEConfig.b_tma`): a CUDA sm_90+ device or the interpreter, 16-byte aligned bases and
     rows (H and I times the element size multiples of 16 bytes)."""
     if w13.is_cuda:
-        if torch.cuda.get_device_capability(w13.device)[0] < 9:
+        if _capability(w13.device.index)[0] < 9:
             return False
     elif os.environ.get("TRITON_INTERPRET") != "1":
         return False
