@@ -48,6 +48,7 @@ def test_fp8_moe_model_against_its_bf16_self(arch: str, tiny_model_path) -> None
             gpu_memory_utilization=0.3,
             quantization=quantization,
         ) as llm:
+            assert llm.engine.model_runner.cuda_graphs.graphs, "CUDA graphs were not captured"
             model = llm.engine.model_runner.model
             experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
             want = torch.bfloat16 if quantization is None else torch.float8_e4m3fn

@@ -1845,6 +1845,18 @@ def case_fused_moe_b_tma(dtype: torch.dtype, silu_in_epilogue: bool) -> None:
     assert torch.equal(out, expected)
     assert fm.config_name(tma) == fm.config_name(plain) + "+tma"
     assert fm.config_from_name(fm.config_name(tma)) == tma
+    # Weights one element off a 16-byte boundary (another layer than the tuned one, say):
+    # TMA cannot read them, and the TMA config falls back to pointer loads.
+    shifted = []
+    for w in (w13, w2):
+        buf = torch.empty(w.numel() + 1, dtype=dtype)
+        view = buf[1:].view(w.shape)
+        view.copy_(w)
+        shifted.append(view)
+    assert not fm.b_tma_usable(*shifted)
+    with nan_filled_empty():
+        fallback = fm.fused_moe(x, *shifted, topk_weights, topk_ids, tma)
+    assert torch.equal(fallback, expected)
 
 
 @_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))
