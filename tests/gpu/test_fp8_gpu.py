@@ -10,6 +10,7 @@ distributions, where the top-5 rule says nothing) with CUDA graphs on.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -299,6 +300,30 @@ def test_block_gemm_at_8b_shapes(m: int) -> None:
         assert ((got - ref).norm() / ref.norm()).item() < 4e-3, (m, n, k)
 
 
+def checkpoint_on_both_devices(src: Path, folder: Path, kind: str) -> dict[str, Any]:
+    """`src` saved as an FP8 checkpoint of `kind` (tests/unit/test_fp8.py writes it) in
+    `folder`, then loaded as stored on the CPU and on CUDA, fp32: device name -> model."""
+    from tandem.distributed import single_rank_state
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.quantization import resolve_quant_config
+    from tandem.loader import build_model, load_hf_config
+    from tandem.models import ModelContext
+    from tests.unit.test_fp8 import _write_fp8_checkpoint
+
+    _write_fp8_checkpoint(src, folder, kind)
+    hf = load_hf_config(folder)
+    models = {}
+    for dev in ("cpu", "cuda"):
+        device = torch.device(dev)
+        quant = resolve_quant_config("auto", hf, device, check_device=dev == "cuda")
+        ctx = ModelContext(
+            torch.float32, device, get_attention_backend("torch"), single_rank_state(device),
+            quant,
+        )  # fmt: skip
+        models[dev] = build_model(folder, ctx, hf_config=hf)
+    return models
+
+
 @pytest.mark.parametrize("kind", ["ct_tensor", "ct_channel", "ct_static", "fp8_block128"])
 def test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference(kind, tiny_model_path, tmp_path):
     """A saved FP8 checkpoint (tests/unit/test_fp8.py writes it) through the GPU paths
@@ -309,25 +334,10 @@ def test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference(kind, tiny_model_pa
     it to the same e4m3 values (the scales are bit-exact), so only the GEMM's summation order
     and the rowwise GEMM's bf16 output differ. A whole model would not compare this way: one
     activation that rounds to the other e4m3 neighbour moves every later layer."""
-    from tandem.distributed import single_rank_state
-    from tandem.layers.attention import get_attention_backend
-    from tandem.layers.quantization import resolve_quant_config
-    from tandem.loader import build_model, load_hf_config
-    from tandem.models import ModelContext
-    from tests.unit.test_fp8 import _logits, _write_fp8_checkpoint
+    from tests.unit.test_fp8 import _logits
 
-    folder = _write_fp8_checkpoint(tiny_model_path("llama"), tmp_path / kind, kind)
-    hf = load_hf_config(folder)
-    models, logits = {}, {}
-    for dev in ("cpu", "cuda"):
-        device = torch.device(dev)
-        quant = resolve_quant_config("auto", hf, device, check_device=dev == "cuda")
-        ctx = ModelContext(
-            torch.float32, device, get_attention_backend("torch"), single_rank_state(device),
-            quant,
-        )  # fmt: skip
-        models[dev] = build_model(folder, ctx, hf_config=hf)
-        logits[dev] = _logits(models[dev], device).cpu()
+    models = checkpoint_on_both_devices(tiny_model_path("llama"), tmp_path / kind, kind)
+    logits = {dev: _logits(model, torch.device(dev)).cpu() for dev, model in models.items()}
     cpu_layers = dict(models["cpu"].named_modules())
     checked = 0
     gen = torch.Generator().manual_seed(9)

@@ -65,25 +65,10 @@ def test_fp8_moe_checkpoint_on_the_gpu_matches_the_cpu_reference(kind, tiny_mode
     per channel or per tensor) loaded as stored on both devices: every expert layer given the
     same fp32 input and router logits, the fused kernel on CUDA against the CPU's dequantized
     reference."""
-    from tandem.distributed import single_rank_state
-    from tandem.layers.attention import get_attention_backend
     from tandem.layers.moe import FusedMoE
-    from tandem.layers.quantization import resolve_quant_config
-    from tandem.loader import build_model, load_hf_config
-    from tandem.models import ModelContext
-    from tests.unit.test_fp8 import _write_fp8_checkpoint
+    from tests.gpu.test_fp8_gpu import checkpoint_on_both_devices
 
-    folder = _write_fp8_checkpoint(tiny_model_path("qwen3_moe"), tmp_path / kind, kind)
-    hf = load_hf_config(folder)
-    models = {}
-    for dev in ("cpu", "cuda"):
-        device = torch.device(dev)
-        quant = resolve_quant_config("auto", hf, device, check_device=dev == "cuda")
-        ctx = ModelContext(
-            torch.float32, device, get_attention_backend("torch"), single_rank_state(device),
-            quant,
-        )  # fmt: skip
-        models[dev] = build_model(folder, ctx, hf_config=hf)
+    models = checkpoint_on_both_devices(tiny_model_path("qwen3_moe"), tmp_path / kind, kind)
     cpu_layers = dict(models["cpu"].named_modules())
     gen = torch.Generator().manual_seed(11)
     checked = 0
