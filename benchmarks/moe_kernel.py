@@ -286,7 +286,7 @@ def main() -> None:
         w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16)
         w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=torch.bfloat16)
         if ns.weights == "fp8":
-            from tandem_kernels.moe_ref import quantize_expert_rows
+            from tandem_kernels.fp8 import quantize_expert_rows
 
             (w13, s13), (w2, s2) = quantize_expert_rows(w13), quantize_expert_rows(w2)
             _FP8_SCALES[w13.data_ptr()] = {"w13_scale": s13, "w2_scale": s2}

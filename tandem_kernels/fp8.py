@@ -68,6 +68,15 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_fp8(x, scale), scale
 
 
+def quantize_expert_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_row` of each expert's matrix of `weight [E, R, K]`: `(e4m3 [E, R, K],
+    float32 scale [E, R])`, one scale per expert and output row (the FP8 MoE layout,
+    tandem_kernels.fused_moe's `w13_scale` / `w2_scale`)."""
+    num_experts, rows, cols = weight.shape
+    q, scale = quantize_per_row(weight.reshape(-1, cols))
+    return q.view(num_experts, rows, cols), scale.view(num_experts, rows)
+
+
 @triton.jit
 def _row_amax(x_row, num_cols, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)

@@ -114,7 +114,6 @@ def _fused_moe_kernel(
     stride_cm,
     stride_cn,
     B_ROWS,
-    stride_bse,
     A_ROW_DIV: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
@@ -140,7 +139,7 @@ def _fused_moe_kernel(
     next expert's rows (or zeros past the end) into columns the store masks, and columns past
     K read zeros. Else B is read through pointers with its strides.
 
-    B_SCALE: B is FP8 (e4m3) with one scale per expert and row (`b_scale[e * stride_bse +
+    B_SCALE: B is FP8 (e4m3) with one scale per expert and row (`b_scale[e * B_ROWS +
     n]`, gate then up under SILU_AND_MUL): its tiles widen to A's dtype (exactly) for the dot
     and the accumulators take the row scales before the epilogue (a row's scale factors out
     of its sum over K). A_SCALE: A is FP8 too, with one scale per row of A (`a_scale[p //
@@ -199,7 +198,7 @@ def _fused_moe_kernel(
         if not B_TMA:
             b_ptrs += BLOCK_K * stride_bk
     if B_SCALE:
-        scales = b_scale_ptr + expert * stride_bse + offs_n
+        scales = b_scale_ptr + expert * B_ROWS + offs_n
         acc = acc * tl.load(scales, mask=n_mask, other=0.0)[None, :]
         if SILU_AND_MUL:
             acc_up = acc_up * tl.load(scales + N, mask=n_mask, other=0.0)[None, :]
@@ -800,7 +799,6 @@ def _launch(
         b.stride(2),
         c.stride(0),
         c.stride(1),
-        b.shape[1],
         b.shape[1],
         A_ROW_DIV=a_row_div,
         MUL_ROUTED_WEIGHT=epilogue == "routed_weight",

@@ -57,24 +57,9 @@ def fused_moe_ref(
     return out.to(hidden_states.dtype)
 
 
-# e4m3's largest value and the dynamic-scale convention of tandem_kernels.fp8 (which needs
-# Triton; this module must not): a scale is amax times 1/448, floored, so experts quantized
-# here equal a channel-scaled FP8 checkpoint written by tandem_kernels.fp8.quantize_per_row.
-_FP8_MAX = 448.0
-_MIN_SCALE = 1.0 / (_FP8_MAX * 512.0)
-
-
-def quantize_expert_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(e4m3 [E, R, K], float32 scale [E, R])`: one scale per expert and output row (its
-    largest magnitude over 448, the e4m3 maximum), as the FP8 MoE method quantizes experts."""
-    amax = weight.abs().amax(dim=2).to(torch.float32)
-    scale = (amax * (1.0 / _FP8_MAX)).clamp_(min=_MIN_SCALE)
-    q = (weight.to(torch.float32) / scale.unsqueeze(2)).clamp_(-_FP8_MAX, _FP8_MAX)
-    return q.to(torch.float8_e4m3fn), scale
-
-
 def dequantize_expert_rows(
     weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """FP8 expert weights `[E, R, K]` with scales `[E, R]` back to `dtype`."""
+    """FP8 expert weights `[E, R, K]` with scales `[E, R]` back to `dtype` (the inverse of
+    tandem_kernels.fp8's `quantize_expert_rows`; torch alone, as the CPU path needs)."""
     return (weight.float() * scale.unsqueeze(2)).to(dtype)

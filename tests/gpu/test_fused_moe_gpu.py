@@ -227,7 +227,7 @@ def test_fp8_expert_weights_match_the_dequantized_reference(shape: str, num_toke
     the dequantized weights; with FP8 activations too (W8A8) and the tuned call, within
     FP8's error of it. The tuner times W8A8 twins and never offers the bf16-only torch
     grouped-GEMM path for FP8 weights."""
-    from tandem_kernels.moe_ref import quantize_expert_rows
+    from tandem_kernels.fp8 import quantize_expert_rows
 
     w13, w2 = _weights(shape, torch.bfloat16)
     q13, s13 = quantize_expert_rows(w13)

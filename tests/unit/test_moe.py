@@ -395,7 +395,7 @@ def _check_layer_ep(rank: int, world: int, ep_ctx: ModelContext) -> None:
     # FP8 experts (`--quantization fp8`): each rank quantizes the experts it holds, a scale
     # a row, as one rank quantizes them all; their scales travel with them to the kernel.
     from tandem.layers.quantization import Fp8Config
-    from tandem_kernels.moe_ref import quantize_expert_rows
+    from tandem_kernels.fp8 import quantize_expert_rows
 
     fp8_layer = FusedMoE(
         num_experts, 2, hidden, inter, True, dataclasses.replace(ep_ctx, quant_config=Fp8Config())

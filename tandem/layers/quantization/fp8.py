@@ -168,9 +168,10 @@ class Fp8Config(QuantizationConfig):
         return Fp8LinearMethod(self.scheme)
 
     def get_experts_method(self, layer: nn.Module, prefix: str) -> ExpertsMethodBase | None:
-        """Experts quantized at load: weight-only FP8 with a scale per expert and row
-        (`Fp8MoEMethod`), whatever the scheme of the linear layers. A checkpoint that stores
-        its experts in FP8 is refused: loading them as stored is not implemented."""
+        """`Fp8MoEMethod`, whatever the scheme of the linear layers: experts quantized at
+        load with a scale per expert and row, or loaded as stored from a per-tensor or
+        per-channel checkpoint with dynamic activations; a stored block-scaled or static
+        scheme is refused, naming the layer."""
         if self.is_ignored(prefix):
             return None
         scheme = self.scheme
@@ -533,8 +534,6 @@ class Fp8MoEMethod(ExpertsMethodBase):
             layer.register_parameter(f"{name}_weight_scale", scale)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        from tandem_kernels.moe_ref import quantize_expert_rows
-
         if self.stored:
             for name in ("w13", "w2"):
                 setattr(layer, f"{name}_scale", getattr(layer, f"{name}_weight_scale").data)
@@ -546,7 +545,7 @@ class Fp8MoEMethod(ExpertsMethodBase):
             q = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
             scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
             for e in range(weight.shape[0]):
-                q[e : e + 1], scale[e : e + 1] = quantize_expert_rows(weight[e : e + 1])
+                q[e : e + 1], scale[e : e + 1] = _fp8_ops().quantize_expert_rows(weight[e : e + 1])
             _replace(layer, f"{name}_weight", q)
             setattr(layer, f"{name}_scale", scale)
 
