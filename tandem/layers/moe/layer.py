@@ -212,16 +212,7 @@ class FusedMoE(nn.Module):
         if self.use_ep:
             return self._forward_expert_parallel(hidden_states, topk_weights, topk_ids)
         # Without expert parallel this rank holds every expert the router can pick.
-        out = run_experts(
-            hidden_states,
-            self.w13_weight,
-            self.w2_weight,
-            topk_weights,
-            topk_ids,
-            all_experts_local=True,
-            w13_scale=self.w13_scale,
-            w2_scale=self.w2_scale,
-        )
+        out = self._experts(hidden_states, topk_weights, topk_ids, all_experts_local=True)
         if self.tp_size > 1:
             out = self.tp_group.all_reduce(out)
         return out
@@ -273,13 +264,22 @@ class FusedMoE(nn.Module):
         `all_experts_local`: no row names E_local (the exact dispatch sends only pairs of
         this rank's experts; the sync-free one pads with E_local)."""
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
-        ids = local_ids.view(-1, 1)
+        return self._experts(rows, ones, local_ids.view(-1, 1), all_experts_local)
+
+    def _experts(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        all_experts_local: bool,
+    ) -> torch.Tensor:
+        """`run_experts` over this rank's experts (and their FP8 scales, if any)."""
         return run_experts(
-            rows,
+            x,
             self.w13_weight,
             self.w2_weight,
-            ones,
-            ids,
+            topk_weights,
+            topk_ids,
             all_experts_local=all_experts_local,
             w13_scale=self.w13_scale,
             w2_scale=self.w2_scale,
