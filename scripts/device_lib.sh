@@ -2,7 +2,8 @@
 # issue8: names the default $OUT and the temp dir) and, where the default differs, BUDGET_S.
 # It sets MODE (gpu | cpu), OUT, WORK, LOGS, PY, summary, START and PLOTS, puts the services'
 # Python packages on the path (a bare machine gets them from .whl/ into /tmp/site) and defines
-# `step`, `env_report`, `id_tokenizer_step`, `offline`, `keep_smollm2_half`, `join_smollm2` and
+# `step`, `env_report`, `id_tokenizer_step`, `offline`, `moe_tests`, `moe_table`,
+# `offline_qwen3`, `keep_smollm2_half`, `join_smollm2` and
 # `finish`.
 set -u
 MODE=${MODE:-gpu}
@@ -90,6 +91,31 @@ offline() {  # offline NAME LIMIT_S [engine flags...]: the offline benchmark on 
     $PY -m benchmarks.offline_throughput --model random:llama-3.1-8b --device cuda --skip-peer \
     --workloads "${WORKLOADS:-128/128,512/256,1000/1000}" --out "$OUT/offline_$name.json" "$@"
   grep -E "tok/s|TPOT|batch-1|ceiling" "$OUT/offline_$name.log" | tail -n 8 >>"$summary"
+}
+
+moe_tests() {  # moe_tests LOG K FILE...: the MoE GPU tests selected by K, their tally summed up
+  local log=$1 k=$2
+  shift 2
+  step "MoE GPU tests" 220 "$OUT/$log" $PY -m pytest -q -m gpu --timeout=200 -rs --tb=short \
+    --durations=5 "$@" -k "$k"
+  grep -E "passed|failed" "$OUT/$log" | tail -n 1 | sed "s/^/tests: /" >>"$summary"
+}
+
+moe_table() {  # moe_table NAME ARG...: benchmarks.moe_kernel --breakdown, its rates summed up
+  local name=$1
+  shift
+  step "MoE kernel" 200 "$OUT/$name.log" $PY -m benchmarks.moe_kernel --breakdown "$@" \
+    --out "$OUT/$name.json"
+  grep -E "forms|TFLOP|^ceiling" "$OUT/$name.log" >>"$summary"
+}
+
+offline_qwen3() {  # offline_qwen3 NAME FLAG...: Qwen3-30B-A3B at 1000/1000, 512 requests
+  local name=$1
+  shift
+  step "offline qwen3-30b-a3b $name" 150 "$OUT/offline_qwen3_$name.log" \
+    $PY -m benchmarks.offline_throughput --model random:qwen3-30b-a3b --device cuda \
+    --skip-peer --workloads 1000/1000 --max-requests 512 "$@" --out "$OUT/offline_qwen3_$name.json"
+  grep -E "tok/s|TPOT" "$OUT/offline_qwen3_$name.log" | tail -n 3 | sed "s/^/$name /" >>"$summary"
 }
 
 # Why two halves: SmolLM2's GGUF (the embedded model, 98 MB) is over the 64 MiB one device call

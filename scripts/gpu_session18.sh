@@ -30,31 +30,6 @@
 set -u
 ISSUE=session18
 
-moe_tests() {  # moe_tests LOG K FILE...: the MoE GPU tests selected by K, their tally summed up
-  local log=$1 k=$2
-  shift 2
-  step "MoE GPU tests" 220 "$OUT/$log" $PY -m pytest -q -m gpu --timeout=200 -rs --tb=short \
-    --durations=5 "$@" -k "$k"
-  grep -E "passed|failed" "$OUT/$log" | tail -n 1 | sed "s/^/tests: /" >>"$summary"
-}
-
-moe_table() {  # moe_table NAME ARG...: benchmarks.moe_kernel --breakdown, its rates summed up
-  local name=$1
-  shift
-  step "MoE kernel" 200 "$OUT/$name.log" $PY -m benchmarks.moe_kernel --breakdown "$@" \
-    --out "$OUT/$name.json"
-  grep -E "forms|TFLOP|^ceiling" "$OUT/$name.log" >>"$summary"
-}
-
-offline_qwen3() {  # offline_qwen3 NAME FLAG...: Qwen3-30B-A3B at 1000/1000, 512 requests
-  local name=$1
-  shift
-  step "offline qwen3-30b-a3b $name" 150 "$OUT/offline_qwen3_$name.log" \
-    $PY -m benchmarks.offline_throughput --model random:qwen3-30b-a3b --device cuda \
-    --skip-peer --workloads 1000/1000 --max-requests 512 "$@" --out "$OUT/offline_qwen3_$name.json"
-  grep -E "tok/s|TPOT" "$OUT/offline_qwen3_$name.log" | tail -n 3 | sed "s/^/$name /" >>"$summary"
-}
-
 MOE_FILE=tests/gpu/test_fused_moe_gpu.py
 ALL_TOKENS=(--tokens 1 64 512 4096 16384)
 case "${PART:-moe}" in

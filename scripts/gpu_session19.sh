@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Wave 3, nineteenth session's device plan, each part one device call from the repository
+# root, carrying .whl (see scripts/device_lib.sh), results under $OUT:
+#
+#   PART=verify: what session 18 built and never ran on a GPU. FP8 MoE experts (W8A16 and the
+#            W8A8 twins, checkpoints as stored) and the alignment's offsets spread over about
+#            one program an SM (93aa85e): the MoE GPU tests for both and the FP8 MoE models
+#            against their bf16 selves; Qwen3-30B-A3B's bf16 kernel table at 4,096 and 16,384
+#            tokens (the alignment's share); the kernel table with FP8 experts; Qwen3-30B-A3B
+#            offline in FP8 (batch 1, 1000/1000 at 256 requests).
+#
+#   OUT=/some/dir PART=verify bash scripts/gpu_session19.sh
+set -u
+ISSUE=session19
+MOE_FILE=tests/gpu/test_fused_moe_gpu.py
+case "${PART:-verify}" in
+verify)
+  BUDGET_S=${BUDGET_S:-570}
+  . scripts/device_lib.sh
+  moe_tests gpu_tests_verify.log "alignment or fp8" $MOE_FILE tests/gpu/test_gpu_models.py
+  moe_table moe_kernel_bf16 --shapes qwen3-30b-a3b --tokens 4096 16384
+  moe_table moe_kernel_fp8 --weights fp8 --tokens 1 64 512 4096
+  offline_qwen3 fp8 --quantization fp8 --max-requests 256
+  finish
+  ;;
+*)
+  echo "unknown PART=${PART}" >&2
+  exit 2
+  ;;
+esac
