@@ -184,6 +184,16 @@ def quantize_per_block(
     return quantize_fp8(w, expand_block_scale(scale, (n, k), block)), scale
 
 
+def quantize_expert_blocks(
+    weight: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_block` of each expert's matrix of `weight [E, R, K]`: `(e4m3 [E, R, K],
+    float32 scale [E, ceil(R/bn), ceil(K/bk)])`, one scale per expert and `bn x bk` tile (a
+    block-scaled FP8 checkpoint's experts stacked; tandem_kernels.fused_moe's block form)."""
+    pairs = [quantize_per_block(w, block) for w in weight]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None
 ) -> torch.Tensor:

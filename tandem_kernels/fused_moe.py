@@ -47,6 +47,19 @@ Decode path (a `DecodeConfig`): with few pairs, no sorting or padding, two GEMVs
 >= E; kernel 2 masks their rows (they add nothing) and writes each output element once, summed
 over the token's top_k in registers (fp32). No host sync either.
 
+FP8 (e4m3) experts come with a scale per expert and output row (`w13_scale [E, 2I]`, `w2_scale
+[E, H]`, applied to the finished sums), or with a block-scaled checkpoint's scale per expert
+and `bn x bk` tile (`weight_block_size`), applied to each K step's partial sums:
+
+    w13_scale [E, ceil(2I / bn), ceil(H / bk)]     w2_scale [E, ceil(H / bn), ceil(I / bk)]
+
+    acc += (A tile @ B tile^T) * scale[e, n // bn, k0 // bk]    (k0: the step's first column)
+
+so every BLOCK_K (grouped and decode) must divide bk (`fits_block`; the tuner times only such
+configs, `for_block_size`). Either way the weight tiles widen to the activations' dtype in
+registers (exactly: weight-only, W8A16), or, row scales only, the activations are quantized
+per token too (`MoEConfig.fp8_act`, W8A8).
+
 Torch grouped-GEMM path (a `GroupedMMConfig`): the same two GEMMs through torch's grouped GEMM
 (`torch._grouped_mm`: CUTLASS kernels with TMA loads on sm_90, which the Triton tiles' gathered
 rows of x cannot use), on pairs copied into expert order first:
@@ -78,7 +91,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Literal, NamedTuple
+from collections.abc import Iterable
+from typing import Literal, NamedTuple, TypeVar
 
 import torch
 import triton
@@ -125,6 +139,8 @@ def _fused_moe_kernel(
     B_TMA: tl.constexpr,
     B_SCALE: tl.constexpr,
     A_SCALE: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
 ):
     """One `[BLOCK_M, BLOCK_N]` tile of `C[p] = A[p // A_ROW_DIV] @ B[expert]^T` over the
     sorted pairs of one expert (times the pair's routing weight when MUL_ROUTED_WEIGHT).
@@ -144,8 +160,18 @@ def _fused_moe_kernel(
     and the accumulators take the row scales before the epilogue (a row's scale factors out
     of its sum over K). A_SCALE: A is FP8 too, with one scale per row of A (`a_scale[p //
     A_ROW_DIV]`, per token): the dot runs on e4m3 operands and the accumulators take the
-    row scales as well."""
+    row scales as well.
+
+    B_SCALE with SCALE_BK > 0: B's scales are per expert and `SCALE_BN x SCALE_BK` tile
+    instead (`b_scale [E, cdiv(B_ROWS, SCALE_BN), cdiv(K, SCALE_BK)]`, contiguous; row r of
+    B in tile row r // SCALE_BN, up rows included): BLOCK_K divides SCALE_BK, so each K step
+    lies in one tile column, and its partial dot takes the scales of its columns' tiles
+    before it joins the accumulator (a tile's scale factors out of its part of the sum). A
+    has no scale then (weight-only)."""
     tl.static_assert(not (SILU_AND_MUL and MUL_ROUTED_WEIGHT))
+    BLOCK_SCALED: tl.constexpr = B_SCALE and SCALE_BK > 0
+    tl.static_assert(not BLOCK_SCALED or SCALE_BK % BLOCK_K == 0)
+    tl.static_assert(not (BLOCK_SCALED and A_SCALE))
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -172,6 +198,12 @@ def _fused_moe_kernel(
         b_ptrs = (
             b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
         )
+    if BLOCK_SCALED:
+        num_kb = tl.cdiv(K, SCALE_BK)
+        b_scales = b_scale_ptr + expert * tl.cdiv(B_ROWS, SCALE_BN) * num_kb
+        gate_scales = b_scales + (offs_n // SCALE_BN) * num_kb
+        if SILU_AND_MUL:
+            up_scales = b_scales + ((N + offs_n) // SCALE_BN) * num_kb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU_AND_MUL:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -185,7 +217,12 @@ def _fused_moe_kernel(
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         if B_SCALE:
             b = b.to(a.dtype)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if BLOCK_SCALED:
+            kb = (k * BLOCK_K) // SCALE_BK
+            part = tl.dot(a, b, input_precision=INPUT_PRECISION)
+            acc += part * tl.load(gate_scales + kb, mask=n_mask, other=0.0)[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if SILU_AND_MUL:
             if B_TMA:
                 b_up = b_ptr.load([b_row + N, k * BLOCK_K]).T
@@ -193,11 +230,15 @@ def _fused_moe_kernel(
                 b_up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
             if B_SCALE:
                 b_up = b_up.to(a.dtype)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
+            if BLOCK_SCALED:
+                part_up = tl.dot(a, b_up, input_precision=INPUT_PRECISION)
+                acc_up += part_up * tl.load(up_scales + kb, mask=n_mask, other=0.0)[None, :]
+            else:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         if not B_TMA:
             b_ptrs += BLOCK_K * stride_bk
-    if B_SCALE:
+    if B_SCALE and not BLOCK_SCALED:
         scales = b_scale_ptr + expert * B_ROWS + offs_n
         acc = acc * tl.load(scales, mask=n_mask, other=0.0)[None, :]
         if SILU_AND_MUL:
@@ -235,11 +276,18 @@ def _moe_decode_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     W_SCALE: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
 ):
     """`act[p, n] = silu(gate) * up` for pair p (program 0) and BLOCK_N of its expert's I
     rows (program 1): one GEMV per pair over x's row; pairs of absent experts write nothing.
     NUM_STAGES > 1 prefetches the next steps' tiles (cp.async into shared memory). W_SCALE:
-    w13 is FP8 with a scale per expert and row (`[E, 2I]`), applied to the row sums."""
+    w13 is FP8 with a scale per expert and row (`[E, 2I]`), applied to the row sums; with
+    SCALE_BK > 0, one per expert and `SCALE_BN x SCALE_BK` tile (`[E, cdiv(2I, SCALE_BN),
+    cdiv(H, SCALE_BK)]`, contiguous), applied to each step's products (BLOCK_K divides
+    SCALE_BK: a step lies in one tile column)."""
+    BLOCK_SCALED: tl.constexpr = W_SCALE and SCALE_BK > 0
+    tl.static_assert(not BLOCK_SCALED or SCALE_BK % BLOCK_K == 0)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     if expert >= num_experts:
@@ -250,6 +298,11 @@ def _moe_decode_gate_up_kernel(
     x_row = x_ptr + (pair // TOP_K) * stride_xm
     gate_rows = w13_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
     up_rows = gate_rows + inter * stride_wn
+    if BLOCK_SCALED:
+        num_kb = tl.cdiv(hidden, SCALE_BK)
+        scales = w13_scale_ptr + expert * tl.cdiv(2 * inter, SCALE_BN) * num_kb
+        gate_scales = scales + (offs_n // SCALE_BN) * num_kb
+        up_scales = scales + ((inter + offs_n) // SCALE_BN) * num_kb
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in tl.range(0, tl.cdiv(hidden, BLOCK_K), num_stages=NUM_STAGES):
@@ -257,13 +310,17 @@ def _moe_decode_gate_up_kernel(
         k_mask = cols < hidden
         x = tl.load(x_row + cols, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         mask = n_mask[:, None] & k_mask[None, :]
-        gate = tl.load(gate_rows + cols[None, :], mask=mask, other=0.0)
-        up = tl.load(up_rows + cols[None, :], mask=mask, other=0.0)
-        acc_gate += gate.to(tl.float32) * x
-        acc_up += up.to(tl.float32) * x
+        gate = tl.load(gate_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(up_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if BLOCK_SCALED:
+            kb = (k * BLOCK_K) // SCALE_BK
+            gate = gate * tl.load(gate_scales + kb, mask=n_mask, other=0.0)[:, None]
+            up = up * tl.load(up_scales + kb, mask=n_mask, other=0.0)[:, None]
+        acc_gate += gate * x
+        acc_up += up * x
     gate = tl.sum(acc_gate, axis=1)
     up = tl.sum(acc_up, axis=1)
-    if W_SCALE:
+    if W_SCALE and not BLOCK_SCALED:
         scales = w13_scale_ptr + expert * 2 * inter + offs_n
         gate = gate * tl.load(scales, mask=n_mask, other=0.0)
         up = up * tl.load(scales + inter, mask=n_mask, other=0.0)
@@ -290,19 +347,29 @@ def _moe_decode_down_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     W_SCALE: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
 ):
     """`out[t, n] = sum_j weight[t, j] * act[t * k + j] . w2[e_j, n]` for token t (program 0)
     and BLOCK_N of the H outputs (program 1), summed over top_k in registers, stored once;
     pairs of absent experts (id >= E) are masked out. One loop over (expert j, column block),
     so that NUM_STAGES > 1 prefetches across the experts too. W_SCALE: w2 is FP8 with a scale
     per expert and row (`[E, H]`), taken into each product (it differs from expert to
-    expert, so it cannot wait for the sum)."""
+    expert, so it cannot wait for the sum); with SCALE_BK > 0, one per expert and `SCALE_BN
+    x SCALE_BK` tile (`[E, cdiv(H, SCALE_BN), cdiv(I, SCALE_BK)]`, contiguous; BLOCK_K
+    divides SCALE_BK)."""
+    BLOCK_SCALED: tl.constexpr = W_SCALE and SCALE_BK > 0
+    tl.static_assert(not BLOCK_SCALED or SCALE_BK % BLOCK_K == 0)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     row_offs = offs_n.to(tl.int64)[:, None] * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
     num_k = tl.cdiv(inter, BLOCK_K)
+    if BLOCK_SCALED:
+        num_kb = tl.cdiv(inter, SCALE_BK)
+        scale_offs = (offs_n // SCALE_BN) * num_kb
+        expert_scales = tl.cdiv(hidden, SCALE_BN) * num_kb
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for step in tl.range(0, TOP_K * num_k, num_stages=NUM_STAGES):
         j = step // num_k
@@ -311,14 +378,18 @@ def _moe_decode_down_kernel(
         # An absent expert's pair reads no column (nothing to add).
         num_cols = tl.where(expert < num_experts, inter, 0)
         weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
-        cols = (step - j * num_k) * BLOCK_K + offs_k
+        col0 = (step - j * num_k) * BLOCK_K
+        cols = col0 + offs_k
         k_mask = cols < num_cols
         act = tl.load(act_ptr + pair * inter + cols, mask=k_mask, other=0.0) * weight
         local = tl.minimum(expert, num_experts - 1)
         rows = w2_ptr + local * stride_we + row_offs
         w = tl.load(rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         w = w.to(tl.float32)
-        if W_SCALE:
+        if BLOCK_SCALED:
+            scales = w2_scale_ptr + local * expert_scales + scale_offs + col0 // SCALE_BK
+            w = w * tl.load(scales, mask=n_mask, other=0.0)[:, None]
+        elif W_SCALE:
             w = w * tl.load(w2_scale_ptr + local * hidden + offs_n, mask=n_mask, other=0.0)[:, None]
         acc += w * act[None, :]
     out = tl.sum(acc, axis=1)
@@ -392,6 +463,8 @@ class GroupedMMConfig(NamedTuple):
 
 
 FusedMoEConfig = MoEConfig | DecodeConfig | GroupedMMConfig
+_Config = TypeVar("_Config", MoEConfig, DecodeConfig, GroupedMMConfig)
+_T = TypeVar("_T")
 # What a grouped GEMM does to its fp32 tile before storing it (None: nothing).
 Epilogue = Literal["silu_and_mul", "routed_weight"] | None
 # Decode path tiles. Each program streams a [block_n, block_k] tile a step (kernel 1: two, gate
@@ -472,24 +545,84 @@ _DOWN_CANDIDATES: tuple[GemmTiles, ...] = (
     GemmTiles(256, 64, 8, 8, 3),
     GemmTiles(64, 128, 8, 4, 3),
 )
-# (E, 2I, H, top_k, dtype) of a layer; with the token bucket, what a tuned config is kept for.
-_ShapeKey = tuple[int, int, int, int, torch.dtype]
+# (E, 2I, H, top_k, dtype, FP8 weight block size or None) of a layer; with the token bucket,
+# what a tuned config is kept for.
+_ShapeKey = tuple[int, int, int, int, torch.dtype, tuple[int, int] | None]
 _configs: dict[tuple[_ShapeKey, int], FusedMoEConfig] = {}
 tuning_log: list[dict[str, object]] = []
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int) -> FusedMoEConfig:
+def default_config(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    weight_block_size: tuple[int, int] | None = None,
+) -> FusedMoEConfig:
     """The untuned config: the decode path when each expert sees at most
     `_DECODE_DEFAULT_MAX_ROWS` rows on average, then small tiles when it sees few; the
-    grouped path unfused (SiLU in the epilogue runs only where the tuner timed it faster)."""
+    grouped path unfused (SiLU in the epilogue runs only where the tuner timed it faster).
+    `weight_block_size`: block-scaled FP8 weights, the config `for_block_size`."""
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    config: FusedMoEConfig
     if rows_per_expert <= _DECODE_DEFAULT_MAX_ROWS:
-        return _DEFAULT_DECODE
-    if rows_per_expert <= 16:
-        return MoEConfig(16, 64, 64, 1, 4, 3)
-    if rows_per_expert <= 64:
-        return MoEConfig(32, 64, 64, 8, 4, 3)
-    return MoEConfig(64, 128, 64, 8, 8, 3)
+        config = _DEFAULT_DECODE
+    elif rows_per_expert <= 16:
+        config = MoEConfig(16, 64, 64, 1, 4, 3)
+    elif rows_per_expert <= 64:
+        config = MoEConfig(32, 64, 64, 8, 4, 3)
+    else:
+        config = MoEConfig(64, 128, 64, 8, 8, 3)
+    return config if weight_block_size is None else for_block_size(config, weight_block_size[1])
+
+
+def _block_k_dividing(block_k: int, bk: int) -> int:
+    """The largest power of two up to `block_k` (one itself) that divides `bk`."""
+    while bk % block_k:
+        block_k //= 2
+    return block_k
+
+
+def for_block_size(config: _Config, bk: int) -> _Config:
+    """`config` for FP8 weights with block scales `bk` columns wide: every BLOCK_K (GEMM 1's,
+    GEMM 2's own, the decode path's two) lowered to the largest power of two that divides
+    `bk` (itself where it divides already), so each K step lies in one scale column."""
+    if isinstance(config, DecodeConfig):
+        return config._replace(
+            block_k1=_block_k_dividing(config.block_k1, bk),
+            block_k2=_block_k_dividing(config.block_k2, bk),
+        )
+    if isinstance(config, MoEConfig):
+        down = config.down
+        if down is not None:
+            down = down._replace(block_k=_block_k_dividing(down.block_k, bk))
+        return config._replace(block_k=_block_k_dividing(config.block_k, bk), down=down)
+    return config
+
+
+def fits_block(config: FusedMoEConfig, weight_block_size: tuple[int, int]) -> bool:
+    """Whether `config` runs FP8 weights with these block scales: a Triton path whose every
+    BLOCK_K divides bk, weight-only (no `fp8_act`)."""
+    bk = weight_block_size[1]
+    if isinstance(config, DecodeConfig):
+        return bk % config.block_k1 == 0 and bk % config.block_k2 == 0
+    if isinstance(config, MoEConfig):
+        steps = (config.gate_up_tiles.block_k, config.down_tiles.block_k)
+        return not config.fp8_act and all(bk % step == 0 for step in steps)
+    return False
+
+
+def _check_block_config(config: FusedMoEConfig, weight_block_size: tuple[int, int]) -> None:
+    """ValueError, naming the config, unless it `fits_block`."""
+    if fits_block(config, weight_block_size):
+        return
+    bn, bk = weight_block_size
+    if isinstance(config, MoEConfig) and config.fp8_act:
+        why = "FP8 activations (fp8_act) are not implemented for block-scaled FP8 weights"
+    elif isinstance(config, GroupedMMConfig):
+        why = "the torch grouped-GEMM path takes bf16 weights"
+    else:
+        why = f"every BLOCK_K must divide the weights' block columns bk = {bk}"
+    raise ValueError(f"fused MoE config {config_name(config)} with [{bn}, {bk}] blocks: {why}")
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -519,6 +652,7 @@ def fused_moe(
     all_experts_local: bool = False,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """`[T, H]`: `sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])` (fused_moe_ref's
     result). hidden_states `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]` (contiguous, one dtype),
@@ -534,20 +668,31 @@ def fused_moe(
     `w13_scale` `[E, 2I]` and `w2_scale` `[E, H]` (float32, both or neither): the weights are
     FP8 (e4m3) with a scale per expert and output row, and the activations stay in
     hidden_states' dtype (weight-only FP8: the Triton paths widen the weight tiles; the torch
-    grouped-GEMM path is bf16-only and is not taken)."""
+    grouped-GEMM path is bf16-only and is not taken).
+
+    `weight_block_size` `(bn, bk)`: the FP8 weights' scales are per expert and `bn x bk`
+    tile instead, `w13_scale` `[E, ceil(2I/bn), ceil(H/bk)]` and `w2_scale` `[E, ceil(H/bn),
+    ceil(I/bk)]` (float32, contiguous; w13's rows gate then up, tiled as one matrix), as a
+    block-scaled checkpoint stores them. Weight-only as well: each K step's partial dot takes
+    its tile's scale, so every BLOCK_K of the config (`block_k`, the down tiles', the decode
+    path's `block_k1` / `block_k2`) must divide bk, a multiple of 16 (`fits_block`; the
+    tuner and the default rule offer only such configs), and FP8 activations (`fp8_act`) are
+    refused."""
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
     assert w13.is_contiguous() and w2.is_contiguous() and hidden_states.stride(-1) == 1
-    scaled = _check_scales(hidden_states, w13, w2, w13_scale, w2_scale)
+    scaled = _check_scales(hidden_states, w13, w2, w13_scale, w2_scale, weight_block_size)
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
     top_k = topk_ids.shape[1]
     if config is None:
-        config = _config_for(hidden_states, w13, w2, top_k, w13_scale, w2_scale)
+        config = _config_for(hidden_states, w13, w2, top_k, w13_scale, w2_scale, weight_block_size)
     if scaled and isinstance(config, GroupedMMConfig):
         raise ValueError("the torch grouped-GEMM path takes bf16 weights, not FP8 ones")
     if isinstance(config, MoEConfig) and config.fp8_act and not scaled:
         raise ValueError("FP8 activations (MoEConfig.fp8_act) need FP8 weights")
+    if weight_block_size is not None:
+        _check_block_config(config, weight_block_size)
     if isinstance(config, MoEConfig) and config.b_tma and not b_tma_usable(w13, w2):
         # Tuned on one layer's weights: another's may not meet TMA's alignment.
         config = config._replace(b_tma=False)
@@ -556,8 +701,9 @@ def fused_moe(
         return out
     if isinstance(config, DecodeConfig):
         _fused_moe_decode(
-            hidden_states, w13, w2, topk_weights, topk_ids, config, out, w13_scale, w2_scale
-        )
+            hidden_states, w13, w2, topk_weights, topk_ids, config, out, w13_scale, w2_scale,
+            weight_block_size,
+        )  # fmt: skip
         return out
     if isinstance(config, GroupedMMConfig):
         _fused_moe_grouped_mm(
@@ -570,7 +716,7 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     dev, dtype = hidden_states.device, hidden_states.dtype
     routing = (weights, sorted_ids, expert_ids, num_post)
-    gate_up_tiles, tma = config.gate_up_tiles, config.b_tma
+    gate_up_tiles, tma, block = config.gate_up_tiles, config.b_tma, weight_block_size
     x, x_scale = hidden_states, None
     if config.fp8_act:
         x, x_scale = dynamic_quant_per_token(hidden_states)
@@ -579,7 +725,7 @@ def fused_moe(
         act = torch.empty(num_pairs, two_inter // 2, dtype=dtype, device=dev)
         _launch(
             x, w13, act, *routing, top_k, "silu_and_mul", block_m, gate_up_tiles, tma,
-            w13_scale, x_scale,
+            w13_scale, x_scale, block,
         )  # fmt: skip
         if config.fp8_act:
             act, act_scale = dynamic_quant_per_token(act)
@@ -587,7 +733,7 @@ def fused_moe(
         gate_up = torch.empty(num_pairs, two_inter, dtype=dtype, device=dev)
         _launch(
             x, w13, gate_up, *routing, top_k, None, block_m, gate_up_tiles, tma, w13_scale,
-            x_scale,
+            x_scale, block,
         )  # fmt: skip
         if config.fp8_act:
             act, act_scale = silu_and_mul_fp8(gate_up, "token")
@@ -599,7 +745,7 @@ def fused_moe(
     down = alloc(num_pairs, hidden, dtype=dtype, device=dev)
     _launch(
         act, w2, down, *routing, 1, "routed_weight", block_m, config.down_tiles, tma, w2_scale,
-        act_scale,
+        act_scale, block,
     )  # fmt: skip
     return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
 
@@ -610,15 +756,24 @@ def _check_scales(
     w2: torch.Tensor,
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
+    weight_block_size: tuple[int, int] | None = None,
 ) -> bool:
-    """Whether the weights are FP8 with row scales (asserting the shapes and dtypes agree);
-    else the weights are in hidden_states' dtype."""
+    """Whether the weights are FP8 with row scales, or block scales with `weight_block_size`
+    (asserting the shapes and dtypes agree); else the weights are in hidden_states' dtype."""
     if w13_scale is None and w2_scale is None:
+        assert weight_block_size is None, "weight_block_size goes with FP8 weights' scales"
         assert hidden_states.dtype == w13.dtype == w2.dtype, (hidden_states.dtype, w13.dtype)
         return False
     assert w13_scale is not None and w2_scale is not None, "w13_scale and w2_scale go together"
     assert w13.dtype == w2.dtype == torch.float8_e4m3fn, (w13.dtype, w2.dtype)
-    assert w13_scale.shape == w13.shape[:2] and w2_scale.shape == w2.shape[:2]
+    if weight_block_size is None:
+        assert w13_scale.shape == w13.shape[:2] and w2_scale.shape == w2.shape[:2]
+    else:
+        bn, bk = weight_block_size
+        assert bn >= 1 and bk % 16 == 0, ("bk a multiple of 16 (a dot's K steps)", bn, bk)
+        for w, s in ((w13, w13_scale), (w2, w2_scale)):
+            tiles = (w.shape[0], -(-w.shape[1] // bn), -(-w.shape[2] // bk))
+            assert s.shape == tiles, (f"block scales {tuple(s.shape)} for {tuple(w.shape)}", tiles)
     assert w13_scale.dtype == w2_scale.dtype == torch.float32
     assert w13_scale.is_contiguous() and w2_scale.is_contiguous()
     return True
@@ -701,9 +856,11 @@ def _fused_moe_decode(
     out: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | None = None,
 ) -> None:
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = w13.shape
+    scale_bn, scale_bk = weight_block_size or (0, 0)
     inter, top_k = two_inter // 2, topk_ids.shape[1]
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -725,6 +882,8 @@ def _fused_moe_decode(
         BLOCK_K=config.block_k1,
         NUM_STAGES=config.num_stages1,
         W_SCALE=w13_scale is not None,
+        SCALE_BN=scale_bn,
+        SCALE_BK=scale_bk,
         num_warps=config.num_warps,
     )
     _moe_decode_down_kernel[(num_tokens, triton.cdiv(hidden, config.block_n2))](
@@ -745,6 +904,8 @@ def _fused_moe_decode(
         BLOCK_K=config.block_k2,
         NUM_STAGES=config.num_stages2,
         W_SCALE=w2_scale is not None,
+        SCALE_BN=scale_bn,
+        SCALE_BK=scale_bk,
         num_warps=config.num_warps,
     )
 
@@ -764,12 +925,15 @@ def _launch(
     b_tma: bool = False,
     b_scale: torch.Tensor | None = None,
     a_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | None = None,
 ) -> None:
     """`c = a @ b^T` over the sorted pairs (`_fused_moe_kernel`); "silu_and_mul": b holds
     gate then up rows and c gets `silu(gate) * up` (half b's rows wide). `b_tma`: b's tiles
     through a TMA descriptor over its `[E * rows, K]` view. `b_scale` `[E, rows]`: b is FP8
-    with a scale per expert and row; `a_scale` `[rows of a, 1]`: a is FP8 too, a scale per
-    row."""
+    with a scale per expert and row; with `weight_block_size` `(bn, bk)`, `[E, ceil(rows /
+    bn), ceil(K / bk)]`, a scale per expert and tile. `a_scale` `[rows of a, 1]`: a is FP8
+    too, a scale per row."""
+    scale_bn, scale_bk = weight_block_size or (0, 0)
     em = sorted_ids.shape[0]
     silu = epilogue == "silu_and_mul"
     n, k = b.shape[1] // 2 if silu else b.shape[1], b.shape[2]
@@ -811,14 +975,29 @@ def _launch(
         B_TMA=b_tma,
         B_SCALE=b_scale is not None,
         A_SCALE=a_scale is not None,
+        SCALE_BN=scale_bn,
+        SCALE_BK=scale_bk,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
 
 
-def _shape_key(w13: torch.Tensor, top_k: int) -> _ShapeKey:
+def _shape_key(
+    w13: torch.Tensor, top_k: int, weight_block_size: tuple[int, int] | None = None
+) -> _ShapeKey:
     num_experts, two_inter, hidden = w13.shape
-    return (num_experts, two_inter, hidden, top_k, w13.dtype)
+    block = None
+    if weight_block_size is not None:
+        block = (int(weight_block_size[0]), int(weight_block_size[1]))
+    return (num_experts, two_inter, hidden, top_k, w13.dtype, block)
+
+
+def _log_key(key: _ShapeKey) -> list[object]:
+    """A shape key as the tuning log writes it: `[E, 2I, H, top_k, "torch.bfloat16"]`, and
+    `"block:128x128"` after it for block-scaled FP8 weights."""
+    head: list[object] = [key[0], key[1], key[2], key[3], str(key[4])]
+    block = key[5]
+    return head if block is None else [*head, f"block:{block[0]}x{block[1]}"]
 
 
 def _config_for(
@@ -828,9 +1007,10 @@ def _config_for(
     top_k: int,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | None = None,
 ) -> FusedMoEConfig:
     num_tokens = hidden_states.shape[0]
-    key = _shape_key(w13, top_k)
+    key = _shape_key(w13, top_k, weight_block_size)
     bucket = token_bucket(num_tokens)
     found = _configs.get((key, bucket))
     if found is not None:
@@ -845,11 +1025,12 @@ def _config_for(
             w13_scale=w13_scale,
             w2_scale=w2_scale,
             dtype=hidden_states.dtype,
+            weight_block_size=weight_block_size,
         )
         found = _configs.get((key, bucket))
         if found is not None:
             return found
-    return default_config(num_tokens, top_k, w13.shape[0])
+    return default_config(num_tokens, top_k, w13.shape[0], weight_block_size)
 
 
 def tune_fused_moe(
@@ -867,6 +1048,7 @@ def tune_fused_moe(
     w2_scale: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
     fp8_act: bool | None = None,
+    weight_block_size: tuple[int, int] | None = None,
 ) -> dict[int, FusedMoEConfig]:
     """Time `candidates` for every token bucket up to `max_tokens` not tuned yet for this
     layer shape (on these weights, uniformly random routing, seeded) and keep the fastest;
@@ -884,7 +1066,19 @@ def tune_fused_moe(
     (`MoEConfig.b_tma`). `w13_scale` / `w2_scale`: FP8 weights (see `fused_moe`), timed on
     activations of `dtype` (None: the weights' dtype, bf16 for FP8 ones). `fp8_act` (None:
     with FP8 weights): last, the fastest config of each SiLU form is timed again with FP8
-    activations (`MoEConfig.fp8_act`, W8A8)."""
+    activations (`MoEConfig.fp8_act`, W8A8). `weight_block_size`: the FP8 weights' scales
+    are per tile (see `fused_moe`): every candidate is timed `for_block_size` (duplicates
+    once), and no FP8-activation twin is timed (`fp8_act` True is refused)."""
+    if weight_block_size is not None:
+        if fp8_act:
+            raise ValueError("FP8 activations (fp8_act) need row-scaled FP8 weights, not blocks")
+        fp8_act = False
+        bk = weight_block_size[1]
+        candidates = _unique(for_block_size(c, bk) for c in candidates)
+        decode_candidates = _unique(for_block_size(c, bk) for c in decode_candidates)
+        down_candidates = _unique(
+            t._replace(block_k=_block_k_dividing(t.block_k, bk)) for t in down_candidates
+        )
     if fp8_act is None:
         fp8_act = w13_scale is not None
     if dtype is None:
@@ -893,7 +1087,7 @@ def tune_fused_moe(
         grouped_mm = grouped_mm_supported(w13, w2)
     if b_tma is None:
         b_tma = b_tma_usable(w13, w2)
-    key = _shape_key(w13, top_k)
+    key = _shape_key(w13, top_k, weight_block_size)
     num_experts, _, hidden = w13.shape
     dev = w13.device
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -905,7 +1099,9 @@ def tune_fused_moe(
             topk_weights, topk_ids = scores.topk(top_k, dim=-1)
             topk_weights, topk_ids = topk_weights.to(dev), topk_ids.to(dev, torch.int32)
             decode = bucket * top_k <= _DECODE_TUNE_MAX_ROWS * num_experts
-            problem = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+            problem = _Problem(
+                x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, weight_block_size
+            )
             timings: list[tuple[FusedMoEConfig, float]] = []
             others: tuple[FusedMoEConfig, ...] = (
                 decode_candidates if decode else (GroupedMMConfig(),) if grouped_mm else ()
@@ -940,7 +1136,7 @@ def tune_fused_moe(
                 _configs[(key, bucket)] = best
                 tuning_log.append(
                     {
-                        "key": [key[0], key[1], key[2], key[3], str(key[4])],
+                        "key": _log_key(key),
                         "num_tokens": bucket,
                         "timed_in_graph": decode,
                         "ms": {config_name(c): t for c, t in timings},
@@ -949,6 +1145,11 @@ def tune_fused_moe(
                 )
         bucket *= 2
     return {b: c for (k, b), c in _configs.items() if k == key}
+
+
+def _unique(items: Iterable[_T]) -> tuple[_T, ...]:
+    """`items` in order, each once."""
+    return tuple(dict.fromkeys(items))
 
 
 def _fastest_of_form(
@@ -1022,23 +1223,36 @@ def _join(values: tuple[int, ...]) -> str:
     return "x".join(map(str, values))
 
 
+class _Problem(NamedTuple):
+    """One `fused_moe` call the tuner times (its arguments but the config)."""
+
+    x: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+    weight_block_size: tuple[int, int] | None
+
+
 def _time_call(
-    problem: tuple[torch.Tensor, ...], config: FusedMoEConfig, in_graph: bool, iters: int
+    problem: _Problem, config: FusedMoEConfig, in_graph: bool, iters: int
 ) -> float | None:
-    """Milliseconds per `fused_moe` of `problem` (x, w13, w2, topk_weights, topk_ids,
-    w13_scale, w2_scale) with `config` (every id < E, as in a layer without expert parallel):
-    replayed from a CUDA graph, or eagerly; None when the device cannot run the config."""
+    """Milliseconds per `fused_moe` of `problem` with `config` (every id < E, as in a layer
+    without expert parallel): replayed from a CUDA graph, or eagerly; None when the device
+    cannot run the config."""
     from tandem_kernels.fp8_w8a16 import time_in_graph
     from tandem_kernels.paged_attention import time_config
 
-    *tensors, w13_scale, w2_scale = problem
     run = functools.partial(
         fused_moe,
-        *tensors,
+        *problem[:5],
         config,
         all_experts_local=True,
-        w13_scale=w13_scale,
-        w2_scale=w2_scale,
+        w13_scale=problem.w13_scale,
+        w2_scale=problem.w2_scale,
+        weight_block_size=problem.weight_block_size,
     )
     if in_graph:
         us = time_in_graph([run])

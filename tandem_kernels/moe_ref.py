@@ -24,14 +24,22 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """`[T, H]` in the input dtype (see the module docstring). Tokens are grouped by expert
     and each expert runs once on its rows; the weighted sum accumulates in float32.
     `w13_scale` `[E, 2I]` / `w2_scale` `[E, H]`: FP8 weights with a scale per expert and
-    row, dequantized to the input dtype first."""
+    row; with `weight_block_size` `(bn, bk)`, `w13_scale` `[E, ceil(2I/bn), ceil(H/bk)]` /
+    `w2_scale` `[E, ceil(H/bn), ceil(I/bk)]`: a scale per expert and tile. Either way the
+    weights are dequantized to the input dtype first."""
     if w13_scale is not None and w2_scale is not None:
-        w13 = dequantize_expert_rows(w13, w13_scale, hidden_states.dtype)
-        w2 = dequantize_expert_rows(w2, w2_scale, hidden_states.dtype)
+        dtype = hidden_states.dtype
+        if weight_block_size is not None:
+            w13 = dequantize_expert_blocks(w13, w13_scale, weight_block_size, dtype)
+            w2 = dequantize_expert_blocks(w2, w2_scale, weight_block_size, dtype)
+        else:
+            w13 = dequantize_expert_rows(w13, w13_scale, dtype)
+            w2 = dequantize_expert_rows(w2, w2_scale, dtype)
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, hidden_w = w13.shape
     assert hidden_w == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
@@ -63,3 +71,15 @@ def dequantize_expert_rows(
     """FP8 expert weights `[E, R, K]` with scales `[E, R]` back to `dtype` (the inverse of
     tandem_kernels.fp8's `quantize_expert_rows`; torch alone, as the CPU path needs)."""
     return (weight.float() * scale.unsqueeze(2)).to(dtype)
+
+
+def dequantize_expert_blocks(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """FP8 expert weights `[E, R, K]` with block scales `[E, ceil(R/bn), ceil(K/bk)]` back to
+    `dtype` (the inverse of tandem_kernels.fp8's `quantize_expert_blocks`; torch alone)."""
+    num_experts, rows, cols = weight.shape
+    bn, bk = block
+    assert scale.shape == (num_experts, -(-rows // bn), -(-cols // bk)), (scale.shape, block)
+    full = scale.repeat_interleave(bn, 1)[:, :rows].repeat_interleave(bk, 2)[:, :, :cols]
+    return (weight.float() * full).to(dtype)

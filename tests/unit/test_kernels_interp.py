@@ -1824,6 +1824,90 @@ def case_fused_moe_fp8_weights(dtype: torch.dtype) -> None:
         fm.fused_moe(x, w13, w2, topk_weights, topk_ids, unfused._replace(fp8_act=True))
 
 
+@_case(
+    *(
+        {"dtype": d, "bn": bn, "bk": bk, "hidden": h, "inter": i}
+        for d, bn, bk, h, i in [
+            (torch.float32, 16, 16, 40, 24),
+            (torch.float16, 16, 16, 40, 24),
+            (torch.float32, 8, 32, 40, 24),
+            (torch.float32, 32, 16, 48, 32),
+            (torch.float16, 32, 16, 48, 32),
+        ]
+    )
+)
+def case_fused_moe_block_fp8_weights(
+    dtype: torch.dtype, bn: int, bk: int, hidden: int, inter: int
+) -> None:
+    """FP8 (e4m3) expert weights with a scale per expert and `bn x bk` tile (a block-scaled
+    checkpoint's layout, `weight_block_size`), activations in `dtype`, against the reference
+    on the same weights dequantized: the grouped path (unfused, SiLU in the epilogue, GEMM
+    2's own tiles, BLOCK_K 16 over bk 32: two K steps a tile column), the decode path and
+    the untuned default, absent experts mixed in, buffers handed out full of NaN. Tiles cut
+    every dim short (H 40, I 24 over 16 or 32), BLOCK_N 16 spans two tile rows of bn 8 and
+    half of one of bn 32; (48, 32): e4m3 rows of 16-byte multiples, so the weights also go
+    through TMA. A BLOCK_K that does not divide bk, and FP8 activations, are refused."""
+    k = _kernels()
+    fm = k.fused_moe
+    from tandem_kernels.fp8 import quantize_expert_blocks
+
+    block = (bn, bk)
+    num_tokens, num_experts, top_k = 13, 5, 2
+    gen = torch.Generator().manual_seed(17)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = 0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)
+    w2 = 0.2 * torch.randn(num_experts, hidden, inter, generator=gen)
+    # Tiles of very different magnitudes: a scale applied to the wrong tile shows.
+    w13 *= 0.25 + torch.rand(num_experts, 2 * inter, 1, generator=gen)
+    w2 *= 0.25 + torch.rand(num_experts, 1, inter, generator=gen)
+    scores = torch.randn(num_tokens, num_experts, generator=gen)
+    topk_weights, topk_ids = scores.softmax(-1).topk(top_k, dim=-1)
+    topk_ids = topk_ids.to(torch.int32)
+    topk_ids[3::5, 1] = num_experts
+    q13, s13 = quantize_expert_blocks(w13, block)
+    q2, s2 = quantize_expert_blocks(w2, block)
+    assert q13.dtype == torch.float8_e4m3fn
+    assert s13.shape == (num_experts, -(-2 * inter // bn), -(-hidden // bk))
+    assert s2.shape == (num_experts, -(-hidden // bn), -(-inter // bk))
+    deq13 = k.moe_ref.dequantize_expert_blocks(q13, s13, block, torch.float32)
+    assert ((deq13 - w13).abs() <= w13.abs() * 2**-4 + s13.max() * 2**-9).all()
+    ref = k.moe_ref.fused_moe_ref(x, q13, q2, topk_weights, topk_ids, s13, s2, block)
+    assert ref.abs().max() > 0.1
+    scales = {"w13_scale": s13, "w2_scale": s2, "weight_block_size": block}
+    unfused = fm.MoEConfig(16, 16, 16, 2, 4, 1)
+    configs = [
+        unfused,
+        unfused._replace(silu_in_epilogue=True),
+        unfused._replace(silu_in_epilogue=True, down=fm.GemmTiles(32, 16, 1, 4, 1)),
+        fm.DecodeConfig(16, 16, 1, 16, 16, 1, 4),
+        fm.DecodeConfig(8, bk, 1, 16, bk, 2, 4),
+        None,  # the untuned default: the decode path here, for_block_size
+    ]
+    if fm.b_tma_usable(q13, q2):
+        assert (hidden, inter) == (48, 32)
+        configs += [c._replace(b_tma=True) for c in configs[:3]]
+    for config in configs:
+        assert config is None or fm.fits_block(config, block)
+        with nan_filled_empty():
+            out = fm.fused_moe(x, q13, q2, topk_weights, topk_ids, config, **scales)
+        assert out.dtype == dtype and not out.isnan().any(), config
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+    # Only the weights changed: the row-scaled and bf16 forms are untouched by a block call.
+    assert fm._shape_key(q13, top_k, block) != fm._shape_key(q13, top_k)
+    wide = (
+        unfused._replace(block_k=2 * bk),
+        unfused._replace(down=fm.GemmTiles(16, 2 * bk, 1, 4, 1)),
+        fm.DecodeConfig(16, 2 * bk, 1, 16, 16, 1, 4),
+    )
+    for config in wide:
+        assert not fm.fits_block(config, block)
+        assert fm.fits_block(fm.for_block_size(config, bk), block)
+        with pytest.raises(ValueError, match="must divide the weights' block columns"):
+            fm.fused_moe(x, q13, q2, topk_weights, topk_ids, config, **scales)
+    with pytest.raises(ValueError, match="FP8 activations"):
+        fm.fused_moe(x, q13, q2, topk_weights, topk_ids, unfused._replace(fp8_act=True), **scales)
+
+
 @_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))
 def case_fused_moe_b_tma(dtype: torch.dtype, silu_in_epilogue: bool) -> None:
     """The weights through TMA descriptors (`MoEConfig.b_tma`) against the reference and

@@ -539,3 +539,51 @@ def test_moe_tuner_times_the_grouped_mm_path_only_past_the_decode_buckets(
         assert grouped == ({32, 64} if grouped_mm else set())
         assert tuned[16] == decode
         assert tuned[64] == (fm.GroupedMMConfig() if grouped_mm else tiles)
+
+
+def test_moe_tuner_offers_block_scaled_weights_only_configs_that_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Block-scaled FP8 experts (`weight_block_size` [128, 128]) under a fake clock: every
+    config timed, decode and grouped buckets alike, fits the blocks (each BLOCK_K divides
+    bk: the default candidates lowered `for_block_size`, each once; down tiles and TMA twins
+    too); no FP8-activation twin and no torch grouped-GEMM path is timed, and `fp8_act`
+    is refused. The configs are kept under the block's own shape key (a row-scaled layer of
+    the same shape tunes apart), its log key naming the block."""
+    import tandem_kernels.fused_moe as fm
+
+    block = (128, 128)
+    timed: list[tuple[int, fm.FusedMoEConfig]] = []
+
+    def fake_time_call(
+        problem: Any, config: fm.FusedMoEConfig, in_graph: bool, iters: int
+    ) -> float | None:
+        assert problem.weight_block_size == block
+        timed.append((problem.x.shape[0], config))
+        return 1.0 + 1e-3 * len(timed)
+
+    monkeypatch.setattr(fm, "_time_call", fake_time_call)
+    monkeypatch.setattr(fm, "_configs", {})
+    monkeypatch.setattr(fm, "tuning_log", [])
+    fp8 = torch.float8_e4m3fn
+    w13, w2 = torch.zeros(4, 256, 256, dtype=fp8), torch.zeros(4, 256, 128, dtype=fp8)
+    scales = {"w13_scale": torch.ones(4, 2, 2), "w2_scale": torch.ones(4, 2, 1)}
+    with pytest.raises(ValueError, match="fp8_act"):
+        fm.tune_fused_moe(w13, w2, 2, 1, fp8_act=True, weight_block_size=block, **scales)
+    # E = 4, top 2: the decode path is timed up to 16 tokens, the grouped path at 32.
+    tuned = fm.tune_fused_moe(w13, w2, 2, 32, b_tma=True, weight_block_size=block, **scales)
+    assert set(tuned) == {1, 2, 4, 8, 16, 32}
+    assert all(fm.fits_block(config, block) for _, config in timed)
+    assert not any(isinstance(c, fm.MoEConfig) and c.fp8_act for _, c in timed)
+    assert not any(isinstance(c, fm.GroupedMMConfig) for _, c in timed)
+    decode = [c for n, c in timed if n == 1 and isinstance(c, fm.DecodeConfig)]
+    assert decode == [fm.for_block_size(c, 128) for c in fm._DECODE_CANDIDATES]
+    assert any(c != fm.for_block_size(c, 128) for c in fm._DECODE_CANDIDATES)
+    plain = [c for n, c in timed if n == 32 and isinstance(c, fm.MoEConfig) and c.down is None]
+    lowered = fm._unique(fm.for_block_size(c, 128) for c in fm._CANDIDATES if c.block_m <= 32)
+    assert [c for c in plain if not c.b_tma] == list(lowered)
+    assert any(isinstance(c, fm.MoEConfig) and c.b_tma for n, c in timed if n == 32)
+    key = fm._shape_key(w13, 2, block)
+    assert key != fm._shape_key(w13, 2) and (key, 32) in fm._configs
+    assert (fm._shape_key(w13, 2), 32) not in fm._configs
+    assert all(e["key"] == [4, 256, 256, 2, str(fp8), "block:128x128"] for e in fm.tuning_log)
