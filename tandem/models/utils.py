@@ -77,7 +77,8 @@ _SHARDS_OF = {".qkv_proj": {"q", "k", "v"}, ".gate_up_proj": {0, 1}}
 # An expert's checkpoint tensor: `<moe>.experts.<i>.<proj>.weight`, Mixtral's w1/w2/w3 or
 # Qwen-MoE's gate/up/down projections, -> the MoE layer's fused parameter and shard.
 _EXPERT_NAME = re.compile(
-    r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|weight_scale)$"
+    r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
+    r"\.(weight|weight_scale|weight_scale_inv)$"
 )
 _EXPERT_SHARDS = {
     "w1": "w1",
@@ -93,7 +94,8 @@ def expert_param(name: str) -> tuple[str, str, int] | None:
     """`(parameter name, shard id, expert id)` of an expert's checkpoint tensor, else None:
     gate (w1) and up (w3) go into `<moe>.experts.w13_weight`, down (w2) into
     `<moe>.experts.w2_weight` (tandem.layers.moe.FusedMoE); an FP8 checkpoint's
-    `weight_scale` into `w13_weight_scale` / `w2_weight_scale` (Fp8MoEMethod's)."""
+    `weight_scale` into `w13_weight_scale` / `w2_weight_scale`, and a block-scaled one's
+    `weight_scale_inv` into `w13_weight_scale_inv` / `w2_weight_scale_inv` (Fp8MoEMethod's)."""
     match = _EXPERT_NAME.match(name)
     if match is None:
         return None

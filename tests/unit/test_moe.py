@@ -126,7 +126,8 @@ def test_fp8_experts_quantized_at_load(tiny_model_path) -> None:
     method; after loading its weights are e4m3 with a scale per expert and row (half the
     bytes), the router stays in the model's dtype, and the layer's output equals the
     reference on the dequantized weights and stays within FP8's error of the unquantized
-    layer. A checkpoint storing FP8 experts is refused, naming the layer."""
+    layer. A checkpoint storing static activation scales is refused for its experts (block
+    scales or not), naming the layer."""
     from tandem.config import ConfigError
     from tandem.layers.quantization import Fp8Config, Fp8MoEMethod
     from tandem_kernels.moe_ref import dequantize_expert_rows
@@ -158,12 +159,11 @@ def test_fp8_experts_quantized_at_load(tiny_model_path) -> None:
     assert 0 < rel < 0.05, rel
     assert "float8_e4m3fn" in repr(first)
 
-    for stored, message in (
-        ({"weight_block_size": [16, 16]}, r"mlp\.experts: block-scaled FP8 experts"),
-        ({"activation_scheme": "static"}, r"mlp\.experts: static FP8 activation scales"),
-    ):
-        quant = Fp8Config.from_config({"quant_method": "fp8", **stored})
-        with pytest.raises(ConfigError, match=message):
+    for stored in ({}, {"weight_block_size": [16, 16]}):
+        quant = Fp8Config.from_config(
+            {"quant_method": "fp8", "activation_scheme": "static", **stored}
+        )
+        with pytest.raises(ConfigError, match=r"mlp\.experts: static FP8 activation scales"):
             build_model(path, dataclasses.replace(_context(), quant_config=quant))
 
 
@@ -209,6 +209,145 @@ def test_fp8_moe_checkpoint_loads_as_stored(kind: str, tiny_model_path, tmp_path
         assert torch.equal(mine.w13_scale, theirs.w13_scale)
         assert torch.equal(mine.w2_scale, theirs.w2_scale)
     torch.testing.assert_close(logits, _logits(at_load), atol=0, rtol=0)
+
+
+def test_block_fp8_moe_checkpoint_loads_as_stored(tiny_model_path, tmp_path: Path) -> None:
+    """An HF `fp8` checkpoint with `weight_block_size` [16, 16] of the tiny Qwen3-MoE (every
+    projection, experts included, e4m3 with its `weight_scale_inv` tiles, as written by
+    test_fp8's helper) loads as stored: the experts e4m3 with their tiles' scales (gate's
+    tile rows, then up's, as the checkpoint holds them), and the logits equal the same model
+    loaded from the dequantized weights (float32) bit for bit: on the CPU the block-scaled
+    layers run their torch references, which dequantize each weight to float32 first (the
+    same products as the dequantized checkpoint's) and then the same matmuls. (On CUDA the
+    kernels scale partial sums instead: tests/gpu. And within FP8's error of the unquantized
+    model.)"""
+    from safetensors.torch import load_file, save_file
+
+    from tandem.layers.quantization import resolve_quant_config
+    from tandem.loader import load_hf_config
+    from tandem_kernels import fp8 as fp8_ops
+    from tests.unit.test_fp8 import _logits, _write_fp8_checkpoint, context
+
+    src = tiny_model_path("qwen3_moe")
+    folder = _write_fp8_checkpoint(src, tmp_path / "stored", "fp8_block16")
+    hf_config = load_hf_config(folder)
+    quant = resolve_quant_config("auto", hf_config, CPU, check_device=False)
+    assert quant is not None and quant.scheme.weight_block_size == (16, 16)
+    stored = build_model(folder, context(quant), hf_config=hf_config)
+    experts = stored.get_submodule("model.layers.0.mlp.experts")
+    assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.float8_e4m3fn
+    assert experts.weight_block_size == (16, 16) and "block=[16, 16]" in repr(experts)
+    assert experts.w13_scale.shape == (8, 2 * 48 // 16, 64 // 16)
+    assert experts.w2_scale.shape == (8, 64 // 16, 48 // 16)
+    assert not hasattr(experts, "w13_weight_scale_inv")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.5.{}.weight_scale_inv"
+    gate, up = tensors[name.format("gate_proj")], tensors[name.format("up_proj")]
+    assert torch.equal(experts.w13_scale[5], torch.cat([gate, up]))
+    assert torch.equal(experts.w2_scale[5], tensors[name.format("down_proj")])
+
+    dequantized = tmp_path / "dequantized"
+    dequantized.mkdir()
+    plain = {}
+    for key, tensor in tensors.items():
+        if key.endswith("weight_scale_inv"):
+            continue
+        scale = tensors.get(key + "_scale_inv")
+        plain[key] = tensor if scale is None else fp8_ops.dequantize(tensor, scale, (16, 16))
+    save_file(plain, str(dequantized / "model.safetensors"))
+    (dequantized / "config.json").write_text((src / "config.json").read_text())
+    logits = _logits(stored)
+    reference = _logits(build_model(dequantized, context(None)))
+    torch.testing.assert_close(logits, reference, atol=0, rtol=0)
+    exact = _logits(build_model(src, context(None)))
+    assert (logits - exact).norm() / exact.norm() < 0.15
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ((16, 16), "gate and up have 24 rows each .* not whole tiles of 16 rows"),
+        ((8, 16), "down has 24 columns .* not whole tiles of 16 columns"),
+    ],
+    ids=["rows", "columns"],
+)
+def test_block_fp8_experts_refuse_a_shard_of_partial_tiles(
+    block: tuple[int, int], message: str, tiny_model_path
+) -> None:
+    """Block-scaled FP8 experts at TP = 2 (the tiny Qwen3-MoE's moe intermediate 48: 24 rows
+    of gate and of up, and 24 columns of down, a rank): tiles of 16 rows, or of 16 columns,
+    would straddle the ranks; refused at build, naming the layer."""
+    from tandem.config import ConfigError
+    from tandem.layers.quantization import Fp8Config
+
+    quant = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": list(block)})
+    ctx = dataclasses.replace(_context(0, 2), quant_config=quant)
+    with pytest.raises(
+        ConfigError, match=r"layers\.0\.mlp\.experts: FP8 block scales .*" + message
+    ):
+        build_model(tiny_model_path("qwen3_moe"), ctx)
+
+
+def test_block_fp8_experts_shard_whole_tiles() -> None:
+    """Block-scaled FP8 experts ([16, 16] tiles; H 32, I 64) loaded through the layer's
+    loaders at TP = 2: each rank keeps its tile rows of gate and of up and its tile columns
+    of down, and the two ranks' outputs sum to one rank's (the reference on the dequantized
+    experts); at EP = 2 each rank keeps its experts whole, weights and scales."""
+    from tandem.layers.moe.layer import run_experts
+    from tandem.layers.quantization import Fp8Config
+    from tandem_kernels.fp8 import quantize_expert_blocks
+    from tandem_kernels.moe_ref import dequantize_expert_blocks
+
+    block = (16, 16)
+    quant = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": list(block)})
+    num_experts, hidden, inter = 4, 32, 64
+    gen = torch.Generator().manual_seed(8)
+    w1, w3 = torch.randn(2, num_experts, inter, hidden, generator=gen) * 0.3
+    (q1, s1), (q3, s3) = quantize_expert_blocks(w1, block), quantize_expert_blocks(w3, block)
+    q2, s2 = quantize_expert_blocks(torch.randn(num_experts, hidden, inter, generator=gen), block)
+
+    def loaded(ctx: ModelContext) -> FusedMoE:
+        layer = FusedMoE(num_experts, 2, hidden, inter, True, replace_quant(ctx))
+        for e in range(num_experts):
+            for shard, q, s in (("w1", q1, s1), ("w3", q3, s3)):
+                layer.weight_loader(layer.w13_weight, q[e], shard, e)
+                layer.scale_loader(layer.w13_weight_scale_inv, s[e], shard, e)
+            layer.weight_loader(layer.w2_weight, q2[e], "w2", e)
+            layer.scale_loader(layer.w2_weight_scale_inv, s2[e], "w2", e)
+        layer.quant_method.process_weights_after_loading(layer)
+        return layer
+
+    def replace_quant(ctx: ModelContext) -> ModelContext:
+        return dataclasses.replace(ctx, quant_config=quant)
+
+    def run(layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        return run_experts(
+            x, layer.w13_weight, layer.w2_weight, weights, ids,
+            w13_scale=layer.w13_scale, w2_scale=layer.w2_scale,
+            weight_block_size=layer.weight_block_size,
+        )  # fmt: skip
+
+    full = loaded(_context())
+    assert torch.equal(full.w13_scale, torch.cat([s1, s3], dim=1))
+    x = torch.randn(9, hidden, generator=gen)
+    weights, ids = select_experts(torch.randn(9, num_experts, generator=gen), 2, True)
+    expected = run(full, x, weights, ids)
+    deq13 = dequantize_expert_blocks(torch.cat([q1, q3], 1), full.w13_scale, block, x.dtype)
+    deq2 = dequantize_expert_blocks(q2, s2, block, x.dtype)
+    torch.testing.assert_close(expected, fused_moe_ref(x, deq13, deq2, weights, ids))
+    total = torch.zeros_like(expected)
+    for rank in range(2):
+        tp = loaded(_context(rank, 2))
+        half = slice(rank * 2, rank * 2 + 2)  # 32 rows of gate / up, columns of down
+        assert torch.equal(tp.w13_scale, torch.cat([s1[:, half], s3[:, half]], dim=1))
+        assert torch.equal(tp.w2_scale, s2[:, :, half])
+        total += run(tp, x, weights, ids)
+        ep = loaded(_context(rank, 2, ep=True))
+        mine = slice(rank * 2, rank * 2 + 2)  # experts
+        assert torch.equal(ep.w13_scale, full.w13_scale[mine])
+        assert torch.equal(ep.w2_scale, full.w2_scale[mine])
+        assert torch.equal(ep.w13_weight.view(torch.uint8), full.w13_weight[mine].view(torch.uint8))
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
 
 
 def _fake_clock(monkeypatch: pytest.MonkeyPatch, clock: dict[Any, float]) -> list[Any]:

@@ -49,11 +49,13 @@ def run_experts(
     all_experts_local: bool = False,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """`sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`: the fused kernel on CUDA,
     the torch reference elsewhere. `all_experts_local`: every id is < E (no pair names an
     expert this rank lacks), which spares the kernel a zero fill; leave it False otherwise.
-    `w13_scale` / `w2_scale`: FP8 weights' scales per expert and row (`Fp8MoEMethod`)."""
+    `w13_scale` / `w2_scale`: FP8 weights' scales per expert and row (`Fp8MoEMethod`), or
+    per expert and `weight_block_size` tile (a block-scaled checkpoint's)."""
     if hidden_states.is_cuda:
         from tandem_kernels.fused_moe import fused_moe
 
@@ -66,10 +68,13 @@ def run_experts(
             all_experts_local=all_experts_local,
             w13_scale=w13_scale,
             w2_scale=w2_scale,
+            weight_block_size=weight_block_size,
         )
     from tandem_kernels.moe_ref import fused_moe_ref
 
-    return fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    return fused_moe_ref(
+        hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, weight_block_size
+    )
 
 
 class FusedMoE(nn.Module):
@@ -144,10 +149,12 @@ class FusedMoE(nn.Module):
             self.w2_weight,
             {"weight_loader": self.weight_loader, "required_shards": {("w2", e) for e in experts}},
         )
-        # FP8 experts' scales per expert and row, set after loading by the quantization
-        # config's experts method (`quant_method`; None: experts in the model's dtype).
+        # FP8 experts' scales per expert and row, or per expert and tile of
+        # `weight_block_size` (a block-scaled checkpoint's), set by the quantization config's
+        # experts method (`quant_method`; None: experts in the model's dtype).
         self.register_buffer("w13_scale", None, persistent=False)
         self.register_buffer("w2_scale", None, persistent=False)
+        self.weight_block_size: tuple[int, int] | None = None
         self.quant_method = (
             None if ctx.quant_config is None else ctx.quant_config.get_experts_method(self, prefix)
         )
@@ -182,12 +189,19 @@ class FusedMoE(nn.Module):
         """One expert's FP8 checkpoint scale of a projection (`weight_scale`: per channel
         `[rows, 1]`, or per tensor, one value) into `param` `[E_local, rows]` (a scale per
         row: `w13_weight_scale`, `w2_weight_scale`): this rank's rows of gate / up (all of
-        down's, whose rows are H), a per-tensor value on every row."""
+        down's, whose rows are H), a per-tensor value on every row. A block scale
+        (`weight_scale_inv` `[ceil(rows / bn), ceil(cols / bk)]`) into a 3-D `param` `[E_local,
+        tile rows, tile columns]` (`w13_weight_scale_inv`, `w2_weight_scale_inv`): this
+        rank's tile rows of gate / up, then its tile columns of down (whole tiles: checked
+        when the method made the parameter)."""
         local = expert_id - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return
         what = f"{self.prefix or 'FusedMoE'} expert {expert_id} {shard_id} scale"
         scale = full_weight(loaded_scale).to(torch.float32)
+        if param.dim() == 3:
+            self._load_block_scale(param.data[local], scale, shard_id, what)
+            return
         inter = self.intermediate_per_rank
         if shard_id in ("w1", "w3"):
             target = param.data[local].narrow(0, 0 if shard_id == "w1" else inter, inter)
@@ -204,6 +218,32 @@ class FusedMoE(nn.Module):
             raise ValueError(
                 f"{what}: {tuple(scale.shape)} is neither one scale nor one per row ({full_rows})"
             )
+
+    def _load_block_scale(
+        self, target: torch.Tensor, scale: torch.Tensor, shard_id: str, what: str
+    ) -> None:
+        """A projection's block scale `[ceil(rows / bn), ceil(cols / bk)]` (all ranks') into
+        one expert's `target` (`[2 * I_part / bn, ceil(H / bk)]`: gate's tile rows, then up's;
+        or `[ceil(H / bn), I_part / bk]` for down, whole under TP > 1)."""
+        assert self.weight_block_size is not None, "block scales need weight_block_size"
+        bn, bk = self.weight_block_size
+        if shard_id in ("w1", "w3"):
+            full = (-(-self.intermediate_size // bn), -(-self.hidden_size // bk))
+            rows = target.shape[0] // 2
+            target = target.narrow(0, 0 if shard_id == "w1" else rows, rows)
+            part = scale.narrow(0, self.tp_rank * rows, rows) if scale.shape == full else None
+        elif shard_id == "w2":
+            full = (-(-self.hidden_size // bn), -(-self.intermediate_size // bk))
+            cols = target.shape[1]
+            part = scale.narrow(1, self.tp_rank * cols, cols) if scale.shape == full else None
+        else:
+            raise ValueError(f"{what}: shard_id must be w1, w2 or w3")
+        if part is None:
+            raise ValueError(
+                f"{what}: block scale {tuple(scale.shape)} is not {full}, the [{bn}, {bk}] "
+                "tiles of the projection"
+            )
+        target.copy_(part)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
@@ -283,6 +323,7 @@ class FusedMoE(nn.Module):
             all_experts_local=all_experts_local,
             w13_scale=self.w13_scale,
             w2_scale=self.w2_scale,
+            weight_block_size=self.weight_block_size,
         )
 
     def _exchange_padded(
@@ -311,6 +352,7 @@ class FusedMoE(nn.Module):
             f"experts={self.num_local_experts}/{self.num_experts}, top_k={self.top_k}, "
             f"hidden={self.hidden_size}, inter={self.intermediate_per_rank}, ep={self.use_ep}, "
             f"dtype={self.w13_weight.dtype}"
+            + ("" if self.weight_block_size is None else f", block={list(self.weight_block_size)}")
         )
 
 

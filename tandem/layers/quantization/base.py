@@ -106,8 +106,9 @@ class ExpertsMethodBase(ABC):
     `weight_loader`, then calls `create_weights(layer)`, which may remake them (another dtype,
     same loaders) and add parameters of its own (a stored checkpoint's scales); after
     loading, `process_weights_after_loading(layer)` may replace them and set the layer's
-    `w13_scale` / `w2_scale` buffers (FP8 with a scale per expert and row), which the layer
-    hands its kernel (`tandem_kernels.fused_moe`)."""
+    `w13_scale` / `w2_scale` buffers (FP8 with a scale per expert and row, or per tile of
+    the layer's `weight_block_size`), which the layer hands its kernel
+    (`tandem_kernels.fused_moe`)."""
 
     def create_weights(self, layer: nn.Module) -> None:  # noqa: B027
         """Called once the layer has made its parameters (default: keep them)."""

@@ -26,7 +26,8 @@ writes the e4m3 input with its scale in its own kernel when the method asks for 
 
 Block-scaled checkpoints run as weight-only FP8 (W8A16): the weight stays e4m3 with its tile
 scales, and a Triton GEMM (tandem_kernels.fp8_block_gemm) widens each tile in registers and
-scales its products; its torch reference (dequantize, then matmul) on the CPU. The LM head and
+scales its products; its torch reference (dequantize, then matmul) on the CPU. Their MoE experts
+load as stored the same way (`Fp8MoEMethod`: the fused MoE kernel's block form). The LM head and
 embeddings stay in the model's dtype (as vLLM).
 """
 
@@ -169,26 +170,21 @@ class Fp8Config(QuantizationConfig):
 
     def get_experts_method(self, layer: nn.Module, prefix: str) -> ExpertsMethodBase | None:
         """`Fp8MoEMethod`, whatever the scheme of the linear layers: experts quantized at
-        load with a scale per expert and row, or loaded as stored from a per-tensor or
-        per-channel checkpoint with dynamic activations; a stored block-scaled or static
+        load with a scale per expert and row, or loaded as stored from a per-tensor,
+        per-channel or block-scaled checkpoint with dynamic activations; a stored static
         scheme is refused, naming the layer."""
         if self.is_ignored(prefix):
             return None
         scheme = self.scheme
-        if scheme.is_checkpoint_fp8_serialized:
-            what = prefix or "a mixture-of-experts layer"
-            if scheme.weight_strategy == "block":
-                raise ConfigError(
-                    f"{what}: block-scaled FP8 experts in a checkpoint are not implemented "
-                    "(per-tensor and per-channel are); quantize a bf16 checkpoint at load "
-                    "(--quantization fp8)"
-                )
-            if scheme.activation_scheme == "static":
-                raise ConfigError(
-                    f"{what}: static FP8 activation scales for experts are not implemented "
-                    "(dynamic ones are)"
-                )
-        return Fp8MoEMethod(stored=scheme.is_checkpoint_fp8_serialized)
+        if not scheme.is_checkpoint_fp8_serialized:
+            return Fp8MoEMethod()
+        if scheme.activation_scheme == "static":
+            raise ConfigError(
+                f"{prefix or 'a mixture-of-experts layer'}: static FP8 activation scales for "
+                "experts are not implemented (dynamic ones are)"
+            )
+        block = scheme.weight_block_size if scheme.weight_strategy == "block" else None
+        return Fp8MoEMethod(stored=True, weight_block_size=block)
 
     def verify_device(self, device: torch.device) -> None:
         check_fp8_device(device, f"--quantization {self.name}")
@@ -509,14 +505,36 @@ class Fp8MoEMethod(ExpertsMethodBase):
     most). Loaded as stored (`stored`, a per-tensor or per-channel FP8 checkpoint): the
     weights are made e4m3 before loading and each projection's `weight_scale` fills
     `w13_weight_scale` / `w2_weight_scale` a row each (`FusedMoE.scale_loader`: a per-tensor
-    scale on every row of its projection), which become the kernel's scales."""
+    scale on every row of its projection), which become the kernel's scales.
 
-    def __init__(self, stored: bool = False) -> None:
+    Block-scaled checkpoint (`weight_block_size` `(bn, bk)`, HF's `fp8` with dynamic
+    activations): each projection's `weight_scale_inv` `[ceil(rows / bn), ceil(cols / bk)]`
+    fills `w13_weight_scale_inv` / `w2_weight_scale_inv` as stored, and the kernel scales
+    each tile's partial sums (weight-only; `layer.weight_block_size` set):
+
+        w13_scale [E, 2 * I_part / bn, ceil(H / bk)]   gate's tile rows, then up's
+        w2_scale  [E, ceil(H / bn), ceil(I_part / bk)]
+
+    A rank's slice must stay whole tiles, else a ConfigError naming the layer: I_part (gate
+    and up rows each; I over the TP ranks) a multiple of bn, so that the two stack without a
+    tile astride them, and under TP > 1 a multiple of bk (down's columns); bk a multiple of
+    16 (the kernel's K steps). Expert parallel keeps experts whole."""
+
+    def __init__(self, stored: bool = False, weight_block_size: tuple[int, int] | None = None):
+        if weight_block_size is not None and not stored:
+            raise ValueError("block-scaled FP8 experts are loaded as stored, not quantized")
         self.stored = stored
+        self.weight_block_size = weight_block_size
 
     def create_weights(self, layer: nn.Module) -> None:
         if not self.stored:
             return
+        scale_shapes = {"w13": layer.w13_weight.shape[:2], "w2": layer.w2_weight.shape[:2]}
+        suffix = "weight_scale"
+        if self.weight_block_size is not None:
+            scale_shapes = self._block_scale_shapes(layer, self.weight_block_size)
+            layer.weight_block_size = self.weight_block_size
+            suffix = "weight_scale_inv"
         for name in ("w13", "w2"):
             made = getattr(layer, f"{name}_weight")
             attrs = {"weight_loader": made.weight_loader, "required_shards": made.required_shards}
@@ -527,17 +545,44 @@ class Fp8MoEMethod(ExpertsMethodBase):
             set_weight_attrs(weight, attrs)
             setattr(layer, f"{name}_weight", weight)
             scale = nn.Parameter(
-                torch.empty(made.shape[:2], dtype=torch.float32, device=made.device),
+                torch.empty(scale_shapes[name], dtype=torch.float32, device=made.device),
                 requires_grad=False,
             )
             set_weight_attrs(scale, {**attrs, "weight_loader": layer.scale_loader})
-            layer.register_parameter(f"{name}_weight_scale", scale)
+            layer.register_parameter(f"{name}_{suffix}", scale)
+
+    @staticmethod
+    def _block_scale_shapes(layer: nn.Module, block: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+        """This rank's block scale shapes (see the class docstring), after checking that its
+        slice of the experts is whole tiles."""
+        bn, bk = block
+        inter, hidden, tp = layer.intermediate_per_rank, layer.hidden_size, layer.tp_size
+        what = f"{layer.prefix or 'FusedMoE'}: FP8 block scales [{bn}, {bk}]"
+        split = f" (moe intermediate size {layer.intermediate_size} over {tp} TP ranks)"
+        if inter % bn:
+            raise ConfigError(
+                f"{what} do not divide this rank's experts: gate and up have {inter} rows "
+                f"each{split}, not whole tiles of {bn} rows"
+            )
+        if tp > 1 and inter % bk:
+            raise ConfigError(
+                f"{what} do not divide this rank's experts: down has {inter} columns{split}, "
+                f"not whole tiles of {bk} columns"
+            )
+        if bk % 16:
+            raise ConfigError(f"{what}: the fused MoE kernel needs bk a multiple of 16")
+        experts = layer.num_local_experts
+        return {
+            "w13": (experts, 2 * inter // bn, -(-hidden // bk)),
+            "w2": (experts, -(-hidden // bn), -(-inter // bk)),
+        }
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.stored:
+            suffix = "weight_scale" if self.weight_block_size is None else "weight_scale_inv"
             for name in ("w13", "w2"):
-                setattr(layer, f"{name}_scale", getattr(layer, f"{name}_weight_scale").data)
-                delattr(layer, f"{name}_weight_scale")
+                setattr(layer, f"{name}_scale", getattr(layer, f"{name}_{suffix}").data)
+                delattr(layer, f"{name}_{suffix}")
             return
 
         for name in ("w13", "w2"):
