@@ -96,7 +96,7 @@ offline() {  # offline NAME LIMIT_S [engine flags...]: the offline benchmark on 
 moe_tests() {  # moe_tests LOG K FILE...: the MoE GPU tests selected by K, their tally summed up
   local log=$1 k=$2
   shift 2
-  step "MoE GPU tests" 220 "$OUT/$log" $PY -m pytest -q -m gpu --timeout=200 -rs --tb=short \
+  step "MoE GPU tests" "${MOE_TESTS_S:-220}" "$OUT/$log" $PY -m pytest -q -m gpu --timeout=200 -rs --tb=short \
     --durations=5 "$@" -k "$k"
   grep -E "passed|failed" "$OUT/$log" | tail -n 1 | sed "s/^/tests: /" >>"$summary"
 }
