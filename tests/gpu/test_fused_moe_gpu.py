@@ -264,6 +264,52 @@ def test_fp8_expert_weights_match_the_dequantized_reference(shape: str, num_toke
     assert all(any(n.endswith("+a8") for n in e["ms"]) for e in grouped)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 64, 4096])
+def test_block_fp8_expert_weights_match_the_dequantized_reference(num_tokens: int) -> None:
+    """Block-scaled FP8 experts (`weight_block_size` [128, 128], Qwen3-30B-A3B-FP8's
+    checkpoint layout) at the Qwen3-30B-A3B shape, bf16 activations: grouped configs of both
+    SiLU forms, through pointers and through TMA, GEMM 2's own tiles, BLOCK_K 32 (four K
+    steps a tile column), the decode path's candidates lowered for the blocks at one token,
+    and the tuned call, each against the reference on the dequantized weights. The tuner
+    times only configs that fit the blocks, under the block's own key: no W8A8 twin, no
+    torch grouped-GEMM path."""
+    from tandem_kernels.fp8 import quantize_expert_blocks
+
+    shape, block = "qwen3-30b-a3b", (128, 128)
+    w13, w2 = _weights(shape, torch.bfloat16)
+    q13, s13 = quantize_expert_blocks(w13, block)
+    q2, s2 = quantize_expert_blocks(w2, block)
+    assert s13.shape == (128, 2 * 768 // 128, 2048 // 128)
+    assert s2.shape == (128, 2048 // 128, 768 // 128)
+    x, weights, ids = _routing(shape, num_tokens, seed=70 + num_tokens)
+    x = x.to(torch.bfloat16)
+    ref = fused_moe_ref(x, q13, q2, weights, ids, s13, s2, block)
+    scales = {"w13_scale": s13, "w2_scale": s2, "weight_block_size": block}
+    assert fm.b_tma_usable(q13, q2)
+    base = fm.MoEConfig(64, 128, 64, 8, 8, 3)
+    configs: list[fm.FusedMoEConfig] = [
+        base,
+        base._replace(b_tma=True),
+        fm.MoEConfig(128, 128, 32, 8, 4, 4),
+        fm.MoEConfig(128, 64, 64, 8, 4, 4, True),
+        fm.MoEConfig(128, 64, 64, 8, 4, 4, True, b_tma=True),
+        fm.MoEConfig(16, 64, 128, 1, 4, 3, True, down=fm.GemmTiles(128, 64, 8, 4, 3)),
+    ]
+    if num_tokens == 1:
+        configs += [fm.for_block_size(c, block[1]) for c in fm._DECODE_CANDIDATES[:4]]
+    for config in configs:
+        assert fm.fits_block(config, block), config
+        out = fm.fused_moe(x, q13, q2, weights, ids, config, **scales)
+        _assert_close(out, ref)
+    _assert_close(fm.fused_moe(x, q13, q2, weights, ids, **scales), ref)
+    key = fm._log_key(fm._shape_key(q13, ids.shape[1], block))
+    entries = [e for e in fm.tuning_log if e["key"] == key]
+    assert entries, "the first call of a shape tunes its token buckets"
+    for entry in entries:
+        names = [*entry["ms"], entry["best"]]
+        assert all(fm.fits_block(fm.config_from_name(n), block) for n in names), names
+
+
 def test_tiny_layers_take_the_default_rule_untuned() -> None:
     """Expert weights under _MIN_TUNE_BYTES (test-sized models) are not timed: the call runs
     the default rule and leaves no tuning entry; a real layer's shape is tuned (above)."""
