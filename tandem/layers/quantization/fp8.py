@@ -520,7 +520,9 @@ class Fp8MoEMethod(ExpertsMethodBase):
     tile astride them, and under TP > 1 a multiple of bk (down's columns); bk a multiple of
     16 (the kernel's K steps). Expert parallel keeps experts whole."""
 
-    def __init__(self, stored: bool = False, weight_block_size: tuple[int, int] | None = None):
+    def __init__(
+        self, stored: bool = False, weight_block_size: tuple[int, int] | None = None
+    ) -> None:
         if weight_block_size is not None and not stored:
             raise ValueError("block-scaled FP8 experts are loaded as stored, not quantized")
         self.stored = stored
