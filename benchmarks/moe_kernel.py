@@ -27,7 +27,8 @@ device time by kernel (torch.profiler).
     python -m benchmarks.moe_kernel --tokens 1 8 64 512 4096 16384 --out moe.json
 
 `--weights fp8` runs the experts as weight-only FP8 (e4m3, a scale per expert and row, as
-`--quantization fp8` holds them): its GB/s count one byte a weight.
+`--quantization fp8` holds them), `--weights fp8-block` with a scale per expert and 128 x 128
+tile (as block-scaled checkpoints store them): their GB/s count one byte a weight.
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ SHAPES = {
 }
 
 
-# FP8 experts' scales by their w13's address (`--weights fp8`): `_scales(w13)` gives the
-# keywords every fused_moe call of those weights takes.
-_FP8_SCALES: dict[int, dict[str, torch.Tensor]] = {}
+# FP8 experts' scales by their w13's address (`--weights fp8`, `fp8-block`): `_scales(w13)`
+# gives the keywords every fused_moe call of those weights takes (with the block size).
+_FP8_SCALES: dict[int, dict[str, Any]] = {}
+BLOCK = (128, 128)
 
 
-def _scales(w13: torch.Tensor) -> dict[str, torch.Tensor]:
+def _scales(w13: torch.Tensor) -> dict[str, Any]:
     return _FP8_SCALES.get(w13.data_ptr(), {})
 
 
@@ -116,10 +118,15 @@ def _measure(
     counts = torch.bincount(ids.reshape(-1).long(), minlength=num_experts).tolist()
     xs = [torch.randn(c, hidden, device="cuda", dtype=torch.bfloat16) for c in counts]
     dense_w13, dense_w2 = w13, w2
-    if _scales(w13):
+    scales = _scales(w13)
+    if scales.get("weight_block_size"):
+        from tandem_kernels.moe_ref import dequantize_expert_blocks
+
+        dense_w13 = dequantize_expert_blocks(w13, scales["w13_scale"], BLOCK, torch.bfloat16)
+        dense_w2 = dequantize_expert_blocks(w2, scales["w2_scale"], BLOCK, torch.bfloat16)
+    elif scales:
         from tandem_kernels.moe_ref import dequantize_expert_rows
 
-        scales = _scales(w13)
         dense_w13 = dequantize_expert_rows(w13, scales["w13_scale"], torch.bfloat16)
         dense_w2 = dequantize_expert_rows(w2, scales["w2_scale"], torch.bfloat16)
 
@@ -180,7 +187,9 @@ def _forms(
     if not isinstance(tuned, MoEConfig | GroupedMMConfig):
         return {}
     num_experts, two_inter, hidden = w13.shape
-    key = [num_experts, two_inter, hidden, top_k, str(w13.dtype)]
+    key: list[object] = [num_experts, two_inter, hidden, top_k, str(w13.dtype)]
+    if _scales(w13).get("weight_block_size"):
+        key.append(f"block:{BLOCK[0]}x{BLOCK[1]}")
     bucket = token_bucket(tokens)
     entry = next((e for e in tuning_log if e["key"] == key and e["num_tokens"] == bucket), None)
     if entry is None:
@@ -262,9 +271,10 @@ def main() -> None:
     p.add_argument("--sustain-s", type=float, default=1.0, help="the ceilings' held time")
     p.add_argument(
         "--weights",
-        choices=("bf16", "fp8"),
+        choices=("bf16", "fp8", "fp8-block"),
         default="bf16",
-        help="fp8: experts in e4m3 with a scale per expert and row (bf16 activations)",
+        help="fp8: experts in e4m3 with a scale per expert and row (bf16 activations); "
+        "fp8-block: a scale per expert and 128 x 128 tile, as Qwen3-30B-A3B-FP8 stores them",
     )
     p.add_argument(
         "--breakdown", action="store_true", help="device time a call by kernel (torch.profiler)"
@@ -296,6 +306,18 @@ def main() -> None:
 
             (w13, s13), (w2, s2) = quantize_expert_rows(w13), quantize_expert_rows(w2)
             _FP8_SCALES[w13.data_ptr()] = {"w13_scale": s13, "w2_scale": s2}
+        elif ns.weights == "fp8-block":
+            from tandem_kernels.fp8 import quantize_expert_blocks
+
+            (w13, s13), (w2, s2) = (
+                quantize_expert_blocks(w13, BLOCK),
+                quantize_expert_blocks(w2, BLOCK),
+            )
+            _FP8_SCALES[w13.data_ptr()] = {
+                "w13_scale": s13,
+                "w2_scale": s2,
+                "weight_block_size": BLOCK,
+            }
         tuned = tune_fused_moe(w13, w2, top_k, max_tokens=max(ns.tokens), **_scales(w13))
         rows: dict[str, Any] = {}
         for tokens in ns.tokens:

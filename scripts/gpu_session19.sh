@@ -13,7 +13,8 @@
 #            the FP8 expert kernels, the Qwen3-MoE FP8 model): the FP8 MoE and checkpoint tests
 #            left (Mixtral FP8 against bf16, the stored MoE checkpoints, the dense checkpoint
 #            since its set-up moved) and the block-scaled FP8 experts' kernel test; Qwen3-30B-A3B's
-#            bf16 kernel table again with the held ceilings and the dense same-rows reference;
+#            bf16 kernel table again with the held ceilings, the dense same-rows reference and
+#            the tuner's finalist rounds; its table with block-scaled FP8 experts;
 #            Qwen3-30B-A3B offline in bf16 and FP8 in the same call (batch 1, 1000/1000 at 128
 #            requests).
 #
@@ -37,6 +38,7 @@ confirm)
   MOE_TESTS_S=300 moe_tests gpu_tests_confirm.log "block or fp8_moe or checkpoint" -v $MOE_FILE \
     tests/gpu/test_gpu_models.py tests/gpu/test_fp8_gpu.py
   moe_table moe_kernel_bf16 --shapes qwen3-30b-a3b --tokens 4096 16384
+  moe_table moe_kernel_fp8_block --weights fp8-block --shapes qwen3-30b-a3b --tokens 1 64 4096
   offline_qwen3 bf16 --max-requests 128
   offline_qwen3 fp8 --quantization fp8 --max-requests 128
   finish

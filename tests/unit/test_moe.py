@@ -412,10 +412,54 @@ def test_moe_tuner_times_both_silu_forms_then_down_tiles_on_each(
         fused._replace(down=down),
         fused._replace(down=fm.GemmTiles(32, 32, 1, 4, 2)),
     ]
-    assert timed == per_bucket * 3
+    # Then the three fastest again, in two interleaved rounds.
+    finals = [best, unfused._replace(down=down), fused]
+    assert timed == (per_bucket + finals * 2) * 3
     assert [e["best"] for e in fm.tuning_log] == [fm.config_name(best)] * 3
     assert fm.config_name(best) == "silu-epilogue:16x64x64x1x4x3/down:128x64x8x4x3"
     assert len(fm.tuning_log[0]["ms"]) == len(clock)
+
+
+def test_moe_tuner_keeps_the_fastest_finalist_by_its_retimes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bucket's three fastest configs are timed again in two interleaved rounds and the
+    one with the best retime is kept, not the one whose first timing was fastest (a burst's
+    clocks); the log holds the retimes under `final_ms`. With `finalists=0`, the fastest
+    first timing is kept and nothing is timed again."""
+    import tandem_kernels.fused_moe as fm
+
+    lucky = fm.MoEConfig(16, 64, 64, 1, 4, 3)
+    steady = fm.MoEConfig(16, 32, 64, 1, 4, 3)
+    third = fm.MoEConfig(16, 128, 64, 1, 4, 3)
+    slowest = fm.MoEConfig(16, 16, 64, 1, 4, 3)
+    # Each config's timings in the order they are asked for.
+    clocks = {lucky: [1.0, 1.4, 1.3], steady: [1.1, 1.2, 1.15], third: [1.2, 1.25, 1.3]}
+    clocks[slowest] = [2.0]
+    timed: list[Any] = []
+
+    def fake_time_call(problem: Any, config: Any, in_graph: bool, iters: int) -> float:
+        timed.append(config)
+        return clocks[config][sum(c == config for c in timed) - 1]
+
+    monkeypatch.setattr(fm, "_time_call", fake_time_call)
+    w13, w2 = torch.zeros(4, 16, 8), torch.zeros(4, 8, 8)
+    kwargs = {
+        "candidates": (lucky, steady, third, slowest),
+        "decode_candidates": (),
+        "down_candidates": (),
+    }
+    for finalists, best in ((3, steady), (0, lucky)):
+        monkeypatch.setattr(fm, "_configs", {})
+        monkeypatch.setattr(fm, "tuning_log", [])
+        timed.clear()
+        assert fm.tune_fused_moe(w13, w2, 2, 1, finalists=finalists, **kwargs) == {1: best}
+        finals = [lucky, steady, third] * 2 if finalists else []
+        assert timed == [lucky, steady, third, slowest, *finals]
+        entry = fm.tuning_log[0]
+        assert entry["best"] == fm.config_name(best)
+        want = {lucky: 1.3, steady: 1.15, third: 1.25} if finalists else {}
+        assert entry["final_ms"] == {fm.config_name(c): ms for c, ms in want.items()}
 
 
 def test_moe_tuner_times_the_fastest_of_each_form_again_through_tma(
@@ -440,7 +484,12 @@ def test_moe_tuner_times_the_fastest_of_each_form_again_through_tma(
     timed = _fake_clock(monkeypatch, clock)
     w13, w2 = torch.zeros(4, 16, 8), torch.zeros(4, 8, 8)
     assert not fm.b_tma_usable(w13, w2)
-    kwargs = {"candidates": (unfused, fused), "decode_candidates": (), "down_candidates": (down,)}
+    kwargs = {
+        "candidates": (unfused, fused),
+        "decode_candidates": (),
+        "down_candidates": (down,),
+        "finalists": 0,
+    }
     for b_tma, best in (
         (True, unfused._replace(down=down, b_tma=True)),
         (None, unfused._replace(down=down)),
@@ -710,7 +759,9 @@ def test_moe_tuner_offers_block_scaled_weights_only_configs_that_fit(
     with pytest.raises(ValueError, match="fp8_act"):
         fm.tune_fused_moe(w13, w2, 2, 1, fp8_act=True, weight_block_size=block, **scales)
     # E = 4, top 2: the decode path is timed up to 16 tokens, the grouped path at 32.
-    tuned = fm.tune_fused_moe(w13, w2, 2, 32, b_tma=True, weight_block_size=block, **scales)
+    tuned = fm.tune_fused_moe(
+        w13, w2, 2, 32, b_tma=True, weight_block_size=block, finalists=0, **scales
+    )
     assert set(tuned) == {1, 2, 4, 8, 16, 32}
     assert all(fm.fits_block(config, block) for _, config in timed)
     assert not any(isinstance(c, fm.MoEConfig) and c.fp8_act for _, c in timed)
