@@ -27,12 +27,19 @@ def test_new_families_greedy_match_on_cuda(arch: str, tiny_model_path) -> None:
     assert_matches(outs, reference)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe"])
 def test_fp8_moe_model_against_its_bf16_self(arch: str, tiny_model_path) -> None:
     """`--quantization fp8` on a MoE model: the linear layers in FP8, the experts weight-only
     FP8 (`Fp8MoEMethod`: e4m3 with a scale per expert and row), CUDA graphs on; greedy against
     the same model in bf16: identical, or at the first difference each side's token in the
-    other's top 5 (test_fp8_gpu's rule)."""
+    other's top 5 (test_fp8_gpu's rule).
+
+    Not the tiny Mixtral: its random weights give near-flat logits (the top six within about
+    0.4 nats), and its FP8 self leaves the top 5 at 4 of 12 prompts through the CPU's
+    reference paths alone (the engine's CPU check lifted, as scripts/fp8_cpu_emulation.py
+    does), at the same first difference as on an H100 (prompt 1, step 0: 355 against 282):
+    FP8's precision on that model, not the kernels. Its FP8 experts are checked layer by
+    layer against the CPU reference below instead."""
     from tandem.layers.moe import FusedMoE
     from tests.gpu.test_fp8_gpu import _compare
 
@@ -59,16 +66,26 @@ def test_fp8_moe_model_against_its_bf16_self(arch: str, tiny_model_path) -> None
     assert _compare(f"{arch} --quantization fp8", runs[None], runs["fp8"]) < 0.5
 
 
-@pytest.mark.parametrize("kind", ["ct_channel", "ct_tensor"])
-def test_fp8_moe_checkpoint_on_the_gpu_matches_the_cpu_reference(kind, tiny_model_path, tmp_path):
+@pytest.mark.parametrize(
+    ("arch", "kind"),
+    [
+        ("qwen3_moe", "ct_channel"),
+        ("qwen3_moe", "ct_tensor"),
+        ("mixtral", "ct_channel"),
+        ("qwen3_moe", "fp8_block16"),
+    ],
+)
+def test_fp8_moe_checkpoint_on_the_gpu_matches_the_cpu_reference(
+    arch, kind, tiny_model_path, tmp_path
+):
     """A saved FP8 checkpoint of a MoE model (tests/unit/test_fp8.py writes it; its experts
-    per channel or per tensor) loaded as stored on both devices: every expert layer given the
-    same fp32 input and router logits, the fused kernel on CUDA against the CPU's dequantized
-    reference."""
+    per channel, per tensor, or in 16 x 16 blocks) loaded as stored on both devices: every
+    expert layer given the same fp32 input and router logits, the fused kernel on CUDA
+    against the CPU's dequantized reference."""
     from tandem.layers.moe import FusedMoE
     from tests.gpu.test_fp8_gpu import checkpoint_on_both_devices
 
-    models = checkpoint_on_both_devices(tiny_model_path("qwen3_moe"), tmp_path / kind, kind)
+    models = checkpoint_on_both_devices(tiny_model_path(arch), tmp_path / kind, kind)
     cpu_layers = dict(models["cpu"].named_modules())
     gen = torch.Generator().manual_seed(11)
     checked = 0

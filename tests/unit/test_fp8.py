@@ -33,7 +33,11 @@ from tests.conftest import build_attn_metadata
 from tests.parallel_groups import CPU, fake_parallel_state
 
 BLOCK_SIZE = 16
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an FP8 checkpoint of test_fp8's writer quantizes (w1, w2, w3: Mixtral's
+# experts; its router, `gate`, stays unquantized as in real checkpoints).
+LINEAR_NAMES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"
+)  # fmt: skip
 
 
 def context(quant: Any, tp_rank: int = 0, tp_size: int = 1) -> ModelContext:

@@ -167,10 +167,14 @@ def test_fp8_experts_quantized_at_load(tiny_model_path) -> None:
             build_model(path, dataclasses.replace(_context(), quant_config=quant))
 
 
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 @pytest.mark.parametrize("kind", ["ct_channel", "ct_tensor"])
-def test_fp8_moe_checkpoint_loads_as_stored(kind: str, tiny_model_path, tmp_path: Path) -> None:
+def test_fp8_moe_checkpoint_loads_as_stored(
+    arch: str, kind: str, tiny_model_path, tmp_path: Path
+) -> None:
     """A compressed-tensors FP8 checkpoint of a MoE model (experts per channel or per tensor,
-    as written by test_fp8's helper) loads as stored: every expert e4m3 with a scale per row
+    as written by test_fp8's helper: Qwen3-MoE's gate/up/down_proj, Mixtral's w1/w3/w2)
+    loads as stored: every expert e4m3 with a scale per row
     (a per-tensor scale on each row of its projection); the logits stay within FP8's error of
     the unquantized model's; per channel, the experts, scales and logits equal quantizing
     the bf16 checkpoint at load (`ptpc_fp8`) bit for bit."""
@@ -178,7 +182,7 @@ def test_fp8_moe_checkpoint_loads_as_stored(kind: str, tiny_model_path, tmp_path
     from tandem.loader import load_hf_config
     from tests.unit.test_fp8 import _logits, _write_fp8_checkpoint, context
 
-    src = tiny_model_path("qwen3_moe")
+    src = tiny_model_path(arch)
     folder = _write_fp8_checkpoint(src, tmp_path / kind, kind)
     hf_config = load_hf_config(folder)
     quant = resolve_quant_config("auto", hf_config, CPU, check_device=False)
