@@ -4,14 +4,19 @@ Scales follow one convention everywhere: `x ~= x_fp8.float() * scale` (a "dequan
 scale; checkpoints' `weight_scale`, `input_scale`, and the block `weight_scale_inv` all mean
 this). Granularities:
 
-    per tensor    scale []                    one for the whole tensor
-    per token     scale [M, 1]                one per activation row (dynamic)
-    per channel   scale [N, 1]                one per weight output row
-    per block     scale [ceil(N/bn), ceil(K/bk)]   one per bn x bk tile of the weight
+    per tensor       scale []                         one for the whole tensor
+    per token        scale [M, 1]                     one per activation row (dynamic)
+    per token group  scale [M, ceil(K/g)]             one per activation row and g columns
+                                                      (dynamic)
+    per channel      scale [N, 1]                     one per weight output row
+    per block        scale [ceil(N/bn), ceil(K/bk)]   one per bn x bk tile of the weight
 
 Activations are quantized on the fly by Triton kernels (`dynamic_quant_per_token`,
-`dynamic_quant_per_tensor`; their torch references are `quantize_per_row` and
-`quantize_per_tensor`, which also quantize weights at load).
+`dynamic_quant_per_token_group`, `dynamic_quant_per_tensor`; their torch references are
+`quantize_per_row`, `quantize_per_token_group` and `quantize_per_tensor`; the first and last
+also quantize weights at load). Per token group is the activations' side of block-scaled
+weights (W8A8): with g = bk, each bk columns of K have one scale per activation row and one
+per weight tile, so a dot over them is scaled by the two after it.
 
 `fp8_scaled_mm(a, b, a_scale, b_scale)` is `(a * a_scale) @ (b * b_scale)^T` through
 `torch._scaled_mm` (cuBLASLt on Hopper and Ada; also runs on the CPU). Its layout rules,
@@ -68,6 +73,18 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_fp8(x, scale), scale
 
 
+def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(x_fp8, scale [rows, ceil(K / group)])`: one dynamic scale per row of a 2-D tensor and
+    `group` columns (the last group of a row may be shorter: K need not be a multiple)."""
+    assert x.dim() == 2 and group >= 1, (x.shape, group)
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    padded = torch.zeros(rows, groups * group, dtype=torch.float32, device=x.device)
+    padded[:, :cols] = x
+    scale = _dynamic_scale(padded.view(rows, groups, group).abs().amax(dim=2))
+    return quantize_fp8(x, scale.repeat_interleave(group, 1)[:, :cols]), scale
+
+
 def quantize_expert_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_per_row` of each expert's matrix of `weight [E, R, K]`: `(e4m3 [E, R, K],
     float32 scale [E, R])`, one scale per expert and output row (the FP8 MoE layout,
@@ -109,6 +126,21 @@ def _quant_per_token_kernel(
 
 
 @triton.jit
+def _quant_per_token_group_kernel(
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, num_cols, GROUP: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Program (row, group): `_quant_per_token_kernel` over that group's columns alone."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    start = group * GROUP
+    width = tl.minimum(num_cols - start, GROUP)
+    x_row = x_ptr + row * stride_x + start
+    scale = tl.maximum(_row_amax(x_row, width, BLOCK) * INV_FP8_MAX_TL, MIN_SCALE_TL)
+    tl.store(scale_ptr + row * tl.num_programs(1) + group, scale)
+    _quantize_row(x_row, q_ptr + row * stride_q + start, scale, width, BLOCK)
+
+
+@triton.jit
 def _amax_kernel(x_ptr, amax_ptr, stride_x, num_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     tl.atomic_max(amax_ptr, _row_amax(x_ptr + row * stride_x, num_cols, BLOCK))
@@ -141,6 +173,23 @@ def dynamic_quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         block = min(triton.next_power_of_2(cols), 2048)
         _quant_per_token_kernel[(rows,)](
             x, q, scale, x.stride(0), q.stride(0), cols, BLOCK=block, num_warps=4
+        )
+    return q, scale
+
+
+def dynamic_quant_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_token_group` of activations `[M, K]` in one Triton kernel (one program
+    per row and group of `group` columns: its amax, its scale, its e4m3 values); the scales
+    `[M, ceil(K / group)]` are contiguous. Capturable in a CUDA graph."""
+    rows, cols = _check_activation(x)
+    assert group >= 1, group
+    groups = triton.cdiv(cols, group)
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    if rows and cols:
+        block = min(triton.next_power_of_2(group), 2048)
+        _quant_per_token_group_kernel[(rows, groups)](
+            x, q, scale, x.stride(0), q.stride(0), cols, GROUP=group, BLOCK=block, num_warps=4
         )
     return q, scale
 

@@ -6,9 +6,12 @@ the torch quantizer (tandem_kernels.fp8).
 
 The value quantized is the unfused op's output rounded to the IO dtype, so the scales are the
 unfused path's bit for bit (up to the order of the RMSNorm's fp32 sum). Scale conventions as in
-tandem_kernels.fp8 (`x ~= q * scale`); three strategies, vLLM's names:
+tandem_kernels.fp8 (`x ~= q * scale`); four strategies, vLLM's names:
 
     "token"    dynamic, one scale per row `[T, 1]`: one pass (a program holds its row's max)
+    "group"    dynamic, one scale per row and `group` columns `[T, ceil(K / group)]`
+               (SiLU-and-mul only, for block-scaled FP8 weights: group = their bk): one
+               pass, a program per row and group
     "tensor"   dynamic, one scale `[]`: two passes (the rows' max into one float by an
                atomic max, then every row quantized by it); the first pass of the norm also
                writes the residual sum, which the second reads back instead of `x + residual`
@@ -36,10 +39,11 @@ from tandem_kernels.fp8 import (
     MIN_SCALE_TL,
     quantize_per_row,
     quantize_per_tensor,
+    quantize_per_token_group,
 )
 from tandem_kernels.rms_norm import add_rms_norm_row, fused_add_rms_norm_ref, rms_norm_ref
 
-QuantStrategy = Literal["token", "tensor", "static"]
+QuantStrategy = Literal["token", "group", "tensor", "static"]
 
 # Kernel modes (constexpr): what a program does with its row's values.
 _TOKEN, _STATIC, _AMAX, _FROM_AMAX = 0, 1, 2, 3
@@ -145,6 +149,30 @@ def _silu_and_mul_fp8_token_kernel(
 
 
 @triton.jit
+def _silu_and_mul_fp8_group_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_x,
+    stride_q,
+    INTERMEDIATE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (row, group): the group's GROUP columns (BLOCK >= GROUP), their max, their
+    scale (`scale[row, group]`, contiguous), their e4m3 values."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    x_row = x_ptr + row * stride_x
+    y, offs, mask = _silu_mul_row_block(x_row, group * GROUP, INTERMEDIATE_SIZE, BLOCK)
+    mask = mask & (tl.arange(0, BLOCK) < GROUP)
+    scale = tl.maximum(_abs_max(y, mask) * INV_FP8_MAX_TL, MIN_SCALE_TL)
+    tl.store(scale_ptr + row * tl.num_programs(1) + group, scale)
+    q = tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX_TL, FP8_MAX_TL)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _silu_and_mul_fp8_block_kernel(
     x_ptr,
     q_ptr,
@@ -166,19 +194,27 @@ def _silu_and_mul_fp8_block_kernel(
     _scale_and_store(y, scale_row, q_ptr + row * stride_q, scale_ptr, amax_ptr, offs, mask, MODE)
 
 
-def _check_strategy(strategy: str, scale: torch.Tensor | None, device: torch.device) -> None:
-    assert strategy in ("token", "tensor", "static"), strategy
+def _check_strategy(
+    strategy: str, scale: torch.Tensor | None, device: torch.device, group: int | None = None
+) -> None:
+    assert strategy in ("token", "group", "tensor", "static"), strategy
     assert (scale is not None) == (strategy == "static"), "a scale is given for static only"
+    assert (group is not None) == (strategy == "group"), "a group size is given for group only"
+    assert group is None or group >= 1, group
     if scale is not None:
         assert scale.numel() == 1 and scale.dtype == torch.float32, (scale.shape, scale.dtype)
         assert scale.device == device
 
 
 def _scale_out(
-    strategy: QuantStrategy, rows: int, scale: torch.Tensor | None, device: torch.device
+    strategy: QuantStrategy,
+    rows: int,
+    scale: torch.Tensor | None,
+    device: torch.device,
+    groups: int = 1,
 ) -> torch.Tensor:
-    if strategy == "token":
-        return torch.empty((rows, 1), dtype=torch.float32, device=device)
+    if strategy in ("token", "group"):
+        return torch.empty((rows, groups), dtype=torch.float32, device=device)
     if strategy == "static":
         return scale.reshape(())  # type: ignore[union-attr]
     if rows == 0:
@@ -196,7 +232,8 @@ def rms_norm_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`(q, scale, residual_out)`: RMSNorm of `x` (`x + residual` with a residual, whose sum
     is returned as `residual_out`, else None) quantized to e4m3 under `strategy` (`scale`:
-    the static one). Inputs are left untouched."""
+    the static one; "group" is SiLU-and-mul's only). Inputs are left untouched."""
+    assert strategy != "group", "rms_norm_fp8 quantizes per token, per tensor or by a scale"
     assert x.dim() == 2 and x.stride(-1) == 1, (x.shape, x.stride())
     assert weight.shape == (x.shape[1],) and weight.is_contiguous(), weight.shape
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
@@ -234,17 +271,30 @@ def rms_norm_fp8(
 
 
 def silu_and_mul_fp8(
-    x: torch.Tensor, strategy: QuantStrategy, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    strategy: QuantStrategy,
+    scale: torch.Tensor | None = None,
+    group: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(q, scale)`: `silu(x[:, :I]) * x[:, I:]` of `x` `[T, 2*I]` quantized to e4m3 `[T, I]`
-    under `strategy` (`scale`: the static one)."""
+    under `strategy` (`scale`: the static one; `group`: "group"'s columns a scale, the scales
+    `[T, ceil(I / group)]` contiguous, the last group shorter where group does not divide I)."""
     assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(-1) == 1, (x.shape, x.stride())
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
-    _check_strategy(strategy, scale, x.device)
+    _check_strategy(strategy, scale, x.device, group)
     rows, inter = x.shape[0], x.shape[1] // 2
     q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=x.device)
-    scale_out = _scale_out(strategy, rows, scale, x.device)
+    groups = triton.cdiv(inter, group) if group is not None else 1
+    scale_out = _scale_out(strategy, rows, scale, x.device, groups)
     if rows == 0:
+        return q, scale_out
+    if group is not None:
+        block = min(triton.next_power_of_2(group), 2048)
+        assert group <= block, ("groups of at most 2048 columns", group)
+        _silu_and_mul_fp8_group_kernel[(rows, groups)](
+            x, q, scale_out, x.stride(0), q.stride(0),
+            INTERMEDIATE_SIZE=inter, GROUP=group, BLOCK=block, num_warps=4,
+        )  # fmt: skip
         return q, scale_out
     if strategy == "token":
         block = min(triton.next_power_of_2(inter), 2048)
@@ -272,12 +322,18 @@ def silu_and_mul_fp8(
 
 
 def quantize_activation_ref(
-    x: torch.Tensor, strategy: QuantStrategy, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    strategy: QuantStrategy,
+    scale: torch.Tensor | None = None,
+    group: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch quantizer of `strategy` (tandem_kernels.fp8): what the fused kernels
     apply to their unfused output."""
     if strategy == "token":
         return quantize_per_row(x)
+    if strategy == "group":
+        assert group is not None, "a group size is given for group"
+        return quantize_per_token_group(x, group)
     return quantize_per_tensor(x, scale if strategy == "static" else None)
 
 
@@ -299,7 +355,10 @@ def rms_norm_fp8_ref(
 
 
 def silu_and_mul_fp8_ref(
-    x: torch.Tensor, strategy: QuantStrategy, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    strategy: QuantStrategy,
+    scale: torch.Tensor | None = None,
+    group: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference of `silu_and_mul_fp8`."""
-    return quantize_activation_ref(silu_and_mul_ref(x), strategy, scale)
+    return quantize_activation_ref(silu_and_mul_ref(x), strategy, scale, group)

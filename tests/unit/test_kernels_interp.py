@@ -227,6 +227,44 @@ def case_fp8_dynamic_activation_quant(dtype: torch.dtype) -> None:
     assert empty[0].shape == (0, 2600) and empty[1].shape == (0, 1)
 
 
+@_case(*({"dtype": d, "group": g} for d in DTYPES for g in (128, 100, 64)))
+def case_fp8_token_group_quant(dtype: torch.dtype, group: int) -> None:
+    """Per-token-group dynamic e4m3 quantization of activations (`[T, K]` -> scales `[T,
+    ceil(K / group)]`) against its torch reference: the scales bit for bit, the values but
+    for the interpreter's e4m3 rounding errors, and each group's values bit for bit those of
+    the per-token kernel on that group's columns alone (the same e4m3 cast). K = 300: group
+    128 leaves a ragged last group of 44 columns, 100 divides K (not a power of two); an
+    all-zero group and an all-zero row take the floor scale and quantize to zeros."""
+    from tandem_kernels import fp8
+
+    gen = torch.Generator().manual_seed(19)
+    wide = torch.randn(7, 320, generator=gen) * torch.linspace(0.01, 20, 7)[:, None]
+    wide[:, 150:180] *= 50  # groups of one row at very different magnitudes
+    x = wide.to(dtype)[:, 10:310]  # a row-strided view, K = 300
+    x[2, group : 2 * group] = 0  # an all-zero group
+    x[5] = 0  # an all-zero row
+    groups = -(-300 // group)
+    q, scale = fp8.dynamic_quant_per_token_group(x, group)
+    q_ref, scale_ref = fp8.quantize_per_token_group(x, group)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (7, 300)
+    assert scale.shape == scale_ref.shape == (7, groups) and scale.is_contiguous()
+    assert torch.equal(scale, scale_ref)
+    assert scale[2, 1] == fp8.MIN_SCALE and (scale[5] == fp8.MIN_SCALE).all()
+    assert not q[2, group : 2 * group].float().any() and not q[5].float().any()
+    _assert_e4m3_close(q, q_ref, group)
+    bits = functools.partial(torch.Tensor.view, dtype=torch.uint8)
+    for g in range(groups):  # each group alone: the per-token kernel's, the per-row reference's
+        cols = slice(g * group, (g + 1) * group)
+        q_token, scale_token = fp8.dynamic_quant_per_token(x[:, cols])
+        q_row, scale_row = fp8.quantize_per_row(x[:, cols])
+        assert torch.equal(bits(q[:, cols]), bits(q_token)), g
+        assert torch.equal(scale[:, g : g + 1], scale_token), g
+        assert torch.equal(bits(q_ref[:, cols]), bits(q_row)), g
+        assert torch.equal(scale_ref[:, g : g + 1], scale_row), g
+    empty = fp8.dynamic_quant_per_token_group(x[:0], group)
+    assert empty[0].shape == (0, 300) and empty[1].shape == (0, groups)
+
+
 def _assert_e4m3_close(
     got: torch.Tensor,
     want: torch.Tensor,
@@ -300,8 +338,10 @@ def case_rms_norm_fp8(dtype: torch.dtype) -> None:
 def case_silu_and_mul_fp8(dtype: torch.dtype) -> None:
     """SiLU-and-mul writing e4m3 (I = 1100: past one column block, masked tail): the scales
     bit for bit those of the unfused Triton kernel's output quantized by torch, the values
-    within e4m3 rounding of it and of the pure-torch reference."""
-    from tandem_kernels import fp8_fused
+    within e4m3 rounding of it and of the pure-torch reference. Per token group too (group
+    128: a ragged last group of 76 columns; a group whose gates are zero quantizes to zeros
+    by the floor scale), its values bit for bit the group quantizer's on the unfused output."""
+    from tandem_kernels import fp8, fp8_fused
 
     k = _kernels()
     gen = torch.Generator().manual_seed(12)
@@ -320,8 +360,32 @@ def case_silu_and_mul_fp8(dtype: torch.dtype) -> None:
         slack = 1e-5 if dtype == torch.float32 else 2e-3
         _assert_e4m3_close(q.float() * s, q_ref.float() * s_ref, strategy, s, slack)
         assert not q[2].float().any()
+    x[4, 128:256] = 0  # silu(0) * up: a zero group
+    unfused = k.activation.silu_and_mul(x)
+    q, s = fp8_fused.silu_and_mul_fp8(x, "group", group=128)
+    q_unf, s_unf = fp8_fused.quantize_activation_ref(unfused, "group", group=128)
+    q_ref, s_ref = fp8_fused.silu_and_mul_fp8_ref(x, "group", group=128)
+    q_kernel, s_kernel = fp8.dynamic_quant_per_token_group(unfused, 128)
+    assert q.shape == (6, 1100) and s.shape == s_ref.shape == (6, 9) and s.is_contiguous()
+    assert torch.equal(s, s_unf) and torch.equal(s, s_kernel)
+    assert torch.equal(q.view(torch.uint8), q_kernel.view(torch.uint8))
+    torch.testing.assert_close(s, s_ref, **_tol(dtype))
+    _assert_e4m3_close(q, q_unf, "group")
+    slack = 1e-5 if dtype == torch.float32 else 2e-3
+    unit = s.repeat_interleave(128, 1)[:, :1100]
+    _assert_e4m3_close(
+        q.float() * unit,
+        q_ref.float() * s_ref.repeat_interleave(128, 1)[:, :1100],
+        "group",
+        unit,
+        slack,
+    )
+    assert s[4, 1] == fp8.MIN_SCALE and not q[4, 128:256].float().any()
+    assert not q[2].float().any() and (s[2] == fp8.MIN_SCALE).all()
     empty = fp8_fused.silu_and_mul_fp8(x[:0], "token")
     assert empty[0].shape == (0, 1100) and empty[1].shape == (0, 1)
+    empty = fp8_fused.silu_and_mul_fp8(x[:0], "group", group=128)
+    assert empty[0].shape == (0, 1100) and empty[1].shape == (0, 9)
 
 
 @_case()
