@@ -57,8 +57,16 @@ and `bn x bk` tile (`weight_block_size`), applied to each K step's partial sums:
 
 so every BLOCK_K (grouped and decode) must divide bk (`fits_block`; the tuner times only such
 configs, `for_block_size`). Either way the weight tiles widen to the activations' dtype in
-registers (exactly: weight-only, W8A16), or, row scales only, the activations are quantized
-per token too (`MoEConfig.fp8_act`, W8A8).
+registers (weight-only, W8A16: exactly with row scales, the block-scaled tile rounded to it
+after its scale), or, on the grouped path (`MoEConfig.fp8_act`, W8A8), the activations are
+quantized too (x before GEMM 1, act before GEMM 2) and the dots run on e4m3 operands: per
+token against row scales, the scales applied to the finished sums; per token and bk columns
+against block scales (`a_scale [rows, ceil(K / bk)]`), each K step's partial sums taking
+both sides' scales:
+
+    acc += (A tile @ B tile^T) * a_scale[row, k0 // bk] * scale[e, n // bn, k0 // bk]
+
+The decode path stays weight-only.
 
 Torch grouped-GEMM path (a `GroupedMMConfig`): the same two GEMMs through torch's grouped GEMM
 (`torch._grouped_mm`: CUTLASS kernels with TMA loads on sm_90, which the Triton tiles' gathered
@@ -100,7 +108,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tandem_kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_tile
-from tandem_kernels.fp8 import dynamic_quant_per_token
+from tandem_kernels.fp8 import dynamic_quant_per_token, dynamic_quant_per_token_group
 from tandem_kernels.fp8_fused import silu_and_mul_fp8
 from tandem_kernels.moe_align import moe_align_block_size
 
@@ -169,11 +177,13 @@ def _fused_moe_kernel(
     scales before the dot (the weights fused_moe_ref dequantizes, rounded alike; the dots
     chain into one accumulator, where a partial dot scaled after it needed a second tile of
     registers: at Qwen3-30B-A3B's 4,096 tokens on an H100 that form ran 1.59 ms, slower than
-    bf16's 0.90). A has no scale then (weight-only)."""
+    bf16's 0.90). With A_SCALE too (W8A8), A is FP8 with one scale per row of A and SCALE_BK
+    columns (`a_scale [rows of A, cdiv(K, SCALE_BK)]`, contiguous, per token group): each K
+    step's dot runs on the e4m3 operands and its partial sums join the accumulator times both
+    sides' scales, `acc += (A @ B^T) * a_scale[row, kb] * b_scale[tile row of n, kb]`."""
     tl.static_assert(not (SILU_AND_MUL and MUL_ROUTED_WEIGHT))
     BLOCK_SCALED: tl.constexpr = B_SCALE and SCALE_BK > 0
     tl.static_assert(not BLOCK_SCALED or SCALE_BK % BLOCK_K == 0)
-    tl.static_assert(not (BLOCK_SCALED and A_SCALE))
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -206,6 +216,8 @@ def _fused_moe_kernel(
         gate_scales = b_scales + (offs_n // SCALE_BN) * num_kb
         if SILU_AND_MUL:
             up_scales = b_scales + ((N + offs_n) // SCALE_BN) * num_kb
+        if A_SCALE:
+            a_scales = a_scale_ptr + (offs_pair // A_ROW_DIV) * num_kb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU_AND_MUL:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -220,10 +232,16 @@ def _fused_moe_kernel(
         if BLOCK_SCALED:
             kb = (k * BLOCK_K) // SCALE_BK
             scale = tl.load(gate_scales + kb, mask=n_mask, other=0.0)
-            b = (b.to(tl.float32) * scale[None, :]).to(a.dtype)
-        elif B_SCALE:
-            b = b.to(a.dtype)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if A_SCALE:
+                a_scale = tl.load(a_scales + kb, mask=pair_mask, other=0.0)[:, None]
+                acc += tl.dot(a, b) * a_scale * scale[None, :]
+            else:
+                b = (b.to(tl.float32) * scale[None, :]).to(a.dtype)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        else:
+            if B_SCALE:
+                b = b.to(a.dtype)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if SILU_AND_MUL:
             if B_TMA:
                 b_up = b_ptr.load([b_row + N, k * BLOCK_K]).T
@@ -231,10 +249,15 @@ def _fused_moe_kernel(
                 b_up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
             if BLOCK_SCALED:
                 scale_up = tl.load(up_scales + kb, mask=n_mask, other=0.0)
-                b_up = (b_up.to(tl.float32) * scale_up[None, :]).to(a.dtype)
-            elif B_SCALE:
-                b_up = b_up.to(a.dtype)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
+                if A_SCALE:
+                    acc_up += tl.dot(a, b_up) * a_scale * scale_up[None, :]
+                else:
+                    b_up = (b_up.to(tl.float32) * scale_up[None, :]).to(a.dtype)
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
+            else:
+                if B_SCALE:
+                    b_up = b_up.to(a.dtype)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         if not B_TMA:
             b_ptrs += BLOCK_K * stride_bk
@@ -243,7 +266,7 @@ def _fused_moe_kernel(
         acc = acc * tl.load(scales, mask=n_mask, other=0.0)[None, :]
         if SILU_AND_MUL:
             acc_up = acc_up * tl.load(scales + N, mask=n_mask, other=0.0)[None, :]
-    if A_SCALE:
+    if A_SCALE and not BLOCK_SCALED:
         row_scale = tl.load(a_scale_ptr + offs_pair // A_ROW_DIV, mask=pair_mask, other=0.0)
         acc = acc * row_scale[:, None]
         if SILU_AND_MUL:
@@ -416,9 +439,10 @@ class MoEConfig(NamedTuple):
     None for GEMM 1's; block_m is shared, since the alignment pads each expert's rows to it.
     `b_tma`: both GEMMs read the expert weights through TMA tensor descriptors (sm_90 and
     later, `b_tma_usable`), the gathered rows of x and act through pointers as ever.
-    `fp8_act` (FP8 weights only): both GEMMs' inputs are quantized to e4m3 per token first
-    (x, then act), so the dots run on FP8 tensor cores (W8A8); else the weight tiles widen to
-    the activations' dtype (W8A16)."""
+    `fp8_act` (FP8 weights only): both GEMMs' inputs are quantized to e4m3 first (x, then
+    act), per token against row-scaled weights, per token and bk columns against block-scaled
+    ones, so the dots run on FP8 tensor cores (W8A8); else the weight tiles widen to the
+    activations' dtype (W8A16)."""
 
     block_m: int
     block_n: int
@@ -607,13 +631,13 @@ def for_block_size(config: _Config, bk: int) -> _Config:
 
 def fits_block(config: FusedMoEConfig, weight_block_size: tuple[int, int]) -> bool:
     """Whether `config` runs FP8 weights with these block scales: a Triton path whose every
-    BLOCK_K divides bk, weight-only (no `fp8_act`)."""
+    BLOCK_K divides bk (weight-only or, `fp8_act`, with activations per token group of bk)."""
     bk = weight_block_size[1]
     if isinstance(config, DecodeConfig):
         return bk % config.block_k1 == 0 and bk % config.block_k2 == 0
     if isinstance(config, MoEConfig):
         steps = (config.gate_up_tiles.block_k, config.down_tiles.block_k)
-        return not config.fp8_act and all(bk % step == 0 for step in steps)
+        return all(bk % step == 0 for step in steps)
     return False
 
 
@@ -622,9 +646,7 @@ def _check_block_config(config: FusedMoEConfig, weight_block_size: tuple[int, in
     if fits_block(config, weight_block_size):
         return
     bn, bk = weight_block_size
-    if isinstance(config, MoEConfig) and config.fp8_act:
-        why = "FP8 activations (fp8_act) are not implemented for block-scaled FP8 weights"
-    elif isinstance(config, GroupedMMConfig):
+    if isinstance(config, GroupedMMConfig):
         why = "the torch grouped-GEMM path takes bf16 weights"
     else:
         why = f"every BLOCK_K must divide the weights' block columns bk = {bk}"
@@ -679,11 +701,15 @@ def fused_moe(
     `weight_block_size` `(bn, bk)`: the FP8 weights' scales are per expert and `bn x bk`
     tile instead, `w13_scale` `[E, ceil(2I/bn), ceil(H/bk)]` and `w2_scale` `[E, ceil(H/bn),
     ceil(I/bk)]` (float32, contiguous; w13's rows gate then up, tiled as one matrix), as a
-    block-scaled checkpoint stores them. Weight-only as well: each K step's partial dot takes
-    its tile's scale, so every BLOCK_K of the config (`block_k`, the down tiles', the decode
-    path's `block_k1` / `block_k2`) must divide bk, a multiple of 16 (`fits_block`; the
-    tuner and the default rule offer only such configs), and FP8 activations (`fp8_act`) are
-    refused."""
+    block-scaled checkpoint stores them. Each K step's weight tile takes its tile's scales,
+    so every BLOCK_K of the config (`block_k`, the down tiles', the decode path's `block_k1`
+    / `block_k2`) must divide bk, a multiple of 16 (`fits_block`; the tuner and the default
+    rule offer only such configs).
+
+    `MoEConfig.fp8_act` (FP8 weights only, W8A8): x and act are quantized to e4m3 before
+    their GEMMs, per token with row scales (`dynamic_quant_per_token`, `silu_and_mul_fp8`
+    "token"), per token and bk columns with block scales (`dynamic_quant_per_token_group`,
+    `silu_and_mul_fp8` "group"); within FP8's error of fused_moe_ref, not equal to it."""
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
@@ -723,9 +749,11 @@ def fused_moe(
     dev, dtype = hidden_states.device, hidden_states.dtype
     routing = (weights, sorted_ids, expert_ids, num_post)
     gate_up_tiles, tma, block = config.gate_up_tiles, config.b_tma, weight_block_size
+    # FP8 activations: per token, or per token and bk columns against block scales.
+    group = None if block is None else block[1]
     x, x_scale = hidden_states, None
     if config.fp8_act:
-        x, x_scale = dynamic_quant_per_token(hidden_states)
+        x, x_scale = _quant_act(hidden_states, group)
     act_scale = None
     if config.silu_in_epilogue:
         act = torch.empty(num_pairs, two_inter // 2, dtype=dtype, device=dev)
@@ -734,14 +762,16 @@ def fused_moe(
             w13_scale, x_scale, block,
         )  # fmt: skip
         if config.fp8_act:
-            act, act_scale = dynamic_quant_per_token(act)
+            act, act_scale = _quant_act(act, group)
     else:
         gate_up = torch.empty(num_pairs, two_inter, dtype=dtype, device=dev)
         _launch(
             x, w13, gate_up, *routing, top_k, None, block_m, gate_up_tiles, tma, w13_scale,
             x_scale, block,
         )  # fmt: skip
-        if config.fp8_act:
+        if config.fp8_act and group is not None:
+            act, act_scale = silu_and_mul_fp8(gate_up, "group", group=group)
+        elif config.fp8_act:
             act, act_scale = silu_and_mul_fp8(gate_up, "token")
         else:
             act = silu_and_mul(gate_up)
@@ -754,6 +784,12 @@ def fused_moe(
         act_scale, block,
     )  # fmt: skip
     return torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
+
+
+def _quant_act(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GEMM's FP8 input: `x` in e4m3 per token (`[rows, 1]` scales), or per token and
+    `group` columns (`[rows, ceil(K / group)]`)."""
+    return dynamic_quant_per_token(x) if group is None else dynamic_quant_per_token_group(x, group)
 
 
 def _check_scales(
@@ -938,8 +974,12 @@ def _launch(
     through a TMA descriptor over its `[E * rows, K]` view. `b_scale` `[E, rows]`: b is FP8
     with a scale per expert and row; with `weight_block_size` `(bn, bk)`, `[E, ceil(rows /
     bn), ceil(K / bk)]`, a scale per expert and tile. `a_scale` `[rows of a, 1]`: a is FP8
-    too, a scale per row."""
+    too, a scale per row; with `weight_block_size`, `[rows of a, ceil(K / bk)]`, a scale
+    per row and bk columns."""
     scale_bn, scale_bk = weight_block_size or (0, 0)
+    if a_scale is not None:
+        groups = 1 if weight_block_size is None else triton.cdiv(a.shape[1], scale_bk)
+        assert a_scale.shape == (a.shape[0], groups) and a_scale.is_contiguous(), a_scale.shape
     em = sorted_ids.shape[0]
     silu = epilogue == "silu_and_mul"
     n, k = b.shape[1] // 2 if silu else b.shape[1], b.shape[2]
@@ -1073,15 +1113,12 @@ def tune_fused_moe(
     (`MoEConfig.b_tma`). `w13_scale` / `w2_scale`: FP8 weights (see `fused_moe`), timed on
     activations of `dtype` (None: the weights' dtype, bf16 for FP8 ones). `fp8_act` (None:
     with FP8 weights): last, the fastest config of each SiLU form is timed again with FP8
-    activations (`MoEConfig.fp8_act`, W8A8). `weight_block_size`: the FP8 weights' scales
-    are per tile (see `fused_moe`): every candidate is timed `for_block_size` (duplicates
-    once), and no FP8-activation twin is timed (`fp8_act` True is refused). Last, the
+    activations (`MoEConfig.fp8_act`, W8A8; per token group against block scales).
+    `weight_block_size`: the FP8 weights' scales are per tile (see `fused_moe`): every
+    candidate is timed `for_block_size` (duplicates once). Last, the
     `finalists` fastest of a bucket are timed again before one is kept (`_final_pick`; the
     log's `final_ms`)."""
     if weight_block_size is not None:
-        if fp8_act:
-            raise ValueError("FP8 activations (fp8_act) need row-scaled FP8 weights, not blocks")
-        fp8_act = False
         bk = weight_block_size[1]
         candidates = _unique(for_block_size(c, bk) for c in candidates)
         decode_candidates = _unique(for_block_size(c, bk) for c in decode_candidates)

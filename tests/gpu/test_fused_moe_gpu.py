@@ -270,9 +270,10 @@ def test_block_fp8_expert_weights_match_the_dequantized_reference(num_tokens: in
     checkpoint layout) at the Qwen3-30B-A3B shape, bf16 activations: grouped configs of both
     SiLU forms, through pointers and through TMA, GEMM 2's own tiles, BLOCK_K 32 (four K
     steps a tile column), the decode path's candidates lowered for the blocks at one token,
-    and the tuned call, each against the reference on the dequantized weights. The tuner
-    times only configs that fit the blocks, under the block's own key: no W8A8 twin, no
-    torch grouped-GEMM path."""
+    each against the reference on the dequantized weights; with FP8 activations too (W8A8:
+    x and act per token and 128 columns, e4m3 dots) in both SiLU forms, and the tuned call,
+    within FP8's error of it. The tuner times only configs that fit the blocks, under the
+    block's own key, W8A8 twins on the grouped buckets, no torch grouped-GEMM path."""
     from tandem_kernels.fp8 import quantize_expert_blocks
 
     shape, block = "qwen3-30b-a3b", (128, 128)
@@ -301,13 +302,26 @@ def test_block_fp8_expert_weights_match_the_dequantized_reference(num_tokens: in
         assert fm.fits_block(config, block), config
         out = fm.fused_moe(x, q13, q2, weights, ids, config, **scales)
         _assert_close(out, ref)
-    _assert_close(fm.fused_moe(x, q13, q2, weights, ids, **scales), ref)
+    # W8A8 (`fp8_act`): within FP8's error of the reference, and not the weight-only result.
+    weight_only = fm.fused_moe(x, q13, q2, weights, ids, base, **scales).float()
+    for config in (configs[0], configs[2], configs[4], configs[5]):
+        a8 = config._replace(fp8_act=True)
+        assert fm.fits_block(a8, block), a8
+        out = fm.fused_moe(x, q13, q2, weights, ids, a8, **scales).float()
+        rel = ((out - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < 0.06, (fm.config_name(a8), rel)
+        assert not torch.allclose(out, weight_only), fm.config_name(a8)
+    tuned = fm.fused_moe(x, q13, q2, weights, ids, **scales)
+    rel = ((tuned.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 0.06, rel
     key = fm._log_key(fm._shape_key(q13, ids.shape[1], block))
     entries = [e for e in fm.tuning_log if e["key"] == key]
     assert entries, "the first call of a shape tunes its token buckets"
     for entry in entries:
         names = [*entry["ms"], entry["best"]]
         assert all(fm.fits_block(fm.config_from_name(n), block) for n in names), names
+    grouped = [e for e in entries if not e["timed_in_graph"]]
+    assert all(any(n.endswith("+a8") for n in e["ms"]) for e in grouped)
 
 
 def test_tiny_layers_take_the_default_rule_untuned() -> None:

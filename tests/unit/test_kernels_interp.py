@@ -1910,7 +1910,13 @@ def case_fused_moe_block_fp8_weights(
     the untuned default, absent experts mixed in, buffers handed out full of NaN. Tiles cut
     every dim short (H 40, I 24 over 16 or 32), BLOCK_N 16 spans two tile rows of bn 8 and
     half of one of bn 32; (48, 32): e4m3 rows of 16-byte multiples, so the weights also go
-    through TMA. A BLOCK_K that does not divide bk, and FP8 activations, are refused."""
+    through TMA. A BLOCK_K that does not divide bk is refused. W8A8 (`fp8_act`: x and act in
+    e4m3 per token and bk columns, e4m3 dots, each K step's partial sums scaled by both
+    sides' scales), both SiLU forms, down tiles and TMA: close to the same steps emulated one
+    pair at a time with the same quantizer, much closer than the weight-only result is (a
+    kernel that ignored `fp8_act` fails there); that emulation with torch's quantizer is
+    within FP8's error of the reference (the kernel's own error here is the interpreter's
+    e4m3 cast's too: its dropped carries; tests/gpu checks 0.06)."""
     k = _kernels()
     fm = k.fused_moe
     from tandem_kernels.fp8 import quantize_expert_blocks
@@ -1918,7 +1924,8 @@ def case_fused_moe_block_fp8_weights(
     block = (bn, bk)
     num_tokens, num_experts, top_k = 13, 5, 2
     gen = torch.Generator().manual_seed(17)
-    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    # Columns of different magnitudes: an activation group's scale on the wrong K step shows.
+    x = (torch.randn(num_tokens, hidden, generator=gen) * torch.linspace(0.2, 3, hidden)).to(dtype)
     w13 = 0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)
     w2 = 0.2 * torch.randn(num_experts, hidden, inter, generator=gen)
     # Tiles of very different magnitudes: a scale applied to the wrong tile shows.
@@ -1968,8 +1975,48 @@ def case_fused_moe_block_fp8_weights(
         assert fm.fits_block(fm.for_block_size(config, bk), block)
         with pytest.raises(ValueError, match="must divide the weights' block columns"):
             fm.fused_moe(x, q13, q2, topk_weights, topk_ids, config, **scales)
-    with pytest.raises(ValueError, match="FP8 activations"):
-        fm.fused_moe(x, q13, q2, topk_weights, topk_ids, unfused._replace(fp8_act=True), **scales)
+    # W8A8: against x quantized per token group, each pair's gate and up rounded to dtype,
+    # SiLU-and-mul, act quantized per token group, the routed weight, the sum over the
+    # token's pairs; quantized by the activation quantizer the kernel runs (here with the
+    # interpreter's e4m3 cast, whose dropped carries add to FP8's error), and by torch's.
+    from tandem_kernels import fp8
+
+    deq2 = k.moe_ref.dequantize_expert_blocks(q2, s2, block, torch.float32)
+
+    def emulate(quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        def per_group(t: torch.Tensor) -> torch.Tensor:
+            q, scale = quantize(t, bk)
+            assert scale.shape == (t.shape[0], -(-t.shape[1] // bk))
+            return q.float() * scale.repeat_interleave(bk, 1)[:, : t.shape[1]]
+
+        x8 = per_group(x)
+        assert (x8 != x.float()).any()
+        out = torch.zeros(num_tokens, hidden)
+        for pair, expert in enumerate(topk_ids.reshape(-1).tolist()):
+            if expert >= num_experts:
+                continue
+            token = pair // top_k
+            gate_up = (x8[token] @ deq13[expert].T).to(dtype)
+            act = per_group(k.activation.silu_and_mul_ref(gate_up.unsqueeze(0)))
+            y = act @ deq2[expert].T * topk_weights[token, pair % top_k]
+            out[token] += y[0].to(dtype).float()
+        return out
+
+    emulated = emulate(fp8.dynamic_quant_per_token_group)
+    torch_quantized = emulate(fp8.quantize_per_token_group)
+    assert (torch_quantized - ref.float()).norm() < 0.06 * ref.float().norm()  # FP8's error
+    weight_only = fm.fused_moe(x, q13, q2, topk_weights, topk_ids, unfused, **scales).float()
+    a8_configs = [c._replace(fp8_act=True) for c in configs if isinstance(c, fm.MoEConfig)]
+    assert len(a8_configs) == (6 if fm.b_tma_usable(q13, q2) else 3)
+    for config in a8_configs:
+        assert fm.fits_block(config, block) and fm.config_name(config).endswith("+a8")
+        with nan_filled_empty():
+            out = fm.fused_moe(x, q13, q2, topk_weights, topk_ids, config, **scales)
+        assert out.dtype == dtype and not out.isnan().any(), config
+        tol = 1e-4 if dtype == torch.float32 else 2e-2  # fp16: act's one rounding apart
+        torch.testing.assert_close(out.float(), emulated, atol=tol, rtol=tol)
+        off = (out.float() - emulated).norm()
+        assert off < 0.1 * (weight_only - emulated).norm(), (config, off)
 
 
 @_case(*({"dtype": d, "silu_in_epilogue": f} for d in DTYPES for f in (False, True)))

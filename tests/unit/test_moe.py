@@ -739,9 +739,11 @@ def test_moe_tuner_offers_block_scaled_weights_only_configs_that_fit(
     """Block-scaled FP8 experts (`weight_block_size` [128, 128]) under a fake clock: every
     config timed, decode and grouped buckets alike, fits the blocks (each BLOCK_K divides
     bk: the default candidates lowered `for_block_size`, each once; down tiles and TMA twins
-    too); no FP8-activation twin and no torch grouped-GEMM path is timed, and `fp8_act`
-    is refused. The configs are kept under the block's own shape key (a row-scaled layer of
-    the same shape tunes apart), its log key naming the block."""
+    too); the fastest config of each SiLU form is timed again with FP8 activations (W8A8,
+    per token group), after the TMA twins, and kept where fastest; with `fp8_act=False`
+    none is; no torch grouped-GEMM path is timed. The configs are kept under the block's own
+    shape key (a row-scaled layer of the same shape tunes apart), its log key naming the
+    block."""
     import tandem_kernels.fused_moe as fm
 
     block = (128, 128)
@@ -752,7 +754,9 @@ def test_moe_tuner_offers_block_scaled_weights_only_configs_that_fit(
     ) -> float | None:
         assert problem.weight_block_size == block
         timed.append((problem.x.shape[0], config))
-        return 1.0 + 1e-3 * len(timed)
+        # Later configs slower, but W8A8 twins at half the time.
+        ms = 1.0 + 1e-3 * len(timed)
+        return ms / 2 if isinstance(config, fm.MoEConfig) and config.fp8_act else ms
 
     monkeypatch.setattr(fm, "_time_call", fake_time_call)
     monkeypatch.setattr(fm, "_configs", {})
@@ -760,24 +764,39 @@ def test_moe_tuner_offers_block_scaled_weights_only_configs_that_fit(
     fp8 = torch.float8_e4m3fn
     w13, w2 = torch.zeros(4, 256, 256, dtype=fp8), torch.zeros(4, 256, 128, dtype=fp8)
     scales = {"w13_scale": torch.ones(4, 2, 2), "w2_scale": torch.ones(4, 2, 1)}
-    with pytest.raises(ValueError, match="fp8_act"):
-        fm.tune_fused_moe(w13, w2, 2, 1, fp8_act=True, weight_block_size=block, **scales)
     # E = 4, top 2: the decode path is timed up to 16 tokens, the grouped path at 32.
     tuned = fm.tune_fused_moe(
         w13, w2, 2, 32, b_tma=True, weight_block_size=block, finalists=0, **scales
     )
     assert set(tuned) == {1, 2, 4, 8, 16, 32}
     assert all(fm.fits_block(config, block) for _, config in timed)
-    assert not any(isinstance(c, fm.MoEConfig) and c.fp8_act for _, c in timed)
     assert not any(isinstance(c, fm.GroupedMMConfig) for _, c in timed)
+    # The W8A8 twins: last of a bucket, of each form's fastest (under this clock its first
+    # timed), kept at half the time.
+    grouped = [(n, c) for n, c in timed if isinstance(c, fm.MoEConfig)]
+    for bucket in (1, 32):
+        bucket_timed = [c for n, c in grouped if n == bucket]
+        firsts = [next(c for c in bucket_timed if c.silu_in_epilogue == f) for f in (0, 1)]
+        a8 = [c._replace(fp8_act=True) for c in firsts]
+        assert bucket_timed[-2:] == a8 and not any(c.fp8_act for c in bucket_timed[:-2])
+        assert tuned[bucket] == a8[0] and fm.config_name(a8[0]).endswith("+a8"), bucket
+    assert fm.tuning_log[-1]["best"] == fm.config_name(tuned[32])
     decode = [c for n, c in timed if n == 1 and isinstance(c, fm.DecodeConfig)]
     assert decode == [fm.for_block_size(c, 128) for c in fm._DECODE_CANDIDATES]
     assert any(c != fm.for_block_size(c, 128) for c in fm._DECODE_CANDIDATES)
     plain = [c for n, c in timed if n == 32 and isinstance(c, fm.MoEConfig) and c.down is None]
     lowered = fm._unique(fm.for_block_size(c, 128) for c in fm._CANDIDATES if c.block_m <= 32)
-    assert [c for c in plain if not c.b_tma] == list(lowered)
+    assert [c for c in plain if not c.b_tma and not c.fp8_act] == list(lowered)
     assert any(isinstance(c, fm.MoEConfig) and c.b_tma for n, c in timed if n == 32)
     key = fm._shape_key(w13, 2, block)
     assert key != fm._shape_key(w13, 2) and (key, 32) in fm._configs
     assert (fm._shape_key(w13, 2), 32) not in fm._configs
     assert all(e["key"] == [4, 256, 256, 2, str(fp8), "block:128x128"] for e in fm.tuning_log)
+    # Weight-only, asked for: no W8A8 twin.
+    monkeypatch.setattr(fm, "_configs", {})
+    timed.clear()
+    tuned = fm.tune_fused_moe(
+        w13, w2, 2, 32, fp8_act=False, weight_block_size=block, finalists=0, **scales
+    )
+    assert timed and not any(isinstance(c, fm.MoEConfig) and c.fp8_act for _, c in timed)
+    assert not any(isinstance(c, fm.MoEConfig) and c.fp8_act for c in tuned.values())
