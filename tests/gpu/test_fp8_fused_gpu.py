@@ -82,6 +82,21 @@ def test_silu_and_mul_fp8_is_the_unfused_path_bit_for_bit(
     _assert_same(got, _unfused_quant(silu_and_mul(x), strategy))
 
 
+@pytest.mark.parametrize("inter", [768, 1100])
+@pytest.mark.parametrize("m", [1, 257, 4096])
+def test_silu_and_mul_fp8_per_token_group_is_the_unfused_path_bit_for_bit(
+    m: int, inter: int
+) -> None:
+    """Groups of 128 (block-scaled FP8 experts' act; I 768: Qwen3-30B-A3B's, 1100: a shorter
+    last group) against silu_and_mul then the per-token-group quantizer."""
+    gen = torch.Generator(device="cuda").manual_seed(m + inter)
+    x = (torch.randn(m, 2 * inter, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    x[m // 2] = 0
+    got = silu_and_mul_fp8(x, "group", group=128)
+    assert got[1].shape == (m, -(-inter // 128))
+    _assert_same(got, fp8_ops.dynamic_quant_per_token_group(silu_and_mul(x), 128))
+
+
 def test_fused_kernels_replay_in_a_cuda_graph() -> None:
     """Captured once (per-tensor: two passes and the zeroed max inside the graph), replayed
     over new inputs: the eager kernels' results each time (no host value read at capture)."""

@@ -9,6 +9,7 @@ distributions, where the top-5 rule says nothing) with CUDA graphs on.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -272,13 +273,22 @@ def test_fp8_weights_and_kv_cache_together(bf16_run) -> None:
 
 
 def test_dynamic_activation_quant_is_bit_exact() -> None:
-    """The Triton activation quantizers against the torch ones (weights' and references')."""
+    """The Triton activation quantizers against the torch ones (weights' and references'),
+    per token group too (groups of 128, and of 100: a shorter last group; a zero group)."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(3000, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     x[7] = 0
+    x[9, 256:384] = 0
     for kernel, ref in (
         (fp8_ops.dynamic_quant_per_token, fp8_ops.quantize_per_row),
         (fp8_ops.dynamic_quant_per_tensor, fp8_ops.quantize_per_tensor),
+        *(
+            (
+                functools.partial(fp8_ops.dynamic_quant_per_token_group, group=group),
+                functools.partial(fp8_ops.quantize_per_token_group, group=group),
+            )
+            for group in (128, 100)
+        ),
     ):
         (q, scale), (q_ref, scale_ref) = kernel(x), ref(x)
         assert torch.equal(scale, scale_ref)
