@@ -49,11 +49,14 @@ over the token's top_k in registers (fp32). No host sync either.
 
 FP8 (e4m3) experts come with a scale per expert and output row (`w13_scale [E, 2I]`, `w2_scale
 [E, H]`, applied to the finished sums), or with a block-scaled checkpoint's scale per expert
-and `bn x bk` tile (`weight_block_size`), applied to each K step's partial sums:
+and `bn x bk` tile (`weight_block_size`), applied at each K step (k0: the step's first
+column), to the weight tile before its dot on the grouped path, to the partial sums on the
+decode path:
 
     w13_scale [E, ceil(2I / bn), ceil(H / bk)]     w2_scale [E, ceil(H / bn), ceil(I / bk)]
 
-    acc += (A tile @ B tile^T) * scale[e, n // bn, k0 // bk]    (k0: the step's first column)
+    acc = A tile @ (B tile * scale[e, n // bn, k0 // bk])^T + acc     (grouped)
+    acc += (x chunk . w chunk) * scale[e, n // bn, k0 // bk]          (decode)
 
 so every BLOCK_K (grouped and decode) must divide bk (`fits_block`; the tuner times only such
 configs, `for_block_size`). Either way the weight tiles widen to the activations' dtype in
