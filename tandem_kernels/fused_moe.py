@@ -112,7 +112,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tandem_kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_tile
 from tandem_kernels.fp8 import dynamic_quant_per_token, dynamic_quant_per_token_group
-from tandem_kernels.fp8_fused import silu_and_mul_fp8
+from tandem_kernels.fp8_fused import QuantStrategy, silu_and_mul_fp8
 from tandem_kernels.moe_align import moe_align_block_size
 
 
@@ -772,10 +772,9 @@ def fused_moe(
             x, w13, gate_up, *routing, top_k, None, block_m, gate_up_tiles, tma, w13_scale,
             x_scale, block,
         )  # fmt: skip
-        if config.fp8_act and group is not None:
-            act, act_scale = silu_and_mul_fp8(gate_up, "group", group=group)
-        elif config.fp8_act:
-            act, act_scale = silu_and_mul_fp8(gate_up, "token")
+        if config.fp8_act:
+            strategy: QuantStrategy = "token" if group is None else "group"
+            act, act_scale = silu_and_mul_fp8(gate_up, strategy, group=group)
         else:
             act = silu_and_mul(gate_up)
     # Rows of other ranks' experts are never written: unless there are none, they must read

@@ -509,8 +509,9 @@ class Fp8MoEMethod(ExpertsMethodBase):
 
     Block-scaled checkpoint (`weight_block_size` `(bn, bk)`, HF's `fp8` with dynamic
     activations): each projection's `weight_scale_inv` `[ceil(rows / bn), ceil(cols / bk)]`
-    fills `w13_weight_scale_inv` / `w2_weight_scale_inv` as stored, and the kernel scales
-    each tile's partial sums (weight-only; `layer.weight_block_size` set):
+    fills `w13_weight_scale_inv` / `w2_weight_scale_inv` as stored (`layer.weight_block_size`
+    set), and the kernel applies each tile's scale at its K steps (weight-only, or, where it
+    times faster, with activations quantized per token and bk columns: W8A8):
 
         w13_scale [E, 2 * I_part / bn, ceil(H / bk)]   gate's tile rows, then up's
         w2_scale  [E, ceil(H / bn), ceil(I_part / bk)]
