@@ -23,7 +23,9 @@ Entries:
   so each K/V tile is loaded once per group. Online softmax, fp32 accumulation.
 - `paged_decode_attention`: every request has exactly one query row (row r is request r).
   Split-K (flash-decoding): each request's context is cut into `num_splits` partitions, one
-  program per (request, KV head, partition); a second kernel merges the partial results.
+  program per (request, KV head, partition); a second kernel merges the partial results,
+  or (`merge_last`) the last of a (request, KV head)'s programs to finish does (a lock counts
+  arrivals).
   `num_splits` is a function of Python ints only (`decode_num_splits`), and partition sizes
   are derived inside the kernel from the device-side `seq_lens`, so a captured CUDA graph is
   correct for any sequence lengths.
@@ -366,6 +368,7 @@ def _decode_kernel(
     part_out_ptr,
     part_m_ptr,
     part_l_ptr,
+    locks_ptr,
     scale_log2,
     v_scale,
     num_splits,
@@ -393,6 +396,9 @@ def _decode_kernel(
     SLIDING: tl.constexpr,
     FP16_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
+    MERGE_LAST: tl.constexpr = False,
+    QPK_P2: tl.constexpr = 1,
+    CHUNK_S: tl.constexpr = 8,
 ):
     pdl_wait(USE_PDL)
     # HEADS_FIRST: the KV heads of one request are neighbouring programs, so the programs in
@@ -468,6 +474,19 @@ def _decode_kernel(
         tl.store(part_m_ptr + part, m_i, mask=h_valid)
         tl.store(part_l_ptr + part, l_i, mask=h_valid)
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :], acc, mask=hd_mask)
+        if MERGE_LAST:
+            # The last of the (request, KV head)'s partitions to finish merges them all (see
+            # `paged_decode_attention`): no second launch.
+            tl.debug_barrier()  # every thread's partial stored before the one thread's release
+            lock = locks_ptr + req * (num_heads // QPK) + kv_head
+            arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                _merge_partials(
+                    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, req, kv_head * QPK,
+                    num_splits, num_heads, stride_o_tok, stride_o_head, QPK, QPK_P2, CHUNK_S,
+                    BLOCK_D, HEAD_SIZE,
+                )  # fmt: skip
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
@@ -475,6 +494,71 @@ def _decode_kernel(
             out_ptr, out, req.to(tl.int64), head[:, None], offs_d, stride_o_tok, stride_o_head,
             hd_mask,
         )  # fmt: skip
+
+
+@triton.jit
+def _merge_partials(
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    req,
+    head0,
+    num_splits,
+    num_heads,
+    stride_o_tok,
+    stride_o_head,
+    QPK: tl.constexpr,
+    QPK_P2: tl.constexpr,
+    CHUNK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+):
+    """Heads `head0 .. head0 + QPK` of request `req`: their `num_splits` partial results
+    merged and stored, as `_decode_reduce_kernel` does for one head (the maximum first, then
+    the weighted sums, `CHUNK_S` partitions at a time). The partials are read past L1 (`.cg`):
+    other SMs wrote them, and this SM may hold lines of an earlier call's at the same
+    addresses."""
+    offs_h = tl.arange(0, QPK_P2)
+    h_mask = offs_h < QPK
+    head = head0 + offs_h
+    row = (req * num_heads + head).to(tl.int64) * num_splits  # [QPK_P2]
+    offs_c = tl.arange(0, CHUNK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_SIZE
+    m_max = tl.full([QPK_P2], _NEG_INIT, dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        s_mask = h_mask[:, None] & (s0 + offs_c < num_splits)[None, :]
+        m = tl.load(
+            part_m_ptr + row[:, None] + s0 + offs_c[None, :],
+            mask=s_mask,
+            other=_NEG_INIT,
+            cache_modifier=".cg",
+        )
+        m_max = tl.maximum(m_max, tl.max(m, axis=1))
+    l_tot = tl.zeros([QPK_P2], dtype=tl.float32)
+    acc = tl.zeros([QPK_P2, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        s_mask = h_mask[:, None] & (s0 + offs_c < num_splits)[None, :]
+        part = row[:, None] + s0 + offs_c[None, :]  # [QPK_P2, CHUNK_S]
+        m = tl.load(part_m_ptr + part, mask=s_mask, other=_NEG_INIT, cache_modifier=".cg")
+        l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0, cache_modifier=".cg")  # noqa: E741
+        w = tl.exp2(m - m_max[:, None])
+        l_tot += tl.sum(w * l, axis=1)
+        o = tl.load(
+            part_out_ptr + part[:, :, None] * HEAD_SIZE + offs_d[None, None, :],
+            mask=s_mask[:, :, None] & d_mask[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += tl.sum(o * w[:, :, None], axis=1)
+    l_tot = tl.where(l_tot > 0.0, l_tot, 1.0)
+    out = acc / l_tot[:, None]
+    tl.store(
+        out_ptr + req.to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -840,6 +924,36 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def decode_merge_setting() -> bool:
+    """TANDEM_DECODE_MERGE, read once a process: unset or "kernel", split decode partitions
+    merged by a second kernel (the measured default); "last", by the last program of each
+    (request, KV head), one launch fewer a layer (off until a device A/B times it:
+    scripts/gpu_session20.sh)."""
+    flag = os.environ.get("TANDEM_DECODE_MERGE", "kernel")
+    if flag not in ("last", "kernel"):
+        raise ValueError(f"TANDEM_DECODE_MERGE={flag!r}: expected 'last' or 'kernel'")
+    return flag == "last"
+
+
+# Lock buffers of the in-kernel decode merge, per device, largest last. A CUDA graph keeps
+# the address of the buffer it was captured with, so none is ever freed or replaced.
+_merge_lock_buffers: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _merge_locks(device: torch.device, count: int) -> torch.Tensor | None:
+    """An int32 lock buffer of at least `count` zeros (one per (request, KV head)), made
+    outside CUDA graph capture; None while capturing when none is large enough."""
+    buffers = _merge_lock_buffers.setdefault(device, [])
+    if buffers and buffers[-1].numel() >= count:
+        return buffers[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    size = max(count, 4096, 2 * buffers[-1].numel() if buffers else 0)
+    buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Partitions per request so that (requests x KV heads x splits) fills the GPU.
 
@@ -980,6 +1094,7 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sliding_window: int | None = None,
+    merge_last: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query row per request over its whole cached context (split-K), or
     over its last `sliding_window` positions (0/None: all; the splits cut the window).
@@ -993,6 +1108,12 @@ def paged_decode_attention(
     0: none; ptxas's `maxnreg`) are tuning knobs; left unset, the config
     `tune_decode_attention` picked for this shape is used, else the default. `k_scale` /
     `v_scale`: an FP8 cache's scales.
+
+    With more than one split the partitions are merged by the last program of each
+    (request, KV head) to finish (`merge_last`; None: `decode_merge_setting()`), counted on a
+    lock buffer that is all zeros between calls (`_merge_locks`), or else by a second kernel.
+    The in-kernel merge needs a lock buffer made outside any CUDA graph capture; a capture
+    that finds none large enough takes the second kernel.
     """
     num_heads, num_kv_heads, head_size, block_size = check_common(
         query, kv_cache, seq_lens, block_table
@@ -1040,6 +1161,10 @@ def paged_decode_attention(
         part_l = torch.empty_like(part_m)
     else:
         part_out = part_m = part_l = out  # unused
+    if merge_last is None:
+        merge_last = decode_merge_setting()
+    locks = _merge_locks(query.device, num_reqs * num_kv_heads) if split and merge_last else None
+    merge_last = locks is not None
     grid = (num_kv_heads, num_reqs) if heads_first else (num_reqs, num_kv_heads)
     # An FP8 cache on CUDA sm_89+ is read in fp16 (`widen_kv`); the interpreter has no
     # inline assembly and keeps the query's dtype.
@@ -1058,6 +1183,7 @@ def paged_decode_attention(
         part_out,
         part_m,
         part_l,
+        seq_lens if locks is None else locks,  # unused without the in-kernel merge
         scale * k_scale * _LOG2E,
         v_scale,
         num_splits,
@@ -1085,12 +1211,14 @@ def paged_decode_attention(
         SLIDING=window > 0,
         FP16_DOT=fp16_dot,
         USE_PDL=use_pdl,
+        MERGE_LAST=merge_last,
+        QPK_P2=triton.next_power_of_2(qpk),
         num_warps=num_warps,
         num_stages=num_stages,
         **cap,
         **launch_options(use_pdl),
     )
-    if split:
+    if split and not merge_last:
         _decode_reduce_kernel[(num_reqs, num_heads)](
             part_out,
             part_m,

@@ -243,6 +243,72 @@ def test_decode_cuda_graph_replay() -> None:
         assert torch.equal(got, key[0])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_merge_in_the_last_program(cache_dtype: torch.dtype, batch: int) -> None:
+    """The split partitions merged by the last program of each (request, KV head) against the
+    second merge kernel and the reference, eager and from a CUDA graph replayed many times
+    with new lengths (a partial read before it is visible would show as a wrong row), the
+    lock buffer all zeros after every call."""
+    from tandem_kernels import paged_attention as pa
+
+    gen = torch.Generator().manual_seed(17 + batch)
+    max_len, max_blocks = 8192, 8192 // BLOCK_SIZE
+    num_blocks = batch * max_blocks
+    cache = _cache(num_blocks, torch.bfloat16)
+    if cache_dtype != torch.bfloat16:
+        cache = cache.to(cache_dtype)
+    scales = {"k_scale": 0.5, "v_scale": 0.25} if cache_dtype != torch.bfloat16 else {}
+    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=DEV)
+    seq_lens = torch.ones(batch, dtype=torch.int32, device=DEV)
+    block_table = torch.zeros(batch, max_blocks, dtype=torch.int32, device=DEV)
+
+    def set_lengths(lens: list[int]) -> None:
+        table = _block_table(lens, num_blocks, gen)
+        block_table.zero_()
+        block_table[:, : table.shape[1]] = table
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+
+    def ref() -> torch.Tensor:
+        dequant = cache.to(torch.float32)
+        if scales:
+            dequant[:, 0] *= scales["k_scale"]
+            dequant[:, 1] *= scales["v_scale"]
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+        expected = paged_attention_ref(query.float(), dequant, qsl, seq_lens, block_table, SCALE)
+        return expected.to(query.dtype)
+
+    def run(merge_last: bool, splits: int) -> torch.Tensor:
+        return paged_decode_attention(
+            query, cache, seq_lens, block_table, SCALE, max_seq_len=max_len,
+            num_splits=splits, merge_last=merge_last, **scales,
+        )  # fmt: skip
+
+    set_lengths(torch.randint(1, max_len + 1, (batch,), generator=gen).tolist())
+    for splits in (2, 33, pa.MAX_NUM_SPLITS):
+        merged, second = run(True, splits), run(False, splits)
+        torch.testing.assert_close(merged, second, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(merged, ref(), **_tol(torch.bfloat16))
+    locks = pa._merge_lock_buffers[query.device][-1]
+    splits = decode_num_splits(batch, NUM_KV_HEADS, max_len, 132)
+    assert splits > 1
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(True, splits)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(True, splits)
+    for trial in range(24):
+        set_lengths(torch.randint(1, max_len + 1, (batch,), generator=gen).tolist())
+        query.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, ref(), **_tol(torch.bfloat16), msg=f"replay {trial}")
+        assert not locks.any(), f"replay {trial} left a lock counted"
+
+
 @pytest.mark.parametrize("cascade", [False, True])
 def test_whole_step_graph_zeroes_its_padding_rows(cascade: bool) -> None:
     """A mixed step captured at a bucket of 64 rows (`graph_padded` metadata, as

@@ -723,6 +723,36 @@ def case_decode_many_splits_long_and_short_contexts(dtype: torch.dtype, num_spli
     torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
+@_case({"num_splits": 5}, {"num_splits": 37})
+def case_decode_merge_in_the_last_program(num_splits: int) -> None:
+    """The last program of each (request, KV head) merges the partitions (three query heads a
+    KV head, padded to four; several chunks of partitions at 37) as the second kernel does,
+    and leaves the lock buffer all zeros for the next call."""
+    k = _kernels()
+    pa = k.paged_attention
+    gen = torch.Generator().manual_seed(12)
+    num_heads, num_kv_heads, head_size, block_size = 6, 2, 16, 16
+    seq_lens = [700, 33, 1]
+    num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 2
+    cache = _layer_view(num_blocks, block_size, num_kv_heads, head_size, torch.float32)
+    block_table = _block_table(seq_lens, block_size, num_blocks, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    ref = pa.paged_attention_ref(query, cache, qsl, lens, block_table, 0.3)
+    outs = {}
+    for merge_last in (True, False):
+        outs[merge_last] = pa.paged_decode_attention(
+            query, cache, lens, block_table, 0.3, max_seq_len=700, num_splits=num_splits,
+            block_n=16, merge_last=merge_last,
+        )  # fmt: skip
+        torch.testing.assert_close(outs[merge_last], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[True], outs[False], atol=1e-6, rtol=1e-6)
+    locks = pa._merge_lock_buffers[query.device][-1]
+    assert locks.numel() >= len(seq_lens) * num_kv_heads
+    assert not locks.any(), "a lock was left counted"
+
+
 @_case()
 def case_decode_refuses_more_splits_than_the_merge_reads() -> None:
     k = _kernels()

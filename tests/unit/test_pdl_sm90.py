@@ -85,6 +85,16 @@ _CASES: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {
         | dict(SPLIT=True, INPUT_PRECISION="tf32", HEADS_FIRST=True, SCALE_V=True)
         | dict(SLIDING=False, FP16_DOT=True),
     ),
+    "decode_merge_last": (
+        paged_attention._decode_kernel,
+        {"q_ptr": _BF16, "cache_ptr": "*fp8e4nv", "out_ptr": _BF16}
+        | {"seq_lens_ptr": "*i32", "block_table_ptr": "*i32", "locks_ptr": "*i32"}
+        | {n: "*fp32" for n in ("part_out_ptr", "part_m_ptr", "part_l_ptr")}
+        | {"scale_log2": "fp32", "v_scale": "fp32"},
+        dict(QPK=4, BLOCK_H=16, BLOCK_N=128, BLOCK_D=128, BLOCK_SIZE=16, HEAD_SIZE=128)
+        | dict(SPLIT=True, INPUT_PRECISION="tf32", HEADS_FIRST=True, SCALE_V=True)
+        | dict(SLIDING=False, FP16_DOT=True, MERGE_LAST=True, QPK_P2=4, CHUNK_S=8),
+    ),
     "decode_reduce": (
         paged_attention._decode_reduce_kernel,
         {n: "*fp32" for n in ("part_out_ptr", "part_m_ptr", "part_l_ptr")} | {"out_ptr": _BF16},
