@@ -25,6 +25,16 @@ FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
+def store_cache_tile(dst, x, mask, scale, FP8: tl.constexpr):
+    """Store a K or V tile `x` (the model's dtype) at cache pointers `dst`: as is, or for an
+    FP8 cache `x / scale` saturated to e4m3. Every kernel that writes the cache stores
+    through this one helper, so they all write the same bits."""
+    if FP8:
+        x = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+    tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,
     value_ptr,
@@ -63,12 +73,6 @@ def _reshape_and_cache_kernel(
     src_v = value_ptr + tok.to(tl.int64) * stride_v_tok + offs_h[:, None] * stride_v_head
     k = tl.load(src_k + offs_d[None, :], mask=mask)
     v = tl.load(src_v + offs_d[None, :], mask=mask)
-    if FP8:
-        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
-    k = k.to(cache_ptr.dtype.element_ty)
-    v = v.to(cache_ptr.dtype.element_ty)
-
     dst = (
         cache_ptr
         + block * stride_c_block
@@ -76,8 +80,8 @@ def _reshape_and_cache_kernel(
         + offs_h[:, None] * stride_c_head
         + offs_d[None, :]
     )
-    tl.store(dst, k, mask=mask)
-    tl.store(dst + stride_c_kv, v, mask=mask)
+    store_cache_tile(dst, k, mask, k_scale, FP8)
+    store_cache_tile(dst + stride_c_kv, v, mask, v_scale, FP8)
 
 
 def reshape_and_cache(

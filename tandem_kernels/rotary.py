@@ -17,6 +17,18 @@ from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
 
 
 @triton.jit
+def rotate_neox(x1, x2, c, s):
+    """One rotation of halves `x1`, `x2` (`[heads, half]`, any float dtype) by `c`, `s`
+    (`[half]` fp32), in fp32: `(x1 c - x2 s, x2 c + x1 s)`. Every rotary kernel here calls
+    this one helper, so they all round alike."""
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    o1 = x1f * c[None, :] - x2f * s[None, :]
+    o2 = x2f * c[None, :] + x1f * s[None, :]
+    return o1, o2
+
+
+@triton.jit
 def _rotate_heads(
     src_ptr,
     dst_ptr,
@@ -38,10 +50,7 @@ def _rotate_heads(
     src = src_ptr + tok * stride_src_tok + offs_h[:, None] * stride_src_head + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    o1 = x1f * c[None, :] - x2f * s[None, :]
-    o2 = x2f * c[None, :] + x1f * s[None, :]
+    o1, o2 = rotate_neox(x1, x2, c, s)
     dst = dst_ptr + tok * stride_dst_tok + offs_h[:, None] * stride_dst_head + offs_d[None, :]
     tl.store(dst, o1.to(x1.dtype), mask=mask)
     tl.store(dst + HALF, o2.to(x1.dtype), mask=mask)

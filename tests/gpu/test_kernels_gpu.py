@@ -400,6 +400,149 @@ def test_rotary(dtype: torch.dtype) -> None:
     torch.testing.assert_close(k, ref_k, **tol)
 
 
+def _rotary_tables(max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_SIZE, 2, device=DEV).float() / HEAD_SIZE))
+    freqs = torch.outer(torch.arange(max_pos, device=DEV).float(), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t` comparable with `torch.equal` (FP8 as its bytes)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_rotary_and_cache_matches_the_two_kernels(cache_dtype: torch.dtype, use_pdl: bool) -> None:
+    """`rotary_and_cache` (bf16, the 8B shape) against `rotary_embedding`, then
+    `reshape_and_cache` of the rotated key, bit for bit: query, key, value and the cache (a
+    layer's strided view, bf16 or FP8 with scales). Eager over 2048 rows of a strided
+    projection (the last 100 past the slots, every 97th slot negative), then captured in a
+    CUDA graph at batch 8 and replayed with new rows, positions and slots; PDL off and on."""
+    from tandem.layers.attention.backend import split_qkv
+    from tandem_kernels import pdl
+    from tandem_kernels.rotary_and_cache import rotary_and_cache
+
+    if use_pdl and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability >= 9.0")
+    dtype, num_blocks, max_pos = torch.bfloat16, 512, 8192
+    heads = (NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE)
+    width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_SIZE
+    scales = (0.05, 0.02) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    cos, sin = _rotary_tables(max_pos)
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    shape = (num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    fused_full = torch.randn(shape, device=DEV, generator=gen).to(cache_dtype)
+    two_full = fused_full.clone()
+    fused_cache, two_cache = fused_full[:, 1], two_full[:, 1]
+
+    def two_kernels(positions: torch.Tensor, qkv: torch.Tensor, slots: torch.Tensor) -> tuple:
+        q, k, v = split_qkv(qkv, *heads)
+        q, k = rotary_embedding(positions, q, k, cos, sin, inplace=False)
+        reshape_and_cache(k, v, two_cache, slots, *scales)
+        return q, k, v
+
+    def inputs(num_tokens: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+        positions = torch.randint(0, max_pos, (num_tokens,), device=DEV, generator=gen)
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEV, generator=gen)[:num_slots]
+        slots[::97] = -1
+        qkv = torch.randn(num_tokens, width, device=DEV, generator=gen).to(dtype)
+        return positions, qkv, slots
+
+    def check(got: tuple, want: tuple, what: str) -> None:
+        torch.cuda.synchronize()
+        for name, a, b in zip(("query", "key", "value"), got, want, strict=True):
+            assert torch.equal(a, b), (what, name)
+        assert torch.equal(_bits(fused_cache), _bits(two_cache)), (what, "cache")
+
+    pdl.enable_pdl(use_pdl)
+    try:
+        positions, qkv, slots = inputs(2048, 1948)
+        wide = torch.empty(2048, width + 64, dtype=dtype, device=DEV)
+        wide[:, 32 : 32 + width] = qkv
+        qkv = wide[:, 32 : 32 + width]  # a strided view
+        got = rotary_and_cache(positions, qkv, cos, sin, fused_cache, slots, *heads, *scales)
+        check(got, two_kernels(positions, qkv, slots), "eager")
+        static = inputs(8, 8)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile outside the capture
+            rotary_and_cache(
+                static[0], static[1], cos, sin, fused_cache, static[2], *heads, *scales
+            )
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = rotary_and_cache(
+                static[0], static[1], cos, sin, fused_cache, static[2], *heads, *scales
+            )
+        two_full.copy_(fused_full)
+        for trial in range(8):
+            for buffer, new in zip(static, inputs(8, 8), strict=True):
+                buffer.copy_(new)
+            graph.replay()
+            check(out, two_kernels(*static), f"replay {trial}")
+    finally:
+        pdl.enable_pdl(False)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("path", ["paged", "triton", "flash"])
+def test_backend_forward_qkv_matches_split_rotary_forward(
+    cache_dtype: torch.dtype, path: str
+) -> None:
+    """The `Attention` layer's fused call through the Triton backend (`forward_qkv`, one
+    kernel for the rotary and the K/V write) against split, `RotaryEmbedding` and `forward`,
+    bit for bit (output and cache): a mixed step, two decodes then chunks after prefixes,
+    on each prefill path (the cascade's dense part reads the returned key and value)."""
+    from tandem.layers.attention.layer import Attention
+    from tandem.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(22)
+    query_lens, seq_lens = [1, 1, 300, 77], [900, 40, 1300, 77]
+    num_blocks = sum(math.ceil(n / BLOCK_SIZE) for n in seq_lens)
+    full = torch.randn(num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device=DEV)
+    full = full.to(cache_dtype)
+    twin = full.clone()
+    table = _block_table(seq_lens, num_blocks, gen)
+    positions = torch.cat(
+        [torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)]
+    )
+    block_ids = table.cpu().repeat_interleave(torch.tensor(query_lens), dim=0)
+    slots = block_ids.gather(1, (positions // BLOCK_SIZE)[:, None])[:, 0].long() * BLOCK_SIZE
+    slots = (slots + positions % BLOCK_SIZE).to(DEV)
+    qsl = _qsl(query_lens)
+    meta = AttentionMetadata(
+        num_actual_tokens=len(positions),
+        num_reqs=len(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+        block_table=table,
+        slot_mapping=slots,
+        query_start_loc_cpu=qsl.tolist(),
+        seq_lens_cpu=seq_lens,
+        num_decodes=2,
+        prefill_path=path,
+    )
+    positions = positions.to(DEV)
+    width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_SIZE
+    qkv = torch.randn(len(positions), width, device=DEV).to(torch.bfloat16)
+    rope = RotaryEmbedding(HEAD_SIZE, 4096, {"rope_type": "default", "rope_theta": 5e5}, DEV)
+    backend = TritonAttentionBackend()
+    backend.fuse_rotary_kv = True  # the kernel, whatever TANDEM_ROTARY_KV says
+    layer = Attention(NUM_HEADS, HEAD_SIZE, NUM_KV_HEADS, SCALE, backend)
+    layer.k_scale, layer.v_scale = 0.05, 0.02
+    fused = layer.forward_qkv(positions, qkv, rope, full[:, 1], meta)
+    q, k, v = layer.split_qkv(qkv)
+    q, k = rope(positions, q, k)
+    unfused = layer.forward(q, k, v, twin[:, 1], meta)
+    torch.cuda.synchronize()
+    assert torch.equal(fused, unfused)
+    assert torch.equal(_bits(full), _bits(twin))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = torch.randn(1024, 2 * 14336, dtype=dtype, device=DEV)

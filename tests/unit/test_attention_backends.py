@@ -80,6 +80,22 @@ def test_prefill_cascade_flag(
     assert prefill_path(*args, max_query_len=3) == "paged"
 
 
+@pytest.mark.parametrize(("flag", "fused"), [("", False), ("fused", True), ("separate", False)])
+def test_rotary_kv_flag(flag: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TANDEM_ROTARY_KV=fused has the Triton backend's `forward_qkv` rotate and write K/V in
+    one kernel; by default (or "separate") it splits, rotates and calls `forward`. The backend
+    says it fuses either way (the layer hands it the projection)."""
+    if flag:
+        monkeypatch.setenv("TANDEM_ROTARY_KV", flag)
+    else:
+        monkeypatch.delenv("TANDEM_ROTARY_KV", raising=False)
+    backend = get_attention_backend("triton")
+    assert backend.fuses_rotary_kv_write and backend.fuse_rotary_kv is fused
+    monkeypatch.setenv("TANDEM_ROTARY_KV", "1")
+    with pytest.raises(ValueError, match="TANDEM_ROTARY_KV"):
+        get_attention_backend("triton")
+
+
 def test_an_unknown_name_lists_the_known_ones() -> None:
     with pytest.raises(ConfigError, match=r"FLASHINFER.*got 'XFORMERS'"):
         DeviceConfig(attention_backend="XFORMERS")  # type: ignore[arg-type]

@@ -63,6 +63,7 @@ def _kernels() -> SimpleNamespace:
     import tandem_kernels.reshape_and_cache
     import tandem_kernels.rms_norm
     import tandem_kernels.rotary
+    import tandem_kernels.rotary_and_cache
 
     return SimpleNamespace(
         activation=tandem_kernels.activation,
@@ -75,6 +76,7 @@ def _kernels() -> SimpleNamespace:
         reshape_and_cache=tandem_kernels.reshape_and_cache,
         rms_norm=tandem_kernels.rms_norm,
         rotary=tandem_kernels.rotary,
+        rotary_and_cache=tandem_kernels.rotary_and_cache,
         triton_backend=tandem.layers.attention.triton_backend,
     )
 
@@ -1052,6 +1054,117 @@ def case_rotary_partial() -> None:
     assert torch.equal(out_q[..., 16:], q[..., 16:])
 
 
+# --- rotary and the K/V cache write in one kernel ------------------------------------------
+
+
+def _rotary_and_cache_scene(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, rotary_dim: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """A fused projection of 9 rows (a strided view of a wider tensor, head 32), positions
+    past 0 (every row rotates), 7 slots (rows 7 and 8 past the step's tokens, as a graph's
+    padding) with one negative, and cos/sin of `rotary_dim`."""
+    gen = torch.Generator().manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * 32
+    qkv = torch.randn(9, width + 5, generator=gen).to(dtype)[:, 3 : 3 + width]
+    positions = torch.randint(1, 64, (9,), generator=gen)
+    slots = torch.randperm(4 * 8, generator=gen)[:7]
+    slots[2] = -1
+    cos, sin = _cos_sin(64, rotary_dim)
+    return qkv, positions, slots, cos, sin
+
+
+@_case(
+    *(
+        {"dtype": d, "num_heads": h, "num_kv_heads": kvh, "rotary_dim": r}
+        for d in DTYPES
+        for h, kvh, r in ((4, 2, 32), (2, 2, 16))
+    ),
+    {"dtype": torch.bfloat16, "num_heads": 4, "num_kv_heads": 2, "rotary_dim": 32},
+)
+def case_rotary_and_cache(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, rotary_dim: int
+) -> None:
+    """The fused kernel against the two it replaces (`rotary_embedding`, then
+    `reshape_and_cache` of the rotated key) to the bit, and against its reference: query and
+    key, V a view of the projection, the cache (a layer's strided view) written at the slots
+    of the step's rows only, K rotated there. GQA and MHA, full and partial rotary (head 32)."""
+    from tandem.layers.attention.backend import split_qkv
+
+    k = _kernels()
+    qkv, positions, slots, cos, sin = _rotary_and_cache_scene(
+        dtype, num_heads, num_kv_heads, rotary_dim, seed=41
+    )
+    args = (num_heads, num_kv_heads, 32)
+    cache = _layer_view(4, 8, num_kv_heads, 32, dtype)
+    two_kernels, expected = cache.clone(), cache.clone()
+    query, key, value = k.rotary_and_cache.rotary_and_cache(
+        positions, qkv, cos, sin, cache, slots, *args
+    )
+    q, kk, v = split_qkv(qkv, *args)
+    q_two, k_two = k.rotary.rotary_embedding(positions, q, kk, cos, sin, inplace=False)
+    k.reshape_and_cache.reshape_and_cache(k_two, v, two_kernels, slots)
+    assert torch.equal(query, q_two) and torch.equal(key, k_two)
+    assert torch.equal(cache, two_kernels)
+    assert torch.equal(value, v) and value.data_ptr() == v.data_ptr()  # a view, no copy
+    ref = k.rotary_and_cache.rotary_and_cache_ref(positions, qkv, cos, sin, expected, slots, *args)
+    # bf16: the interpreter's rounding to it may differ from torch's by a step.
+    tol = _tol(dtype) if dtype != torch.bfloat16 else {"atol": 2e-2, "rtol": 1e-2}
+    for got, want in zip((query, key, value, cache), (*ref, expected), strict=True):
+        torch.testing.assert_close(got, want, **tol)
+    # K went into the cache rotated (every position here turns it), V as it came; rows 7 and
+    # 8 (past the slots) and the negative slot wrote nothing.
+    keep = slots >= 0
+    written = slots[keep]
+    blocks, offs = written // 8, written % 8
+    assert torch.equal(cache[blocks, 0, offs], key[:7][keep])
+    assert not torch.allclose(cache[blocks, 0, offs], kk[:7][keep], atol=1e-2)
+    assert torch.equal(cache[blocks, 1, offs], v[:7][keep])
+    untouched = torch.ones(4, 8, dtype=torch.bool)
+    untouched[blocks, offs] = False
+    assert torch.equal(cache.transpose(1, 2)[untouched], expected.transpose(1, 2)[untouched])
+    if rotary_dim < 32:
+        assert torch.equal(query[..., rotary_dim:], q[..., rotary_dim:])
+        assert torch.equal(cache[blocks, 0, offs, :, rotary_dim:], kk[:7][keep][..., rotary_dim:])
+    empty = k.rotary_and_cache.rotary_and_cache(
+        positions[:0], qkv[:0], cos, sin, cache, slots[:0], *args
+    )
+    assert [t.shape for t in empty] == [(0, num_heads, 32)] + [(0, num_kv_heads, 32)] * 2
+
+
+@_case(*({"dtype": d} for d in (torch.float16, torch.bfloat16)))
+def case_rotary_and_cache_fp8(dtype: torch.dtype) -> None:
+    """An FP8 cache: the fused kernel writes what `reshape_and_cache` writes of the rotated
+    key, to the bit (both through the interpreter's e4m3 conversion), and the reference's
+    bits but where that conversion errs (see `case_reshape_and_cache_fp8`)."""
+    from tandem.layers.attention.backend import split_qkv
+
+    k = _kernels()
+    qkv, positions, slots, cos, sin = _rotary_and_cache_scene(dtype, 4, 2, 32, seed=42)
+    qkv[0, 4 * 32 : 4 * 32 + 2] = torch.tensor([1e4, -1e4], dtype=dtype)  # K saturates
+    args, scales = (4, 2, 32), (0.05, 0.01)
+    cache = _layer_view(4, 8, 2, 32, torch.float32).to(torch.float8_e4m3fn)
+    two_kernels, expected = cache.clone(), cache.clone()
+    query, key, _ = k.rotary_and_cache.rotary_and_cache(
+        positions, qkv, cos, sin, cache, slots, *args, *scales
+    )
+    q, kk, v = split_qkv(qkv, *args)
+    q_two, k_two = k.rotary.rotary_embedding(positions, q, kk, cos, sin, inplace=False)
+    k.reshape_and_cache.reshape_and_cache(k_two, v, two_kernels, slots, *scales)
+    assert torch.equal(query, q_two) and torch.equal(key, k_two)
+    assert torch.equal(cache.view(torch.uint8), two_kernels.view(torch.uint8))
+    k.rotary_and_cache.rotary_and_cache_ref(
+        positions, qkv, cos, sin, expected, slots, *args, *scales
+    )
+    got, want = cache.float(), expected.float()
+    differ = got != want
+    one_step = (got - want).abs() <= want.abs() * 2**-3
+    assert (one_step | (got * 2 == want))[differ].all()  # only the interpreter's errors
+    assert differ.float().mean() < 0.02
+    written = slots[slots >= 0]
+    stored = cache[written // 8, 0, written % 8].float() * scales[0]
+    assert (stored.abs().amax(dim=(1, 2)) > 0).all() and stored.abs().max() == 448 * scales[0]
+
+
 # --- activation -----------------------------------------------------------------------------
 
 
@@ -1210,6 +1323,76 @@ def case_triton_backend_decode_uses_splits() -> None:
     blk = block_table[0, 599 // block_size]
     assert torch.equal(cache[blk, 0, 599 % block_size], key[0])
     assert torch.equal(cache[blk, 1, 599 % block_size], value[0])
+
+
+class _CountingRotary:
+    """A rotary embedding that is not `RotaryEmbedding` (the Triton kernel on its tables),
+    counting its calls."""
+
+    def __init__(self, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
+        self.cos_cache, self.sin_cache = cos_cache, sin_cache
+        self.calls = 0
+
+    def __call__(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from tandem_kernels.rotary import rotary_embedding
+
+        self.calls += 1
+        return rotary_embedding(
+            positions, query, key, self.cos_cache, self.sin_cache, inplace=False
+        )
+
+
+@_case(
+    {"dtype": torch.float32, "window": None, "fp8": False},
+    {"dtype": torch.float16, "window": 24, "fp8": False},
+    {"dtype": torch.float16, "window": None, "fp8": True},
+)
+def case_triton_backend_forward_qkv(dtype: torch.dtype, window: int | None, fp8: bool) -> None:
+    """The layer's call with the fused projection through the Triton backend (`forward_qkv`:
+    `rotary_and_cache`, then the attention) against split, `rotary_embedding` and `forward`,
+    to the bit, output and cache: a mixed step (two decodes first, then a chunk after a
+    prefix) with two padding rows, a sliding window, an FP8 cache with the layer's scales.
+    A rotary embedding of another class goes the unfused way, to the same bits."""
+    from tandem.layers.attention.layer import Attention
+    from tandem.layers.rotary import RotaryEmbedding
+
+    k = _kernels()
+    gen = torch.Generator().manual_seed(43)
+    num_heads, num_kv_heads, head_size, block_size, num_blocks = 4, 2, 32, 16, 16
+    query_lens, seq_lens = [1, 1, 20], [60, 35, 80]
+    if fp8:
+        cache, _ = _fp8_cache(num_blocks, block_size, num_kv_heads, head_size, (0.02, 0.5))
+    else:
+        cache = _layer_view(num_blocks, block_size, num_kv_heads, head_size, dtype)
+    unfused_cache, fallback_cache = cache.clone(), cache.clone()
+    table = _block_table(seq_lens, block_size, num_blocks, gen)
+    step_positions = [list(range(s - q, s)) for q, s in zip(query_lens, seq_lens, strict=True)]
+    meta = _metadata(query_lens, seq_lens, table, _slots(table, step_positions, block_size))
+    meta.num_decodes = 2
+    positions = torch.tensor([p for ps in step_positions for p in ps] + [0, 0])
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    qkv = torch.randn(len(positions), width, generator=gen).to(dtype)
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    rope = RotaryEmbedding(head_size, 128, rope_parameters, torch.device("cpu"))
+    backend = k.triton_backend.TritonAttentionBackend()
+    assert backend.fuses_rotary_kv_write
+    backend.fuse_rotary_kv = True  # the kernel, whatever TANDEM_ROTARY_KV says
+    layer = Attention(num_heads, head_size, num_kv_heads, head_size**-0.5, backend, window)
+    layer.k_scale, layer.v_scale = 0.02, 0.5
+    out = layer.forward_qkv(positions, qkv, rope, cache, meta)
+
+    q, kk, v = layer.split_qkv(qkv)
+    tables = (rope.cos_cache, rope.sin_cache)
+    q, kk = k.rotary.rotary_embedding(positions, q, kk, *tables, inplace=False)
+    unfused = layer.forward(q, kk, v, unfused_cache, meta)
+    assert torch.equal(out, unfused) and not out[-2:].any()
+    assert torch.equal(cache.view(torch.uint8), unfused_cache.view(torch.uint8))
+    other = _CountingRotary(*tables)
+    fallback = layer.forward_qkv(positions, qkv, other, fallback_cache, meta)
+    assert other.calls == 1 and torch.equal(fallback, unfused)
+    assert torch.equal(fallback_cache.view(torch.uint8), unfused_cache.view(torch.uint8))
 
 
 # --- cascade prefill attention ---------------------------------------------------------------

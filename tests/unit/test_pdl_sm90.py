@@ -17,7 +17,14 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from tandem_kernels import paged_attention, pdl, reshape_and_cache, rms_norm, rotary  # noqa: E402
+from tandem_kernels import (  # noqa: E402
+    paged_attention,
+    pdl,
+    reshape_and_cache,
+    rms_norm,
+    rotary,
+    rotary_and_cache,
+)
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 pytestmark = [
@@ -74,6 +81,15 @@ _CASES: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {
         {"key_ptr": _BF16, "value_ptr": _BF16, "cache_ptr": "*fp8e4nv"}
         | {"slot_mapping_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32"},
         {"BLOCK_SIZE": 16, "HEAD_SIZE": 128, "BLOCK_H": 8, "BLOCK_D": 128, "FP8": True},
+    ),
+    "rotary_and_cache": (
+        rotary_and_cache._rotary_and_cache_kernel,
+        {n: _BF16 for n in ("qkv_ptr", "q_out_ptr", "k_out_ptr")}
+        | {"positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+        | {"cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64"}
+        | {"k_scale": "fp32", "v_scale": "fp32"},
+        dict(HEAD_SIZE=128, HALF=64, BLOCK_SIZE=16, BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64)
+        | dict(BLOCK_REST=1, BLOCK_D=128, FP8=True),
     ),
     "decode": (
         paged_attention._decode_kernel,

@@ -159,7 +159,8 @@ class AttentionBackend(ABC):
     decode_cuda_graphs: ClassVar[bool] = True
 
     # True when `forward_qkv` fuses the Q/K/V split, the rotary embedding and the K/V write
-    # into one kernel (the CPU backend); else the `Attention` layer splits and rotates itself.
+    # into one kernel (the CPU and Triton backends); else the `Attention` layer splits and
+    # rotates itself.
     fuses_rotary_kv_write: ClassVar[bool] = False
 
     def forward_qkv(
@@ -173,11 +174,20 @@ class AttentionBackend(ABC):
         num_heads: int,
         num_kv_heads: int,
         head_size: int,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        """Split the fused projection, rotate Q and K, write K/V and attend, in one pass
-        (backends with `fuses_rotary_kv_write`)."""
-        raise NotImplementedError(f"{self.name} does not fuse rotary and the K/V write")
+        """Split the fused projection, rotate Q and K (`rotary_emb(positions, q, k)`), write
+        K/V and attend: `forward` of the split and rotated tensors. A backend with
+        `fuses_rotary_kv_write` does the split, the rotation and the write in one pass, with
+        the same result, and comes here for what its kernel does not take."""
+        query, key, value = split_qkv(qkv, num_heads, num_kv_heads, head_size)
+        query, key = rotary_emb(positions, query, key)
+        return self.forward(
+            query, key, value, kv_cache, metadata, scale, k_scale, v_scale,
+            sliding_window=sliding_window,
+        )  # fmt: skip
 
     def write_kv(
         self,
@@ -222,6 +232,20 @@ class AttentionBackend(ABC):
         `max_seq_len` tokens. Returns a description of what was picked, or None when
         nothing was tuned."""
         return None
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection `[T, q | k | v]` as views Q `[T, H, D]`, K and V `[T, Hkv, D]`."""
+    num_tokens = qkv.shape[0]
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return (
+        q.view(num_tokens, num_heads, head_size),
+        k.view(num_tokens, num_kv_heads, head_size),
+        v.view(num_tokens, num_kv_heads, head_size),
+    )
 
 
 def plan_step_metadata(

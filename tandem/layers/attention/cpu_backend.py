@@ -70,11 +70,17 @@ class CpuAttentionBackend(AttentionBackend):
         num_heads: int,
         num_kv_heads: int,
         head_size: int,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         """One kernel splits Q/K/V, rotates Q and K and writes K/V into the paged cache; the
-        attention then reads the cache in place."""
+        attention then reads the cache in place. No FP8 cache, so both scales are 1.0."""
         from tandem_kernels import cpu
+
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            raise ValueError("the cpu attention backend has no FP8 KV cache")
+        del k_scale, v_scale
 
         q, k, v = cpu.rotary_qkv_cache(
             qkv,

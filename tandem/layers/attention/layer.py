@@ -5,10 +5,10 @@ the model.
 
 `forward` takes rotated Q/K (models that norm or scale Q/K between the projection and the
 rotary embedding); `forward_qkv` takes the fused projection and the rotary embedding, and lets
-a backend that can (`fuses_rotary_kv_write`, the CPU's) split, rotate and write in one kernel.
-While the runner captures or replays piecewise CUDA graphs it sets
-`attn_metadata.graph_splitter`, and every call goes to it: the runner splits the forward at
-these layers (tandem.worker.piecewise_graph).
+a backend that can (`fuses_rotary_kv_write`: the CPU's, the Triton one's) split, rotate and
+write in one kernel. While the runner captures or replays piecewise CUDA graphs it sets
+`attn_metadata.graph_splitter`, and every call goes to it (split, rotated, then `forward`): the
+runner splits the forward at these layers (tandem.worker.piecewise_graph).
 
 Sliding-window layers (`sliding_window` W): the query at absolute position p attends to the
 keys at positions k with p - W < k <= p (W keys, itself included; transformers' convention).
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.layers.attention.backend import AttentionBackend, AttentionMetadata
+from tandem.layers.attention.backend import AttentionBackend, AttentionMetadata, split_qkv
 
 
 class Attention(nn.Module):
@@ -116,13 +116,7 @@ class Attention(nn.Module):
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection `[T, q | k | v]` as Q `[T, H, D]`, K and V `[T, Hkv, D]`."""
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (
-            q.view(num_tokens, self.num_heads, self.head_size),
-            k.view(num_tokens, self.num_kv_heads, self.head_size),
-            v.view(num_tokens, self.num_kv_heads, self.head_size),
-        )
+        return split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_size)
 
     def forward_qkv(
         self,
@@ -137,6 +131,7 @@ class Attention(nn.Module):
         if attn_metadata.kv_groups is not None:
             attn_metadata = attn_metadata.kv_groups[self.kv_cache_group]
         if backend.fuses_rotary_kv_write and attn_metadata.graph_splitter is None:
+            k_scale, v_scale = self.kv_scales(kv_cache)
             out = backend.forward_qkv(
                 positions,
                 qkv,
@@ -147,6 +142,8 @@ class Attention(nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_size,
+                k_scale,
+                v_scale,
                 **self._window_kwargs(),
             )
             return out.reshape(qkv.shape[0], self.q_size)

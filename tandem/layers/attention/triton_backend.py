@@ -4,6 +4,12 @@
 when `metadata.is_decode_only`, else the prefill/mixed kernel, which reads every K/V of a
 request's context (prefix hits and earlier chunks too) from the cache. In a mixed step the
 leading `metadata.num_decodes` one-token requests go through the decode kernel instead.
+`forward_qkv` (the `Attention` layer's call with the fused projection, outside piecewise
+graphs) rotates Q and K and writes K/V in one kernel (`tandem_kernels.rotary_and_cache`),
+then runs the same attention:
+
+    forward      = reshape_and_cache  + _attend     (Q and K rotated by the layer)
+    forward_qkv  = rotary_and_cache   + _attend     (split, rotation and write in one kernel)
 
 No host-device syncs: sizes come from tensor shapes and metadata's Python ints. The decode
 path is CUDA-graph capturable: its number of splits is a function of `num_reqs`,
@@ -32,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -43,6 +49,7 @@ from tandem.layers.attention.backend import (
     prefill_rows_have_context,
     register_attention_backend,
 )
+from tandem.layers.rotary import RotaryEmbedding
 from tandem_kernels.cascade_attention import (
     default_dense_impl,
     dense_causal_attention,
@@ -61,7 +68,21 @@ from tandem_kernels.paged_attention import (
     prefill_tuning,
     tune_decode_attention,
 )
-from tandem_kernels.reshape_and_cache import reshape_and_cache
+from tandem_kernels.reshape_and_cache import FP8_KV_DTYPE, reshape_and_cache
+from tandem_kernels.rotary_and_cache import rotary_and_cache, rotary_kv_setting
+
+
+def _fused_rotary_takes(rotary_emb: Any, qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `rotary_and_cache` serves this call: the standard `RotaryEmbedding`, a 2-D
+    projection (innermost dim contiguous) in a dtype of the kernel's, the cache in that dtype
+    or FP8."""
+    return (
+        type(rotary_emb) is RotaryEmbedding
+        and qkv.dim() == 2
+        and qkv.stride(-1) == 1
+        and qkv.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and kv_cache.dtype in (qkv.dtype, FP8_KV_DTYPE)
+    )
 
 
 @register_attention_backend
@@ -76,6 +97,8 @@ class TritonAttentionBackend(AttentionBackend):
     TUNE_MAX_SEQ_LEN: ClassVar[int] = 1024
 
     graph_kv_write: ClassVar[bool] = True
+    # `forward_qkv`: the rotary embedding and the K/V write in one kernel (`rotary_and_cache`).
+    fuses_rotary_kv_write: ClassVar[bool] = True
     # The varlen kernel finds each program's request on the device (`find_request`).
     full_graph_mixed: ClassVar[bool] = True
 
@@ -83,6 +106,9 @@ class TritonAttentionBackend(AttentionBackend):
         # Prefill rows through the cascade (True) or the all-paged kernel (False); None: as
         # `prefill_path` picks (measured at start-up on CUDA). TANDEM_PREFILL_CASCADE sets it.
         self.prefill_cascade: bool | None = prefill_cascade_setting()
+        # `forward_qkv` in one kernel (True) or split, rotary, `forward` (False, the default
+        # until measured). TANDEM_ROTARY_KV sets it.
+        self.fuse_rotary_kv: bool = rotary_kv_setting()
 
     def write_kv(
         self,
@@ -169,9 +195,65 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
+        slot_mapping = metadata.slot_mapping[:num_tokens]
+        reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+        return self._attend(
+            query, key, value, kv_cache, metadata, scale, k_scale, v_scale, sliding_window
+        )
+
+    def forward_qkv(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        rotary_emb: Any,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """One kernel (`rotary_and_cache`) rotates Q and K and writes K/V into the paged cache
+        (`slot_mapping[:num_actual_tokens]`, as `forward` writes), then `forward`'s attention
+        runs on its query and key and a view of V. Its rotation is `rotary_embedding`'s, which
+        is what `RotaryEmbedding` runs on CUDA: the same bits as splitting, rotating and
+        calling `forward`. It takes that class's tables only (a subclass or another rotary
+        may rotate otherwise) and a 2-D projection, innermost dim contiguous, in the cache's
+        dtype (or an FP8 cache); anything else, and every call with `fuse_rotary_kv` off,
+        goes the unfused way (the base class's)."""
+        if not (self.fuse_rotary_kv and _fused_rotary_takes(rotary_emb, qkv, kv_cache)):
+            return super().forward_qkv(
+                positions, qkv, rotary_emb, kv_cache, metadata, scale, num_heads,
+                num_kv_heads, head_size, k_scale, v_scale, sliding_window=sliding_window,
+            )  # fmt: skip
+        slot_mapping = metadata.slot_mapping[: metadata.num_actual_tokens]
+        query, key, value = rotary_and_cache(
+            positions, qkv, rotary_emb.cos_cache, rotary_emb.sin_cache, kv_cache, slot_mapping,
+            num_heads, num_kv_heads, head_size, k_scale, v_scale,
+        )  # fmt: skip
+        return self._attend(
+            query, key, value, kv_cache, metadata, scale, k_scale, v_scale, sliding_window
+        )
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        k_scale: float,
+        v_scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """`forward` after its K/V write: attention over a cache that holds the step's K/V
+        (`key`/`value`, the step's rows, feed the cascade's dense part)."""
         num_reqs = metadata.num_reqs
         scales = {"k_scale": k_scale, "v_scale": v_scale}
-        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens], **scales)
         window = {"sliding_window": sliding_window}
         seq_lens = metadata.seq_lens[:num_reqs]
         block_table = metadata.block_table[:num_reqs]
