@@ -937,7 +937,9 @@ def decode_merge_setting() -> bool:
 
 
 # Lock buffers of the in-kernel decode merge, per device, largest last. A CUDA graph keeps
-# the address of the buffer it was captured with, so none is ever freed or replaced.
+# the address of the buffer it was captured with, so none is ever freed or replaced. Calls
+# that share a buffer must not overlap: one stream's decode calls (and graph replays) at a time,
+# as for the W8A16 GEMV's locks.
 _merge_lock_buffers: dict[torch.device, list[torch.Tensor]] = {}
 
 
