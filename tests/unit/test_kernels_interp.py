@@ -780,10 +780,11 @@ def case_decode_padded_requests_give_zeros() -> None:
     block_table = _block_table([20, 5], 16, 8, gen)
     lens = torch.tensor([20, 0], dtype=torch.int32)  # request 1 is CUDA-graph padding
     query = torch.randn(2, 2, 32, generator=gen)
-    for splits in (1, 2):
+    for splits, merge_last in ((1, False), (2, False), (2, True)):
         out = k.paged_attention.paged_decode_attention(
-            query, cache, lens, block_table, 0.2, max_seq_len=20, num_splits=splits, block_n=16
-        )
+            query, cache, lens, block_table, 0.2, max_seq_len=20, num_splits=splits, block_n=16,
+            merge_last=merge_last,
+        )  # fmt: skip
         assert torch.isfinite(out).all()
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         ref = k.paged_attention.paged_attention_ref(
