@@ -2,14 +2,18 @@
 # Wave 3, twentieth session's device plan, each part one device call from the repository
 # root, carrying .whl (see scripts/device_lib.sh), results under $OUT:
 #
-#   PART=fuse: two launches fewer a decoder layer at decode, both off by default until this
-#            A/B: the split decode partitions merged by the last program of each (request, KV
-#            head) (`TANDEM_DECODE_MERGE=last`), and the rotary embedding with the K/V cache
-#            write in one kernel (`TANDEM_ROTARY_KV=fused`). Their GPU tests (the kernel files,
-#            the PDL chain, the FP8 decode and cascade tests), then issue 28's batch 1 (FP8
-#            weights, FP8 KV cache, --enable-pdl) with both off and both on; then, in what is
-#            left, session 19's PART=w8a8block tests (never run): the W8A8 block-scaled FP8
-#            experts and the group quantizers.
+#   PART=fuse: issue 28's batch 1 (FP8 weights, FP8 KV cache, --enable-pdl) three ways in one
+#            call, after the GPU tests of what changed (the kernel files, the PDL chain, the
+#            W8A16 tuner, FP8 decode; ~200 s):
+#              alone     the W8A16 tuner timing its candidates back to back
+#                        (TANDEM_W8A16_TIMING=alone) and both fusions off: session 16's 2.84 ms
+#              chain     the tuner timing each candidate after a short kernel, as a step runs
+#                        it (the default with PDL), fusions off
+#              fused     chain, and two launches fewer a decoder layer: the split decode
+#                        partitions merged by the last program of each (request, KV head)
+#                        (TANDEM_DECODE_MERGE=last) and the rotary embedding with the K/V
+#                        write in one kernel (TANDEM_ROTARY_KV=fused), both off by default
+#                        until this A/B
 #
 #   PART=table: issue 28's table: FP8 weights + FP8 KV cache + PDL at 128/128, 512/256,
 #            1000/1000 and batch 1, with both fusions on (FUSED=0: off).
@@ -33,20 +37,20 @@ fused() {  # fused CMD...: CMD with both fusions on (their switches; FUSED=0: as
 }
 case "${PART:-fuse}" in
 fuse)
-  BUDGET_S=${BUDGET_S:-575}
+  BUDGET_S=${BUDGET_S:-580}
   . scripts/device_lib.sh
   env_report
-  step "GPU tests" 230 "$OUT/gpu_tests_fuse.log" $PY -m pytest -q -m gpu --timeout=200 -rs \
+  step "GPU tests" 200 "$OUT/gpu_tests_fuse.log" $PY -m pytest -q -m gpu --timeout=200 -rs \
     --tb=short --durations=8 tests/gpu/test_kernels_gpu.py tests/gpu/test_pdl_gpu.py \
-    tests/gpu/test_fp8_gpu.py tests/gpu/test_cascade_attention_gpu.py
+    tests/gpu/test_fp8_w8a16_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_cascade_attention_gpu.py
   grep -E "passed|failed" "$OUT/gpu_tests_fuse.log" | tail -n 1 | sed "s/^/tests: /" >>"$summary"
   export WORKLOADS=none
   # shellcheck disable=SC2086  # the flags one a word
-  offline fp8_b1_separate 130 $FP8
+  TANDEM_W8A16_TIMING=alone offline fp8_b1_alone 120 $FP8
   # shellcheck disable=SC2086
-  fused offline fp8_b1_fused 130 $FP8
-  MOE_TESTS_S=150 moe_tests gpu_tests_w8a8block.log "block or group or dynamic_activation" \
-    tests/gpu/test_fused_moe_gpu.py tests/gpu/test_fp8_fused_gpu.py
+  offline fp8_b1_chain 120 $FP8
+  # shellcheck disable=SC2086
+  fused offline fp8_b1_chain_fused 120 $FP8
   finish
   ;;
 table)

@@ -130,7 +130,14 @@ def _gemv(m: int) -> tuple[Config, ...]:
         Config(1, 16, 512, 1, 4, 1, prefetch=True, reduce_each=True),
         Config(1, 32, 512, 4, 4, 1, reduce_each=True),
     )
-    return plain + prefetching + reducing
+    # A K slice of 4,096 (qkv, o) in one chunk: with PDL the whole slice is read before the
+    # wait (`EARLY_WEIGHT`), while the kernel before still runs (`chain_lead`).
+    whole_slice = (
+        Config(1, 16, 512, 8, 4, 1),
+        Config(1, 16, 512, 8, 4, 1, reduce_each=True),
+        Config(1, 8, 1024, 4, 4, 1, reduce_each=True),
+    )
+    return plain + prefetching + reducing + whole_slice
 
 
 # The tensor-core form split along K: the same 16-row tiles, 4x the programs for N = 4096.
@@ -179,7 +186,7 @@ _CANDIDATES: dict[int, tuple[Config, ...]] = {
         (128, 128, 128, 8, 3), (128, 64, 128, 4, 4), (64, 128, 128, 8, 3), (128, 256, 64, 8, 3)
     ),
 }
-# About 59 distinct kernels to compile over all buckets (GEMV: one per row count), the most
+# About 62 distinct kernels to compile over all buckets (GEMV: one per row count), the most
 # of an 8B model's tuning at load; the timing itself is ~1-3 s a weight shape.
 # Used without tuning (TANDEM_TUNE_KERNELS=0 on CUDA, the interpreter): this kernel up to
 # M = 16, the scaled GEMM above.
@@ -643,10 +650,48 @@ def time_config(
     scale: torch.Tensor,
     config: Config,
     locks: torch.Tensor,
+    lead: Callable[[], object] | None = None,
 ) -> float | None:
     """`time_in_graph` of `w8a16_gemm` with `config` over the weight `copies` (one lock buffer
-    serves them all: the calls run one after another)."""
-    return time_in_graph([lambda w=w: w8a16_gemm(x, w, scale, config, locks) for w in copies])
+    serves them all: the calls run one after another), each call after `lead` when given
+    (`chain_lead`)."""
+    return time_in_graph(
+        [_after(lead, lambda w=w: w8a16_gemm(x, w, scale, config, locks)) for w in copies]
+    )
+
+
+def _after(lead: Callable[[], object] | None, run: Callable[[], object]) -> Callable[[], object]:
+    """`run`, with `lead` launched just before it when given."""
+    if lead is None:
+        return run
+    return lambda: (lead(), run())
+
+
+def timing_setting() -> str:
+    """TANDEM_W8A16_TIMING: how the tuner times a candidate with PDL on. "chain" (default):
+    each call after a short kernel, as a decode step runs it (`chain_lead`); "alone": the
+    calls back to back (A/B; without PDL they are always timed so)."""
+    flag = os.environ.get("TANDEM_W8A16_TIMING", "chain")
+    if flag not in ("chain", "alone"):
+        raise ValueError(f"TANDEM_W8A16_TIMING={flag!r}: expected 'chain' or 'alone'")
+    return flag
+
+
+def chain_lead(m: int, k: int, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
+    """The kernel a decode step runs before most of its GEMVs, as a stand-in to time them
+    after: an add+RMSNorm of `m` rows of `k` (before qkv and gate_up it is that very kernel;
+    before o_proj the attention merge, as short). With PDL the GEMV reads its first weight
+    chunk before it waits for the kernel before (`EARLY_WEIGHT`), so its weight stream starts
+    while that kernel runs; timed back to back after another GEMV, whose own stream keeps the
+    memory busy, that head start does not show, and the tuner would not see what the configs
+    that read the most before the wait (a K slice in one chunk) win in a step."""
+    from tandem_kernels.rms_norm import fused_add_rms_norm
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(m, k, device=device, generator=gen).to(dtype)
+    residual = torch.randn(m, k, device=device, generator=gen).to(dtype)
+    weight = torch.ones(k, dtype=dtype, device=device)
+    return lambda: fused_add_rms_norm(x, residual, weight, 1e-6)
 
 
 def tune_w8a16(
@@ -659,8 +704,9 @@ def tune_w8a16(
     """Measure, once per (N, K, dtype, baseline), this kernel's candidates against `baseline`
     (the layer's own path, `baseline(x, weight)`: activation quantization + scaled GEMM) at
     every bucket of `M_BUCKETS`, on random activations and this weight, in CUDA graphs
-    (`time_in_graph`); remember the winners for `choose`. The log entry (`tuning_log`) keeps
-    every candidate's time and the seconds the shape took (`tune_s`, compiles included).
+    (`time_in_graph`; with PDL each call after `chain_lead`, see `timing_setting`); remember
+    the winners for `choose`. The log entry (`tuning_log`) keeps every candidate's time and
+    the seconds the shape took (`tune_s`, compiles included).
     A no-op off CUDA, under the interpreter, during capture, or with TANDEM_TUNE_KERNELS=0."""
     n, k = weight.shape
     key = (n, k, dtype, baseline_name)
@@ -671,11 +717,17 @@ def tune_w8a16(
     copies = weight_copies(weight)
     locks = w8a16_locks(n, weight.device)
     choices: dict[int, Config | None] = {}
-    record: dict[str, object] = {"n": n, "k": k, "baseline": baseline_name, "us": {}}
+    chain = pdl_launch(weight.device) and timing_setting() == "chain"
+    record: dict[str, object] = {
+        "n": n, "k": k, "baseline": baseline_name, "chain": chain, "us": {},
+    }  # fmt: skip
     for b in M_BUCKETS:
         x = torch.randn(b, k, device=weight.device, generator=gen).to(dtype)
-        base_us = time_in_graph([lambda x=x, w=w: baseline(x, w) for w in copies])
-        timed = {c: time_config(x, copies, scale, c, locks) for c in candidates(b)}
+        # With PDL, each call after the short kernel a step runs before it (`chain_lead`):
+        # every time then includes that kernel's (`lead_us`, timed alone).
+        lead = chain_lead(b, k, dtype, weight.device) if chain else None
+        base_us = time_in_graph([_after(lead, lambda x=x, w=w: baseline(x, w)) for w in copies])
+        timed = {c: time_config(x, copies, scale, c, locks, lead) for c in candidates(b)}
         ok = {c: t for c, t in timed.items() if t is not None}
         best = min(ok, key=ok.__getitem__) if ok else None
         use = best if best is not None and (base_us is None or ok[best] < base_us) else None
@@ -685,6 +737,7 @@ def tune_w8a16(
             "best": best.name if best else None,
             "best_us": ok.get(best) if best else None,
             "use": "w8a16" if use else "baseline",
+            "lead_us": time_in_graph([lead] * len(copies)) if lead else None,
             "candidates": {c.name: t for c, t in timed.items()},
         }
     del copies
