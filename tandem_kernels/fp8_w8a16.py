@@ -684,7 +684,9 @@ def chain_lead(m: int, k: int, dtype: torch.dtype, device: torch.device) -> Call
     chunk before it waits for the kernel before (`EARLY_WEIGHT`), so its weight stream starts
     while that kernel runs; timed back to back after another GEMV, whose own stream keeps the
     memory busy, that head start does not show, and the tuner would not see what the configs
-    that read the most before the wait (a K slice in one chunk) win in a step."""
+    that read the most before the wait (a K slice in one chunk) win in a step. One call
+    differs: down_proj at one row follows gate_up itself (the SiLU-and-mul is in its loads),
+    a GEMV of its own; its times here are those of the other rows' chain."""
     from tandem_kernels.rms_norm import fused_add_rms_norm
 
     gen = torch.Generator(device=device).manual_seed(1)
