@@ -684,9 +684,9 @@ def chain_lead(m: int, k: int, dtype: torch.dtype, device: torch.device) -> Call
     chunk before it waits for the kernel before (`EARLY_WEIGHT`), so its weight stream starts
     while that kernel runs; timed back to back after another GEMV, whose own stream keeps the
     memory busy, that head start does not show, and the tuner would not see what the configs
-    that read the most before the wait (a K slice in one chunk) win in a step. One call
-    differs: down_proj at one row follows gate_up itself (the SiLU-and-mul is in its loads),
-    a GEMV of its own; its times here are those of the other rows' chain."""
+    that read the most before the wait (a K slice in one chunk) win in a step. Down_proj at
+    one row follows gate_up itself (the SiLU-and-mul is in its loads): `tune_w8a16` times that
+    bucket back to back, after another GEMV (`gated_input`)."""
     from tandem_kernels.rms_norm import fused_add_rms_norm
 
     gen = torch.Generator(device=device).manual_seed(1)
@@ -702,12 +702,15 @@ def tune_w8a16(
     dtype: torch.dtype,
     baseline_name: str,
     baseline: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    gated_input: bool = False,
 ) -> dict[int, Config | None]:
     """Measure, once per (N, K, dtype, baseline), this kernel's candidates against `baseline`
     (the layer's own path, `baseline(x, weight)`: activation quantization + scaled GEMM) at
     every bucket of `M_BUCKETS`, on random activations and this weight, in CUDA graphs
-    (`time_in_graph`; with PDL each call after `chain_lead`, see `timing_setting`); remember
-    the winners for `choose`. The log entry (`tuning_log`) keeps every candidate's time and
+    (`time_in_graph`; with PDL each call after `chain_lead`, see `timing_setting`, but for a
+    `gated_input` layer's buckets up to GATED_MAX_M rows, where it takes the SiLU-and-mul's
+    input and so follows the projection before it directly); remember the winners for
+    `choose`. The log entry (`tuning_log`) keeps every candidate's time and
     the seconds the shape took (`tune_s`, compiles included).
     A no-op off CUDA, under the interpreter, during capture, or with TANDEM_TUNE_KERNELS=0."""
     n, k = weight.shape
@@ -727,7 +730,8 @@ def tune_w8a16(
         x = torch.randn(b, k, device=weight.device, generator=gen).to(dtype)
         # With PDL, each call after the short kernel a step runs before it (`chain_lead`):
         # every time then includes that kernel's (`lead_us`, timed alone).
-        lead = chain_lead(b, k, dtype, weight.device) if chain else None
+        follows_gemv = gated_input and b <= GATED_MAX_M
+        lead = chain_lead(b, k, dtype, weight.device) if chain and not follows_gemv else None
         base_us = time_in_graph([_after(lead, lambda x=x, w=w: baseline(x, w)) for w in copies])
         timed = {c: time_config(x, copies, scale, c, locks, lead) for c in candidates(b)}
         ok = {c: t for c, t in timed.items() if t is not None}

@@ -37,6 +37,8 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.cpu_kernels = cpu_kernels
         self.input_quant = input_quantizer(quant_consumer)
+        if quant_consumer is not None and hasattr(quant_consumer, "gated_input"):
+            quant_consumer.gated_input = True
 
     def forward(self, x: torch.Tensor) -> Activation:
         if self.input_quant is not None and x.dim() == 2 and x.stride(-1) == 1:

@@ -74,6 +74,10 @@ class LinearBase(nn.Module):
         self.tp_rank = ctx.parallel.tp_rank if tp_sharded else 0
         self.tp_size = ctx.parallel.tp_size if tp_sharded else 1
         self.prefix = prefix
+        # Fed by a gated activation (`SiluAndMul(quant_consumer=self)` sets it), which a
+        # method may fold into its own loads at small batches: the layer's kernel then follows
+        # the projection before it directly (the W8A16 tuner times it so).
+        self.gated_input = False
         self.quant_method = get_quant_method(ctx, self, prefix)
         self.bias: nn.Parameter | None = None
 

@@ -17,25 +17,25 @@ from tandem_kernels import fp8_w8a16 as w8
 N, K = 1024, 1024  # 1 MiB of e4m3: the smallest weight the tuner measures
 
 
-def _tune(monkeypatch: pytest.MonkeyPatch, pdl: bool) -> tuple[list[list[Any]], dict[str, Any]]:
-    """Run the tuner at one bucket (one row) with fakes; returns each timed graph's launches
-    and the log entry. A GEMV config's fake time is its index among the candidates (the first
-    wins), the baseline's 1,000 us."""
+def _tune(
+    monkeypatch: pytest.MonkeyPatch,
+    pdl: bool,
+    buckets: tuple[int, ...] = (1,),
+    gated_input: bool = False,
+) -> tuple[list[list[Any]], dict[str, Any]]:
+    """Run the tuner at `buckets` with fakes; returns each timed graph's launches and the log
+    entry. Every GEMV config takes 1 us (the first candidate wins), the baseline 1,000."""
     launches: list[Any] = []
     graphs: list[list[Any]] = []
-    order = {c: i for i, c in enumerate(w8.candidates(1))}
 
     def fake_time_in_graph(runs: list[Any], reps: int = 8) -> float:
         start = len(launches)
         for run in runs:
             run()
         graphs.append(launches[start:])
-        kinds = [event[0] for event in launches[start:]]
-        if "gemv" in kinds:
-            return float(order[launches[start + kinds.index("gemv")][1]])
-        return 1000.0
+        return 1.0 if any(event[0] == "gemv" for event in launches[start:]) else 1000.0
 
-    monkeypatch.setattr(w8, "M_BUCKETS", (1,))
+    monkeypatch.setattr(w8, "M_BUCKETS", buckets)
     monkeypatch.setattr(w8, "_choices", {})
     monkeypatch.setattr(w8, "tuning_log", [])
     monkeypatch.setattr(w8, "_may_tune", lambda weight: True)
@@ -51,9 +51,14 @@ def _tune(monkeypatch: pytest.MonkeyPatch, pdl: bool) -> tuple[list[list[Any]], 
     weight = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
     scale = torch.ones((), dtype=torch.float32)
     choices = w8.tune_w8a16(
-        weight, scale, torch.bfloat16, "test/chain", lambda x, w: launches.append(("base",))
+        weight,
+        scale,
+        torch.bfloat16,
+        "test/chain",
+        lambda x, w: launches.append(("base",)),
+        gated_input=gated_input,
     )
-    assert choices == {1: w8.candidates(1)[0]}
+    assert choices == {b: w8.candidates(b)[0] for b in buckets}
     return graphs, w8.tuning_log[-1]
 
 
@@ -85,6 +90,39 @@ def test_without_pdl_or_asked_alone_the_calls_run_back_to_back(
     assert log["chain"] is False and log["us"]["1"]["lead_us"] is None
     assert all(event[0] != "lead" for launched in graphs for event in launched)
     assert graphs[0] == [("base",)] * 2
+
+
+def test_a_gated_input_layer_follows_the_projection_at_the_gated_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Down_proj folds the SiLU-and-mul into its loads up to GATED_MAX_M rows, so in a step it
+    follows gate_up, a GEMV: those buckets are timed back to back, the others after the lead."""
+    monkeypatch.delenv("TANDEM_W8A16_TIMING", raising=False)
+    assert w8.GATED_MAX_M == 1
+    graphs, log = _tune(monkeypatch, pdl=True, buckets=(1, 2), gated_input=True)
+    one_row = graphs[: 1 + len(w8.candidates(1))]
+    two_rows = graphs[len(one_row) :]
+    assert all(event[0] != "lead" for launched in one_row for event in launched)
+    assert log["us"]["1"]["lead_us"] is None
+    base, *timed, lead_alone = two_rows
+    assert base == [("lead", 2, K), ("base",)] * 2 and lead_alone == [("lead", 2, K)] * 2
+    assert all(launched[0] == ("lead", 2, K) for launched in timed)
+    assert log["us"]["2"]["lead_us"] == 1000.0
+
+
+def test_silu_and_mul_marks_the_linear_it_feeds() -> None:
+    """The tuner learns a layer's input is gated from the activation that feeds it."""
+    from tandem.layers.activation import SiluAndMul
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.linear import RowParallelLinear
+    from tandem.models import ModelContext
+    from tests.parallel_groups import CPU, fake_parallel_state
+
+    ctx = ModelContext(torch.float32, CPU, get_attention_backend("torch"), fake_parallel_state())
+    down = RowParallelLinear(8, 4, False, ctx, prefix="mlp.down_proj")
+    assert down.gated_input is False
+    SiluAndMul(quant_consumer=down)
+    assert down.gated_input is True
 
 
 def test_a_bad_timing_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

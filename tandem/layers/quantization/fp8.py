@@ -355,6 +355,7 @@ class Fp8LinearMethod(LinearMethodBase):
                 layer.params_dtype,
                 self._baseline_name,
                 lambda x, w: self._scaled(layer, x, None, x.dtype, w),
+                gated_input=getattr(layer, "gated_input", False),
             )
 
     @property
