@@ -29,7 +29,7 @@ def rotate_neox(x1, x2, c, s):
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     src_ptr,
     dst_ptr,
     tok,
@@ -44,6 +44,9 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
+    """Token `tok`'s `num_heads` heads rotated from `src_ptr` to `dst_ptr` (the rotary dims
+    only; the rest is the caller's). Both rotary kernels' one step over Q (and this module's
+    over K)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
@@ -90,7 +93,7 @@ def _rotary_kernel(
     dmask = offs_d < HALF
     c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=dmask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    _rotate_heads(
+    rotate_heads(
         q_ptr,
         q_out_ptr,
         tok,
@@ -105,7 +108,7 @@ def _rotary_kernel(
         BLOCK_H,
         BLOCK_HALF,
     )
-    _rotate_heads(
+    rotate_heads(
         k_ptr,
         k_out_ptr,
         tok,

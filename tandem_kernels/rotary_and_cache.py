@@ -38,7 +38,7 @@ from tandem_kernels.reshape_and_cache import (
     reshape_and_cache_ref,
     store_cache_tile,
 )
-from tandem_kernels.rotary import rotary_embedding_ref, rotate_neox
+from tandem_kernels.rotary import rotary_embedding_ref, rotate_heads, rotate_neox
 
 
 def rotary_kv_setting() -> bool:
@@ -101,18 +101,16 @@ def _rotary_and_cache_kernel(
     offs_r = 2 * HALF + tl.arange(0, BLOCK_REST)
     rmask = offs_r < HEAD_SIZE
 
-    offs_h = tl.arange(0, BLOCK_H)
-    q_mask = (offs_h[:, None] < num_heads) & dmask[None, :]
-    q_src = row + offs_h[:, None] * HEAD_SIZE
-    q1 = tl.load(q_src + offs_d[None, :], mask=q_mask, other=0.0)
-    q2 = tl.load(q_src + HALF + offs_d[None, :], mask=q_mask, other=0.0)
-    o1, o2 = rotate_neox(q1, q2, c, s)
-    q_dst = q_out_ptr + tok * stride_qo_tok + offs_h[:, None] * stride_qo_head
-    tl.store(q_dst + offs_d[None, :], o1.to(q1.dtype), mask=q_mask)
-    tl.store(q_dst + HALF + offs_d[None, :], o2.to(q1.dtype), mask=q_mask)
+    # Q: the rotary kernel's own per-token step, the projection's row as its source.
+    rotate_heads(
+        qkv_ptr, q_out_ptr, tok, stride_qkv_tok, HEAD_SIZE, stride_qo_tok, stride_qo_head,
+        num_heads, c, s, HALF, BLOCK_H, BLOCK_HALF,
+    )  # fmt: skip
     if 2 * HALF < HEAD_SIZE:
+        offs_h = tl.arange(0, BLOCK_H)
         q_rmask = (offs_h[:, None] < num_heads) & rmask[None, :]
-        q_rest = tl.load(q_src + offs_r[None, :], mask=q_rmask)
+        q_rest = tl.load(row + offs_h[:, None] * HEAD_SIZE + offs_r[None, :], mask=q_rmask)
+        q_dst = q_out_ptr + tok * stride_qo_tok + offs_h[:, None] * stride_qo_head
         tl.store(q_dst + offs_r[None, :], q_rest, mask=q_rmask)
 
     offs_hkv = tl.arange(0, BLOCK_HKV)
@@ -140,7 +138,6 @@ def _rotary_and_cache_kernel(
         store_cache_tile(dst + offs_d[None, :], r1, k_mask, k_scale, FP8)
         store_cache_tile(dst + HALF + offs_d[None, :], r2, k_mask, k_scale, FP8)
         if 2 * HALF < HEAD_SIZE:
-            k_rest = tl.load(k_src + offs_r[None, :], mask=k_rmask)
             store_cache_tile(dst + offs_r[None, :], k_rest, k_rmask, k_scale, FP8)
         offs_v = tl.arange(0, BLOCK_D)
         v_mask = (offs_hkv[:, None] < num_kv_heads) & (offs_v[None, :] < HEAD_SIZE)
