@@ -46,6 +46,10 @@ and every graph replay on its stream. The sum over slices is in a fixed order, s
 not depend on which program came last.
 
 Reference: `w8a16_gemm_ref` (dequantize, then matmul in fp32).
+
+16-bit weights take the same kernels (W16A16: the weight in x's dtype, a scale of one), for
+the unquantized linear layers at decode batch sizes where they beat the 16-bit GEMM
+(`tune_w16a16`, opt-in through TANDEM_W16A16 until a device run times it: `w16a16_setting`).
 """
 
 from __future__ import annotations
@@ -497,10 +501,11 @@ def w8a16_gemm(
     early_weight: bool | None = None,
 ) -> torch.Tensor:
     """`x [M, K] @ (weight [N, K] e4m3 * scale)^T` in x's dtype; `scale` float32 `[]`, `[1]`
-    or `[N, 1]`. Rows contiguous. One kernel launch (and a fp32 workspace from the caching
-    allocator for split-K); reads no device values on the host, so it can be captured in a
-    CUDA graph. `locks`: `w8a16_locks(N, ...)`, for a split-K config; without it a zeroed
-    one is made per call (one more memset).
+    or `[N, 1]`; the weight may be in x's dtype instead (W16A16, with `unit_scale`). Rows
+    contiguous. One kernel launch (and a fp32 workspace from the caching allocator for
+    split-K); reads no device values on the host, so it can be captured in a CUDA graph.
+    `locks`: `w8a16_locks(N, ...)`, for a split-K config; without it a zeroed one is made
+    per call (one more memset).
     `gated`: x is `[M, 2K]` (gate | up) and the product is that of its SiLU-and-mul, computed
     as the kernel reads it (the same values as tandem_kernels.activation.silu_and_mul's).
     `early_weight`: the GEMV form reads its first weight chunk ahead of the rest, as it does
@@ -508,7 +513,8 @@ def w8a16_gemm(
     assert x.dim() == 2 and weight.dim() == 2
     assert x.shape[1] == weight.shape[1] * (2 if gated else 1), (x.shape, weight.shape, gated)
     assert x.stride(1) == 1 and weight.stride(1) == 1
-    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert weight.dtype in (torch.float8_e4m3fn, x.dtype), (weight.dtype, x.dtype)
+    assert scale.dtype == torch.float32
     m = x.shape[0]
     n, k = weight.shape
     assert scale.numel() in (1, n), (scale.shape, n)
@@ -751,3 +757,40 @@ def tune_w8a16(
     _choices[key] = choices
     tuning_log.append(record)
     return choices
+
+
+# 16-bit weights (W16A16): the same kernels with the weight in x's dtype and a scale of one,
+# against the 16-bit GEMM (`F.linear`, cuBLAS) the unquantized layer runs otherwise.
+W16A16_BASELINE = "linear"
+
+
+def w16a16_setting() -> bool:
+    """TANDEM_W16A16: "tuned", the unquantized linear layers (and the LM head) time this
+    module's kernels against their 16-bit GEMM at load and take them at the batch buckets
+    where they win (`tune_w16a16`); unset or "off" (the default until a device run times it),
+    the 16-bit GEMM always."""
+    flag = os.environ.get("TANDEM_W16A16", "off")
+    if flag not in ("tuned", "off"):
+        raise ValueError(f"TANDEM_W16A16={flag!r}: expected 'tuned' or 'off'")
+    return flag == "tuned"
+
+
+def unit_scale(device: torch.device | str) -> torch.Tensor:
+    """The scale of a 16-bit weight: one, float32 `[1]`."""
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
+def tune_w16a16(weight: torch.Tensor, scale: torch.Tensor) -> dict[int, Config | None]:
+    """`tune_w8a16` for a 16-bit weight (`scale`: its `unit_scale`), against `F.linear` at
+    each bucket; activations in the weight's dtype."""
+    return tune_w8a16(weight, scale, weight.dtype, W16A16_BASELINE, lambda x, w: F.linear(x, w))
+
+
+def choose_w16a16(m: int, n: int, k: int, dtype: torch.dtype) -> Config | None:
+    """This module's config for a 16-bit `[m, k] x [n, k]^T` product where `tune_w16a16`
+    measured it faster than the 16-bit GEMM, else None (also for a shape never measured:
+    unlike the FP8 path, no untuned default)."""
+    b = bucket(m)
+    if b is None:
+        return None
+    return _choices.get((n, k, dtype, W16A16_BASELINE), {}).get(b)

@@ -177,3 +177,79 @@ def test_fp8_model_down_proj_takes_its_input_gated(
     unfused = _logits(model, device)
     assert not gated_layers
     assert torch.equal(gated, unfused)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_w16a16_every_candidate_matches_linear(dtype: torch.dtype) -> None:
+    """16-bit weights through the same kernels (W16A16), every candidate of 1..16 rows at the
+    o and down shapes, against `F.linear` (cuBLAS) on the same weight."""
+    gen = torch.Generator(device="cuda").manual_seed(20)
+    scale = w8a16.unit_scale("cuda")
+    for n, k in SHAPES_8B[1::2]:
+        w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(dtype)
+        locks = w8a16.w8a16_locks(n, "cuda")
+        for b in (1, 2, 4, 8, 16):
+            for i, config in enumerate(w8a16.candidates(b)):
+                m = b - (i % 2) * (b // 2)
+                x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+                try:
+                    out = w8a16.w8a16_gemm(x, w, scale, config, locks)
+                except Exception as exc:  # a tile too large for 16-bit weights: never picked
+                    assert "resources" in str(exc).lower(), (n, k, config, exc)
+                    continue
+                ref = torch.nn.functional.linear(x.float(), w.float())
+                assert _rel_err(out, ref) < 5e-3, (n, k, m, config)
+                assert not locks.any(), (n, k, m, config)
+
+
+def test_the_unquantized_layer_takes_the_w16a16_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TANDEM_W16A16=tuned: the unquantized method tunes a bf16 weight at load against
+    `F.linear`, serves each measured bucket with its pick (the same bits as the kernel called
+    with that config), every batch within rounding of `F.linear`, eager and replayed from a
+    CUDA graph; an input embedding is never tuned."""
+    from torch import nn
+
+    from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
+
+    monkeypatch.setenv("TANDEM_W16A16", "tuned")
+    n, k = 4096, 4096
+    method = UnquantizedLinearMethod()
+    layer = nn.Module()
+    method.create_weights(layer, k, [n], k, n, torch.bfloat16, device=torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    layer.weight.data.copy_(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    method.process_weights_after_loading(layer)
+    assert layer.w16a16 is not None
+    record = w8a16.tuning_log[-1]
+    assert record["baseline"] == w8a16.W16A16_BASELINE and (record["n"], record["k"]) == (n, k)
+    print("W16A16 picks:", {b: v["use"] for b, v in record["us"].items()})  # type: ignore[union-attr]
+    scale, locks = layer.w16a16
+    for m in (1, 2, 3, 8, 16, 64, 300):
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        out = method.apply(layer, x)
+        ref = torch.nn.functional.linear(x, layer.weight)
+        assert _rel_err(out, ref) < 5e-3, m
+        config = w8a16.choose_w16a16(m, n, k, torch.bfloat16)
+        if config is not None:
+            assert torch.equal(out, w8a16.w8a16_gemm(x, layer.weight, scale, config, locks)), m
+    x = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16)
+    method.apply(layer, x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = method.apply(layer, x)
+    for _ in range(5):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, method.apply(layer, x))
+        assert not locks.any()
+
+    from tandem.layers.vocab import VocabParallelEmbedding
+
+    embedding = VocabParallelEmbedding.__new__(VocabParallelEmbedding)
+    nn.Module.__init__(embedding)
+    embedding.weight = nn.Parameter(torch.zeros(4096, 4096, device="cuda", dtype=torch.bfloat16))
+    logged = len(w8a16.tuning_log)
+    method.process_weights_after_loading(embedding)
+    assert embedding.w16a16 is None and len(w8a16.tuning_log) == logged

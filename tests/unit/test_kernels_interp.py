@@ -484,6 +484,42 @@ def case_fp8_w8a16_candidates(dtype: torch.dtype) -> None:
         fp8_w8a16.w8a16_gemm(x, schemes[1][0], schemes[1][1], split, locks[:2])
 
 
+@_case(*({"dtype": d} for d in (torch.float32, torch.float16, torch.bfloat16)))
+def case_w16a16_candidates(dtype: torch.dtype) -> None:
+    """16-bit weights through the same kernels (W16A16: the weight in x's dtype, a unit
+    scale): every config the tuner may pick for 1..8 rows against `F.linear` in fp32, K =
+    1120 (uneven and empty K slices), one lock buffer all zeros after each call. bf16: the
+    GEMV form only (the interpreter's bf16 dot is wrong). A weight of another dtype than x's
+    is refused."""
+    from tandem_kernels import fp8_w8a16
+
+    gen = torch.Generator().manual_seed(13)
+    n, k = 24, 1120
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    scale = fp8_w8a16.unit_scale("cpu")
+    locks = fp8_w8a16.w8a16_locks(n, "cpu")
+    seen_gemv = seen_dot = 0
+    for b, m in ((1, 1), (2, 2), (4, 3), (8, 7)):
+        for config in fp8_w8a16.candidates(b):
+            gemv = config.block_m < 16
+            if not gemv and (dtype == torch.bfloat16 or b != 8):
+                continue
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            out = fp8_w8a16.w8a16_gemm(x, w, scale, config, locks)
+            ref = torch.nn.functional.linear(x.float(), w.float()).to(dtype)
+            tol = 1e-4 if dtype == torch.float32 else 1.6e-2 if dtype == torch.bfloat16 else 2e-3
+            torch.testing.assert_close(
+                out, ref, atol=tol, rtol=tol, msg=lambda e, c=config: f"{c}: {e}"
+            )
+            assert not locks.any(), config
+            seen_gemv += gemv
+            seen_dot += not gemv
+    assert seen_gemv > 20 and (seen_dot > 5 or dtype == torch.bfloat16), (seen_gemv, seen_dot)
+    other = torch.float16 if dtype != torch.float16 else torch.bfloat16
+    with pytest.raises(AssertionError):
+        fp8_w8a16.w8a16_gemm(torch.randn(1, k).to(other), w, scale)
+
+
 @_case(*({"dtype": d} for d in (torch.float32, torch.bfloat16)))
 def case_fp8_w8a16_early_weight(dtype: torch.dtype) -> None:
     """The GEMV form reading its first weight chunk ahead of the wait, as it does when

@@ -17,14 +17,12 @@ from tandem_kernels import fp8_w8a16 as w8
 N, K = 1024, 1024  # 1 MiB of e4m3: the smallest weight the tuner measures
 
 
-def _tune(
-    monkeypatch: pytest.MonkeyPatch,
-    pdl: bool,
-    buckets: tuple[int, ...] = (1,),
-    gated_input: bool = False,
-) -> tuple[list[list[Any]], dict[str, Any]]:
-    """Run the tuner at `buckets` with fakes; returns each timed graph's launches and the log
-    entry. Every GEMV config takes 1 us (the first candidate wins), the baseline 1,000."""
+def _fakes(
+    monkeypatch: pytest.MonkeyPatch, pdl: bool, buckets: tuple[int, ...]
+) -> tuple[list[Any], list[list[Any]]]:
+    """The tuner's clock and kernels replaced: every GEMV config takes 1 us (the first
+    candidate wins), the baseline 1,000. Returns the launch list and each timed graph's
+    launches, filled as the tuner runs."""
     launches: list[Any] = []
     graphs: list[list[Any]] = []
 
@@ -48,6 +46,18 @@ def _tune(
     monkeypatch.setattr(
         w8, "w8a16_gemm", lambda x, w, s, config, locks: launches.append(("gemv", config))
     )
+    return launches, graphs
+
+
+def _tune(
+    monkeypatch: pytest.MonkeyPatch,
+    pdl: bool,
+    buckets: tuple[int, ...] = (1,),
+    gated_input: bool = False,
+) -> tuple[list[list[Any]], dict[str, Any]]:
+    """Run the tuner at `buckets` with fakes (`_fakes`); returns each timed graph's launches
+    and the log entry."""
+    launches, graphs = _fakes(monkeypatch, pdl, buckets)
     weight = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
     scale = torch.ones((), dtype=torch.float32)
     choices = w8.tune_w8a16(
@@ -140,3 +150,60 @@ def test_one_row_candidates_read_a_whole_k_slice_in_one_chunk() -> None:
         (16, 512, 8, True),
         (8, 1024, 4, True),
     }
+
+
+def test_16_bit_weights_are_tuned_against_the_16_bit_gemm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """W16A16: `tune_w16a16` times the same candidates against `F.linear` on the weight in
+    its own dtype, under its own baseline name; `choose_w16a16` serves only measured shapes
+    and buckets (no untuned default, unlike the FP8 path's `choose`)."""
+    _, graphs = _fakes(monkeypatch, pdl=False, buckets=(1, 2))
+    linear_calls: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def fake_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        linear_calls.append((x.dtype, w.dtype))
+        return x[:, :1]
+
+    monkeypatch.setattr(w8.F, "linear", fake_linear)
+    weight = torch.zeros(N, K, dtype=torch.bfloat16)
+    choices = w8.tune_w16a16(weight, w8.unit_scale("cpu"))
+    assert choices == {1: w8.candidates(1)[0], 2: w8.candidates(2)[0]}
+    assert linear_calls and set(linear_calls) == {(torch.bfloat16, torch.bfloat16)}
+    assert len(graphs) == 2 + len(w8.candidates(1)) + len(w8.candidates(2))  # baseline + each
+    assert w8.tuning_log[-1]["baseline"] == w8.W16A16_BASELINE
+    assert w8.choose_w16a16(1, N, K, torch.bfloat16) == w8.candidates(1)[0]
+    assert w8.choose_w16a16(2, N, K, torch.bfloat16) == w8.candidates(2)[0]
+    assert w8.choose_w16a16(3, N, K, torch.bfloat16) is None  # bucket 4: not measured
+    assert w8.choose_w16a16(1, N, K, torch.float16) is None
+    assert w8.choose_w16a16(1, 2 * N, K, torch.bfloat16) is None
+    assert w8.choose(1, 2 * N, K, torch.bfloat16, "any") is not None  # FP8's untuned default
+    assert w8.unit_scale("cpu").tolist() == [1.0]
+
+
+def test_the_w16a16_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TANDEM_W16A16", raising=False)
+    assert w8.w16a16_setting() is False
+    monkeypatch.setenv("TANDEM_W16A16", "tuned")
+    assert w8.w16a16_setting() is True
+    monkeypatch.setenv("TANDEM_W16A16", "on")
+    with pytest.raises(ValueError, match="TANDEM_W16A16"):
+        w8.w16a16_setting()
+
+
+def test_the_unquantized_method_tunes_nothing_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the unquantized method keeps `F.linear` whatever the setting: no tuning, no
+    lock buffer (`layer.w16a16` None)."""
+    from torch import nn
+
+    from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
+
+    monkeypatch.setenv("TANDEM_W16A16", "tuned")
+    monkeypatch.setattr(w8, "tune_w16a16", lambda *a: pytest.fail("tuned on the CPU"))
+    method = UnquantizedLinearMethod()
+    layer = nn.Module()
+    method.create_weights(layer, 8, [4], 8, 4, torch.bfloat16)
+    method.process_weights_after_loading(layer)
+    assert layer.w16a16 is None
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert torch.equal(method.apply(layer, x), torch.nn.functional.linear(x, layer.weight))

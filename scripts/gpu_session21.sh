@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Wave 3, twenty-first session's device plan (after scripts/gpu_session20.sh's PART=fuse), one
+# device call from the repository root carrying .whl, results under $OUT. The fusions' switches
+# (TANDEM_DECODE_MERGE, TANDEM_ROTARY_KV) pass through from the caller's environment.
+#
+#   PART=served: bf16 batch 1 (the 8B shape, offline) with the 16-bit GEMM and with the
+#            small-batch kernels on 16-bit weights where they time faster at load
+#            (TANDEM_W16A16=tuned); the faster of the two then serves issue 30's table in bf16
+#            at the defaults (fresh prompts per rate, 5 / 15 / 25 req/s and all at once).
+#
+#   OUT=/some/dir PART=served bash scripts/gpu_session21.sh
+set -u
+ISSUE=session21
+case "${PART:-served}" in
+served)
+  BUDGET_S=${BUDGET_S:-590}
+  . scripts/device_lib.sh
+  export WORKLOADS=none
+  TANDEM_W16A16=off offline bf16_b1_gemm 110
+  TANDEM_W16A16=tuned offline bf16_b1_w16a16 130
+  faster=$($PY - "$OUT" <<'PYEOF'
+import json, sys
+def tpot(name):
+    try:
+        return json.load(open(f"{sys.argv[1]}/offline_{name}.json"))["batch1"]["tpot_ms"]
+    except (OSError, KeyError, ValueError):
+        return None
+gemm, w16 = tpot("bf16_b1_gemm"), tpot("bf16_b1_w16a16")
+print("tuned" if gemm and w16 and w16 < 0.99 * gemm else "off")
+PYEOF
+)
+  echo "batch 1: TANDEM_W16A16=$faster serves the table" | tee -a "$summary"
+  mkdir -p "$OUT/bf16"
+  left=$((BUDGET_S - (SECONDS - START) - 10))
+  OUT="$OUT/bf16" RUNS=unified OFFLINE=none RATES=5,15,25,inf BUDGET_S=$left \
+    TANDEM_W16A16=$faster bash scripts/gpu_issue14.sh 2>&1 \
+    | grep -E "^\| unified|answered|total|rate" | tee -a "$summary"
+  rm -f "$OUT"/*/issue14.png
+  finish
+  ;;
+*)
+  echo "unknown PART=${PART}" >&2
+  exit 2
+  ;;
+esac
