@@ -203,6 +203,7 @@ def test_the_unquantized_method_tunes_nothing_off_cuda(monkeypatch: pytest.Monke
     method = UnquantizedLinearMethod()
     layer = nn.Module()
     method.create_weights(layer, 8, [4], 8, 4, torch.bfloat16)
+    layer.weight.data.normal_()
     method.process_weights_after_loading(layer)
     assert layer.w16a16 is None
     x = torch.randn(3, 8, dtype=torch.bfloat16)
