@@ -12,6 +12,19 @@
 set -u
 ISSUE=session21
 case "${PART:-served}" in
+rest)  # the GPU tests PART=fuse's 200 s left unrun, by name; bf16 batch 1 both ways
+  BUDGET_S=${BUDGET_S:-560}
+  . scripts/device_lib.sh
+  step "GPU tests" 300 "$OUT/gpu_tests_rest.log" $PY -m pytest -v -m gpu --timeout=250 -rs \
+    --tb=short --durations=12 tests/gpu/test_pdl_gpu.py tests/gpu/test_fp8_w8a16_gpu.py \
+    tests/gpu/test_fp8_gpu.py tests/gpu/test_cascade_attention_gpu.py
+  grep -E " (PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests_rest.log" | tail -n 40 >>"$summary"
+  export WORKLOADS=none
+  TANDEM_W16A16=off offline bf16_b1_gemm 100
+  TANDEM_W16A16=tuned offline bf16_b1_w16a16 130
+  grep -h "w8a16" "$OUT/offline_bf16_b1_w16a16.log" >>"$summary"
+  finish
+  ;;
 served)
   BUDGET_S=${BUDGET_S:-590}
   . scripts/device_lib.sh
