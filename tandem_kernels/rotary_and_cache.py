@@ -43,7 +43,9 @@ from tandem_kernels.rotary import rotary_embedding_ref, rotate_heads, rotate_neo
 
 def rotary_kv_setting() -> bool:
     """TANDEM_ROTARY_KV: "fused", the rotary embedding and the K/V write in this module's one
-    kernel; unset or "separate", the two kernels."""
+    kernel; unset or "separate", the two kernels (the default: with the in-kernel decode
+    merge, batch-1 FP8 decode with PDL took 3.56 ms against 3.55 without either on an H100,
+    session 21)."""
     flag = os.environ.get("TANDEM_ROTARY_KV", "separate")
     if flag not in ("fused", "separate"):
         raise ValueError(f"TANDEM_ROTARY_KV={flag!r}: expected 'fused' or 'separate'")

@@ -1,7 +1,8 @@
 """How the W8A16 tuner times its candidates (tandem_kernels.fp8_w8a16.tune_w8a16), on the CPU
-with the kernels and the clock replaced: with PDL each call is timed after the short kernel a
-decode step runs before it (`chain_lead`), the scaled-GEMM baseline too, and the lead alone;
-without PDL, or with TANDEM_W8A16_TIMING=alone, the calls run back to back."""
+with the kernels and the clock replaced: with PDL and TANDEM_W8A16_TIMING=chain each call is
+timed after the short kernel a decode step runs before it (`chain_lead`), the scaled-GEMM
+baseline too, and the lead alone; without PDL, or by default ("alone"), the calls run back to
+back. The 16-bit weights' tuning (W16A16) and its setting."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def _tune(
 def test_with_pdl_every_call_is_timed_after_the_chain_lead(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("TANDEM_W8A16_TIMING", raising=False)
+    monkeypatch.setenv("TANDEM_W8A16_TIMING", "chain")
     graphs, log = _tune(monkeypatch, pdl=True)
     assert log["chain"] is True
     lead = ("lead", 1, K)
@@ -88,7 +89,7 @@ def test_with_pdl_every_call_is_timed_after_the_chain_lead(
     assert log["us"]["1"]["lead_us"] == 1000.0
 
 
-@pytest.mark.parametrize(("pdl", "flag"), [(False, ""), (True, "alone")])
+@pytest.mark.parametrize(("pdl", "flag"), [(False, "chain"), (True, ""), (True, "alone")])
 def test_without_pdl_or_asked_alone_the_calls_run_back_to_back(
     monkeypatch: pytest.MonkeyPatch, pdl: bool, flag: str
 ) -> None:
@@ -107,7 +108,7 @@ def test_a_gated_input_layer_follows_the_projection_at_the_gated_rows(
 ) -> None:
     """Down_proj folds the SiLU-and-mul into its loads up to GATED_MAX_M rows, so in a step it
     follows gate_up, a GEMV: those buckets are timed back to back, the others after the lead."""
-    monkeypatch.delenv("TANDEM_W8A16_TIMING", raising=False)
+    monkeypatch.setenv("TANDEM_W8A16_TIMING", "chain")
     assert w8.GATED_MAX_M == 1
     graphs, log = _tune(monkeypatch, pdl=True, buckets=(1, 2), gated_input=True)
     one_row = graphs[: 1 + len(w8.candidates(1))]
@@ -183,6 +184,8 @@ def test_16_bit_weights_are_tuned_against_the_16_bit_gemm(
 
 def test_the_w16a16_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TANDEM_W16A16", raising=False)
+    assert w8.w16a16_setting() is True
+    monkeypatch.setenv("TANDEM_W16A16", "off")
     assert w8.w16a16_setting() is False
     monkeypatch.setenv("TANDEM_W16A16", "tuned")
     assert w8.w16a16_setting() is True

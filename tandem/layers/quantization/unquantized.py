@@ -1,6 +1,6 @@
 """The default linear method: one `[out, in]` weight in the model's dtype, `F.linear`; on CUDA
-with TANDEM_W16A16=tuned, the small batches where tandem_kernels.fp8_w8a16's kernels (16-bit
-weights) measured faster at load take those instead."""
+(16-bit weights, unless TANDEM_W16A16=off) the batch buckets where tandem_kernels.fp8_w8a16's
+small-batch kernels timed faster at load take those instead."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """On CUDA with TANDEM_W16A16=tuned: time the small-batch kernels against `F.linear`
+        """On CUDA, unless TANDEM_W16A16=off: time the small-batch kernels against `F.linear`
         on this weight (`tune_w16a16`, once per shape) and keep a lock buffer and a unit scale
         for them. Not for an input embedding (its weight is looked up, not multiplied)."""
         from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
