@@ -8,6 +8,10 @@
 #            (TANDEM_W16A16=tuned); the faster of the two then serves issue 30's table in bf16
 #            at the defaults (fresh prompts per rate, 5 / 15 / 25 req/s and all at once).
 #
+# Session 21 ran PART=rest; the served A/B then ran inline on the same H100 (both settings at
+# 5 / 15 / 25 req/s and all at once, `TANDEM_W16A16=off|tuned bash scripts/gpu_issue14.sh`),
+# not PART=served, whose H200 run is still to do with W16A16 now the default.
+#
 #   OUT=/some/dir PART=served bash scripts/gpu_session21.sh
 set -u
 ISSUE=session21
