@@ -3,7 +3,9 @@ every tuning candidate for 1..16 rows (GEMV and tensor-core forms, split along K
 against the dequantize-then-matmul reference in bf16 and fp16, per-tensor and per-channel
 scales; split-K calls replayed in a CUDA graph on one lock buffer (same bits every replay,
 locks back at zero); the load-time tuner's pick serving its bucket; the SiLU-and-mul computed
-inside the GEMM (`gated`) against the unfused path, alone and as an FP8 model's down_proj.
+inside the GEMM (`gated`) against the unfused path, alone and as an FP8 model's down_proj;
+16-bit weights through the same kernels (W16A16) against cuBLAS, and the unquantized layer
+taking the tuner's pick.
 
     pytest -q -s -m gpu tests/gpu/test_fp8_w8a16_gpu.py     # -s prints the tuner's picks
 """
