@@ -12,6 +12,11 @@
 # 5 / 15 / 25 req/s and all at once, `TANDEM_W16A16=off|tuned bash scripts/gpu_issue14.sh`),
 # not PART=served, whose H200 run is still to do with W16A16 now the default.
 #
+#   PART=allatonce: issue 30's widest gap (output tok/s all at once, 0.94x vLLM's against a
+#            1.1x bar): the served run at rate inf alone, then the offline engine on the same
+#            150 prompts (seed 1, as the served run's first rate) with its step timeline, so
+#            the served run's time can be set against the engine's own steps (~150 s).
+#
 #   OUT=/some/dir PART=served bash scripts/gpu_session21.sh
 set -u
 ISSUE=session21
@@ -53,6 +58,21 @@ PYEOF
     TANDEM_W16A16=$faster bash scripts/gpu_issue14.sh 2>&1 \
     | grep -E "^\| unified|answered|total|rate" | tee -a "$summary"
   rm -f "$OUT"/*/issue14.png
+  finish
+  ;;
+allatonce)
+  BUDGET_S=${BUDGET_S:-400}
+  . scripts/device_lib.sh
+  mkdir -p "$OUT/served"
+  OUT="$OUT/served" RUNS=unified OFFLINE=none RATES=inf BUDGET_S=200 \
+    bash scripts/gpu_issue14.sh 2>&1 | grep -E "^\| unified|answered|rate" | tee -a "$summary"
+  rm -f "$OUT"/served/issue14.png
+  step "offline all at once" 150 "$OUT/offline_inf.log" \
+    $PY -m benchmarks.serve_offline --model random:llama-3.1-8b --dtype bfloat16 \
+    --max-model-len 4096 --num-prompts 150 --input-len 1000 --output-len 200 \
+    --range-ratio 0.5 --warmup 4 --request-rate inf --seeds 1 --timeline \
+    --out "$OUT/offline_inf.json"
+  grep -E "^offline rate|^  [a-z]" "$OUT/offline_inf.log" >>"$summary"
   finish
   ;;
 *)
