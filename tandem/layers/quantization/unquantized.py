@@ -43,8 +43,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """On CUDA, unless TANDEM_W16A16=off: time the small-batch kernels against `F.linear`
-        on this weight (`tune_w16a16`, once per shape) and keep a lock buffer and a unit scale
-        for them. Not for an input embedding (its weight is looked up, not multiplied)."""
+        on this weight (`tune_w16a16`, once per shape) and, where some batch bucket took them,
+        keep a unit scale and a lock buffer for them (`layer.w16a16`; None: `apply` is plain
+        `F.linear`). Not for an input embedding (its weight is looked up, not multiplied)."""
         from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
         layer.w16a16 = None
@@ -58,14 +59,15 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if not fp8_w8a16.w16a16_setting():
             return
         scale = fp8_w8a16.unit_scale(weight.device)
-        fp8_w8a16.tune_w16a16(weight.data, scale)
-        layer.w16a16 = (scale, fp8_w8a16.w8a16_locks(weight.shape[0], weight.device))
+        choices = fp8_w8a16.tune_w16a16(weight.data, scale)
+        if any(config is not None for config in choices.values()):
+            layer.w16a16 = (scale, fp8_w8a16.w8a16_locks(weight.shape[0], weight.device))
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         tuned = getattr(layer, "w16a16", None)
-        if tuned is not None and x.is_cuda:
+        if tuned is not None:  # a CUDA weight, some bucket of which the kernels serve
             from tandem_kernels import fp8_w8a16
 
             shape = x.shape
