@@ -9,7 +9,9 @@ The workload (prompts, output lengths, arrival times) is drawn exactly as `tande
 draws it from the same flags and seed (`--seeds`: one per rate, so that no rate's prompts hit
 the prefix cache another rate filled; the cache is also reset between rates); the engine is
 built from the same engine flags, and stepped in this process with no transport
-(`tandem_services.bench.serve.run_offline`).
+(`tandem_services.bench.serve.run_offline`). Its engine flags default as `tandem serve`'s do
+(SERVING_ENGINE_DEFAULTS: the 8,192-token budget), so the engine is the one a served run with
+the same flags gets.
 
 `--timeline` records every step's plan (decode requests, prefill tokens) and its time, and
 prints the time by kind of step: decode-only steps by batch size, mixed steps by prefill
@@ -27,7 +29,7 @@ import math
 import time
 from typing import Any
 
-from tandem.config import add_engine_args
+from tandem.config import SERVING_ENGINE_DEFAULTS, add_engine_args
 from tandem.engine.core import EngineCore
 from tandem.engine_args import EngineArgs
 from tandem.loader import load_hf_config, load_tokenizer, resolve_model_path
@@ -101,9 +103,10 @@ class StepTimeline:
         return dict(sorted(kinds.items()))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every engine flag at the served entry points' defaults, and the workload's flags."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    add_engine_args(p)
+    add_engine_args(p, defaults=SERVING_ENGINE_DEFAULTS)
     w = p.add_argument_group("workload (as tandem bench serve)")
     w.add_argument("--num-prompts", type=int, default=64)
     w.add_argument("--input-len", type=int, default=64)
@@ -124,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--timeline", action="store_true", help="record and print each step's time")
     p.add_argument("--out", default="")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     ns = p.parse_args(argv)
     t0 = time.perf_counter()
     engine = EngineCore(EngineArgs.from_cli_args(ns).create_engine_config())

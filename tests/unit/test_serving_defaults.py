@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from benchmarks import serve_offline
 from tandem.config import SERVING_ENGINE_DEFAULTS, SchedulerConfig, add_engine_args, engine_argv
 from tandem.engine_args import EngineArgs
 from tandem_services.launcher.cli import build_parser as serve_parser
@@ -48,7 +49,12 @@ def test_a_launcher_forwards_what_differs_from_the_workers_default() -> None:
 
 def test_served_parsers_use_the_serving_defaults_and_llm_keeps_its_own() -> None:
     served = SERVING_ENGINE_DEFAULTS.get("max_num_batched_tokens", OFFLINE_BUDGET)
-    for parser in (worker_parser("worker", Role.UNIFIED), serve_parser()):
+    # serve_offline's engine is the one a served run is held against: the same defaults.
+    for parser in (
+        worker_parser("worker", Role.UNIFIED),
+        serve_parser(),
+        serve_offline.build_parser(),
+    ):
         ns = parser.parse_args([])
         assert ns.max_num_batched_tokens == served
         for name, value in SERVING_ENGINE_DEFAULTS.items():
