@@ -64,8 +64,8 @@ class StepTimeline:
         self.stamps: list[float] = []
         schedule = engine.scheduler.schedule
 
-        def recording_schedule() -> Any:
-            so = schedule()
+        def recording_schedule(*args: Any, **kwargs: Any) -> Any:
+            so = schedule(*args, **kwargs)
             counts = so.num_scheduled_tokens
             decodes = sum(1 for n in counts.values() if n == 1)
             if counts:
