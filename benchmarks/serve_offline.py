@@ -102,6 +102,22 @@ class StepTimeline:
             kd["prefill_per_step"] = kd["prefill"] / n
         return dict(sorted(kinds.items()))
 
+    def phases(self) -> dict[str, float]:
+        """The timed steps split at the end of the last one with prefill rows: `prefill_s`
+        (from the first step to there: all at once, the prompts' phase, decodes riding along)
+        and `tail_s` / `tail_steps` (the decode-only steps after it, set by the requests
+        prefilled last and their output lengths)."""
+        times = [
+            (self.stamps[k + 1 + self.lag] - self.stamps[k + self.lag], self.plans[k][1] > 0)
+            for k in range(len(self.plans) - 1 - self.lag)
+        ]
+        last = max((k for k, (_, has_prefill) in enumerate(times) if has_prefill), default=-1)
+        return {
+            "prefill_s": sum(t for t, _ in times[: last + 1]),
+            "tail_s": sum(t for t, _ in times[last + 1 :]),
+            "tail_steps": len(times) - last - 1,
+        }
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Every engine flag at the served entry points' defaults, and the workload's flags."""
@@ -157,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         results, duration = run_offline(engine, workload, rate, 0, seed)
         summary = summarize(results, duration, None, None)
         steps = timeline.summary() if timeline is not None else None
+        phases = timeline.phases() if timeline is not None else None
         runs.append(
             {
                 "steps": steps,
+                "phases": phases,
                 "system": "offline-engine",
                 "rate": rate,
                 "seed": seed,
@@ -181,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {name:24s} {int(kd['steps']):5d} steps {kd['ms_per_step']:7.2f} ms/step "
                 f"({kd['decodes_per_step']:6.1f} decodes, {kd['prefill_per_step']:7.1f} "
                 f"prefill tokens per step; {kd['ms'] / 1e3:6.2f} s)",
+                flush=True,
+            )
+        if phases is not None:
+            print(
+                f"  prompts' phase {phases['prefill_s']:.2f} s, then {phases['tail_steps']} "
+                f"decode-only steps in {phases['tail_s']:.2f} s",
                 flush=True,
             )
     report = {

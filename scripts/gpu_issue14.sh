@@ -59,7 +59,7 @@ offline_run() {  # offline_run NAME: the offline engine on the same requests and
   step "offline engine ($1)" "${OFFLINE_LIMIT_S:-150}" "$LOGS/offline_$1.log" \
     $PY -m benchmarks.serve_offline --model "$MODEL" "${ENGINE[@]}" "${LOAD[@]}" \
     --request-rate "$RATES" --seeds "$SEEDS" "${OFFLINE_FLAGS[@]}" --out "$RES/offline_$1.json"
-  grep -E "^offline rate|^  (decode|mixed)" "$LOGS/offline_$1.log" >>"$summary"
+  grep -E "^offline rate|^  (decode|mixed|prompts)" "$LOGS/offline_$1.log" >>"$summary"
 }
 if [ "$OFFLINE" = first ] || [ "$OFFLINE" = both ]; then offline_run first; fi
 

@@ -39,3 +39,10 @@ def test_timeline_accounts_for_every_prompt_token(
         prefill = sum(kd["prefill"] for kd in steps.values())
         assert prefill == run["workload"]["prompt_tokens"]
         assert all(kd["ms"] > 0 for kd in steps.values())
+        # The phases split the same timed steps: together, every step's time.
+        phases = run["phases"]
+        total_s = sum(kd["ms"] for kd in steps.values()) / 1e3
+        assert phases["prefill_s"] + phases["tail_s"] == pytest.approx(total_s, rel=1e-6)
+        assert phases["prefill_s"] > 0 and phases["tail_steps"] >= 0
+        decode_only = sum(kd["steps"] for name, kd in steps.items() if name.startswith("decode"))
+        assert phases["tail_steps"] <= decode_only
