@@ -9,9 +9,12 @@
 #            (serve_offline takes them since session 22; before, its 2,048-token budget was not
 #            the served 8,192), with its step timeline: the served/offline ratio per rate says
 #            how much of the all-at-once gap (0.94x vLLM's throughput against a 1.1x bar) is the
-#            serving path and how much the engine. Then bf16 with --enable-pdl at 5 and 15 req/s
-#            (the decode chain's kernels launched with PDL; the W16A16 GEMVs read weights before
-#            their wait), where TPOT p50 at 5 req/s is 0.94x vLLM's against a 0.9x bar.
+#            serving path and how much the engine. Then the same table in FP8 (--quantization
+#            fp8 --kv-cache-dtype fp8; issue 28's served comparison, whose last same-call run,
+#            session 17's, lacked 25 req/s and all at once). Then, if time is left, bf16 with
+#            --enable-pdl at 5 and 15 req/s (the decode chain's kernels launched with PDL; the
+#            W16A16 GEMVs read weights before their wait), where TPOT p50 at 5 req/s is 0.94x
+#            vLLM's against a 0.9x bar. About 170 + 100 + 170 + 90 s.
 #   PART=long (~8.5 min): scripts/gpu_issue30.sh, the kernel table (prefill to 128k, decode
 #            64 x 32k) and long-context serving (8k-32k prompts beside short chats), which has
 #            never run on a GPU.
@@ -25,10 +28,13 @@ case "${PART:-served}" in
 served)
   BUDGET_S=${BUDGET_S:-585}
   . scripts/device_lib.sh
-  mkdir -p "$OUT/bf16" "$OUT/bf16_pdl"
-  OUT="$OUT/bf16" RUNS=unified OFFLINE=last TIMELINE=1 OFFLINE_LIMIT_S=170 RATES=5,15,25,inf \
-    BUDGET_S=400 bash scripts/gpu_issue14.sh 2>&1 \
+  mkdir -p "$OUT/bf16" "$OUT/fp8" "$OUT/bf16_pdl"
+  OUT="$OUT/bf16" RUNS=unified OFFLINE=last TIMELINE=1 OFFLINE_LIMIT_S=150 RATES=5,15,25,inf \
+    BUDGET_S=300 bash scripts/gpu_issue14.sh 2>&1 \
     | grep -E "^\| |answered|total|rate|of the offline" | tee -a "$summary"
+  OUT="$OUT/fp8" RUNS=unified OFFLINE=none RATES=5,15,25,inf BUDGET_S=200 \
+    ENGINE_EXTRA="--quantization fp8 --kv-cache-dtype fp8" bash scripts/gpu_issue14.sh 2>&1 \
+    | grep -E "^\| unified|answered|total" | tee -a "$summary"
   left=$((BUDGET_S - (SECONDS - START) - 10))
   if [ "$left" -gt 100 ]; then
     OUT="$OUT/bf16_pdl" RUNS=unified OFFLINE=none RATES=5,15 TAG=_pdl ENGINE_EXTRA=--enable-pdl \
