@@ -46,11 +46,13 @@ SITE=${PYTHONPATH#"$PWD"}
 # hits the prefix cache that an earlier rate filled, served or offline. SAME_PROMPTS=1: every
 # rate sends the same prompts (seed 1) to the same warm server, as `vllm bench serve` re-run at
 # each rate with its default seed does (rates after the first hit the prefix cache).
+# FIRST_SEED=k: the first rate's seed (default 1), so a run of one rate can send the prompts
+# that rate had at position k of an earlier run.
 if [ "${SAME_PROMPTS:-0}" = 1 ]; then
   SEEDS=$(python3 -c "print(','.join('1' for _ in '$RATES'.split(',')))")
   OFFLINE_FLAGS=(--keep-prefix-cache)
 else
-  SEEDS=$(python3 -c "print(','.join(str(i + 1) for i in range(len('$RATES'.split(',')))))")
+  SEEDS=$(python3 -c "print(','.join(str(i + ${FIRST_SEED:-1}) for i in range(len('$RATES'.split(',')))))")
   OFFLINE_FLAGS=()
 fi
 [ "${TIMELINE:-0}" = 1 ] && OFFLINE_FLAGS+=(--timeline)
