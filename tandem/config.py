@@ -244,11 +244,15 @@ class SchedulerConfig:
     # Plan step N+1 while the device runs step N (the tokens step N samples feed step N+1 on
     # the device). "auto": on for CUDA, where the host's planning then hides behind the GPU,
     # and under pipeline parallel, where the second step in flight keeps the stages busy.
-    async_scheduling: Literal["auto", "on", "off"] = field(
+    # "late": as "on", but step N+1 is planned shortly before step N is predicted to end
+    # rather than when it starts, so a request that arrives while step N runs joins N+1
+    # (tandem.engine.late_plan; in an engine-core process, which takes commands meanwhile).
+    async_scheduling: Literal["auto", "on", "off", "late"] = field(
         default="auto",
         metadata=flag(
             "plan step N+1 while the device runs step N (auto: on for CUDA and for pipeline "
-            "parallel)"
+            "parallel; late: as on, planned shortly before step N is predicted to end, so "
+            "requests that arrive meanwhile join step N+1)"
         ),
     )
     # Filled in from the resolved ModelConfig (0 = unknown yet).
@@ -268,9 +272,9 @@ class SchedulerConfig:
             )
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"policy must be fcfs or priority, got {self.policy}")
-        if self.async_scheduling not in ("auto", "on", "off"):
+        if self.async_scheduling not in ("auto", "on", "off", "late"):
             raise ConfigError(
-                f"async_scheduling must be auto, on or off, got {self.async_scheduling}"
+                f"async_scheduling must be auto, on, off or late, got {self.async_scheduling}"
             )
         if (
             not self.enable_chunked_prefill

@@ -13,6 +13,12 @@ computes::
 
 A request that stops at step N has one more token computed in step N+1, which is dropped.
 
+Late planning (`--async-scheduling late`) keeps that overlap but plans step N+1 shortly before
+step N is predicted to end, not as it starts (`plan_deadline()`; `tandem.engine.late_plan`):
+the engine-core process takes commands until then, so a request that arrives while step N
+runs starts in N+1 rather than N+2. `LLM` and other callers that add requests only between
+steps plan at once, as under "on".
+
 Speculative decoding under async scheduling: a step that verifies drafts emits 1 + a tokens
 per request, a known only when it lands, and a step's drafts are proposed from the previous
 step's tokens. So the engine applies the launched step before planning the next one when
@@ -56,6 +62,7 @@ from tandem.core.outputs import EngineCoreOutput, GrammarBitmask, ModelRunnerOut
 from tandem.core.scheduler import Scheduler
 from tandem.core.spec_decode_rule import SpecRuleStats, SpeculationRule
 from tandem.core.spec_decode_stats import SpecDecodingStats
+from tandem.engine.late_plan import StepClock, step_kind
 from tandem.executor import Executor, create_executor
 from tandem.executor.base import LaunchedStep
 from tandem.layers.logits_processors import load_logits_processors
@@ -182,8 +189,13 @@ class EngineCore:
         pp_size = config.parallel.pipeline_parallel_size
         # auto: on CUDA (the host plans while the device runs), and under pipeline parallel
         # (a second step in flight keeps every stage busy).
-        self.async_scheduling = mode == "on" or (
+        self.async_scheduling = mode in ("on", "late") or (
             mode == "auto" and (self.executor.device.type == "cuda" or pp_size > 1)
+        )
+        # Late planning: the caller waits until `plan_deadline()` before each step (taking
+        # commands meanwhile); not with speculation, whose steps wait for each other anyway.
+        self.step_clock: StepClock | None = (
+            StepClock() if mode == "late" and not num_spec_tokens else None
         )
         concurrent_stages = self.async_scheduling and self.executor.device.type == "cpu"
         self.scheduler = Scheduler(
@@ -289,6 +301,8 @@ class EngineCore:
             return
         self._shut_down = True
         self._pending = None
+        if self.step_clock is not None:
+            self.step_clock.forget()
         self.structured.shutdown()
         self.executor.shutdown()
 
@@ -388,6 +402,7 @@ class EngineCore:
             # Speculation: this step's plan needs the launched step's tokens and drafts (see
             # the module docstring).
             early = self._apply_pending()
+        plan_started = time.perf_counter()
         if scheduler.has_unfinished_requests():
             scheduler_output = scheduler.schedule(num_drafts, propose)
             if scheduler_output.is_empty:
@@ -418,18 +433,26 @@ class EngineCore:
                 nonlocal previous
                 if previous is not None:
                     (so, launched), previous = previous, None
-                    outputs.extend(self._update(so, launched.result(), overlapped=True))
+                    outputs.extend(self._update(so, self._result(launched), overlapped=True))
                 return self.structured.fill_bitmask(structured, scheduler.requests)
 
         step = self.executor.execute_async(scheduler_output, source)
+        if self.step_clock is not None:
+            now = time.perf_counter()
+            self.step_clock.planned(now - plan_started)
+            counts = scheduler_output.num_scheduled_tokens.values()
+            prefill = sum(n for n in counts if n > 1)
+            self.step_clock.launched(
+                step_kind(scheduler_output.total_num_scheduled_tokens, prefill), now
+            )
         self._pending_proposes = scheduler_output.propose_drafts
         if structured and previous is not None:  # a step that sampled nothing
-            outputs += self._update(previous[0], previous[1].result(), overlapped=True)
+            outputs += self._update(previous[0], self._result(previous[1]), overlapped=True)
         if not self.async_scheduling:
-            return outputs + self._update(scheduler_output, step.result())
+            return outputs + self._update(scheduler_output, self._result(step))
         previous, self._pending = self._pending, (scheduler_output, step)
         if previous is not None:
-            outputs += self._update(previous[0], previous[1].result(), overlapped=True)
+            outputs += self._update(previous[0], self._result(previous[1]), overlapped=True)
         if not scheduler.has_unfinished_requests():
             # Every request finished (the launched step only computes a dropped token): the
             # engine is idle once it lands, not one more call later.
@@ -479,7 +502,31 @@ class EngineCore:
         if self._pending is None:
             return []
         (scheduler_output, step), self._pending = self._pending, None
-        return self._update(scheduler_output, step.result())
+        return self._update(scheduler_output, self._result(step))
+
+    def _result(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """The launched step's result (the oldest launched: results go in launch order),
+        its landing told to the step clock."""
+        result = step.result()
+        if self.step_clock is not None:
+            self.step_clock.landed(time.perf_counter())
+        return result
+
+    def plan_deadline(self) -> float | None:
+        """Late planning: the `time.perf_counter()` time at which to plan the next step,
+        shortly before the step in flight is predicted to end; None: plan now (not late
+        planning, nothing in flight, or no prediction yet)."""
+        if self.step_clock is None or self._pending is None:
+            return None
+        return self.step_clock.deadline()
+
+    def in_flight_landed(self) -> bool:
+        """Whether the launched step, if any, has finished on the device (a step that cannot
+        tell counts as finished: plan now)."""
+        if self._pending is None:
+            return True
+        is_ready = getattr(self._pending[1], "is_ready", None)
+        return True if is_ready is None else bool(is_ready())
 
     # ----------------------------------------------------------------- stats
 

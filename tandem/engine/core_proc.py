@@ -12,7 +12,10 @@ time on the model, the scheduler and encoding one frame per step (`tandem.engine
 Commands run in arrival order, all of them before the next step, so a command sees the
 effects of every earlier one, and a reply leaves before the outputs of any later step. A
 command names an engine operation (dispatched through the one table, `tandem.engine.ops`, to
-the EngineCore method) or a control command (`ping`, `shutdown`).
+the EngineCore method) or a control command (`ping`, `shutdown`). Under late planning
+(`--async-scheduling late`) the loop also takes commands while a step runs, until shortly
+before it is predicted to end (`take_commands_until`): requests that arrive meanwhile join the
+next step.
 
 The KV cache is shared with the client process: on CUDA through an IPC handle of its storage
 (the client opens it; peers receive the same handle), on the CPU by moving the storage into a
@@ -34,6 +37,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -50,6 +54,8 @@ from tandem.worker.shared_kv import SharedKVCache
 logger = logging.getLogger(__name__)
 
 _IDLE_STEP_PAUSE_S = 0.001
+# How often late planning's wait looks whether the step in flight has landed.
+_LATE_POLL_S = 0.0002
 
 assert not {serial.PING, serial.SHUTDOWN} & ENGINE_OPS.keys(), "a control command is no op"
 
@@ -239,6 +245,11 @@ class EngineCoreProc:
                     item = None
             if not engine.has_unfinished_requests():
                 continue
+            deadline = engine.plan_deadline()
+            if deadline is not None and not take_commands_until(
+                inbox, deadline, engine.in_flight_landed, self._run_unless_stop
+            ):
+                return
             t0 = time.perf_counter()
             outputs = engine.step()
             self.num_steps += 1
@@ -256,6 +267,9 @@ class EngineCoreProc:
                 if isinstance(item, _Stop) or not self._run_command(item):
                     return
 
+    def _run_unless_stop(self, item: serial.Command | _Stop) -> bool:
+        return not isinstance(item, _Stop) and self._run_command(item)
+
     def _collect_held(self, outputs: list[EngineCoreOutput]) -> None:
         """The KV blocks each finished prefill holds, read before anything can change them."""
         held = self.engine.scheduler.held
@@ -263,6 +277,28 @@ class EngineCoreProc:
         for out in outputs:
             if out.finish_reason in done and out.request_id in held:
                 self._held[out.request_id] = self.engine.get_held_block_ids(out.request_id)
+
+
+def take_commands_until(
+    inbox: queue.SimpleQueue[Any],
+    deadline: float,
+    landed: Callable[[], bool],
+    run: Callable[[Any], bool],
+) -> bool:
+    """Late planning's wait (`EngineCore.plan_deadline`): run the commands that arrive until
+    `deadline` (`time.perf_counter()`) or until `landed()` (the step in flight finished: the
+    device waits for the next plan), whichever is first, polling every `_LATE_POLL_S`.
+    False when a command asks the loop to stop (`run` returned False)."""
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0 or landed():
+            return True
+        try:
+            item = inbox.get(timeout=min(left, _LATE_POLL_S))
+        except queue.Empty:
+            continue
+        if not run(item):
+            return False
 
 
 def run_engine_core(

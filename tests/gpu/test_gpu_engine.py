@@ -158,6 +158,42 @@ def test_async_scheduling_equals_sync(llm: LLM) -> None:
             assert engine.scheduler.kv_cache_manager.block_pool.is_whole
 
 
+def test_late_planning_engine_process_equals_async(llm: LLM) -> None:
+    """An engine process under late planning (`--async-scheduling late`: its loop takes
+    commands until shortly before the step in flight is predicted to end, polling the step's
+    event) gives the tokens of the engine that plans as each step starts, when every request
+    is there from the start (so both run the same batches)."""
+    from tandem.engine.core_client import SyncMPClient
+    from tandem.engine_args import EngineArgs
+    from tandem.request import EngineCoreRequest
+
+    assert llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    ps = prompts(llm.engine.vocab_size)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True)
+        for i in range(len(ps))
+    ]
+    on = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    config = EngineArgs(
+        model=MODEL, dtype="bfloat16", device="cuda", max_model_len=1024,
+        gpu_memory_utilization=0.3, async_scheduling="late",
+    ).create_engine_config()  # fmt: skip
+    late = SyncMPClient(config)
+    try:
+        for i, (p, sp) in enumerate(zip(ps, params, strict=True)):
+            late.add_request(EngineCoreRequest(f"r{i}", p, sp))
+        tokens: dict[str, list[int]] = {}
+        while late.has_unfinished_requests():
+            for out in late.get_output():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        for i, a in enumerate(on):
+            assert tokens[f"r{i}"] == a.outputs[0].token_ids, i
+        s = late.stats()
+        assert s.async_scheduling and s.num_free_blocks == s.num_blocks
+    finally:
+        late.shutdown()
+
+
 def test_shutdown_returns_the_device_memory() -> None:
     """An engine's KV cache, CUDA graphs and weights go back to the device on shutdown, so the
     tests after it (all of tests/gpu runs in one process) find the GPU free."""

@@ -37,10 +37,10 @@ from tandem.sampling_params import SamplingParams
 from .conftest import PROMPTS, interrupt_a_stream, launch, wait_until
 
 
-def _config(model: Path) -> EngineConfig:
+def _config(model: Path, async_scheduling: str = "auto") -> EngineConfig:
     return EngineArgs(
         model=str(model), dtype="float32", device="cpu", num_gpu_blocks=64,
-        max_model_len=512, num_threads=1,
+        max_model_len=512, num_threads=1, async_scheduling=async_scheduling,
     ).create_engine_config()  # fmt: skip
 
 
@@ -101,6 +101,27 @@ def test_inproc_and_multiprocess_clients_agree(clients: tuple[InprocClient, Sync
         s = client.stats()
         assert (s.num_running, s.num_waiting) == (0, 0)
         assert s.num_free_blocks == s.num_blocks, "aborts and finishes must free every block"
+
+
+def test_late_planning_engine_process_agrees(
+    clients: tuple[InprocClient, SyncMPClient], smollm2_path: Path
+) -> None:
+    """An engine process under late planning (its loop takes commands until the step in
+    flight lands, here at once: a CPU step has landed when it returns) gives the same tokens
+    as the synchronous in-process engine, and frees every block."""
+    inproc, _ = clients
+    late = SyncMPClient(_config(smollm2_path, async_scheduling="late"))
+    try:
+        a_tokens, _ = _run(inproc)
+        b_tokens, b_finish = _run(late)
+        for rid in ("greedy-0", "greedy-1", "seeded"):
+            assert b_tokens[rid] == a_tokens[rid], rid
+        assert b_finish["greedy-0"] == "length"
+        s = late.stats()
+        assert s.async_scheduling and (s.num_running, s.num_waiting) == (0, 0)
+        assert s.num_free_blocks == s.num_blocks
+    finally:
+        late.shutdown()
 
 
 def test_disaggregation_hooks_over_the_process_boundary(

@@ -145,14 +145,19 @@ def assert_pool_whole(llm: LLM) -> None:
 
 def test_async_engine_gives_the_sync_engines_tokens(tiny_llama: Path) -> None:
     results = {}
-    for mode in ("off", "on"):
+    for mode in ("off", "on", "late"):
         llm = make_llm(tiny_llama, mode)
-        assert llm.engine.async_scheduling == (mode == "on")
+        assert llm.engine.async_scheduling == (mode != "off")
+        assert (llm.engine.step_clock is not None) == (mode == "late")
         prompts, params = mixed_workload(llm.engine.vocab_size)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert llm.engine.stats().num_preemptions > 0, "the small pool was meant to preempt"
         assert_pool_whole(llm)
         results[mode] = outs
+    for late, on in zip(results["late"], results["on"], strict=True):
+        assert [(c.token_ids, c.finish_reason) for c in late.outputs] == [
+            (c.token_ids, c.finish_reason) for c in on.outputs
+        ]
     for on, off in zip(results["on"], results["off"], strict=True):
         assert [(c.token_ids, c.finish_reason) for c in on.outputs] == [
             (c.token_ids, c.finish_reason) for c in off.outputs
@@ -218,7 +223,7 @@ def test_async_scheduling_flag_reaches_the_engine_config() -> None:
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    for flag, expected in ((None, "auto"), ("off", "off"), ("on", "on")):
+    for flag, expected in ((None, "auto"), ("off", "off"), ("on", "on"), ("late", "late")):
         argv = [] if flag is None else ["--async-scheduling", flag]
         ns = parser.parse_args(argv)
         config = EngineArgs(**engine_kwargs_from(ns)).create_engine_config()  # type: ignore[arg-type]
