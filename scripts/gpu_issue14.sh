@@ -118,7 +118,7 @@ PYEOF
   done
   kill -TERM $spid
   wait $spid
-  grep -h "engine step frames" "$LOGS/$name"/*.log 2>/dev/null | tee -a "$summary"
+  grep -hE "engine step frames|late planning" "$LOGS/$name"/*.log 2>/dev/null | tee -a "$summary"
 }
 
 TAG=${TAG:-}

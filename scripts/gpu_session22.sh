@@ -57,7 +57,7 @@ served)
       mkdir -p "$OUT/bf16_async_$mode"
       OUT="$OUT/bf16_async_$mode" RUNS=unified OFFLINE=none RATES=25 FIRST_SEED=3 \
         TAG="_async_$mode" ENGINE_EXTRA="--async-scheduling $mode" BUDGET_S=$left \
-        bash scripts/gpu_issue14.sh 2>&1 | grep -E "^\| unified|answered|total|rate" \
+        bash scripts/gpu_issue14.sh 2>&1 | grep -E "^\| unified|answered|total|rate|late planning" \
         | tee -a "$summary"
     else
       echo "bf16 --async-scheduling $mode: skipped ($left s left)" | tee -a "$summary"

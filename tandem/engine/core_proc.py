@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import queue
@@ -58,6 +59,14 @@ _IDLE_STEP_PAUSE_S = 0.001
 _LATE_POLL_S = 0.0002
 
 assert not {serial.PING, serial.SHUTDOWN} & ENGINE_OPS.keys(), "a control command is no op"
+
+
+class WaitEnd(enum.Enum):
+    """How late planning's wait ended."""
+
+    DEADLINE = "deadline"  # the planned time came: the step in flight still runs
+    LANDED = "landed"  # the step in flight finished first: the device waits for the plan
+    STOP = "stop"  # a command asked the loop to stop
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,9 @@ class EngineCoreProc:
         # What the last frame said of the engine's work (an idle engine says so once).
         self._said_unfinished = False
         self.num_steps = 0
+        # Late planning's waits by how they ended, and their time (logged at exit).
+        self.late_waits = dict.fromkeys((WaitEnd.DEADLINE, WaitEnd.LANDED), 0)
+        self.late_wait_s = 0.0
         if options.publish_cache_events:
             engine.scheduler.kv_cache_manager.publish_cache_events(self._record_cache_event)
         self._reader = threading.Thread(target=self._read_commands, name="engine-in", daemon=True)
@@ -178,6 +190,14 @@ class EngineCoreProc:
         try:
             self._loop()
         finally:
+            if any(self.late_waits.values()):
+                logger.info(
+                    "late planning: %d waits ended by their deadline, %d by the step landing "
+                    "first (the device then waited for a plan); %.1f s waited in all",
+                    self.late_waits[WaitEnd.DEADLINE],
+                    self.late_waits[WaitEnd.LANDED],
+                    self.late_wait_s,
+                )
             self._outbox.put(_Stop())
             self._writer.join(timeout=5.0)
 
@@ -246,10 +266,15 @@ class EngineCoreProc:
             if not engine.has_unfinished_requests():
                 continue
             deadline = engine.plan_deadline()
-            if deadline is not None and not take_commands_until(
-                inbox, deadline, engine.in_flight_landed, self._run_unless_stop
-            ):
-                return
+            if deadline is not None:
+                waited = time.perf_counter()
+                end = take_commands_until(
+                    inbox, deadline, engine.in_flight_landed, self._run_unless_stop
+                )
+                if end is WaitEnd.STOP:
+                    return
+                self.late_waits[end] += 1
+                self.late_wait_s += time.perf_counter() - waited
             t0 = time.perf_counter()
             outputs = engine.step()
             self.num_steps += 1
@@ -284,21 +309,22 @@ def take_commands_until(
     deadline: float,
     landed: Callable[[], bool],
     run: Callable[[Any], bool],
-) -> bool:
+) -> WaitEnd:
     """Late planning's wait (`EngineCore.plan_deadline`): run the commands that arrive until
-    `deadline` (`time.perf_counter()`) or until `landed()` (the step in flight finished: the
-    device waits for the next plan), whichever is first, polling every `_LATE_POLL_S`.
-    False when a command asks the loop to stop (`run` returned False)."""
+    `deadline` (`time.perf_counter()`) or until `landed()`, whichever is first, polling every
+    `_LATE_POLL_S`; STOP as soon as `run` returns False (a command asked the loop to stop)."""
     while True:
+        if landed():
+            return WaitEnd.LANDED
         left = deadline - time.perf_counter()
-        if left <= 0 or landed():
-            return True
+        if left <= 0:
+            return WaitEnd.DEADLINE
         try:
             item = inbox.get(timeout=min(left, _LATE_POLL_S))
         except queue.Empty:
             continue
         if not run(item):
-            return False
+            return WaitEnd.STOP
 
 
 def run_engine_core(

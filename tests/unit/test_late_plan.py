@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tandem.engine.core_proc import take_commands_until
+from tandem.engine.core_proc import WaitEnd, take_commands_until
 from tandem.engine.late_plan import SAFETY_S, StepClock, step_kind
 
 DECODE = step_kind(8, 0)
@@ -97,7 +97,8 @@ def test_commands_that_arrive_before_the_deadline_run_before_planning() -> None:
     ran: list[object] = []
     deadline = time.perf_counter() + 0.3
     feeder = _feed(inbox, ["a", "b", "c"], 0.02)
-    assert take_commands_until(inbox, deadline, lambda: False, lambda x: ran.append(x) is None)
+    end = take_commands_until(inbox, deadline, lambda: False, lambda x: ran.append(x) is None)
+    assert end is WaitEnd.DEADLINE
     feeder.join()
     assert time.perf_counter() >= deadline  # the step was still in flight: waited for it
     assert ran == ["a", "b", "c"]
@@ -115,16 +116,22 @@ def test_the_wait_ends_when_the_step_lands() -> None:
 
     # The step lands once "b" has run: planning starts then, "c" waits for the next wait.
     landed = lambda: len(ran) >= 2  # noqa: E731
-    assert take_commands_until(inbox, time.perf_counter() + 60, landed, run)
+    assert take_commands_until(inbox, time.perf_counter() + 60, landed, run) is WaitEnd.LANDED
     assert ran == ["a", "b"] and inbox.get_nowait() == "c"
 
 
 def test_a_past_deadline_plans_at_once_and_a_stop_ends_the_loop() -> None:
     inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
     inbox.put("a")
-    assert take_commands_until(inbox, time.perf_counter() - 1, lambda: False, lambda x: True)
+    end = take_commands_until(inbox, time.perf_counter() - 1, lambda: False, lambda x: True)
+    assert end is WaitEnd.DEADLINE
     assert inbox.get_nowait() == "a"  # left for the loop's own command pass
     inbox.put("stop")
-    assert not take_commands_until(
-        inbox, time.perf_counter() + 60, lambda: False, lambda x: x != "stop"
+    end = take_commands_until(inbox, time.perf_counter() + 60, lambda: False, lambda x: x != "stop")
+    assert end is WaitEnd.STOP
+    # A step that has landed ends the wait before any command runs: plan now.
+    inbox.put("b")
+    assert take_commands_until(inbox, time.perf_counter() + 60, lambda: True, lambda x: False) is (
+        WaitEnd.LANDED
     )
+    assert inbox.get_nowait() == "b"
