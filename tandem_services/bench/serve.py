@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import math
@@ -42,6 +43,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +65,15 @@ from tandem_services.bench.metrics import (
 from tandem_services.bench.ready import NotReadyError, wait_until_serving
 from tandem_services.bench.workload import Workload, arrival_times, file_workload, random_workload
 
-__all__ = ["build_parser", "launch", "main", "percentile", "run_offline", "run_paired"]
+__all__ = [
+    "build_parser",
+    "launch",
+    "main",
+    "percentile",
+    "run_offline",
+    "run_paired",
+    "thread_affinity_kept",
+]
 
 
 async def run_paired(
@@ -157,6 +167,18 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
         "p50": percentile(ms, 50),
         "p99": percentile(ms, 99),
     }
+
+
+@contextlib.contextmanager
+def thread_affinity_kept(keep: bool = True) -> Iterator[None]:
+    """Run the body, then (with `keep`) give the calling thread back the CPU affinity it had
+    before: an engine stepped on this thread may bind it to the engine's cores."""
+    saved = os.sched_getaffinity(0) if keep and hasattr(os, "sched_getaffinity") else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
 
 
 def paired_summary(offline: list[RequestResult], served: list[RequestResult]) -> dict[str, Any]:
@@ -507,17 +529,22 @@ def main(argv: list[str]) -> int:
     if ns.compare_offline:
         from tandem.engine.core import EngineCore
 
-        engine = EngineCore(EngineArgs(model=ns.model, **engine_kwargs).create_engine_config())
-        run_offline(engine, warm, math.inf, 0, ns.seed)
-        for rate in rates:
-            engine.scheduler.reset_prefix_cache()
-            record(
-                "offline-engine",
-                rate,
-                run_offline(engine, workload, rate, ns.max_concurrency, ns.seed, ns.burstiness),
-            )
-        if not ns.paired:
-            engine = None
+        with thread_affinity_kept(not ns.paired):
+            engine = EngineCore(EngineArgs(model=ns.model, **engine_kwargs).create_engine_config())
+            run_offline(engine, warm, math.inf, 0, ns.seed)
+            for rate in rates:
+                engine.scheduler.reset_prefix_cache()
+                record(
+                    "offline-engine",
+                    rate,
+                    run_offline(engine, workload, rate, ns.max_concurrency, ns.seed, ns.burstiness),
+                )
+            if not ns.paired:
+                # Its device memory (weights, KV cache) goes back before the services start,
+                # and (on leaving) this thread's cores: a CPU engine binds the thread that
+                # steps it (--cpu-cores), which would then share them with the served engine.
+                engine.shutdown()
+                engine = None
 
     deployment = None
     paired: dict[str, Any] = {}
@@ -581,6 +608,8 @@ def main(argv: list[str]) -> int:
     finally:
         if deployment is not None:
             deployment.stop()
+        if engine is not None:
+            engine.shutdown()
 
     comparison: dict[str, Any] = {}
     if paired:

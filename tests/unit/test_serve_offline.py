@@ -5,12 +5,16 @@ passes it), under async scheduling (the timeline's one-step lag) and without."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from benchmarks import serve_offline
+from tandem.engine.core import EngineCore
+from tandem.engine_args import EngineArgs
+from tandem_services.bench.serve import thread_affinity_kept
 
 
 @pytest.mark.parametrize("async_scheduling", ["on", "off"])
@@ -46,3 +50,23 @@ def test_timeline_accounts_for_every_prompt_token(
         assert phases["prefill_s"] > 0 and phases["tail_steps"] >= 0
         decode_only = sum(kd["steps"] for name, kd in steps.items() if name.startswith("decode"))
         assert phases["tail_steps"] <= decode_only
+
+
+def test_the_offline_comparison_gives_the_client_thread_its_cores_back(
+    tiny_model_path: Callable[[str], Path],
+) -> None:
+    """`tandem bench serve --compare-offline --cpu-cores N` steps a CPU engine on its own
+    thread, which binds that thread to core N; the load that follows must not run there too
+    (beside the served engine bound to the same core)."""
+    before = os.sched_getaffinity(0)
+    core = max(before)
+    config = EngineArgs(
+        model=str(tiny_model_path("llama")), device="cpu", dtype="float32",
+        max_model_len=128, num_gpu_blocks=16, cpu_cores=str(core),
+    ).create_engine_config()  # fmt: skip
+    with thread_affinity_kept():
+        engine = EngineCore(config)
+        bound = os.sched_getaffinity(0)
+        engine.shutdown()
+    assert bound == {core}  # the engine did bind this thread
+    assert os.sched_getaffinity(0) == before
