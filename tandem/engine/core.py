@@ -506,10 +506,17 @@ class EngineCore:
 
     def _result(self, step: LaunchedStep) -> ModelRunnerOutput:
         """The launched step's result (the oldest launched: results go in launch order),
-        its landing told to the step clock."""
-        result = step.result()
-        if self.step_clock is not None:
+        its landing told to the step clock: when the device finished it, where the step can
+        say (`wait_device`), else once its result is in."""
+        if self.step_clock is None:
+            return step.result()
+        wait_device = getattr(step, "wait_device", None)
+        if wait_device is not None:
+            wait_device()
             self.step_clock.landed(time.perf_counter())
+            return step.result()
+        result = step.result()
+        self.step_clock.landed(time.perf_counter())
         return result
 
     def plan_deadline(self) -> float | None:

@@ -335,6 +335,12 @@ class PendingStep:
             return True
         return self._wait is None and (self._event is None or self._event.query())
 
+    def wait_device(self) -> None:
+        """Wait until the device has finished this step (not the host's work on its ids,
+        which `result()` does after): the step clock's landing time."""
+        if self._output is None and self._event is not None:
+            self._event.synchronize()
+
     def wait_sampled(self) -> None:
         """Wait until `sampled` holds the step's ids (a pipeline stage receives them from the
         last stage while it runs its next step)."""
