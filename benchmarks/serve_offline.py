@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from tandem.config import SERVING_ENGINE_DEFAULTS, add_engine_args
@@ -83,9 +84,8 @@ class StepTimeline:
         """Time by kind of step. Step k's time: the gap between plan k and plan k+1 (sync),
         or between plans k+1 and k+2 (async). Idle gaps (no request) are not steps."""
         kinds: dict[str, dict[str, float]] = {}
-        for k in range(len(self.plans) - 1 - self.lag):
-            decodes, prefill = self.plans[k]
-            ms = (self.stamps[k + 1 + self.lag] - self.stamps[k + self.lag]) * 1e3
+        for (decodes, prefill), seconds in self._timed():
+            ms = seconds * 1e3
             if prefill:
                 name = f"mixed prefill {_bucket(prefill, _PREFILL_BUCKETS)}"
             else:
@@ -107,16 +107,19 @@ class StepTimeline:
         (from the first step to there: all at once, the prompts' phase, decodes riding along)
         and `tail_s` / `tail_steps` (the decode-only steps after it, set by the requests
         prefilled last and their output lengths)."""
-        times = [
-            (self.stamps[k + 1 + self.lag] - self.stamps[k + self.lag], self.plans[k][1] > 0)
-            for k in range(len(self.plans) - 1 - self.lag)
-        ]
-        last = max((k for k, (_, has_prefill) in enumerate(times) if has_prefill), default=-1)
+        timed = list(self._timed())
+        last = max((k for k, ((_, prefill), _) in enumerate(timed) if prefill), default=-1)
         return {
-            "prefill_s": sum(t for t, _ in times[: last + 1]),
-            "tail_s": sum(t for t, _ in times[last + 1 :]),
-            "tail_steps": len(times) - last - 1,
+            "prefill_s": sum(t for _, t in timed[: last + 1]),
+            "tail_s": sum(t for _, t in timed[last + 1 :]),
+            "tail_steps": len(timed) - last - 1,
         }
+
+    def _timed(self) -> Iterator[tuple[tuple[int, int], float]]:
+        """Each timed step's plan (decodes, prefill tokens) and its seconds: step k's time is
+        the gap between plan k and plan k+1 (sync), or between plans k+1 and k+2 (async)."""
+        for k in range(len(self.plans) - 1 - self.lag):
+            yield self.plans[k], self.stamps[k + 1 + self.lag] - self.stamps[k + self.lag]
 
 
 def build_parser() -> argparse.ArgumentParser:

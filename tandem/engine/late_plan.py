@@ -64,10 +64,15 @@ class StepClock:
         if not self._in_flight:
             return
         kind, launched_at = self._in_flight.popleft()
-        start = launched_at if self._last_landed is None else max(launched_at, self._last_landed)
+        start = self._start(launched_at)
         self._last_landed = now
         seen = self._durations.setdefault(kind, deque(maxlen=self.window))
         seen.append(now - start)
+
+    def _start(self, launched_at: float) -> float:
+        """When a step launched at `launched_at` started on the device: then, or when the
+        step before it landed, if later (steps queue)."""
+        return launched_at if self._last_landed is None else max(launched_at, self._last_landed)
 
     def forget(self) -> None:
         """Nothing is in flight any more (the engine went idle, or dropped its launched step):
@@ -90,6 +95,6 @@ class StepClock:
         duration = self.predicted(kind)
         if duration is None:
             return None
-        start = launched_at if self._last_landed is None else max(launched_at, self._last_landed)
+        start = self._start(launched_at)
         margin = (max(self._planning) if self._planning else 0.0) + self.safety_s
         return start + duration - margin
