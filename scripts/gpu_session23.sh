@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Wave 3, twenty-third session's device plan: session 22's plan (scripts/gpu_session22.sh, whose
+# parts served / long / table / fp8served had not run) and the GPU tests of what changed since
+# the last `make test-gpu` part ran, one device call a part, carrying .whl, results under $OUT.
+#
+#   PART=tests (~4 min): the engine file (late planning's engine process against async
+#            scheduling with real CUDA waits, never run; the rest of the engine's parity,
+#            graph and shutdown tests) and the W8A16 / W16A16 file (session 21's
+#            UnquantizedLinearMethod refactor, c12e5a1, never run on a GPU), then the PDL
+#            file (PendingStep.wait_device sits in the step path the PDL chain uses).
+#   Other parts: PART=served|fp8served|long|table run scripts/gpu_session22.sh's.
+#
+#   OUT=/some/dir PART=tests bash scripts/gpu_session23.sh
+set -u
+ISSUE=session23
+case "${PART:-tests}" in
+tests)
+  BUDGET_S=${BUDGET_S:-330}
+  . scripts/device_lib.sh
+  step "GPU tests" 300 "$OUT/gpu_tests_s23.log" $PY -m pytest -v -m gpu --timeout=250 -rs \
+    --tb=short --durations=12 tests/gpu/test_gpu_engine.py tests/gpu/test_fp8_w8a16_gpu.py \
+    tests/gpu/test_pdl_gpu.py
+  grep -E " (PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests_s23.log" | tail -n 50 >>"$summary"
+  finish
+  ;;
+*)
+  bash scripts/gpu_session22.sh
+  ;;
+esac
