@@ -53,9 +53,11 @@ else
     --long-range-ratio 0.3 --long-output-len 4 --long-fraction 0.2)
 fi
 
-step "attention kernels" 200 "$OUT/attention_kernels.log" env "${KERNEL_ENV[@]}" \
-  $PY -m benchmarks.attention_kernels "${KERNELS[@]}" --out "$OUT/attention_kernels.json"
-grep -E "ceilings|TFLOP/s|not run|failed|mismatches" "$OUT/attention_kernels.log" >>"$summary"
+if [ -z "${SKIP_KERNELS:-}" ]; then  # SKIP_KERNELS=1: the serving step alone
+  step "attention kernels" 200 "$OUT/attention_kernels.log" env "${KERNEL_ENV[@]}" \
+    $PY -m benchmarks.attention_kernels "${KERNELS[@]}" --out "$OUT/attention_kernels.json"
+  grep -E "ceilings|TFLOP/s|not run|failed|mismatches" "$OUT/attention_kernels.log" >>"$summary"
+fi
 
 id_tokenizer_step "$MODEL"
 step "long-context serving" 330 "$OUT/serving_long_context.log" \

@@ -8,6 +8,9 @@
 #            graph and shutdown tests) and the W8A16 / W16A16 file (session 21's
 #            UnquantizedLinearMethod refactor, c12e5a1, never run on a GPU), then the PDL
 #            file (PendingStep.wait_device sits in the step path the PDL chain uses).
+#   PART=testslong (~9.5 min): the same tests (220 s at most), then issue 30's long-context
+#            serving (8k-32k prompts beside short chats, never run on a GPU; gpu_issue30.sh
+#            without its kernel table, which session 17 measured).
 #   Other parts: PART=served|fp8served|long|table run scripts/gpu_session22.sh's.
 #
 #   OUT=/some/dir PART=tests bash scripts/gpu_session23.sh
@@ -21,6 +24,17 @@ tests)
     --tb=short --durations=12 tests/gpu/test_gpu_engine.py tests/gpu/test_fp8_w8a16_gpu.py \
     tests/gpu/test_pdl_gpu.py
   grep -E " (PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests_s23.log" | tail -n 50 >>"$summary"
+  finish
+  ;;
+testslong)
+  BUDGET_S=${BUDGET_S:-580}
+  . scripts/device_lib.sh
+  step "GPU tests" 220 "$OUT/gpu_tests_s23.log" $PY -m pytest -v -m gpu --timeout=200 -rs \
+    --tb=short --durations=12 tests/gpu/test_gpu_engine.py tests/gpu/test_fp8_w8a16_gpu.py
+  grep -E " (PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests_s23.log" | tail -n 40 >>"$summary"
+  left=$((BUDGET_S - (SECONDS - START) - 5))
+  OUT="$OUT/long" SKIP_KERNELS=1 BUDGET_S=$left bash scripts/gpu_issue30.sh
+  cat "$OUT/long/summary.txt" >>"$summary"
   finish
   ;;
 *)
