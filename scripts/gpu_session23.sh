@@ -11,6 +11,9 @@
 #   PART=testslong (~9.5 min): the same tests (220 s at most), then issue 30's long-context
 #            serving (8k-32k prompts beside short chats, never run on a GPU; gpu_issue30.sh
 #            without its kernel table, which session 17 measured).
+#   PART=late (~5 min): the late-planning engine test (rewritten after its first run: near-tie
+#            criterion), then 25 req/s under --async-scheduling on and late, fresh prompts
+#            (FIRST_SEED=5), a second pair beside PART=served's.
 #   Other parts: PART=served|fp8served|long|table run scripts/gpu_session22.sh's.
 #
 #   OUT=/some/dir PART=tests bash scripts/gpu_session23.sh
@@ -35,6 +38,22 @@ testslong)
   left=$((BUDGET_S - (SECONDS - START) - 5))
   OUT="$OUT/long" SKIP_KERNELS=1 BUDGET_S=$left bash scripts/gpu_issue30.sh
   cat "$OUT/long/summary.txt" >>"$summary"
+  finish
+  ;;
+late)
+  BUDGET_S=${BUDGET_S:-300}
+  . scripts/device_lib.sh
+  step "late test" 90 "$OUT/gpu_tests_late.log" $PY -m pytest -v -s -m gpu --timeout=80 -rs \
+    --tb=short tests/gpu/test_gpu_engine.py -k late_planning
+  grep -E "identical|PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_late.log" >>"$summary"
+  for mode in on late; do
+    left=$((BUDGET_S - (SECONDS - START) - 5))
+    mkdir -p "$OUT/async_$mode"
+    OUT="$OUT/async_$mode" RUNS=unified OFFLINE=none RATES=25 FIRST_SEED=5 TAG="_async_$mode" \
+      ENGINE_EXTRA="--async-scheduling $mode" BUDGET_S=$left bash scripts/gpu_issue14.sh 2>&1 \
+      | grep -E "^\| unified|rate 25|late planning" | tee -a "$summary"
+  done
+  rm -f "$OUT"/*/issue14.png
   finish
   ;;
 *)
