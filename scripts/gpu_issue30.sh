@@ -14,6 +14,8 @@
 #      32-96 out). -> $OUT/serving_long_context.{json,log}
 #
 #   OUT=/some/dir bash scripts/gpu_issue30.sh           (from the repository root)
+#   ENGINE_EXTRA="--long-prefill-token-threshold 2048" ...   (engine flags for the serving step)
+#   SKIP_KERNELS=1 ...                                  (the serving step alone)
 #   MODE=cpu OUT=/tmp/x bash scripts/gpu_issue30.sh     (dry run: Triton's interpreter at tiny
 #                                                       shapes; SmolLM2 on the CPU, tiny loads)
 #
@@ -62,7 +64,7 @@ fi
 id_tokenizer_step "$MODEL"
 step "long-context serving" 330 "$OUT/serving_long_context.log" \
   $PY -m benchmarks.serving long-context --launch --unified --model "$MODEL" "${ENGINE[@]}" \
-  "${LOAD[@]}" --request-rate "$RATES" --no-plots --out-dir "$OUT" \
+  ${ENGINE_EXTRA:-} "${LOAD[@]}" --request-rate "$RATES" --no-plots --out-dir "$OUT" \
   --name serving_long_context --log-dir "$LOGS/long_context_services"
 grep -E "rate|short-only|mixed" "$OUT/serving_long_context.log" >>"$summary"
 finish

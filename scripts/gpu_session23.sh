@@ -14,6 +14,9 @@
 #   PART=late (~5 min): the late-planning engine test (rewritten after its first run: near-tie
 #            criterion), then 25 req/s under --async-scheduling on and late, fresh prompts
 #            (FIRST_SEED=5), a second pair beside PART=served's.
+#   PART=longthr (~4 min): the late-planning engine test, then long-context serving again with
+#            --long-prefill-token-threshold 2048 (a long prompt takes at most 2,048 of a
+#            step's 8,192 tokens, leaving the rest to the short requests queued behind it).
 #   Other parts: PART=served|fp8served|long|table run scripts/gpu_session22.sh's.
 #
 #   OUT=/some/dir PART=tests bash scripts/gpu_session23.sh
@@ -54,6 +57,18 @@ late)
       | grep -E "^\| unified|rate 25|late planning" | tee -a "$summary"
   done
   rm -f "$OUT"/*/issue14.png
+  finish
+  ;;
+longthr)
+  BUDGET_S=${BUDGET_S:-250}
+  . scripts/device_lib.sh
+  step "late test" 80 "$OUT/gpu_tests_late.log" $PY -m pytest -v -s -m gpu --timeout=70 -rs \
+    --tb=short tests/gpu/test_gpu_engine.py -k late_planning
+  grep -E "identical|PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_late.log" >>"$summary"
+  left=$((BUDGET_S - (SECONDS - START) - 5))
+  OUT="$OUT/long_thr2048" SKIP_KERNELS=1 BUDGET_S=$left \
+    ENGINE_EXTRA="--long-prefill-token-threshold 2048" bash scripts/gpu_issue30.sh
+  cat "$OUT/long_thr2048/summary.txt" >>"$summary"
   finish
   ;;
 *)
