@@ -22,6 +22,8 @@ START=$SECONDS
 # anyio/h11/click; structured outputs: xgrammar, pydantic, jsonschema; the embedded GGUF
 # model's reader: gguf, absent there, so SmolLM2's GPU tests errored without it). All of .whl/ is
 # installed (--upgrade: a /tmp/site left by an earlier run with fewer wheels is completed).
+# xgrammar 0.2.9 imports tvm_ffi: .whl/ needs apache-tvm-ffi beside it (session 23's .whl/ lacked
+# it, so the check below said "still missing"; serving without structured outputs ran).
 NEED_IMPORTS="import grpc, google.protobuf, grpc_health, grpc_reflection, prometheus_client, \
 uvicorn, starlette, anyio, h11, click, xgrammar, jsonschema, pydantic, gguf"
 if ! $PY -c "$NEED_IMPORTS" 2>/dev/null; then
