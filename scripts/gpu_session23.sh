@@ -11,9 +11,9 @@
 #   PART=testslong (~9.5 min): the same tests (220 s at most), then issue 30's long-context
 #            serving (8k-32k prompts beside short chats, never run on a GPU; gpu_issue30.sh
 #            without its kernel table, which session 17 measured).
-#   PART=late (~5 min): the late-planning engine test (rewritten after its first run: near-tie
-#            criterion), then 25 req/s under --async-scheduling on and late, fresh prompts
-#            (FIRST_SEED=5), a second pair beside PART=served's.
+#   PART=late (~7 min): the late-planning engine test (rewritten after its first run: near-tie
+#            criterion), then 25 req/s under --async-scheduling on, late and off, fresh prompts
+#            (FIRST_SEED=5): a second pair beside PART=served's, and the synchronous engine.
 #   PART=longthr (~4 min): the late-planning engine test, then long-context serving again with
 #            --long-prefill-token-threshold 2048 (a long prompt takes at most 2,048 of a
 #            step's 8,192 tokens, leaving the rest to the short requests queued behind it).
@@ -44,13 +44,14 @@ testslong)
   finish
   ;;
 late)
-  BUDGET_S=${BUDGET_S:-300}
+  BUDGET_S=${BUDGET_S:-420}
   . scripts/device_lib.sh
   step "late test" 90 "$OUT/gpu_tests_late.log" $PY -m pytest -v -s -m gpu --timeout=80 -rs \
     --tb=short tests/gpu/test_gpu_engine.py -k late_planning
   grep -E "identical|PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_late.log" >>"$summary"
-  for mode in on late; do
+  for mode in on late off; do
     left=$((BUDGET_S - (SECONDS - START) - 5))
+    [ "$left" -gt 70 ] || { echo "$mode: skipped ($left s left)" | tee -a "$summary"; continue; }
     mkdir -p "$OUT/async_$mode"
     OUT="$OUT/async_$mode" RUNS=unified OFFLINE=none RATES=25 FIRST_SEED=5 TAG="_async_$mode" \
       ENGINE_EXTRA="--async-scheduling $mode" BUDGET_S=$left bash scripts/gpu_issue14.sh 2>&1 \
