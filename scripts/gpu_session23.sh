@@ -22,33 +22,39 @@
 #   OUT=/some/dir PART=tests bash scripts/gpu_session23.sh
 set -u
 ISSUE=session23
+gpu_tests() {  # gpu_tests LIMIT_S LOG PYTEST_ARGS...: GPU tests, their verdicts into the summary
+  local limit=$1 log="$OUT/$2"
+  shift 2
+  step "GPU tests" "$limit" "$log" $PY -m pytest -v -s -m gpu --timeout=$((limit - 20)) -rs \
+    --tb=short --durations=12 "$@"
+  grep -E "identical|PASSED|FAILED|ERROR|passed|failed" "$log" | tail -n 50 >>"$summary"
+}
+
+long_serving() {  # long_serving DIR [ENGINE_FLAGS]: gpu_issue30.sh's serving step, in what is left
+  local left=$((BUDGET_S - (SECONDS - START) - 5))
+  OUT="$OUT/$1" SKIP_KERNELS=1 BUDGET_S=$left ENGINE_EXTRA="${2:-}" bash scripts/gpu_issue30.sh
+  cat "$OUT/$1/summary.txt" >>"$summary"
+}
+
 case "${PART:-tests}" in
 tests)
   BUDGET_S=${BUDGET_S:-330}
   . scripts/device_lib.sh
-  step "GPU tests" 300 "$OUT/gpu_tests_s23.log" $PY -m pytest -v -m gpu --timeout=250 -rs \
-    --tb=short --durations=12 tests/gpu/test_gpu_engine.py tests/gpu/test_fp8_w8a16_gpu.py \
+  gpu_tests 300 gpu_tests_s23.log tests/gpu/test_gpu_engine.py tests/gpu/test_fp8_w8a16_gpu.py \
     tests/gpu/test_pdl_gpu.py
-  grep -E " (PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests_s23.log" | tail -n 50 >>"$summary"
   finish
   ;;
 testslong)
   BUDGET_S=${BUDGET_S:-580}
   . scripts/device_lib.sh
-  step "GPU tests" 220 "$OUT/gpu_tests_s23.log" $PY -m pytest -v -m gpu --timeout=200 -rs \
-    --tb=short --durations=12 tests/gpu/test_gpu_engine.py tests/gpu/test_fp8_w8a16_gpu.py
-  grep -E " (PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests_s23.log" | tail -n 40 >>"$summary"
-  left=$((BUDGET_S - (SECONDS - START) - 5))
-  OUT="$OUT/long" SKIP_KERNELS=1 BUDGET_S=$left bash scripts/gpu_issue30.sh
-  cat "$OUT/long/summary.txt" >>"$summary"
+  gpu_tests 220 gpu_tests_s23.log tests/gpu/test_gpu_engine.py tests/gpu/test_fp8_w8a16_gpu.py
+  long_serving long
   finish
   ;;
 late)
   BUDGET_S=${BUDGET_S:-420}
   . scripts/device_lib.sh
-  step "late test" 90 "$OUT/gpu_tests_late.log" $PY -m pytest -v -s -m gpu --timeout=80 -rs \
-    --tb=short tests/gpu/test_gpu_engine.py -k late_planning
-  grep -E "identical|PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_late.log" >>"$summary"
+  gpu_tests 90 gpu_tests_late.log tests/gpu/test_gpu_engine.py -k late_planning
   for mode in on late off; do
     left=$((BUDGET_S - (SECONDS - START) - 5))
     [ "$left" -gt 70 ] || { echo "$mode: skipped ($left s left)" | tee -a "$summary"; continue; }
@@ -63,13 +69,8 @@ late)
 longthr)
   BUDGET_S=${BUDGET_S:-250}
   . scripts/device_lib.sh
-  step "late test" 80 "$OUT/gpu_tests_late.log" $PY -m pytest -v -s -m gpu --timeout=70 -rs \
-    --tb=short tests/gpu/test_gpu_engine.py -k late_planning
-  grep -E "identical|PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_late.log" >>"$summary"
-  left=$((BUDGET_S - (SECONDS - START) - 5))
-  OUT="$OUT/long_thr2048" SKIP_KERNELS=1 BUDGET_S=$left \
-    ENGINE_EXTRA="--long-prefill-token-threshold 2048" bash scripts/gpu_issue30.sh
-  cat "$OUT/long_thr2048/summary.txt" >>"$summary"
+  gpu_tests 90 gpu_tests_late.log tests/gpu/test_gpu_engine.py -k late_planning
+  long_serving long_thr2048 "--long-prefill-token-threshold 2048"
   finish
   ;;
 *)
