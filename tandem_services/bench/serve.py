@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import datetime as dt
 import json
@@ -71,6 +72,7 @@ __all__ = [
     "main",
     "percentile",
     "run_offline",
+    "run_offline_at",
     "run_paired",
     "thread_affinity_kept",
 ]
@@ -103,6 +105,24 @@ async def run_paired(
     return offline, served
 
 
+class ClientSlots:
+    """When the client sends each request, as `paced` does: at its arrival time, or, with every
+    one of its `max_concurrency` slots taken, when a slot frees (a request ends), whichever is
+    later. The offline loop notices arrivals only between engine steps; a request's TTFT
+    counts from here, as the served client's does, not from when the loop took it."""
+
+    def __init__(self, start: float, max_concurrency: int) -> None:
+        self._free = collections.deque([start] * max_concurrency)
+
+    def send(self, arrival: float) -> float:
+        """The send time of the next request (in order), which arrives at `arrival`."""
+        return max(arrival, self._free.popleft())
+
+    def release(self, at: float) -> None:
+        """A request ended at `at`: its slot is free from then."""
+        self._free.append(at)
+
+
 def run_offline(
     engine: Any,
     workload: Workload,
@@ -112,10 +132,19 @@ def run_offline(
     burstiness: float = 1.0,
 ) -> tuple[list[RequestResult], float]:
     """The same schedule through an EngineCore stepped here: the engine's own cost."""
+    arrivals = arrival_times(workload.num_requests, rate, seed, burstiness)
+    return run_offline_at(engine, workload, arrivals, max_concurrency)
+
+
+def run_offline_at(
+    engine: Any, workload: Workload, arrivals: list[float], max_concurrency: int = 0
+) -> tuple[list[RequestResult], float]:
+    """`workload` through an EngineCore stepped here, request i arriving `arrivals[i]` s after
+    the start. TTFT and E2E count from each request's send time (`ClientSlots`), as the
+    served client's do; the results and the duration."""
     from tandem.request import EngineCoreRequest
     from tandem.sampling_params import SamplingParams
 
-    arrivals = arrival_times(workload.num_requests, rate, seed, burstiness)
     results = [RequestResult(len(p)) for p in workload.prompts]
     times: list[list[float]] = [[] for _ in workload.prompts]
     counts = [0] * workload.num_requests
@@ -123,6 +152,7 @@ def run_offline(
     cap = max_concurrency if max_concurrency > 0 else workload.num_requests
     next_i, inflight = 0, 0
     t0 = time.perf_counter()
+    slots = ClientSlots(t0, cap)
     while next_i < workload.num_requests or engine.has_unfinished_requests():
         now = time.perf_counter()
         while next_i < workload.num_requests and inflight < cap and t0 + arrivals[next_i] <= now:
@@ -137,7 +167,7 @@ def run_offline(
                     eos_token_id=engine.eos_token_id,
                 )
             )
-            sent[i] = max(now, t0 + arrivals[i])
+            sent[i] = slots.send(t0 + arrivals[i])
             next_i += 1
             inflight += 1
         if not engine.has_unfinished_requests():
@@ -152,6 +182,7 @@ def run_offline(
                 counts[i] += len(out.new_token_ids)
             if out.finished:
                 inflight -= 1
+                slots.release(t)
     duration = time.perf_counter() - t0
     for i, r in enumerate(results):
         record_times(r, sent[i], times[i])

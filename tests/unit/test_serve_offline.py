@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from benchmarks import serve_offline
 from tandem.engine.core import EngineCore
 from tandem.engine_args import EngineArgs
-from tandem_services.bench.serve import thread_affinity_kept
+from tandem_services.bench.serve import ClientSlots, run_offline_at, thread_affinity_kept
+from tandem_services.bench.workload import Workload
 
 
 @pytest.mark.parametrize("async_scheduling", ["on", "off"])
@@ -70,3 +73,57 @@ def test_the_offline_comparison_gives_the_client_thread_its_cores_back(
         engine.shutdown()
     assert bound == {core}  # the engine did bind this thread
     assert os.sched_getaffinity(0) == before
+
+
+def test_client_slots_send_at_arrival_or_when_a_slot_frees() -> None:
+    """The offline loop takes a request only between engine steps, but its send time, from
+    which TTFT counts, is its arrival time (the served client sends then), or, with every
+    slot of `max_concurrency` taken, the end of an earlier request."""
+    free = ClientSlots(start=0.0, max_concurrency=3)
+    assert [free.send(a) for a in (0.0, 0.01, 0.02)] == [0.0, 0.01, 0.02]
+    slots = ClientSlots(start=10.0, max_concurrency=1)
+    assert slots.send(10.5) == 10.5  # taken later by the loop: still sent at its arrival
+    slots.release(12.0)
+    assert slots.send(11.0) == 12.0  # arrived while the only slot was taken
+    slots.release(13.0)
+    assert slots.send(20.0) == 20.0
+    two = ClientSlots(start=0.0, max_concurrency=2)
+    assert (two.send(1.0), two.send(1.0)) == (1.0, 1.0)
+    two.release(5.0)
+    two.release(6.0)
+    assert (two.send(2.0), two.send(2.0)) == (5.0, 6.0)  # the slots in the order they freed
+
+
+def test_offline_ttft_counts_from_arrival_not_from_the_loop_taking_it(
+    tiny_model_path: Callable[[str], Path],
+) -> None:
+    """Requests that arrive while a step runs wait for it: their TTFT includes that wait.
+    Steps here take at least 40 ms (each `step()` of a tiny CPU engine, slowed), requests
+    arrive 10 ms apart, and the cap is off: every request's first token is at least one
+    step after its arrival, and all but the first arrive inside a running step, so their
+    TTFT exceeds a step by the rest of the step they arrived in."""
+    config = EngineArgs(
+        model=str(tiny_model_path("llama")), device="cpu", dtype="float32",
+        max_model_len=128, num_gpu_blocks=64, async_scheduling="off",
+    ).create_engine_config()  # fmt: skip
+    engine = EngineCore(config)
+    step = engine.step
+
+    def slow_step() -> Any:
+        t = time.perf_counter()
+        out = step()
+        time.sleep(max(0.0, 0.04 - (time.perf_counter() - t)))
+        return out
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    workload = Workload([[5 + i] * 8 for i in range(4)], [2] * 4)
+    try:
+        results, _ = run_offline_at(engine, workload, [0.0, 0.01, 0.02, 0.03])
+    finally:
+        engine.shutdown()
+    ttfts = [r.ttft_s for r in results]
+    assert all(t >= 0.04 for t in ttfts), ttfts
+    # Requests 1-3 arrived 30, 20 and 10 ms before the first step ended; the loop took them
+    # then and prefilled them in the next step: TTFT >= the rest of step 1 + step 2.
+    for i in (1, 2, 3):
+        assert ttfts[i] >= 0.04 + (0.04 - 0.01 * i) - 0.005, (i, ttfts)
