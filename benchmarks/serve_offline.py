@@ -13,10 +13,10 @@ built from the same engine flags, and stepped in this process with no transport
 (SERVING_ENGINE_DEFAULTS: the 8,192-token budget), so the engine is the one a served run with
 the same flags gets.
 
-`--timeline` records every step's plan (decode requests, prefill tokens) and its time, and
-prints the time by kind of step: decode-only steps by batch size, mixed steps by prefill
-tokens. Under async scheduling a `step()` returns the previous step's tokens, so the time
-between two returns is the device time of the step launched in between.
+`--timeline` records every step's plan (decode requests, prefill tokens) and its time (device
+time from CUDA events on a GPU; see `StepTimeline`), and prints the time by kind of step:
+decode-only steps by batch size, mixed steps by prefill tokens, then the prompts' phase, the
+decode-only tail and, on a GPU, the device's idle time between steps.
 `--keep-prefix-cache` runs the rates one after another on one cache (with one `--seed`: each
 rate sends the same prompts, as a client re-run against a warm server does).
 """
@@ -55,14 +55,26 @@ def _bucket(n: int, bounds: tuple[int, ...]) -> str:
 
 
 class StepTimeline:
-    """Every step's plan and time, recorded by wrapping the engine's scheduler."""
+    """Every step's plan and time, recorded by wrapping the engine's scheduler (the plans)
+    and, on a GPU whose model runner lives in this process, its executor (the times).
+
+    - On such a GPU a step's time is its device time: CUDA events recorded just before and
+      just after its launch, so from when the device reached the step (the step before it
+      done) to when it finished the step's last kernel. A step whose kernels the host
+      enqueues slower than the device runs them counts the device's wait inside it; the
+      waits between steps are what `phases()` calls idle.
+    - Elsewhere (the CPU, a multiprocess executor) it is the gap between two plans: step k's
+      is the gap between plan k and plan k+1 (sync), or between plans k+1 and k+2 (async,
+      where plan k+1 is made while step k runs, after step k-1 ended); the last step or two
+      are not timed. Where the host is late to launch a step (one outside the CUDA graphs),
+      part of its time lands on the step before it.
+    """
 
     def __init__(self, engine: EngineCore) -> None:
-        # Under async scheduling plan k+1 is made while step k runs, after step k-1 ended:
-        # the gap between plans k+1 and k+2 is step k's device time.
         self.lag = 1 if engine.async_scheduling else 0
         self.plans: list[tuple[int, int]] = []
         self.stamps: list[float] = []
+        self.events: list[tuple[Any, Any]] = []
         schedule = engine.scheduler.schedule
 
         def recording_schedule(*args: Any, **kwargs: Any) -> Any:
@@ -75,14 +87,31 @@ class StepTimeline:
             return so
 
         engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+        self.device_timed = _runs_cuda_here(engine)
+        if self.device_timed:
+            import torch
+
+            execute = engine.executor.execute_async
+
+            def timed_execute(*args: Any, **kwargs: Any) -> Any:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                step = execute(*args, **kwargs)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.events.append((start, end))
+                return step
+
+            engine.executor.execute_async = timed_execute  # type: ignore[method-assign]
 
     def reset(self) -> None:
         self.plans.clear()
         self.stamps.clear()
+        self.events.clear()
 
     def summary(self) -> dict[str, Any]:
-        """Time by kind of step. Step k's time: the gap between plan k and plan k+1 (sync),
-        or between plans k+1 and k+2 (async). Idle gaps (no request) are not steps."""
+        """Time by kind of step (see the class docstring). Idle gaps (no request) are not
+        steps."""
         kinds: dict[str, dict[str, float]] = {}
         for (decodes, prefill), seconds in self._timed():
             ms = seconds * 1e3
@@ -106,20 +135,45 @@ class StepTimeline:
         """The timed steps split at the end of the last one with prefill rows: `prefill_s`
         (from the first step to there: all at once, the prompts' phase, decodes riding along)
         and `tail_s` / `tail_steps` (the decode-only steps after it, set by the requests
-        prefilled last and their output lengths)."""
+        prefilled last and their output lengths). Device-timed, also `idle_s`: the device's
+        time between the end of one step and the start of the next (no request to run, or
+        the host late to launch), from the first step's start to the last step's end."""
         timed = list(self._timed())
         last = max((k for k, ((_, prefill), _) in enumerate(timed) if prefill), default=-1)
-        return {
+        out = {
             "prefill_s": sum(t for _, t in timed[: last + 1]),
             "tail_s": sum(t for _, t in timed[last + 1 :]),
             "tail_steps": len(timed) - last - 1,
         }
+        if self.device_timed and self.events:
+            span_s = self.events[0][0].elapsed_time(self.events[-1][1]) / 1e3
+            out["idle_s"] = max(0.0, span_s - sum(t for _, t in timed))
+        return out
 
     def _timed(self) -> Iterator[tuple[tuple[int, int], float]]:
-        """Each timed step's plan (decodes, prefill tokens) and its seconds: step k's time is
-        the gap between plan k and plan k+1 (sync), or between plans k+1 and k+2 (async)."""
+        """Each timed step's plan (decodes, prefill tokens) and its seconds (see the class
+        docstring)."""
+        if self.device_timed:
+            assert len(self.events) == len(self.plans), "one launch per non-empty plan"
+            if self.events:
+                self.events[-1][1].synchronize()
+            for plan, (start, end) in zip(self.plans, self.events, strict=True):
+                yield plan, start.elapsed_time(end) / 1e3
+            return
         for k in range(len(self.plans) - 1 - self.lag):
             yield self.plans[k], self.stamps[k + 1 + self.lag] - self.stamps[k + self.lag]
+
+
+def _runs_cuda_here(engine: EngineCore) -> bool:
+    """Whether the engine's steps run on a GPU from this process (its model runner is here),
+    so CUDA events recorded here time them."""
+    if engine.executor.device.type != "cuda":
+        return False
+    try:
+        engine.executor.model_runner  # noqa: B018 (raises where the runner is elsewhere)
+    except RuntimeError:
+        return False
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,9 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         if phases is not None:
+            idle = f"; device idle {phases['idle_s']:.2f} s" if "idle_s" in phases else ""
             print(
                 f"  prompts' phase {phases['prefill_s']:.2f} s, then {phases['tail_steps']} "
-                f"decode-only steps in {phases['tail_s']:.2f} s",
+                f"decode-only steps in {phases['tail_s']:.2f} s{idle}",
                 flush=True,
             )
     report = {

@@ -12,9 +12,9 @@
 #            serving (8k-32k prompts beside short chats, never run on a GPU; gpu_issue30.sh
 #            without its kernel table, which session 17 measured).
 #   PART=late (~7 min): the late-planning engine test (rewritten after its first run: near-tie
-#            criterion), then 25 req/s under --async-scheduling on, late and off, fresh prompts
+#            criterion) and serve_offline's device-timed timeline (CUDA events; new), then 25 req/s under --async-scheduling on, late and off, fresh prompts
 #            (FIRST_SEED=5): a second pair beside PART=served's, and the synchronous engine.
-#   PART=longthr (~4 min): the late-planning engine test, then long-context serving again with
+#   PART=longthr (~4 min): the same two tests, then long-context serving again with
 #            --long-prefill-token-threshold 2048 (a long prompt takes at most 2,048 of a
 #            step's 8,192 tokens, leaving the rest to the short requests queued behind it).
 #   Other parts: PART=served|fp8served|long|table run scripts/gpu_session22.sh's.
@@ -54,7 +54,8 @@ testslong)
 late)
   BUDGET_S=${BUDGET_S:-420}
   . scripts/device_lib.sh
-  gpu_tests 90 gpu_tests_late.log tests/gpu/test_gpu_engine.py -k late_planning
+  gpu_tests 120 gpu_tests_late.log tests/gpu/test_serve_offline_gpu.py \
+    "tests/gpu/test_gpu_engine.py::test_late_planning_engine_process_agrees_with_async"
   for mode in on late off; do
     left=$((BUDGET_S - (SECONDS - START) - 5))
     [ "$left" -gt 70 ] || { echo "$mode: skipped ($left s left)" | tee -a "$summary"; continue; }
@@ -69,7 +70,8 @@ late)
 longthr)
   BUDGET_S=${BUDGET_S:-250}
   . scripts/device_lib.sh
-  gpu_tests 90 gpu_tests_late.log tests/gpu/test_gpu_engine.py -k late_planning
+  gpu_tests 120 gpu_tests_late.log tests/gpu/test_serve_offline_gpu.py \
+    "tests/gpu/test_gpu_engine.py::test_late_planning_engine_process_agrees_with_async"
   long_serving long_thr2048 "--long-prefill-token-threshold 2048"
   finish
   ;;

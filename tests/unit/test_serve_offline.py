@@ -51,6 +51,7 @@ def test_timeline_accounts_for_every_prompt_token(
         total_s = sum(kd["ms"] for kd in steps.values()) / 1e3
         assert phases["prefill_s"] + phases["tail_s"] == pytest.approx(total_s, rel=1e-6)
         assert phases["prefill_s"] > 0 and phases["tail_steps"] >= 0
+        assert "idle_s" not in phases  # only device-timed (CUDA events) timelines have it
         decode_only = sum(kd["steps"] for name, kd in steps.items() if name.startswith("decode"))
         assert phases["tail_steps"] <= decode_only
 
