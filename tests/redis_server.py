@@ -97,6 +97,7 @@ class RedisServer:
         self.port = port if port is not None else free_port()
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started = False  # started once: later starts keep the port
 
     @property
     def url(self) -> str:
@@ -112,11 +113,18 @@ class RedisServer:
         """Start (or start again, on the same port) an empty server; wait until it answers."""
         if self.running:
             return self
-        attempts = 1 if self._fixed_port else 3
-        for attempt in range(attempts):
-            if attempt:
+        # A first start may move to another free port if its own was taken meanwhile; a
+        # restart never does (the clients under test know the old one): it tries the same
+        # port again after a pause. Moving silently left a restarted server where no worker
+        # looked (a CI run's Redis-outage test waited 20 s on connection refused).
+        keep_port = self._fixed_port or self._started
+        for attempt in range(3):
+            if attempt and keep_port:
+                time.sleep(0.2)
+            elif attempt:
                 self.port = free_port()
             if self._spawn(timeout_s):
+                self._started = True
                 return self
         raise RedisServerError(f"redis-server did not start on port {self.port}: {self._log()}")
 
