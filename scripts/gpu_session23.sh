@@ -36,6 +36,10 @@ long_serving() {  # long_serving DIR [ENGINE_FLAGS]: gpu_issue30.sh's serving st
   cat "$OUT/$1/summary.txt" >>"$summary"
 }
 
+# Session 23's GPU tests not yet run on a GPU (PART=late and PART=longthr run them first).
+NEW_GPU_TESTS=(tests/gpu/test_serve_offline_gpu.py
+  "tests/gpu/test_gpu_engine.py::test_late_planning_engine_process_agrees_with_async")
+
 case "${PART:-tests}" in
 tests)
   BUDGET_S=${BUDGET_S:-330}
@@ -54,8 +58,7 @@ testslong)
 late)
   BUDGET_S=${BUDGET_S:-420}
   . scripts/device_lib.sh
-  gpu_tests 120 gpu_tests_late.log tests/gpu/test_serve_offline_gpu.py \
-    "tests/gpu/test_gpu_engine.py::test_late_planning_engine_process_agrees_with_async"
+  gpu_tests 120 gpu_tests_late.log "${NEW_GPU_TESTS[@]}"
   for mode in on late off; do
     left=$((BUDGET_S - (SECONDS - START) - 5))
     [ "$left" -gt 70 ] || { echo "$mode: skipped ($left s left)" | tee -a "$summary"; continue; }
@@ -70,8 +73,7 @@ late)
 longthr)
   BUDGET_S=${BUDGET_S:-250}
   . scripts/device_lib.sh
-  gpu_tests 120 gpu_tests_late.log tests/gpu/test_serve_offline_gpu.py \
-    "tests/gpu/test_gpu_engine.py::test_late_planning_engine_process_agrees_with_async"
+  gpu_tests 120 gpu_tests_late.log "${NEW_GPU_TESTS[@]}"
   long_serving long_thr2048 "--long-prefill-token-threshold 2048"
   finish
   ;;

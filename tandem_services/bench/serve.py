@@ -114,8 +114,14 @@ class ClientSlots:
     def __init__(self, start: float, max_concurrency: int) -> None:
         self._free = collections.deque([start] * max_concurrency)
 
+    @property
+    def num_free(self) -> int:
+        """Slots free now (the requests in flight hold the rest)."""
+        return len(self._free)
+
     def send(self, arrival: float) -> float:
-        """The send time of the next request (in order), which arrives at `arrival`."""
+        """The send time of the next request (in order), which arrives at `arrival`; it holds
+        a slot until `release`."""
         return max(arrival, self._free.popleft())
 
     def release(self, at: float) -> None:
@@ -150,12 +156,12 @@ def run_offline_at(
     counts = [0] * workload.num_requests
     sent = [0.0] * workload.num_requests
     cap = max_concurrency if max_concurrency > 0 else workload.num_requests
-    next_i, inflight = 0, 0
+    next_i = 0
     t0 = time.perf_counter()
     slots = ClientSlots(t0, cap)
     while next_i < workload.num_requests or engine.has_unfinished_requests():
         now = time.perf_counter()
-        while next_i < workload.num_requests and inflight < cap and t0 + arrivals[next_i] <= now:
+        while next_i < workload.num_requests and slots.num_free and t0 + arrivals[next_i] <= now:
             i = next_i
             engine.add_request(
                 EngineCoreRequest(
@@ -169,7 +175,6 @@ def run_offline_at(
             )
             sent[i] = slots.send(t0 + arrivals[i])
             next_i += 1
-            inflight += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, t0 + arrivals[next_i] - time.perf_counter()))
             continue
@@ -181,7 +186,6 @@ def run_offline_at(
                 times[i].append(t)
                 counts[i] += len(out.new_token_ids)
             if out.finished:
-                inflight -= 1
                 slots.release(t)
     duration = time.perf_counter() - t0
     for i, r in enumerate(results):
