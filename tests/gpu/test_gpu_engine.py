@@ -162,12 +162,13 @@ def test_late_planning_engine_process_agrees_with_async(llm: LLM) -> None:
     """An engine process under late planning (`--async-scheduling late`: its loop takes
     commands until shortly before the step in flight is predicted to end, polling the step's
     event) against the in-process engine that plans as each step starts. The process gets
-    its requests one call at a time and steps as soon as the first is there, so its first
-    batches differ from the in-process engine's (all requests at once), and bf16 sums differ
-    with the batch (the first H100 run of this test, which asked for identical tokens, parted
-    at step 12 of one prompt of 16). So: every prompt the same length, at least 12 of 16
-    identical throughout, and where one parts, each side's token is in the other's top 5 (a
-    stale input id or a wrong context would not be)."""
+    its requests one call at a time and steps as soon as the first is there, so its batches
+    differ from the in-process engine's (all requests at once), and bf16 sums differ with the
+    batch; on random weights the top tokens are near ties, so greedy tokens part (4 of 16
+    prompts identical on an H100, session 24). What a stale input id or a wrong context
+    would break, and batch order does not: up to each prompt's first difference, both sides'
+    chosen-token logprobs agree within 0.1 (they are the same token's, from the same
+    context), and at the first difference each side's token is in the other's top 5."""
     from tandem.engine.core_client import SyncMPClient
     from tandem.engine_args import EngineArgs
     from tandem.request import EngineCoreRequest
@@ -189,23 +190,32 @@ def test_late_planning_engine_process_agrees_with_async(llm: LLM) -> None:
             late.add_request(EngineCoreRequest(f"r{i}", p, sp))
         tokens: dict[str, list[int]] = {}
         tops: dict[str, list[list[int]]] = {}
+        chosen: dict[str, list[float]] = {}
         while late.has_unfinished_requests():
             for out in late.get_output():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
                 for lp in out.new_logprobs or []:
                     tops.setdefault(out.request_id, []).append(lp.token_ids[1:])
-        same = 0
+                    chosen.setdefault(out.request_id, []).append(lp.logprobs[0])
+        same, gaps = 0, []
         for i, a in enumerate(on):
             ref, got = list(a.outputs[0].token_ids), tokens[f"r{i}"]
             assert len(got) == len(ref), i
-            if got == ref:
+            j = next((k for k, (x, y) in enumerate(zip(got, ref, strict=True)) if x != y), None)
+            for k in range(len(ref) if j is None else j):
+                gaps.append(abs(chosen[f"r{i}"][k] - a.outputs[0].logprobs[k][ref[k]].logprob))
+                assert gaps[-1] < 0.1, f"prompt {i} step {k}: logprobs {gaps[-1]:.3f} apart"
+            if j is None:
                 same += 1
                 continue
-            j = next(k for k, (x, y) in enumerate(zip(got, ref, strict=True)) if x != y)
             assert got[j] in a.outputs[0].logprobs[j], f"prompt {i} step {j}: late's token"
             assert ref[j] in tops[f"r{i}"][j], f"prompt {i} step {j}: async's token"
-        print(f"{same}/{len(on)} prompts identical under late planning and async scheduling")
-        assert same >= 12, f"only {same}/{len(on)} prompts identical"
+        print(
+            f"{same}/{len(on)} prompts identical under late planning and async scheduling; "
+            f"chosen-token logprobs before the first difference {sum(gaps) / len(gaps):.4f} "
+            f"apart on average, {max(gaps):.4f} at most ({len(gaps)} tokens)"
+        )
+        assert len(gaps) >= len(on), "fewer compared tokens than prompts"
         s = late.stats()
         assert s.async_scheduling and s.num_free_blocks == s.num_blocks
     finally:
