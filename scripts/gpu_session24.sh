@@ -15,6 +15,9 @@
 #            graphs (PART=sweep timed eager calls, bound by their host work), then the bf16
 #            decode step at 32 x 1,024 and 5 req/s served (fresh prompts, FIRST_SEED=3) with
 #            TANDEM_DECODE_SPLIT_TARGET=2 (today's rule) and 1, then the late-planning test.
+#            That variable existed for this run only (the working tree it ran from): the
+#            measured rule replaced it in tandem_kernels.paged_attention.decode_num_splits, so
+#            on main both loops below run that rule.
 #   Other parts: scripts/gpu_session23.sh's.
 #
 #   OUT=/some/dir PART=late bash scripts/gpu_session24.sh

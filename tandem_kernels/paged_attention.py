@@ -960,10 +960,22 @@ def _merge_locks(device: torch.device, count: int) -> torch.Tensor | None:
 def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Partitions per request so that (requests x KV heads x splits) fills the GPU.
 
-    Aims at two programs per SM; never cuts a context into pieces shorter than
-    MIN_TOKENS_PER_SPLIT. A function of Python ints only, so it is fixed at graph capture.
+    One partition once the (request, KV head) programs alone cover three quarters of the SMs;
+    below that, enough to aim at two programs an SM. Never cuts a context into pieces shorter
+    than MIN_TOKENS_PER_SPLIT. A function of Python ints only, so it is fixed at graph capture.
+
+    Measured in CUDA graphs on an H100, the 8B's attention shape at 1,024 tokens
+    (benchmarks/decode_configs.py; decode_configs_h100_2026-12-06_s24.json): a split's partial
+    results and their merge cost more than its parallelism gives once every SM has a program
+    (batch 16, 128 programs: 2,159 GB/s of KV read at one split against 2,096 at the three
+    the two-an-SM aim gave; batch 32: 2,674 against 2,296 at two), while below that more
+    splits keep paying (batch 1: 190 GB/s at one split, 508 at eight; batch 8: 1,236 at one,
+    1,694 at four). Aiming at one program an SM at every batch was slower served (TPOT p50
+    7.87-7.89 ms against 7.48 at 5 req/s, where the batch is mostly under 12).
     """
     programs = max(num_reqs * num_kv_heads, 1)
+    if 4 * programs >= 3 * num_sms:
+        return 1
     wanted = math.ceil(2 * num_sms / programs)
     by_len = max(math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT), 1)
     return max(1, min(wanted, by_len, MAX_NUM_SPLITS))

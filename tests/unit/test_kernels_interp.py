@@ -993,6 +993,13 @@ def test_decode_num_splits() -> None:
     assert decode_num_splits(1, 8, 131072, 132) == 33
     assert decode_num_splits(4, 8, 32768, 132) == 9
     assert decode_num_splits(1, 2, 131072, 132) == MAX_NUM_SPLITS
+    # Once the programs cover three quarters of the SMs, one split at any length (batch 16 of
+    # the 8B's 8 KV heads: 128 programs on 132 SMs; batch 12, 96 programs: still split).
+    assert decode_num_splits(16, 8, 131072, 132) == 1
+    assert decode_num_splits(32, 8, 8192, 132) == 1
+    assert decode_num_splits(13, 8, 8192, 132) == 1
+    assert decode_num_splits(12, 8, 8192, 132) == 3
+    assert decode_num_splits(8, 8, 8192, 132) == 5
 
 
 # --- grammar bitmask --------------------------------------------------------------------
