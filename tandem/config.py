@@ -968,7 +968,17 @@ def engine_flags() -> list[EngineFlag]:
 # serve's workload, 5-25 req/s and all at once): at 8,192 against 2,048, tandem's TPOT p50 went
 # from 1.0-1.08x vLLM's to 0.88-0.97x and its TTFT p99 at 25 req/s from 1.85x to 0.87x. The
 # offline `LLM` keeps 2,048 (SchedulerConfig's default).
-SERVING_ENGINE_DEFAULTS: Mapping[str, Any] = MappingProxyType({"max_num_batched_tokens": 8192})
+#
+# long_prefill_token_threshold 2,048: a prompt longer than that takes at most 2,048 tokens of a
+# step, so the short requests queued behind it prefill in the same steps. Issue 30's
+# long-context load on one H100 (session 24, 120 requests at 4 req/s, 12 of them 9.8k-30.6k
+# tokens; serving_long_context_h100_2026-12-06_s24_thr2048.json against session 23's run at 0):
+# the short requests' TTFT p99 1,229 -> 452 ms (p50 56.7 -> 59.1), their TPOT p50/p99
+# 9.8/33.5 -> 10.0/33.6 ms, the long prompts' TTFT p50/p99 887/1,492 -> 989/1,691 ms. Prompts
+# of 2,048 tokens or fewer (issue 30's served table: 500-1,500) are scheduled as before.
+SERVING_ENGINE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {"max_num_batched_tokens": 8192, "long_prefill_token_threshold": 2048}
+)
 
 
 def add_engine_args(
