@@ -971,7 +971,7 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     the two-an-SM aim gave; batch 32: 2,674 against 2,296 at two), while below that more
     splits keep paying (batch 1: 190 GB/s at one split, 508 at eight; batch 8: 1,236 at one,
     1,694 at four). Aiming at one program an SM at every batch was slower served (TPOT p50
-    7.87-7.89 ms against 7.48 at 5 req/s, where the batch is mostly under 12).
+    7.87-7.89 ms against 7.48 at 5 req/s, where about 8 requests decode at a time).
     """
     programs = max(num_reqs * num_kv_heads, 1)
     if 4 * programs >= 3 * num_sms:
