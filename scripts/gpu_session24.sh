@@ -18,6 +18,9 @@
 #            That variable existed for this run only (the working tree it ran from): the
 #            measured rule replaced it in tandem_kernels.paged_attention.decode_num_splits, so
 #            on main both loops below run that rule.
+#   PART=pair (~9.5 min; meant for an H200, against issue 30's vLLM figures): issue 30's served
+#            table (5 / 15 / 25 req/s and all at once, fresh prompts per rate, the served
+#            defaults) under --async-scheduling on (the default) and late, the same prompts.
 #   Other parts: scripts/gpu_session23.sh's.
 #
 #   OUT=/some/dir PART=late bash scripts/gpu_session24.sh
@@ -36,6 +39,21 @@ decode_breakdowns() {  # the bf16 decode step at two batches (step_breakdown's d
 }
 
 case "${PART:-late}" in
+pair)
+  BUDGET_S=${BUDGET_S:-570}
+  . scripts/device_lib.sh
+  for mode in on late; do
+    left=$((BUDGET_S - (SECONDS - START) - 10))
+    [ "$left" -gt 120 ] || { echo "table $mode: skipped ($left s left)" | tee -a "$summary"; continue; }
+    [ "$mode" = on ] && left=$((left / 2))
+    mkdir -p "$OUT/bf16_$mode"
+    OUT="$OUT/bf16_$mode" RUNS=unified OFFLINE=none RATES=5,15,25,inf TAG="_async_$mode" \
+      ENGINE_EXTRA="--async-scheduling $mode" BUDGET_S=$left bash scripts/gpu_issue14.sh 2>&1 \
+      | grep -E "^\| unified|answered|late planning" | tee -a "$summary"
+  done
+  rm -f "$OUT"/*/issue14.png
+  finish
+  ;;
 splits)
   BUDGET_S=${BUDGET_S:-560}
   . scripts/device_lib.sh
