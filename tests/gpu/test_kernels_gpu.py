@@ -196,8 +196,9 @@ def _captured_forward(
 
 def test_decode_cuda_graph_replay() -> None:
     """Capture the backend's decode step once (splits fixed by max_seq_len=4096), then replay
-    with other lengths, block tables and slots written into the same buffers."""
-    dtype, batch, max_blocks = torch.bfloat16, 32, 4096 // BLOCK_SIZE
+    with other lengths, block tables and slots written into the same buffers. Batch 8: from
+    13 requests on, the 8B's shape takes one split (`decode_num_splits`)."""
+    dtype, batch, max_blocks = torch.bfloat16, 8, 4096 // BLOCK_SIZE
     gen = torch.Generator().manual_seed(3)
     num_blocks = batch * max_blocks
     cache = _cache(num_blocks, dtype)
