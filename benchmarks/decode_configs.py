@@ -44,8 +44,7 @@ EXTRA_CONFIGS: tuple[tuple[int, int, int, bool, int], ...] = (
 )
 
 
-def config_name(config: tuple[int, int, int, bool, int]) -> str:
-    return pa._config_name(config)
+config_name = pa._config_name  # e.g. "128x4x3/heads-first": the tuner's log's names
 
 
 def graph_us(run: Any, num_layers: int, replays: int = 20) -> float:
@@ -128,7 +127,6 @@ def sweep_point(
     engine_splits = pa.decode_num_splits(
         batch, b.kv_cache.shape[3], max_model_len, pa._num_sms(dev)
     )
-
     engine = None
     if engine_pick is not None:
         name = config_name(engine_pick)
