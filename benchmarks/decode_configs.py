@@ -145,6 +145,13 @@ def sweep_point(
     }
 
 
+def _describe(row: dict[str, Any] | None) -> str:
+    """A timed row as one line's piece ("-" for none)."""
+    if row is None:
+        return "-"
+    return f"{row['config']} x{row['splits']} {row['ms'] * 1e3:.1f} us {row['kv_GBps']:.0f} GB/s"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -171,30 +178,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         del tb
         torch.cuda.empty_cache()
+    splits = [int(x) for x in ns.splits.split(",")]
     points = []
     for context in [int(c) for c in ns.contexts.split(",")]:
         for batch in [int(x) for x in ns.batches.split(",")]:
             point = sweep_point(
-                batch, context, configs, [int(s) for s in ns.splits.split(",")], dev, dtype,
-                engine_pick, ns.max_model_len, ns.eager,
+                batch, context, configs, splits, dev, dtype, engine_pick, ns.max_model_len,
+                ns.eager,
             )  # fmt: skip
             points.append(point)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            eng, best = point["engine"], point["best"]
-            eng_s = (
-                f"{eng['config']} x{eng['splits']} {eng['ms'] * 1e3:.1f} us "
-                f"{eng['kv_GBps']:.0f} GB/s"
-                if eng
-                else "-"
-            )
-            best_s = (
-                f"{best['config']} x{best['splits']} {best['ms'] * 1e3:.1f} us "
-                f"{best['kv_GBps']:.0f} GB/s"
-                if best
-                else "-"
-            )
-            print(f"batch {batch:4d} ctx {context:6d}: engine {eng_s} | best {best_s}")
+            engine, best = _describe(point["engine"]), _describe(point["best"])
+            print(f"batch {batch:4d} ctx {context:6d}: engine {engine} | best {best}")
             by_split: dict[int, float] = {}
             for r in point["rows"]:
                 if "ms" in r:
