@@ -85,8 +85,12 @@ run_suite() {  # run_suite PYTEST_PATH...: the selection, less what earlier call
   fi
   local log="$state/call$call.log"
   echo "call $call: ${#args[@]} arguments (deselected + ignored)" | tee -a "$summary"
-  step "GPU suite, call $call" $((BUDGET_S - 15)) "$log" $PY -m pytest -v -m gpu "${paths[@]}" \
-    --timeout=400 -rs --tb=short --durations=15 -p no:cacheprovider "${args[@]}"
+  # SIGINT 30 s before the step's limit: pytest, interrupted, still prints the failures so far
+  # (a TERM, as in session 25's cut calls, left only their ids).
+  local limit=$((BUDGET_S - 15 - (SECONDS - START)))
+  step "GPU suite, call $call" "$limit" "$log" timeout --signal=INT --kill-after=20 \
+    $((limit - 30)) $PY -m pytest -v -m gpu "${paths[@]}" --timeout=400 -rs --tb=short \
+    --durations=15 -p no:cacheprovider "${args[@]}"
   verdicts "$log" >>"$state/done.txt"
   cp "$log" "$OUT/gpu_suite_call$call.log"
   cp "$state/done.txt" "$OUT/done.txt"
