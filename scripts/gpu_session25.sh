@@ -23,6 +23,7 @@
 #            test_structured_gpu.py never ran; test_spec_decode_gpu.py's two SmolLM2 tests
 #            failed for want of the model; the FP8 files ran) and test_dense_hopper_gpu.py
 #            (test_loads_and_dtypes' bit-for-bit check, rewritten after it failed in the suite).
+#   PART=keep (seconds): only keep the piece of the model the call carries.
 #   Other parts: scripts/gpu_session24.sh's (pair first, on an H200: issue 30's served table
 #            under async on and late), after keeping whatever piece of the model this call
 #            carries, so the next session's calls can bring the three pieces along with
@@ -106,6 +107,9 @@ run_suite() {  # run_suite PYTEST_PATH...: the selection, less what earlier call
 
 smol_pieces
 case "${PART:-suite}" in
+keep)  # only keep the piece of the model this call carries (smol_pieces above)
+  ls -l /tmp/smol
+  ;;
 suite)
   run_suite tests/gpu
   ;;
