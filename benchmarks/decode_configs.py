@@ -4,8 +4,9 @@ For each (batch, context) of the grid: every decode config (`_DECODE_CANDIDATES`
 deeper pipelines) at every split count of `--splits`, timed on paged caches dealt in a
 shuffled order, as KV read GB/s (every K and V byte of the contexts once). On CUDA the calls
 are captured in a CUDA graph, one a "layer" over its own cache (as many as make the bytes
-read a replay at least 8x the L2 cache, at most 64), and the replays timed: a call's host
-work (its Python, two launches with a split) is not in the figure, as in the engine's graphs.
+read a pass at least 8x the L2 cache, at most 64), and the replays timed
+(`fp8_w8a16.time_in_graph`, the GEMV tuner's timer): a call's host work (its Python, two
+launches with a split) is not in the figure, as in the engine's graphs.
 Timed eagerly (`--eager`, the first run of this benchmark), a call of about 60 us is bound by
 its host work, and split counts above 1 looked slower than they are. Beside them, the
 engine's choice today: the config `tune_decode_attention` picks at its start-up shape
@@ -24,6 +25,7 @@ CPU dry run (the Triton interpreter, tiny shapes):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ import torch
 from benchmarks.attention_kernels import time_ms
 from benchmarks.prefill_attention import make_paged_batch
 from tandem_kernels import paged_attention as pa
+from tandem_kernels.fp8_w8a16 import time_in_graph
 
 # Deeper pipelines than the tuner's list: short programs (a few tiles each) at small batches
 # may want more loads in flight a program.
@@ -45,27 +48,6 @@ EXTRA_CONFIGS: tuple[tuple[int, int, int, bool, int], ...] = (
 
 
 config_name = pa._config_name  # e.g. "128x4x3/heads-first": the tuner's log's names
-
-
-def graph_us(run: Any, num_layers: int, replays: int = 20) -> float:
-    """Microseconds a call: `num_layers` calls (`run(layer)`) captured in one CUDA graph,
-    replayed `replays` times after warm-ups, timed with CUDA events."""
-    for layer in range(num_layers):
-        run(layer)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(num_layers):
-            run(layer)
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays / num_layers
 
 
 def sweep_point(
@@ -108,7 +90,14 @@ def sweep_point(
             try:
                 run()
                 err = (out[:2].float() - ref).abs().max().item()
-                ms = graph_us(run, num_layers) / 1e3 if graphs else time_ms(run, dev)
+                if graphs:
+                    layers = [functools.partial(run, layer) for layer in range(num_layers)]
+                    us = time_in_graph(layers)
+                    if us is None:
+                        raise RuntimeError("the calls could not be captured in a CUDA graph")
+                    ms = us / 1e3
+                else:
+                    ms = time_ms(run, dev)
             except Exception as exc:  # a config that cannot run here: the row says why
                 rows.append({"config": config_name(config), "splits": num_splits,
                              "error": f"{type(exc).__name__}: {exc}"[:200]})  # fmt: skip
