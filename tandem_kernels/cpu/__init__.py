@@ -27,10 +27,13 @@ and says whether it can be used; without a C++ compiler the engine keeps the pur
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
+import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +42,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+
+
+_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+# The build's marker, written (atomically) once a build has finished: a `.so` without it may be
+# a link that was cut short.
+_DONE = "tandem_build_done"
 
 
 def _cpu_tag() -> str:
@@ -51,23 +60,83 @@ def _cpu_tag() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
+def _flags() -> list[str]:
+    flags = list(_FLAGS)
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")
+    return flags
+
+
+def extension_name() -> str:
+    """The build's name: one per CPU, source text, flags and torch version, so a cached build
+    is loaded only where it was made from the same inputs."""
+    text = "|".join([_cpu_tag(), _SOURCE.read_text(), " ".join(_flags()), torch.__version__])
+    return f"tandem_cpu_ops_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def build_directory(name: str) -> Path:
+    """Where the build of `name` lives (torch's extension cache: `TORCH_EXTENSIONS_DIR` or
+    ~/.cache/torch_extensions)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache/torch_extensions")
+    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
+
+
+def _build(name: str, where: Path, broken: Path | None = None) -> None:
+    """Build (or bring up to date) and load the extension, one process at a time.
+
+    torch's `load()` guards its build with a lock *file* that every caller creates, even when
+    the build is current, and that a process killed inside `load()` leaves behind: every later
+    `load()` of the name then waits forever. Builders here hold an `flock` first (the kernel
+    drops it when its holder dies), so a lock file found under the flock is a dead process's
+    and is removed. `broken`: a library that would not load, removed so that it is linked
+    again."""
+    from torch.utils.cpp_extension import load
+
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / "tandem.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (where / _DONE).unlink(missing_ok=True)
+            if broken is not None:
+                broken.unlink(missing_ok=True)
+            stale = where / "lock"
+            if stale.exists():
+                logger.warning("removing a stale build lock left by a killed process: %s", stale)
+                stale.unlink(missing_ok=True)
+            load(
+                name=name,
+                sources=[str(_SOURCE)],
+                extra_cflags=_flags(),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(where),
+                is_python_module=False,
+                verbose=False,
+            )
+            tmp = where / f"{_DONE}.{os.getpid()}"
+            tmp.write_text(name)
+            tmp.replace(where / _DONE)
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 @functools.cache
 def available() -> bool:
-    """Build or load the extension (once per process); False, with a warning, if it cannot."""
-    try:
-        from torch.utils.cpp_extension import load
+    """Build or load the extension (once per process); False, with a warning, if it cannot.
 
-        flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
-        if platform.machine() in ("x86_64", "AMD64"):
-            flags.append("-march=native")
-        load(
-            name=f"tandem_cpu_ops_{_cpu_tag()}",
-            sources=[str(_SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+    A finished build is loaded directly (no lock, no compiler run); otherwise `_build`."""
+    try:
+        name = extension_name()
+        where = build_directory(name)
+        library = where / f"{name}.so"
+        broken = None
+        if (where / _DONE).exists() and library.exists():
+            try:
+                torch.ops.load_library(str(library))
+                return True
+            except OSError as exc:
+                logger.warning("the cached CPU extension did not load (%s): rebuilding", exc)
+                broken = library
+        _build(name, where, broken)
     except Exception as exc:  # no compiler, no headers, a failed build
         logger.warning("CPU kernels unavailable (%s): the pure-torch CPU path runs", exc)
         return False
