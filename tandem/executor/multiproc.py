@@ -303,7 +303,15 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + _START_TIMEOUT_S
         while len(self._infos) < self.world_size:
             if time.monotonic() > deadline:
-                raise RankFailedError(f"ranks did not start in {_START_TIMEOUT_S:.0f}s")
+                silent = ", ".join(
+                    f"rank {r} ({describe_exit(self._proc_of.get(r))})"
+                    for r in sorted(self._conns)
+                    if r not in self._infos
+                )
+                raise RankFailedError(
+                    f"ranks did not start in {_START_TIMEOUT_S:.0f}s: {silent} connected but "
+                    "never reported ready"
+                )
             waiting = [c for r, c in self._conns.items() if r not in self._infos]
             for conn in wait(waiting, timeout=_WATCH_S):
                 rank = self._rank_of[conn]
