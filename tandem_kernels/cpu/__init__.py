@@ -75,34 +75,45 @@ def extension_name() -> str:
 
 
 def build_directory(name: str) -> Path:
-    """Where the build of `name` lives (torch's extension cache: `TORCH_EXTENSIONS_DIR` or
-    ~/.cache/torch_extensions)."""
+    """Where the build of `name` lives, under the root of torch's extension builds
+    (`TORCH_EXTENSIONS_DIR` or ~/.cache/torch_extensions)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache/torch_extensions")
     return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
 
 
-def _build(name: str, where: Path, broken: Path | None = None) -> None:
+def _load_finished(name: str, where: Path) -> bool:
+    """Load the finished build of `name` (no lock, no compiler run); False when there is none
+    or its library will not load."""
+    library = where / f"{name}.so"
+    if not (where / _DONE).exists() or not library.exists():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as exc:
+        logger.warning("the cached CPU extension did not load (%s): linking it again", exc)
+        return False
+    return True
+
+
+def _build(name: str, where: Path) -> None:
     """Build (or bring up to date) and load the extension, one process at a time.
 
     torch's `load()` guards its build with a lock *file* that every caller creates, even when
     the build is current, and that a process killed inside `load()` leaves behind: every later
     `load()` of the name then waits forever. Builders here hold an `flock` first (the kernel
     drops it when its holder dies), so a lock file found under the flock is a dead process's
-    and is removed. `broken`: a library that would not load, removed so that it is linked
-    again."""
+    and is removed. The library is linked again from its objects (a cut-short or broken one
+    goes)."""
     from torch.utils.cpp_extension import load
 
     where.mkdir(parents=True, exist_ok=True)
     with open(where / "tandem.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         try:
-            library = where / f"{name}.so"
-            if broken is None and (where / _DONE).exists() and library.exists():
-                torch.ops.load_library(str(library))  # built while this process waited
+            if _load_finished(name, where):  # built while this process waited
                 return
             (where / _DONE).unlink(missing_ok=True)
-            if broken is not None:
-                broken.unlink(missing_ok=True)
+            (where / f"{name}.so").unlink(missing_ok=True)
             stale = where / "lock"
             if stale.exists():
                 logger.warning("removing a stale build lock left by a killed process: %s", stale)
@@ -127,20 +138,12 @@ def _build(name: str, where: Path, broken: Path | None = None) -> None:
 def available() -> bool:
     """Build or load the extension (once per process); False, with a warning, if it cannot.
 
-    A finished build is loaded directly (no lock, no compiler run); otherwise `_build`."""
+    A finished build is loaded directly; otherwise `_build`."""
     try:
         name = extension_name()
         where = build_directory(name)
-        library = where / f"{name}.so"
-        broken = None
-        if (where / _DONE).exists() and library.exists():
-            try:
-                torch.ops.load_library(str(library))
-                return True
-            except OSError as exc:
-                logger.warning("the cached CPU extension did not load (%s): rebuilding", exc)
-                broken = library
-        _build(name, where, broken)
+        if not _load_finished(name, where):
+            _build(name, where)
     except Exception as exc:  # no compiler, no headers, a failed build
         logger.warning("CPU kernels unavailable (%s): the pure-torch CPU path runs", exc)
         return False
