@@ -222,11 +222,17 @@ def _in_top5(token: int, logprobs: dict[int, Any]) -> bool:
     return sum(1 for lp in logprobs.values() if lp.logprob > value) < 5
 
 
+def _top(logprobs: dict[int, Any]) -> list[tuple[float, int]]:
+    """A step's six most likely tokens, (logprob to 2 places, token id), best first."""
+    return sorted(((round(v.logprob, 2), t) for t, v in logprobs.items()), reverse=True)[:6]
+
+
 def _compare(name: str, ref: list[Any], test: list[Any]) -> float:
     """Greedy identical, or at the first difference each side's token is in the other's
-    top 5 (`_in_top5`). Returns (and prints) the mean |logprob gap| of the chosen tokens
-    where both chose the same one."""
-    identical, gaps = 0, []
+    top 5 (`_in_top5`). Prints every first difference with both sides' top 6 (those outside
+    the rule fail the test, all named). Returns (and prints) the mean |logprob gap| of the
+    chosen tokens where both chose the same one."""
+    identical, gaps, differences = 0, [], []
     for i, (a, b) in enumerate(zip(ref, test, strict=True)):
         diff = next(
             (j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y),
@@ -239,14 +245,23 @@ def _compare(name: str, ref: list[Any], test: list[Any]) -> float:
         if diff is None:
             identical += 1
             continue
-        where = f"{name} prompt {i} step {diff}: bf16 {a.token_ids[diff]}, it {b.token_ids[diff]}"
-        assert _in_top5(a.token_ids[diff], b.logprobs[diff]), where
-        assert _in_top5(b.token_ids[diff], a.logprobs[diff]), where
+        ok = _in_top5(a.token_ids[diff], b.logprobs[diff]) and _in_top5(
+            b.token_ids[diff], a.logprobs[diff]
+        )
+        where = (
+            f"{name} prompt {i} step {diff}: bf16 {a.token_ids[diff]}, it {b.token_ids[diff]}"
+            f" ({'in' if ok else 'OUTSIDE'} the top 5)\n  bf16 top {_top(a.logprobs[diff])}"
+            f"\n  it   top {_top(b.logprobs[diff])}"
+        )
+        print(where)
+        differences.append(where)
     mean_gap = sum(gaps) / max(len(gaps), 1)
     print(
         f"\n{name}: {identical}/{len(ref)} prompts identical to bf16 for {NEW_TOKENS} tokens; "
         f"mean chosen-token logprob gap {mean_gap:.4f} over {len(gaps)} tokens"
     )
+    outside = [d for d in differences if "OUTSIDE" in d]
+    assert not outside, "\n".join(outside)
     return mean_gap
 
 
