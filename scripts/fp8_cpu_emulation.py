@@ -5,7 +5,12 @@ prompts, greedy, top-20 logprobs. The engine refuses FP8 on the CPU; this lifts 
 the model runner only. It tells a kernel bug (the GPU diverges, the reference does not) from
 the model's own FP8 precision (both diverge at the same step).
 
-    PYTHONPATH=. python scripts/fp8_cpu_emulation.py ptpc_fp8 fp8
+Names: a `--quantization` value (`ptpc_fp8`, `fp8`), `kv` (`--kv-cache-dtype fp8`) or
+`fp8+kv` (both, the GPU test's `test_fp8_weights_and_kv_cache_together`). The FP8 cache runs
+on the torch attention backend (the CPU one has none), which writes `key / k_scale` rounded to
+e4m3 and reads it back widened; its bf16 reference runs on the same backend.
+
+    PYTHONPATH=. python scripts/fp8_cpu_emulation.py ptpc_fp8 fp8 kv fp8+kv
 """
 
 from __future__ import annotations
@@ -23,6 +28,17 @@ _resolve = quantization.resolve_quant_config
 
 def _resolve_anywhere(name: str, hf: Any, device: Any, **kwargs: Any) -> Any:
     return _resolve(name, hf, device, check_device=False)
+
+
+def _engine_kwargs(name: str) -> dict[str, Any]:
+    """The LLM arguments of one emulated configuration (module docstring)."""
+    quant, _, kv = name.partition("+")
+    if quant == "kv":
+        quant, kv = "", "kv"
+    kwargs: dict[str, Any] = {"quantization": quant} if quant else {}
+    if kv:
+        kwargs.update(kv_cache_dtype="fp8", attention_backend="torch")
+    return kwargs
 
 
 def _run(prompts: list[str], **kwargs: Any) -> list[Any]:
@@ -64,10 +80,17 @@ def _compare(name: str, ref: list[Any], outs: list[Any]) -> None:
 
 def main() -> None:
     runner_module.resolve_quant_config = _resolve_anywhere
+    runner_module.check_fp8_device = lambda device, what: None
     prompts = [f"Write a short explanation of {t}." for t in _TOPICS[:16]]
-    ref = _run(prompts)
+    refs: dict[bool, list[Any]] = {}  # by whether the torch attention backend runs
     for name in sys.argv[1:] or ["ptpc_fp8", "fp8"]:
-        _compare(name, ref, _run(prompts, quantization=name))
+        kwargs = _engine_kwargs(name)
+        torch_backend = "attention_backend" in kwargs
+        if torch_backend not in refs:
+            refs[torch_backend] = _run(
+                prompts, **({"attention_backend": "torch"} if torch_backend else {})
+            )
+        _compare(name, refs[torch_backend], _run(prompts, **kwargs))
 
 
 if __name__ == "__main__":
