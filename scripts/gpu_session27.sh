@@ -13,7 +13,13 @@
 # halves in two calls (kept in /tmp/part by the first, joined into .smol/2.1 by the second):
 #   head -c 40500000 $GGUF >.smol/2.0; tail -c +40500001 $GGUF >.smol/2.1
 #   head -c 29000000 .smol/2.1 >.smolx/a; tail -c +29000001 .smol/2.1 >.smolx/b
-# (.smol/ and .smolx/ in .git/info/exclude.) Results: benchmarks/results/*_h100_2026-12-06_s27*.
+# (.smol/ and .smolx/ in .git/info/exclude.) Next time, three pieces that smol_pieces joins by
+# itself: 3.0 with .whl on the first call (40,500,000 bytes), 3.1 and 3.2 (about 29 MB each) on
+# the next two, each beside other work:
+#   head -c 40500000 $GGUF >.smol/3.0
+#   tail -c +40500001 $GGUF | head -c 29000000 >.smol/3.1
+#   tail -c +69500001 $GGUF >.smol/3.2
+# Results: benchmarks/results/*_h100_2026-12-06_s27*.
 #
 #   PART=ab (~7 min; for the next session, on whichever card comes): this session's bf16 served
 #            TPOT p50 at 5 and 15 req/s (8.36 / 11.92 ms) sat 13% over sessions 23-24's on
@@ -29,6 +35,11 @@
 #                benchmarks scripts | tar -x -C .old
 #            then carry .old (and .whl on a fresh machine).
 #
+#   PART=table30 (~4.5 min; on an H200, where issue 30's vLLM figures were measured): the
+#            served table at the defaults (bf16, async scheduling on; 5 / 15 / 25 req/s and all
+#            at once, fresh prompts per rate), nothing else: late planning, measured three
+#            times on H100s (sessions 23, 24, 27), stays opt-in.
+#
 #   OUT=/some/dir PART=ab bash scripts/gpu_session27.sh
 set -u
 ISSUE=session27
@@ -43,6 +54,15 @@ ab)
     BUDGET_S=$((BUDGET_S - 20)) bash scripts/gpu_issue14.sh 2>&1 \
     | grep -E "^\| unified|answered" | tee -a "$summary"
   rm -f "$OUT"/ab/*.png
+  finish
+  ;;
+table30)
+  BUDGET_S=${BUDGET_S:-300}
+  . scripts/device_lib.sh
+  mkdir -p "$OUT/bf16"
+  OUT="$OUT/bf16" RUNS=unified OFFLINE=none RATES=5,15,25,inf BUDGET_S=$((BUDGET_S - 20)) \
+    bash scripts/gpu_issue14.sh 2>&1 | grep -E "^\| (unified|vLLM)|answered" | tee -a "$summary"
+  rm -f "$OUT"/bf16/*.png
   finish
   ;;
 *)
