@@ -21,7 +21,7 @@ from typing import Any
 import tandem.worker.model_runner as runner_module
 from tandem import LLM, SamplingParams
 from tandem.layers import quantization
-from tests.gpu.test_fp8_gpu import _TOPICS, NEW_TOKENS, _in_top5
+from tests.gpu.test_fp8_gpu import _TOPICS, NEW_TOKENS, _in_top5, _top
 
 _resolve = quantization.resolve_quant_config
 
@@ -47,10 +47,6 @@ def _run(prompts: list[str], **kwargs: Any) -> list[Any]:
             temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=20
         )
         return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def _top(logprobs: dict[int, Any]) -> list[tuple[float, int]]:
-    return sorted(((round(v.logprob, 2), t) for t, v in logprobs.items()), reverse=True)[:6]
 
 
 def _compare(name: str, ref: list[Any], outs: list[Any]) -> None:
