@@ -1,12 +1,16 @@
 """Merges one `scripts/gpu_issue14.sh` run into one JSON and a table against vLLM's figures.
 
-    python -m benchmarks.serving_report RESULTS_DIR OUT.json       # OUT.png too (matplotlib)
+    python -m benchmarks.serving_report RESULTS_DIR OUT.json [--same-prompts]  # OUT.png too
     python -m benchmarks.serving_report --plot-only OUT.json        # the PNG of a merged JSON
 
 RESULTS_DIR holds `offline_<when>.json` (benchmarks.serve_offline), and per served run NAME:
 `NAME_startup.json`, `NAME_<rate>.json` (tandem bench serve) and `NAME_cpu_<rate>.json`
-(scripts/proc_cpu.py). vLLM's figures are the issue's (vLLM 0.26 `vllm serve` at its defaults,
-`vllm bench serve` with the same load, on the same GPU kind); they were not measured here.
+(scripts/proc_cpu.py). vLLM's figures are an issue's (vLLM 0.26 `vllm serve` at its defaults,
+`vllm bench serve` with the same load, on one H200); they were not measured here, and a ratio
+to them holds only for a run on an H200. Which issue's: the load's prompts decide. Fresh
+prompts per rate (gpu_issue14.sh's default) are issue 30's workload; `--same-prompts` (its
+SAME_PROMPTS=1: every rate sends the first rate's prompts, which later rates find in the
+prefix cache) is issue 14's.
 """
 
 from __future__ import annotations
@@ -16,12 +20,39 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# rate -> TTFT p50, TTFT p99, TPOT p50, TPOT p99 (ms), vLLM 0.26 on one H200 (issue 14).
-VLLM_H200: dict[str, tuple[float, float, float, float]] = {
-    "5": (53, 106, 6.04, 7.47),
-    "15": (33, 58, 6.29, 7.34),
-    "25": (36, 56, 7.15, 7.84),
+# rate -> TTFT p50, TTFT p99, TPOT p50, TPOT p99 (ms), output tok/s of vLLM 0.26 on one H200;
+# None where the issue does not give it.
+VllmRow = tuple[float | None, float | None, float | None, float | None, float | None]
+# Issue 14: the same prompts at every rate (later rates hit the prefix cache).
+VLLM_H200_SAME_PROMPTS: dict[str, VllmRow] = {
+    "5": (53, 106, 6.04, 7.47, None),
+    "15": (33, 58, 6.29, 7.34, None),
+    "25": (36, 56, 7.15, 7.84, None),
 }
+# Issue 30: fresh prompts per rate.
+VLLM_H200_FRESH_PROMPTS: dict[str, VllmRow] = {
+    "5": (None, 116, 6.11, None, None),
+    "15": (None, 114, 9.41, None, None),
+    "25": (None, 200, 17.60, None, None),
+    "inf": (None, 3820, 18.93, None, 4539),
+}
+_VLLM_TABLES = {
+    "issue 14, same prompts every rate": VLLM_H200_SAME_PROMPTS,
+    "issue 30, fresh prompts per rate": VLLM_H200_FRESH_PROMPTS,
+}
+
+
+def vllm_figures(same_prompts: bool) -> tuple[str, dict[str, VllmRow]]:
+    """The issue whose vLLM figures match the load (module docstring), and its table."""
+    return next(
+        (name, table)
+        for name, table in _VLLM_TABLES.items()
+        if (table is VLLM_H200_SAME_PROMPTS) == same_prompts
+    )
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
 
 
 def _rate_key(rate: float) -> str:
@@ -52,13 +83,23 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rates = sorted(VLLM_H200, key=float)
+    # A report merged before the two tables (its key "vllm_h200_issue14") had issue 14's.
+    vllm = report.get("vllm_h200") or {
+        "workload": "issue 14, same prompts every rate",
+        "rates": report["vllm_h200_issue14"],
+    }
+    workload, table = vllm["workload"], vllm["rates"]
+    rates = sorted((r for r in table if r != "inf"), key=float)
     panels = [("TTFT p99 (ms)", "ttft_ms", "p99", 1), ("TPOT p50 (ms)", "tpot_ms", "p50", 2)]
     panels.append(("TPOT p99 (ms)", "tpot_ms", "p99", 3))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
     for ax, (title, metric, pct, vllm_col) in zip(axes, panels, strict=True):
         xs = [float(r) for r in rates]
-        ax.plot(xs, [VLLM_H200[r][vllm_col] for r in rates], "k--o", label="vLLM 0.26 (issue)")
+        known = [r for r in rates if table[r][vllm_col] is not None]
+        ax.plot(
+            [float(r) for r in known], [table[r][vllm_col] for r in known], "k--o",
+            label="vLLM 0.26, H200 (issue)",
+        )  # fmt: skip
         for name, entry in report["served"].items():
             got = [r for r in rates if r in entry["rates"]]
             ys = [entry["rates"][r]["summary"][metric][pct] for r in got]
@@ -69,7 +110,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("tandem serve under the issue-14 load, one H200 (random 8B-shape, bf16)")
+    fig.suptitle(f"tandem serve, random 8B shape; vLLM: {workload}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -83,7 +124,12 @@ def main(argv: list[str]) -> int:
         print(f"wrote {merged.with_suffix('.png')}" if ok else "matplotlib is missing")
         return 0 if ok else 1
     res, out = Path(argv[0]), Path(argv[1])
-    report: dict[str, Any] = {"vllm_h200_issue14": VLLM_H200, "served": {}, "offline": {}}
+    workload, table = vllm_figures("--same-prompts" in argv[2:])
+    report: dict[str, Any] = {
+        "vllm_h200": {"workload": workload, "rates": table},
+        "served": {},
+        "offline": {},
+    }
     for offline_path in sorted(res.glob("offline*.json")):
         off = _load(offline_path)
         label = offline_path.stem.removeprefix("offline").removeprefix("_") or "first"
@@ -127,9 +173,9 @@ def main(argv: list[str]) -> int:
                 f"{s['tpot_ms']['p50']:.2f} | {s['tpot_ms']['p99']:.2f} | "
                 f"{s['output_token_throughput']:.0f} | {cores} |"
             )
-            if rate in VLLM_H200:
-                v = VLLM_H200[rate]
-                lines.append(f"| vLLM (issue) | {rate} | {v[0]} | {v[1]} | {v[2]} | {v[3]} | | |")
+            if rate in table:
+                cells = " | ".join(_cell(v) for v in table[rate])
+                lines.append(f"| vLLM, H200 ({workload.split(',')[0]}) | {rate} | {cells} | |")
     for rate, s in report["offline"].items():
         lines.append(
             f"| offline engine | {rate} | {s['ttft_ms']['p50']:.1f} | {s['ttft_ms']['p99']:.1f} "

@@ -134,6 +134,9 @@ for run in $RUNS; do
 done
 if [ "$OFFLINE" = last ] || [ "$OFFLINE" = both ]; then offline_run last; fi
 
-step "9 merge" 30 "$LOGS/9_merge.log" $PY -m benchmarks.serving_report "$RES" "$OUT/issue14.json"
+MERGE_FLAGS=()
+[ "${SAME_PROMPTS:-0}" = 1 ] && MERGE_FLAGS=(--same-prompts)  # whose vLLM figures to show
+step "9 merge" 30 "$LOGS/9_merge.log" $PY -m benchmarks.serving_report "$RES" "$OUT/issue14.json" \
+  "${MERGE_FLAGS[@]}"
 cat "$LOGS/9_merge.log" >>"$summary"
 finish
