@@ -36,19 +36,13 @@ VLLM_H200_FRESH_PROMPTS: dict[str, VllmRow] = {
     "25": (None, 200, 17.60, None, None),
     "inf": (None, 3820, 18.93, None, 4539),
 }
-_VLLM_TABLES = {
-    "issue 14, same prompts every rate": VLLM_H200_SAME_PROMPTS,
-    "issue 30, fresh prompts per rate": VLLM_H200_FRESH_PROMPTS,
-}
 
 
 def vllm_figures(same_prompts: bool) -> tuple[str, dict[str, VllmRow]]:
     """The issue whose vLLM figures match the load (module docstring), and its table."""
-    return next(
-        (name, table)
-        for name, table in _VLLM_TABLES.items()
-        if (table is VLLM_H200_SAME_PROMPTS) == same_prompts
-    )
+    if same_prompts:
+        return "issue 14, same prompts every rate", VLLM_H200_SAME_PROMPTS
+    return "issue 30, fresh prompts per rate", VLLM_H200_FRESH_PROMPTS
 
 
 def _cell(value: float | None) -> str:

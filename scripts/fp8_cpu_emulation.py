@@ -78,15 +78,13 @@ def main() -> None:
     runner_module.resolve_quant_config = _resolve_anywhere
     runner_module.check_fp8_device = lambda device, what: None
     prompts = [f"Write a short explanation of {t}." for t in _TOPICS[:16]]
-    refs: dict[bool, list[Any]] = {}  # by whether the torch attention backend runs
+    refs: dict[str | None, list[Any]] = {}  # bf16 references, by attention backend
     for name in sys.argv[1:] or ["ptpc_fp8", "fp8"]:
         kwargs = _engine_kwargs(name)
-        torch_backend = "attention_backend" in kwargs
-        if torch_backend not in refs:
-            refs[torch_backend] = _run(
-                prompts, **({"attention_backend": "torch"} if torch_backend else {})
-            )
-        _compare(name, refs[torch_backend], _run(prompts, **kwargs))
+        backend = kwargs.get("attention_backend")
+        if backend not in refs:
+            refs[backend] = _run(prompts, **({"attention_backend": backend} if backend else {}))
+        _compare(name, refs[backend], _run(prompts, **kwargs))
 
 
 if __name__ == "__main__":

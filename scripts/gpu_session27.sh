@@ -44,25 +44,27 @@
 set -u
 ISSUE=session27
 
+served() {  # served SUBDIR VAR=VALUE...: gpu_issue14.sh's unified server under $OUT/SUBDIR
+  local sub=$1
+  shift
+  mkdir -p "$OUT/$sub"
+  env OUT="$OUT/$sub" RUNS=unified OFFLINE=none BUDGET_S=$((BUDGET_S - 20)) "$@" \
+    bash scripts/gpu_issue14.sh 2>&1 | grep -E "^\| (unified|vLLM)|answered" | tee -a "$summary"
+  rm -f "$OUT/$sub"/*.png
+}
+
 case "${PART:-ab}" in
 ab)
   BUDGET_S=${BUDGET_S:-560}
   . scripts/device_lib.sh
   [ -d .old/tandem ] || { echo "no .old tree: see this script's header" | tee -a "$summary"; exit 2; }
-  mkdir -p "$OUT/ab"
-  OUT="$OUT/ab" OLD_TREE=.old RUNS=unified OFFLINE=none RATES=5,15 TAG=_ab \
-    BUDGET_S=$((BUDGET_S - 20)) bash scripts/gpu_issue14.sh 2>&1 \
-    | grep -E "^\| unified|answered" | tee -a "$summary"
-  rm -f "$OUT"/ab/*.png
+  served ab OLD_TREE=.old RATES=5,15 TAG=_ab
   finish
   ;;
 table30)
   BUDGET_S=${BUDGET_S:-300}
   . scripts/device_lib.sh
-  mkdir -p "$OUT/bf16"
-  OUT="$OUT/bf16" RUNS=unified OFFLINE=none RATES=5,15,25,inf BUDGET_S=$((BUDGET_S - 20)) \
-    bash scripts/gpu_issue14.sh 2>&1 | grep -E "^\| (unified|vLLM)|answered" | tee -a "$summary"
-  rm -f "$OUT"/bf16/*.png
+  served bf16 RATES=5,15,25,inf
   finish
   ;;
 *)
