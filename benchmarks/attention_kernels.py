@@ -11,7 +11,8 @@ Backends, each over the same paged cache and block table (blocks dealt in a shuf
   first prefill shape of at least 1,024 rows inside `prefill_tuning()`, as an engine's
   start-up forward does; decode by `tune_decode_attention` on the decode shape itself);
 - `flashinfer`: FlashInfer's batch prefill / decode wrappers (NHD pages, planned once, the
-  plan outside the timing), where `flashinfer-python` imports;
+  plan outside the timing), where `flashinfer-python` imports; `flashinfer_tc`: its decode
+  wrapper with `use_tensor_cores` (decode shapes only);
 - `flash_attn`: FlashAttention's varlen kernel with a block table, where vLLM's build imports
   (Dao-AILab's FA2 needs 256-token pages: a line says so);
 - `sdpa`: torch SDPA on dense K/V (gathered through the block table, outside the timing).
@@ -56,7 +57,7 @@ from tandem.config import ConfigError
 
 PREFILL_SHAPES = "8x1024,4x4096,1x32768,1x131072"
 DECODE_SHAPES = "64x32768"
-BACKENDS = "triton,flashinfer,flash_attn,sdpa"
+BACKENDS = "triton,flashinfer,flashinfer_tc,flash_attn,sdpa"
 # bf16 outputs against the fp32 reference (prefill_attention.py's tolerance).
 ATOL = RTOL = 2e-2
 
@@ -163,7 +164,10 @@ def triton_runs(batch: PagedBatch, decode: bool) -> Run:
     return run
 
 
-def flashinfer_runs(batch: PagedBatch, decode: bool) -> Run:
+def flashinfer_runs(batch: PagedBatch, decode: bool, tensor_cores: bool = False) -> Run:
+    """FlashInfer's wrappers, planned outside the timing. Decode with `tensor_cores`: the
+    decode wrapper's `use_tensor_cores` form (its prefill kernel over one query row a request,
+    which FlashInfer recommends for large GQA groups; the table's group is 4)."""
     from tandem.layers.attention.flashinfer_backend import page_table
 
     fi = flashinfer_module()
@@ -174,7 +178,9 @@ def flashinfer_runs(batch: PagedBatch, decode: bool) -> Run:
     common = dict(sm_scale=b.scale, q_data_type=b.query.dtype, kv_data_type=b.kv_cache.dtype)
     heads = (b.query.shape[1], num_kv_heads, head_size, block_size)
     if decode:
-        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, kv_layout="NHD", use_tensor_cores=tensor_cores
+        )
         wrapper.plan(indptr, indices, last, *heads, **common)
     else:
         wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
@@ -320,6 +326,11 @@ def run_shape(
                         run()
             elif name == "flashinfer":
                 run = flashinfer_runs(batch, decode)
+            elif name == "flashinfer_tc":
+                if not decode:
+                    res["unavailable"] = "decode only (its prefill is flashinfer's)"
+                    continue
+                run = flashinfer_runs(batch, decode, tensor_cores=True)
             elif name == "flash_attn":
                 run = flash_attn_runs(batch, decode)
             elif name == "sdpa":
@@ -414,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                 missing[name] = "CUDA only"
         except Unavailable as exc:
             missing[name] = str(exc)
+    if "flashinfer" in missing:
+        missing["flashinfer_tc"] = missing["flashinfer"]
     from tandem_kernels import cascade_attention, paged_attention
 
     rows: list[dict[str, Any]] = []

@@ -123,3 +123,25 @@ def test_flashinfer_page_table_from_block_table_and_lengths() -> None:
     assert indices.tolist() == [7, 3, 5, 9, 2, 4, 8]
     assert last.tolist() == [1, 16, 1, 8]
     assert indptr.dtype == last.dtype == torch.int32 and indices.dtype == torch.int32
+
+
+def test_every_backend_takes_the_callers_arguments() -> None:
+    """Every backend's `write_kv` and `forward` bind the arguments the model layer and the
+    piecewise graphs pass (the KV scales among them): FLASHINFER's and FLASH_ATTN's `write_kv`
+    lacked the scales, which only a GPU run found. The optional modules import without their
+    packages."""
+    import importlib
+    import inspect
+
+    from tandem.layers.attention import backend as base
+
+    for module in base._MODULES.values():
+        importlib.import_module(module)
+    assert set(base._REGISTRY) >= set(base._MODULES)
+    t = torch.zeros(1)
+    for cls in base._REGISTRY.values():
+        inspect.signature(cls.write_kv).bind(None, t, t, t, t, 0.5, 0.5)
+        inspect.signature(cls.write_kv).bind(None, t, t, t, t, k_scale=0.5, v_scale=0.5)
+        inspect.signature(cls.forward).bind(
+            None, t, t, t, t, None, 0.1, k_scale=0.5, v_scale=0.5, sliding_window=None
+        )

@@ -72,7 +72,11 @@ class FlashAttnAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
+        if (k_scale, v_scale) != (1.0, 1.0):
+            raise ConfigError("attention_backend FLASH_ATTN has no FP8 KV cache; use TRITON_ATTN")
         reshape_and_cache(key, value, kv_cache, slot_mapping)
 
     def _check(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:

@@ -106,7 +106,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
+        if (k_scale, v_scale) != (1.0, 1.0):
+            raise ConfigError("attention_backend FLASHINFER has no FP8 KV cache; use TRITON_ATTN")
         reshape_and_cache(key, value, kv_cache, slot_mapping)
 
     def _wrappers(self, device: torch.device) -> tuple[Any, Any]:
