@@ -447,12 +447,13 @@ ATTENTION_BACKEND_ALIASES: dict[str, str] = {
     "FLASHINFER": "flashinfer",
     "FLASH_ATTN": "flash_attn",
 }
-# Optional backends: the modules any one of which provides it, and what to install.
-_BACKEND_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
-    "flashinfer": (("flashinfer",), "flashinfer-python"),
+# Optional backends: the modules any one of which provides it, what to install, and how.
+_BACKEND_PACKAGES: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "flashinfer": (("flashinfer",), "flashinfer-python", "pip install 'tandem[flashinfer]'"),
     "flash_attn": (
         ("vllm_flash_attn", "vllm.vllm_flash_attn", "flash_attn"),
         "vllm-flash-attn (vLLM's build) or flash-attn",
+        "install it",
     ),
 }
 
@@ -484,11 +485,11 @@ def attention_backend_name(value: str) -> str:
         known = ", ".join(ATTENTION_BACKEND_ALIASES)
         raise ConfigError(f"attention_backend must be one of {known}; got {value!r}")
     if name in _BACKEND_PACKAGES:
-        modules, package = _BACKEND_PACKAGES[name]
+        modules, package, how = _BACKEND_PACKAGES[name]
         if not any(_module_present(m) for m in modules):
             raise ConfigError(
                 f"attention_backend {value} needs the {package} package, which is not "
-                f"installed here (none of {', '.join(modules)} imports); install it or pick "
+                f"installed here (none of {', '.join(modules)} imports); {how} or pick "
                 "TRITON_ATTN"
             )
     return name
@@ -521,10 +522,11 @@ class DeviceConfig:
     ] = field(
         default="auto",
         metadata=flag(
-            "attention implementation (auto: triton on CUDA; on CPUs cpu, the C++ kernels, "
-            "when they build, else torch). vLLM's names: TRITON_ATTN (= triton), FLASHINFER "
-            "(flashinfer-python), FLASH_ATTN (vllm-flash-attn or flash-attn); those two only "
-            "where their package is installed"
+            "attention implementation (auto: triton on CUDA, the fastest measured, ahead of "
+            "FLASHINFER at every prefill and decode shape of benchmarks/attention_kernels.py; "
+            "on CPUs cpu, the C++ kernels, when they build, else torch). vLLM's names: "
+            "TRITON_ATTN (= triton), FLASHINFER (flashinfer-python), FLASH_ATTN "
+            "(vllm-flash-attn or flash-attn); those two only where their package is installed"
         ),
     )
     enforce_eager: bool = field(default=False, metadata=flag("no CUDA graphs"))

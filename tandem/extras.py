@@ -6,6 +6,7 @@ HTTP API and metrics); extras add what only some deployments use:
     redis        the Redis prefix-cache directory (`--redis-url`)
     structured   structured outputs (xgrammar): response_format, guided fields
     serve        everything the served API and a full deployment may use (redis, xgrammar)
+    flashinfer   `--attention-backend FLASHINFER` (flashinfer-python; CUDA)
 """
 
 from __future__ import annotations

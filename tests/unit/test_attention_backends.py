@@ -114,6 +114,19 @@ def test_an_absent_optional_backend_is_a_config_error_naming_its_package(value: 
         get_attention_backend(value.lower())
 
 
+def test_flashinfers_error_names_the_extra_that_installs_it() -> None:
+    import tomllib
+    from pathlib import Path
+
+    if _installed(_OPTIONAL["FLASHINFER"][1]):
+        pytest.skip("flashinfer-python is installed here")
+    with pytest.raises(ConfigError, match=r"pip install 'tandem\[flashinfer\]'"):
+        DeviceConfig(attention_backend="FLASHINFER")
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    assert [r.split(">")[0] for r in extras["flashinfer"]] == ["flashinfer-python"]
+
+
 def test_flashinfer_page_table_from_block_table_and_lengths() -> None:
     block = 16
     seq_lens = [1, 16, 17, 40]
