@@ -138,6 +138,30 @@ def test_flashinfer_page_table_from_block_table_and_lengths() -> None:
     assert indptr.dtype == last.dtype == torch.int32 and indices.dtype == torch.int32
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_flashinfer_page_table_against_a_loop(seed: int) -> None:
+    """The vectorized page table against the plain per-request loop, lengths 0 and block
+    multiples among them, and an empty step."""
+    import random
+
+    rng = random.Random(seed)
+    block = rng.choice([1, 16, 32])
+    n = rng.randrange(0, 40)
+    seq_lens = [rng.choice([0, block, 2 * block, rng.randrange(1, 700)]) for _ in range(n)]
+    width = max([-(-s // block) for s in seq_lens] + [1]) + rng.randrange(3)
+    table = torch.randint(0, 10_000, (n, width), dtype=torch.int32)
+    indptr, indices, last = page_table(table, seq_lens, block)
+    want_indptr, want_indices, want_last = [0], [], []
+    for r, s in enumerate(seq_lens):
+        p = -(-s // block)
+        want_indptr.append(want_indptr[-1] + p)
+        want_indices += table[r, :p].tolist()
+        want_last.append(s - (p - 1) * block if p else 0)
+    assert indptr.tolist() == want_indptr
+    assert indices.tolist() == want_indices
+    assert last.tolist() == want_last
+
+
 def test_every_backend_takes_the_callers_arguments() -> None:
     """Every backend's `write_kv` and `forward` bind the arguments the model layer and the
     piecewise graphs pass (the KV scales among them): FLASHINFER's and FLASH_ATTN's `write_kv`

@@ -62,19 +62,19 @@ def page_table(
     """FlashInfer's page table of a step: `(kv_indptr [num_reqs + 1] host int32,
     kv_indices [total_pages] on the device, kv_last_page_len [num_reqs] host int32)`.
     No device-to-host sync: the page counts come from the host `seq_lens`."""
-    pages = [-(-n // block_size) for n in seq_lens]
-    indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
-    if pages:
-        indptr[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
-    last = torch.tensor(
-        [n - (p - 1) * block_size if p else 0 for n, p in zip(seq_lens, pages, strict=True)],
-        dtype=torch.int32,
-    )
-    # Positions in the flattened block table of every used page, built on the host.
-    width = block_table.shape[1]
-    flat = torch.cat(
-        [torch.arange(p, dtype=torch.long) + r * width for r, p in enumerate(pages)]
-        or [torch.zeros(0, dtype=torch.long)]
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    pages = (lens + block_size - 1) // block_size
+    indptr64 = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+    torch.cumsum(pages, 0, out=indptr64[1:])
+    indptr = indptr64.to(torch.int32)
+    last = torch.where(pages > 0, lens - (pages - 1) * block_size, 0).to(torch.int32)
+    # Positions in the flattened block table of every used page, built on the host in a few
+    # vectorized operations (a request's pages are the first of its row): page k of request
+    # r sits at r * width + k.
+    total = int(indptr64[-1])
+    row_start = torch.arange(len(seq_lens), dtype=torch.int64) * block_table.shape[1]
+    flat = torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(
+        row_start - indptr64[:-1], pages, output_size=total
     )
     indices = block_table.reshape(-1).index_select(
         0, flat.to(block_table.device, non_blocking=True)
