@@ -27,6 +27,10 @@
 #   PART=table30 / PART=ab: scripts/gpu_session27.sh's (served, at the defaults / against
 #            session 23's tree).
 #
+# Next session, on an H200: PART=h200 (carry .whl). On an H100: FlashInfer's tensor-core decode
+# (8.5% faster than the backend's CUDA-core form at 64 x 32k here) as the backend's form, with
+# the engine test and this part's kernel table again (carry .whl and .fi).
+#
 #   OUT=/some/dir PART=flashinfer bash scripts/gpu_session28.sh
 set -u
 ISSUE=session28
