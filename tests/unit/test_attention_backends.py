@@ -164,9 +164,9 @@ def test_flashinfer_page_table_against_a_loop(seed: int) -> None:
 
 def test_every_backend_takes_the_callers_arguments() -> None:
     """Every backend's `write_kv` and `forward` bind the arguments the model layer and the
-    piecewise graphs pass (the KV scales among them): FLASHINFER's and FLASH_ATTN's `write_kv`
-    lacked the scales, which only a GPU run found. The optional modules import without their
-    packages."""
+    piecewise graphs pass (the KV scales among them). FLASHINFER's `write_kv` lacked the scales
+    until its first GPU run failed on them; FLASH_ATTN's, until this test. The optional
+    modules import without their packages."""
     import importlib
     import inspect
 
