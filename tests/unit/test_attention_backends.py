@@ -163,10 +163,11 @@ def test_flashinfer_page_table_against_a_loop(seed: int) -> None:
 
 
 def test_every_backend_takes_the_callers_arguments() -> None:
-    """Every backend's `write_kv` and `forward` bind the arguments the model layer and the
-    piecewise graphs pass (the KV scales among them). FLASHINFER's `write_kv` lacked the scales
-    until its first GPU run failed on them; FLASH_ATTN's, until this test. The optional
-    modules import without their packages."""
+    """Every registered backend's overrides of `AttentionBackend`'s interface (`forward`,
+    `forward_qkv`, `write_kv`, `plan_step`, `tune`) bind the base's whole argument list, each
+    argument passed as the base declares it (positionally or by keyword). FLASHINFER's
+    `write_kv` lacked the KV scales the piecewise graphs pass until its first GPU run failed on
+    them; FLASH_ATTN's, until this test. The optional modules import without their packages."""
     import importlib
     import inspect
 
@@ -175,10 +176,13 @@ def test_every_backend_takes_the_callers_arguments() -> None:
     for module in base._MODULES.values():
         importlib.import_module(module)
     assert set(base._REGISTRY) >= set(base._MODULES)
-    t = torch.zeros(1)
-    for cls in base._REGISTRY.values():
-        inspect.signature(cls.write_kv).bind(None, t, t, t, t, 0.5, 0.5)
-        inspect.signature(cls.write_kv).bind(None, t, t, t, t, k_scale=0.5, v_scale=0.5)
-        inspect.signature(cls.forward).bind(
-            None, t, t, t, t, None, 0.1, k_scale=0.5, v_scale=0.5, sliding_window=None
-        )
+    interface = ("forward", "forward_qkv", "write_kv", "plan_step", "tune")
+    for method in interface:
+        declared = inspect.signature(getattr(base.AttentionBackend, method)).parameters.values()
+        args = [p.name for p in declared if p.kind is p.POSITIONAL_OR_KEYWORD]
+        kwargs = {p.name: p.name for p in declared if p.kind is p.KEYWORD_ONLY}
+        for cls in base._REGISTRY.values():
+            try:
+                inspect.signature(getattr(cls, method)).bind(*args, **kwargs)
+            except TypeError as exc:
+                raise AssertionError(f"{cls.__name__}.{method}: {exc}") from None
