@@ -141,14 +141,12 @@ def test_flashinfer_refuses_a_sliding_window() -> None:
         backend.forward(q, kv, kv, cache, meta, SCALE, sliding_window=64)
 
 
-NAMES = {"FLASHINFER": "flashinfer", "FLASH_ATTN": "flash_attn", "TRITON_ATTN": "triton"}
-
-
 def _greedy(backend: str, prompts: list[list[int]]) -> tuple[list[list[int]], list[Any]]:
     """Each prompt's greedy tokens and top-5 logprobs, twice over (the second round reads the
     first round's prompts from the prefix cache), through an engine on this backend whose
     256-token budget chunks every prompt over 256 tokens."""
     from tandem import LLM, SamplingParams
+    from tandem.config import attention_backend_name
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
     with LLM(
@@ -160,7 +158,7 @@ def _greedy(backend: str, prompts: list[list[int]]) -> tuple[list[list[int]], li
         gpu_memory_utilization=0.3,
         attention_backend=backend,
     ) as llm:
-        assert llm.engine.model_runner.attn_backend.name == NAMES[backend]
+        assert llm.engine.model_runner.attn_backend.name == attention_backend_name(backend)
         tokens: list[list[int]] = []
         logprobs: list[Any] = []
         for _ in range(2):
