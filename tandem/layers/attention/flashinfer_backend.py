@@ -36,6 +36,8 @@ from tandem_kernels.reshape_and_cache import reshape_and_cache
 
 # FlashInfer's scratch space (its own examples use 128 MiB), one per backend instance.
 _WORKSPACE_BYTES = 128 * 1024 * 1024
+# Query heads per KV head from which decode runs on FlashInfer's tensor-core kernel.
+_TENSOR_CORE_MIN_GROUP = 4
 
 
 def _import_flashinfer() -> Any:
@@ -113,14 +115,20 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ConfigError("attention_backend FLASHINFER has no FP8 KV cache; use TRITON_ATTN")
         reshape_and_cache(key, value, kv_cache, slot_mapping)
 
-    def _wrappers(self, device: torch.device) -> tuple[Any, Any]:
+    def _wrappers(self, device: torch.device, group: int) -> tuple[Any, Any]:
+        """The prefill and decode wrappers, made on first use. Decode runs on tensor cores
+        (FlashInfer's prefill kernel at one query row) where ``group`` query heads share a KV
+        head, at least ``_TENSOR_CORE_MIN_GROUP``: 64 x 32k decode with the 8B's group of 4
+        took 2.755 ms that way against 3.010 ms on CUDA cores (one H100, session 28)."""
         if self._workspace is None:
             self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 self._workspace, kv_layout="NHD"
             )
             self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, kv_layout="NHD"
+                self._workspace,
+                kv_layout="NHD",
+                use_tensor_cores=group >= _TENSOR_CORE_MIN_GROUP,
             )
         return self._prefill, self._decode
 
@@ -128,11 +136,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> Any:
         """The wrapper planned for this step (planned on its first layer's call)."""
-        prefill, decode = self._wrappers(query.device)
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        prefill, decode = self._wrappers(query.device, query.shape[1] // num_kv_heads)
         wrapper = decode if metadata.is_decode_only else prefill
         if self._planned_for is metadata:
             return wrapper
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_reqs = metadata.num_reqs
         indptr, indices, last = page_table(
             metadata.block_table[:num_reqs], metadata.seq_lens_cpu[:num_reqs], block_size
