@@ -18,6 +18,11 @@ run as whole CUDA graphs (`decode_cuda_graphs` False); the K/V write is the Trit
 Page tables: request r's pages are `block_table[r, :ceil(seq_lens[r] / block)]`, its last page
 holds `seq_lens[r] - (pages - 1) * block` tokens. FlashInfer's causal mask is aligned to the
 end of the context (query row j at position `seq_len - query_len + j`), as tandem's is.
+
+FP8 KV cache (`--kv-cache-dtype fp8`): the Triton `reshape_and_cache` writes e4m3 with the
+layer's per-tensor scales (stored = value / scale, as for every backend), the wrappers are
+planned with the cache's dtype and `run` takes the scales (FlashInfer folds `k_scale` into the
+softmax scale and multiplies the output by `v_scale`).
 """
 
 from __future__ import annotations
@@ -111,9 +116,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> None:
-        if (k_scale, v_scale) != (1.0, 1.0):
-            raise ConfigError("attention_backend FLASHINFER has no FP8 KV cache; use TRITON_ATTN")
-        reshape_and_cache(key, value, kv_cache, slot_mapping)
+        reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
     def _wrappers(self, device: torch.device, group: int) -> tuple[Any, Any]:
         """The prefill and decode wrappers, made on first use. Decode runs on tensor cores
@@ -195,13 +198,16 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ConfigError(
                 "attention_backend FLASHINFER has no sliding-window layers here; use TRITON_ATTN"
             )
-        if (k_scale, v_scale) != (1.0, 1.0):
-            raise ConfigError("attention_backend FLASHINFER has no FP8 KV cache; use TRITON_ATTN")
         num_tokens = metadata.num_actual_tokens
-        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
+        reshape_and_cache(
+            key, value, kv_cache, metadata.slot_mapping[:num_tokens], k_scale, v_scale
+        )
         out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         if num_tokens == 0:
             return out
         wrapper = self._plan(query, kv_cache, metadata, scale)
-        out[:num_tokens] = wrapper.run(query[:num_tokens], kv_cache)
+        scales: dict[str, float] = {}
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            scales = {"k_scale": k_scale, "v_scale": v_scale}
+        out[:num_tokens] = wrapper.run(query[:num_tokens], kv_cache, **scales)
         return out
