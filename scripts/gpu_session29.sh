@@ -3,11 +3,15 @@
 #
 #   PART=auto (~9.5 min): whichever card came. An H200: issue 30's served table at the defaults
 #            and the same load in FP8 (scripts/gpu_session28.sh's PART=h200; issue 30's vLLM
-#            figures are H200 figures). An H100: FlashInfer with its tensor-core decode (the
-#            backend's form since this session: group of query heads per KV head >= 4), the
-#            backend's kernel and engine tests and issue 30's kernel table
-#            (gpu_session28.sh's PART=flashinfer). Carry .whl and .fi.
-#   PART=fi / PART=h200: either half, whatever the card.
+#            figures are H200 figures). An H100: PART=fi. Carry .whl and .fi.
+#   PART=fi (~9.5 min, either card): FlashInfer with its tensor-core decode (the backend's
+#            form since this session: 4+ query heads per KV head) and the FP8 KV cache (new
+#            this session): the backend's kernel tests (bf16 / fp16, and an e4m3 cache with
+#            scales against the reference over it dequantized), the engine tests (bf16 cache
+#            and FP8 cache, each against TRITON_ATTN's engine), issue 30's kernel table
+#            (triton / flashinfer / flashinfer_tc / sdpa). .fi/ and .ficache/ as in
+#            gpu_session28.sh's PART=flashinfer.
+#   PART=h200: gpu_session28.sh's (either card).
 #
 #   OUT=/some/dir PART=auto bash scripts/gpu_session29.sh
 set -u
@@ -22,7 +26,30 @@ if [ "$part" = auto ]; then
 fi
 case "$part" in
 h200) PART=h200 exec bash scripts/gpu_session28.sh ;;
-fi) PART=flashinfer exec bash scripts/gpu_session28.sh ;;
+fi)
+  ISSUE=session29
+  BUDGET_S=${BUDGET_S:-570}
+  . scripts/device_lib.sh
+  $PY -m pip install -q --no-deps --target /tmp/site-fi .fi/*.whl >"$LOGS/pip_fi.log" 2>&1 \
+    || echo "pip install of .fi/ failed (pip_fi.log)" | tee -a "$summary"
+  export PYTHONPATH="/tmp/site-fi:$PYTHONPATH"
+  export FLASHINFER_WORKSPACE_BASE=$PWD/.ficache MAX_JOBS=16
+  mkdir -p .ficache
+  {
+    nvidia-smi -L
+    $PY -c "import flashinfer, torch; print('flashinfer', flashinfer.__version__, 'torch', torch.__version__)"
+  } 2>&1 | tee -a "$summary"
+  T=tests/gpu/test_attention_backends_gpu.py
+  step fi_tests 200 "$LOGS/fi_tests.log" \
+    $PY -m pytest -q -rA -s -p no:cacheprovider "$T" -k "flashinfer and not engine" --durations=5
+  step fi_engine 300 "$LOGS/fi_engine.log" \
+    $PY -m pytest -q -rA -s -p no:cacheprovider "$T" -k "engine and FLASHINFER" --durations=3
+  step fi_kernels 200 "$LOGS/fi_kernels.log" \
+    $PY -m benchmarks.attention_kernels --backends triton,flashinfer,flashinfer_tc,sdpa \
+    --out "$OUT/attention_kernels_flashinfer.json"
+  cp "$LOGS"/fi_*.log "$OUT/" 2>/dev/null
+  finish
+  ;;
 *)
   echo "unknown PART=${PART}" >&2
   exit 2
