@@ -43,7 +43,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.config import FP8_KV_CACHE_DTYPES, ConfigError, EngineConfig
+from tandem.config import (
+    ATTENTION_BACKEND_ALIASES,
+    FP8_KV_CACHE_DTYPES,
+    ConfigError,
+    EngineConfig,
+)
 from tandem.core.kv_cache_spec import KVCacheSpec
 from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
 from tandem.distributed import ParallelState, single_rank_state
@@ -86,15 +91,27 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+# Attention backends without an FP8 KV cache (registered name -> vLLM's): FlashInfer 0.5.3's
+# Hopper prefill does not compile for bf16 queries over e4m3 pages (one H200, session 29);
+# FLASH_ATTN's varlen kernel is called on 16-bit caches only.
+_NO_FP8_KV_BACKENDS = {"flashinfer": "FLASHINFER", "flash_attn": "FLASH_ATTN"}
+
+
 def resolve_kv_cache_dtype(
     name: str, model_dtype: torch.dtype, device: torch.device, attention_backend: str
 ) -> torch.dtype:
     """The KV cache's torch dtype: the model's ("auto"), a named one, or e4m3 for "fp8" /
     "fp8_e4m3" (ConfigError where it cannot run: off a GPU of compute capability 8.9+, or
-    with the CPU attention backend)."""
+    with an attention backend that has no FP8 cache: cpu, FLASHINFER, FLASH_ATTN)."""
     if name == "auto":
         return model_dtype
     if name in FP8_KV_CACHE_DTYPES:
+        backend = ATTENTION_BACKEND_ALIASES.get(attention_backend, attention_backend)
+        if backend in _NO_FP8_KV_BACKENDS:
+            raise ConfigError(
+                f"--kv-cache-dtype {name}: attention backend {_NO_FP8_KV_BACKENDS[backend]} "
+                "has no FP8 KV cache; use TRITON_ATTN"
+            )
         check_fp8_device(device, f"--kv-cache-dtype {name}")
         if attention_backend == "cpu":
             raise ConfigError(f"--kv-cache-dtype {name}: the cpu attention backend has no FP8")

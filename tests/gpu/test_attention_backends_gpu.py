@@ -107,43 +107,6 @@ def test_backend_matches_the_torch_reference(name: str, dtype: torch.dtype, case
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_flashinfer_over_an_fp8_cache_matches_the_reference_over_it_dequantized(
-    case: str,
-) -> None:
-    """FLASHINFER with an e4m3 cache and per-tensor scales (not 1.0) against the fp32 torch
-    reference over the same cache (which it widens with the same scales): the new tokens are
-    written quantized, and both sides read the same quantized values."""
-    backend = _backend("FLASHINFER")
-    gen = torch.Generator().manual_seed(3)
-    query_lens, seq_lens = CASES[case]
-    meta, num_blocks = _step(query_lens, seq_lens, gen)
-    k_scale, v_scale = 0.05, 0.02
-    full = torch.randn(
-        num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device=DEV
-    ).to(torch.float8_e4m3fn)
-    cache = full[:, 1]
-    ref_cache = cache.clone()
-    n = meta.num_actual_tokens
-    query, key, value = (
-        torch.randn(n, h, HEAD_SIZE, dtype=torch.bfloat16, device=DEV)
-        for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)
-    )
-    out = backend.forward(query, key, value, cache, meta, SCALE, k_scale, v_scale)
-    ref = TorchAttentionBackend().forward(
-        query.float(), key.float(), value.float(), ref_cache, meta, SCALE, k_scale, v_scale
-    )
-    blocks, offsets = meta.slot_mapping // BLOCK_SIZE, meta.slot_mapping % BLOCK_SIZE
-    # The written tokens: e4m3 of x / scale (round to nearest: within 2^-4 of x, relative),
-    # at most one e4m3 step (2^-3) from the reference's own write.
-    for i, (x, s) in enumerate(((key, k_scale), (value, v_scale))):
-        got = cache[blocks, i, offsets].float()
-        torch.testing.assert_close(got * s, x.float(), atol=s * 2**-9, rtol=2**-4)
-        want = ref_cache[blocks, i, offsets].float()
-        torch.testing.assert_close(got, want, atol=2**-9, rtol=2**-3)
-    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
 def test_flash_attn_sliding_window_matches_the_torch_reference(case: str) -> None:
     backend = _backend("FLASH_ATTN")
     gen = torch.Generator().manual_seed(1)
@@ -166,7 +129,7 @@ def test_flash_attn_sliding_window_matches_the_torch_reference(case: str) -> Non
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_flashinfer_refuses_a_sliding_window() -> None:
+def test_flashinfer_refuses_a_sliding_window_and_an_fp8_cache() -> None:
     from tandem.config import ConfigError
 
     backend = _backend("FLASHINFER")
@@ -176,11 +139,16 @@ def test_flashinfer_refuses_a_sliding_window() -> None:
     kv = torch.zeros(4, NUM_KV_HEADS, HEAD_SIZE, device=DEV)
     with pytest.raises(ConfigError, match="sliding-window"):
         backend.forward(q, kv, kv, cache, meta, SCALE, sliding_window=64)
+    # Nor an FP8 cache: FlashInfer 0.5.3's Hopper prefill does not compile for bf16 queries
+    # over e4m3 pages (session 29, an H200: its decode read them with the scales correctly).
+    fp8 = cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ConfigError, match="no FP8 KV cache"):
+        backend.forward(q, kv, kv, fp8, meta, SCALE)
+    with pytest.raises(ConfigError, match="no FP8 KV cache"):
+        backend.write_kv(kv, kv, fp8, meta.slot_mapping)
 
 
-def _greedy(
-    backend: str, prompts: list[list[int]], kv_cache_dtype: str = "auto"
-) -> tuple[list[list[int]], list[Any]]:
+def _greedy(backend: str, prompts: list[list[int]]) -> tuple[list[list[int]], list[Any]]:
     """Each prompt's greedy tokens and top-5 logprobs, twice over (the second round reads the
     first round's prompts from the prefix cache), through an engine on this backend whose
     256-token budget chunks every prompt over 256 tokens."""
@@ -196,7 +164,6 @@ def _greedy(
         max_num_batched_tokens=256,
         gpu_memory_utilization=0.3,
         attention_backend=backend,
-        kv_cache_dtype=kv_cache_dtype,
     ) as llm:
         assert llm.engine.model_runner.attn_backend.name == attention_backend_name(backend)
         tokens: list[list[int]] = []
@@ -209,22 +176,18 @@ def _greedy(
     return tokens, logprobs
 
 
-@pytest.mark.parametrize(
-    ("name", "kv_cache_dtype"),
-    [("FLASHINFER", "auto"), ("FLASHINFER", "fp8"), ("FLASH_ATTN", "auto")],
-)
-def test_engine_on_the_backend_generates_as_on_triton(name: str, kv_cache_dtype: str) -> None:
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_engine_on_the_backend_generates_as_on_triton(name: str) -> None:
     """A whole engine on the optional backend (chunked prefill over cached blocks, prefix
-    caching, decode, piecewise CUDA graphs) against the same engine on TRITON_ATTN with the
-    same KV cache dtype, same random 1B weights: sums differ between the kernels, and random
-    weights give near-tie top tokens, so at each prompt's first difference each side's token
-    must be in the other's top 5; up to it, the same token's logprob agrees within 0.1 (the
-    same context)."""
+    caching, decode, piecewise CUDA graphs) against the same engine on TRITON_ATTN, same
+    random 1B weights: bf16 sums differ between the kernels, and random weights give near-tie
+    top tokens, so at each prompt's first difference each side's token must be in the other's
+    top 5; up to it, the same token's logprob agrees within 0.1 (the same context)."""
     _backend(name)
     rng = random.Random(7)
     prompts = [[rng.randrange(100, 30000) for _ in range(n)] for n in (5, 17, 300, 700, 1500, 64)]
-    ours, ours_lp = _greedy(name, prompts, kv_cache_dtype)
-    ref, ref_lp = _greedy("TRITON_ATTN", prompts, kv_cache_dtype)
+    ours, ours_lp = _greedy(name, prompts)
+    ref, ref_lp = _greedy("TRITON_ATTN", prompts)
     identical = 0
     for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert len(a) == len(b) == 24
@@ -236,4 +199,4 @@ def test_engine_on_the_backend_generates_as_on_triton(name: str, kv_cache_dtype:
             continue
         assert a[j] in ref_lp[i][j], f"prompt {i} step {j}: {name}'s token not in triton's top 5"
         assert b[j] in ours_lp[i][j], f"prompt {i} step {j}: triton's token not in {name}'s top 5"
-    print(f"{name} ({kv_cache_dtype}): {identical}/{len(ours)} prompts identical to TRITON_ATTN")
+    print(f"{name}: {identical}/{len(ours)} prompts identical to TRITON_ATTN")

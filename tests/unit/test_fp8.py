@@ -467,6 +467,10 @@ def test_fp8_kv_cache_dtype_is_refused_where_it_cannot_run() -> None:
         resolve_kv_cache_dtype("fp8", torch.bfloat16, CPU, "torch")
     with pytest.raises(ConfigError, match="--kv-cache-dtype fp8_e4m3 needs a CUDA GPU"):
         resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, CPU, "cpu")
+    # The optional backends have none, whatever the device: said before the device check.
+    for backend, shown in (("FLASHINFER", "FLASHINFER"), ("flash_attn", "FLASH_ATTN")):
+        with pytest.raises(ConfigError, match=f"backend {shown} has no FP8 KV cache"):
+            resolve_kv_cache_dtype("fp8", torch.bfloat16, torch.device("cuda"), backend)
 
 
 # ----------------------------------------------------------------------------- fused input

@@ -19,10 +19,10 @@ Page tables: request r's pages are `block_table[r, :ceil(seq_lens[r] / block)]`,
 holds `seq_lens[r] - (pages - 1) * block` tokens. FlashInfer's causal mask is aligned to the
 end of the context (query row j at position `seq_len - query_len + j`), as tandem's is.
 
-FP8 KV cache (`--kv-cache-dtype fp8`): the Triton `reshape_and_cache` writes e4m3 with the
-layer's per-tensor scales (stored = value / scale, as for every backend), the wrappers are
-planned with the cache's dtype and `run` takes the scales (FlashInfer folds `k_scale` into the
-softmax scale and multiplies the output by `v_scale`).
+No FP8 KV cache: refused at start (`resolve_kv_cache_dtype`), and here. FlashInfer 0.5.3's
+decode reads e4m3 pages with the per-tensor scales, but its Hopper prefill does not compile
+for bf16 queries over e4m3 K/V (CUTLASS: "MajorB must be GMMA::Major::K for this config"),
+so an engine's mixed steps could not run (one H200, session 29).
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ from tandem_kernels.reshape_and_cache import reshape_and_cache
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 # Query heads per KV head from which decode runs on FlashInfer's tensor-core kernel.
 _TENSOR_CORE_MIN_GROUP = 4
+
+
+def _refuse_fp8(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dtype.itemsize == 1:
+        raise ConfigError("attention_backend FLASHINFER has no FP8 KV cache; use TRITON_ATTN")
 
 
 def _import_flashinfer() -> Any:
@@ -116,7 +121,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> None:
-        reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+        _refuse_fp8(kv_cache)
+        reshape_and_cache(key, value, kv_cache, slot_mapping)
 
     def _wrappers(self, device: torch.device, group: int) -> tuple[Any, Any]:
         """The prefill and decode wrappers, made on first use. Decode runs on tensor cores
@@ -198,16 +204,12 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ConfigError(
                 "attention_backend FLASHINFER has no sliding-window layers here; use TRITON_ATTN"
             )
+        _refuse_fp8(kv_cache)
         num_tokens = metadata.num_actual_tokens
-        reshape_and_cache(
-            key, value, kv_cache, metadata.slot_mapping[:num_tokens], k_scale, v_scale
-        )
+        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
         out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         if num_tokens == 0:
             return out
         wrapper = self._plan(query, kv_cache, metadata, scale)
-        scales: dict[str, float] = {}
-        if kv_cache.dtype == torch.float8_e4m3fn:
-            scales = {"k_scale": k_scale, "v_scale": v_scale}
-        out[:num_tokens] = wrapper.run(query[:num_tokens], kv_cache, **scales)
+        out[:num_tokens] = wrapper.run(query[:num_tokens], kv_cache)
         return out
