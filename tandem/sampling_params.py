@@ -15,6 +15,9 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI's range for a logit_bias value.
 MAX_LOGIT_BIAS = 100.0
+# Levels of maps and lists in `extra_args` (the map itself is one): they cross processes
+# pickled and as JSON, both recursive, so a deep one fails there instead of here.
+MAX_EXTRA_ARGS_DEPTH = 32
 
 
 class _Tokenizer(Protocol):
@@ -23,6 +26,24 @@ class _Tokenizer(Protocol):
 
 class SamplingParamsError(ValueError):
     """Raised for invalid sampling parameters; the message names the field."""
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether `value`'s maps and lists (tuples too) nest more than `limit` levels; walked
+    without recursion, and no further than `limit + 1` levels."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 @dataclass(frozen=True)
@@ -232,8 +253,13 @@ class SamplingParams:
                     "bad_words_token_ids must be a list of non-empty token id lists"
                 )
             self.bad_words_token_ids = [list(q) for q in seqs] or None
-        if self.extra_args is not None and not isinstance(self.extra_args, Mapping):
-            raise SamplingParamsError("extra_args must be a map of names to values")
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, Mapping):
+                raise SamplingParamsError("extra_args must be a map of names to values")
+            if _nests_deeper(self.extra_args, MAX_EXTRA_ARGS_DEPTH):
+                raise SamplingParamsError(
+                    f"extra_args nests maps and lists deeper than {MAX_EXTRA_ARGS_DEPTH} levels"
+                )
 
     def update_from_tokenizer(self, tokenizer: _Tokenizer) -> None:
         """Tokenize `bad_words` into `bad_words_token_ids` (no-op without bad words).

@@ -61,7 +61,7 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return kind, value  # invalid: fails to compile, under its own text
         return kind, json.dumps(value, sort_keys=True, separators=(",", ":"))
     if kind == "regex":
@@ -235,7 +235,7 @@ class StructuredOutputManager:
                 schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
                 try:
                     parsed = json.loads(schema)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:
                     raise StructuredOutputError(
                         f"structured_outputs.json: the schema is not valid JSON: {exc}"
                     ) from None

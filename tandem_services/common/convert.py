@@ -128,6 +128,8 @@ def sampling_params_kwargs(msg: common_pb2.SamplingParams) -> dict[str, Any]:
             kwargs["extra_args"] = json.loads(msg.extra_args_json)
         except json.JSONDecodeError as exc:
             raise SamplingParamsError(f"extra_args_json is not JSON: {exc}") from None
+        except RecursionError:
+            raise SamplingParamsError("extra_args_json nests too deeply") from None
     return kwargs
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +46,11 @@ from tandem_services.frontend.types import FrontendError, GenerateInput, StepEve
 _READY_TIMEOUT_S = 2.0
 # How long a request waits for the deployment to become ready before its 503.
 _NOT_READY_WAIT_S = 0.5
+# A JSON escape of a UTF-16 surrogate (\uD800-\uDFFF): the one way a body that is valid UTF-8
+# carries one. A pair is one character; a lone one is not text (I-JSON, RFC 7493, refuses it)
+# and would fail the tokenizer or protobuf's UTF-8 strings later, as a 500.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_TOO_DEEP = "malformed JSON body: its arrays and objects nest too deeply"
 
 
 def _error_response(exc: FrontendError) -> JSONResponse:
@@ -116,6 +122,23 @@ async def _until_disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _refuse_lone_surrogates(data: dict[str, Any]) -> None:
+    """A 400 naming the top-level field whose strings (keys included) hold a lone UTF-16
+    surrogate; nothing for a body whose surrogates all pair up."""
+    for key, value in data.items():
+        try:
+            json.dumps({key: value}, ensure_ascii=False).encode("utf-8")
+        except RecursionError:
+            raise invalid(_TOO_DEEP) from None
+        except UnicodeEncodeError as exc:
+            name = key.encode("utf-8", "backslashreplace").decode("utf-8")
+            raise invalid(
+                f"{name} holds a lone UTF-16 surrogate ({ascii(exc.object[exc.start])[1:-1]}), "
+                "which is not text: send a character as UTF-8 or as an escaped surrogate pair",
+                name,
+            ) from None
 
 
 async def _unless_disconnected(request: Request, coro: Any) -> Any:
@@ -223,8 +246,12 @@ class HttpApi:
             data = json.loads(body)
         except ValueError as exc:
             raise invalid(f"malformed JSON body: {exc}") from None
+        except RecursionError:
+            raise invalid(_TOO_DEEP) from None
         if not isinstance(data, dict):
             raise invalid("the JSON body must be an object")
+        if _SURROGATE_ESCAPE.search(body):
+            _refuse_lone_surrogates(data)
         return data
 
     def _check_model(self, model: str | None) -> str:

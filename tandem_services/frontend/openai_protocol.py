@@ -93,14 +93,24 @@ class RequestModel:
 # ----------------------------------------------------------------------------- readers
 
 
-def _int(limit: str | None = None) -> Reader:
-    """An integer, at most the `RequestLimits` field `limit` if given."""
+# The wire fields' widths (common.proto): an integer that does not fit its field is refused
+# here, by name, not by protobuf's conversion on the way to the scheduler (a 500).
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int(limit: str | None = None, width: tuple[int, int] = _INT32) -> Reader:
+    """An integer within its wire field's `width`, at most the `RequestLimits` field `limit`
+    if given."""
 
     def read(name: str, v: Any, limits: RequestLimits) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
             raise invalid(f"{name} must be an integer, got {v!r}", name)
         if limit is not None:
             check_at_most(limits, name, v, limit)
+        lo, hi = width
+        if not lo <= v <= hi:
+            raise invalid(f"{name} must be in [{lo}, {hi}], got {v}", name)
         return v
 
     return read
@@ -135,8 +145,13 @@ def _object(name: str, v: Any, limits: RequestLimits) -> dict[str, Any]:
 
 
 def _int_list(name: str, v: Any, limits: RequestLimits) -> list[int]:
+    """Token ids: integers that fit the wire's int32."""
+    lo, hi = _INT32
     if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
         raise invalid(f"{name} must be a list of integers", name)
+    for t in v:
+        if not lo <= t <= hi:
+            raise invalid(f"{name} must hold integers in [{lo}, {hi}], got {t}", name)
     return v
 
 
@@ -237,7 +252,7 @@ _COMMON: dict[str, Field] = {
     "top_p": Field(_float, "top_p"),
     "top_k": Field(_int(), "top_k"),
     "min_p": Field(_float, "min_p"),
-    "seed": Field(_int(), "seed"),
+    "seed": Field(_int(width=_INT64), "seed"),
     "presence_penalty": Field(_float, "presence_penalty"),
     "frequency_penalty": Field(_float, "frequency_penalty"),
     "repetition_penalty": Field(_float, "repetition_penalty"),

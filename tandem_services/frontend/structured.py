@@ -65,9 +65,14 @@ def check_json_schema(schema: Any, where: str, param: str) -> dict[str, Any]:
             schema = json.loads(schema)
         except ValueError as exc:
             raise invalid(f"{where} is not valid JSON: {exc}", param) from None
+        except RecursionError:
+            raise invalid(f"{where} is not valid JSON: it nests too deeply", param) from None
     if not isinstance(schema, dict):
         raise invalid(f"{where} must be a JSON schema object, got {type(schema).__name__}", param)
-    key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    try:
+        key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    except RecursionError:
+        raise invalid(f"{where} nests too deeply", param) from None
     if key in _CHECKED_SCHEMAS:
         _CHECKED_SCHEMAS.move_to_end(key)
         return schema
@@ -351,7 +356,7 @@ def template_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise invalid(f"{at}.function.arguments is not valid JSON", "messages") from None
         if not isinstance(args, dict):
             raise invalid(f"{at}.function.arguments must be a JSON object", "messages")

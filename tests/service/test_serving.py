@@ -323,6 +323,7 @@ def test_bad_http_input_gets_400_and_service_keeps_serving(deployment: Deploymen
         ("completions", {**good, "model": "gpt-9"}, "not served"),
         ("completions", b'{"prompt": "unterminated', "malformed JSON"),
         ("completions", b"[1, 2]", "object"),
+        ("completions", b"[" * 100_000 + b"]" * 100_000, "nest too deeply"),
         ("completions", {**good, "prompt": "x" * (3 * 1024 * 1024)}, "limit"),
         ("chat/completions", {"model": "default", "messages": []}, "messages"),
         ("chat/completions", {"model": "default", "messages": [{"content": "hi"}]}, "role"),
@@ -340,6 +341,18 @@ def test_bad_http_input_gets_400_and_service_keeps_serving(deployment: Deploymen
             "response_format",
         ),
         ("chat/completions", {**chat, "tools": [{"type": "function"}]}, "tools"),
+        # Past the wire field's width (was a 500 from the conversion to protobuf).
+        ("completions", {**good, "top_k": 2**31}, "top_k must be in"),
+        ("completions", {**good, "seed": 2**63}, "seed must be in"),
+        ("completions", {**good, "stop_token_ids": [10**10]}, "stop_token_ids must hold"),
+        # A lone UTF-16 surrogate is not text (was a 500 from the tokenizer, or a reset).
+        ("completions", b'{"prompt": "a\\ud800b", "max_tokens": 4}', "prompt holds a lone"),
+        ("completions", b'{"prompt": "a", "bad_words": ["\\udfff"]}', "bad_words holds"),
+        (
+            "chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud83d"}]}',
+            "messages holds a lone",
+        ),
     ]
     with httpx.Client(timeout=120) as http:
         for path, body, needle in cases:
@@ -355,6 +368,12 @@ def test_bad_http_input_gets_400_and_service_keeps_serving(deployment: Deploymen
             ok = http.post(f"{url}/completions", json=good)
             assert ok.status_code == 200, ok.text
             assert ok.json()["choices"][0]["text"]
+        # A surrogate pair, escaped, is one character (an emoji): served.
+        pair = b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2, "temperature": 0}'
+        r = http.post(
+            f"{url}/completions", content=pair, headers={"Content-Type": "application/json"}
+        )
+        assert r.status_code == 200, r.text
     assert_pools_whole(deployment)
 
 

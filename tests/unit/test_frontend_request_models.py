@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from tandem_protos.v1 import common_pb2, frontend_pb2
+from tandem_services.common.convert import sampling_params_to_proto
 from tandem_services.frontend.grpc_api import parse_generate
 from tandem_services.frontend.limits import RequestLimits
 from tandem_services.frontend.openai_protocol import (
@@ -117,6 +118,46 @@ def test_fields_of_the_other_endpoint_are_refused_by_name() -> None:
         "top_logprobs"
     )
     assert _refused(parse_chat, {**CHAT_BODY, "prompt": "x"}).param == "prompt"
+
+
+# Integers past their wire field's width (common.proto: int32, the seed int64) are refused by
+# name before anything converts them to protobuf; the widths' edges pass and convert.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+PAST_WIDTH: dict[str, Any] = {
+    "top_k": INT32_MAX + 1,
+    "seed": INT64_MAX + 1,
+    "priority": -(2**31) - 1,
+    "min_tokens": INT32_MAX + 1,
+    "max_tokens": INT32_MAX + 1,
+    "stop_token_ids": [1, INT32_MAX + 1],
+    "allowed_token_ids": [10**10],
+}
+
+
+@pytest.mark.parametrize(("name", "value"), sorted(PAST_WIDTH.items()))
+def test_an_integer_past_its_wire_width_is_refused_by_name(name: str, value: Any) -> None:
+    err = _refused(parse_completion, {**COMPLETION_BODY, name: value})
+    assert err.param == name and "must" in err.message, err.message
+    if name in CHAT.fields:
+        assert _refused(parse_chat, {**CHAT_BODY, name: value}).param == name
+
+
+def test_integers_at_their_wire_widths_edges_convert() -> None:
+    for seed, top_k in ((INT64_MAX, INT32_MAX), (-(2**63), -1)):
+        body = parse_completion(
+            {
+                **COMPLETION_BODY,
+                "seed": seed,
+                "top_k": top_k,
+                "priority": INT32_MAX,
+                "stop_token_ids": [INT32_MAX],
+            },
+            LIMITS,
+        )
+        msg = sampling_params_to_proto(body.params)
+        assert (msg.seed, msg.top_k, list(msg.stop_token_ids)) == (seed, top_k, [INT32_MAX])
+        assert body.priority == INT32_MAX
 
 
 # ----------------------------------------------------------------------------- gRPC Generate

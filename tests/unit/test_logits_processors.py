@@ -18,6 +18,8 @@ The block pool is whole after every engine test.
 from __future__ import annotations
 
 import itertools
+import json
+import pickle
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,7 +38,12 @@ from tandem.layers.logits_processors import (
     MoveDirectionality,
     apply_logits_rules,
 )
-from tandem.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from tandem.sampling_params import (
+    MAX_EXTRA_ARGS_DEPTH,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
 from tests.logits_procs import ForceTokenProcessor
 
 PROCESSOR = "tests.logits_procs:ForceTokenProcessor"
@@ -145,6 +152,14 @@ def test_built_in_rules_match_a_loop_reference() -> None:
     assert procs.prepare([rows[0]]).rules is None
 
 
+def _nested(levels: int) -> dict[str, Any]:
+    """A map `levels` levels deep: maps and lists alternating, the map outermost."""
+    value: Any = 1
+    for level in range(levels - 1):
+        value = [value] if level % 2 == 0 else {"k": value}
+    return {"k": value}
+
+
 def test_sampling_params_checks_name_the_field() -> None:
     bad: list[tuple[dict[str, Any], str]] = [
         ({"logit_bias": {5: 100.5}}, "logit_bias[5] must be in [-100, 100]"),
@@ -157,6 +172,8 @@ def test_sampling_params_checks_name_the_field() -> None:
         ({"bad_words": ["ok", " "]}, "bad_words must not contain empty"),
         ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
         ({"extra_args": [1]}, "extra_args"),
+        ({"extra_args": _nested(MAX_EXTRA_ARGS_DEPTH + 1)}, "extra_args nests"),
+        ({"extra_args": _nested(10_000)}, "extra_args nests"),
     ]
     for kwargs, needle in bad:
         with pytest.raises(SamplingParamsError) as info:
@@ -165,6 +182,10 @@ def test_sampling_params_checks_name_the_field() -> None:
     with pytest.raises(SamplingParamsError, match="allowed_token_ids: token id 40 is outside"):
         SamplingParams(allowed_token_ids=[1, 40]).check_vocab(40)
     SamplingParams(logit_bias={39: -100}, bad_words_token_ids=[[39, 0]]).check_vocab(40)
+    # As deep as allowed: it pickles (the engine's process hand-off) and round-trips as JSON.
+    deepest = SamplingParams(extra_args=_nested(MAX_EXTRA_ARGS_DEPTH))
+    assert pickle.loads(pickle.dumps(deepest)).extra_args == deepest.extra_args
+    assert json.loads(json.dumps(deepest.extra_args)) == deepest.extra_args
 
     class Words:
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
