@@ -202,6 +202,13 @@ def test_generate_args() -> None:
             "wizard",
         ),
         (_generate(prompt={}), "a prompt"),
+        # Nested too deeply for Python's JSON parser, or for the hand-off to the engine.
+        (_generate(extra_args_json='{"a":' * 50_000 + "1" + "}" * 50_000), "nests too deeply"),
+        (_generate(extra_args_json='{"a":' * 40 + "1" + "}" * 40), "extra_args nests"),
+        (
+            _generate(structured_outputs=common_pb2.StructuredOutputs(json="[" * 50_000)),
+            "nests too deeply",
+        ),
     ],
 )
 def test_generate_refusals_are_invalid_argument(
