@@ -193,8 +193,12 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
             )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise SamplingParamsError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise SamplingParamsError(f"seed must be an integer, got {self.seed!r}")
+            if not -(2**63) <= self.seed < 2**63:
+                # The engine seeds a generator from a 64-bit integer (and the wire's is int64).
+                raise SamplingParamsError(f"seed must be in [-2**63, 2**63), got {self.seed}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty strings")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):

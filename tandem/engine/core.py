@@ -51,7 +51,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +100,15 @@ _GRAMMAR_WAIT_S = 0.005
 
 class InvalidRequestError(ValueError):
     """A request the engine cannot run; the message names the problem."""
+
+
+def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+    """InvalidRequestError unless every id is in the vocabulary (non-empty `token_ids`)."""
+    low, high = min(token_ids), max(token_ids)
+    if low < 0 or high >= vocab_size:
+        raise InvalidRequestError(
+            f"prompt token ids must be in [0, {vocab_size}), got {low}..{high}"
+        )
 
 
 @dataclass(frozen=True)
@@ -317,11 +326,7 @@ class EngineCore:
                 f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens, "
                 "and at least one must remain for output"
             )
-        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {self.vocab_size}), "
-                f"got {min(req.prompt_token_ids)}..{max(req.prompt_token_ids)}"
-            )
+        check_prompt_token_ids(req.prompt_token_ids, self.vocab_size)
         blocks_needed = self.kv_cache_spec.max_blocks_per_request(
             n + 1, self.config.scheduler.max_num_batched_tokens
         )

@@ -10,7 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tandem.core.outputs import FinishReason
-from tandem.engine.core import EngineCore, InvalidRequestError
+from tandem.engine.core import EngineCore, InvalidRequestError, check_prompt_token_ids
 from tandem.engine.core_client import InprocClient
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine_args import EngineArgs
@@ -20,6 +20,20 @@ from tandem.request import EngineCoreRequest
 from tandem.sampling_params import SamplingParams, SamplingParamsError
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+def _check_text(text: str, what: str) -> None:
+    """InvalidRequestError if `text` holds a lone UTF-16 surrogate (not text: the tokenizer
+    fails on it with a TypeError naming nothing)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{what} holds a lone UTF-16 surrogate ({ascii(text[exc.start])[1:-1]} at index "
+            f"{exc.start}), which is not text"
+        ) from None
 
 
 class LLM:
@@ -86,6 +100,7 @@ class LLM:
                     f"a text prompt needs a tokenizer ({self.no_tokenizer_reason}): pass token "
                     'ids, e.g. {"prompt_token_ids": [...]}'
                 )
+            _check_text(prompt, "prompt")
             return prompt, list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -147,6 +162,8 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 text, token_ids = self._to_token_ids(prompt)
+                if token_ids:  # before the detokenizer reads them (empty: the engine says)
+                    check_prompt_token_ids(token_ids, self.client.info.vocab_size)
                 rid = str(next(self._counter))
                 children = self._output_processor.add_request(rid, text, token_ids, params)
                 request_ids.append(rid)
@@ -187,6 +204,7 @@ class LLM:
             text = self.tokenizer.apply_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, tokenize=False
             )
+            _check_text(text, "the conversation")
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

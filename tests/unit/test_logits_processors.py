@@ -172,6 +172,9 @@ def test_sampling_params_checks_name_the_field() -> None:
         ({"bad_words": ["ok", " "]}, "bad_words must not contain empty"),
         ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
         ({"extra_args": [1]}, "extra_args"),
+        ({"seed": 2**63}, "seed must be in"),
+        ({"seed": -(2**63) - 1}, "seed must be in"),
+        ({"seed": True}, "seed must be an integer"),
         ({"extra_args": _nested(MAX_EXTRA_ARGS_DEPTH + 1)}, "extra_args nests"),
         ({"extra_args": _nested(10_000)}, "extra_args nests"),
     ]
@@ -362,6 +365,14 @@ def test_bad_input_is_a_clear_error_and_the_engine_keeps_serving(llm: LLM, tiny:
         with pytest.raises(InvalidRequestError) as info:
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
         assert needle in str(info.value)
+    # Prompt ids past either end of the vocabulary (a negative one failed in the detokenizer
+    # with an OverflowError), and a lone surrogate in a text prompt (the tokenizer's TypeError).
+    two = SamplingParams(max_tokens=2)
+    for prompt in ({"prompt_token_ids": [5, -1]}, {"prompt_token_ids": [vocab]}):
+        with pytest.raises(InvalidRequestError, match=r"prompt token ids must be in \[0, "):
+            llm.generate([prompt], two, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="prompt holds a lone UTF-16 surrogate"):
+        llm.generate(["a\ud800"], two, use_tqdm=False)
     assert token_ids(llm, PROMPTS[:1], SamplingParams(max_tokens=2))[0]
     for spec, needle in [
         ("tests.logits_procs:Missing", "has no 'Missing'"),
