@@ -152,6 +152,8 @@ class ModelConfig:
             raise ConfigError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype}")
         if self.max_model_len < 0:
             raise ConfigError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if not -(2**63) <= self.seed < 2**63:
+            raise ConfigError(f"seed must be in [-2**63, 2**63), got {self.seed}")
 
     @property
     def is_resolved(self) -> bool:
@@ -585,6 +587,8 @@ class DeviceConfig:
     def __post_init__(self) -> None:
         parse_device(self.device)
         attention_backend_name(self.attention_backend)
+        if self.num_threads < 0:
+            raise ConfigError(f"num_threads must be >= 0 (0: torch's), got {self.num_threads}")
         if self.cpu_gemm not in ("auto", "torch", "mkl", "onednn", "panel"):
             raise ConfigError(
                 f"cpu_gemm must be auto, torch, mkl, onednn or panel, got {self.cpu_gemm}"

@@ -10,11 +10,43 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import typing
 from dataclasses import field
 from typing import Any
 
-from tandem.config import ENGINE_SECTIONS, EngineConfig, engine_kwargs_from, settable_fields
+from tandem.config import (
+    ENGINE_SECTIONS,
+    ConfigError,
+    EngineConfig,
+    engine_kwargs_from,
+    settable_fields,
+)
+
+
+def check_value_type(name: str, annotation: str, value: Any) -> None:
+    """ConfigError naming `name` when `value` is not of its field's scalar type (`annotation`,
+    the field's declared type as text): an integer (not a bool), a finite number, a bool, or
+    a sequence of integers. Other types (text, choices, JSON) are checked by their section.
+    The command line's parser gives these types already; `LLM(...)` passes what it is given."""
+    if annotation == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        kind = "an integer"
+    elif annotation == "float":
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        kind = "a finite number"
+    elif annotation == "bool":
+        ok = isinstance(value, bool)
+        kind = "true or false"
+    elif annotation == "tuple[int, ...]":
+        ok = isinstance(value, list | tuple) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        )
+        kind = "a list of integers"
+    else:
+        return
+    if not ok:
+        raise ConfigError(f"{name} must be {kind}, got {value!r}")
 
 
 class _EngineArgsMethods:
@@ -24,6 +56,9 @@ class _EngineArgsMethods:
         """The config tree, validated; resolved (model path, HF config, max_model_len:
         `tandem.loader.resolve`) unless `resolve` is False (a launcher checking its flags
         without loading anything)."""
+        for cls in ENGINE_SECTIONS.values():
+            for f in settable_fields(cls):
+                check_value_type(f.name, str(f.type), getattr(self, f.name))
         sections = {
             name: cls(**{f.name: getattr(self, f.name) for f in settable_fields(cls)})
             for name, cls in ENGINE_SECTIONS.items()

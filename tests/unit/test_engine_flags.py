@@ -20,6 +20,7 @@ import pytest
 from benchmarks import offline_throughput, prefix_routing, profile_step, step_breakdown
 from tandem.config import (
     SERVING_ENGINE_DEFAULTS,
+    ConfigError,
     EngineConfig,
     add_engine_args,
     engine_argv,
@@ -332,3 +333,30 @@ def test_bad_parallel_flags_are_refused_before_anything_starts(
     assert out.returncode == 2, out.stderr
     assert message in out.stderr
     assert "starting" not in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_num_seqs": 2.5}, "max_num_seqs must be an integer, got 2.5"),
+        ({"block_size": True}, "block_size must be an integer, got True"),
+        ({"seed": "7"}, "seed must be an integer"),
+        ({"seed": 2**64}, "seed must be in [-2**63, 2**63)"),
+        ({"kv_cache_memory_gb": float("nan")}, "kv_cache_memory_gb must be a finite number"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be true or false"),
+        ({"cuda_graph_sizes": 8}, "cuda_graph_sizes must be a list of integers"),
+        ({"num_threads": -1}, "num_threads must be >= 0"),
+    ],
+)
+def test_engine_arguments_of_a_wrong_type_are_refused_by_name(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    """`LLM(...)` passes its keywords as given (the command line's parser types its own): a
+    value of the wrong type is a ConfigError naming the argument, not a TypeError (or a
+    silently truthy string) from deep inside the engine's set-up."""
+    with pytest.raises(ConfigError) as info:
+        EngineArgs(**kwargs).create_engine_config(resolve=False)
+    assert message in str(info.value)
+    # The same values of the right type pass.
+    good = EngineArgs(max_num_seqs=2, block_size=16, seed=-1, cuda_graph_sizes=[8, 16])
+    good.create_engine_config(resolve=False)
