@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from tandem.config import add_engine_args
+from tandem.config import ConfigError, add_engine_args
 from tandem.engine_args import EngineArgs
 
 
@@ -24,22 +24,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    """Generate and print; a bad flag, sampling value or prompt exits 2 with one line naming
+    it (the sampling values and the engine flags are checked before the model loads)."""
     from tandem import LLM, SamplingParams
+    from tandem.engine.core import InvalidRequestError
+    from tandem.sampling_params import SamplingParamsError
 
-    ns = build_parser().parse_args(argv)
-    args = EngineArgs.from_cli_args(ns)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     prompts = ns.prompt or ["What is the capital of France? Answer in one sentence."]
     chat = ns.chat or not ns.prompt
-    t0 = time.perf_counter()
-    llm = LLM(**vars(args))
-    t1 = time.perf_counter()
-    params = SamplingParams(
-        temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.seed
-    )
-    if chat:
-        outs = llm.chat([[{"role": "user", "content": q}] for q in prompts], params)
-    else:
-        outs = llm.generate(prompts, params)
+    try:
+        params = SamplingParams(
+            temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.seed
+        )
+        args = EngineArgs.from_cli_args(ns)
+        args.create_engine_config(resolve=False)
+        t0 = time.perf_counter()
+        llm = LLM(**vars(args))
+        t1 = time.perf_counter()
+        if chat:
+            outs = llm.chat([[{"role": "user", "content": q}] for q in prompts], params)
+        else:
+            outs = llm.generate(prompts, params)
+    except (ConfigError, InvalidRequestError, SamplingParamsError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     t2 = time.perf_counter()
     for prompt, out in zip(prompts, outs, strict=True):
         print(f"\n>>> {prompt}\n{out.outputs[0].text.strip()}")

@@ -360,3 +360,27 @@ def test_engine_arguments_of_a_wrong_type_are_refused_by_name(
     # The same values of the right type pass.
     good = EngineArgs(max_num_seqs=2, block_size=16, seed=-1, cuda_graph_sizes=[8, 16])
     good.create_engine_config(resolve=False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["hi", "--max-tokens", "0"], "max_tokens must be >= 1, got 0"),
+        (["hi", "--temperature", "nan"], "temperature must be in [0, 100], got nan"),
+        (["hi", "--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
+    ],
+)
+def test_generate_refuses_a_bad_value_in_one_line_before_loading(
+    argv: list[str], message: str
+) -> None:
+    """`tandem generate` with a bad sampling value or engine flag exits 2 with one line
+    naming it (was a traceback after the model had loaded)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "generate", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == f"tandem generate: error: {message}"
