@@ -311,6 +311,19 @@ def test_env_default_is_read_only_from_the_given_environment() -> None:
     assert p.parse_args(["--cache-dir", "/flag"]).cache_dir == "/flag"
 
 
+def _refused_by_cli(command: str, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """`tandem COMMAND ARGV` run to its end; it must exit 2 (a refusal)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", command, *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    return out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -323,14 +336,7 @@ def test_bad_parallel_flags_are_refused_before_anything_starts(
 ) -> None:
     """`tandem serve` with a parallel setting that cannot work exits at once with one line
     naming it (no child starts: the engine flags are checked without resolving the model)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "serve", *argv],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=120,
-    )
-    assert out.returncode == 2, out.stderr
+    out = _refused_by_cli("serve", argv)
     assert message in out.stderr
     assert "starting" not in out.stdout
 
@@ -375,12 +381,5 @@ def test_generate_refuses_a_bad_value_in_one_line_before_loading(
 ) -> None:
     """`tandem generate` with a bad sampling value or engine flag exits 2 with one line
     naming it (was a traceback after the model had loaded)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "generate", *argv],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=120,
-    )
-    assert out.returncode == 2, out.stderr
+    out = _refused_by_cli("generate", argv)
     assert out.stderr.strip() == f"tandem generate: error: {message}"
