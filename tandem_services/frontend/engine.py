@@ -44,7 +44,14 @@ from tandem_services.frontend.tracker import (
     Register,
     RequestTracker,
 )
-from tandem_services.frontend.types import FrontendError, GenerateInput, StepEvent, invalid
+from tandem_services.frontend.types import (
+    DEFAULT_TEMPLATE,
+    ChatTemplateOptions,
+    FrontendError,
+    GenerateInput,
+    StepEvent,
+    invalid,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -187,13 +194,31 @@ class FrontendEngine:
             return await asyncio.to_thread(run)
         return run()
 
+    async def decode(self, token_ids: list[int], param: str = "tokens") -> str:
+        """The text of `token_ids` (special tokens kept), each id checked against the
+        vocabulary (400 naming `param`)."""
+        vocab = len(self.tokenizer)
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+            raise invalid(f"{param} must be token ids in [0, {vocab})", param)
+
+        def run() -> str:
+            return str(self.tokenizer.decode(token_ids))
+
+        if len(token_ids) > _LONG_TEXT_CHARS // 4:
+            return await asyncio.to_thread(run)
+        return run()
+
     async def encode_chat(
         self,
         messages: Sequence[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         tool_format: str | None = None,
+        options: ChatTemplateOptions = DEFAULT_TEMPLATE,
+        add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
-        """The chat template's text (generation prompt added) and its token ids.
+        """The chat template's text (the generation prompt added, or the final message left
+        open, as `options` say) and its token ids (`add_special_tokens`: the tokenizer's own
+        around the template's text, which normally writes them itself).
 
         `tools` go to the template (transformers' `apply_chat_template(tools=...)`). A
         template that does not render an assistant's `tool_calls` gets them written into the
@@ -202,14 +227,18 @@ class FrontendEngine:
         template = self.tokenizer.chat_template
         if isinstance(template, str) and "tool_calls" not in template:
             messages = [_calls_in_content(m, tool_format) for m in messages]
-        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+        kwargs: dict[str, Any] = {**options.kwargs, **({"tools": tools} if tools else {})}
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False, **kwargs
+                list(messages),
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                tokenize=False,
+                **kwargs,
             )
         except Exception as exc:  # the template rejects the conversation
             raise invalid(f"the chat template cannot render these messages: {exc}") from exc
-        return text, await self.encode(text, add_special_tokens=False)
+        return text, await self.encode(text, add_special_tokens=add_special_tokens)
 
     def inputs(
         self,

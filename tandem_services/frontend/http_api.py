@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tandem import __version__ as tandem_version
 from tandem_protos.v1 import scheduler_pb2
 from tandem_services.frontend.auth import api_key_matches
 from tandem_services.frontend.engine import FrontendEngine
@@ -34,6 +35,8 @@ from tandem_services.frontend.openai_protocol import (
     error_body,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_tokenize,
 )
 from tandem_services.frontend.sse import DONE, ChatStream, CompletionStream, sse
 from tandem_services.frontend.tool_parsers import (
@@ -191,14 +194,20 @@ class HttpApi:
             Route("/v1/models", self._guard(self.models), methods=["GET"]),
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+            # The frontend's own tokenizer: no worker needed, so no 503 before one serves.
+            Route("/tokenize", self._guard(self.tokenize, serving=False), methods=["POST"]),
+            Route("/detokenize", self._guard(self.detokenize, serving=False), methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
         ]
         if self.metrics_registry is not None:
             routes.append(Route("/metrics", self.metrics, methods=["GET"]))
         return Starlette(routes=routes)
 
-    def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-        """`handler` behind the API key, answering 503 with Retry-After until a request can
-        be served (health.py: require_serving)."""
+    def _guard(
+        self, handler: Callable[[Request], Any], serving: bool = True
+    ) -> Callable[[Request], Any]:
+        """`handler` behind the API key and, where it needs the workers (`serving`), answering
+        503 with Retry-After until a request can be served (health.py: require_serving)."""
 
         async def run(request: Request) -> Response:
             try:
@@ -209,7 +218,8 @@ class HttpApi:
                             grpc.StatusCode.UNAUTHENTICATED,
                             "missing or wrong API key (Authorization: Bearer <key>)",
                         )
-                await self._require_serving()
+                if serving:
+                    await self._require_serving()
                 return await handler(request)
             except FrontendError as exc:
                 return _error_response(exc)
@@ -358,7 +368,9 @@ class HttpApi:
     async def chat(self, request: Request) -> Response:
         body = parse_chat(await self._read_json(request), self.limits, self.tool_call_parser)
         model = self._check_model(body.model)
-        text, ids = await self.engine.encode_chat(body.messages, body.tools, self.tool_call_parser)
+        text, ids = await self.engine.encode_chat(
+            body.messages, body.tools, self.tool_call_parser, body.template
+        )
         params = body.params
         auto = body.tool_calling is not None and body.tool_calling.mode == "auto"
         if auto and self.keep_tool_tags:
@@ -405,6 +417,41 @@ class HttpApi:
             extract = tools.apply
             render = lambda i, event: stream.render(i, extract(event))  # noqa: E731
         return await self._stream(inputs, render, stream.final, body.structured_param)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt's token ids by the served model's tokenizer, or a
+        conversation's through its chat template; with the context length."""
+        body = parse_tokenize(await self._read_json(request), self.limits)
+        self._check_model(body.model)
+        if body.messages is not None:
+            _, ids = await self.engine.encode_chat(
+                body.messages,
+                body.tools,
+                self.tool_call_parser,
+                body.template,
+                body.add_special_tokens,
+            )
+        else:
+            assert body.prompt is not None
+            ids = await self.engine.encode(body.prompt, body.add_special_tokens)
+        strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": self.engine.cluster.max_model_len or None,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids back to text (special tokens kept)."""
+        body = parse_detokenize(await self._read_json(request), self.limits)
+        self._check_model(body.model)
+        return JSONResponse({"prompt": await self.engine.decode(body.tokens)})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": tandem_version})
 
     # ------------------------------------------------------------------ shared
 

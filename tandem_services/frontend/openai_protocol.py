@@ -42,7 +42,14 @@ from tandem_services.frontend.structured import (
     parse_tool_choice,
     parse_tools,
 )
-from tandem_services.frontend.types import ChoiceDelta, ToolCallDelta, Usage, invalid
+from tandem_services.frontend.types import (
+    DEFAULT_TEMPLATE,
+    ChatTemplateOptions,
+    ChoiceDelta,
+    ToolCallDelta,
+    Usage,
+    invalid,
+)
 
 # A field's reader: (the field's name, its JSON value, never null, the limits) -> its value.
 Reader = Callable[[str, Any, RequestLimits], Any]
@@ -241,6 +248,53 @@ def _structured_outputs(name: str, v: Any, limits: RequestLimits) -> StructuredO
     return parse_structured_outputs(v)
 
 
+# The template's own arguments, which chat_template_kwargs may not set (each has its field, or
+# is the request itself).
+_TEMPLATE_RESERVED = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def _template_kwargs(name: str, v: Any, limits: RequestLimits) -> dict[str, Any]:
+    """Extra variables for the chat template (vLLM's chat_template_kwargs, e.g.
+    `{"enable_thinking": false}`); the template's own arguments are refused by name."""
+    v = _object(name, v, limits)
+    taken = sorted(_TEMPLATE_RESERVED & v.keys())
+    if taken:
+        raise invalid(f"{name} may not set {', '.join(taken)} (a field of its own)", name)
+    return v
+
+
+_TEMPLATE: dict[str, Field] = {
+    "add_generation_prompt": Field(_bool),
+    "continue_final_message": Field(_bool),
+    "chat_template_kwargs": Field(_template_kwargs),
+}
+
+
+def _template_options(values: dict[str, Any]) -> ChatTemplateOptions:
+    return ChatTemplateOptions(
+        add_generation_prompt=values.get("add_generation_prompt", True),
+        continue_final_message=values.get("continue_final_message", False),
+        kwargs=values.get("chat_template_kwargs", {}),
+    )
+
+
 # ----------------------------------------------------------------------------- the models
 
 # Fields both endpoints implement: tandem's SamplingParams and the OpenAI basics.
@@ -298,6 +352,8 @@ CHAT = RequestModel(
         "tools": Field(_tools),
         "tool_choice": Field(_any),
         "parallel_tool_calls": Field(_any),
+        # How the chat template renders the conversation (`ChatTemplateOptions`).
+        **_TEMPLATE,
     }
 )
 
@@ -330,14 +386,6 @@ _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: v is None or v == "", "suffix is not implemented"),
     "echo": (lambda v: v is None or v is False, "echo is not implemented"),
     "use_beam_search": (lambda v: v is None or v is False, "use_beam_search is not implemented"),
-    "add_generation_prompt": (
-        lambda v: v is None or v is True,
-        "add_generation_prompt: false is not implemented (the generation prompt is always added)",
-    ),
-    "continue_final_message": (
-        lambda v: v is None or v is False,
-        "continue_final_message is not implemented",
-    ),
     "store": (lambda v: v is None or v is False, "store (stored completions) is not implemented"),
     "metadata": (_is_absent, "metadata (stored completions) is not implemented"),
     "modalities": (
@@ -372,7 +420,6 @@ _UNIMPLEMENTED: dict[str, str] = {
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "add_special_tokens": "add_special_tokens",
     "chat_template": "a per-request chat template",
-    "chat_template_kwargs": "chat template arguments",
     "documents": "documents (RAG chat templates)",
     "mm_processor_kwargs": "multimodal inputs",
     "prompt_embeds": "prompt embeddings",
@@ -501,6 +548,7 @@ class ChatBody:
     tool_calling: ToolCalling | None = None
     # The field the output constraint came from (for errors the engine reports), if any.
     structured_param: str | None = None
+    template: ChatTemplateOptions = DEFAULT_TEMPLATE
 
 
 def parse_chat(
@@ -540,8 +588,73 @@ def parse_chat(
         tools=tools if parameters else None,
         tool_calling=calling,
         structured_param=structured_param,
+        template=_template_options(values),
         **_envelope(values),
     )
+
+
+# /tokenize and /detokenize (vLLM's): text, or a conversation through the chat template.
+_TOKENIZE_COMMON: dict[str, Field] = {
+    "model": Field(_str),
+    "add_special_tokens": Field(_bool),
+    "return_token_strs": Field(_bool),
+}
+TOKENIZE_TEXT = RequestModel({"prompt": Field(_str), **_TOKENIZE_COMMON})
+TOKENIZE_CHAT = RequestModel(
+    {"messages": Field(_messages), **_TOKENIZE_COMMON, "tools": Field(_tools), **_TEMPLATE}
+)
+DETOKENIZE = RequestModel(
+    {"model": Field(_str), "tokens": Field(_int_list, missing="tokens is required")}
+)
+
+
+@dataclass(frozen=True)
+class TokenizeBody:
+    """A /tokenize request: `prompt` (text) or `messages` (rendered by the chat template with
+    `template`, `tools`). `add_special_tokens` defaults as vLLM's: true for text, false for a
+    conversation (the template writes them)."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    add_special_tokens: bool
+    return_token_strs: bool
+    tools: list[dict[str, Any]] | None = None
+    template: ChatTemplateOptions = DEFAULT_TEMPLATE
+
+
+def parse_tokenize(body: dict[str, Any], limits: RequestLimits | None = None) -> TokenizeBody:
+    """A /tokenize body: exactly one of prompt and messages; 400 naming the field otherwise."""
+    if ("prompt" in body) == ("messages" in body):
+        raise invalid("exactly one of prompt and messages is required", "prompt")
+    chat = "messages" in body
+    _, values = (TOKENIZE_CHAT if chat else TOKENIZE_TEXT).read(body, limits or RequestLimits())
+    key = "messages" if chat else "prompt"
+    if key not in values:
+        raise invalid(f"{key} must not be null", key)
+    tools = values.get("tools", (None, {}))[0]
+    return TokenizeBody(
+        model=values.get("model"),
+        prompt=None if chat else values["prompt"],
+        messages=values["messages"] if chat else None,
+        add_special_tokens=values.get("add_special_tokens", not chat),
+        return_token_strs=values.get("return_token_strs", False),
+        tools=tools or None,
+        template=_template_options(values) if chat else DEFAULT_TEMPLATE,
+    )
+
+
+@dataclass(frozen=True)
+class DetokenizeBody:
+    model: str | None
+    tokens: list[int]
+
+
+def parse_detokenize(body: dict[str, Any], limits: RequestLimits | None = None) -> DetokenizeBody:
+    """A /detokenize body: `tokens`, a list of token ids (checked against the vocabulary by
+    the engine's tokenizer)."""
+    _, values = DETOKENIZE.read(body, limits or RequestLimits())
+    return DetokenizeBody(model=values.get("model"), tokens=values["tokens"])
 
 
 # ----------------------------------------------------------------------------- responses

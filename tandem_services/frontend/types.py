@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -47,6 +49,30 @@ class FrontendError(Exception):
 
 def invalid(message: str, param: str | None = None) -> FrontendError:
     return FrontendError(grpc.StatusCode.INVALID_ARGUMENT, message, param)
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a conversation becomes the prompt (vLLM's fields). `add_generation_prompt`: end
+    with the assistant's turn opened; `continue_final_message`: end inside the final message,
+    left open for the model to go on (its trailing end-of-turn tokens dropped); never both.
+    `kwargs`: extra template variables."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise invalid(
+                "continue_final_message and add_generation_prompt cannot both be true (set "
+                "add_generation_prompt: false to continue the final message)",
+                "continue_final_message",
+            )
+
+
+# The template as vLLM applies it when a request says nothing: the generation prompt added.
+DEFAULT_TEMPLATE = ChatTemplateOptions()
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,9 @@ def test_frontend_answers_503_with_retry_after_until_a_worker_serves(
                 assert r.status_code == 503, (path, r.text)
                 assert r.headers["retry-after"] == str(NOT_READY_RETRY_AFTER_S)
                 assert "not ready" in r.json()["error"]["message"]
+            # The frontend's own tokenizer answers without a worker (vLLM's /tokenize).
+            tok = http.post(base + "/tokenize", json={"prompt": "Hello"})
+            assert tok.status_code == 200 and tok.json()["count"] > 0, tok.text
             health = http.get(base + "/health")
             assert health.status_code == 503
             assert health.json()["workers"] == {"prefill": 0, "decode": 0, "unified": 0}

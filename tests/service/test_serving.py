@@ -193,6 +193,44 @@ def test_models_and_tokenize(deployment: Deployment) -> None:
     assert tok.count == len(tok.token_ids) > 0
 
 
+def test_http_tokenize_detokenize_and_chat_template_options(deployment: Deployment) -> None:
+    """vLLM's /tokenize, /detokenize and /version, and a chat continuing its final message:
+    /tokenize renders a conversation as the chat endpoint does, so the continued chat equals
+    a completion of those very ids."""
+    base = f"http://{deployment.http_address}"
+    tok = httpx.post(f"{base}/tokenize", json={"prompt": PROMPTS[0]}, timeout=30).json()
+
+    async def grpc_tokenize() -> frontend_pb2.TokenizeResponse:
+        async with grpc.aio.insecure_channel(deployment.grpc_address) as channel:
+            stub = frontend_pb2_grpc.FrontendStub(channel)
+            return await stub.Tokenize(frontend_pb2.TokenizeRequest(text=PROMPTS[0]))
+
+    assert tok["tokens"] == list(asyncio.run(grpc_tokenize()).token_ids)
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == MAX_MODEL_LEN
+    back = httpx.post(f"{base}/detokenize", json={"tokens": tok["tokens"]}, timeout=30)
+    assert back.json() == {"prompt": PROMPTS[0]}
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [-1]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.get(f"{base}/version", timeout=30).json()["version"]
+
+    client = _client(deployment)
+    opened = [*CHAT, {"role": "assistant", "content": "The answer is"}]
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    ids = httpx.post(f"{base}/tokenize", json={"messages": opened, **cont}, timeout=30).json()
+    completion = client.completions.create(
+        model="default", prompt=ids["tokens"], max_tokens=6, temperature=0
+    )
+    chat = client.chat.completions.create(
+        model="default", messages=opened, max_tokens=6, temperature=0, extra_body=cont
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == ids["count"]
+    assert chat.choices[0].message.content == completion.choices[0].text
+    # Without the options the conversation ends with the assistant's turn opened after it.
+    plain = httpx.post(f"{base}/tokenize", json={"messages": opened}, timeout=30).json()
+    assert plain["count"] > ids["count"]
+    assert plain["tokens"][: ids["count"] - 1] == ids["tokens"][:-1]
+
+
 def test_every_service_serves_health_and_reflection(deployment: Deployment) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc

@@ -20,6 +20,8 @@ from tandem_services.frontend.openai_protocol import (
     RequestModel,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_tokenize,
 )
 from tandem_services.frontend.types import FrontendError
 
@@ -63,6 +65,9 @@ BAD: dict[str, Any] = {
     "tools": {"a": 1},
     "tool_choice": "sometimes",
     "parallel_tool_calls": "yes",
+    "add_generation_prompt": "yes",
+    "continue_final_message": 1,
+    "chat_template_kwargs": {"enable_thinking": False, "tokenize": True},
 }
 # Per endpoint where the field's bad value differs.
 BAD_COMPLETION = {"logprobs": 6}
@@ -111,6 +116,48 @@ def test_null_is_left_out_and_required_fields_are_named() -> None:
     assert chat.params.max_tokens is None and chat.tools is None and chat.tool_calling is None
     assert _refused(parse_completion, {"prompt": None}).message == "prompt is required"
     assert _refused(parse_chat, {}).param == "messages"
+
+
+def test_chat_template_options_are_read_and_checked() -> None:
+    plain = parse_chat(CHAT_BODY, LIMITS).template
+    assert (plain.add_generation_prompt, plain.continue_final_message) == (True, False)
+    assert dict(plain.kwargs) == {}
+    body = {
+        **CHAT_BODY,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    options = parse_chat(body, LIMITS).template
+    assert (options.add_generation_prompt, options.continue_final_message) == (False, True)
+    assert dict(options.kwargs) == {"enable_thinking": False}
+    # Continuing the final message with the generation prompt added is contradictory.
+    err = _refused(parse_chat, {**CHAT_BODY, "continue_final_message": True})
+    assert err.param == "continue_final_message" and "add_generation_prompt" in err.message
+    # The template's own arguments have fields of their own.
+    err = _refused(parse_chat, {**CHAT_BODY, "chat_template_kwargs": {"tools": [], "x": 1}})
+    assert err.param == "chat_template_kwargs" and "tools" in err.message
+
+
+def test_tokenize_and_detokenize_bodies() -> None:
+    text = parse_tokenize({"prompt": "hi"}, LIMITS)
+    assert (text.prompt, text.messages, text.add_special_tokens) == ("hi", None, True)
+    chat = parse_tokenize({**CHAT_BODY, "add_generation_prompt": False}, LIMITS)
+    assert chat.prompt is None and chat.messages == CHAT_BODY["messages"]
+    assert not chat.add_special_tokens and not chat.template.add_generation_prompt
+    assert parse_tokenize({"prompt": "x", "return_token_strs": True}, LIMITS).return_token_strs
+    for body in ({}, {"prompt": "x", **CHAT_BODY}):
+        assert _refused(parse_tokenize, body).param == "prompt"
+    assert _refused(parse_tokenize, {"prompt": None}).param == "prompt"
+    assert _refused(parse_tokenize, {"prompt": 5}).param == "prompt"
+    # A field of the other form, or of generation, is refused by name.
+    err = _refused(parse_tokenize, {"prompt": "x", "add_generation_prompt": False})
+    assert err.param == "add_generation_prompt"
+    assert _refused(parse_tokenize, {"prompt": "x", "max_tokens": 5}).param == "max_tokens"
+    assert _refused(parse_tokenize, {"messages": []}).param == "messages"
+    assert parse_detokenize({"tokens": [1, 2]}, LIMITS).tokens == [1, 2]
+    assert _refused(parse_detokenize, {}).param == "tokens"
+    assert _refused(parse_detokenize, {"tokens": [1, 2**31]}).param == "tokens"
 
 
 def test_fields_of_the_other_endpoint_are_refused_by_name() -> None:
