@@ -7,6 +7,7 @@ messages) into `GenerateArgs`; what needs its tokens is checked once they exist
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from tandem_services.frontend.limits import (
 from tandem_services.frontend.openai_protocol import ChoiceAccumulator
 from tandem_services.frontend.structured import check_structured
 from tandem_services.frontend.types import (
+    DEFAULT_TEMPLATE,
+    ChatTemplateOptions,
     ChoiceDelta,
     FrontendError,
     StepEvent,
@@ -107,6 +110,32 @@ class GenerateArgs:
     text: str = ""
     token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    template: ChatTemplateOptions = DEFAULT_TEMPLATE
+
+
+def chat_messages(chat: frontend_pb2.Chat) -> list[dict[str, Any]]:
+    """A Chat's messages, checked for the chat template."""
+    if not chat.messages:
+        raise invalid("chat.messages is empty", "chat")
+    return check_messages([{"role": m.role, "content": m.content} for m in chat.messages])
+
+
+def chat_template(chat: frontend_pb2.Chat) -> ChatTemplateOptions:
+    """A Chat's template options (the HTTP API's fields; INVALID_ARGUMENT naming a bad one)."""
+    kwargs: Any = {}
+    if chat.chat_template_kwargs_json:
+        try:
+            kwargs = json.loads(chat.chat_template_kwargs_json)
+        except (ValueError, RecursionError):
+            raise invalid(
+                "chat.chat_template_kwargs_json is not a JSON object", "chat_template_kwargs"
+            ) from None
+        if not isinstance(kwargs, dict):
+            raise invalid(
+                "chat.chat_template_kwargs_json must be a JSON object", "chat_template_kwargs"
+            )
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return ChatTemplateOptions(add, chat.continue_final_message, kwargs)
 
 
 def parse_generate(request: frontend_pb2.GenerateRequest, limits: RequestLimits) -> GenerateArgs:
@@ -130,12 +159,13 @@ def parse_generate(request: frontend_pb2.GenerateRequest, limits: RequestLimits)
     if kind == "token_ids":
         return GenerateArgs(params, max_tokens, kind, token_ids=list(request.token_ids.ids))
     if kind == "chat":
-        if not request.chat.messages:
-            raise invalid("chat.messages is empty", "chat")
-        messages = check_messages(
-            [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        return GenerateArgs(
+            params,
+            max_tokens,
+            kind,
+            messages=chat_messages(request.chat),
+            template=chat_template(request.chat),
         )
-        return GenerateArgs(params, max_tokens, kind, messages=messages)
     raise invalid("a prompt (text, token_ids or chat) is required", "prompt")
 
 
@@ -176,7 +206,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             assert args.token_ids is not None
             return args.token_ids, None
         assert args.messages is not None
-        text, ids = await self.engine.encode_chat(args.messages)
+        text, ids = await self.engine.encode_chat(args.messages, options=args.template)
         return ids, text
 
     async def Generate(
@@ -239,10 +269,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = await self.engine.encode(request.text, add_special_tokens=add)
             elif kind == "chat":
-                messages = check_messages(
-                    [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                _, ids = await self.engine.encode_chat(
+                    chat_messages(request.chat), options=chat_template(request.chat)
                 )
-                _, ids = await self.engine.encode_chat(messages)
             else:
                 raise invalid("text or chat is required", "prompt")
         except FrontendError as exc:

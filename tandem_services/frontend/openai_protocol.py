@@ -248,36 +248,11 @@ def _structured_outputs(name: str, v: Any, limits: RequestLimits) -> StructuredO
     return parse_structured_outputs(v)
 
 
-# The template's own arguments, which chat_template_kwargs may not set (each has its field, or
-# is the request itself).
-_TEMPLATE_RESERVED = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "return_dict",
-        "return_tensors",
-        "padding",
-        "truncation",
-        "max_length",
-        "tokenizer_kwargs",
-    }
-)
-
-
 def _template_kwargs(name: str, v: Any, limits: RequestLimits) -> dict[str, Any]:
     """Extra variables for the chat template (vLLM's chat_template_kwargs, e.g.
-    `{"enable_thinking": false}`); the template's own arguments are refused by name."""
-    v = _object(name, v, limits)
-    taken = sorted(_TEMPLATE_RESERVED & v.keys())
-    if taken:
-        raise invalid(f"{name} may not set {', '.join(taken)} (a field of its own)", name)
-    return v
+    `{"enable_thinking": false}`); `ChatTemplateOptions` refuses the template's own
+    arguments."""
+    return _object(name, v, limits)
 
 
 _TEMPLATE: dict[str, Field] = {

@@ -195,8 +195,8 @@ def test_models_and_tokenize(deployment: Deployment) -> None:
 
 def test_http_tokenize_detokenize_and_chat_template_options(deployment: Deployment) -> None:
     """vLLM's /tokenize, /detokenize and /version, and a chat continuing its final message:
-    /tokenize renders a conversation as the chat endpoint does, so the continued chat equals
-    a completion of those very ids."""
+    /tokenize renders a conversation as the chat endpoint does, so the continued chat (HTTP and
+    gRPC) equals a completion of those very ids."""
     base = f"http://{deployment.http_address}"
     tok = httpx.post(f"{base}/tokenize", json={"prompt": PROMPTS[0]}, timeout=30).json()
 
@@ -225,6 +225,17 @@ def test_http_tokenize_detokenize_and_chat_template_options(deployment: Deployme
     )
     assert chat.usage is not None and chat.usage.prompt_tokens == ids["count"]
     assert chat.choices[0].message.content == completion.choices[0].text
+    # gRPC's Chat carries the same options.
+    request = frontend_pb2.GenerateRequest(
+        chat=frontend_pb2.Chat(
+            messages=[frontend_pb2.ChatMessage(**m) for m in opened],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        ),
+        sampling_params=_greedy(6),
+    )
+    text, _, _ = asyncio.run(_grpc_generate(deployment.grpc_address, request))
+    assert text == completion.choices[0].text
     # Without the options the conversation ends with the assistant's turn opened after it.
     plain = httpx.post(f"{base}/tokenize", json={"messages": opened}, timeout=30).json()
     assert plain["count"] > ids["count"]

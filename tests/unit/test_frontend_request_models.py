@@ -217,6 +217,12 @@ def _generate(**kwargs: Any) -> frontend_pb2.GenerateRequest:
     )
 
 
+def _chat(**options: Any) -> frontend_pb2.Chat:
+    return frontend_pb2.Chat(
+        messages=[frontend_pb2.ChatMessage(role="user", content="hi")], **options
+    )
+
+
 def test_generate_args() -> None:
     args = parse_generate(_generate(n=4, logprobs=5, stop=["a", "b"]), LIMITS)
     assert (args.prompt, args.text, args.max_tokens, args.params.n) == ("text", "hi", None, 4)
@@ -226,6 +232,13 @@ def test_generate_args() -> None:
     chat = frontend_pb2.Chat(messages=[frontend_pb2.ChatMessage(role="user", content="hi")])
     args = parse_generate(_generate(prompt={"chat": chat}), LIMITS)
     assert args.messages == [{"role": "user", "content": "hi"}]
+    assert args.template.add_generation_prompt and not args.template.continue_final_message
+    chat.add_generation_prompt = False
+    chat.continue_final_message = True
+    chat.chat_template_kwargs_json = '{"enable_thinking": false}'
+    template = parse_generate(_generate(prompt={"chat": chat}), LIMITS).template
+    assert (template.add_generation_prompt, template.continue_final_message) == (False, True)
+    assert dict(template.kwargs) == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize(
@@ -249,6 +262,13 @@ def test_generate_args() -> None:
             "wizard",
         ),
         (_generate(prompt={}), "a prompt"),
+        (_generate(prompt={"chat": _chat(continue_final_message=True)}), "cannot both be true"),
+        (_generate(prompt={"chat": _chat(chat_template_kwargs_json="[1]")}), "a JSON object"),
+        (_generate(prompt={"chat": _chat(chat_template_kwargs_json="{")}), "not a JSON object"),
+        (
+            _generate(prompt={"chat": _chat(chat_template_kwargs_json='{"tokenize": true}')}),
+            "may not set tokenize",
+        ),
         # Nested too deeply for Python's JSON parser, or for the hand-off to the engine.
         (_generate(extra_args_json='{"a":' * 50_000 + "1" + "}" * 50_000), "nests too deeply"),
         (_generate(extra_args_json='{"a":' * 40 + "1" + "}" * 40), "extra_args nests"),
