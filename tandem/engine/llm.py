@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from tandem.core.outputs import FinishReason
+from tandem.engine.chat_template import template_options_problem
 from tandem.engine.core import EngineCore, InvalidRequestError, check_prompt_token_ids
 from tandem.engine.core_client import InprocClient
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
@@ -192,17 +193,32 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and generate."""
+        """Apply the model's chat template to each conversation and generate. The template's
+        options are vLLM's (tandem.engine.chat_template): the generation prompt added, or the
+        final message continued; extra template variables; `tools` for the template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if self.tokenizer is None:
             raise InvalidRequestError(
                 f"chat needs a tokenizer for its template ({self.no_tokenizer_reason})"
             )
+        kwargs = dict(chat_template_kwargs or {})
+        problem = template_options_problem(add_generation_prompt, continue_final_message, kwargs)
+        if problem is not None:
+            raise InvalidRequestError(problem[0])
+        if tools:
+            kwargs["tools"] = tools
         prompts: list[PromptType] = []
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=False
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **kwargs,
             )
             _check_text(text, "the conversation")
             ids = self.tokenizer(text, add_special_tokens=False).input_ids

@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from tandem.core.outputs import FinishReason, Logprobs
+from tandem.engine.chat_template import template_options_problem
 from tandem.sampling_params import SamplingParams
 
 _HTTP_STATUS = {
@@ -51,52 +52,23 @@ def invalid(message: str, param: str | None = None) -> FrontendError:
     return FrontendError(grpc.StatusCode.INVALID_ARGUMENT, message, param)
 
 
-# The template's own arguments, which chat_template_kwargs may not set (each has its field, or
-# is the request itself).
-_TEMPLATE_RESERVED = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "return_dict",
-        "return_tensors",
-        "padding",
-        "truncation",
-        "max_length",
-        "tokenizer_kwargs",
-    }
-)
-
-
 @dataclass(frozen=True)
 class ChatTemplateOptions:
     """How a conversation becomes the prompt (vLLM's fields). `add_generation_prompt`: end
     with the assistant's turn opened; `continue_final_message`: end inside the final message,
     left open for the model to go on (its trailing end-of-turn tokens dropped); never both.
-    `kwargs`: extra template variables, none of the template's own arguments."""
+    `kwargs`: extra template variables (tandem.engine.chat_template)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        taken = sorted(_TEMPLATE_RESERVED & self.kwargs.keys())
-        if taken:
-            raise invalid(
-                f"chat_template_kwargs may not set {', '.join(taken)} (a field of its own)",
-                "chat_template_kwargs",
-            )
-        if self.add_generation_prompt and self.continue_final_message:
-            raise invalid(
-                "continue_final_message and add_generation_prompt cannot both be true (set "
-                "add_generation_prompt: false to continue the final message)",
-                "continue_final_message",
-            )
+        problem = template_options_problem(
+            self.add_generation_prompt, self.continue_final_message, self.kwargs
+        )
+        if problem is not None:
+            raise invalid(*problem)
 
 
 # The template as vLLM applies it when a request says nothing: the generation prompt added.

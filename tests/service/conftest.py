@@ -43,6 +43,9 @@ PROMPTS = [
     "def fibonacci(n):",
 ]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+# A conversation whose final message the model continues (continue_final_message).
+CONTINUED = [*CHAT, {"role": "assistant", "content": "The answer is"}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 # float32 on both sides of every served-against-offline comparison (the services started here
 # read it from TANDEM_DTYPE, set in tests/conftest.py).
 ENGINE_ARGS = {
@@ -76,6 +79,8 @@ class Reference:
     chat_token_ids: list[int]
     # Seeded sampling (SEEDED below) of each of PROMPTS.
     seeded_token_ids: list[list[int]]
+    # CONTINUED with its final message continued (CONTINUE).
+    continued_text: str
 
 
 # Seeded, non-greedy sampling: the same tokens offline, unified and disaggregated (the prefill
@@ -92,12 +97,14 @@ def reference() -> Reference:
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     chat = llm.chat(CHAT, params, use_tqdm=False)[0].outputs[0]
     seeded = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, **SEEDED), use_tqdm=False)
+    continued = llm.chat(CONTINUED, params, use_tqdm=False, **CONTINUE)[0].outputs[0]
     ref = Reference(
         [o.outputs[0].text for o in outs],
         [list(o.outputs[0].token_ids) for o in outs],
         chat.text,
         list(chat.token_ids),
         [list(o.outputs[0].token_ids) for o in seeded],
+        continued.text,
     )
     llm.shutdown()
     return ref

@@ -19,6 +19,8 @@ from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tandem_services.launcher import Deployment
 from tests.service.conftest import (
     CHAT,
+    CONTINUE,
+    CONTINUED,
     GRACE_S,
     MAX_MODEL_LEN,
     MAX_TOKENS,
@@ -193,10 +195,12 @@ def test_models_and_tokenize(deployment: Deployment) -> None:
     assert tok.count == len(tok.token_ids) > 0
 
 
-def test_http_tokenize_detokenize_and_chat_template_options(deployment: Deployment) -> None:
+def test_http_tokenize_detokenize_and_chat_template_options(
+    deployment: Deployment, reference: Reference
+) -> None:
     """vLLM's /tokenize, /detokenize and /version, and a chat continuing its final message:
-    /tokenize renders a conversation as the chat endpoint does, so the continued chat (HTTP and
-    gRPC) equals a completion of those very ids."""
+    served over HTTP and gRPC as the offline `LLM.chat` continues it, and /tokenize renders the
+    conversation as the chat endpoint does (a completion of those ids is the same text)."""
     base = f"http://{deployment.http_address}"
     tok = httpx.post(f"{base}/tokenize", json={"prompt": PROMPTS[0]}, timeout=30).json()
 
@@ -214,32 +218,31 @@ def test_http_tokenize_detokenize_and_chat_template_options(deployment: Deployme
     assert httpx.get(f"{base}/version", timeout=30).json()["version"]
 
     client = _client(deployment)
-    opened = [*CHAT, {"role": "assistant", "content": "The answer is"}]
-    cont = {"continue_final_message": True, "add_generation_prompt": False}
-    ids = httpx.post(f"{base}/tokenize", json={"messages": opened, **cont}, timeout=30).json()
-    completion = client.completions.create(
-        model="default", prompt=ids["tokens"], max_tokens=6, temperature=0
-    )
     chat = client.chat.completions.create(
-        model="default", messages=opened, max_tokens=6, temperature=0, extra_body=cont
+        model="default",
+        messages=CONTINUED,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body=CONTINUE,
     )
-    assert chat.usage is not None and chat.usage.prompt_tokens == ids["count"]
-    assert chat.choices[0].message.content == completion.choices[0].text
-    # gRPC's Chat carries the same options.
+    assert chat.choices[0].message.content == reference.continued_text
     request = frontend_pb2.GenerateRequest(
         chat=frontend_pb2.Chat(
-            messages=[frontend_pb2.ChatMessage(**m) for m in opened],
-            add_generation_prompt=False,
-            continue_final_message=True,
+            messages=[frontend_pb2.ChatMessage(**m) for m in CONTINUED], **CONTINUE
         ),
-        sampling_params=_greedy(6),
+        sampling_params=_greedy(),
     )
     text, _, _ = asyncio.run(_grpc_generate(deployment.grpc_address, request))
-    assert text == completion.choices[0].text
+    assert text == reference.continued_text
+    ids = httpx.post(f"{base}/tokenize", json={"messages": CONTINUED, **CONTINUE}, timeout=30)
+    assert chat.usage is not None and chat.usage.prompt_tokens == ids.json()["count"]
+    completion = client.completions.create(
+        model="default", prompt=ids.json()["tokens"], max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert completion.choices[0].text == reference.continued_text
     # Without the options the conversation ends with the assistant's turn opened after it.
-    plain = httpx.post(f"{base}/tokenize", json={"messages": opened}, timeout=30).json()
-    assert plain["count"] > ids["count"]
-    assert plain["tokens"][: ids["count"] - 1] == ids["tokens"][:-1]
+    plain = httpx.post(f"{base}/tokenize", json={"messages": CONTINUED}, timeout=30).json()
+    assert plain["count"] > ids.json()["count"]
 
 
 def test_every_service_serves_health_and_reflection(deployment: Deployment) -> None:

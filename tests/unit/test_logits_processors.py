@@ -373,6 +373,12 @@ def test_bad_input_is_a_clear_error_and_the_engine_keeps_serving(llm: LLM, tiny:
             llm.generate([prompt], two, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="prompt holds a lone UTF-16 surrogate"):
         llm.generate(["a\ud800"], two, use_tqdm=False)
+    # Chat template options that cannot render (vLLM's names), refused before the template.
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidRequestError, match="cannot both be true"):
+        llm.chat(hi, two, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="may not set tokenize"):
+        llm.chat(hi, two, use_tqdm=False, chat_template_kwargs={"tokenize": True})
     assert token_ids(llm, PROMPTS[:1], SamplingParams(max_tokens=2))[0]
     for spec, needle in [
         ("tests.logits_procs:Missing", "has no 'Missing'"),
