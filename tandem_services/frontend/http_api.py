@@ -334,6 +334,15 @@ class HttpApi:
             kind="cmpl",
             priority=body.priority,
         )
+        # echo: each prompt's text (token ids decoded) before its choices' output.
+        echo = (
+            [
+                text if text is not None else await self.engine.decode(ids, "prompt")
+                for ids, text in encoded
+            ]
+            if body.echo
+            else None
+        )
         stream = CompletionStream(
             f"cmpl-{uuid.uuid4().hex}",
             int(time.time()),
@@ -342,6 +351,7 @@ class HttpApi:
             body.params.logprobs is not None,
             body.include_usage,
             self.token_text,
+            echo,
         )
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}
@@ -354,7 +364,7 @@ class HttpApi:
                 choices.append(
                     {
                         "index": index,
-                        "text": a.text,
+                        "text": (echo[index // body.params.n] if echo else "") + a.text,
                         "logprobs": completion_logprobs(a.logprobs or [], self.token_text, 0)
                         if stream.want_logprobs
                         else None,

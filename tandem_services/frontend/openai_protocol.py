@@ -312,6 +312,8 @@ COMPLETION = RequestModel(
         **_COMMON,
         "max_tokens": Field(_int(), "max_tokens"),
         "logprobs": Field(_int("max_logprobs"), "logprobs"),
+        # The prompt's text before each choice's output.
+        "echo": Field(_bool),
     }
 )
 
@@ -359,7 +361,6 @@ _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
         "function_call (function calling) is not implemented",
     ),
     "suffix": (lambda v: v is None or v == "", "suffix is not implemented"),
-    "echo": (lambda v: v is None or v is False, "echo is not implemented"),
     "use_beam_search": (lambda v: v is None or v is False, "use_beam_search is not implemented"),
     "store": (lambda v: v is None or v is False, "store (stored completions) is not implemented"),
     "metadata": (_is_absent, "metadata (stored completions) is not implemented"),
@@ -478,6 +479,7 @@ class CompletionBody:
     priority: int
     # The field the output constraint came from (for errors the engine reports), if any.
     structured_param: str | None = None
+    echo: bool = False
 
 
 def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) -> CompletionBody:
@@ -486,10 +488,18 @@ def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) 
     kwargs, values = COMPLETION.read(body, limits or RequestLimits())
     structured, structured_param = _output_constraint(values)
     kwargs["structured_outputs"] = structured
+    echo = values.get("echo", False)
+    if echo and kwargs.get("logprobs") is not None:
+        raise invalid(
+            "echo with logprobs needs the prompt's logprobs, which tandem does not compute "
+            "(echo the text alone, or ask for logprobs without echo)",
+            "echo",
+        )
     return CompletionBody(
         prompts=values["prompt"],
         params=_sampling_params(kwargs, values),
         structured_param=structured_param,
+        echo=echo,
         **_envelope(values),
     )
 

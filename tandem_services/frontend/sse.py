@@ -65,7 +65,9 @@ class CompletionStream:
         want_logprobs: bool,
         include_usage: bool,
         token_text: TokenText,
+        echo: list[str] | None = None,
     ) -> None:
+        """`echo`: each prompt's text, sent before the first text of each of its choices."""
         self.rid = rid
         self.created = created
         self.model = model
@@ -73,6 +75,8 @@ class CompletionStream:
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.token_text = token_text
+        self.echo = echo
+        self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
         self._head = _head(rid, "text_completion", created, model)
 
@@ -96,9 +100,13 @@ class CompletionStream:
             if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
                 continue
             index = i * self.n + d.index
+            text = d.text
+            if self.echo is not None and index not in self._echoed:
+                self._echoed.add(index)
+                text = self.echo[i] + text
             if not want_logprobs:
                 choices.append(
-                    f'{{"index":{index},"text":{dumps(d.text)},"logprobs":null,'
+                    f'{{"index":{index},"text":{dumps(text)},"logprobs":null,'
                     f'"finish_reason":{_reason(d.finish_reason)},'
                     f'"stop_reason":{_reason(d.stop_reason)}}}'
                 )
@@ -107,7 +115,7 @@ class CompletionStream:
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
             entry = {
                 "index": index,
-                "text": d.text,
+                "text": text,
                 "logprobs": lp,
                 "finish_reason": d.finish_reason,
                 "stop_reason": d.stop_reason,

@@ -371,7 +371,7 @@ CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat/completions", {**CHAT, "logit_bias": {"1": 500}}, "logit_bias", "[-100, 100]"),
     ("completions", {**GOOD, "logit_bias": {"99999999": 5}}, "logit_bias", "vocabulary"),
     ("completions", {**GOOD, "allowed_token_ids": [99999999]}, "allowed_token_ids", "vocab"),
-    ("completions", {**GOOD, "echo": True}, "echo", "echo"),
+    ("completions", {**GOOD, "echo": True, "logprobs": 1}, "echo", "prompt's logprobs"),
     ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search", "use_beam_search"),
     ("completions", {**GOOD, "frobnicate": 1}, "frobnicate", "frobnicate"),
     ("chat/completions", {**CHAT, "max_tokens": 2048}, "max_tokens", "context"),

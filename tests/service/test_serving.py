@@ -139,6 +139,22 @@ def test_openai_completions_match_offline(deployment: Deployment, reference: Ref
     assert finishes[-1] == "length"
 
 
+def test_completions_echo_the_prompt(deployment: Deployment, reference: Reference) -> None:
+    """echo: the prompt's text (token ids decoded) before the output, streamed or not."""
+    client = _client(deployment)
+    kwargs = dict(model="default", max_tokens=MAX_TOKENS, temperature=0, echo=True)
+    full = client.completions.create(prompt=PROMPTS[0], **kwargs)
+    assert full.choices[0].text == PROMPTS[0] + reference.texts[0]
+    stream = client.completions.create(prompt=PROMPTS[1], stream=True, **kwargs)
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert text == PROMPTS[1] + reference.texts[1]
+    ids = reference.token_ids[2][:3]
+    echoed = client.completions.create(prompt=ids, **{**kwargs, "max_tokens": 2})
+    plain = client.completions.create(prompt=ids, **{**kwargs, "max_tokens": 2, "echo": False})
+    detok = httpx.post(f"http://{deployment.http_address}/detokenize", json={"tokens": ids})
+    assert echoed.choices[0].text == detok.json()["prompt"] + plain.choices[0].text
+
+
 def test_openai_chat_matches_offline(deployment: Deployment, reference: Reference) -> None:
     client = _client(deployment)
     full = client.chat.completions.create(

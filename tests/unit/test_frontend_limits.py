@@ -236,7 +236,7 @@ def test_completion_only_and_chat_only_fields() -> None:
     ]:
         err = refused(parse_completion, {**COMPLETION, field: value})
         assert err.param == field and "chat/completions only" in err.message
-    assert refused(parse_completion, {**COMPLETION, "echo": True}).param == "echo"
+    assert refused(parse_completion, {**COMPLETION, "echo": True, "logprobs": 1}).param == "echo"
     assert refused(parse_completion, {**COMPLETION, "suffix": "x"}).param == "suffix"
     assert refused(parse_completion, {**COMPLETION, "messages": []}).param == "messages"
     assert refused(parse_chat, {**CHAT, "prompt": "x"}).param == "prompt"

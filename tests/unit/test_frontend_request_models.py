@@ -70,7 +70,7 @@ BAD: dict[str, Any] = {
     "chat_template_kwargs": {"enable_thinking": False, "tokenize": True},
 }
 # Per endpoint where the field's bad value differs.
-BAD_COMPLETION = {"logprobs": 6}
+BAD_COMPLETION = {"logprobs": 6, "echo": "yes"}
 BAD_CHAT = {"logprobs": 1}
 # Declared to be accepted whatever it is (an end-user id).
 ANY_VALUE = {"user"}
@@ -116,6 +116,13 @@ def test_null_is_left_out_and_required_fields_are_named() -> None:
     assert chat.params.max_tokens is None and chat.tools is None and chat.tool_calling is None
     assert _refused(parse_completion, {"prompt": None}).message == "prompt is required"
     assert _refused(parse_chat, {}).param == "messages"
+
+
+def test_echo_is_read_and_refused_with_logprobs() -> None:
+    assert parse_completion({**COMPLETION_BODY, "echo": True}, LIMITS).echo
+    assert not parse_completion(COMPLETION_BODY, LIMITS).echo
+    err = _refused(parse_completion, {**COMPLETION_BODY, "echo": True, "logprobs": 1})
+    assert err.param == "echo" and "prompt's logprobs" in err.message
 
 
 def test_chat_template_options_are_read_and_checked() -> None:

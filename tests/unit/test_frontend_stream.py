@@ -100,6 +100,24 @@ def test_one_write_per_event_is_the_json_of_the_chunk() -> None:
     assert chat.final(Usage(1, 2)) == ""  # include_usage off
 
 
+def test_echo_goes_before_each_choices_first_text_once() -> None:
+    cmpl = CompletionStream("cmpl-1", 9, "m", 2, False, False, TokenText(None), ["P0", "P1"])
+
+    def texts(i: int, deltas: list[ChoiceDelta]) -> dict[int, str]:
+        write = cmpl.render(i, StepEvent(deltas))
+        return {c["index"]: c["text"] for c in json.loads(write[len("data: ") :])["choices"]}
+
+    # Nothing to send yet: the echo waits for the choice's first text.
+    assert cmpl.render(1, StepEvent([ChoiceDelta(0, "", [5])])) == ""
+    assert texts(1, [ChoiceDelta(0, "a", [1]), ChoiceDelta(1, "b", [2])]) == {
+        2: "P1a",
+        3: "P1b",
+    }
+    assert texts(1, [ChoiceDelta(0, "c", [3])]) == {2: "c"}
+    # A choice that ends without text still gets its echo.
+    assert texts(0, [ChoiceDelta(1, "", [4], None, "stop", None)]) == {1: "P0"}
+
+
 def test_tool_call_deltas_in_chat_chunks() -> None:
     chat = ChatStream("chat-2", 9, "m", False, False, TokenText(None))
     first = ToolCallDelta(0, "call_1", "add", '{"a"')
