@@ -16,7 +16,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tandem.core.outputs import FinishReason
+from tandem.core.outputs import FinishReason, Logprobs
 from tandem.core.structured import GrammarState
 from tandem.sampling_params import SamplingParams
 
@@ -116,6 +116,14 @@ class Request:
         # Disaggregated decode: prompt tokens whose KV arrived from another worker, told to
         # the runner once (a proposer running a model computes its own KV for them).
         self.num_external_computed_tokens = 0
+        # sampling_params.prompt_logprobs: entry p holds prompt token p + 1's, filled by
+        # position as the prompt's chunks run; None once sent with the first output (or
+        # never asked for).
+        self.prompt_logprobs: list[Logprobs | None] | None = (
+            [None] * max(len(self.prompt_token_ids) - 1, 0)
+            if sampling_params.prompt_logprobs is not None
+            else None
+        )
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

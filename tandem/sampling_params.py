@@ -108,7 +108,10 @@ class SamplingParams:
     min_p == 0 disable those filters. Penalties follow the usual OpenAI semantics
     (presence / frequency over output tokens) and the multiplicative repetition penalty
     over prompt and output tokens. `logprobs` asks for that many top logprobs per output
-    token (besides the sampled token's own); None asks for none.
+    token (besides the sampled token's own); None asks for none. `prompt_logprobs` likewise
+    for each prompt token after the first (the logprob the model gave it from the tokens
+    before it, its rank, and the top ones there): such a request computes its whole prompt,
+    reading nothing from the prefix cache.
 
     Logits processors (vLLM's names; tandem.layers.logits_processors applies them):
 
@@ -141,6 +144,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
@@ -189,10 +193,14 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise SamplingParamsError(
-                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise SamplingParamsError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
                 raise SamplingParamsError(f"seed must be an integer, got {self.seed!r}")

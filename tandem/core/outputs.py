@@ -120,6 +120,9 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] = field(default_factory=list)
     # A step that verified drafts: how it ran ("eager", "piecewise_graph", "mixed_graph").
     spec_verify_path: str = ""
+    # Requests asking for prompt logprobs whose prompt rows ran this step: (the position of
+    # the first row, one entry per row: the logprobs of the prompt token after it).
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
 
 
 class FinishReason(enum.StrEnum):
@@ -154,6 +157,9 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # With the request's first tokens when it asked for prompt logprobs: those of prompt
+    # tokens 1.. (the first has none), each the token's own first, then the top ones.
+    prompt_logprobs: list[Logprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -420,7 +420,10 @@ class Scheduler:
                 if not request.is_finished:  # a failed one has left the queue
                     passed_over.append(self.waiting.pop())
                 continue
-            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            # Prompt logprobs need every prompt position computed: no prefix-cache hit.
+            computed_blocks, num_computed = (
+                ([], 0) if request.prompt_logprobs is not None else kv.get_computed_blocks(request)
+            )
             num_new = self._num_tokens_to_schedule(request, num_computed, budget)
             if num_new == 0:
                 break  # does not fit this step's budget unchunked: wait, keeping the order
@@ -614,6 +617,11 @@ class Scheduler:
         """
         requests = self.requests
         logprobs = model_runner_output.logprobs
+        for req_id, (start, entries) in model_runner_output.prompt_logprobs.items():
+            owner = requests.get(req_id)
+            if owner is not None and owner.prompt_logprobs is not None:
+                # By position: a chunk computed again (after a preemption) overwrites itself.
+                owner.prompt_logprobs[start : start + len(entries)] = entries
         spec_token_ids = model_runner_output.spec_token_ids
         scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
         if self.spec_stats is not None and model_runner_output.spec_verify_path:
@@ -667,6 +675,7 @@ class Scheduler:
                     if request.num_output_placeholders or not was_running
                     else self._next_drafts(request, spec_token_ids[i])
                 )
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
@@ -675,6 +684,7 @@ class Scheduler:
                     finish_reason=FINISH_REASONS.get(request.status) if finished else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
             if finished:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.core.outputs import EngineCoreOutput, FinishReason
+from tandem.core.outputs import EngineCoreOutput, FinishReason, Logprobs
 from tandem.engine.output_state import ChoiceOutput, child_params, child_request_id
 from tandem.sampling_params import SamplingParams
 
@@ -47,6 +47,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # sampling_params.prompt_logprobs: one entry per prompt token, None for the first (no
+    # token before it), else the token's own logprob and the top ones (vLLM's layout).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -66,6 +69,7 @@ class _ParentState:
     prompt_token_ids: list[int]
     children: list[_ChildState]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -128,14 +132,11 @@ class OutputProcessor:
                 continue
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             child.token_ids.extend(out.new_token_ids)
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None, *map(_logprob_entry, out.prompt_logprobs)]
             if child.logprobs is not None and out.new_logprobs:
                 for lp in out.new_logprobs:
-                    entry: dict[int, Logprob] = {}
-                    ranks = [lp.sampled_rank, *range(1, len(lp.token_ids))]
-                    for tok, val, rank in zip(lp.token_ids, lp.logprobs, ranks, strict=True):
-                        if tok not in entry:
-                            entry[tok] = Logprob(val, rank)
-                    child.logprobs.append(entry)
+                    child.logprobs.append(_logprob_entry(lp))
                     child.cumulative_logprob += lp.logprobs[0]
             if child.output.update(out.new_token_ids, out.finish_reason, out.stop_reason):
                 to_abort.append(out.request_id)
@@ -179,4 +180,16 @@ class OutputProcessor:
             outputs=outs,
             finished=True,
             num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=parent.prompt_logprobs,
         )
+
+
+def _logprob_entry(lp: Logprobs) -> dict[int, Logprob]:
+    """One position's logprobs by token id: the chosen (or prompt) token at its rank first,
+    then the top ones at ranks 1.. (a token in both keeps its first entry)."""
+    entry: dict[int, Logprob] = {}
+    ranks = [lp.sampled_rank, *range(1, len(lp.token_ids))]
+    for tok, val, rank in zip(lp.token_ids, lp.logprobs, ranks, strict=True):
+        if tok not in entry:
+            entry[tok] = Logprob(val, rank)
+    return entry

@@ -157,8 +157,11 @@ def child_request_id(parent_id: str, index: int, n: int) -> str:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Each child of an n > 1 request samples independently; seeds differ by index."""
+    """Each child of an n > 1 request samples independently; seeds differ by index. The
+    prompt's logprobs are the same for every child: the first alone computes them."""
     changes: dict[str, object] = {"n": 1}
     if params.seed is not None and index > 0:
         changes["seed"] = params.seed + index
+    if params.prompt_logprobs is not None and index > 0:
+        changes["prompt_logprobs"] = None
     return params.clone(**changes)

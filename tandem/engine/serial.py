@@ -13,12 +13,13 @@ byte says what the frame is::
 
 A STEP frame is the hot path (one per engine step): request ids as one NUL-joined UTF-8
 blob, token counts / tokens / finish codes / cached-token counts as int32 and uint8 arrays,
-and a pickled side blob only for what is rare (logprobs, stop reasons). Every STEP and REPLY
-frame carries the piggyback: the engine's stats after the step or command, whether it has
-unfinished requests then, the KV blocks each finished `hold_kv` request holds, and the
-prefix-cache changes (block hashes added and evicted) since the last frame, in the order they
-happened. The engine's last frame before it goes idle says so: when nothing else reported
-it, an empty STEP frame follows the step or command that left it with no work.
+and a pickled side blob only for what is rare (logprobs, stop reasons, prompt logprobs).
+Every STEP and REPLY frame carries the piggyback: the engine's stats after the step or
+command, whether it has unfinished requests then, the KV blocks each finished `hold_kv`
+request holds, and the prefix-cache changes (block hashes added and evicted) since the last
+frame, in the order they happened. The engine's last frame before it goes idle says so:
+when nothing else reported it, an empty STEP frame follows the step or command that left it
+with no work.
 
 Measured (benchmarks/engine_ipc.py, this 2-core CPU, 256 outputs of one token): the frame
 encodes in 144 us and decodes back into objects in 317 us, against 802 / 450 us for pickling
@@ -106,9 +107,9 @@ def encode_step(outputs: list[EngineCoreOutput], piggyback: Piggyback) -> bytes:
     finish = np.fromiter((_FINISH_CODES[o.finish_reason] for o in outputs), dtype=np.uint8, count=n)
     cached = np.fromiter((o.num_cached_tokens for o in outputs), dtype=np.int32, count=n)
     rare = {
-        i: (o.new_logprobs, o.stop_reason)
+        i: (o.new_logprobs, o.stop_reason, o.prompt_logprobs)
         for i, o in enumerate(outputs)
-        if o.new_logprobs is not None or o.stop_reason is not None
+        if o.new_logprobs is not None or o.stop_reason is not None or o.prompt_logprobs is not None
     }
     side = pickle.dumps(rare, protocol=5) if rare else b""
     pig = pickle.dumps(piggyback, protocol=5)
@@ -153,7 +154,8 @@ def decode_step(frame: bytes) -> tuple[list[EngineCoreOutput], Piggyback]:
         out = EngineCoreOutput(rid, tokens[start:end], None, names[finish[i]], None, cached[i])
         start = end
         append(out)
-    for i, (logprobs, stop_reason) in rare.items():
+    for i, (logprobs, stop_reason, prompt_logprobs) in rare.items():
         outputs[i].new_logprobs = logprobs
         outputs[i].stop_reason = stop_reason
+        outputs[i].prompt_logprobs = prompt_logprobs
     return outputs, piggyback

@@ -50,7 +50,12 @@ from tandem.config import (
     EngineConfig,
 )
 from tandem.core.kv_cache_spec import KVCacheSpec
-from tandem.core.outputs import GrammarBitmaskSource, ModelRunnerOutput, SchedulerOutput
+from tandem.core.outputs import (
+    GrammarBitmaskSource,
+    Logprobs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from tandem.distributed import ParallelState, single_rank_state
 from tandem.layers.attention import (
     AttentionMetadata,
@@ -72,6 +77,11 @@ from tandem.worker.cuda_graph import DecodeCudaGraphs
 from tandem.worker.input_batch import InputBatch, StepInputs
 from tandem.worker.mixed_graph import MixedCudaGraphs
 from tandem.worker.piecewise_graph import PiecewiseCudaGraphs
+from tandem.worker.prompt_logprobs import (
+    PromptLogprobRows,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+)
 from tandem.worker.sampling import PendingStep, SampledStep, StepSampler
 from tandem.worker.staging import PinnedStaging
 
@@ -230,6 +240,10 @@ class ModelRunner:
         # every step takes another path.
         self.proposer_needs_hidden = bool(getattr(self.proposer, "needs_hidden_states", False))
         self._step_hidden: torch.Tensor | None = None
+        # Held requests asking for prompt logprobs; this step's plan and results for them.
+        self._prompt_logprob_reqs: set[str] = set()
+        self._prompt_plan: list[PromptLogprobRows] = []
+        self._step_prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = {}
         self.staging = PinnedStaging(device)
         self.use_cuda_graphs = device.type == "cuda" and not config.device.enforce_eager
         if self.use_cuda_graphs and self.parallel.pp_size > 1:
@@ -460,15 +474,19 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
-        batch.drop_requests(so.finished_req_ids | so.preempted_req_ids)
+        self.drop_requests(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
             generator = self.sampler.new_generator(new.sampling_params, len(new.output_token_ids))
             batch.add_request(new, self.eos_token_id, generator)
+            if new.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprob_reqs.add(new.req_id)
         batch.update_cached(so.scheduled_cached_reqs)
 
     def drop_requests(self, req_ids: set[str]) -> None:
         """Forget finished or preempted requests (their states and block-table rows)."""
         self.input_batch.drop_requests(req_ids)
+        if self._prompt_logprob_reqs:
+            self._prompt_logprob_reqs -= req_ids
 
     def needs_prior_tokens(self, so: SchedulerOutput) -> bool:
         """True when a request of this step samples from its whole output (penalties,
@@ -617,6 +635,10 @@ class ModelRunner:
         speculation the last k + 1 rows of a request with k drafts)."""
         if self.proposer_needs_hidden:
             self._step_hidden = hidden
+        if self._prompt_plan:
+            self._step_prompt_logprobs = compute_prompt_logprobs(
+                hidden, self._prompt_plan, self.model.compute_logits
+            )
         if not inp.sampled_rows:
             return hidden[:0]
         idx = self.staging.to_device(inp.logits_indices, torch.int64)
@@ -687,9 +709,13 @@ class ModelRunner:
         prev_row_of = self._last_step.row_of if self._last_step is not None else {}
         inp = self.input_batch.prepare(so, req_ids, prev_row_of)
         inp.num_decodes = num_decodes
-        # A proposer reading the target's hidden states (EAGLE) takes decode steps through
-        # the mixed-step graphs (or piecewise, or eager): the decode graphs keep logits only.
-        decode_path = inp.is_decode_only and not self.proposer_needs_hidden
+        self._prompt_plan = plan_prompt_logprobs(inp) if self._prompt_logprob_reqs else []
+        # A proposer reading the target's hidden states (EAGLE), and prompt logprobs, take
+        # decode steps through the mixed-step graphs (or piecewise, or eager): the decode
+        # graphs keep logits only.
+        decode_path = (
+            inp.is_decode_only and not self.proposer_needs_hidden and not self._prompt_plan
+        )
         if decode_path:
             graph_size = self.cuda_graphs.size_for(inp.num_reqs)
             mixed_size = None
@@ -733,6 +759,7 @@ class ModelRunner:
         launch = self._num_launched
         written = inp.slot_mapping if inp.group_slot_mappings is None else inp.group_slot_mappings
         self._unfinished_writes.append((launch, written.reshape(-1)))
+        prompt_logprobs, self._step_prompt_logprobs = self._step_prompt_logprobs, {}
         step = PendingStep(
             req_ids,
             inp.sampled_rows,
@@ -741,6 +768,7 @@ class ModelRunner:
             on_done=lambda: self._writes_done(launch),
             proposer=self._step_proposer(inp, so),
             spec_verify_path=path if inp.num_draft is not None else "",
+            prompt_logprobs=prompt_logprobs,
         )
         if self._last_step is not None:
             self._older_steps.append(self._last_step)

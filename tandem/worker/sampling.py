@@ -301,8 +301,10 @@ class PendingStep:
         on_done: Callable[[], None] | None = None,
         proposer: Proposer | None = None,
         spec_verify_path: str = "",
+        prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None,
     ) -> None:
         self.req_ids = req_ids
+        self._prompt_logprobs = prompt_logprobs or {}
         self.sampled_rows = sampled_rows
         self.states = states
         # Device ids, one per sampled row; a later step reads its inputs from here.
@@ -387,6 +389,7 @@ class PendingStep:
             logprobs=logprobs,
             spec_token_ids=spec_token_ids,
             spec_verify_path=self._spec_verify_path,
+            prompt_logprobs=self._prompt_logprobs,
         )
         return self._output
 

@@ -77,6 +77,9 @@ def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> Structur
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    if params.prompt_logprobs is not None:
+        # Not on the wire: refused here rather than dropped (the offline LLM computes them).
+        raise SamplingParamsError("prompt_logprobs are not carried by the services")
     msg = common_pb2.SamplingParams(
         stop=params.stop,
         stop_token_ids=params.stop_token_ids,

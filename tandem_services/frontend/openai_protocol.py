@@ -391,7 +391,7 @@ _UNIMPLEMENTED: dict[str, str] = {
     # vLLM's extensions.
     "length_penalty": "beam search",
     "early_stopping": "beam search",
-    "prompt_logprobs": "prompt logprobs",
+    "prompt_logprobs": "prompt logprobs over the API; the offline LLM computes them",
     "truncate_prompt_tokens": "prompt truncation",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "add_special_tokens": "add_special_tokens",
@@ -491,7 +491,7 @@ def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) 
     echo = values.get("echo", False)
     if echo and kwargs.get("logprobs") is not None:
         raise invalid(
-            "echo with logprobs needs the prompt's logprobs, which tandem does not compute "
+            "echo with logprobs needs the prompt's logprobs, which the API does not carry yet "
             "(echo the text alone, or ask for logprobs without echo)",
             "echo",
         )

@@ -165,3 +165,63 @@ def test_new_families_greedy_match(arch: str, tiny_model_path) -> None:
     reference = hf_greedy(path, prompts, 12)
     _, outs = run_tandem(path, prompts, 12, max_num_batched_tokens=64)
     assert_matches(outs, reference)
+
+
+@torch.inference_mode()
+def hf_prompt_logprobs(model_path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Per prompt, `[len - 1, vocab]` log-softmax of transformers' logits at positions
+    0..len-2 (position p predicts prompt token p + 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, local_files_only=True
+    ).eval()
+    return [
+        torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+        for ids in prompts
+    ]
+
+
+def test_prompt_logprobs_match_transformers(tiny_model_path) -> None:
+    """`prompt_logprobs=k`: for each prompt token after the first, its logprob, its rank and
+    the top k under transformers' distribution at the position before it; prompts chunked
+    over steps by a small token budget, a prompt that is a cached prefix of another computed
+    whole (no prefix-cache hit for it), n = 2 (one set for the request), a one-token prompt
+    (only the None entry), and the block pool whole after."""
+    path = tiny_model_path("llama")
+    prompts = make_prompts(256, seed=3)[:8]  # 1 to 250 tokens
+    prompts.append(list(prompts[7]))  # the same prompt again: its blocks are cached by then
+    reference = hf_prompt_logprobs(path, prompts)
+    llm = LLM(
+        model=str(path), dtype="float32", device="cpu", max_num_batched_tokens=64, max_num_seqs=4
+    )
+    k = 3
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=k)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for i, (ids, out, ref) in enumerate(zip(prompts, outs, reference, strict=True)):
+        got = out.prompt_logprobs
+        assert got is not None and len(got) == len(ids) and got[0] is None, f"prompt {i}"
+        for p in range(1, len(ids)):
+            entry, row = got[p], ref[p - 1]
+            assert entry is not None, f"prompt {i}, position {p}"
+            token = ids[p]
+            assert abs(entry[token].logprob - row[token].item()) < LOGPROB_TOL, (i, p)
+            assert entry[token].rank == int((row > row[token]).sum()) + 1, (i, p)
+            for rank, top in enumerate(row.topk(k).indices.tolist(), start=1):
+                assert entry[top].rank == rank, (i, p, rank)
+    # Those requests read nothing from the prefix cache (prompt 8 is prompt 7 again).
+    assert llm.engine.stats().prefix_cache_hits == 0
+    # n = 2: one set of prompt logprobs for the request (its first child computes them).
+    two = llm.generate([{"prompt_token_ids": prompts[5]}], params.clone(n=2), use_tqdm=False)
+    pair = two[0].prompt_logprobs
+    assert len(two[0].outputs) == 2 and pair is not None and pair[0] is None
+    for a, b in zip(pair[1:], outs[5].prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < LOGPROB_TOL for t in a)
+    # A plain request reads the cache and carries none.
+    plain = llm.generate([{"prompt_token_ids": prompts[7]}], SamplingParams(max_tokens=1))
+    assert plain[0].prompt_logprobs is None
+    assert llm.engine.stats().prefix_cache_hits > 0
+    pool = llm.engine.scheduler.kv_cache_manager.block_pool
+    assert pool.is_whole
+    llm.shutdown()

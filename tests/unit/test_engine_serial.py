@@ -21,6 +21,7 @@ def test_step_frame_round_trip() -> None:
         EngineCoreOutput("stop-string", [8], finish_reason=FinishReason.STOP, stop_reason="END"),
         EngineCoreOutput("length", [99], finish_reason=FinishReason.LENGTH),
         EngineCoreOutput("logprobs", [5], new_logprobs=[lp]),
+        EngineCoreOutput("prompt-logprobs", [6], prompt_logprobs=[lp, lp]),
     ]
     pig = serial.Piggyback(
         stats=_stats(),

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tandem.sampling_params import SamplingParams, SamplingParamsError
 from tandem_protos.v1 import common_pb2, frontend_pb2
 from tandem_services.common.convert import sampling_params_to_proto
 from tandem_services.frontend.grpc_api import parse_generate
@@ -212,6 +213,13 @@ def test_integers_at_their_wire_widths_edges_convert() -> None:
         msg = sampling_params_to_proto(body.params)
         assert (msg.seed, msg.top_k, list(msg.stop_token_ids)) == (seed, top_k, [INT32_MAX])
         assert body.priority == INT32_MAX
+
+
+def test_prompt_logprobs_are_refused_on_the_wire_not_dropped() -> None:
+    """The services' SamplingParams message has no prompt_logprobs (the offline LLM computes
+    them): converting params that ask for them fails rather than losing the ask."""
+    with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
+        sampling_params_to_proto(SamplingParams(prompt_logprobs=1))
 
 
 # ----------------------------------------------------------------------------- gRPC Generate

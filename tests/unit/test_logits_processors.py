@@ -175,6 +175,10 @@ def test_sampling_params_checks_name_the_field() -> None:
         ({"seed": 2**63}, "seed must be in"),
         ({"seed": -(2**63) - 1}, "seed must be in"),
         ({"seed": True}, "seed must be an integer"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be in [0, "),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs must be in [0, "),
+        ({"prompt_logprobs": True}, "prompt_logprobs must be in [0, "),
+        ({"logprobs": 2.0}, "logprobs must be in [0, "),
         ({"extra_args": _nested(MAX_EXTRA_ARGS_DEPTH + 1)}, "extra_args nests"),
         ({"extra_args": _nested(10_000)}, "extra_args nests"),
     ]
