@@ -2,9 +2,8 @@
 # issue8: names the default $OUT and the temp dir) and, where the default differs, BUDGET_S.
 # It sets MODE (gpu | cpu), OUT, WORK, LOGS, PY, summary, START and PLOTS, puts the services'
 # Python packages on the path (a bare machine gets them from .whl/ into /tmp/site) and defines
-# `step`, `env_report`, `id_tokenizer_step`, `offline`, `moe_tests`, `moe_table`,
-# `offline_qwen3`, `keep_smollm2_half`, `join_smollm2` and
-# `finish`.
+# `step`, `env_report`, `id_tokenizer_step`, `offline`, `decode_breakdown`, `moe_tests`,
+# `moe_table`, `offline_qwen3`, `keep_smollm2_half`, `join_smollm2` and `finish`.
 set -u
 MODE=${MODE:-gpu}
 OUT=${OUT:-$PWD/gpu_${ISSUE}_out}
@@ -93,6 +92,17 @@ offline() {  # offline NAME LIMIT_S [engine flags...]: the offline benchmark on 
     $PY -m benchmarks.offline_throughput --model random:llama-3.1-8b --device cuda --skip-peer \
     --workloads "${WORKLOADS:-128/128,512/256,1000/1000}" --out "$OUT/offline_$name.json" "$@"
   grep -E "tok/s|TPOT|batch-1|ceiling" "$OUT/offline_$name.log" | tail -n 8 >>"$summary"
+}
+
+decode_breakdown() {  # decode_breakdown N LEN STEPS DIR: the bf16 8B decode step of N requests
+  # of LEN prompt tokens (benchmarks.step_breakdown's decode phase, STEPS steps profiled) ->
+  # DIR/breakdown_decode_bf16_NxLEN.{log,json}, its decode lines to the summary
+  local n=$1 len=$2 steps=$3 dir=$4
+  local base="$dir/breakdown_decode_bf16_${n}x${len}"
+  step "decode breakdown $n x $len" 110 "$base.log" \
+    $PY -m benchmarks.step_breakdown --model random:llama-3.1-8b --device cuda \
+    --num-prompts "$n" --input-len "$len" --steps "$steps" --out "$base.json"
+  grep -A 16 "^decode:" "$base.log" >>"$summary"
 }
 
 moe_tests() {  # moe_tests LOG K FILE...: the MoE GPU tests selected by K, their tally summed up

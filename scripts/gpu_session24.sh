@@ -28,14 +28,8 @@ set -u
 ISSUE=session24
 
 decode_breakdowns() {  # the bf16 decode step at two batches (step_breakdown's decode phase)
-  for shape in "144 1152" "32 1024"; do
-    set -- $shape
-    step "decode breakdown $1 x $2" 110 "$OUT/breakdown_decode_bf16_$1x$2.log" \
-      $PY -m benchmarks.step_breakdown --model random:llama-3.1-8b --device cuda \
-      --num-prompts "$1" --input-len "$2" --steps 20 \
-      --out "$OUT/breakdown_decode_bf16_$1x$2.json"
-    grep -A 12 "^decode:" "$OUT/breakdown_decode_bf16_$1x$2.log" >>"$summary"
-  done
+  decode_breakdown 144 1152 20 "$OUT"
+  decode_breakdown 32 1024 20 "$OUT"
 }
 
 case "${PART:-late}" in

@@ -25,11 +25,7 @@ ISSUE=session31
 
 small_breakdowns() {  # the bf16 decode step at batches 1 and 8 (step_breakdown's decode phase)
   for n in 1 8; do
-    step "decode breakdown $n x 1024" 110 "$LOGS/breakdown_decode_bf16_${n}x1024.log" \
-      $PY -m benchmarks.step_breakdown --model random:llama-3.1-8b --device cuda \
-      --num-prompts "$n" --input-len 1024 --steps 40 \
-      --out "$LOGS/breakdown_decode_bf16_${n}x1024.json"
-    grep -A 16 "^decode:" "$LOGS/breakdown_decode_bf16_${n}x1024.log" >>"$summary"
+    decode_breakdown "$n" 1024 40 "$LOGS"
   done
 }
 
