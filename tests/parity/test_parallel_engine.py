@@ -1,7 +1,8 @@
 """Tensor and pipeline parallel through the MultiprocExecutor on the CPU (gloo): one rank
 process per rank, real torch.distributed groups. Greedy and seeded tokens must equal one
-rank's, logprobs within 1e-4; a SIGKILLed rank fails the engine at once with a clear error and
-leaves no process behind; a split the model cannot take is refused before anything starts.
+rank's, logprobs (and one request's prompt logprobs) within 1e-4; a SIGKILLed rank fails the
+engine at once with a clear error and leaves no process behind; a split the model cannot take
+is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def _params() -> list[SamplingParams]:
     seeded = SamplingParams(
         temperature=0.9, top_p=0.9, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1
     )
-    return [greedy, seeded, greedy]
+    # The 35-token prompt's logprobs too: its chunks' rows through every rank layout.
+    return [greedy, seeded.clone(prompt_logprobs=2), greedy]
 
 
 def _llm(path: Path, **kwargs: Any) -> LLM:
@@ -47,9 +49,11 @@ def _llm(path: Path, **kwargs: Any) -> LLM:
 def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
     got = []
-    for o in outs:
+    for o, prompt in zip(outs, PROMPTS, strict=True):
         c = o.outputs[0]
         chosen = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [], strict=True)]
+        if o.prompt_logprobs is not None:  # each prompt token's logprob after the first
+            chosen += [e[t].logprob for t, e in zip(prompt[1:], o.prompt_logprobs[1:], strict=True)]
         got.append((list(c.token_ids), chosen))
     return got
 
