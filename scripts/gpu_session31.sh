@@ -12,7 +12,7 @@
 #            issue 28's served comparison against PART=measure's bf16 rows) and FP8 batch 1
 #            with --enable-pdl (issue 28's 2.3 ms bar). Carry .whl.
 #
-# What ran: seven starts refused (about 530 s), then PART=measure on an H100 (a plain call
+# What ran: ten calls got no machine (about 620 s), then PART=measure on an H100 (a plain call
 #   may get either card), so its served table is not set against vLLM's H200 figures; then,
 #   on the warm H100, the GPU files touched since the last suite, in three pytest calls
 #   (tests/gpu/test_attention_backends_gpu.py with .fi's FlashInfer on PYTHONPATH; the
