@@ -75,18 +75,20 @@ def compute_prompt_logprobs(
     num_top = [p.num_top for p in plan for _ in p.targets]
     widest = max(num_top)
     device = hidden.device
-    entries: list[Logprobs | None] = []
+    entries: list[Logprobs] = []
     for lo in range(0, len(rows), _CHUNK_ROWS):
         idx = torch.from_numpy(rows[lo : lo + _CHUNK_ROWS]).to(device)
         logits = compute_logits(hidden.index_select(0, idx)).float()
         raw = torch.log_softmax(logits, dim=-1)
         chunk_targets = torch.tensor(targets[lo : lo + _CHUNK_ROWS], device=device)
         out = gather_logprobs(raw, chunk_targets, widest)
-        entries.extend(to_logprobs_lists(out, num_top[lo : lo + _CHUNK_ROWS]))
+        # Every row asks (num_top is an int): no None entries.
+        entries.extend(
+            e for e in to_logprobs_lists(out, num_top[lo : lo + _CHUNK_ROWS]) if e is not None
+        )
     result: dict[str, tuple[int, list[Logprobs]]] = {}
     at = 0
     for p in plan:
-        got = entries[at : at + len(p.targets)]
+        result[p.req_id] = (p.start, entries[at : at + len(p.targets)])
         at += len(p.targets)
-        result[p.req_id] = (p.start, [e for e in got if e is not None])
     return result

@@ -248,17 +248,11 @@ def _structured_outputs(name: str, v: Any, limits: RequestLimits) -> StructuredO
     return parse_structured_outputs(v)
 
 
-def _template_kwargs(name: str, v: Any, limits: RequestLimits) -> dict[str, Any]:
-    """Extra variables for the chat template (vLLM's chat_template_kwargs, e.g.
-    `{"enable_thinking": false}`); `ChatTemplateOptions` refuses the template's own
-    arguments."""
-    return _object(name, v, limits)
-
-
 _TEMPLATE: dict[str, Field] = {
     "add_generation_prompt": Field(_bool),
     "continue_final_message": Field(_bool),
-    "chat_template_kwargs": Field(_template_kwargs),
+    # Extra template variables; ChatTemplateOptions refuses the template's own arguments.
+    "chat_template_kwargs": Field(_object),
 }
 
 
