@@ -218,7 +218,7 @@ class StreamOutputsRequest(_message.Message):
     def __init__(self, destination: _Optional[str] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("request_id", "output_index", "new_token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens", "error", "invalid_request")
+    __slots__ = ("request_id", "output_index", "new_token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens", "error", "invalid_request", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,7 @@ class RequestOutput(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     INVALID_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_index: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -237,7 +238,8 @@ class RequestOutput(_message.Message):
     num_cached_tokens: int
     error: str
     invalid_request: bool
-    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., invalid_request: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., invalid_request: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("outputs",)

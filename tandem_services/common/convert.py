@@ -27,6 +27,7 @@ _OPTIONAL_PARAMS = (
     "max_tokens",
     "min_tokens",
     "logprobs",
+    "prompt_logprobs",
     "skip_special_tokens",
 )
 
@@ -77,9 +78,6 @@ def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> Structur
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    if params.prompt_logprobs is not None:
-        # Not on the wire: refused here rather than dropped (the offline LLM computes them).
-        raise SamplingParamsError("prompt_logprobs are not carried by the services")
     msg = common_pb2.SamplingParams(
         stop=params.stop,
         stop_token_ids=params.stop_token_ids,
@@ -198,6 +196,8 @@ def output_to_proto(
     )
     if out.new_logprobs:
         msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs)
     if isinstance(out.stop_reason, int):
         msg.stop_token_id = out.stop_reason
     return msg

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from tandem.core.outputs import Logprobs
 from tandem.sampling_params import SamplingParams, SamplingParamsError
 from tandem_protos.v1 import frontend_pb2, frontend_pb2_grpc
 from tandem_services.common.convert import (
@@ -60,6 +61,13 @@ def _choice(d: ChoiceDelta | ChoiceAccumulator, index: int) -> frontend_pb2.Choi
     return msg
 
 
+def _prompt_logprobs(
+    deltas: Sequence[ChoiceDelta] | Sequence[ChoiceAccumulator],
+) -> list[Logprobs] | None:
+    """The prompt's logprobs, from the first of `deltas` that carries them."""
+    return next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+
+
 def _usage(u: Usage) -> frontend_pb2.Usage:
     return frontend_pb2.Usage(
         prompt_tokens=u.prompt_tokens,
@@ -93,7 +101,7 @@ def stream_response(
 
 
 # The gRPC sampling fields a limit bounds, with the limit (limits.py); stop has its own.
-_BOUNDED = (("n", "max_n"), ("logprobs", "max_logprobs"))
+_BOUNDED = (("n", "max_n"), ("logprobs", "max_logprobs"), ("prompt_logprobs", "max_logprobs"))
 
 
 @dataclass(frozen=True)
@@ -228,15 +236,27 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             shown_id = request.request_id or inp.request_id
             final_only = request.output_kind == frontend_pb2.OUTPUT_KIND_FINAL_ONLY
             acc: dict[int, ChoiceAccumulator] = {}
+            # The prompt's logprobs go once, on the first response any choice's first delta
+            # (each carries them) is in.
+            prompt_logprobs_sent = False
             async for event in self.engine.generate(inp):
                 if not final_only:
-                    yield stream_response(shown_id, event, len(ids))
+                    response = stream_response(shown_id, event, len(ids))
+                    prompt_logprobs = _prompt_logprobs(event.deltas)
+                    if prompt_logprobs is not None and not prompt_logprobs_sent:
+                        prompt_logprobs_sent = True
+                        response.prompt_logprobs.extend(map(logprobs_to_proto, prompt_logprobs))
+                    yield response
                     continue
                 for d in event.deltas:
                     acc.setdefault(d.index, ChoiceAccumulator()).add(d)
                 if event.usage is not None:
                     choices = [_choice(a, i) for i, a in sorted(acc.items())]
-                    yield step_response(shown_id, choices, len(ids), event.usage)
+                    response = step_response(shown_id, choices, len(ids), event.usage)
+                    prompt_logprobs = _prompt_logprobs(list(acc.values()))
+                    if prompt_logprobs is not None:
+                        response.prompt_logprobs.extend(map(logprobs_to_proto, prompt_logprobs))
+                    yield response
         except FrontendError as exc:
             trailing: tuple[tuple[str, str], ...] = ()
             if exc.retry_after_s is not None:

@@ -31,12 +31,12 @@ from tandem_services.frontend.openai_protocol import (
     ChoiceAccumulator,
     TokenText,
     chat_logprobs,
-    completion_logprobs,
     error_body,
     parse_chat,
     parse_completion,
     parse_detokenize,
     parse_tokenize,
+    prompt_logprobs_body,
 )
 from tandem_services.frontend.sse import DONE, ChatStream, CompletionStream, sse
 from tandem_services.frontend.tool_parsers import (
@@ -343,6 +343,8 @@ class HttpApi:
             if body.echo
             else None
         )
+        # With echo and logprobs, each prompt's first token heads its choices' logprobs.
+        first_tokens = [ids[0] for ids, _ in encoded] if echo is not None else None
         stream = CompletionStream(
             f"cmpl-{uuid.uuid4().hex}",
             int(time.time()),
@@ -352,6 +354,8 @@ class HttpApi:
             body.include_usage,
             self.token_text,
             echo,
+            first_tokens,
+            body.prompt_only,
         )
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}
@@ -361,17 +365,21 @@ class HttpApi:
             choices = []
             for index in sorted(acc):
                 a = acc[index]
-                choices.append(
-                    {
-                        "index": index,
-                        "text": (echo[index // body.params.n] if echo else "") + a.text,
-                        "logprobs": completion_logprobs(a.logprobs or [], self.token_text, 0)
-                        if stream.want_logprobs
-                        else None,
-                        "finish_reason": a.finish_reason,
-                        "stop_reason": a.stop_reason,
-                    }
-                )
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "text": (echo[index // body.params.n] if echo else "")
+                    + ("" if body.prompt_only else a.text),
+                    "logprobs": stream.logprobs(index, a.logprobs, a.prompt_logprobs)
+                    if stream.want_logprobs
+                    else None,
+                    "finish_reason": a.finish_reason,
+                    "stop_reason": a.stop_reason,
+                }
+                if body.show_prompt_logprobs:
+                    choice["prompt_logprobs"] = prompt_logprobs_body(
+                        a.prompt_logprobs or [], self.token_text
+                    )
+                choices.append(choice)
             return JSONResponse(stream.chunk(choices, usage))
         return await self._stream(inputs, stream.render, stream.final, body.structured_param)
 
@@ -421,7 +429,13 @@ class HttpApi:
                 }
                 for index, a in sorted(acc.items())
             ]
-            return JSONResponse(stream.chunk(choices, usage, full=True))
+            response = stream.chunk(choices, usage, full=True)
+            if params.prompt_logprobs is not None:
+                # vLLM's place for them in a chat response: beside the choices (one prompt).
+                response["prompt_logprobs"] = prompt_logprobs_body(
+                    acc[0].prompt_logprobs or [], self.token_text
+                )
+            return JSONResponse(response)
         render = stream.render
         if tools is not None:
             extract = tools.apply

@@ -28,7 +28,8 @@ class RequestLimits:
     max_n: int = 128
     max_best_of: int = 128
     # vLLM's max_logprobs (default 20): top logprobs per token (completions `logprobs`,
-    # chat `top_logprobs`, gRPC `sampling_params.logprobs`).
+    # chat `top_logprobs`, `prompt_logprobs`, gRPC `sampling_params.logprobs` and
+    # `sampling_params.prompt_logprobs`).
     max_logprobs: int = 20
     max_stop_sequences: int = 64
     # Characters in one stop string.

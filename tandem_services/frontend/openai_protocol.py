@@ -285,6 +285,8 @@ _COMMON: dict[str, Field] = {
     "ignore_eos": Field(_bool, "ignore_eos"),
     "include_stop_str_in_output": Field(_bool, "include_stop_str_in_output"),
     "skip_special_tokens": Field(_bool, "skip_special_tokens"),
+    # vLLM's: per prompt token after the first, its logprob, rank and the top k (not streamed).
+    "prompt_logprobs": Field(_int("max_logprobs"), "prompt_logprobs"),
     "stream": Field(_bool),
     "stream_options": Field(_include_usage),
     "priority": Field(_int()),
@@ -385,7 +387,6 @@ _UNIMPLEMENTED: dict[str, str] = {
     # vLLM's extensions.
     "length_penalty": "beam search",
     "early_stopping": "beam search",
-    "prompt_logprobs": "prompt logprobs over the API; the offline LLM computes them",
     "truncate_prompt_tokens": "prompt truncation",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "add_special_tokens": "add_special_tokens",
@@ -474,6 +475,17 @@ class CompletionBody:
     # The field the output constraint came from (for errors the engine reports), if any.
     structured_param: str | None = None
     echo: bool = False
+    # The body asked for `prompt_logprobs` (each choice then shows them); `params` may ask
+    # for them without it, for `echo` with `logprobs`.
+    show_prompt_logprobs: bool = False
+    # echo with max_tokens 0 (vLLM's): the prompt alone is shown (its logprobs with
+    # `logprobs`); the engine samples one token (`params.max_tokens` 1) that is not shown.
+    prompt_only: bool = False
+
+
+def _no_streamed_prompt_logprobs(kwargs: dict[str, Any], values: dict[str, Any]) -> None:
+    if values.get("stream", False) and kwargs.get("prompt_logprobs") is not None:
+        raise invalid("prompt_logprobs are not available when stream is true", "prompt_logprobs")
 
 
 def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) -> CompletionBody:
@@ -482,18 +494,22 @@ def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) 
     kwargs, values = COMPLETION.read(body, limits or RequestLimits())
     structured, structured_param = _output_constraint(values)
     kwargs["structured_outputs"] = structured
+    _no_streamed_prompt_logprobs(kwargs, values)
     echo = values.get("echo", False)
-    if echo and kwargs.get("logprobs") is not None:
-        raise invalid(
-            "echo with logprobs needs the prompt's logprobs, which the API does not carry yet "
-            "(echo the text alone, or ask for logprobs without echo)",
-            "echo",
-        )
+    prompt_only = echo and kwargs.get("max_tokens") == 0
+    if prompt_only:
+        kwargs["max_tokens"] = 1
+    show = kwargs.get("prompt_logprobs") is not None
+    if echo and kwargs.get("logprobs") is not None and not show:
+        # The echoed prompt's tokens get logprobs as the output's do (vLLM's rule).
+        kwargs["prompt_logprobs"] = kwargs["logprobs"]
     return CompletionBody(
         prompts=values["prompt"],
         params=_sampling_params(kwargs, values),
         structured_param=structured_param,
         echo=echo,
+        show_prompt_logprobs=show,
+        prompt_only=prompt_only,
         **_envelope(values),
     )
 
@@ -540,6 +556,7 @@ def parse_chat(
     --tool-call-parser when started with --enable-auto-tool-choice (tool_choice "auto" needs
     it)."""
     kwargs, values = CHAT.read(body, limits or RequestLimits())
+    _no_streamed_prompt_logprobs(kwargs, values)
     tools, parameters = values.get("tools", (None, {}))
     calling = parse_tool_choice(
         parameters, values.get("tool_choice"), values.get("parallel_tool_calls"), auto_tool_parser
@@ -698,6 +715,50 @@ def completion_logprobs(
     }
 
 
+# A prompt token's logprob of -inf, which JSON cannot hold, as vLLM's API shows it.
+_LOGPROB_FLOOR = -9999.0
+
+
+def echo_logprobs(
+    first_token: int, prompt_logprobs: list[Logprobs], token_text: TokenText
+) -> dict[str, Any]:
+    """The completions API's logprobs object for an echoed prompt: its first token without a
+    logprob (nothing comes before it), then each one's from the tokens before it."""
+    rest = completion_logprobs(prompt_logprobs, token_text, len(token_text(first_token)))
+    return {
+        "tokens": [token_text(first_token), *rest["tokens"]],
+        "token_logprobs": [None, *(max(v, _LOGPROB_FLOOR) for v in rest["token_logprobs"])],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
+def joined_logprobs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two completions logprobs objects, `b` after `a` (its offsets already after `a`'s)."""
+    return {key: a[key] + b[key] for key in a}
+
+
+def prompt_logprobs_body(
+    prompt_logprobs: list[Logprobs], token_text: TokenText
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per prompt token a map
+    from token id to its logprob, rank and text: the prompt token at its rank first, then the
+    top k at ranks 1.. (a token in both keeps its first entry)."""
+    body: list[dict[str, dict[str, Any]] | None] = [None]
+    for lp in prompt_logprobs:
+        entry: dict[str, dict[str, Any]] = {}
+        ranks = [lp.sampled_rank, *range(1, len(lp.token_ids))]
+        for tok, value, rank in zip(lp.token_ids, lp.logprobs, ranks, strict=True):
+            if str(tok) not in entry:
+                entry[str(tok)] = {
+                    "logprob": max(value, _LOGPROB_FLOOR),
+                    "rank": rank,
+                    "decoded_token": token_text(tok),
+                }
+        body.append(entry)
+    return body
+
+
 def chat_logprobs(logprobs: list[Logprobs], token_text: TokenText) -> dict[str, Any]:
     content = []
     for lp in logprobs:
@@ -727,8 +788,12 @@ class ChoiceAccumulator:
     stop_reason: int | str | None = None
     # Tool calls by index (their deltas joined), when the chat request uses tools.
     tool_calls: dict[int, ToolCallDelta] | None = None
+    # The prompt's logprobs (ChoiceDelta.prompt_logprobs), when asked for.
+    prompt_logprobs: list[Logprobs] | None = None
 
     def add(self, d: ChoiceDelta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text += d.text
         self.token_ids = (self.token_ids or []) + d.token_ids
         if d.logprobs:

@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tandem.core.outputs import Logprobs
 from tandem_services.frontend.openai_protocol import (
     TokenText,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
+    joined_logprobs,
     tool_call_body,
     usage_body,
 )
@@ -66,8 +69,13 @@ class CompletionStream:
         include_usage: bool,
         token_text: TokenText,
         echo: list[str] | None = None,
+        first_tokens: list[int] | None = None,
+        prompt_only: bool = False,
     ) -> None:
-        """`echo`: each prompt's text, sent before the first text of each of its choices."""
+        """`echo`: each prompt's text, sent before the first text of each of its choices;
+        with logprobs, `first_tokens` (each prompt's first token id) and the prompt's logprobs
+        (ChoiceDelta.prompt_logprobs) head the choice's logprobs likewise. `prompt_only`
+        (echo with max_tokens 0): the choices' own tokens are not shown."""
         self.rid = rid
         self.created = created
         self.model = model
@@ -76,6 +84,8 @@ class CompletionStream:
         self.include_usage = include_usage
         self.token_text = token_text
         self.echo = echo
+        self.first_tokens = first_tokens
+        self.prompt_only = prompt_only
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
         self._head = _head(rid, "text_completion", created, model)
@@ -92,15 +102,33 @@ class CompletionStream:
             out["usage"] = usage_body(usage)
         return out
 
+    def logprobs(
+        self,
+        index: int,
+        logprobs: list[Logprobs] | None,
+        prompt_logprobs: list[Logprobs] | None = None,
+    ) -> dict[str, Any]:
+        """Choice `index`'s logprobs object for its next tokens, after the ones it had; the
+        echoed prompt's head it when `prompt_logprobs` (its first delta's) are given."""
+        offset = self._offsets.get(index, 0)
+        head = None
+        if self.first_tokens is not None and prompt_logprobs is not None:
+            first = self.first_tokens[index // self.n]
+            head = echo_logprobs(first, prompt_logprobs, self.token_text)
+            offset += sum(len(t) for t in head["tokens"])
+        shown = [] if self.prompt_only else logprobs or []
+        lp = completion_logprobs(shown, self.token_text, offset)
+        self._offsets[index] = offset + sum(len(t) for t in lp["tokens"])
+        return lp if head is None else joined_logprobs(head, lp)
+
     def render(self, i: int, event: StepEvent) -> str:
         choices = []
         want_logprobs = self.want_logprobs
-        offsets = self._offsets
         for d in event.deltas:
             if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
                 continue
             index = i * self.n + d.index
-            text = d.text
+            text = "" if self.prompt_only else d.text
             if self.echo is not None and index not in self._echoed:
                 self._echoed.add(index)
                 text = self.echo[i] + text
@@ -111,12 +139,10 @@ class CompletionStream:
                     f'"stop_reason":{_reason(d.stop_reason)}}}'
                 )
                 continue
-            lp = completion_logprobs(d.logprobs or [], self.token_text, offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
             entry = {
                 "index": index,
                 "text": text,
-                "logprobs": lp,
+                "logprobs": self.logprobs(index, d.logprobs, d.prompt_logprobs),
                 "finish_reason": d.finish_reason,
                 "stop_reason": d.stop_reason,
             }

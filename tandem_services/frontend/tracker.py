@@ -33,6 +33,12 @@ same one.
 Greedy output is that of an uninterrupted run. A seeded request's generator starts again from
 its seed at the migration point (the tokens after it differ from an uninterrupted run's), and
 presence / frequency penalties count the tokens before it as prompt, not output.
+
+Prompt logprobs. The first choice's engine request alone computes them (child_params) and its
+first output (`output_index` 0, from the prefill worker where disaggregated) brings them. Every
+choice's first delta carries them (`ChoiceDelta.prompt_logprobs`: an echoed prompt heads each
+choice's logprobs), so the other choices' outputs are held until then. A continuation after the
+first token does not ask for them again.
 """
 
 from __future__ import annotations
@@ -97,6 +103,11 @@ class _Request:
     choices: list[_Choice]
     queue: asyncio.Queue[StepEvent]
     num_cached_tokens: int = 0
+    # With prompt logprobs asked for, the first choice alone computes them (child_params) and
+    # its first output brings them; every choice's first delta carries them, so the other
+    # choices' outputs wait in `held` until then (None: nothing waits).
+    prompt_logprobs: list[Logprobs] | None = None
+    held: list[worker_pb2.RequestOutput] | None = None
 
     @property
     def finished(self) -> bool:
@@ -217,6 +228,8 @@ class RequestTracker(Actor[TrackerMessage]):
             base = msg.requests[i] if msg.requests else None
             choices.append(_Choice(engine_id, i, params, output, base))
         req = _Request(msg.request_id, len(msg.prompt_token_ids), choices, asyncio.Queue())
+        if choices[0].params.prompt_logprobs is not None and len(choices) > 1:
+            req.held = []
         self.requests[msg.request_id] = req
         for c in choices:
             self.by_engine_id[c.request_id] = (req, c)
@@ -226,36 +239,7 @@ class RequestTracker(Actor[TrackerMessage]):
         deltas: dict[str, list[ChoiceDelta]] = {}
         to_abort: list[str] = []
         for out in step.outputs:
-            found = self._choice_of(out.request_id)
-            if found is None:
-                continue
-            req, choice = found
-            index = out.output_index + choice.index_offset
-            if index > choice.next_index:
-                choice.pending[index] = out
-                continue
-            if index < choice.next_index:
-                continue  # a duplicate
-            if out.invalid_request:
-                # The engine could not run it (its structured-output spec does not compile,
-                # or not in time): the client's request is at fault, 400 naming the problem.
-                message = out.error or "the request's output constraint could not be compiled"
-                self._fail(req, FrontendError(grpc.StatusCode.INVALID_ARGUMENT, message))
-                continue
-            if out.finish_reason == common_pb2.FINISH_REASON_ABORT and out.error:
-                self._choice_failed(
-                    req, choice, FrontendError(grpc.StatusCode.UNAVAILABLE, out.error)
-                )
-                continue
-            batch = deltas.setdefault(req.request_id, [])
-            while True:
-                batch.append(self._apply(req, choice, out, to_abort))
-                if choice.output.finished:
-                    break
-                nxt = choice.pending.pop(choice.next_index, None)
-                if nxt is None:
-                    break
-                out = nxt
+            self._take(out, deltas, to_abort)
         for request_id, batch in deltas.items():
             req = self.requests.get(request_id)
             if req is None:
@@ -271,6 +255,50 @@ class RequestTracker(Actor[TrackerMessage]):
             req.queue.put_nowait(event)
         if to_abort:
             self._abort(to_abort)
+
+    def _take(
+        self,
+        out: worker_pb2.RequestOutput,
+        deltas: dict[str, list[ChoiceDelta]],
+        to_abort: list[str],
+    ) -> None:
+        """One worker output: applied in its choice's order (into `deltas`), kept until its
+        turn, or dropped (a duplicate, a lost attempt's)."""
+        found = self._choice_of(out.request_id)
+        if found is None:
+            return
+        req, choice = found
+        if req.held is not None and choice is not req.choices[0]:
+            req.held.append(out)  # until the first choice's first output brings the prompt's
+            return
+        index = out.output_index + choice.index_offset
+        if index > choice.next_index:
+            choice.pending[index] = out
+            return
+        if index < choice.next_index:
+            return  # a duplicate
+        if out.invalid_request:
+            # The engine could not run it (its structured-output spec does not compile, or
+            # not in time): the client's request is at fault, 400 naming the problem.
+            message = out.error or "the request's output constraint could not be compiled"
+            self._fail(req, FrontendError(grpc.StatusCode.INVALID_ARGUMENT, message))
+            return
+        if out.finish_reason == common_pb2.FINISH_REASON_ABORT and out.error:
+            self._choice_failed(req, choice, FrontendError(grpc.StatusCode.UNAVAILABLE, out.error))
+            return
+        batch = deltas.setdefault(req.request_id, [])
+        while True:
+            batch.append(self._apply(req, choice, out, to_abort))
+            if choice.output.finished:
+                break
+            nxt = choice.pending.pop(choice.next_index, None)
+            if nxt is None:
+                break
+            out = nxt
+        if req.held is not None and req.prompt_logprobs is not None:
+            held, req.held = req.held, None
+            for out in held:
+                self._take(out, deltas, to_abort)
 
     def _choice_of(self, engine_request_id: str) -> tuple[_Request, _Choice] | None:
         """The choice an output of `engine_request_id` belongs to; None when it belongs to
@@ -301,6 +329,9 @@ class RequestTracker(Actor[TrackerMessage]):
         to_abort: list[str],
     ) -> ChoiceDelta:
         tokens = list(out.new_token_ids)
+        first = choice.next_index == 0
+        if first and choice.params.prompt_logprobs is not None and choice is req.choices[0]:
+            req.prompt_logprobs = [logprobs_from_proto(lp) for lp in out.prompt_logprobs]
         choice.next_index += len(tokens)
         choice.token_ids += tokens
         req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
@@ -323,6 +354,7 @@ class RequestTracker(Actor[TrackerMessage]):
             logprobs=logprobs,
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
+            prompt_logprobs=req.prompt_logprobs if first else None,
         )
 
     def _on_failed(self, msg: Failed) -> None:
@@ -386,6 +418,8 @@ class RequestTracker(Actor[TrackerMessage]):
             params.max_tokens -= k
         if params.HasField("min_tokens"):
             params.min_tokens = max(params.min_tokens - k, 0)
+        if k:
+            params.ClearField("prompt_logprobs")  # the first output brought them
         request = common_pb2.EngineRequest()
         request.CopyFrom(base)
         request.request_id = migration_request_id(base.request_id, choice.migrations + 1)

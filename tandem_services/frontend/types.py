@@ -118,6 +118,9 @@ class ChoiceDelta:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    # With sampling_params.prompt_logprobs, on each choice's first delta: its prompt's, one
+    # per prompt token after the first (the prompt token first, at its rank, then the top k).
+    prompt_logprobs: list[Logprobs] | None = None
 
     def then(self, later: ChoiceDelta) -> ChoiceDelta:
         """This delta followed by a later one of the same choice, as one delta."""
@@ -132,6 +135,7 @@ class ChoiceDelta:
             later.finish_reason if later.finish_reason is not None else self.finish_reason,
             later.stop_reason if later.finish_reason is not None else self.stop_reason,
             _then_calls(self.tool_calls, later.tool_calls),
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
         )
 
 

@@ -199,6 +199,7 @@ class PrefillRole(WorkerRole):
             out.new_token_ids,
             out.new_logprobs,
             num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=out.prompt_logprobs,
         )
         batches[r.destination].append(output_to_proto(first, 0))
         r.num_emitted = 1

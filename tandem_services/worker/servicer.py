@@ -165,6 +165,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.ReserveResponse:
         await self._refuse_wrong_role("Reserve", context)
         req = await self._request(request.request, context)
+        if req.sampling_params.prompt_logprobs is not None:
+            # The prefill worker computes them and sends them with the first token.
+            req.sampling_params = req.sampling_params.clone(prompt_logprobs=None)
         tracked = await self.host.ask(
             m.Track(
                 m.WorkerRequest(

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
@@ -27,6 +27,9 @@ from tandem_protos.v1 import (
     worker_pb2_grpc,
 )
 from tandem_services.launcher import Deployment, ServeConfig, start_deployment
+
+if TYPE_CHECKING:
+    from tandem.engine.output_processor import Logprob
 from tests.service.healing import (  # noqa: F401 (fixtures)
     heal_reference,
     healing_cluster,
@@ -81,6 +84,13 @@ class Reference:
     seeded_token_ids: list[list[int]]
     # CONTINUED with its final message continued (CONTINUE).
     continued_text: str
+    # PROMPTS[1]'s token ids and prompt logprobs (PROMPT_LOGPROBS top ones), and CHAT's.
+    prompt_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None]
+    chat_prompt_logprobs: list[dict[int, Logprob] | None]
+
+
+PROMPT_LOGPROBS = 2
 
 
 # Seeded, non-greedy sampling: the same tokens offline, unified and disaggregated (the prefill
@@ -98,6 +108,9 @@ def reference() -> Reference:
     chat = llm.chat(CHAT, params, use_tqdm=False)[0].outputs[0]
     seeded = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, **SEEDED), use_tqdm=False)
     continued = llm.chat(CONTINUED, params, use_tqdm=False, **CONTINUE)[0].outputs[0]
+    with_prompt = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=PROMPT_LOGPROBS)
+    [scored] = llm.generate(PROMPTS[1], with_prompt, use_tqdm=False)
+    [chat_scored] = llm.chat(CHAT, with_prompt, use_tqdm=False)
     ref = Reference(
         [o.outputs[0].text for o in outs],
         [list(o.outputs[0].token_ids) for o in outs],
@@ -105,6 +118,9 @@ def reference() -> Reference:
         list(chat.token_ids),
         [list(o.outputs[0].token_ids) for o in seeded],
         continued.text,
+        list(scored.prompt_token_ids),
+        scored.prompt_logprobs,
+        chat_scored.prompt_logprobs,
     )
     llm.shutdown()
     return ref

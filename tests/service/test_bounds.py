@@ -102,6 +102,14 @@ LIMIT_CASES: list[tuple[str, dict[str, Any], dict[str, Any], str, int, int]] = [
         MAX_LOGPROBS,
     ),
     (
+        "chat/completions",
+        {**CHAT, "prompt_logprobs": MAX_LOGPROBS},
+        {**CHAT, "prompt_logprobs": MAX_LOGPROBS + 1},
+        "prompt_logprobs",
+        MAX_LOGPROBS + 1,
+        MAX_LOGPROBS,
+    ),
+    (
         "completions",
         {**GOOD, "stop": ["zq"] * MAX_STOP},
         {**GOOD, "stop": ["zq"] * (MAX_STOP + 1)},
@@ -371,7 +379,12 @@ CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat/completions", {**CHAT, "logit_bias": {"1": 500}}, "logit_bias", "[-100, 100]"),
     ("completions", {**GOOD, "logit_bias": {"99999999": 5}}, "logit_bias", "vocabulary"),
     ("completions", {**GOOD, "allowed_token_ids": [99999999]}, "allowed_token_ids", "vocab"),
-    ("completions", {**GOOD, "echo": True, "logprobs": 1}, "echo", "prompt's logprobs"),
+    (
+        "completions",
+        {**GOOD, "prompt_logprobs": 1, "stream": True},
+        "prompt_logprobs",
+        "stream",
+    ),
     ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search", "use_beam_search"),
     ("completions", {**GOOD, "frobnicate": 1}, "frobnicate", "frobnicate"),
     ("chat/completions", {**CHAT, "max_tokens": 2048}, "max_tokens", "context"),

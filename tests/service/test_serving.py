@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+from typing import Any
 
 import grpc
 import httpx
@@ -24,6 +25,7 @@ from tests.service.conftest import (
     GRACE_S,
     MAX_MODEL_LEN,
     MAX_TOKENS,
+    PROMPT_LOGPROBS,
     PROMPTS,
     SEEDED,
     Reference,
@@ -153,6 +155,74 @@ def test_completions_echo_the_prompt(deployment: Deployment, reference: Referenc
     plain = client.completions.create(prompt=ids, **{**kwargs, "max_tokens": 2, "echo": False})
     detok = httpx.post(f"http://{deployment.http_address}/detokenize", json={"tokens": ids})
     assert echoed.choices[0].text == detok.json()["prompt"] + plain.choices[0].text
+
+
+def _same_prompt_logprobs(got: list[Any], ref: list[Any]) -> None:
+    """vLLM's `prompt_logprobs` JSON against the offline LLM's, within 1e-4, rank for rank."""
+    assert len(got) == len(ref) and got[0] is None and ref[0] is None
+    for p, (g, r) in enumerate(zip(got[1:], ref[1:], strict=True), start=1):
+        assert {int(t) for t in g} == set(r), p
+        for t, entry in g.items():
+            assert abs(entry["logprob"] - r[int(t)].logprob) < 1e-4, (p, t)
+            assert entry["rank"] == r[int(t)].rank, (p, t)
+
+
+def test_prompt_logprobs_match_offline(deployment: Deployment, reference: Reference) -> None:
+    """The prompt's logprobs served as the offline LLM computes them (within 1e-4, ranks
+    equal; the prefill worker computes them where disaggregated): completions'
+    `prompt_logprobs`, chat's, echo with logprobs streamed to two choices (each headed by
+    the prompt's tokens), and gRPC Generate's (on one response)."""
+    client = _client(deployment)
+    ids, ref, top = reference.prompt_ids, reference.prompt_logprobs, PROMPT_LOGPROBS
+    greedy = dict(model="default", max_tokens=2, temperature=0)
+    full = client.completions.create(
+        prompt=PROMPTS[1], **greedy, extra_body={"prompt_logprobs": top}
+    )
+    _same_prompt_logprobs(full.choices[0].model_extra["prompt_logprobs"], ref)
+    chat = client.chat.completions.create(
+        messages=CHAT, **greedy, extra_body={"prompt_logprobs": top}
+    )
+    _same_prompt_logprobs(chat.model_extra["prompt_logprobs"], reference.chat_prompt_logprobs)
+
+    stream = client.completions.create(
+        prompt=ids, n=2, logprobs=top, echo=True, stream=True, **greedy
+    )
+    firsts: dict[int, Any] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c.logprobs)
+    assert sorted(firsts) == [0, 1]
+    for lp in firsts.values():
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert len(lp.tokens) >= len(ids) and lp.text_offset[0] == 0
+        for p in range(1, len(ids)):
+            assert abs(lp.token_logprobs[p] - ref[p][ids[p]].logprob) < 1e-4, p
+            want = sorted(e.logprob for e in ref[p].values() if e.rank <= top)
+            assert sorted(lp.top_logprobs[p].values()) == pytest.approx(want, abs=1e-4), p
+
+    # echo with max_tokens 0 (vLLM's, what scoring harnesses send): the prompt alone.
+    scored_text = client.completions.create(
+        prompt=PROMPTS[1], echo=True, logprobs=0, **{**greedy, "max_tokens": 0}
+    ).choices[0]
+    assert scored_text.text == PROMPTS[1]
+    assert len(scored_text.logprobs.tokens) == len(ids)
+    got = scored_text.logprobs.token_logprobs
+    assert got[0] is None
+    assert got[1:] == pytest.approx([ref[p][ids[p]].logprob for p in range(1, len(ids))], abs=1e-4)
+
+    request = frontend_pb2.GenerateRequest(
+        token_ids=frontend_pb2.TokenIds(ids=ids),
+        sampling_params=common_pb2.SamplingParams(
+            temperature=0.0, max_tokens=2, prompt_logprobs=top
+        ),
+    )
+    _, _, responses = asyncio.run(_grpc_generate(deployment.grpc_address, request))
+    [scored] = [r for r in responses if r.prompt_logprobs]
+    assert len(scored.prompt_logprobs) == len(ids) - 1
+    for p, lp in enumerate(scored.prompt_logprobs, start=1):
+        assert lp.token_ids[0] == ids[p] and lp.sampled_rank == ref[p][ids[p]].rank
+        assert abs(lp.logprobs[0] - ref[p][ids[p]].logprob) < 1e-4
+    assert_pools_whole(deployment)
 
 
 def test_openai_chat_matches_offline(deployment: Deployment, reference: Reference) -> None:

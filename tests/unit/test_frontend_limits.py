@@ -190,7 +190,6 @@ UNIMPLEMENTED = [
     ("guided_grammar", "root ::= 'a'"),
     ("functions", [{"name": "f"}]),
     ("use_beam_search", True),
-    ("prompt_logprobs", 1),
     ("audio", {"voice": "alloy"}),
     ("reasoning_effort", "low"),
     ("logits_processors", ["m:C"]),
@@ -236,7 +235,7 @@ def test_completion_only_and_chat_only_fields() -> None:
     ]:
         err = refused(parse_completion, {**COMPLETION, field: value})
         assert err.param == field and "chat/completions only" in err.message
-    assert refused(parse_completion, {**COMPLETION, "echo": True, "logprobs": 1}).param == "echo"
+    assert parse_completion({**COMPLETION, "echo": True, "logprobs": 1}).params.prompt_logprobs == 1
     assert refused(parse_completion, {**COMPLETION, "suffix": "x"}).param == "suffix"
     assert refused(parse_completion, {**COMPLETION, "messages": []}).param == "messages"
     assert refused(parse_chat, {**CHAT, "prompt": "x"}).param == "prompt"

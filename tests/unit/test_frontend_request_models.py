@@ -10,9 +10,15 @@ from typing import Any
 import grpc
 import pytest
 
-from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem.core.outputs import EngineCoreOutput, Logprobs
+from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, frontend_pb2
-from tandem_services.common.convert import sampling_params_to_proto
+from tandem_services.common.convert import (
+    logprobs_from_proto,
+    output_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
 from tandem_services.frontend.grpc_api import parse_generate
 from tandem_services.frontend.limits import RequestLimits
 from tandem_services.frontend.openai_protocol import (
@@ -53,6 +59,7 @@ BAD: dict[str, Any] = {
     "ignore_eos": 1,
     "include_stop_str_in_output": "yes",
     "skip_special_tokens": 0,
+    "prompt_logprobs": 1.5,
     "stream": "yes",
     "stream_options": {"include_usage": 1},
     "priority": 1.5,
@@ -119,11 +126,30 @@ def test_null_is_left_out_and_required_fields_are_named() -> None:
     assert _refused(parse_chat, {}).param == "messages"
 
 
-def test_echo_is_read_and_refused_with_logprobs() -> None:
+def test_echo_and_prompt_logprobs_are_read() -> None:
+    """echo with logprobs asks for the prompt's logprobs (as many top ones), shown in the
+    echoed logprobs, not as `prompt_logprobs`; asked for by name they are shown, never
+    streamed (vLLM's rule), and bounded as logprobs are."""
     assert parse_completion({**COMPLETION_BODY, "echo": True}, LIMITS).echo
     assert not parse_completion(COMPLETION_BODY, LIMITS).echo
-    err = _refused(parse_completion, {**COMPLETION_BODY, "echo": True, "logprobs": 1})
-    assert err.param == "echo" and "prompt's logprobs" in err.message
+    body = parse_completion({**COMPLETION_BODY, "echo": True, "logprobs": 3}, LIMITS)
+    assert body.params.prompt_logprobs == 3 and not body.show_prompt_logprobs
+    assert parse_completion(COMPLETION_BODY, LIMITS).params.prompt_logprobs is None
+    body = parse_completion({**COMPLETION_BODY, "echo": True, "logprobs": 3, "prompt_logprobs": 0})
+    assert body.params.prompt_logprobs == 0 and body.show_prompt_logprobs
+    assert parse_chat({**CHAT_BODY, "prompt_logprobs": 2}, LIMITS).params.prompt_logprobs == 2
+    # echo with max_tokens 0: the prompt alone is shown; the engine samples one token.
+    body = parse_completion({**COMPLETION_BODY, "echo": True, "max_tokens": 0}, LIMITS)
+    assert body.prompt_only and body.params.max_tokens == 1
+    assert not parse_completion({**COMPLETION_BODY, "echo": True}, LIMITS).prompt_only
+    assert _refused(parse_completion, {**COMPLETION_BODY, "max_tokens": 0}).param == "max_tokens"
+    for parse, base in ((parse_completion, COMPLETION_BODY), (parse_chat, CHAT_BODY)):
+        err = _refused(parse, {**base, "prompt_logprobs": 1, "stream": True})
+        assert err.param == "prompt_logprobs" and "stream" in err.message
+        err = _refused(parse, {**base, "prompt_logprobs": -1})
+        assert err.param == "prompt_logprobs"
+        err = _refused(parse, {**base, "prompt_logprobs": LIMITS.max_logprobs + 1})
+        assert err.param == "prompt_logprobs" and "max-logprobs" in err.message
 
 
 def test_chat_template_options_are_read_and_checked() -> None:
@@ -215,11 +241,22 @@ def test_integers_at_their_wire_widths_edges_convert() -> None:
         assert body.priority == INT32_MAX
 
 
-def test_prompt_logprobs_are_refused_on_the_wire_not_dropped() -> None:
-    """The services' SamplingParams message has no prompt_logprobs (the offline LLM computes
-    them): converting params that ask for them fails rather than losing the ask."""
-    with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
-        sampling_params_to_proto(SamplingParams(prompt_logprobs=1))
+def test_prompt_logprobs_cross_the_wire() -> None:
+    """SamplingParams.prompt_logprobs travels (0 is an ask, not unset) and comes back; an
+    engine output's prompt logprobs ride its RequestOutput."""
+    for k in (0, 4):
+        msg = sampling_params_to_proto(SamplingParams(prompt_logprobs=k))
+        assert msg.HasField("prompt_logprobs") and msg.prompt_logprobs == k
+        assert sampling_params_from_proto(msg).prompt_logprobs == k
+    assert not sampling_params_to_proto(SamplingParams()).HasField("prompt_logprobs")
+    assert sampling_params_from_proto(common_pb2.SamplingParams()).prompt_logprobs is None
+    lps = [
+        Logprobs([5, 1, 5], [-0.5, -0.25, -0.5], 2),
+        Logprobs([9, 1, 2], [-3.0, -0.125, -1.0], 4),
+    ]
+    out = output_to_proto(EngineCoreOutput("r", [3], prompt_logprobs=lps), 0)
+    assert [logprobs_from_proto(m) for m in out.prompt_logprobs] == lps
+    assert not output_to_proto(EngineCoreOutput("r", [3]), 0).prompt_logprobs
 
 
 # ----------------------------------------------------------------------------- gRPC Generate

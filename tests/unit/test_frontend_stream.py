@@ -8,8 +8,9 @@ import json
 
 import grpc
 
+from tandem.core.outputs import Logprobs
 from tandem_services.frontend.engine import merge_queued
-from tandem_services.frontend.openai_protocol import TokenText
+from tandem_services.frontend.openai_protocol import TokenText, prompt_logprobs_body
 from tandem_services.frontend.sse import ChatStream, CompletionStream, dumps
 from tandem_services.frontend.types import (
     ChoiceDelta,
@@ -146,3 +147,62 @@ def test_tool_call_deltas_in_chat_chunks() -> None:
         ToolCallDelta(0, "call_1", "add", '{"a": 1}'),
         ToolCallDelta(1, "call_2", "sub", "{}"),
     ]
+
+
+class _Pieces:
+    """A tokenizer whose token i decodes to PIECES[i]."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(PIECES[i] for i in ids)
+
+
+PIECES = ["<s>", "The", " cat", " sat", ".", " A"]
+
+
+def test_echo_with_logprobs_heads_each_choice_with_its_prompt() -> None:
+    """Streamed echo with logprobs: a choice's first chunk has the prompt's tokens first (the
+    first without a logprob), then its own, offsets running on across both; later chunks
+    continue from there. The non-streamed object (`logprobs`) is the same whole."""
+    lp = Logprobs
+    prompt = [lp([1, 1, 2], [-1.0, -1.0, -2.0], 1), lp([2, 3], [-0.5, -0.25], 2)]
+    out = [lp([3, 3], [-0.125, -0.125], 1)]
+    cmpl = CompletionStream(
+        "cmpl-1", 9, "m", 1, True, False, TokenText(_Pieces()), ["The cat"], [0]
+    )
+    write = cmpl.render(0, StepEvent([ChoiceDelta(0, " sat", [3], out, prompt_logprobs=prompt)]))
+    [choice] = json.loads(write[len("data: ") :])["choices"]
+    assert choice["text"] == "The cat sat"
+    assert choice["logprobs"] == {
+        "tokens": ["<s>", "The", " cat", " sat"],
+        "token_logprobs": [None, -1.0, -0.5, -0.125],
+        "top_logprobs": [None, {"The": -1.0, " cat": -2.0}, {" sat": -0.25}, {" sat": -0.125}],
+        "text_offset": [0, 3, 6, 10],
+    }
+    write = cmpl.render(0, StepEvent([ChoiceDelta(0, ".", [4], [lp([4], [-0.5], 1)])]))
+    [choice] = json.loads(write[len("data: ") :])["choices"]
+    assert choice["text"] == "." and choice["logprobs"]["text_offset"] == [14]
+    assert choice["logprobs"]["tokens"] == ["."]
+    whole = CompletionStream(
+        "cmpl-2", 9, "m", 1, True, False, TokenText(_Pieces()), ["The cat"], [0]
+    ).logprobs(0, out, prompt)
+    assert whole["tokens"] == ["<s>", "The", " cat", " sat"]
+    assert whole["text_offset"] == [0, 3, 6, 10]
+
+
+def test_prompt_logprobs_body_is_vllms_layout() -> None:
+    """None for the first prompt token, then by token id: the prompt token at its rank first,
+    then the top ones at ranks 1.. (a token in both keeps its own entry); -inf floored."""
+    prompt = [
+        Logprobs([2, 1, 2], [-2.0, -1.0, -2.0], 2),
+        Logprobs([3, 3], [float("-inf"), float("-inf")], 1),
+    ]
+    body = prompt_logprobs_body(prompt, TokenText(_Pieces()))
+    assert body == [
+        None,
+        {
+            "2": {"logprob": -2.0, "rank": 2, "decoded_token": " cat"},
+            "1": {"logprob": -1.0, "rank": 1, "decoded_token": "The"},
+        },
+        {"3": {"logprob": -9999.0, "rank": 1, "decoded_token": " sat"}},
+    ]
+    assert json.loads(dumps(body)) == body

@@ -11,9 +11,11 @@ from collections.abc import Sequence
 
 import grpc
 
+from tandem.core.outputs import Logprobs
+from tandem.engine.output_state import child_params
 from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import common_pb2, worker_pb2
-from tandem_services.common.convert import sampling_params_to_proto
+from tandem_services.common.convert import logprobs_to_proto, sampling_params_to_proto
 from tandem_services.common.request_ids import dispatch_request_id, split_dispatch_request_id
 from tandem_services.frontend.tracker import (
     Failed,
@@ -234,3 +236,75 @@ def test_an_output_ahead_of_its_turn_joins_the_one_it_waited_for() -> None:
             await tracker.stop()
 
     asyncio.run(main())
+
+
+def _prompt_out(rid: str, ids: list[int], lps: list[Logprobs], finish: int = 0) -> Outputs:
+    out = worker_pb2.RequestOutput(
+        request_id=rid, output_index=0, new_token_ids=ids, finish_reason=finish
+    )
+    out.prompt_logprobs.extend(map(logprobs_to_proto, lps))
+    return Outputs(worker_pb2.StepOutputs(outputs=[out]))
+
+
+def test_prompt_logprobs_reach_every_choice_first_delta_and_are_not_asked_again() -> None:
+    """n = 2 with prompt logprobs: the first choice alone computes them; the second choice's
+    outputs wait until they come, then each choice's first delta carries them (and no later
+    delta). A migration after the first token does not ask for them again; one before it
+    does (the continuation's first output brings them)."""
+
+    async def main() -> None:
+        params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=1)
+        tracker, migrations, _, _ = _setup(2, params)
+        lps = [Logprobs([7, 3], [-0.5, -0.25], 2)]
+        children = [("r#0", child_params(params, 0)), ("r#1", child_params(params, 1))]
+        requests = tuple(
+            common_pb2.EngineRequest(
+                request_id=rid, prompt_token_ids=[7, 7], sampling_params=sampling_params_to_proto(p)
+            )
+            for rid, p in children
+        )
+        assert requests[0].sampling_params.HasField("prompt_logprobs")
+        assert not requests[1].sampling_params.HasField("prompt_logprobs")
+        tracker.start()
+        try:
+            queue = await tracker.ask(Register("r", [7, 7], children, requests))
+            tracker.tell(_out("r#1", 0, [4]))  # the second choice first: held
+            tracker.tell(_out("r#1", 1, [5]))
+            await asyncio.sleep(0.05)
+            assert queue.empty()
+            tracker.tell(_prompt_out("r#0", [0], lps))
+            [event] = await _drain(queue, 1)
+            by_index = {d.index: d for d in event.deltas}
+            assert by_index[0].prompt_logprobs == lps and by_index[1].prompt_logprobs == lps
+            assert by_index[1].token_ids == [4, 5] and by_index[0].token_ids == [0]
+            tracker.tell(_out("r#1", 2, [6]))
+            [event] = await _drain(queue, 1)
+            assert [d.prompt_logprobs for d in event.deltas] == [None]
+            # The first choice's worker is lost after its first token: the continuation
+            # does not compute the prompt's logprobs again.
+            tracker.tell(Failed(["r#0"], LOST))
+            await asyncio.sleep(0.05)
+            [m] = migrations
+            assert not m.request.sampling_params.HasField("prompt_logprobs")
+        finally:
+            await tracker.stop()
+
+    async def before_first_token() -> None:
+        params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0)
+        tracker, migrations, _, request = _setup(2, params)
+        tracker.start()
+        try:
+            queue = await tracker.ask(Register("r", [7, 7], [("r", params)], (request,)))
+            tracker.tell(Failed(["r"], LOST))
+            await asyncio.sleep(0.05)
+            [m] = migrations
+            assert m.request.sampling_params.HasField("prompt_logprobs")
+            lps = [Logprobs([7], [-0.75], 3)]
+            tracker.tell(_prompt_out(m.request.request_id, [1], lps))
+            [event] = await _drain(queue, 1)
+            assert event.deltas[0].prompt_logprobs == lps
+        finally:
+            await tracker.stop()
+
+    asyncio.run(main())
+    asyncio.run(before_first_token())
