@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Wave 3, thirty-second session's device calls (an H200: issue 30's vLLM figures are H200
+# figures). Carry .whl.
+#
+#   PART=base (~9.5 min): issue 30's served table at the defaults (scripts/gpu_session27.sh
+#            PART=table30: bf16, 5 / 15 / 25 req/s and all at once, fresh prompts per rate),
+#            then bf16 batch 1 on the 8B shape without and with --enable-pdl (the bf16 decode
+#            chain runs the same Triton GEMV, norm, rotary and attention kernels PDL launches;
+#            never timed in bf16).
+#   PART=pdl (~9 min): the same served table with --enable-pdl (the same-run A/B session 17
+#            asked for: PDL was the likelier cause of session 16's worse FP8 TTFT p99), then
+#            FP8 + FP8 KV batch 1 with --enable-pdl (issue 28's 2.3 ms bar).
+#   PART=ab_pdl (~9.5 min, either card): 5 and 15 req/s without and with --enable-pdl in one
+#            call (the served A/B), then bf16 batch 1 both ways.
+#   PART=fp8 (~6 min): the served table in FP8 (--quantization fp8 --kv-cache-dtype fp8:
+#            scripts/gpu_session22.sh PART=fp8served), issue 28's served comparison against
+#            PART=base's bf16 rows.
+#
+#   OUT=/some/dir PART=base bash scripts/gpu_session32.sh
+set -u
+ISSUE=session32
+
+served() {  # served SUBDIR RATES BUDGET_S [ENGINE_EXTRA]: gpu_issue14.sh's unified server
+  # under $OUT/SUBDIR at the defaults (+ extra engine flags), fresh prompts per rate
+  mkdir -p "$OUT/$1"
+  env OUT="$OUT/$1" RUNS=unified OFFLINE=none RATES="$2" BUDGET_S="$3" ENGINE_EXTRA="${4:-}" \
+    bash scripts/gpu_issue14.sh 2>&1 | grep -E "^\| (unified|vLLM)|answered" | tee -a "$summary"
+  rm -f "$OUT/$1"/*.png
+}
+
+case "${PART:-base}" in
+base)
+  BUDGET_S=${BUDGET_S:-570}
+  . scripts/device_lib.sh
+  env_report | head -n 3
+  served t30 5,15,25,inf 290
+  WORKLOADS=none offline bf16_b1 110
+  WORKLOADS=none offline bf16_b1_pdl 110 --enable-pdl
+  finish
+  ;;
+pdl)
+  BUDGET_S=${BUDGET_S:-560}
+  . scripts/device_lib.sh
+  served t30_pdl 5,15,25,inf 290 --enable-pdl
+  WORKLOADS=none offline fp8_fp8kv_b1_pdl 150 --quantization fp8 --kv-cache-dtype fp8 \
+    --enable-pdl
+  finish
+  ;;
+ab_pdl)
+  # Either card: the served A/B at 5 and 15 req/s (fresh prompts per rate) without and with
+  # --enable-pdl, then bf16 batch 1 both ways.
+  BUDGET_S=${BUDGET_S:-570}
+  . scripts/device_lib.sh
+  env_report | head -n 3
+  served ab_plain 5,15 170
+  served ab_pdl 5,15 170 --enable-pdl
+  WORKLOADS=none offline bf16_b1 100
+  WORKLOADS=none offline bf16_b1_pdl 100 --enable-pdl
+  finish
+  ;;
+fp8)
+  BUDGET_S=${BUDGET_S:-330}
+  . scripts/device_lib.sh
+  mkdir -p "$OUT/fp8"
+  OUT="$OUT/fp8" PART=fp8served BUDGET_S=300 bash scripts/gpu_session22.sh 2>&1 | tail -n 20
+  finish
+  ;;
+*)
+  echo "unknown PART=${PART}" >&2
+  exit 2
+  ;;
+esac
