@@ -12,6 +12,8 @@
 #            FP8 + FP8 KV batch 1 with --enable-pdl (issue 28's 2.3 ms bar).
 #   PART=ab_pdl (~9.5 min, either card): 5 and 15 req/s without and with --enable-pdl in one
 #            call (the served A/B), then bf16 batch 1 both ways.
+#   PART=gpu_ab (~9.5 min, either card): tests/gpu/test_gpu_engine.py (prompt logprobs on
+#            CUDA), the served A/B at 5 req/s without and with --enable-pdl, bf16 batch 1 both.
 #   PART=fp8 (~6 min): the served table in FP8 (--quantization fp8 --kv-cache-dtype fp8:
 #            scripts/gpu_session22.sh PART=fp8served), issue 28's served comparison against
 #            PART=base's bf16 rows.
@@ -56,6 +58,22 @@ ab_pdl)
   served ab_pdl 5,15 170 --enable-pdl
   WORKLOADS=none offline bf16_b1 100
   WORKLOADS=none offline bf16_b1_pdl 100 --enable-pdl
+  finish
+  ;;
+gpu_ab)
+  # Either card: the engine's GPU file (prompt logprobs on CUDA among its tests), then the
+  # served A/B at 5 req/s without and with --enable-pdl, then bf16 batch 1 both ways.
+  BUDGET_S=${BUDGET_S:-570}
+  . scripts/device_lib.sh
+  env_report | head -n 3
+  step "GPU engine tests" 170 "$OUT/gpu_engine_tests.log" $PY -m pytest -q -m gpu -rA -s \
+    -p no:cacheprovider tests/gpu/test_gpu_engine.py --durations=5
+  grep -E "passed|failed|prompt logprobs vs|top-1 in" "$OUT/gpu_engine_tests.log" | tail -n 4 \
+    >>"$summary"
+  served ab_plain 5 125
+  served ab_pdl 5 125 --enable-pdl
+  WORKLOADS=none offline bf16_b1 70
+  WORKLOADS=none offline bf16_b1_pdl 70 --enable-pdl
   finish
   ;;
 fp8)
