@@ -70,10 +70,10 @@ gpu_ab)
     -p no:cacheprovider tests/gpu/test_gpu_engine.py --durations=5
   grep -E "passed|failed|prompt logprobs vs|top-1 in" "$OUT/gpu_engine_tests.log" | tail -n 4 \
     >>"$summary"
-  served ab_plain 5 125
-  served ab_pdl 5 125 --enable-pdl
-  WORKLOADS=none offline bf16_b1 70
-  WORKLOADS=none offline bf16_b1_pdl 70 --enable-pdl
+  served ab_plain 5 120
+  served ab_pdl 5 120 --enable-pdl
+  WORKLOADS=none offline bf16_b1 90
+  WORKLOADS=none offline bf16_b1_pdl 90 --enable-pdl
   finish
   ;;
 fp8)
