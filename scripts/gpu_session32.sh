@@ -18,6 +18,14 @@
 #            scripts/gpu_session22.sh PART=fp8served), issue 28's served comparison against
 #            PART=base's bf16 rows.
 #
+# What ran: twelve calls got no machine (about 750 s with the lockouts), then PART=base on an
+#   H100 (a call naming nvidia-h200 may get either card), so its served table is not set
+#   against vLLM's H200 figures; then, on the warm H100: tests/gpu/test_gpu_engine.py and the
+#   served table with --enable-pdl (one call: device_lib's `step` and this script's `served`),
+#   the logits-processor, speculation, model and structured GPU files (two calls: the first
+#   lacked /tmp/site on PYTHONPATH), FP8 + FP8 KV batch 1 with --enable-pdl.
+#   Results: benchmarks/results/*_h100_2026-12-07_s32*.
+#
 #   OUT=/some/dir PART=base bash scripts/gpu_session32.sh
 set -u
 ISSUE=session32
