@@ -23,6 +23,14 @@ from tandem.sampling_params import SamplingParams, SamplingParamsError
 PromptType = str | list[int] | dict[str, Any]
 
 
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's "cache_salt" (a non-empty string), else None."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequestError("cache_salt must be a non-empty string")
+    return salt
+
+
 def _check_text(text: str, what: str) -> None:
     """InvalidRequestError if `text` holds a lone UTF-16 surrogate (not text: the tokenizer
     fails on it with a TypeError naming nothing)."""
@@ -134,9 +142,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of `prompts`.
 
-        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}. A prompt
-        whose structured-outputs spec does not compile fails the call with SamplingParamsError
-        naming it (nothing of the call stays queued).
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]} or
+        {"prompt": "..."}, either dict with an optional "cache_salt" (only prompts with the same
+        salt share cached prefixes). A prompt whose structured-outputs spec does not compile
+        fails the call with SamplingParamsError naming it (nothing of the call stays queued).
         """
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -163,6 +172,7 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 text, token_ids = self._to_token_ids(prompt)
+                salt = _cache_salt(prompt)
                 if token_ids:  # before the detokenizer reads them (empty: the engine says)
                     check_prompt_token_ids(token_ids, self.client.info.vocab_size)
                 rid = str(next(self._counter))
@@ -176,6 +186,7 @@ class LLM:
                             sampling_params=cparams,
                             eos_token_id=self.client.info.eos_token_id,
                             priority=0 if priority is None else priority[i],
+                            cache_salt=salt,
                         )
                     )
                     added.append(cid)

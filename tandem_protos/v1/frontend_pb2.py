@@ -27,15 +27,15 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/frontend.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb1\x01\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\x8b\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12*\n\x0boutput_kind\x18\x06 \x01(\x0e\x32\x15.tandem.v1.OutputKind\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x08\n\x06prompt\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\xd0\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\xb5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"\x13\n\x11ListModelsRequest\"Q\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x03\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelCard\"\x93\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05*?\n\nOutputKind\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x00\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x01\x32\xe1\x01\n\x08\x46rontend\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/frontend.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb1\x01\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\xab\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12*\n\x0boutput_kind\x18\x06 \x01(\x0e\x32\x15.tandem.v1.OutputKind\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x17\n\ncache_salt\x18\x0b \x01(\tH\x03\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokensB\r\n\x0b_cache_salt\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\xd0\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\xb5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"\x13\n\x11ListModelsRequest\"Q\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x03\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelCard\"\x93\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05*?\n\nOutputKind\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x00\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x01\x32\xe1\x01\n\x08\x46rontend\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.frontend_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTKIND']._serialized_start=1474
-  _globals['_OUTPUTKIND']._serialized_end=1537
+  _globals['_OUTPUTKIND']._serialized_start=1634
+  _globals['_OUTPUTKIND']._serialized_end=1697
   _globals['_TOKENIDS']._serialized_start=63
   _globals['_TOKENIDS']._serialized_end=86
   _globals['_CHATMESSAGE']._serialized_start=88
@@ -43,23 +43,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT']._serialized_start=135
   _globals['_CHAT']._serialized_end=312
   _globals['_GENERATEREQUEST']._serialized_start=315
-  _globals['_GENERATEREQUEST']._serialized_end=582
-  _globals['_USAGE']._serialized_start=584
-  _globals['_USAGE']._serialized_end=686
-  _globals['_CHOICE']._serialized_start=689
-  _globals['_CHOICE']._serialized_end=897
-  _globals['_GENERATERESPONSE']._serialized_start=900
-  _globals['_GENERATERESPONSE']._serialized_end=1081
-  _globals['_LISTMODELSREQUEST']._serialized_start=1083
-  _globals['_LISTMODELSREQUEST']._serialized_end=1102
-  _globals['_MODELCARD']._serialized_start=1104
-  _globals['_MODELCARD']._serialized_end=1185
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1187
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1245
-  _globals['_TOKENIZEREQUEST']._serialized_start=1248
-  _globals['_TOKENIZEREQUEST']._serialized_end=1395
-  _globals['_TOKENIZERESPONSE']._serialized_start=1397
-  _globals['_TOKENIZERESPONSE']._serialized_end=1472
-  _globals['_FRONTEND']._serialized_start=1540
-  _globals['_FRONTEND']._serialized_end=1765
+  _globals['_GENERATEREQUEST']._serialized_end=742
+  _globals['_USAGE']._serialized_start=744
+  _globals['_USAGE']._serialized_end=846
+  _globals['_CHOICE']._serialized_start=849
+  _globals['_CHOICE']._serialized_end=1057
+  _globals['_GENERATERESPONSE']._serialized_start=1060
+  _globals['_GENERATERESPONSE']._serialized_end=1241
+  _globals['_LISTMODELSREQUEST']._serialized_start=1243
+  _globals['_LISTMODELSREQUEST']._serialized_end=1262
+  _globals['_MODELCARD']._serialized_start=1264
+  _globals['_MODELCARD']._serialized_end=1345
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1347
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1405
+  _globals['_TOKENIZEREQUEST']._serialized_start=1408
+  _globals['_TOKENIZEREQUEST']._serialized_end=1555
+  _globals['_TOKENIZERESPONSE']._serialized_start=1557
+  _globals['_TOKENIZERESPONSE']._serialized_end=1632
+  _globals['_FRONTEND']._serialized_start=1700
+  _globals['_FRONTEND']._serialized_end=1925
 # @@protoc_insertion_point(module_scope)

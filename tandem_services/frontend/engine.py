@@ -45,10 +45,12 @@ from tandem_services.frontend.tracker import (
     RequestTracker,
 )
 from tandem_services.frontend.types import (
+    DEFAULT_PROMPT_OPTIONS,
     DEFAULT_TEMPLATE,
     ChatTemplateOptions,
     FrontendError,
     GenerateInput,
+    PromptOptions,
     StepEvent,
     invalid,
 )
@@ -250,17 +252,22 @@ class FrontendEngine:
         kind: str,
         priority: int = 0,
         param_prefix: str = "",
+        options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
     ) -> list[GenerateInput]:
         """The engine-facing inputs of a request whose fields passed their one-pass check
         (openai_protocol.py, grpc_api.py), one per tokenized prompt (ids, text); what needs
         the tokens is checked here, once, in this order (400 naming the field):
 
+        - `options.truncate_prompt_tokens`: within the context, each prompt cut to its last
+          k tokens (a cut prompt's text is then None: echo decodes its ids);
         - prompt tokens x n, summed over the prompts, against the limit (limits.py);
         - the logits processors' token ids against the vocabulary (`param_prefix` + the
           field), their bad words tokenized;
         - each prompt: not empty, its ids in the vocabulary, shorter than the context, and
           with `max_tokens` (None: the rest of the context, when it is known) within it.
         """
+        if options.truncate_prompt_tokens is not None:
+            prompts = self._truncated(prompts, options.truncate_prompt_tokens)
         check_prompt_work(limits, [len(ids) for ids, _ in prompts], params.n)
         if params.bad_words:
             params = params.clone(bad_words_token_ids=None)
@@ -277,9 +284,26 @@ class FrontendEngine:
                 params.clone(max_tokens=self._max_tokens(ids, max_tokens, vocab)),
                 text,
                 priority,
+                options.cache_salt,
             )
             for ids, text in prompts
         ]
+
+    def _truncated(
+        self, prompts: Sequence[tuple[list[int], str | None]], k: int
+    ) -> list[tuple[list[int], str | None]]:
+        """Each prompt's last `k` tokens (-1: the model's context); 400 when `k` is over it."""
+        limit = self.cluster.max_model_len
+        if k == -1:
+            if not limit:
+                return list(prompts)
+            k = limit
+        if limit and k > limit:
+            raise invalid(
+                f"truncate_prompt_tokens ({k}) exceeds the model's context ({limit} tokens)",
+                "truncate_prompt_tokens",
+            )
+        return [(ids[-k:], None) if len(ids) > k else (ids, text) for ids, text in prompts]
 
     def _max_tokens(
         self, token_ids: Sequence[int], max_tokens: int | None, vocab: int
@@ -348,12 +372,15 @@ class FrontendEngine:
     def _engine_request(
         inp: GenerateInput, engine_id: str, params: Any
     ) -> common_pb2.EngineRequest:
-        return common_pb2.EngineRequest(
+        request = common_pb2.EngineRequest(
             request_id=engine_id,
             prompt_token_ids=inp.prompt_token_ids,
             sampling_params=sampling_params_to_proto(params),
             priority=inp.priority,
         )
+        if inp.cache_salt is not None:
+            request.cache_salt = inp.cache_salt
+        return request
 
     async def _submit_or_fail(self, request: common_pb2.EngineRequest) -> None:
         """Submit; a refusal reaches the request's queue as its error (through the tracker,

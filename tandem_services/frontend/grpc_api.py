@@ -35,10 +35,12 @@ from tandem_services.frontend.limits import (
 from tandem_services.frontend.openai_protocol import ChoiceAccumulator
 from tandem_services.frontend.structured import check_structured
 from tandem_services.frontend.types import (
+    DEFAULT_PROMPT_OPTIONS,
     DEFAULT_TEMPLATE,
     ChatTemplateOptions,
     ChoiceDelta,
     FrontendError,
+    PromptOptions,
     StepEvent,
     Usage,
     invalid,
@@ -119,6 +121,7 @@ class GenerateArgs:
     token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     template: ChatTemplateOptions = DEFAULT_TEMPLATE
+    prompt_options: PromptOptions = DEFAULT_PROMPT_OPTIONS
 
 
 def chat_messages(chat: frontend_pb2.Chat) -> list[dict[str, Any]]:
@@ -161,11 +164,17 @@ def parse_generate(request: frontend_pb2.GenerateRequest, limits: RequestLimits)
         raise invalid(str(exc)) from None
     check_structured(params.structured_outputs, "sampling_params.structured_outputs")
     max_tokens = params.max_tokens if sp.HasField("max_tokens") else None
+    options = PromptOptions(
+        request.add_special_tokens if request.HasField("add_special_tokens") else None,
+        request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
+        request.cache_salt if request.HasField("cache_salt") else None,
+    )
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        return GenerateArgs(params, max_tokens, kind, text=request.text)
+        return GenerateArgs(params, max_tokens, kind, text=request.text, prompt_options=options)
     if kind == "token_ids":
-        return GenerateArgs(params, max_tokens, kind, token_ids=list(request.token_ids.ids))
+        ids = list(request.token_ids.ids)
+        return GenerateArgs(params, max_tokens, kind, token_ids=ids, prompt_options=options)
     if kind == "chat":
         return GenerateArgs(
             params,
@@ -173,6 +182,7 @@ def parse_generate(request: frontend_pb2.GenerateRequest, limits: RequestLimits)
             kind,
             messages=chat_messages(request.chat),
             template=chat_template(request.chat),
+            prompt_options=options,
         )
     raise invalid("a prompt (text, token_ids or chat) is required", "prompt")
 
@@ -208,13 +218,18 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
 
     async def _tokenized(self, args: GenerateArgs) -> tuple[list[int], str | None]:
         """The prompt's token ids, and its text (None for token ids)."""
+        options = args.prompt_options
         if args.prompt == "text":
-            return await self.engine.encode(args.text), args.text
+            return await self.engine.encode(args.text, options.special_tokens(True)), args.text
         if args.prompt == "token_ids":
             assert args.token_ids is not None
             return args.token_ids, None
         assert args.messages is not None
-        text, ids = await self.engine.encode_chat(args.messages, options=args.template)
+        text, ids = await self.engine.encode_chat(
+            args.messages,
+            options=args.template,
+            add_special_tokens=options.special_tokens(False),
+        )
         return ids, text
 
     async def Generate(
@@ -232,6 +247,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 kind="grpc",
                 priority=request.priority,
                 param_prefix="sampling_params.",
+                options=args.prompt_options,
             )
             shown_id = request.request_id or inp.request_id
             final_only = request.output_kind == frontend_pb2.OUTPUT_KIND_FINAL_ONLY

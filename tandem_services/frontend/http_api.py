@@ -320,10 +320,11 @@ class HttpApi:
     async def completions(self, request: Request) -> Response:
         body = parse_completion(await self._read_json(request), self.limits)
         model = self._check_model(body.model)
+        special = body.prompt_options.special_tokens(True)
         encoded: list[tuple[list[int], str | None]] = []
         for prompt in body.prompts:
             if isinstance(prompt, str):
-                encoded.append((await self.engine.encode(prompt), prompt))
+                encoded.append((await self.engine.encode(prompt, special), prompt))
             else:
                 encoded.append((prompt, None))
         inputs = self.engine.inputs(
@@ -333,18 +334,22 @@ class HttpApi:
             self.limits,
             kind="cmpl",
             priority=body.priority,
+            options=body.prompt_options,
         )
-        # echo: each prompt's text (token ids decoded) before its choices' output.
+        # echo: each prompt's text (token ids decoded; as truncated) before its choices'
+        # output.
         echo = (
             [
-                text if text is not None else await self.engine.decode(ids, "prompt")
-                for ids, text in encoded
+                inp.prompt_text
+                if inp.prompt_text is not None
+                else await self.engine.decode(inp.prompt_token_ids, "prompt")
+                for inp in inputs
             ]
             if body.echo
             else None
         )
         # With echo and logprobs, each prompt's first token heads its choices' logprobs.
-        first_tokens = [ids[0] for ids, _ in encoded] if echo is not None else None
+        first_tokens = [inp.prompt_token_ids[0] for inp in inputs] if echo is not None else None
         stream = CompletionStream(
             f"cmpl-{uuid.uuid4().hex}",
             int(time.time()),
@@ -387,7 +392,11 @@ class HttpApi:
         body = parse_chat(await self._read_json(request), self.limits, self.tool_call_parser)
         model = self._check_model(body.model)
         text, ids = await self.engine.encode_chat(
-            body.messages, body.tools, self.tool_call_parser, body.template
+            body.messages,
+            body.tools,
+            self.tool_call_parser,
+            body.template,
+            body.prompt_options.special_tokens(False),
         )
         params = body.params
         auto = body.tool_calling is not None and body.tool_calling.mode == "auto"
@@ -400,6 +409,7 @@ class HttpApi:
             self.limits,
             kind="chat",
             priority=body.priority,
+            options=body.prompt_options,
         )
         stream = ChatStream(
             f"chatcmpl-{uuid.uuid4().hex}",

@@ -43,9 +43,11 @@ from tandem_services.frontend.structured import (
     parse_tools,
 )
 from tandem_services.frontend.types import (
+    DEFAULT_PROMPT_OPTIONS,
     DEFAULT_TEMPLATE,
     ChatTemplateOptions,
     ChoiceDelta,
+    PromptOptions,
     ToolCallDelta,
     Usage,
     invalid,
@@ -287,6 +289,10 @@ _COMMON: dict[str, Field] = {
     "skip_special_tokens": Field(_bool, "skip_special_tokens"),
     # vLLM's: per prompt token after the first, its logprob, rank and the top k (not streamed).
     "prompt_logprobs": Field(_int("max_logprobs"), "prompt_logprobs"),
+    # How the prompt is tokenized and cached (PromptOptions).
+    "add_special_tokens": Field(_bool),
+    "truncate_prompt_tokens": Field(_int()),
+    "cache_salt": Field(_str),
     "stream": Field(_bool),
     "stream_options": Field(_include_usage),
     "priority": Field(_int()),
@@ -387,9 +393,7 @@ _UNIMPLEMENTED: dict[str, str] = {
     # vLLM's extensions.
     "length_penalty": "beam search",
     "early_stopping": "beam search",
-    "truncate_prompt_tokens": "prompt truncation",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
-    "add_special_tokens": "add_special_tokens",
     "chat_template": "a per-request chat template",
     "documents": "documents (RAG chat templates)",
     "mm_processor_kwargs": "multimodal inputs",
@@ -397,7 +401,6 @@ _UNIMPLEMENTED: dict[str, str] = {
     "request_id": "client-chosen request ids",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids",
     "return_token_ids": "return_token_ids",
-    "cache_salt": "cache_salt",
     "kv_transfer_params": "client KV-transfer parameters",
     "logits_processors": "per-request logits processors (the engine's --logits-processors "
     "are applied to every request; pass their arguments in vllm_xargs)",
@@ -481,6 +484,7 @@ class CompletionBody:
     # echo with max_tokens 0 (vLLM's): the prompt alone is shown (its logprobs with
     # `logprobs`); the engine samples one token (`params.max_tokens` 1) that is not shown.
     prompt_only: bool = False
+    prompt_options: PromptOptions = DEFAULT_PROMPT_OPTIONS
 
 
 def _no_streamed_prompt_logprobs(kwargs: dict[str, Any], values: dict[str, Any]) -> None:
@@ -516,12 +520,17 @@ def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) 
 
 def _envelope(values: dict[str, Any]) -> dict[str, Any]:
     """The fields both bodies carry beside the prompt and the sampling: the model named, the
-    stream's options and the priority."""
+    stream's options, the priority and the prompt's options."""
     return {
         "model": values.get("model"),
         "stream": values.get("stream", False),
         "include_usage": values.get("stream_options", False),
         "priority": values.get("priority", 0),
+        "prompt_options": PromptOptions(
+            values.get("add_special_tokens"),
+            values.get("truncate_prompt_tokens"),
+            values.get("cache_salt"),
+        ),
     }
 
 
@@ -544,6 +553,7 @@ class ChatBody:
     # The field the output constraint came from (for errors the engine reports), if any.
     structured_param: str | None = None
     template: ChatTemplateOptions = DEFAULT_TEMPLATE
+    prompt_options: PromptOptions = DEFAULT_PROMPT_OPTIONS
 
 
 def parse_chat(

@@ -76,6 +76,37 @@ DEFAULT_TEMPLATE = ChatTemplateOptions()
 
 
 @dataclass(frozen=True)
+class PromptOptions:
+    """How a request's prompt is tokenized and cached (vLLM's fields, both APIs).
+
+    `add_special_tokens`: the tokenizer's own (BOS, ...) around a text prompt; None: the
+    endpoint's default (true for text, false for a chat, whose template writes them).
+    `truncate_prompt_tokens`: keep only the last k prompt tokens (-1: the model's context).
+    `cache_salt`: a secret mixed into the first block's hash, so only requests with the same
+    salt share cached prefixes (tandem.core.kv_cache_utils)."""
+
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        k = self.truncate_prompt_tokens
+        if k is not None and k != -1 and k < 1:
+            raise invalid(
+                f"truncate_prompt_tokens must be -1 (the model's context) or >= 1, got {k}",
+                "truncate_prompt_tokens",
+            )
+        if self.cache_salt is not None and not self.cache_salt:
+            raise invalid("cache_salt must be a non-empty string", "cache_salt")
+
+    def special_tokens(self, default: bool) -> bool:
+        return default if self.add_special_tokens is None else self.add_special_tokens
+
+
+DEFAULT_PROMPT_OPTIONS = PromptOptions()
+
+
+@dataclass(frozen=True)
 class GenerateInput:
     """One prompt, tokenized, with validated sampling parameters (n choices)."""
 
@@ -84,6 +115,7 @@ class GenerateInput:
     params: SamplingParams
     prompt_text: str | None = None
     priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass

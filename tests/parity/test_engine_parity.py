@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.engine.core import InvalidRequestError
 
 NUM_NEW_TOKENS = 32
 LOGPROB_TOL = 1e-4
@@ -139,6 +140,20 @@ def test_smollm2_prefix_cache_hits_same_tokens(smollm2_case) -> None:
     assert sum(o.num_cached_tokens for o in again) > 0.8 * sum(len(p) for p in prompts)
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits > 0
+    # A prompt dict's cache_salt: under a new salt the prompts read only what they share with
+    # each other (as the first, unsalted pass did), then their own blocks under it; the
+    # tokens are the same every time.
+    salted = [{"prompt_token_ids": p, "cache_salt": "s1"} for p in prompts]
+    first_salted = llm.generate(salted, params, use_tqdm=False)
+    shared = [o.num_cached_tokens for o in first]
+    assert [o.num_cached_tokens for o in first_salted] == shared
+    assert sum(shared) < 0.5 * sum(o.num_cached_tokens for o in again)
+    again_salted = llm.generate(salted, params, use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in again_salted) > 0.8 * sum(len(p) for p in prompts)
+    assert_matches(first_salted, reference)
+    assert_matches(again_salted, reference)
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        llm.generate({"prompt_token_ids": prompts[0], "cache_salt": ""}, params)
     assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
     llm.shutdown()
 

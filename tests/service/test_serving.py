@@ -225,6 +225,50 @@ def test_prompt_logprobs_match_offline(deployment: Deployment, reference: Refere
     assert_pools_whole(deployment)
 
 
+def test_cache_salt_and_prompt_truncation(deployment: Deployment, reference: Reference) -> None:
+    """cache_salt: a repeated prompt reads its cached blocks only under the same salt (usage's
+    cached tokens), over HTTP and gRPC, and a salted prompt's blocks are not an unsalted one's.
+    truncate_prompt_tokens: the prompt's last k tokens, as a request of those alone gives
+    (echoed as cut); -1 keeps a prompt within the context; more than the context is a 400."""
+    client = _client(deployment)
+    long = " ".join(reversed(PROMPTS)) * 3
+
+    def cached(**extra: Any) -> int:
+        r = client.completions.create(
+            model="default", prompt=long, max_tokens=1, temperature=0, extra_body=extra
+        )
+        details = r.usage.prompt_tokens_details if r.usage else None
+        return (details.cached_tokens or 0) if details else 0
+
+    assert cached(cache_salt="alpha") == 0
+    assert cached(cache_salt="alpha") > 0
+    assert cached(cache_salt="beta") == 0
+    assert cached() == 0
+    request = frontend_pb2.GenerateRequest(
+        text=long, sampling_params=_greedy(1), cache_salt="alpha"
+    )
+    _, _, responses = asyncio.run(_grpc_generate(deployment.grpc_address, request))
+    assert responses[-1].usage.cached_tokens > 0
+
+    ids = reference.prompt_ids
+    k = len(ids) // 2
+    greedy = dict(model="default", max_tokens=4, temperature=0, echo=True)
+    cut = client.completions.create(prompt=ids, **greedy, extra_body={"truncate_prompt_tokens": k})
+    alone = client.completions.create(prompt=ids[-k:], **greedy)
+    assert cut.usage is not None and cut.usage.prompt_tokens == k
+    assert cut.choices[0].text == alone.choices[0].text
+    whole = client.completions.create(
+        prompt=ids, **greedy, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            prompt=ids, **greedy, extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN + 1}
+        )
+    assert "truncate_prompt_tokens" in str(info.value)
+    assert_pools_whole(deployment)
+
+
 def test_openai_chat_matches_offline(deployment: Deployment, reference: Reference) -> None:
     client = _client(deployment)
     full = client.chat.completions.create(

@@ -30,7 +30,7 @@ from tandem_services.frontend.openai_protocol import (
     parse_detokenize,
     parse_tokenize,
 )
-from tandem_services.frontend.types import FrontendError
+from tandem_services.frontend.types import FrontendError, PromptOptions
 
 LIMITS = RequestLimits(max_n=4, max_logprobs=5, max_stop_sequences=2)
 COMPLETION_BODY: dict[str, Any] = {"prompt": "hi"}
@@ -60,6 +60,9 @@ BAD: dict[str, Any] = {
     "include_stop_str_in_output": "yes",
     "skip_special_tokens": 0,
     "prompt_logprobs": 1.5,
+    "add_special_tokens": "yes",
+    "truncate_prompt_tokens": 0,
+    "cache_salt": "",
     "stream": "yes",
     "stream_options": {"include_usage": 1},
     "priority": 1.5,
@@ -150,6 +153,42 @@ def test_echo_and_prompt_logprobs_are_read() -> None:
         assert err.param == "prompt_logprobs"
         err = _refused(parse, {**base, "prompt_logprobs": LIMITS.max_logprobs + 1})
         assert err.param == "prompt_logprobs" and "max-logprobs" in err.message
+
+
+def test_prompt_options_are_read_and_checked() -> None:
+    """add_special_tokens (the endpoint's default when left out), truncate_prompt_tokens (-1
+    or >= 1) and cache_salt (a non-empty string), on both endpoints and over gRPC."""
+    for parse, base, default in (
+        (parse_completion, COMPLETION_BODY, True),
+        (parse_chat, CHAT_BODY, False),
+    ):
+        plain = parse(base, LIMITS).prompt_options
+        assert plain == PromptOptions() and plain.special_tokens(default) is default
+        opts = parse(
+            {**base, "add_special_tokens": not default, "truncate_prompt_tokens": 7,
+             "cache_salt": "s3cret"},
+            LIMITS,
+        ).prompt_options  # fmt: skip
+        assert opts.special_tokens(default) is (not default)
+        assert (opts.truncate_prompt_tokens, opts.cache_salt) == (7, "s3cret")
+        assert parse({**base, "truncate_prompt_tokens": -1}, LIMITS).prompt_options == (
+            PromptOptions(truncate_prompt_tokens=-1)
+        )
+        for bad in (0, -2):
+            err = _refused(parse, {**base, "truncate_prompt_tokens": bad})
+            assert err.param == "truncate_prompt_tokens" and str(bad) in err.message
+        assert _refused(parse, {**base, "cache_salt": ""}).param == "cache_salt"
+    args = parse_generate(
+        frontend_pb2.GenerateRequest(
+            text="hi", add_special_tokens=False, truncate_prompt_tokens=3, cache_salt="k"
+        ),
+        LIMITS,
+    )
+    assert args.prompt_options == PromptOptions(False, 3, "k")
+    assert parse_generate(_generate(), LIMITS).prompt_options == PromptOptions()
+    with pytest.raises(FrontendError) as info:
+        parse_generate(frontend_pb2.GenerateRequest(text="hi", truncate_prompt_tokens=0), LIMITS)
+    assert info.value.param == "truncate_prompt_tokens"
 
 
 def test_chat_template_options_are_read_and_checked() -> None:
