@@ -29,6 +29,7 @@ from tandem_services.frontend.health import readiness, require_serving
 from tandem_services.frontend.limits import RequestLimits
 from tandem_services.frontend.openai_protocol import (
     ChoiceAccumulator,
+    TokenIdText,
     TokenText,
     chat_logprobs,
     error_body,
@@ -350,6 +351,8 @@ class HttpApi:
         )
         # With echo and logprobs, each prompt's first token heads its choices' logprobs.
         first_tokens = [inp.prompt_token_ids[0] for inp in inputs] if echo is not None else None
+        token_text = TokenIdText() if body.tokens_as_ids else self.token_text
+        prompt_ids = [inp.prompt_token_ids for inp in inputs] if body.return_token_ids else None
         stream = CompletionStream(
             f"cmpl-{uuid.uuid4().hex}",
             int(time.time()),
@@ -357,10 +360,11 @@ class HttpApi:
             body.params.n,
             body.params.logprobs is not None,
             body.include_usage,
-            self.token_text,
+            token_text,
             echo,
             first_tokens,
             body.prompt_only,
+            prompt_ids,
         )
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}
@@ -382,8 +386,11 @@ class HttpApi:
                 }
                 if body.show_prompt_logprobs:
                     choice["prompt_logprobs"] = prompt_logprobs_body(
-                        a.prompt_logprobs or [], self.token_text
+                        a.prompt_logprobs or [], token_text
                     )
+                if prompt_ids is not None:
+                    choice["prompt_token_ids"] = prompt_ids[index // body.params.n]
+                    choice["token_ids"] = [] if body.prompt_only else a.token_ids or []
                 choices.append(choice)
             return JSONResponse(stream.chunk(choices, usage))
         return await self._stream(inputs, stream.render, stream.final, body.structured_param)
@@ -411,13 +418,16 @@ class HttpApi:
             priority=body.priority,
             options=body.prompt_options,
         )
+        token_text = TokenIdText() if body.tokens_as_ids else self.token_text
+        prompt_ids = inputs[0].prompt_token_ids if body.return_token_ids else None
         stream = ChatStream(
             f"chatcmpl-{uuid.uuid4().hex}",
             int(time.time()),
             model,
             body.params.logprobs is not None,
             body.include_usage,
-            self.token_text,
+            token_text,
+            prompt_ids,
         )
         tools: ToolCallExtractor | None = None
         if body.tool_calling is not None:
@@ -431,11 +441,12 @@ class HttpApi:
                 {
                     "index": index,
                     "message": a.message(),
-                    "logprobs": chat_logprobs(a.logprobs or [], self.token_text)
+                    "logprobs": chat_logprobs(a.logprobs or [], token_text)
                     if stream.want_logprobs
                     else None,
                     "finish_reason": a.finish_reason,
                     "stop_reason": a.stop_reason,
+                    **({"token_ids": a.token_ids or []} if prompt_ids is not None else {}),
                 }
                 for index, a in sorted(acc.items())
             ]
@@ -443,8 +454,10 @@ class HttpApi:
             if params.prompt_logprobs is not None:
                 # vLLM's place for them in a chat response: beside the choices (one prompt).
                 response["prompt_logprobs"] = prompt_logprobs_body(
-                    acc[0].prompt_logprobs or [], self.token_text
+                    acc[0].prompt_logprobs or [], token_text
                 )
+            if prompt_ids is not None:
+                response["prompt_token_ids"] = prompt_ids
             return JSONResponse(response)
         render = stream.render
         if tools is not None:

@@ -289,6 +289,10 @@ _COMMON: dict[str, Field] = {
     "skip_special_tokens": Field(_bool, "skip_special_tokens"),
     # vLLM's: per prompt token after the first, its logprob, rank and the top k (not streamed).
     "prompt_logprobs": Field(_int("max_logprobs"), "prompt_logprobs"),
+    # vLLM's: the prompt's and each choice's token ids beside the text; logprobs' tokens
+    # written "token_id:<id>" (TokenIdText).
+    "return_token_ids": Field(_bool),
+    "return_tokens_as_token_ids": Field(_bool),
     # How the prompt is tokenized and cached (PromptOptions).
     "add_special_tokens": Field(_bool),
     "truncate_prompt_tokens": Field(_int()),
@@ -399,8 +403,6 @@ _UNIMPLEMENTED: dict[str, str] = {
     "mm_processor_kwargs": "multimodal inputs",
     "prompt_embeds": "prompt embeddings",
     "request_id": "client-chosen request ids",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
-    "return_token_ids": "return_token_ids",
     "kv_transfer_params": "client KV-transfer parameters",
     "logits_processors": "per-request logits processors (the engine's --logits-processors "
     "are applied to every request; pass their arguments in vllm_xargs)",
@@ -485,6 +487,10 @@ class CompletionBody:
     # `logprobs`); the engine samples one token (`params.max_tokens` 1) that is not shown.
     prompt_only: bool = False
     prompt_options: PromptOptions = DEFAULT_PROMPT_OPTIONS
+    # The prompt's and each choice's token ids in the response (vLLM's return_token_ids).
+    return_token_ids: bool = False
+    # Logprobs' tokens as "token_id:<id>" (vLLM's return_tokens_as_token_ids).
+    tokens_as_ids: bool = False
 
 
 def _no_streamed_prompt_logprobs(kwargs: dict[str, Any], values: dict[str, Any]) -> None:
@@ -531,6 +537,8 @@ def _envelope(values: dict[str, Any]) -> dict[str, Any]:
             values.get("truncate_prompt_tokens"),
             values.get("cache_salt"),
         ),
+        "return_token_ids": values.get("return_token_ids", False),
+        "tokens_as_ids": values.get("return_tokens_as_token_ids", False),
     }
 
 
@@ -554,6 +562,10 @@ class ChatBody:
     structured_param: str | None = None
     template: ChatTemplateOptions = DEFAULT_TEMPLATE
     prompt_options: PromptOptions = DEFAULT_PROMPT_OPTIONS
+    # The prompt's and each choice's token ids in the response (vLLM's return_token_ids).
+    return_token_ids: bool = False
+    # Logprobs' tokens as "token_id:<id>" (vLLM's return_tokens_as_token_ids).
+    tokens_as_ids: bool = False
 
 
 def parse_chat(
@@ -700,6 +712,16 @@ class TokenText:
         if s is None:
             s = self._cache[token_id] = self.tokenizer.decode([token_id])
         return s
+
+
+class TokenIdText(TokenText):
+    """A token as "token_id:<id>" (vLLM's return_tokens_as_token_ids), for any tokenizer."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
 
 
 def completion_logprobs(

@@ -71,11 +71,14 @@ class CompletionStream:
         echo: list[str] | None = None,
         first_tokens: list[int] | None = None,
         prompt_only: bool = False,
+        prompt_ids: list[list[int]] | None = None,
     ) -> None:
         """`echo`: each prompt's text, sent before the first text of each of its choices;
         with logprobs, `first_tokens` (each prompt's first token id) and the prompt's logprobs
         (ChoiceDelta.prompt_logprobs) head the choice's logprobs likewise. `prompt_only`
-        (echo with max_tokens 0): the choices' own tokens are not shown."""
+        (echo with max_tokens 0): the choices' own tokens are not shown. `prompt_ids` (each
+        prompt's token ids; vLLM's return_token_ids): each chunk's choice carries its new
+        `token_ids`, a choice's first one its prompt's `prompt_token_ids` too."""
         self.rid = rid
         self.created = created
         self.model = model
@@ -86,6 +89,8 @@ class CompletionStream:
         self.echo = echo
         self.first_tokens = first_tokens
         self.prompt_only = prompt_only
+        self.prompt_ids = prompt_ids
+        self._ids_started: set[int] = set()
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
         self._head = _head(rid, "text_completion", created, model)
@@ -124,19 +129,26 @@ class CompletionStream:
     def render(self, i: int, event: StepEvent) -> str:
         choices = []
         want_logprobs = self.want_logprobs
+        with_ids = self.prompt_ids is not None
         for d in event.deltas:
-            if not d.text and d.finish_reason is None and not (want_logprobs and d.logprobs):
+            if (
+                not d.text
+                and d.finish_reason is None
+                and not (want_logprobs and d.logprobs)
+                and not (with_ids and d.token_ids)
+            ):
                 continue
             index = i * self.n + d.index
             text = "" if self.prompt_only else d.text
             if self.echo is not None and index not in self._echoed:
                 self._echoed.add(index)
                 text = self.echo[i] + text
+            ids = self._token_ids(i, index, d.token_ids)
             if not want_logprobs:
                 choices.append(
                     f'{{"index":{index},"text":{dumps(text)},"logprobs":null,'
                     f'"finish_reason":{_reason(d.finish_reason)},'
-                    f'"stop_reason":{_reason(d.stop_reason)}}}'
+                    f'"stop_reason":{_reason(d.stop_reason)}{ids}}}'
                 )
                 continue
             entry = {
@@ -146,10 +158,22 @@ class CompletionStream:
                 "finish_reason": d.finish_reason,
                 "stop_reason": d.stop_reason,
             }
-            choices.append(dumps(entry))
+            choices.append(dumps(entry)[:-1] + ids + "}")
         if not choices:
             return ""
         return f"{self._head}[{','.join(choices)}]}}\n\n"
+
+    def _token_ids(self, i: int, index: int, token_ids: list[int]) -> str:
+        """The choice's `token_ids` (and on its first chunk `prompt_token_ids`) as JSON
+        members after a comma; "" without return_token_ids."""
+        if self.prompt_ids is None:
+            return ""
+        shown = [] if self.prompt_only else token_ids
+        out = f',"token_ids":{dumps(shown)}'
+        if index not in self._ids_started:
+            self._ids_started.add(index)
+            out += f',"prompt_token_ids":{dumps(self.prompt_ids[i])}'
+        return out
 
     def final(self, usage: Usage) -> str:
         return sse(self.chunk([], usage)) if self.include_usage else ""
@@ -168,15 +192,25 @@ class ChatStream:
         want_logprobs: bool,
         include_usage: bool,
         token_text: TokenText,
+        prompt_ids: list[int] | None = None,
     ) -> None:
+        """`prompt_ids` (vLLM's return_token_ids): the first chunk carries them as
+        `prompt_token_ids`, each choice its new `token_ids`."""
         self.rid = rid
         self.created = created
         self.model = model
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.token_text = token_text
+        self.prompt_ids = prompt_ids
         self._started: set[int] = set()
         self._head = _head(rid, "chat.completion.chunk", created, model)
+        self._first_head = self._head
+        if prompt_ids is not None:
+            self._first_head = (
+                self._head.removesuffix('"choices":')
+                + f'"prompt_token_ids":{dumps(prompt_ids)},"choices":'
+            )
 
     def chunk(
         self, choices: list[dict[str, Any]], usage: Usage | None = None, full: bool = False
@@ -196,19 +230,22 @@ class ChatStream:
         lines = []
         choices = []
         want_logprobs = self.want_logprobs
+        with_ids = self.prompt_ids is not None
         for d in event.deltas:
             if d.index not in self._started:
+                head = self._head if self._started else self._first_head
                 self._started.add(d.index)
                 role = (
                     f'{{"index":{d.index},"delta":{{"role":"assistant","content":""}},'
                     '"logprobs":null,"finish_reason":null}'
                 )
-                lines.append(f"{self._head}[{role}]}}\n\n")
+                lines.append(f"{head}[{role}]}}\n\n")
             if (
                 not d.text
                 and d.finish_reason is None
                 and not d.tool_calls
                 and not (want_logprobs and d.logprobs)
+                and not (with_ids and d.token_ids)
             ):
                 continue
             parts = []
@@ -221,10 +258,11 @@ class ChatStream:
             logprobs = (
                 dumps(chat_logprobs(d.logprobs or [], self.token_text)) if want_logprobs else "null"
             )
+            ids = f',"token_ids":{dumps(d.token_ids)}' if with_ids else ""
             choices.append(
                 f'{{"index":{d.index},"delta":{delta},"logprobs":{logprobs},'
                 f'"finish_reason":{_reason(d.finish_reason)},'
-                f'"stop_reason":{_reason(d.stop_reason)}}}'
+                f'"stop_reason":{_reason(d.stop_reason)}{ids}}}'
             )
         if choices:
             lines.append(f"{self._head}[{','.join(choices)}]}}\n\n")

@@ -269,6 +269,51 @@ def test_cache_salt_and_prompt_truncation(deployment: Deployment, reference: Ref
     assert_pools_whole(deployment)
 
 
+def test_return_token_ids(deployment: Deployment, reference: Reference) -> None:
+    """return_token_ids (vLLM's): the prompt's token ids and each choice's beside the text,
+    on both endpoints; streamed, the prompt's once (the first chunk) and the choice's chunk
+    by chunk. return_tokens_as_token_ids: logprobs' tokens written "token_id:<id>"."""
+    client = _client(deployment)
+    greedy = dict(model="default", max_tokens=MAX_TOKENS, temperature=0)
+    ids = {"return_token_ids": True}
+    full = client.completions.create(prompt=PROMPTS[1], **greedy, extra_body=ids)
+    extra = full.choices[0].model_extra or {}
+    assert extra["prompt_token_ids"] == reference.prompt_ids
+    assert extra["token_ids"] == reference.token_ids[1]
+    stream = client.completions.create(prompt=PROMPTS[1], stream=True, **greedy, extra_body=ids)
+    chunks = [c.choices[0].model_extra or {} for c in stream if c.choices]
+    assert chunks[0]["prompt_token_ids"] == reference.prompt_ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == reference.token_ids[1]
+
+    chat = client.chat.completions.create(messages=CHAT, **greedy, extra_body=ids)
+    assert (chat.choices[0].model_extra or {})["token_ids"] == reference.chat_token_ids
+    chat_prompt = (chat.model_extra or {})["prompt_token_ids"]
+    assert chat.usage is not None and len(chat_prompt) == chat.usage.prompt_tokens
+    tokenized = httpx.post(f"http://{deployment.http_address}/tokenize", json={"messages": CHAT})
+    assert chat_prompt == tokenized.json()["tokens"]
+    streamed = list(
+        client.chat.completions.create(messages=CHAT, stream=True, **greedy, extra_body=ids)
+    )
+    assert (streamed[0].model_extra or {})["prompt_token_ids"] == chat_prompt
+    assert all("prompt_token_ids" not in (c.model_extra or {}) for c in streamed[1:])
+    # The role chunk that opens a choice has no tokens.
+    got = [
+        t for c in streamed for ch in c.choices for t in (ch.model_extra or {}).get("token_ids", [])
+    ]
+    assert got == reference.chat_token_ids
+
+    as_ids = (
+        client.completions.create(
+            prompt=PROMPTS[1], logprobs=2, **greedy, extra_body={"return_tokens_as_token_ids": True}
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert as_ids is not None and as_ids.tokens == [f"token_id:{t}" for t in reference.token_ids[1]]
+    assert all(k.startswith("token_id:") for top in as_ids.top_logprobs or [] for k in top)
+
+
 def test_openai_chat_matches_offline(deployment: Deployment, reference: Reference) -> None:
     client = _client(deployment)
     full = client.chat.completions.create(

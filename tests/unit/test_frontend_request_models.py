@@ -63,6 +63,8 @@ BAD: dict[str, Any] = {
     "add_special_tokens": "yes",
     "truncate_prompt_tokens": 0,
     "cache_salt": "",
+    "return_token_ids": "yes",
+    "return_tokens_as_token_ids": 1,
     "stream": "yes",
     "stream_options": {"include_usage": 1},
     "priority": 1.5,

@@ -206,3 +206,33 @@ def test_prompt_logprobs_body_is_vllms_layout() -> None:
         {"3": {"logprob": -9999.0, "rank": 1, "decoded_token": " sat"}},
     ]
     assert json.loads(dumps(body)) == body
+
+
+def test_token_ids_in_stream_chunks() -> None:
+    """return_token_ids: a completions choice's first chunk has its prompt's ids, every chunk
+    its new ids (a chunk of ids whose text is held back is still sent); a chat stream's first
+    chunk has the prompt's ids at the top, each choice its ids."""
+    cmpl = CompletionStream(
+        "cmpl-1", 9, "m", 1, False, False, TokenText(None), prompt_ids=[[1, 2], [3]]
+    )
+
+    def choices(write: str) -> list[dict[str, object]]:
+        return [c for part in write.strip().split("\n\n") for c in json.loads(part[6:])["choices"]]
+
+    [c] = choices(cmpl.render(1, StepEvent([ChoiceDelta(0, "", [7])])))
+    assert c == {
+        "index": 1,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+        "token_ids": [7],
+        "prompt_token_ids": [3],
+    }
+    [c] = choices(cmpl.render(1, StepEvent([ChoiceDelta(0, "ab", [8], None, "length")])))
+    assert c["token_ids"] == [8] and "prompt_token_ids" not in c
+    chat = ChatStream("chat-1", 9, "m", False, False, TokenText(None), prompt_ids=[4, 5])
+    write = chat.render(0, StepEvent([ChoiceDelta(0, "x", [6])]))
+    first, second = [json.loads(part[6:]) for part in write.strip().split("\n\n")]
+    assert first["prompt_token_ids"] == [4, 5] and "prompt_token_ids" not in second
+    assert second["choices"][0]["token_ids"] == [6]
