@@ -2,16 +2,14 @@
 # Wave 3, thirty-second session's device calls (an H200: issue 30's vLLM figures are H200
 # figures). Carry .whl.
 #
-#   PART=base (~9.5 min): issue 30's served table at the defaults (scripts/gpu_session27.sh
-#            PART=table30: bf16, 5 / 15 / 25 req/s and all at once, fresh prompts per rate),
-#            then bf16 batch 1 on the 8B shape without and with --enable-pdl (the bf16 decode
+#   PART=base (~5 min): issue 30's served table at the defaults (`served` below:
+#            gpu_issue14.sh's unified server, bf16, 5 / 15 / 25 req/s and all at once, fresh
+#            prompts per rate), then bf16 batch 1 on the 8B shape without and with --enable-pdl (the bf16 decode
 #            chain runs the same Triton GEMV, norm, rotary and attention kernels PDL launches;
 #            never timed in bf16).
 #   PART=pdl (~9 min): the same served table with --enable-pdl (the same-run A/B session 17
 #            asked for: PDL was the likelier cause of session 16's worse FP8 TTFT p99), then
 #            FP8 + FP8 KV batch 1 with --enable-pdl (issue 28's 2.3 ms bar).
-#   PART=ab_pdl (~9.5 min, either card): 5 and 15 req/s without and with --enable-pdl in one
-#            call (the served A/B), then bf16 batch 1 both ways.
 #   PART=gpu_ab (~9.5 min, either card): tests/gpu/test_gpu_engine.py (prompt logprobs on
 #            CUDA), the served A/B at 5 req/s without and with --enable-pdl, bf16 batch 1 both.
 #   PART=fp8 (~6 min): the served table in FP8 (--quantization fp8 --kv-cache-dtype fp8:
@@ -25,6 +23,7 @@
 #   the logits-processor, speculation, model and structured GPU files (two calls: the first
 #   lacked /tmp/site on PYTHONPATH), FP8 + FP8 KV batch 1 with --enable-pdl.
 #   Results: benchmarks/results/*_h100_2026-12-07_s32*.
+# Next session, on an H200: PART=base, then PART=fp8 (both on the warm machine; carry .whl).
 #
 #   OUT=/some/dir PART=base bash scripts/gpu_session32.sh
 set -u
@@ -54,18 +53,6 @@ pdl)
   served t30_pdl 5,15,25,inf 290 --enable-pdl
   WORKLOADS=none offline fp8_fp8kv_b1_pdl 150 --quantization fp8 --kv-cache-dtype fp8 \
     --enable-pdl
-  finish
-  ;;
-ab_pdl)
-  # Either card: the served A/B at 5 and 15 req/s (fresh prompts per rate) without and with
-  # --enable-pdl, then bf16 batch 1 both ways.
-  BUDGET_S=${BUDGET_S:-570}
-  . scripts/device_lib.sh
-  env_report | head -n 3
-  served ab_plain 5,15 170
-  served ab_pdl 5,15 170 --enable-pdl
-  WORKLOADS=none offline bf16_b1 100
-  WORKLOADS=none offline bf16_b1_pdl 100 --enable-pdl
   finish
   ;;
 gpu_ab)

@@ -36,10 +36,13 @@ class PieceTokenizer:
         return "".join(PIECES[i] for i in ids)
 
 
-def _out(rid: str, index: int, ids: list[int], finish: int = 0) -> Outputs:
+def _out(
+    rid: str, index: int, ids: list[int], finish: int = 0, prompt: Sequence[Logprobs] = ()
+) -> Outputs:
     out = worker_pb2.RequestOutput(
         request_id=rid, output_index=index, new_token_ids=ids, finish_reason=finish
     )
+    out.prompt_logprobs.extend(map(logprobs_to_proto, prompt))
     return Outputs(worker_pb2.StepOutputs(outputs=[out]))
 
 
@@ -238,14 +241,6 @@ def test_an_output_ahead_of_its_turn_joins_the_one_it_waited_for() -> None:
     asyncio.run(main())
 
 
-def _prompt_out(rid: str, ids: list[int], lps: list[Logprobs], finish: int = 0) -> Outputs:
-    out = worker_pb2.RequestOutput(
-        request_id=rid, output_index=0, new_token_ids=ids, finish_reason=finish
-    )
-    out.prompt_logprobs.extend(map(logprobs_to_proto, lps))
-    return Outputs(worker_pb2.StepOutputs(outputs=[out]))
-
-
 def test_prompt_logprobs_reach_every_choice_first_delta_and_are_not_asked_again() -> None:
     """n = 2 with prompt logprobs: the first choice alone computes them; the second choice's
     outputs wait until they come, then each choice's first delta carries them (and no later
@@ -272,7 +267,7 @@ def test_prompt_logprobs_reach_every_choice_first_delta_and_are_not_asked_again(
             tracker.tell(_out("r#1", 1, [5]))
             await asyncio.sleep(0.05)
             assert queue.empty()
-            tracker.tell(_prompt_out("r#0", [0], lps))
+            tracker.tell(_out("r#0", 0, [0], prompt=lps))
             [event] = await _drain(queue, 1)
             by_index = {d.index: d for d in event.deltas}
             assert by_index[0].prompt_logprobs == lps and by_index[1].prompt_logprobs == lps
@@ -300,7 +295,7 @@ def test_prompt_logprobs_reach_every_choice_first_delta_and_are_not_asked_again(
             [m] = migrations
             assert m.request.sampling_params.HasField("prompt_logprobs")
             lps = [Logprobs([7], [-0.75], 3)]
-            tracker.tell(_prompt_out(m.request.request_id, [1], lps))
+            tracker.tell(_out(m.request.request_id, 0, [1], prompt=lps))
             [event] = await _drain(queue, 1)
             assert event.deltas[0].prompt_logprobs == lps
         finally:
