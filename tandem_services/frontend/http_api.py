@@ -39,7 +39,7 @@ from tandem_services.frontend.openai_protocol import (
     parse_tokenize,
     prompt_logprobs_body,
 )
-from tandem_services.frontend.sse import DONE, ChatStream, CompletionStream, sse
+from tandem_services.frontend.sse import DONE, ChatStream, CompletionStream, sse, with_usage
 from tandem_services.frontend.tool_parsers import (
     AUTO_TOOL_PARSERS,
     ToolCallExtractor,
@@ -393,7 +393,9 @@ class HttpApi:
                     choice["token_ids"] = [] if body.prompt_only else a.token_ids or []
                 choices.append(choice)
             return JSONResponse(stream.chunk(choices, usage))
-        return await self._stream(inputs, stream.render, stream.final, body.structured_param)
+        return await self._stream(
+            inputs, stream.render, stream.final, body.structured_param, body.continuous_usage
+        )
 
     async def chat(self, request: Request) -> Response:
         body = parse_chat(await self._read_json(request), self.limits, self.tool_call_parser)
@@ -463,7 +465,9 @@ class HttpApi:
         if tools is not None:
             extract = tools.apply
             render = lambda i, event: stream.render(i, extract(event))  # noqa: E731
-        return await self._stream(inputs, render, stream.final, body.structured_param)
+        return await self._stream(
+            inputs, render, stream.final, body.structured_param, body.continuous_usage
+        )
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt's token ids by the served model's tokenizer, or a
@@ -528,12 +532,16 @@ class HttpApi:
         render: Callable[[int, StepEvent], str],
         final: Callable[[Usage], str],
         structured_param: str | None = None,
+        continuous_usage: bool = False,
     ) -> Response:
         """An SSE response; errors before the first event become a plain HTTP error.
 
         One write per event (each step's new text of every choice in one chunk); the last
-        event of a single-prompt stream goes out with the usage chunk and `[DONE]`."""
+        event of a single-prompt stream goes out with the usage chunk and `[DONE]`. With
+        `continuous_usage`, every chunk carries the usage so far (the prompts' tokens and the
+        tokens sent)."""
         single = len(inputs) == 1
+        running = Usage(sum(len(inp.prompt_token_ids) for inp in inputs), 0)
         events = _with_param(_merge(self.engine, inputs), structured_param)
         try:
             first = await anext(events)
@@ -553,6 +561,9 @@ class HttpApi:
                         usage.completion_tokens += event.usage.completion_tokens
                         usage.cached_tokens += event.usage.cached_tokens
                     text = render(i, event)
+                    if continuous_usage:
+                        running.completion_tokens += sum(len(d.token_ids) for d in event.deltas)
+                        text = with_usage(text, running)
                     if single and event.finished:
                         yield text + final(usage) + DONE
                         return

@@ -197,14 +197,18 @@ def _logit_bias(name: str, v: Any, limits: RequestLimits) -> dict[int, float] | 
     return bias
 
 
-def _include_usage(name: str, v: Any, limits: RequestLimits) -> bool:
-    """`stream_options`: whether the stream ends with a usage chunk."""
+def _stream_options(name: str, v: Any, limits: RequestLimits) -> tuple[bool, bool]:
+    """`stream_options`: whether the stream ends with a usage chunk (`include_usage`), and
+    whether every chunk carries the usage so far (vLLM's `continuous_usage_stats`)."""
     if not isinstance(v, dict):
         raise invalid("stream_options must be an object", "stream_options")
-    include = v.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise invalid("stream_options.include_usage must be true or false", "stream_options")
-    return include
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        flag = v.get(key, False)
+        if not isinstance(flag, bool):
+            raise invalid(f"stream_options.{key} must be true or false", "stream_options")
+        flags.append(flag)
+    return flags[0], flags[1]
 
 
 def _is_ids(p: Any) -> bool:
@@ -298,7 +302,7 @@ _COMMON: dict[str, Field] = {
     "truncate_prompt_tokens": Field(_int()),
     "cache_salt": Field(_str),
     "stream": Field(_bool),
-    "stream_options": Field(_include_usage),
+    "stream_options": Field(_stream_options),
     "priority": Field(_int()),
     # An end-user id for abuse monitoring: nothing to do with the output.
     "user": Field(_any),
@@ -476,6 +480,8 @@ class CompletionBody:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    # Every chunk carries the usage so far (stream_options.continuous_usage_stats).
+    continuous_usage: bool
     priority: int
     # The field the output constraint came from (for errors the engine reports), if any.
     structured_param: str | None = None
@@ -530,7 +536,8 @@ def _envelope(values: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": values.get("model"),
         "stream": values.get("stream", False),
-        "include_usage": values.get("stream_options", False),
+        "include_usage": values.get("stream_options", (False, False))[0],
+        "continuous_usage": values.get("stream_options", (False, False))[1],
         "priority": values.get("priority", 0),
         "prompt_options": PromptOptions(
             values.get("add_special_tokens"),
@@ -553,6 +560,8 @@ class ChatBody:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    # Every chunk carries the usage so far (stream_options.continuous_usage_stats).
+    continuous_usage: bool
     priority: int
     # The request's tools as given (for the chat template), and how they are used (None:
     # tool_choice "none", or no tools).

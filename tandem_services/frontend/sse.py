@@ -39,6 +39,13 @@ def sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
+def with_usage(text: str, usage: Usage) -> str:
+    """Each chunk of `text` (rendered SSE) with `usage` after its choices (vLLM's
+    `continuous_usage_stats`). A chunk ends in `]}` and a blank line; JSON strings hold no
+    raw newline, so no string ends one."""
+    return text.replace("]}\n\n", f'],"usage":{dumps(usage_body(usage))}}}\n\n')
+
+
 def _reason(value: int | str | None) -> str:
     """A finish or stop reason as JSON."""
     if value is None:

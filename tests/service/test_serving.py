@@ -314,6 +314,30 @@ def test_return_token_ids(deployment: Deployment, reference: Reference) -> None:
     assert all(k.startswith("token_id:") for top in as_ids.top_logprobs or [] for k in top)
 
 
+def test_continuous_usage_stats(deployment: Deployment, reference: Reference) -> None:
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far,
+    its completion tokens those sent, up to the final usage chunk's."""
+    stream = _client(deployment).chat.completions.create(
+        model="default",
+        messages=CHAT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    )
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == len(reference.chat_token_ids)
+    assert len({c.usage.prompt_tokens for c in chunks if c.usage is not None}) == 1
+    sent = 0
+    for c in chunks:
+        sent += sum(1 for ch in c.choices if ch.delta.content)  # each holds a token or more
+        assert c.usage is not None and c.usage.completion_tokens >= sent
+    text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
+    assert text == reference.chat_text
+
+
 def test_openai_chat_matches_offline(deployment: Deployment, reference: Reference) -> None:
     client = _client(deployment)
     full = client.chat.completions.create(

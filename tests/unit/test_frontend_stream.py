@@ -10,8 +10,12 @@ import grpc
 
 from tandem.core.outputs import Logprobs
 from tandem_services.frontend.engine import merge_queued
-from tandem_services.frontend.openai_protocol import TokenText, prompt_logprobs_body
-from tandem_services.frontend.sse import ChatStream, CompletionStream, dumps
+from tandem_services.frontend.openai_protocol import (
+    TokenText,
+    parse_completion,
+    prompt_logprobs_body,
+)
+from tandem_services.frontend.sse import ChatStream, CompletionStream, dumps, with_usage
 from tandem_services.frontend.types import (
     ChoiceDelta,
     FrontendError,
@@ -236,3 +240,23 @@ def test_token_ids_in_stream_chunks() -> None:
     first, second = [json.loads(part[6:]) for part in write.strip().split("\n\n")]
     assert first["prompt_token_ids"] == [4, 5] and "prompt_token_ids" not in second
     assert second["choices"][0]["token_ids"] == [6]
+
+
+def test_continuous_usage_goes_into_every_chunk() -> None:
+    """stream_options.continuous_usage_stats: every chunk of a write, the role chunk of a
+    chat stream too, carries the usage so far after its choices; a text holding "]}" and
+    newlines (escaped in JSON) is left as it is."""
+    chat = ChatStream("chat-1", 9, "m", False, False, TokenText(None))
+    write = chat.render(0, StepEvent([ChoiceDelta(0, ']}\n\n"x"', [6])]))
+    parts = with_usage(write, Usage(5, 1)).strip().split("\n\n")
+    chunks = [json.loads(p[len("data: ") :]) for p in parts]
+    assert len(chunks) == 2
+    for c in chunks:
+        assert c["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    assert chunks[1]["choices"][0]["delta"]["content"] == ']}\n\n"x"'
+    assert with_usage("", Usage(5, 1)) == ""
+    body = parse_completion(
+        {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    )
+    assert body.continuous_usage and not body.include_usage
+    assert not parse_completion({"prompt": "hi"}).continuous_usage
