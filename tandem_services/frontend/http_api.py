@@ -193,6 +193,7 @@ class HttpApi:
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/v1/models", self._guard(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._guard(self.model), methods=["GET"]),
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
             # The frontend's own tokenizer: no worker needed, so no 503 before one serves.
@@ -301,22 +302,30 @@ class HttpApi:
         assert self.metrics_registry is not None
         return Response(generate_latest(self.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
+    def _card(self, model_id: str) -> dict[str, Any]:
+        return {
+            "id": model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tandem",
+            "max_model_len": self.engine.cluster.max_model_len or None,
+        }
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": model_id,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "tandem",
-                        "max_model_len": self.engine.cluster.max_model_len or None,
-                    }
-                    for model_id in self.model_ids
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [self._card(m) for m in self.model_ids]})
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's GET /v1/models/{model} (`client.models.retrieve`): the model's card, or
+        404 naming what is served."""
+        model_id = request.path_params["model"]
+        if model_id not in self.model_ids:
+            raise FrontendError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {model_id!r} is not served here; available: "
+                f"{', '.join(self.model_ids)}",
+                "model",
+            )
+        return JSONResponse(self._card(model_id))
 
     async def completions(self, request: Request) -> Response:
         body = parse_completion(await self._read_json(request), self.limits)

@@ -379,8 +379,14 @@ def test_stop_logprobs_n_seed(deployment: Deployment, reference: Reference) -> N
 
 
 def test_models_and_tokenize(deployment: Deployment) -> None:
-    models = _client(deployment).models.list()
+    client = _client(deployment)
+    models = client.models.list()
     assert [m.id for m in models.data] == ["default"]
+    # OpenAI's retrieve (GET /v1/models/{model}): the same card, or a 404 naming the model.
+    card = client.models.retrieve("default")
+    assert card.id == "default" and card.model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="'nope' is not served"):
+        client.models.retrieve("nope")
 
     async def run() -> tuple[frontend_pb2.ListModelsResponse, frontend_pb2.TokenizeResponse]:
         async with grpc.aio.insecure_channel(deployment.grpc_address) as channel:
