@@ -321,8 +321,7 @@ class HttpApi:
         if model_id not in self.model_ids:
             raise FrontendError(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {model_id!r} is not served here; available: "
-                f"{', '.join(self.model_ids)}",
+                f"model {model_id!r} is not served here; available: {', '.join(self.model_ids)}",
                 "model",
             )
         return JSONResponse(self._card(model_id))
