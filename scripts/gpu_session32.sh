@@ -20,8 +20,9 @@
 #   H100 (a call naming nvidia-h200 may get either card), so its served table is not set
 #   against vLLM's H200 figures; then, on the warm H100: tests/gpu/test_gpu_engine.py and the
 #   served table with --enable-pdl (one call: device_lib's `step` and this script's `served`),
-#   the logits-processor, speculation, model and structured GPU files (two calls: the first
-#   lacked /tmp/site on PYTHONPATH), FP8 + FP8 KV batch 1 with --enable-pdl.
+#   the logits-processor, speculation, model and structured GPU files (three calls: the first
+#   stopped at its first failure, the second lacked /tmp/site on PYTHONPATH), FP8 + FP8 KV
+#   batch 1 with --enable-pdl.
 #   Results: benchmarks/results/*_h100_2026-12-07_s32*.
 # Next session, on an H200: PART=base, then PART=fp8 (both on the warm machine; carry .whl).
 #
