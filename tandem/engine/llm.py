@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tandem.core.outputs import FinishReason
+from tandem.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tandem.engine.chat_template import template_options_problem
 from tandem.engine.core import EngineCore, InvalidRequestError, check_prompt_token_ids
 from tandem.engine.core_client import InprocClient
@@ -18,7 +19,7 @@ from tandem.engine_args import EngineArgs
 from tandem.loader import load_tokenizer
 from tandem.models.presets import has_random_weights
 from tandem.request import EngineCoreRequest
-from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -237,6 +238,36 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ----------------------------------------------------------------- loop
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (tandem.engine.beam_search): each prompt's `beam_width` best
+        sequences, best first. A step runs every live beam as a one-token request through
+        `generate`, the prefix cache giving back each beam's earlier blocks."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        token_ids = [self._to_token_ids(p)[1] for p in prompts]  # type: ignore[union-attr]
+        for ids in token_ids:
+            check_prompt_token_ids(ids, self.client.info.vocab_size)
+        if 2 * params.beam_width > MAX_LOGPROBS:
+            raise SamplingParamsError(
+                f"beam_width must be at most {MAX_LOGPROBS // 2} (it reads the top "
+                f"2 x beam_width logprobs), got {params.beam_width}"
+            )
+
+        def step(batch: list[list[int]], one: SamplingParams) -> list[list[tuple[int, float]]]:
+            outs = self.generate([{"prompt_token_ids": ids} for ids in batch], one, False)
+            return [
+                [(t, lp.logprob) for t, lp in (o.outputs[0].logprobs or [{}])[0].items()]
+                for o in outs
+            ]
+
+        tokenizer = self.tokenizer
+        detokenize = None if tokenizer is None else tokenizer.decode
+        return beam_search(token_ids, params, step, self.client.info.eos_token_id, detokenize)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

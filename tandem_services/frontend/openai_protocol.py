@@ -371,7 +371,10 @@ _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
         "function_call (function calling) is not implemented",
     ),
     "suffix": (lambda v: v is None or v == "", "suffix is not implemented"),
-    "use_beam_search": (lambda v: v is None or v is False, "use_beam_search is not implemented"),
+    "use_beam_search": (
+        lambda v: v is None or v is False,
+        "use_beam_search is not implemented over the API (the offline LLM.beam_search is)",
+    ),
     "store": (lambda v: v is None or v is False, "store (stored completions) is not implemented"),
     "metadata": (_is_absent, "metadata (stored completions) is not implemented"),
     "modalities": (
