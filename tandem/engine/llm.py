@@ -266,7 +266,11 @@ class LLM:
             ]
 
         tokenizer = self.tokenizer
-        detokenize = None if tokenizer is None else tokenizer.decode
+        detokenize = (
+            None
+            if tokenizer is None
+            else lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        )
         return beam_search(token_ids, params, step, self.client.info.eos_token_id, detokenize)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from tandem.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tandem.engine.output_state import child_params, child_request_id
 from tandem.sampling_params import SamplingParams, SamplingParamsError
 from tandem_protos.v1 import (
@@ -367,6 +368,33 @@ class FrontendEngine:
         finally:
             if not done:
                 self.tracker.tell(Cancel(inp.request_id))
+
+    async def beam_search(self, inp: GenerateInput, params: BeamSearchParams) -> BeamSearchOutput:
+        """vLLM's beam search over the services (tandem.engine.beam_search): each step runs
+        every live beam as a one-token request (`generate`) with the top 2 x width logprobs,
+        concurrently; the workers' prefix cache gives each beam its earlier blocks back."""
+        search = BeamSearch([inp.prompt_token_ids], params, self.tokenizer.eos_token_id)
+        while batch := search.pending():
+            found = await asyncio.gather(
+                *(self._candidates(inp, ids, search.step_params) for ids in batch)
+            )
+            search.advance(found)
+        [out] = search.outputs(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        return out
+
+    async def _candidates(
+        self, inp: GenerateInput, token_ids: list[int], params: SamplingParams
+    ) -> list[tuple[int, float]]:
+        """One beam's next-token candidates: its one-token request's top logprobs."""
+        one = GenerateInput(
+            self.new_request_id("beam"), token_ids, params, None, inp.priority, inp.cache_salt
+        )
+        found: dict[int, float] = {}
+        async for event in self.generate(one):
+            for d in event.deltas:
+                for lp in d.logprobs or ():
+                    found.update(zip(lp.token_ids, lp.logprobs, strict=True))
+        return list(found.items())
 
     @staticmethod
     def _engine_request(

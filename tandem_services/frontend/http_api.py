@@ -22,6 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tandem import __version__ as tandem_version
+from tandem.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from tandem.sampling_params import SamplingParams
 from tandem_protos.v1 import scheduler_pb2
 from tandem_services.frontend.auth import api_key_matches
 from tandem_services.frontend.engine import FrontendEngine
@@ -374,6 +376,28 @@ class HttpApi:
             body.prompt_only,
             prompt_ids,
         )
+        if body.beam_length_penalty is not None:
+            beams, usage = await _unless_disconnected(
+                request, self._beams(inputs, body.params, body.beam_length_penalty)
+            )
+            choices = [
+                {
+                    "index": i * body.params.n + k,
+                    "text": seq.text or "",
+                    "logprobs": None,
+                    "finish_reason": seq.finish_reason,
+                    "stop_reason": None,
+                    **(
+                        {"prompt_token_ids": prompt_ids[i], "token_ids": generated}
+                        if prompt_ids is not None
+                        else {}
+                    ),
+                }
+                for i, out in enumerate(beams)
+                for k, seq in enumerate(out.sequences)
+                for generated in [seq.tokens[len(inputs[i].prompt_token_ids) :]]
+            ]
+            return JSONResponse(stream.chunk(choices, usage))
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}
             usage = await _unless_disconnected(
@@ -439,6 +463,30 @@ class HttpApi:
             token_text,
             prompt_ids,
         )
+        if body.beam_length_penalty is not None:
+            beams, usage = await _unless_disconnected(
+                request, self._beams(inputs, params, body.beam_length_penalty)
+            )
+            [out] = beams
+            chat_choices = [
+                {
+                    "index": k,
+                    "message": {"role": "assistant", "content": seq.text or ""},
+                    "logprobs": None,
+                    "finish_reason": seq.finish_reason,
+                    "stop_reason": None,
+                    **(
+                        {"token_ids": seq.tokens[len(inputs[0].prompt_token_ids) :]}
+                        if prompt_ids is not None
+                        else {}
+                    ),
+                }
+                for k, seq in enumerate(out.sequences)
+            ]
+            response = stream.chunk(chat_choices, usage, full=True)
+            if prompt_ids is not None:
+                response["prompt_token_ids"] = prompt_ids
+            return JSONResponse(response)
         tools: ToolCallExtractor | None = None
         if body.tool_calling is not None:
             tools = ToolCallExtractor(parser_factory(body.tool_calling, self.tool_call_parser))
@@ -476,6 +524,34 @@ class HttpApi:
         return await self._stream(
             inputs, render, stream.final, body.structured_param, body.continuous_usage
         )
+
+    async def _beams(
+        self, inputs: list[GenerateInput], params: SamplingParams, length_penalty: float
+    ) -> tuple[list[BeamSearchOutput], Usage]:
+        """Beam search (`params.n` beams) for each input, concurrently, and the usage: the
+        prompts' tokens and the returned beams' generated tokens."""
+        outs = await asyncio.gather(
+            *(
+                self.engine.beam_search(
+                    inp,
+                    BeamSearchParams(
+                        beam_width=params.n,
+                        # The rest of the context when the request gave no max_tokens; 16
+                        # (completions' default) while no worker has told the context.
+                        max_tokens=inp.params.max_tokens or 16,
+                        ignore_eos=params.ignore_eos,
+                        length_penalty=length_penalty,
+                    ),
+                )
+                for inp in inputs
+            )
+        )
+        generated = sum(
+            len(seq.tokens) - len(inp.prompt_token_ids)
+            for inp, out in zip(inputs, outs, strict=True)
+            for seq in out.sequences
+        )
+        return outs, Usage(sum(len(inp.prompt_token_ids) for inp in inputs), generated)
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt's token ids by the served model's tokenizer, or a

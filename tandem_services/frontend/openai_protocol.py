@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.core.outputs import FinishReason, Logprobs
-from tandem.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from tandem.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
 from tandem_services.frontend.limits import (
     RequestLimits,
     check_at_most,
@@ -297,6 +302,9 @@ _COMMON: dict[str, Field] = {
     # written "token_id:<id>" (TokenIdText).
     "return_token_ids": Field(_bool),
     "return_tokens_as_token_ids": Field(_bool),
+    # vLLM's beam search: `n` beams (BeamSearchParams; FrontendEngine.beam_search).
+    "use_beam_search": Field(_bool),
+    "length_penalty": Field(_float),
     # How the prompt is tokenized and cached (PromptOptions).
     "add_special_tokens": Field(_bool),
     "truncate_prompt_tokens": Field(_int()),
@@ -371,10 +379,6 @@ _NO_OP_VALUES: dict[str, tuple[Any, str]] = {
         "function_call (function calling) is not implemented",
     ),
     "suffix": (lambda v: v is None or v == "", "suffix is not implemented"),
-    "use_beam_search": (
-        lambda v: v is None or v is False,
-        "use_beam_search is not implemented over the API (the offline LLM.beam_search is)",
-    ),
     "store": (lambda v: v is None or v is False, "store (stored completions) is not implemented"),
     "metadata": (_is_absent, "metadata (stored completions) is not implemented"),
     "modalities": (
@@ -402,8 +406,7 @@ _UNIMPLEMENTED: dict[str, str] = {
     "prompt_cache_key": "prompt cache keys",
     "safety_identifier": "safety identifiers",
     # vLLM's extensions.
-    "length_penalty": "beam search",
-    "early_stopping": "beam search",
+    "early_stopping": "beam search's early stopping (beams run to max_tokens or EOS)",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "chat_template": "a per-request chat template",
     "documents": "documents (RAG chat templates)",
@@ -500,6 +503,8 @@ class CompletionBody:
     return_token_ids: bool = False
     # Logprobs' tokens as "token_id:<id>" (vLLM's return_tokens_as_token_ids).
     tokens_as_ids: bool = False
+    # use_beam_search: its length penalty (`params.n` the beam width); None: no beam search.
+    beam_length_penalty: float | None = None
 
 
 def _no_streamed_prompt_logprobs(kwargs: dict[str, Any], values: dict[str, Any]) -> None:
@@ -522,6 +527,7 @@ def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) 
     if echo and kwargs.get("logprobs") is not None and not show:
         # The echoed prompt's tokens get logprobs as the output's do (vLLM's rule).
         kwargs["prompt_logprobs"] = kwargs["logprobs"]
+    beam = _beam_search({**values, **kwargs})
     return CompletionBody(
         prompts=values["prompt"],
         params=_sampling_params(kwargs, values),
@@ -529,6 +535,7 @@ def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) 
         echo=echo,
         show_prompt_logprobs=show,
         prompt_only=prompt_only,
+        beam_length_penalty=beam,
         **_envelope(values),
     )
 
@@ -550,6 +557,44 @@ def _envelope(values: dict[str, Any]) -> dict[str, Any]:
         "return_token_ids": values.get("return_token_ids", False),
         "tokens_as_ids": values.get("return_tokens_as_token_ids", False),
     }
+
+
+# What a beam-search request may not ask for: beams follow the model's own logprobs, whole.
+_NOT_WITH_BEAMS = (
+    "stream",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "prompt_logprobs",
+    "response_format",
+    "structured_outputs",
+    "tools",
+)
+
+
+def _beam_search(fields: dict[str, Any]) -> float | None:
+    """With `use_beam_search`, its length penalty (default 1.0), else None; 400 naming a
+    field beam search cannot serve with. `fields`: the body's values and sampling kwargs."""
+    values = fields
+    if not values.get("use_beam_search", False):
+        if "length_penalty" in values:
+            raise invalid("length_penalty needs use_beam_search: true", "length_penalty")
+        return None
+    for name in _NOT_WITH_BEAMS:
+        if values.get(name) is not None and values.get(name) is not False:
+            raise invalid(f"{name} cannot be combined with use_beam_search", name)
+    if values.get("temperature", 0.0) != 0.0:
+        raise invalid(
+            "temperature must be 0 with use_beam_search (beams follow the model's own logprobs)",
+            "temperature",
+        )
+    n = values.get("n", 1)
+    if 2 * n > MAX_LOGPROBS:
+        raise invalid(
+            f"n (the beam width) must be at most {MAX_LOGPROBS // 2} with use_beam_search",
+            "n",
+        )
+    return values.get("length_penalty", 1.0)
 
 
 @dataclass(frozen=True)
@@ -578,6 +623,8 @@ class ChatBody:
     return_token_ids: bool = False
     # Logprobs' tokens as "token_id:<id>" (vLLM's return_tokens_as_token_ids).
     tokens_as_ids: bool = False
+    # use_beam_search: its length penalty (`params.n` the beam width); None: no beam search.
+    beam_length_penalty: float | None = None
 
 
 def parse_chat(
@@ -612,8 +659,10 @@ def parse_chat(
         kwargs["logprobs"] = top or 0
     elif top is not None:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    beam = _beam_search({**values, **kwargs, "tools": tools if parameters else None})
     return ChatBody(
         messages=values["messages"],
+        beam_length_penalty=beam,
         params=_sampling_params(kwargs, values),
         tools=tools if parameters else None,
         tool_calling=calling,

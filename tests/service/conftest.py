@@ -88,9 +88,15 @@ class Reference:
     prompt_ids: list[int]
     prompt_logprobs: list[dict[int, Logprob] | None]
     chat_prompt_logprobs: list[dict[int, Logprob] | None]
+    # LLM.beam_search's BEAM_WIDTH beams of BEAM_TOKENS (their text, best first) for
+    # PROMPTS[1] and CHAT.
+    beams: list[str]
+    chat_beams: list[str]
 
 
 PROMPT_LOGPROBS = 2
+BEAM_WIDTH = 2
+BEAM_TOKENS = 6
 
 
 # Seeded, non-greedy sampling: the same tokens offline, unified and disaggregated (the prefill
@@ -100,7 +106,7 @@ SEEDED = {"temperature": 0.8, "top_k": 50, "seed": 1234}
 
 @pytest.fixture(scope="session")
 def reference() -> Reference:
-    from tandem import LLM, SamplingParams
+    from tandem import LLM, BeamSearchParams, SamplingParams
 
     llm = LLM(model="default", **ENGINE_ARGS)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -111,6 +117,13 @@ def reference() -> Reference:
     with_prompt = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=PROMPT_LOGPROBS)
     [scored] = llm.generate(PROMPTS[1], with_prompt, use_tqdm=False)
     [chat_scored] = llm.chat(CHAT, with_prompt, use_tqdm=False)
+    beams = BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=BEAM_TOKENS)
+    tok = llm.tokenizer
+    chat_ids = tok(
+        tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    ).input_ids
+    [searched, chat_searched] = llm.beam_search([PROMPTS[1], list(chat_ids)], beams)
     ref = Reference(
         [o.outputs[0].text for o in outs],
         [list(o.outputs[0].token_ids) for o in outs],
@@ -121,6 +134,8 @@ def reference() -> Reference:
         list(scored.prompt_token_ids),
         scored.prompt_logprobs,
         chat_scored.prompt_logprobs,
+        [b.text or "" for b in searched.sequences],
+        [b.text or "" for b in chat_searched.sequences],
     )
     llm.shutdown()
     return ref

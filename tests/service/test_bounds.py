@@ -385,7 +385,12 @@ CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
         "prompt_logprobs",
         "stream",
     ),
-    ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search", "use_beam_search"),
+    (
+        "completions",
+        {**GOOD, "use_beam_search": True, "stream": True},
+        "stream",
+        "use_beam_search",
+    ),
     ("completions", {**GOOD, "frobnicate": 1}, "frobnicate", "frobnicate"),
     ("chat/completions", {**CHAT, "max_tokens": 2048}, "max_tokens", "context"),
 ]

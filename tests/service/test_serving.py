@@ -19,6 +19,8 @@ import pytest
 from tandem_protos.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tandem_services.launcher import Deployment
 from tests.service.conftest import (
+    BEAM_TOKENS,
+    BEAM_WIDTH,
     CHAT,
     CONTINUE,
     CONTINUED,
@@ -336,6 +338,21 @@ def test_continuous_usage_stats(deployment: Deployment, reference: Reference) ->
         assert c.usage is not None and c.usage.completion_tokens >= sent
     text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
     assert text == reference.chat_text
+
+
+def test_beam_search_matches_offline(deployment: Deployment, reference: Reference) -> None:
+    """use_beam_search (`n` beams) on both endpoints: the offline LLM.beam_search's beams, in
+    order; each step's one-token requests leave the pools whole."""
+    client = _client(deployment)
+    beams = dict(model="default", n=BEAM_WIDTH, max_tokens=BEAM_TOKENS, temperature=0)
+    extra = {"use_beam_search": True}
+    out = client.completions.create(prompt=PROMPTS[1], **beams, extra_body=extra)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == reference.beams
+    assert out.usage is not None and out.usage.prompt_tokens == len(reference.prompt_ids)
+    chat = client.chat.completions.create(messages=CHAT, **beams, extra_body=extra)
+    got = [c.message.content for c in sorted(chat.choices, key=lambda c: c.index)]
+    assert got == reference.chat_beams
+    assert_pools_whole(deployment)
 
 
 def test_openai_chat_matches_offline(deployment: Deployment, reference: Reference) -> None:

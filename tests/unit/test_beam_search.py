@@ -40,3 +40,19 @@ def test_eos_beams_are_set_aside_and_ranked_with_the_rest() -> None:
     assert second.tokens in ([0, EOS, 7, 8], [0, EOS, 8, 7])
     assert abs(second.cum_logprob + 0.35) < 1e-9
     assert all(s.finish_reason == "length" and s.text is None for s in out.sequences)
+
+
+def test_a_prompt_stops_once_its_finished_beams_cannot_be_beaten() -> None:
+    """Width 1: [0, EOS] finishes at -0.05 (length 1); the live [0, 1] scores -0.1 / 2 =
+    -0.05, no better, so no second step runs; with width 2 the search goes on to max_tokens."""
+    calls: list[int] = []
+
+    def step(batch: list[list[int]], one: SamplingParams) -> list[list[tuple[int, float]]]:
+        calls.append(len(batch))
+        return [TABLE.get(tokens[-1], LATE) for tokens in batch]
+
+    [out] = beam_search([[0]], BeamSearchParams(beam_width=1, max_tokens=3), step, EOS)
+    assert calls == [1] and [s.tokens for s in out.sequences] == [[0, EOS]]
+    calls.clear()
+    beam_search([[0]], BeamSearchParams(beam_width=2, max_tokens=3), step, EOS)
+    assert calls == [1, 2, 2]

@@ -189,7 +189,6 @@ UNIMPLEMENTED = [
     ("guided_choice", ["yes", "no"]),
     ("guided_grammar", "root ::= 'a'"),
     ("functions", [{"name": "f"}]),
-    ("use_beam_search", True),
     ("audio", {"voice": "alloy"}),
     ("reasoning_effort", "low"),
     ("logits_processors", ["m:C"]),

@@ -65,6 +65,8 @@ BAD: dict[str, Any] = {
     "cache_salt": "",
     "return_token_ids": "yes",
     "return_tokens_as_token_ids": 1,
+    "use_beam_search": "yes",
+    "length_penalty": "long",
     "stream": "yes",
     "stream_options": {"include_usage": 1},
     "priority": 1.5,
@@ -155,6 +157,29 @@ def test_echo_and_prompt_logprobs_are_read() -> None:
         assert err.param == "prompt_logprobs"
         err = _refused(parse, {**base, "prompt_logprobs": LIMITS.max_logprobs + 1})
         assert err.param == "prompt_logprobs" and "max-logprobs" in err.message
+
+
+def test_beam_search_is_read_and_its_conflicts_refused() -> None:
+    """use_beam_search: `n` is the beam width, length_penalty defaults to 1; what beam
+    search cannot serve with is a 400 naming the field."""
+    body = parse_completion({**COMPLETION_BODY, "use_beam_search": True, "n": 3}, LIMITS)
+    assert body.beam_length_penalty == 1.0 and body.params.n == 3
+    assert parse_completion(COMPLETION_BODY, LIMITS).beam_length_penalty is None
+    chat = parse_chat({**CHAT_BODY, "use_beam_search": True, "length_penalty": 0.5}, LIMITS)
+    assert chat.beam_length_penalty == 0.5
+    for parse, base in ((parse_completion, COMPLETION_BODY), (parse_chat, CHAT_BODY)):
+        beam = {**base, "use_beam_search": True}
+        for field, value in (
+            ("stream", True),
+            ("temperature", 0.7),
+            ("prompt_logprobs", 0),
+            ("structured_outputs", {"regex": "a+"}),
+            ("n", 11),
+        ):
+            assert _refused(parse, {**beam, field: value}).param == field, field
+        assert _refused(parse, {**base, "length_penalty": 2.0}).param == "length_penalty"
+    assert _refused(parse_completion, {**COMPLETION_BODY, "use_beam_search": True, "logprobs": 0})
+    assert _refused(parse_chat, {**CHAT_BODY, "use_beam_search": True, "logprobs": True})
 
 
 def test_prompt_options_are_read_and_checked() -> None:
