@@ -32,6 +32,15 @@ def _cache_salt(prompt: PromptType) -> str | None:
     return salt
 
 
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, token ids, a dict) or a list of them, as a list."""
+    if isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
 def _check_text(text: str, what: str) -> None:
     """InvalidRequestError if `text` holds a lone UTF-16 surrogate (not text: the tokenizer
     fails on it with a TypeError naming nothing)."""
@@ -148,11 +157,7 @@ class LLM:
         salt share cached prefixes). A prompt whose structured-outputs spec does not compile
         fails the call with SamplingParamsError naming it (nothing of the call stays queued).
         """
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
@@ -245,11 +250,7 @@ class LLM:
         """vLLM's beam search (tandem.engine.beam_search): each prompt's `beam_width` best
         sequences, best first. A step runs every live beam as a one-token request through
         `generate`, the prefix cache giving back each beam's earlier blocks."""
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        token_ids = [self._to_token_ids(p)[1] for p in prompts]  # type: ignore[union-attr]
+        token_ids = [self._to_token_ids(p)[1] for p in _prompt_list(prompts)]
         for ids in token_ids:
             check_prompt_token_ids(ids, self.client.info.vocab_size)
         if 2 * params.beam_width > MAX_LOGPROBS:

@@ -133,10 +133,10 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             child.token_ids.extend(out.new_token_ids)
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
-                parent.prompt_logprobs = [None, *map(_logprob_entry, out.prompt_logprobs)]
+                parent.prompt_logprobs = [None, *map(logprob_entry, out.prompt_logprobs)]
             if child.logprobs is not None and out.new_logprobs:
                 for lp in out.new_logprobs:
-                    child.logprobs.append(_logprob_entry(lp))
+                    child.logprobs.append(logprob_entry(lp))
                     child.cumulative_logprob += lp.logprobs[0]
             if child.output.update(out.new_token_ids, out.finish_reason, out.stop_reason):
                 to_abort.append(out.request_id)
@@ -184,7 +184,7 @@ class OutputProcessor:
         )
 
 
-def _logprob_entry(lp: Logprobs) -> dict[int, Logprob]:
+def logprob_entry(lp: Logprobs) -> dict[int, Logprob]:
     """One position's logprobs by token id: the chosen (or prompt) token at its rank first,
     then the top ones at ranks 1.. (a token in both keeps its first entry)."""
     entry: dict[int, Logprob] = {}

@@ -84,22 +84,29 @@ def step_response(
     choices: list[frontend_pb2.Choice],
     num_prompt_tokens: int,
     usage: Usage | None,
+    prompt_logprobs: list[Logprobs] | None = None,
 ) -> frontend_pb2.GenerateResponse:
-    """One Generate stream message: every choice's output of one step (the last has usage)."""
+    """One Generate stream message: every choice's output of one step (the last has usage;
+    the first with a choice's first output, the prompt's logprobs when asked for)."""
     response = frontend_pb2.GenerateResponse(
         request_id=request_id, choices=choices, prompt_tokens=num_prompt_tokens
     )
     if usage is not None:
         response.usage.CopyFrom(_usage(usage))
+    if prompt_logprobs:
+        response.prompt_logprobs.extend(map(logprobs_to_proto, prompt_logprobs))
     return response
 
 
 def stream_response(
-    request_id: str, event: StepEvent, num_prompt_tokens: int
+    request_id: str,
+    event: StepEvent,
+    num_prompt_tokens: int,
+    prompt_logprobs: list[Logprobs] | None = None,
 ) -> frontend_pb2.GenerateResponse:
     """The streamed (not final-only) message for one `StepEvent`."""
     choices = [_choice(d, d.index) for d in event.deltas]
-    return step_response(request_id, choices, num_prompt_tokens, event.usage)
+    return step_response(request_id, choices, num_prompt_tokens, event.usage, prompt_logprobs)
 
 
 # The gRPC sampling fields a limit bounds, with the limit (limits.py); stop has its own.
@@ -257,22 +264,18 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             prompt_logprobs_sent = False
             async for event in self.engine.generate(inp):
                 if not final_only:
-                    response = stream_response(shown_id, event, len(ids))
-                    prompt_logprobs = _prompt_logprobs(event.deltas)
-                    if prompt_logprobs is not None and not prompt_logprobs_sent:
-                        prompt_logprobs_sent = True
-                        response.prompt_logprobs.extend(map(logprobs_to_proto, prompt_logprobs))
-                    yield response
+                    prompt_logprobs = None
+                    if not prompt_logprobs_sent:
+                        prompt_logprobs = _prompt_logprobs(event.deltas)
+                        prompt_logprobs_sent = prompt_logprobs is not None
+                    yield stream_response(shown_id, event, len(ids), prompt_logprobs)
                     continue
                 for d in event.deltas:
                     acc.setdefault(d.index, ChoiceAccumulator()).add(d)
                 if event.usage is not None:
                     choices = [_choice(a, i) for i, a in sorted(acc.items())]
-                    response = step_response(shown_id, choices, len(ids), event.usage)
                     prompt_logprobs = _prompt_logprobs(list(acc.values()))
-                    if prompt_logprobs is not None:
-                        response.prompt_logprobs.extend(map(logprobs_to_proto, prompt_logprobs))
-                    yield response
+                    yield step_response(shown_id, choices, len(ids), event.usage, prompt_logprobs)
         except FrontendError as exc:
             trailing: tuple[tuple[str, str], ...] = ()
             if exc.retry_after_s is not None:

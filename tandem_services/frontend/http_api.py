@@ -359,10 +359,8 @@ class HttpApi:
             if body.echo
             else None
         )
-        # With echo and logprobs, each prompt's first token heads its choices' logprobs.
-        first_tokens = [inp.prompt_token_ids[0] for inp in inputs] if echo is not None else None
         token_text = TokenIdText() if body.tokens_as_ids else self.token_text
-        prompt_ids = [inp.prompt_token_ids for inp in inputs] if body.return_token_ids else None
+        prompt_ids = [inp.prompt_token_ids for inp in inputs]
         stream = CompletionStream(
             f"cmpl-{uuid.uuid4().hex}",
             int(time.time()),
@@ -372,9 +370,9 @@ class HttpApi:
             body.include_usage,
             token_text,
             echo,
-            first_tokens,
             body.prompt_only,
             prompt_ids,
+            body.return_token_ids,
         )
         if body.beam_length_penalty is not None:
             beams, usage = await _unless_disconnected(
@@ -389,7 +387,7 @@ class HttpApi:
                     "stop_reason": None,
                     **(
                         {"prompt_token_ids": prompt_ids[i], "token_ids": generated}
-                        if prompt_ids is not None
+                        if body.return_token_ids
                         else {}
                     ),
                 }
@@ -420,7 +418,7 @@ class HttpApi:
                     choice["prompt_logprobs"] = prompt_logprobs_body(
                         a.prompt_logprobs or [], token_text
                     )
-                if prompt_ids is not None:
+                if body.return_token_ids:
                     choice["prompt_token_ids"] = prompt_ids[index // body.params.n]
                     choice["token_ids"] = [] if body.prompt_only else a.token_ids or []
                 choices.append(choice)

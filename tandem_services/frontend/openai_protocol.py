@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.core.outputs import FinishReason, Logprobs
+from tandem.engine.output_processor import logprob_entry
 from tandem.sampling_params import (
     MAX_LOGPROBS,
     SamplingParams,
@@ -572,16 +573,16 @@ _NOT_WITH_BEAMS = (
 )
 
 
-def _beam_search(fields: dict[str, Any]) -> float | None:
+def _beam_search(values: dict[str, Any]) -> float | None:
     """With `use_beam_search`, its length penalty (default 1.0), else None; 400 naming a
-    field beam search cannot serve with. `fields`: the body's values and sampling kwargs."""
-    values = fields
+    field beam search cannot serve with. `values`: the body's values and sampling kwargs."""
     if not values.get("use_beam_search", False):
         if "length_penalty" in values:
             raise invalid("length_penalty needs use_beam_search: true", "length_penalty")
         return None
     for name in _NOT_WITH_BEAMS:
-        if values.get(name) is not None and values.get(name) is not False:
+        value = values.get(name)
+        if value is not None and value is not False:  # 0 asks too (logprobs: 0)
             raise invalid(f"{name} cannot be combined with use_beam_search", name)
     if values.get("temperature", 0.0) != 0.0:
         raise invalid(
@@ -836,19 +837,20 @@ def prompt_logprobs_body(
 ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then per prompt token a map
     from token id to its logprob, rank and text: the prompt token at its rank first, then the
-    top k at ranks 1.. (a token in both keeps its first entry)."""
+    top k at ranks 1.. (a token in both keeps its first entry: `logprob_entry`, as the
+    offline LLM lays them out)."""
     body: list[dict[str, dict[str, Any]] | None] = [None]
     for lp in prompt_logprobs:
-        entry: dict[str, dict[str, Any]] = {}
-        ranks = [lp.sampled_rank, *range(1, len(lp.token_ids))]
-        for tok, value, rank in zip(lp.token_ids, lp.logprobs, ranks, strict=True):
-            if str(tok) not in entry:
-                entry[str(tok)] = {
-                    "logprob": max(value, _LOGPROB_FLOOR),
-                    "rank": rank,
+        body.append(
+            {
+                str(tok): {
+                    "logprob": max(e.logprob, _LOGPROB_FLOOR),
+                    "rank": e.rank,
                     "decoded_token": token_text(tok),
                 }
-        body.append(entry)
+                for tok, e in logprob_entry(lp).items()
+            }
+        )
     return body
 
 

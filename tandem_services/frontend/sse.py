@@ -76,16 +76,16 @@ class CompletionStream:
         include_usage: bool,
         token_text: TokenText,
         echo: list[str] | None = None,
-        first_tokens: list[int] | None = None,
         prompt_only: bool = False,
         prompt_ids: list[list[int]] | None = None,
+        return_token_ids: bool = False,
     ) -> None:
         """`echo`: each prompt's text, sent before the first text of each of its choices;
-        with logprobs, `first_tokens` (each prompt's first token id) and the prompt's logprobs
-        (ChoiceDelta.prompt_logprobs) head the choice's logprobs likewise. `prompt_only`
-        (echo with max_tokens 0): the choices' own tokens are not shown. `prompt_ids` (each
-        prompt's token ids; vLLM's return_token_ids): each chunk's choice carries its new
-        `token_ids`, a choice's first one its prompt's `prompt_token_ids` too."""
+        with logprobs, the prompt's tokens (`prompt_ids`, each prompt's token ids) and their
+        logprobs (ChoiceDelta.prompt_logprobs) head the choice's logprobs likewise.
+        `prompt_only` (echo with max_tokens 0): the choices' own tokens are not shown.
+        `return_token_ids` (vLLM's): each chunk's choice carries its new `token_ids`, a
+        choice's first one its prompt's `prompt_token_ids` too."""
         self.rid = rid
         self.created = created
         self.model = model
@@ -94,9 +94,9 @@ class CompletionStream:
         self.include_usage = include_usage
         self.token_text = token_text
         self.echo = echo
-        self.first_tokens = first_tokens
         self.prompt_only = prompt_only
         self.prompt_ids = prompt_ids
+        self.return_token_ids = return_token_ids
         self._ids_started: set[int] = set()
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
@@ -124,8 +124,8 @@ class CompletionStream:
         echoed prompt's head it when `prompt_logprobs` (its first delta's) are given."""
         offset = self._offsets.get(index, 0)
         head = None
-        if self.first_tokens is not None and prompt_logprobs is not None:
-            first = self.first_tokens[index // self.n]
+        if self.echo is not None and self.prompt_ids is not None and prompt_logprobs is not None:
+            first = self.prompt_ids[index // self.n][0]
             head = echo_logprobs(first, prompt_logprobs, self.token_text)
             offset += sum(len(t) for t in head["tokens"])
         shown = [] if self.prompt_only else logprobs or []
@@ -136,7 +136,7 @@ class CompletionStream:
     def render(self, i: int, event: StepEvent) -> str:
         choices = []
         want_logprobs = self.want_logprobs
-        with_ids = self.prompt_ids is not None
+        with_ids = self.return_token_ids
         for d in event.deltas:
             if (
                 not d.text
@@ -173,7 +173,7 @@ class CompletionStream:
     def _token_ids(self, i: int, index: int, token_ids: list[int]) -> str:
         """The choice's `token_ids` (and on its first chunk `prompt_token_ids`) as JSON
         members after a comma; "" without return_token_ids."""
-        if self.prompt_ids is None:
+        if not self.return_token_ids or self.prompt_ids is None:
             return ""
         shown = [] if self.prompt_only else token_ids
         out = f',"token_ids":{dumps(shown)}'

@@ -171,7 +171,7 @@ def test_echo_with_logprobs_heads_each_choice_with_its_prompt() -> None:
     prompt = [lp([1, 1, 2], [-1.0, -1.0, -2.0], 1), lp([2, 3], [-0.5, -0.25], 2)]
     out = [lp([3, 3], [-0.125, -0.125], 1)]
     cmpl = CompletionStream(
-        "cmpl-1", 9, "m", 1, True, False, TokenText(_Pieces()), ["The cat"], [0]
+        "cmpl-1", 9, "m", 1, True, False, TokenText(_Pieces()), ["The cat"], prompt_ids=[[0, 1, 2]]
     )
     write = cmpl.render(0, StepEvent([ChoiceDelta(0, " sat", [3], out, prompt_logprobs=prompt)]))
     [choice] = json.loads(write[len("data: ") :])["choices"]
@@ -187,7 +187,7 @@ def test_echo_with_logprobs_heads_each_choice_with_its_prompt() -> None:
     assert choice["text"] == "." and choice["logprobs"]["text_offset"] == [14]
     assert choice["logprobs"]["tokens"] == ["."]
     whole = CompletionStream(
-        "cmpl-2", 9, "m", 1, True, False, TokenText(_Pieces()), ["The cat"], [0]
+        "cmpl-2", 9, "m", 1, True, False, TokenText(_Pieces()), ["The cat"], prompt_ids=[[0, 1, 2]]
     ).logprobs(0, out, prompt)
     assert whole["tokens"] == ["<s>", "The", " cat", " sat"]
     assert whole["text_offset"] == [0, 3, 6, 10]
@@ -217,7 +217,15 @@ def test_token_ids_in_stream_chunks() -> None:
     its new ids (a chunk of ids whose text is held back is still sent); a chat stream's first
     chunk has the prompt's ids at the top, each choice its ids."""
     cmpl = CompletionStream(
-        "cmpl-1", 9, "m", 1, False, False, TokenText(None), prompt_ids=[[1, 2], [3]]
+        "cmpl-1",
+        9,
+        "m",
+        1,
+        False,
+        False,
+        TokenText(None),
+        prompt_ids=[[1, 2], [3]],
+        return_token_ids=True,
     )
 
     def choices(write: str) -> list[dict[str, object]]:
