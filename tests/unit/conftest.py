@@ -1,5 +1,6 @@
 """Fixtures shared by unit-test files: the speculative-decoding tests' references (runs
-without speculation that several files and cases compare with, computed once a session)."""
+without speculation that several files and cases compare with, computed once a session); the
+hooks that start the Triton interpreter's child as soon as the session is collected."""
 
 from __future__ import annotations
 
@@ -16,6 +17,31 @@ from tests.spec_decode_cases import (
     SMOLLM2_CODE_PROMPT,
     run_engine,
 )
+
+
+def _interp_module(items: Sequence[pytest.Item]) -> Any:
+    """tests/unit/test_kernels_interp.py's module object when any of its tests is selected."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__.endswith(".test_kernels_interp"):
+            return module
+    return None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the interpreter child of the selected kernel cases now, so it runs beside the
+    files before it (its ~7 CPU minutes hidden on this machine's second core)."""
+    module = _interp_module(session.items)
+    cases = module.selected_cases(session.items) if module is not None else []
+    if cases:
+        session.config.stash[module.INTERP_CHILD] = module.InterpChild(cases)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    module = _interp_module(session.items)
+    child = session.config.stash.get(module.INTERP_CHILD, None) if module is not None else None
+    if child is not None:
+        child.stop()
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,14 @@ Small shapes only; fp32 and fp16 (the interpreter's bf16 dot is wrong).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import subprocess
 import sys
+import threading
 import traceback
 import unittest.mock
 from collections.abc import Callable
@@ -2413,33 +2415,78 @@ def case_fused_moe_decode(dtype: torch.dtype, num_tokens: int, other_rank: bool)
 # --- runner -------------------------------------------------------------------------------
 
 
-def _selected_cases(request: pytest.FixtureRequest) -> list[str]:
+def selected_cases(items: list[pytest.Item]) -> list[str]:
+    """The interpreter cases among the collected `items`."""
     module = sys.modules[__name__]
     names = {
         item.callspec.params["case"]
-        for item in request.session.items
+        for item in items
         if getattr(item, "module", None) is module and hasattr(item, "callspec")
     }
     return sorted(names & _CASES.keys())
 
 
+class InterpChild:
+    """The interpreter child running the selected cases, started once the session is
+    collected (tests/unit/conftest.py) so it runs on the spare core, at a lower priority,
+    while the suite's other files run; the first case waits for its results. One thread for
+    torch, numpy and OpenMP: it must not crowd the tests beside it."""
+
+    def __init__(self, cases: list[str]) -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = "1"
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__, *cases],
+            env=env,
+            cwd=_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: os.nice(10),
+        )
+        self._output: tuple[str, str] = ("", "")
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        self._output = self._proc.communicate()
+
+    def results(self, timeout_s: float = 900.0) -> dict[str, str]:
+        """Case name -> "ok" or the traceback; waits up to `timeout_s` from now (at full
+        priority where the system allows raising it back)."""
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, self._proc.pid, 0)
+        self._reader.join(timeout_s)
+        if self._reader.is_alive():
+            self.stop()
+            pytest.fail(f"interpreter child still running after {timeout_s:.0f} s")
+        stdout, stderr = self._output
+        for line in reversed(stdout.splitlines()):
+            if line.startswith(_RESULTS_MARK):
+                return json.loads(line.removeprefix(_RESULTS_MARK))
+        pytest.fail(f"interpreter child failed (rc {self._proc.returncode}):\n{stdout}\n{stderr}")
+
+    def stop(self) -> None:
+        """Kill the child if it still runs (a session stopped early)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._reader.join()
+
+
+INTERP_CHILD = pytest.StashKey[InterpChild]()
+
+
 @pytest.fixture(scope="module")
 def interp_results(request: pytest.FixtureRequest) -> dict[str, str]:
-    """Run the selected cases in one interpreter child; case name -> "ok" or the traceback."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, __file__, *_selected_cases(request)],
-        env=env,
-        cwd=_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(_RESULTS_MARK):
-            return json.loads(line.removeprefix(_RESULTS_MARK))
-    pytest.fail(f"interpreter child failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    """Run the selected cases in one interpreter child; case name -> "ok" or the traceback.
+    The child started at collection's end where the conftest hook ran, else here."""
+    child = request.config.stash.get(INTERP_CHILD, None)
+    if child is None:
+        child = InterpChild(selected_cases(request.session.items))
+        request.config.stash[INTERP_CHILD] = child
+    return child.results()
 
 
 @pytest.mark.parametrize("case", sorted(_CASES))
