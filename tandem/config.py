@@ -860,6 +860,11 @@ class SamplerConfig:
         object.__setattr__(self, "logits_processors", specs)
 
 
+# `--quantization` values: methods applied at load, and the names of stored formats (which
+# only load checkpoints of that format; "auto" takes whatever the checkpoint says).
+QUANTIZATION_METHODS = ("auto", "fp8", "ptpc_fp8", "modelopt", "compressed-tensors")
+
+
 @dataclass(frozen=True)
 class QuantizationConfig:
     """Weight / activation quantization (tandem.layers.quantization).
@@ -867,15 +872,17 @@ class QuantizationConfig:
     `quantization`: the method applied at load to an unquantized checkpoint, vLLM's names:
     `fp8` (per-tensor weight scales, dynamic per-tensor activation scales), `ptpc_fp8`
     (per-channel weights, dynamic per-token activations). A checkpoint that is quantized
-    already (its config's `quantization_config`) is loaded as stored; "auto" (or None) takes
-    that, or runs unquantized. FP8 needs a GPU of compute capability 8.9 or above.
+    already (its config's `quantization_config`, or ModelOpt's `hf_quant_config.json`) is
+    loaded as stored; "auto" (or None) takes that, or runs unquantized; `modelopt` and
+    `compressed-tensors` name the stored format the checkpoint must have. FP8 needs a GPU of
+    compute capability 8.9 or above.
     """
 
-    quantization: Literal["auto", "fp8", "ptpc_fp8"] = field(
+    quantization: Literal["auto", "fp8", "ptpc_fp8", "modelopt", "compressed-tensors"] = field(
         default="auto",
         metadata=flag(
-            "fp8 | ptpc_fp8: quantize the weights at load (auto: the checkpoint's own scheme, "
-            "if any)",
+            "fp8 | ptpc_fp8: quantize the weights at load; modelopt | compressed-tensors: the "
+            "checkpoint's stored format (auto: the checkpoint's own scheme, if any)",
             aliases=("-q",),
         ),
     )
@@ -883,9 +890,10 @@ class QuantizationConfig:
     def __post_init__(self) -> None:
         if self.quantization is None:  # vLLM's spelling of "none asked for"
             object.__setattr__(self, "quantization", "auto")
-        if self.quantization not in ("auto", "fp8", "ptpc_fp8"):
+        if self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(
-                f"quantization must be auto, fp8 or ptpc_fp8, got {self.quantization}"
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                f"got {self.quantization}"
             )
 
 

@@ -13,12 +13,22 @@ from typing import Any
 
 import torch
 
+# ModelOpt's file naming a checkpoint's quantization when config.json does not.
+MODELOPT_QUANT_CONFIG = "hf_quant_config.json"
+
 
 def load_hf_config(path: str | Path) -> Any:
-    """The folder's `transformers` config (a `PretrainedConfig`)."""
+    """The folder's `transformers` config (a `PretrainedConfig`). A ModelOpt export whose
+    scheme is only in `hf_quant_config.json` gets it as `quantization_config` (`quant_method`
+    "modelopt": tandem.layers.quantization.modelopt)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    modelopt = Path(path) / MODELOPT_QUANT_CONFIG
+    if modelopt.is_file() and not getattr(config, "quantization_config", None):
+        stored = json.loads(modelopt.read_text())
+        config.quantization_config = {"quant_method": "modelopt", **stored}
+    return config
 
 
 # Files of which a folder's tokenizer loads (any one of them).

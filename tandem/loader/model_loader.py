@@ -121,7 +121,10 @@ def build_model(
     if has_random_weights(Path(model_path)):
         model.load_weights(random_weights(hf_config, ctx.dtype, ctx.device, seed))
     else:
-        model.load_weights(iterate_weight_slices(model_path))
+        weights = iterate_weight_slices(model_path)
+        if ctx.quant_config is not None:  # a stored format's scales in the layers' layout
+            weights = ctx.quant_config.map_checkpoint(weights)
+        model.load_weights(weights)
     assert isinstance(model, torch.nn.Module)
     process_weights_after_loading(model)
     return model.eval()  # type: ignore[return-value]

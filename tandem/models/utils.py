@@ -41,6 +41,8 @@ _KV_SCALE_SUFFIXES = {
     ".self_attn.k_proj.output_scale": ("k_scale",),  # older compressed-tensors
     ".self_attn.v_proj.output_scale": ("v_scale",),
     ".self_attn.kv_scale": ("k_scale", "v_scale"),  # one scale for both
+    ".self_attn.k_proj.k_scale": ("k_scale",),  # ModelOpt
+    ".self_attn.v_proj.v_scale": ("v_scale",),
 }
 
 

@@ -22,6 +22,7 @@ from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPar
 from tandem.layers.quantization import (
     Fp8Config,
     Fp8LinearMethod,
+    ModelOptFp8Config,
     PtpcFp8Config,
     resolve_quant_config,
 )
@@ -180,27 +181,38 @@ def _write_fp8_checkpoint(src: Path, dst: Path, kind: str) -> Path:
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in iterate_weights(src):
         proj = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-        if proj not in LINEAR_NAMES:
-            tensors[name] = tensor.contiguous()
+        if proj not in LINEAR_NAMES or (kind == "modelopt_fp8" and ".layers.1.mlp." in name):
+            tensors[name] = tensor.contiguous()  # (ModelOpt's: excluded by a wildcard)
             continue
         base = name[: -len("weight")]
         if kind == "ct_tensor":
             q, s = fp8_ops.quantize_per_tensor(tensor)
             tensors[base + "weight_scale"] = s.reshape(1)
-        elif kind == "ct_static":
+        elif kind in ("ct_static", "modelopt_fp8"):
             q, s = fp8_ops.quantize_per_tensor(tensor)
-            tensors[base + "weight_scale"] = s.reshape(1)
-            tensors[base + "input_scale"] = torch.tensor([0.02])
-        elif kind == "ct_channel":
+            shape = () if kind == "modelopt_fp8" else (1,)  # ModelOpt's scalars are 0-d
+            tensors[base + "weight_scale"] = s.reshape(shape)
+            tensors[base + "input_scale"] = torch.tensor(0.02).reshape(shape)
+        elif kind in ("ct_channel", "modelopt_pcpt"):
             q, s = fp8_ops.quantize_per_row(tensor)
-            tensors[base + "weight_scale"] = s
+            tensors[base + "weight_scale"] = s if kind == "ct_channel" else s.reshape(-1)
+        elif kind == "modelopt_pb_wo":  # ModelOpt stores 128 x 128 tiles as [N/128, 1, K/128, 1]
+            q, s = fp8_ops.quantize_per_block(tensor, (128, 128))
+            tensors[base + "weight_scale"] = s[:, None, :, None].contiguous()
         else:
             q, s = fp8_ops.quantize_per_block(tensor, _BLOCKS[kind])
             tensors[base + "weight_scale_inv"] = s
         tensors[name] = q
-    save_file(tensors, str(dst / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = _QUANT_CONFIGS[kind]
+    if kind == "modelopt_fp8":  # the scheme in hf_quant_config.json, with the KV scales
+        for i in range(config["num_hidden_layers"]):
+            attn = f"model.layers.{i}.self_attn"
+            tensors[f"{attn}.k_proj.k_scale"] = torch.tensor(0.03 + i / 100)
+            tensors[f"{attn}.v_proj.v_scale"] = torch.tensor(0.05 + i / 100)
+        (dst / "hf_quant_config.json").write_text(json.dumps(_QUANT_CONFIGS[kind]))
+    else:
+        config["quantization_config"] = _QUANT_CONFIGS[kind]
+    save_file(tensors, str(dst / "model.safetensors"))
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
@@ -232,6 +244,21 @@ _QUANT_CONFIGS: dict[str, dict[str, Any]] = {
         k: {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(b)}
         for k, b in _BLOCKS.items()
     },
+    # ModelOpt: hf_quant_config.json's layout, then the config's own (lower-case algorithm).
+    "modelopt_fp8": {
+        "producer": {"name": "modelopt", "version": "0.19.0"},
+        "quantization": {
+            "quant_algo": "FP8",
+            "kv_cache_quant_algo": "FP8",
+            "exclude_modules": ["lm_head", "model.layers.1.mlp*"],
+        },
+    },
+    "modelopt_pcpt": {
+        "quant_method": "modelopt",
+        "quant_algo": "fp8_per_channel_per_token",
+        "ignore": ["lm_head"],
+    },
+    "modelopt_pb_wo": {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"},
 }
 # The config that quantizes the unquantized model at load the same way.
 _AT_LOAD: dict[str, Fp8Config | None] = {
@@ -240,7 +267,12 @@ _AT_LOAD: dict[str, Fp8Config | None] = {
     "ct_channel": PtpcFp8Config(),
     "fp8_block128": Fp8Config(Fp8Scheme(weight_strategy="block", weight_block_size=(128, 128))),
     "fp8_block16": Fp8Config(Fp8Scheme(weight_strategy="block", weight_block_size=(16, 16))),
+    "modelopt_fp8": None,
+    "modelopt_pcpt": PtpcFp8Config(),
+    "modelopt_pb_wo": Fp8Config(Fp8Scheme(weight_strategy="block", weight_block_size=(128, 128))),
 }
+# Kinds whose stored scales equal quantizing at load exactly (no fused parts requantized).
+_SAME_BYTES = ("ct_channel", "fp8_block16", "modelopt_pcpt")
 
 
 def _logits(model: Any, device: torch.device = CPU) -> torch.Tensor:
@@ -285,14 +317,46 @@ def test_fp8_checkpoint_loads_as_stored(kind: str, tiny_llama, tmp_path: Path) -
     for name, param in quantized.named_parameters():
         mine = stored.get_parameter(name)
         fused = ".qkv_proj." in name or ".gate_up_proj." in name
-        if kind in ("ct_channel", "fp8_block16") or not fused:  # same scales: same bytes
+        if kind in _SAME_BYTES or not fused:  # same scales: same bytes
             assert torch.equal(param, mine), (kind, name)
         elif name.endswith(".weight"):  # parts requantized to one scale / tiles over parts
             prefix = name[: -len("weight")]
             a, b = _dequantized(quantized, prefix), _dequantized(stored, prefix)
             assert ((a - b).abs() <= a.abs() * 2**-3 + 1e-3).all(), (kind, name)
-    if kind in ("ct_channel", "fp8_block16"):
+    if kind in _SAME_BYTES:
         torch.testing.assert_close(logits, _logits(quantized), atol=0, rtol=0)
+
+
+def test_modelopt_checkpoint_names_its_scheme_excludes_and_kv_scales(
+    tiny_llama, tmp_path: Path
+) -> None:
+    """A ModelOpt export whose scheme lives in hf_quant_config.json: read as `modelopt`
+    (static per-tensor FP8), its wildcard exclusion leaves layer 1's MLP in the model's
+    dtype, the KV cache scales stored under k_proj / v_proj reach the attention layers;
+    `--quantization fp8` over it is its scheme, `modelopt` over a plain checkpoint an error."""
+    src, _ = tiny_llama
+    folder = _write_fp8_checkpoint(src, tmp_path / "modelopt", "modelopt_fp8")
+    hf_config = _hf(folder)
+    assert hf_config.quantization_config["quant_method"] == "modelopt"
+    quant = resolve_quant_config("auto", hf_config, CPU, check_device=False)
+    assert isinstance(quant, ModelOptFp8Config) and quant.quant_algo == "FP8"
+    assert quant.scheme.activation_scheme == "static"
+    assert isinstance(resolve_quant_config("fp8", hf_config, CPU, check_device=False), type(quant))
+    model = build_model(folder, context(quant), hf_config=hf_config)
+    layers = model.model.layers
+    assert layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    assert layers[0].mlp.down_proj.input_scale.item() == pytest.approx(0.02)
+    assert layers[1].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    for name in ("gate_up_proj", "down_proj"):
+        assert getattr(layers[1].mlp, name).weight.dtype == torch.float32
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn.attn
+        assert (attn.k_scale, attn.v_scale) == pytest.approx((0.03 + i / 100, 0.05 + i / 100))
+    with pytest.raises(ConfigError, match="--quantization modelopt loads modelopt checkpoints"):
+        resolve_quant_config("modelopt", _hf(src), CPU, check_device=False)
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        EngineArgs(quantization="nvfp4").create_engine_config(resolve=False)
+    assert EngineArgs(quantization="modelopt").create_engine_config(resolve=False)
 
 
 def _dequantized(model: Any, prefix: str) -> torch.Tensor:
@@ -365,6 +429,16 @@ def test_fp8_refused_where_it_cannot_run(tiny_model_path, tmp_path: Path) -> Non
     ("stored", "message"),
     [
         ({"quant_method": "awq"}, "quantization method 'awq' is not implemented"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo 'NVFP4'"),
+        (
+            {"quant_method": "modelopt", "quantization": {"kv_cache_quant_algo": "NVFP4"}},
+            "no quant_algo",
+        ),
+        (
+            {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"num_bits": 4}},
+            "kv_cache_quant_algo",
+        ),
+        ({"quant_method": "modelopt"}, "no quant_algo"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not implemented"),
         (
             {**_ct_config("group", "tensor", True), "format": "float-quantized"},

@@ -168,16 +168,17 @@ def test_fp8_experts_quantized_at_load(tiny_model_path) -> None:
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-@pytest.mark.parametrize("kind", ["ct_channel", "ct_tensor"])
+@pytest.mark.parametrize("kind", ["ct_channel", "ct_tensor", "modelopt_pcpt"])
 def test_fp8_moe_checkpoint_loads_as_stored(
     arch: str, kind: str, tiny_model_path, tmp_path: Path
 ) -> None:
     """A compressed-tensors FP8 checkpoint of a MoE model (experts per channel or per tensor,
-    as written by test_fp8's helper: Qwen3-MoE's gate/up/down_proj, Mixtral's w1/w3/w2)
-    loads as stored: every expert e4m3 with a scale per row
-    (a per-tensor scale on each row of its projection); the logits stay within FP8's error of
-    the unquantized model's; per channel, the experts, scales and logits equal quantizing
-    the bf16 checkpoint at load (`ptpc_fp8`) bit for bit."""
+    as written by test_fp8's helper: Qwen3-MoE's gate/up/down_proj, Mixtral's w1/w3/w2), or
+    a ModelOpt FP8_PER_CHANNEL_PER_TOKEN one (its channel scales `[N]`)
+    loads as stored: every expert e4m3 with a scale per row (a per-tensor scale on each row
+    of its projection); the logits stay within FP8's error of the unquantized model's; per
+    channel (both formats), the experts, scales and logits equal quantizing the bf16
+    checkpoint at load (`ptpc_fp8`) bit for bit."""
     from tandem.layers.quantization import PtpcFp8Config, resolve_quant_config
     from tandem.loader import load_hf_config
     from tests.unit.test_fp8 import _logits, _write_fp8_checkpoint, context
@@ -202,7 +203,7 @@ def test_fp8_moe_checkpoint_loads_as_stored(
     exact = _logits(build_model(src, context(None)))
     logits = _logits(stored)
     assert (logits - exact).norm() / exact.norm() < 0.15
-    if kind != "ct_channel":
+    if kind == "ct_tensor":
         return
     at_load = build_model(src, context(PtpcFp8Config()))
     for mine, theirs in zip(

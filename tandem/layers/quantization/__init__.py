@@ -21,6 +21,7 @@ from tandem.layers.quantization.fp8 import (
     Fp8MoEMethod,
     PtpcFp8Config,
 )
+from tandem.layers.quantization.modelopt import ModelOptFp8Config
 from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "Fp8LinearMethod",
     "Fp8MoEMethod",
     "LinearMethodBase",
+    "ModelOptFp8Config",
     "PtpcFp8Config",
     "QuantizationConfig",
     "QuantizeMethodBase",

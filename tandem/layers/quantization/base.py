@@ -28,7 +28,7 @@ CPU step path's packed one, else unquantized.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -36,6 +36,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from tandem.layers.quantization.input_quant import ActivationQuantizer
+    from tandem.layers.weight_utils import LoadedWeight
 
 # `weight_loader(param, loaded_weight, shard_id=None)`: copies this rank's part of a
 # checkpoint tensor into `param`.
@@ -122,6 +123,9 @@ class QuantizationConfig(ABC):
     """A checkpoint's quantization scheme: which method each layer gets."""
 
     name: ClassVar[str]
+    # Whether `--quantization <name>` can quantize an unquantized checkpoint at load (False:
+    # the name only loads checkpoints stored in that format).
+    quantizes_at_load: ClassVar[bool] = True
 
     @abstractmethod
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
@@ -137,6 +141,13 @@ class QuantizationConfig(ABC):
     def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
         """From the checkpoint's `quantization_config`."""
         raise NotImplementedError(f"{cls.__name__} cannot be read from a checkpoint config")
+
+    def map_checkpoint(
+        self, weights: Iterable[tuple[str, LoadedWeight]]
+    ) -> Iterable[tuple[str, LoadedWeight]]:
+        """The checkpoint's tensors as the layers' loaders take them (a format whose scales
+        are stored under other names or shapes maps them here); default: as stored."""
+        return weights
 
     def verify_device(self, device: torch.device) -> None:  # noqa: B027
         """Raise ConfigError (naming the method and the device) where `device` cannot run
@@ -181,8 +192,10 @@ def resolve_quant_config(
             raise ConfigError(
                 f"the checkpoint's quantization method {name!r} is not implemented ({known})"
             )
-        # An FP8 request over an FP8 compressed-tensors checkpoint is the checkpoint's scheme.
-        if method not in ("auto", name) and not (method == "fp8" and name == "compressed-tensors"):
+        # An FP8 request over an FP8 compressed-tensors or ModelOpt checkpoint is the
+        # checkpoint's scheme.
+        stored_fp8 = name in ("compressed-tensors", "modelopt")
+        if method not in ("auto", name) and not (method == "fp8" and stored_fp8):
             raise ConfigError(
                 f"--quantization {method} does not match the checkpoint's quantization "
                 f"method {name!r}"
@@ -192,9 +205,15 @@ def resolve_quant_config(
         return None
     else:
         try:
-            config = get_quantization_config(method)()
+            config_cls = get_quantization_config(method)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if not config_cls.quantizes_at_load:
+            raise ConfigError(
+                f"--quantization {method} loads {method} checkpoints; this one has no "
+                "quantization_config (use fp8 or ptpc_fp8 to quantize it at load)"
+            )
+        config = config_cls()
     if check_device:
         config.verify_device(device)
     return config

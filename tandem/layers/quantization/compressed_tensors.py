@@ -39,6 +39,7 @@ class CompressedTensorsConfig(Fp8Config):
     """The FP8 subset of compressed-tensors, run by the same `Fp8LinearMethod`."""
 
     name = "compressed-tensors"
+    quantizes_at_load = False
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> CompressedTensorsConfig:

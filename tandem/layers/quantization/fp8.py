@@ -33,6 +33,7 @@ embeddings stay in the model's dtype (as vLLM).
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -203,9 +204,12 @@ class PtpcFp8Config(Fp8Config):
 
 
 def _matches(name: str, pattern: str) -> bool:
-    """A checkpoint's ignore entry: `re:<regex>` (compressed-tensors) or a module name."""
+    """A checkpoint's ignore entry: `re:<regex>` (compressed-tensors), a wildcard
+    (`model.layers.0.*`, ModelOpt's), or a module name."""
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
+    if any(c in pattern for c in "*?"):
+        return fnmatch.fnmatchcase(name, pattern)
     return name == pattern or name.endswith("." + pattern)
 
 
