@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Wave 3, thirty-third session's device calls. Carry .whl.
+#
+#   PART=probe (~1.5 min, either card): which card this is, then the FP8 checkpoint test on
+#            CUDA against the CPU references, ModelOpt's three layouts among its kinds
+#            (tests/gpu/test_fp8_gpu.py::test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference).
+#   PART=h200 (~9 min, on an H200 only): issue 30's served table at the defaults
+#            (gpu_session32.sh's PART=base), then FP8 + FP8 KV batch 1 with --enable-pdl
+#            (issue 28's 2.3 ms bar).
+#   PART=fp8 (~6 min): gpu_session32.sh's PART=fp8 (the served table in FP8).
+#
+#   OUT=/some/dir PART=probe bash scripts/gpu_session33.sh
+set -u
+ISSUE=session33
+
+case "${PART:-probe}" in
+probe)
+  BUDGET_S=${BUDGET_S:-170}
+  . scripts/device_lib.sh
+  env_report | head -n 3
+  step "FP8 checkpoint tests" 150 "$OUT/gpu_fp8_checkpoint_tests.log" $PY -m pytest -q -m gpu \
+    -rA -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py -k checkpoint_on_the_gpu
+  grep -E "passed|failed|layers; logits" "$OUT/gpu_fp8_checkpoint_tests.log" | tail -n 9 \
+    >>"$summary"
+  finish
+  ;;
+h200)
+  BUDGET_S=${BUDGET_S:-560}
+  OUT="$OUT/base" PART=base BUDGET_S=400 bash scripts/gpu_session32.sh 2>&1 | tail -n 30
+  . scripts/device_lib.sh
+  WORKLOADS=none offline fp8_fp8kv_b1_pdl 140 --quantization fp8 --kv-cache-dtype fp8 \
+    --enable-pdl
+  finish
+  ;;
+fp8)
+  OUT=$OUT PART=fp8 bash scripts/gpu_session32.sh
+  ;;
+*)
+  echo "unknown PART=${PART}" >&2
+  exit 2
+  ;;
+esac
