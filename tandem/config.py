@@ -862,7 +862,9 @@ class SamplerConfig:
 
 # `--quantization` values: methods applied at load, and the names of stored formats (which
 # only load checkpoints of that format; "auto" takes whatever the checkpoint says).
-QUANTIZATION_METHODS = ("auto", "fp8", "ptpc_fp8", "modelopt", "compressed-tensors")
+QUANTIZATION_METHODS = (
+    "auto", "fp8", "ptpc_fp8", "modelopt", "compressed-tensors", "fbgemm_fp8"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -873,16 +875,19 @@ class QuantizationConfig:
     `fp8` (per-tensor weight scales, dynamic per-tensor activation scales), `ptpc_fp8`
     (per-channel weights, dynamic per-token activations). A checkpoint that is quantized
     already (its config's `quantization_config`, or ModelOpt's `hf_quant_config.json`) is
-    loaded as stored; "auto" (or None) takes that, or runs unquantized; `modelopt` and
-    `compressed-tensors` name the stored format the checkpoint must have. FP8 needs a GPU of
-    compute capability 8.9 or above.
+    loaded as stored; "auto" (or None) takes that, or runs unquantized; `modelopt`,
+    `compressed-tensors` and `fbgemm_fp8` name the stored format the checkpoint must have.
+    FP8 needs a GPU of compute capability 8.9 or above.
     """
 
-    quantization: Literal["auto", "fp8", "ptpc_fp8", "modelopt", "compressed-tensors"] = field(
+    quantization: Literal[
+        "auto", "fp8", "ptpc_fp8", "modelopt", "compressed-tensors", "fbgemm_fp8"
+    ] = field(
         default="auto",
         metadata=flag(
-            "fp8 | ptpc_fp8: quantize the weights at load; modelopt | compressed-tensors: the "
-            "checkpoint's stored format (auto: the checkpoint's own scheme, if any)",
+            "fp8 | ptpc_fp8: quantize the weights at load; modelopt | compressed-tensors | "
+            "fbgemm_fp8: the checkpoint's stored format (auto: the checkpoint's own scheme, "
+            "if any)",
             aliases=("-q",),
         ),
     )

@@ -65,11 +65,18 @@ def quantize_per_tensor(
     return quantize_fp8(x, scale), scale
 
 
-def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_row(
+    x: torch.Tensor, scale_ub: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`(x_fp8, scale [rows, 1])`: one dynamic scale per row of a 2-D tensor (activation
-    tokens, or weight output channels)."""
+    tokens, or weight output channels). `scale_ub`: each row's amax is first capped at it
+    (FBGEMM's `activation_scale_ub`: an outlier row saturates instead of coarsening the
+    scale), so its scale is at most `scale_ub / 448`."""
     assert x.dim() == 2, x.shape
-    scale = _dynamic_scale(x.abs().amax(dim=1, keepdim=True))
+    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
+    if scale_ub is not None:
+        amax = amax.clamp(max=scale_ub)
+    scale = _dynamic_scale(amax)
     return quantize_fp8(x, scale), scale
 
 
@@ -116,10 +123,13 @@ def _quantize_row(x_row, q_row, scale, num_cols, BLOCK: tl.constexpr):
 
 @triton.jit
 def _quant_per_token_kernel(
-    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, num_cols, BLOCK: tl.constexpr
-):
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, num_cols, scale_ub, HAS_UB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     amax = _row_amax(x_ptr + row * stride_x, num_cols, BLOCK)
+    if HAS_UB:
+        amax = tl.minimum(amax, scale_ub)
     scale = tl.maximum(amax * INV_FP8_MAX_TL, MIN_SCALE_TL)
     tl.store(scale_ptr + row, scale)
     _quantize_row(x_ptr + row * stride_x, q_ptr + row * stride_q, scale, num_cols, BLOCK)
@@ -163,17 +173,22 @@ def _check_activation(x: torch.Tensor) -> tuple[int, int]:
     return x.shape[0], x.shape[1]
 
 
-def dynamic_quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_per_row` of activations `[M, K]` in one Triton kernel (one program per
-    row: its amax, its scale, its e4m3 values). Capturable in a CUDA graph."""
+def dynamic_quant_per_token(
+    x: torch.Tensor, scale_ub: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_row(x, scale_ub)` of activations `[M, K]` in one Triton kernel (one
+    program per row: its amax, capped at `scale_ub` when given, its scale, its e4m3 values).
+    Capturable in a CUDA graph."""
     rows, cols = _check_activation(x)
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         block = min(triton.next_power_of_2(cols), 2048)
+        ub = 0.0 if scale_ub is None else float(scale_ub)
         _quant_per_token_kernel[(rows,)](
-            x, q, scale, x.stride(0), q.stride(0), cols, BLOCK=block, num_warps=4
-        )
+            x, q, scale, x.stride(0), q.stride(0), cols, ub, HAS_UB=scale_ub is not None,
+            BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return q, scale
 
 

@@ -289,13 +289,19 @@ def test_fp8_weights_and_kv_cache_together(bf16_run) -> None:
 
 def test_dynamic_activation_quant_is_bit_exact() -> None:
     """The Triton activation quantizers against the torch ones (weights' and references'),
-    per token group too (groups of 128, and of 100: a shorter last group; a zero group)."""
+    per token with FBGEMM's amax bound (binding on the scaled-up rows), per token group too
+    (groups of 128, and of 100: a shorter last group; a zero group)."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(3000, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     x[7] = 0
     x[9, 256:384] = 0
+    x[::5] *= 8  # amax ~40 over the bound of 20
     for kernel, ref in (
         (fp8_ops.dynamic_quant_per_token, fp8_ops.quantize_per_row),
+        (
+            functools.partial(fp8_ops.dynamic_quant_per_token, scale_ub=20.0),
+            functools.partial(fp8_ops.quantize_per_row, scale_ub=20.0),
+        ),
         (fp8_ops.dynamic_quant_per_tensor, fp8_ops.quantize_per_tensor),
         *(
             (
@@ -353,12 +359,12 @@ def checkpoint_on_both_devices(src: Path, folder: Path, kind: str) -> dict[str, 
     "kind",
     [
         *("ct_tensor", "ct_channel", "ct_static", "fp8_block128"),
-        *("modelopt_fp8", "modelopt_pcpt", "modelopt_pb_wo"),
+        *("modelopt_fp8", "modelopt_pcpt", "modelopt_pb_wo", "fbgemm"),
     ],
 )
 def test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference(kind, tiny_model_path, tmp_path):
     """A saved FP8 checkpoint (tests/unit/test_fp8.py writes it: compressed-tensors, HF fp8
-    blocks, ModelOpt's three) through the GPU paths (`_scaled_mm` per tensor / rowwise /
+    blocks, ModelOpt's three, FBGEMM's) through the GPU paths (`_scaled_mm` per tensor / rowwise /
     static, the block GEMM) against the same checkpoint
     through the CPU's dequantize-then-matmul references, fp32 activations both.
 

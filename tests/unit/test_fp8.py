@@ -20,6 +20,7 @@ from tandem.engine_args import EngineArgs
 from tandem.layers.attention import get_attention_backend
 from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.quantization import (
+    FbgemmFp8Config,
     Fp8Config,
     Fp8LinearMethod,
     ModelOptFp8Config,
@@ -193,9 +194,9 @@ def _write_fp8_checkpoint(src: Path, dst: Path, kind: str) -> Path:
             shape = () if kind == "modelopt_fp8" else (1,)  # ModelOpt's scalars are 0-d
             tensors[base + "weight_scale"] = s.reshape(shape)
             tensors[base + "input_scale"] = torch.tensor(0.02).reshape(shape)
-        elif kind in ("ct_channel", "modelopt_pcpt"):
+        elif kind in ("ct_channel", "modelopt_pcpt", "fbgemm"):
             q, s = fp8_ops.quantize_per_row(tensor)
-            tensors[base + "weight_scale"] = s if kind == "ct_channel" else s.reshape(-1)
+            tensors[base + "weight_scale"] = s.reshape(-1) if kind == "modelopt_pcpt" else s
         elif kind == "modelopt_pb_wo":  # ModelOpt stores 128 x 128 tiles as [N/128, 1, K/128, 1]
             q, s = fp8_ops.quantize_per_block(tensor, (128, 128))
             tensors[base + "weight_scale"] = s[:, None, :, None].contiguous()
@@ -259,6 +260,11 @@ _QUANT_CONFIGS: dict[str, dict[str, Any]] = {
         "ignore": ["lm_head"],
     },
     "modelopt_pb_wo": {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"},
+    "fbgemm": {
+        "quant_method": "fbgemm_fp8",
+        "activation_scale_ub": 1200.0,
+        "modules_to_not_convert": ["lm_head"],
+    },
 }
 # The config that quantizes the unquantized model at load the same way.
 _AT_LOAD: dict[str, Fp8Config | None] = {
@@ -270,9 +276,10 @@ _AT_LOAD: dict[str, Fp8Config | None] = {
     "modelopt_fp8": None,
     "modelopt_pcpt": PtpcFp8Config(),
     "modelopt_pb_wo": Fp8Config(Fp8Scheme(weight_strategy="block", weight_block_size=(128, 128))),
+    "fbgemm": PtpcFp8Config(),  # (the tiny model's activations stay far under the bound)
 }
 # Kinds whose stored scales equal quantizing at load exactly (no fused parts requantized).
-_SAME_BYTES = ("ct_channel", "fp8_block16", "modelopt_pcpt")
+_SAME_BYTES = ("ct_channel", "fp8_block16", "modelopt_pcpt", "fbgemm")
 
 
 def _logits(model: Any, device: torch.device = CPU) -> torch.Tensor:
@@ -359,6 +366,38 @@ def test_modelopt_checkpoint_names_its_scheme_excludes_and_kv_scales(
     assert EngineArgs(quantization="modelopt").create_engine_config(resolve=False)
 
 
+def test_fbgemm_activation_bound_caps_each_tokens_scale(tiny_llama, tmp_path: Path) -> None:
+    """An fbgemm_fp8 checkpoint with a low `activation_scale_ub`: every linear quantizes its
+    own input (no fused producer) per token with the amax capped, so a large token saturates;
+    its output equals that quantization's reference product, and differs from the unbounded
+    one (ptpc_fp8's) where the bound binds. Its experts are refused."""
+    src, _ = tiny_llama
+    folder = _write_fp8_checkpoint(src, tmp_path / "fbgemm", "fbgemm")
+    hf_config = _hf(folder)
+    hf_config.quantization_config = {**_QUANT_CONFIGS["fbgemm"], "activation_scale_ub": 5.0}
+    quant = resolve_quant_config("auto", hf_config, CPU, check_device=False)
+    assert isinstance(quant, FbgemmFp8Config) and quant.scheme.activation_scale_ub == 5.0
+    model = build_model(folder, context(quant), hf_config=hf_config)
+    layer = model.model.layers[0].mlp.gate_up_proj
+    assert layer.quant_method.input_quantizer(layer) is None
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, layer.input_size_per_partition, generator=gen)
+    x[2] *= 40  # amax far over the bound: this token saturates
+    with torch.inference_mode():
+        got = layer(x)
+    xq, xs = fp8_ops.quantize_per_row(x, 5.0)
+    assert xs[2].item() == pytest.approx(5.0 / fp8_ops.FP8_MAX, rel=1e-6) and xs[0] < xs[2]
+    want = fp8_ops.fp8_scaled_mm_ref(xq, layer.weight, xs, layer.weight_scale, None, x.dtype)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    xq_free, xs_free = fp8_ops.quantize_per_row(x)
+    free = fp8_ops.fp8_scaled_mm_ref(
+        xq_free, layer.weight, xs_free, layer.weight_scale, None, x.dtype
+    )
+    assert not torch.allclose(got[2], free[2], rtol=0.1) and torch.equal(got[0], free[0])
+    with pytest.raises(ConfigError, match="activation scale bound"):
+        quant.get_experts_method(layer, "model.layers.0.mlp.experts")
+
+
 def _dequantized(model: Any, prefix: str) -> torch.Tensor:
     """A layer's FP8 weight times its scale (a block scale held per row: `(1, bk)` tiles)."""
     weight = model.get_parameter(prefix + "weight")
@@ -439,6 +478,8 @@ def test_fp8_refused_where_it_cannot_run(tiny_model_path, tmp_path: Path) -> Non
             "kv_cache_quant_algo",
         ),
         ({"quant_method": "modelopt"}, "no quant_algo"),
+        ({"quant_method": "fbgemm_fp8"}, "activation_scale_ub None is not a number"),
+        ({"quant_method": "fbgemm_fp8", "activation_scale_ub": -1}, "must be > 0"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not implemented"),
         (
             {**_ct_config("group", "tensor", True), "format": "float-quantized"},

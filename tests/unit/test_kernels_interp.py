@@ -206,17 +206,24 @@ def case_reshape_and_cache_fp8(dtype: torch.dtype) -> None:
 
 @_case(*({"dtype": d} for d in DTYPES))
 def case_fp8_dynamic_activation_quant(dtype: torch.dtype) -> None:
-    """Per-token and per-tensor dynamic e4m3 quantization of activations against the torch
-    quantizers: the same scales bit for bit; the values but for the interpreter's e4m3
-    rounding errors (see `case_reshape_and_cache_fp8`; tests/gpu checks every bit)."""
+    """Per-token (plain, and with FBGEMM's amax cap `scale_ub`) and per-tensor dynamic e4m3
+    quantization of activations against the torch quantizers: the same scales bit for bit;
+    the values but for the interpreter's e4m3 rounding errors (see
+    `case_reshape_and_cache_fp8`; tests/gpu checks every bit)."""
     from tandem_kernels import fp8
 
     gen = torch.Generator().manual_seed(9)
     wide = torch.randn(13, 3000, generator=gen) * torch.linspace(0.01, 20, 13)[:, None]
     x = wide.to(dtype)[:, 100:2700]  # a row-strided view, K past one 2048-wide block
     x[4] = 0  # an all-zero row: the floor scale, zeros
+    ub = 30.0  # under the larger rows' amax (up to ~80): those saturate at +-448
+    capped = fp8.quantize_per_row(x, ub)
+    top = capped[1].max().item()  # the capped rows' scale, ub / 448 in fp32
+    assert top == pytest.approx(ub / fp8.FP8_MAX, rel=1e-6) and (capped[1] == top).sum() > 2
+    assert (capped[0].float().abs() == fp8.FP8_MAX).sum() > 3
     for kernel, ref in (
         (fp8.dynamic_quant_per_token, fp8.quantize_per_row),
+        (lambda t: fp8.dynamic_quant_per_token(t, ub), lambda t: fp8.quantize_per_row(t, ub)),
         (fp8.dynamic_quant_per_tensor, fp8.quantize_per_tensor),
     ):
         (q, scale), (q_ref, scale_ref) = kernel(x), ref(x)

@@ -15,6 +15,7 @@ from tandem.layers.quantization.base import (
 from tandem.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from tandem.layers.quantization.cpu import CpuPackedLinearMethod
 from tandem.layers.quantization.factory import get_quant_method
+from tandem.layers.quantization.fbgemm_fp8 import FbgemmFp8Config
 from tandem.layers.quantization.fp8 import (
     Fp8Config,
     Fp8LinearMethod,
@@ -29,6 +30,7 @@ __all__ = [
     "CompressedTensorsConfig",
     "CpuPackedLinearMethod",
     "ExpertsMethodBase",
+    "FbgemmFp8Config",
     "Fp8Config",
     "Fp8LinearMethod",
     "Fp8MoEMethod",

@@ -194,7 +194,7 @@ def resolve_quant_config(
             )
         # An FP8 request over an FP8 compressed-tensors or ModelOpt checkpoint is the
         # checkpoint's scheme.
-        stored_fp8 = name in ("compressed-tensors", "modelopt")
+        stored_fp8 = name in ("compressed-tensors", "modelopt", "fbgemm_fp8")
         if method not in ("auto", name) and not (method == "fp8" and stored_fp8):
             raise ConfigError(
                 f"--quantization {method} does not match the checkpoint's quantization "

@@ -107,6 +107,9 @@ class Fp8Scheme:
     activation_scheme: Literal["dynamic", "static"] = "dynamic"
     activation_strategy: ActivationStrategy = "tensor"
     weight_block_size: tuple[int, int] | None = None
+    # FBGEMM's `activation_scale_ub`: each token's amax capped at it before its dynamic scale
+    # (per-token activations only).
+    activation_scale_ub: float | None = None
 
     def __post_init__(self) -> None:
         if (self.weight_strategy == "block") != (self.weight_block_size is not None):
@@ -117,6 +120,10 @@ class Fp8Scheme:
             raise ConfigError("static FP8 activation scales are per tensor")
         if self.activation_scheme == "static" and not self.is_checkpoint_fp8_serialized:
             raise ConfigError("static FP8 activation scales come from an FP8 checkpoint")
+        if self.activation_scale_ub is not None and (
+            self.activation_scheme != "dynamic" or self.activation_strategy != "token"
+        ):
+            raise ConfigError("an FP8 activation scale bound needs dynamic per-token scales")
 
 
 @register_quantization_config
@@ -177,6 +184,11 @@ class Fp8Config(QuantizationConfig):
         if self.is_ignored(prefix):
             return None
         scheme = self.scheme
+        if scheme.activation_scale_ub is not None:
+            raise ConfigError(
+                f"{prefix or 'a mixture-of-experts layer'}: FP8 experts with an activation "
+                "scale bound (fbgemm_fp8) are not implemented"
+            )
         if not scheme.is_checkpoint_fp8_serialized:
             return Fp8MoEMethod()
         if scheme.activation_scheme == "static":
@@ -377,8 +389,9 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def input_quantizer(self, layer: nn.Module) -> ActivationQuantizer | None:
         """e4m3 input with this scheme's activation scale, from the op before (fp8_input.py);
-        None for the weight-only block scheme (bf16 input)."""
-        if self.scheme.weight_strategy == "block":
+        None for the weight-only block scheme (bf16 input) and for a bounded activation
+        scale (the fused producers do not cap the amax: this layer quantizes its input)."""
+        if self.scheme.weight_strategy == "block" or self.scheme.activation_scale_ub is not None:
             return None
         from tandem.layers.quantization.fp8_input import Fp8ActivationQuantizer
 
@@ -443,7 +456,7 @@ class Fp8LinearMethod(LinearMethodBase):
             quant = (
                 _fp8_ops().dynamic_quant_per_token if x2.is_cuda else _fp8_ops().quantize_per_row
             )
-            xq, x_scale = quant(x2)
+            xq, x_scale = quant(x2, scheme.activation_scale_ub)
         else:
             quant = (
                 _fp8_ops().dynamic_quant_per_tensor
