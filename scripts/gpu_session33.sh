@@ -2,8 +2,10 @@
 # Wave 3, thirty-third session's device calls. Carry .whl.
 #
 #   PART=probe (~1.5 min, either card): which card this is, then the FP8 checkpoint test on
-#            CUDA against the CPU references, ModelOpt's three layouts among its kinds
-#            (tests/gpu/test_fp8_gpu.py::test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference).
+#            CUDA against the CPU references, ModelOpt's three layouts and FBGEMM's among its
+#            kinds (tests/gpu/test_fp8_gpu.py::test_fp8_checkpoint_on_the_gpu_matches_the_cpu_
+#            reference), and the activation quantizers bit for bit (the per-token one with
+#            FBGEMM's bound among them).
 #   PART=h200 (~9 min, on an H200 only): issue 30's served table at the defaults
 #            (gpu_session32.sh's PART=base), then FP8 + FP8 KV batch 1 with --enable-pdl
 #            (issue 28's 2.3 ms bar).
@@ -19,8 +21,9 @@ probe)
   . scripts/device_lib.sh
   env_report | head -n 3
   step "FP8 checkpoint tests" 150 "$OUT/gpu_fp8_checkpoint_tests.log" $PY -m pytest -q -m gpu \
-    -rA -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py -k checkpoint_on_the_gpu
-  grep -E "passed|failed|layers; logits" "$OUT/gpu_fp8_checkpoint_tests.log" | tail -n 9 \
+    -rA -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py \
+    -k "checkpoint_on_the_gpu or dynamic_activation_quant"
+  grep -E "passed|failed|layers; logits" "$OUT/gpu_fp8_checkpoint_tests.log" | tail -n 10 \
     >>"$summary"
   finish
   ;;
