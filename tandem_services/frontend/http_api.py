@@ -41,6 +41,12 @@ from tandem_services.frontend.openai_protocol import (
     parse_tokenize,
     prompt_logprobs_body,
 )
+from tandem_services.frontend.responses import (
+    ResponseBuilder,
+    ResponsesStream,
+    chat_request,
+    response_id,
+)
 from tandem_services.frontend.sse import DONE, ChatStream, CompletionStream, sse, with_usage
 from tandem_services.frontend.tool_parsers import (
     AUTO_TOOL_PARSERS,
@@ -198,6 +204,7 @@ class HttpApi:
             Route("/v1/models/{model:path}", self._guard(self.model), methods=["GET"]),
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+            Route("/v1/responses", self._guard(self.responses), methods=["POST"]),
             # The frontend's own tokenizer: no worker needed, so no 503 before one serves.
             Route("/tokenize", self._guard(self.tokenize, serving=False), methods=["POST"]),
             Route("/detokenize", self._guard(self.detokenize, serving=False), methods=["POST"]),
@@ -523,6 +530,51 @@ class HttpApi:
             inputs, render, stream.final, body.structured_param, body.continuous_usage
         )
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: the chat completion the body asks for (responses.py),
+        answered as one `response` object or its stream of typed events."""
+        chat, asked = chat_request(await self._read_json(request))
+        body = parse_chat(chat, self.limits, self.tool_call_parser)
+        model = self._check_model(body.model)
+        text, ids = await self.engine.encode_chat(
+            body.messages,
+            body.tools,
+            self.tool_call_parser,
+            body.template,
+            body.prompt_options.special_tokens(False),
+        )
+        params = body.params
+        auto = body.tool_calling is not None and body.tool_calling.mode == "auto"
+        if auto and self.keep_tool_tags:
+            params = params.clone(skip_special_tokens=False)
+        inputs = self.engine.inputs(
+            [(ids, text)],
+            params,
+            params.max_tokens,
+            self.limits,
+            kind="chat",
+            priority=body.priority,
+            options=body.prompt_options,
+        )
+        builder = ResponseBuilder(response_id(), model, asked)
+        tools: ToolCallExtractor | None = None
+        if body.tool_calling is not None:
+            tools = ToolCallExtractor(parser_factory(body.tool_calling, self.tool_call_parser))
+        if not body.stream:
+            acc: dict[int, ChoiceAccumulator] = {}
+            usage = await _unless_disconnected(
+                request, self._collect(inputs, 1, acc, body.structured_param, tools)
+            )
+            return JSONResponse(builder.finished(acc[0], usage))
+        stream = ResponsesStream(builder)
+        render = stream.render
+        if tools is not None:
+            extract = tools.apply
+            render = lambda i, event: stream.render(i, extract(event))  # noqa: E731
+        return await self._stream(
+            inputs, render, stream.final, body.structured_param, done="", error=stream.error
+        )
+
     async def _beams(
         self, inputs: list[GenerateInput], params: SamplingParams, length_penalty: float
     ) -> tuple[list[BeamSearchOutput], Usage]:
@@ -615,13 +667,16 @@ class HttpApi:
         final: Callable[[Usage], str],
         structured_param: str | None = None,
         continuous_usage: bool = False,
+        done: str = DONE,
+        error: Callable[[FrontendError], str] | None = None,
     ) -> Response:
-        """An SSE response; errors before the first event become a plain HTTP error.
+        """An SSE response; errors before the first event become a plain HTTP error, later
+        ones the stream's last event (`error`; default: an OpenAI error body).
 
         One write per event (each step's new text of every choice in one chunk); the last
-        event of a single-prompt stream goes out with the usage chunk and `[DONE]`. With
-        `continuous_usage`, every chunk carries the usage so far (the prompts' tokens and the
-        tokens sent)."""
+        event of a single-prompt stream goes out with the usage chunk and `done` (`[DONE]`;
+        the Responses API sends none). With `continuous_usage`, every chunk carries the usage
+        so far (the prompts' tokens and the tokens sent)."""
         single = len(inputs) == 1
         running = Usage(sum(len(inp.prompt_token_ids) for inp in inputs), 0)
         events = _with_param(_merge(self.engine, inputs), structured_param)
@@ -647,17 +702,20 @@ class HttpApi:
                         running.completion_tokens += sum(len(d.token_ids) for d in event.deltas)
                         text = with_usage(text, running)
                     if single and event.finished:
-                        yield text + final(usage) + DONE
+                        yield text + final(usage) + done
                         return
                     if text:
                         yield text
                     item = await anext(events, None)
                 tail = final(usage)
             except FrontendError as exc:
-                tail = sse(error_body(exc.message, exc.http_status, exc.param))
+                if error is not None:
+                    tail = error(exc)
+                else:
+                    tail = sse(error_body(exc.message, exc.http_status, exc.param))
             finally:
                 await events.aclose()
-            yield tail + DONE
+            yield tail + done
 
         return StreamingResponse(
             body(),

@@ -38,6 +38,7 @@ _REQUESTS: tuple[tuple[str, str, dict[str, object] | None], ...] = (
     ("GET", "/v1/models", None),
     ("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 2}),
 )
 
 

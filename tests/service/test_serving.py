@@ -6,6 +6,7 @@ Tests run in file order per deployment; the last ones stop workers and services 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -338,6 +339,140 @@ def test_continuous_usage_stats(deployment: Deployment, reference: Reference) ->
         assert c.usage is not None and c.usage.completion_tokens >= sent
     text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
     assert text == reference.chat_text
+
+
+_WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+def test_responses_api_matches_chat(deployment: Deployment, reference: Reference) -> None:
+    """OpenAI's Responses API through the official client: plain, streamed (raw events and
+    the client's stream helper), cut by max_output_tokens, a conversation with instructions
+    and a function call's round trip, a named tool, text.format: each the chat completion of
+    the same conversation; refusals are 400s naming the field; pools whole."""
+    client = _client(deployment)
+    greedy = dict(model="default", temperature=0)
+    question = CHAT[0]["content"]
+    out = client.responses.create(input=question, max_output_tokens=MAX_TOKENS, **greedy)
+    assert out.id.startswith("resp_") and out.status == "completed"
+    assert [item.type for item in out.output] == ["message"]
+    assert out.output_text == reference.chat_text
+    assert out.usage is not None and out.usage.output_tokens == len(reference.chat_token_ids)
+    assert out.usage.total_tokens == out.usage.input_tokens + out.usage.output_tokens
+
+    events = list(
+        client.responses.create(
+            input=[{"role": "user", "content": [{"type": "input_text", "text": question}]}],
+            max_output_tokens=MAX_TOKENS,
+            stream=True,
+            **greedy,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added",
+    ]  # fmt: skip
+    assert kinds[-4:] == [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == reference.chat_text == events[-1].response.output_text
+    with client.responses.stream(input=question, max_output_tokens=MAX_TOKENS, **greedy) as s:
+        assert s.get_final_response().output_text == reference.chat_text
+
+    cut = client.responses.create(input=question, max_output_tokens=3, **greedy)
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage is not None and cut.usage.output_tokens == 3
+    assert reference.chat_text.startswith(cut.output_text)
+
+    call = '{"city": "Paris"}'
+    items: list[Any] = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": call},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+    ]
+    messages: list[Any] = [
+        {"role": "system", "content": "Be brief."},
+        items[0],
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": call},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    chat_tool = {"type": "function", "function": {k: v for k, v in _WEATHER.items() if k != "type"}}
+    turn = client.responses.create(
+        instructions="Be brief.", input=items, tools=[_WEATHER], tool_choice="none",
+        max_output_tokens=MAX_TOKENS, **greedy,
+    )  # fmt: skip
+    want = client.chat.completions.create(
+        messages=messages, tools=[chat_tool], tool_choice="none", max_tokens=MAX_TOKENS, **greedy
+    )
+    assert turn.output_text == want.choices[0].message.content
+    assert turn.usage is not None and want.usage is not None
+    assert turn.usage.input_tokens == want.usage.prompt_tokens
+
+    named = {"type": "function", "name": "get_weather"}
+    for stream in (False, True):
+        kw = dict(input="Weather in Paris?", tools=[_WEATHER], tool_choice=named, **greedy)
+        if stream:
+            evs = list(client.responses.create(max_output_tokens=40, stream=True, **kw))
+            assert "response.function_call_arguments.done" in [e.type for e in evs]
+            got = evs[-1].response
+        else:
+            got = client.responses.create(max_output_tokens=40, **kw)
+        assert got.status == "completed" and [o.type for o in got.output] == ["function_call"]
+        fn = got.output[0]
+        assert fn.name == "get_weather" and isinstance(json.loads(fn.arguments)["city"], str)
+
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    fmt = {"format": {"type": "json_schema", "name": "answer", "schema": schema}}
+    shaped = client.responses.create(input=question, text=fmt, max_output_tokens=40, **greedy)
+    json_schema = {"name": "answer", "schema": schema}
+    chat_shaped = client.chat.completions.create(
+        messages=CHAT,
+        response_format={"type": "json_schema", "json_schema": json_schema},
+        max_tokens=40,
+        **greedy,
+    )
+    assert shaped.output_text == chat_shaped.choices[0].message.content
+    assert json.loads(shaped.output_text)["capital"] in ("Paris", "Rome")
+
+    url = f"http://{deployment.http_address}/v1/responses"
+    for body, field in (
+        ({"input": question, "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+        ({"input": question, "messages": CHAT}, "messages"),
+        ({"input": question, "tools": [{"type": "web_search"}]}, "tools"),
+        ({}, "input"),
+    ):
+        r = httpx.post(url, json={"model": "default", **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+    assert_pools_whole(deployment)
 
 
 def test_beam_search_matches_offline(deployment: Deployment, reference: Reference) -> None:
