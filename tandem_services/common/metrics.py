@@ -8,7 +8,11 @@ reads actor-owned state on the same thread that owns it, between two messages, n
 middle of one.
 
 Names follow Prometheus conventions: a `tandem_` prefix, base units in the name (`_seconds`,
-`_bytes`, `_tokens`, `_ratio`), `_total` on counters.
+`_bytes`, `_tokens`, `_ratio`), `_total` on counters. Beside them, what vLLM also measures is
+exported under vLLM's names (`vllm:` prefix, a `model_name` label: `VLLM_LABELS`), so the
+dashboards, autoscaler rules and inference gateways written for vLLM's servers read a tandem
+deployment unchanged: the frontend's request latencies and token counts, each worker's queue
+lengths, KV-cache usage, prefix-cache lookups and preemptions.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ TRANSFER_BUCKETS_S: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
+
+# The label every `vllm:` family carries (vLLM's own), naming the served model.
+VLLM_LABELS = ("model_name",)
 
 # An HTTP request head larger than this is refused.
 _MAX_HEAD_BYTES = 16 * 1024

@@ -34,7 +34,7 @@ async def serve(config: FrontendConfig) -> int:
     stop = shutdown_event()
     model_path = resolve_model_path(config.model, config.cache_dir or None)
     tokenizer = load_tokenizer(model_path)
-    metrics = FrontendMetrics()
+    metrics = FrontendMetrics(model_name=config.model_ids[0])
     engine = MeteredFrontendEngine(
         config.frontend_id,
         config.scheduler_address,

@@ -8,6 +8,11 @@
     tandem_prompt_tokens_total, tandem_generation_tokens_total
     tandem_request_migrations_total                choices moved off a lost worker
 
+The same under vLLM's names, with the served model's `model_name` label:
+vllm:time_to_first_token_seconds, vllm:request_time_per_output_token_seconds,
+vllm:e2e_request_latency_seconds, vllm:prompt_tokens_total, vllm:generation_tokens_total,
+vllm:request_success_total{finished_reason} (stop | length | abort | ...: the last choice's).
+
 Both APIs (gRPC Generate, OpenAI HTTP) go through `FrontendEngine.generate`, so
 `MeteredFrontendEngine` measures there, once for both.
 """
@@ -21,16 +26,21 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tandem_services.common.metrics import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
+from tandem_services.common.metrics import (
+    LATENCY_BUCKETS_S,
+    TOKEN_LATENCY_BUCKETS_S,
+    VLLM_LABELS,
+)
 from tandem_services.frontend.engine import FrontendEngine
 from tandem_services.frontend.tracker import Migration
 from tandem_services.frontend.types import FrontendError, GenerateInput, StepEvent
 
 
 class FrontendMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self.model_name = model_name
         self.requests = Counter("tandem_requests", "Requests by outcome.", ["outcome"], registry=r)
         self.running = Gauge("tandem_requests_running", "Requests streaming now.", registry=r)
         self.ttft = Histogram(
@@ -62,6 +72,37 @@ class FrontendMetrics:
             "Choices continued on another worker after theirs was lost.",
             registry=r,
         )
+        # vLLM's names for the same (tandem_services.common.metrics).
+        self.vllm_ttft, self.vllm_tpot, self.vllm_e2e = (
+            Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=r).labels(model_name)
+            for name, doc, buckets in (
+                ("vllm:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS_S),
+                (
+                    "vllm:request_time_per_output_token_seconds",
+                    "Mean time per output token of each request.",
+                    TOKEN_LATENCY_BUCKETS_S,
+                ),
+                ("vllm:e2e_request_latency_seconds", "Request latency.", LATENCY_BUCKETS_S),
+            )
+        )
+        self.vllm_prompt_tokens, self.vllm_generation_tokens = (
+            Counter(name, doc, VLLM_LABELS, registry=r).labels(model_name)
+            for name, doc in (
+                ("vllm:prompt_tokens", "Prompt tokens of finished requests."),
+                ("vllm:generation_tokens", "Generated tokens."),
+            )
+        )
+        self.vllm_success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            [*VLLM_LABELS, "finished_reason"],
+            registry=r,
+        )
+
+    def generated(self, num_tokens: int) -> None:
+        """`num_tokens` more tokens streamed to a client."""
+        self.generation_tokens.inc(num_tokens)
+        self.vllm_generation_tokens.inc(num_tokens)
 
     def finish(
         self,
@@ -71,18 +112,26 @@ class FrontendMetrics:
         last: float | None,
         tokens_per_choice: int,
         num_prompt_tokens: int,
+        finished_reason: str | None = None,
     ) -> None:
-        """Record one request that left `generate` (`outcome` as in `outcome_of`)."""
+        """Record one request that left `generate` (`outcome` as in `outcome_of`;
+        `finished_reason`: its last choice's finish reason)."""
         self.requests.labels(outcome).inc()
         if outcome != "success":
             return
         end = last if last is not None else time.monotonic()
         self.e2e.observe(end - start)
+        self.vllm_e2e.observe(end - start)
         self.prompt_tokens.inc(num_prompt_tokens)
+        self.vllm_prompt_tokens.inc(num_prompt_tokens)
+        self.vllm_success.labels(self.model_name, finished_reason or "stop").inc()
         if first is not None:
             self.ttft.observe(first - start)
+            self.vllm_ttft.observe(first - start)
             if tokens_per_choice > 1:
-                self.tpot.observe((end - first) / (tokens_per_choice - 1))
+                tpot = (end - first) / (tokens_per_choice - 1)
+                self.tpot.observe(tpot)
+                self.vllm_tpot.observe(tpot)
 
 
 def outcome_of(exc: BaseException | None) -> str:
@@ -113,6 +162,7 @@ class MeteredFrontendEngine(FrontendEngine):
         num_tokens = 0
         error: BaseException | None = None
         done = False
+        reason: str | None = None
         inner = super().generate(inp)
         self.metrics.running.inc()
         try:
@@ -121,9 +171,12 @@ class MeteredFrontendEngine(FrontendEngine):
                 new = sum(len(d.token_ids) for d in event.deltas)
                 if new:
                     num_tokens += new
-                    self.metrics.generation_tokens.inc(new)
+                    self.metrics.generated(new)
                     first = now if first is None else first
                     last = now
+                for d in event.deltas:
+                    if d.finish_reason is not None:
+                        reason = str(d.finish_reason)
                 if event.finished:
                     done, last = event.error is None, now
                 yield event
@@ -141,4 +194,5 @@ class MeteredFrontendEngine(FrontendEngine):
                 last,
                 num_tokens // max(inp.params.n, 1),
                 len(inp.prompt_token_ids),
+                reason,
             )

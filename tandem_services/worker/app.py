@@ -144,7 +144,7 @@ async def serve(config: WorkerServiceConfig) -> int:
     stop = shutdown_event()
     holder: list[m.EngineHost] = []
     role = worker_role(config.role)
-    metrics = WorkerMetrics(config.role)
+    metrics = WorkerMetrics(config.role, model_name=config.engine.model.model)
 
     mirror = CacheMirror()
     publishes = publishes_prefixes(config)

@@ -20,7 +20,12 @@
 Sends are measured on every transport; receives on TCP (the CUDA IPC and NCCL writers are
 the senders, so their side carries the figures).
 
-Every family carries a `role` label (prefill, decode, unified). Engine figures come from the
+Under vLLM's names (tandem_services.common.metrics), with a `model_name` label instead of
+`role`: vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (a
+fraction, as vLLM's), vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total,
+vllm:num_preemptions_total.
+
+Every tandem_ family carries a `role` label (prefill, decode, unified). Engine figures come from the
 engine thread's latest snapshot and the worker's request table, read at scrape time on the
 event loop. The autoscaling signals are `pending_prefill_tokens` (prefill pool) and
 `kv_cache_usage_ratio` / `running_requests` (decode pool).
@@ -39,15 +44,24 @@ from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.core_client import AsyncMPClient
 from tandem.kv_transfer.base import KVDestination
 from tandem.kv_transfer.placement import TCP
-from tandem_services.common.metrics import TRANSFER_BUCKETS_S, ScrapeCollector, counter, gauge
+from tandem_services.common.metrics import (
+    TRANSFER_BUCKETS_S,
+    VLLM_LABELS,
+    ScrapeCollector,
+    counter,
+    gauge,
+)
 from tandem_services.worker import engine_host as m
 from tandem_services.worker.kv_transports import KVTransports
 from tandem_services.worker.states import Phase, Role
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, role: str, registry: CollectorRegistry | None = None, model_name: str = ""
+    ) -> None:
         self.role = role
+        self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.steps = Counter(
@@ -134,6 +148,7 @@ class WorkerMetrics:
             ("preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
         ):
             yield counter(f"tandem_worker_{name}", doc, value, labels)
+        yield from self._vllm_families(stats)
         spec = getattr(stats, "spec_decoding", None)
         if spec is not None:
             yield from spec_decode_families(spec, labels)
@@ -148,6 +163,21 @@ class WorkerMetrics:
                 for expert, value in enumerate(row):
                     family.add_metric([*labels.values(), str(layer), str(expert)], value)
             yield family
+
+    def _vllm_families(self, stats: Any) -> Iterator[Metric]:
+        """The engine's queues, KV cache and prefix cache under vLLM's names."""
+        labels = dict(zip(VLLM_LABELS, (self.model_name,), strict=True))
+        yield gauge("vllm:num_requests_running", "Requests running.", stats.num_running, labels)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting.", stats.num_waiting, labels)
+        yield gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", stats.kv_usage, labels
+        )
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prompt tokens looked up.", stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found cached.", stats.prefix_cache_hits),
+            ("num_preemptions", "Preemptions.", stats.num_preemptions),
+        ):
+            yield counter(f"vllm:{name}", doc, value, labels)
 
 
 def spec_decode_families(spec: Any, labels: dict[str, str]) -> Iterator[Metric]:

@@ -50,7 +50,7 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 
 def fake_worker_metrics(role: str = "prefill") -> WorkerMetrics:
-    metrics = WorkerMetrics(role)
+    metrics = WorkerMetrics(role, model_name="m")
     requests = {
         "a": SimpleNamespace(kind=role, phase="running", num_emitted=0, num_prompt_tokens=100),
         "b": SimpleNamespace(kind=role, phase="running", num_emitted=0, num_prompt_tokens=20),
@@ -130,6 +130,13 @@ def test_worker_collector_reads_engine_and_requests() -> None:
     assert sample(r, "tandem_worker_prefix_cache_hit_tokens_total", **role) == 50
     assert sample(r, "tandem_worker_prefix_cache_queried_tokens_total", **role) == 200
     assert sample(r, "tandem_worker_preemptions_total", **role) == 1
+    # vLLM's names for the same, labelled with the model.
+    assert sample(r, "vllm:num_requests_running", model_name="m") == 3
+    assert sample(r, "vllm:num_requests_waiting", model_name="m") == 2
+    assert sample(r, "vllm:kv_cache_usage_perc", model_name="m") == pytest.approx(0.6)
+    assert sample(r, "vllm:prefix_cache_queries_total", model_name="m") == 200
+    assert sample(r, "vllm:prefix_cache_hits_total", model_name="m") == 50
+    assert sample(r, "vllm:num_preemptions_total", model_name="m") == 1
     moe = "tandem_worker_moe_expert_tokens_total"
     assert sample(r, moe, layer="0", expert="0", **role) == 5
     assert sample(r, moe, layer="1", expert="1", **role) == 6
@@ -168,16 +175,20 @@ def test_scheduler_collector_reads_queue_and_workers() -> None:
 
 
 def test_names_follow_conventions() -> None:
-    """tandem_ prefix, snake case, counters end in _total, histograms are in seconds."""
+    """tandem_ prefix (or vLLM's `vllm:` with its model_name label), snake case, counters
+    end in _total, histograms are in seconds."""
     registries = [
         fake_worker_metrics("prefill").registry,
         fake_scheduler_metrics().registry,
-        FrontendMetrics().registry,
+        FrontendMetrics(model_name="m").registry,
     ]
     families = [f for r in registries for f in r.collect()]
     assert len(families) > 25
+    assert sum(f.name.startswith("vllm:") for f in families) == 12
     for family in families:
-        assert re.fullmatch(r"tandem_[a-z0-9_]+", family.name), family.name
+        assert re.fullmatch(r"tandem_[a-z0-9_]+|vllm:[a-z0-9_]+", family.name), family.name
+        if family.name.startswith("vllm:"):
+            assert all(s.labels.get("model_name") == "m" for s in family.samples), family.name
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples)
         if family.type == "histogram":
@@ -249,6 +260,14 @@ def test_frontend_success_records_latencies_and_tokens() -> None:
     assert sample(r, "tandem_requests_running") == 0
     ttft = sample(r, "tandem_request_time_to_first_token_seconds_sum")
     assert 0 < ttft <= sample(r, "tandem_request_e2e_latency_seconds_sum")
+    # vLLM's names: the same figures, and the finish reason.
+    model = {"model_name": ""}
+    assert sample(r, "vllm:request_success_total", finished_reason="length", **model) == 1
+    assert sample(r, "vllm:time_to_first_token_seconds_sum", **model) == ttft
+    assert sample(r, "vllm:request_time_per_output_token_seconds_count", **model) == 1
+    assert sample(r, "vllm:e2e_request_latency_seconds_count", **model) == 1
+    assert sample(r, "vllm:generation_tokens_total", **model) == 3
+    assert sample(r, "vllm:prompt_tokens_total", **model) == 5
 
 
 def test_frontend_consumer_that_stops_at_the_final_event_still_succeeded() -> None:

@@ -222,6 +222,11 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def total(samples: dict[Any, float], name: str) -> float:
+    """`name`'s samples summed over every label set."""
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
 def worker_stats(proc: Proc) -> common_pb2.WorkerStats:
     with grpc.insecure_channel(proc.grpc_address) as channel:
         return worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=30)
@@ -398,6 +403,23 @@ def test_load_through_the_frontend_no_failures_and_every_metrics_endpoint_moves(
         assert delta(frontend, f"tandem_request_{hist}_seconds_count") == n, hist
     assert delta(frontend, "tandem_generation_tokens_total") >= n
     assert value(after[id(frontend)], "tandem_requests_running") == 0
+    # The same under vLLM's names (dashboards, autoscalers and gateways written for vLLM).
+    front_before, front_after = before[id(frontend)], after[id(frontend)]
+
+    def vllm_delta(samples_after: Any, samples_before: Any, name: str) -> float:
+        return total(samples_after, name) - total(samples_before, name)
+
+    for name, want in (
+        ("vllm:request_success_total", n),
+        ("vllm:time_to_first_token_seconds_count", n),
+        ("vllm:e2e_request_latency_seconds_count", n),
+        ("vllm:generation_tokens_total", delta(frontend, "tandem_generation_tokens_total")),
+        ("vllm:prompt_tokens_total", delta(frontend, "tandem_prompt_tokens_total")),
+    ):
+        assert vllm_delta(front_after, front_before, name) == want, name
+    assert {dict(k)["model_name"] for n_, k in front_after if n_.startswith("vllm:")} == {
+        ENV["MODEL"]
+    }
 
     scheduler = topo.one("scheduler")
     assert delta(scheduler, "tandem_scheduler_requests_total", outcome="dispatched") == n
@@ -417,6 +439,12 @@ def test_load_through_the_frontend_no_failures_and_every_metrics_endpoint_moves(
         # The prefill autoscaling signal is exported.
         assert ("tandem_worker_pending_prefill_tokens", (("role", "prefill"),)) in after[id(p)]
     assert hits >= 16, "a repeated prompt found its blocks in the prefix cache"
+    vllm_hits = sum(
+        total(after[id(p)], "vllm:prefix_cache_hits_total")
+        - total(before[id(p)], "vllm:prefix_cache_hits_total")
+        for p in topo.alive("prefill")
+    )
+    assert vllm_hits == hits
     for p in topo.alive("decode"):
         role = {"role": "decode"}
         received = {**role, "direction": "received", "transport": "tcp"}
@@ -425,6 +453,10 @@ def test_load_through_the_frontend_no_failures_and_every_metrics_endpoint_moves(
         assert delta(p, "tandem_kv_transfer_duration_seconds_count", **received) > 0
         for signal_name in ("tandem_worker_kv_cache_usage_ratio", "tandem_worker_running_requests"):
             assert (signal_name, (("role", "decode"),)) in after[id(p)]
+        for signal_name in (
+            "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"
+        ):  # fmt: skip
+            assert any(name == signal_name for name, _ in after[id(p)]), signal_name
     # After the load every block is free again (no leaks across the hand-off).
     for p in [*topo.alive("prefill"), *topo.alive("decode")]:
         wait_until(
