@@ -11,6 +11,13 @@
 #            (issue 28's 2.3 ms bar).
 #   PART=fp8 (~6 min): gpu_session32.sh's PART=fp8 (the served table in FP8).
 #
+# What ran (every call naming the H200 kind came on an H100): gpu_session32.sh's PART=base
+#   (the served table at HEAD, bf16 batch 1 both ways), PART=probe twice (ModelOpt's layouts,
+#   then with FBGEMM's and the quantizers), and gpu_issue14.sh's offline engine with its
+#   device-timed timeline at 5 / 15 / 25 req/s (RUNS=" " OFFLINE=first TIMELINE=1).
+#   Results: benchmarks/results/*_h100_2026-12-07_s33*. PART=h200 and PART=fp8 did not run
+#   (no H200).
+#
 #   OUT=/some/dir PART=probe bash scripts/gpu_session33.sh
 set -u
 ISSUE=session33
