@@ -30,6 +30,7 @@ from tandem_services.frontend.engine import FrontendEngine
 from tandem_services.frontend.health import readiness, require_serving
 from tandem_services.frontend.limits import RequestLimits
 from tandem_services.frontend.openai_protocol import (
+    ChatBody,
     ChoiceAccumulator,
     TokenIdText,
     TokenText,
@@ -437,26 +438,7 @@ class HttpApi:
     async def chat(self, request: Request) -> Response:
         body = parse_chat(await self._read_json(request), self.limits, self.tool_call_parser)
         model = self._check_model(body.model)
-        text, ids = await self.engine.encode_chat(
-            body.messages,
-            body.tools,
-            self.tool_call_parser,
-            body.template,
-            body.prompt_options.special_tokens(False),
-        )
-        params = body.params
-        auto = body.tool_calling is not None and body.tool_calling.mode == "auto"
-        if auto and self.keep_tool_tags:
-            params = params.clone(skip_special_tokens=False)
-        inputs = self.engine.inputs(
-            [(ids, text)],
-            params,
-            params.max_tokens,
-            self.limits,
-            kind="chat",
-            priority=body.priority,
-            options=body.prompt_options,
-        )
+        inputs, params = await self._chat_inputs(body)
         token_text = TokenIdText() if body.tokens_as_ids else self.token_text
         prompt_ids = inputs[0].prompt_token_ids if body.return_token_ids else None
         stream = ChatStream(
@@ -492,9 +474,7 @@ class HttpApi:
             if prompt_ids is not None:
                 response["prompt_token_ids"] = prompt_ids
             return JSONResponse(response)
-        tools: ToolCallExtractor | None = None
-        if body.tool_calling is not None:
-            tools = ToolCallExtractor(parser_factory(body.tool_calling, self.tool_call_parser))
+        tools = self._tool_calls(body)
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}
             usage = await _unless_disconnected(
@@ -530,12 +510,10 @@ class HttpApi:
             inputs, render, stream.final, body.structured_param, body.continuous_usage
         )
 
-    async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API: the chat completion the body asks for (responses.py),
-        answered as one `response` object or its stream of typed events."""
-        chat, asked = chat_request(await self._read_json(request))
-        body = parse_chat(chat, self.limits, self.tool_call_parser)
-        model = self._check_model(body.model)
+    async def _chat_inputs(self, body: ChatBody) -> tuple[list[GenerateInput], SamplingParams]:
+        """The conversation through the chat template, as the one input to generate, and the
+        sampling parameters it runs with (special tokens kept where the tool-call parser
+        needs its tags)."""
         text, ids = await self.engine.encode_chat(
             body.messages,
             body.tools,
@@ -556,10 +534,23 @@ class HttpApi:
             priority=body.priority,
             options=body.prompt_options,
         )
+        return inputs, params
+
+    def _tool_calls(self, body: ChatBody) -> ToolCallExtractor | None:
+        """The extractor of the tool calls in the output, when the request uses tools."""
+        if body.tool_calling is None:
+            return None
+        return ToolCallExtractor(parser_factory(body.tool_calling, self.tool_call_parser))
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: the chat completion the body asks for (responses.py),
+        answered as one `response` object or its stream of typed events."""
+        chat, asked = chat_request(await self._read_json(request))
+        body = parse_chat(chat, self.limits, self.tool_call_parser)
+        model = self._check_model(body.model)
+        inputs, _ = await self._chat_inputs(body)
         builder = ResponseBuilder(response_id(), model, asked)
-        tools: ToolCallExtractor | None = None
-        if body.tool_calling is not None:
-            tools = ToolCallExtractor(parser_factory(body.tool_calling, self.tool_call_parser))
+        tools = self._tool_calls(body)
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}
             usage = await _unless_disconnected(
