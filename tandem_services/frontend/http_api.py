@@ -549,7 +549,7 @@ class HttpApi:
         body = parse_chat(chat, self.limits, self.tool_call_parser)
         model = self._check_model(body.model)
         inputs, _ = await self._chat_inputs(body)
-        builder = ResponseBuilder(response_id(), model, asked)
+        builder = ResponseBuilder(response_id(), model, asked, self.token_text)
         tools = self._tool_calls(body)
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}

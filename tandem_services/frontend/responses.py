@@ -18,7 +18,9 @@ The response is one `response` object: a `message` item with the text as `output
 then a `function_call` item per tool call; status `incomplete` (`max_output_tokens`) when
 the output ran into its limit. Streamed (`ResponsesStream`), the typed events OpenAI sends
 (`response.created`, `response.output_item.added`, `response.output_text.delta`, ...,
-`response.completed`), numbered by `sequence_number`. Nothing is stored: a body with
+`response.completed`), numbered by `sequence_number`. `include:
+["message.output_text.logprobs"]` (or `top_logprobs`) puts each output token's logprob, and
+its `top_logprobs` alternatives, on the text (chat's entries). Nothing is stored: a body with
 `previous_response_id` (or a background run, a prompt template, reasoning options) is
 refused by name (400), as are input images and files.
 """
@@ -30,8 +32,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.core.outputs import FinishReason
-from tandem_services.frontend.openai_protocol import ChoiceAccumulator
+from tandem.core.outputs import FinishReason, Logprobs
+from tandem_services.frontend.openai_protocol import ChoiceAccumulator, TokenText, chat_logprobs
 from tandem_services.frontend.sse import dumps
 from tandem_services.frontend.types import FrontendError, StepEvent, Usage, invalid
 
@@ -42,10 +44,10 @@ _REFUSED = {
     "background": "background responses",
     "prompt": "prompt templates",
     "reasoning": "reasoning options",
-    "include": "extra output (include)",
-    "top_logprobs": "logprobs in responses",
     "max_tool_calls": "a cap on built-in tool calls",
 }
+# `include` values served: the output text's logprobs (with `top_logprobs` alternatives).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Chat completion fields a Responses body does not take (it has its own for some).
 _CHAT_ONLY = (
     "messages", "max_tokens", "max_completion_tokens", "response_format", "n", "logprobs",
@@ -60,9 +62,11 @@ _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant"
 
 @dataclass(frozen=True)
 class ResponsesRequest:
-    """What a Responses body says beyond the chat completion it becomes: echoed back."""
+    """What a Responses body says beyond the chat completion it becomes: what its response
+    echoes, and whether the output text carries its logprobs (`include`)."""
 
     echo: dict[str, Any]
+    logprobs: bool = False
 
 
 def chat_request(values: dict[str, Any]) -> tuple[dict[str, Any], ResponsesRequest]:
@@ -103,6 +107,12 @@ def chat_request(values: dict[str, Any]) -> tuple[dict[str, Any], ResponsesReque
     body["messages"] = messages
     if "max_output_tokens" in body:
         body["max_completion_tokens"] = body.pop("max_output_tokens")
+    include = body.pop("include", None) or []
+    if not isinstance(include, list) or any(v != LOGPROBS_INCLUDE for v in include):
+        raise invalid(f"include: only {LOGPROBS_INCLUDE!r} is supported", "include")
+    logprobs = bool(include) or body.get("top_logprobs") is not None
+    if logprobs:
+        body["logprobs"] = True
     text = body.pop("text", None)
     if text is not None:
         body["response_format"] = _response_format(text)
@@ -123,8 +133,9 @@ def chat_request(values: dict[str, Any]) -> tuple[dict[str, Any], ResponsesReque
         truncation="disabled",
         store=False,
         user=values.get("user"),
+        top_logprobs=values.get("top_logprobs"),
     )
-    return body, ResponsesRequest(echo)
+    return body, ResponsesRequest(echo, logprobs)
 
 
 def _list(value: Any, name: str) -> list[Any]:
@@ -249,8 +260,11 @@ def _usage(usage: Usage) -> dict[str, Any]:
     }
 
 
-def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+def _message(
+    item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    content = [part]
     return {
         "type": "message",
         "id": item_id,
@@ -274,10 +288,13 @@ def _function_call(call: Any, item_id: str, arguments: str) -> dict[str, Any]:
 class ResponseBuilder:
     """One response object and its output items, whole (`response`) or as stream events."""
 
-    def __init__(self, rid: str, model: str, request: ResponsesRequest) -> None:
+    def __init__(
+        self, rid: str, model: str, request: ResponsesRequest, token_text: TokenText | None = None
+    ) -> None:
         self.rid = rid
         self.model = model
         self.request = request
+        self.token_text = token_text
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
 
@@ -304,12 +321,22 @@ class ResponseBuilder:
             **self.request.echo,
         }
 
+    def logprobs(self, logprobs: list[Logprobs] | None) -> list[dict[str, Any]]:
+        """The output text's logprobs as the Responses API lays them out (chat's entries:
+        token, logprob, bytes, top_logprobs), when the request included them."""
+        if not self.request.logprobs or not logprobs:
+            return []
+        assert self.token_text is not None, "a response with logprobs needs the token text"
+        content: list[dict[str, Any]] = chat_logprobs(logprobs, self.token_text)["content"]
+        return content
+
     def output(self, acc: ChoiceAccumulator) -> list[dict[str, Any]]:
         """The finished choice's output items: its text as a message (unless it only called
         tools), then its tool calls."""
         calls = sorted((acc.tool_calls or {}).items())
         status = "incomplete" if acc.finish_reason == FinishReason.LENGTH else "completed"
-        items = [] if calls and not acc.text else [_message(self.message_id, acc.text, status)]
+        message = _message(self.message_id, acc.text, status, self.logprobs(acc.logprobs))
+        items = [] if calls and not acc.text else [message]
         for _, call in calls:
             items.append(_function_call(call, f"fc_{uuid.uuid4().hex}", call.arguments))
         return items
@@ -333,6 +360,8 @@ class ResponsesStream:
         self.seq = 0
         self.started = False
         self.message_open = False
+        # Logprobs of tokens that added no text yet: sent with the next text delta.
+        self.pending: list[Logprobs] = []
 
     def _event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -353,6 +382,7 @@ class ResponsesStream:
         out = [] if self.started else [self._start()]
         for d in event.deltas:
             self.acc.add(d)
+            self.pending += d.logprobs or []
             if not d.text:
                 continue
             if not self.message_open:
@@ -361,8 +391,11 @@ class ResponsesStream:
                 out.append(self._event("response.output_item.added", output_index=0, item=item))
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                 out.append(self._event("response.content_part.added", **self._part(), part=part))
+            logprobs, self.pending = self.builder.logprobs(self.pending), []
             out.append(
-                self._event("response.output_text.delta", **self._part(), delta=d.text, logprobs=[])
+                self._event(
+                    "response.output_text.delta", **self._part(), delta=d.text, logprobs=logprobs
+                )
             )
         return "".join(out)
 
@@ -378,8 +411,11 @@ class ResponsesStream:
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                 out.append(self._event("response.content_part.added", **self._part(), part=part))
             message = items[0]
+            logprobs = message["content"][0]["logprobs"]
             out.append(
-                self._event("response.output_text.done", **self._part(), text=acc.text, logprobs=[])
+                self._event(
+                    "response.output_text.done", **self._part(), text=acc.text, logprobs=logprobs
+                )
             )
             out.append(
                 self._event(

@@ -391,6 +391,28 @@ def test_responses_api_matches_chat(deployment: Deployment, reference: Reference
     with client.responses.stream(input=question, max_output_tokens=MAX_TOKENS, **greedy) as s:
         assert s.get_final_response().output_text == reference.chat_text
 
+    # The text's logprobs (include), as chat's for the same conversation.
+    with_logprobs = client.responses.create(
+        input=question,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+        max_output_tokens=MAX_TOKENS,
+        **greedy,
+    )
+    chat_lp = (
+        client.chat.completions.create(
+            messages=CHAT, logprobs=True, top_logprobs=2, max_tokens=MAX_TOKENS, **greedy
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert chat_lp is not None and chat_lp.content is not None
+    got_lp = with_logprobs.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert got_lp is not None and len(got_lp) == len(reference.chat_token_ids)
+    for mine, theirs in zip(got_lp, chat_lp.content, strict=True):
+        assert mine.token == theirs.token and abs(mine.logprob - theirs.logprob) < 1e-5
+        assert [t.token for t in mine.top_logprobs] == [t.token for t in theirs.top_logprobs]
+
     cut = client.responses.create(input=question, max_output_tokens=3, **greedy)
     assert cut.status == "incomplete" and cut.incomplete_details is not None
     assert cut.incomplete_details.reason == "max_output_tokens"

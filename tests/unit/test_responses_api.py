@@ -14,8 +14,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tandem.core.outputs import FinishReason
-from tandem_services.frontend.openai_protocol import ChoiceAccumulator, parse_chat
+from tandem.core.outputs import FinishReason, Logprobs
+from tandem_services.frontend.openai_protocol import ChoiceAccumulator, TokenIdText, parse_chat
 from tandem_services.frontend.responses import (
     ResponseBuilder,
     ResponsesRequest,
@@ -100,6 +100,8 @@ def test_body_becomes_the_chat_completion_it_asks_for() -> None:
         ({"input": "x", "previous_response_id": "r"}, "previous_response_id", "stored"),
         ({"input": "x", "background": True}, "background", "not supported"),
         ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning", "not supported"),
+        ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "only"),
+        ({"input": "x", "logprobs": True}, "logprobs", "chat completions field"),
         ({"input": "x", "truncation": "auto"}, "truncation", "'auto'"),
         ({"input": "x", "max_tokens": 3}, "max_tokens", "chat completions field"),
         ({"input": "x", "n": 2}, "n", "chat completions field"),
@@ -176,3 +178,36 @@ def test_stream_of_tool_calls_and_a_cut_response() -> None:
     empty = _builder().finished(acc, Usage(5, 0))  # nothing said: one empty message
     assert [i["type"] for i in empty["output"]] == ["message"]
     assert empty["output"][0]["content"][0]["text"] == ""
+
+
+def test_included_logprobs_on_the_text_whole_and_streamed() -> None:
+    """include message.output_text.logprobs (with top_logprobs): the chat body asks for them,
+    and the output text carries each token's, its alternatives, on the whole response, the
+    deltas (a token that added no text yet goes with the next piece) and the done event."""
+    body, asked = chat_request(
+        {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    )
+    assert body["logprobs"] is True and body["top_logprobs"] == 1 and asked.logprobs
+    assert parse_chat(body).params.logprobs == 1
+    plain, unasked = chat_request({"input": "hi"})
+    assert "logprobs" not in plain and not unasked.logprobs
+    lp = [Logprobs([7, 8], [-0.5, -1.5], [1, 2]), Logprobs([9, 8], [-0.25, -2.0], [1, 2])]
+    events = [
+        StepEvent([ChoiceDelta(0, "", [7], logprobs=lp[:1])]),
+        StepEvent([ChoiceDelta(0, "ab", [9], logprobs=lp[1:], finish_reason=FinishReason.STOP)]),
+    ]
+    builder = ResponseBuilder("resp_1", "m", asked, TokenIdText())
+    parsed = _stream_events(ResponsesStream(builder), events, Usage(3, 2))
+    [delta] = [e for e in parsed if e.type == "response.output_text.delta"]
+    assert [x.token for x in delta.logprobs] == ["token_id:7", "token_id:9"]
+    assert [x.logprob for x in delta.logprobs] == [-0.5, -0.25]
+    assert [t.token for t in delta.logprobs[0].top_logprobs] == ["token_id:8"]
+    [done] = [e for e in parsed if e.type == "response.output_text.done"]
+    whole = parsed[-1].response.output[0].content[0]
+    dumped = [[x.model_dump() for x in lps] for lps in (done.logprobs, delta.logprobs)]
+    assert dumped[0] == dumped[1] == [x.model_dump() for x in whole.logprobs]
+    acc = ChoiceAccumulator()
+    for e in events:
+        acc.add(e.deltas[0])
+    unlogged = ResponseBuilder("resp_2", "m", unasked, TokenIdText()).finished(acc, Usage(3, 2))
+    assert unlogged["output"][0]["content"][0]["logprobs"] == []
