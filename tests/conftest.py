@@ -53,6 +53,9 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             "max_window_layers": 1,
         },
     ),
+    # Phi-3 / Phi-4: q, k and v stored as one tensor, gate and up as one (loaded whole into
+    # the fused layers), a sliding window on every layer.
+    "phi3": ("Phi3Config", {"tie_word_embeddings": False, "sliding_window": 8, "pad_token_id": 0}),
     # q/k norms per head, head_dim != hidden_size // num_attention_heads.
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
     # 8 experts, top 2 renormalised; layer 1 dense (mlp_only_layers).

@@ -80,6 +80,14 @@ class LlamaShape:
         hidden_act = getattr(hf_config, "hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (silu)")
+        for partial in (
+            self.rope_parameters.get("partial_rotary_factor"),
+            getattr(hf_config, "partial_rotary_factor", None),
+        ):
+            if partial not in (None, 1, 1.0):
+                raise ValueError(
+                    f"partial_rotary_factor {partial} is not supported (the whole head rotates)"
+                )
         rope_type = self.rope_parameters["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(

@@ -18,6 +18,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -32,6 +33,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -56,7 +58,9 @@ def check_model_config(hf_config: Any) -> None:
     try:
         check(hf_config)
     except ValueError as exc:
-        raise UnsupportedModelError(f"{cls.__name__}: {exc}") from None
+        # Named as the config names it (a Phi-3 config runs on the Llama class).
+        served = [a for a in getattr(hf_config, "architectures", None) or [] if a in MODEL_REGISTRY]
+        raise UnsupportedModelError(f"{served[0] if served else cls.__name__}: {exc}") from None
 
 
 def get_model_class(hf_config: Any) -> type[CausalLM]:

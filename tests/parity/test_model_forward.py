@@ -146,6 +146,7 @@ def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]
         "gemma3",
         "mistral_swa",
         "qwen2_swa",
+        "phi3",
     ],
 )
 def test_tiny_model_prefill_and_decode_match_hf(arch: str, tiny_model_path) -> None:

@@ -70,6 +70,22 @@ def _resolve(folder: Path) -> Any:
         ),
         ("gemma3", {"hidden_activation": "relu"}, r"hidden_activation 'relu' is not supported"),
         (
+            "phi3",
+            {
+                "rope_scaling": {
+                    "type": "longrope",
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                }
+            },
+            r"Phi3ForCausalLM: rope_scaling type 'longrope' is not supported",
+        ),
+        (
+            "phi3",
+            {"partial_rotary_factor": 0.75},
+            r"Phi3ForCausalLM: partial_rotary_factor 0.75 is not supported",
+        ),
+        (
             "gemma3",
             {"layer_types": ["sliding_attention", "chunked_attention"]},
             r"layer_types\[1\] 'chunked_attention' is not supported",
@@ -85,7 +101,7 @@ def test_unsupported_variants_are_a_config_error(
     assert str(folder) in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "phi3"])
 def test_new_families_resolve(arch: str, tiny_model_path, tmp_path: Path) -> None:
     config = _resolve(_variant(tiny_model_path(arch), tmp_path / arch))
     assert config.model.hf_config.model_type == arch
