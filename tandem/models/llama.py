@@ -18,7 +18,8 @@ final norm and LM head on the last) and hands the next stage `IntermediateTensor
 
 Families with the same skeleton subclass `LlamaForCausalLM` and swap a part: Qwen3 its
 attention (qwen3.py), Qwen3-MoE and Mixtral their MLP for a mixture of experts
-(qwen3_moe.py, mixtral.py).
+(qwen3_moe.py, mixtral.py), Granite its layer and scales (granite.py). Phi-3 is this class:
+its checkpoints store q/k/v and gate/up fused, which load whole into the fused layers.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class LlamaShape:
         self.rms_norm_eps = float(hf_config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.rope_parameters = rope_parameters_from_config(hf_config)
+        # The attention's softmax scale and the embedding's output scale (Granite sets both).
+        self.attention_scale = self.head_size**-0.5
+        self.embedding_multiplier = 1.0
         if model_type == "qwen2":
             self.qkv_bias, self.o_bias, self.mlp_bias = True, False, False
         else:
@@ -164,7 +168,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_heads,
             cfg.head_size,
             self.qkv_proj.num_kv_heads,
-            cfg.head_size**-0.5,
+            cfg.attention_scale,
             ctx.attn_backend,
         )
 
@@ -280,6 +284,7 @@ class LlamaModel(nn.Module):
             else PPMissingLayer()
         )
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.embedding_multiplier = cfg.embedding_multiplier
         # The CPU step path's decoder stack (tandem.models.cpu_stack), looked for at the first
         # forward (the loader has made the GEMM plans by then): None until then, False where
         # the layers are not its plain form. `use_cpu_decoder_stack` False keeps the modules.
@@ -299,6 +304,8 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             assert input_ids is not None, "the first stage takes input_ids"
             hidden_states, residual = self.embed_tokens(input_ids), None
+            if self.embedding_multiplier != 1.0:
+                hidden_states = hidden_states * self.embedding_multiplier
         else:
             assert intermediate_tensors is not None, "a later stage takes intermediate tensors"
             hidden_states = intermediate_tensors["hidden_states"]
@@ -355,6 +362,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     shape_cls: ClassVar[type[LlamaShape]] = LlamaShape
+    layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
     mlp_name: ClassVar[str] = "mlp"
 
     def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
@@ -372,7 +380,7 @@ class LlamaForCausalLM(nn.Module):
 
         def layer_fn(index: int, rotary_emb: RotaryEmbedding) -> nn.Module:
             prefix = f"model.layers.{index}"
-            return LlamaDecoderLayer(
+            return self.layer_cls(
                 cfg,
                 ctx,
                 self.make_attention(cfg, ctx, rotary_emb, f"{prefix}.self_attn"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from tandem.models.granite import GraniteForCausalLM
 from tandem.models.interface import CausalLM
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mixtral import MixtralForCausalLM
@@ -15,6 +16,7 @@ from tandem.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
@@ -30,6 +32,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 _BY_MODEL_TYPE: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",

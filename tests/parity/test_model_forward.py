@@ -147,6 +147,7 @@ def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]
         "mistral_swa",
         "qwen2_swa",
         "phi3",
+        "granite",
     ],
 )
 def test_tiny_model_prefill_and_decode_match_hf(arch: str, tiny_model_path) -> None:
@@ -155,7 +156,9 @@ def test_tiny_model_prefill_and_decode_match_hf(arch: str, tiny_model_path) -> N
     check_prefill_then_decode(load_both(path), prompts, seed=12)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "granite"]
+)
 def test_tiny_model_chunked_prefill_mixed_with_decode(arch: str, tiny_model_path) -> None:
     check_chunked_prefill_mixed_with_decode(load_both(tiny_model_path(arch)), seed=13)
 

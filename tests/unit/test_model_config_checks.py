@@ -80,6 +80,7 @@ def _resolve(folder: Path) -> Any:
             },
             r"Phi3ForCausalLM: rope_scaling type 'longrope' is not supported",
         ),
+        ("granite", {"logits_scaling": 0}, r"GraniteForCausalLM: logits_scaling must not be 0"),
         (
             "phi3",
             {"partial_rotary_factor": 0.75},
@@ -101,7 +102,7 @@ def test_unsupported_variants_are_a_config_error(
     assert str(folder) in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "phi3", "granite"])
 def test_new_families_resolve(arch: str, tiny_model_path, tmp_path: Path) -> None:
     config = _resolve(_variant(tiny_model_path(arch), tmp_path / arch))
     assert config.model.hf_config.model_type == arch

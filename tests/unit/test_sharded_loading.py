@@ -69,7 +69,8 @@ def assert_sharded_equals_slices(path: Path, size: int, ranks: list[int] | None 
         del sharded
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])  # phi3: fused tensors
+# phi3: fused checkpoint tensors; granite: tied, scaled
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "granite"])
 def test_safetensors_loads_by_shard(arch: str, tiny_model_path) -> None:
     assert_sharded_equals_slices(tiny_model_path(arch), 2)
 
