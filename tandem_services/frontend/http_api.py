@@ -206,6 +206,11 @@ class HttpApi:
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
             Route("/v1/responses", self._guard(self.responses), methods=["POST"]),
+            Route(
+                "/v1/responses/{response_id}",
+                self._guard(self.stored_response, serving=False),
+                methods=["GET", "DELETE"],
+            ),
             # The frontend's own tokenizer: no worker needed, so no 503 before one serves.
             Route("/tokenize", self._guard(self.tokenize, serving=False), methods=["POST"]),
             Route("/detokenize", self._guard(self.detokenize, serving=False), methods=["POST"]),
@@ -535,6 +540,15 @@ class HttpApi:
             options=body.prompt_options,
         )
         return inputs, params
+
+    async def stored_response(self, request: Request) -> Response:
+        """`client.responses.retrieve` / `.delete`: 404 naming why (nothing is stored)."""
+        raise FrontendError(
+            grpc.StatusCode.NOT_FOUND,
+            f"response {request.path_params['response_id']!r} not found: tandem stores no "
+            "responses (send the whole conversation as input)",
+            "response_id",
+        )
 
     def _tool_calls(self, body: ChatBody) -> ToolCallExtractor | None:
         """The extractor of the tool calls in the output, when the request uses tools."""

@@ -484,6 +484,8 @@ def test_responses_api_matches_chat(deployment: Deployment, reference: Reference
     assert shaped.output_text == chat_shaped.choices[0].message.content
     assert json.loads(shaped.output_text)["capital"] in ("Paris", "Rome")
 
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        client.responses.retrieve(out.id)
     url = f"http://{deployment.http_address}/v1/responses"
     for body, field in (
         ({"input": question, "previous_response_id": "resp_1"}, "previous_response_id"),
