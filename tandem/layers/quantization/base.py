@@ -192,7 +192,7 @@ def resolve_quant_config(
             raise ConfigError(
                 f"the checkpoint's quantization method {name!r} is not implemented ({known})"
             )
-        # An FP8 request over an FP8 compressed-tensors or ModelOpt checkpoint is the
+        # An FP8 request over an FP8 compressed-tensors, ModelOpt or FBGEMM checkpoint is the
         # checkpoint's scheme.
         stored_fp8 = name in ("compressed-tensors", "modelopt", "fbgemm_fp8")
         if method not in ("auto", name) and not (method == "fp8" and stored_fp8):
