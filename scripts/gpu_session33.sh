@@ -10,6 +10,8 @@
 #            (gpu_session32.sh's PART=base), then FP8 + FP8 KV batch 1 with --enable-pdl
 #            (issue 28's 2.3 ms bar).
 #   PART=fp8 (~6 min): gpu_session32.sh's PART=fp8 (the served table in FP8).
+#   PART=families (~3 min, either card): tests/gpu/test_gpu_models.py's families on CUDA (Phi-3
+#            and Granite among them) and tests/gpu/test_gpu_engine.py.
 #
 # What ran (every call naming the H200 kind came on an H100): gpu_session32.sh's PART=base
 #   (the served table at HEAD, bf16 batch 1 both ways), PART=probe twice (ModelOpt's layouts,
@@ -32,6 +34,17 @@ probe)
     -k "checkpoint_on_the_gpu or dynamic_activation_quant"
   grep -E "passed|failed|layers; logits" "$OUT/gpu_fp8_checkpoint_tests.log" | tail -n 10 \
     >>"$summary"
+  finish
+  ;;
+families)
+  # Either card (~3 min): the model families on CUDA (Phi-3 and Granite new) and the engine's
+  # GPU file, after the Llama class took Granite's scales and a layer class.
+  BUDGET_S=${BUDGET_S:-300}
+  . scripts/device_lib.sh
+  step "GPU family + engine tests" 280 "$OUT/gpu_families_engine_tests.log" $PY -m pytest -q \
+    -m gpu -rA -p no:cacheprovider tests/gpu/test_gpu_models.py -k new_families \
+    tests/gpu/test_gpu_engine.py
+  grep -E "passed|failed" "$OUT/gpu_families_engine_tests.log" | tail -n 3 >>"$summary"
   finish
   ;;
 h200)

@@ -1,7 +1,7 @@
-"""The new model families on CUDA: Qwen3, Qwen3-MoE and Mixtral (tiny random configs, fp32)
-greedy through the whole engine (Triton attention, the fused MoE kernel, CUDA graphs) equal
-transformers on the CPU; and the real Qwen3-30B-A3B shape (random bf16 weights) starts, tunes
-its MoE kernel at start-up and serves a batch."""
+"""The new model families on CUDA: Qwen3, Qwen3-MoE, Mixtral, Phi-3 and Granite (tiny random
+configs, fp32) greedy through the whole engine (Triton attention, the fused MoE kernel, CUDA
+graphs) equal transformers on the CPU; and the real Qwen3-30B-A3B shape (random bf16 weights)
+starts, tunes its MoE kernel at start-up and serves a batch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.parity.test_engine_parity import assert_matches, hf_greedy, make_prom
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "phi3", "granite"])
 def test_new_families_greedy_match_on_cuda(arch: str, tiny_model_path) -> None:
     path = tiny_model_path(arch)
     prompts = make_prompts(512, seed=3)[:8]
