@@ -862,9 +862,10 @@ class SamplerConfig:
 
 # `--quantization` values: methods applied at load, and the names of stored formats (which
 # only load checkpoints of that format; "auto" takes whatever the checkpoint says).
-QUANTIZATION_METHODS = (
+QuantizationMethod = Literal[
     "auto", "fp8", "ptpc_fp8", "modelopt", "compressed-tensors", "fbgemm_fp8"
-)  # fmt: skip
+]  # fmt: skip
+QUANTIZATION_METHODS: tuple[str, ...] = typing.get_args(QuantizationMethod)
 
 
 @dataclass(frozen=True)
@@ -880,9 +881,7 @@ class QuantizationConfig:
     FP8 needs a GPU of compute capability 8.9 or above.
     """
 
-    quantization: Literal[
-        "auto", "fp8", "ptpc_fp8", "modelopt", "compressed-tensors", "fbgemm_fp8"
-    ] = field(
+    quantization: QuantizationMethod = field(
         default="auto",
         metadata=flag(
             "fp8 | ptpc_fp8: quantize the weights at load; modelopt | compressed-tensors | "
