@@ -31,6 +31,8 @@ def _interp_module(items: Sequence[pytest.Item]) -> Any:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the interpreter child of the selected kernel cases now, so it runs beside the
     files before it (its ~7 CPU minutes hidden on this machine's second core)."""
+    if session.config.option.collectonly:
+        return
     module = _interp_module(session.items)
     cases = module.selected_cases(session.items) if module is not None else []
     if cases:
