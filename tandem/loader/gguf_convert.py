@@ -49,6 +49,7 @@ _GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
 # llama.cpp writes Mixtral as a "llama" file with experts.
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -75,8 +76,12 @@ _LAYER_TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# model_type -> its per-layer names that differ from the llama ones above.
-_LAYER_TENSOR_OVERRIDES = {"gemma3_text": gguf_gemma3.GEMMA3_LAYER_TENSOR_NAMES}
+# model_type -> its per-layer names that differ from the llama ones above. Phi-3 files keep
+# q/k/v in one tensor and gate/up in one (`ffn_up`, gate rows first), as its checkpoints do.
+_LAYER_TENSOR_OVERRIDES = {
+    "gemma3_text": gguf_gemma3.GEMMA3_LAYER_TENSOR_NAMES,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 # model_type -> the name transformers' GGUF tokenizer conversion knows the family by.
 _TOKENIZER_ARCHITECTURES = {"gemma3_text": "gemma3"}
 _GLOBAL_TENSOR_NAMES = {
@@ -244,6 +249,17 @@ def _hf_config(gguf: GGUFFile) -> Any:
         fields["mlp_only_layers"] = [
             i for i in layers if f"blk.{i}.ffn_gate_exps.weight" not in gguf.tensors
         ]
+    if model_type == "phi3":
+        if any(name.startswith("rope_factors_") for name in gguf.tensors):
+            raise GGUFConversionError(
+                f"{gguf.path}: Phi-3 rope factors (longrope scaling) are not supported"
+            )
+        window = _meta(gguf, "attention.sliding_window")
+        fields["sliding_window"] = int(window) if window else None
+        rotary = _meta(gguf, "rope.dimension_count")
+        if rotary is not None and int(rotary) != fields["head_dim"]:
+            fields["partial_rotary_factor"] = int(rotary) / fields["head_dim"]
+        fields["pad_token_id"] = md.get("tokenizer.ggml.padding_token_id")
     if model_type == "gemma3_text":
         try:
             fields.update(

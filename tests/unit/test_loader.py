@@ -194,6 +194,11 @@ def write_tiny_gguf(
             writer.add_rope_scaling_factor(rope["factor"])
         if sliding_window_pattern is not None:
             writer.add_sliding_window_pattern(sliding_window_pattern)
+    if arch == "phi3":  # as llama.cpp writes Phi-3: its window, the rotary width, pad id
+        if config.sliding_window:
+            writer.add_sliding_window(config.sliding_window)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        writer.add_pad_token_id(config.pad_token_id)
     writer.add_rope_freq_base(rope_freq_base or rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -265,7 +270,7 @@ def _stack_experts(weights: Any) -> Any:
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_tiny_gguf_converts_back_to_the_original_weights(
     arch: str, tiny_model_path, tmp_path: Path
 ) -> None:
@@ -299,6 +304,7 @@ def test_tiny_gguf_converts_back_to_the_original_weights(
     ):
         assert getattr(config, field) == getattr(ref_config, field), field
     assert config.rope_parameters["rope_theta"] == ref_config.rope_parameters["rope_theta"]
+    assert getattr(config, "sliding_window", None) == getattr(ref_config, "sliding_window", None)
     assert get_eos_token_ids(converted) == [2]
     tok = load_tokenizer(converted)
     assert tok.eos_token == "</s>" and tok.eos_token_id == 2
