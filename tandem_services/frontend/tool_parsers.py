@@ -13,6 +13,9 @@ Formats (`--tool-call-parser`, vLLM's names)::
                    (Hermes 2 Pro; Qwen2.5 and Qwen3 use these same tags)
     llama3_json    [<|python_tag|>]{"name": "f", "parameters": {...}}[; {...}]
                    (the whole output is calls, or it is all content)
+    mistral        content [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]
+    granite        content <|tool_call|>[{"name": "f", "arguments": {...}}, ...]
+                   (or <tool_call>[...]: Granite 3.1 on)
     forced, by tool_choice (structured.py builds the grammar they assume):
     named          the whole output is the named function's arguments
     required       [{"name": "f", "arguments": {...}}, ...]
@@ -454,6 +457,103 @@ class Llama3JsonToolParser(ToolParser):
                     self.state = "text"
 
 
+class TaggedListToolParser(ToolParser):
+    """A marker, then a JSON list of `{"name": ..., "arguments": ...}` calls, after any
+    content (Mistral's `[TOOL_CALLS]`, Granite's `<|tool_call|>` / `<tool_call>`). A marker
+    not followed by a list (or a single call object) is content; text after the list is
+    content."""
+
+    STARTS: tuple[str, ...] = ()
+
+    def __init__(self, tool_names: Sequence[str] = ()) -> None:
+        super().__init__(tool_names)
+        self.state = "text"  # text, open, elem, call, next, after
+        self.tag_start = 0
+        self.in_list = False
+        self.call: _CallObject | None = None
+
+    def _find_start(self) -> tuple[int, str] | None:
+        found = [(j, t) for t in self.STARTS if (j := self.buf.find(t, self.pos)) >= 0]
+        return min(found) if found else None
+
+    def _fallback(self) -> None:
+        """The marker and what followed it are content (no call was sent from them)."""
+        self._text(self.buf[self.tag_start : self.pos])
+        self.state = "after" if self.num_calls else "text"
+
+    def _advance(self, final: bool) -> None:
+        buf = self.buf
+        while True:
+            if self.state in ("text", "after"):
+                start = self._find_start() if self.state == "text" else None
+                if start is None:
+                    k = min((self._pending_tag(t, final) for t in self.STARTS), default=len(buf))
+                    k = len(buf) if self.state == "after" else k
+                    self._text(buf[self.pos : k])
+                    self.pos = k
+                    return
+                j, tag = start
+                self._text(buf[self.pos : j])
+                self.tag_start, self.pos, self.state = j, j + len(tag), "open"
+                continue
+            if self.state == "call":
+                call = self.call
+                assert call is not None
+                call.advance(buf, final)
+                if call.name is not None and call.index is None:
+                    self._call_starts()
+                    self._commit(call)
+                self._sync(call)
+                if call.done:
+                    self.pos, self.state = call.end, "next" if self.in_list else "after"
+                    continue
+                if call.error or final:
+                    if call.index is None:
+                        self.pos = len(buf) if final else call.pos
+                        self._fallback()
+                    else:
+                        self.pos, self.state = call.pos, "after"
+                    continue
+                return
+            self._skip_ws()
+            if self.pos == len(buf):
+                if final and self.state in ("open", "elem"):
+                    self._fallback()
+                    continue
+                return
+            c = buf[self.pos]
+            if self.state == "open":
+                if c == "[":
+                    self.pos, self.in_list, self.state = self.pos + 1, True, "elem"
+                elif c == "{":
+                    self.in_list, self.state = False, "elem"
+                else:
+                    self._fallback()
+            elif self.state == "elem":
+                if c == "{":
+                    self.call, self.state = _CallObject(self.pos), "call"
+                else:
+                    self._fallback()
+            else:  # next
+                self.pos += 1
+                self.state = "elem" if c == "," else "after"
+
+
+class MistralToolParser(TaggedListToolParser):
+    """Mistral's `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v0.3 tokenizers)."""
+
+    STARTS = ("[TOOL_CALLS]",)
+    TAGS = STARTS
+
+
+class GraniteToolParser(TaggedListToolParser):
+    """Granite 3.x's `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (3.0's special
+    token, or the `<tool_call>` text of later releases)."""
+
+    STARTS = ("<|tool_call|>", "<tool_call>")
+    TAGS = STARTS
+
+
 class RequiredToolParser(ToolParser):
     """`tool_choice: "required"`: the output is `[{"name": ..., "arguments": ...}, ...]`
     (generated under structured.required_schema); nothing is content."""
@@ -517,6 +617,8 @@ AUTO_TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "qwen": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "granite": GraniteToolParser,
 }
 
 
@@ -525,6 +627,9 @@ def render_tool_calls(parser: str | None, calls: Sequence[tuple[str, str]]) -> s
     tags by default): for chat templates that do not render `tool_calls` themselves."""
     if parser == "llama3_json":
         return "; ".join(f'{{"name": {json.dumps(n)}, "parameters": {a}}}' for n, a in calls)
+    if parser in ("mistral", "granite"):
+        listed = ", ".join(f'{{"name": {json.dumps(n)}, "arguments": {a}}}' for n, a in calls)
+        return f"{AUTO_TOOL_PARSERS[parser].TAGS[0]}[{listed}]"
     return "\n".join(
         f'<tool_call>\n{{"name": {json.dumps(n)}, "arguments": {a}}}\n</tool_call>'
         for n, a in calls

@@ -13,8 +13,10 @@ import pytest
 
 from tandem_services.frontend.structured import ToolCalling
 from tandem_services.frontend.tool_parsers import (
+    GraniteToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
     NamedToolParser,
     RequiredToolParser,
     ToolCallExtractor,
@@ -141,6 +143,34 @@ def test_llama3_json(text: str, content: str, calls: Calls) -> None:
     check(lambda: Llama3JsonToolParser(NAMES), text, content, calls)
 
 
+# A marker, then a list of calls (Mistral's, Granite's); content before; a marker without a
+# list is content.
+TAGGED_CASES: list[tuple[str, str, Calls]] = [
+    (
+        '{tag}[{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}]',
+        "",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        'Checking both. {tag} [ {{"name": "add", "arguments": {{"a": 1, "b": [2, "]"]}}}},\n'
+        '{{"arguments": {{"city": "Rome \\"x\\""}}, "name": "get_weather"}} ]',
+        "Checking both.",
+        [("add", {"a": 1, "b": [2, "]"]}), ("get_weather", {"city": 'Rome "x"'})],
+    ),
+    ('{tag}{{"name": "add", "arguments": {{}}}}', "", [("add", {})]),
+    ("No calls [here], <tool is text.\n", "No calls [here], <tool is text.\n", []),
+    ("{tag} nothing", "{tag} nothing", []),
+]
+
+
+@pytest.mark.parametrize("parser", [MistralToolParser, GraniteToolParser])
+@pytest.mark.parametrize(("text", "content", "calls"), TAGGED_CASES)
+def test_tagged_lists(parser: Any, text: str, content: str, calls: Calls) -> None:
+    for tag in parser.STARTS:
+        filled = text.format(tag=tag)
+        check(lambda: parser(NAMES), filled, content.format(tag=tag), calls)
+
+
 REQUIRED_CASES: list[tuple[str, Calls]] = [
     ('[{"name": "add", "arguments": {"a": 1, "b": 2}}]', [("add", {"a": 1, "b": 2})]),
     (
@@ -166,6 +196,8 @@ def test_rendered_calls_parse_back() -> None:
     check(lambda: HermesToolParser(NAMES), render_tool_calls("hermes", calls), "", expected)
     text = render_tool_calls("llama3_json", calls)
     check(lambda: Llama3JsonToolParser(NAMES), text, "", expected)
+    for name, parser in (("mistral", MistralToolParser), ("granite", GraniteToolParser)):
+        check(lambda p=parser: p(NAMES), render_tool_calls(name, calls), "", expected)
 
 
 def test_extractor_sets_finish_reason_and_keeps_plain_text() -> None:
