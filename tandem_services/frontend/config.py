@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.config import DEFAULT_MODEL, add_engine_args
 from tandem.sampling_params import MAX_LOGPROBS
@@ -144,16 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     # the model's default is also read from TANDEM_FRONTEND_MODEL.
     add_engine_args(p, only=("model", "cache_dir"))
     p.set_defaults(model=env("model", DEFAULT_MODEL))
-    p.add_argument(
-        "--served-model-name",
-        action="append",
-        default=[],
-        help="a name clients may use for the model (repeatable)",
-    )
+    add_api_args(p, env)
     p.add_argument("--api-key", default=env("api_key", os.environ.get("TANDEM_API_KEY", "")))
-    p.add_argument(
-        "--max-body-bytes", type=int, default=env("max_body_bytes", d["max_body_bytes"].default)
-    )
     p.add_argument(
         "--grace-period-s", type=float, default=env("grace_period_s", d["grace_period_s"].default)
     )
@@ -173,6 +167,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ready-file", default=env("ready_file", ""))
     p.add_argument("--log-level", default=env("log_level", "info"))
+    add_tls_args(p)
+    return p
+
+
+def _no_env(name: str, default: Any) -> Any:
+    return default
+
+
+# The API flags' destinations (add_api_args), in the order they are declared.
+_API_DESTS = (
+    "served_model_name", "max_body_bytes", "enable_auto_tool_choice", "tool_call_parser",
+    *_LIMIT_HELP,
+)  # fmt: skip
+
+
+def add_api_args(p: argparse.ArgumentParser, env: Callable[[str, object], str] = _no_env) -> None:
+    """The frontend's API flags, declared once for its own parser and `tandem serve`'s (which
+    forwards those given: `api_argv`): the names clients may use for the model, the body size,
+    tool calling (vLLM's flags) and the per-request limits. `env(name, default)`: a flag's
+    default (the frontend's own parser reads TANDEM_FRONTEND_<NAME>)."""
+    d = FrontendConfig.__dataclass_fields__
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        help="a name clients may use for the model (repeatable)",
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=env("max_body_bytes", d["max_body_bytes"].default)
+    )
     p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
@@ -184,14 +208,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=env("tool_call_parser", ""),
         choices=["", *AUTO_TOOL_PARSERS],
         help="the tool-call format of the model's output (hermes and qwen: <tool_call> tags; "
-        "llama3_json: Llama 3 JSON calls)",
+        "llama3_json: Llama 3 JSON calls; mistral: [TOOL_CALLS]; granite: <|tool_call|>)",
     )
     for name, help_ in _LIMIT_HELP.items():
         p.add_argument(
             "--" + name.replace("_", "-"), type=int, default=env(name, d[name].default), help=help_
         )
-    add_tls_args(p)
-    return p
+
+
+def api_argv(p: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:
+    """The API flags `ns` sets away from `p`'s defaults, as the frontend's arguments (so a
+    flag not given leaves the frontend's own default and TANDEM_FRONTEND_* alone)."""
+    argv: list[str] = []
+    for dest in _API_DESTS:
+        value = getattr(ns, dest)
+        if value == p.get_default(dest):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag)
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def config_from_args(argv: list[str]) -> FrontendConfig:

@@ -25,6 +25,7 @@ from tandem.engine_args import EngineArgs
 from tandem_services.common.directory import add_directory_args, directory_config_from
 from tandem_services.common.tls import add_tls_args, tls_config_from
 from tandem_services.directory.factory import require_redis
+from tandem_services.frontend.config import add_api_args, api_argv
 from tandem_services.launcher.deployment import LaunchError, ServeConfig, start_deployment
 from tandem_services.launcher.supervisor import RestartPolicy, Supervisor
 
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_directory_args(p, "TANDEM_SERVE_")
     add_tls_args(p)
+    add_api_args(p)  # the frontend's: served names, tool calling, request limits
     add_engine_args(p, defaults=SERVING_ENGINE_DEFAULTS)
     return p
 
@@ -164,7 +166,7 @@ def main(argv: list[str]) -> int:
             directory=directory,
             routing=ns.routing,
             tls=tls,
-            frontend_args=("--migration-limit", str(ns.migration_limit)),
+            frontend_args=("--migration-limit", str(ns.migration_limit), *api_argv(parser, ns)),
         )
     except ValueError as exc:
         parser.error(str(exc))

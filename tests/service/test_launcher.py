@@ -73,19 +73,45 @@ def _listening(address: str) -> bool:
         return s.connect_ex((host, int(port))) == 0
 
 
+# The frontend's flags, given to `tandem serve` (forwarded to its frontend).
+FRONTEND_FLAGS = [
+    *("--served-model-name", "smol"),
+    *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+    *("--max-n", "2"),
+]
+
+
 def test_tandem_serve_unified_ctrl_c(tmp_path: Path) -> None:
-    with tandem_serve(["--unified", *WORKER_ARGS], tmp_path, 300) as (proc, out):
+    """Also: the frontend's flags on `tandem serve` reach its frontend (the served name, tool
+    choice "auto" with a parser, a request limit)."""
+    with tandem_serve(["--unified", *WORKER_ARGS, *FRONTEND_FLAGS], tmp_path, 300) as (proc, out):
         http = re.search(r"HTTP \(OpenAI API\)\s+http://(\S+)/v1", out)
         grpc_addr = re.search(r"gRPC\s+(\S+)", out)
         scheduler = re.search(r"scheduler\s+(\S+)", out)
         worker = re.search(r"workers\s+unified (\S+)", out)
         assert http and grpc_addr and scheduler and worker, out
+        base = f"http://{http.group(1)}/v1"
+        models = httpx.get(f"{base}/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == ["smol"]
         r = httpx.post(
-            f"http://{http.group(1)}/v1/completions",
-            json={"model": "default", "prompt": "Hello", "max_tokens": 4, "temperature": 0},
+            f"{base}/completions",
+            json={"model": "smol", "prompt": "Hello", "max_tokens": 4, "temperature": 0},
             timeout=120,
         )
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        many = httpx.post(f"{base}/completions", json={"prompt": "Hi", "n": 3}, timeout=30)
+        assert many.status_code == 400 and many.json()["error"]["param"] == "n", many.text
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        auto = httpx.post(
+            f"{base}/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "tools": [tool],
+                "max_tokens": 4,
+            },
+            timeout=120,
+        )
+        assert auto.status_code == 200, auto.text  # "auto" needs the parser flags
         proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the launcher
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out + rest
