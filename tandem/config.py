@@ -142,6 +142,14 @@ class ModelConfig:
             "where converted models are kept ('': ~/.cache/tandem)", env="TANDEM_CACHE_DIR"
         ),
     )
+    generation_config: str = field(
+        default="auto",
+        metadata=flag(
+            "default sampling parameters (vLLM's flag): auto, the model folder's "
+            "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty) "
+            "for requests that leave them out; vllm, none; or another folder's"
+        ),
+    )
     model_path: Path | None = field(default=None, metadata=_RESOLVED)
     hf_config: Any = field(default=None, compare=False, repr=False, metadata=_RESOLVED)
 

@@ -16,7 +16,7 @@ from tandem.engine.core import EngineCore, InvalidRequestError, check_prompt_tok
 from tandem.engine.core_client import InprocClient
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine_args import EngineArgs
-from tandem.loader import load_tokenizer
+from tandem.loader import load_tokenizer, sampling_defaults
 from tandem.models.presets import has_random_weights
 from tandem.request import EngineCoreRequest
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
@@ -90,6 +90,11 @@ class LLM:
         )
         self._output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
+        # The model's default sampling parameters (vLLM's --generation-config): used where a
+        # call passes no SamplingParams.
+        self._sampling_defaults = sampling_defaults(
+            self.engine.model_path, self.engine_args.generation_config
+        )
 
     # ----------------------------------------------------------------- lifetime
 
@@ -143,6 +148,12 @@ class LLM:
 
     # ----------------------------------------------------------------- API
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (its generation_config.json's temperature,
+        top_p, top_k, min_p and repetition_penalty under `generation_config="auto"`, as
+        vLLM's); what `generate` and `chat` use when given no SamplingParams."""
+        return SamplingParams(**self._sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -159,7 +170,7 @@ class LLM:
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)

@@ -3,6 +3,7 @@ config/tokenizer/weights, and build the model."""
 
 from tandem.loader.gguf_convert import GGUFConversionError, convert_gguf
 from tandem.loader.hf_folder import (
+    SAMPLING_DEFAULT_FIELDS,
     SafetensorsSlice,
     TokenizerNotFoundError,
     get_eos_token_ids,
@@ -11,6 +12,7 @@ from tandem.loader.hf_folder import (
     iterate_weights,
     load_hf_config,
     load_tokenizer,
+    sampling_defaults,
 )
 from tandem.loader.model_loader import (
     ModelNotFoundError,
@@ -21,6 +23,7 @@ from tandem.loader.model_loader import (
 )
 
 __all__ = [
+    "SAMPLING_DEFAULT_FIELDS",
     "GGUFConversionError",
     "ModelNotFoundError",
     "SafetensorsSlice",
@@ -36,4 +39,5 @@ __all__ = [
     "load_tokenizer",
     "prepare_tokenizer",
     "resolve_model_path",
+    "sampling_defaults",
 ]

@@ -31,6 +31,36 @@ def load_hf_config(path: str | Path) -> Any:
     return config
 
 
+# generation_config.json's sampling fields that become a model's default sampling parameters
+# (vLLM's `--generation-config auto`); SamplingParams' names.
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model_path: str | Path, generation_config: str = "auto") -> dict[str, Any]:
+    """The default sampling parameters a model's requests get where they leave a field out:
+    the sampling fields of `generation_config.json` in the model folder ("auto") or in the
+    folder `generation_config` names; none for "vllm" or a folder without the file. A value
+    of the wrong type is a ValueError naming the field."""
+    if generation_config == "vllm":
+        return {}
+    folder = Path(model_path) if generation_config == "auto" else Path(generation_config)
+    if generation_config != "auto" and not folder.is_dir():
+        raise ValueError(f"generation_config {generation_config!r} is not a folder")
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    stored = json.loads(path.read_text())
+    out: dict[str, Any] = {}
+    for name in SAMPLING_DEFAULT_FIELDS:
+        value = stored.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{path}: {name} {value!r} is not a number")
+        out[name] = int(value) if name == "top_k" else float(value)
+    return out
+
+
 # Files of which a folder's tokenizer loads (any one of them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 

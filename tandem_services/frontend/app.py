@@ -10,7 +10,7 @@ import time
 
 import uvicorn
 
-from tandem.loader import load_tokenizer, resolve_model_path
+from tandem.loader import load_tokenizer, resolve_model_path, sampling_defaults
 from tandem_protos.v1 import frontend_pb2, frontend_pb2_grpc
 from tandem_services.common.metrics import start_metrics_server
 from tandem_services.common.server import GrpcServer, shutdown_event, write_ready_file
@@ -34,6 +34,9 @@ async def serve(config: FrontendConfig) -> int:
     stop = shutdown_event()
     model_path = resolve_model_path(config.model, config.cache_dir or None)
     tokenizer = load_tokenizer(model_path)
+    defaults = sampling_defaults(model_path, config.generation_config)
+    if defaults:
+        logger.info("default sampling parameters from generation_config.json: %s", defaults)
     metrics = FrontendMetrics(model_name=config.model_ids[0])
     engine = MeteredFrontendEngine(
         config.frontend_id,
@@ -43,6 +46,7 @@ async def serve(config: FrontendConfig) -> int:
         migration_limit=config.migration_limit,
         metrics=metrics,
         tls=config.tls,
+        sampling_defaults=defaults,
     )
     await engine.start()
     metrics_server = await start_metrics_server(metrics.registry, config.host, config.metrics_port)

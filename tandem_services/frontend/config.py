@@ -43,6 +43,9 @@ class FrontendConfig:
     scheduler_address: str = "127.0.0.1:50050"
     # The model the workers serve (for the tokenizer and chat template).
     model: str = "default"
+    # Where requests' default sampling parameters come from (the engine's --generation-config:
+    # auto, vllm or a folder; tandem.loader.sampling_defaults).
+    generation_config: str = "auto"
     # Names clients may use for it (first: the one reported); default: the model argument.
     served_model_names: tuple[str, ...] = ()
     cache_dir: str = ""
@@ -142,9 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--scheduler",
         default=env("scheduler", os.environ.get("TANDEM_SCHEDULER_ADDRESS", "127.0.0.1:50050")),
     )
-    # The engine's --model and --cache-dir (TANDEM_CACHE_DIR), as the workers declare them;
-    # the model's default is also read from TANDEM_FRONTEND_MODEL.
-    add_engine_args(p, only=("model", "cache_dir"))
+    # The engine's --model, --cache-dir (TANDEM_CACHE_DIR) and --generation-config, as the
+    # workers declare them; the model's default is also read from TANDEM_FRONTEND_MODEL.
+    add_engine_args(p, only=("model", "cache_dir", "generation_config"))
     p.set_defaults(model=env("model", DEFAULT_MODEL))
     add_api_args(p, env)
     p.add_argument("--api-key", default=env("api_key", os.environ.get("TANDEM_API_KEY", "")))
@@ -248,6 +251,7 @@ def config_from_args(argv: list[str]) -> FrontendConfig:
         http_port=ns.http_port,
         scheduler_address=ns.scheduler,
         model=ns.model,
+        generation_config=ns.generation_config,
         served_model_names=tuple(ns.served_model_name),
         cache_dir=ns.cache_dir,
         api_key=ns.api_key,

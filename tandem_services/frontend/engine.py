@@ -9,7 +9,7 @@ import contextlib
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,10 +132,14 @@ class FrontendEngine:
         rpc_timeout_s: float = 30.0,
         tls: TlsConfig = PLAINTEXT,
         migration_limit: int = 0,
+        sampling_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         """`migration_limit`: how many times one choice may move to another worker when its
-        worker is lost (tracker.py: Migration); 0 fails it instead."""
+        worker is lost (tracker.py: Migration); 0 fails it instead. `sampling_defaults`: the
+        model's default sampling parameters (tandem.loader.sampling_defaults), for the fields
+        a request leaves out (both APIs read them here)."""
         self.frontend_id = frontend_id
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.rpc_timeout_s = rpc_timeout_s

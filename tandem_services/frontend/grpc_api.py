@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,12 +156,17 @@ def chat_template(chat: frontend_pb2.Chat) -> ChatTemplateOptions:
     return ChatTemplateOptions(add, chat.continue_final_message, kwargs)
 
 
-def parse_generate(request: frontend_pb2.GenerateRequest, limits: RequestLimits) -> GenerateArgs:
+def parse_generate(
+    request: frontend_pb2.GenerateRequest,
+    limits: RequestLimits,
+    defaults: Mapping[str, Any] | None = None,
+) -> GenerateArgs:
     """The one pass over a Generate request's fields; FrontendError (INVALID_ARGUMENT) naming
-    the first problem."""
+    the first problem. `defaults`: the model's default sampling parameters for the fields
+    the request does not set."""
     sp = request.sampling_params
     try:
-        kwargs = sampling_params_kwargs(sp)
+        kwargs = {**(defaults or {}), **sampling_params_kwargs(sp)}
         for field, limit in _BOUNDED:
             if field in kwargs:
                 check_at_most(limits, field, kwargs[field], limit)
@@ -244,7 +249,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         await self._check(request.model, context)
         try:
-            args = parse_generate(request, self.limits)
+            args = parse_generate(request, self.limits, self.engine.sampling_defaults)
             ids, text = await self._tokenized(args)
             (inp,) = self.engine.inputs(
                 [(ids, text)],

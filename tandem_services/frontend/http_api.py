@@ -342,7 +342,8 @@ class HttpApi:
         return JSONResponse(self._card(model_id))
 
     async def completions(self, request: Request) -> Response:
-        body = parse_completion(await self._read_json(request), self.limits)
+        defaults = self.engine.sampling_defaults
+        body = parse_completion(await self._read_json(request), self.limits, defaults)
         model = self._check_model(body.model)
         special = body.prompt_options.special_tokens(True)
         encoded: list[tuple[list[int], str | None]] = []
@@ -441,7 +442,12 @@ class HttpApi:
         )
 
     async def chat(self, request: Request) -> Response:
-        body = parse_chat(await self._read_json(request), self.limits, self.tool_call_parser)
+        body = parse_chat(
+            await self._read_json(request),
+            self.limits,
+            self.tool_call_parser,
+            self.engine.sampling_defaults,
+        )
         model = self._check_model(body.model)
         inputs, params = await self._chat_inputs(body)
         token_text = TokenIdText() if body.tokens_as_ids else self.token_text
@@ -560,7 +566,7 @@ class HttpApi:
         """OpenAI's Responses API: the chat completion the body asks for (responses.py),
         answered as one `response` object or its stream of typed events."""
         chat, asked = chat_request(await self._read_json(request))
-        body = parse_chat(chat, self.limits, self.tool_call_parser)
+        body = parse_chat(chat, self.limits, self.tool_call_parser, self.engine.sampling_defaults)
         model = self._check_model(body.model)
         inputs, _ = await self._chat_inputs(body)
         builder = ResponseBuilder(response_id(), model, asked, self.token_text)

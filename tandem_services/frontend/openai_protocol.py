@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -444,12 +444,16 @@ def _short(value: Any, limit: int = 80) -> str:
 # ----------------------------------------------------------------------------- across fields
 
 
-def _sampling_params(kwargs: dict[str, Any], values: dict[str, Any]) -> SamplingParams:
+def _sampling_params(
+    kwargs: dict[str, Any], values: dict[str, Any], defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
     """The rules across the sampling fields, then SamplingParams' own value checks (a 400
-    naming the field its message starts with)."""
+    naming the field its message starts with). `defaults`: the model's default sampling
+    parameters (generation_config.json) for the fields the body leaves out."""
     best_of = values.get("best_of")
     if best_of is not None and best_of != kwargs.get("n", 1):
         raise invalid("best_of must equal n (or be left out)", "best_of")
+    kwargs = {**(defaults or {}), **kwargs}
     try:
         return SamplingParams(**kwargs)
     except SamplingParamsError as exc:
@@ -513,9 +517,14 @@ def _no_streamed_prompt_logprobs(kwargs: dict[str, Any], values: dict[str, Any])
         raise invalid("prompt_logprobs are not available when stream is true", "prompt_logprobs")
 
 
-def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) -> CompletionBody:
+def parse_completion(
+    body: dict[str, Any],
+    limits: RequestLimits | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> CompletionBody:
     """A /v1/completions body, validated in one pass (`COMPLETION`); 400 naming the field for
-    anything malformed, unimplemented or over a limit."""
+    anything malformed, unimplemented or over a limit. `defaults`: the model's default
+    sampling parameters for the fields the body leaves out."""
     kwargs, values = COMPLETION.read(body, limits or RequestLimits())
     structured, structured_param = _output_constraint(values)
     kwargs["structured_outputs"] = structured
@@ -531,7 +540,7 @@ def parse_completion(body: dict[str, Any], limits: RequestLimits | None = None) 
     beam = _beam_search({**values, **kwargs})
     return CompletionBody(
         prompts=values["prompt"],
-        params=_sampling_params(kwargs, values),
+        params=_sampling_params(kwargs, values, defaults),
         structured_param=structured_param,
         echo=echo,
         show_prompt_logprobs=show,
@@ -632,11 +641,12 @@ def parse_chat(
     body: dict[str, Any],
     limits: RequestLimits | None = None,
     auto_tool_parser: str | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> ChatBody:
     """A /v1/chat/completions body, validated in one pass (`CHAT`); 400 naming the field for
     anything malformed, unimplemented or over a limit. `auto_tool_parser` is the frontend's
     --tool-call-parser when started with --enable-auto-tool-choice (tool_choice "auto" needs
-    it)."""
+    it); `defaults`, the model's default sampling parameters for the fields left out."""
     kwargs, values = CHAT.read(body, limits or RequestLimits())
     _no_streamed_prompt_logprobs(kwargs, values)
     tools, parameters = values.get("tools", (None, {}))
@@ -664,7 +674,7 @@ def parse_chat(
     return ChatBody(
         messages=values["messages"],
         beam_length_penalty=beam,
-        params=_sampling_params(kwargs, values),
+        params=_sampling_params(kwargs, values, defaults),
         tools=tools if parameters else None,
         tool_calling=calling,
         structured_param=structured_param,

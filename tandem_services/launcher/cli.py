@@ -166,7 +166,11 @@ def main(argv: list[str]) -> int:
             directory=directory,
             routing=ns.routing,
             tls=tls,
-            frontend_args=("--migration-limit", str(ns.migration_limit), *api_argv(parser, ns)),
+            frontend_args=(
+                *("--migration-limit", str(ns.migration_limit)),
+                *("--generation-config", ns.generation_config),
+                *api_argv(parser, ns),
+            ),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -83,8 +83,13 @@ FRONTEND_FLAGS = [
 
 def test_tandem_serve_unified_ctrl_c(tmp_path: Path) -> None:
     """Also: the frontend's flags on `tandem serve` reach its frontend (the served name, tool
-    choice "auto" with a parser, a request limit)."""
-    with tandem_serve(["--unified", *WORKER_ARGS, *FRONTEND_FLAGS], tmp_path, 300) as (proc, out):
+    choice "auto" with a parser, a request limit, --generation-config: a folder whose
+    generation_config.json makes requests that leave temperature out greedy)."""
+    defaults = tmp_path / "generation"
+    defaults.mkdir()
+    (defaults / "generation_config.json").write_text('{"temperature": 0.0, "top_k": 5}')
+    flags = [*FRONTEND_FLAGS, "--generation-config", str(defaults)]
+    with tandem_serve(["--unified", *WORKER_ARGS, *flags], tmp_path, 300) as (proc, out):
         http = re.search(r"HTTP \(OpenAI API\)\s+http://(\S+)/v1", out)
         grpc_addr = re.search(r"gRPC\s+(\S+)", out)
         scheduler = re.search(r"scheduler\s+(\S+)", out)
@@ -99,6 +104,15 @@ def test_tandem_serve_unified_ctrl_c(tmp_path: Path) -> None:
             timeout=120,
         )
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        texts = [
+            httpx.post(
+                f"{base}/completions",
+                json={"prompt": "Once upon a time", "max_tokens": 16, **extra},
+                timeout=120,
+            ).json()["choices"][0]["text"]
+            for extra in ({}, {"temperature": 0})
+        ]
+        assert texts[0] == texts[1], texts  # temperature left out: the folder's 0
         many = httpx.post(f"{base}/completions", json={"prompt": "Hi", "n": 3}, timeout=30)
         assert many.status_code == 400 and many.json()["error"]["param"] == "n", many.text
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
