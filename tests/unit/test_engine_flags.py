@@ -41,6 +41,7 @@ NON_DEFAULT: dict[str, Any] = {
     "dtype": "float32",
     "max_model_len": 200,
     "cache_dir": "/tmp/tandem-flags-cache",
+    "generation_config": "vllm",
     "block_size": 32,
     "num_gpu_blocks": 7,
     "kv_cache_memory_gb": 0.5,

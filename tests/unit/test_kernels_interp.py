@@ -2435,7 +2435,7 @@ def selected_cases(items: list[pytest.Item]) -> list[str]:
 
 class InterpChild:
     """The interpreter child running the selected cases, started once the session is
-    collected (tests/unit/conftest.py) so it runs on the spare core, at a lower priority,
+    collected (tests/unit/conftest.py) so it runs on the spare core, at the lowest priority,
     while the suite's other files run; the first case waits for its results. One thread for
     torch, numpy and OpenMP: it must not crowd the tests beside it."""
 
@@ -2451,7 +2451,7 @@ class InterpChild:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=lambda: os.nice(10),
+            preexec_fn=lambda: os.nice(19),
         )
         self._output: tuple[str, str] = ("", "")
         self._reader = threading.Thread(target=self._read, daemon=True)
