@@ -53,21 +53,6 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             "max_window_layers": 1,
         },
     ),
-    # Phi-3 / Phi-4: q, k and v stored as one tensor, gate and up as one (loaded whole into
-    # the fused layers), a sliding window on every layer.
-    "phi3": ("Phi3Config", {"tie_word_embeddings": False, "sliding_window": 8, "pad_token_id": 0}),
-    # Granite 3.x: embedding, attention, residual and logits scales (IBM's 8B values but the
-    # attention's, chosen for the tiny head size).
-    "granite": (
-        "GraniteConfig",
-        {
-            "tie_word_embeddings": True,
-            "embedding_multiplier": 12.0,
-            "attention_multiplier": 0.1,
-            "residual_multiplier": 0.22,
-            "logits_scaling": 16.0,
-        },
-    ),
     # q/k norms per head, head_dim != hidden_size // num_attention_heads.
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
     # 8 experts, top 2 renormalised; layer 1 dense (mlp_only_layers).
@@ -124,6 +109,22 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_scaling": {"rope_type": "linear", "factor": 2.0},
             "final_logit_softcapping": 30.0,
             "pad_token_id": 0,
+        },
+    ),
+    # Added last: an arch's seed is its position here, so the earlier ones keep theirs.
+    # Phi-3 / Phi-4: q, k and v stored as one tensor, gate and up as one (loaded whole into
+    # the fused layers), a sliding window on every layer.
+    "phi3": ("Phi3Config", {"tie_word_embeddings": False, "sliding_window": 8, "pad_token_id": 0}),
+    # Granite 3.x: embedding, attention, residual and logits scales (IBM's 8B values but the
+    # attention's, chosen for the tiny head size).
+    "granite": (
+        "GraniteConfig",
+        {
+            "tie_word_embeddings": True,
+            "embedding_multiplier": 12.0,
+            "attention_multiplier": 0.1,
+            "residual_multiplier": 0.22,
+            "logits_scaling": 16.0,
         },
     ),
 }
