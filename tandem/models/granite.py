@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from tandem.layers.attention.backend import AttentionMetadata
 from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaShape
 
 
@@ -34,31 +33,12 @@ class GraniteShape(LlamaShape):
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
-    """Llama's layer with each sublayer's output scaled by `residual_multiplier` before it
-    joins the residual stream."""
+    """Llama's layer with Granite's `residual_multiplier` (a class of its own, so the CPU
+    decoder stack, which knows only the plain Llama layer, leaves it to the modules)."""
 
     def __init__(self, cfg: GraniteShape, *args: Any, **kwargs: Any) -> None:
         super().__init__(cfg, *args, **kwargs)
         self.residual_multiplier = cfg.residual_multiplier
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
-        hidden_states = hidden_states * self.residual_multiplier
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        out = getattr(self, self.mlp_name)(hidden_states)
-        return out * self.residual_multiplier, residual
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

@@ -210,7 +210,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """`x -> norm -> self_attn -> add&norm -> mlp`, the attention and the MLP (dense or MoE)
     given; the MLP sits under `mlp_name` (the checkpoint's: "mlp", Mixtral's
-    "block_sparse_moe")."""
+    "block_sparse_moe"). Each sublayer's output is scaled by `residual_multiplier` before it
+    joins the residual stream (1.0 here; Granite's layer sets its own)."""
+
+    residual_multiplier: float = 1.0
 
     def __init__(
         self,
@@ -248,8 +251,12 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        scale = self.residual_multiplier
+        if scale != 1.0:
+            hidden_states = hidden_states * scale
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return getattr(self, self.mlp_name)(hidden_states), residual
+        out = getattr(self, self.mlp_name)(hidden_states)
+        return (out * scale if scale != 1.0 else out), residual
 
 
 class LlamaModel(nn.Module):

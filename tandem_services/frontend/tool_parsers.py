@@ -295,6 +295,15 @@ class ToolParser(ABC):
             self.num_calls += 1
             self._out.add_call(ToolCallDelta(call.index, new_call_id(), call.name))
 
+    def _advance_call(self, call: _CallObject, final: bool) -> None:
+        """Scans `call` on; once its name is known it becomes a call (its first delta), and
+        its new arguments go out."""
+        call.advance(self.buf, final)
+        if call.name is not None and call.index is None:
+            self._call_starts()
+            self._commit(call)
+        self._sync(call)
+
     def _sync(self, call: _CallObject) -> None:
         """Sends a committed call's new arguments."""
         if call.index is None:
@@ -356,11 +365,7 @@ class HermesToolParser(ToolParser):
             elif self.state == "call":
                 call = self.call
                 assert call is not None
-                call.advance(buf, final)
-                if call.name is not None and call.index is None:
-                    self._call_starts()
-                    self._commit(call)
-                self._sync(call)
+                self._advance_call(call, final)
                 if call.error or (final and not call.done):
                     # Not a call after all (or cut short): content, unless already sent.
                     if call.index is None:
@@ -499,11 +504,7 @@ class TaggedListToolParser(ToolParser):
             if self.state == "call":
                 call = self.call
                 assert call is not None
-                call.advance(buf, final)
-                if call.name is not None and call.index is None:
-                    self._call_starts()
-                    self._commit(call)
-                self._sync(call)
+                self._advance_call(call, final)
                 if call.done:
                     self.pos, self.state = call.end, "next" if self.in_list else "after"
                     continue
