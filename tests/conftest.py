@@ -127,6 +127,21 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             "logits_scaling": 16.0,
         },
     ),
+    # Phi-3.5's LongRoPE: a short and a long set of per-frequency factors past a 64-token
+    # original context (the 1,024 positions' growth gives the default attention factor).
+    "phi3_longrope": (
+        "Phi3Config",
+        {
+            "tie_word_embeddings": False,
+            "pad_token_id": 0,
+            "original_max_position_embeddings": 64,
+            "rope_scaling": {
+                "type": "longrope",
+                "long_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0],
+                "short_factor": [1.0, 1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7],
+            },
+        },
+    ),
 }
 
 

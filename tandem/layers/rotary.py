@@ -6,8 +6,16 @@ f_i turns (x1_i, x2_i) by angle p * f_i. `cos_cache[p] = cos(p f)` and `sin_cach
 `apply_rotary_emb` is a plain function with the same arguments as the Triton kernel
 (`tandem_kernels.rotary.rotary_embedding`), so one can stand in for the other.
 
-Supported `rope_type`s: "default", "linear" (inverse frequencies / factor) and "llama3"
-(Llama 3.1's band-wise scaling of long wavelengths).
+Supported `rope_type`s: "default", "linear" (inverse frequencies / factor), "llama3"
+(Llama 3.1's band-wise scaling of long wavelengths) and "longrope" (Phi-3's per-frequency
+factors, a short set and a long one, and a scale on cos and sin: `attention_factor`).
+
+LongRoPE's set is chosen once per model, by the context it is built for (`long_context`:
+the engine's max_model_len beyond `original_max_position_embeddings`), so every sequence,
+batch and cached block rotates the same way. transformers chooses per forward call (long once
+the call's last position passes the original context), and so does vLLM per batch: the same
+result wherever the context is set to the original length (short set) or a prompt is longer
+than it (long set).
 """
 
 from __future__ import annotations
@@ -18,11 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
-    """`{"rope_type", "rope_theta", ...scaling keys}` from a transformers config (v4 or v5)."""
+    """`{"rope_type", "rope_theta", ...scaling keys}` from a transformers config (v4 or v5).
+    LongRoPE's also carry `original_max_position_embeddings` (the config's own field first,
+    as Phi-3 stores it) and `max_position_embeddings` (for its default attention factor)."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         params = dict(params)
@@ -30,11 +40,20 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params["rope_theta"] = float(getattr(hf_config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "longrope":
+        max_position = int(hf_config.max_position_embeddings)
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        original = original or params.get("original_max_position_embeddings") or max_position
+        params["original_max_position_embeddings"] = int(original)
+        params["max_position_embeddings"] = max_position
     return params
 
 
-def compute_inv_freq(rotary_dim: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies `[rotary_dim // 2]` float32 for the given rope parameters."""
+def compute_inv_freq(
+    rotary_dim: int, rope_parameters: dict[str, Any], long_context: bool = False
+) -> torch.Tensor:
+    """Inverse frequencies `[rotary_dim // 2]` float32 for the given rope parameters
+    (`long_context`: LongRoPE's long factors, else its short ones)."""
     rope_type = rope_parameters.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -47,7 +66,45 @@ def compute_inv_freq(rotary_dim: int, rope_parameters: dict[str, Any]) -> torch.
         inv_freq = inv_freq / float(rope_parameters["factor"])
     elif rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope_parameters)
+    elif rope_type == "longrope":
+        key = "long_factor" if long_context else "short_factor"
+        factors = torch.tensor(rope_parameters[key], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope {key} has {factors.numel()} values; the rotary dim {rotary_dim} needs "
+                f"{inv_freq.numel()}"
+            )
+        inv_freq = 1.0 / (factors * base**exponents)
     return inv_freq
+
+
+def uses_long_factors(rope_parameters: dict[str, Any], max_model_len: int | None) -> bool:
+    """Whether a model built for `max_model_len` tokens (None: its configured maximum) takes
+    LongRoPE's long factors: past the original context. False for every other rope type."""
+    if rope_parameters.get("rope_type") != "longrope":
+        return False
+    original = int(rope_parameters["original_max_position_embeddings"])
+    length = max_model_len or int(rope_parameters["max_position_embeddings"])
+    return length > original
+
+
+def attention_factor(rope_parameters: dict[str, Any]) -> float:
+    """The scale on cos and sin: LongRoPE's `attention_factor`, by default
+    `sqrt(1 + ln(factor) / ln(original context))` with `factor` the configured one or the
+    context's growth (1.0 when it does not grow); 1.0 for every other rope type."""
+    if rope_parameters.get("rope_type") != "longrope":
+        return 1.0
+    given = rope_parameters.get("attention_factor")
+    if given is not None:
+        return float(given)
+    original = int(rope_parameters["original_max_position_embeddings"])
+    factor = rope_parameters.get("factor")
+    if factor is None:
+        factor = int(rope_parameters["max_position_embeddings"]) / original
+    factor = float(factor)
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_scale(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
@@ -104,6 +161,9 @@ class RotaryEmbedding(nn.Module):
     """Holds the cos/sin caches on the device; `forward(positions, q, k) -> (q, k)`.
 
     On CUDA the Triton kernel (tandem_kernels/rotary.py), else `apply_rotary_emb`.
+    `max_model_len`: the context the engine serves (LongRoPE's choice of factors:
+    `uses_long_factors`); the caches hold `max_position` positions, cos and sin scaled by
+    `attention_factor`.
     """
 
     def __init__(
@@ -112,11 +172,16 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         rope_parameters: dict[str, Any],
         device: torch.device,
+        max_model_len: int | None = None,
     ) -> None:
         super().__init__()
         self.head_size = head_size
-        inv_freq = compute_inv_freq(head_size, rope_parameters)
+        long_context = uses_long_factors(rope_parameters, max_model_len)
+        inv_freq = compute_inv_freq(head_size, rope_parameters, long_context)
         cos, sin = compute_cos_sin_cache(max_position, inv_freq)
+        scale = attention_factor(rope_parameters)
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
         self.register_buffer("cos_cache", cos.to(device), persistent=False)
         self.register_buffer("sin_cache", sin.to(device), persistent=False)
 

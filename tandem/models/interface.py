@@ -41,6 +41,9 @@ class ModelContext:
     enable_expert_parallel: bool = False
     # The CPU step path's GEMM (`--cpu-gemm`, tandem.layers.cpu_gemm): "auto" is a fixed rule.
     cpu_gemm: str = "auto"
+    # The context the engine serves (None: the model's configured maximum); LongRoPE chooses
+    # its factors by it (tandem.layers.rotary.uses_long_factors).
+    max_model_len: int | None = None
 
     @staticmethod
     def single(

@@ -277,7 +277,11 @@ class LlamaModel(nn.Module):
             else PPMissingLayer()
         )
         rotary_emb = RotaryEmbedding(
-            cfg.head_size, cfg.max_position_embeddings, cfg.rope_parameters, ctx.device
+            cfg.head_size,
+            cfg.max_position_embeddings,
+            cfg.rope_parameters,
+            ctx.device,
+            ctx.max_model_len,
         )
         self.start_layer, self.end_layer, self.layers = make_layers(
             cfg.num_layers,

@@ -70,7 +70,11 @@ class EagleLlamaHead(nn.Module):
         self.head_size = cfg.head_size
         self.fc = ReplicatedLinear(2 * hidden, hidden, fc_bias, ctx, prefix="fc")
         rotary = RotaryEmbedding(
-            cfg.head_size, cfg.max_position_embeddings, cfg.rope_parameters, ctx.device
+            cfg.head_size,
+            cfg.max_position_embeddings,
+            cfg.rope_parameters,
+            ctx.device,
+            ctx.max_model_len,
         )
         layers = []
         for i in range(cfg.num_layers):

@@ -174,6 +174,7 @@ class ModelRunner:
             quant_config=resolve_quant_config(config.quantization.quantization, hf_config, device),
             enable_expert_parallel=config.parallel.enable_expert_parallel,
             cpu_gemm=config.device.cpu_gemm,
+            max_model_len=max_model_len,
         )
         torch.manual_seed(config.model.seed)
         self._model: CausalLM | None = build_model(

@@ -8,6 +8,7 @@ position, and a chunked prefill mixed with decodes must too.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -83,11 +84,11 @@ class PagedRun:
         return list(logits.split(query_lens))
 
 
-def build_cpu_model(path: Path, backend: str = "torch") -> Any:
+def build_cpu_model(path: Path, backend: str = "torch", max_model_len: int | None = None) -> Any:
     """The tandem model of `path`: fp32, CPU, one rank (the torch attention backend unless
-    `backend` names another)."""
+    `backend` names another), built for `max_model_len` tokens (None: the config's)."""
     ctx = ModelContext.single(torch.float32, torch.device("cpu"), get_attention_backend(backend))
-    return build_model(path, ctx)
+    return build_model(path, dataclasses.replace(ctx, max_model_len=max_model_len))
 
 
 def load_both(path: Path) -> tuple[Any, Any]:
@@ -161,6 +162,27 @@ def test_tiny_model_prefill_and_decode_match_hf(arch: str, tiny_model_path) -> N
 )
 def test_tiny_model_chunked_prefill_mixed_with_decode(arch: str, tiny_model_path) -> None:
     check_chunked_prefill_mixed_with_decode(load_both(tiny_model_path(arch)), seed=13)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_phi3_longrope_takes_the_short_or_long_factors_by_the_context(
+    backend: str, tiny_model_path
+) -> None:
+    """Phi-3.5's LongRoPE against transformers, which takes the long factors once a forward
+    call's last position passes the original 64-token context: an engine built for that
+    context (short factors) matches on prompts within it, one built for the full 1,024
+    (long factors) on prompts past it; the attention factor scales both."""
+    path = tiny_model_path("phi3_longrope")
+    ref = hf_model(path)
+    short = build_cpu_model(path, backend, max_model_len=64)
+    check_prefill_then_decode((short, ref), random_prompts(512, [1, 17, 40, 63], seed=21), seed=22)
+    full = build_cpu_model(path, backend)
+    check_prefill_then_decode((full, ref), random_prompts(512, [65, 100], seed=23), seed=24)
+    # The two sets differ: the short-context engine is not transformers on a long prompt.
+    long_prompt = random_prompts(512, [100], seed=23)[0]
+    run = PagedRun(short, [len(long_prompt)], seed=25)
+    ours = run.step([long_prompt], [0])[0]
+    assert (ours - hf_logits(ref, long_prompt)).abs().max() > 1e-2
 
 
 def test_qwen2_tiny_model_has_qkv_bias(tiny_model_path) -> None:
