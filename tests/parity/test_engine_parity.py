@@ -182,6 +182,23 @@ def test_new_families_greedy_match(arch: str, tiny_model_path) -> None:
     assert_matches(outs, reference)
 
 
+def test_phi3_longrope_engine_matches_transformers_at_either_context(tiny_model_path) -> None:
+    """LongRoPE through the whole engine (the CPU step path): capped at the 64-token original
+    context it rotates with the short factors, as transformers does while a sequence stays
+    within it; at the full context with the long ones, as transformers does for prompts past
+    it. The runner hands the engine's max_model_len to the model."""
+    path = tiny_model_path("phi3_longrope")
+    within = [p[:40] for p in make_prompts(512, seed=3)[1:5]]
+    reference = hf_greedy(path, within, 12)
+    _, outs = run_tandem(path, within, 12, max_model_len=64, max_num_batched_tokens=64)
+    assert_matches(outs, reference)
+    past = [p for p in make_prompts(512, seed=4) if 64 < len(p) < 200][:3]
+    assert past
+    reference = hf_greedy(path, past, 12)
+    _, outs = run_tandem(path, past, 12, max_num_batched_tokens=64)
+    assert_matches(outs, reference)
+
+
 @torch.inference_mode()
 def hf_prompt_logprobs(model_path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Per prompt, `[len - 1, vocab]` log-softmax of transformers' logits at positions
