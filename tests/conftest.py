@@ -142,6 +142,21 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # Phi-4-mini's partial rotary (12 of 16 dims rotate) with LongRoPE, q/k/v fused.
+    "phi4_partial": (
+        "Phi3Config",
+        {
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 64,
+            "rope_scaling": {
+                "type": "longrope",
+                "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 16.0],
+                "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.6],
+            },
+        },
+    ),
 }
 
 

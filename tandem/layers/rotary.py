@@ -10,6 +10,13 @@ Supported `rope_type`s: "default", "linear" (inverse frequencies / factor), "lla
 (Llama 3.1's band-wise scaling of long wavelengths) and "longrope" (Phi-3's per-frequency
 factors, a short set and a long one, and a scale on cos and sin: `attention_factor`).
 
+Partial rotary (`partial_rotary_factor` < 1, Phi-4-mini): only a head's first `rotary_dim`
+dims rotate, in halves of their own, the rest pass through. The same kernels serve it: the
+caches keep `head_size // 2` columns, the rotary frequencies first and then angle zero
+(cos 1, sin 0: the identity) for the passing dims, and the model orders each q and k head's
+dims by `partial_rotary_order` when it loads (q . k is the same under one order of both), so
+each rotating pair lands `head_size // 2` apart.
+
 LongRoPE's set is chosen once per model, by the context it is built for (`long_context`:
 the engine's max_model_len beyond `original_max_position_embeddings`), so every sequence,
 batch and cached block rotates the same way. transformers chooses per forward call (long once
@@ -157,13 +164,24 @@ def apply_rotary_emb(
     return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
+def partial_rotary_order(head_size: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims under partial rotary (module docstring): new dim n holds
+    old dim `order[n]`; pairs `(i, i + rotary_dim // 2)` of the rotating part become
+    `(i, i + head_size // 2)`, the passing dims fill the remaining pairs."""
+    half, rest = rotary_dim // 2, (head_size - rotary_dim) // 2
+    first = [*range(half), *range(rotary_dim, rotary_dim + rest)]
+    second = [*range(half, rotary_dim), *range(rotary_dim + rest, head_size)]
+    return torch.tensor(first + second, dtype=torch.int64)
+
+
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin caches on the device; `forward(positions, q, k) -> (q, k)`.
 
     On CUDA the Triton kernel (tandem_kernels/rotary.py), else `apply_rotary_emb`.
     `max_model_len`: the context the engine serves (LongRoPE's choice of factors:
     `uses_long_factors`); the caches hold `max_position` positions, cos and sin scaled by
-    `attention_factor`.
+    `attention_factor`. `rotary_dim` (None: the whole head): partial rotary, its dims
+    ordered by `partial_rotary_order`.
     """
 
     def __init__(
@@ -173,15 +191,21 @@ class RotaryEmbedding(nn.Module):
         rope_parameters: dict[str, Any],
         device: torch.device,
         max_model_len: int | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.head_size = head_size
+        rotary_dim = rotary_dim or head_size
         long_context = uses_long_factors(rope_parameters, max_model_len)
-        inv_freq = compute_inv_freq(head_size, rope_parameters, long_context)
+        inv_freq = compute_inv_freq(rotary_dim, rope_parameters, long_context)
         cos, sin = compute_cos_sin_cache(max_position, inv_freq)
         scale = attention_factor(rope_parameters)
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
+        if rotary_dim < head_size:  # the passing dims: angle zero, unscaled
+            rest = (head_size - rotary_dim) // 2
+            cos = torch.cat([cos, torch.ones(max_position, rest)], dim=1)
+            sin = torch.cat([sin, torch.zeros(max_position, rest)], dim=1)
         self.register_buffer("cos_cache", cos.to(device), persistent=False)
         self.register_buffer("sin_cache", sin.to(device), persistent=False)
 

@@ -39,6 +39,7 @@ from tandem.layers.quantization import QUANTIZATION_CONFIGS
 from tandem.layers.rotary import (
     SUPPORTED_ROPE_TYPES,
     RotaryEmbedding,
+    partial_rotary_order,
     rope_parameters_from_config,
 )
 from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -84,14 +85,16 @@ class LlamaShape:
         hidden_act = getattr(hf_config, "hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (silu)")
-        for partial in (
-            self.rope_parameters.get("partial_rotary_factor"),
-            getattr(hf_config, "partial_rotary_factor", None),
-        ):
-            if partial not in (None, 1, 1.0):
-                raise ValueError(
-                    f"partial_rotary_factor {partial} is not supported (the whole head rotates)"
-                )
+        # Partial rotary: the first `rotary_dim` dims of each head rotate (rotary.py's
+        # docstring: the model orders q and k's dims for it when it loads).
+        partial = self.rope_parameters.get("partial_rotary_factor")
+        partial = partial or getattr(hf_config, "partial_rotary_factor", None) or 1.0
+        self.rotary_dim = int(self.head_size * float(partial))
+        if not 0 < self.rotary_dim <= self.head_size or self.rotary_dim % 2 or self.head_size % 2:
+            raise ValueError(
+                f"partial_rotary_factor {partial} gives {self.rotary_dim} rotating dims of "
+                f"{self.head_size}: an even number from 2 to the head size is needed"
+            )
         rope_type = self.rope_parameters["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
@@ -282,6 +285,7 @@ class LlamaModel(nn.Module):
             cfg.rope_parameters,
             ctx.device,
             ctx.max_model_len,
+            cfg.rotary_dim,
         )
         self.start_layer, self.end_layer, self.layers = make_layers(
             cfg.num_layers,
@@ -388,6 +392,7 @@ class LlamaForCausalLM(nn.Module):
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.tie_word_embeddings = cfg.tie_word_embeddings
+        self.rotary_dim = cfg.rotary_dim
 
         def layer_fn(index: int, rotary_emb: RotaryEmbedding) -> nn.Module:
             prefix = f"model.layers.{index}"
@@ -455,3 +460,31 @@ class LlamaForCausalLM(nn.Module):
         `weight_loader` (tandem.models.utils.load_checkpoint): q/k/v and gate/up go into their
         fused parameters, experts into their MoE layer's; a tied `lm_head.weight` is skipped."""
         load_checkpoint(self, weights, STACKED_PARAMS, self.tie_word_embeddings)
+        if self.rotary_dim < self.head_size:
+            self._order_partial_rotary()
+
+    def _order_partial_rotary(self) -> None:
+        """Each q and k head's rows of every qkv_proj in `partial_rotary_order` (with their
+        bias and per-row scales: every parameter of the layer with one row per output), so
+        the full-head rotary kernels rotate the partial pairs (rotary.py)."""
+        order = partial_rotary_order(self.head_size, self.rotary_dim)
+        for i in range(*self.layer_range):
+            attn = self.model.layers[i].self_attn
+            if type(attn) is not LlamaAttention:
+                raise ValueError(
+                    f"partial rotary is not supported with {type(attn).__name__} layers"
+                )
+            qkv = attn.qkv_proj
+            d = self.head_size
+            heads = qkv.num_heads + qkv.num_kv_heads
+            rows = (torch.arange(heads)[:, None] * d + order[None, :]).reshape(-1)
+            total = qkv.weight.shape[0]
+            index = torch.cat([rows, torch.arange(heads * d, total)])
+            for name, param in qkv.named_parameters(recurse=False):
+                if param.dim() and param.shape[0] == total:
+                    param.data.copy_(param.data.index_select(0, index.to(param.device)))
+                elif param.dim() > 1 or name in ("weight", "bias"):  # e.g. 128x128 block scales
+                    raise ValueError(
+                        f"partial rotary cannot reorder {name} {tuple(param.shape)} of "
+                        f"{qkv.prefix or 'qkv_proj'} (one row per output dim is needed)"
+                    )

@@ -65,6 +65,8 @@ class EagleLlamaHead(nn.Module):
     ) -> None:
         super().__init__()
         cfg = LlamaShape(hf_config)
+        if cfg.rotary_dim != cfg.head_size:
+            raise ValueError("an EAGLE head with partial rotary is not supported")
         hidden = cfg.hidden_size
         self.hidden_size = hidden
         self.head_size = cfg.head_size

@@ -27,6 +27,27 @@ def test_new_families_greedy_match_on_cuda(arch: str, tiny_model_path) -> None:
     assert_matches(outs, reference)
 
 
+@pytest.mark.parametrize("arch", ["phi3_longrope", "phi4_partial"])
+def test_longrope_and_partial_rotary_greedy_match_on_cuda(arch: str, tiny_model_path) -> None:
+    """Phi-3.5's LongRoPE and Phi-4-mini's partial rotary through the Triton kernels (the
+    rotary, the fused rotary + KV write): capped at the 64-token original context (short
+    factors) on prompts within it, and at the full context (long factors) on prompts past
+    it, against transformers, which chooses by each call's last position."""
+    path = tiny_model_path(arch)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    within = [p[:40] for p in make_prompts(512, seed=3)[1:5]]
+    past = [p for p in make_prompts(512, seed=4) if 64 < len(p) < 200][:3]
+    for prompts, extra in ((within, {"max_model_len": 64}), (past, {})):
+        reference = hf_greedy(path, prompts, 12)
+        llm = LLM(
+            model=str(path), dtype="float32", device="cuda", gpu_memory_utilization=0.3, **extra
+        )
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.engine.scheduler.kv_cache_manager.block_pool.is_whole
+        llm.shutdown()
+        assert_matches(outs, reference)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe"])
 def test_fp8_moe_model_against_its_bf16_self(arch: str, tiny_model_path) -> None:
     """`--quantization fp8` on a MoE model: the linear layers in FP8, the experts weight-only

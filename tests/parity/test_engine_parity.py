@@ -182,12 +182,16 @@ def test_new_families_greedy_match(arch: str, tiny_model_path) -> None:
     assert_matches(outs, reference)
 
 
-def test_phi3_longrope_engine_matches_transformers_at_either_context(tiny_model_path) -> None:
+@pytest.mark.parametrize("arch", ["phi3_longrope", "phi4_partial"])
+def test_phi3_longrope_engine_matches_transformers_at_either_context(
+    arch: str, tiny_model_path
+) -> None:
     """LongRoPE through the whole engine (the CPU step path): capped at the 64-token original
     context it rotates with the short factors, as transformers does while a sequence stays
     within it; at the full context with the long ones, as transformers does for prompts past
-    it. The runner hands the engine's max_model_len to the model."""
-    path = tiny_model_path("phi3_longrope")
+    it. The runner hands the engine's max_model_len to the model. Phi-4-mini's partial
+    rotary with it."""
+    path = tiny_model_path(arch)
     within = [p[:40] for p in make_prompts(512, seed=3)[1:5]]
     reference = hf_greedy(path, within, 12)
     _, outs = run_tandem(path, within, 12, max_model_len=64, max_num_batched_tokens=64)

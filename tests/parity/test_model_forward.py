@@ -164,15 +164,17 @@ def test_tiny_model_chunked_prefill_mixed_with_decode(arch: str, tiny_model_path
     check_chunked_prefill_mixed_with_decode(load_both(tiny_model_path(arch)), seed=13)
 
 
+@pytest.mark.parametrize("arch", ["phi3_longrope", "phi4_partial"])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_phi3_longrope_takes_the_short_or_long_factors_by_the_context(
-    backend: str, tiny_model_path
+    backend: str, arch: str, tiny_model_path
 ) -> None:
     """Phi-3.5's LongRoPE against transformers, which takes the long factors once a forward
     call's last position passes the original 64-token context: an engine built for that
     context (short factors) matches on prompts within it, one built for the full 1,024
-    (long factors) on prompts past it; the attention factor scales both."""
-    path = tiny_model_path("phi3_longrope")
+    (long factors) on prompts past it; the attention factor scales both. Phi-4-mini's
+    partial rotary too (its q and k dims reordered at load for the full-head kernels)."""
+    path = tiny_model_path(arch)
     ref = hf_model(path)
     short = build_cpu_model(path, backend, max_model_len=64)
     check_prefill_then_decode((short, ref), random_prompts(512, [1, 17, 40, 63], seed=21), seed=22)
