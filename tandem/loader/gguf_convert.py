@@ -91,7 +91,9 @@ _GLOBAL_TENSOR_NAMES = {
 }
 # Tensors llama.cpp writes that have no Hugging Face counterpart (`rope_freqs` carries
 # llama3-style rope scaling; transformers' own GGUF loading ignores it too).
-_SKIPPED_TENSORS = ("rope_freqs.weight",)
+# Rope tables llama.cpp stores as tensors: Llama 3's frequencies (also in the config's rope
+# scaling), Phi-3's LongRoPE factors (read into the config: `_phi3_rope`).
+_SKIPPED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 class GGUFConversionError(ValueError):
@@ -165,6 +167,35 @@ def write_hf_folder(gguf_path: str | Path, out_dir: str | Path) -> None:
 
 def _meta(gguf: GGUFFile, key: str, default: Any = None) -> Any:
     return gguf.metadata.get(f"{gguf.architecture}.{key}", default)
+
+
+def _phi3_rope(gguf: GGUFFile, rope: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3.5's LongRoPE as llama.cpp stores it (the short and long factors as tensors, the
+    original context and the attention factor as metadata) in the config's terms; nothing
+    for a file without the factors."""
+    names = ("rope_factors_long.weight", "rope_factors_short.weight")
+    present = [name in gguf.tensors for name in names]
+    if not any(present):
+        return {}
+    if not all(present):
+        raise GGUFConversionError(f"{gguf.path}: a Phi-3 file needs both rope factor tensors")
+    original = _meta(gguf, "rope.scaling.original_context_length")
+    if original is None:
+        raise GGUFConversionError(
+            f"{gguf.path}: metadata key {gguf.architecture}.rope.scaling.original_context_length "
+            "is missing (needed with rope factors)"
+        )
+    long, short = (gguf.dequantize(name).reshape(-1).tolist() for name in names)
+    rope.update(
+        rope_type="longrope",
+        long_factor=long,
+        short_factor=short,
+        original_max_position_embeddings=int(original),
+    )
+    attn_factor = _meta(gguf, "rope.scaling.attn_factor")
+    if attn_factor is not None:
+        rope["attention_factor"] = float(attn_factor)
+    return {"original_max_position_embeddings": int(original)}
 
 
 def _hf_architecture(gguf: GGUFFile) -> tuple[str, str]:
@@ -250,10 +281,7 @@ def _hf_config(gguf: GGUFFile) -> Any:
             i for i in layers if f"blk.{i}.ffn_gate_exps.weight" not in gguf.tensors
         ]
     if model_type == "phi3":
-        if any(name.startswith("rope_factors_") for name in gguf.tensors):
-            raise GGUFConversionError(
-                f"{gguf.path}: Phi-3 rope factors (longrope scaling) are not supported"
-            )
+        fields.update(_phi3_rope(gguf, rope))
         window = _meta(gguf, "attention.sliding_window")
         fields["sliding_window"] = int(window) if window else None
         rotary = _meta(gguf, "rope.dimension_count")

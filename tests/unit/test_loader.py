@@ -4,6 +4,7 @@ config/tokenizer/eos/weights reading, the architecture registry."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -197,8 +198,19 @@ def write_tiny_gguf(
     if arch == "phi3":  # as llama.cpp writes Phi-3: its window, the rotary width, pad id
         if config.sliding_window:
             writer.add_sliding_window(config.sliding_window)
-        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        head = config.hidden_size // config.num_attention_heads
+        writer.add_rope_dimension_count(int(head * rope.get("partial_rotary_factor", 1.0)))
         writer.add_pad_token_id(config.pad_token_id)
+        if rope.get("rope_type") == "longrope":  # the factors as tensors, the rest as metadata
+            original = rope["original_max_position_embeddings"]
+            writer.add_rope_scaling_orig_ctx_len(original)
+            growth = config.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(growth) / math.log(original))
+            )
+            for kind in ("long", "short"):
+                factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+                writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     writer.add_rope_freq_base(rope_freq_base or rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -310,6 +322,36 @@ def test_tiny_gguf_converts_back_to_the_original_weights(
     assert tok.eos_token == "</s>" and tok.eos_token_id == 2
     ids = [vocab_id(tok, t) for t in ["t", "h", "e", "Ġt", "e", "a"]]
     assert tok("the tea").input_ids == ids
+
+
+@pytest.mark.parametrize("arch", ["phi3_longrope", "phi4_partial"])
+def test_phi3_gguf_rope_factors_and_partial_rotary(
+    arch: str, tiny_model_path, tmp_path: Path
+) -> None:
+    """llama.cpp's Phi-3.5 / Phi-4-mini files: the LongRoPE factors (tensors), the original
+    context and attention factor (metadata) and the rotary width come back as the config's
+    rope parameters; the converted model's logits equal the Hugging Face folder's at a
+    prompt past the original context (the long factors) and within it (the short ones)."""
+    from tests.parity.test_model_forward import PagedRun, build_cpu_model
+
+    hf_folder = tiny_model_path(arch)
+    gguf_path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(hf_folder, gguf_path, "phi3")
+    converted = convert_gguf(gguf_path, tmp_path / "cache")
+    ours, ref = load_hf_config(converted).rope_parameters, load_hf_config(hf_folder).rope_parameters
+    assert ours["rope_type"] == "longrope"
+    for key in ("long_factor", "short_factor", "original_max_position_embeddings"):
+        assert ours[key] == pytest.approx(ref[key]), key
+    assert ours.get("partial_rotary_factor", 1.0) == ref.get("partial_rotary_factor", 1.0)
+    prompt = [(7 * i) % 500 + 3 for i in range(90)]
+    for max_model_len, ids in ((None, prompt), (64, prompt[:50])):
+        logits = [
+            PagedRun(build_cpu_model(folder, max_model_len=max_model_len), [len(ids)], 3).step(
+                [ids], [0]
+            )[0]
+            for folder in (converted, hf_folder)
+        ]
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("arch", "gguf_arch"), [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
