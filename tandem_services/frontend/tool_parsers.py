@@ -14,6 +14,8 @@ Formats (`--tool-call-parser`, vLLM's names)::
     llama3_json    [<|python_tag|>]{"name": "f", "parameters": {...}}[; {...}]
                    (the whole output is calls, or it is all content)
     mistral        content [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]
+                   or (v11+ tokenizers) content [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]...
+                   (with [CALL_ID]id before [ARGS] in some; [ARGS] left out in others)
     granite        content <|tool_call|>[{"name": "f", "arguments": {...}}, ...]
                    (or <tool_call>[...]: Granite 3.1 on)
     forced, by tool_choice (structured.py builds the grammar they assume):
@@ -289,13 +291,13 @@ class ToolParser(ABC):
         while self.pos < len(self.buf) and self.buf[self.pos] in _WS:
             self.pos += 1
 
-    def _commit(self, call: _CallObject) -> None:
+    def _commit(self, call: _CallObject | _ArgumentsValue) -> None:
         if call.index is None and call.name is not None:
             call.index = self.num_calls
             self.num_calls += 1
             self._out.add_call(ToolCallDelta(call.index, new_call_id(), call.name))
 
-    def _advance_call(self, call: _CallObject, final: bool) -> None:
+    def _advance_call(self, call: _CallObject | _ArgumentsValue, final: bool) -> None:
         """Scans `call` on; once its name is known it becomes a call (its first delta), and
         its new arguments go out."""
         call.advance(self.buf, final)
@@ -304,7 +306,7 @@ class ToolParser(ABC):
             self._commit(call)
         self._sync(call)
 
-    def _sync(self, call: _CallObject) -> None:
+    def _sync(self, call: _CallObject | _ArgumentsValue) -> None:
         """Sends a committed call's new arguments."""
         if call.index is None:
             return
@@ -337,7 +339,7 @@ class HermesToolParser(ToolParser):
         super().__init__(tool_names)
         self.state = "text"  # text, pre_call, call, post_call
         self.tag_start = 0
-        self.call: _CallObject | None = None
+        self.call: _CallObject | _ArgumentsValue | None = None
 
     def _advance(self, final: bool) -> None:
         buf = self.buf
@@ -397,7 +399,7 @@ class Llama3JsonToolParser(ToolParser):
         super().__init__(tool_names)
         self.state = "start"  # start, call, sep, text
         self.seg_start = 0
-        self.call: _CallObject | None = None
+        self.call: _CallObject | _ArgumentsValue | None = None
 
     def _fallback(self) -> None:
         """What looked like a call is content, from its segment's start on."""
@@ -462,6 +464,10 @@ class Llama3JsonToolParser(ToolParser):
                     self.state = "text"
 
 
+# TaggedListToolParser's own states (a format's others go to `_advance_other`).
+_LIST_STATES = frozenset(("text", "open", "elem", "call", "next", "after"))
+
+
 class TaggedListToolParser(ToolParser):
     """A marker, then a JSON list of `{"name": ..., "arguments": ...}` calls, after any
     content (Mistral's `[TOOL_CALLS]`, Granite's `<|tool_call|>` / `<tool_call>`). A marker
@@ -475,7 +481,7 @@ class TaggedListToolParser(ToolParser):
         self.state = "text"  # text, open, elem, call, next, after
         self.tag_start = 0
         self.in_list = False
-        self.call: _CallObject | None = None
+        self.call: _CallObject | _ArgumentsValue | None = None
 
     def _find_start(self) -> tuple[int, str] | None:
         found = [(j, t) for t in self.STARTS if (j := self.buf.find(t, self.pos)) >= 0]
@@ -486,9 +492,22 @@ class TaggedListToolParser(ToolParser):
         self._text(self.buf[self.tag_start : self.pos])
         self.state = "after" if self.num_calls else "text"
 
+    def _open_other(self, c: str) -> bool:
+        """After the marker, a character that starts no list or object: True when the
+        format reads it its own way (`_advance_other`), else it is content."""
+        return False
+
+    def _advance_other(self, final: bool) -> bool:
+        """A state of the format's own; True: go on, False: wait for more text."""
+        raise AssertionError(self.state)
+
     def _advance(self, final: bool) -> None:
         buf = self.buf
         while True:
+            if self.state not in _LIST_STATES:
+                if self._advance_other(final):
+                    continue
+                return
             if self.state in ("text", "after"):
                 start = self._find_start() if self.state == "text" else None
                 if start is None:
@@ -503,7 +522,7 @@ class TaggedListToolParser(ToolParser):
                 continue
             if self.state == "call":
                 call = self.call
-                assert call is not None
+                assert isinstance(call, _CallObject)
                 self._advance_call(call, final)
                 if call.done:
                     self.pos, self.state = call.end, "next" if self.in_list else "after"
@@ -528,7 +547,7 @@ class TaggedListToolParser(ToolParser):
                     self.pos, self.in_list, self.state = self.pos + 1, True, "elem"
                 elif c == "{":
                     self.in_list, self.state = False, "elem"
-                else:
+                elif not self._open_other(c):
                     self._fallback()
             elif self.state == "elem":
                 if c == "{":
@@ -541,10 +560,81 @@ class TaggedListToolParser(ToolParser):
 
 
 class MistralToolParser(TaggedListToolParser):
-    """Mistral's `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v0.3 tokenizers)."""
+    """Mistral's `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v0.3 tokenizers),
+    and the v11+ form, one marker per call with its name first: `[TOOL_CALLS]name[ARGS]
+    {...}`, `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` or `[TOOL_CALLS]name{...}`. A name that
+    is not a plain identifier, or no arguments after it, leaves the marker and what follows
+    as content."""
 
     STARTS = ("[TOOL_CALLS]",)
-    TAGS = STARTS
+    TAGS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+    _AFTER_NAME = ("[ARGS]", "[CALL_ID]", "{")
+
+    def __init__(self, tool_names: Sequence[str] = ()) -> None:
+        super().__init__(tool_names)
+        self.name_start = 0
+        self.name = ""
+
+    def _open_other(self, c: str) -> bool:
+        if not _is_name_char(c):
+            return False
+        self.name_start, self.state = self.pos, "name"
+        return True
+
+    def _advance_other(self, final: bool) -> bool:
+        buf = self.buf
+        if self.state == "name":  # up to [ARGS], [CALL_ID] or the arguments' "{"
+            i = self.pos
+            while i < len(buf) and _is_name_char(buf[i]):
+                i += 1
+            self.pos = i
+            rest = buf[i:]
+            marker = next((m for m in self._AFTER_NAME if rest.startswith(m)), None)
+            if marker is None:
+                partial = any(m.startswith(rest) for m in self._AFTER_NAME)
+                if final or not partial:
+                    self.pos = len(buf) if final else i
+                    self._fallback()
+                    return True
+                return False  # the name or a marker may go on
+            self.name = buf[self.name_start : i]
+            self.pos = i if marker == "{" else i + len(marker)
+            self.state = "call_id" if marker == "[CALL_ID]" else "args"
+            return True
+        if self.state == "call_id":  # the model's own id, up to [ARGS]
+            j = buf.find("[ARGS]", self.pos)
+            if j < 0:
+                if final:
+                    self.pos = len(buf)
+                    self._fallback()
+                    return True
+                return False
+            self.pos, self.state = j + len("[ARGS]"), "args"
+            return True
+        if self.state == "args":
+            self._skip_ws()
+            if self.pos == len(buf):
+                if final:
+                    self._fallback()
+                    return True
+                return False
+            if buf[self.pos] not in "{[":
+                self._fallback()
+                return True
+            self.call, self.state = _ArgumentsValue(self.name, self.pos), "value"
+            return True
+        # value: the arguments as they come; then another call may follow
+        call = self.call
+        assert isinstance(call, _ArgumentsValue)
+        self._advance_call(call, final)
+        if call.done or final:
+            self.pos, self.state = call.pos, "text"
+            return True
+        return False
+
+
+def _is_name_char(c: str) -> bool:
+    return c.isalnum() or c in "_-."
 
 
 class GraniteToolParser(TaggedListToolParser):
@@ -562,7 +652,7 @@ class RequiredToolParser(ToolParser):
     def __init__(self, tool_names: Sequence[str] = ()) -> None:
         super().__init__(tool_names)
         self.state = "start"  # start, elem, call, next, end
-        self.call: _CallObject | None = None
+        self.call: _CallObject | _ArgumentsValue | None = None
 
     def _advance(self, final: bool) -> None:
         buf = self.buf
@@ -595,6 +685,29 @@ class RequiredToolParser(ToolParser):
             else:  # next
                 self.pos += 1
                 self.state = "elem" if c == "," else "end"
+
+
+class _ArgumentsValue:
+    """A call whose name came before its arguments (Mistral v11+): the arguments' JSON value
+    from `buf[start]`, scanned as it comes; the format parser's call protocol (`name`,
+    `index`, `sent`, `arguments`)."""
+
+    def __init__(self, name: str, start: int) -> None:
+        self.name = name
+        self.start = start
+        self.scanner = _ValueScanner()
+        self.pos = start
+        self.done = False
+        self.index: int | None = None
+        self.sent = 0
+
+    def advance(self, buf: str, final: bool) -> None:
+        if self.pos < len(buf) and not self.done:
+            self.pos = self.scanner.feed(buf, self.pos, final)
+            self.done = self.scanner.done
+
+    def arguments(self, buf: str) -> str:
+        return buf[self.start : self.pos]
 
 
 class NamedToolParser(ToolParser):

@@ -171,6 +171,36 @@ def test_tagged_lists(parser: Any, text: str, content: str, calls: Calls) -> Non
         check(lambda: parser(NAMES), filled, content.format(tag=tag), calls)
 
 
+# Mistral's v11+ form: one marker per call, the name first, then [ARGS] (or [CALL_ID]id
+# [ARGS], or the arguments at once); a name that is no identifier, or no arguments, is content.
+MISTRAL_V11_CASES: list[tuple[str, str, Calls]] = [
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [("get_weather", {"city": "Paris"})]),
+    (
+        'Both. [TOOL_CALLS]add[ARGS]{"a": 1, "b": [2, "}"]}[TOOL_CALLS]get_weather[CALL_ID]'
+        'a1B2c3D4e[ARGS] {"city": "Rome \\"x\\""}',
+        "Both.",
+        [("add", {"a": 1, "b": [2, "}"]}), ("get_weather", {"city": 'Rome "x"'})],
+    ),
+    ('[TOOL_CALLS]add{"a": 2}', "", [("add", {"a": 2})]),
+    ("[TOOL_CALLS]add[ARGS]", "[TOOL_CALLS]add[ARGS]", []),
+    ("[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
+    ("[TOOL_CALLS]add[ARGS]oops", "[TOOL_CALLS]add[ARGS]oops", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), MISTRAL_V11_CASES)
+def test_mistral_v11(text: str, content: str, calls: Calls) -> None:
+    check(lambda: MistralToolParser(NAMES), text, content, calls)
+
+
+def test_mistral_v11_streams_arguments_before_the_call_ends() -> None:
+    parser = MistralToolParser(NAMES)
+    out = parser.feed('[TOOL_CALLS]add[ARGS]{"a": 1')
+    assert [(d.name, d.arguments) for d in out.tool_calls] == [("add", '{"a": 1')]
+    out = parser.feed(', "b": 2}')
+    assert [d.arguments for d in out.tool_calls] == [', "b": 2}']
+
+
 REQUIRED_CASES: list[tuple[str, Calls]] = [
     ('[{"name": "add", "arguments": {"a": 1, "b": 2}}]', [("add", {"a": 1, "b": 2})]),
     (
