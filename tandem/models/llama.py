@@ -101,6 +101,15 @@ class LlamaShape:
                 f"rope_scaling type {rope_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
+        if rope_type == "longrope":
+            for key in ("long_factor", "short_factor"):
+                factors = self.rope_parameters.get(key)
+                if not isinstance(factors, list) or len(factors) != self.rotary_dim // 2:
+                    count = len(factors) if isinstance(factors, list) else factors
+                    raise ValueError(
+                        f"rope {key} has {count} values; {self.rotary_dim} rotating dims "
+                        f"need {self.rotary_dim // 2}"
+                    )
         quant = getattr(hf_config, "quantization_config", None)
         if quant:
             method = quant.get("quant_method") if isinstance(quant, dict) else None

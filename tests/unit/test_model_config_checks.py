@@ -45,8 +45,8 @@ def _resolve(folder: Path) -> Any:
         ),
         (
             "qwen3",
-            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
-            r"Qwen3ForCausalLM: quantization_config \(quant_method 'gptq'\)",
+            {"quantization_config": {"quant_method": "hqq", "bits": 4}},
+            r"Qwen3ForCausalLM: quantization_config \(quant_method 'hqq'\)",
         ),
         (
             "qwen3",
@@ -69,22 +69,17 @@ def _resolve(folder: Path) -> Any:
             r"Gemma3ForCausalLM: use_bidirectional_attention=True is not supported",
         ),
         ("gemma3", {"hidden_activation": "relu"}, r"hidden_activation 'relu' is not supported"),
-        (
-            "phi3",
-            {
-                "rope_scaling": {
-                    "type": "longrope",
-                    "short_factor": [1.0] * 8,
-                    "long_factor": [2.0] * 8,
-                }
-            },
-            r"Phi3ForCausalLM: rope_scaling type 'longrope' is not supported",
-        ),
         ("granite", {"logits_scaling": 0}, r"GraniteForCausalLM: logits_scaling must not be 0"),
         (
             "phi3",
-            {"partial_rotary_factor": 0.75},
-            r"Phi3ForCausalLM: partial_rotary_factor 0.75 is not supported",
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 1.5,
+                }
+            },
+            r"Phi3ForCausalLM: partial_rotary_factor 1.5 gives 24 rotating dims of 16",
         ),
         (
             "gemma3",
