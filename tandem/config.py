@@ -871,7 +871,7 @@ class SamplerConfig:
 # `--quantization` values: methods applied at load, and the names of stored formats (which
 # only load checkpoints of that format; "auto" takes whatever the checkpoint says).
 QuantizationMethod = Literal[
-    "auto", "fp8", "ptpc_fp8", "modelopt", "compressed-tensors", "fbgemm_fp8"
+    "auto", "fp8", "ptpc_fp8", "modelopt", "compressed-tensors", "fbgemm_fp8", "gptq", "awq"
 ]  # fmt: skip
 QUANTIZATION_METHODS: tuple[str, ...] = typing.get_args(QuantizationMethod)
 
@@ -885,16 +885,17 @@ class QuantizationConfig:
     (per-channel weights, dynamic per-token activations). A checkpoint that is quantized
     already (its config's `quantization_config`, or ModelOpt's `hf_quant_config.json`) is
     loaded as stored; "auto" (or None) takes that, or runs unquantized; `modelopt`,
-    `compressed-tensors` and `fbgemm_fp8` name the stored format the checkpoint must have.
-    FP8 needs a GPU of compute capability 8.9 or above.
+    `compressed-tensors`, `fbgemm_fp8`, `gptq` and `awq` name the stored format the
+    checkpoint must have (GPTQ and AWQ load dequantized to the model's dtype). FP8 needs a
+    GPU of compute capability 8.9 or above.
     """
 
     quantization: QuantizationMethod = field(
         default="auto",
         metadata=flag(
             "fp8 | ptpc_fp8: quantize the weights at load; modelopt | compressed-tensors | "
-            "fbgemm_fp8: the checkpoint's stored format (auto: the checkpoint's own scheme, "
-            "if any)",
+            "fbgemm_fp8 | gptq | awq: the checkpoint's stored format (auto: the checkpoint's "
+            "own scheme, if any)",
             aliases=("-q",),
         ),
     )

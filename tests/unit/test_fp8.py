@@ -467,7 +467,7 @@ def test_fp8_refused_where_it_cannot_run(tiny_model_path, tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("stored", "message"),
     [
-        ({"quant_method": "awq"}, "quantization method 'awq' is not implemented"),
+        ({"quant_method": "bitsandbytes"}, "quantization method 'bitsandbytes' is not implemented"),
         ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo 'NVFP4'"),
         (
             {"quant_method": "modelopt", "quantization": {"kv_cache_quant_algo": "NVFP4"}},

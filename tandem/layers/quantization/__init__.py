@@ -22,11 +22,13 @@ from tandem.layers.quantization.fp8 import (
     Fp8MoEMethod,
     PtpcFp8Config,
 )
+from tandem.layers.quantization.int_weight_only import AWQConfig, GPTQConfig
 from tandem.layers.quantization.modelopt import ModelOptFp8Config
 from tandem.layers.quantization.unquantized import UnquantizedLinearMethod
 
 __all__ = [
     "QUANTIZATION_CONFIGS",
+    "AWQConfig",
     "CompressedTensorsConfig",
     "CpuPackedLinearMethod",
     "ExpertsMethodBase",
@@ -34,6 +36,7 @@ __all__ = [
     "Fp8Config",
     "Fp8LinearMethod",
     "Fp8MoEMethod",
+    "GPTQConfig",
     "LinearMethodBase",
     "ModelOptFp8Config",
     "PtpcFp8Config",
