@@ -32,15 +32,17 @@ def load_hf_config(path: str | Path) -> Any:
 
 
 # generation_config.json's sampling fields that become a model's default sampling parameters
-# (vLLM's `--generation-config auto`); SamplingParams' names.
+# (vLLM's `--generation-config auto`); SamplingParams' names. `max_new_tokens` becomes
+# `max_tokens`: the served API takes it as a cap on every request's output (vLLM's rule).
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def sampling_defaults(model_path: str | Path, generation_config: str = "auto") -> dict[str, Any]:
     """The default sampling parameters a model's requests get where they leave a field out:
     the sampling fields of `generation_config.json` in the model folder ("auto") or in the
-    folder `generation_config` names; none for "vllm" or a folder without the file. A value
-    of the wrong type is a ValueError naming the field."""
+    folder `generation_config` names; none for "vllm" or a folder without the file. Its
+    `max_new_tokens` comes as `max_tokens`. A value of the wrong type is a ValueError naming
+    the field."""
     if generation_config == "vllm":
         return {}
     folder = Path(model_path) if generation_config == "auto" else Path(generation_config)
@@ -58,6 +60,11 @@ def sampling_defaults(model_path: str | Path, generation_config: str = "auto") -
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{path}: {name} {value!r} is not a number")
         out[name] = int(value) if name == "top_k" else float(value)
+    max_new = stored.get("max_new_tokens")
+    if max_new is not None:
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise ValueError(f"{path}: max_new_tokens {max_new!r} is not a positive integer")
+        out["max_tokens"] = max_new
     return out
 
 

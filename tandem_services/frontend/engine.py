@@ -137,9 +137,12 @@ class FrontendEngine:
         """`migration_limit`: how many times one choice may move to another worker when its
         worker is lost (tracker.py: Migration); 0 fails it instead. `sampling_defaults`: the
         model's default sampling parameters (tandem.loader.sampling_defaults), for the fields
-        a request leaves out (both APIs read them here)."""
+        a request leaves out (both APIs read them here); their `max_tokens` (the model's
+        `max_new_tokens`) is not a default but a cap on every request's output
+        (`max_tokens_cap`, vLLM's rule)."""
         self.frontend_id = frontend_id
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.max_tokens_cap: int | None = self.sampling_defaults.pop("max_tokens", None)
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.rpc_timeout_s = rpc_timeout_s
@@ -315,7 +318,16 @@ class FrontendEngine:
     ) -> int | None:
         """A prompt's ids against the vocabulary and its length against the context; returns
         max_tokens, filled in to the rest of the context when it was None (and the context
-        is known)."""
+        is known), at most `max_tokens_cap`."""
+        max_tokens = self._checked_max_tokens(token_ids, max_tokens, vocab)
+        cap = self.max_tokens_cap
+        if cap is None:
+            return max_tokens
+        return cap if max_tokens is None else min(max_tokens, cap)
+
+    def _checked_max_tokens(
+        self, token_ids: Sequence[int], max_tokens: int | None, vocab: int
+    ) -> int | None:
         if not token_ids:
             raise invalid("prompt is empty", "prompt")
         if min(token_ids) < 0 or max(token_ids) >= vocab:

@@ -84,10 +84,13 @@ FRONTEND_FLAGS = [
 def test_tandem_serve_unified_ctrl_c(tmp_path: Path) -> None:
     """Also: the frontend's flags on `tandem serve` reach its frontend (the served name, tool
     choice "auto" with a parser, a request limit, --generation-config: a folder whose
-    generation_config.json makes requests that leave temperature out greedy)."""
+    generation_config.json makes requests that leave temperature out greedy, and whose
+    max_new_tokens caps every output)."""
     defaults = tmp_path / "generation"
     defaults.mkdir()
-    (defaults / "generation_config.json").write_text('{"temperature": 0.0, "top_k": 5}')
+    (defaults / "generation_config.json").write_text(
+        '{"temperature": 0.0, "top_k": 5, "max_new_tokens": 6}'
+    )
     flags = [*FRONTEND_FLAGS, "--generation-config", str(defaults)]
     with tandem_serve(["--unified", *WORKER_ARGS, *flags], tmp_path, 300) as (proc, out):
         http = re.search(r"HTTP \(OpenAI API\)\s+http://(\S+)/v1", out)
@@ -104,15 +107,25 @@ def test_tandem_serve_unified_ctrl_c(tmp_path: Path) -> None:
             timeout=120,
         )
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
-        texts = [
+        bodies = [
             httpx.post(
                 f"{base}/completions",
                 json={"prompt": "Once upon a time", "max_tokens": 16, **extra},
                 timeout=120,
-            ).json()["choices"][0]["text"]
+            ).json()
             for extra in ({}, {"temperature": 0})
         ]
+        texts = [body["choices"][0]["text"] for body in bodies]
         assert texts[0] == texts[1], texts  # temperature left out: the folder's 0
+        # max_tokens 16 asked, the folder's max_new_tokens 6 kept.
+        assert [body["usage"]["completion_tokens"] for body in bodies] == [6, 6], bodies
+        assert bodies[0]["choices"][0]["finish_reason"] == "length"
+        chat = httpx.post(
+            f"{base}/chat/completions",
+            json={"messages": [{"role": "user", "content": "Tell me a long story."}]},
+            timeout=120,
+        ).json()
+        assert chat["usage"]["completion_tokens"] <= 6, chat  # none asked: the cap, not the context
         many = httpx.post(f"{base}/completions", json={"prompt": "Hi", "n": 3}, timeout=30)
         assert many.status_code == 400 and many.json()["error"]["param"] == "n", many.text
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

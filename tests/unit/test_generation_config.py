@@ -18,7 +18,14 @@ from tandem_services.frontend.grpc_api import parse_generate
 from tandem_services.frontend.limits import RequestLimits
 from tandem_services.frontend.openai_protocol import parse_chat, parse_completion
 
-STORED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "eos_token_id": 2}
+STORED = {
+    "temperature": 0.6,
+    "top_p": 0.95,
+    "top_k": 20,
+    "do_sample": True,
+    "eos_token_id": 2,
+    "max_new_tokens": 300,
+}
 
 
 def _folder(path: Path, stored: dict[str, object]) -> Path:
@@ -29,7 +36,7 @@ def _folder(path: Path, stored: dict[str, object]) -> Path:
 
 def test_defaults_are_read_from_the_folder_another_folder_or_not_at_all(tmp_path: Path) -> None:
     model = _folder(tmp_path / "model", STORED)
-    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 300}
     assert sampling_defaults(model) == want
     assert sampling_defaults(model, "vllm") == {}
     other = _folder(tmp_path / "other", {"repetition_penalty": 1.1, "min_p": 0.05})
@@ -40,6 +47,9 @@ def test_defaults_are_read_from_the_folder_another_folder_or_not_at_all(tmp_path
     bad = _folder(tmp_path / "bad", {"temperature": "hot"})
     with pytest.raises(ValueError, match="temperature 'hot' is not a number"):
         sampling_defaults(bad)
+    zero = _folder(tmp_path / "zero", {"max_new_tokens": 0})
+    with pytest.raises(ValueError, match="max_new_tokens 0 is not a positive integer"):
+        sampling_defaults(zero)
 
 
 def test_requests_take_the_defaults_for_what_they_leave_out() -> None:
@@ -82,9 +92,12 @@ def test_offline_llm_uses_the_models_defaults_without_params(tiny_model_path, tm
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     with LLM(model=str(model), device="cpu", num_gpu_blocks=64) as llm:
         defaults = llm.get_default_sampling_params()
-        assert (defaults.temperature, defaults.top_k) == (0.0, 7)
+        assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 7, 9)
         unset = llm.generate(prompts, use_tqdm=False)
-        greedy = llm.generate(prompts, SamplingParams(temperature=0.0), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in unset] == [9, 9]
+        greedy = llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=9), use_tqdm=False
+        )
         assert [o.outputs[0].token_ids for o in unset] == [o.outputs[0].token_ids for o in greedy]
     with LLM(model=str(model), device="cpu", num_gpu_blocks=64, generation_config="vllm") as llm:
         assert llm.get_default_sampling_params().temperature == 1.0
