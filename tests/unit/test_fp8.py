@@ -485,7 +485,7 @@ def test_fp8_refused_where_it_cannot_run(tiny_model_path, tmp_path: Path) -> Non
             {**_ct_config("group", "tensor", True), "format": "float-quantized"},
             "weight strategy 'group'",
         ),
-        ({**_ct_config("tensor", "tensor", True), "format": "pack-quantized"}, "format"),
+        ({**_ct_config("tensor", "tensor", True), "format": "pack-quantized"}, "needs int weights"),
         (
             {
                 **_ct_config("tensor", "tensor", True),

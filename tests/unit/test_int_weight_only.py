@@ -21,6 +21,7 @@ from tandem.layers.quantization.int_weight_only import (
     AWQ_PACK_ORDER,
     awq_dequantize,
     gptq_dequantize,
+    pack_quantized_dequantize,
     unpack_int32,
 )
 from tandem.loader import build_model, load_hf_config
@@ -69,6 +70,13 @@ def test_words_unpack_as_the_formats_lay_them_out() -> None:
     z = torch.tensor([[_word([7] * 8, 4)]], dtype=torch.int32)
     w = gptq_dequantize(q, z, torch.full((1, 8), 0.5), None, 4, -1, zero_offset=1)
     assert torch.equal(w, torch.zeros(8, 8))
+    # compressed-tensors pack-quantized: signed values -8..7 stored + 8, low bits first
+    # along K; symmetric, so the zero is 8.
+    word = torch.tensor([[_word([v + 8 for v in (-8, -1, 0, 1, 2, 3, 6, 7)], 4)]])
+    w = pack_quantized_dequantize(
+        word.to(torch.int32), torch.ones(1, 1), torch.tensor([1, 8]), 4, -1
+    )
+    assert w.flatten().tolist() == [-8, -1, 0, 1, 2, 3, 6, 7]
 
 
 def _pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -80,7 +88,7 @@ def _pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     v = v.reshape(v.shape[0] // per, per, v.shape[1])
     words = sum(v[:, i, :] << (i * bits) for i in range(per))
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    return words.t().contiguous() if dim == 1 else words
+    return words.t().contiguous() if dim == 1 else words.contiguous()
 
 
 def _awq_interleave(t: torch.Tensor) -> torch.Tensor:
@@ -90,7 +98,9 @@ def _awq_interleave(t: torch.Tensor) -> torch.Tensor:
 
 
 def _quantized_folder(src: Path, out: Path, fmt: str, group: int) -> tuple[Path, Path]:
-    """(the quantized checkpoint, the same weights dequantized as a plain folder)."""
+    """(the quantized checkpoint, the same weights dequantized as a plain folder). `fmt`:
+    gptq (desc_act), awq, ct (compressed-tensors pack-quantized, symmetric groups) or
+    ct_asym (zero points, actorder "group")."""
     gen = torch.Generator().manual_seed(5)
     tensors = load_file(str(src / "model.safetensors"))
     quant, plain = dict(tensors), dict(tensors)
@@ -104,6 +114,19 @@ def _quantized_folder(src: Path, out: Path, fmt: str, group: int) -> tuple[Path,
         zeros = torch.randint(3, 13, (groups, n), generator=gen)
         scales = (0.004 + 0.02 * torch.rand(groups, n, generator=gen)).to(torch.float16)
         del quant[name]
+        if fmt.startswith("ct"):
+            order = fmt == "ct_asym"
+            g = torch.randperm(k, generator=gen) % groups if order else torch.arange(k) // group
+            zp = zeros.t() if order else torch.full((n, groups), 8)  # [N, G]
+            dense = (q.t() - zp[:, g]).float() * scales.t()[:, g].float()
+            quant[f"{prefix}.weight_packed"] = _pack(q.t(), 4, dim=1)
+            quant[f"{prefix}.weight_scale"] = scales.t().contiguous()
+            quant[f"{prefix}.weight_shape"] = torch.tensor([n, k])
+            if order:
+                quant[f"{prefix}.weight_zero_point"] = _pack(zp, 4, dim=0)
+                quant[f"{prefix}.weight_g_idx"] = g.to(torch.int32)
+            plain[name] = dense.contiguous()
+            continue
         if fmt == "gptq":
             g_idx = torch.randperm(k, generator=gen) % groups  # a desc_act order
             dense = (q - zeros[g_idx]).float() * scales[g_idx].float()
@@ -124,7 +147,18 @@ def _quantized_folder(src: Path, out: Path, fmt: str, group: int) -> tuple[Path,
         save_file(weights, str(folder / "model.safetensors"))
         folders.append(folder)
     config = json.loads((folders[0] / "config.json").read_text())
-    if fmt == "gptq":
+    if fmt.startswith("ct"):
+        asym = fmt == "ct_asym"
+        weights = {
+            "num_bits": 4, "type": "int", "symmetric": not asym, "strategy": "group",
+            "group_size": group, "actorder": "group" if asym else None,
+        }  # fmt: skip
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+            "ignore": ["lm_head"],
+        }  # fmt: skip
+    elif fmt == "gptq":
         config["quantization_config"] = {
             "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": True,
             "sym": False, "checkpoint_format": "gptq",
@@ -138,14 +172,22 @@ def _quantized_folder(src: Path, out: Path, fmt: str, group: int) -> tuple[Path,
     return folders[0], folders[1]
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+@pytest.mark.parametrize(
+    ("fmt", "method"),
+    [
+        ("gptq", "gptq"),
+        ("awq", "awq"),
+        ("ct", "compressed-tensors"),
+        ("ct_asym", "compressed-tensors"),
+    ],
+)
 def test_tiny_checkpoint_matches_transformers_on_its_dequantized_weights(
-    fmt: str, tiny_model_path, tmp_path: Path
+    fmt: str, method: str, tiny_model_path, tmp_path: Path
 ) -> None:
     quant, plain = _quantized_folder(tiny_model_path("llama"), tmp_path, fmt, group=32)
     config = resolve_quant_config("auto", load_hf_config(quant), torch.device("cpu"))
-    assert config is not None and config.name == fmt
-    assert resolve_quant_config(fmt, load_hf_config(quant), torch.device("cpu")) is not None
+    assert config is not None and config.name == method
+    assert resolve_quant_config(method, load_hf_config(quant), torch.device("cpu")) is not None
     ours, ref = build_cpu_model(quant), hf_model(plain)
     for backend in ("torch", "cpu"):
         model = build_cpu_model(quant, backend) if backend == "cpu" else ours
@@ -161,6 +203,16 @@ def test_tiny_checkpoint_matches_transformers_on_its_dequantized_weights(
         assert_logits_close(a, b, "the tiny model against its quantized version")
 
 
+def _ct_int(changes: dict) -> dict:
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
+    weights.update(group_size=128, **changes)
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"g": {"targets": ["Linear"], "weights": weights}},
+    }
+
+
 @pytest.mark.parametrize(
     ("stored", "message"),
     [
@@ -169,6 +221,9 @@ def test_tiny_checkpoint_matches_transformers_on_its_dequantized_weights(
         ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version 'gemv'"),
         ({"quant_method": "awq", "bits": 4, "zero_point": False}, "without zero points"),
+        (_ct_int({"num_bits": 3}), "int 3-bit weights"),
+        (_ct_int({"strategy": "tensor"}), "int weight strategy 'tensor'"),
+        (_ct_int({"actorder": "sideways"}), "actorder 'sideways'"),
     ],
 )
 def test_unimplemented_schemes_are_refused_by_name(stored: dict, message: str) -> None:

@@ -3,7 +3,9 @@
 "config_groups": {...: {"targets": ["Linear"], "weights": {...}, "input_activations": {...}}},
 "ignore": ["lm_head"]}`. Weights 8-bit float, per tensor or per channel (`weight_scale`);
 activations 8-bit float, dynamic per tensor or per token, or static per tensor
-(`input_scale`). Any other scheme is refused by name (ConfigError) when the engine starts.
+(`input_scale`). The "pack-quantized" integer weight-only groups (W4A16, W8A16) load
+dequantized (int_weight_only.CompressedTensorsIntConfig). Any other scheme is refused by
+name (ConfigError) when the engine starts.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import Any
 from tandem.config import ConfigError
 from tandem.layers.quantization.base import register_quantization_config
 from tandem.layers.quantization.fp8 import Fp8Config, Fp8Scheme
+from tandem.layers.quantization.int_weight_only import CompressedTensorsIntConfig
 
-_FORMATS = ("float-quantized", "naive-quantized")
+_FORMATS = ("float-quantized", "naive-quantized", "pack-quantized")
 
 
 def _fp8_args(group: str, kind: str, args: dict[str, Any] | None) -> dict[str, Any]:
@@ -42,7 +45,9 @@ class CompressedTensorsConfig(Fp8Config):
     quantizes_at_load = False
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
+    def from_config(
+        cls, config: dict[str, Any]
+    ) -> CompressedTensorsConfig | CompressedTensorsIntConfig:
         fmt = config.get("format")
         if fmt not in _FORMATS:
             raise ConfigError(
@@ -59,6 +64,14 @@ class CompressedTensorsConfig(Fp8Config):
             raise ConfigError(
                 f"compressed-tensors group {group!r} targets {spec.get('targets')}, not Linear"
             )
+        if fmt == "pack-quantized":
+            weights = spec.get("weights") or {}
+            if weights.get("type") != "int" or spec.get("input_activations") is not None:
+                raise ConfigError(
+                    f"compressed-tensors group {group!r}: pack-quantized needs int weights and "
+                    "16-bit activations"
+                )
+            return CompressedTensorsIntConfig.from_spec(group, weights)
         weights = _fp8_args(group, "weights", spec.get("weights"))
         acts = _fp8_args(group, "input_activations", spec.get("input_activations"))
         w_strategy = weights.get("strategy")

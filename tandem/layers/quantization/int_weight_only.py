@@ -16,6 +16,13 @@ Both store each quantized linear layer as three or four tensors in place of its 
           scales   fp16  [G, N]
           W[n, k] = scales[k // group_size, n] * (q[k, n] - zero[k // group_size, n])
 
+    compressed-tensors "pack-quantized" (llm-compressor's W4A16 / W8A16 exports)
+          weight_packed      int32 [N, K / p]   values + 2^(bits-1) along K, low bits first
+          weight_scale             [N, G]       G = K / group_size (group), 1 (channel)
+          weight_zero_point  int32 [N / p, G]   packed the same way along N (asymmetric only)
+          weight_g_idx       int32 [K]          each channel's group (actorder "group")
+          W[n, k] = weight_scale[n, g] * (q[n, k] - zero[n, g])   (symmetric: zero 2^(bits-1))
+
 `map_checkpoint` turns each layer's set into its `weight` `[N, K]` as the tensors stream in,
 so every later step is the unquantized model's: the model runs in its dtype with the
 dequantized weights (the memory of a 16-bit checkpoint, no integer kernel). Layers stored
@@ -111,9 +118,10 @@ class _DequantizedConfig(QuantizationConfig):
 
     def __init__(self, group_size: int = -1) -> None:
         self.group_size = group_size
+        self.parts: tuple[str, ...] = self.PARTS
 
     def _uses(self, suffix: str) -> bool:
-        return suffix in self.PARTS
+        return suffix in self.parts
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         return None
@@ -122,7 +130,7 @@ class _DequantizedConfig(QuantizationConfig):
         raise NotImplementedError
 
     def _complete(self, parts: dict[str, torch.Tensor]) -> bool:
-        return all(p in parts for p in self.PARTS)
+        return all(p in parts for p in self.parts)
 
     def map_checkpoint(
         self, weights: Iterable[tuple[str, LoadedWeight]]
@@ -130,7 +138,7 @@ class _DequantizedConfig(QuantizationConfig):
         """Each layer's packed tensors as its dequantized `weight`, once all have come;
         everything else as stored. A layer whose set stays incomplete is a ConfigError."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
-        names = (*self.PARTS, *self.OPTIONAL)
+        names = (*self.parts, *self.OPTIONAL)
         for name, tensor in weights:
             prefix, _, suffix = name.rpartition(".")
             if suffix not in names:
@@ -147,7 +155,7 @@ class _DequantizedConfig(QuantizationConfig):
             prefix, parts = next(iter(pending.items()))
             raise ConfigError(
                 f"{self.name} checkpoint: {prefix} has only {', '.join(sorted(parts))} "
-                f"(needs {', '.join(self.PARTS)})"
+                f"(needs {', '.join(self.parts)})"
             )
 
 
@@ -226,3 +234,79 @@ def _group_size(config: dict[str, Any], what: str) -> int:
     if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
         raise ConfigError(f"{what} group_size must be a positive integer or -1, got {size!r}")
     return size
+
+
+def pack_quantized_dequantize(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shape: torch.Tensor,
+    bits: int,
+    group_size: int,
+    zero_point: torch.Tensor | None = None,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A compressed-tensors pack-quantized layer's weight `[N, K]` float32 (module
+    docstring); `group_size` -1 for one scale a row (channel)."""
+    n, k = (int(v) for v in shape.flatten().tolist())
+    q = unpack_int32(packed, bits, dim=1)[:, :k]
+    groups = scale.shape[1]
+    if zero_point is None:
+        zeros = torch.full((n, groups), 1 << (bits - 1), dtype=torch.int64)
+    else:
+        zeros = unpack_int32(zero_point, bits, dim=0)[:n]
+    by_order = g_idx is not None
+    g = g_idx.to(torch.int64) if by_order else _groups(k, group_size if groups > 1 else -1)
+    return (q - zeros[:, g]).to(torch.float32) * scale[:, g].to(torch.float32)
+
+
+class CompressedTensorsIntConfig(_DequantizedConfig):
+    """compressed-tensors' integer weight-only groups ("pack-quantized", 4 or 8 bits, group
+    or channel scales, symmetric or with zero points, actorder "group" with its g_idx): made
+    by `CompressedTensorsConfig.from_config` for such a checkpoint (module docstring)."""
+
+    name = "compressed-tensors"
+    PARTS = ("weight_packed", "weight_scale", "weight_shape")
+    OPTIONAL = ("weight_g_idx",)
+
+    def __init__(self, bits: int, group_size: int, symmetric: bool, group_order: bool) -> None:
+        super().__init__(group_size)
+        self.bits = bits
+        self.parts = self.PARTS + (() if symmetric else ("weight_zero_point",))
+        self.parts += ("weight_g_idx",) if group_order else ()
+        self.group_order = group_order
+
+    @classmethod
+    def from_spec(cls, group: str, weights: dict[str, Any]) -> CompressedTensorsIntConfig:
+        """From one config group's `weights` (type int): ConfigError naming what is not
+        implemented."""
+        bits = weights.get("num_bits")
+        if bits not in (4, 8):
+            raise ConfigError(
+                f"compressed-tensors group {group!r}: int {bits}-bit weights are not "
+                "implemented (4 or 8)"
+            )
+        strategy = weights.get("strategy")
+        if strategy not in ("group", "channel") or weights.get("dynamic"):
+            raise ConfigError(
+                f"compressed-tensors group {group!r}: int weight strategy {strategy!r} is not "
+                "implemented (group, channel)"
+            )
+        size = weights.get("group_size") if strategy == "group" else -1
+        if strategy == "group" and (not isinstance(size, int) or size < 1):
+            raise ConfigError(f"compressed-tensors group {group!r}: group_size {size!r}")
+        actorder = weights.get("actorder")
+        if actorder not in (None, "group", "weight", "static", "dynamic"):
+            raise ConfigError(f"compressed-tensors group {group!r}: actorder {actorder!r}")
+        symmetric = bool(weights.get("symmetric", True))
+        return cls(int(bits), int(size), symmetric, actorder == "group")
+
+    def _dequantize(self, parts: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        return pack_quantized_dequantize(
+            parts["weight_packed"],
+            parts["weight_scale"],
+            parts["weight_shape"],
+            self.bits,
+            self.group_size,
+            parts.get("weight_zero_point"),
+            parts.get("weight_g_idx") if self.group_order else None,
+        )
