@@ -157,6 +157,19 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # YaRN rope scaling (Qwen2.5 / Qwen3's long-context setting): a factor of 4 over a
+    # 256-token original context, so the tiny head's frequencies span the ramp.
+    "llama_yarn": (
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": False,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        },
+    ),
 }
 
 

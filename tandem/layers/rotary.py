@@ -7,8 +7,10 @@ f_i turns (x1_i, x2_i) by angle p * f_i. `cos_cache[p] = cos(p f)` and `sin_cach
 (`tandem_kernels.rotary.rotary_embedding`), so one can stand in for the other.
 
 Supported `rope_type`s: "default", "linear" (inverse frequencies / factor), "llama3"
-(Llama 3.1's band-wise scaling of long wavelengths) and "longrope" (Phi-3's per-frequency
-factors, a short set and a long one, and a scale on cos and sin: `attention_factor`).
+(Llama 3.1's band-wise scaling of long wavelengths), "yarn" (YaRN: short wavelengths kept,
+long ones divided by the factor, a linear ramp between; Qwen2.5 / Qwen3's long-context
+setting) and "longrope" (Phi-3's per-frequency factors, a short set and a long one). YaRN and
+LongRoPE also scale cos and sin (`attention_factor`).
 
 Partial rotary (`partial_rotary_factor` < 1, Phi-4-mini): only a head's first `rotary_dim`
 dims rotate, in halves of their own, the rest pass through. The same kernels serve it: the
@@ -33,13 +35,14 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
     """`{"rope_type", "rope_theta", ...scaling keys}` from a transformers config (v4 or v5).
-    LongRoPE's also carry `original_max_position_embeddings` (the config's own field first,
-    as Phi-3 stores it) and `max_position_embeddings` (for its default attention factor)."""
+    YaRN's and LongRoPE's also carry `original_max_position_embeddings` (the config's own
+    field first, as Phi-3 stores it) and `max_position_embeddings` (for their default
+    factors)."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         params = dict(params)
@@ -47,7 +50,7 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params["rope_theta"] = float(getattr(hf_config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    if params["rope_type"] == "longrope":
+    if params["rope_type"] in ("yarn", "longrope"):
         max_position = int(hf_config.max_position_embeddings)
         original = getattr(hf_config, "original_max_position_embeddings", None)
         original = original or params.get("original_max_position_embeddings") or max_position
@@ -73,6 +76,8 @@ def compute_inv_freq(
         inv_freq = inv_freq / float(rope_parameters["factor"])
     elif rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope_parameters)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(rotary_dim, base, rope_parameters)
     elif rope_type == "longrope":
         key = "long_factor" if long_context else "short_factor"
         factors = torch.tensor(rope_parameters[key], dtype=torch.float32)
@@ -83,6 +88,43 @@ def compute_inv_freq(
             )
         inv_freq = 1.0 / (factors * base**exponents)
     return inv_freq
+
+
+def _context_growth(rope_parameters: dict[str, Any]) -> float:
+    """The configured `factor`, else the context's growth over the original."""
+    factor = rope_parameters.get("factor")
+    if factor is None:
+        original = int(rope_parameters["original_max_position_embeddings"])
+        factor = int(rope_parameters["max_position_embeddings"]) / original
+    return float(factor)
+
+
+def _yarn_inv_freq(rotary_dim: int, base: float, p: dict[str, Any]) -> torch.Tensor:
+    """YaRN's frequencies: those that turn more than `beta_fast` times over the original
+    context kept, fewer than `beta_slow` times divided by the factor, a linear ramp between
+    (the ramp's ends rounded outward unless `truncate` is false)."""
+    factor = _context_growth(p)
+    original = int(p["original_max_position_embeddings"])
+    beta_fast = float(p.get("beta_fast") or 32)
+    beta_slow = float(p.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    keep = 1 - ramp  # the share of the unscaled (extrapolated) frequency
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def uses_long_factors(rope_parameters: dict[str, Any], max_model_len: int | None) -> bool:
@@ -96,21 +138,26 @@ def uses_long_factors(rope_parameters: dict[str, Any], max_model_len: int | None
 
 
 def attention_factor(rope_parameters: dict[str, Any]) -> float:
-    """The scale on cos and sin: LongRoPE's `attention_factor`, by default
-    `sqrt(1 + ln(factor) / ln(original context))` with `factor` the configured one or the
-    context's growth (1.0 when it does not grow); 1.0 for every other rope type."""
-    if rope_parameters.get("rope_type") != "longrope":
+    """The scale on cos and sin, `attention_factor` where given, else by the context's
+    growth `factor` (the configured one, or the growth over the original context): YaRN's
+    `0.1 ln(factor) + 1` (with `mscale` / `mscale_all_dim`, their ratio), LongRoPE's
+    `sqrt(1 + ln(factor) / ln(original context))`; 1.0 without growth and for every other
+    rope type."""
+    rope_type = rope_parameters.get("rope_type")
+    if rope_type not in ("yarn", "longrope"):
         return 1.0
     given = rope_parameters.get("attention_factor")
     if given is not None:
         return float(given)
-    original = int(rope_parameters["original_max_position_embeddings"])
-    factor = rope_parameters.get("factor")
-    if factor is None:
-        factor = int(rope_parameters["max_position_embeddings"]) / original
-    factor = float(factor)
+    factor = _context_growth(rope_parameters)
+    if rope_type == "yarn":
+        mscale, all_dims = rope_parameters.get("mscale"), rope_parameters.get("mscale_all_dim")
+        if mscale and all_dims:
+            return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dims))
+        return _yarn_mscale(factor)
     if factor <= 1.0:
         return 1.0
+    original = int(rope_parameters["original_max_position_embeddings"])
     return math.sqrt(1 + math.log(factor) / math.log(original))
 
 

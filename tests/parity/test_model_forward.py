@@ -149,6 +149,7 @@ def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]
         "qwen2_swa",
         "phi3",
         "granite",
+        "llama_yarn",
     ],
 )
 def test_tiny_model_prefill_and_decode_match_hf(arch: str, tiny_model_path) -> None:

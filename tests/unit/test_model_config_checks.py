@@ -36,12 +36,11 @@ def _resolve(folder: Path) -> Any:
             "llama",
             {
                 "rope_scaling": {
-                    "rope_type": "yarn",
+                    "rope_type": "dynamic",
                     "factor": 4.0,
-                    "original_max_position_embeddings": 256,
                 }
             },
-            r"rope_scaling type 'yarn' is not supported",
+            r"rope_scaling type 'dynamic' is not supported",
         ),
         (
             "qwen3",
