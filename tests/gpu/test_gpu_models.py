@@ -14,7 +14,7 @@ from tests.parity.test_engine_parity import assert_matches, hf_greedy, make_prom
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "phi3", "granite"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "phi3", "granite", "llama_yarn"])
 def test_new_families_greedy_match_on_cuda(arch: str, tiny_model_path) -> None:
     path = tiny_model_path(arch)
     prompts = make_prompts(512, seed=3)[:8]
