@@ -150,12 +150,24 @@ class ModelConfig:
             "for requests that leave them out; vllm, none; or another folder's"
         ),
     )
+    hf_overrides: str = field(
+        default="",
+        metadata=flag(
+            "a JSON object of fields set on the model's Hugging Face config after it loads "
+            '(vLLM\'s flag), e.g. \'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+            '"original_max_position_embeddings": 32768}}\'',
+            type=lambda v: hf_overrides_arg(v),
+        ),
+    )
     model_path: Path | None = field(default=None, metadata=_RESOLVED)
     hf_config: Any = field(default=None, compare=False, repr=False, metadata=_RESOLVED)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("model must not be empty")
+        if isinstance(self.hf_overrides, Mapping):  # LLM(hf_overrides={...})
+            object.__setattr__(self, "hf_overrides", json.dumps(dict(self.hf_overrides)))
+        self.overrides  # noqa: B018  (a bad JSON object is refused here)
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ConfigError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype}")
         if self.max_model_len < 0:
@@ -166,6 +178,28 @@ class ModelConfig:
     @property
     def is_resolved(self) -> bool:
         return self.hf_config is not None
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """`hf_overrides` parsed (empty for none); ConfigError when it is not a JSON object."""
+        if not self.hf_overrides.strip():
+            return {}
+        try:
+            value = json.loads(self.hf_overrides)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"hf_overrides is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"hf_overrides must be a JSON object, got {type(value).__name__}")
+        return value
+
+
+def hf_overrides_arg(value: str) -> str:
+    """argparse type of --hf-overrides: a JSON object, checked when flags are read."""
+    try:
+        ModelConfig(hf_overrides=value).overrides  # noqa: B018
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 @dataclass(frozen=True)

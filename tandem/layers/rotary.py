@@ -127,6 +127,16 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def rope_context_len(rope_parameters: dict[str, Any], max_position_embeddings: int) -> int:
+    """The positions a model rotates: its `max_position_embeddings`, or for YaRN the original
+    context times the factor when that is longer (Qwen's long-context setting keeps the
+    32k field and scales it 4x, as vLLM reads it)."""
+    if rope_parameters.get("rope_type") != "yarn":
+        return max_position_embeddings
+    original = int(rope_parameters["original_max_position_embeddings"])
+    return max(max_position_embeddings, int(original * _context_growth(rope_parameters)))
+
+
 def uses_long_factors(rope_parameters: dict[str, Any], max_model_len: int | None) -> bool:
     """Whether a model built for `max_model_len` tokens (None: its configured maximum) takes
     LongRoPE's long factors: past the original context. False for every other rope type."""

@@ -31,6 +31,22 @@ def load_hf_config(path: str | Path) -> Any:
     return config
 
 
+def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any]) -> Any:
+    """`hf_config` with each field of `overrides` set (vLLM's `--hf-overrides`). A
+    `rope_scaling` override also becomes the `rope_parameters` of a transformers v5 config
+    (with its rope_theta kept), which is what the model reads."""
+    for key, value in overrides.items():
+        old = getattr(hf_config, "rope_parameters", None)
+        if key == "rope_scaling" and isinstance(value, dict) and isinstance(old, dict):
+            if "rope_theta" in old:  # a v5 config: its rope_parameters, theta kept
+                params = {**value, "rope_theta": value.get("rope_theta") or old["rope_theta"]}
+                params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+                hf_config.rope_parameters = params
+                continue
+        setattr(hf_config, key, dict(value) if isinstance(value, dict) else value)
+    return hf_config
+
+
 # generation_config.json's sampling fields that become a model's default sampling parameters
 # (vLLM's `--generation-config auto`); SamplingParams' names. `max_new_tokens` becomes
 # `max_tokens`: the served API takes it as a cap on every request's output (vLLM's rule).

@@ -1,6 +1,7 @@
 """The one resolution step of an engine's configuration: the model path resolved (converting
-GGUF once), the HF config loaded once and checked against the model classes, `max_model_len`
-decided once (the model's `max_position_embeddings`, or the user's value checked against it)
+GGUF once), the HF config loaded once (with `--hf-overrides` set on it) and checked against
+the model classes, `max_model_len` decided once (the model's `max_position_embeddings`, YaRN's
+scaled context, or the user's value checked against it)
 and copied into `SchedulerConfig.max_model_len`, a draft model's vocabulary checked against
 the target's. Everything downstream reads `config.model.hf_config` /
 `config.model.max_model_len`; nothing loads or patches them again.
@@ -14,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from tandem.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
-from tandem.loader.hf_folder import load_hf_config
+from tandem.layers.rotary import rope_context_len, rope_parameters_from_config
+from tandem.loader.hf_folder import apply_hf_overrides, load_hf_config
 from tandem.loader.model_loader import resolve_model_path
 from tandem.models.registry import check_model_config
 
@@ -39,13 +41,17 @@ def resolve_model_config(model: ModelConfig) -> ModelConfig:
     if model.is_resolved:
         return model
     model_path = resolve_model_path(model.model, model.cache_dir or None)
-    hf_config = load_hf_config(model_path)
+    hf_config = apply_hf_overrides(load_hf_config(model_path), model.overrides)
     try:
         check_model_config(hf_config)
     except ValueError as exc:  # an architecture, variant or option tandem cannot run
         raise ConfigError(f"model {model.model}: {exc}") from None
     text = getattr(hf_config, "text_config", None) or hf_config  # a multimodal config's
     model_max = int(getattr(text, "max_position_embeddings", 0) or 0)
+    scaling = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if model_max and isinstance(scaling, dict) and scaling.get("rope_type") == "yarn":
+        # YaRN rotates past the field (rope_context_len)
+        model_max = rope_context_len(rope_parameters_from_config(text), model_max)
     max_len = model.max_model_len or model_max
     if model_max and max_len > model_max:
         raise ConfigError(f"max_model_len {max_len} exceeds the model's context ({model_max})")

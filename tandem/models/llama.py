@@ -40,6 +40,7 @@ from tandem.layers.rotary import (
     SUPPORTED_ROPE_TYPES,
     RotaryEmbedding,
     partial_rotary_order,
+    rope_context_len,
     rope_parameters_from_config,
 )
 from tandem.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -73,6 +74,10 @@ class LlamaShape:
         self.rms_norm_eps = float(hf_config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.rope_parameters = rope_parameters_from_config(hf_config)
+        # The positions the rotary caches hold (YaRN's scaled context past the field).
+        self.max_position_embeddings = rope_context_len(
+            self.rope_parameters, self.max_position_embeddings
+        )
         # The attention's softmax scale and the embedding's output scale (Granite sets both).
         self.attention_scale = self.head_size**-0.5
         self.embedding_multiplier = 1.0

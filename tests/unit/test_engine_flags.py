@@ -42,6 +42,7 @@ NON_DEFAULT: dict[str, Any] = {
     "max_model_len": 200,
     "cache_dir": "/tmp/tandem-flags-cache",
     "generation_config": "vllm",
+    "hf_overrides": '{"rope_scaling": {"rope_type": "linear", "factor": 2.0}}',
     "block_size": 32,
     "num_gpu_blocks": 7,
     "kv_cache_memory_gb": 0.5,
