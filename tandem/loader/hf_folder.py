@@ -37,12 +37,13 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any]) -> Any:
     (with its rope_theta kept), which is what the model reads."""
     for key, value in overrides.items():
         old = getattr(hf_config, "rope_parameters", None)
-        if key == "rope_scaling" and isinstance(value, dict) and isinstance(old, dict):
-            if "rope_theta" in old:  # a v5 config: its rope_parameters, theta kept
-                params = {**value, "rope_theta": value.get("rope_theta") or old["rope_theta"]}
-                params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-                hf_config.rope_parameters = params
-                continue
+        v5_rope = isinstance(old, dict) and "rope_theta" in old
+        if key == "rope_scaling" and isinstance(value, dict) and v5_rope:
+            # a v5 config: its rope_parameters, theta kept
+            params = {**value, "rope_theta": value.get("rope_theta") or old["rope_theta"]}
+            params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+            hf_config.rope_parameters = params
+            continue
         setattr(hf_config, key, dict(value) if isinstance(value, dict) else value)
     return hf_config
 
