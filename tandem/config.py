@@ -129,7 +129,12 @@ class ModelConfig:
         ),
     )
     max_model_len: int = field(
-        default=0, metadata=flag("context length (0: the model's max_position_embeddings)")
+        default=0,
+        metadata=flag(
+            "context length (0: the model's max_position_embeddings); 128k is 128,000 and "
+            "128K 131,072 (vLLM's forms)",
+            type=lambda v: human_int_arg(v),
+        ),
     )
     seed: int = 0
     skip_tokenizer_init: bool = field(
@@ -191,6 +196,33 @@ class ModelConfig:
         if not isinstance(value, dict):
             raise ConfigError(f"hf_overrides must be a JSON object, got {type(value).__name__}")
         return value
+
+
+# A count with a suffix, as vLLM's flags take them: lowercase decimal, uppercase binary.
+_COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_human_int(value: str) -> int:
+    """`"4096"`, `"128k"` (128,000), `"128K"` (131,072), `"1.5m"`, ... as an int; ValueError
+    naming the value for anything else (a fraction of one is refused)."""
+    text = value.strip()
+    scale = _COUNT_SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if scale != 1 else text
+    try:
+        amount = float(number) * scale if scale != 1 else int(number)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a count (e.g. 4096, 128k, 128K)") from None
+    if amount != int(amount):
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(amount)
+
+
+def human_int_arg(value: str) -> int:
+    """argparse type of a count flag (`parse_human_int`)."""
+    try:
+        return parse_human_int(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def hf_overrides_arg(value: str) -> str:

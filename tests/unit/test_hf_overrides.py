@@ -1,9 +1,11 @@
 """`--hf-overrides` (vLLM's flag): fields set on the model's Hugging Face config after it
 loads. Qwen's long-context recipe is the case in point: YaRN rope scaling over the stored
-context, which also lengthens the context the engine may serve."""
+context, which also lengthens the context the engine may serve. And `--max-model-len` in
+vLLM's forms (128k, 128K)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tandem import LLM
-from tandem.config import ConfigError, ModelConfig
+from tandem.config import ConfigError, ModelConfig, add_engine_args, parse_human_int
 from tandem.engine_args import EngineArgs
 from tests.parity.test_engine_parity import assert_matches, hf_greedy, run_tandem
 
@@ -57,3 +59,19 @@ def test_yarn_override_serves_the_scaled_context_as_transformers_does(
     # Without the override the long prompt does not fit.
     with LLM(model=str(path), device="cpu", dtype="float32", num_gpu_blocks=200) as llm:
         assert llm.engine.config.model.max_model_len == 1024
+
+
+def test_max_model_len_takes_vllms_suffixes() -> None:
+    assert [parse_human_int(v) for v in ("4096", "128k", "128K", "1.5m", "2M")] == [
+        4096,
+        128_000,
+        131_072,
+        1_500_000,
+        2_097_152,
+    ]
+    for bad in ("12x", "k", "1.0001k"):
+        with pytest.raises(ValueError, match="not a"):
+            parse_human_int(bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--max-model-len", "32K"]).max_model_len == 32768
