@@ -169,6 +169,36 @@ def _meta(gguf: GGUFFile, key: str, default: Any = None) -> Any:
     return gguf.metadata.get(f"{gguf.architecture}.{key}", default)
 
 
+def _yarn_rope(gguf: GGUFFile) -> dict[str, Any]:
+    """YaRN as llama.cpp stores it: the factor, the original context, and the ramp's betas
+    and attention factor where given; DeepSeek's log multiplier is refused."""
+    factor, original = (
+        _meta(gguf, "rope.scaling.factor"),
+        _meta(gguf, "rope.scaling.original_context_length"),
+    )
+    if factor is None or original is None:
+        raise GGUFConversionError(
+            f"{gguf.path}: yarn rope scaling needs {gguf.architecture}.rope.scaling.factor and "
+            ".original_context_length"
+        )
+    if _meta(gguf, "rope.scaling.yarn_log_multiplier"):
+        raise GGUFConversionError(f"{gguf.path}: yarn's log multiplier is not supported")
+    rope: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+    }
+    for key, name in (
+        ("rope.scaling.yarn_beta_fast", "beta_fast"),
+        ("rope.scaling.yarn_beta_slow", "beta_slow"),
+        ("rope.scaling.yarn_attn_factor", "attention_factor"),
+    ):
+        value = _meta(gguf, key)
+        if value is not None:
+            rope[name] = float(value)
+    return rope
+
+
 def _phi3_rope(gguf: GGUFFile, rope: dict[str, Any]) -> dict[str, Any]:
     """Phi-3.5's LongRoPE as llama.cpp stores it (the short and long factors as tensors, the
     original context and the attention factor as metadata) in the config's terms; nothing
@@ -243,9 +273,11 @@ def _hf_config(gguf: GGUFFile) -> Any:
     scaling_type = _meta(gguf, "rope.scaling.type")
     if scaling_type == "linear":
         rope = {"rope_type": "linear", "factor": float(_meta(gguf, "rope.scaling.factor"))}
+    elif scaling_type == "yarn":
+        rope = _yarn_rope(gguf)
     elif scaling_type not in (None, "none"):
         raise GGUFConversionError(
-            f"{gguf.path}: rope scaling {scaling_type!r} is not supported (none, linear)"
+            f"{gguf.path}: rope scaling {scaling_type!r} is not supported (none, linear, yarn)"
         )
     rope["rope_theta"] = float(_meta(gguf, "rope.freq_base", 10000.0))
     fields["rope_parameters"] = rope

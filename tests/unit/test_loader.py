@@ -211,6 +211,10 @@ def write_tiny_gguf(
             for kind in ("long", "short"):
                 factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
                 writer.add_tensor(f"rope_factors_{kind}.weight", factors)
+    if rope.get("rope_type") == "yarn":  # as llama.cpp writes YaRN
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_rope_freq_base(rope_freq_base or rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -322,6 +326,27 @@ def test_tiny_gguf_converts_back_to_the_original_weights(
     assert tok.eos_token == "</s>" and tok.eos_token_id == 2
     ids = [vocab_id(tok, t) for t in ["t", "h", "e", "Ġt", "e", "a"]]
     assert tok("the tea").input_ids == ids
+
+
+def test_yarn_gguf_converts_back(tiny_model_path, tmp_path: Path) -> None:
+    """A Llama file with YaRN rope scaling (llama.cpp's keys): the factor and original
+    context come back as the config's rope parameters, and the converted model's logits
+    equal the Hugging Face folder's."""
+    from tests.parity.test_model_forward import PagedRun, build_cpu_model
+
+    hf_folder = tiny_model_path("llama_yarn")
+    gguf_path = tmp_path / "tiny-yarn.gguf"
+    write_tiny_gguf(hf_folder, gguf_path, "llama")
+    converted = convert_gguf(gguf_path, tmp_path / "cache")
+    ours, ref = load_hf_config(converted).rope_parameters, load_hf_config(hf_folder).rope_parameters
+    assert (ours["rope_type"], ours["factor"]) == ("yarn", ref["factor"])
+    assert ours["original_max_position_embeddings"] == ref["original_max_position_embeddings"]
+    ids = [(11 * i) % 500 + 3 for i in range(70)]
+    logits = [
+        PagedRun(build_cpu_model(folder), [len(ids)], 3).step([ids], [0])[0]
+        for folder in (converted, hf_folder)
+    ]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["phi3_longrope", "phi4_partial"])
