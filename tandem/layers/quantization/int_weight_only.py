@@ -53,10 +53,10 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """The `32 // bits` values of each int32 of `packed` (2-D), low bits first, laid out
-    along `dim` (int64)."""
+    along `dim` (int32: the mask undoes the sign a shift of a negative word brings)."""
     per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    words = packed.to(torch.int64)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    words = packed.to(torch.int32)
     if dim == 0:
         values = (words[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
         return values.reshape(packed.shape[0] * per_word, packed.shape[1])
@@ -251,7 +251,7 @@ def pack_quantized_dequantize(
     q = unpack_int32(packed, bits, dim=1)[:, :k]
     groups = scale.shape[1]
     if zero_point is None:
-        zeros = torch.full((n, groups), 1 << (bits - 1), dtype=torch.int64)
+        zeros = torch.full((n, groups), 1 << (bits - 1), dtype=torch.int32)
     else:
         zeros = unpack_int32(zero_point, bits, dim=0)[:n]
     by_order = g_idx is not None
