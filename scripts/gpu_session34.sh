@@ -8,6 +8,7 @@
 #   PART=h100 (~9 min, either card): the GPU tests of this session's model changes (as
 #            PART=profile's), then issue 30's served table at HEAD (the serving changes of
 #            session 33 were not measured on any card).
+#   PART=tests (~4 min, either card): only those GPU tests.
 #   PART=profile (~7 min, either card): the GPU tests of this session's model changes (Phi-3.5
 #            LongRoPE, Phi-4-mini partial rotary, the families, the engine file); then where
 #            the decode step of issue 30's load goes, by kernel: bf16, 8 requests of 1,500
@@ -47,6 +48,14 @@ served() {  # served SUBDIR RATES BUDGET_S: gpu_issue14.sh's unified server at t
 }
 
 case "$part" in
+tests)
+  # Either card (~4 min): only the GPU tests of this session's model changes.
+  BUDGET_S=${BUDGET_S:-240}
+  . scripts/device_lib.sh
+  env_report | head -n 3
+  gpu_tests 220
+  finish
+  ;;
 h100)
   BUDGET_S=${BUDGET_S:-560}
   . scripts/device_lib.sh
