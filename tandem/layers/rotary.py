@@ -69,6 +69,10 @@ def compute_inv_freq(
         raise ValueError(
             f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
         )
+    if rope_type in ("yarn", "longrope") and not rope_parameters.get(
+        "original_max_position_embeddings"
+    ):
+        raise ValueError(f"rope_type {rope_type} needs original_max_position_embeddings")
     base = float(rope_parameters["rope_theta"])
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     inv_freq = 1.0 / (base**exponents)
@@ -142,7 +146,7 @@ def uses_long_factors(rope_parameters: dict[str, Any], max_model_len: int | None
     LongRoPE's long factors: past the original context. False for every other rope type."""
     if rope_parameters.get("rope_type") != "longrope":
         return False
-    original = int(rope_parameters["original_max_position_embeddings"])
+    original = int(rope_parameters.get("original_max_position_embeddings") or 0)
     length = max_model_len or int(rope_parameters["max_position_embeddings"])
     return length > original
 

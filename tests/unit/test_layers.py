@@ -69,6 +69,17 @@ ROPE_CASES = {
             "original_max_position_embeddings": 64,
         },
     },
+    "yarn": {
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 16.0,
+            "mscale": 1.2,
+            "mscale_all_dim": 0.8,
+        },
+    },
 }
 
 
@@ -100,7 +111,9 @@ def test_rotary_matches_hf(case: str) -> None:
 
 
 def test_rotary_rejects_unknown_rope_type() -> None:
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="dynamic"):
+        RotaryEmbedding(16, 8, {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, CPU)
+    with pytest.raises(ValueError, match="yarn needs original_max_position_embeddings"):
         RotaryEmbedding(16, 8, {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}, CPU)
 
 
