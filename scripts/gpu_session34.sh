@@ -15,7 +15,7 @@
 #            prompt tokens (the 5 req/s regime's batch and context); then FP8 + FP8 KV batch 1.
 #   PART=fp8 (~6 min): gpu_session32.sh's PART=fp8 (the served table in FP8).
 #
-# What ran: sixteen calls got no machine; the seventeenth (naming the H200 kind) came on an
+# What ran: eighteen calls got no machine; the nineteenth (naming the H200 kind) came on an
 #   H100 and ran PART=tests (19 passed); then, on the warm machine, gpu_issue14.sh's unified
 #   server at 5 and 15 req/s (RUNS=unified OFFLINE=none RATES=5,15 BUDGET_S=250).
 #   Results: benchmarks/results/*_h100_2026-12-07_s34*.
