@@ -84,7 +84,10 @@ def compute_inv_freq(
         inv_freq = _yarn_inv_freq(rotary_dim, base, rope_parameters)
     elif rope_type == "longrope":
         key = "long_factor" if long_context else "short_factor"
-        factors = torch.tensor(rope_parameters[key], dtype=torch.float32)
+        stored = rope_parameters.get(key)
+        if not isinstance(stored, list | tuple):
+            raise ValueError(f"rope {key} must be a list of numbers, got {stored!r}")
+        factors = torch.tensor(stored, dtype=torch.float32)
         if factors.shape != inv_freq.shape:
             raise ValueError(
                 f"rope {key} has {factors.numel()} values; the rotary dim {rotary_dim} needs "

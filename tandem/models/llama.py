@@ -39,6 +39,7 @@ from tandem.layers.quantization import QUANTIZATION_CONFIGS
 from tandem.layers.rotary import (
     SUPPORTED_ROPE_TYPES,
     RotaryEmbedding,
+    compute_inv_freq,
     partial_rotary_order,
     rope_context_len,
     rope_parameters_from_config,
@@ -106,15 +107,9 @@ class LlamaShape:
                 f"rope_scaling type {rope_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
-        if rope_type == "longrope":
-            for key in ("long_factor", "short_factor"):
-                factors = self.rope_parameters.get(key)
-                if not isinstance(factors, list) or len(factors) != self.rotary_dim // 2:
-                    count = len(factors) if isinstance(factors, list) else factors
-                    raise ValueError(
-                        f"rope {key} has {count} values; {self.rotary_dim} rotating dims "
-                        f"need {self.rotary_dim // 2}"
-                    )
+        if rope_type == "longrope":  # both factor sets against the rotating dims, now
+            for long_context in (False, True):
+                compute_inv_freq(self.rotary_dim, self.rope_parameters, long_context)
         quant = getattr(hf_config, "quantization_config", None)
         if quant:
             method = quant.get("quant_method") if isinstance(quant, dict) else None

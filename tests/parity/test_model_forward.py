@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tandem.layers.attention import get_attention_backend
-from tandem.loader import build_model
+from tandem.layers.quantization import resolve_quant_config
+from tandem.loader import build_model, load_hf_config
 from tandem.models.interface import ModelContext
 from tests.conftest import build_attn_metadata
 
@@ -86,9 +87,13 @@ class PagedRun:
 
 def build_cpu_model(path: Path, backend: str = "torch", max_model_len: int | None = None) -> Any:
     """The tandem model of `path`: fp32, CPU, one rank (the torch attention backend unless
-    `backend` names another), built for `max_model_len` tokens (None: the config's)."""
+    `backend` names another), built for `max_model_len` tokens (None: the config's), with
+    the checkpoint's quantization config as the runner resolves it."""
     ctx = ModelContext.single(torch.float32, torch.device("cpu"), get_attention_backend(backend))
-    return build_model(path, dataclasses.replace(ctx, max_model_len=max_model_len))
+    quant = resolve_quant_config("auto", load_hf_config(path), torch.device("cpu"))
+    return build_model(
+        path, dataclasses.replace(ctx, max_model_len=max_model_len, quant_config=quant)
+    )
 
 
 def load_both(path: Path) -> tuple[Any, Any]:

@@ -5,7 +5,6 @@ channel order) against transformers on the same weights dequantized, and the ref
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -15,7 +14,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.config import ConfigError
-from tandem.layers.attention import get_attention_backend
 from tandem.layers.quantization import resolve_quant_config
 from tandem.layers.quantization.int_weight_only import (
     AWQ_PACK_ORDER,
@@ -24,23 +22,14 @@ from tandem.layers.quantization.int_weight_only import (
     pack_quantized_dequantize,
     unpack_int32,
 )
-from tandem.loader import build_model, load_hf_config
-from tandem.models.interface import ModelContext
+from tandem.loader import load_hf_config
 from tests.parity.test_model_forward import (
     assert_logits_close,
+    build_cpu_model,
     check_prefill_then_decode,
     hf_model,
     random_prompts,
 )
-
-
-def build_cpu_model(path: Path, backend: str = "torch"):
-    """Our fp32 CPU model of `path` with the checkpoint's quantization config, as the runner
-    resolves it."""
-    ctx = ModelContext.single(torch.float32, torch.device("cpu"), get_attention_backend(backend))
-    quant = resolve_quant_config("auto", load_hf_config(path), torch.device("cpu"))
-    return build_model(path, dataclasses.replace(ctx, quant_config=quant))
-
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

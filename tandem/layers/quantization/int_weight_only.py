@@ -111,26 +111,20 @@ class _DequantizedConfig(QuantizationConfig):
     (unquantized) method."""
 
     quantizes_at_load = False
-    # The tensors that stand for one layer's weight (all needed), and others of the format
-    # that a config may use (`_uses`) or drop.
+    # The tensors that stand for one layer's weight; `self.parts` (these, and the optional
+    # ones a config needs) are awaited, the other optional ones dropped.
     PARTS: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
     OPTIONAL: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, group_size: int = -1) -> None:
+    def __init__(self, group_size: int = -1, *needed: str) -> None:
         self.group_size = group_size
-        self.parts: tuple[str, ...] = self.PARTS
-
-    def _uses(self, suffix: str) -> bool:
-        return suffix in self.parts
+        self.parts: tuple[str, ...] = self.PARTS + needed
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         return None
 
-    def _dequantize(self, parts: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    def _dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
-
-    def _complete(self, parts: dict[str, torch.Tensor]) -> bool:
-        return all(p in parts for p in self.parts)
 
     def map_checkpoint(
         self, weights: Iterable[tuple[str, LoadedWeight]]
@@ -144,13 +138,13 @@ class _DequantizedConfig(QuantizationConfig):
             if suffix not in names:
                 yield name, tensor
                 continue
-            if not self._uses(suffix):
+            if suffix not in self.parts:
                 continue
             parts = pending.setdefault(prefix, {})
             parts[suffix] = full_weight(tensor)
-            if self._complete(parts):
+            if len(parts) == len(self.parts):
                 del pending[prefix]
-                yield f"{prefix}.weight", self._dequantize(parts, prefix)
+                yield f"{prefix}.weight", self._dequantize(parts)
         if pending:
             prefix, parts = next(iter(pending.items()))
             raise ConfigError(
@@ -170,9 +164,9 @@ class GPTQConfig(_DequantizedConfig):
     def __init__(
         self, bits: int = 4, group_size: int = -1, desc_act: bool = False, zero_offset: int = 1
     ) -> None:
-        super().__init__(group_size)
+        # With desc_act the channels' groups come from g_idx; else they are runs.
+        super().__init__(group_size, *(("g_idx",) if desc_act else ()))
         self.bits = bits
-        self.desc_act = desc_act
         self.zero_offset = zero_offset
 
     @classmethod
@@ -186,20 +180,12 @@ class GPTQConfig(_DequantizedConfig):
         desc_act = bool(config.get("desc_act", False))
         return cls(int(bits), _group_size(config, "GPTQ"), desc_act, 1 if fmt == "gptq" else 0)
 
-    def _uses(self, suffix: str) -> bool:
-        # With desc_act the channels' groups come from g_idx; else they are runs.
-        return super()._uses(suffix) or (self.desc_act and suffix == "g_idx")
-
-    def _complete(self, parts: dict[str, torch.Tensor]) -> bool:
-        return super()._complete(parts) and (not self.desc_act or "g_idx" in parts)
-
-    def _dequantize(self, parts: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-        g_idx = parts.get("g_idx") if self.desc_act else None
+    def _dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         return gptq_dequantize(
             parts["qweight"],
             parts["qzeros"],
             parts["scales"],
-            g_idx,
+            parts.get("g_idx"),
             self.bits,
             self.group_size,
             self.zero_offset,
@@ -225,7 +211,7 @@ class AWQConfig(_DequantizedConfig):
             raise ConfigError("AWQ without zero points is not implemented")
         return cls(_group_size(config, "AWQ"))
 
-    def _dequantize(self, parts: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    def _dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         return awq_dequantize(parts["qweight"], parts["qzeros"], parts["scales"], self.group_size)
 
 
@@ -249,13 +235,11 @@ def pack_quantized_dequantize(
     docstring); `group_size` -1 for one scale a row (channel)."""
     n, k = (int(v) for v in shape.flatten().tolist())
     q = unpack_int32(packed, bits, dim=1)[:, :k]
-    groups = scale.shape[1]
     if zero_point is None:
-        zeros = torch.full((n, groups), 1 << (bits - 1), dtype=torch.int32)
+        zeros = torch.full((n, scale.shape[1]), 1 << (bits - 1), dtype=torch.int32)
     else:
         zeros = unpack_int32(zero_point, bits, dim=0)[:n]
-    by_order = g_idx is not None
-    g = g_idx.to(torch.int64) if by_order else _groups(k, group_size if groups > 1 else -1)
+    g = _groups(k, group_size) if g_idx is None else g_idx.to(torch.int64)
     return (q - zeros[:, g]).to(torch.float32) * scale[:, g].to(torch.float32)
 
 
@@ -269,11 +253,11 @@ class CompressedTensorsIntConfig(_DequantizedConfig):
     OPTIONAL = ("weight_g_idx",)
 
     def __init__(self, bits: int, group_size: int, symmetric: bool, group_order: bool) -> None:
-        super().__init__(group_size)
+        needed = (() if symmetric else ("weight_zero_point",)) + (
+            ("weight_g_idx",) if group_order else ()
+        )
+        super().__init__(group_size, *needed)
         self.bits = bits
-        self.parts = self.PARTS + (() if symmetric else ("weight_zero_point",))
-        self.parts += ("weight_g_idx",) if group_order else ()
-        self.group_order = group_order
 
     @classmethod
     def from_spec(cls, group: str, weights: dict[str, Any]) -> CompressedTensorsIntConfig:
@@ -300,7 +284,7 @@ class CompressedTensorsIntConfig(_DequantizedConfig):
         symmetric = bool(weights.get("symmetric", True))
         return cls(int(bits), int(size), symmetric, actorder == "group")
 
-    def _dequantize(self, parts: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    def _dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         return pack_quantized_dequantize(
             parts["weight_packed"],
             parts["weight_scale"],
@@ -308,5 +292,5 @@ class CompressedTensorsIntConfig(_DequantizedConfig):
             self.bits,
             self.group_size,
             parts.get("weight_zero_point"),
-            parts.get("weight_g_idx") if self.group_order else None,
+            parts.get("weight_g_idx"),
         )
