@@ -126,8 +126,8 @@ def _yarn_inv_freq(rotary_dim: int, base: float, p: dict[str, Any]) -> torch.Ten
         high += 0.001
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
-    keep = 1 - ramp  # the share of the unscaled (extrapolated) frequency
-    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    # `ramp`: the share of the scaled (interpolated) frequency
+    return (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -339,7 +339,7 @@ class HermesToolParser(ToolParser):
         super().__init__(tool_names)
         self.state = "text"  # text, pre_call, call, post_call
         self.tag_start = 0
-        self.call: _CallObject | _ArgumentsValue | None = None
+        self.call: _CallObject | None = None
 
     def _advance(self, final: bool) -> None:
         buf = self.buf
@@ -399,7 +399,7 @@ class Llama3JsonToolParser(ToolParser):
         super().__init__(tool_names)
         self.state = "start"  # start, call, sep, text
         self.seg_start = 0
-        self.call: _CallObject | _ArgumentsValue | None = None
+        self.call: _CallObject | None = None
 
     def _fallback(self) -> None:
         """What looked like a call is content, from its segment's start on."""
@@ -652,7 +652,7 @@ class RequiredToolParser(ToolParser):
     def __init__(self, tool_names: Sequence[str] = ()) -> None:
         super().__init__(tool_names)
         self.state = "start"  # start, elem, call, next, end
-        self.call: _CallObject | _ArgumentsValue | None = None
+        self.call: _CallObject | None = None
 
     def _advance(self, final: bool) -> None:
         buf = self.buf
