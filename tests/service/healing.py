@@ -103,6 +103,21 @@ class Serve:
     def registered(self) -> set[str]:
         return {w.worker_id for w in self.workers().workers}
 
+    def running(self) -> dict[str, int]:
+        """Each registered worker's running requests (its Stats; a worker that does not
+        answer, e.g. one just killed, is left out)."""
+        counts: dict[str, int] = {}
+        for w in self.workers().workers:
+            try:
+                with grpc.insecure_channel(w.address) as channel:
+                    stats = worker_pb2_grpc.WorkerStub(channel).Stats(
+                        worker_pb2.StatsRequest(), timeout=5
+                    )
+                counts[w.worker_id] = stats.num_running
+            except grpc.RpcError:
+                continue
+        return counts
+
     def wait_registered(self, worker_ids: set[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not worker_ids <= self.registered():

@@ -1,7 +1,8 @@
 """Chaos (issue 15): under steady load from several clients, a random prefill or decode worker
 of the healing cluster is SIGKILLed every few seconds for most of a minute: any worker whose
 role-mate is serving, so also one still starting again after an earlier kill (a worker takes
-tens of seconds to start on a small CPU machine). No request outlives its deadline; each
+tens of seconds to start on a small CPU machine); every other kill goes to a decode worker with
+streams in flight where there is one, so streams migrate. No request outlives its deadline; each
 completes with the offline engine's greedy text or fails with a clear error; afterwards every
 killed worker is back, the scheduler's queue is empty and every block pool whole. The figures
 are printed."""
@@ -78,6 +79,13 @@ def test_chaos(healing_cluster: Serve, heal_reference: HealReference) -> None:
             up = await asyncio.to_thread(serve.registered)
             victims = sorted(w for w in CLUSTER_WORKERS if _mate(w) in up)
             rng.shuffle(victims)
+            if len(kills) % 2 == 0:
+                # Every other kill, a decode worker with streams in flight first (the others
+                # after): prefix routing can leave one decode worker idle, and killing only
+                # idle ones would never migrate a stream.
+                running = await asyncio.to_thread(serve.running)
+                busy = [w for w in victims if w.startswith("decode") and running.get(w, 0) > 0]
+                victims = busy + [w for w in victims if w not in busy]
             for victim in victims:
                 try:
                     await asyncio.to_thread(serve.kill_worker, victim)
