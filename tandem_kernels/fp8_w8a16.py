@@ -29,21 +29,9 @@ input_quant): down_proj at small batches without the SiLU-and-mul launch.
 
 Split-K (both forms): the grid is `[N / BLOCK_N, M / BLOCK_M, SPLIT_K]`; program `k` sums its
 slice of K. A 4096-row weight in 16-row blocks is only 256 programs, too few to keep 132 SMs'
-loads in flight; SPLIT_K = 4 makes 1024. The slices are summed in the same launch, without
-atomics on the output and without zeroing anything per call ("last program reduces"):
-
-    every program      stores its partial sum [BLOCK_M, BLOCK_N] in fp32 to
-                       workspace[k]  (per call, uninitialised, SPLIT_K x M x N)
-                       barrier; then one thread: arrived = atomic_add(lock[tile], 1)
-                       (acq_rel, gpu scope: the partial is visible before the count is)
-    arrived == SPLIT_K - 1 (the last of the tile's programs):
-                       sums workspace[0..SPLIT_K) in order (L2 loads), scales, stores the
-                       output tile, and sets lock[tile] back to 0
-
-Invariant: `locks` (int32, one per output tile) is all zeros between calls, so a lock buffer
-made once (`w8a16_locks`, by the layer after loading, outside any CUDA graph) serves every call
-and every graph replay on its stream. The sum over slices is in a fixed order, so results do
-not depend on which program came last.
+loads in flight; SPLIT_K = 4 makes 1024. The slices are summed in the same launch by the last
+program of each tile (tandem_kernels.split_k); the lock buffer (`w8a16_locks`, made by the
+layer after loading) is all zeros between calls.
 
 Reference: `w8a16_gemm_ref` (dequantize, then matmul in fp32).
 
@@ -66,6 +54,7 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
+from tandem_kernels.split_k import k_slice, store_tile
 
 # Batch sizes (rows of x) measured at load; a call with M rows uses the smallest bucket >= M.
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -211,15 +200,6 @@ tuning_log: list[dict[str, object]] = []
 
 
 @triton.jit
-def _k_slice(K, pid_k, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """`[k_begin, k_end)` of slice `pid_k`: whole BLOCK_K chunks, shared out evenly (a slice
-    may be empty when there are fewer chunks than slices)."""
-    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_begin = pid_k * per_split
-    return k_begin, tl.minimum(k_begin + per_split, K)
-
-
-@triton.jit
 def _load_x(ptrs, mask, GATED: tl.constexpr, up_offset):
     """x's values at `ptrs`; GATED: `silu(gate) * up` of the gate at `ptrs` and the up value
     `up_offset` further, rounded as the SiLU-and-mul kernel rounds (tandem_kernels.activation:
@@ -234,49 +214,6 @@ def _load_x(ptrs, mask, GATED: tl.constexpr, up_offset):
     else:
         x = tl.load(ptrs, mask=mask, other=0.0)
     return x
-
-
-@triton.jit
-def _finish(
-    acc,
-    offs_m,
-    offs_n,
-    M,
-    N,
-    s_ptr,
-    stride_s,
-    out_ptr,
-    stride_om,
-    ws_ptr,
-    locks_ptr,
-    tile,
-    pid_k,
-    SPLIT_K: tl.constexpr,
-):
-    """Scale and store the output tile; with SPLIT_K > 1, through the workspace and the last
-    program of the tile (module docstring)."""
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    mask = m_mask[:, None] & n_mask[None, :]
-    scale = tl.load(s_ptr + offs_n * stride_s, mask=n_mask, other=0.0)
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    if SPLIT_K == 1:
-        out = acc * scale[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        ws = ws_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        slice_stride = M.to(tl.int64) * N
-        tl.store(ws + pid_k * slice_stride, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial stored before the one thread's release
-        arrived = tl.atomic_add(locks_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for s in tl.static_range(SPLIT_K):
-                part = tl.load(ws + s * slice_stride, mask=mask, other=0.0, cache_modifier=".cg")
-                total += part
-            out = total * scale[None, :]
-            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(locks_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -310,7 +247,7 @@ def _w8a16_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    k_begin, k_end = _k_slice(K, pid_k, BLOCK_K, SPLIT_K)
+    k_begin, k_end = k_slice(K, pid_k, BLOCK_K, SPLIT_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -338,7 +275,7 @@ def _w8a16_kernel(
         w_ptrs += BLOCK_K
     out = tl.trans(acc) if SWAP_AB else acc
     tile = pid_m * tl.num_programs(0) + pid_n
-    _finish(
+    store_tile(
         out, offs_m, offs_n, M, N, s_ptr, stride_s, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
         pid_k, SPLIT_K,
     )  # fmt: skip
@@ -418,7 +355,7 @@ def _w8a16_gemv_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    k_begin, k_end = _k_slice(K, pid_k, BLOCK_K, SPLIT_K)
+    k_begin, k_end = k_slice(K, pid_k, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)
     offs_m = pid_m * BLOCK_M + rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -478,7 +415,7 @@ def _w8a16_gemv_kernel(
     if IN_PLACE:
         acc = tl.sum(acc_k, axis=1)[None, :]
     tile = pid_m * tl.num_programs(0) + pid_n
-    _finish(
+    store_tile(
         acc, offs_m, offs_n, M, N, s_ptr, stride_s, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
         pid_k, SPLIT_K,
     )  # fmt: skip

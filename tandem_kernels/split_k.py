@@ -1,0 +1,78 @@
+"""Split-K for the small-batch GEMMs (tandem_kernels.fp8_w8a16, tandem_kernels.int_w4a16):
+the K slices of one output tile summed in the launch that computes them, without atomics on
+the output and without zeroing anything per call ("last program reduces").
+
+The grid is `[N / BLOCK_N, M / BLOCK_M, SPLIT_K]`; program `k` sums its slice of K
+(`k_slice`: whole BLOCK_K chunks, shared out evenly), then `store_tile`:
+
+    every program      stores its partial sum [BLOCK_M, BLOCK_N] in fp32 to
+                       workspace[k]  (per call, uninitialised, SPLIT_K x M x N)
+                       barrier; then one thread: arrived = atomic_add(lock[tile], 1)
+                       (acq_rel, gpu scope: the partial is visible before the count is)
+    arrived == SPLIT_K - 1 (the last of the tile's programs):
+                       sums workspace[0..SPLIT_K) in order (L2 loads), scales, stores the
+                       output tile, and sets lock[tile] back to 0
+
+Invariant: `locks` (int32, one per output tile) is all zeros between calls, so a lock buffer
+made once (by the layer after loading, outside any CUDA graph) serves every call and every
+graph replay on its stream. The sum over slices is in a fixed order, so results do not depend
+on which program came last.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def k_slice(K, pid_k, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """`[k_begin, k_end)` of slice `pid_k`: whole BLOCK_K chunks, shared out evenly (a slice
+    may be empty when there are fewer chunks than slices)."""
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = pid_k * per_split
+    return k_begin, tl.minimum(k_begin + per_split, K)
+
+
+@triton.jit
+def store_tile(
+    acc,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    s_ptr,
+    stride_s,
+    out_ptr,
+    stride_om,
+    ws_ptr,
+    locks_ptr,
+    tile,
+    pid_k,
+    SPLIT_K: tl.constexpr,
+):
+    """Scale (`s_ptr[n * stride_s]`, fp32; stride 0 for one scale) and store the output tile
+    `acc` (fp32); with SPLIT_K > 1, through the workspace and the last program of the tile
+    (module docstring)."""
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    mask = m_mask[:, None] & n_mask[None, :]
+    scale = tl.load(s_ptr + offs_n * stride_s, mask=n_mask, other=0.0)
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        out = acc * scale[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws = ws_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        slice_stride = M.to(tl.int64) * N
+        tl.store(ws + pid_k * slice_stride, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the one thread's release
+        arrived = tl.atomic_add(locks_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT_K):
+                part = tl.load(ws + s * slice_stride, mask=mask, other=0.0, cache_modifier=".cg")
+                total += part
+            out = total * scale[None, :]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(locks_ptr + tile, 0, sem="relaxed", scope="gpu")
