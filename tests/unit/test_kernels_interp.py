@@ -595,6 +595,114 @@ def case_fp8_w8a16_gated(dtype: torch.dtype) -> None:
         fp8_w8a16.w8a16_gemm(gate_up[:, :k], wq, scale, configs[0][1], locks, gated=True)
 
 
+# --- integer weights (W4A16) ------------------------------------------------------------------
+
+
+def _int_weight(
+    n: int, k: int, bits: int, group_size: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random `(qweight, scale, zero)` in tandem_kernels.int_w4a16's layout: values over the
+    whole range, zero points anywhere in it (the top one included), positive scales."""
+    from tandem_kernels import int_w4a16
+
+    groups = 1 if group_size == -1 else -(-k // group_size)
+    q = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    zero = torch.randint(0, (1 << bits) + 1, (n, groups), generator=gen).to(torch.float32)
+    scale = 0.002 + 0.02 * torch.rand(n, groups, generator=gen)
+    return int_w4a16.pack_int_weight(q, bits), scale, zero
+
+
+@_case(
+    *(
+        {"bits": b, "dtype": d}
+        for b in (4, 8)
+        for d in (torch.float32, torch.float16, torch.bfloat16)
+    )
+)
+def case_int_w4a16_gemm(bits: int, dtype: torch.dtype) -> None:
+    """The integer-weight GEMM against its reference in its GEMV and tensor-core forms,
+    unsplit and split along K: M of one, of a part of a tile and of several tiles; N not a
+    multiple of BLOCK_N; K not a multiple of BLOCK_K (one group, and a last group shorter
+    than the others); group sizes 32, 64, 128 and one group; scales `[G, N]` passed
+    transposed (the layer's layout) and zero points up to 2^bits. bf16: the GEMV form only
+    (the interpreter's bf16 dot is wrong)."""
+    from tandem_kernels import int_w4a16
+
+    cfg = int_w4a16.Config
+    gen = torch.Generator().manual_seed(21)
+    tol = 1e-4 if dtype == torch.float32 else 1.6e-2 if dtype == torch.bfloat16 else 2e-3
+    shapes = ((1, 48, 256, 64), (3, 40, 192, -1), (5, 24, 320, 128), (2, 16, 128, 32))
+    shapes += ((20, 48, 256, 128), (37, 40, 192, -1))
+    calls = 0
+    for m, n, k, group_size in shapes:
+        qweight, scale, zero = _int_weight(n, k, bits, group_size, gen)
+        scale_t = scale.t().contiguous().to(dtype if dtype != torch.float32 else torch.float32)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        ref = int_w4a16.w4a16_gemm_ref(x, qweight, scale_t.t(), zero, bits, group_size)
+        configs = [None, cfg(16, 32, 64, 1, 4, 2), cfg(32, 16, 32, 1, 4, 2)]
+        if m <= 16:
+            configs += [cfg(16, 16, 32, 3, 4, 2)]
+        if m <= 5:
+            configs += [cfg(1, 16, 64, 1, 4, 1), cfg(4, 16, 32, 3, 4, 1), cfg(8, 32, 128, 2, 4, 1)]
+        for config in configs:
+            if config is not None and (
+                config.block_m < m
+                or not int_w4a16.fits(config, k, group_size)
+                or (dtype == torch.bfloat16 and config.block_m >= 16)
+            ):
+                continue
+            if config is None and dtype == torch.bfloat16 and m > 8:
+                continue
+            locks = int_w4a16.w4a16_locks(n, "cpu")
+            out = int_w4a16.w4a16_gemm(
+                x, qweight, scale_t.t(), zero, bits, group_size, config, locks
+            )
+            assert out.dtype == dtype and out.shape == (m, n)
+            torch.testing.assert_close(
+                out, ref, atol=tol, rtol=tol, msg=lambda e, c=config: f"{c}: {e}"
+            )
+            assert not locks.any(), config
+            calls += 1
+        assert ref.abs().max() > 0.1
+    assert calls == (10 if dtype == torch.bfloat16 else 24), calls
+    assert int_w4a16.w4a16_gemm(x[:0], qweight, scale, zero, bits, group_size).shape == (0, n)
+    qweight, scale, zero = _int_weight(16, 128, bits, 32, gen)
+    x = torch.randn(1, 128, generator=gen).to(dtype)
+    assert not int_w4a16.fits(cfg(1, 16, 64, 1, 4, 1), 128, 32)
+    with pytest.raises(AssertionError, match="Config"):  # a chunk across two groups
+        int_w4a16.w4a16_gemm(x, qweight, scale, zero, bits, 32, cfg(1, 16, 64, 1, 4, 1))
+
+
+@_case(*({"dtype": d} for d in (torch.float32, torch.float16)))
+def case_int_w4a16_candidates(dtype: torch.dtype) -> None:
+    """Every config `tune_w4a16` may time, bucket by bucket, at 4 bits in groups of 128 and
+    at 8 bits in one group, against the reference, each at a batch of its bucket (a part of
+    it in turn); K = 640: split-K slices of whole chunks end unevenly and some are empty. One
+    lock buffer serves every call and is all zeros after each."""
+    from tandem_kernels import int_w4a16
+
+    gen = torch.Generator().manual_seed(22)
+    n, k = 40, 640
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    seen = set()
+    for bits, group_size in ((4, 128), (8, -1)):
+        qweight, scale, zero = _int_weight(n, k, bits, group_size, gen)
+        scale = scale.to(dtype)
+        locks = int_w4a16.w4a16_locks(n, "cpu")
+        for b in int_w4a16.M_BUCKETS:
+            for i, config in enumerate(int_w4a16.candidates(b, k, group_size)):
+                m = b if i % 2 == 0 else max(1, b // 2 + 1)
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                out = int_w4a16.w4a16_gemm(x, qweight, scale, zero, bits, group_size, config, locks)
+                ref = int_w4a16.w4a16_gemm_ref(x, qweight, scale, zero, bits, group_size)
+                torch.testing.assert_close(
+                    out, ref, atol=tol, rtol=tol, msg=lambda e, c=config: f"{c}: {e}"
+                )
+                assert not locks.any(), config
+                seen.add(config)
+    assert len(seen) >= 20, len(seen)
+
+
 def _fp8_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, scales: tuple[float, float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
