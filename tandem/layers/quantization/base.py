@@ -149,6 +149,14 @@ class QuantizationConfig(ABC):
         are stored under other names or shapes maps them here); default: as stored."""
         return weights
 
+    def for_device(self, device: torch.device) -> QuantizationConfig:
+        """This scheme as `device` runs it: a config whose layers hold their weights one way
+        on one device and another way elsewhere (integer checkpoints: kept quantized for a
+        CUDA kernel, dequantized at load on the CPU) returns the one for `device`. Called
+        once at start, before `verify_device` and before any weight is made; default:
+        itself."""
+        return self
+
     def verify_device(self, device: torch.device) -> None:  # noqa: B027
         """Raise ConfigError (naming the method and the device) where `device` cannot run
         this scheme; called once at start, before any weight is made."""
@@ -176,7 +184,8 @@ def resolve_quant_config(
     method: str, hf_config: Any, device: torch.device, check_device: bool = True
 ) -> QuantizationConfig | None:
     """The engine's quantization config: the checkpoint's `quantization_config` when it has
-    one (loaded as stored), else `method` applied at load ("auto": none). Raises ConfigError
+    one (loaded as stored), else `method` applied at load ("auto": none), as `device` runs it
+    (`QuantizationConfig.for_device`). Raises ConfigError
     for a scheme not implemented, a `method` that contradicts the checkpoint, or a device
     that cannot run it (`check_device` False: not checked, for tests of the CPU reference
     path)."""
@@ -214,6 +223,7 @@ def resolve_quant_config(
                 "quantization_config (use fp8 or ptpc_fp8 to quantize it at load)"
             )
         config = config_cls()
+    config = config.for_device(device)
     if check_device:
         config.verify_device(device)
     return config
