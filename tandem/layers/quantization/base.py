@@ -27,6 +27,8 @@ CPU step path's packed one, else unquantized.
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -49,6 +51,26 @@ def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
         if hasattr(param, key):
             raise ValueError(f"parameter already has attribute {key!r}")
         setattr(param, key, value)
+
+
+def is_ignored_layer(prefix: str, patterns: Iterable[str]) -> bool:
+    """Whether layer `prefix` matches a checkpoint's list of layers left unquantized: an entry
+    `re:<regex>` (compressed-tensors), a wildcard (`model.layers.0.*`, ModelOpt's) or a
+    module name (whole, or a dotted suffix). A fused layer matches as its first part does
+    (`q_proj` for `qkv_proj`, `gate_proj` for `gate_up_proj`)."""
+    names = {prefix}
+    for fused, first in ((".qkv_proj", ".q_proj"), (".gate_up_proj", ".gate_proj")):
+        if prefix.endswith(fused):
+            names.add(prefix[: -len(fused)] + first)
+    return any(_matches(name, pattern) for name in names for pattern in patterns)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    if any(c in pattern for c in "*?"):
+        return fnmatch.fnmatchcase(name, pattern)
+    return name == pattern or name.endswith("." + pattern)
 
 
 class QuantizeMethodBase(ABC):

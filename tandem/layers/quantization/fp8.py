@@ -33,8 +33,6 @@ embeddings stay in the model's dtype (as vLLM).
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,6 +45,7 @@ from tandem.layers.quantization.base import (
     LinearMethodBase,
     QuantizationConfig,
     QuantizeMethodBase,
+    is_ignored_layer,
     register_quantization_config,
     set_weight_attrs,
 )
@@ -163,11 +162,7 @@ class Fp8Config(QuantizationConfig):
     def is_ignored(self, prefix: str) -> bool:
         """Whether the checkpoint leaves layer `prefix` unquantized (a fused layer counts as
         ignored when its first part is: `q_proj` for `qkv_proj`)."""
-        names = {prefix}
-        for fused, first in ((".qkv_proj", ".q_proj"), (".gate_up_proj", ".gate_proj")):
-            if prefix.endswith(fused):
-                names.add(prefix[: -len(fused)] + first)
-        return any(_matches(name, ig) for name in names for ig in self.ignored_layers)
+        return is_ignored_layer(prefix, self.ignored_layers)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from tandem.layers.linear import LinearBase
@@ -213,16 +208,6 @@ class PtpcFp8Config(Fp8Config):
     def __init__(self, scheme: Fp8Scheme | None = None, ignored_layers: tuple[str, ...] = ()):
         scheme = scheme or Fp8Scheme(weight_strategy="channel", activation_strategy="token")
         super().__init__(scheme, ignored_layers)
-
-
-def _matches(name: str, pattern: str) -> bool:
-    """A checkpoint's ignore entry: `re:<regex>` (compressed-tensors), a wildcard
-    (`model.layers.0.*`, ModelOpt's), or a module name."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    if any(c in pattern for c in "*?"):
-        return fnmatch.fnmatchcase(name, pattern)
-    return name == pattern or name.endswith("." + pattern)
 
 
 def _part_index(layer: nn.Module, shard_id: Any) -> int | None:
