@@ -1,12 +1,17 @@
-"""GPTQ and AWQ checkpoints (tandem/layers/quantization/int_weight_only.py): the packings
-against words written out by hand from the formats, then a tiny Llama whose linear layers are
-stored each way (random integers, zero points and group scales; GPTQ with a `desc_act`
-channel order) against transformers on the same weights dequantized, and the refusals."""
+"""GPTQ, AWQ and compressed-tensors integer checkpoints (tandem/layers/quantization/
+int_weight_only.py): the packings against words written out by hand from the formats, then a
+tiny Llama whose linear layers are stored each way (random integers, zero points and group
+scales; GPTQ with a `desc_act` channel order) against transformers on the same weights
+dequantized, and the refusals. Then the CUDA form (kept quantized, int_linear.py): each
+format's conversion to the kernel's layout against today's dequantization, the choice by
+device and its log line, the layers a checkpoint leaves unquantized, and the shapes a rank
+cannot hold. The kernel itself, these layers' products and a tiny Llama kept quantized run
+under Triton's interpreter (tests/unit/test_kernels_interp.py, `int_w4a16*`)."""
 
 from __future__ import annotations
 
-import json
-import shutil
+import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
@@ -23,6 +28,7 @@ from tandem.layers.quantization.int_weight_only import (
     unpack_int32,
 )
 from tandem.loader import load_hf_config
+from tests.int_checkpoints import awq_interleave, pack_int32, quantized_folder
 from tests.parity.test_model_forward import (
     assert_logits_close,
     build_cpu_model,
@@ -30,8 +36,6 @@ from tests.parity.test_model_forward import (
     hf_model,
     random_prompts,
 )
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _word(values: list[int], bits: int) -> int:
@@ -68,99 +72,6 @@ def test_words_unpack_as_the_formats_lay_them_out() -> None:
     assert w.flatten().tolist() == [-8, -1, 0, 1, 2, 3, 6, 7]
 
 
-def _pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """`values` (ints < 2**bits) packed into int32 words along `dim`, low bits first."""
-    per = 32 // bits
-    v = values.to(torch.int64)
-    if dim == 1:
-        v = v.t()
-    v = v.reshape(v.shape[0] // per, per, v.shape[1])
-    words = sum(v[:, i, :] << (i * bits) for i in range(per))
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    return words.t().contiguous() if dim == 1 else words.contiguous()
-
-
-def _awq_interleave(t: torch.Tensor) -> torch.Tensor:
-    """Columns in AWQ's word order: slot i of each eight holds column AWQ_PACK_ORDER[i]."""
-    slot = torch.tensor(AWQ_PACK_ORDER)
-    return t.view(t.shape[0], -1, 8)[:, :, slot].reshape(t.shape)
-
-
-def _quantized_folder(src: Path, out: Path, fmt: str, group: int) -> tuple[Path, Path]:
-    """(the quantized checkpoint, the same weights dequantized as a plain folder). `fmt`:
-    gptq (desc_act), awq, ct (compressed-tensors pack-quantized, symmetric groups) or
-    ct_asym (zero points, actorder "group")."""
-    gen = torch.Generator().manual_seed(5)
-    tensors = load_file(str(src / "model.safetensors"))
-    quant, plain = dict(tensors), dict(tensors)
-    for name, weight in tensors.items():
-        if name.split(".")[-2] not in LINEARS:
-            continue
-        n, k = weight.shape
-        prefix = name[: -len(".weight")]
-        groups = k // group
-        q = torch.randint(0, 16, (k, n), generator=gen)
-        zeros = torch.randint(3, 13, (groups, n), generator=gen)
-        scales = (0.004 + 0.02 * torch.rand(groups, n, generator=gen)).to(torch.float16)
-        del quant[name]
-        if fmt.startswith("ct"):
-            order = fmt == "ct_asym"
-            g = torch.randperm(k, generator=gen) % groups if order else torch.arange(k) // group
-            zp = zeros.t() if order else torch.full((n, groups), 8)  # [N, G]
-            dense = (q.t() - zp[:, g]).float() * scales.t()[:, g].float()
-            quant[f"{prefix}.weight_packed"] = _pack(q.t(), 4, dim=1)
-            quant[f"{prefix}.weight_scale"] = scales.t().contiguous()
-            quant[f"{prefix}.weight_shape"] = torch.tensor([n, k])
-            if order:
-                quant[f"{prefix}.weight_zero_point"] = _pack(zp, 4, dim=0)
-                quant[f"{prefix}.weight_g_idx"] = g.to(torch.int32)
-            plain[name] = dense.contiguous()
-            continue
-        if fmt == "gptq":
-            g_idx = torch.randperm(k, generator=gen) % groups  # a desc_act order
-            dense = (q - zeros[g_idx]).float() * scales[g_idx].float()
-            quant[f"{prefix}.qweight"] = _pack(q, 4, dim=0)
-            quant[f"{prefix}.qzeros"] = _pack(zeros - 1, 4, dim=1)  # stored one below
-            quant[f"{prefix}.g_idx"] = g_idx.to(torch.int32)
-        else:
-            g = torch.arange(k) // group
-            dense = (q - zeros[g]).float() * scales[g].float()
-            quant[f"{prefix}.qweight"] = _pack(_awq_interleave(q), 4, dim=1)
-            quant[f"{prefix}.qzeros"] = _pack(_awq_interleave(zeros), 4, dim=1)
-        quant[f"{prefix}.scales"] = scales
-        plain[name] = dense.t().contiguous()
-    folders = []
-    for kind, weights in (("quant", quant), ("plain", plain)):
-        folder = out / f"{fmt}-{kind}"
-        shutil.copytree(src, folder)
-        save_file(weights, str(folder / "model.safetensors"))
-        folders.append(folder)
-    config = json.loads((folders[0] / "config.json").read_text())
-    if fmt.startswith("ct"):
-        asym = fmt == "ct_asym"
-        weights = {
-            "num_bits": 4, "type": "int", "symmetric": not asym, "strategy": "group",
-            "group_size": group, "actorder": "group" if asym else None,
-        }  # fmt: skip
-        config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "pack-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-            "ignore": ["lm_head"],
-        }  # fmt: skip
-    elif fmt == "gptq":
-        config["quantization_config"] = {
-            "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": True,
-            "sym": False, "checkpoint_format": "gptq",
-        }  # fmt: skip
-    else:
-        config["quantization_config"] = {
-            "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-            "version": "gemm",
-        }  # fmt: skip
-    (folders[0] / "config.json").write_text(json.dumps(config))
-    return folders[0], folders[1]
-
-
 @pytest.mark.parametrize(
     ("fmt", "method"),
     [
@@ -173,7 +84,7 @@ def _quantized_folder(src: Path, out: Path, fmt: str, group: int) -> tuple[Path,
 def test_tiny_checkpoint_matches_transformers_on_its_dequantized_weights(
     fmt: str, method: str, tiny_model_path, tmp_path: Path
 ) -> None:
-    quant, plain = _quantized_folder(tiny_model_path("llama"), tmp_path, fmt, group=32)
+    quant, plain = quantized_folder(tiny_model_path("llama"), tmp_path, fmt, group=32)
     config = resolve_quant_config("auto", load_hf_config(quant), torch.device("cpu"))
     assert config is not None and config.name == method
     assert resolve_quant_config(method, load_hf_config(quant), torch.device("cpu")) is not None
@@ -219,12 +130,13 @@ def test_unimplemented_schemes_are_refused_by_name(stored: dict, message: str) -
     class Config:
         quantization_config = stored
 
-    with pytest.raises(ConfigError, match=message):
-        resolve_quant_config("auto", Config(), torch.device("cpu"))
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ConfigError, match=message):
+            resolve_quant_config("auto", Config(), torch.device(device))
 
 
 def test_a_layer_missing_its_scales_is_named(tiny_model_path, tmp_path: Path) -> None:
-    quant, _ = _quantized_folder(tiny_model_path("llama"), tmp_path, "awq", group=32)
+    quant, _ = quantized_folder(tiny_model_path("llama"), tmp_path, "awq", group=32)
     tensors = load_file(str(quant / "model.safetensors"))
     del tensors["model.layers.1.mlp.down_proj.scales"]
     save_file(tensors, str(quant / "model.safetensors"))
@@ -236,3 +148,175 @@ def test_quantization_flag_over_a_plain_checkpoint_is_refused(tiny_model_path) -
     hf = load_hf_config(tiny_model_path("llama"))
     with pytest.raises(ConfigError, match="--quantization awq loads awq checkpoints"):
         resolve_quant_config("awq", hf, torch.device("cpu"))
+
+
+# --- the kernel's layout (kept quantized on CUDA) ---------------------------------------------
+
+CUDA = torch.device("cuda")  # a device named, never touched: the configs only read its type
+
+
+def _layer_tensors(fmt: str, n: int, k: int, bits: int, group: int) -> tuple[dict, dict]:
+    """(one layer's tensors as `fmt` stores them, under `layer.`; its quantization_config):
+    random values, zero points (gptq: stored one below, as the "gptq" format does) and
+    scales. fmt: gptq, gptq_v2, awq, ct (symmetric), ct_zp (zero points)."""
+    gen = torch.Generator().manual_seed(sum(map(ord, fmt)) + bits + group)
+    groups = 1 if group == -1 else k // group
+    top = 1 << bits
+    q = torch.randint(0, top, (n, k), generator=gen)
+    zeros = torch.randint(1, top, (n, groups), generator=gen)
+    scales = (0.004 + 0.02 * torch.rand(n, groups, generator=gen)).to(torch.float16)
+    if fmt.startswith("gptq"):
+        offset = 1 if fmt == "gptq" else 0
+        tensors = {
+            "qweight": pack_int32(q.t(), bits, dim=0),
+            "qzeros": pack_int32(zeros.t() - offset, bits, dim=1),
+            "scales": scales.t().contiguous(),
+            "g_idx": (torch.arange(k) // (k if group == -1 else group)).to(torch.int32),
+        }
+        config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False}
+        config["checkpoint_format"] = fmt
+    elif fmt == "awq":
+        tensors = {
+            "qweight": pack_int32(awq_interleave(q.t()), 4, dim=1),
+            "qzeros": pack_int32(awq_interleave(zeros.t()), 4, dim=1),
+            "scales": scales.t().contiguous(),
+        }
+        config = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm"}
+    else:
+        tensors = {
+            "weight_packed": pack_int32(q, bits, dim=1),
+            "weight_scale": scales,
+            "weight_shape": torch.tensor([n, k]),
+        }
+        if fmt == "ct_zp":
+            tensors["weight_zero_point"] = pack_int32(zeros, bits, dim=0)
+        strategy = {"strategy": "channel"} if group == -1 else {"strategy": "group"}
+        weights = {"num_bits": bits, "type": "int", "symmetric": fmt == "ct", **strategy}
+        weights["group_size"] = None if group == -1 else group
+        config = {
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"g": {"targets": ["Linear"], "weights": weights}},
+        }  # fmt: skip
+    return {f"layer.{name}": t for name, t in tensors.items()}, config
+
+
+class _HF:
+    def __init__(self, stored: dict) -> None:
+        self.quantization_config = stored
+
+
+@pytest.mark.parametrize(
+    ("fmt", "bits", "group"),
+    [
+        ("gptq", 4, 32),
+        ("gptq_v2", 8, 64),
+        ("gptq", 4, -1),
+        ("awq", 4, 64),
+        ("ct", 4, 32),
+        ("ct_zp", 8, -1),
+        ("ct_zp", 4, 128),
+    ],
+)
+def test_each_format_converts_to_the_kernel_layout_exactly(fmt: str, bits: int, group: int) -> None:
+    """On CUDA the layer's tensors stream out as `weight` (uint8, packed along K), its scales
+    and its zero points; dequantized by the kernel's reference they are, bit for bit, the
+    weight today's dequantization gives (which the CPU still loads)."""
+    from tandem_kernels.int_w4a16 import dequantize_int_weight
+
+    n, k = 48, 256
+    tensors, stored = _layer_tensors(fmt, n, k, bits, group)
+    dequantized = resolve_quant_config("auto", _HF(stored), torch.device("cpu"))
+    kept = resolve_quant_config("auto", _HF(stored), CUDA)
+    assert not dequantized.keep_quantized and kept.keep_quantized
+    other = torch.randn(3, 4)
+    stream = [*tensors.items(), ("model.norm.weight", other)]
+    plain = dict(dequantized.map_checkpoint(stream))
+    assert set(plain) == {"layer.weight", "model.norm.weight"}
+    converted = dict(kept.map_checkpoint(stream))
+    assert set(converted) == {
+        "layer.weight", "layer.weight_scale", "layer.weight_zero_point", "model.norm.weight",
+    }  # fmt: skip
+    assert converted["model.norm.weight"] is other
+    qweight = converted["layer.weight"]
+    assert qweight.dtype == torch.uint8 and qweight.shape == (n, k * bits // 8)
+    groups = 1 if group == -1 else k // group
+    scale, zero = converted["layer.weight_scale"], converted["layer.weight_zero_point"]
+    assert scale.shape == zero.shape == (n, groups)
+    assert zero.min() >= 0 and zero.max() <= 1 << bits and torch.equal(zero, zero.round())
+    weight = dequantize_int_weight(qweight, scale, zero, bits, group)
+    assert torch.equal(weight, plain["layer.weight"])
+    assert weight.abs().max() > 0.05  # not all zeros: the values, zeros and scales arrived
+
+
+def test_the_device_decides_the_form_and_says_why_it_cannot_keep_some(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CPU: dequantized at load, every layer's default method. CUDA: kept quantized where the
+    kernel serves the scheme; else dequantized there too, with a log line naming why."""
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.linear import ReplicatedLinear
+    from tandem.layers.quantization.int_linear import IntWeightLinearMethod
+    from tandem.models.interface import ModelContext
+
+    _, stored = _layer_tensors("gptq", 48, 256, 4, 32)
+    for device in (torch.device("cpu"), CUDA):
+        config = resolve_quant_config("auto", _HF(stored), device)
+        assert config.keep_quantized == (device.type == "cuda")
+    kept = resolve_quant_config("auto", _HF(stored), CUDA)
+    ctx = ModelContext.single(torch.float16, torch.device("cpu"), get_attention_backend("torch"))
+    layer = ReplicatedLinear(256, 48, False, dataclasses.replace(ctx, quant_config=kept), "l")
+    assert isinstance(layer.quant_method, IntWeightLinearMethod)
+    shapes = {name: (tuple(p.shape), p.dtype) for name, p in layer.named_parameters()}
+    assert shapes == {
+        "weight": ((48, 128), torch.uint8),
+        "weight_scale": ((48, 8), torch.float16),
+        "weight_zero_point": ((48, 8), torch.float16),
+    }
+    refused = {
+        "desc_act": {**stored, "desc_act": True},
+        "2-bit": {**stored, "bits": 2},
+        "group size 48": {**stored, "group_size": 48},
+        "modules_in_block_to_quantize": {**stored, "modules_in_block_to_quantize": [["q_proj"]]},
+        'actorder "group"': _layer_tensors("ct_zp", 48, 256, 4, 32)[1],
+    }
+    refused['actorder "group"']["config_groups"]["g"]["weights"]["actorder"] = "group"
+    for why, scheme in refused.items():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tandem.layers.quantization.int_weight_only"):
+            config = resolve_quant_config("auto", _HF(scheme), CUDA)
+        assert not config.keep_quantized, why
+        assert why in caplog.text and "dequantized at load" in caplog.text, caplog.text
+
+
+def test_layers_the_checkpoint_leaves_unquantized_keep_the_default_method() -> None:
+    _, awq = _layer_tensors("awq", 48, 256, 4, 64)
+    awq["modules_to_not_convert"] = ["visual", "mlp.down_proj"]
+    config = resolve_quant_config("auto", _HF(awq), CUDA)
+    assert config.is_ignored("model.visual.blocks.0.qkv")
+    assert config.is_ignored("model.layers.3.mlp.down_proj")
+    assert not config.is_ignored("model.layers.3.mlp.gate_up_proj")
+    _, ct = _layer_tensors("ct", 48, 256, 4, 32)
+    ct["ignore"] = ["lm_head", "re:.*layers\\.1\\.self_attn\\.q_proj$"]
+    config = resolve_quant_config("auto", _HF(ct), CUDA)
+    assert config.is_ignored("model.layers.1.self_attn.qkv_proj")  # as its first part
+    assert not config.is_ignored("model.layers.11.self_attn.qkv_proj")
+
+
+def test_a_rank_must_hold_whole_groups_and_whole_bytes() -> None:
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from tandem.models.interface import ModelContext
+    from tests.parallel_groups import fake_parallel_state
+
+    _, stored = _layer_tensors("gptq", 48, 256, 4, 32)
+    kept = resolve_quant_config("auto", _HF(stored), CUDA)
+    backend = get_attention_backend("torch")
+    tp2 = ModelContext(torch.float16, torch.device("cpu"), backend, fake_parallel_state(1, 2))
+    tp2 = dataclasses.replace(tp2, quant_config=kept)
+    RowParallelLinear(128, 48, False, tp2, prefix="ok")  # 64 columns a rank: two groups
+    with pytest.raises(ConfigError, match=r"o_proj: this rank's 48 input columns"):
+        RowParallelLinear(96, 48, False, tp2, prefix="o_proj")
+    cpu = torch.device("cpu")
+    one = dataclasses.replace(ModelContext.single(torch.float16, cpu, backend), quant_config=kept)
+    with pytest.raises(ConfigError, match="4-bit weights pack two a byte"):
+        ColumnParallelLinear(33, 48, False, one, prefix="odd")

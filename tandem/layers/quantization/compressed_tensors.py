@@ -3,9 +3,9 @@
 "config_groups": {...: {"targets": ["Linear"], "weights": {...}, "input_activations": {...}}},
 "ignore": ["lm_head"]}`. Weights 8-bit float, per tensor or per channel (`weight_scale`);
 activations 8-bit float, dynamic per tensor or per token, or static per tensor
-(`input_scale`). The "pack-quantized" integer weight-only groups (W4A16, W8A16) load
-dequantized (int_weight_only.CompressedTensorsIntConfig). Any other scheme is refused by
-name (ConfigError) when the engine starts.
+(`input_scale`). The "pack-quantized" integer weight-only groups (W4A16, W8A16) are
+int_weight_only.CompressedTensorsIntConfig's (kept quantized on CUDA, dequantized at load on
+the CPU). Any other scheme is refused by name (ConfigError) when the engine starts.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ class CompressedTensorsConfig(Fp8Config):
                     f"compressed-tensors group {group!r}: pack-quantized needs int weights and "
                     "16-bit activations"
                 )
-            return CompressedTensorsIntConfig.from_spec(group, weights)
+            ignore = tuple(config.get("ignore") or ())
+            return CompressedTensorsIntConfig.from_spec(group, weights, ignore)
         weights = _fp8_args(group, "weights", spec.get("weights"))
         acts = _fp8_args(group, "input_activations", spec.get("input_activations"))
         w_strategy = weights.get("strategy")

@@ -1,6 +1,7 @@
-"""GPTQ and AWQ checkpoints (integer weights, 16-bit activations), loaded dequantized.
+"""GPTQ, AWQ and compressed-tensors pack-quantized checkpoints (integer weights, 16-bit
+activations): kept quantized for a CUDA kernel, or dequantized as they load.
 
-Both store each quantized linear layer as three or four tensors in place of its `weight`:
+Each stores each quantized linear layer as three or four tensors in place of its `weight`:
 
     GPTQ  qweight  int32 [K / p, N]   p = 32 / bits values per int32 along K, low bits first
           qzeros   int32 [G, N / p]   the zero points, packed the same way along N
@@ -23,18 +24,39 @@ Both store each quantized linear layer as three or four tensors in place of its 
           weight_g_idx       int32 [K]          each channel's group (actorder "group")
           W[n, k] = weight_scale[n, g] * (q[n, k] - zero[n, g])   (symmetric: zero 2^(bits-1))
 
-`map_checkpoint` turns each layer's set into its `weight` `[N, K]` as the tensors stream in,
-so every later step is the unquantized model's: the model runs in its dtype with the
-dequantized weights (the memory of a 16-bit checkpoint, no integer kernel). Layers stored
-unquantized (GPTQ's unlisted modules, AWQ's `modules_to_not_convert`, the LM head) load as
-they are. Refused by name: 3-bit GPTQ (values across int32 words), AWQ other than "gemm"
-and AWQ without zero points.
+Each layer's set of tensors is turned, as they stream in (`map_checkpoint`), into one of two
+forms, chosen by the device (`for_device`):
+
+    dequantized (the CPU; and on CUDA the schemes the kernel does not serve, logged)
+          weight             [N, K] float32, then the model's dtype: every later step is the
+                             unquantized model's (the memory of a 16-bit checkpoint)
+    kept quantized (CUDA: `keep_quantized`; tandem_kernels.int_w4a16's layout)
+          weight             uint8 [N, K * bits / 8]  4 bits: two values a byte along K, even
+                             k in the low nibble; 8 bits: one a byte
+          weight_scale       [N, G]                   (the model's dtype once loaded)
+          weight_zero_point  [N, G]  float            the real zero points (GPTQ's offset
+                                                      added, 2^(bits-1) for symmetric ones)
+          W[n, k] = weight_scale[n, k // group_size] * (q[n, k] - weight_zero_point[n, ...])
+
+The quantized form shards as any `[out, in]` weight does (int_linear.IntWeightLinearMethod:
+rows for column-parallel and fused layers, K columns and their groups for row-parallel ones).
+The kernel path takes 4 and 8 bits in runs of `group_size` channels (a multiple of 32, or
+one group); `desc_act` / actorder "group" checkpoints (channels' groups from g_idx, not runs),
+2-bit GPTQ, group sizes the kernel cannot tile and GPTQ checkpoints that name their
+quantized modules (`modules_in_block_to_quantize`, `dynamic`) stay dequantized on CUDA too,
+with a log line naming why.
+
+Layers stored unquantized (GPTQ's unlisted modules, AWQ's `modules_to_not_convert`,
+compressed-tensors' `ignore`, the LM head) load as they are. Refused by name: 3-bit GPTQ
+(values across int32 words), AWQ other than "gemm" and AWQ without zero points.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -43,12 +65,18 @@ from tandem.config import ConfigError
 from tandem.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethodBase,
+    is_ignored_layer,
     register_quantization_config,
 )
 from tandem.layers.weight_utils import LoadedWeight, full_weight
 
+logger = logging.getLogger(__name__)
+
 # AutoAWQ's "gemm" packing: slot i of an int32 holds column `AWQ_PACK_ORDER[i]` of its eight.
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# The bit widths and group sizes the CUDA kernel serves (tandem_kernels.int_w4a16).
+KERNEL_BITS = (4, 8)
+KERNEL_GROUP_MULTIPLE = 32
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -69,6 +97,38 @@ def _groups(k: int, group_size: int) -> torch.Tensor:
     return torch.arange(k) // (k if group_size == -1 else group_size)
 
 
+class IntWeight(NamedTuple):
+    """One layer's integer weight as every format's is read: `values` int32 `[N, K]`,
+    `scale` `[N, G]` as stored, `zero` int32 `[N, G]` (the real zero points)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def dequantize(self, group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """W `[N, K]` float32: `scale[n, g] * (values[n, k] - zero[n, g])` with `g` the
+        channel's group, `g_idx[k]` or runs of `group_size` (-1: one group)."""
+        k = self.values.shape[1]
+        g = (_groups(k, group_size) if g_idx is None else g_idx).to(torch.int64)
+        q = (self.values - self.zero[:, g]).to(torch.float32)
+        return q * self.scale[:, g].to(torch.float32)
+
+
+def gptq_int_weight(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    zero_offset: int,
+) -> IntWeight:
+    """A GPTQ layer's tensors as an `IntWeight` (module docstring); `zero_offset` 1 for the
+    "gptq" format, 0 for "gptq_v2"."""
+    q = unpack_int32(qweight, bits, dim=0)
+    n = q.shape[1]
+    zeros = unpack_int32(qzeros, bits, dim=1)[:, :n] + zero_offset
+    return IntWeight(q.t(), scales.t(), zeros.t())
+
+
 def gptq_dequantize(
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
@@ -80,18 +140,12 @@ def gptq_dequantize(
 ) -> torch.Tensor:
     """A GPTQ layer's weight `[N, K]` float32 (module docstring); `g_idx` None: runs of
     `group_size` channels; `zero_offset` 1 for the "gptq" format, 0 for "gptq_v2"."""
-    q = unpack_int32(qweight, bits, dim=0)
-    k, n = q.shape
-    zeros = unpack_int32(qzeros, bits, dim=1)[:, :n] + zero_offset
-    g = (_groups(k, group_size) if g_idx is None else g_idx).to(torch.int64)
-    weight = (q - zeros[g]).to(torch.float32) * scales[g].to(torch.float32)
-    return weight.t().contiguous()
+    weight = gptq_int_weight(qweight, qzeros, scales, bits, zero_offset)
+    return weight.dequantize(group_size, g_idx).contiguous()
 
 
-def awq_dequantize(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """An AWQ ("gemm") layer's weight `[N, K]` float32 (module docstring)."""
+def awq_int_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> IntWeight:
+    """An AWQ ("gemm") layer's tensors as an `IntWeight` (module docstring)."""
     order = torch.tensor(AWQ_PACK_ORDER)
     column_slot = torch.argsort(order)  # where column j of eight sits in its word
 
@@ -100,126 +154,32 @@ def awq_dequantize(
         rows, cols = values.shape
         return values.view(rows, cols // 8, 8)[:, :, column_slot].reshape(rows, cols)
 
-    q, zeros = unpack(qweight), unpack(qzeros)
-    g = _groups(q.shape[0], group_size)
-    weight = (q - zeros[g]).to(torch.float32) * scales[g].to(torch.float32)
-    return weight.t().contiguous()
+    return IntWeight(unpack(qweight).t(), scales.t(), unpack(qzeros).t())
 
 
-class _DequantizedConfig(QuantizationConfig):
-    """Integer checkpoints dequantized as they load: every layer then takes the default
-    (unquantized) method."""
-
-    quantizes_at_load = False
-    # The tensors that stand for one layer's weight; `self.parts` (these, and the optional
-    # ones a config needs) are awaited, the other optional ones dropped.
-    PARTS: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
-    OPTIONAL: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self, group_size: int = -1, *needed: str) -> None:
-        self.group_size = group_size
-        self.parts: tuple[str, ...] = self.PARTS + needed
-
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        return None
-
-    def _dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def map_checkpoint(
-        self, weights: Iterable[tuple[str, LoadedWeight]]
-    ) -> Iterator[tuple[str, LoadedWeight]]:
-        """Each layer's packed tensors as its dequantized `weight`, once all have come;
-        everything else as stored. A layer whose set stays incomplete is a ConfigError."""
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        names = (*self.parts, *self.OPTIONAL)
-        for name, tensor in weights:
-            prefix, _, suffix = name.rpartition(".")
-            if suffix not in names:
-                yield name, tensor
-                continue
-            if suffix not in self.parts:
-                continue
-            parts = pending.setdefault(prefix, {})
-            parts[suffix] = full_weight(tensor)
-            if len(parts) == len(self.parts):
-                del pending[prefix]
-                yield f"{prefix}.weight", self._dequantize(parts)
-        if pending:
-            prefix, parts = next(iter(pending.items()))
-            raise ConfigError(
-                f"{self.name} checkpoint: {prefix} has only {', '.join(sorted(parts))} "
-                f"(needs {', '.join(self.parts)})"
-            )
+def awq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """An AWQ ("gemm") layer's weight `[N, K]` float32 (module docstring)."""
+    return awq_int_weight(qweight, qzeros, scales).dequantize(group_size).contiguous()
 
 
-@register_quantization_config
-class GPTQConfig(_DequantizedConfig):
-    """GPTQ checkpoints (`quant_method: gptq`; AutoGPTQ, GPTQModel, Optimum), 2, 4 or 8
-    bits, any group size, `desc_act` orders included (module docstring)."""
-
-    name = "gptq"
-    OPTIONAL = ("g_idx",)
-
-    def __init__(
-        self, bits: int = 4, group_size: int = -1, desc_act: bool = False, zero_offset: int = 1
-    ) -> None:
-        # With desc_act the channels' groups come from g_idx; else they are runs.
-        super().__init__(group_size, *(("g_idx",) if desc_act else ()))
-        self.bits = bits
-        self.zero_offset = zero_offset
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> GPTQConfig:
-        bits = config.get("bits", 4)
-        if bits not in (2, 4, 8):
-            raise ConfigError(f"GPTQ with {bits}-bit weights is not implemented (2, 4 or 8)")
-        fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
-        if fmt not in ("gptq", "gptq_v2"):
-            raise ConfigError(f"GPTQ checkpoint_format {fmt!r} is not implemented (gptq, gptq_v2)")
-        desc_act = bool(config.get("desc_act", False))
-        return cls(int(bits), _group_size(config, "GPTQ"), desc_act, 1 if fmt == "gptq" else 0)
-
-    def _dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        return gptq_dequantize(
-            parts["qweight"],
-            parts["qzeros"],
-            parts["scales"],
-            parts.get("g_idx"),
-            self.bits,
-            self.group_size,
-            self.zero_offset,
-        )
-
-
-@register_quantization_config
-class AWQConfig(_DequantizedConfig):
-    """AWQ checkpoints (`quant_method: awq`; AutoAWQ's "gemm" layout), 4 bits with zero
-    points (module docstring)."""
-
-    name = "awq"
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> AWQConfig:
-        bits = config.get("bits", config.get("w_bit", 4))
-        if bits != 4:
-            raise ConfigError(f"AWQ with {bits}-bit weights is not implemented (4)")
-        version = str(config.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise ConfigError(f"AWQ version {version!r} is not implemented (gemm)")
-        if not config.get("zero_point", True):
-            raise ConfigError("AWQ without zero points is not implemented")
-        return cls(_group_size(config, "AWQ"))
-
-    def _dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        return awq_dequantize(parts["qweight"], parts["qzeros"], parts["scales"], self.group_size)
-
-
-def _group_size(config: dict[str, Any], what: str) -> int:
-    size = config.get("group_size", config.get("q_group_size", -1))
-    if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
-        raise ConfigError(f"{what} group_size must be a positive integer or -1, got {size!r}")
-    return size
+def pack_quantized_int_weight(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shape: torch.Tensor,
+    bits: int,
+    zero_point: torch.Tensor | None = None,
+) -> IntWeight:
+    """A compressed-tensors pack-quantized layer's tensors as an `IntWeight` (module
+    docstring); no `zero_point`: symmetric, the zero 2^(bits-1)."""
+    n, k = (int(v) for v in shape.flatten().tolist())
+    q = unpack_int32(packed, bits, dim=1)[:, :k]
+    if zero_point is None:
+        zeros = torch.full((n, scale.shape[1]), 1 << (bits - 1), dtype=torch.int32)
+    else:
+        zeros = unpack_int32(zero_point, bits, dim=0)[:n]
+    return IntWeight(q, scale, zeros)
 
 
 def pack_quantized_dequantize(
@@ -233,17 +193,207 @@ def pack_quantized_dequantize(
 ) -> torch.Tensor:
     """A compressed-tensors pack-quantized layer's weight `[N, K]` float32 (module
     docstring); `group_size` -1 for one scale a row (channel)."""
-    n, k = (int(v) for v in shape.flatten().tolist())
-    q = unpack_int32(packed, bits, dim=1)[:, :k]
-    if zero_point is None:
-        zeros = torch.full((n, scale.shape[1]), 1 << (bits - 1), dtype=torch.int32)
-    else:
-        zeros = unpack_int32(zero_point, bits, dim=0)[:n]
-    g = _groups(k, group_size) if g_idx is None else g_idx.to(torch.int64)
-    return (q - zeros[:, g]).to(torch.float32) * scale[:, g].to(torch.float32)
+    weight = pack_quantized_int_weight(packed, scale, shape, bits, zero_point)
+    return weight.dequantize(group_size, g_idx)
 
 
-class CompressedTensorsIntConfig(_DequantizedConfig):
+class _IntWeightConfig(QuantizationConfig):
+    """Integer checkpoints: each layer's packed tensors, once all have come, as its
+    dequantized `weight` (then the default, unquantized method), or with `keep_quantized`
+    (`for_device` on CUDA) in the kernel's layout for `IntWeightLinearMethod`."""
+
+    quantizes_at_load = False
+    # The tensors that stand for one layer's weight; `self.parts` (these, and the optional
+    # ones a config needs) are awaited, the other optional ones dropped.
+    PARTS: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, bits: int, group_size: int = -1, *needed: str) -> None:
+        self.bits = bits
+        self.group_size = group_size
+        self.parts: tuple[str, ...] = self.PARTS + needed
+        # Whether the layers keep their integer weights for the CUDA kernel (`for_device`).
+        self.keep_quantized = False
+
+    def _int_weight(self, parts: dict[str, torch.Tensor]) -> IntWeight:
+        """A complete set of a layer's tensors as an `IntWeight`."""
+        raise NotImplementedError
+
+    def _g_idx(self, parts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The channels' groups where the format stores them (None: runs)."""
+        return None
+
+    def kernel_refusal(self) -> str | None:
+        """Why the CUDA kernel cannot serve this scheme (the layers then load dequantized
+        there too), or None."""
+        if self.bits not in KERNEL_BITS:
+            return f"{self.bits}-bit weights (the kernel takes 4 and 8)"
+        if self.group_size != -1 and self.group_size % KERNEL_GROUP_MULTIPLE:
+            return f"group size {self.group_size} (the kernel takes multiples of 32, or -1)"
+        return None
+
+    def is_ignored(self, prefix: str) -> bool:
+        """Whether the checkpoint stores layer `prefix` unquantized (default: none)."""
+        return False
+
+    def for_device(self, device: torch.device) -> _IntWeightConfig:
+        """On CUDA, where the kernel serves the scheme, a copy with `keep_quantized`; else
+        this config (dequantized at load; on CUDA a log line says why)."""
+        if device.type != "cuda":
+            return self
+        refusal = self.kernel_refusal()
+        if refusal is not None:
+            logger.info(
+                "%s checkpoint: layers dequantized at load on %s: %s", self.name, device, refusal
+            )
+            return self
+        kept = copy.copy(self)
+        kept.keep_quantized = True
+        return kept
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from tandem.layers.linear import LinearBase
+
+        if not self.keep_quantized or not isinstance(layer, LinearBase) or self.is_ignored(prefix):
+            return None  # dequantized, the LM head, embeddings and layers stored unquantized
+        from tandem.layers.quantization.int_linear import IntWeightLinearMethod
+
+        return IntWeightLinearMethod(self.bits, self.group_size)
+
+    def map_checkpoint(
+        self, weights: Iterable[tuple[str, LoadedWeight]]
+    ) -> Iterator[tuple[str, LoadedWeight]]:
+        """Each layer's packed tensors, once all have come, as its dequantized `weight`, or
+        (`keep_quantized`) as `weight`, `weight_scale` and `weight_zero_point` in the
+        kernel's layout (module docstring); everything else as stored. A layer whose set
+        stays incomplete is a ConfigError."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        names = (*self.parts, *self.OPTIONAL)
+        for name, tensor in weights:
+            prefix, _, suffix = name.rpartition(".")
+            if suffix not in names:
+                yield name, tensor
+                continue
+            if suffix not in self.parts:
+                continue
+            parts = pending.setdefault(prefix, {})
+            parts[suffix] = full_weight(tensor)
+            if len(parts) == len(self.parts):
+                del pending[prefix]
+                weight = self._int_weight(parts)
+                if not self.keep_quantized:
+                    yield f"{prefix}.weight", weight.dequantize(self.group_size, self._g_idx(parts))
+                    continue
+                from tandem_kernels.int_w4a16 import pack_int_weight
+
+                yield f"{prefix}.weight", pack_int_weight(weight.values, self.bits)
+                yield f"{prefix}.weight_scale", weight.scale.contiguous()
+                yield f"{prefix}.weight_zero_point", weight.zero.to(torch.float32).contiguous()
+        if pending:
+            prefix, parts = next(iter(pending.items()))
+            raise ConfigError(
+                f"{self.name} checkpoint: {prefix} has only {', '.join(sorted(parts))} "
+                f"(needs {', '.join(self.parts)})"
+            )
+
+
+@register_quantization_config
+class GPTQConfig(_IntWeightConfig):
+    """GPTQ checkpoints (`quant_method: gptq`; AutoGPTQ, GPTQModel, Optimum), 2, 4 or 8
+    bits, any group size, `desc_act` orders included (module docstring)."""
+
+    name = "gptq"
+    OPTIONAL = ("g_idx",)
+
+    def __init__(
+        self,
+        bits: int = 4,
+        group_size: int = -1,
+        desc_act: bool = False,
+        zero_offset: int = 1,
+        names_modules: bool = False,
+    ) -> None:
+        # With desc_act the channels' groups come from g_idx; else they are runs.
+        super().__init__(bits, group_size, *(("g_idx",) if desc_act else ()))
+        self.desc_act = desc_act
+        self.zero_offset = zero_offset
+        # The checkpoint lists its quantized modules (`modules_in_block_to_quantize`,
+        # `dynamic`), which this config does not read: dequantized on every device.
+        self.names_modules = names_modules
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GPTQConfig:
+        bits = config.get("bits", 4)
+        if bits not in (2, 4, 8):
+            raise ConfigError(f"GPTQ with {bits}-bit weights is not implemented (2, 4 or 8)")
+        fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ConfigError(f"GPTQ checkpoint_format {fmt!r} is not implemented (gptq, gptq_v2)")
+        desc_act = bool(config.get("desc_act", False))
+        names_modules = bool(config.get("modules_in_block_to_quantize") or config.get("dynamic"))
+        return cls(
+            int(bits),
+            _group_size(config, "GPTQ"),
+            desc_act,
+            1 if fmt == "gptq" else 0,
+            names_modules,
+        )
+
+    def kernel_refusal(self) -> str | None:
+        if self.desc_act:
+            return "desc_act (each channel's group from g_idx, not runs)"
+        if self.names_modules:
+            return "modules_in_block_to_quantize / dynamic lists are not read"
+        return super().kernel_refusal()
+
+    def _int_weight(self, parts: dict[str, torch.Tensor]) -> IntWeight:
+        return gptq_int_weight(
+            parts["qweight"], parts["qzeros"], parts["scales"], self.bits, self.zero_offset
+        )
+
+    def _g_idx(self, parts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        return parts.get("g_idx")
+
+
+@register_quantization_config
+class AWQConfig(_IntWeightConfig):
+    """AWQ checkpoints (`quant_method: awq`; AutoAWQ's "gemm" layout), 4 bits with zero
+    points (module docstring)."""
+
+    name = "awq"
+
+    def __init__(self, group_size: int = -1, not_converted: tuple[str, ...] = ()) -> None:
+        super().__init__(4, group_size)
+        self.not_converted = tuple(not_converted)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> AWQConfig:
+        bits = config.get("bits", config.get("w_bit", 4))
+        if bits != 4:
+            raise ConfigError(f"AWQ with {bits}-bit weights is not implemented (4)")
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ConfigError(f"AWQ version {version!r} is not implemented (gemm)")
+        if not config.get("zero_point", True):
+            raise ConfigError("AWQ without zero points is not implemented")
+        return cls(_group_size(config, "AWQ"), tuple(config.get("modules_to_not_convert") or ()))
+
+    def is_ignored(self, prefix: str) -> bool:
+        """AutoAWQ's `modules_to_not_convert`: a layer whose name contains an entry."""
+        return any(name in prefix for name in self.not_converted)
+
+    def _int_weight(self, parts: dict[str, torch.Tensor]) -> IntWeight:
+        return awq_int_weight(parts["qweight"], parts["qzeros"], parts["scales"])
+
+
+def _group_size(config: dict[str, Any], what: str) -> int:
+    size = config.get("group_size", config.get("q_group_size", -1))
+    if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+        raise ConfigError(f"{what} group_size must be a positive integer or -1, got {size!r}")
+    return size
+
+
+class CompressedTensorsIntConfig(_IntWeightConfig):
     """compressed-tensors' integer weight-only groups ("pack-quantized", 4 or 8 bits, group
     or channel scales, symmetric or with zero points, actorder "group" with its g_idx): made
     by `CompressedTensorsConfig.from_config` for such a checkpoint (module docstring)."""
@@ -252,17 +402,27 @@ class CompressedTensorsIntConfig(_DequantizedConfig):
     PARTS = ("weight_packed", "weight_scale", "weight_shape")
     OPTIONAL = ("weight_g_idx",)
 
-    def __init__(self, bits: int, group_size: int, symmetric: bool, group_order: bool) -> None:
+    def __init__(
+        self,
+        bits: int,
+        group_size: int,
+        symmetric: bool,
+        group_order: bool,
+        ignore: tuple[str, ...] = (),
+    ) -> None:
         needed = (() if symmetric else ("weight_zero_point",)) + (
             ("weight_g_idx",) if group_order else ()
         )
-        super().__init__(group_size, *needed)
-        self.bits = bits
+        super().__init__(bits, group_size, *needed)
+        self.group_order = group_order
+        self.ignore = tuple(ignore)
 
     @classmethod
-    def from_spec(cls, group: str, weights: dict[str, Any]) -> CompressedTensorsIntConfig:
-        """From one config group's `weights` (type int): ConfigError naming what is not
-        implemented."""
+    def from_spec(
+        cls, group: str, weights: dict[str, Any], ignore: tuple[str, ...] = ()
+    ) -> CompressedTensorsIntConfig:
+        """From one config group's `weights` (type int) and the checkpoint's `ignore` list:
+        ConfigError naming what is not implemented."""
         bits = weights.get("num_bits")
         if bits not in (4, 8):
             raise ConfigError(
@@ -282,15 +442,25 @@ class CompressedTensorsIntConfig(_DequantizedConfig):
         if actorder not in (None, "group", "weight", "static", "dynamic"):
             raise ConfigError(f"compressed-tensors group {group!r}: actorder {actorder!r}")
         symmetric = bool(weights.get("symmetric", True))
-        return cls(int(bits), int(size), symmetric, actorder == "group")
+        return cls(int(bits), int(size), symmetric, actorder == "group", ignore)
 
-    def _dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        return pack_quantized_dequantize(
+    def kernel_refusal(self) -> str | None:
+        if self.group_order:
+            return 'actorder "group" (each channel\'s group from weight_g_idx, not runs)'
+        return super().kernel_refusal()
+
+    def is_ignored(self, prefix: str) -> bool:
+        """The checkpoint's `ignore` list (names, `re:` patterns)."""
+        return is_ignored_layer(prefix, self.ignore)
+
+    def _int_weight(self, parts: dict[str, torch.Tensor]) -> IntWeight:
+        return pack_quantized_int_weight(
             parts["weight_packed"],
             parts["weight_scale"],
             parts["weight_shape"],
             self.bits,
-            self.group_size,
             parts.get("weight_zero_point"),
-            parts.get("weight_g_idx"),
         )
+
+    def _g_idx(self, parts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        return parts.get("weight_g_idx")
