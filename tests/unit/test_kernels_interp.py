@@ -703,6 +703,161 @@ def case_int_w4a16_candidates(dtype: torch.dtype) -> None:
     assert len(seen) >= 20, len(seen)
 
 
+def _gptq_stored(
+    n: int, k: int, group: int, gen: torch.Generator
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One projection as a 4-bit GPTQ checkpoint stores it (`qweight`, `qzeros` one below,
+    `scales` fp16), and its weight `[N, K]` float32."""
+    from tests.int_checkpoints import pack_int32
+
+    groups = k // group
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    zeros = torch.randint(1, 16, (groups, n), generator=gen)
+    scales = (0.004 + 0.02 * torch.rand(groups, n, generator=gen)).to(torch.float16)
+    g = torch.arange(k) // group
+    dense = ((q - zeros[g]).float() * scales[g].float()).t().contiguous()
+    stored = {"qweight": pack_int32(q, 4, dim=0), "qzeros": pack_int32(zeros - 1, 4, dim=1)}
+    return {**stored, "scales": scales}, dense
+
+
+@_case(*({"dtype": d} for d in (torch.float32, torch.float16)))
+def case_int_weight_linear_layers(dtype: torch.dtype) -> None:
+    """GPTQ projections kept quantized (the CUDA form: converted by the config's
+    `map_checkpoint`, loaded by each layer's own `weight_loader`, packed after loading, the
+    product through int_w4a16) give `F.linear` of their dequantized weights: gate_up
+    (merged, its parts loaded out of order), qkv (its q, k, v parts) and down (row
+    parallel), at TP = 1 and at both ranks of TP = 2 (column ranks: their rows of every
+    part; row ranks: partial sums of their K columns and groups that add up to the whole),
+    for a GEMV batch and a tensor-core one."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from tandem.layers.quantization.int_linear import IntWeightLinearMethod
+    from tandem.layers.quantization.int_weight_only import GPTQConfig
+    from tandem.models.interface import ModelContext
+    from tests.parallel_groups import fake_parallel_state
+
+    gen = torch.Generator().manual_seed(23)
+    hidden, inter, group, head = 64, 128, 32, 16
+    kept = GPTQConfig(4, group).for_device(torch.device("cuda"))
+    assert kept.keep_quantized
+    stored, dense = {}, {}
+    for name, (n, k) in {
+        "gate": (inter, hidden), "up": (inter, hidden), "q": (4 * head, hidden),
+        "k": (2 * head, hidden), "v": (2 * head, hidden), "down": (hidden, inter),
+    }.items():  # fmt: skip
+        stored[name], dense[name] = _gptq_stored(n, k, group, gen)
+
+    def load(layer: torch.nn.Module, parts: list[tuple[str, object]]) -> None:
+        params = dict(layer.named_parameters())
+        for name, shard_id in parts:
+            tensors = [(f"p.{suffix}", t) for suffix, t in stored[name].items()]
+            for full_name, tensor in kept.map_checkpoint(tensors):
+                param = params[full_name.removeprefix("p.")]
+                args = () if shard_id is None else (shard_id,)
+                param.weight_loader(param, tensor, *args)
+        layer.quant_method.process_weights_after_loading(layer)
+
+    backend = get_attention_backend("torch")
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    for tp in (1, 2):
+        xs = {m: torch.randn(m, hidden, generator=gen).to(dtype) for m in (3, 20)}
+        xs_down = {m: torch.randn(m, inter, generator=gen).to(dtype) for m in (3, 20)}
+        down_sum = {m: torch.zeros(m, hidden) for m in (3, 20)}
+        for rank in range(tp):
+            state = fake_parallel_state(rank, tp)
+            ctx = dataclasses.replace(
+                ModelContext(dtype, torch.device("cpu"), backend, state), quant_config=kept
+            )
+            gate_up = MergedColumnParallelLinear(hidden, [inter, inter], False, ctx, prefix="mlp")
+            qkv = QKVParallelLinear(hidden, head, 4, 2, False, ctx, prefix="attn")
+            down = RowParallelLinear(inter, hidden, False, ctx, prefix="down")
+            for layer in (gate_up, qkv, down):
+                assert isinstance(layer.quant_method, IntWeightLinearMethod)
+            load(gate_up, [("up", 1), ("gate", 0)])
+            load(qkv, [("q", "q"), ("v", "v"), ("k", "k")])
+            load(down, [("down", None)])
+            assert gate_up.weight.shape == (2 * inter // tp, hidden // 2)
+            assert gate_up.weight_scale.shape == (hidden // group, 2 * inter // tp)  # [G, N]
+
+            def rows(name: str, parts: int = tp, rank: int = rank) -> torch.Tensor:
+                return dense[name].chunk(parts)[rank]
+
+            expected = {
+                gate_up: torch.cat([rows("gate"), rows("up")]),
+                qkv: torch.cat([rows("q"), rows("k"), rows("v")]),
+            }
+            for m, x in xs.items():
+                for layer, weight in expected.items():
+                    out = layer(x)
+                    ref = F.linear(x.float(), weight).to(dtype)
+                    assert out.dtype == dtype and out.shape == ref.shape
+                    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+                part = inter // tp
+                x_rank = xs_down[m][:, rank * part : (rank + 1) * part]
+                down_sum[m] += down.quant_method.apply(down, x_rank).float()
+        for m, x_down in xs_down.items():  # the row-parallel ranks' all-reduce
+            ref = F.linear(x_down.float(), dense["down"])
+            torch.testing.assert_close(down_sum[m], ref, atol=2 * tol, rtol=2 * tol)
+
+
+@_case(*({"fmt": f} for f in ("gptq_runs", "awq", "ct")))
+def case_int_weight_tiny_llama(fmt: str) -> None:
+    """A tiny Llama stored in `fmt`, kept quantized (the CUDA form: every dense GEMM through
+    int_w4a16) against the same checkpoint dequantized at load (the CPU form): the same
+    logits for a prefill of three prompts and a decode step. AWQ and compressed-tensors
+    leave layer 1's down_proj 16-bit through their lists, which keeps the default method."""
+    import dataclasses
+    import tempfile
+
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.quantization import UnquantizedLinearMethod, resolve_quant_config
+    from tandem.layers.quantization.int_linear import IntWeightLinearMethod
+    from tandem.loader import build_model, load_hf_config
+    from tandem.models.interface import ModelContext
+    from tests.conftest import write_tiny_model
+    from tests.int_checkpoints import quantized_folder
+    from tests.parity.test_model_forward import PagedRun, random_prompts
+
+    cpu = torch.device("cpu")
+    plain_layer = None if fmt.startswith("gptq") else "layers.1.mlp.down_proj"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = write_tiny_model(Path(tmp) / "src", "llama")
+        quant, _ = quantized_folder(src, Path(tmp), fmt, group=32, unquantized=plain_layer)
+        hf = load_hf_config(quant)
+        ctx = ModelContext.single(torch.float32, cpu, get_attention_backend("torch"))
+        models = []
+        for device in ("cpu", "cuda"):
+            config = resolve_quant_config("auto", hf, torch.device(device))
+            models.append(build_model(quant, dataclasses.replace(ctx, quant_config=config)))
+    dequantized, kept = models
+    layers = kept.model.layers
+    assert isinstance(layers[0].mlp.down_proj.quant_method, IntWeightLinearMethod)
+    assert isinstance(layers[1].self_attn.qkv_proj.quant_method, IntWeightLinearMethod)
+    assert type(layers[1].mlp.down_proj.quant_method) is (
+        IntWeightLinearMethod if plain_layer is None else UnquantizedLinearMethod
+    )
+    assert layers[0].mlp.gate_up_proj.weight.dtype == torch.uint8
+    assert type(dequantized.model.layers[0].mlp.down_proj.quant_method) is UnquantizedLinearMethod
+    prompts = random_prompts(512, [3, 17, 9], seed=41)
+    runs = [PagedRun(model, [len(p) + 1 for p in prompts], seed=42) for model in models]
+    prefill = [run.step(prompts, [0] * len(prompts)) for run in runs]
+    for ours, ref in zip(prefill[1], prefill[0], strict=True):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    next_tokens = [[int(logits[-1].argmax())] for logits in prefill[0]]
+    starts = [len(p) for p in prompts]
+    decode = [run.step(next_tokens, starts) for run in runs]
+    for ours, ref in zip(decode[1], decode[0], strict=True):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
 def _fp8_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, scales: tuple[float, float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
