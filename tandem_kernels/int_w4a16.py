@@ -345,7 +345,10 @@ def w4a16_gemm_ref(
 def w4a16_locks(n: int, device: torch.device | str) -> torch.Tensor:
     """A zeroed lock buffer for split-K calls on an N-row weight: one lock per output tile of
     any candidate, for one block of rows. Make it outside CUDA-graph capture, once per weight
-    and stream; the kernels leave it zeroed."""
+    and stream (it also makes this device's unit scale, `_unit_scale`); the kernels leave it
+    zeroed."""
+    device = torch.device(device)
+    _unit_scale(device)
     return torch.zeros(triton.cdiv(n, _MIN_SPLIT_BLOCK_N), dtype=torch.int32, device=device)
 
 
@@ -369,12 +372,14 @@ def default_config(m: int, k: int, group_size: int) -> Config:
     return Config(block_m, 64, block_k, 1, 4, 3)
 
 
-def check_group_size(k: int, group_size: int) -> str | None:
-    """Why these kernels cannot serve `k` columns in groups of `group_size`, or None: the
-    group must be one (-1, or K) or a multiple of 32 (the narrowest K chunk)."""
-    if group_size in (-1, k) or (group_size > 0 and group_size % 32 == 0):
-        return None
-    return f"group size {group_size} is not a multiple of 32"
+def unsupported(bits: int, group_size: int) -> str | None:
+    """Why these kernels cannot serve `bits`-bit weights in groups of `group_size` (-1: one
+    group a row), or None: 4 or 8 bits, groups a multiple of 32 (the narrowest K chunk)."""
+    if bits not in BITS:
+        return f"{bits}-bit weights (the kernel takes 4 and 8)"
+    if group_size != -1 and (group_size < 1 or group_size % 32):
+        return f"group size {group_size} (the kernel takes multiples of 32, or -1)"
+    return None
 
 
 def w4a16_gemm(
@@ -448,9 +453,15 @@ _units: dict[torch.device, torch.Tensor] = {}
 
 def _unit_scale(device: torch.device) -> torch.Tensor:
     """A float32 one on `device` (the split-K epilogue's scale: the groups' scales are applied
-    per chunk), made once per device."""
+    per chunk), made once per device, outside graph capture (`w4a16_locks` makes it)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     unit = _units.get(device)
     if unit is None:
+        # Filled now, not recorded into a graph being captured (and never filled eagerly).
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), (
+            "make w4a16_locks for this device before capturing a CUDA graph"
+        )
         unit = _units[device] = torch.ones(1, dtype=torch.float32, device=device)
     return unit
 

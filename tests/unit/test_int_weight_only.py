@@ -248,6 +248,27 @@ def test_each_format_converts_to_the_kernel_layout_exactly(fmt: str, bits: int, 
     assert weight.abs().max() > 0.05  # not all zeros: the values, zeros and scales arrived
 
 
+def test_experts_stay_dequantized_on_cuda() -> None:
+    """A mixture-of-experts layer's experts have no integer kernel: kept quantized, the
+    config still streams them out dequantized, and the dense layers beside them packed."""
+    tensors, stored = _layer_tensors("gptq", 48, 256, 4, 32)
+    kept = resolve_quant_config("auto", _HF(stored), CUDA)
+    expert = "model.layers.0.mlp.experts.3.gate_proj"
+    stream = [(name.replace("layer.", f"{expert}."), t) for name, t in tensors.items()]
+    stream += list(tensors.items())
+    out = dict(kept.map_checkpoint(stream))
+    assert set(out) == {
+        f"{expert}.weight", "layer.weight", "layer.weight_scale", "layer.weight_zero_point",
+    }  # fmt: skip
+    assert (
+        out[f"{expert}.weight"].dtype == torch.float32 and out["layer.weight"].dtype == torch.uint8
+    )
+    plain = resolve_quant_config("auto", _HF(stored), torch.device("cpu"))
+    assert torch.equal(
+        out[f"{expert}.weight"], dict(plain.map_checkpoint(tensors.items()))["layer.weight"]
+    )
+
+
 def test_the_device_decides_the_form_and_says_why_it_cannot_keep_some(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

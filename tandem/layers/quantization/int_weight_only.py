@@ -44,7 +44,8 @@ The kernel path takes 4 and 8 bits in runs of `group_size` channels (a multiple 
 one group); `desc_act` / actorder "group" checkpoints (channels' groups from g_idx, not runs),
 2-bit GPTQ, group sizes the kernel cannot tile and GPTQ checkpoints that name their
 quantized modules (`modules_in_block_to_quantize`, `dynamic`) stay dequantized on CUDA too,
-with a log line naming why.
+with a log line naming why; so do mixture-of-experts experts (the fused MoE kernel has no
+integer form).
 
 Layers stored unquantized (GPTQ's unlisted modules, AWQ's `modules_to_not_convert`,
 compressed-tensors' `ignore`, the LM head) load as they are. Refused by name: 3-bit GPTQ
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, NamedTuple
 
@@ -74,9 +76,9 @@ logger = logging.getLogger(__name__)
 
 # AutoAWQ's "gemm" packing: slot i of an int32 holds column `AWQ_PACK_ORDER[i]` of its eight.
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-# The bit widths and group sizes the CUDA kernel serves (tandem_kernels.int_w4a16).
-KERNEL_BITS = (4, 8)
-KERNEL_GROUP_MULTIPLE = 32
+# A mixture-of-experts layer's expert (`...experts.<i>.<proj>`): dequantized on every device
+# (the fused MoE kernel has no integer form).
+_EXPERT = re.compile(r"\.experts\.\d+\.[^.]+$")
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -226,11 +228,9 @@ class _IntWeightConfig(QuantizationConfig):
     def kernel_refusal(self) -> str | None:
         """Why the CUDA kernel cannot serve this scheme (the layers then load dequantized
         there too), or None."""
-        if self.bits not in KERNEL_BITS:
-            return f"{self.bits}-bit weights (the kernel takes 4 and 8)"
-        if self.group_size != -1 and self.group_size % KERNEL_GROUP_MULTIPLE:
-            return f"group size {self.group_size} (the kernel takes multiples of 32, or -1)"
-        return None
+        from tandem_kernels.int_w4a16 import unsupported
+
+        return unsupported(self.bits, self.group_size)
 
     def is_ignored(self, prefix: str) -> bool:
         """Whether the checkpoint stores layer `prefix` unquantized (default: none)."""
@@ -281,7 +281,7 @@ class _IntWeightConfig(QuantizationConfig):
             if len(parts) == len(self.parts):
                 del pending[prefix]
                 weight = self._int_weight(parts)
-                if not self.keep_quantized:
+                if not self.keep_quantized or _EXPERT.search(prefix):
                     yield f"{prefix}.weight", weight.dequantize(self.group_size, self._g_idx(parts))
                     continue
                 from tandem_kernels.int_w4a16 import pack_int_weight
