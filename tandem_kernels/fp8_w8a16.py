@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
-from tandem_kernels.split_k import k_slice, store_tile
+from tandem_kernels.split_k import k_slice, split_k_buffers, store_tile
 
 # Batch sizes (rows of x) measured at load; a call with M rows uses the smallest bucket >= M.
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -461,15 +461,7 @@ def w8a16_gemm(
         return out
     c = config or _DEFAULT
     grid = (triton.cdiv(n, c.block_n), triton.cdiv(m, c.block_m), c.split_k)
-    if c.split_k > 1:
-        workspace = torch.empty((c.split_k, m, n), dtype=torch.float32, device=x.device)
-        if locks is None:
-            locks = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
-        assert locks.dtype == torch.int32 and locks.numel() >= grid[0] * grid[1], (
-            f"{locks.numel()} locks for {grid[0] * grid[1]} tiles"
-        )
-    else:  # unused by the kernel
-        workspace = locks = out
+    workspace, locks = split_k_buffers(out, c.split_k, grid[0] * grid[1], locks)
     args = (x, weight, scale, out, workspace, locks, m, n, k)
     strides = (x.stride(0), weight.stride(0), out.stride(0), 0 if scale.numel() == 1 else 1)
     use_pdl = pdl_launch(x.device)

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from tandem_kernels.fp8_w8a16 import time_in_graph, weight_copies
 from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
-from tandem_kernels.split_k import k_slice, store_tile
+from tandem_kernels.split_k import k_slice, split_k_buffers, store_tile
 
 # Batch sizes (rows of x) measured at load; a call with M rows uses the smallest bucket >= M,
 # past the largest the largest's config.
@@ -411,15 +411,7 @@ def w4a16_gemm(
     c = config or choose(m, n, k, bits, group_size, x.dtype)
     assert fits(c, k, group_size), (c, k, group_size)
     grid = (triton.cdiv(n, c.block_n), triton.cdiv(m, c.block_m), c.split_k)
-    if c.split_k > 1:
-        workspace = torch.empty((c.split_k, m, n), dtype=torch.float32, device=x.device)
-        if locks is None:
-            locks = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
-        assert locks.dtype == torch.int32 and locks.numel() >= grid[0] * grid[1], (
-            f"{locks.numel()} locks for {grid[0] * grid[1]} tiles"
-        )
-    else:  # unused by the kernel
-        workspace = locks = out
+    workspace, locks = split_k_buffers(out, c.split_k, grid[0] * grid[1], locks)
     unit = _unit_scale(x.device)
     use_pdl = pdl_launch(x.device)
     if c.block_m < 16:

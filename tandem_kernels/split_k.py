@@ -21,8 +21,27 @@ on which program came last.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def split_k_buffers(
+    out: torch.Tensor, split_k: int, tiles: int, locks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(workspace, locks)` for a launch of `split_k` slices over `tiles` output tiles writing
+    `out` `[M, N]`: an uninitialised fp32 workspace `[split_k, M, N]` and `locks` (a zeroed
+    buffer made per call when None: one more memset). SPLIT_K 1: `out` twice (unused)."""
+    if split_k == 1:
+        return out, out
+    m, n = out.shape
+    workspace = torch.empty((split_k, m, n), dtype=torch.float32, device=out.device)
+    if locks is None:
+        locks = torch.zeros(tiles, dtype=torch.int32, device=out.device)
+    assert locks.dtype == torch.int32 and locks.numel() >= tiles, (
+        f"{locks.numel()} locks for {tiles} tiles"
+    )
+    return workspace, locks
 
 
 @triton.jit

@@ -248,12 +248,13 @@ def test_each_format_converts_to_the_kernel_layout_exactly(fmt: str, bits: int, 
     assert weight.abs().max() > 0.05  # not all zeros: the values, zeros and scales arrived
 
 
-def test_experts_stay_dequantized_on_cuda() -> None:
-    """A mixture-of-experts layer's experts have no integer kernel: kept quantized, the
-    config still streams them out dequantized, and the dense layers beside them packed."""
+@pytest.mark.parametrize("expert", ["model.layers.0.mlp.experts.3.gate_proj", "lm_head"])
+def test_experts_and_a_quantized_lm_head_stay_dequantized_on_cuda(expert: str) -> None:
+    """A mixture-of-experts layer's experts have no integer kernel, and the LM head is a
+    vocabulary layer: kept quantized, the config still streams them out dequantized, and the
+    dense layers beside them packed."""
     tensors, stored = _layer_tensors("gptq", 48, 256, 4, 32)
     kept = resolve_quant_config("auto", _HF(stored), CUDA)
-    expert = "model.layers.0.mlp.experts.3.gate_proj"
     stream = [(name.replace("layer.", f"{expert}."), t) for name, t in tensors.items()]
     stream += list(tensors.items())
     out = dict(kept.map_checkpoint(stream))

@@ -45,7 +45,7 @@ one group); `desc_act` / actorder "group" checkpoints (channels' groups from g_i
 2-bit GPTQ, group sizes the kernel cannot tile and GPTQ checkpoints that name their
 quantized modules (`modules_in_block_to_quantize`, `dynamic`) stay dequantized on CUDA too,
 with a log line naming why; so do mixture-of-experts experts (the fused MoE kernel has no
-integer form).
+integer form) and a quantized LM head (a vocabulary layer).
 
 Layers stored unquantized (GPTQ's unlisted modules, AWQ's `modules_to_not_convert`,
 compressed-tensors' `ignore`, the LM head) load as they are. Refused by name: 3-bit GPTQ
@@ -76,9 +76,10 @@ logger = logging.getLogger(__name__)
 
 # AutoAWQ's "gemm" packing: slot i of an int32 holds column `AWQ_PACK_ORDER[i]` of its eight.
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-# A mixture-of-experts layer's expert (`...experts.<i>.<proj>`): dequantized on every device
-# (the fused MoE kernel has no integer form).
-_EXPERT = re.compile(r"\.experts\.\d+\.[^.]+$")
+# Layers dequantized on every device: a mixture-of-experts layer's expert
+# (`...experts.<i>.<proj>`: the fused MoE kernel has no integer form) and a quantized LM head
+# (GPTQModel's `lm_head: true`; the LM head is a vocabulary layer, not a linear one).
+_ALWAYS_DEQUANTIZED = re.compile(r"\.experts\.\d+\.[^.]+$|(^|\.)lm_head$")
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -281,7 +282,7 @@ class _IntWeightConfig(QuantizationConfig):
             if len(parts) == len(self.parts):
                 del pending[prefix]
                 weight = self._int_weight(parts)
-                if not self.keep_quantized or _EXPERT.search(prefix):
+                if not self.keep_quantized or _ALWAYS_DEQUANTIZED.search(prefix):
                     yield f"{prefix}.weight", weight.dequantize(self.group_size, self._g_idx(parts))
                     continue
                 from tandem_kernels.int_w4a16 import pack_int_weight
