@@ -17,6 +17,9 @@
 # What ran: PART=auto, naming the H200 kind, came on an H100 (first call, no refusal): PART=h100,
 #   but before `served` took FIRST_SEED, so its 25 req/s and all-at-once sent the prompts of a
 #   full table's 5 and 15 req/s (seeds 1, 2): not like for like with the earlier tables' rows.
+#   Then, each on an H100: scripts/gpu_w4a16.sh (BUDGET_S=420) with tests/gpu/test_fp8_w8a16_gpu.py
+#   after it (cut at 150 s; 9 passed in a later call), PART=budget (BUDGET_S=540), and the
+#   integer GEMM's benchmark with TANDEM_W4A16_MAGIC=0 / 1 (a form since removed).
 #   Results: benchmarks/results/*_h100_2026-12-07_s35*.
 #
 #   OUT=/some/dir PART=auto bash scripts/gpu_session35.sh

@@ -1059,8 +1059,11 @@ def engine_flags() -> list[EngineFlag]:
 #
 # max_num_batched_tokens 8,192 is vLLM's serving budget. Issue 30's runs on one H200 (vllm bench
 # serve's workload, 5-25 req/s and all at once): at 8,192 against 2,048, tandem's TPOT p50 went
-# from 1.0-1.08x vLLM's to 0.88-0.97x and its TTFT p99 at 25 req/s from 1.85x to 0.87x. The
-# offline `LLM` keeps 2,048 (SchedulerConfig's default).
+# from 1.0-1.08x vLLM's to 0.88-0.97x and its TTFT p99 at 25 req/s from 1.85x to 0.87x. Half
+# of it loses too (one H100, session 35, the same prompts back to back: at 4,096 TPOT p50
+# +3-12% and TTFT p99 1.6-1.9x at 15 and 25 req/s, 1.6% fewer tokens/s all at once;
+# serving_budget{4096,8192}_h100_2026-12-07_s35.json). The offline `LLM` keeps 2,048
+# (SchedulerConfig's default).
 #
 # long_prefill_token_threshold 2,048: a prompt longer than that takes at most 2,048 tokens of a
 # step, so the short requests queued behind it prefill in the same steps. Issue 30's
