@@ -45,7 +45,6 @@ Reference: `w4a16_gemm_ref` (dequantize in fp32, then the product in fp32).
 
 from __future__ import annotations
 
-import os
 import time
 from typing import NamedTuple
 
@@ -54,6 +53,7 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.fp8_w8a16 import time_in_graph, weight_copies
+from tandem_kernels.paged_attention import may_tune
 from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
 from tandem_kernels.split_k import k_slice, split_k_buffers, store_tile
 
@@ -144,7 +144,6 @@ def _w4a16_dot_kernel(
     w_ptr,
     s_ptr,
     z_ptr,
-    unit_ptr,
     out_ptr,
     ws_ptr,
     locks_ptr,
@@ -205,8 +204,8 @@ def _w4a16_dot_kernel(
         w_ptrs += BLOCK_K // PER_BYTE
     tile = pid_m * tl.num_programs(0) + pid_n
     store_tile(
-        acc, offs_m, offs_n, M, N, unit_ptr, 0, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
-        pid_k, SPLIT_K,
+        acc, offs_m, offs_n, M, N, out_ptr, 0, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
+        pid_k, SPLIT_K, SCALED=False,
     )  # fmt: skip
 
 
@@ -216,7 +215,6 @@ def _w4a16_gemv_kernel(
     w_ptr,
     s_ptr,
     z_ptr,
-    unit_ptr,
     out_ptr,
     ws_ptr,
     locks_ptr,
@@ -294,8 +292,8 @@ def _w4a16_gemv_kernel(
         x_ptrs += BLOCK_K
     tile = pid_m * tl.num_programs(0) + pid_n
     store_tile(
-        acc, offs_m, offs_n, M, N, unit_ptr, 0, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
-        pid_k, SPLIT_K,
+        acc, offs_m, offs_n, M, N, out_ptr, 0, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
+        pid_k, SPLIT_K, SCALED=False,
     )  # fmt: skip
 
 
@@ -345,10 +343,7 @@ def w4a16_gemm_ref(
 def w4a16_locks(n: int, device: torch.device | str) -> torch.Tensor:
     """A zeroed lock buffer for split-K calls on an N-row weight: one lock per output tile of
     any candidate, for one block of rows. Make it outside CUDA-graph capture, once per weight
-    and stream (it also makes this device's unit scale, `_unit_scale`); the kernels leave it
-    zeroed."""
-    device = torch.device(device)
-    _unit_scale(device)
+    and stream; the kernels leave it zeroed."""
     return torch.zeros(triton.cdiv(n, _MIN_SPLIT_BLOCK_N), dtype=torch.int32, device=device)
 
 
@@ -412,7 +407,6 @@ def w4a16_gemm(
     assert fits(c, k, group_size), (c, k, group_size)
     grid = (triton.cdiv(n, c.block_n), triton.cdiv(m, c.block_m), c.split_k)
     workspace, locks = split_k_buffers(out, c.split_k, grid[0] * grid[1], locks)
-    unit = _unit_scale(x.device)
     use_pdl = pdl_launch(x.device)
     if c.block_m < 16:
         kernel, extra = _w4a16_gemv_kernel, {}
@@ -421,7 +415,7 @@ def w4a16_gemm(
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         kernel, extra = _w4a16_dot_kernel, {"INPUT_PRECISION": precision}
     kernel[grid](
-        x, qweight, scale, zero, unit, out, workspace, locks,
+        x, qweight, scale, zero, out, workspace, locks,
         m, n, k, k if group_size == -1 else group_size,
         x.stride(0), qweight.stride(0), scale.stride(0), scale.stride(1), zero.stride(0),
         zero.stride(1), out.stride(0),
@@ -438,24 +432,6 @@ def w4a16_gemm(
         **launch_options(use_pdl),
     )  # fmt: skip
     return out
-
-
-_units: dict[torch.device, torch.Tensor] = {}
-
-
-def _unit_scale(device: torch.device) -> torch.Tensor:
-    """A float32 one on `device` (the split-K epilogue's scale: the groups' scales are applied
-    per chunk), made once per device, outside graph capture (`w4a16_locks` makes it)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    unit = _units.get(device)
-    if unit is None:
-        # Filled now, not recorded into a graph being captured (and never filled eagerly).
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), (
-            "make w4a16_locks for this device before capturing a CUDA graph"
-        )
-        unit = _units[device] = torch.ones(1, dtype=torch.float32, device=device)
-    return unit
 
 
 def bucket(m: int) -> int:
@@ -485,9 +461,7 @@ def choose(m: int, n: int, k: int, bits: int, group_size: int, dtype: torch.dtyp
 
 def _may_tune(qweight: torch.Tensor) -> bool:
     return (
-        qweight.is_cuda
-        and os.environ.get("TRITON_INTERPRET") != "1"
-        and os.environ.get("TANDEM_TUNE_KERNELS", "1") != "0"
+        may_tune(qweight.device)
         and not torch.cuda.is_current_stream_capturing()
         and qweight.numel() >= _MIN_TUNE_BYTES
     )

@@ -69,17 +69,17 @@ def store_tile(
     tile,
     pid_k,
     SPLIT_K: tl.constexpr,
+    SCALED: tl.constexpr = True,
 ):
-    """Scale (`s_ptr[n * stride_s]`, fp32; stride 0 for one scale) and store the output tile
-    `acc` (fp32); with SPLIT_K > 1, through the workspace and the last program of the tile
-    (module docstring)."""
+    """Scale (SCALED: by `s_ptr[n * stride_s]`, fp32, stride 0 for one scale; else `s_ptr` is
+    not read) and store the output tile `acc` (fp32); with SPLIT_K > 1, through the workspace
+    and the last program of the tile (module docstring)."""
     m_mask = offs_m < M
     n_mask = offs_n < N
     mask = m_mask[:, None] & n_mask[None, :]
-    scale = tl.load(s_ptr + offs_n * stride_s, mask=n_mask, other=0.0)
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
-        out = acc * scale[None, :]
+        out = _scaled(acc, s_ptr, stride_s, offs_n, n_mask, SCALED)
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         ws = ws_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -92,6 +92,15 @@ def store_tile(
             for s in tl.static_range(SPLIT_K):
                 part = tl.load(ws + s * slice_stride, mask=mask, other=0.0, cache_modifier=".cg")
                 total += part
-            out = total * scale[None, :]
+            out = _scaled(total, s_ptr, stride_s, offs_n, n_mask, SCALED)
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(locks_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _scaled(acc, s_ptr, stride_s, offs_n, n_mask, SCALED: tl.constexpr):
+    """`acc` times its columns' scales (SCALED), else `acc` as it is."""
+    if SCALED:
+        scale = tl.load(s_ptr + offs_n * stride_s, mask=n_mask, other=0.0)
+        acc = acc * scale[None, :]
+    return acc
