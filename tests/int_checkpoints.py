@@ -42,10 +42,13 @@ def quantized_folder(
     gptq (desc_act), gptq_runs (groups in runs, a g_idx of runs stored all the same), awq,
     ct (compressed-tensors pack-quantized, symmetric groups) or ct_asym (zero points,
     actorder "group"). `unquantized`: the layers whose name ends so stay 16-bit, listed as
-    such in the config (AWQ's `modules_to_not_convert`, compressed-tensors' `ignore`)."""
+    such in the config (AWQ's `modules_to_not_convert`, compressed-tensors' `ignore`). An act
+    order (gptq, ct_asym) is one random order per layer input, shared by the projections that
+    read it (q, k, v; gate, up), as GPTQ's come from their input's statistics."""
     gen = torch.Generator().manual_seed(5)
     tensors = load_file(str(src / "model.safetensors"))
     quant, plain = dict(tensors), dict(tensors)
+    orders: dict[tuple[str, str], torch.Tensor] = {}
     for name, weight in tensors.items():
         if name.split(".")[-2] not in LINEARS:
             continue
@@ -54,13 +57,21 @@ def quantized_folder(
         n, k = weight.shape
         prefix = name[: -len(".weight")]
         groups = k // group
+        layer, proj = prefix.rsplit(".", 1)
+        reader = (
+            layer,
+            {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(proj, proj),
+        )
+        if fmt in ("gptq", "ct_asym") and reader not in orders:
+            orders[reader] = torch.randperm(k, generator=gen) % groups
+        act_order = orders.get(reader)
         q = torch.randint(0, 16, (k, n), generator=gen)
         zeros = torch.randint(3, 13, (groups, n), generator=gen)
         scales = (0.004 + 0.02 * torch.rand(groups, n, generator=gen)).to(torch.float16)
         del quant[name]
         if fmt.startswith("ct"):
             order = fmt == "ct_asym"
-            g = torch.randperm(k, generator=gen) % groups if order else torch.arange(k) // group
+            g = act_order if order else torch.arange(k) // group
             zp = zeros.t() if order else torch.full((n, groups), 8)  # [N, G]
             dense = (q.t() - zp[:, g]).float() * scales.t()[:, g].float()
             quant[f"{prefix}.weight_packed"] = pack_int32(q.t(), 4, dim=1)
@@ -73,7 +84,7 @@ def quantized_folder(
             continue
         if fmt.startswith("gptq"):
             runs = torch.arange(k) // group
-            g_idx = runs if fmt == "gptq_runs" else torch.randperm(k, generator=gen) % groups
+            g_idx = runs if fmt == "gptq_runs" else act_order
             dense = (q - zeros[g_idx]).float() * scales[g_idx].float()
             quant[f"{prefix}.qweight"] = pack_int32(q, 4, dim=0)
             quant[f"{prefix}.qzeros"] = pack_int32(zeros - 1, 4, dim=1)  # stored one below

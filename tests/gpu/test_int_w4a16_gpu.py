@@ -151,17 +151,19 @@ def _generate(folder: Path, dtype: str) -> tuple[list[Any], int]:
     return [o.outputs[0] for o in outs], linear_bytes
 
 
+@pytest.mark.parametrize("fmt", ["gptq_runs", "gptq"])
 def test_tiny_gptq_llama_kept_quantized_matches_its_dequantized_weights(
-    tiny_model_path, tmp_path: Path
+    tiny_model_path, tmp_path: Path, fmt: str
 ) -> None:
-    """The engine on a GPTQ checkpoint (4 bits, groups of 32) keeps its layers quantized
-    (uint8 weights: about a third of the bytes of the same layers in bf16) and generates the
-    tokens of the plain checkpoint of its dequantized weights: fp32 the same tokens and
-    logprobs; bf16 (CUDA graphs, the kernels' bf16 rounding against cuBLAS') the same first
-    token for at least 7 of the 8 prompts."""
+    """The engine on a GPTQ checkpoint (4 bits, groups of 32; gptq: with `desc_act`, each
+    layer gathering its input in its act order) keeps its layers quantized (uint8 weights:
+    about a third of the bytes of the same layers in bf16) and generates the tokens of the
+    plain checkpoint of its dequantized weights: fp32 the same tokens and logprobs; bf16
+    (CUDA graphs, the kernels' bf16 rounding against cuBLAS') the same first token for at
+    least 7 of the 8 prompts."""
     from tests.int_checkpoints import quantized_folder
 
-    quant, plain = quantized_folder(tiny_model_path("llama"), tmp_path, "gptq_runs", group=32)
+    quant, plain = quantized_folder(tiny_model_path("llama"), tmp_path, fmt, group=32)
     kept, kept_bytes = _generate(quant, "float32")
     ref, ref_bytes = _generate(plain, "float32")
     print(f"linear bytes fp32: kept {kept_bytes}, dequantized {ref_bytes}")

@@ -158,23 +158,29 @@ CUDA = torch.device("cuda")  # a device named, never touched: the configs only r
 def _layer_tensors(fmt: str, n: int, k: int, bits: int, group: int) -> tuple[dict, dict]:
     """(one layer's tensors as `fmt` stores them, under `layer.`; its quantization_config):
     random values, zero points (gptq: stored one below, as the "gptq" format does) and
-    scales. fmt: gptq, gptq_v2, awq, ct (symmetric), ct_zp (zero points)."""
+    scales. fmt: gptq, gptq_v2, awq, ct (symmetric), ct_zp (zero points); gptq_act and
+    ct_act: an act order (`desc_act`, actorder "group"), each group's channels a random
+    `group` of the K."""
     gen = torch.Generator().manual_seed(sum(map(ord, fmt)) + bits + group)
     groups = 1 if group == -1 else k // group
     top = 1 << bits
     q = torch.randint(0, top, (n, k), generator=gen)
     zeros = torch.randint(1, top, (n, groups), generator=gen)
     scales = (0.004 + 0.02 * torch.rand(n, groups, generator=gen)).to(torch.float16)
+    act = fmt.endswith("_act")
+    g_idx = (torch.arange(k) // (k if group == -1 else group)).to(torch.int32)
+    if act:
+        g_idx = (torch.randperm(k, generator=gen) % groups).to(torch.int32)
     if fmt.startswith("gptq"):
-        offset = 1 if fmt == "gptq" else 0
+        offset = 0 if fmt == "gptq_v2" else 1
         tensors = {
             "qweight": pack_int32(q.t(), bits, dim=0),
             "qzeros": pack_int32(zeros.t() - offset, bits, dim=1),
             "scales": scales.t().contiguous(),
-            "g_idx": (torch.arange(k) // (k if group == -1 else group)).to(torch.int32),
+            "g_idx": g_idx,
         }
-        config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False}
-        config["checkpoint_format"] = fmt
+        config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act}
+        config["checkpoint_format"] = "gptq_v2" if fmt == "gptq_v2" else "gptq"
     elif fmt == "awq":
         tensors = {
             "qweight": pack_int32(awq_interleave(q.t()), 4, dim=1),
@@ -188,11 +194,14 @@ def _layer_tensors(fmt: str, n: int, k: int, bits: int, group: int) -> tuple[dic
             "weight_scale": scales,
             "weight_shape": torch.tensor([n, k]),
         }
-        if fmt == "ct_zp":
+        if fmt in ("ct_zp", "ct_act"):
             tensors["weight_zero_point"] = pack_int32(zeros, bits, dim=0)
+        if act:
+            tensors["weight_g_idx"] = g_idx
         strategy = {"strategy": "channel"} if group == -1 else {"strategy": "group"}
         weights = {"num_bits": bits, "type": "int", "symmetric": fmt == "ct", **strategy}
         weights["group_size"] = None if group == -1 else group
+        weights["actorder"] = "group" if act else None
         config = {
             "quant_method": "compressed-tensors", "format": "pack-quantized",
             "config_groups": {"g": {"targets": ["Linear"], "weights": weights}},
@@ -215,12 +224,16 @@ class _HF:
         ("ct", 4, 32),
         ("ct_zp", 8, -1),
         ("ct_zp", 4, 128),
+        ("gptq_act", 4, 32),
+        ("gptq_act", 8, 64),
+        ("ct_act", 4, 64),
     ],
 )
 def test_each_format_converts_to_the_kernel_layout_exactly(fmt: str, bits: int, group: int) -> None:
     """On CUDA the layer's tensors stream out as `weight` (uint8, packed along K), its scales
     and its zero points; dequantized by the kernel's reference they are, bit for bit, the
-    weight today's dequantization gives (which the CPU still loads)."""
+    weight today's dequantization gives (which the CPU still loads). With an act order, also
+    `input_perm`: the weight's columns in that order, each group a run."""
     from tandem_kernels.int_w4a16 import dequantize_int_weight
 
     n, k = 48, 256
@@ -233,8 +246,10 @@ def test_each_format_converts_to_the_kernel_layout_exactly(fmt: str, bits: int, 
     plain = dict(dequantized.map_checkpoint(stream))
     assert set(plain) == {"layer.weight", "model.norm.weight"}
     converted = dict(kept.map_checkpoint(stream))
+    act = fmt.endswith("_act")
     assert set(converted) == {
         "layer.weight", "layer.weight_scale", "layer.weight_zero_point", "model.norm.weight",
+        *(["layer.input_perm"] if act else []),
     }  # fmt: skip
     assert converted["model.norm.weight"] is other
     qweight = converted["layer.weight"]
@@ -244,7 +259,14 @@ def test_each_format_converts_to_the_kernel_layout_exactly(fmt: str, bits: int, 
     assert scale.shape == zero.shape == (n, groups)
     assert zero.min() >= 0 and zero.max() <= 1 << bits and torch.equal(zero, zero.round())
     weight = dequantize_int_weight(qweight, scale, zero, bits, group)
-    assert torch.equal(weight, plain["layer.weight"])
+    expected = plain["layer.weight"]
+    if act:
+        assert converted["layer.input_perm"].dtype == torch.int32
+        perm = converted["layer.input_perm"].long()
+        assert torch.equal(perm.sort().values, torch.arange(k))  # a permutation
+        assert not torch.equal(perm, torch.arange(k))
+        expected = expected[:, perm]
+    assert torch.equal(weight, expected)
     assert weight.abs().max() > 0.05  # not all zeros: the values, zeros and scales arrived
 
 
@@ -294,14 +316,16 @@ def test_the_device_decides_the_form_and_says_why_it_cannot_keep_some(
         "weight_scale": ((48, 8), torch.float16),
         "weight_zero_point": ((48, 8), torch.float16),
     }
+    for act_order in (
+        _layer_tensors("gptq_act", 48, 256, 4, 32)[1],
+        _layer_tensors("ct_act", 48, 256, 4, 32)[1],
+    ):
+        assert resolve_quant_config("auto", _HF(act_order), CUDA).keep_quantized
     refused = {
-        "desc_act": {**stored, "desc_act": True},
         "2-bit": {**stored, "bits": 2},
         "group size 48": {**stored, "group_size": 48},
         "modules_in_block_to_quantize": {**stored, "modules_in_block_to_quantize": [["q_proj"]]},
-        'actorder "group"': _layer_tensors("ct_zp", 48, 256, 4, 32)[1],
     }
-    refused['actorder "group"']["config_groups"]["g"]["weights"]["actorder"] = "group"
     for why, scheme in refused.items():
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="tandem.layers.quantization.int_weight_only"):
@@ -342,3 +366,60 @@ def test_a_rank_must_hold_whole_groups_and_whole_bytes() -> None:
     one = dataclasses.replace(ModelContext.single(torch.float16, cpu, backend), quant_config=kept)
     with pytest.raises(ConfigError, match="4-bit weights pack two a byte"):
         ColumnParallelLinear(33, 48, False, one, prefix="odd")
+
+
+def test_act_order_layers_gather_their_input_and_row_ranks_dequantize() -> None:
+    """An act-order checkpoint kept quantized: every layer takes `input_perm` (whole on each
+    rank of a column-parallel one), a fused layer's parts must bring the same order, and a
+    row-parallel layer under tensor parallelism is left to the default method, its tensors
+    streamed out dequantized (a rank's slice of the original order holds no whole group);
+    at TP = 1 it stays quantized. A g_idx whose groups are not `group_size` channels each is
+    refused by name."""
+    from tandem.layers.attention import get_attention_backend
+    from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from tandem.layers.quantization import UnquantizedLinearMethod
+    from tandem.layers.quantization.int_linear import IntWeightLinearMethod
+    from tandem.models.interface import ModelContext
+    from tests.parallel_groups import fake_parallel_state
+
+    tensors, stored = _layer_tensors("gptq_act", 64, 256, 4, 32)
+    backend = get_attention_backend("torch")
+    cpu = torch.device("cpu")
+    kept = resolve_quant_config("auto", _HF(stored), CUDA)
+    tp2 = dataclasses.replace(
+        ModelContext(torch.float16, cpu, backend, fake_parallel_state(1, 2)), quant_config=kept
+    )
+    down = RowParallelLinear(256, 64, False, tp2, prefix="model.layers.0.mlp.down_proj")
+    assert isinstance(down.quant_method, UnquantizedLinearMethod)
+    assert kept.dequantized_prefixes == {"model.layers.0.mlp.down_proj"}
+    gate_up = MergedColumnParallelLinear(256, [64, 64], False, tp2, prefix="mlp.gate_up_proj")
+    assert isinstance(gate_up.quant_method, IntWeightLinearMethod)
+    assert gate_up.input_perm.shape == (256,)  # whole on a column rank
+    stream = [
+        (name.replace("layer.", "model.layers.0.mlp.down_proj."), t) for name, t in tensors.items()
+    ]
+    out = dict(kept.map_checkpoint(stream))
+    assert set(out) == {"model.layers.0.mlp.down_proj.weight"}
+    plain = resolve_quant_config("auto", _HF(stored), cpu)
+    assert torch.equal(
+        out["model.layers.0.mlp.down_proj.weight"],
+        dict(plain.map_checkpoint(tensors.items()))["layer.weight"],
+    )
+
+    one = dataclasses.replace(ModelContext.single(torch.float16, cpu, backend), quant_config=kept)
+    assert isinstance(
+        RowParallelLinear(256, 64, False, one, prefix="o").quant_method, IntWeightLinearMethod
+    )
+
+    # the parts of a fused layer: the same order loads, another is named
+    params = dict(gate_up.named_parameters())
+    perm = dict(kept.map_checkpoint(tensors.items()))["layer.input_perm"]
+    params["input_perm"].weight_loader(params["input_perm"], perm, 0)
+    params["input_perm"].weight_loader(params["input_perm"], perm.clone(), 1)
+    with pytest.raises(ConfigError, match=r"mlp.gate_up_proj: part 1 has another act order"):
+        params["input_perm"].weight_loader(params["input_perm"], perm.flip(0), 1)
+
+    uneven = dict(tensors)
+    uneven["layer.g_idx"] = torch.zeros(256, dtype=torch.int32)  # one group of 256, groups of 32
+    with pytest.raises(ConfigError, match=r"layer layer: its g_idx does not give every group 32"):
+        dict(kept.map_checkpoint(uneven.items()))

@@ -808,12 +808,13 @@ def case_int_weight_linear_layers(dtype: torch.dtype) -> None:
             torch.testing.assert_close(down_sum[m], ref, atol=2 * tol, rtol=2 * tol)
 
 
-@_case(*({"fmt": f} for f in ("gptq_runs", "awq", "ct")))
+@_case(*({"fmt": f} for f in ("gptq_runs", "awq", "ct", "gptq")))
 def case_int_weight_tiny_llama(fmt: str) -> None:
     """A tiny Llama stored in `fmt`, kept quantized (the CUDA form: every dense GEMM through
     int_w4a16) against the same checkpoint dequantized at load (the CPU form): the same
     logits for a prefill of three prompts and a decode step. AWQ and compressed-tensors
-    leave layer 1's down_proj 16-bit through their lists, which keeps the default method."""
+    leave layer 1's down_proj 16-bit through their lists, which keeps the default method.
+    gptq: `desc_act`, each layer gathering its input in its act order (`input_perm`)."""
     import dataclasses
     import tempfile
 
@@ -845,6 +846,12 @@ def case_int_weight_tiny_llama(fmt: str) -> None:
         IntWeightLinearMethod if plain_layer is None else UnquantizedLinearMethod
     )
     assert layers[0].mlp.gate_up_proj.weight.dtype == torch.uint8
+    for layer in (
+        layers[0].mlp.gate_up_proj,
+        layers[1].self_attn.qkv_proj,
+        layers[1].self_attn.o_proj,
+    ):
+        assert (layer.input_perm is not None) == (fmt == "gptq")
     assert type(dequantized.model.layers[0].mlp.down_proj.quant_method) is UnquantizedLinearMethod
     prompts = random_prompts(512, [3, 17, 9], seed=41)
     runs = [PagedRun(model, [len(p) + 1 for p in prompts], seed=42) for model in models]

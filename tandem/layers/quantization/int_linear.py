@@ -14,10 +14,19 @@ it shards any `[out, in]` weight:
                                                 its G = K_part / group_size); one group: whole
                                                 on every rank
 
+    input_perm         int32 [K]               act-order checkpoints only: the input order
+                                                the weight's columns are stored in
+                                                (int_weight_only.act_order_perm); whole on
+                                                every rank (column-parallel and replicated
+                                                layers; row-parallel ones of such checkpoints
+                                                keep it only at TP = 1)
+
 Fused layers (qkv, gate_up) take each part's rows at the part's offset, as for the 16-bit
-weight, since every parameter is one row per output. After loading, the scales and zero
-points are transposed to `[G, N]` (a tile's values one contiguous load), the kernel's configs
-are tuned for this shape on CUDA, and the split-K lock buffer is made.
+weight, since every parameter is one row per output; their parts share one input order, and
+a part whose `input_perm` differs from the first loaded is a ConfigError naming both. After
+loading, the scales and zero points are transposed to `[G, N]` (a tile's values one
+contiguous load), an identity input order is dropped, the kernel's configs are tuned for
+this shape on CUDA, and the split-K lock buffer is made.
 """
 
 from __future__ import annotations
@@ -35,11 +44,13 @@ class IntWeightLinearMethod(LinearMethodBase):
     """One linear layer with `bits`-bit weights in groups of `group_size` input channels
     (-1: one group a row). After `process_weights_after_loading` the layer holds `weight`
     uint8 `[N, K * bits / 8]`, `weight_scale` and `weight_zero_point` `[G, N]` (transposed
-    from their loading shape) and `int_weight_locks` (split-K locks)."""
+    from their loading shape), `int_weight_locks` (split-K locks) and `input_perm` (with
+    `act_order`: the int64 order its input is gathered in, or None where it is the identity)."""
 
-    def __init__(self, bits: int, group_size: int) -> None:
+    def __init__(self, bits: int, group_size: int, act_order: bool = False) -> None:
         self.bits = bits
         self.group_size = group_size
+        self.act_order = act_order
 
     def create_weights(
         self,
@@ -81,6 +92,12 @@ class IntWeightLinearMethod(LinearMethodBase):
             layer.register_parameter(
                 name, param(rows, groups, dtype=params_dtype, attrs=group_attrs)
             )
+        if not self.act_order:
+            layer.input_perm = None
+        else:
+            perm = nn.Parameter(torch.empty(cols, dtype=torch.int32, device=device), False)
+            set_weight_attrs(perm, {"weight_loader": _perm_loader(what)})
+            layer.register_parameter("input_perm", perm)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         from tandem_kernels import int_w4a16
@@ -89,6 +106,12 @@ class IntWeightLinearMethod(LinearMethodBase):
             value = getattr(layer, name).data.t().contiguous()  # [G, N]
             delattr(layer, name)
             layer.register_parameter(name, nn.Parameter(value, requires_grad=False))
+        perm = getattr(layer, "input_perm", None)
+        if perm is not None:
+            order = perm.data.to(torch.int64)
+            delattr(layer, "input_perm")
+            identity = torch.equal(order, torch.arange(order.numel(), device=order.device))
+            layer.input_perm = None if identity else order
         weight = layer.weight.data
         layer.int_weight_locks = int_w4a16.w4a16_locks(weight.shape[0], weight.device)
         int_w4a16.tune_w4a16(
@@ -107,7 +130,9 @@ class IntWeightLinearMethod(LinearMethodBase):
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.stride(-1) != 1:
+        if layer.input_perm is not None:
+            x2 = x2.index_select(1, layer.input_perm)  # the weight's column order
+        elif x2.stride(-1) != 1:
             x2 = x2.contiguous()
         out = w4a16_gemm(
             x2,
@@ -121,3 +146,27 @@ class IntWeightLinearMethod(LinearMethodBase):
         if bias is not None:
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def _perm_loader(what: str) -> Any:
+    """The `input_perm` loader: the first part's order as it comes; every later part of a
+    fused layer must bring the same one."""
+    loaded: list[torch.Tensor] = []
+
+    def load(param: nn.Parameter, order: torch.Tensor, shard_id: Any = None) -> None:
+        order = order.to(torch.int32).reshape(-1)
+        if order.shape != param.shape:
+            raise ConfigError(
+                f"{what}: input_perm of {order.numel()} channels, the layer takes {param.numel()}"
+            )
+        if loaded:
+            if not torch.equal(loaded[0], order.cpu()):
+                raise ConfigError(
+                    f"{what}: part {shard_id!r} has another act order (g_idx) than the part "
+                    "loaded before it; a fused layer's parts must share one to stay quantized"
+                )
+            return
+        param.data.copy_(order)
+        loaded.append(order.cpu())
+
+    return load

@@ -37,15 +37,26 @@ forms, chosen by the device (`for_device`):
           weight_zero_point  [N, G]  float            the real zero points (GPTQ's offset
                                                       added, 2^(bits-1) for symmetric ones)
           W[n, k] = weight_scale[n, k // group_size] * (q[n, k] - weight_zero_point[n, ...])
+          input_perm         int32 [K]  act-order checkpoints only (GPTQ `desc_act`,
+                                        compressed-tensors actorder "group"): the input
+                                        channels sorted by their g_idx group
+                                        (`act_order_perm`); the values' columns are stored
+                                        in that order, so the groups are runs again, and the
+                                        layer gathers its input the same way:
+                                        y = x[:, perm] @ W[:, perm]^T = x @ W^T
 
 The quantized form shards as any `[out, in]` weight does (int_linear.IntWeightLinearMethod:
 rows for column-parallel and fused layers, K columns and their groups for row-parallel ones).
 The kernel path takes 4 and 8 bits in runs of `group_size` channels (a multiple of 32, or
-one group); `desc_act` / actorder "group" checkpoints (channels' groups from g_idx, not runs),
-2-bit GPTQ, group sizes the kernel cannot tile and GPTQ checkpoints that name their
-quantized modules (`modules_in_block_to_quantize`, `dynamic`) stay dequantized on CUDA too,
-with a log line naming why; so do mixture-of-experts experts (the fused MoE kernel has no
-integer form) and a quantized LM head (a vocabulary layer).
+one group), and act orders through `input_perm`: one order a layer, so the parts of a fused
+layer (q, k, v; gate, up) must share it, as GPTQ's do (their order comes from their shared
+input), else a ConfigError names them. A row-parallel layer of an act-order checkpoint
+under tensor parallelism is dequantized at load (`dequantized_prefixes`): a rank holds a
+slice of the original channel order, whose groups are not whole on any rank. 2-bit GPTQ,
+group sizes the kernel cannot tile and GPTQ checkpoints that name their quantized modules
+(`modules_in_block_to_quantize`, `dynamic`) stay dequantized on CUDA too, with a log line
+naming why; so do mixture-of-experts experts (the fused MoE kernel has no integer form) and
+a quantized LM head (a vocabulary layer).
 
 Layers stored unquantized (GPTQ's unlisted modules, AWQ's `modules_to_not_convert`,
 compressed-tensors' `ignore`, the LM head) load as they are. Refused by name: 3-bit GPTQ
@@ -98,6 +109,21 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 def _groups(k: int, group_size: int) -> torch.Tensor:
     """Each of `k` input channels' group: runs of `group_size` (-1: one group)."""
     return torch.arange(k) // (k if group_size == -1 else group_size)
+
+
+def act_order_perm(g_idx: torch.Tensor, group_size: int, what: str) -> torch.Tensor:
+    """The input channels sorted by their group, stably (int64 `[K]`): `W[:, perm]` has its
+    groups in runs of `group_size` (-1: one group) in group order, the layout the kernel
+    reads. ConfigError naming `what` where the groups are not runs once sorted (a group with
+    more or fewer than `group_size` channels)."""
+    g = g_idx.reshape(-1).to(torch.int64)
+    perm = torch.argsort(g, stable=True)
+    if not torch.equal(g[perm], _groups(g.numel(), group_size)):
+        raise ConfigError(
+            f"{what}: its g_idx does not give every group {group_size} input channels "
+            "(an act order the integer kernel cannot take)"
+        )
+    return perm
 
 
 class IntWeight(NamedTuple):
@@ -217,6 +243,15 @@ class _IntWeightConfig(QuantizationConfig):
         self.parts: tuple[str, ...] = self.PARTS + needed
         # Whether the layers keep their integer weights for the CUDA kernel (`for_device`).
         self.keep_quantized = False
+        # Kept quantized, the layers this config still dequantizes at load (row-parallel
+        # ranks of an act-order checkpoint, `get_quant_method`), by prefix.
+        self.dequantized_prefixes: set[str] = set()
+
+    @property
+    def act_order(self) -> bool:
+        """Whether each input channel's group comes from a stored g_idx (GPTQ `desc_act`,
+        compressed-tensors actorder "group") rather than runs."""
+        return any(part.endswith("g_idx") for part in self.parts)
 
     def _int_weight(self, parts: dict[str, torch.Tensor]) -> IntWeight:
         """A complete set of a layer's tensors as an `IntWeight`."""
@@ -250,24 +285,35 @@ class _IntWeightConfig(QuantizationConfig):
             return self
         kept = copy.copy(self)
         kept.keep_quantized = True
+        kept.dequantized_prefixes = set()
         return kept
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        from tandem.layers.linear import LinearBase
+        from tandem.layers.linear import LinearBase, RowParallelLinear
 
         if not self.keep_quantized or not isinstance(layer, LinearBase) or self.is_ignored(prefix):
             return None  # dequantized, the LM head, embeddings and layers stored unquantized
+        if self.act_order and isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+            if not self.dequantized_prefixes:
+                logger.info(
+                    "%s checkpoint with an act order: row-parallel layers dequantized at load "
+                    "under tensor parallelism (%s first); the others kept quantized",
+                    self.name,
+                    prefix,
+                )
+            self.dequantized_prefixes.add(prefix)
+            return None
         from tandem.layers.quantization.int_linear import IntWeightLinearMethod
 
-        return IntWeightLinearMethod(self.bits, self.group_size)
+        return IntWeightLinearMethod(self.bits, self.group_size, act_order=self.act_order)
 
     def map_checkpoint(
         self, weights: Iterable[tuple[str, LoadedWeight]]
     ) -> Iterator[tuple[str, LoadedWeight]]:
         """Each layer's packed tensors, once all have come, as its dequantized `weight`, or
         (`keep_quantized`) as `weight`, `weight_scale` and `weight_zero_point` in the
-        kernel's layout (module docstring); everything else as stored. A layer whose set
-        stays incomplete is a ConfigError."""
+        kernel's layout, and with an act order its `input_perm` (module docstring);
+        everything else as stored. A layer whose set stays incomplete is a ConfigError."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
         names = (*self.parts, *self.OPTIONAL)
         for name, tensor in weights:
@@ -282,12 +328,22 @@ class _IntWeightConfig(QuantizationConfig):
             if len(parts) == len(self.parts):
                 del pending[prefix]
                 weight = self._int_weight(parts)
-                if not self.keep_quantized or _ALWAYS_DEQUANTIZED.search(prefix):
-                    yield f"{prefix}.weight", weight.dequantize(self.group_size, self._g_idx(parts))
+                g_idx = self._g_idx(parts)
+                if (
+                    not self.keep_quantized
+                    or _ALWAYS_DEQUANTIZED.search(prefix)
+                    or prefix in self.dequantized_prefixes
+                ):
+                    yield f"{prefix}.weight", weight.dequantize(self.group_size, g_idx)
                     continue
                 from tandem_kernels.int_w4a16 import pack_int_weight
 
-                yield f"{prefix}.weight", pack_int_weight(weight.values, self.bits)
+                values = weight.values
+                if g_idx is not None:
+                    perm = act_order_perm(g_idx, self.group_size, f"{self.name} layer {prefix}")
+                    values = values[:, perm]
+                    yield f"{prefix}.input_perm", perm.to(torch.int32)
+                yield f"{prefix}.weight", pack_int_weight(values, self.bits)
                 yield f"{prefix}.weight_scale", weight.scale.contiguous()
                 yield f"{prefix}.weight_zero_point", weight.zero.to(torch.float32).contiguous()
         if pending:
@@ -341,8 +397,6 @@ class GPTQConfig(_IntWeightConfig):
         )
 
     def kernel_refusal(self) -> str | None:
-        if self.desc_act:
-            return "desc_act (each channel's group from g_idx, not runs)"
         if self.names_modules:
             return "modules_in_block_to_quantize / dynamic lists are not read"
         return super().kernel_refusal()
@@ -444,11 +498,6 @@ class CompressedTensorsIntConfig(_IntWeightConfig):
             raise ConfigError(f"compressed-tensors group {group!r}: actorder {actorder!r}")
         symmetric = bool(weights.get("symmetric", True))
         return cls(int(bits), int(size), symmetric, actorder == "group", ignore)
-
-    def kernel_refusal(self) -> str | None:
-        if self.group_order:
-            return 'actorder "group" (each channel\'s group from weight_g_idx, not runs)'
-        return super().kernel_refusal()
 
     def is_ignored(self, prefix: str) -> bool:
         """The checkpoint's `ignore` list (names, `re:` patterns)."""
