@@ -1,7 +1,7 @@
 """Integer-weight linear layers (GPTQ / AWQ / compressed-tensors kept quantized) on the GPU,
 against bf16 and the weight-read bound: at the 8B model's four shapes and M = 1, 8, 32 (by
-default), the microseconds, bytes read per second and share of the device's held copy
-bandwidth of
+default; prefill sizes with `--batches`), the microseconds, bytes read per second, share of
+the device's held copy bandwidth and TFLOP/s of
 
     bf16      F.linear on the bf16 weight (2 bytes a weight)
     int       tandem_kernels.int_w4a16 (4 bits in groups of 128 by default: half a byte a
@@ -35,11 +35,14 @@ SHAPES_8B = {
 BATCHES = (1, 8, 32)
 
 
-def _rate(us: float | None, weight_bytes: int, copy_gbs: float) -> dict[str, float | None]:
+def _rate(
+    us: float | None, weight_bytes: int, copy_gbs: float, flops: float = 0.0
+) -> dict[str, float | None]:
     if us is None:
-        return {"us": None, "gbs": None, "pct_of_copy": None}
+        return {"us": None, "gbs": None, "pct_of_copy": None, "tflops": None}
     gbs = weight_bytes / (us * 1e-6) / 1e9
-    return {"us": us, "gbs": gbs, "pct_of_copy": 100.0 * gbs / copy_gbs}
+    tflops = flops / (us * 1e-6) / 1e12
+    return {"us": us, "gbs": gbs, "pct_of_copy": 100.0 * gbs / copy_gbs, "tflops": tflops}
 
 
 def bench_shape(
@@ -74,7 +77,8 @@ def bench_shape(
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         entry: dict[str, Any] = {"n": n, "k": k, "m": m, "bits": bits, "group_size": group_size}
         calls = [lambda x=x, w=w: F.linear(x, w) for w in bf16_copies]
-        entry["bf16"] = _rate(fp8_w8a16.time_in_graph(calls), bf16_bytes, copy_gbs)
+        flops = 2.0 * m * n * k
+        entry["bf16"] = _rate(fp8_w8a16.time_in_graph(calls), bf16_bytes, copy_gbs, flops)
         configs = int_w4a16.candidates(int_w4a16.bucket(m), k, group_size)
         timed = {
             c: fp8_w8a16.time_in_graph(
@@ -92,12 +96,12 @@ def bench_shape(
         best = min(ok, key=ok.__getitem__) if ok else None
         entry["int"] = {
             "config": best.name if best else None,
-            **_rate(ok.get(best) if best else None, int_bytes, copy_gbs),
+            **_rate(ok.get(best) if best else None, int_bytes, copy_gbs, flops),
         }
         default = int_w4a16.default_config(m, k, group_size)
         entry["int_default"] = {
             "config": default.name,
-            **_rate(timed.get(default), int_bytes, copy_gbs),
+            **_rate(timed.get(default), int_bytes, copy_gbs, flops),
         }
         bf16_us, int_us = entry["bf16"]["us"], entry["int"]["us"]
         entry["speedup_vs_bf16"] = bf16_us / int_us if bf16_us and int_us else None
@@ -110,7 +114,10 @@ def _show(entry: dict[str, Any], key: str) -> str:
     if r["us"] is None:
         return f"{key} -"
     cfg = f" ({r['config']})" if "config" in r else ""
-    return f"{key} {r['us']:7.1f} us {r['gbs']:5.0f} GB/s {r['pct_of_copy']:3.0f}%{cfg}"
+    return (
+        f"{key} {r['us']:7.1f} us {r['gbs']:5.0f} GB/s {r['pct_of_copy']:3.0f}% "
+        f"{r['tflops']:5.0f} TFLOP/s{cfg}"
+    )
 
 
 def main() -> None:
@@ -134,7 +141,7 @@ def main() -> None:
             rows[f"{name}/M={m}"] = entry
             speedup = entry["speedup_vs_bf16"]
             print(
-                f"{name:7s} M={m:3d} | "
+                f"{name:7s} M={m:4d} | "
                 + " | ".join(_show(entry, key) for key in ("bf16", "int", "int_default"))
                 + (f" | x{speedup:.2f} vs bf16" if speedup else ""),
                 flush=True,

@@ -18,15 +18,20 @@ The layout (the one every checkpoint format is converted to, `pack_int_weight`):
 Why: at decode batch sizes a linear layer is bound by reading its weight; 4-bit values are a
 quarter of the bf16 bytes.
 
-Two kernel forms, one launch (`w4a16_gemm`), chosen by the config's BLOCK_M:
+Three forms (`w4a16_gemm`), chosen by the config's BLOCK_M:
 
     BLOCK_M >= 16   tensor-core form: each weight tile unpacked in registers to the exact
                     integers `q - zero` in x's dtype (|q - zero| <= 256: exact in bf16),
                     one 16-bit dot per K chunk against x, the chunk's fp32 partial scaled by
                     its group's scale row and accumulated
-    BLOCK_M < 16    GEMV form (M = 1..8): the weight chunk read with 16-byte loads, unpacked
+    1 <= BLOCK_M < 16
+                    GEMV form (M = 1..8): the weight chunk read with 16-byte loads, unpacked
                     to fp32 and reduced against each of the BLOCK_M rows on the CUDA cores
                     (x's even and odd columns split in registers to meet the two nibbles)
+    BLOCK_M == 0    dense form (prefill sizes, `dense_config`): the whole weight dequantized
+                    into a transient `[N, K]` tensor of x's dtype (one kernel, each weight
+                    rounded once from fp32), then `torch.mm` (cuBLAS); the unpacking is paid
+                    once for all M rows, where the tensor-core form pays it per row block
 
 Invariant: a K chunk lies in one group, so its scale and zero are one value per output row:
 `group_size % BLOCK_K == 0`, or one group (`group_size` -1 or K). For 4 bits K is even.
@@ -38,7 +43,8 @@ zeros between calls. Split-K configs serve one block of rows (M <= BLOCK_M).
 
 Which config serves which batch is measured per weight shape when the layer loads
 (`tune_w4a16`, on CUDA: this module's candidates timed against each other at each batch
-bucket); untuned (the interpreter, TANDEM_TUNE_KERNELS=0) `default_config`.
+bucket, the dense form among them from PREFILL_BUCKET rows); untuned (the interpreter,
+TANDEM_TUNE_KERNELS=0) `default_config`.
 
 Reference: `w4a16_gemm_ref` (dequantize in fp32, then the product in fp32).
 """
@@ -58,8 +64,10 @@ from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
 from tandem_kernels.split_k import k_slice, split_k_buffers, store_tile
 
 # Batch sizes (rows of x) measured at load; a call with M rows uses the smallest bucket >= M,
-# past the largest the largest's config.
-M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# past the largest the largest's config. The last stands for prefill chunks, where the
+# dense form competes.
+PREFILL_BUCKET = 1024
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, PREFILL_BUCKET)
 BITS = (4, 8)
 
 
@@ -76,6 +84,8 @@ class Config(NamedTuple):
 
     @property
     def name(self) -> str:
+        if self.block_m == 0:
+            return f"dense{self.block_n}x{self.block_k}"
         return "x".join(map(str, self))
 
 
@@ -115,6 +125,7 @@ _CANDIDATES: dict[int, tuple[Config, ...]] = {
         Config(128, 256, 64, 1, 8, 3),
         Config(64, 128, 128, 1, 8, 3),
     ),
+    PREFILL_BUCKET: (Config(128, 128, 64, 1, 8, 3), Config(128, 256, 64, 1, 8, 3)),
 }
 # The narrowest output block of any split-K candidate: `w4a16_locks` holds a lock per tile.
 _MIN_SPLIT_BLOCK_N = 16
@@ -297,6 +308,70 @@ def _w4a16_gemv_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _dequantize_kernel(
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    N,
+    K,
+    group_size,
+    stride_wn,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    stride_on,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The dense form's first half: one `[BLOCK_N, BLOCK_K]` tile of W (module docstring),
+    computed in fp32 and stored in the output's dtype. The tile lies in one group."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k0 = pid_k * BLOCK_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    offs_b = k0 // PER_BYTE + tl.arange(0, BLOCK_K // PER_BYTE)
+    n_mask = offs_n < N
+    b_mask = offs_b * PER_BYTE < K
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_b[None, :]
+    q = _unpacked(w_ptrs, n_mask[:, None] & b_mask[None, :], BITS, BLOCK_N, BLOCK_K)
+    g = k0 // group_size
+    scale = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=n_mask, other=0.0)
+    zero = tl.load(z_ptr + offs_n * stride_zn + g * stride_zg, mask=n_mask, other=0.0)
+    w = (q.to(tl.float32) - zero.to(tl.float32)[:, None]) * scale.to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :]
+    mask = n_mask[:, None] & (offs_k < K)[None, :]
+    tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_into(
+    out: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int,
+    config: Config,
+) -> torch.Tensor:
+    """W `[N, K]` (module docstring) written into `out` (contiguous, `[N, K]`, any float
+    dtype), in tiles of `config.block_n` x `config.block_k`; returns `out`."""
+    n, k = out.shape
+    assert out.stride(1) == 1 and qweight.shape == (n, k * bits // 8), (out.shape, qweight.shape)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(k, config.block_k))
+    _dequantize_kernel[grid](
+        qweight, scale, zero, out, n, k, k if group_size == -1 else group_size,
+        qweight.stride(0), scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1),
+        out.stride(0),
+        BITS=bits, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+    )  # fmt: skip
+    return out
+
+
 def pack_int_weight(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Integer values `[N, K]` (0 .. 2^bits - 1, any integer dtype) in this module's layout:
     uint8 `[N, K * bits / 8]`, 4 bits two a byte along K (even k in the low nibble)."""
@@ -354,13 +429,24 @@ def fits(config: Config, k: int, group_size: int) -> bool:
     return (one_group or group_size % config.block_k == 0) and config.block_k >= 32
 
 
+def _block_k(k: int, group_size: int) -> int:
+    """Chunks of 128 values, or the largest power of two dividing the group below that."""
+    block_k = 128
+    while not fits(Config(1, 1, block_k, 1, 1, 1), k, group_size) and block_k > 32:
+        block_k //= 2
+    return block_k
+
+
+def dense_config(k: int, group_size: int) -> Config:
+    """The dense form (BLOCK_M 0): its dequantizing kernel's tiles for this K and group."""
+    return Config(0, 64, _block_k(k, group_size), 1, 4, 1)
+
+
 def default_config(m: int, k: int, group_size: int) -> Config:
     """The config without tuning: the GEMV form up to 8 rows (one program a power-of-two
     block of them), the tensor-core form above; chunks of 128 values, or the largest power
     of two dividing the group below that."""
-    block_k = 128
-    while not fits(Config(1, 1, block_k, 1, 1, 1), k, group_size) and block_k > 32:
-        block_k //= 2
+    block_k = _block_k(k, group_size)
     if m <= 8:
         return Config(triton.next_power_of_2(m), 32, block_k, 1, 4, 1)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -405,6 +491,10 @@ def w4a16_gemm(
         return out
     c = config or choose(m, n, k, bits, group_size, x.dtype)
     assert fits(c, k, group_size), (c, k, group_size)
+    if c.block_m == 0:
+        weight = torch.empty((n, k), dtype=x.dtype, device=x.device)
+        dequantize_into(weight, qweight, scale, zero, bits, group_size, c)
+        return torch.mm(x, weight.t(), out=out)
     grid = (triton.cdiv(n, c.block_n), triton.cdiv(m, c.block_m), c.split_k)
     workspace, locks = split_k_buffers(out, c.split_k, grid[0] * grid[1], locks)
     use_pdl = pdl_launch(x.device)
@@ -447,7 +537,8 @@ def candidates(b: int, k: int, group_size: int) -> tuple[Config, ...]:
     `group_size`, with the default among them."""
     fitting = tuple(c for c in _CANDIDATES[b] if fits(c, k, group_size))
     default = default_config(b, k, group_size)
-    return fitting if default in fitting else (*fitting, default)
+    fitting = fitting if default in fitting else (*fitting, default)
+    return (*fitting, dense_config(k, group_size)) if b >= PREFILL_BUCKET else fitting
 
 
 def choose(m: int, n: int, k: int, bits: int, group_size: int, dtype: torch.dtype) -> Config:

@@ -612,6 +612,22 @@ def _int_weight(
     return int_w4a16.pack_int_weight(q, bits), scale, zero
 
 
+def _dense_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """What the dense form computes: the weight dequantized in fp32 and rounded once to x's
+    dtype (as a 16-bit checkpoint of it would be), the product in fp32."""
+    from tandem_kernels import int_w4a16
+
+    w = int_w4a16.dequantize_int_weight(qweight, scale, zero, bits, group_size).to(x.dtype)
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
 @_case(
     *(
         {"bits": b, "dtype": d}
@@ -624,8 +640,9 @@ def case_int_w4a16_gemm(bits: int, dtype: torch.dtype) -> None:
     unsplit and split along K: M of one, of a part of a tile and of several tiles; N not a
     multiple of BLOCK_N; K not a multiple of BLOCK_K (one group, and a last group shorter
     than the others); group sizes 32, 64, 128 and one group; scales `[G, N]` passed
-    transposed (the layer's layout) and zero points up to 2^bits. bf16: the GEMV form only
-    (the interpreter's bf16 dot is wrong)."""
+    transposed (the layer's layout) and zero points up to 2^bits; and the dense form (the
+    weight dequantized whole, then torch's product). bf16: the GEMV form only (the
+    interpreter's bf16 dot is wrong, and its casts to bf16 truncate)."""
     from tandem_kernels import int_w4a16
 
     cfg = int_w4a16.Config
@@ -640,15 +657,16 @@ def case_int_w4a16_gemm(bits: int, dtype: torch.dtype) -> None:
         x = torch.randn(m, k, generator=gen).to(dtype)
         ref = int_w4a16.w4a16_gemm_ref(x, qweight, scale_t.t(), zero, bits, group_size)
         configs = [None, cfg(16, 32, 64, 1, 4, 2), cfg(32, 16, 32, 1, 4, 2)]
+        configs += [int_w4a16.dense_config(k, group_size)]
         if m <= 16:
             configs += [cfg(16, 16, 32, 3, 4, 2)]
         if m <= 5:
             configs += [cfg(1, 16, 64, 1, 4, 1), cfg(4, 16, 32, 3, 4, 1), cfg(8, 32, 128, 2, 4, 1)]
         for config in configs:
             if config is not None and (
-                config.block_m < m
+                (0 < config.block_m < m)
                 or not int_w4a16.fits(config, k, group_size)
-                or (dtype == torch.bfloat16 and config.block_m >= 16)
+                or (dtype == torch.bfloat16 and (config.block_m >= 16 or config.block_m == 0))
             ):
                 continue
             if config is None and dtype == torch.bfloat16 and m > 8:
@@ -658,13 +676,16 @@ def case_int_w4a16_gemm(bits: int, dtype: torch.dtype) -> None:
                 x, qweight, scale_t.t(), zero, bits, group_size, config, locks
             )
             assert out.dtype == dtype and out.shape == (m, n)
+            expected = ref
+            if config is not None and config.block_m == 0:
+                expected = _dense_ref(x, qweight, scale_t.t(), zero, bits, group_size)
             torch.testing.assert_close(
-                out, ref, atol=tol, rtol=tol, msg=lambda e, c=config: f"{c}: {e}"
+                out, expected, atol=tol, rtol=tol, msg=lambda e, c=config: f"{c}: {e}"
             )
             assert not locks.any(), config
             calls += 1
         assert ref.abs().max() > 0.1
-    assert calls == (10 if dtype == torch.bfloat16 else 24), calls
+    assert calls == (10 if dtype == torch.bfloat16 else 30), calls
     assert int_w4a16.w4a16_gemm(x[:0], qweight, scale, zero, bits, group_size).shape == (0, n)
     qweight, scale, zero = _int_weight(16, 128, bits, 32, gen)
     x = torch.randn(1, 128, generator=gen).to(dtype)
@@ -695,6 +716,8 @@ def case_int_w4a16_candidates(dtype: torch.dtype) -> None:
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 out = int_w4a16.w4a16_gemm(x, qweight, scale, zero, bits, group_size, config, locks)
                 ref = int_w4a16.w4a16_gemm_ref(x, qweight, scale, zero, bits, group_size)
+                if config.block_m == 0:
+                    ref = _dense_ref(x, qweight, scale, zero, bits, group_size)
                 torch.testing.assert_close(
                     out, ref, atol=tol, rtol=tol, msg=lambda e, c=config: f"{c}: {e}"
                 )

@@ -1,7 +1,8 @@
 """Linear layers with integer weights kept quantized (GPTQ, AWQ, compressed-tensors W4A16 /
 W8A16 on CUDA): the product through tandem_kernels.int_w4a16, which unpacks and scales each
-weight tile in registers; a quarter (4 bits) or half (8 bits) of the 16-bit weight's bytes
-to hold and, at decode sizes, to read.
+weight tile in registers (or, at prefill sizes where its tuner measures it faster, unpacks
+the whole weight into a transient 16-bit copy for cuBLAS); a quarter (4 bits) or half (8
+bits) of the 16-bit weight's bytes to hold and, at decode sizes, to read.
 
 The checkpoint's tensors reach the layer already converted (int_weight_only's
 `map_checkpoint`, `keep_quantized`) into parameters the layer's own `weight_loader` shards as
