@@ -2,9 +2,7 @@
 # Wave 3, thirty-sixth session's device calls. Carry .whl.
 #
 #   PART=int (~9 min, either card): the integer GEMM's GPU tests (act-order engine run, the
-#            dense form among the candidates), the FP8 W8A16 GPU tests (the split-K
-#            epilogue's optional scale, untested on a GPU since session 35's review), then
-#            the integer GEMM's benchmark at decode and prefill sizes (4 bits, groups of 128).
+#            dense form among the candidates), then $EXTRA_TESTS (pytest files, -m gpu).
 #
 #   PART=bench (~9 min, either card): the FP8 W8A16 GPU tests, then the integer GEMM's
 #            benchmark (4 bits, groups of 128) at decode and prefill sizes as it stands
@@ -19,18 +17,17 @@ part=${PART:-int}
 
 case "$part" in
 int)
-  BUDGET_S=${BUDGET_S:-560}
+  BUDGET_S=${BUDGET_S:-540}
   . scripts/device_lib.sh
   env_report | head -n 3
-  step "int_w4a16 GPU tests" 320 "$OUT/int_w4a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
+  step "int_w4a16 GPU tests" 330 "$OUT/int_w4a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
     -p no:cacheprovider -s --durations=8 tests/gpu/test_int_w4a16_gpu.py
   grep -E "passed|failed|error" "$OUT/int_w4a16_gpu_tests.log" | tail -n 3 >>"$summary"
-  step "fp8_w8a16 GPU tests" 80 "$OUT/fp8_w8a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
-    -p no:cacheprovider tests/gpu/test_fp8_w8a16_gpu.py
-  grep -E "passed|failed|error" "$OUT/fp8_w8a16_gpu_tests.log" | tail -n 3 >>"$summary"
-  step "int_w4a16 benchmark, 4 bits, decode and prefill sizes" 160 "$OUT/int_w4a16_bench.log" \
-    $PY -m benchmarks.int_w4a16 --batches 1,8,32,256,1024,4096 --out "$OUT/int_w4a16_4bit.json"
-  grep -E "M=" "$OUT/int_w4a16_bench.log" >>"$summary"
+  if [ -n "${EXTRA_TESTS:-}" ]; then
+    step "extra GPU tests" 200 "$OUT/gpu_extra_tests.log" $PY -m pytest -q -m gpu -rA \
+      -p no:cacheprovider --durations=8 $EXTRA_TESTS
+    grep -E "passed|failed|error" "$OUT/gpu_extra_tests.log" | tail -n 3 >>"$summary"
+  fi
   finish
   ;;
 bench)
