@@ -9,7 +9,8 @@ The folder holds what `transformers` and tandem both read:
 
 Weights equal what `transformers` itself loads from the same file
 (`from_pretrained(dir, gguf_file=...)`): the same dequantization, and llama-arch Q/K rows
-put back in Hugging Face's rotary order (GGUF conversion interleaves them for llama.cpp).
+put back in Hugging Face's rotary order (GGUF conversion interleaves them for llama.cpp;
+its Granite files are written as llama ones are, plus Granite's four scales: `_GRANITE_SCALES`).
 Gemma 3 files differ in names, norms and metadata: tandem.loader.gguf_gemma3.
 
 Cache layout: `<cache_dir>/gguf/<stem>-<size>-<hash of the first 8 MiB>-v<FORMAT>/`. The folder
@@ -50,6 +51,17 @@ _GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "granite": ("GraniteForCausalLM", "granite"),
+}
+# GGUF architectures whose Q/K rows llama.cpp's converter interleaved (`unpermute_qk_rows`).
+_PERMUTED_QK = ("llama", "granite")
+# Granite's config fields and the `granite.*` keys llama.cpp writes them under (its logits
+# are divided by `logit_scale`, as transformers divides them by `logits_scaling`).
+_GRANITE_SCALES = {
+    "attention_multiplier": "attention.scale",
+    "embedding_multiplier": "embedding_scale",
+    "residual_multiplier": "residual_scale",
+    "logits_scaling": "logit_scale",
 }
 # llama.cpp writes Mixtral as a "llama" file with experts.
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -286,8 +298,16 @@ def _hf_config(gguf: GGUFFile) -> Any:
     for key in ("bos_token_id", "eos_token_id"):
         value = md.get(f"tokenizer.ggml.{key}")
         fields[key] = int(value) if value is not None else None
-    if model_type == "llama":
+    if model_type in ("llama", "granite"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+    if model_type == "granite":
+        for field, key in _GRANITE_SCALES.items():
+            value = _meta(gguf, key)
+            if value is not None:  # else the config's default, 1.0, as llama.cpp's
+                fields[field] = float(value)
+        # Without the key llama.cpp scales attention by head_dim ** -0.5, where transformers'
+        # Granite default would be 1.0.
+        fields.setdefault("attention_multiplier", fields["head_dim"] ** -0.5)
     if model_type in _EXPERT_NAMES:
         experts, used = _meta(gguf, "expert_count"), _meta(gguf, "expert_used_count")
         if experts is None or used is None:
@@ -354,12 +374,22 @@ def _save_tokenizer(gguf: GGUFFile, out_dir: Path) -> None:
     tokens = md.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list):
         raise GGUFConversionError(f"{gguf.path}: the file holds no tokenizer vocabulary")
-    try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
-    except ImportError:  # pragma: no cover - only on a transformers without these helpers
-        _save_tokenizer_through_transformers(gguf, out_dir)
-        return
+    from transformers import PreTrainedTokenizerFast
+
+    try:  # transformers 5.2x keeps them here; earlier ones in integrations.ggml
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError:
+        try:
+            from transformers.integrations.ggml import (
+                GGUF_TOKENIZER_MAPPING,
+                convert_gguf_tokenizer,
+            )
+        except ImportError:  # a transformers without these helpers
+            _save_tokenizer_through_transformers(gguf, out_dir)
+            return
 
     tokenizer_dict = {
         name: md[f"tokenizer.{key}"]
@@ -440,7 +470,7 @@ def unpermute_qk_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _hf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
-    permute = gguf.architecture == "llama"
+    permute = gguf.architecture in _PERMUTED_QK
     _, model_type = _hf_architecture(gguf)
     for gguf_name in gguf.tensors:
         parts = gguf_name.split(".")

@@ -211,6 +211,11 @@ def write_tiny_gguf(
             for kind in ("long", "short"):
                 factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
                 writer.add_tensor(f"rope_factors_{kind}.weight", factors)
+    if arch == "granite":  # as llama.cpp's converter writes Granite's four multipliers
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     if rope.get("rope_type") == "yarn":  # as llama.cpp writes YaRN
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -242,9 +247,9 @@ def write_tiny_gguf(
         data = tensor.numpy()
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data + np.float32(1.0)
-        if arch == "llama" and ".attn_q." in name:
+        if arch in ("llama", "granite") and ".attn_q." in name:
             data = _llama_cpp_permute(data, config.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in name:
+        elif arch in ("llama", "granite") and ".attn_k." in name:
             data = _llama_cpp_permute(data, config.num_key_value_heads)
         qtype = next((t for frag, t in quant.items() if frag in name), None)
         if qtype is None:
@@ -347,6 +352,38 @@ def test_yarn_gguf_converts_back(tiny_model_path, tmp_path: Path) -> None:
         for folder in (converted, hf_folder)
     ]
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_granite_gguf_converts_back_with_its_scales(tiny_model_path, tmp_path: Path) -> None:
+    """A Granite file as llama.cpp writes one (llama's tensors, Q/K rows interleaved, the
+    multipliers as `granite.*_scale` keys): the weights and the four scales come back, and
+    the converted model's logits equal the Hugging Face folder's. Without `attention.scale`
+    the attention is scaled as llama.cpp then scales it, by head_dim ** -0.5."""
+    from tests.parity.test_model_forward import PagedRun, build_cpu_model
+
+    hf_folder = tiny_model_path("granite")
+    gguf_path = tmp_path / "tiny-granite.gguf"
+    write_tiny_gguf(hf_folder, gguf_path, "granite")
+    converted = convert_gguf(gguf_path, tmp_path / "cache")
+    ours, ref = load_hf_config(converted), load_hf_config(hf_folder)
+    assert ours.architectures == ["GraniteForCausalLM"]
+    for field in ("attention_multiplier", "embedding_multiplier", "residual_multiplier"):
+        assert getattr(ours, field) == pytest.approx(getattr(ref, field)), field
+    assert ours.logits_scaling == ref.logits_scaling == 16.0
+    original = dict(iterate_weights(hf_folder))
+    for name, tensor in iterate_weights(converted):
+        assert torch.equal(tensor, original[name]), name
+    ids = [(11 * i) % 500 + 3 for i in range(40)]
+    logits = [
+        PagedRun(build_cpu_model(folder), [len(ids)], 3).step([ids], [0])[0]
+        for folder in (converted, hf_folder)
+    ]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+    reader = GGUFFile(gguf_path)
+    del reader.metadata["granite.attention.scale"]
+    config = gguf_convert._hf_config(reader)
+    assert config.attention_multiplier == pytest.approx(config.head_dim**-0.5)
 
 
 @pytest.mark.parametrize("arch", ["phi3_longrope", "phi4_partial"])
