@@ -10,6 +10,9 @@
 #            forms at decode sizes: values made from their bits (TANDEM_W4A16_CONVERT=bits)
 #            and the tensor-core form's nibbles apart (TANDEM_W4A16_NIBBLES=split).
 #
+#   PART=all (~9.5 min, either card): PART=int's tests, then the benchmark's forms at fewer
+#            sizes, then the W8A16 tests, as the budget allows.
+#
 #   OUT=/some/dir PART=int bash scripts/gpu_session36.sh
 set -u
 ISSUE=session36
@@ -47,6 +50,28 @@ bench)
   int_bench bits_join 1,8,32,256 bits join 110
   int_bench bits_split 32,256 bits split 70
   int_bench cvt_split 32,256 cvt split 70
+  finish
+  ;;
+all)
+  # One call for both (~9.5 min, either card), most needed first.
+  BUDGET_S=${BUDGET_S:-575}
+  . scripts/device_lib.sh
+  env_report | head -n 3
+  step "int_w4a16 GPU tests" 270 "$OUT/int_w4a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
+    -p no:cacheprovider -s --durations=8 tests/gpu/test_int_w4a16_gpu.py
+  grep -E "passed|failed|error" "$OUT/int_w4a16_gpu_tests.log" | tail -n 3 >>"$summary"
+  int_bench() {  # int_bench TAG BATCHES CONVERT NIBBLES LIMIT: 4 bits, groups of 128
+    step "int_w4a16 benchmark $1" "$5" "$OUT/int_w4a16_$1.log" \
+      env TANDEM_W4A16_CONVERT="$3" TANDEM_W4A16_NIBBLES="$4" $PY -m benchmarks.int_w4a16 \
+      --batches "$2" --sustain-s 0.2 --out "$OUT/int_w4a16_4bit_$1.json"
+    grep -E "M=" "$OUT/int_w4a16_$1.log" | sed "s/^/$1 /" >>"$summary"
+  }
+  int_bench cvt_join 1,8,32,1024,4096 cvt join 130
+  int_bench bits_join 1,8,32 bits join 80
+  int_bench bits_split 32 bits split 45
+  step "fp8_w8a16 GPU tests" 60 "$OUT/fp8_w8a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
+    -p no:cacheprovider tests/gpu/test_fp8_w8a16_gpu.py
+  grep -E "passed|failed|error" "$OUT/fp8_w8a16_gpu_tests.log" | tail -n 3 >>"$summary"
   finish
   ;;
 *)
