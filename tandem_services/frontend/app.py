@@ -70,6 +70,7 @@ async def serve(config: FrontendConfig) -> int:
         config.request_limits,
         config.auto_tool_parser,
         metrics.registry,
+        responses_store_size=config.responses_store_size,
     )
     uv = _Uvicorn(
         uvicorn.Config(

@@ -78,6 +78,9 @@ class FrontendConfig:
     # tool_choice "auto" (vLLM's flags): on only with a parser for the model's call format.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str = ""
+    # Responses API: how many responses this frontend keeps for `previous_response_id` and
+    # retrieval (response_store.py; 0: none, `store` answered false).
+    responses_store_size: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -107,6 +110,10 @@ class FrontendConfig:
             )
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise FrontendConfigError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.responses_store_size < 0:
+            raise FrontendConfigError(
+                f"responses_store_size must be >= 0, got {self.responses_store_size}"
+            )
         if self.max_logprobs > MAX_LOGPROBS:
             raise FrontendConfigError(
                 f"max_logprobs must be <= {MAX_LOGPROBS} (the engine's limit), "
@@ -181,7 +188,7 @@ def _no_env(name: str, default: Any) -> Any:
 # The API flags' destinations (add_api_args), in the order they are declared.
 _API_DESTS = (
     "served_model_name", "max_body_bytes", "enable_auto_tool_choice", "tool_call_parser",
-    *_LIMIT_HELP,
+    "responses_store_size", *_LIMIT_HELP,
 )  # fmt: skip
 
 
@@ -212,6 +219,13 @@ def add_api_args(p: argparse.ArgumentParser, env: Callable[[str, object], str] =
         choices=["", *AUTO_TOOL_PARSERS],
         help="the tool-call format of the model's output (hermes and qwen: <tool_call> tags; "
         "llama3_json: Llama 3 JSON calls; mistral: [TOOL_CALLS]; granite: <|tool_call|>)",
+    )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=env("responses_store_size", d["responses_store_size"].default),
+        help="Responses API: responses kept for previous_response_id and retrieval, least "
+        "recently used dropped first (in memory, per frontend; 0: none stored)",
     )
     for name, help_ in _LIMIT_HELP.items():
         p.add_argument(
@@ -265,6 +279,7 @@ def config_from_args(argv: list[str]) -> FrontendConfig:
         log_level=ns.log_level,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
+        responses_store_size=ns.responses_store_size,
         tls=tls,
         **{name: getattr(ns, name) for name in _LIMIT_HELP},
     )

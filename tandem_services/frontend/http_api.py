@@ -42,10 +42,12 @@ from tandem_services.frontend.openai_protocol import (
     parse_tokenize,
     prompt_logprobs_body,
 )
+from tandem_services.frontend.response_store import ResponseStore, StoredResponse
 from tandem_services.frontend.responses import (
     ResponseBuilder,
     ResponsesStream,
     chat_request,
+    previous_response_id,
     response_id,
 )
 from tandem_services.frontend.sse import DONE, ChatStream, CompletionStream, sse, with_usage
@@ -180,10 +182,13 @@ class HttpApi:
         limits: RequestLimits | None = None,
         tool_call_parser: str | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        responses_store_size: int = 0,
     ) -> None:
         """`tool_call_parser`: the format tool_choice "auto" parses (set only with
-        --enable-auto-tool-choice; None refuses "auto")."""
+        --enable-auto-tool-choice; None refuses "auto"). `responses_store_size`: the
+        Responses API's stored responses (response_store.py; 0: none)."""
         self.engine = engine
+        self.response_store = ResponseStore(responses_store_size)
         self.metrics_registry = metrics_registry
         self.limits = limits or RequestLimits()
         self.tool_call_parser = tool_call_parser
@@ -547,14 +552,30 @@ class HttpApi:
         )
         return inputs, params
 
-    async def stored_response(self, request: Request) -> Response:
-        """`client.responses.retrieve` / `.delete`: 404 naming why (nothing is stored)."""
-        raise FrontendError(
-            grpc.StatusCode.NOT_FOUND,
-            f"response {request.path_params['response_id']!r} not found: tandem stores no "
-            "responses (send the whole conversation as input)",
-            "response_id",
+    def _stored(self, response_id: str, param: str) -> StoredResponse:
+        """The stored response `response_id`, or 404 naming it (and why none can be)."""
+        stored = self.response_store.get(response_id)
+        if stored is not None:
+            return stored
+        why = (
+            "not stored, evicted (--responses-store-size) or deleted"
+            if self.response_store.enabled
+            else "this frontend stores no responses (--responses-store-size 0): send the "
+            "whole conversation as input"
         )
+        raise FrontendError(
+            grpc.StatusCode.NOT_FOUND, f"response {response_id!r} not found: {why}", param
+        )
+
+    async def stored_response(self, request: Request) -> Response:
+        """`client.responses.retrieve` / `.delete`: the stored response object, or its
+        deletion; 404 naming the id when this frontend does not hold it."""
+        response_id = request.path_params["response_id"]
+        stored = self._stored(response_id, "response_id")
+        if request.method == "DELETE":
+            self.response_store.delete(response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return JSONResponse(stored.response)
 
     def _tool_calls(self, body: ChatBody) -> ToolCallExtractor | None:
         """The extractor of the tool calls in the output, when the request uses tools."""
@@ -565,11 +586,20 @@ class HttpApi:
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API: the chat completion the body asks for (responses.py),
         answered as one `response` object or its stream of typed events."""
-        chat, asked = chat_request(await self._read_json(request))
+        values = await self._read_json(request)
+        previous = previous_response_id(values)
+        history = () if previous is None else self._stored(previous, "previous_response_id").items
+        chat, asked = chat_request(values, history, self.response_store.enabled)
         body = parse_chat(chat, self.limits, self.tool_call_parser, self.engine.sampling_defaults)
         model = self._check_model(body.model)
         inputs, _ = await self._chat_inputs(body)
-        builder = ResponseBuilder(response_id(), model, asked, self.token_text)
+        rid = response_id()
+
+        def store(whole: dict[str, Any]) -> None:
+            items = (*asked.items, *whole["output"])
+            self.response_store.put(rid, StoredResponse(whole, items))
+
+        builder = ResponseBuilder(rid, model, asked, self.token_text, on_finished=store)
         tools = self._tool_calls(body)
         if not body.stream:
             acc: dict[int, ChoiceAccumulator] = {}

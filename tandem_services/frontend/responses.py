@@ -20,15 +20,21 @@ the output ran into its limit. Streamed (`ResponsesStream`), the typed events Op
 (`response.created`, `response.output_item.added`, `response.output_text.delta`, ...,
 `response.completed`), numbered by `sequence_number`. `include:
 ["message.output_text.logprobs"]` (or `top_logprobs`) puts each output token's logprob, and
-its `top_logprobs` alternatives, on the text (chat's entries). Nothing is stored: a body with
-`previous_response_id` (or a background run, a prompt template, reasoning options) is
-refused by name (400), as are input images and files.
+its `top_logprobs` alternatives, on the text (chat's entries).
+
+Stored responses (`store`, true unless the body says false; response_store.py): the
+finished response and its conversation's items are kept by the frontend, and a body naming
+`previous_response_id` is answered over that conversation followed by its own input (the
+handler looks it up and passes its items as `history`). A background run, a prompt
+template, reasoning options, stored conversations, input images and files are refused by
+name (400).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +45,7 @@ from tandem_services.frontend.types import FrontendError, StepEvent, Usage, inva
 
 # Responses fields refused, with what they ask for (a value of None / false is accepted).
 _REFUSED = {
-    "previous_response_id": "stored responses (tandem keeps none: send the whole input)",
-    "conversation": "stored conversations",
+    "conversation": "stored conversations (previous_response_id chains responses)",
     "background": "background responses",
     "prompt": "prompt templates",
     "reasoning": "reasoning options",
@@ -55,7 +60,7 @@ _CHAT_ONLY = (
     "functions", "function_call",
 )  # fmt: skip
 # Fields echoed into the response object and not passed on to the chat body.
-_ECHOED = ("metadata", "store", "truncation")
+_ECHOED = ("metadata", "truncation")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
@@ -63,18 +68,41 @@ _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant"
 @dataclass(frozen=True)
 class ResponsesRequest:
     """What a Responses body says beyond the chat completion it becomes: what its response
-    echoes, and whether the output text carries its logprobs (`include`)."""
+    echoes, whether the output text carries its logprobs (`include`), whether it is stored,
+    and the conversation's input items so far (a stored predecessor's, then its own)."""
 
     echo: dict[str, Any]
     logprobs: bool = False
+    store: bool = False
+    items: tuple[dict[str, Any], ...] = ()
 
 
-def chat_request(values: dict[str, Any]) -> tuple[dict[str, Any], ResponsesRequest]:
+def previous_response_id(values: Any) -> str | None:
+    """The body's `previous_response_id` (None when absent); 400 when not a string."""
+    previous = values.get("previous_response_id") if isinstance(values, dict) else None
+    if previous is not None and not isinstance(previous, str):
+        raise invalid("previous_response_id must be a string", "previous_response_id")
+    return previous
+
+
+def chat_request(
+    values: dict[str, Any],
+    history: tuple[dict[str, Any], ...] = (),
+    store_enabled: bool = False,
+) -> tuple[dict[str, Any], ResponsesRequest]:
     """The chat completion body a Responses body asks for, and what its response echoes.
-    FrontendError (400, naming the field) for what is not implemented or malformed."""
+    `history`: the input items of the stored response the body's `previous_response_id`
+    names (the handler's lookup), put before its input. `store_enabled`: whether the
+    frontend keeps responses (else `store` is answered false). FrontendError (400, naming
+    the field) for what is not implemented or malformed."""
     if not isinstance(values, dict):
         raise invalid("the body must be a JSON object")
     body = dict(values)
+    previous = previous_response_id(body)
+    body.pop("previous_response_id", None)
+    store = body.pop("store", None)
+    if store is not None and not isinstance(store, bool):
+        raise invalid("store must be a boolean", "store")
     for name in _CHAT_ONLY:
         if name in body:
             raise invalid(
@@ -101,7 +129,8 @@ def chat_request(values: dict[str, Any]) -> tuple[dict[str, Any], ResponsesReque
     instructions = body.pop("instructions", None)
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions must be a string", "instructions")
-    messages = _messages(body.pop("input"))
+    items = (*history, *_items(body.pop("input")))
+    messages = _messages(list(items))
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     body["messages"] = messages
@@ -131,11 +160,19 @@ def chat_request(values: dict[str, Any]) -> tuple[dict[str, Any], ResponsesReque
         tools=values.get("tools") or [],
         text=text or {"format": {"type": "text"}},
         truncation="disabled",
-        store=False,
+        store=store_enabled and store is not False,
         user=values.get("user"),
         top_logprobs=values.get("top_logprobs"),
+        previous_response_id=previous,
     )
-    return body, ResponsesRequest(echo, logprobs)
+    return body, ResponsesRequest(echo, logprobs, echo["store"], items)
+
+
+def _items(value: Any) -> tuple[dict[str, Any], ...]:
+    """`input` as input items: a string is one user message."""
+    if isinstance(value, str):
+        return ({"type": "message", "role": "user", "content": value},)
+    return tuple(_list(value, "input"))
 
 
 def _list(value: Any, name: str) -> list[Any]:
@@ -289,12 +326,19 @@ class ResponseBuilder:
     """One response object and its output items, whole (`response`) or as stream events."""
 
     def __init__(
-        self, rid: str, model: str, request: ResponsesRequest, token_text: TokenText | None = None
+        self,
+        rid: str,
+        model: str,
+        request: ResponsesRequest,
+        token_text: TokenText | None = None,
+        on_finished: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        """`on_finished`: called with each finished response of a request that is stored."""
         self.rid = rid
         self.model = model
         self.request = request
         self.token_text = token_text
+        self.on_finished = on_finished
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
 
@@ -315,7 +359,6 @@ class ResponseBuilder:
             "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "usage": _usage(usage) if usage is not None else None,
-            "previous_response_id": None,
             "reasoning": None,
             "background": False,
             **self.request.echo,
@@ -342,10 +385,14 @@ class ResponseBuilder:
         return items
 
     def finished(self, acc: ChoiceAccumulator, usage: Usage) -> dict[str, Any]:
-        """The whole response of a finished choice."""
+        """The whole response of a finished choice, stored (`on_finished`) when asked."""
         if acc.finish_reason == FinishReason.LENGTH:
-            return self.response("incomplete", self.output(acc), usage, "max_output_tokens")
-        return self.response("completed", self.output(acc), usage)
+            whole = self.response("incomplete", self.output(acc), usage, "max_output_tokens")
+        else:
+            whole = self.response("completed", self.output(acc), usage)
+        if self.request.store and self.on_finished is not None:
+            self.on_finished(whole)
+        return whole
 
 
 class ResponsesStream:

@@ -356,8 +356,10 @@ _WEATHER = {
 def test_responses_api_matches_chat(deployment: Deployment, reference: Reference) -> None:
     """OpenAI's Responses API through the official client: plain, streamed (raw events and
     the client's stream helper), cut by max_output_tokens, a conversation with instructions
-    and a function call's round trip, a named tool, text.format: each the chat completion of
-    the same conversation; refusals are 400s naming the field; pools whole."""
+    and a function call's round trip, a named tool, text.format, a stored response
+    retrieved, continued by previous_response_id (whole and streamed) and deleted: each the
+    chat completion of the same conversation; refusals are 400s naming the field, an
+    unknown previous response a 404; pools whole."""
     client = _client(deployment)
     greedy = dict(model="default", temperature=0)
     question = CHAT[0]["content"]
@@ -484,11 +486,40 @@ def test_responses_api_matches_chat(deployment: Deployment, reference: Reference
     assert shaped.output_text == chat_shaped.choices[0].message.content
     assert json.loads(shaped.output_text)["capital"] in ("Paris", "Rome")
 
-    with pytest.raises(openai.NotFoundError, match="stores no responses"):
-        client.responses.retrieve(out.id)
+    # Stored: retrieved as sent, continued by previous_response_id as the chat completion
+    # of the whole conversation (the earlier instructions not carried over), then deleted.
+    assert out.store is True
+    assert client.responses.retrieve(out.id).output_text == out.output_text
+    follow_up = "And of Italy?"
+    nxt = client.responses.create(
+        input=follow_up, previous_response_id=out.id, max_output_tokens=MAX_TOKENS, **greedy
+    )
+    assert nxt.previous_response_id == out.id
+    whole = [*CHAT, {"role": "assistant", "content": out.output_text}]
+    whole.append({"role": "user", "content": follow_up})
+    want_next = client.chat.completions.create(messages=whole, max_tokens=MAX_TOKENS, **greedy)
+    assert nxt.output_text == want_next.choices[0].message.content
+    assert nxt.usage is not None and want_next.usage is not None
+    assert nxt.usage.input_tokens == want_next.usage.prompt_tokens
+    with client.responses.stream(
+        input=follow_up, previous_response_id=out.id, max_output_tokens=MAX_TOKENS, **greedy
+    ) as s:
+        streamed = s.get_final_response()
+    assert streamed.output_text == nxt.output_text
+    assert client.responses.retrieve(streamed.id).output_text == nxt.output_text
+    unstored = client.responses.create(input=question, store=False, max_output_tokens=3, **greedy)
+    assert unstored.store is False
+    client.responses.delete(out.id)
+    for gone in (out.id, unstored.id):
+        with pytest.raises(openai.NotFoundError, match="not found"):
+            client.responses.retrieve(gone)
     url = f"http://{deployment.http_address}/v1/responses"
+    r = httpx.post(
+        url, json={"model": "default", "input": "x", "previous_response_id": out.id}, timeout=30
+    )
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
     for body, field in (
-        ({"input": question, "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": question, "previous_response_id": 7}, "previous_response_id"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"input": question, "messages": CHAT}, "messages"),
         ({"input": question, "tools": [{"type": "web_search"}]}, "tools"),

@@ -16,6 +16,7 @@ from pydantic import TypeAdapter
 
 from tandem.core.outputs import FinishReason, Logprobs
 from tandem_services.frontend.openai_protocol import ChoiceAccumulator, TokenIdText, parse_chat
+from tandem_services.frontend.response_store import ResponseStore, StoredResponse
 from tandem_services.frontend.responses import (
     ResponseBuilder,
     ResponsesRequest,
@@ -97,7 +98,9 @@ def test_body_becomes_the_chat_completion_it_asks_for() -> None:
     [
         ({}, "input", "input is required"),
         ({"input": []}, "input", "holds no message"),
-        ({"input": "x", "previous_response_id": "r"}, "previous_response_id", "stored"),
+        ({"input": "x", "previous_response_id": 3}, "previous_response_id", "a string"),
+        ({"input": "x", "store": "yes"}, "store", "a boolean"),
+        ({"input": "x", "conversation": "c"}, "conversation", "stored conversations"),
         ({"input": "x", "background": True}, "background", "not supported"),
         ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning", "not supported"),
         ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "only"),
@@ -211,3 +214,54 @@ def test_included_logprobs_on_the_text_whole_and_streamed() -> None:
         acc.add(e.deltas[0])
     unlogged = ResponseBuilder("resp_2", "m", unasked, TokenIdText()).finished(acc, Usage(3, 2))
     assert unlogged["output"][0]["content"][0]["logprobs"] == []
+
+
+def test_a_stored_conversation_continues_and_the_store_is_bounded() -> None:
+    """`store` (true unless the body says false, and only where the frontend keeps
+    responses) hands the finished response to the store; its input items, then its output
+    items, are the history a `previous_response_id` body is answered over: the earlier
+    exchange's messages before the new input, the earlier instructions not carried over. The
+    store keeps the most recently used `capacity` responses."""
+    body, asked = chat_request({"input": "hi", "instructions": "Be brief."}, (), True)
+    assert body["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert asked.store and asked.echo["store"] is True
+    assert asked.items == ({"type": "message", "role": "user", "content": "hi"},)
+    store = ResponseStore(2)
+    acc = ChoiceAccumulator()
+    acc.add(ChoiceDelta(0, "hello", [5], finish_reason=FinishReason.STOP))
+
+    def keep(whole: dict[str, Any]) -> None:
+        store.put(whole["id"], StoredResponse(whole, (*asked.items, *whole["output"])))
+
+    first = ResponseBuilder("resp_1", "m", asked, on_finished=keep).finished(acc, Usage(3, 1))
+    assert store.get("resp_1") is not None and store.get("resp_1").response is first
+    history = store.get("resp_1").items
+    follow, asked2 = chat_request(
+        {"input": [{"role": "user", "content": "and again"}], "previous_response_id": "resp_1"},
+        history,
+        True,
+    )
+    assert follow["messages"] == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "and again"},
+    ]
+    assert asked2.echo["previous_response_id"] == "resp_1" and len(asked2.items) == 3
+
+    _, unstored = chat_request({"input": "hi", "store": False}, (), True)
+    _, off = chat_request({"input": "hi"}, (), False)
+    assert not unstored.store and not off.store and off.echo["store"] is False
+    calls: list[dict[str, Any]] = []
+    ResponseBuilder("resp_2", "m", unstored, on_finished=calls.append).finished(acc, Usage(3, 1))
+    assert calls == []
+
+    for rid in ("resp_2", "resp_3"):
+        store.put(rid, StoredResponse({"id": rid}, ()))
+    assert store.get("resp_1") is None and len(store) == 2  # the least recently used went
+    assert store.get("resp_2") is not None
+    store.put("resp_4", StoredResponse({"id": "resp_4"}, ()))
+    assert store.get("resp_3") is None and store.get("resp_2") is not None  # used: kept
+    assert store.delete("resp_2") and not store.delete("resp_2")
+    disabled = ResponseStore(0)
+    disabled.put("resp_5", StoredResponse({}, ()))
+    assert not disabled.enabled and disabled.get("resp_5") is None
