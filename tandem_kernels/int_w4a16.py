@@ -69,10 +69,6 @@ from tandem_kernels.split_k import k_slice, split_k_buffers, store_tile
 # whose bits are `0x4B000000 | q` (2^23 + q, exact for q < 2^23) minus `2^23 + zero`: a
 # logic op and an add, both at full rate, where the conversion runs at a fraction of it.
 CONVERT = os.environ.get("TANDEM_W4A16_CONVERT", "cvt")
-# The tensor-core form's 4-bit tile (TANDEM_W4A16_NIBBLES): "join", the two nibbles of each
-# byte interleaved into one tile for one dot; "split", two dots of half the chunk each
-# against x's even and odd columns, no interleaving.
-NIBBLES = os.environ.get("TANDEM_W4A16_NIBBLES", "join")
 
 # Batch sizes (rows of x) measured at load; a call with M rows uses the smallest bucket >= M,
 # past the largest the largest's config. The last stands for prefill chunks, where the
@@ -198,12 +194,8 @@ def _w4a16_dot_kernel(
     INPUT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     BITS_CONVERT: tl.constexpr,
-    SPLIT_NIBBLES: tl.constexpr,
 ):
-    """The tensor-core form: one [BLOCK_M, BLOCK_N] output tile over one K slice. 4 bits with
-    SPLIT_NIBBLES: the low and high nibbles stay apart, each multiplied by the matching
-    (even, odd) columns of x in a dot of half the chunk, rather than interleaved into one
-    `[BLOCK_N, BLOCK_K]` tile first."""
+    """The tensor-core form: one [BLOCK_M, BLOCK_N] output tile over one K slice."""
     pdl_wait(USE_PDL)
     PER_BYTE: tl.constexpr = 8 // BITS
     pid_n = tl.program_id(0)
@@ -220,50 +212,24 @@ def _w4a16_dot_kernel(
     w_row = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     w_ptrs = w_row + (k_begin // PER_BYTE + offs_b)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if BITS == 4 and SPLIT_NIBBLES:
-        # x's even columns, `[BLOCK_M, BLOCK_K / 2]`; the odd ones one element on.
-        xe_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + 2 * offs_b)[None, :]
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            g = k0 // group_size
-            scale = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=n_mask, other=0.0)
-            zero = tl.load(z_ptr + offs_n * stride_zn + g * stride_zg, mask=n_mask, other=0.0)
-            if EVEN_K:
-                x_mask = m_mask[:, None]
-                w_mask = n_mask[:, None]
-            else:
-                b_ok = k0 + 2 * offs_b < K  # K is even: the odd column is there too
-                x_mask = m_mask[:, None] & b_ok[None, :]
-                w_mask = n_mask[:, None] & b_ok[None, :]
-            xe = tl.load(xe_ptrs, mask=x_mask, other=0.0)
-            xo = tl.load(xe_ptrs + 1, mask=x_mask, other=0.0)
-            b = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
-            z = zero.to(tl.float32)[:, None]
-            lo = _minus_zero(b & 0xF, z, BITS_CONVERT).to(xe.dtype)
-            hi = _minus_zero(b >> 4, z, BITS_CONVERT).to(xe.dtype)
-            part = tl.dot(xe, tl.trans(lo), input_precision=INPUT_PRECISION)
-            part = tl.dot(xo, tl.trans(hi), part, input_precision=INPUT_PRECISION)
-            acc += part * scale.to(tl.float32)[None, :]
-            xe_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K // PER_BYTE
-    else:
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            g = k0 // group_size
-            scale = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=n_mask, other=0.0)
-            zero = tl.load(z_ptr + offs_n * stride_zn + g * stride_zg, mask=n_mask, other=0.0)
-            if EVEN_K:
-                x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-                q = _unpacked(w_ptrs, n_mask[:, None], BITS, BLOCK_N, BLOCK_K)
-            else:
-                k_mask = k0 + offs_k < K
-                b_mask = k0 + offs_b * PER_BYTE < K
-                x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                q = _unpacked(w_ptrs, n_mask[:, None] & b_mask[None, :], BITS, BLOCK_N, BLOCK_K)
-            # `q - zero` is a small integer: exact in x's dtype; the group's scale after the dot.
-            w = _minus_zero(q, zero.to(tl.float32)[:, None], BITS_CONVERT).to(x.dtype)
-            part = tl.dot(x, tl.trans(w), input_precision=INPUT_PRECISION)
-            acc += part * scale.to(tl.float32)[None, :]
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K // PER_BYTE
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        g = k0 // group_size
+        scale = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=n_mask, other=0.0)
+        zero = tl.load(z_ptr + offs_n * stride_zn + g * stride_zg, mask=n_mask, other=0.0)
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            q = _unpacked(w_ptrs, n_mask[:, None], BITS, BLOCK_N, BLOCK_K)
+        else:
+            k_mask = k0 + offs_k < K
+            b_mask = k0 + offs_b * PER_BYTE < K
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            q = _unpacked(w_ptrs, n_mask[:, None] & b_mask[None, :], BITS, BLOCK_N, BLOCK_K)
+        # `q - zero` is a small integer: exact in x's dtype; the group's scale after the dot.
+        w = _minus_zero(q, zero.to(tl.float32)[:, None], BITS_CONVERT).to(x.dtype)
+        part = tl.dot(x, tl.trans(w), input_precision=INPUT_PRECISION)
+        acc += part * scale.to(tl.float32)[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // PER_BYTE
     tile = pid_m * tl.num_programs(0) + pid_n
     store_tile(
         acc, offs_m, offs_n, M, N, out_ptr, 0, out_ptr, stride_om, ws_ptr, locks_ptr, tile,
@@ -555,13 +521,7 @@ def w4a16_gemm(
     else:
         # fp32 activations: exact products (tf32 would lose digits); ignored for 16-bit.
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        kernel, extra = (
-            _w4a16_dot_kernel,
-            {
-                "INPUT_PRECISION": precision,
-                "SPLIT_NIBBLES": NIBBLES == "split",
-            },
-        )
+        kernel, extra = _w4a16_dot_kernel, {"INPUT_PRECISION": precision}
     kernel[grid](
         x, qweight, scale, zero, out, workspace, locks,
         m, n, k, k if group_size == -1 else group_size,
