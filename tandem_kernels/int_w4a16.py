@@ -51,7 +51,6 @@ Reference: `w4a16_gemm_ref` (dequantize in fp32, then the product in fp32).
 
 from __future__ import annotations
 
-import os
 import time
 from typing import NamedTuple
 
@@ -63,12 +62,6 @@ from tandem_kernels.fp8_w8a16 import time_in_graph, weight_copies
 from tandem_kernels.paged_attention import may_tune
 from tandem_kernels.pdl import launch_options, pdl_launch, pdl_wait
 from tandem_kernels.split_k import k_slice, split_k_buffers, store_tile
-
-# How a value `q` becomes the float `q - zero` (TANDEM_W4A16_CONVERT, read at import; tests
-# set `CONVERT`): "cvt", an int-to-float conversion then a subtraction; "bits", the float
-# whose bits are `0x4B000000 | q` (2^23 + q, exact for q < 2^23) minus `2^23 + zero`: a
-# logic op and an add, both at full rate, where the conversion runs at a fraction of it.
-CONVERT = os.environ.get("TANDEM_W4A16_CONVERT", "cvt")
 
 # Batch sizes (rows of x) measured at load; a call with M rows uses the smallest bucket >= M,
 # past the largest the largest's config. The last stands for prefill chunks, where the
@@ -156,15 +149,6 @@ def _unpacked(w_ptrs, mask, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: 
     return q
 
 
-@triton.jit
-def _minus_zero(q, zero, BITS_CONVERT: tl.constexpr):
-    """`q - zero` in fp32 (`q` int32 0..255, `zero` fp32 broadcastable to it): converted, or
-    (BITS_CONVERT) made from its bits as `(2^23 + q) - (2^23 + zero)`, both exact."""
-    if BITS_CONVERT:
-        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (zero + 8388608.0)
-    return q.to(tl.float32) - zero
-
-
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_dot_kernel(
     x_ptr,
@@ -193,7 +177,6 @@ def _w4a16_dot_kernel(
     EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
-    BITS_CONVERT: tl.constexpr,
 ):
     """The tensor-core form: one [BLOCK_M, BLOCK_N] output tile over one K slice."""
     pdl_wait(USE_PDL)
@@ -225,7 +208,7 @@ def _w4a16_dot_kernel(
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             q = _unpacked(w_ptrs, n_mask[:, None] & b_mask[None, :], BITS, BLOCK_N, BLOCK_K)
         # `q - zero` is a small integer: exact in x's dtype; the group's scale after the dot.
-        w = _minus_zero(q, zero.to(tl.float32)[:, None], BITS_CONVERT).to(x.dtype)
+        w = (q.to(tl.float32) - zero.to(tl.float32)[:, None]).to(x.dtype)
         part = tl.dot(x, tl.trans(w), input_precision=INPUT_PRECISION)
         acc += part * scale.to(tl.float32)[None, :]
         x_ptrs += BLOCK_K
@@ -264,7 +247,6 @@ def _w4a16_gemv_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    BITS_CONVERT: tl.constexpr,
 ):
     """The few-row form: each program reads its BLOCK_N weight rows over one K slice once,
     in BLOCK_K-value chunks (contiguous bytes along K: 16-byte loads), unpacks them to fp32
@@ -301,10 +283,10 @@ def _w4a16_gemv_kernel(
             b_mask = k0 + offs_b * PER_BYTE < K
             b = tl.load(w_ptrs, mask=n_mask[:, None] & b_mask[None, :], other=0).to(tl.int32)
         if BITS == 4:
-            lo = _minus_zero(b & 0xF, zero, BITS_CONVERT)
-            hi = _minus_zero(b >> 4, zero, BITS_CONVERT)
+            lo = (b & 0xF).to(tl.float32) - zero
+            hi = (b >> 4).to(tl.float32) - zero
         else:
-            w = _minus_zero(b, zero, BITS_CONVERT)
+            w = b.to(tl.float32) - zero
         for i in tl.static_range(BLOCK_M):
             # A row-constant mask (`offs_k * 0` folds away), so x's loads stay wide.
             row_ok = offs_k * 0 + (row0 + i) < M
@@ -534,7 +516,6 @@ def w4a16_gemm(
         SPLIT_K=c.split_k,
         EVEN_K=k % (c.block_k * c.split_k) == 0,
         USE_PDL=use_pdl,
-        BITS_CONVERT=CONVERT == "bits",
         num_warps=c.num_warps,
         num_stages=c.num_stages,
         **extra,
