@@ -12,6 +12,11 @@
 #   PART=all (~9.5 min, either card): PART=int's tests, then the benchmark's forms at fewer
 #            sizes, then the W8A16 tests, as the budget allows.
 #
+# What ran: fourteen calls got no machine; the fifteenth, PART=all naming the H200 kind, came
+#   on an H100: 6 GPU tests passed, the three benchmark runs (the bits and split forms since
+#   removed), the W8A16 tests cut at 60 s while compiling. Results:
+#   benchmarks/results/int_w4a16_*_h100_2026-12-07_s36*.
+#
 #   OUT=/some/dir PART=int bash scripts/gpu_session36.sh
 set -u
 ISSUE=session36
