@@ -46,7 +46,8 @@ Which config serves which batch is measured per weight shape when the layer load
 bucket, the dense form among them from PREFILL_BUCKET rows); untuned (the interpreter,
 TANDEM_TUNE_KERNELS=0) `default_config`.
 
-Reference: `w4a16_gemm_ref` (dequantize in fp32, then the product in fp32).
+References: `w4a16_gemm_ref` (dequantize in fp32, then the product in fp32);
+`w4a16_dense_ref`, the dense form's (the weight rounded to x's dtype first).
 """
 
 from __future__ import annotations
@@ -415,6 +416,20 @@ def w4a16_gemm_ref(
     result in x's dtype."""
     w = dequantize_int_weight(qweight, scale, zero, bits, group_size)
     return (x.to(torch.float32) @ w.t()).to(x.dtype)
+
+
+def w4a16_dense_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """What the dense form computes, in torch: the weight dequantized in fp32 and rounded
+    once to x's dtype (as a 16-bit checkpoint of it would be), the product in fp32."""
+    w = dequantize_int_weight(qweight, scale, zero, bits, group_size).to(x.dtype)
+    return (x.to(torch.float32) @ w.to(torch.float32).t()).to(x.dtype)
 
 
 def w4a16_locks(n: int, device: torch.device | str) -> torch.Tensor:

@@ -612,22 +612,6 @@ def _int_weight(
     return int_w4a16.pack_int_weight(q, bits), scale, zero
 
 
-def _dense_ref(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    bits: int,
-    group_size: int,
-) -> torch.Tensor:
-    """What the dense form computes: the weight dequantized in fp32 and rounded once to x's
-    dtype (as a 16-bit checkpoint of it would be), the product in fp32."""
-    from tandem_kernels import int_w4a16
-
-    w = int_w4a16.dequantize_int_weight(qweight, scale, zero, bits, group_size).to(x.dtype)
-    return (x.float() @ w.float().t()).to(x.dtype)
-
-
 @_case(
     *(
         {"bits": b, "dtype": d}
@@ -678,7 +662,9 @@ def case_int_w4a16_gemm(bits: int, dtype: torch.dtype) -> None:
             assert out.dtype == dtype and out.shape == (m, n)
             expected = ref
             if config is not None and config.block_m == 0:
-                expected = _dense_ref(x, qweight, scale_t.t(), zero, bits, group_size)
+                expected = int_w4a16.w4a16_dense_ref(
+                    x, qweight, scale_t.t(), zero, bits, group_size
+                )
             torch.testing.assert_close(
                 out, expected, atol=tol, rtol=tol, msg=lambda e, c=config: f"{c}: {e}"
             )
@@ -717,7 +703,7 @@ def case_int_w4a16_candidates(dtype: torch.dtype) -> None:
                 out = int_w4a16.w4a16_gemm(x, qweight, scale, zero, bits, group_size, config, locks)
                 ref = int_w4a16.w4a16_gemm_ref(x, qweight, scale, zero, bits, group_size)
                 if config.block_m == 0:
-                    ref = _dense_ref(x, qweight, scale, zero, bits, group_size)
+                    ref = int_w4a16.w4a16_dense_ref(x, qweight, scale, zero, bits, group_size)
                 torch.testing.assert_close(
                     out, ref, atol=tol, rtol=tol, msg=lambda e, c=config: f"{c}: {e}"
                 )
