@@ -79,20 +79,6 @@ all)
   grep -E "passed|failed|error" "$OUT/fp8_w8a16_gpu_tests.log" | tail -n 3 >>"$summary"
   finish
   ;;
-stages)
-  # (~4 min, either card): the GEMV form's pipelined candidates (num_stages 3) at one and
-  # eight rows, then the W8A16 GPU tests (cut at 60 s in PART=all's call).
-  BUDGET_S=${BUDGET_S:-300}
-  . scripts/device_lib.sh
-  env_report | head -n 3
-  step "int_w4a16 benchmark, GEMV stages" 70 "$OUT/int_w4a16_stages.log" \
-    $PY -m benchmarks.int_w4a16 --batches 1,8 --sustain-s 0.2 --out "$OUT/int_w4a16_4bit_stages.json"
-  grep -E "M=" "$OUT/int_w4a16_stages.log" >>"$summary"
-  step "fp8_w8a16 GPU tests" 200 "$OUT/fp8_w8a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
-    -p no:cacheprovider tests/gpu/test_fp8_w8a16_gpu.py
-  grep -E "passed|failed|error" "$OUT/fp8_w8a16_gpu_tests.log" | tail -n 3 >>"$summary"
-  finish
-  ;;
 *)
   echo "unknown PART=${part}" >&2
   exit 2

@@ -100,8 +100,6 @@ def _gemv(m: int) -> tuple[Config, ...]:
         Config(m, 64, 128, 4, 4, 1),
         Config(m, 128, 128, 2, 8, 1),
         Config(m, 32, 256, 4, 4, 1),
-        Config(m, 64, 128, 1, 4, 3),
-        Config(m, 32, 128, 4, 4, 3),
     )
 
 
