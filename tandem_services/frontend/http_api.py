@@ -552,9 +552,9 @@ class HttpApi:
         )
         return inputs, params
 
-    def _stored(self, response_id: str, param: str) -> StoredResponse:
-        """The stored response `response_id`, or 404 naming it (and why none can be)."""
-        stored = self.response_store.get(response_id)
+    def _stored(self, rid: str, param: str) -> StoredResponse:
+        """The stored response `rid`, or 404 naming it (and why none can be)."""
+        stored = self.response_store.get(rid)
         if stored is not None:
             return stored
         why = (
@@ -563,18 +563,16 @@ class HttpApi:
             else "this frontend stores no responses (--responses-store-size 0): send the "
             "whole conversation as input"
         )
-        raise FrontendError(
-            grpc.StatusCode.NOT_FOUND, f"response {response_id!r} not found: {why}", param
-        )
+        raise FrontendError(grpc.StatusCode.NOT_FOUND, f"response {rid!r} not found: {why}", param)
 
     async def stored_response(self, request: Request) -> Response:
         """`client.responses.retrieve` / `.delete`: the stored response object, or its
         deletion; 404 naming the id when this frontend does not hold it."""
-        response_id = request.path_params["response_id"]
-        stored = self._stored(response_id, "response_id")
+        rid = request.path_params["response_id"]
+        stored = self._stored(rid, "response_id")
         if request.method == "DELETE":
-            self.response_store.delete(response_id)
-            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+            self.response_store.delete(rid)
+            return JSONResponse({"id": rid, "object": "response", "deleted": True})
         return JSONResponse(stored.response)
 
     def _tool_calls(self, body: ChatBody) -> ToolCallExtractor | None:

@@ -24,14 +24,15 @@ it shards any `[out, in]` weight:
 
 Fused layers (qkv, gate_up) take each part's rows at the part's offset, as for the 16-bit
 weight, since every parameter is one row per output; their parts share one input order, and
-a part whose `input_perm` differs from the first loaded is a ConfigError naming both. After
-loading, the scales and zero points are transposed to `[G, N]` (a tile's values one
+a part whose `input_perm` differs from the first loaded is a ConfigError naming that part.
+After loading, the scales and zero points are transposed to `[G, N]` (a tile's values one
 contiguous load), an identity input order is dropped, the kernel's configs are tuned for
 this shape on CUDA, and the split-K lock buffer is made.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,7 +150,7 @@ class IntWeightLinearMethod(LinearMethodBase):
         return out.reshape(*shape[:-1], out.shape[-1])
 
 
-def _perm_loader(what: str) -> Any:
+def _perm_loader(what: str) -> Callable[..., None]:
     """The `input_perm` loader: the first part's order as it comes; every later part of a
     fused layer must bring the same one."""
     loaded: list[torch.Tensor] = []
