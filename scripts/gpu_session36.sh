@@ -28,14 +28,24 @@ int_bench() {  # int_bench TAG BATCHES LIMIT_S: the integer GEMM's benchmark, 4 
   grep -E "M=" "$OUT/int_w4a16_$1.log" | sed "s/^/$1 /" >>"$summary"
 }
 
+int_tests() {  # int_tests LIMIT_S: the integer GEMM's GPU tests
+  step "int_w4a16 GPU tests" "$1" "$OUT/int_w4a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
+    -p no:cacheprovider -s --durations=8 tests/gpu/test_int_w4a16_gpu.py
+  grep -E "passed|failed|error" "$OUT/int_w4a16_gpu_tests.log" | tail -n 3 >>"$summary"
+}
+
+w8a16_tests() {  # w8a16_tests LIMIT_S: the FP8 W8A16 GEMM's GPU tests
+  step "fp8_w8a16 GPU tests" "$1" "$OUT/fp8_w8a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
+    -p no:cacheprovider tests/gpu/test_fp8_w8a16_gpu.py
+  grep -E "passed|failed|error" "$OUT/fp8_w8a16_gpu_tests.log" | tail -n 3 >>"$summary"
+}
+
 case "$part" in
 int)
   BUDGET_S=${BUDGET_S:-540}
   . scripts/device_lib.sh
   env_report | head -n 3
-  step "int_w4a16 GPU tests" 330 "$OUT/int_w4a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
-    -p no:cacheprovider -s --durations=8 tests/gpu/test_int_w4a16_gpu.py
-  grep -E "passed|failed|error" "$OUT/int_w4a16_gpu_tests.log" | tail -n 3 >>"$summary"
+  int_tests 330
   if [ -n "${EXTRA_TESTS:-}" ]; then
     step "extra GPU tests" 200 "$OUT/gpu_extra_tests.log" $PY -m pytest -q -m gpu -rA \
       -p no:cacheprovider --durations=8 $EXTRA_TESTS
@@ -47,9 +57,7 @@ bench)
   BUDGET_S=${BUDGET_S:-300}
   . scripts/device_lib.sh
   env_report | head -n 3
-  step "fp8_w8a16 GPU tests" 150 "$OUT/fp8_w8a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
-    -p no:cacheprovider tests/gpu/test_fp8_w8a16_gpu.py
-  grep -E "passed|failed|error" "$OUT/fp8_w8a16_gpu_tests.log" | tail -n 3 >>"$summary"
+  w8a16_tests 150
   int_bench prefill 1,8,32,256,1024,4096 140
   finish
   ;;
@@ -58,13 +66,9 @@ all)
   BUDGET_S=${BUDGET_S:-575}
   . scripts/device_lib.sh
   env_report | head -n 3
-  step "int_w4a16 GPU tests" 270 "$OUT/int_w4a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
-    -p no:cacheprovider -s --durations=8 tests/gpu/test_int_w4a16_gpu.py
-  grep -E "passed|failed|error" "$OUT/int_w4a16_gpu_tests.log" | tail -n 3 >>"$summary"
+  int_tests 270
   int_bench prefill 1,8,32,1024,4096 130
-  step "fp8_w8a16 GPU tests" 60 "$OUT/fp8_w8a16_gpu_tests.log" $PY -m pytest -q -m gpu -rA \
-    -p no:cacheprovider tests/gpu/test_fp8_w8a16_gpu.py
-  grep -E "passed|failed|error" "$OUT/fp8_w8a16_gpu_tests.log" | tail -n 3 >>"$summary"
+  w8a16_tests 60
   finish
   ;;
 *)

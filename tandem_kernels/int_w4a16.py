@@ -126,7 +126,11 @@ _CANDIDATES: dict[int, tuple[Config, ...]] = {
         Config(128, 256, 64, 1, 8, 3),
         Config(64, 128, 128, 1, 8, 3),
     ),
-    PREFILL_BUCKET: (Config(128, 128, 64, 1, 8, 3), Config(128, 256, 64, 1, 8, 3)),
+    # The dense form (added by `candidates`) against the default tensor-core config only:
+    # wider tensor-core tiles never beat that default here and lost to the dense form by
+    # 2.5-3.7x at 1,024 and 4,096 rows on every 8B shape (H100, session 36), so timing them
+    # at load bought nothing.
+    PREFILL_BUCKET: (),
 }
 # The narrowest output block of any split-K candidate: `w4a16_locks` holds a lock per tile.
 _MIN_SPLIT_BLOCK_N = 16
